@@ -1,0 +1,202 @@
+"""Step-time overhead of strategy="megatrain" vs plain PyTorch with activation checkpointing.
+
+What: the median time of one full training step (forward, backward, AdamW update) of
+SmolLM2-135M-shaped Llama (random init, fp32, batch 1 x 512 tokens), for
+  * baseline:  plain PyTorch loop (no Lightning), Hugging Face activation (gradient)
+               checkpointing on every decoder layer, torch.optim.AdamW(fused=True);
+  * megatrain: the same model through lightning.Trainer(strategy=MegaTrainStrategy()),
+               once with the defaults and once with cpu_zero_copy=True (CPU only).
+Both paths recompute every decoder layer once in backward, so the ratio isolates the
+cost of streaming (weight copies, host gradient accumulation, host AdamW, Lightning).
+
+How: one process, 2 torch threads, `--warmup` unmeasured steps then `--steps` measured
+steps per configuration. The baseline is timed around each loop iteration; megatrain is
+timed by a Callback from on_train_batch_start to on_train_batch_end (time.perf_counter,
+CUDA synchronised). With overlap_optimizer=True each block's AdamW update runs during the
+next forward, so a steady-state step carries one full optimizer step. The engine's own
+per-step accounting (engine.history: h2d bytes, wait/optimizer/compute seconds) is
+reported as medians over the measured steps. On CUDA peak memory is
+torch.cuda.max_memory_allocated over the measured steps.
+
+Target: median(megatrain) / median(baseline) <= 1.10 (PASS/FAIL printed; exit code 0).
+
+Run:
+    python bench/overhead.py                      # full size, CPU (several minutes)
+    python bench/overhead.py --layers 2 --seq 128 --steps 3 --warmup 1   # quick smoke run
+    python bench/overhead.py --device cuda
+Writes bench/results/overhead.json.
+"""
+
+import argparse
+import gc
+import json
+import logging
+import os
+import statistics
+import time
+
+import lightning.pytorch as pl
+import torch
+import transformers
+from torch.utils.data import DataLoader, TensorDataset
+
+from megatrain_lightning import MegaTrainStrategy
+
+TARGET = 1.10
+
+p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+p.add_argument("--steps", type=int, default=5)
+p.add_argument("--warmup", type=int, default=2)
+p.add_argument("--seq", type=int, default=512)
+p.add_argument("--layers", type=int, default=30)
+p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "overhead.json"))
+args = p.parse_args()
+assert args.steps >= 1 and args.warmup >= 0
+
+torch.set_num_threads(2)
+logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # no GPU/TPU banner per Trainer
+dev = torch.device(args.device)
+cuda = dev.type == "cuda"
+cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=args.layers,
+                               num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+                               tie_word_embeddings=True, rope_theta=100000, use_cache=False)
+n_steps = args.warmup + args.steps
+ids_all = torch.randint(0, cfg.vocab_size, (n_steps, args.seq), generator=torch.Generator().manual_seed(1))
+
+
+def make_model():
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+def sync():
+    if cuda:
+        torch.cuda.synchronize(dev)
+
+
+def peak_reset():
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(dev)
+
+
+def peak_bytes():
+    return torch.cuda.max_memory_allocated(dev) if cuda else None
+
+
+# ---------------------------------------------------------------- baseline: plain PyTorch
+def run_baseline():
+    model = make_model().to(dev)
+    model.activation_checkpointing_enable()  # transformers 5: gradient_checkpointing_enable is a deprecated alias
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    times = []
+    for i in range(n_steps):
+        if i == args.warmup:
+            peak_reset()
+        ids = ids_all[i : i + 1].to(dev)
+        sync()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    peak = peak_bytes()
+    del model, opt
+    return times[args.warmup :], peak
+
+
+# ---------------------------------------------------------------- megatrain: Lightning Trainer
+class LM(pl.LightningModule):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        return self.model(input_ids=ids, labels=ids).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+class StepTimer(pl.Callback):
+    def __init__(self):
+        self.times = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == args.warmup:
+            peak_reset()
+        sync()
+        self.t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        sync()
+        self.times.append(time.perf_counter() - self.t0)
+
+
+def run_megatrain(**strategy_kwargs):
+    lm = LM(make_model())
+    timer = StepTimer()
+    trainer = pl.Trainer(strategy=MegaTrainStrategy(**strategy_kwargs), accelerator="gpu" if cuda else "cpu", devices=1,
+                         max_steps=n_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[timer])
+    trainer.fit(lm, DataLoader(TensorDataset(ids_all), batch_size=1))
+    peak = peak_bytes()
+    hist = trainer.strategy.engine.history[args.warmup :]
+    trainer.strategy.engine.close()
+    del trainer, lm
+    return timer.times[args.warmup :], peak, hist
+
+
+def med(xs):
+    return statistics.median(xs) if xs else None
+
+
+rows = []
+configs = [("baseline (HF checkpointing, fused AdamW)", None), ("megatrain", {})]
+if not cuda:
+    configs.append(("megatrain cpu_zero_copy=True", {"cpu_zero_copy": True}))
+for name, kw in configs:
+    if kw is None:
+        times, peak, hist = *run_baseline(), []
+    else:
+        times, peak, hist = run_megatrain(**kw)
+    gc.collect()
+    row = {"name": name, "strategy_kwargs": kw, "step_s": times, "median_s": med(times), "peak_device_bytes": peak}
+    for k in ("h2d_bytes", "d2h_bytes", "wait_s", "optimizer_s", "compute_s", "peak_device_bytes", "blocks_fetched"):
+        row["engine_" + k] = med([h["megatrain/" + k] for h in hist])
+    rows.append(row)
+    print(f"  {name}: median {row['median_s']:.3f}s over {len(times)} steps", flush=True)
+
+base = rows[0]["median_s"]
+for r in rows:
+    r["ratio"] = r["median_s"] / base
+ratio = rows[1]["ratio"]
+passed = ratio <= TARGET
+
+n_params = sum(p.numel() for p in make_model().parameters())
+print(f"\noverhead: Llama {args.layers} layers ({n_params / 1e6:.1f}M params), batch 1 x {args.seq}, fp32, "
+      f"{args.device}, {torch.get_num_threads()} threads, {args.warmup} warm-up + {args.steps} measured steps")
+hdr = f"{'config':42s} {'median s':>9s} {'ratio':>6s} {'h2d GiB':>8s} {'wait s':>7s} {'optim s':>8s} {'compute s':>9s}"
+if cuda:
+    hdr += f" {'peak GiB':>9s}"
+print(hdr)
+fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+for r in rows:
+    h2d = None if r["engine_h2d_bytes"] is None else r["engine_h2d_bytes"] / 2**30
+    line = (f"{r['name']:42s} {r['median_s']:9.3f} {r['ratio']:6.3f} {fmt(h2d, '8.2f'):>8s} {fmt(r['engine_wait_s'], '7.3f'):>7s} "
+            f"{fmt(r['engine_optimizer_s'], '8.3f'):>8s} {fmt(r['engine_compute_s'], '9.3f'):>9s}")
+    if cuda:
+        line += f" {r['peak_device_bytes'] / 2**30:9.2f}"
+    print(line)
+print(f"ratio megatrain / baseline = {ratio:.3f} (target <= {TARGET}): {'PASS' if passed else 'FAIL'}")
+
+os.makedirs(os.path.dirname(args.out), exist_ok=True)
+with open(args.out, "w") as f:
+    json.dump({"bench": "overhead", "args": vars(args), "torch": torch.__version__, "transformers": transformers.__version__,
+               "threads": torch.get_num_threads(), "n_params": n_params, "target_ratio": TARGET, "ratio": ratio,
+               "pass": passed, "rows": rows}, f, indent=1)
+print(f"wrote {args.out}")

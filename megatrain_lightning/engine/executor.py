@@ -1,0 +1,607 @@
+"""The streaming engine: per-block proxies, double-buffered prefetch, recompute backward.
+
+How a training step runs (DESIGN.md section 3):
+
+1. The model's own ``forward`` runs. Each block's ``forward`` has been replaced by
+   a proxy (an instance attribute, so module names, hooks and ``state_dict`` are
+   unchanged). Under grad mode the proxy calls :class:`_BlockFunction`: it takes
+   the block's weights from the prefetch queue, binds them into the block module
+   (its ``_parameters`` point at views of the device buffer for the duration of
+   the call), runs the original ``forward`` without autograd, saves only the
+   block's tensor inputs and the RNG state, and frees the weights.
+2. While block i computes, an H2D worker thread has already applied block i+1's
+   pending optimizer update on the host and copied its slab to the device
+   (``lookahead`` blocks ahead).
+3. ``loss.backward()`` reaches each block's ``backward`` in reverse order: the
+   block's weights come back (prefetched in reverse order), its forward is
+   recomputed with the saved inputs and replayed RNG/autocast state, a local
+   ``torch.autograd.grad`` gives input and parameter gradients, and the parameter
+   gradients go to a D2H worker thread that adds them into the fp32 host
+   accumulators. The block's device memory is released.
+4. ``optimizer.step()`` (via the strategy) waits for the gradients, runs
+   Lightning's hooks and clipping on ``param.grad`` views of the accumulators,
+   then records one pending AdamW update per slab (see
+   :mod:`megatrain_lightning.optim.host_adamw`).
+
+The training forward never uses a KV cache: a cache object passed to a block
+under grad mode is replaced by ``None`` and ``use_cache`` by ``False``, because the
+recompute would attend over keys/values appended by the first pass and the
+gradients would silently be wrong (DESIGN.md section 3, "Pitfall").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..optim.host_adamw import HostAdamW
+from ..store.host import HostStore, build_store
+from .blocks import Block, check_floating, discover_blocks, find_hf_models
+from .transport import make_transport
+
+log = logging.getLogger(__name__)
+
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def _is_cache(x: Any) -> bool:
+    try:
+        from transformers.cache_utils import Cache
+    except Exception:  # pragma: no cover - transformers always installed with this package
+        return False
+    return isinstance(x, Cache)
+
+
+def _strip_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
+    """Remove KV-cache objects from a block call made under grad mode; returns (args, kwargs, stripped)."""
+    stripped = False
+    new_args = []
+    for a in args:
+        if _is_cache(a):
+            a, stripped = None, True
+        new_args.append(a)
+    kwargs = dict(kwargs)
+    for k in _CACHE_KWARGS:
+        if kwargs.get(k) is not None:
+            kwargs[k] = None
+            stripped = True
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+        stripped = True
+    return tuple(new_args), kwargs, stripped
+
+
+@dataclass
+class StepStats:
+    """Per-optimizer-step accounting (reset after each step).
+
+    Attributes:
+        h2d_bytes: bytes copied host -> device (weights and restored activations).
+        d2h_bytes: bytes copied device -> host (gradients and offloaded activations).
+        wait_s: seconds the compute thread waited for weights or gradients (stall time).
+        optimizer_s: seconds spent in AdamW updates (mostly on the H2D worker, overlapped).
+        compute_s: seconds the compute thread spent inside block forward/backward calls, waits excluded.
+        peak_device_bytes: CUDA: ``torch.cuda.max_memory_allocated``; CPU: peak bytes of block
+            weight/gradient buffers the engine had alive at once.
+        blocks_fetched: number of block fetches (forward + backward + evaluation).
+    """
+
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    wait_s: float = 0.0
+    optimizer_s: float = 0.0
+    compute_s: float = 0.0
+    peak_device_bytes: int = 0
+    blocks_fetched: int = 0
+
+    def as_dict(self, prefix: str = "megatrain/") -> dict[str, float]:
+        return {prefix + k: float(v) for k, v in self.__dict__.items()}
+
+
+@dataclass
+class _Call:
+    """Everything one block call needs to be recomputed in backward."""
+
+    engine: "StreamingEngine"
+    block: Block
+    forward: Callable[..., Any]
+    flat: list[Any]
+    spec: Any
+    tensor_pos: list[int]
+    rng_cpu: torch.Tensor | None = None
+    rng_dev: torch.Tensor | None = None
+    autocast: tuple | None = None
+    out_spec: Any = None
+    out_flat: list[Any] = field(default_factory=list)
+    out_pos: list[int] = field(default_factory=list)
+    offloaded: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def _autocast_state(device_type: str) -> tuple:
+    return (
+        torch.is_autocast_enabled(device_type),
+        torch.get_autocast_dtype(device_type),
+        torch.is_autocast_cache_enabled(),
+    )
+
+
+class _BlockFunction(torch.autograd.Function):
+    """Autograd boundary of one block: forward without a graph, backward by recompute."""
+
+    @staticmethod
+    def forward(ctx, call: _Call, dummy: torch.Tensor, *tensors: torch.Tensor):  # type: ignore[override]
+        eng = call.engine
+        dev = eng.device
+        call.rng_cpu = torch.get_rng_state()
+        if dev.type == "cuda":
+            call.rng_dev = torch.cuda.get_rng_state(dev)
+        call.autocast = _autocast_state(dev.type)
+        out = eng._run_block(call, tensors, leaves=None)
+        out_flat, call.out_spec = tree_flatten(out)
+        call.out_pos = [i for i, x in enumerate(out_flat) if isinstance(x, torch.Tensor)]
+        call.out_flat = [None if isinstance(x, torch.Tensor) else x for x in out_flat]
+        outs = tuple(out_flat[i] for i in call.out_pos)
+        ctx.call = call
+        keep = []
+        for i, t in enumerate(tensors):
+            if eng.offload_activations and t.is_floating_point() and t.requires_grad:
+                call.offloaded[i] = eng._offload(t)
+                keep.append(None)
+            else:
+                keep.append(t)
+        ctx.keep_idx = [i for i, t in enumerate(keep) if t is not None]
+        ctx.save_for_backward(*[t for t in keep if t is not None])
+        ctx.n_inputs = len(tensors)
+        ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grad_outs):  # type: ignore[override]
+        call: _Call = ctx.call
+        eng = call.engine
+        saved = ctx.saved_tensors
+        tensors: list[torch.Tensor | None] = [None] * ctx.n_inputs
+        for i, t in zip(ctx.keep_idx, saved):
+            tensors[i] = t
+        for i, host in call.offloaded.items():
+            tensors[i] = eng._restore(host)
+        needs = ctx.needs_input_grad[2:]
+        inputs = []
+        for t, need in zip(tensors, needs):
+            t = t.detach()
+            if need:
+                t.requires_grad_(True)
+            inputs.append(t)
+        grad_inputs = eng._backward_block(call, inputs, needs, grad_outs)
+        ctx.call = None
+        return (None, None, *grad_inputs)
+
+
+class StreamingEngine:
+    """Streams a model's blocks through the compute device and owns their host state.
+
+    Args:
+        root: the module to stream (the ``LightningModule``).
+        device: compute device (``cpu`` or ``cuda:N``).
+        lookahead: blocks prefetched ahead of the one computing (1 = double buffering).
+        offload_activations: keep the saved block inputs in host memory instead of on the
+            device (the device footprint is then flat in depth; costs one D2H and one H2D of
+            the hidden states per block).
+        block_classes / block_names: override block discovery, see
+            :func:`~megatrain_lightning.engine.blocks.discover_blocks`.
+        pin_memory: page-lock host masters (default: ``True`` on CUDA).
+        cpu_zero_copy: on CPU, bind blocks to the master slabs instead of copying them.
+
+    Raises:
+        BlockDiscoveryError: no blocks found (see ``discover_blocks``).
+        ValueError: ``lookahead < 0`` or an unsupported device type.
+    """
+
+    def __init__(
+        self,
+        root: nn.Module,
+        device: torch.device,
+        *,
+        lookahead: int = 1,
+        offload_activations: bool = False,
+        block_classes: Sequence[str | type] | None = None,
+        block_names: Sequence[str] | None = None,
+        pin_memory: bool | None = None,
+        cpu_zero_copy: bool = False,
+    ):
+        if lookahead < 0:
+            raise ValueError(f"lookahead must be >= 0 (blocks prefetched ahead), got {lookahead}.")
+        self.root = root
+        self.device = torch.device(device)
+        self.lookahead = lookahead
+        self.offload_activations = offload_activations
+        self.blocks: list[Block] = discover_blocks(root, block_classes, block_names)
+        check_floating(self.blocks)
+        if pin_memory is None:
+            pin_memory = self.device.type == "cuda"
+        self.store: HostStore = build_store(self.blocks, pin_memory=pin_memory)
+        self.trainable = [p.requires_grad for p in root.parameters()]
+        self.transport = make_transport(self.device, self.store.max_slab_numel(trainable=True), cpu_zero_copy)
+        self.compute_dtype = torch.float32
+        self.optimizer: HostAdamW | None = None
+        self._h2d = ThreadPoolExecutor(1, thread_name_prefix="megatrain-h2d")
+        self._d2h = ThreadPoolExecutor(1, thread_name_prefix="megatrain-d2h")
+        self._prefetched: dict[int, Future] = {}
+        self._d2h_futures: list[Future] = []
+        self.order: list[int] = []
+        self._pos: dict[int, int] = {}
+        self._dummy = torch.empty(0, device=self.device, requires_grad=True)
+        self._saved_forwards: dict[int, tuple[bool, Any]] = {}
+        self._live = 0
+        self._live_lock = threading.Lock()
+        self.stats = StepStats()
+        self.history: list[dict[str, float]] = []
+        self._warned_cache = False
+        self.installed = False
+
+    # ------------------------------------------------------------------ install
+    def install(self) -> None:
+        """Replace each block's ``forward`` by the streaming proxy and move buffers to the device.
+
+        Hugging Face gradient checkpointing, if enabled, is disabled with a warning (the engine
+        already recomputes every block).
+        """
+        if self.installed:
+            return
+        for m in find_hf_models(self.root):
+            flag = "is_activation_checkpointing" if hasattr(type(m), "is_activation_checkpointing") else "is_gradient_checkpointing"
+            if getattr(m, flag, False):
+                log.warning(
+                    "megatrain: %s had gradient checkpointing enabled; disabling it (the strategy already "
+                    "recomputes each block in backward).",
+                    type(m).__name__,
+                )
+                if hasattr(m, "activation_checkpointing_disable"):
+                    m.activation_checkpointing_disable()
+                else:
+                    m.gradient_checkpointing_disable()
+        for blk in self.blocks:
+            mod = blk.module
+            had = "forward" in mod.__dict__
+            orig = mod.forward
+            self._saved_forwards[blk.index] = (had, mod.__dict__.get("forward"))
+            mod.forward = self._make_proxy(blk, orig)
+        self.buffers_to(self.device)
+        self.installed = True
+
+    def uninstall(self) -> None:
+        """Restore the original ``forward`` of every block and move buffers back to the CPU."""
+        if not self.installed:
+            return
+        self.flush()
+        for blk in self.blocks:
+            had, fwd = self._saved_forwards.pop(blk.index)
+            if had:
+                blk.module.forward = fwd
+            else:
+                del blk.module.forward
+        self._drop_prefetched()
+        self.buffers_to(torch.device("cpu"))
+        self.installed = False
+
+    def buffers_to(self, device: torch.device) -> None:
+        """Move module buffers (rotary ``inv_freq``, masks; never parameters) to ``device``."""
+        for m in self.root.modules():
+            for k, b in m._buffers.items():
+                if b is not None and b.device != device:
+                    m._buffers[k] = b.to(device)
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer, overlap: bool = True) -> HostAdamW:
+        """Take over ``optimizer`` (AdamW/Adam); see :class:`HostAdamW`."""
+        if self.optimizer is not None and self.optimizer.optimizer is optimizer:
+            self.optimizer.overlap = overlap
+            return self.optimizer
+        self.flush()
+        self.optimizer = HostAdamW(self.store, optimizer, overlap=overlap)
+        self.optimizer.transport = self.transport
+        return self.optimizer
+
+    def close(self) -> None:
+        self.uninstall()
+        self._h2d.shutdown(wait=True)
+        self._d2h.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ proxy
+    def _make_proxy(self, blk: Block, orig: Callable[..., Any]) -> Callable[..., Any]:
+        def proxy(*args: Any, **kwargs: Any) -> Any:
+            if torch.is_grad_enabled():
+                args, kwargs, stripped = _strip_cache(args, kwargs)
+                if stripped and not self._warned_cache:
+                    self._warned_cache = True
+                    log.info("megatrain: KV cache disabled for training forwards (recompute would corrupt gradients).")
+                flat, spec = tree_flatten((args, kwargs))
+                pos = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+                call = _Call(self, blk, orig, [None if i in pos else x for i, x in enumerate(flat)], spec, pos)
+                outs = _BlockFunction.apply(call, self._dummy, *[flat[i] for i in pos])
+                out_flat = list(call.out_flat)
+                for i, o in zip(call.out_pos, outs):
+                    out_flat[i] = o
+                return tree_unflatten(out_flat, call.out_spec)
+            bufs = self.acquire(blk, backward=False)
+            t0 = time.perf_counter()
+            try:
+                with self._bind(blk, bufs, None):
+                    return orig(*args, **kwargs)
+            finally:
+                self.stats.compute_s += time.perf_counter() - t0
+                self._release(bufs)
+
+        proxy.__wrapped__ = orig  # type: ignore[attr-defined]
+        return proxy
+
+    @contextlib.contextmanager
+    def _bind(self, blk: Block, bufs: dict[int, torch.Tensor], leaves: dict[int, torch.Tensor] | None):
+        """Point the block's parameters at views of the device buffers (or at gradient leaves)."""
+        saved = []
+        try:
+            for ref in blk.params:
+                if leaves is not None and id(ref.param) in leaves:
+                    t = leaves[id(ref.param)]
+                else:
+                    e = self.store.slabs[ref.slab].entries[ref.index]
+                    t = bufs[ref.slab][e.offset : e.offset + e.numel].view(e.shape)
+                saved.append((ref.owner, ref.attr, ref.owner._parameters[ref.attr]))
+                ref.owner._parameters[ref.attr] = t
+            yield
+        finally:
+            for owner, attr, p in reversed(saved):
+                owner._parameters[attr] = p
+
+    def _run_block(self, call: _Call, tensors: Sequence[torch.Tensor], leaves: dict[int, torch.Tensor] | None):
+        flat = list(call.flat)
+        for i, t in zip(call.tensor_pos, tensors):
+            flat[i] = t
+        args, kwargs = tree_unflatten(flat, call.spec)
+        bufs = self.acquire(call.block, backward=leaves is not None)
+        t0 = time.perf_counter()
+        try:
+            with self._bind(call.block, bufs, leaves):
+                return call.forward(*args, **kwargs)
+        finally:
+            self.stats.compute_s += time.perf_counter() - t0
+            self._release(bufs)
+
+    def _backward_block(self, call: _Call, inputs: list[torch.Tensor], needs: Sequence[bool], grad_outs: Sequence[torch.Tensor | None]):
+        blk = call.block
+        dev = self.device
+        bufs = self.acquire(blk, backward=True)
+        t0 = time.perf_counter()
+        leaves: dict[int, torch.Tensor] = {}
+        leaf_refs = []
+        for ref in blk.params:
+            if ref.param.requires_grad and id(ref.param) not in leaves:
+                e = self.store.slabs[ref.slab].entries[ref.index]
+                leaves[id(ref.param)] = bufs[ref.slab][e.offset : e.offset + e.numel].view(e.shape).detach().requires_grad_(True)
+                leaf_refs.append(ref)
+        flat = list(call.flat)
+        for i, t in zip(call.tensor_pos, inputs):
+            flat[i] = t
+        args, kwargs = tree_unflatten(flat, call.spec)
+        devices = [dev] if dev.type == "cuda" else []
+        enabled, dtype, cache = call.autocast  # type: ignore[misc]
+        try:
+            with torch.random.fork_rng(devices=devices, device_type=dev.type if dev.type == "cuda" else "cuda"):
+                torch.set_rng_state(call.rng_cpu)  # type: ignore[arg-type]
+                if call.rng_dev is not None:
+                    torch.cuda.set_rng_state(call.rng_dev, dev)
+                with torch.enable_grad(), torch.autocast(dev.type, dtype=dtype, enabled=enabled, cache_enabled=cache):
+                    with self._bind(blk, bufs, leaves):
+                        out = call.forward(*args, **kwargs)
+            out_flat = tree_flatten(out)[0]
+            outs = [out_flat[i] for i in call.out_pos]
+            pairs = [(o, g) for o, g in zip(outs, grad_outs) if g is not None and o.requires_grad]
+            in_targets = [t for t, need in zip(inputs, needs) if need]
+            targets = in_targets + [leaves[id(r.param)] for r in leaf_refs]
+            if pairs and targets:
+                grads = torch.autograd.grad(
+                    [o for o, _ in pairs], targets, [g for _, g in pairs], allow_unused=True
+                )
+            else:
+                grads = (None,) * len(targets)
+        finally:
+            self.stats.compute_s += time.perf_counter() - t0
+            del leaves
+            self._release(bufs)
+        self._send_grads(leaf_refs, grads[len(in_targets) :])
+        it = iter(grads[: len(in_targets)])
+        return [next(it) if need else None for need in needs]
+
+    # ------------------------------------------------------------------ activations
+    def _offload(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=False)
+        else:
+            host = t.detach().clone()
+        self.stats.d2h_bytes += t.numel() * t.element_size()
+        return host
+
+    def _restore(self, host: torch.Tensor) -> torch.Tensor:
+        self.stats.h2d_bytes += host.numel() * host.element_size()
+        if self.device.type == "cuda":
+            return host.to(self.device, non_blocking=True)
+        return host
+
+    # ------------------------------------------------------------------ weights
+    def _schedule(self, backward: bool) -> list[int]:
+        if backward:
+            return self.order[::-1]
+        if torch.is_grad_enabled():
+            return self.order + self.order[::-1]
+        return self.order
+
+    def acquire(self, blk: Block, backward: bool) -> dict[int, torch.Tensor]:
+        """Return the block's slabs on the device (waiting for the prefetch if needed) and start
+        prefetching the next ``lookahead`` blocks of the schedule."""
+        if not backward and blk.index not in self._pos:
+            self._pos[blk.index] = len(self.order)
+            self.order.append(blk.index)
+        t0 = time.perf_counter()
+        fut = self._prefetched.pop(blk.index, None)
+        if fut is None:
+            fut = self._h2d.submit(self._fetch, blk)
+        if self.lookahead > 0 and blk.index in self._pos:
+            seq = self._schedule(backward)
+            p = self._pos[blk.index]
+            if backward:
+                p = len(self.order) - 1 - p
+            want = seq[p + 1 : p + 1 + self.lookahead]
+            for stale in [k for k in self._prefetched if k not in want]:
+                self._prefetched.pop(stale)
+            for bi in want:
+                if bi not in self._prefetched and bi != blk.index:
+                    self._prefetched[bi] = self._h2d.submit(self._fetch, self.blocks[bi])
+        got = fut.result()
+        for buf, ev in got.values():
+            self.transport.ready(buf, ev)
+        self.stats.wait_s += time.perf_counter() - t0
+        return {s: buf for s, (buf, _) in got.items()}
+
+    def _fetch(self, blk: Block) -> dict[int, tuple[torch.Tensor, Any]]:
+        """H2D worker: apply pending optimizer updates of the block's slabs, then copy them."""
+        out = {}
+        for si in blk.slabs:
+            slab = self.store.slabs[si]
+            if self.optimizer is not None:
+                self.optimizer.apply_pending(si)
+            buf, ev = self.transport.to_device(slab.master, self.compute_dtype)
+            slab.last_read = ev
+            nbytes = buf.numel() * buf.element_size()
+            self.stats.h2d_bytes += nbytes
+            self._track(nbytes)
+            out[si] = (buf, ev)
+        self.stats.blocks_fetched += 1
+        return out
+
+    def _track(self, nbytes: int) -> None:
+        with self._live_lock:
+            self._live += nbytes
+            self.stats.peak_device_bytes = max(self.stats.peak_device_bytes, self._live)
+
+    def _release(self, bufs: dict[int, torch.Tensor]) -> None:
+        self._track(-sum(b.numel() * b.element_size() for b in bufs.values()))
+        bufs.clear()
+
+    def _drop_prefetched(self) -> None:
+        for fut in self._prefetched.values():
+            try:
+                got = fut.result()
+                self._track(-sum(b.numel() * b.element_size() for b, _ in got.values()))
+            except Exception:  # the error resurfaces on the next synchronous fetch
+                pass
+        self._prefetched.clear()
+
+    # ------------------------------------------------------------------ gradients
+    def _send_grads(self, refs: Sequence, grads: Sequence[torch.Tensor | None]) -> None:
+        by_slab: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        for ref, g in zip(refs, grads):
+            if g is not None:
+                by_slab.setdefault(ref.slab, []).append((ref.index, g))
+        for si, items in by_slab.items():
+            nbytes = sum(g.numel() * g.element_size() for _, g in items)
+            self._track(nbytes)
+            run = self.transport.stage_grads([g for _, g in items])
+            idx = [i for i, _ in items]
+            self.stats.d2h_bytes += nbytes
+            self._d2h_futures.append(self._d2h.submit(self._accumulate, si, idx, run, nbytes))
+
+    def _accumulate(self, si: int, idx: list[int], run: Callable, nbytes: int) -> None:
+        slab = self.store.slabs[si]
+
+        def consume(host_grads: list[torch.Tensor]) -> None:
+            with slab.lock:
+                slab.ensure_acc()
+                for i, g in zip(idx, host_grads):
+                    acc = slab.acc_view(i)
+                    if slab.has_grad[i]:
+                        acc.add_(g)
+                    else:
+                        acc.copy_(g)
+                        slab.has_grad[i] = True
+                slab.acc_empty = False
+
+        try:
+            run(consume)
+        finally:
+            self._track(-nbytes)
+
+    def wait_grads(self) -> None:
+        """Block until every gradient sent so far is in the host accumulators."""
+        t0 = time.perf_counter()
+        futs, self._d2h_futures = self._d2h_futures, []
+        for f in futs:
+            f.result()
+        self.stats.wait_s += time.perf_counter() - t0
+
+    def attach_grads(self) -> None:
+        """Set ``param.grad`` to a view of its fp32 accumulator (``None`` where no gradient arrived)."""
+        self.wait_grads()
+        for slab in self.store.slabs:
+            for i, e in enumerate(slab.entries):
+                has = slab.acc is not None and not slab.acc_empty and slab.has_grad[i]
+                e.ref.param.grad = slab.acc_view(i) if has else None
+
+    def detach_grads(self) -> None:
+        for slab in self.store.slabs:
+            for e in slab.entries:
+                e.ref.param.grad = None
+
+    def zero_grad(self) -> None:
+        """``optimizer.zero_grad()``: forget gradients no step consumed."""
+        self.wait_grads()
+        if self.optimizer is not None:
+            self.optimizer.discard_grads()
+        else:
+            for slab in self.store.slabs:
+                slab.acc_empty = True
+                slab.has_grad = [False] * len(slab.entries)
+
+    # ------------------------------------------------------------------ optimizer
+    def step(self) -> None:
+        """Schedule the host AdamW update for the gradients accumulated so far.
+
+        Raises:
+            RuntimeError: no optimizer attached (``attach_optimizer`` was not called).
+        """
+        if self.optimizer is None:
+            raise RuntimeError("megatrain: optimizer step requested but no optimizer is attached.")
+        self.wait_grads()
+        self._drop_prefetched()  # prefetched copies predate this update
+        self.optimizer.step()
+        self.detach_grads()
+
+    def flush(self) -> None:
+        """Apply all pending optimizer updates (call before reading parameters directly)."""
+        self.wait_grads()
+        if self.optimizer is not None and self.optimizer.has_pending():
+            self._drop_prefetched()
+            self.optimizer.flush()
+
+    def end_step(self) -> dict[str, float]:
+        """Close the accounting window of one optimizer step; returns the logged metrics."""
+        if self.optimizer is not None:
+            self.stats.optimizer_s = self.optimizer.optimizer_seconds
+            self.optimizer.optimizer_seconds = 0.0
+        peak = self.transport.peak_bytes()
+        if peak is not None:
+            self.stats.peak_device_bytes = peak
+            self.transport.reset_peak()
+        out = self.stats.as_dict()
+        self.history.append(out)
+        with self._live_lock:
+            self.stats = StepStats(peak_device_bytes=self._live)
+        return out

@@ -1,0 +1,162 @@
+"""Host <-> device transfers: CUDA streams, pinned memory and events, or CPU threads.
+
+The engine calls the same three operations on every device:
+
+* :meth:`to_device` (on the H2D worker thread): copy a host fp32 slab into a fresh
+  device buffer, return it with an event that marks the copy done;
+* :meth:`ready` (on the compute thread): make the compute stream wait for that
+  event before the buffer is read;
+* :meth:`grads_to_host` (compute thread, then the D2H worker thread): move a
+  block's parameter gradients into the fp32 host accumulators.
+
+On CUDA the H2D and D2H copies run on their own streams from pinned memory, so
+they overlap kernels on the compute stream; on CPU the "device" buffer is a
+separate host tensor filled by a worker thread, so CI runs the same schedule.
+"""
+
+from __future__ import annotations
+
+import queue
+from typing import Callable, Sequence
+
+import torch
+
+
+class CPUTransport:
+    """Transfers for ``device.type == "cpu"``: copies done by worker threads.
+
+    Args:
+        zero_copy: bind blocks straight to the host master slabs instead of copying
+            them into a separate buffer (saves one memcpy of the block per fetch; the
+            schedule, prefetch and accounting are unchanged).
+    """
+
+    def __init__(self, device: torch.device, zero_copy: bool = False):
+        self.device = device
+        self.zero_copy = zero_copy
+
+    def to_device(self, host: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, None]:
+        """Copy ``host`` (fp32, ``[n]``) into a new buffer of ``dtype``; returns ``(buffer, None)``."""
+        if self.zero_copy and dtype == host.dtype:
+            return host, None
+        buf = torch.empty(host.shape, dtype=dtype)
+        buf.copy_(host)
+        return buf, None
+
+    def ready(self, buf: torch.Tensor, event: object) -> None:
+        """Nothing to wait for: the worker's future already completed the copy."""
+
+    def last_read_done(self, event: object) -> None:
+        """Nothing to wait for on CPU."""
+
+    def stage_grads(self, grads: Sequence[torch.Tensor]) -> Callable[[Callable[[list[torch.Tensor]], None]], None]:
+        """Return ``run(consume)`` (called on the D2H worker) that hands ``consume`` the gradients
+        as host fp32 tensors, same shapes as ``grads``."""
+        grads = list(grads)
+
+        def run(consume: Callable[[list[torch.Tensor]], None]) -> None:
+            consume([g if g.dtype == torch.float32 else g.float() for g in grads])
+
+        return run
+
+    def synchronize(self) -> None:
+        pass
+
+    def reset_peak(self) -> None:
+        pass
+
+    def peak_bytes(self) -> int | None:
+        return None
+
+
+class CUDATransport:
+    """Transfers for CUDA: dedicated H2D and D2H streams, pinned staging buffers, events.
+
+    Args:
+        device: the CUDA device.
+        staging_numel: elements of each pinned D2H staging buffer (the largest trainable slab).
+        n_staging: number of staging buffers (2 lets one block's gradients copy while the
+            previous block's are being added on the host).
+    """
+
+    def __init__(self, device: torch.device, staging_numel: int, n_staging: int = 2):
+        self.device = device
+        self.h2d_stream = torch.cuda.Stream(device=device)
+        self.d2h_stream = torch.cuda.Stream(device=device)
+        self._staging: "queue.Queue[torch.Tensor]" = queue.Queue()
+        for _ in range(n_staging):
+            self._staging.put(torch.empty(max(staging_numel, 1), dtype=torch.float32, pin_memory=True))
+
+    def to_device(self, host: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, object]:
+        """Asynchronous H2D copy of the pinned ``host`` slab on the H2D stream; returns ``(buffer, event)``."""
+        with torch.cuda.device(self.device), torch.cuda.stream(self.h2d_stream):
+            buf = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+            buf.copy_(host, non_blocking=True)
+            if dtype != host.dtype:
+                buf = buf.to(dtype)
+            ev = torch.cuda.Event()
+            ev.record(self.h2d_stream)
+        return buf, ev
+
+    def ready(self, buf: torch.Tensor, event: object) -> None:
+        """Compute stream waits for the copy; the allocator learns the buffer is used there."""
+        cur = torch.cuda.current_stream(self.device)
+        cur.wait_event(event)
+        buf.record_stream(cur)
+
+    def last_read_done(self, event: object) -> None:
+        """Block the host until a previous H2D read of a master slab finished (before the optimizer writes it)."""
+        if event is not None:
+            event.synchronize()
+
+    def stage_grads(self, grads: Sequence[torch.Tensor]) -> Callable[[Callable[[list[torch.Tensor]], None]], None]:
+        """Pack gradients into one flat fp32 tensor on the compute stream and return ``run(consume)``.
+
+        ``run`` (called on the D2H worker thread) takes a pinned staging buffer, copies the flat
+        gradient into it on the D2H stream after the compute stream's event, waits for the copy,
+        hands ``consume`` host views (same shapes as ``grads``) and returns the buffer to the pool.
+        """
+        cur = torch.cuda.current_stream(self.device)
+        flat = torch.cat([g.reshape(-1).float() for g in grads]) if grads else torch.empty(0, device=self.device)
+        ev_compute = torch.cuda.Event()
+        ev_compute.record(cur)
+        shapes = [g.shape for g in grads]
+
+        def run(consume: Callable[[list[torch.Tensor]], None]) -> None:
+            staging = self._staging.get()
+            try:
+                with torch.cuda.device(self.device), torch.cuda.stream(self.d2h_stream):
+                    self.d2h_stream.wait_event(ev_compute)
+                    flat.record_stream(self.d2h_stream)
+                    staging[: flat.numel()].copy_(flat, non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record(self.d2h_stream)
+                done.synchronize()
+                out, off = [], 0
+                for shp in shapes:
+                    n = shp.numel()
+                    out.append(staging[off : off + n].view(shp))
+                    off += n
+                consume(out)
+            finally:
+                self._staging.put(staging)
+
+        return run
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_bytes(self) -> int | None:
+        return torch.cuda.max_memory_allocated(self.device)
+
+
+def make_transport(device: torch.device, staging_numel: int, zero_copy_cpu: bool = False):
+    """Pick the transport for ``device`` (``cpu`` or ``cuda``); raises ``ValueError`` for others."""
+    if device.type == "cpu":
+        return CPUTransport(device, zero_copy=zero_copy_cpu)
+    if device.type == "cuda":
+        return CUDATransport(device, staging_numel)
+    raise ValueError(f"megatrain supports accelerator 'cpu' and 'gpu' (CUDA); got device {device}.")

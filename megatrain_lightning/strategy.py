@@ -1,0 +1,280 @@
+"""``MegaTrainStrategy``: Lightning glue around the streaming engine.
+
+``Trainer(strategy="megatrain")`` (after ``import megatrain_lightning``) or
+``Trainer(strategy=MegaTrainStrategy(...))``. The model stays an ordinary
+``LightningModule``: build it on the CPU as usual; at ``setup`` the strategy
+packs its parameters into fp32 host slabs (the ``nn.Parameter`` objects stay,
+their ``.data`` become views of the slabs), replaces each block's ``forward``
+by a streaming proxy, and takes over the AdamW/Adam returned by
+``configure_optimizers``. After ``fit`` the module's parameters are the trained
+fp32 weights.
+
+What a callback sees: during ``on_before_optimizer_step`` each parameter's
+``.grad`` is a view of its fp32 host accumulator (``None`` if it got no
+gradient), so ``lightning.pytorch.utilities.grad_norm`` and clipping work.
+Between steps (for example in ``on_train_batch_end``) updates may still be
+pending when ``overlap_optimizer=True``: a callback that reads raw parameters
+there sees the weights *before* the last step; call
+``trainer.strategy.flush()`` first. Validation, test, predict, checkpoints,
+``lightning_module_state_dict()`` and the end of ``fit`` flush automatically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Callable, Generator, Mapping, Sequence
+
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from .engine.executor import StreamingEngine
+from .optim.host_adamw import UnsupportedOptimizerError, validate_optimizer
+from .precision import MegaTrainPrecision, to_megatrain_precision
+
+log = logging.getLogger(__name__)
+
+
+class MegaTrainStrategy(SingleDeviceStrategy):
+    """Train a model larger than accelerator memory by streaming it block by block.
+
+    fp32 master weights, fp32 gradient accumulators and AdamW ``exp_avg``/``exp_avg_sq`` live
+    in host RAM; the device holds the block computing, ``lookahead`` prefetched blocks and the
+    saved block inputs (MegaTrain, arXiv 2604.05091).
+
+    Args:
+        lookahead: blocks copied ahead of the one computing (1 = double buffering).
+        offload_activations: keep saved block inputs in host memory (device footprint flat in depth).
+        overlap_optimizer: apply each block's AdamW update just before its next prefetch (default)
+            instead of all at once in ``optimizer.step()``. Both give identical results.
+        block_classes: class names/classes of the repeated blocks; default: every Hugging Face
+            model's ``_no_split_modules``.
+        block_names: ``fnmatch`` patterns of module paths that are blocks, e.g. ``["net.layers.*"]``.
+        pin_memory: page-lock the host masters (default ``True`` on CUDA).
+        cpu_zero_copy: on CPU, compute on the master slabs instead of a streamed copy (faster,
+            same results; the copy is the default so the CPU path exercises the CUDA schedule).
+        log_stats: log per-step accounting (``megatrain/h2d_bytes`` ...) through the Trainer's logger.
+        accelerator, checkpoint_io, precision_plugin: as for every Lightning strategy.
+
+    Raises:
+        MisconfigurationException: more than one device.
+        UnsupportedOptimizerError: ``configure_optimizers`` returned anything but one AdamW/Adam.
+        BlockDiscoveryError: the model has no discoverable blocks.
+    """
+
+    strategy_name = "megatrain"
+
+    def __init__(
+        self,
+        accelerator: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Precision | None = None,
+        *,
+        lookahead: int = 1,
+        offload_activations: bool = False,
+        overlap_optimizer: bool = True,
+        block_classes: Sequence[str | type] | None = None,
+        block_names: Sequence[str] | None = None,
+        pin_memory: bool | None = None,
+        cpu_zero_copy: bool = False,
+        log_stats: bool = True,
+    ) -> None:
+        self._parallel_devices: list[torch.device] | None = None
+        super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
+        self.lookahead = lookahead
+        self.offload_activations = offload_activations
+        self.overlap_optimizer = overlap_optimizer
+        self.block_classes = block_classes
+        self.block_names = block_names
+        self.pin_memory = pin_memory
+        self.cpu_zero_copy = cpu_zero_copy
+        self.log_stats = log_stats
+        self.engine: StreamingEngine | None = None
+        self._orig_zero_grad: tuple[Any, Any] | None = None
+
+    # ------------------------------------------------------------------ devices
+    @property
+    def parallel_devices(self) -> list[torch.device] | None:
+        return self._parallel_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device] | None) -> None:
+        if devices and len(devices) > 1:
+            auto = None
+            try:
+                auto = self.accelerator.auto_device_count() if self.accelerator is not None else None
+            except Exception:
+                auto = None
+            if auto != len(devices) or devices[0].type == "cpu":
+                raise MisconfigurationException(
+                    f"strategy='megatrain' trains on one device; got {len(devices)} devices ({devices}). "
+                    "Pass Trainer(devices=1) (multi-device streaming is not implemented)."
+                )
+            log.info("megatrain: using %s of %d visible devices (devices='auto' means one device).", devices[0], len(devices))
+            devices = devices[:1]
+        self._parallel_devices = devices
+
+    @property
+    def root_device(self) -> torch.device:
+        if self._parallel_devices:
+            return torch.device(self._parallel_devices[0])
+        return torch.device("cpu")
+
+    # ------------------------------------------------------------------ precision
+    @property  # type: ignore[override]
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else MegaTrainPrecision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        self._precision_plugin = to_megatrain_precision(plugin)
+
+    # ------------------------------------------------------------------ placement
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """Create the model on the CPU (never on the accelerator): the host store is built from it."""
+        yield
+
+    def model_to_device(self) -> None:
+        """Only buffers move to the device; parameters stay in the host store."""
+        if self.engine is not None:
+            self.engine.buffers_to(self.root_device)
+
+    def setup(self, trainer: Any) -> None:
+        """Build the host store and streaming proxies, take over the optimizer (when fitting)."""
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        if self.engine is not None and (self.engine.root is not module or self.engine.trainable != [p.requires_grad for p in module.parameters()]):
+            self.engine.close()
+            self.engine = None
+        if self.engine is None:
+            self.engine = StreamingEngine(
+                module,
+                self.root_device,
+                lookahead=self.lookahead,
+                offload_activations=self.offload_activations,
+                block_classes=self.block_classes,
+                block_names=self.block_names,
+                pin_memory=self.pin_memory,
+                cpu_zero_copy=self.cpu_zero_copy,
+            )
+        self.engine.install()
+        module._device = self.root_device  # the module is never moved as a whole
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            self._take_over_optimizer()
+        plugin = self.precision_plugin
+        assert isinstance(plugin, MegaTrainPrecision)
+        plugin.engine = self.engine
+        self.engine.compute_dtype = plugin.compute_dtype
+        self.setup_precision_plugin()
+
+    def _take_over_optimizer(self) -> None:
+        if len(self.optimizers) != 1:
+            raise UnsupportedOptimizerError(
+                f"megatrain steps exactly one optimizer on the host; configure_optimizers returned "
+                f"{len(self.optimizers)}. Return a single torch.optim.AdamW (use param groups for different "
+                "learning rates or weight decay)."
+            )
+        opt = self.optimizers[0]
+        validate_optimizer(opt)
+        assert self.engine is not None
+        self.engine.attach_optimizer(opt, overlap=self.overlap_optimizer)
+        engine = self.engine
+        had = "zero_grad" in opt.__dict__
+        orig = opt.zero_grad
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            orig(set_to_none=set_to_none)
+            engine.zero_grad()
+
+        self._orig_zero_grad = (opt, orig if had else None)
+        opt.zero_grad = zero_grad  # type: ignore[method-assign]
+
+    def _restore_zero_grad(self) -> None:
+        if self._orig_zero_grad is not None:
+            opt, orig = self._orig_zero_grad
+            if orig is None:
+                opt.__dict__.pop("zero_grad", None)
+            else:
+                opt.zero_grad = orig
+            self._orig_zero_grad = None
+
+    # ------------------------------------------------------------------ step
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """Lightning's optimizer step, then per-step accounting to the logger."""
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.engine is not None:
+            metrics = self.engine.end_step()
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+            if self.log_stats and trainer is not None and trainer.logger is not None:
+                step = trainer.global_step
+                if (step + 1) % max(1, trainer.log_every_n_steps) == 0:
+                    trainer.logger.log_metrics(metrics, step=step)
+        return out
+
+    def flush(self) -> None:
+        """Apply pending optimizer updates so parameters read directly are current."""
+        if self.engine is not None:
+            self.engine.flush()
+
+    def on_validation_start(self) -> None:
+        self.flush()
+
+    def on_test_start(self) -> None:
+        self.flush()
+
+    def on_predict_start(self) -> None:
+        self.flush()
+
+    def on_train_end(self) -> None:
+        self.flush()
+
+    # ------------------------------------------------------------------ state
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module's state dict: host-store views of the current weights, no copy."""
+        self.flush()
+        return super().lightning_module_state_dict()
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """``torch.optim.AdamW``-format state of the host optimizer (copies: small models only until
+        directory checkpoints land)."""
+        self.flush()
+        if self.engine is None or self.engine.optimizer is None:
+            return super().optimizer_state(optimizer)
+        return self.engine.optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self.engine is None or self.engine.optimizer is None:
+            return
+        states = checkpoint.get("optimizer_states") or []
+        if states:
+            self.engine.optimizer.load_state_dict(states[0])
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self.engine is not None:
+            self.engine.flush()
+        super().load_model_state_dict(checkpoint, strict=strict)
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    def teardown(self) -> None:
+        """Flush updates, restore the module's own ``forward`` methods and the optimizer."""
+        if self.engine is not None:
+            self.engine.uninstall()
+        self._restore_zero_grad()
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            "megatrain",
+            cls,
+            description="Stream blocks through one device; fp32 weights and AdamW state in host RAM",
+        )

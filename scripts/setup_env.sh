@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Create .venv (if missing) and install the package with its test extra.
+# torch is pinned to the CPU wheel that ships on these machines' disk; on a GPU
+# machine install your CUDA build of torch first and this step keeps it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+python -c "import torch" 2>/dev/null || pip install -q "torch==2.13.0"
+pip install -q -e ".[test]"
