@@ -47,6 +47,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
 
     Args:
         lookahead: blocks copied ahead of the one computing (1 = double buffering).
+        checkpoint_every: keep the input of every K-th block call only and recompute the others
+            in backward (saved activations / K, at most one extra forward of K-1 blocks per segment).
+            Default 1: every block input is kept (see docs/architecture.md for the measurement).
         offload_activations: keep saved block inputs in host memory (device footprint flat in depth).
         overlap_optimizer: apply each block's AdamW update just before its next prefetch (default)
             instead of all at once in ``optimizer.step()``. Both give identical results.
@@ -74,6 +77,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         precision_plugin: Precision | None = None,
         *,
         lookahead: int = 1,
+        checkpoint_every: int = 1,
         offload_activations: bool = False,
         overlap_optimizer: bool = True,
         block_classes: Sequence[str | type] | None = None,
@@ -85,6 +89,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         self._parallel_devices: list[torch.device] | None = None
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self.lookahead = lookahead
+        self.checkpoint_every = checkpoint_every
         self.offload_activations = offload_activations
         self.overlap_optimizer = overlap_optimizer
         self.block_classes = block_classes
@@ -156,6 +161,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
                 module,
                 self.root_device,
                 lookahead=self.lookahead,
+                checkpoint_every=self.checkpoint_every,
                 offload_activations=self.offload_activations,
                 block_classes=self.block_classes,
                 block_names=self.block_names,

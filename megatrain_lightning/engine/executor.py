@@ -93,6 +93,7 @@ class StepStats:
         peak_device_bytes: CUDA: ``torch.cuda.max_memory_allocated``; CPU: peak bytes of block
             weight/gradient buffers the engine had alive at once.
         blocks_fetched: number of block fetches (forward + backward + evaluation).
+        prefetch_misses: fetches that were not prefetched (the compute thread had to start the copy).
     """
 
     h2d_bytes: int = 0
@@ -102,6 +103,7 @@ class StepStats:
     compute_s: float = 0.0
     peak_device_bytes: int = 0
     blocks_fetched: int = 0
+    prefetch_misses: int = 0
 
     def as_dict(self, prefix: str = "megatrain/") -> dict[str, float]:
         return {prefix + k: float(v) for k, v in self.__dict__.items()}
@@ -123,6 +125,9 @@ class _Call:
     out_spec: Any = None
     out_flat: list[Any] = field(default_factory=list)
     out_pos: list[int] = field(default_factory=list)
+    pos: int = -1
+    saved: list[torch.Tensor | None] = field(default_factory=list)
+    links: dict[int, int] = field(default_factory=dict)
     offloaded: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
@@ -145,44 +150,30 @@ class _BlockFunction(torch.autograd.Function):
         if dev.type == "cuda":
             call.rng_dev = torch.cuda.get_rng_state(dev)
         call.autocast = _autocast_state(dev.type)
-        out = eng._run_block(call, tensors, leaves=None)
+        out = eng._run_block(call, tensors, leaves=None, backward=False)
         out_flat, call.out_spec = tree_flatten(out)
         call.out_pos = [i for i, x in enumerate(out_flat) if isinstance(x, torch.Tensor)]
         call.out_flat = [None if isinstance(x, torch.Tensor) else x for x in out_flat]
         outs = tuple(out_flat[i] for i in call.out_pos)
         ctx.call = call
-        keep = []
-        for i, t in enumerate(tensors):
-            if eng.offload_activations and t.is_floating_point() and t.requires_grad:
-                call.offloaded[i] = eng._offload(t)
-                keep.append(None)
-            else:
-                keep.append(t)
-        ctx.keep_idx = [i for i, t in enumerate(keep) if t is not None]
-        ctx.save_for_backward(*[t for t in keep if t is not None])
-        ctx.n_inputs = len(tensors)
+        eng._save_inputs(call, tensors)
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
         return outs
 
     @staticmethod
     def backward(ctx, *grad_outs):  # type: ignore[override]
         call: _Call = ctx.call
+        ctx.call = None
         eng = call.engine
-        saved = ctx.saved_tensors
-        tensors: list[torch.Tensor | None] = [None] * ctx.n_inputs
-        for i, t in zip(ctx.keep_idx, saved):
-            tensors[i] = t
-        for i, host in call.offloaded.items():
-            tensors[i] = eng._restore(host)
         needs = ctx.needs_input_grad[2:]
         inputs = []
-        for t, need in zip(tensors, needs):
+        for t, need in zip(eng._load_inputs(call), needs):
             t = t.detach()
             if need:
                 t.requires_grad_(True)
             inputs.append(t)
         grad_inputs = eng._backward_block(call, inputs, needs, grad_outs)
-        ctx.call = None
+        eng._done_backward(call)
         return (None, None, *grad_inputs)
 
 
@@ -193,6 +184,10 @@ class StreamingEngine:
         root: the module to stream (the ``LightningModule``).
         device: compute device (``cpu`` or ``cuda:N``).
         lookahead: blocks prefetched ahead of the one computing (1 = double buffering).
+        checkpoint_every: K, blocks per recompute segment. Only the input of every K-th block
+            call is kept; the inputs of the others are recomputed (without autograd) from it when
+            backward reaches the segment, so saved activations shrink K-fold for up to one extra
+            forward of K-1 blocks per segment.
         offload_activations: keep the saved block inputs in host memory instead of on the
             device (the device footprint is then flat in depth; costs one D2H and one H2D of
             the hidden states per block).
@@ -212,6 +207,7 @@ class StreamingEngine:
         device: torch.device,
         *,
         lookahead: int = 1,
+        checkpoint_every: int = 1,
         offload_activations: bool = False,
         block_classes: Sequence[str | type] | None = None,
         block_names: Sequence[str] | None = None,
@@ -220,6 +216,9 @@ class StreamingEngine:
     ):
         if lookahead < 0:
             raise ValueError(f"lookahead must be >= 0 (blocks prefetched ahead), got {lookahead}.")
+        if checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1 (blocks per recompute segment), got {checkpoint_every}.")
+        self.checkpoint_every = checkpoint_every
         self.root = root
         self.device = torch.device(device)
         self.lookahead = lookahead
@@ -237,8 +236,14 @@ class StreamingEngine:
         self._d2h = ThreadPoolExecutor(1, thread_name_prefix="megatrain-d2h")
         self._prefetched: dict[int, Future] = {}
         self._d2h_futures: list[Future] = []
-        self.order: list[int] = []
-        self._pos: dict[int, int] = {}
+        self.order: list[int] = []  # block indices in forward call order (learned on the first forward)
+        self._seq: list[int] = []  # the fetch sequence the prefetcher follows now
+        self._cursor = 0
+        self._phase = "idle"
+        self._bwd_seq: list[int] = []  # backward fetch sequence of the last training step
+        self._calls: list[_Call] = []  # grad-mode block calls of the current forward, in order
+        self._recomputed: dict[int, list[torch.Tensor]] = {}  # call pos -> outputs recomputed in backward
+        self._last_outs: tuple[int, tuple[torch.Tensor, ...]] | None = None
         self._dummy = torch.empty(0, device=self.device, requires_grad=True)
         self._saved_forwards: dict[int, tuple[bool, Any]] = {}
         self._live = 0
@@ -327,6 +332,7 @@ class StreamingEngine:
                 pos = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
                 call = _Call(self, blk, orig, [None if i in pos else x for i, x in enumerate(flat)], spec, pos)
                 outs = _BlockFunction.apply(call, self._dummy, *[flat[i] for i in pos])
+                self._last_outs = (call.pos, outs)
                 out_flat = list(call.out_flat)
                 for i, o in zip(call.out_pos, outs):
                     out_flat[i] = o
@@ -361,12 +367,13 @@ class StreamingEngine:
             for owner, attr, p in reversed(saved):
                 owner._parameters[attr] = p
 
-    def _run_block(self, call: _Call, tensors: Sequence[torch.Tensor], leaves: dict[int, torch.Tensor] | None):
+    def _run_block(self, call: _Call, tensors: Sequence[torch.Tensor], leaves: dict[int, torch.Tensor] | None,
+                   backward: bool):
         flat = list(call.flat)
         for i, t in zip(call.tensor_pos, tensors):
             flat[i] = t
         args, kwargs = tree_unflatten(flat, call.spec)
-        bufs = self.acquire(call.block, backward=leaves is not None)
+        bufs = self.acquire(call.block, backward=backward, training=not backward)
         t0 = time.perf_counter()
         try:
             with self._bind(call.block, bufs, leaves):
@@ -391,16 +398,9 @@ class StreamingEngine:
         for i, t in zip(call.tensor_pos, inputs):
             flat[i] = t
         args, kwargs = tree_unflatten(flat, call.spec)
-        devices = [dev] if dev.type == "cuda" else []
-        enabled, dtype, cache = call.autocast  # type: ignore[misc]
         try:
-            with torch.random.fork_rng(devices=devices, device_type=dev.type if dev.type == "cuda" else "cuda"):
-                torch.set_rng_state(call.rng_cpu)  # type: ignore[arg-type]
-                if call.rng_dev is not None:
-                    torch.cuda.set_rng_state(call.rng_dev, dev)
-                with torch.enable_grad(), torch.autocast(dev.type, dtype=dtype, enabled=enabled, cache_enabled=cache):
-                    with self._bind(blk, bufs, leaves):
-                        out = call.forward(*args, **kwargs)
+            with self._replay(call), torch.enable_grad(), self._bind(blk, bufs, leaves):
+                out = call.forward(*args, **kwargs)
             out_flat = tree_flatten(out)[0]
             outs = [out_flat[i] for i in call.out_pos]
             pairs = [(o, g) for o, g in zip(outs, grad_outs) if g is not None and o.requires_grad]
@@ -421,6 +421,96 @@ class StreamingEngine:
         return [next(it) if need else None for need in needs]
 
     # ------------------------------------------------------------------ activations
+    @contextlib.contextmanager
+    def _replay(self, call: _Call):
+        """Run under the RNG and autocast state the block's forward saw (dropout, mixed precision)."""
+        dev = self.device
+        enabled, dtype, cache = call.autocast  # type: ignore[misc]
+        devices = [dev] if dev.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type="cuda"):
+            torch.set_rng_state(call.rng_cpu)  # type: ignore[arg-type]
+            if call.rng_dev is not None:
+                torch.cuda.set_rng_state(call.rng_dev, dev)
+            with torch.autocast(dev.type, dtype=dtype, enabled=enabled, cache_enabled=cache):
+                yield
+
+    def _save_inputs(self, call: _Call, tensors: Sequence[torch.Tensor]) -> None:
+        """Keep what backward needs to rebuild this call's inputs.
+
+        A call that starts a segment (every ``checkpoint_every``-th call) keeps all its tensor
+        inputs (in host memory with ``offload_activations``). Other calls keep only a link to the
+        output of the previous call they consumed (by identity) and recompute it in backward;
+        inputs that are not such outputs (attention masks, rotary cos/sin shared by all blocks)
+        are kept by reference, which costs no memory beyond what the model already holds.
+        """
+        if self._calls and call.block.index == self._calls[0].block.index:  # a new forward pass
+            self._calls, self._recomputed, self._last_outs = [], {}, None
+        call.pos = len(self._calls)
+        self._calls.append(call)
+        prev = self._last_outs if (self._last_outs and self._last_outs[0] == call.pos - 1) else None
+        start = call.pos % self.checkpoint_every == 0
+        call.saved = []
+        for i, t in enumerate(tensors):
+            link = None
+            if not start and prev is not None:
+                link = next((j for j, o in enumerate(prev[1]) if o is t), None)
+            if link is not None:
+                call.links[i] = link
+                call.saved.append(None)
+            elif self.offload_activations and t.is_floating_point() and t.requires_grad:
+                call.offloaded[i] = self._offload(t)
+                call.saved.append(None)
+            else:
+                call.saved.append(t)
+
+    def _load_inputs(self, call: _Call) -> list[torch.Tensor]:
+        """The call's tensor inputs, recomputing linked ones from the segment start if needed."""
+        if call.links and (call.pos - 1) not in self._recomputed:
+            self._recompute_chain(call.pos - 1)
+        out: list[torch.Tensor] = []
+        for i, t in enumerate(call.saved):
+            if i in call.links:
+                t = self._recomputed[call.pos - 1][call.links[i]]
+            elif i in call.offloaded:
+                t = self._restore(call.offloaded[i])
+            out.append(t)  # type: ignore[arg-type]
+        return out
+
+    def _recompute_chain(self, last: int) -> None:
+        """Forward (no autograd) the calls from the nearest one with all inputs kept up to ``last``,
+        caching each call's outputs for the backward of the call after it."""
+        chain = [last]
+        while self._calls[chain[-1]].links and (chain[-1] - 1) not in self._recomputed:
+            chain.append(chain[-1] - 1)
+        for q in reversed(chain):
+            c = self._calls[q]
+            inputs = [t.detach() for t in self._load_inputs(c)]
+            with torch.no_grad(), self._replay(c):
+                out = self._run_block(c, inputs, leaves=None, backward=True)
+            flat = tree_flatten(out)[0]
+            self._recomputed[q] = [flat[i] for i in c.out_pos]
+
+    def _done_backward(self, call: _Call) -> None:
+        self._recomputed.pop(call.pos - 1, None)
+        call.saved, call.offloaded = [], {}
+
+    def _backward_sequence(self) -> list[int]:
+        """Block fetch order of the coming backward (recompute chains included), for prefetching."""
+        seq: list[int] = []
+        cached: set[int] = set()
+        calls = self._calls
+        for p in range(len(calls) - 1, -1, -1):
+            if calls[p].links and (p - 1) not in cached:
+                chain = [p - 1]
+                while calls[chain[-1]].links and (chain[-1] - 1) not in cached:
+                    chain.append(chain[-1] - 1)
+                for q in reversed(chain):
+                    seq.append(calls[q].block.index)
+                    cached.add(q)
+            seq.append(calls[p].block.index)
+            cached.discard(p - 1)
+        return seq
+
     def _offload(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cuda":
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -437,39 +527,67 @@ class StreamingEngine:
         return host
 
     # ------------------------------------------------------------------ weights
-    def _schedule(self, backward: bool) -> list[int]:
-        if backward:
-            return self.order[::-1]
-        if torch.is_grad_enabled():
-            return self.order + self.order[::-1]
-        return self.order
-
-    def acquire(self, blk: Block, backward: bool) -> dict[int, torch.Tensor]:
-        """Return the block's slabs on the device (waiting for the prefetch if needed) and start
-        prefetching the next ``lookahead`` blocks of the schedule."""
-        if not backward and blk.index not in self._pos:
-            self._pos[blk.index] = len(self.order)
+    def _locate(self, blk: Block, backward: bool, training: bool) -> int | None:
+        """Advance the prefetch cursor to this fetch; returns its position in ``self._seq``."""
+        if not backward and blk.index not in self.order:
             self.order.append(blk.index)
+        if backward and self._phase != "backward":
+            self._phase = "backward"
+            self._bwd_seq = self._backward_sequence()
+            self._seq, self._cursor = self._bwd_seq, 0
+        elif not backward and (self._phase != "forward" or (self.order and blk.index == self.order[0])):
+            self._phase = "forward"
+            self._seq = self.order + self._bwd_seq if training else list(self.order)
+            self._cursor = 0
+        seq = self._seq
+        for start in (self._cursor, 0):
+            for p in range(start, len(seq)):
+                if seq[p] == blk.index:
+                    self._cursor = p + 1
+                    return p
+        return None
+
+    def acquire(self, blk: Block, backward: bool, training: bool = False) -> dict[int, torch.Tensor]:
+        """Return the block's slabs on the device (waiting for the prefetch if needed) and start
+        prefetching the next ``lookahead`` fetches of the schedule.
+
+        Args:
+            blk: the block about to run.
+            backward: ``True`` for fetches made while autograd runs backward (recompute included).
+            training: a forward that a backward will follow (the schedule continues into it).
+        Returns:
+            slab index -> device buffer (fp32/compute dtype, shape ``[slab numel]``).
+        """
         t0 = time.perf_counter()
+        pos = self._locate(blk, backward, training)
         fut = self._prefetched.pop(blk.index, None)
         if fut is None:
+            self.stats.prefetch_misses += 1
             fut = self._h2d.submit(self._fetch, blk)
-        if self.lookahead > 0 and blk.index in self._pos:
-            seq = self._schedule(backward)
-            p = self._pos[blk.index]
-            if backward:
-                p = len(self.order) - 1 - p
-            want = seq[p + 1 : p + 1 + self.lookahead]
+        if self.lookahead > 0 and pos is not None:
+            want: list[int] = []
+            for bi in self._seq[pos + 1 :]:
+                if len(want) == self.lookahead:
+                    break
+                if bi not in want:
+                    want.append(bi)
             for stale in [k for k in self._prefetched if k not in want]:
-                self._prefetched.pop(stale)
+                self._discard(self._prefetched.pop(stale))
             for bi in want:
-                if bi not in self._prefetched and bi != blk.index:
+                if bi not in self._prefetched:
                     self._prefetched[bi] = self._h2d.submit(self._fetch, self.blocks[bi])
         got = fut.result()
         for buf, ev in got.values():
             self.transport.ready(buf, ev)
         self.stats.wait_s += time.perf_counter() - t0
         return {s: buf for s, (buf, _) in got.items()}
+
+    def _discard(self, fut: Future) -> None:
+        def drop(f: Future) -> None:
+            if f.exception() is None:
+                self._track(-sum(b.numel() * b.element_size() for b, _ in f.result().values()))
+
+        fut.add_done_callback(drop)
 
     def _fetch(self, blk: Block) -> dict[int, tuple[torch.Tensor, Any]]:
         """H2D worker: apply pending optimizer updates of the block's slabs, then copy them."""
@@ -497,6 +615,7 @@ class StreamingEngine:
         bufs.clear()
 
     def _drop_prefetched(self) -> None:
+        """Wait for and discard prefetched copies (they predate an optimizer update)."""
         for fut in self._prefetched.values():
             try:
                 got = fut.result()
@@ -504,6 +623,7 @@ class StreamingEngine:
             except Exception:  # the error resurfaces on the next synchronous fetch
                 pass
         self._prefetched.clear()
+        self._phase = "idle"
 
     # ------------------------------------------------------------------ gradients
     def _send_grads(self, refs: Sequence, grads: Sequence[torch.Tensor | None]) -> None:
