@@ -34,12 +34,12 @@ ARCHS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
 }
 
 
-def make_model(arch: str, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
+def make_model(arch: str, seed: int = 0, attn: str = "eager", **overrides) -> transformers.PreTrainedModel:
     cfg = ARCHS[arch]()
     for k, v in overrides.items():
         setattr(cfg, k, v)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
     return model
 
 
@@ -82,6 +82,7 @@ class LM(pl.LightningModule):
 
 
 def reference_train(model, loader, steps: int, lr=1e-3, accumulate: int = 1, clip: float | None = None, fused: bool | None = None,
+                    clip_value: float | None = None,
                     sched: str | None = None, seed: int = 0, opt_kwargs=None):
     """Plain PyTorch: the same loop Lightning runs, on the unmodified model."""
     torch.manual_seed(seed)
@@ -107,6 +108,8 @@ def reference_train(model, loader, steps: int, lr=1e-3, accumulate: int = 1, cli
         if micro == accumulate:
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            if clip_value is not None:
+                torch.nn.utils.clip_grad_value_(model.parameters(), clip_value)
             opt.step()
             if s is not None:
                 s.step()

@@ -202,3 +202,24 @@ def test_callback_sees_updated_weights_after_flush():
     _trainer(max_steps=2, callbacks=[Snap()]).fit(lm, make_data(n=4))
     assert torch.equal(snap[-1], lm.model.model.norm.weight.detach())
     assert not torch.equal(snap[0], snap[1])
+
+
+def test_default_trainer_callbacks_progress_bar_and_self_log(tmp_path):
+    """Plain Trainer defaults: progress bar, model summary, ModelCheckpoint, logger, self.log."""
+    model = make_model("gemma2")
+
+    class LogLM(LM):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.log("train_loss", loss, prog_bar=True)
+            return loss
+
+    lm = LogLM(model)
+    trainer = pl.Trainer(strategy="megatrain", accelerator="cpu", max_epochs=2, default_root_dir=tmp_path,
+                         log_every_n_steps=1)
+    trainer.fit(lm, make_data(n=8), make_data(n=4, seed=3))
+    assert trainer.callback_metrics["train_loss"] > 0 and "val_loss" in trainer.callback_metrics
+    ckpts = list(tmp_path.rglob("*.ckpt"))
+    assert ckpts, "ModelCheckpoint wrote nothing"
+    state = torch.load(ckpts[0], weights_only=True)
+    assert len(state["optimizer_states"][0]["state"]) == sum(p.requires_grad for p in lm.parameters())

@@ -38,8 +38,8 @@ def _freeze_key_biases(model):
 
 
 def run_pair(arch="llama", accumulate=1, clip=None, sched=None, strategy="megatrain", model_overrides=None,
-             freeze=None, opt_kwargs=None, seed=0):
-    model = make_model(arch, **(model_overrides or {}))
+             freeze=None, opt_kwargs=None, seed=0, clip_value=None, attn="eager"):
+    model = make_model(arch, attn=attn, **(model_overrides or {}))
     _freeze_key_biases(model)
     if freeze:
         for name, p in model.named_parameters():
@@ -52,12 +52,15 @@ def run_pair(arch="llama", accumulate=1, clip=None, sched=None, strategy="megatr
         kw["accumulate_grad_batches"] = accumulate
     if clip is not None:
         kw["gradient_clip_val"] = clip
+    if clip_value is not None:
+        kw["gradient_clip_val"] = clip_value
+        kw["gradient_clip_algorithm"] = "value"
     torch.manual_seed(seed)
     trainer = _trainer(strategy, **kw)
     trainer.fit(lm, make_data(n=STEPS * accumulate * 2))
     torch.manual_seed(seed)
     ref_losses = reference_train(ref, make_data(n=STEPS * accumulate * 2), STEPS, accumulate=accumulate, clip=clip,
-                                 sched=sched, opt_kwargs=opt_kwargs)
+                                 sched=sched, opt_kwargs=opt_kwargs, clip_value=clip_value)
     return lm, ref, ref_losses, trainer
 
 
@@ -83,6 +86,22 @@ def test_norm_clipping_that_really_clips():
     norm = torch.nn.utils.clip_grad_norm_(probe.parameters(), float("inf"))
     assert norm > 4 * clip
     lm, ref, ref_losses, _ = run_pair("llama", clip=clip)
+    assert_parity(lm.model, ref, lm.losses, ref_losses)
+
+
+def test_value_clipping():
+    probe = make_model("llama")
+    (ids,) = next(iter(make_data()))
+    probe(input_ids=ids, labels=ids).loss.backward()
+    assert max(p.grad.abs().max().item() for p in probe.parameters()) > 4 * 1e-3  # really clips
+    lm, ref, ref_losses, _ = run_pair("llama", clip_value=1e-3)
+    assert_parity(lm.model, ref, lm.losses, ref_losses)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_users_attn_implementation_is_kept(attn):
+    lm, ref, ref_losses, _ = run_pair("qwen3", attn=attn)
+    assert lm.model.config._attn_implementation == attn
     assert_parity(lm.model, ref, lm.losses, ref_losses)
 
 

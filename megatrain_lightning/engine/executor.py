@@ -511,20 +511,14 @@ class StreamingEngine:
             cached.discard(p - 1)
         return seq
 
-    def _offload(self, t: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cuda":
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            host.copy_(t, non_blocking=False)
-        else:
-            host = t.detach().clone()
-        self.stats.d2h_bytes += t.numel() * t.element_size()
-        return host
+    def _offload(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        nbytes = t.numel() * t.element_size()
+        self.stats.d2h_bytes += nbytes
+        return self.transport.offload(t)
 
-    def _restore(self, host: torch.Tensor) -> torch.Tensor:
-        self.stats.h2d_bytes += host.numel() * host.element_size()
-        if self.device.type == "cuda":
-            return host.to(self.device, non_blocking=True)
-        return host
+    def _restore(self, host: tuple[torch.Tensor, Any]) -> torch.Tensor:
+        self.stats.h2d_bytes += host[0].numel() * host[0].element_size()
+        return self.transport.restore(*host)
 
     # ------------------------------------------------------------------ weights
     def _locate(self, blk: Block, backward: bool, training: bool) -> int | None:

@@ -46,6 +46,14 @@ class CPUTransport:
     def ready(self, buf: torch.Tensor, event: object) -> None:
         """Nothing to wait for: the worker's future already completed the copy."""
 
+    def offload(self, t: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """Copy a saved activation to host memory (a separate tensor, so the original can be freed)."""
+        return t.detach().clone(), None
+
+    def restore(self, host: torch.Tensor, event: object) -> torch.Tensor:
+        """Bring an offloaded activation back (on CPU the host copy is used directly)."""
+        return host
+
     def last_read_done(self, event: object) -> None:
         """Nothing to wait for on CPU."""
 
@@ -103,6 +111,29 @@ class CUDATransport:
         cur = torch.cuda.current_stream(self.device)
         cur.wait_event(event)
         buf.record_stream(cur)
+
+    def offload(self, t: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """Asynchronous D2H of a saved activation into pinned memory on the D2H stream.
+
+        The D2H stream waits for the compute stream (``t`` is produced there); ``t`` is
+        ``record_stream``-ed so its memory is not reused before the copy ends. Returns the
+        pinned host tensor and the copy's completion event.
+        """
+        cur = torch.cuda.current_stream(self.device)
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        with torch.cuda.device(self.device), torch.cuda.stream(self.d2h_stream):
+            self.d2h_stream.wait_stream(cur)
+            t.record_stream(self.d2h_stream)
+            host.copy_(t.detach(), non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.d2h_stream)
+        return host, ev
+
+    def restore(self, host: torch.Tensor, event: object) -> torch.Tensor:
+        """H2D of an offloaded activation on the compute stream, after its D2H copy finished."""
+        cur = torch.cuda.current_stream(self.device)
+        cur.wait_event(event)
+        return host.to(self.device, non_blocking=True)
 
     def last_read_done(self, event: object) -> None:
         """Block the host until a previous H2D read of a master slab finished (before the optimizer writes it)."""
