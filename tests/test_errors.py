@@ -118,3 +118,41 @@ def test_negative_lookahead():
     lm = LM(make_model("llama"))
     with pytest.raises(ValueError, match="lookahead"):
         _fit(lm, strategy=MegaTrainStrategy(lookahead=-1))
+
+
+class TwoLayerNet(nn.Module):
+    def __init__(self, inplace: bool):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+        self.inplace = inplace
+
+    def forward(self, x):
+        h1 = self.layers[0](x)
+        h2 = self.layers[1](h1)
+        if self.inplace:
+            h1.mul_(2.0)  # modifies the saved input of layers[1] after its forward
+        return (h2 + h1).square().mean()
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_inplace_change_of_a_saved_input_is_caught(inplace):
+    from megatrain_lightning.engine.executor import StreamingEngine
+
+    torch.manual_seed(0)
+    net = TwoLayerNet(inplace)
+    ref = TwoLayerNet(inplace)
+    ref.load_state_dict(net.state_dict())
+    eng = StreamingEngine(net, torch.device("cpu"), block_names=["layers.*"])
+    eng.install()
+    x = torch.randn(4, 8, requires_grad=True)
+    loss = net(x)
+    if inplace:
+        with pytest.raises(RuntimeError, match="modified in place"):
+            loss.backward()
+    else:
+        loss.backward()
+        eng.attach_grads()
+        ref(x.detach()).backward()
+        for (n, p), (_, q) in zip(net.named_parameters(), ref.named_parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=n)
+    eng.close()

@@ -61,6 +61,10 @@ def _is_cache(x: Any) -> bool:
     return isinstance(x, Cache)
 
 
+def _any_requires_grad(args: tuple, kwargs: dict) -> bool:
+    return any(isinstance(x, torch.Tensor) and x.requires_grad for x in tree_flatten((args, kwargs))[0])
+
+
 def _strip_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
     """Remove KV-cache objects from a block call made under grad mode; returns (args, kwargs, stripped)."""
     stripped = False
@@ -129,6 +133,7 @@ class _Call:
     saved: list[torch.Tensor | None] = field(default_factory=list)
     links: dict[int, int] = field(default_factory=dict)
     offloaded: dict[int, torch.Tensor] = field(default_factory=dict)
+    versions: dict[int, int] = field(default_factory=dict)
 
 
 def _autocast_state(device_type: str) -> tuple:
@@ -322,8 +327,12 @@ class StreamingEngine:
 
     # ------------------------------------------------------------------ proxy
     def _make_proxy(self, blk: Block, orig: Callable[..., Any]) -> Callable[..., Any]:
+        # a block with no trainable parameter whose inputs need no gradient (a frozen embedding)
+        # runs like evaluation: no autograd boundary, nothing saved, no backward fetch
+        trainable = any(r.param.requires_grad for r in blk.params)
+
         def proxy(*args: Any, **kwargs: Any) -> Any:
-            if torch.is_grad_enabled():
+            if torch.is_grad_enabled() and (trainable or _any_requires_grad(args, kwargs)):
                 args, kwargs, stripped = _strip_cache(args, kwargs)
                 if stripped and not self._warned_cache:
                     self._warned_cache = True
@@ -337,7 +346,7 @@ class StreamingEngine:
                 for i, o in zip(call.out_pos, outs):
                     out_flat[i] = o
                 return tree_unflatten(out_flat, call.out_spec)
-            bufs = self.acquire(blk, backward=False)
+            bufs = self.acquire(blk, backward=False, training=torch.is_grad_enabled())
             t0 = time.perf_counter()
             try:
                 with self._bind(blk, bufs, None):
@@ -462,6 +471,7 @@ class StreamingEngine:
                 call.saved.append(None)
             else:
                 call.saved.append(t)
+                call.versions[i] = t._version
 
     def _load_inputs(self, call: _Call) -> list[torch.Tensor]:
         """The call's tensor inputs, recomputing linked ones from the segment start if needed."""
@@ -473,6 +483,11 @@ class StreamingEngine:
                 t = self._recomputed[call.pos - 1][call.links[i]]
             elif i in call.offloaded:
                 t = self._restore(call.offloaded[i])
+            elif t is not None and t._version != call.versions.get(i, t._version):
+                raise RuntimeError(
+                    f"megatrain: input {i} of block {call.block.name} was modified in place after the block's "
+                    "forward; its recompute would be wrong. Make the operation after the block out of place."
+                )
             out.append(t)  # type: ignore[arg-type]
         return out
 
@@ -492,7 +507,7 @@ class StreamingEngine:
 
     def _done_backward(self, call: _Call) -> None:
         self._recomputed.pop(call.pos - 1, None)
-        call.saved, call.offloaded = [], {}
+        call.saved, call.offloaded, call.versions = [], {}, {}
 
     def _backward_sequence(self) -> list[int]:
         """Block fetch order of the coming backward (recompute chains included), for prefetching."""
