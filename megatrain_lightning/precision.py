@@ -1,55 +1,161 @@
 """``MegaTrainPrecision``: the precision plugin of the ``megatrain`` strategy.
 
-It owns the optimizer step: Lightning's closure runs the training step and
-``loss.backward()`` (the engine streams blocks and sends gradients to the host),
-then the plugin waits for the gradients, exposes them as ``param.grad`` views of
-the fp32 host accumulators, runs ``on_before_optimizer_step`` and gradient
-clipping exactly as Lightning's base plugin does, and hands the step to the
-host AdamW (never to the user's optimizer's own ``step``).
+Master weights, gradient accumulators and AdamW states are fp32 on the host in
+every mode: that is what "full-precision training" means here. The precision
+only decides what crosses the link and how the device computes:
 
-Supported now: ``"32-true"`` (fp32 compute on fp32 master weights). The mixed
-precisions are tracked in issue 3; any other string raises
-:class:`UnsupportedPrecisionError` naming the supported choices.
+================  ===============  ==============  =================  ==============================
+precision         H2D weights      device params   autocast           gradients D2H (default)
+================  ===============  ==============  =================  ==============================
+``"32-true"``     fp32             fp32            none               fp32
+``"bf16-mixed"``  bf16             fp32 (upcast)   bf16               fp32 (``grad_dtype="bf16"``)
+``"16-mixed"``    fp16             fp32 (upcast)   fp16 + loss scale  fp32 (``grad_dtype="fp16"``)
+``"bf16-true"``   bf16             bf16            none               bf16
+================  ===============  ==============  =================  ==============================
+
+Mixed modes stream a bf16/fp16 copy of each slab (half the H2D bytes) and
+upcast it on the device, then run under ``torch.autocast`` exactly as
+Lightning's own ``bf16-mixed``/``16-mixed`` run on fp32 weights: matmuls in
+bf16/fp16, the ops autocast keeps in fp32 (softmax, norms, losses) in fp32, the
+residual stream in fp32. The only difference from Lightning's mixed precision
+is that every parameter (norm weights included) is rounded to bf16/fp16 once
+before the upcast. ``"bf16-true"`` runs the block entirely in bf16 (the master
+stays fp32, unlike Lightning's ``bf16-true``).
+
+``"16-mixed"`` uses dynamic loss scaling with ``torch.amp.GradScaler``'s
+semantics (init 2**16, x0.5 on inf/NaN, x2 after 2000 clean steps): gradients
+are unscaled on the host before ``on_before_optimizer_step`` and clipping; a
+step with inf/NaN gradients is skipped without touching weights or AdamW state.
+The scaler state is in :meth:`state_dict` (saved in Lightning checkpoints).
+
+Lightning's connector builds its generic plugin from ``precision=`` and the
+strategy converts it with :func:`to_megatrain_precision`. Note: with
+``accelerator="cpu"`` Lightning rewrites ``"16-mixed"`` to ``"bf16-mixed"``
+before any strategy sees it; pass ``plugins=[MegaTrainPrecision("16-mixed")]``
+to get fp16 on the CPU.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Generator
 
 import torch
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 
-SUPPORTED_PRECISION = ("32-true", "32", 32)
+_ALIASES = {"32": "32-true", 32: "32-true", "32-true": "32-true", "bf16-mixed": "bf16-mixed",
+            "16-mixed": "16-mixed", "16": "16-mixed", 16: "16-mixed", "bf16-true": "bf16-true"}
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+_GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class UnsupportedPrecisionError(ValueError):
     """The requested precision is not implemented by the megatrain strategy."""
 
 
+def _unsupported(name: Any) -> UnsupportedPrecisionError:
+    hint = {
+        "16-true": " fp16 without loss scaling underflows; use '16-mixed'.",
+        "64-true": " fp64 is not streamed.",
+        "transformer-engine": " FP8 via Transformer Engine is not implemented.",
+    }.get(str(name).split("-float")[0], "")
+    return UnsupportedPrecisionError(
+        f"megatrain supports precision in {SUPPORTED_PRECISION}; got {name!r}.{hint}"
+    )
+
+
 class MegaTrainPrecision(Precision):
     """Precision plugin for :class:`~megatrain_lightning.strategy.MegaTrainStrategy`.
 
     Args:
-        precision: ``"32-true"``: fp32 master weights, fp32 compute copies, fp32 gradients.
+        precision: one of ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"`` (see the
+            module docstring for what each streams and computes).
+        grad_dtype: dtype of parameter gradients on the D2H link: ``"fp32"`` (default for
+            ``32-true`` and the mixed modes) or the compute dtype (``"bf16"``/``"fp16"``: half the
+            D2H bytes). Host accumulation is always fp32.
+        init_scale, growth_factor, backoff_factor, growth_interval: dynamic loss scaling for
+            ``"16-mixed"`` (defaults of ``torch.amp.GradScaler``).
+        device_type: ``"cpu"`` or ``"cuda"`` for autocast; set by the strategy from its device.
 
     Raises:
-        UnsupportedPrecisionError: any other precision.
+        UnsupportedPrecisionError: any other precision or grad dtype.
     """
 
-    def __init__(self, precision: str | int = "32-true") -> None:
-        if precision not in SUPPORTED_PRECISION:
-            raise UnsupportedPrecisionError(
-                f"megatrain supports precision='32-true' (fp32 master weights and compute); got {precision!r}. "
-                "Use Trainer(precision='32-true') (the default)."
-            )
-        self.precision = "32-true"  # type: ignore[assignment]
+    def __init__(
+        self,
+        precision: str | int = "32-true",
+        grad_dtype: str | None = None,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        device_type: str = "cpu",
+    ) -> None:
+        if precision not in _ALIASES:
+            raise _unsupported(precision)
+        self.precision = _ALIASES[precision]  # type: ignore[assignment]
+        half = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "bf16-true": torch.bfloat16}
+        self.wire_dtype = half.get(self.precision, torch.float32)
+        self.param_dtype = torch.bfloat16 if self.precision == "bf16-true" else torch.float32
+        self.autocast_dtype = half.get(self.precision) if self.precision.endswith("mixed") else None
+        default_grad = "bf16" if self.precision == "bf16-true" else "fp32"
+        grad_dtype = grad_dtype or default_grad
+        if grad_dtype not in _GRAD_DTYPES:
+            raise UnsupportedPrecisionError(f"grad_dtype must be one of {sorted(_GRAD_DTYPES)}, got {grad_dtype!r}.")
+        self.grad_dtype = _GRAD_DTYPES[grad_dtype]
+        self.device_type = device_type
+        self.scaling = self.precision == "16-mixed"
+        self.scale = float(init_scale)
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.growth_tracker = 0
+        self.skipped_steps = 0
         self.engine = None  # set by the strategy
 
     @property
     def compute_dtype(self) -> torch.dtype:
         """dtype of the weight copies streamed to the device."""
-        return torch.float32
+        return self.wire_dtype
 
+    # ------------------------------------------------------------------ contexts
+    def autocast_context(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.autocast_dtype)
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        """Autocast around training/validation/test/predict steps for the mixed modes."""
+        with self.autocast_context():
+            yield
+
+    # ------------------------------------------------------------------ loss scaling
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
+        if self.scaling:
+            tensor = tensor * self.scale
+        return super().pre_backward(tensor, module)
+
+    def _unscale_and_check(self, optimizer: Any) -> bool:
+        """Divide the host gradients by the scale in place; return True if any is inf/NaN."""
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        found_inf = torch.zeros(1)
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, torch.full((1,), 1.0 / self.scale))
+        return bool(found_inf.item())
+
+    def _update_scale(self, found_inf: bool) -> None:
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.growth_tracker = 0
+            self.skipped_steps += 1
+        else:
+            self.growth_tracker += 1
+            if self.growth_tracker == self.growth_interval:
+                self.scale *= self.growth_factor
+                self.growth_tracker = 0
+
+    # ------------------------------------------------------------------ step
     def optimizer_step(  # type: ignore[override]
         self,
         optimizer: Any,
@@ -57,7 +163,7 @@ class MegaTrainPrecision(Precision):
         closure: Callable[[], Any],
         **kwargs: Any,
     ) -> Any:
-        """Run the closure, Lightning's pre-step hooks and clipping, then the host AdamW step.
+        """Closure, unscale (16-mixed), Lightning's pre-step hooks and clipping, then the host AdamW step.
 
         Returns the closure's result (the loss Lightning logs), as ``Optimizer.step(closure)`` does.
         """
@@ -66,9 +172,27 @@ class MegaTrainPrecision(Precision):
             raise RuntimeError("MegaTrainPrecision is only usable with strategy='megatrain'.")
         closure_result = closure()
         engine.attach_grads()
+        found_inf = self._unscale_and_check(optimizer) if self.scaling else False
         self._after_closure(model, optimizer)
-        engine.step()
+        if found_inf:
+            engine.skip_step()
+        else:
+            engine.step()
+        if self.scaling:
+            self._update_scale(found_inf)
         return closure_result
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        if not self.scaling:
+            return {}
+        return {"scale": self.scale, "growth_tracker": self.growth_tracker, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaling and state_dict:
+            self.scale = float(state_dict["scale"])
+            self.growth_tracker = int(state_dict["growth_tracker"])
+            self.skipped_steps = int(state_dict.get("skipped_steps", 0))
 
 
 def to_megatrain_precision(plugin: Precision | None) -> MegaTrainPrecision | None:
@@ -81,8 +205,8 @@ def to_megatrain_precision(plugin: Precision | None) -> MegaTrainPrecision | Non
         return plugin
     if type(plugin) is Precision:
         return MegaTrainPrecision("32-true")
-    name = getattr(plugin, "precision", type(plugin).__name__)
-    raise UnsupportedPrecisionError(
-        f"megatrain supports precision='32-true'; the Trainer asked for {name!r} ({type(plugin).__name__}). "
-        "Use Trainer(precision='32-true')."
-    )
+    if type(plugin) is MixedPrecision:
+        return MegaTrainPrecision(plugin.precision, device_type=str(plugin.device))
+    if type(plugin) is HalfPrecision and plugin.precision == "bf16-true":
+        return MegaTrainPrecision("bf16-true")
+    raise _unsupported(getattr(plugin, "precision", type(plugin).__name__))

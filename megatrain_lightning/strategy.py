@@ -176,7 +176,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         plugin = self.precision_plugin
         assert isinstance(plugin, MegaTrainPrecision)
         plugin.engine = self.engine
-        self.engine.compute_dtype = plugin.compute_dtype
+        plugin.device_type = self.root_device.type
+        self.engine.configure_precision(plugin.wire_dtype, plugin.param_dtype, plugin.grad_dtype)
         self.setup_precision_plugin()
 
     def _take_over_optimizer(self) -> None:

@@ -98,6 +98,7 @@ class StepStats:
             weight/gradient buffers the engine had alive at once.
         blocks_fetched: number of block fetches (forward + backward + evaluation).
         prefetch_misses: fetches that were not prefetched (the compute thread had to start the copy).
+        cast_s: seconds the H2D worker spent casting fp32 masters to the bf16/fp16 wire copies.
     """
 
     h2d_bytes: int = 0
@@ -108,6 +109,7 @@ class StepStats:
     peak_device_bytes: int = 0
     blocks_fetched: int = 0
     prefetch_misses: int = 0
+    cast_s: float = 0.0
 
     def as_dict(self, prefix: str = "megatrain/") -> dict[str, float]:
         return {prefix + k: float(v) for k, v in self.__dict__.items()}
@@ -235,7 +237,9 @@ class StreamingEngine:
         self.store: HostStore = build_store(self.blocks, pin_memory=pin_memory)
         self.trainable = [p.requires_grad for p in root.parameters()]
         self.transport = make_transport(self.device, self.store.max_slab_numel(trainable=True), cpu_zero_copy)
-        self.compute_dtype = torch.float32
+        self.wire_dtype = torch.float32  # dtype of weights on the H2D link
+        self.param_dtype = torch.float32  # dtype the block's parameters have while it computes
+        self.grad_wire_dtype = torch.float32  # dtype of gradients on the D2H link
         self.optimizer: HostAdamW | None = None
         self._h2d = ThreadPoolExecutor(1, thread_name_prefix="megatrain-h2d")
         self._d2h = ThreadPoolExecutor(1, thread_name_prefix="megatrain-d2h")
@@ -605,14 +609,40 @@ class StreamingEngine:
             slab = self.store.slabs[si]
             if self.optimizer is not None:
                 self.optimizer.apply_pending(si)
-            buf, ev = self.transport.to_device(slab.master, self.compute_dtype)
+            src = slab.master if self.wire_dtype == torch.float32 else self._shadow(slab)
+            buf, ev = self.transport.to_device(src, self.param_dtype)
             slab.last_read = ev
+            self.stats.h2d_bytes += src.numel() * src.element_size()
             nbytes = buf.numel() * buf.element_size()
-            self.stats.h2d_bytes += nbytes
             self._track(nbytes)
             out[si] = (buf, ev)
         self.stats.blocks_fetched += 1
         return out
+
+    def configure_precision(self, wire: torch.dtype, param: torch.dtype, grad_wire: torch.dtype) -> None:
+        """Set the dtypes of the H2D weight copies, of the bound parameters and of D2H gradients."""
+        if (wire, param, grad_wire) != (self.wire_dtype, self.param_dtype, self.grad_wire_dtype):
+            self._drop_prefetched()
+        self.wire_dtype, self.param_dtype, self.grad_wire_dtype = wire, param, grad_wire
+
+    def _shadow(self, slab) -> torch.Tensor:
+        """Host copy of the master slab in ``wire_dtype`` (2 bytes/param for bf16/fp16), refreshed when
+        the master changed (an optimizer update, or its version counter moved: state-dict load).
+
+        One cast per slab per optimizer step, made by the H2D worker right after the slab's update,
+        instead of one cast per fetch (each block is fetched twice per step)."""
+        with slab.lock:
+            v = (slab.updates, slab.master._version)
+            if slab.shadow is None or slab.shadow.dtype != self.wire_dtype:
+                slab.shadow = torch.empty(slab.numel, dtype=self.wire_dtype, pin_memory=self.device.type == "cuda")
+                slab.shadow_version = (-1, -1)
+            if slab.shadow_version != v:
+                self.transport.last_read_done(slab.last_read)  # an async H2D may still read the shadow
+                t0 = time.perf_counter()
+                slab.shadow.copy_(slab.master)
+                slab.shadow_version = v
+                self.stats.cast_s += time.perf_counter() - t0
+            return slab.shadow
 
     def _track(self, nbytes: int) -> None:
         with self._live_lock:
@@ -622,6 +652,7 @@ class StreamingEngine:
     def _release(self, bufs: dict[int, torch.Tensor]) -> None:
         self._track(-sum(b.numel() * b.element_size() for b in bufs.values()))
         bufs.clear()
+        self.transport.released()
 
     def _drop_prefetched(self) -> None:
         """Wait for and discard prefetched copies (they predate an optimizer update)."""
@@ -640,10 +671,11 @@ class StreamingEngine:
         for ref, g in zip(refs, grads):
             if g is not None:
                 by_slab.setdefault(ref.slab, []).append((ref.index, g))
+        wire = self.grad_wire_dtype
         for si, items in by_slab.items():
-            nbytes = sum(g.numel() * g.element_size() for _, g in items)
+            nbytes = sum(g.numel() * wire.itemsize for _, g in items)
             self._track(nbytes)
-            run = self.transport.stage_grads([g for _, g in items])
+            run = self.transport.stage_grads([g for _, g in items], wire)
             idx = [i for i, _ in items]
             self.stats.d2h_bytes += nbytes
             self._d2h_futures.append(self._d2h.submit(self._accumulate, si, idx, run, nbytes))
@@ -712,6 +744,13 @@ class StreamingEngine:
         self._drop_prefetched()  # prefetched copies predate this update
         self.optimizer.step()
         self.detach_grads()
+
+    def skip_step(self) -> None:
+        """Drop the accumulated gradients without any update (a skipped fp16 step)."""
+        self.wait_grads()
+        self.detach_grads()
+        if self.optimizer is not None:
+            self.optimizer.discard_grads()
 
     def flush(self) -> None:
         """Apply all pending optimizer updates (call before reading parameters directly)."""

@@ -16,6 +16,7 @@ separate host tensor filled by a worker thread, so CI runs the same schedule.
 
 from __future__ import annotations
 
+import collections
 import queue
 from typing import Callable, Sequence
 
@@ -36,7 +37,8 @@ class CPUTransport:
         self.zero_copy = zero_copy
 
     def to_device(self, host: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, None]:
-        """Copy ``host`` (fp32, ``[n]``) into a new buffer of ``dtype``; returns ``(buffer, None)``."""
+        """Copy ``host`` (``[n]``, fp32 master or bf16/fp16 wire copy) into a new buffer of ``dtype``
+        (converting on the way); returns ``(buffer, None)``."""
         if self.zero_copy and dtype == host.dtype:
             return host, None
         buf = torch.empty(host.shape, dtype=dtype)
@@ -57,13 +59,17 @@ class CPUTransport:
     def last_read_done(self, event: object) -> None:
         """Nothing to wait for on CPU."""
 
-    def stage_grads(self, grads: Sequence[torch.Tensor]) -> Callable[[Callable[[list[torch.Tensor]], None]], None]:
-        """Return ``run(consume)`` (called on the D2H worker) that hands ``consume`` the gradients
-        as host fp32 tensors, same shapes as ``grads``."""
+    def released(self) -> None:
+        """A block's buffers were released by the compute thread (nothing to track on CPU)."""
+
+    def stage_grads(self, grads: Sequence[torch.Tensor], wire: torch.dtype = torch.float32
+                    ) -> Callable[[Callable[[list[torch.Tensor]], None]], None]:
+        """Return ``run(consume)`` (called on the D2H worker) that hands ``consume`` the gradients as
+        host tensors of dtype ``wire`` (same shapes as ``grads``); ``consume`` adds them into fp32."""
         grads = list(grads)
 
         def run(consume: Callable[[list[torch.Tensor]], None]) -> None:
-            consume([g if g.dtype == torch.float32 else g.float() for g in grads])
+            consume([g if g.dtype == wire else g.to(wire) for g in grads])
 
         return run
 
@@ -87,8 +93,13 @@ class CUDATransport:
             previous block's are being added on the host).
     """
 
-    def __init__(self, device: torch.device, staging_numel: int, n_staging: int = 2):
+    def __init__(self, device: torch.device, staging_numel: int, n_staging: int = 2, max_inflight: int = 2):
         self.device = device
+        # events recorded on the compute stream when a block's buffers were released; the H2D
+        # worker waits for the oldest before allocating more, so the host cannot queue work
+        # (and device buffers the allocator cannot reuse yet) unboundedly ahead of the GPU
+        self._inflight: "collections.deque[torch.cuda.Event]" = collections.deque()
+        self.max_inflight = max_inflight
         self.h2d_stream = torch.cuda.Stream(device=device)
         self.d2h_stream = torch.cuda.Stream(device=device)
         self._staging: "queue.Queue[torch.Tensor]" = queue.Queue()
@@ -96,7 +107,11 @@ class CUDATransport:
             self._staging.put(torch.empty(max(staging_numel, 1), dtype=torch.float32, pin_memory=True))
 
     def to_device(self, host: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, object]:
-        """Asynchronous H2D copy of the pinned ``host`` slab on the H2D stream; returns ``(buffer, event)``."""
+        """Asynchronous H2D copy of the pinned ``host`` slab on the H2D stream; returns ``(buffer, event)``.
+
+        Waits first until at most ``max_inflight`` released blocks are still being computed on the GPU."""
+        while len(self._inflight) > self.max_inflight:
+            self._inflight.popleft().synchronize()
         with torch.cuda.device(self.device), torch.cuda.stream(self.h2d_stream):
             buf = torch.empty(host.shape, dtype=host.dtype, device=self.device)
             buf.copy_(host, non_blocking=True)
@@ -135,20 +150,27 @@ class CUDATransport:
         cur.wait_event(event)
         return host.to(self.device, non_blocking=True)
 
+    def released(self) -> None:
+        """Record on the compute stream that the block just released finishes there."""
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        self._inflight.append(ev)
+
     def last_read_done(self, event: object) -> None:
         """Block the host until a previous H2D read of a master slab finished (before the optimizer writes it)."""
         if event is not None:
             event.synchronize()
 
-    def stage_grads(self, grads: Sequence[torch.Tensor]) -> Callable[[Callable[[list[torch.Tensor]], None]], None]:
-        """Pack gradients into one flat fp32 tensor on the compute stream and return ``run(consume)``.
+    def stage_grads(self, grads: Sequence[torch.Tensor], wire: torch.dtype = torch.float32
+                    ) -> Callable[[Callable[[list[torch.Tensor]], None]], None]:
+        """Pack gradients into one flat ``wire``-dtype tensor on the compute stream and return ``run(consume)``.
 
         ``run`` (called on the D2H worker thread) takes a pinned staging buffer, copies the flat
         gradient into it on the D2H stream after the compute stream's event, waits for the copy,
         hands ``consume`` host views (same shapes as ``grads``) and returns the buffer to the pool.
         """
         cur = torch.cuda.current_stream(self.device)
-        flat = torch.cat([g.reshape(-1).float() for g in grads]) if grads else torch.empty(0, device=self.device)
+        flat = torch.cat([g.reshape(-1).to(wire) for g in grads]) if grads else torch.empty(0, device=self.device, dtype=wire)
         ev_compute = torch.cuda.Event()
         ev_compute.record(cur)
         shapes = [g.shape for g in grads]
@@ -159,14 +181,15 @@ class CUDATransport:
                 with torch.cuda.device(self.device), torch.cuda.stream(self.d2h_stream):
                     self.d2h_stream.wait_event(ev_compute)
                     flat.record_stream(self.d2h_stream)
-                    staging[: flat.numel()].copy_(flat, non_blocking=True)
+                    host = staging.view(wire) if wire.itemsize <= 4 else staging
+                    host[: flat.numel()].copy_(flat, non_blocking=True)
                     done = torch.cuda.Event()
                     done.record(self.d2h_stream)
                 done.synchronize()
                 out, off = [], 0
                 for shp in shapes:
                     n = shp.numel()
-                    out.append(staging[off : off + n].view(shp))
+                    out.append(host[off : off + n].view(shp))
                     off += n
                 consume(out)
             finally:

@@ -168,6 +168,7 @@ class HostAdamW:
             if self.transport is not None:
                 self.transport.last_read_done(slab.last_read)
             self._update(slab, hyper)
+            slab.updates += 1
             slab.acc_empty = True
             slab.has_grad = [False] * len(slab.entries)
             self.optimizer_seconds += time.perf_counter() - t0

@@ -60,6 +60,9 @@ class Slab:
         acc_empty: ``True`` when ``acc`` holds nothing of the current window (the next gradient is copied, not added).
         lock: serialises optimizer updates and gradient writes on this slab across threads.
         last_read: CUDA event of the last H2D copy out of ``master`` (the optimizer waits on it before writing).
+        shadow: bf16/fp16 copy of ``master`` streamed instead of it under mixed precision (2 bytes/param).
+        shadow_version: ``(updates, master._version)`` when ``shadow`` was last written.
+        updates: optimizer updates applied to ``master`` (the fused kernel does not bump ``_version``).
     """
 
     index: int
@@ -69,8 +72,11 @@ class Slab:
     acc: torch.Tensor | None = None
     has_grad: list[bool] = field(default_factory=list)
     acc_empty: bool = True
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    lock: threading.RLock = field(default_factory=threading.RLock)
     last_read: object | None = None
+    shadow: torch.Tensor | None = None
+    shadow_version: tuple[int, int] = (-1, -1)
+    updates: int = 0
 
     @property
     def numel(self) -> int:

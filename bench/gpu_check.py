@@ -1,0 +1,350 @@
+"""CUDA acceptance checks for strategy="megatrain" (driven by bench/gpu_check.sh).
+
+One sub-command per check; each writes ``<parts>/<check>.json`` (result PASS/FAIL/SKIP and its
+key numbers) and ``summary`` gathers them into a table and bench/results/gpu_check.json.
+
+* ``env``:      torch / CUDA / device name, transformers and lightning versions.
+* ``pytest``:   the CPU test suite (``python -m pytest tests -x -q``) still passes.
+* ``parity``:   llama, llama_tied, mixtral, gemma2, gpt2 (tiny configs of tests/helpers.py), 20 steps of
+                Trainer(strategy="megatrain", accelerator="gpu") against the plain-PyTorch reference loop
+                of tests/helpers.py on CUDA (TF32 off, eager attention, attention key biases frozen as in
+                tests/test_parity.py), plus llama_tied with offload_activations=True and with
+                checkpoint_every=2. PASS: max relative loss and weight error <= 1e-5 and the engine really
+                ran on the requested device.
+* ``memory``:   bench/memory_depth.py --device cuda (device peak flat in depth with offload); its own verdict.
+* ``overlap``:  Llama 24 layers, hidden 1024, batch 4 x 512, fp32, 6 steps through the strategy with
+                (lookahead, overlap_optimizer) = (1, True), (0, True), (1, False), (0, False). Step time is
+                measured with torch.cuda.synchronize() at every batch end (the engine's wait_s/compute_s
+                are host-side times: on CUDA they miss stalls of the compute stream on copy events).
+                Reports median step, achieved H2D GB/s (h2d_bytes / step), wait_s fraction, peak device
+                memory against the model's fp32 size, the raw pinned H2D link speed, and the speedups
+                lookahead 1 over 0 and overlap_optimizer True over False.
+                PASS: lookahead=1 is faster and waits less than lookahead=0, overlap_optimizer=True is not
+                slower than False (5% noise allowed).
+* ``overhead``: bench/overhead.py --device cuda (megatrain / HF-checkpointing step-time ratio); its own verdict.
+
+``--cpu-dry-run``: every check on the CPU with tiny sizes, to exercise this script without a GPU
+(timings, and the memory/overlap/overhead verdicts, mean nothing at those sizes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+CHECKS = ["pytest", "parity", "memory", "overlap", "overhead"]
+TOL = 1e-5
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts: deterministic cuBLAS
+
+
+def sh(cmd: list[str]) -> tuple[int, list[str]]:
+    """Run ``cmd`` in the repo root, echoing its output; returns (rc, lines)."""
+    print("$", " ".join(cmd), flush=True)
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in p.stdout:  # type: ignore[union-attr]
+        print(line, end="", flush=True)
+        lines.append(line)
+    return p.wait(), lines
+
+
+def device(a) -> str:
+    return "cpu" if a.cpu_dry_run else "cuda"
+
+
+def sync(dev: str) -> None:
+    import torch
+
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+def trainer(dev: str, steps: int, callbacks=(), **strategy_kwargs):
+    import lightning.pytorch as pl
+
+    from megatrain_lightning import MegaTrainStrategy
+
+    return pl.Trainer(strategy=MegaTrainStrategy(**strategy_kwargs), accelerator="gpu" if dev == "cuda" else "cpu",
+                      devices=1, max_steps=steps, enable_checkpointing=False, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, callbacks=list(callbacks))
+
+
+# ---------------------------------------------------------------- checks
+def check_env(a) -> dict:
+    import lightning
+    import torch
+    import transformers
+
+    cuda = torch.cuda.is_available()
+    env = {"torch": torch.__version__, "cuda_available": cuda, "torch_cuda": torch.version.cuda,
+           "device_name": torch.cuda.get_device_name(0) if cuda else None, "transformers": transformers.__version__,
+           "lightning": lightning.__version__, "cpu_threads": torch.get_num_threads()}
+    print(json.dumps(env, indent=1))
+    ok = cuda or a.cpu_dry_run
+    return {"result": "PASS" if ok else "FAIL", "numbers": env}
+
+
+def check_pytest(a) -> dict:
+    target = ["tests/test_errors.py"] if a.cpu_dry_run else ["tests"]
+    # pyproject's addopts already has -q; a second -q would drop the "N passed" line
+    rc, lines = sh([sys.executable, "-m", "pytest", *target, "-x", "-p", "no:cacheprovider"])
+    last = next((ln.strip() for ln in reversed(lines) if " in " in ln and ("passed" in ln or "failed" in ln or "error" in ln)), "")
+    return {"result": "PASS" if rc == 0 else "FAIL", "numbers": {"rc": rc, "pytest": last}}
+
+
+class OnDevice:
+    """A DataLoader whose batches are moved to ``dev`` (for the reference loop)."""
+
+    def __init__(self, loader, dev):
+        self.loader, self.dev = loader, dev
+
+    def __iter__(self):
+        for batch in self.loader:
+            yield [t.to(self.dev) for t in batch]
+
+
+def check_parity(a) -> dict:
+    import torch
+    from helpers import LM, make_data, make_model, reference_train, rel
+    from test_parity import _freeze_key_biases
+
+    dev = device(a)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    # both runs use the deterministic kernels where torch has them (index_add_ of the MoE, scatter-adds):
+    # atomics would add run-to-run noise that is not the strategy's
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    steps = 5 if a.cpu_dry_run else 20
+    runs = [(arch, {}) for arch in ("llama", "llama_tied", "mixtral", "gemma2", "gpt2")]
+    runs += [("llama_tied", {"offload_activations": True}), ("llama_tied", {"checkpoint_every": 2})]
+    rows = []
+    for arch, kw in runs:
+        name = arch + "".join(f" {k}={v}" for k, v in kw.items())
+        t0 = time.perf_counter()
+        model = make_model(arch)
+        _freeze_key_biases(model)
+        ref = copy.deepcopy(model)
+        lm = LM(model, total_steps=steps)
+        torch.manual_seed(0)
+        tr = trainer(dev, steps, **kw)
+        tr.fit(lm, make_data(n=2 * steps))
+        eng = tr.strategy.engine
+        ran_on = eng.device.type
+        peak = max(h["megatrain/peak_device_bytes"] for h in eng.history)
+        eng.close()
+        torch.manual_seed(0)
+        ref.to(dev)
+        ref_losses = reference_train(ref, OnDevice(make_data(n=2 * steps), dev), steps)
+        loss_err = max(abs(x - y) / abs(y) for x, y in zip(lm.losses, ref_losses)) if len(lm.losses) == len(ref_losses) else float("inf")
+        refp = dict(ref.named_parameters())
+        w_err, w_worst = 0.0, ""
+        for k, p in lm.model.named_parameters():
+            r = rel(p.detach().cpu(), refp[k].detach().cpu())
+            if r > w_err:
+                w_err, w_worst = r, k
+        ok = loss_err <= TOL and w_err <= TOL and ran_on == dev and len(lm.losses) == steps
+        rows.append({"run": name, "loss_rel_err": loss_err, "weight_rel_err": w_err, "worst_param": w_worst,
+                     "engine_device": ran_on, "peak_device_bytes": peak, "steps": len(lm.losses), "pass": ok,
+                     "seconds": time.perf_counter() - t0})
+        print(f"  {name:36s} loss {loss_err:.2e} weight {w_err:.2e} ({w_worst}) on {ran_on}: {'ok' if ok else 'FAIL'}", flush=True)
+        del model, ref, lm, tr, eng
+        gc.collect()
+    nums = {"max_loss_rel_err": max(r["loss_rel_err"] for r in rows), "max_weight_rel_err": max(r["weight_rel_err"] for r in rows),
+            "runs_passed": f"{sum(r['pass'] for r in rows)}/{len(rows)}", "steps": steps}
+    return {"result": "PASS" if all(r["pass"] for r in rows) else "FAIL", "numbers": nums, "details": rows}
+
+
+def _bench(script: str, a, dry_args: list[str]) -> tuple[int, dict | None]:
+    tag = "dryrun" if a.cpu_dry_run else "cuda"
+    out = os.path.join(a.results, f"{script}_{tag}.json")
+    if os.path.exists(out):
+        os.remove(out)
+    args = ["--device", device(a), "--out", out] + (dry_args if a.cpu_dry_run else [])
+    rc, _ = sh([sys.executable, os.path.join(ROOT, "bench", script + ".py"), *args])
+    if not os.path.exists(out):
+        return rc, None
+    with open(out) as f:
+        return rc, json.load(f)
+
+
+def check_memory(a) -> dict:
+    rc, res = _bench("memory_depth", a, ["--warmup", "1"])
+    if res is None:
+        return {"result": "FAIL", "numbers": {"rc": rc, "error": "no result JSON"}}
+    mib = lambda r: round(r.get("device_peak_bytes", 0) / 2**20, 2)  # noqa: E731
+    peaks = {f"L{r['layers']}_{'offload' if r['offload'] else 'keep'}_MiB": mib(r) for r in res.get("rows", [])}
+    nums = {"growth_4_to_32_offload": res.get("growth_4_to_32_offload"), "target": res.get("target_growth"), **peaks}
+    return {"result": "PASS" if rc == 0 and res.get("pass") else "FAIL", "numbers": nums}
+
+
+def check_overhead(a) -> dict:
+    rc, res = _bench("overhead", a, ["--steps", "2", "--warmup", "1", "--seq", "32", "--layers", "2"])
+    if res is None:
+        return {"result": "FAIL", "numbers": {"rc": rc, "error": "no result JSON"}}
+    med = {r["name"]: r.get("median_s") for r in res.get("rows", [])}
+    nums = {"ratio": res.get("ratio"), "target": res.get("target_ratio"), "median_s": med}
+    return {"result": "PASS" if rc == 0 and res.get("pass") else "FAIL", "numbers": nums}
+
+
+def _link_gbps(dev: str) -> float | None:
+    """Raw pinned host -> device copy speed (256 MiB, best of 5)."""
+    import torch
+
+    if dev != "cuda":
+        return None
+    src = torch.empty(64 * 2**20, dtype=torch.float32, pin_memory=True)
+    dst = torch.empty_like(src, device="cuda")
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return src.numel() * 4 / best / 1e9
+
+
+def check_overlap(a) -> dict:
+    import lightning.pytorch as pl
+    import torch
+    import transformers
+    from helpers import LM
+    from torch.utils.data import DataLoader, TensorDataset
+
+    dev = device(a)
+    if a.cpu_dry_run:
+        size = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+        batch, seq, steps, warm = 2, 32, 4, 1
+    else:
+        size = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16)
+        batch, seq, steps, warm = 4, 512, 6, 2
+    cfg = transformers.LlamaConfig(**size, num_key_value_heads=size["num_attention_heads"], max_position_embeddings=seq,
+                                   tie_word_embeddings=False, use_cache=False)
+    ids = torch.randint(0, cfg.vocab_size, (batch * steps, seq), generator=torch.Generator().manual_seed(1))
+
+    class Timer(pl.Callback):
+        def __init__(self):
+            self.t: list[float] = []
+
+        def on_train_batch_end(self, *args):
+            sync(dev)
+            self.t.append(time.perf_counter())
+
+    configs = [("lookahead=1", dict(lookahead=1)), ("lookahead=0", dict(lookahead=0)),
+               ("lookahead=1 overlap_optimizer=False", dict(lookahead=1, overlap_optimizer=False)),
+               ("lookahead=0 overlap_optimizer=False", dict(lookahead=0, overlap_optimizer=False))]
+    rows, n_params = {}, 0
+    med = statistics.median
+    for name, kw in configs:
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+        n_params = sum(p.numel() for p in model.parameters())
+        lm, timer = LM(model), Timer()
+        tr = trainer(dev, steps, callbacks=[timer], **kw)
+        tr.fit(lm, DataLoader(TensorDataset(ids), batch_size=batch))
+        hist = tr.strategy.engine.history
+        tr.strategy.engine.close()
+        # step i (i >= 1) = batch end i-1 -> batch end i; history[i] accounts the same step
+        step = [timer.t[i] - timer.t[i - 1] for i in range(warm, len(timer.t))]
+        h = hist[warm : len(timer.t)]
+        g = lambda k: [x["megatrain/" + k] for x in h]  # noqa: E731
+        rows[name] = {
+            "median_step_s": med(step),
+            "h2d_GBps": med([b / s / 1e9 for b, s in zip(g("h2d_bytes"), step)]),
+            "d2h_GBps": med([b / s / 1e9 for b, s in zip(g("d2h_bytes"), step)]),
+            "wait_frac": med([w / s for w, s in zip(g("wait_s"), step)]),
+            "wait_s": med(g("wait_s")), "optimizer_s": med(g("optimizer_s")), "compute_s": med(g("compute_s")),
+            "prefetch_misses": med(g("prefetch_misses")), "blocks_fetched": med(g("blocks_fetched")),
+            "peak_device_GiB": max(g("peak_device_bytes")) / 2**30, "step_s": step,
+        }
+        r = rows[name]
+        print(f"  {name:36s} step {r['median_step_s']:.3f}s h2d {r['h2d_GBps']:.1f} GB/s wait {100 * r['wait_frac']:.1f}% "
+              f"optim {r['optimizer_s']:.3f}s misses {r['prefetch_misses']:.0f}/{r['blocks_fetched']:.0f} "
+              f"peak {r['peak_device_GiB']:.2f} GiB", flush=True)
+        del model, lm, tr, hist
+        gc.collect()
+    la1, la0 = rows["lookahead=1"], rows["lookahead=0"]
+    nums = {
+        "median_step_s": la1["median_step_s"], "h2d_GBps": la1["h2d_GBps"], "wait_frac": la1["wait_frac"],
+        "speedup_lookahead_1_over_0": la0["median_step_s"] / la1["median_step_s"],
+        "speedup_lookahead_1_over_0_no_opt_overlap": rows["lookahead=0 overlap_optimizer=False"]["median_step_s"]
+        / rows["lookahead=1 overlap_optimizer=False"]["median_step_s"],
+        "wait_frac_lookahead_0": la0["wait_frac"],
+        "speedup_overlap_optimizer": rows["lookahead=1 overlap_optimizer=False"]["median_step_s"] / la1["median_step_s"],
+        "h2d_link_GBps": _link_gbps(dev), "model_fp32_GiB": 4 * n_params / 2**30, "peak_device_GiB": la1["peak_device_GiB"],
+        "n_params": n_params,
+    }
+    ok = (nums["speedup_lookahead_1_over_0"] > 1.0 and la1["wait_s"] < la0["wait_s"]
+          and nums["speedup_overlap_optimizer"] >= 0.95)
+    return {"result": "PASS" if ok else "FAIL", "numbers": nums, "details": rows}
+
+
+# ---------------------------------------------------------------- summary
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k}: {_fmt(x)}" for k, x in v.items()) + "}"
+    return str(v)
+
+
+def summary(a) -> int:
+    parts = {}
+    for name in ["env", *CHECKS]:
+        path = os.path.join(a.parts, name + ".json")
+        if os.path.exists(path):
+            with open(path) as f:
+                parts[name] = json.load(f)
+            continue
+        rc_path = os.path.join(a.parts, name + ".rc")
+        rc, sec = (open(rc_path).read().split() + ["?", "0"])[:2] if os.path.exists(rc_path) else ("?", "0")
+        why = {"124": "timed out", "137": "killed (timeout -k)", "?": "did not run"}.get(rc, "crashed")
+        parts[name] = {"result": "FAIL", "seconds": float(sec), "numbers": {"rc": rc, "error": why + ", see the log"}}
+    print(f"\n{'check':9s} {'result':6s} {'sec':>5s}  key numbers")
+    for name, p in parts.items():
+        nums = {k: v for k, v in p.get("numbers", {}).items() if k not in ("step_s",)}
+        print(f"{name:9s} {p['result']:6s} {p.get('seconds', 0):5.0f}  {_fmt(nums)}")
+    out = {"mode": "cpu-dry-run" if a.cpu_dry_run else "cuda", "total_s": a.total_s, "checks": parts}
+    os.makedirs(a.results, exist_ok=True)
+    path = os.path.join(a.results, "gpu_check.json")
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {path}")
+    return 1 if any(p["result"] == "FAIL" for p in parts.values()) else 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("check", choices=["env", *CHECKS, "summary"])
+    p.add_argument("--cpu-dry-run", action="store_true")
+    p.add_argument("--parts", required=True, help="folder of per-check result files")
+    p.add_argument("--results", default=os.path.join(ROOT, "bench", "results"))
+    p.add_argument("--total-s", type=float, default=None)
+    a = p.parse_args()
+    if a.check == "summary":
+        return summary(a)
+    t0 = time.perf_counter()
+    try:
+        res = globals()["check_" + a.check](a)
+    except Exception as e:  # noqa: BLE001 - a failed check is a result
+        traceback.print_exc()
+        res = {"result": "FAIL", "numbers": {"error": f"{type(e).__name__}: {e}"[:300]}}
+    res["seconds"] = time.perf_counter() - t0
+    with open(os.path.join(a.parts, a.check + ".json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    print(f"[{a.check}] {res['result']} in {res['seconds']:.0f}s", flush=True)
+    return 0 if res["result"] != "FAIL" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# CUDA acceptance run of megatrain-lightning: one entry point for a short GPU lease.
+#   bash bench/gpu_check.sh                # on the GPU machine, from a fresh checkout (< 8 minutes)
+#   bash bench/gpu_check.sh --cpu-dry-run  # everything on the CPU with tiny sizes (exercises the logic)
+# Checks (see bench/gpu_check.py): env, pytest, parity, memory, overlap, overhead; each under its own
+# timeout inside a global budget (GPU_CHECK_BUDGET_S, default 450 s), continuing after failures.
+# Writes bench/results/gpu_check.json, gpu_check.log, memory_depth_cuda.json, overhead_cuda.json
+# (dry run: into ${TMPDIR:-/tmp}/gpu_check_dryrun instead) and copies them to $OUT when it is set.
+set -u
+cd "$(dirname "$0")/.."
+
+DRY=""
+RESULTS=bench/results
+if [ "${1:-}" = "--cpu-dry-run" ]; then
+    DRY="--cpu-dry-run"
+    RESULTS=${TMPDIR:-/tmp}/gpu_check_dryrun
+fi
+BUDGET=${GPU_CHECK_BUDGET_S:-450}
+mkdir -p "$RESULTS"
+LOG=$RESULTS/gpu_check.log
+PARTS=$(mktemp -d)
+START=$(date +%s)
+
+setup() {
+    if [ -f .venv/bin/activate ]; then
+        . .venv/bin/activate
+    else
+        echo "== creating .venv (system site packages: reuse an installed CUDA torch)"
+        python3 -m venv --system-site-packages .venv && . .venv/bin/activate
+        if python -c 'import torch, lightning, transformers, hydra, safetensors, pytest' 2>/dev/null; then
+            timeout 60 pip install -q --no-deps --no-build-isolation -e .  # dependencies present: stay offline
+        else
+            timeout 150 pip install -q --retries 1 --timeout 15 -e '.[test]'
+        fi || echo "pip install failed: falling back to PYTHONPATH"
+    fi
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+    python -c 'import torch; print("torch", torch.__version__, "cuda available", torch.cuda.is_available(),
+        torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")' || echo "torch import failed"
+}
+
+# run_check NAME LIMIT_S: run one check under min(LIMIT_S, budget left); SKIP when under 20 s remain
+run_check() {
+    local name=$1 limit=$2 left
+    left=$((BUDGET - ($(date +%s) - START)))
+    [ "$left" -lt "$limit" ] && limit=$left
+    if [ "$limit" -lt 20 ]; then
+        echo "{\"result\": \"SKIP\", \"numbers\": {\"why\": \"global budget ${BUDGET}s spent\"}}" > "$PARTS/$name.json"
+        return
+    fi
+    local t0=$(date +%s)
+    echo; echo "== $name (timeout ${limit}s, $((t0 - START))s elapsed)"
+    timeout -k 10 "$limit" python bench/gpu_check.py "$name" $DRY --parts "$PARTS" --results "$RESULTS"
+    echo "$? $(($(date +%s) - t0))" > "$PARTS/$name.rc"
+}
+
+main() {
+    setup
+    run_check env 60
+    run_check pytest 120
+    run_check parity 120
+    run_check memory 90
+    run_check overlap 150
+    run_check overhead 120
+    python bench/gpu_check.py summary $DRY --parts "$PARTS" --results "$RESULTS" --total-s $(($(date +%s) - START))
+}
+
+main 2>&1 | tee "$LOG"
+rc=${PIPESTATUS[0]}
+rm -rf "$PARTS"
+if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then
+    cp "$RESULTS"/gpu_check.json "$RESULTS"/gpu_check.log "$RESULTS"/memory_depth_*.json "$RESULTS"/overhead_*.json "$OUT"/ 2>/dev/null
+fi
+echo "total $(($(date +%s) - START))s, exit $rc"
+exit $rc
