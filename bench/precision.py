@@ -1,0 +1,110 @@
+"""Precision benchmark: what each MegaTrainPrecision mode moves and costs, measured in one run.
+
+For a small Llama trained on a learnable synthetic task (the test suite's), per precision:
+final loss after --steps steps against fp32, H2D/D2H bytes per step and their ratio to fp32,
+host cast seconds per step (fp32 master -> bf16/fp16 wire copy, once per slab per step), and
+the median step time. A second table measures where the host-side cast runs best: the cast
+throughput of fp32 -> bf16 on this host (GB/s of fp32 read) for (a) one cast per step after the
+optimizer update (what the engine does: a 2 bytes/param shadow), against (b) a cast at every
+fetch (no shadow, no extra memory, but each block is fetched twice per step).
+
+    python bench/precision.py            # 100 steps
+    python bench/precision.py --steps 20 # quicker
+
+Writes bench/results/precision.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import megatrain_lightning  # noqa: E402,F401
+from megatrain_lightning import MegaTrainPrecision  # noqa: E402
+from helpers import LM, make_model  # noqa: E402
+from test_precision import learnable_data  # noqa: E402
+
+
+class StepTimer(pl.Callback):
+    def __init__(self):
+        self.times, self._t = [], 0.0
+
+    def on_train_batch_start(self, *a):
+        self._t = time.perf_counter()
+
+    def on_train_batch_end(self, *a):
+        self.times.append(time.perf_counter() - self._t)
+
+
+def run(precision: str, steps: int, layers: int, hidden: int):
+    model = make_model("llama", num_hidden_layers=layers, hidden_size=hidden, intermediate_size=hidden * 2)
+    lm = LM(model, lr=3e-3)
+    timer = StepTimer()
+    kw = {"plugins": [MegaTrainPrecision(precision)]} if precision == "16-mixed" else {"precision": precision}
+    trainer = pl.Trainer(strategy="megatrain", accelerator="cpu", max_steps=steps, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[timer], **kw)
+    trainer.fit(lm, learnable_data(n=256))
+    hist = trainer.strategy.engine.history[2:]
+    mean = lambda k: statistics.mean(h[k] for h in hist)  # noqa: E731
+    return {
+        "precision": precision,
+        "final_loss": statistics.mean(lm.losses[-10:]),
+        "h2d_bytes": mean("megatrain/h2d_bytes"),
+        "d2h_bytes": mean("megatrain/d2h_bytes"),
+        "cast_s": mean("megatrain/cast_s"),
+        "step_s": statistics.median(timer.times[2:]),
+        "n_params": sum(p.numel() for p in lm.parameters()),
+    }
+
+
+def cast_throughput(n: int = 50_000_000, repeat: int = 5):
+    src = torch.randn(n)
+    dst = torch.empty(n, dtype=torch.bfloat16)
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    t = statistics.median(times)
+    return {"params": n, "seconds": t, "fp32_GBps": 4 * n / t / 1e9, "params_per_s": n / t}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "precision.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    rows = [run(p, args.steps, args.layers, args.hidden) for p in ("32-true", "bf16-mixed", "16-mixed", "bf16-true")]
+    base = rows[0]
+    print(f"{'precision':<11} {'final loss':>10} {'vs fp32':>8} {'H2D/step':>10} {'ratio':>6} {'D2H/step':>10} "
+          f"{'cast s/step':>11} {'step s':>7}")
+    for r in rows:
+        r["loss_vs_fp32"] = r["final_loss"] / base["final_loss"] - 1
+        r["h2d_ratio"] = r["h2d_bytes"] / base["h2d_bytes"]
+        print(f"{r['precision']:<11} {r['final_loss']:>10.4f} {r['loss_vs_fp32']:>+8.2%} {r['h2d_bytes'] / 2**20:>8.2f}Mi "
+              f"{r['h2d_ratio']:>6.3f} {r['d2h_bytes'] / 2**20:>8.2f}Mi {r['cast_s']:>11.5f} {r['step_s']:>7.3f}")
+    c = cast_throughput()
+    print(f"\nhost cast fp32->bf16: {c['params_per_s'] / 1e9:.2f} G params/s ({c['fp32_GBps']:.2f} GB/s of fp32 read)")
+    print("shadow (engine): 1 cast per param per step, +2 bytes/param host RAM;"
+          " cast at every fetch: 2 casts per param per step (forward + backward fetch), no extra RAM")
+    per_100b = 100e9 / c["params_per_s"]
+    print(f"for 100B params: {per_100b:.0f} s/step with the shadow vs {2 * per_100b:.0f} s/step casting at each fetch")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"bench": "precision", "args": vars(args), "rows": rows, "cast": c,
+                                          "torch": torch.__version__, "threads": torch.get_num_threads()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
