@@ -31,6 +31,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from .checkpoint.directory import load_checkpoint_dir, load_optimizer_dir, save_checkpoint_dir
 from .engine.executor import StreamingEngine
 from .optim.host_adamw import UnsupportedOptimizerError, validate_optimizer
 from .precision import MegaTrainPrecision, to_megatrain_precision
@@ -248,24 +249,61 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         return super().lightning_module_state_dict()
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """``torch.optim.AdamW``-format state of the host optimizer (copies: small models only until
-        directory checkpoints land)."""
+        """``torch.optim.AdamW``-format state of the host optimizer, as views (no copy)."""
         self.flush()
         if self.engine is None or self.engine.optimizer is None:
             return super().optimizer_state(optimizer)
-        return self.engine.optimizer.state_dict()
+        return self.engine.optimizer.state_dict(copy=False)
 
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self.engine is None or self.engine.optimizer is None:
-            return
-        states = checkpoint.get("optimizer_states") or []
-        if states:
-            self.engine.optimizer.load_state_dict(states[0])
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Write a directory checkpoint (see :mod:`megatrain_lightning.checkpoint.directory`).
+
+        ``storage_options`` is not supported (there is no CheckpointIO for directories).
+        """
+        if storage_options is not None:
+            raise TypeError("strategy='megatrain' writes directory checkpoints and takes no storage_options.")
+        if self.engine is None or self.lightning_module is None:
+            raise RuntimeError("save_checkpoint called before the megatrain strategy was set up.")
+        self.flush()
+        save_checkpoint_dir(filepath, checkpoint, self.lightning_module, self.engine,
+                            tokenizer=getattr(self.lightning_module, "tokenizer", None))
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Verify a directory checkpoint, load its weights into the host store and return the metadata.
+
+        Raises:
+            CheckpointError: not a megatrain checkpoint directory (a plain ``.ckpt`` file included),
+                written for another model config, or damaged (checksums).
+        """
+        if self.engine is None or self.lightning_module is None:
+            raise RuntimeError("load_checkpoint called before the megatrain strategy was set up.")
+        self.flush()
+        if self.engine.optimizer is not None:
+            self.engine.optimizer.pending.clear()
+        meta = load_checkpoint_dir(checkpoint_path, self.lightning_module)
+        self._loaded_path = checkpoint_path
+        self._loaded_meta = meta
+        return meta
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self.engine is not None:
-            self.engine.flush()
-        super().load_model_state_dict(checkpoint, strict=strict)
+        """Weights were already copied into the store by :meth:`load_checkpoint`."""
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self.engine is None or self.engine.optimizer is None or getattr(self, "_loaded_path", None) is None:
+            return
+        load_optimizer_dir(self._loaded_path, self.lightning_module, self.engine, self._loaded_meta)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Remove a checkpoint directory (``ModelCheckpoint(save_top_k=...)`` pruning)."""
+        import shutil
+        from pathlib import Path
+
+        p = Path(filepath)
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:

@@ -169,8 +169,8 @@ def test_hf_gradient_checkpointing_is_disabled_with_warning(caplog):
 
 
 def test_lightning_ckpt_roundtrip_resumes_like_plain_lightning(tmp_path):
-    """Until directory checkpoints land: the plain .ckpt written by Lightning round-trips the host
-    weights and AdamW state. Reference: the same save/resume with plain Lightning (strategy="auto")."""
+    """A directory checkpoint round-trips the host weights and AdamW state. Reference: the same
+    save/resume with plain Lightning (strategy="auto") and its .ckpt file."""
     model = make_model("llama")
 
     def save_then_resume(strategy):
@@ -219,7 +219,10 @@ def test_default_trainer_callbacks_progress_bar_and_self_log(tmp_path):
                          log_every_n_steps=1)
     trainer.fit(lm, make_data(n=8), make_data(n=4, seed=3))
     assert trainer.callback_metrics["train_loss"] > 0 and "val_loss" in trainer.callback_metrics
-    ckpts = list(tmp_path.rglob("*.ckpt"))
-    assert ckpts, "ModelCheckpoint wrote nothing"
-    state = torch.load(ckpts[0], weights_only=True)
-    assert len(state["optimizer_states"][0]["state"]) == sum(p.requires_grad for p in lm.parameters())
+    ckpts = [p for p in tmp_path.rglob("*.ckpt") if p.is_dir()]
+    assert ckpts, "ModelCheckpoint wrote no checkpoint directory"
+    state = torch.load(ckpts[0] / "trainer.pt", weights_only=True)
+    assert "loops" in state and "callbacks" in state
+    from megatrain_lightning.checkpoint.hf_io import SafetensorsSource
+    n_states = sum(1 for k in SafetensorsSource(ckpts[0] / "optimizer").keys() if k.endswith("/exp_avg"))
+    assert n_states == sum(p.requires_grad for p in lm.parameters())

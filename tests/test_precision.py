@@ -147,7 +147,7 @@ def test_scaler_state_is_in_lightning_checkpoint(tmp_path):
     plugin = MegaTrainPrecision("16-mixed", growth_interval=3)
     lm, trainer = fit(make_model("llama"), 4, plugins=[plugin])
     trainer.save_checkpoint(tmp_path / "c.ckpt")
-    ck = torch.load(tmp_path / "c.ckpt", weights_only=True)
+    ck = torch.load(tmp_path / "c.ckpt" / "trainer.pt", weights_only=True)
     assert ck["MegaTrainPrecision"]["scale"] == 2.0**17
 
 

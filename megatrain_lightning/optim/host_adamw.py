@@ -231,11 +231,11 @@ class HostAdamW:
         }
 
     # ------------------------------------------------------------------ checkpoint
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, copy: bool = True) -> dict[str, Any]:
         """State in ``torch.optim.AdamW.state_dict()`` format (parameters numbered in param-group order).
 
-        Tensors are copies (8 bytes/param of host RAM while the dict lives): fine for models that fit
-        in RAM; directory checkpoints that stream slabs to disk replace this for large models.
+        With ``copy=True`` the tensors are copies (8 bytes/param of host RAM while the dict lives);
+        with ``copy=False`` they are views of the live state (no memory, but they change with training).
         """
         self.flush()
         state: dict[int, dict[str, torch.Tensor]] = {}
@@ -246,7 +246,7 @@ class HostAdamW:
             for p in g["params"]:
                 st = self.state_for(*self._where[id(p)])
                 if st is not None:
-                    state[idx] = {k: v.detach().clone() for k, v in st.items()}
+                    state[idx] = {k: (v.detach().clone() if copy else v) for k, v in st.items()}
                 ids.append(idx)
                 idx += 1
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ids})
@@ -285,3 +285,58 @@ class HostAdamW:
             v[e.offset : e.offset + e.numel].copy_(st["exp_avg_sq"].reshape(-1))
             step = st["step"]
             self.steps[si][ei] = (step.detach().clone() if isinstance(step, torch.Tensor) else torch.tensor(step)).float().cpu()
+
+    # ------------------------------------------------------------------ per-parameter access
+    def param_state(self, param: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """AdamW state of ``param`` (views: ``exp_avg``, ``exp_avg_sq`` fp32 like the parameter,
+        ``step`` fp32 scalar), or ``None`` if it never took a step."""
+        where = self._where.get(id(param))
+        return None if where is None else self.state_for(*where)
+
+    def load_param_state(self, param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                         step: torch.Tensor) -> None:
+        """Set the AdamW state of one parameter (shapes must match the parameter).
+
+        Raises:
+            ValueError: ``param`` is not in the store or a shape differs.
+        """
+        if id(param) not in self._where:
+            raise ValueError("load_param_state: parameter is not part of the host store.")
+        si, ei = self._where[id(param)]
+        slab = self.store.slabs[si]
+        e = slab.entries[ei]
+        if tuple(exp_avg.shape) != tuple(e.shape) or tuple(exp_avg_sq.shape) != tuple(e.shape):
+            raise ValueError(f"AdamW state of {e.ref.fqn} has shape {tuple(exp_avg.shape)}, parameter {tuple(e.shape)}.")
+        self.pending.pop(si, None)
+        m, v = self._state(slab)
+        m[e.offset : e.offset + e.numel].copy_(exp_avg.reshape(-1))
+        v[e.offset : e.offset + e.numel].copy_(exp_avg_sq.reshape(-1))
+        self.steps[si][ei] = step.detach().reshape(()).float().cpu().clone()
+
+    def param_groups_meta(self, module: torch.nn.Module) -> list[dict[str, Any]]:
+        """Param groups as plain data: hyper-parameters plus the parameter *names* of each group."""
+        names = {id(p): n for n, p in module.named_parameters()}
+        out = []
+        for g in self.optimizer.param_groups:
+            d = {k: v for k, v in g.items() if k != "params"}
+            d["param_names"] = [names[id(p)] for p in g["params"]]
+            out.append(d)
+        return out
+
+    def load_param_groups_meta(self, meta: list[dict[str, Any]] | None, module: torch.nn.Module) -> None:
+        """Restore param-group hyper-parameters saved by :meth:`param_groups_meta`.
+
+        Raises:
+            ValueError: the groups hold other parameters than the current optimizer's.
+        """
+        if not meta:
+            return
+        names = {id(p): n for n, p in module.named_parameters()}
+        if len(meta) != len(self.optimizer.param_groups):
+            raise ValueError(f"Checkpoint has {len(meta)} param groups, the optimizer {len(self.optimizer.param_groups)}.")
+        for g, m in zip(self.optimizer.param_groups, meta):
+            if [names[id(p)] for p in g["params"]] != list(m["param_names"]):
+                raise ValueError("Checkpoint param groups hold other parameters than configure_optimizers returned.")
+            for k, v in m.items():
+                if k != "param_names":
+                    g[k] = v

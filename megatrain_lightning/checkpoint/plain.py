@@ -1,0 +1,76 @@
+"""Convert Lightning checkpoint metadata to types ``torch.load(weights_only=True)`` accepts.
+
+Lightning's checkpoint dict may hold numpy arrays and scalars (RNG states, metrics),
+OmegaConf configs and ``AttributeDict`` hyper-parameters, enums, paths and config objects:
+none of these load without unpickling arbitrary classes. They are converted to tensors,
+Python scalars, dicts, lists and strings. Anything else raises, except inside
+hyper-parameters (informational on resume), where an object with ``to_dict()`` becomes that
+dict and any other object becomes ``{"__repr__": repr(obj)}``.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from pathlib import PurePath
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+_LENIENT = ("hyper_parameters", "datamodule_hyper_parameters")
+
+
+class MetadataError(TypeError):
+    """A value in the checkpoint metadata cannot be stored without pickle."""
+
+
+def to_plain(obj: Any, where: str = "checkpoint", lenient: bool = False) -> Any:
+    """Return ``obj`` with every value converted to a weights_only-loadable type.
+
+    Raises:
+        MetadataError: an unsupported object outside hyper-parameters (``where`` names its path).
+    """
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, (torch.dtype, torch.device, PurePath)):
+        return str(obj)
+    if isinstance(obj, enum.Enum):
+        return to_plain(obj.value, where, lenient)
+    try:
+        import numpy as np
+
+        if isinstance(obj, np.ndarray):
+            return torch.from_numpy(obj.copy()) if obj.dtype != object else [to_plain(x, where, lenient) for x in obj]
+        if isinstance(obj, np.generic):
+            return obj.item()
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        if isinstance(obj, (DictConfig, ListConfig)):
+            return to_plain(OmegaConf.to_container(obj, resolve=True), where, lenient)
+    except ImportError:  # pragma: no cover
+        pass
+    if isinstance(obj, dict):
+        return {
+            (k if isinstance(k, (str, int)) else str(k)): to_plain(v, f"{where}.{k}", lenient or k in _LENIENT)
+            for k, v in obj.items()
+        }
+    if isinstance(obj, tuple):
+        return tuple(to_plain(x, f"{where}[{i}]", lenient) for i, x in enumerate(obj))
+    if isinstance(obj, (list, set, frozenset)):
+        return [to_plain(x, f"{where}[{i}]", lenient) for i, x in enumerate(obj)]
+    if lenient:
+        if hasattr(obj, "to_dict"):
+            return to_plain(obj.to_dict(), where, lenient)
+        log.warning("megatrain: storing %s (%s) in the checkpoint as its repr", where, type(obj).__name__)
+        return {"__repr__": repr(obj)}
+    raise MetadataError(
+        f"Checkpoint metadata at {where} holds a {type(obj).__module__}.{type(obj).__qualname__}, which cannot be "
+        "stored without pickle. Convert it to plain types (dict/list/str/number/tensor) in the state_dict of the "
+        "callback or module that returns it."
+    )

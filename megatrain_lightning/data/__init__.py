@@ -1,0 +1,3 @@
+from .resumable import ResumableDataLoader
+
+__all__ = ["ResumableDataLoader"]

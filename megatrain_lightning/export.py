@@ -1,0 +1,150 @@
+"""Export the model of a megatrain checkpoint directory as a Hugging Face model directory.
+
+    python -m megatrain_lightning.export CKPT_DIR OUT_DIR [--dtype fp32|bf16|fp16] [--max-shard-bytes N]
+
+CKPT_DIR is a checkpoint directory written by ``Trainer(strategy="megatrain")`` (its
+``model/`` subdirectory is a Hugging Face model directory) or a Hugging Face model directory
+itself. Checksums are verified first; tensors are then streamed one at a time into OUT_DIR
+(cast to ``--dtype``), so memory stays at about one shard whatever the model size. The
+config (its ``dtype`` updated), generation config and tokenizer files are copied.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .checkpoint.hf_io import (CHECKSUMS_FILE, DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, SafetensorsSource, add_checksums,
+                               resolve_dtype, verify_checksums, write_safetensors_shards)
+
+_NOT_COPIED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def _model_dir(ckpt_dir: Path) -> tuple[Path, bool]:
+    """(the HF model directory inside ``ckpt_dir``, whether checksums are required)."""
+    if not ckpt_dir.exists():
+        raise FileNotFoundError(f"Checkpoint directory {ckpt_dir} does not exist.")
+    if ckpt_dir.is_file():
+        raise ValueError(
+            f"{ckpt_dir} is a file, not a checkpoint directory. This tool takes checkpoint directories written by "
+            "Trainer(strategy='megatrain') (they hold model/config.json and safetensors weights). A .ckpt file from "
+            "another strategy is a pickled Lightning checkpoint: load it into your LightningModule (e.g. "
+            "MyModule.load_from_checkpoint(path), only if you trust the file) and write the Hugging Face model with "
+            "transformers' module.model.save_pretrained(OUT_DIR)."
+        )
+    if (ckpt_dir / "model" / "config.json").is_file():
+        return ckpt_dir / "model", True
+    if (ckpt_dir / "config.json").is_file():
+        return ckpt_dir, (ckpt_dir / CHECKSUMS_FILE).is_file()
+    if (ckpt_dir / "model").is_dir():
+        raise ValueError(
+            f"{ckpt_dir / 'model'} has no config.json: the checkpoint was written for a LightningModule that is not "
+            "exactly one Hugging Face model, so there is no model config to export. Its weights are the safetensors "
+            "files in model/, keyed by parameter name (read them with megatrain_lightning.checkpoint.hf_io."
+            "SafetensorsSource)."
+        )
+    found = sorted(p.name for p in ckpt_dir.iterdir())[:10]
+    raise ValueError(
+        f"{ckpt_dir} is not a checkpoint directory written by strategy='megatrain' (no model/config.json) nor a "
+        f"Hugging Face model directory (no config.json); it holds {found}. For a checkpoint written by another "
+        "strategy, load it into your module and use transformers' save_pretrained."
+    )
+
+
+def _copy_side_files(src: Path, dst: Path, dtype_name: str | None) -> list[str]:
+    """Copy config/generation/tokenizer (every non-weight) file; set the config's dtype. Returns the names."""
+    copied = []
+    for f in sorted(src.iterdir()):
+        if not f.is_file() or f.name in (INDEX_FILE, CHECKSUMS_FILE) or f.name.endswith(_NOT_COPIED_SUFFIXES):
+            continue
+        if f.name == "config.json" and dtype_name is not None:
+            cfg = json.loads(f.read_text())
+            cfg["dtype"] = dtype_name
+            if "torch_dtype" in cfg:
+                cfg["torch_dtype"] = dtype_name
+            (dst / f.name).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        else:
+            shutil.copyfile(f, dst / f.name)
+        copied.append(f.name)
+    return copied
+
+
+def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "fp32", *,
+           max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, quiet: bool = False) -> dict[str, Any]:
+    """Write the model of ``ckpt_dir`` as a Hugging Face model directory at ``out_dir``.
+
+    Args:
+        ckpt_dir: a megatrain checkpoint directory (with ``model/``) or a HF model directory.
+        out_dir: created if missing; must not already hold weights and must differ from the source.
+        dtype: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (floating tensors are cast; others keep their dtype).
+        max_shard_bytes: shard size limit of the output, in bytes.
+        quiet: print nothing (default: the one-line summary on stdout, and a note on stderr
+            when a plain HF directory without ``checksums.json`` is exported unverified).
+
+    Returns:
+        ``{"tensors": count, "bytes": bytes written as tensor data, "seconds": wall time,
+        "out_dir": str, "files": [weight files]}``.
+
+    Raises:
+        FileNotFoundError: ``ckpt_dir`` does not exist, or has no safetensors weights.
+        ValueError: ``ckpt_dir`` is a file (e.g. a ``.ckpt``) or not a checkpoint directory, an
+            unknown ``dtype``, a checksum mismatch (the message names the file), or
+            ``out_dir`` is the source directory.
+        FileExistsError: ``out_dir`` already holds weights.
+    """
+    start = time.perf_counter()
+    dt = resolve_dtype(dtype)
+    src_dir, need_sums = _model_dir(Path(ckpt_dir))
+    dst = Path(out_dir)
+    if dst.exists() and dst.resolve() == src_dir.resolve():
+        raise ValueError(f"OUT_DIR {dst} is the source model directory: choose another directory.")
+    if need_sums:
+        verify_checksums(src_dir)
+    elif not quiet:
+        print(f"note: {src_dir} has no {CHECKSUMS_FILE} (not written by megatrain); exporting without verification",
+              file=sys.stderr)
+    source = SafetensorsSource(src_dir)
+    index = write_safetensors_shards(dst, source.items(), max_shard_bytes=max_shard_bytes, dtype=dt)
+    copied = _copy_side_files(src_dir, dst, str(dt).split(".")[1])
+    add_checksums(dst, copied)
+    summary = {
+        "tensors": len(index["weight_map"]),
+        "bytes": index["metadata"]["total_size"],
+        "seconds": time.perf_counter() - start,
+        "out_dir": str(dst),
+        "files": sorted(set(index["weight_map"].values())),
+    }
+    if not quiet:
+        print(f"exported {summary['tensors']} tensors, {summary['bytes']} bytes ({str(dt).split('.')[1]}) from "
+              f"{src_dir} to {dst} in {summary['seconds']:.2f} s")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; returns the exit status (0 ok, 2 bad input or damaged checkpoint)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m megatrain_lightning.export",
+        description="Export the model of a strategy='megatrain' checkpoint directory as a Hugging Face model "
+                    "directory (safetensors) that AutoModelForCausalLM.from_pretrained loads.")
+    parser.add_argument("ckpt_dir", metavar="CKPT_DIR", help="checkpoint directory (or HF model directory)")
+    parser.add_argument("out_dir", metavar="OUT_DIR", help="output directory (new or empty)")
+    parser.add_argument("--dtype", default="fp32", help="fp32 (default), bf16 or fp16")
+    parser.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES,
+                        help="shard size limit in bytes (default 5 GiB)")
+    args = parser.parse_args(argv)
+    try:
+        export(args.ckpt_dir, args.out_dir, args.dtype, max_shard_bytes=args.max_shard_bytes)
+    except (FileNotFoundError, FileExistsError, ValueError) as err:
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

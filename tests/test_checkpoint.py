@@ -1,0 +1,135 @@
+"""Directory checkpoints: exact resume (mid-epoch included), HF-loadable model/, bad input."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import transformers
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import TensorDataset
+
+import megatrain_lightning  # noqa: F401
+from megatrain_lightning.checkpoint.directory import CheckpointError
+from megatrain_lightning.data import ResumableDataLoader
+from helpers import LM, SEQ, VOCAB, assert_parity, make_model, rel
+
+
+def loader(n=24, batch_size=2, seed=5):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    return ResumableDataLoader(TensorDataset(ids), batch_size=batch_size, shuffle=True, seed=seed)
+
+
+def trainer(steps, tmp_path=None, **kw):
+    base = dict(strategy="megatrain", accelerator="cpu", max_steps=steps, enable_checkpointing=False, logger=False,
+                enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=2)
+    base.update(kw)
+    return pl.Trainer(**base)
+
+
+def lm_for(model):
+    return LM(copy.deepcopy(model), sched="cosine", total_steps=10)
+
+
+@pytest.mark.parametrize("n_first", [3, 4])  # 3 steps = 6 batches: mid-epoch (12 batches per epoch)
+def test_save_and_resume_is_exact(tmp_path, n_first):
+    model = make_model("llama_tied")
+    full = lm_for(model)
+    trainer(10).fit(full, loader())
+
+    first = lm_for(model)
+    t1 = trainer(n_first)
+    t1.fit(first, loader())
+    t1.save_checkpoint(tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "model" / "config.json").is_file()
+
+    second = lm_for(model)
+    trainer(10).fit(second, loader(), ckpt_path=tmp_path / "ckpt")
+    assert_parity(second.model, full.model, first.losses + second.losses, full.losses, tol=1e-6)
+
+
+def test_model_checkpoint_callback_top_k_last_and_resume_last(tmp_path):
+    model = make_model("llama")
+    full = lm_for(model)
+    trainer(8).fit(full, loader())
+
+    cb = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=2, monitor="step", mode="max",
+                         save_last=True)
+    first = lm_for(model)
+    trainer(6, enable_checkpointing=True, callbacks=[cb]).fit(first, loader())
+    dirs = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))
+    assert dirs == ["epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"], dirs
+    assert all((tmp_path / d).is_dir() for d in dirs)
+
+    second = lm_for(model)
+    cb2 = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    trainer(8, enable_checkpointing=True, callbacks=[cb2]).fit(second, loader(), ckpt_path="last")
+    assert_parity(second.model, full.model, first.losses + second.losses, full.losses, tol=1e-6)
+
+
+def test_model_dir_loads_in_transformers_and_generates(tmp_path):
+    model = make_model("llama_tied")
+    lm = lm_for(model)
+    t = trainer(3)
+    t.fit(lm, loader())
+    t.save_checkpoint(tmp_path / "c")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "c" / "model")
+    for (n, a), (_, b) in zip(hf.named_parameters(), lm.model.named_parameters()):
+        assert torch.equal(a, b), n
+    out = hf.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 7)
+
+
+def test_plain_ckpt_file_is_refused(tmp_path):
+    f = tmp_path / "plain.ckpt"
+    torch.save({"state_dict": {}}, f)
+    lm = lm_for(make_model("llama"))
+    with pytest.raises(CheckpointError, match="single file"):
+        trainer(2).fit(lm, loader(), ckpt_path=f)
+
+
+def test_other_model_config_is_refused(tmp_path):
+    lm = lm_for(make_model("llama"))
+    t = trainer(1)
+    t.fit(lm, loader())
+    t.save_checkpoint(tmp_path / "c")
+    other = lm_for(make_model("llama", num_hidden_layers=2))
+    with pytest.raises(CheckpointError, match="another model config"):
+        trainer(2).fit(other, loader(), ckpt_path=tmp_path / "c")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_damaged_checkpoint_names_the_file(tmp_path, damage):
+    lm = lm_for(make_model("llama"))
+    t = trainer(1)
+    t.fit(lm, loader())
+    t.save_checkpoint(tmp_path / "c")
+    shard = next((tmp_path / "c" / "optimizer").glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data[-5] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=shard.name):
+        trainer(2).fit(lm_for(make_model("llama")), loader(), ckpt_path=tmp_path / "c")
+
+
+def test_metadata_loads_without_pickle(tmp_path):
+    from omegaconf import OmegaConf
+
+    class HP(LM):
+        def __init__(self, model):
+            super().__init__(model)
+            self.save_hyperparameters({"cfg": OmegaConf.create({"a": 1}), "arr": __import__("numpy").arange(3)})
+
+    lm = HP(make_model("llama"))
+    t = trainer(1)
+    t.fit(lm, loader())
+    t.save_checkpoint(tmp_path / "c")
+    meta = torch.load(tmp_path / "c" / "trainer.pt", weights_only=True)
+    assert meta["hyper_parameters"]["cfg"] == {"a": 1}
+    assert "loops" in meta and "lr_schedulers" in meta
