@@ -133,3 +133,26 @@ def test_metadata_loads_without_pickle(tmp_path):
     meta = torch.load(tmp_path / "c" / "trainer.pt", weights_only=True)
     assert meta["hyper_parameters"]["cfg"] == {"a": 1}
     assert "loops" in meta and "lr_schedulers" in meta
+
+
+@pytest.mark.parametrize("arch", ["llama_tied", "gpt2", "gemma2"])
+def test_streaming_load_from_pretrained_trains_like_from_pretrained(tmp_path, arch):
+    """meta_model_from_pretrained + strategy: weights go from safetensors straight into the store;
+    training matches plain PyTorch on the model transformers loads from the same directory."""
+    from helpers import make_data, reference_train
+    from megatrain_lightning.checkpoint.hf_io import meta_model_from_pretrained
+
+    make_model(arch).save_pretrained(tmp_path / "hf", max_shard_size="20KB")  # sharded on purpose
+    meta = meta_model_from_pretrained(tmp_path / "hf", attn_implementation="eager")
+    assert all(p.is_meta for p in meta.parameters())
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager")
+    for name, p in ref.named_parameters():  # see test_parity: zero-gradient key biases are frozen
+        if name.endswith("c_attn.bias"):
+            p.requires_grad_(False)
+            meta.get_parameter(name).requires_grad_(False)
+    lm = LM(meta)
+    pl.Trainer(strategy="megatrain", accelerator="cpu", max_steps=5, logger=False, enable_checkpointing=False,
+               enable_progress_bar=False, enable_model_summary=False).fit(lm, make_data(n=10))
+    ref_losses = reference_train(ref, make_data(n=10), 5)
+    assert not any(p.is_meta for p in lm.parameters())
+    assert_parity(lm.model, ref, lm.losses, ref_losses)

@@ -19,6 +19,8 @@ message), and remote code runs only with ``trust_remote_code=True``.
 
 from __future__ import annotations
 
+import contextlib
+
 import copy
 import difflib
 import hashlib
@@ -365,16 +367,36 @@ def _build_key_map(model: torch.nn.Module, source: SafetensorsSource) -> dict[st
     return key_map
 
 
+@contextlib.contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Create every ``nn.Parameter`` registered inside the context on the ``meta`` device, buffers on
+    the CPU as usual. Each parameter is allocated (uninitialised, so untouched pages) and moved to
+    meta at registration, so the initialisers that run after it (``reset_parameters``) cost nothing."""
+    orig = torch.nn.Module.register_parameter
+
+    def register(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        orig(module, name, param)
+        if param is not None and param.device.type != "meta":
+            cls = type(param)
+            module._parameters[name] = cls(param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = orig  # type: ignore[method-assign]
+
+
 def meta_model_from_pretrained(path_or_id: str | os.PathLike, *, trust_remote_code: bool = False,
                                attn_implementation: str | None = None,
                                dtype: torch.dtype | str | None = torch.float32,
                                **config_overrides: Any) -> torch.nn.Module:
     """Build a causal LM on the ``meta`` device with its safetensors checkpoint attached.
 
-    No weight memory is allocated: parameters (and buffers) are ``meta`` tensors with the
-    checkpoint's shapes; the store builder loads each one with
-    ``model._megatrain_source.get(source_key(model, name))``. Non-persistent buffers such as
-    rotary ``inv_freq`` are meta too and must be recomputed when the model is materialised.
+    No weight memory is allocated: parameters are ``meta`` tensors with the checkpoint's shapes
+    (the store builder loads each one with ``model._megatrain_source.get(source_key(model, name))``);
+    buffers (rotary ``inv_freq``, embedding scales) are built on the CPU by the modules' own
+    ``__init__``, as small as they are.
 
     Args:
         path_or_id: a local model directory (config.json + model.safetensors or a sharded index),
@@ -411,7 +433,7 @@ def meta_model_from_pretrained(path_or_id: str | os.PathLike, *, trust_remote_co
     dt = resolve_dtype(dtype)
     if dt is not None:
         kwargs["dtype"] = dt
-    with torch.device("meta"):
+    with params_on_meta():
         model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
     model._megatrain_key_map = _build_key_map(model, source)
     model._megatrain_source = source

@@ -61,6 +61,22 @@ def _is_cache(x: Any) -> bool:
     return isinstance(x, Cache)
 
 
+def _weight_sources(root: nn.Module) -> dict[int, Callable[[], torch.Tensor]]:
+    """Loaders for meta-device parameters of Hugging Face models built by ``meta_model_from_pretrained``."""
+    from ..checkpoint.hf_io import source_key
+
+    out: dict[int, Callable[[], torch.Tensor]] = {}
+    for m in find_hf_models(root):
+        src = getattr(m, "_megatrain_source", None)
+        if src is None:
+            continue
+        for name, p in m.named_parameters(remove_duplicate=False):
+            if p.is_meta and id(p) not in out:
+                key = source_key(m, name)
+                out[id(p)] = lambda src=src, key=key: src.get(key)
+    return out
+
+
 def _any_requires_grad(args: tuple, kwargs: dict) -> bool:
     return any(isinstance(x, torch.Tensor) and x.requires_grad for x in tree_flatten((args, kwargs))[0])
 
@@ -234,7 +250,7 @@ class StreamingEngine:
         check_floating(self.blocks)
         if pin_memory is None:
             pin_memory = self.device.type == "cuda"
-        self.store: HostStore = build_store(self.blocks, pin_memory=pin_memory)
+        self.store: HostStore = build_store(self.blocks, pin_memory=pin_memory, sources=_weight_sources(root))
         self.trainable = [p.requires_grad for p in root.parameters()]
         self.transport = make_transport(self.device, self.store.max_slab_numel(trainable=True), cpu_zero_copy)
         self.wire_dtype = torch.float32  # dtype of weights on the H2D link

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -120,13 +120,23 @@ class HostStore:
         return max((s.trainable_numel if trainable else s.numel) for s in self.slabs) if self.slabs else 0
 
 
-def build_store(blocks: Sequence[Block], pin_memory: bool = False) -> HostStore:
+def build_store(blocks: Sequence[Block], pin_memory: bool = False,
+                sources: dict[int, Callable[[], torch.Tensor]] | None = None) -> HostStore:
     """Pack every parameter into fp32 host slabs and repoint ``param.data`` at them.
 
     Args:
         blocks: output of :func:`~megatrain_lightning.engine.blocks.discover_blocks`.
         pin_memory: allocate the masters in page-locked memory (CUDA runs: H2D copies
             then run asynchronously at full link speed).
+        sources: ``id(param) -> loader`` for parameters on the ``meta`` device (a model from
+            :func:`~megatrain_lightning.checkpoint.hf_io.meta_model_from_pretrained`): each loader
+            returns that one tensor (CPU, any float dtype), read straight into the slab, so the
+            whole model is never materialised a second time. A meta parameter is replaced by a new
+            ``nn.Parameter`` (a meta tensor cannot take CPU ``.data``) in every module that holds it,
+            so build the optimizer after the store (Lightning's ``configure_optimizers`` runs later).
+
+    Raises:
+        ValueError: a parameter is on the meta device and no source provides it.
 
     Returns:
         The store. Parameters keep their identity (the same ``nn.Parameter`` objects,
@@ -155,10 +165,33 @@ def build_store(blocks: Sequence[Block], pin_memory: bool = False) -> HostStore:
                 trainable_numel = off
         master = torch.empty(off, dtype=torch.float32, pin_memory=pin_memory)
         for e in entries:
-            master[e.offset : e.offset + e.numel].copy_(e.ref.param.detach().reshape(-1))
+            p = e.ref.param
+            if p.is_meta:
+                if not sources or id(p) not in sources:
+                    raise ValueError(
+                        f"Parameter {e.ref.fqn} is on the meta device and no weights source provides it. Build the "
+                        "model with megatrain_lightning.checkpoint.hf_io.meta_model_from_pretrained(path), or "
+                        "materialise it before training."
+                    )
+                value = sources[id(p)]()
+                if tuple(value.shape) != tuple(p.shape):
+                    raise ValueError(f"{e.ref.fqn}: source tensor has shape {tuple(value.shape)}, parameter {tuple(p.shape)}.")
+            else:
+                value = p.detach()
+            master[e.offset : e.offset + e.numel].copy_(value.reshape(-1))
+            del value
         slab = Slab(index=blk.index, entries=entries, master=master, trainable_numel=trainable_numel)
         for i, e in enumerate(entries):
-            e.ref.param.data = slab.master_view(i)
+            old = e.ref.param
+            if old.is_meta:
+                new = torch.nn.Parameter(slab.master_view(i), requires_grad=old.requires_grad)
+                for b in blocks:
+                    for r in b.params:
+                        if r.param is old:
+                            r.owner._parameters[r.attr] = new
+                            r.param = new
+            else:
+                old.data = slab.master_view(i)
         slabs.append(slab)
     # every reference (tied parameters included) points at the final packed position
     where = {id(e.ref.param): (s.index, i) for s in slabs for i, e in enumerate(s.entries)}
