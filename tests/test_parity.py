@@ -228,8 +228,9 @@ def test_dropout_with_segments():
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_prefetch_follows_the_schedule(k):
-    """After the first step, the only fetch not prefetched is the first block of each forward
-    (prefetching it earlier would read weights before the optimizer step is recorded)."""
+    """Once the schedule is learned (step 3 on: step 1 learns the order, step 2 the backward without
+    the LM head, which keeps its graph), the only fetch not prefetched is the first block of each
+    forward (prefetching it earlier would read weights before the optimizer step is recorded)."""
     lm, ref, ref_losses, trainer = run_pair("llama", strategy=MegaTrainStrategy(lookahead=1, checkpoint_every=k))
     hist = trainer.strategy.engine.history
-    assert [h["megatrain/prefetch_misses"] for h in hist[1:]] == [1.0] * (len(hist) - 1)
+    assert [h["megatrain/prefetch_misses"] for h in hist[2:]] == [1.0] * (len(hist) - 2)

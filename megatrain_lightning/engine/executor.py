@@ -357,6 +357,8 @@ class StreamingEngine:
                 if stripped and not self._warned_cache:
                     self._warned_cache = True
                     log.info("megatrain: KV cache disabled for training forwards (recompute would corrupt gradients).")
+                if self._calls and self.order and blk.index == self.order[-1]:
+                    return self._run_with_graph(blk, orig, args, kwargs)
                 flat, spec = tree_flatten((args, kwargs))
                 pos = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
                 call = _Call(self, blk, orig, [None if i in pos else x for i, x in enumerate(flat)], spec, pos)
@@ -377,6 +379,47 @@ class StreamingEngine:
 
         proxy.__wrapped__ = orig  # type: ignore[attr-defined]
         return proxy
+
+    def _run_with_graph(self, blk: Block, orig: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Run the last block of a training forward with ordinary autograd tracking.
+
+        Its backward comes first, right after the loss, so recomputing it would redo its forward
+        (for an LM head: the B x T x V logits matmul) and fetch its weights again. Instead its
+        weights stay on the device until its backward, and a post-accumulate-grad hook on each
+        weight leaf sends the gradient to the host accumulator and releases the buffers.
+        """
+        bufs = self.acquire(blk, backward=False, training=True)
+        leaves: dict[int, torch.Tensor] = {}
+        refs = []
+        for ref in blk.params:
+            if ref.param.requires_grad and id(ref.param) not in leaves:
+                e = self.store.slabs[ref.slab].entries[ref.index]
+                leaves[id(ref.param)] = bufs[ref.slab][e.offset : e.offset + e.numel].view(e.shape).detach().requires_grad_(True)
+                refs.append(ref)
+        nbytes = sum(b.numel() * b.element_size() for b in bufs.values())
+        remaining = [len(refs)]
+
+        def hook_for(ref: Any) -> Callable[[torch.Tensor], None]:
+            def hook(leaf: torch.Tensor) -> None:
+                grad, leaf.grad = leaf.grad, None
+                self._send_grads([ref], [grad])
+                remaining[0] -= 1
+                if remaining[0] == 0:
+                    self._track(-nbytes)
+                    self.transport.released()
+
+            return hook
+
+        for ref in refs:
+            leaves[id(ref.param)].register_post_accumulate_grad_hook(hook_for(ref))
+        t0 = time.perf_counter()
+        try:
+            with self._bind(blk, bufs, leaves):
+                return orig(*args, **kwargs)
+        finally:
+            self.stats.compute_s += time.perf_counter() - t0
+            if not refs:
+                self._release(bufs)
 
     @contextlib.contextmanager
     def _bind(self, blk: Block, bufs: dict[int, torch.Tensor], leaves: dict[int, torch.Tensor] | None):

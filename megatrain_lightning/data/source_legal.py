@@ -1,0 +1,92 @@
+"""Legal text offline: the license texts of PyPI ``spdx==2.5.1`` (CC0), Debian's common licenses as fallback/extra."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from .package_files import package_dir
+
+log = logging.getLogger(__name__)
+
+SPDX_PIP = "spdx==2.5.1"
+DEBIAN_LICENSES = Path("/usr/share/common-licenses")
+
+
+def _license_family(name: str) -> str:
+    """Split group of a license: its name up to the first ``-`` (``GPL-2.0+`` -> ``GPL``, ``CC-BY-SA-4.0`` -> ``CC``),
+    so near-identical versions and variants never sit on both sides of the train/validation split."""
+    name = name.removeprefix("deprecated_")
+    return name.split("-")[0].rstrip("+").upper()
+
+
+def _read_package_text(path: Path) -> str:
+    """A license file of a package: UTF-8, or Latin-1 for the few older files (``OSL-2.1.txt``) that are not UTF-8."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return raw.decode("latin-1")
+
+
+def spdx_texts() -> list[dict]:
+    """The license texts of the installed ``spdx`` package: ``[{"id": "spdx/<ID>", "text", "group"}]``.
+
+    338 documents (``spdx/data/*.txt`` without its README), about 3.6 MB, sorted by file name.
+
+    Raises:
+        ModuleNotFoundError: ``spdx`` is not installed (``pip install spdx==2.5.1``).
+    """
+    data = package_dir("spdx", SPDX_PIP) / "data"
+    docs = []
+    for f in sorted(data.glob("*.txt")):
+        if f.stem.upper() == "README":
+            continue
+        text = _read_package_text(f).strip()
+        if text:
+            docs.append({"id": f"spdx/{f.stem}", "text": text, "group": "license/" + _license_family(f.stem)})
+    return docs
+
+
+def debian_texts(directory: Path = DEBIAN_LICENSES) -> list[dict]:
+    """Debian's ``/usr/share/common-licenses/*`` (package ``base-files``; symlinks skipped): ``[{"id": "debian/<name>", ...}]``.
+
+    Returns an empty list when the directory does not exist (non-Debian systems).
+    """
+    if not directory.is_dir():
+        return []
+    docs = []
+    for f in sorted(directory.iterdir()):
+        if f.is_symlink() or not f.is_file():
+            continue
+        text = _read_package_text(f).strip()
+        if text:
+            docs.append({"id": f"debian/{f.name}", "text": text, "group": "license/" + _license_family(f.name)})
+    return docs
+
+
+def legal_texts(include_debian: bool = False) -> list[dict]:
+    """Legal documents of the text shape: the SPDX license texts, optionally plus Debian's common licenses.
+
+    Args:
+        include_debian: also add ``/usr/share/common-licenses`` (mostly the same licenses as SPDX in
+            another layout; off by default so the corpus is the same on every machine and no near
+            duplicate crosses the split). When ``spdx`` is not installed, Debian's texts are used
+            instead (with a warning) if present.
+
+    Returns:
+        ``[{"id": str, "text": str, "group": str}]``, groups are license families.
+
+    Raises:
+        ModuleNotFoundError: ``spdx`` is missing and no Debian license directory exists.
+    """
+    try:
+        docs = spdx_texts()
+    except ModuleNotFoundError:
+        fallback = debian_texts()
+        if not fallback:
+            raise
+        log.warning("spdx is not installed (pip install %s); using %d Debian license texts from %s instead.",
+                    SPDX_PIP, len(fallback), DEBIAN_LICENSES)
+        return fallback
+    return docs + debian_texts() if include_debian else docs

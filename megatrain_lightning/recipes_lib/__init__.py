@@ -1,0 +1,1 @@
+"""Pieces shared by the Hydra recipes in ``recipes/``: the LightningModule, model building, reporting."""

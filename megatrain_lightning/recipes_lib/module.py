@@ -1,0 +1,78 @@
+"""``CausalLMModule``: the LightningModule of the fine-tuning recipes.
+
+An ordinary LightningModule around a Hugging Face causal LM: batches are dicts
+``{"input_ids", "labels", "attention_mask"}`` (LongTensor ``[B, T]``, labels ``-100`` where no
+loss is taken), the loss is the model's own shifted cross-entropy, validation perplexity is
+torchmetrics' ``Perplexity`` (exp of the mean token cross-entropy over unmasked tokens), and the
+optimizer is ``torch.optim.AdamW`` with no weight decay on 1-D parameters (norms, biases) and a
+linear-warmup cosine schedule stepped every optimizer step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torchmetrics.text import Perplexity
+
+
+class CausalLMModule(pl.LightningModule):
+    """Fine-tune ``model`` (any ``transformers`` causal LM).
+
+    Args:
+        model: the Hugging Face model (may be on the meta device with a weights source attached).
+        lr: peak learning rate.
+        weight_decay: AdamW decoupled weight decay on parameters with ``ndim >= 2``.
+        betas: AdamW betas.
+        warmup_steps: optimizer steps of linear warm-up from ``lr / warmup_steps``.
+        total_steps: optimizer steps of the cosine decay to 0 (usually ``trainer.max_steps``).
+        tokenizer: kept for checkpoints (saved into ``model/``) and generation.
+    """
+
+    def __init__(self, model: torch.nn.Module, lr: float = 1e-4, weight_decay: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 0, total_steps: int = 100,
+                 tokenizer: Any = None) -> None:
+        super().__init__()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
+        self.warmup_steps, self.total_steps = warmup_steps, total_steps
+        self.val_ppl = Perplexity(ignore_index=-100)
+        self.tokens_seen = 0
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> Any:
+        return self.model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                          labels=batch["labels"], use_cache=False)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self(batch).loss
+        self.tokens_seen += int((batch["labels"] != -100).sum())
+        self.log("train_loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        out = self(batch)
+        # Perplexity expects preds [B, T, V] and target [B, T]; shift as the model's loss does
+        self.val_ppl.update(out.logits[:, :-1].float(), batch["labels"][:, 1:])
+        self.log("val_loss", out.loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+
+    def on_validation_epoch_end(self) -> None:
+        self.log("val_ppl", self.val_ppl.compute(), prog_bar=True)
+        self.val_ppl.reset()
+
+    def configure_optimizers(self) -> Any:
+        decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim >= 2]
+        no_decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": self.weight_decay},
+                                 {"params": no_decay, "weight_decay": 0.0}], lr=self.lr, betas=self.betas)
+        warm, total = max(0, self.warmup_steps), max(1, self.total_steps)
+
+        def factor(step: int) -> float:
+            if step < warm:
+                return (step + 1) / warm
+            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warm) / max(1, total - warm))))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -1,0 +1,44 @@
+"""The recipe's end-of-run summary: before/after metrics, throughput, memory, bytes moved."""
+
+from __future__ import annotations
+
+import math
+import resource
+from typing import Any, Sequence
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (bytes; Linux ``ru_maxrss`` is in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def format_table(rows: Sequence[tuple[str, str, str]], header: tuple[str, str, str] = ("metric", "before", "after")) -> str:
+    """A plain-text table with a header row; every cell is already a string."""
+    all_rows = [header, *rows]
+    widths = [max(len(r[i]) for r in all_rows) for i in range(3)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in all_rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def summary_rows(before: dict[str, float], after: dict[str, float], run: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """Rows: every metric present before and after (perplexities, probes), then run statistics
+    (``run`` keys: tokens_per_s, peak_rss_bytes, h2d_bytes, d2h_bytes, steps, seconds)."""
+    rows = []
+    for k in sorted(set(before) & set(after)):
+        rows.append((k, f"{before[k]:.4f}", f"{after[k]:.4f}"))
+    gib = 2**30
+    extra = [
+        ("optimizer steps", f"{run.get('steps', 0)}"),
+        ("train seconds", f"{run.get('seconds', float('nan')):.1f}"),
+        ("train tokens/s", f"{run.get('tokens_per_s', float('nan')):.0f}"),
+        ("peak RSS", f"{run.get('peak_rss_bytes', 0) / gib:.2f} GiB"),
+        ("H2D per step", f"{run.get('h2d_bytes', 0) / 2**20:.1f} MiB"),
+        ("D2H per step", f"{run.get('d2h_bytes', 0) / 2**20:.1f} MiB"),
+    ]
+    rows.extend((k, "", v) for k, v in extra)
+    return rows
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0))
