@@ -58,8 +58,11 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             model's ``_no_split_modules``.
         block_names: ``fnmatch`` patterns of module paths that are blocks, e.g. ``["net.layers.*"]``.
         pin_memory: page-lock the host masters (default ``True`` on CUDA).
-        cpu_zero_copy: on CPU, compute on the master slabs instead of a streamed copy (faster,
-            same results; the copy is the default so the CPU path exercises the CUDA schedule).
+        cpu_zero_copy: on CPU, compute on the fp32 master slabs instead of a copy of them (default
+            ``True``: on a CPU device the copy would only move host memory to host memory; the
+            prefetch schedule, deferred updates and accounting run the same either way, and
+            ``False`` makes the CPU path copy exactly as the CUDA path does). Mixed precision always
+            streams converted copies.
         log_stats: log per-step accounting (``megatrain/h2d_bytes`` ...) through the Trainer's logger.
         accelerator, checkpoint_io, precision_plugin: as for every Lightning strategy.
 
@@ -84,7 +87,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         block_classes: Sequence[str | type] | None = None,
         block_names: Sequence[str] | None = None,
         pin_memory: bool | None = None,
-        cpu_zero_copy: bool = False,
+        cpu_zero_copy: bool = True,
         log_stats: bool = True,
     ) -> None:
         self._parallel_devices: list[torch.device] | None = None

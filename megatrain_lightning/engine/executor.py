@@ -217,7 +217,8 @@ class StreamingEngine:
         block_classes / block_names: override block discovery, see
             :func:`~megatrain_lightning.engine.blocks.discover_blocks`.
         pin_memory: page-lock host masters (default: ``True`` on CUDA).
-        cpu_zero_copy: on CPU, bind blocks to the master slabs instead of copying them.
+        cpu_zero_copy: on CPU, bind blocks to the fp32 master slabs instead of copying them (only when
+            the compute dtype is fp32; see MegaTrainStrategy).
 
     Raises:
         BlockDiscoveryError: no blocks found (see ``discover_blocks``).
@@ -235,7 +236,7 @@ class StreamingEngine:
         block_classes: Sequence[str | type] | None = None,
         block_names: Sequence[str] | None = None,
         pin_memory: bool | None = None,
-        cpu_zero_copy: bool = False,
+        cpu_zero_copy: bool = True,
     ):
         if lookahead < 0:
             raise ValueError(f"lookahead must be >= 0 (blocks prefetched ahead), got {lookahead}.")
