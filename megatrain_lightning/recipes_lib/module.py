@@ -60,7 +60,10 @@ class CausalLMModule(pl.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         self.log("val_ppl", self.val_ppl.compute(), prog_bar=True)
-        self.val_ppl.reset()
+        # trainer.validate() runs under inference_mode; state re-created there would be an
+        # inference tensor that the next in-place update under no_grad (validation in fit) rejects
+        with torch.inference_mode(False):
+            self.val_ppl.reset()
 
     def configure_optimizers(self) -> Any:
         decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim >= 2]
