@@ -128,8 +128,12 @@ def count_params(config: Mapping[str, Any] | Any) -> ParamCounts:
     """
     if isinstance(config, nn.Module):
         return count_module(config)
-    hf = _hf_config(config)
-    return _count_from_json(json.dumps(hf.to_dict(), sort_keys=True, default=str))
+    if isinstance(config, Mapping):
+        return _count_from_json(json.dumps(dict(config), sort_keys=True))
+    import transformers
+
+    with torch.device("meta"):
+        return count_module(transformers.AutoModelForCausalLM.from_config(_hf_config(config)))
 
 
 def _outermost_layers(model: nn.Module, classes: set[str]) -> list[str]:
@@ -152,18 +156,18 @@ def count_module(model: nn.Module) -> ParamCounts:
     layers = [0] * len(layer_names)
     embedding = head = tied = 0
     seen: dict[int, str] = {}  # id(param) -> group that stores it
-    in_head = False
+    after_layers = False  # named_parameters follows module (= forward) order
     for fqn, p in model.named_parameters(remove_duplicate=False):
-        group = None
+        group: int | str | None = None
         parts = fqn.split(".")
         for k in range(len(parts) - 1, 0, -1):
             prefix = ".".join(parts[:k])
             if prefix in index:
                 group = index[prefix]
+                after_layers = True
                 break
         if group is None:
-            group = "head" if (in_head or any(layers)) else "embedding"
-            in_head = group == "head"
+            group = "head" if after_layers else "embedding"
         n = p.numel()
         if id(p) in seen:
             if group == "head" and seen[id(p)] == "embedding":
