@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 FORMAT_VERSION = 1
+log = logging.getLogger(__name__)
 
 
 def _sha(s: str | bytes) -> str:
@@ -68,5 +70,6 @@ def load(path: Path) -> tuple[dict[str, torch.Tensor], dict] | None:
         with safe_open(str(path), framework="pt") as f:
             meta = json.loads((f.metadata() or {})["meta"])
             return {k: f.get_tensor(k) for k in f.keys()}, meta
-    except Exception:  # truncated/corrupt file: rebuild rather than fail
+    except Exception as e:  # truncated/corrupt file: rebuild rather than fail
+        log.warning("Ignoring unreadable cache file %s (%s); the data is tokenized again.", path, e)
         return None

@@ -5,8 +5,6 @@ Both use the tokenizer's batched call (Rust for fast tokenizers) in chunks of ``
 
 from __future__ import annotations
 
-from typing import Iterable
-
 import torch
 
 from .corpus import as_messages
@@ -16,11 +14,19 @@ CHUNK = 512
 
 
 def _batch_ids(tokenizer, texts: list[str]) -> list[list[int]]:
-    """Token ids of each string, no special tokens added (empty string -> ``[]``)."""
+    """Token ids of each string, no special tokens added (empty string -> ``[]``).
+
+    Raises:
+        ValueError: a non-blank string gave no token (a tokenizer without its vocabulary loaded does that).
+    """
     out: list[list[int]] = []
     for i in range(0, len(texts), CHUNK):
         part = texts[i : i + CHUNK]
         out += tokenizer(part, add_special_tokens=False, verbose=False)["input_ids"] if part else []
+    for text, ids in zip(texts, out):
+        if not ids and text.strip():
+            raise ValueError(f"The tokenizer turned {text[:40]!r}... into no tokens (vocabulary size {len(tokenizer)}); "
+                             "load it with from_pretrained(...) so its vocabulary is there.")
     return out
 
 
@@ -35,51 +41,75 @@ def encode_texts(tokenizer, docs: list[dict]) -> list[list[int]]:
     return [head + ids + [eos] for ids in _batch_ids(tokenizer, [d["text"] for d in docs])]
 
 
-def pack(sequences: Iterable[list[int]], seq_len: int) -> tuple[torch.Tensor, int]:
-    """Concatenate ``sequences`` and cut into rows of ``seq_len`` tokens.
+def _chunks(docs: list[dict]):
+    for i in range(0, len(docs), CHUNK):
+        yield docs[i : i + CHUNK]
+
+
+def pack_texts(tokenizer, docs: list[dict], seq_len: int) -> tuple[torch.Tensor, int, int]:
+    """Encode the text documents (:func:`encode_texts`), concatenate them in order and cut into rows of ``seq_len``.
+
+    Works chunk by chunk, so memory is about 4 bytes per token (int32), not a Python list of the corpus.
 
     Returns:
-        ``(rows, tail)``: ``rows`` int32 ``[N, seq_len]`` with ``N = total // seq_len``, ``tail = total % seq_len``
-        tokens at the very end that fill no row and are dropped.
-    """
-    flat = torch.tensor([t for s in sequences for t in s], dtype=torch.int32)
-    n = flat.numel() // seq_len
-    return flat[: n * seq_len].view(n, seq_len).clone(), int(flat.numel() - n * seq_len)
-
-
-def encode_instructions(tokenizer, docs: list[dict], seq_len: int, use_chat_template: bool) -> tuple[list[list[int]], list[list[bool]], dict]:
-    """Token ids and trained-token flags of each instruction document, truncated to ``seq_len`` tokens.
-
-    Longer examples keep their first ``seq_len`` tokens (counted in ``stats["truncated"]``); an example
-    with no trained token left (prompt alone fills ``seq_len``, or no assistant turn) is dropped and
-    counted in ``stats["dropped"]``.
-
-    Returns:
-        ``(ids, trained, stats)``: per kept document a list of ids and a same-length list of bools;
-        ``stats = {"truncated", "dropped", "kept_ids"}`` (``kept_ids`` lists the ids of the kept documents).
+        ``(rows, tokens, tail)``: ``rows`` int32 ``[N, seq_len]`` with ``N = tokens // seq_len``; ``tokens`` encoded in
+        total; ``tail = tokens % seq_len`` tokens at the very end that fill no row and are dropped.
 
     Raises:
-        ValueError: see :func:`~megatrain_lightning.data.formatting.conversation_segments`.
+        ValueError: no EOS token, or the tokenizer gives no tokens for non-blank text.
     """
-    all_segs = [conversation_segments(tokenizer, as_messages(d), use_chat_template) for d in docs]
-    texts = [s for segs in all_segs for s, _ in segs if isinstance(s, str)]
-    tokenized = iter(_batch_ids(tokenizer, texts))
-    ids_out, mask_out, kept = [], [], []
-    truncated = dropped = 0
-    for doc, segs in zip(docs, all_segs):
+    parts = [torch.tensor([t for s in encode_texts(tokenizer, c) for t in s], dtype=torch.int32) for c in _chunks(docs)]
+    flat = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int32)
+    n = flat.numel() // seq_len
+    return flat[: n * seq_len].view(n, seq_len).clone(), int(flat.numel()), int(flat.numel() - n * seq_len)
+
+
+def _encode_conversations(tokenizer, docs: list[dict], use_chat_template: bool):
+    bos = wants_bos(tokenizer)
+    all_segs = [conversation_segments(tokenizer, as_messages(d), use_chat_template, bos) for d in docs]
+    tokenized = iter(_batch_ids(tokenizer, [s for segs in all_segs for s, _ in segs if isinstance(s, str)]))
+    for segs in all_segs:
         ids: list[int] = []
         trained: list[bool] = []
         for s, t in segs:
             piece = next(tokenized) if isinstance(s, str) else s
             ids += piece
             trained += [t] * len(piece)
-        if len(ids) > seq_len:
-            truncated += 1
-            ids, trained = ids[:seq_len], trained[:seq_len]
-        if not any(trained):
-            dropped += 1
-            continue
-        ids_out.append(ids)
-        mask_out.append(trained)
-        kept.append(doc["id"])
-    return ids_out, mask_out, {"truncated": truncated, "dropped": dropped, "kept_ids": kept}
+        yield ids, trained
+
+
+def encode_instructions(tokenizer, docs: list[dict], seq_len: int, use_chat_template: bool) -> tuple[dict[str, torch.Tensor], dict]:
+    """Token ids and trained-token flags of the instruction documents, each truncated to ``seq_len`` tokens.
+
+    Longer examples keep their first ``seq_len`` tokens (counted in ``stats["truncated"]``); an example with no
+    trained token left (the prompt alone fills ``seq_len``, or no assistant turn) is dropped and counted in
+    ``stats["dropped"]``. Encoded chunk by chunk (int32/uint8 tensors, not Python lists of the corpus).
+
+    Returns:
+        ``(tensors, stats)``: ``tensors = {"ids": int32 [total], "trained": uint8 [total], "lengths": int64 [N]}``
+        (kept examples back to back); ``stats = {"truncated", "dropped"}``.
+
+    Raises:
+        ValueError: see :func:`~megatrain_lightning.data.formatting.conversation_segments` and :func:`_batch_ids`.
+    """
+    ids_parts, trained_parts, lengths = [], [], []
+    truncated = dropped = 0
+    for chunk in _chunks(docs):
+        flat_ids: list[int] = []
+        flat_trained: list[bool] = []
+        for ids, trained in _encode_conversations(tokenizer, chunk, use_chat_template):
+            if len(ids) > seq_len:
+                truncated += 1
+                ids, trained = ids[:seq_len], trained[:seq_len]
+            if not any(trained):
+                dropped += 1
+                continue
+            flat_ids += ids
+            flat_trained += trained
+            lengths.append(len(ids))
+        ids_parts.append(torch.tensor(flat_ids, dtype=torch.int32))
+        trained_parts.append(torch.tensor(flat_trained, dtype=torch.uint8))
+    cat = lambda xs, dt: torch.cat(xs) if xs else torch.zeros(0, dtype=dt)  # noqa: E731
+    tensors = {"ids": cat(ids_parts, torch.int32), "trained": cat(trained_parts, torch.uint8),
+               "lengths": torch.tensor(lengths, dtype=torch.int64)}
+    return tensors, {"truncated": truncated, "dropped": dropped}

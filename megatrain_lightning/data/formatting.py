@@ -92,8 +92,8 @@ def _template_segments(tokenizer, messages: list[dict]) -> list[Segment]:
     return segs
 
 
-def _plain_segments(tokenizer, messages: list[dict]) -> list[Segment]:
-    segs: list[Segment] = [([tokenizer.bos_token_id], False)] if wants_bos(tokenizer) else []
+def _plain_segments(tokenizer, messages: list[dict], bos: bool) -> list[Segment]:
+    segs: list[Segment] = [([tokenizer.bos_token_id], False)] if bos else []
     eos = eos_id(tokenizer)
     sep = ""
     for m in messages:
@@ -109,15 +109,33 @@ def _plain_segments(tokenizer, messages: list[dict]) -> list[Segment]:
     return segs
 
 
-def conversation_segments(tokenizer, messages: list[dict], use_chat_template: bool) -> list[Segment]:
+def conversation_segments(tokenizer, messages: list[dict], use_chat_template: bool, bos: bool | None = None) -> list[Segment]:
     """The conversation as ``(text or token ids, trained)`` pieces in order; their concatenation is the model input.
+
+    ``bos`` (plain format only): put the BOS token first; ``None`` asks :func:`wants_bos` (pass it when encoding many).
 
     Raises:
         ValueError: the chat template is not prefix-stable (see :func:`_template_segments`), or no EOS token.
     """
     if use_chat_template:
         return _template_segments(tokenizer, messages)
-    return _plain_segments(tokenizer, messages)
+    return _plain_segments(tokenizer, messages, wants_bos(tokenizer) if bos is None else bos)
+
+
+_SENTINEL = "ANSWER_SENTINEL_7F3A"
+
+
+def end_of_turn(tokenizer, use_chat_template: bool) -> str:
+    """Text that ends an answer: what the chat template writes right after a reply (``"<|im_end|>"`` for SmolLM2,
+    trailing whitespace dropped), or the EOS token text in the plain format or when the template writes nothing."""
+    if use_chat_template:
+        msgs = [{"role": "user", "content": "q"}]
+        before = _render(tokenizer, msgs, add_generation_prompt=True)
+        after = _render(tokenizer, msgs + [{"role": "assistant", "content": _SENTINEL}], add_generation_prompt=False)
+        tail = after[len(before):].split(_SENTINEL, 1)[-1].strip()
+        if tail:
+            return tail
+    return tokenizer.eos_token or ""
 
 
 def generation_prompt(tokenizer, prompt: str, use_chat_template: bool) -> tuple[str, bool]:

@@ -116,7 +116,7 @@ def drug_pairs(kinds: tuple[str, ...] = DRUG_KINDS) -> list[dict]:
 def icd10cm_pairs(seven_character: bool = False) -> list[dict]:
     """``[{"id": "icd10cm/<code>", "prompt": "What does ICD-10-CM code <code> describe?", "response": <description>,
     "group": "icd10cm/<category>", "kind": "icd10cm"}]`` in tabular order, categories and subcategories only
-    (chapters and blocks left out). 46,920 codes; with ``seven_character`` also the 51,305 codes with a 7th
+    (chapters and blocks left out). 46,881 codes; with ``seven_character`` also the 51,305 codes with a 7th
     character extension (e.g. ``S52.501A``), whose descriptions repeat the parent's with an encounter suffix.
 
     Raises:
@@ -125,10 +125,11 @@ def icd10cm_pairs(seven_character: bool = False) -> list[dict]:
     package_dir("simple_icd_10_cm", ICD_PIP)  # a clear error before the import
     import simple_icd_10_cm as cm  # parses its bundled XML once, about 1.5 s
 
-    out = []
+    out, seen = [], set()
     for code in cm.get_all_codes(with_dots=True):
-        if not cm.is_category_or_subcategory(code):
-            continue
+        if code in seen or not cm.is_category_or_subcategory(code):
+            continue  # 78 codes (e.g. B10) are listed twice, as a block and as a category
+        seen.add(code)
         if not seven_character and cm.is_extended_subcategory(code):
             continue
         out.append({"id": f"icd10cm/{code}", "prompt": f"What does ICD-10-CM code {code} describe?",
@@ -144,8 +145,8 @@ def biomedical_pairs(kinds: tuple[str, ...] | list[str] | None = None, icd_seven
         icd_seven_character: include ICD-10-CM codes with a 7th-character extension.
 
     Returns:
-        ``[{"id", "prompt", "response", "group", "kind"}]``, deterministic order. 76,596 documents with
-        all kinds (8,749 mesh_category, 7,162 mesh_class, 13,765 synonym, 46,920 icd10cm).
+        ``[{"id", "prompt", "response", "group", "kind"}]``, deterministic order. 76,557 documents with
+        all kinds (8,749 mesh_category, 7,162 mesh_class, 13,765 synonym, 46,881 icd10cm).
 
     Raises:
         ValueError: an unknown kind.

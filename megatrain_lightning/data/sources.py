@@ -7,7 +7,7 @@ function                shape           content
 ======================  ==============  =============================================================
 ``legal_texts()``       text            338 SPDX license texts (PyPI ``spdx``), Debian's as fallback
 ``code_texts()``        text            ~730 non-test stdlib modules of the running interpreter
-``biomedical_pairs()``  instruction     76,596 drug (MeSH) and ICD-10-CM question/answer pairs
+``biomedical_pairs()``  instruction     76,557 drug (MeSH) and ICD-10-CM question/answer pairs
 ======================  ==============  =============================================================
 """
 
