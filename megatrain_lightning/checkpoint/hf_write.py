@@ -1,0 +1,361 @@
+"""Writing Hugging Face safetensors directories shard by shard, with fsync and checksums."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import struct
+import uuid
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import torch
+from safetensors.torch import save_file
+
+from .hf_common import (CHECKSUMS_FILE, DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, SINGLE_FILE, _HASH_CHUNK, _SHARD_RE,
+                        CheckpointFormatError, _tied_targets, resolve_dtype)
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def _state_dict_entries(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every (name, tensor) ``model.state_dict()`` would hold, in its order, without building it."""
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        pre = f"{mod_name}." if mod_name else ""
+        for n, p in mod._parameters.items():
+            if p is not None:
+                yield pre + n, p
+        for n, b in mod._buffers.items():
+            if b is not None and n not in mod._non_persistent_buffers_set:
+                yield pre + n, b
+
+
+def _saved_names(model: torch.nn.Module) -> dict[str, str]:
+    """``{state_dict name: name it is saved under}``: tied duplicates map to the kept name.
+
+    Like ``save_pretrained``: of names sharing one tensor object, those declared as tied
+    targets are dropped; if none (or all) are, the first in state_dict order is kept.
+    """
+    groups: dict[int, list[str]] = {}
+    for name, t in _state_dict_entries(model):
+        groups.setdefault(id(t), []).append(name)
+    ties = _tied_targets(model)
+    out: dict[str, str] = {}
+    for names in groups.values():
+        keep = [n for n in names if n not in ties] or names
+        for n in names:
+            out[n] = n if n == keep[0] else keep[0]
+    return out
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems/platforms refuse fsync on directories
+        if not path.is_dir():
+            raise
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def add_checksums(directory: str | os.PathLike, names: Iterable[str]) -> dict[str, str]:
+    """Hash (sha256) and fsync the files ``names`` of ``directory`` and merge them into its
+    ``checksums.json`` (written atomically, then the directory is fsynced). Returns the full mapping.
+
+    Raises:
+        FileNotFoundError: one of the files does not exist.
+    """
+    d = Path(directory)
+    path = d / CHECKSUMS_FILE
+    sums = json.loads(path.read_text()) if path.is_file() else {}
+    for n in names:
+        _fsync_path(d / n)
+        sums[n] = _sha256(d / n)
+    _write_json(path, dict(sorted(sums.items())))
+    _fsync_path(d)
+    return sums
+
+
+def _existing_weights(d: Path) -> list[str]:
+    if not d.is_dir():
+        return []
+    return sorted(x.name for x in d.iterdir() if x.name in (SINGLE_FILE, INDEX_FILE) or _SHARD_RE.match(x.name))
+
+
+def _prepare(t: torch.Tensor, name: str, dtype: torch.dtype | None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name!r} is a {type(t).__name__}, not a torch.Tensor.")
+    if t.device.type == "meta":
+        raise ValueError(f"{name!r} is on the meta device (never materialised): there is no data to write.")
+    t = t.detach()
+    if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+        return t.to(device="cpu", dtype=dtype).contiguous()
+    return t.to("cpu").contiguous()
+
+
+def _out_bytes(t: torch.Tensor, dtype: torch.dtype | None) -> int:
+    item = dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size()
+    return t.numel() * item
+
+
+def write_safetensors_shards(out_dir: str | os.PathLike, items: Iterable[tuple[str, torch.Tensor]], *,
+                             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                             dtype: torch.dtype | str | None = None,
+                             metadata: dict[str, str] | None = None) -> dict[str, Any]:
+    """Stream ``(name, tensor)`` pairs into safetensors shards, transformers-style.
+
+    Tensors are grouped in order until the next one would push the shard past
+    ``max_shard_bytes`` (a tensor larger than that gets a shard of its own); each shard is
+    converted (to CPU, to ``dtype`` for floating tensors, made contiguous) only when written,
+    so at most one shard of converted tensors exists at a time. Tensors may be views sharing
+    one storage as long as they do not overlap. Shards are written under temporary names and
+    renamed to ``model-00001-of-0000N.safetensors`` at the end, with
+    ``model.safetensors.index.json``; a single shard is written as ``model.safetensors`` with
+    no index. Every file is fsynced, then the directory; ``checksums.json`` gets each file's sha256.
+
+    Args:
+        out_dir: created if missing; must not already hold weight files.
+        items: ``(name, tensor)`` pairs, any dtype/device (meta excluded), names unique.
+        max_shard_bytes: shard size limit in bytes (of the converted tensors).
+        dtype: floating tensors are cast to it (a torch dtype or ``"fp32"``/``"bf16"``/``"fp16"``);
+            integer/bool tensors keep theirs. ``None``: keep every dtype.
+        metadata: string key/values stored in every shard header (``format: pt`` is always added).
+
+    Returns:
+        The index dict ``{"metadata": {"total_size": bytes, "total_parameters": n},
+        "weight_map": {name: file}}`` (also for a single file, where it is not written).
+
+    Raises:
+        FileExistsError: ``out_dir`` already holds model.safetensors / shards / an index.
+        ValueError: a duplicate name, a meta tensor, ``max_shard_bytes`` <= 0, an unknown dtype.
+        TypeError: an item is not a tensor.
+        OSError: the disk is full or not writable (temporary shards are removed).
+    """
+    d = Path(out_dir)
+    dt = resolve_dtype(dtype)
+    if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be a positive number of bytes, got {max_shard_bytes!r}.")
+    if clash := _existing_weights(d):
+        raise FileExistsError(f"{d} already holds weight files {clash[:5]}: write into a new or empty directory.")
+    d.mkdir(parents=True, exist_ok=True)
+    meta = {"format": "pt", **{str(k): str(v) for k, v in (metadata or {}).items()}}
+    tag = uuid.uuid4().hex[:8]
+    written: list[Path] = []  # temporary shard paths, in order
+    shard_names: list[list[str]] = []
+    sums: dict[str, str] = {}
+    seen: set[str] = set()
+    total_size = total_params = 0
+
+    def flush(pending: list[tuple[str, torch.Tensor]]) -> None:
+        tmp = d / f".tmp-{tag}-{len(written) + 1:05d}.safetensors"
+        written.append(tmp)
+        shard = {n: _prepare(t, n, dt) for n, t in pending}
+        save_file(shard, str(tmp), metadata=meta)
+        del shard
+        _fsync_path(tmp)
+        sums[tmp.name] = _sha256(tmp)
+        shard_names.append([n for n, _ in pending])
+
+    try:
+        pending: list[tuple[str, torch.Tensor]] = []
+        pending_bytes = 0
+        for name, t in items:
+            if name in seen:
+                raise ValueError(f"Tensor name {name!r} appears twice; names must be unique.")
+            seen.add(name)
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name!r} is a {type(t).__name__}, not a torch.Tensor.")
+            if t.device.type == "meta":
+                raise ValueError(f"{name!r} is on the meta device (never materialised): there is no data to write.")
+            size = _out_bytes(t, dt)
+            if pending and pending_bytes + size > max_shard_bytes:
+                flush(pending)
+                pending, pending_bytes = [], 0
+            pending.append((name, t))
+            pending_bytes += size
+            total_size += size
+            total_params += t.numel()
+        if pending or not written:
+            flush(pending)
+        del pending
+
+        n = len(written)
+        finals = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        for tmp, final in zip(written, finals):
+            os.replace(tmp, d / final)
+        final_sums = {final: sums[tmp.name] for tmp, final in zip(written, finals)}
+        written = []
+        index = {
+            "metadata": {"total_size": total_size, "total_parameters": total_params},
+            "weight_map": {name: final for final, names in zip(finals, shard_names) for name in names},
+        }
+        if n > 1:
+            _write_json(d / INDEX_FILE, index)
+            final_sums[INDEX_FILE] = _sha256(d / INDEX_FILE)
+        path = d / CHECKSUMS_FILE
+        old = json.loads(path.read_text()) if path.is_file() else {}
+        _write_json(path, dict(sorted({**old, **final_sums}.items())))
+        _fsync_path(d)
+        return index
+    finally:
+        for tmp in written:  # only on error: remove the partial shards
+            tmp.unlink(missing_ok=True)
+
+
+def _safetensors_expected_size(path: Path) -> tuple[int | None, str | None]:
+    """(size the header implies, problem) for a safetensors file; problem is set when unreadable."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return None, f"truncated ({size} bytes, shorter than a safetensors header)"
+        (n,) = struct.unpack("<Q", head)
+        if n > 100 * 2**20:
+            return None, "corrupted (header length is implausible)"
+        raw = f.read(n)
+    if len(raw) < n:
+        return None, f"truncated ({size} bytes; its header alone needs {8 + n})"
+    try:
+        header = json.loads(raw)
+        end = max([v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"], default=0)
+    except (ValueError, KeyError, TypeError, IndexError):
+        return None, "corrupted (its header is not valid safetensors JSON)"
+    return 8 + n + end, None
+
+
+def verify_checksums(directory: str | os.PathLike) -> dict[str, str]:
+    """Check every file listed in ``directory/checksums.json`` against its sha256.
+
+    Returns:
+        The verified ``{file name: sha256 hex}`` mapping.
+
+    Raises:
+        FileNotFoundError: ``directory`` or its ``checksums.json`` does not exist.
+        ValueError: one or more listed files are missing, truncated (size differs from what the
+            safetensors header implies) or corrupted (hash differs); the message names each file.
+    """
+    d = Path(directory)
+    path = d / CHECKSUMS_FILE
+    if not d.is_dir():
+        raise FileNotFoundError(f"Directory {d} does not exist.")
+    if not path.is_file():
+        raise FileNotFoundError(f"{d} has no {CHECKSUMS_FILE}: it was not written completely by megatrain "
+                                "(or is not a megatrain checkpoint), so its files cannot be verified.")
+    try:
+        sums = json.loads(path.read_text())
+        assert isinstance(sums, dict)
+    except (ValueError, AssertionError) as err:
+        raise ValueError(f"{path} is corrupted (not a JSON object of file -> sha256).") from err
+    problems = []
+    for name, digest in sums.items():
+        f = d / name
+        if Path(name).name != name:
+            problems.append(f"{name}: not a plain file name")
+        elif not f.is_file():
+            problems.append(f"{name}: missing")
+        else:
+            expected, problem = (_safetensors_expected_size(f) if name.endswith(".safetensors") else (None, None))
+            actual = f.stat().st_size
+            if problem is None and expected is not None and actual != expected:
+                problem = (f"truncated ({actual} bytes, header says {expected})" if actual < expected
+                           else f"corrupted ({actual} bytes, header says {expected})")
+            if problem is None and _sha256(f) != digest:
+                problem = "corrupted (sha256 differs)"
+            if problem:
+                problems.append(f"{name}: {problem}")
+    if problems:
+        raise ValueError(f"Checksum verification failed in {d}: " + "; ".join(problems))
+    return sums
+
+
+def save_hf_model_dir(out_dir: str | os.PathLike, model: torch.nn.Module, *, dtype: torch.dtype | str | None = None,
+                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, tokenizer: Any = None,
+                      named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> dict[str, Any]:
+    """Write a Hugging Face model directory that ``AutoModelForCausalLM.from_pretrained`` loads.
+
+    Writes the weights through :func:`write_safetensors_shards` under ``model.state_dict()``
+    names, one parameter/persistent buffer at a time (no state_dict is built), skipping tied
+    duplicates like ``save_pretrained`` (of names sharing one tensor, the declared tie targets,
+    e.g. ``lm_head.weight``); then ``config.json`` (with ``dtype`` and ``architectures`` set, as
+    ``save_pretrained`` does, on a copy: the model's config is not modified),
+    ``generation_config.json`` when the model can generate, the tokenizer when given, and
+    adds all these files to ``checksums.json``.
+
+    Names are the model's own: for models whose checkpoints transformers converts on load
+    (e.g. Mixtral's per-expert weights fused into ``experts.gate_up_proj``) the fused names are
+    written; transformers >= 5 loads them as they are.
+
+    Args:
+        out_dir: created if missing; must not already hold weight files.
+        model: a transformers ``PreTrainedModel`` with materialised (non-meta) weights, unless
+            ``named_tensors`` is given.
+        dtype: cast floating tensors to it (``None``: keep).
+        max_shard_bytes: shard size limit in bytes.
+        tokenizer: anything with ``save_pretrained(dir)``.
+        named_tensors: write these ``(state_dict name, tensor)`` pairs instead of the model's
+            own tensors (the caller then skips tied duplicates itself).
+
+    Returns:
+        The index dict of :func:`write_safetensors_shards`.
+
+    Raises:
+        FileExistsError: ``out_dir`` already holds weights.
+        ValueError: a parameter is on the meta device, or an unknown dtype.
+    """
+    d = Path(out_dir)
+    dt = resolve_dtype(dtype)
+    if clash := _existing_weights(d):
+        raise FileExistsError(f"{d} already holds weight files {clash[:5]}: write into a new or empty directory.")
+    d.mkdir(parents=True, exist_ok=True)
+    before = {x.name for x in d.iterdir()}
+    if named_tensors is None:
+        saved = _saved_names(model)
+        named_tensors = ((n, t) for n, t in _state_dict_entries(model) if saved[n] == n)
+    ignore = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    if ignore:  # exact names, as save_pretrained treats them
+        named_tensors = ((n, t) for n, t in named_tensors if n not in ignore)
+    index = write_safetensors_shards(d, named_tensors, max_shard_bytes=max_shard_bytes, dtype=dt)
+
+    config = copy.deepcopy(model.config)
+    out_dtype = dt or getattr(model, "dtype", None)
+    if isinstance(out_dtype, torch.dtype):
+        config.dtype = str(out_dtype).split(".")[1]
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(str(d))
+    gen = getattr(model, "generation_config", None)
+    can_generate = getattr(model, "can_generate", lambda: False)
+    if gen is not None and can_generate():
+        gen.save_pretrained(str(d))
+    if getattr(model, "is_remote_code", lambda: False)():
+        from transformers.dynamic_module_utils import custom_object_save
+
+        custom_object_save(model, str(d), config=config)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(d))
+    weights = set(index["weight_map"].values()) | {INDEX_FILE, CHECKSUMS_FILE}
+    new = sorted(x.name for x in d.iterdir() if x.is_file() and x.name not in before and x.name not in weights)
+    add_checksums(d, new)
+    return index
+
