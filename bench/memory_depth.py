@@ -9,14 +9,16 @@ prefetched blocks and the saved block inputs, so without offload the peak grows 
 saved inputs, L x B x T x H x 4 bytes, and with offload it should stay flat in depth.
 
 How: 2 warm-up steps (the first allocates the host gradient accumulators, the second
-applies the first AdamW update during its forward and so allocates exp_avg/exp_avg_sq),
-then one measured step, metered independently of the engine's own accounting:
+applies the first AdamW update during its forward and so allocates exp_avg/exp_avg_sq;
+--warmup below 2 is raised to 2), then one measured step, metered independently of the engine's own accounting:
   * cuda: torch.cuda.max_memory_allocated(), reset before the step;
   * cpu:  torch.profiler.profile(activities=[CPU], profile_memory=True) around the step;
           the peak of the running sum of the raw allocator events ("[memory]" records of
           prof.profiler.kineto_results, +bytes = alloc, -bytes = free, sorted by time).
           prof.events() is not used: it folds each allocation into every enclosing op's
-          cpu_memory_usage. A self-check on known allocations is printed first.
+          cpu_memory_usage. Frees of memory allocated before the step are not events
+          (PyTorch warns once: "Memory block of unknown size..."), so the peak is the
+          step's own high-water mark. A self-check on known allocations is printed first.
           The profiler records allocations only on the thread it was started on, and the
           engine allocates block copies on its H2D worker and frees gradients on its D2H
           worker; on CPU both workers are therefore replaced by inline executors (same
@@ -37,6 +39,7 @@ Writes bench/results/memory_depth.json.
 """
 
 import argparse
+import gc
 import json
 import os
 from concurrent.futures import Future
@@ -55,10 +58,11 @@ MiB = 2**20
 
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-p.add_argument("--warmup", type=int, default=2)
+p.add_argument("--warmup", type=int, default=2, help="warm-up steps; at least 2 are run (see the docstring)")
 p.add_argument("--async-workers", action="store_true", help="cpu: keep the engine's worker threads (meter misses their allocations)")
 p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "memory_depth.json"))
 args = p.parse_args()
+warmup = max(2, args.warmup)  # fewer would put the host AdamW state allocation into the measured step (CPU meter)
 
 torch.set_num_threads(2)
 dev = torch.device(args.device)
@@ -145,15 +149,17 @@ def run(layers, offload):
         del loss
         engine.attach_grads()
         engine.step()
-        engine.end_step()
 
-    for _ in range(args.warmup):
+    for _ in range(warmup):
         step()
+        engine.end_step()
     offloaded[0] = 0
     raw = meter(step)
+    engine.end_step()  # outside the meter: on CUDA it resets the peak statistics
     host = offloaded[0] if not cuda else 0
     row = {"layers": layers, "offload": offload, "raw_peak_bytes": raw, "offloaded_host_bytes": offloaded[0],
            "device_peak_bytes": raw - host, "saved_inputs_bytes": layers * B * T * H * 4,
+           "offloaded_blocks": offloaded[0] / (B * T * H * 4),
            "engine_peak_device_bytes": engine.history[-1]["megatrain/peak_device_bytes"],
            "n_blocks": len(engine.blocks), "n_params": sum(p.numel() for p in model.parameters())}
     engine.close()
@@ -164,6 +170,7 @@ check = None if cuda else self_check()
 rows = []
 for offload in (False, True):
     for L in DEPTHS:
+        gc.collect()  # the previous engine's reference cycles still hold its buffers
         rows.append(run(L, offload))
         r = rows[-1]
         print(f"  layers {L:2d} offload {offload!s:5s}: raw peak {r['raw_peak_bytes'] / MiB:8.2f} MiB", flush=True)
@@ -191,7 +198,7 @@ print(f"offload_activations=True: device peak growth {DEPTHS[0]} -> {DEPTHS[-1]}
 
 os.makedirs(os.path.dirname(args.out), exist_ok=True)
 with open(args.out, "w") as f:
-    json.dump({"bench": "memory_depth", "args": vars(args), "torch": torch.__version__, "transformers": transformers.__version__,
+    json.dump({"bench": "memory_depth", "args": vars(args), "warmup_steps": warmup, "torch": torch.__version__, "transformers": transformers.__version__,
                "meter": meter_name, "meter_self_check": check, "batch": B, "seq": T, "hidden": H, "target_growth": TARGET,
                "growth_4_to_32_offload": growth, "pass": passed, "rows": rows}, f, indent=1)
 print(f"wrote {args.out}")

@@ -110,8 +110,10 @@ class StepStats:
         wait_s: seconds the compute thread waited for weights or gradients (stall time).
         optimizer_s: seconds spent in AdamW updates (mostly on the H2D worker, overlapped).
         compute_s: seconds the compute thread spent inside block forward/backward calls, waits excluded.
-        peak_device_bytes: CUDA: ``torch.cuda.max_memory_allocated``; CPU: peak bytes of block
-            weight/gradient buffers the engine had alive at once.
+        peak_device_bytes: CUDA: ``torch.cuda.max_memory_allocated`` since the previous step (the
+            engine resets CUDA's peak statistics at every step: read them in ``on_before_optimizer_step``
+            if you measure over several steps); CPU: peak bytes of block weight/gradient buffers
+            the engine had alive at once.
         blocks_fetched: number of block fetches (forward + backward + evaluation).
         prefetch_misses: fetches that were not prefetched (the compute thread had to start the copy).
         cast_s: seconds the H2D worker spent casting fp32 masters to the bf16/fp16 wire copies.
@@ -606,6 +608,7 @@ class StreamingEngine:
             self.order.append(blk.index)
         if backward and self._phase != "backward":
             self._phase = "backward"
+            self._last_outs = None  # the forward is over: do not keep its last outputs alive
             self._bwd_seq = self._backward_sequence()
             self._seq, self._cursor = self._bwd_seq, 0
         elif not backward and (self._phase != "forward" or (self.order and blk.index == self.order[0])):
