@@ -383,6 +383,19 @@ class StreamingEngine:
         proxy.__wrapped__ = orig  # type: ignore[attr-defined]
         return proxy
 
+    def _grad_leaves(self, blk: Block, bufs: dict[int, torch.Tensor]) -> tuple[dict[int, torch.Tensor], list]:
+        """One autograd leaf per trainable parameter of ``blk`` (a view of its device buffer), keyed by
+        ``id(param)``, and the parameter references in the same order."""
+        leaves: dict[int, torch.Tensor] = {}
+        refs = []
+        for ref in blk.params:
+            if ref.param.requires_grad and id(ref.param) not in leaves:
+                e = self.store.slabs[ref.slab].entries[ref.index]
+                view = bufs[ref.slab][e.offset : e.offset + e.numel].view(e.shape)
+                leaves[id(ref.param)] = view.detach().requires_grad_(True)
+                refs.append(ref)
+        return leaves, refs
+
     def _run_with_graph(self, blk: Block, orig: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """Run the last block of a training forward with ordinary autograd tracking.
 
@@ -392,13 +405,7 @@ class StreamingEngine:
         weight leaf sends the gradient to the host accumulator and releases the buffers.
         """
         bufs = self.acquire(blk, backward=False, training=True)
-        leaves: dict[int, torch.Tensor] = {}
-        refs = []
-        for ref in blk.params:
-            if ref.param.requires_grad and id(ref.param) not in leaves:
-                e = self.store.slabs[ref.slab].entries[ref.index]
-                leaves[id(ref.param)] = bufs[ref.slab][e.offset : e.offset + e.numel].view(e.shape).detach().requires_grad_(True)
-                refs.append(ref)
+        leaves, refs = self._grad_leaves(blk, bufs)
         nbytes = sum(b.numel() * b.element_size() for b in bufs.values())
         remaining = [len(refs)]
 
@@ -462,13 +469,7 @@ class StreamingEngine:
         dev = self.device
         bufs = self.acquire(blk, backward=True)
         t0 = time.perf_counter()
-        leaves: dict[int, torch.Tensor] = {}
-        leaf_refs = []
-        for ref in blk.params:
-            if ref.param.requires_grad and id(ref.param) not in leaves:
-                e = self.store.slabs[ref.slab].entries[ref.index]
-                leaves[id(ref.param)] = bufs[ref.slab][e.offset : e.offset + e.numel].view(e.shape).detach().requires_grad_(True)
-                leaf_refs.append(ref)
+        leaves, leaf_refs = self._grad_leaves(blk, bufs)
         flat = list(call.flat)
         for i, t in zip(call.tensor_pos, inputs):
             flat[i] = t
