@@ -3,8 +3,6 @@ plain-PyTorch reference loop every parity test compares against."""
 
 from __future__ import annotations
 
-import copy
-import math
 from typing import Callable
 
 import lightning.pytorch as pl

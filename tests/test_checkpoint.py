@@ -14,7 +14,7 @@ from torch.utils.data import TensorDataset
 import megatrain_lightning  # noqa: F401
 from megatrain_lightning.checkpoint.directory import CheckpointError
 from megatrain_lightning.data import ResumableDataLoader
-from helpers import LM, SEQ, VOCAB, assert_parity, make_model, rel
+from helpers import LM, SEQ, VOCAB, assert_parity, make_model
 
 
 def loader(n=24, batch_size=2, seed=5):

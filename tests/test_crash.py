@@ -12,7 +12,6 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
-import torch
 
 import megatrain_lightning  # noqa: F401
 from crash_common import TOTAL, lm, loader

@@ -6,7 +6,6 @@ import copy
 import logging
 
 import lightning.pytorch as pl
-import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor
 from lightning.pytorch.loggers import CSVLogger

@@ -6,13 +6,12 @@ import copy
 import math
 
 import lightning.pytorch as pl
-import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
 import megatrain_lightning  # noqa: F401
-from megatrain_lightning import MegaTrainPrecision, MegaTrainStrategy
+from megatrain_lightning import MegaTrainPrecision
 from helpers import LM, VOCAB, make_data, make_model
 
 

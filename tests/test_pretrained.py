@@ -5,8 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import lightning.pytorch as pl
-import pytest
-import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import megatrain_lightning  # noqa: F401

@@ -26,7 +26,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -232,6 +232,3 @@ def load_optimizer_dir(path: str | os.PathLike, module: nn.Module, engine: Any, 
             opt.load_param_state(param, source.get(f"{name}/exp_avg"), source.get(f"{name}/exp_avg_sq"),
                                  source.get(f"{name}/step"))
 
-
-def iter_names(module: nn.Module) -> Iterable[str]:
-    return (n for n, _ in module.named_parameters())

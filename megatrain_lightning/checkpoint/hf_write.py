@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from .hf_common import (CHECKSUMS_FILE, DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, SINGLE_FILE, _HASH_CHUNK, _SHARD_RE,
-                        CheckpointFormatError, _tied_targets, resolve_dtype)
+                        _tied_targets, resolve_dtype)
 
 
 # ----------------------------------------------------------------------------- writing

@@ -38,14 +38,7 @@ def spdx_texts() -> list[dict]:
         ModuleNotFoundError: ``spdx`` is not installed (``pip install spdx==2.5.1``).
     """
     data = package_dir("spdx", SPDX_PIP) / "data"
-    docs = []
-    for f in sorted(data.glob("*.txt")):
-        if f.stem.upper() == "README":
-            continue
-        text = _read_package_text(f).strip()
-        if text:
-            docs.append({"id": f"spdx/{f.stem}", "text": text, "group": "license/" + _license_family(f.stem)})
-    return docs
+    return _license_docs((f for f in sorted(data.glob("*.txt")) if f.stem.upper() != "README"), "spdx", lambda f: f.stem)
 
 
 def debian_texts(directory: Path = DEBIAN_LICENSES) -> list[dict]:
@@ -55,13 +48,17 @@ def debian_texts(directory: Path = DEBIAN_LICENSES) -> list[dict]:
     """
     if not directory.is_dir():
         return []
+    files = (f for f in sorted(directory.iterdir()) if f.is_file() and not f.is_symlink())
+    return _license_docs(files, "debian", lambda f: f.name)
+
+
+def _license_docs(files, prefix: str, name) -> list[dict]:
+    """``{"id": "<prefix>/<name>", "text", "group": "license/<family>"}`` for each non-empty file."""
     docs = []
-    for f in sorted(directory.iterdir()):
-        if f.is_symlink() or not f.is_file():
-            continue
+    for f in files:
         text = _read_package_text(f).strip()
         if text:
-            docs.append({"id": f"debian/{f.name}", "text": text, "group": "license/" + _license_family(f.name)})
+            docs.append({"id": f"{prefix}/{name(f)}", "text": text, "group": "license/" + _license_family(name(f))})
     return docs
 
 

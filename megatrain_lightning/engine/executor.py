@@ -466,7 +466,6 @@ class StreamingEngine:
 
     def _backward_block(self, call: _Call, inputs: list[torch.Tensor], needs: Sequence[bool], grad_outs: Sequence[torch.Tensor | None]):
         blk = call.block
-        dev = self.device
         bufs = self.acquire(blk, backward=True)
         t0 = time.perf_counter()
         leaves, leaf_refs = self._grad_leaves(blk, bufs)

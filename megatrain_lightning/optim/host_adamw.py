@@ -252,40 +252,6 @@ class HostAdamW:
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ids})
         return {"state": state, "param_groups": groups}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a ``torch.optim.AdamW``-format state (as written by :meth:`state_dict` or by torch).
-
-        Raises:
-            ValueError: the number of param groups or parameters differs from the current optimizer.
-        """
-        self.pending.clear()
-        groups = state_dict["param_groups"]
-        if len(groups) != len(self.optimizer.param_groups):
-            raise ValueError(
-                f"Optimizer state has {len(groups)} param groups, the current optimizer {len(self.optimizer.param_groups)}."
-            )
-        params = []
-        for g, sg in zip(self.optimizer.param_groups, groups):
-            if len(g["params"]) != len(sg["params"]):
-                raise ValueError("Optimizer state does not match the model: a param group has a different size.")
-            for k, v in sg.items():
-                if k != "params":
-                    g[k] = v
-            params.extend(zip(sg["params"], g["params"]))
-        state = state_dict["state"]
-        for key, p in params:
-            st = state.get(key)
-            if st is None:
-                continue
-            si, ei = self._where[id(p)]
-            slab = self.store.slabs[si]
-            m, v = self._state(slab)
-            e = slab.entries[ei]
-            m[e.offset : e.offset + e.numel].copy_(st["exp_avg"].reshape(-1))
-            v[e.offset : e.offset + e.numel].copy_(st["exp_avg_sq"].reshape(-1))
-            step = st["step"]
-            self.steps[si][ei] = (step.detach().clone() if isinstance(step, torch.Tensor) else torch.tensor(step)).float().cpu()
-
     # ------------------------------------------------------------------ per-parameter access
     def param_state(self, param: torch.Tensor) -> dict[str, torch.Tensor] | None:
         """AdamW state of ``param`` (views: ``exp_avg``, ``exp_avg_sq`` fp32 like the parameter,

@@ -65,7 +65,7 @@ def format_plan(p: Plan) -> str:
         mark = "  <- dominates" if k == p.dominating else ""
         lines.append(f"  {TERM_LABELS[k]:<31} {amounts[k]:>16} {_rate(p, k):>24} {t:>10.3f}{mark}")
     parts = [f"{k} {v / 1e12:+,.1f}" for k, v in p.flops_parts.items() if v]
-    lines.append(f"  (compute TFLOP = " + ", ".join(parts) + f"; N_matmul = {c.matmul_params:,})")
+    lines.append("  (compute TFLOP = " + ", ".join(parts) + f"; N_matmul = {c.matmul_params:,})")
     lines += [
         "",
         f"lower bound: {p.step_time_s:,.3f} s/step, dominated by {TERM_LABELS[p.dominating]} "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import resource
 from typing import Any, Sequence
 
@@ -39,6 +38,3 @@ def summary_rows(before: dict[str, float], after: dict[str, float], run: dict[st
     rows.extend((k, "", v) for k, v in extra)
     return rows
 
-
-def perplexity(loss: float) -> float:
-    return math.exp(min(loss, 50.0))

@@ -16,7 +16,6 @@ Bytes per parameter on the host (fp32): master 4, gradient accumulator 4
 
 from __future__ import annotations
 
-import math
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -112,9 +111,6 @@ class HostStore:
     def numel(self) -> int:
         return sum(s.numel for s in self.slabs)
 
-    def bytes_master(self) -> int:
-        """Bytes of fp32 master weights in host RAM."""
-        return 4 * self.numel
 
     def max_slab_numel(self, trainable: bool = False) -> int:
         return max((s.trainable_numel if trainable else s.numel) for s in self.slabs) if self.slabs else 0
@@ -200,11 +196,3 @@ def build_store(blocks: Sequence[Block], pin_memory: bool = False,
             r.slab, r.index = where[id(r.param)]
     return HostStore(slabs)
 
-
-def format_bytes(n: float) -> str:
-    """Human-readable bytes in binary units (``1.50 GiB``)."""
-    if n <= 0:
-        return "0 B"
-    units = ["B", "KiB", "MiB", "GiB", "TiB"]
-    k = min(int(math.log(n, 1024)), len(units) - 1)
-    return f"{n / 1024 ** k:.2f} {units[k]}"
