@@ -95,7 +95,9 @@ def check_env(a) -> dict:
 
 
 def check_pytest(a) -> dict:
-    target = ["tests/test_errors.py"] if a.cpu_dry_run else ["tests"]
+    # the engine tests only (the data/recipe tests need packages the offline GPU image lacks); on CPU there,
+    # they check the engine under that image's torch/transformers versions
+    target = ["tests/test_errors.py"] if a.cpu_dry_run else ["tests/test_parity.py", "tests/test_precision.py"]
     # pyproject's addopts already has -q; a second -q would drop the "N passed" line
     rc, lines = sh([sys.executable, "-m", "pytest", *target, "-x", "-p", "no:cacheprovider"])
     last = next((ln.strip() for ln in reversed(lines) if " in " in ln and ("passed" in ln or "failed" in ln or "error" in ln)), "")

@@ -10,7 +10,7 @@ Both paths recompute every decoder layer once in backward, so the ratio isolates
 cost of streaming (weight copies, host gradient accumulation, host AdamW, Lightning, and
 recomputing the small non-layer blocks such as the embedding and final norm).
 
-How: one process, 2 torch threads, `--warmup` unmeasured steps then `--steps` measured
+How: one process, 2 torch threads on CPU (every core with CUDA, for the host AdamW; --threads), `--warmup` unmeasured steps then `--steps` measured
 steps per configuration. The baseline is timed around each loop iteration; megatrain is
 timed by a Callback from on_train_batch_start to on_train_batch_end (time.perf_counter,
 CUDA synchronised). With overlap_optimizer=True each block's AdamW update runs during the
@@ -31,6 +31,8 @@ Run:
     python bench/overhead.py                      # full size, CPU (several minutes)
     python bench/overhead.py --layers 2 --seq 128 --steps 3 --warmup 1   # quick smoke run
     python bench/overhead.py --device cuda
+    python bench/overhead.py --device cuda --layers 16 --hidden 2048 --intermediate 5632 --heads 16 --kv-heads 16 \
+        --vocab 32000 --batch 8 --seq 1024     # ~0.9B params: the compute-bound regime MegaTrain targets
 Writes bench/results/overhead.json.
 """
 
@@ -58,21 +60,29 @@ p.add_argument("--warmup", type=int, default=2)
 p.add_argument("--seq", type=int, default=512)
 p.add_argument("--layers", type=int, default=30)
 p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+p.add_argument("--batch", type=int, default=1, help="micro-batch size (sequences)")
+p.add_argument("--hidden", type=int, default=576, help="hidden size (default: SmolLM2-135M's)")
+p.add_argument("--intermediate", type=int, default=1536)
+p.add_argument("--heads", type=int, default=9)
+p.add_argument("--kv-heads", type=int, default=3)
+p.add_argument("--vocab", type=int, default=49152)
+p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: 2 on cpu, every core with cuda)")
 p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "overhead.json"))
 args = p.parse_args()
 assert args.steps >= 1 and args.warmup >= 0
 
-torch.set_num_threads(2)
+torch.set_num_threads(args.threads or (2 if args.device == "cpu" else os.cpu_count() or 1))
 logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # no GPU/TPU banner per Trainer
 warnings.filterwarnings("ignore", message=".*LeafSpec.*")  # lightning 2.6 internals vs torch 2.13
 dev = torch.device(args.device)
 cuda = dev.type == "cuda"
-cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=args.layers,
-                               num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+cfg = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                               num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                               max_position_embeddings=max(2048, args.seq),
                                tie_word_embeddings=True, rope_theta=100000, use_cache=False)
 QUIET = 0.05  # a step "ran alone" if other processes used < 5% of a core meanwhile
 n_max = args.warmup + 3 * args.steps  # contended steps are retried: at most 2 x --steps extra steps
-ids_all = torch.randint(0, cfg.vocab_size, (n_max, args.seq), generator=torch.Generator().manual_seed(1))
+ids_all = torch.randint(0, cfg.vocab_size, (n_max * args.batch, args.seq), generator=torch.Generator().manual_seed(1))
 
 
 def make_model():
@@ -120,14 +130,15 @@ def peak_bytes():
 # ---------------------------------------------------------------- baseline: plain PyTorch
 def run_baseline():
     model = make_model().to(dev)
-    model.activation_checkpointing_enable()  # transformers 5: gradient_checkpointing_enable is a deprecated alias
+    # transformers >= 5.20 names it activation_checkpointing_enable (gradient_checkpointing_enable is the older alias)
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     times, other = [], []
     for i in range(n_max):
         if i == args.warmup:
             peak_reset()
-        ids = ids_all[i : i + 1].to(dev)
+        ids = ids_all[i * args.batch : (i + 1) * args.batch].to(dev)
         sync()
         t0, o0 = time.perf_counter(), other_cpu_s()
         opt.zero_grad(set_to_none=True)
@@ -189,7 +200,7 @@ def run_megatrain(**strategy_kwargs):
     trainer = pl.Trainer(strategy=MegaTrainStrategy(**strategy_kwargs), accelerator="gpu" if cuda else "cpu", devices=1,
                          max_steps=n_max, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[timer])
-    trainer.fit(lm, DataLoader(TensorDataset(ids_all), batch_size=1))
+    trainer.fit(lm, DataLoader(TensorDataset(ids_all), batch_size=args.batch))
     peak = timer.peak if cuda else None
     hist = trainer.strategy.engine.history[args.warmup :]
     trainer.strategy.engine.close()
@@ -226,8 +237,9 @@ for r in rows:
 ratio = rows[1]["ratio"]
 passed = ratio <= TARGET
 
-n_params = sum(p.numel() for p in make_model().parameters())
-print(f"\noverhead: Llama {args.layers} layers ({n_params / 1e6:.1f}M params), batch 1 x {args.seq}, fp32, "
+with torch.device("meta"):
+    n_params = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(cfg).parameters())
+print(f"\noverhead: Llama {args.layers} layers, hidden {args.hidden} ({n_params / 1e6:.1f}M params), batch {args.batch} x {args.seq}, fp32, "
       f"{args.device}, {torch.get_num_threads()} threads, {args.warmup} warm-up + {args.steps} measured steps")
 hdr = f"{'config':42s} {'median s':>9s} {'ratio':>6s} {'h2d GiB':>8s} {'wait s':>7s} {'optim s':>8s} {'compute s':>9s} {'other cpu s':>11s}"
 if cuda:
