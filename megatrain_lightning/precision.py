@@ -137,12 +137,37 @@ class MegaTrainPrecision(Precision):
         return super().pre_backward(tensor, module)
 
     def _unscale_and_check(self, optimizer: Any) -> bool:
-        """Divide the host gradients by the scale in place; return True if any is inf/NaN."""
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        """Divide the host gradients by the scale in place, slab by slab (either tier); return True
+        if any is inf/NaN."""
         found_inf = torch.zeros(1)
-        if grads:
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, torch.full((1,), 1.0 / self.scale))
+        inv = torch.full((1,), 1.0 / self.scale)
+        engine = self.engine
+        opt = engine.optimizer
+        by_slab: dict[int, list[int]] = {}
+        for si, ei in opt._grad_entries():
+            by_slab.setdefault(si, []).append(ei)
+        for si, eis in by_slab.items():
+            slab = engine.store.slabs[si]
+            with slab.lock, engine.store.hold(si, ["acc"], write=True) as t:
+                torch._amp_foreach_non_finite_check_and_unscale_([slab.view(t["acc"], ei) for ei in eis], found_inf, inv)
         return bool(found_inf.item())
+
+    # ------------------------------------------------------------------ clipping
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
+        """Lightning's ``gradient_clip_algorithm="norm"``: the global norm over the host gradients,
+        computed slab by slab as ``torch.nn.utils.clip_grad_norm_`` does; the scale is applied in
+        each slab's AdamW update (see ``HostAdamW.clip_grad_norm``)."""
+        if self.engine is None or self.engine.optimizer is None:
+            return super().clip_grad_by_norm(optimizer, clip_val)
+        self.engine.wait_grads()
+        self.engine.optimizer.clip_grad_norm(float(clip_val))
+
+    def clip_grad_by_value(self, optimizer: Any, clip_val: int | float) -> None:
+        """Lightning's ``gradient_clip_algorithm="value"``: every gradient clamped to ``[-clip_val, clip_val]``
+        in its slab's AdamW update."""
+        if self.engine is None or self.engine.optimizer is None:
+            return super().clip_grad_by_value(optimizer, clip_val)
+        self.engine.optimizer.clip_grad_value(float(clip_val))
 
     def _update_scale(self, found_inf: bool) -> None:
         if found_inf:

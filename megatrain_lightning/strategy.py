@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from typing import Any, Callable, Generator, Mapping, Sequence
 
 import torch
@@ -35,6 +36,8 @@ from .checkpoint.directory import load_checkpoint_dir, load_optimizer_dir, save_
 from .engine.executor import StreamingEngine
 from .optim.host_adamw import UnsupportedOptimizerError, validate_optimizer
 from .precision import MegaTrainPrecision, to_megatrain_precision
+from .store.budget import parse_bytes
+from .store.nvme import NVMeConfig
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +67,20 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             ``False`` makes the CPU path copy exactly as the CUDA path does). Mixed precision always
             streams converted copies.
         log_stats: log per-step accounting (``megatrain/h2d_bytes`` ...) through the Trainer's logger.
+        offload_params: where fp32 master weights live: ``"cpu"`` (host RAM, default) or ``"nvme"``
+            (per-block files under ``nvme_path``, read through a host window).
+        offload_optimizer: where ``exp_avg``, ``exp_avg_sq`` and the gradient accumulators live:
+            ``"cpu"`` or ``"nvme"``.
+        nvme_path: directory on a fast local disk for the NVMe tier (the store is
+            ``<nvme_path>/megatrain_store``). ``strategy="megatrain_nvme"`` reads it from the
+            environment variable ``MEGATRAIN_NVME_PATH``.
+        host_memory_limit: bytes (or ``"16GiB"``-style strings) the NVMe tier's host window may use,
+            on CPU including the compute buffers (strict: never exceeded). Default: half of the
+            machine's physical RAM. Ignored when nothing is on NVMe.
+        nvme_io_threads: concurrent reads/writes (queue depth; default 4, measured in bench/nvme.py).
+        nvme_read_ahead: buffers read ahead at most at once (default 4).
+        direct_io: ``"auto"`` (``O_DIRECT`` where the filesystem allows it), ``True`` or ``False``.
+        keep_nvme_files: keep the store's files when the engine closes (default: removed).
         accelerator, checkpoint_io, precision_plugin: as for every Lightning strategy.
 
     Raises:
@@ -89,6 +106,14 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         pin_memory: bool | None = None,
         cpu_zero_copy: bool = True,
         log_stats: bool = True,
+        offload_params: str = "cpu",
+        offload_optimizer: str = "cpu",
+        nvme_path: str | None = None,
+        host_memory_limit: int | str | None = None,
+        nvme_io_threads: int = 4,
+        nvme_read_ahead: int = 4,
+        direct_io: bool | str = "auto",
+        keep_nvme_files: bool = False,
     ) -> None:
         self._parallel_devices: list[torch.device] | None = None
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
@@ -101,6 +126,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         self.pin_memory = pin_memory
         self.cpu_zero_copy = cpu_zero_copy
         self.log_stats = log_stats
+        self.nvme = nvme_config(offload_params, offload_optimizer, nvme_path, host_memory_limit, nvme_io_threads,
+                                nvme_read_ahead, direct_io, keep_nvme_files)
         self.engine: StreamingEngine | None = None
         self._orig_zero_grad: tuple[Any, Any] | None = None
 
@@ -157,7 +184,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
-        if self.engine is not None and (self.engine.root is not module or self.engine.trainable != [p.requires_grad for p in module.parameters()]):
+        if self.engine is not None and (self.engine.closed or self.engine.root is not module
+                                        or self.engine.trainable != [p.requires_grad for p in module.parameters()]):
             self.engine.close()
             self.engine = None
         if self.engine is None:
@@ -171,6 +199,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
                 block_names=self.block_names,
                 pin_memory=self.pin_memory,
                 cpu_zero_copy=self.cpu_zero_copy,
+                nvme=self.nvme,
             )
         self.engine.install()
         module._device = self.root_device  # the module is never moved as a whole
@@ -247,16 +276,27 @@ class MegaTrainStrategy(SingleDeviceStrategy):
 
     # ------------------------------------------------------------------ state
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The module's state dict: host-store views of the current weights, no copy."""
+        """The module's state dict: host-store views of the current weights, no copy.
+
+        With masters on NVMe it is empty: directory checkpoints read the weights from the store
+        one slab at a time instead (a full state dict would not fit the host budget)."""
         self.flush()
+        if self._masters_on_disk():
+            return {}
         return super().lightning_module_state_dict()
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """``torch.optim.AdamW``-format state of the host optimizer, as views (no copy)."""
+        """``torch.optim.AdamW``-format state of the host optimizer, as views (no copy); with the
+        optimizer on NVMe only the param groups (directory checkpoints stream the state)."""
         self.flush()
         if self.engine is None or self.engine.optimizer is None:
             return super().optimizer_state(optimizer)
+        if "exp_avg" in self.engine.store.nvme_kinds:
+            return {"state": {}, "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
         return self.engine.optimizer.state_dict(copy=False)
+
+    def _masters_on_disk(self) -> bool:
+        return self.engine is not None and not self.engine.closed and self.engine.store.masters_on_disk
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
@@ -284,7 +324,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         self.flush()
         if self.engine.optimizer is not None:
             self.engine.optimizer.pending.clear()
-        meta = load_checkpoint_dir(checkpoint_path, self.lightning_module)
+        meta = load_checkpoint_dir(checkpoint_path, self.lightning_module, self.engine)
         self._loaded_path = checkpoint_path
         self._loaded_meta = meta
         return meta
@@ -316,8 +356,43 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         """Flush updates, restore the module's own ``forward`` methods and the optimizer."""
         if self.engine is not None:
             self.engine.uninstall()
+            if self._masters_on_disk():
+                self._release_nvme()
         self._restore_zero_grad()
+        module = self.lightning_module
+        if module is not None and any(p.is_meta for p in module.parameters()):
+            # the store was never built (e.g. preflight refused the run): the module cannot move to
+            # the CPU, and trying would hide the real error behind "Cannot copy out of meta tensor"
+            self.precision_plugin.teardown()
+            assert self.accelerator is not None
+            self.accelerator.teardown()
+            self.checkpoint_io.teardown()
+            return
         super().teardown()
+
+    def _release_nvme(self) -> None:
+        """End of a run with masters on disk. The store stays open (it is the authoritative copy:
+        ``trainer.save_checkpoint`` after ``fit`` reads it); if the fp32 weights fit in
+        ``host_memory_limit`` the module's parameters get real tensors again (copies, written back at
+        the next setup) so the module works on its own; otherwise they stay placeholders and a
+        warning says how to get the weights."""
+        assert self.engine is not None and self.engine.budget is not None
+        nbytes = 4 * self.engine.store.numel
+        if nbytes <= self.engine.budget.limit:
+            self.engine.materialize()
+        else:
+            log.warning(
+                "megatrain: the fp32 weights (%.2f GiB) exceed host_memory_limit, so after the run they stay in the "
+                "NVMe store %s and the module's parameters are placeholders; save them with "
+                "trainer.save_checkpoint(dir) or read one with trainer.strategy.engine.read_param(p). "
+                "trainer.strategy.close() (or the end of the process) removes the files.",
+                nbytes / 2**30, self.engine.store.nvme.dir)
+
+    def close(self) -> None:
+        """Close the engine: stop its threads and remove the NVMe store's files (unless kept)."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -326,3 +401,53 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             cls,
             description="Stream blocks through one device; fp32 weights and AdamW state in host RAM",
         )
+        strategy_registry.register(
+            "megatrain_nvme",
+            cls,
+            description="megatrain with fp32 weights, AdamW state and gradients on NVMe ($MEGATRAIN_NVME_PATH)",
+            offload_params="nvme",
+            offload_optimizer="nvme",
+            nvme_path=NVME_PATH_FROM_ENV,
+        )
+
+
+NVME_PATH_FROM_ENV = "$MEGATRAIN_NVME_PATH"
+
+
+def nvme_config(offload_params: str, offload_optimizer: str, nvme_path: str | None, host_memory_limit: Any,
+                io_threads: int, read_ahead: int, direct_io: Any, keep_files: bool) -> NVMeConfig | None:
+    """Validate the NVMe options (before any work) and build the tier's config; ``None`` when
+    everything stays in host RAM.
+
+    Raises:
+        ValueError: an unknown tier, ``nvme`` without ``nvme_path`` (or with ``MEGATRAIN_NVME_PATH``
+            unset for ``strategy="megatrain_nvme"``), a bad ``host_memory_limit``, or bad I/O settings.
+    """
+    for name, v in (("offload_params", offload_params), ("offload_optimizer", offload_optimizer)):
+        if v not in ("cpu", "nvme"):
+            raise ValueError(f"{name} must be 'cpu' or 'nvme', got {v!r}.")
+    kinds = set()
+    if offload_params == "nvme":
+        kinds.add("master")
+    if offload_optimizer == "nvme":
+        kinds |= {"exp_avg", "exp_avg_sq", "acc"}
+    if not kinds:
+        return None
+    if nvme_path == NVME_PATH_FROM_ENV:
+        nvme_path = os.environ.get("MEGATRAIN_NVME_PATH")
+        if not nvme_path:
+            raise ValueError(
+                "strategy='megatrain_nvme' reads the store directory from the environment variable MEGATRAIN_NVME_PATH, "
+                "which is not set. Set it to a directory on a fast local disk (export MEGATRAIN_NVME_PATH=/mnt/nvme), "
+                "or pass MegaTrainStrategy(offload_params='nvme', offload_optimizer='nvme', nvme_path=...)."
+            )
+    if not nvme_path:
+        raise ValueError("offload_params/offload_optimizer='nvme' needs nvme_path= (a directory on a fast local disk).")
+    if host_memory_limit is None:
+        host_memory_limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    if io_threads < 1 or read_ahead < 0:
+        raise ValueError(f"nvme_io_threads must be >= 1 and nvme_read_ahead >= 0, got {io_threads} and {read_ahead}.")
+    if direct_io not in ("auto", True, False):
+        raise ValueError(f"direct_io must be 'auto', True or False, got {direct_io!r}.")
+    return NVMeConfig(path=str(nvme_path), kinds=frozenset(kinds), host_memory_limit=parse_bytes(host_memory_limit),
+                      io_threads=io_threads, read_ahead=read_ahead, direct_io=direct_io, keep_files=keep_files)

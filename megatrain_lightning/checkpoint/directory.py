@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from .hf_io import SafetensorsSource, save_hf_model_dir, source_key, verify_checksums, write_safetensors_shards
+from .hf_write import _saved_names, _state_dict_entries
 from .plain import to_plain
 
 FORMAT_VERSION = 1
@@ -118,10 +119,20 @@ def save_checkpoint_dir(path: str | os.PathLike, checkpoint: dict[str, Any], mod
     tmp.mkdir()
     try:
         found = _hf_model_of(module)
+        on_disk = engine is not None and engine.store.nvme is not None
+        if on_disk:  # tensors are copies read through the host window: keep shards small
+            max_shard_bytes = max(2**26, min(max_shard_bytes, engine.budget.limit // 8))
         if found is not None:
-            save_hf_model_dir(tmp / "model", found[1], tokenizer=tokenizer, max_shard_bytes=max_shard_bytes)
+            named = None
+            if on_disk and engine.store.masters_on_disk:
+                hf = found[1]
+                saved = _saved_names(hf)
+                named = ((n, engine.read_param(t) if isinstance(t, torch.nn.Parameter) else t)
+                         for n, t in _state_dict_entries(hf) if saved[n] == n)
+            save_hf_model_dir(tmp / "model", found[1], tokenizer=tokenizer, max_shard_bytes=max_shard_bytes,
+                              named_tensors=named)
         else:
-            items = ((n, p.detach()) for n, p in module.named_parameters())
+            items = ((n, engine.read_param(p) if engine is not None else p.detach()) for n, p in module.named_parameters())
             write_safetensors_shards(tmp / "model", items, max_shard_bytes=max_shard_bytes)
         has_opt = "optimizer_states" in checkpoint and engine.optimizer is not None
         if has_opt:
@@ -190,7 +201,7 @@ def check_compatible(path: Path, info: dict[str, Any], module: nn.Module) -> Non
         raise CheckpointError(f"Checkpoint {path} was written for another model config ({detail}).")
 
 
-def load_checkpoint_dir(path: str | os.PathLike, module: nn.Module) -> dict[str, Any]:
+def load_checkpoint_dir(path: str | os.PathLike, module: nn.Module, engine: Any = None) -> dict[str, Any]:
     """Verify a checkpoint directory, copy its weights into the module's (store) parameters one
     tensor at a time, and return Lightning's metadata dict (without tensors of the model).
 
@@ -213,7 +224,10 @@ def load_checkpoint_dir(path: str | os.PathLike, module: nn.Module) -> dict[str,
     keys = _param_keys(module)
     with torch.no_grad():
         for name, param in module.named_parameters():
-            param.copy_(source.get(keys[name]))
+            if engine is not None:
+                engine.write_param(param, source.get(keys[name]))  # either tier, one tensor at a time
+            else:
+                param.copy_(source.get(keys[name]))
     meta["state_dict"] = {}
     meta["optimizer_states"] = [{}] if info["has_optimizer"] else []
     return meta

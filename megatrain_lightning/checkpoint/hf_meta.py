@@ -212,3 +212,52 @@ def source_key(model: torch.nn.Module, param_name: str) -> str:
     return saved[param_name]
 
 
+
+
+class RandomInitSource:
+    """A weights source that makes each tensor when asked: ``N(0, std)`` for matrices and
+    embeddings, ones for norm weights (1-D tensors named ``*norm*``), zeros for other 1-D tensors.
+
+    Deterministic per key (seeded from ``seed`` and the key), so two stores built from it hold
+    the same weights. Used by :func:`meta_model_from_config` for throughput runs of models that
+    do not fit in RAM (the initialisation is the usual ``initializer_range`` normal, not a
+    model-specific one).
+    """
+
+    def __init__(self, shapes: dict[str, torch.Size], std: float, seed: int = 0):
+        self.shapes, self.std, self.seed = shapes, std, seed
+
+    def has(self, key: str) -> bool:
+        return key in self.shapes
+
+    def get(self, key: str) -> torch.Tensor:
+        import zlib
+
+        shape = self.shapes[key]
+        if len(shape) == 1:
+            return torch.ones(shape) if "norm" in key else torch.zeros(shape)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(key.encode()))
+        return torch.empty(shape).normal_(0.0, self.std, generator=g)
+
+
+def meta_model_from_config(config: Any, *, seed: int = 0, attn_implementation: str | None = None) -> torch.nn.Module:
+    """A causal LM of ``config`` on the ``meta`` device whose weights are made one tensor at a
+    time while the strategy builds its store (random init: see :class:`RandomInitSource`, std =
+    ``config.initializer_range``). The whole model is never in RAM, so this is how to run a model
+    larger than RAM from scratch (``conf/model/llama100b.yaml`` with no weights, benchmarks).
+
+    Returns:
+        The model, with ``model._megatrain_source`` and ``model._megatrain_key_map`` set.
+    """
+    import transformers
+
+    kwargs: dict[str, Any] = {"dtype": torch.float32}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    with params_on_meta():
+        model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+    saved = _saved_names(model)
+    shapes = {saved[n]: p.shape for n, p in model.named_parameters(remove_duplicate=False)}
+    model._megatrain_key_map = {n: saved[n] for n, _ in model.named_parameters(remove_duplicate=False)}
+    model._megatrain_source = RandomInitSource(shapes, float(getattr(config, "initializer_range", 0.02)), seed)
+    return model

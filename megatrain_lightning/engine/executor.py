@@ -44,7 +44,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..optim.host_adamw import HostAdamW
-from ..store.host import HostStore, build_store
+from ..store.budget import HostBudget
+from ..store.host import HostStore, build_store, placeholder, slab_layout
+from ..store.nvme import NVMeConfig, NVMeStore, preflight_nvme
 from .blocks import Block, check_floating, discover_blocks, find_hf_models
 from .transport import make_transport
 
@@ -220,7 +222,10 @@ class StreamingEngine:
             :func:`~megatrain_lightning.engine.blocks.discover_blocks`.
         pin_memory: page-lock host masters (default: ``True`` on CUDA).
         cpu_zero_copy: on CPU, bind blocks to the fp32 master slabs instead of copying them (only when
-            the compute dtype is fp32; see MegaTrainStrategy).
+            the compute dtype is fp32; see MegaTrainStrategy). Off when masters are on disk.
+        nvme: the NVMe tier's settings (:class:`~megatrain_lightning.store.nvme.NVMeConfig`), or
+            ``None`` for everything in host RAM. Preflight (disk space, writable path, budget,
+            ``ulimit -l``) runs before anything is allocated.
 
     Raises:
         BlockDiscoveryError: no blocks found (see ``discover_blocks``).
@@ -239,6 +244,7 @@ class StreamingEngine:
         block_names: Sequence[str] | None = None,
         pin_memory: bool | None = None,
         cpu_zero_copy: bool = True,
+        nvme: NVMeConfig | None = None,
     ):
         if lookahead < 0:
             raise ValueError(f"lookahead must be >= 0 (blocks prefetched ahead), got {lookahead}.")
@@ -253,9 +259,28 @@ class StreamingEngine:
         check_floating(self.blocks)
         if pin_memory is None:
             pin_memory = self.device.type == "cuda"
-        self.store: HostStore = build_store(self.blocks, pin_memory=pin_memory, sources=_weight_sources(root))
+        self.nvme_config = nvme
+        self.budget: HostBudget | None = None
+        factory = None
+        if nvme is not None and nvme.kinds:
+            layout = [(n, t) for _, n, t in slab_layout(self.blocks)]
+            self.nvme_preflight = preflight_nvme(nvme.path, layout, nvme.host_memory_limit,
+                                                 nvme.min_window(layout, self.device.type, lookahead),
+                                                 pinned_bytes=nvme.pinned_bytes(layout) if pin_memory else 0)
+            self.budget = HostBudget(nvme.host_memory_limit)
+
+            def factory(layout):
+                return NVMeStore(nvme.path, layout, self.budget, io_threads=nvme.io_threads, read_ahead=nvme.read_ahead,
+                                 direct_io=nvme.direct_io, pin_memory=pin_memory, keep_files=nvme.keep_files)
+            if "master" in nvme.kinds:
+                cpu_zero_copy = False  # compute buffers are copies, counted in the budget
+        self.store: HostStore = build_store(self.blocks, pin_memory=pin_memory and not (nvme and "master" in nvme.kinds),
+                                            sources=_weight_sources(root), nvme_factory=factory,
+                                            nvme_kinds=nvme.kinds if nvme is not None else ())
         self.trainable = [p.requires_grad for p in root.parameters()]
         self.transport = make_transport(self.device, self.store.max_slab_numel(trainable=True), cpu_zero_copy)
+        # on CPU the compute buffers are host memory: they count in host_memory_limit
+        self._budget_device = self.budget is not None and self.device.type == "cpu"
         self.wire_dtype = torch.float32  # dtype of weights on the H2D link
         self.param_dtype = torch.float32  # dtype the block's parameters have while it computes
         self.grad_wire_dtype = torch.float32  # dtype of gradients on the D2H link
@@ -290,6 +315,7 @@ class StreamingEngine:
         """
         if self.installed:
             return
+        self._dematerialize()
         for m in find_hf_models(self.root):
             flag = "is_activation_checkpointing" if hasattr(type(m), "is_activation_checkpointing") else "is_gradient_checkpointing"
             if getattr(m, flag, False):
@@ -343,10 +369,75 @@ class StreamingEngine:
         self.optimizer.transport = self.transport
         return self.optimizer
 
+    # ------------------------------------------------------------------ direct parameter access
+    def _param_where(self, p: torch.Tensor) -> tuple[int, int]:
+        if not hasattr(self, "_where") or id(p) not in self._where:
+            self._where = {id(e.ref.param): (s.index, i) for s in self.store.slabs for i, e in enumerate(s.entries)}
+        return self._where[id(p)]
+
+    def read_param(self, p: torch.Tensor) -> torch.Tensor:
+        """The current fp32 value of parameter ``p`` (pending updates applied): a view of the RAM
+        slab, or a copy read through the NVMe window when masters are on disk.
+
+        Raises:
+            KeyError: ``p`` is not a parameter of the streamed module.
+        """
+        si, ei = self._param_where(p)
+        if self.optimizer is not None:
+            self.optimizer.apply_pending(si)
+        slab = self.store.slabs[si]
+        with self.store.hold(si, ["master"]) as t:
+            v = slab.view(t["master"], ei)
+            return v.clone() if self.store.masters_on_disk else v
+
+    def write_param(self, p: torch.Tensor, value: torch.Tensor) -> None:
+        """Set parameter ``p``'s master weights to ``value`` (same shape, any float dtype), in either tier.
+
+        Raises:
+            ValueError: shapes differ.
+        """
+        si, ei = self._param_where(p)
+        slab = self.store.slabs[si]
+        if tuple(value.shape) != tuple(slab.entries[ei].shape):
+            raise ValueError(f"{slab.entries[ei].ref.fqn}: value has shape {tuple(value.shape)}, parameter {tuple(slab.entries[ei].shape)}.")
+        if self.optimizer is not None:
+            self.optimizer.pending.pop(si, None)
+        with slab.lock, self.store.hold(si, ["master"], write=True) as t, torch.no_grad():
+            slab.view(t["master"], ei).copy_(value)
+            slab.updates += 1  # invalidates the bf16/fp16 shadow
+
+    materialized = False
+
+    def materialize(self) -> None:
+        """Give every parameter a real fp32 tensor again (a copy read from the store) so the module
+        works on its own; used when masters are on disk and a run is over. The next :meth:`install`
+        writes them back (the user may have changed them) and restores the placeholders."""
+        if not self.store.masters_on_disk or self.materialized:
+            return
+        for slab in self.store.slabs:
+            for i, e in enumerate(slab.entries):
+                e.ref.param.data = self.read_param(e.ref.param).clone()
+        self.materialized = True
+
+    def _dematerialize(self) -> None:
+        if not self.materialized:
+            return
+        for slab in self.store.slabs:
+            for i, e in enumerate(slab.entries):
+                p = e.ref.param
+                self.write_param(p, p.data)
+                p.data = placeholder(e.shape)
+        self.materialized = False
+
     def close(self) -> None:
+        """Uninstall, stop the worker threads and close the NVMe store (its files are removed unless kept)."""
         self.uninstall()
         self._h2d.shutdown(wait=True)
         self._d2h.shutdown(wait=True)
+        self.store.close()
+        self.closed = True
+
+    closed = False
 
     # ------------------------------------------------------------------ proxy
     def _make_proxy(self, blk: Block, orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -652,11 +743,32 @@ class StreamingEngine:
             for bi in want:
                 if bi not in self._prefetched:
                     self._prefetched[bi] = self._h2d.submit(self._fetch, self.blocks[bi])
+        if self.store.nvme is not None and pos is not None:
+            self._read_ahead(pos)
         got = fut.result()
         for buf, ev in got.values():
             self.transport.ready(buf, ev)
         self.stats.wait_s += time.perf_counter() - t0
         return {s: buf for s, (buf, _) in got.items()}
+
+    def _read_ahead(self, pos: int) -> None:
+        """Tell the NVMe store what the schedule reads next: the masters of the coming fetches, and
+        the AdamW states and accumulator of slabs whose update runs before their fetch."""
+        kinds = self.store.nvme_kinds
+        wanted: list[tuple[int, str]] = []
+        pending = self.optimizer.pending if self.optimizer is not None else {}
+        for bi in self._seq[pos + 1 : pos + 2 + 2 * self.lookahead + self.nvme_config.read_ahead]:  # type: ignore[union-attr]
+            for si in self.blocks[bi].slabs:
+                slab = self.store.slabs[si]
+                want = ["master"]
+                if si in pending:
+                    want = ["exp_avg", "exp_avg_sq", "acc", "master"]
+                elif self._phase == "backward" and not slab.acc_empty:
+                    want = ["master", "acc"]  # gradient accumulation adds into the stored accumulator
+                for k in want:
+                    if k in kinds and (si, k) not in wanted:
+                        wanted.append((si, k))
+        self.store.nvme.read_ahead(wanted)
 
     def _discard(self, fut: Future) -> None:
         def drop(f: Future) -> None:
@@ -672,12 +784,30 @@ class StreamingEngine:
             slab = self.store.slabs[si]
             if self.optimizer is not None:
                 self.optimizer.apply_pending(si)
-            src = slab.master if self.wire_dtype == torch.float32 else self._shadow(slab)
-            buf, ev = self.transport.to_device(src, self.param_dtype)
+            nbytes = slab.numel * self.param_dtype.itemsize
+            self._track(nbytes)  # reserved before the buffer exists (CPU + NVMe: counted in the budget)
+            if not self.store.masters_on_disk:
+                src = slab.master if self.wire_dtype == torch.float32 else self._shadow(slab)
+                buf, ev = self.transport.to_device(src, self.param_dtype)
+            else:
+                with self.store.hold(si, ["master"]) as t:
+                    src = t["master"]
+                    if self.wire_dtype != torch.float32:
+                        wire_bytes = slab.numel * self.wire_dtype.itemsize
+                        self._track(wire_bytes)
+                        try:
+                            t0 = time.perf_counter()
+                            src = src.to(self.wire_dtype)  # no cached shadow: it would be 2 bytes/param resident
+                            self.stats.cast_s += time.perf_counter() - t0
+                            buf, ev = self.transport.to_device(src, self.param_dtype)
+                            self.transport.last_read_done(ev)
+                        finally:
+                            self._track(-wire_bytes)
+                    else:
+                        buf, ev = self.transport.to_device(src, self.param_dtype)
+                        self.transport.last_read_done(ev)  # the window buffer may be evicted after the hold
             slab.last_read = ev
             self.stats.h2d_bytes += src.numel() * src.element_size()
-            nbytes = buf.numel() * buf.element_size()
-            self._track(nbytes)
             out[si] = (buf, ev)
         self.stats.blocks_fetched += 1
         return out
@@ -708,6 +838,11 @@ class StreamingEngine:
             return slab.shadow
 
     def _track(self, nbytes: int) -> None:
+        if self._budget_device:
+            if nbytes > 0:
+                self.budget.reserve(nbytes, self.store.nvme._make_room, what="compute buffers")  # type: ignore[union-attr]
+            elif nbytes < 0:
+                self.budget.release(-nbytes)  # type: ignore[union-attr]
         with self._live_lock:
             self._live += nbytes
             self.stats.peak_device_bytes = max(self.stats.peak_device_bytes, self._live)
@@ -748,14 +883,17 @@ class StreamingEngine:
 
         def consume(host_grads: list[torch.Tensor]) -> None:
             with slab.lock:
-                slab.ensure_acc()
-                for i, g in zip(idx, host_grads):
-                    acc = slab.acc_view(i)
-                    if slab.has_grad[i]:
-                        acc.add_(g)
-                    else:
-                        acc.copy_(g)
-                        slab.has_grad[i] = True
+                if slab.acc_empty:
+                    slab.has_grad = [False] * len(slab.entries)
+                # an empty accumulator is overwritten, not read (NVMe: no disk read)
+                with self.store.hold(si, ["acc"], write=True, fresh=["acc"] if slab.acc_empty else []) as t:
+                    for i, g in zip(idx, host_grads):
+                        acc = slab.view(t["acc"], i)
+                        if slab.has_grad[i]:
+                            acc.add_(g)
+                        else:
+                            acc.copy_(g)
+                            slab.has_grad[i] = True
                 slab.acc_empty = False
 
         try:
@@ -772,8 +910,13 @@ class StreamingEngine:
         self.stats.wait_s += time.perf_counter() - t0
 
     def attach_grads(self) -> None:
-        """Set ``param.grad`` to a view of its fp32 accumulator (``None`` where no gradient arrived)."""
+        """Set ``param.grad`` to a view of its fp32 accumulator (``None`` where no gradient arrived).
+
+        With accumulators on disk (``offload_optimizer="nvme"``) ``param.grad`` stays ``None``: the
+        gradients are not all in memory at once (clipping still works, see HostAdamW.clip_grad_norm)."""
         self.wait_grads()
+        if "acc" in self.store.nvme_kinds:
+            return
         for slab in self.store.slabs:
             for i, e in enumerate(slab.entries):
                 has = slab.acc is not None and not slab.acc_empty and slab.has_grad[i]
@@ -832,6 +975,12 @@ class StreamingEngine:
             self.stats.peak_device_bytes = peak
             self.transport.reset_peak()
         out = self.stats.as_dict()
+        if self.store.nvme is not None:
+            io = self.store.nvme.meter.snapshot()
+            last = getattr(self, "_io_last", {k: 0 for k in io})
+            out.update({"megatrain/" + k: v - last[k] for k, v in io.items()})
+            out["megatrain/host_budget_peak_bytes"] = self.budget.peak  # type: ignore[union-attr]
+            self._io_last = io
         self.history.append(out)
         with self._live_lock:
             self.stats = StepStats(peak_device_bytes=self._live)

@@ -15,8 +15,13 @@ Schedule (DESIGN.md section 3, "Optimizer"): :meth:`step` snapshots the
 hyper-parameters of every param group and records a *pending update* per slab;
 the engine applies slab j's update just before block j is next copied to the
 device (overlapping the next forward), or at once when ``overlap=False``.
-Global-norm clipping and skipped steps stay exact because they happen before
-:meth:`step` is called. :meth:`flush` applies everything still pending.
+Skipped steps stay exact because they happen before :meth:`step` is called.
+Gradient clipping (:meth:`clip_grad_norm`, :meth:`clip_grad_value`, called by the
+precision plugin for Lightning's ``gradient_clip_val``) computes the global norm
+slab by slab exactly as ``torch.nn.utils.clip_grad_norm_`` does and records the
+scale; the scale (or the clamp) is applied to each slab's gradients inside that
+slab's deferred update, so the NVMe tier reads each accumulator once per step.
+:meth:`flush` applies everything still pending.
 """
 
 from __future__ import annotations
@@ -45,6 +50,12 @@ class _GroupHyper:
     eps: float
     weight_decay: float
     decoupled: bool
+
+
+@dataclass
+class _Pending:
+    hyper: list[_GroupHyper]
+    grad_ops: list[tuple[str, Any]]  # ("mul", 0-dim tensor) | ("clamp", float), applied in order
 
 
 def validate_optimizer(optimizer: torch.optim.Optimizer) -> bool:
@@ -108,10 +119,9 @@ class HostAdamW:
                     )
                 si, ei = where[id(p)]
                 self.group_of[si][ei] = gi
-        self.exp_avg: list[torch.Tensor | None] = [None] * len(store.slabs)
-        self.exp_avg_sq: list[torch.Tensor | None] = [None] * len(store.slabs)
         self.steps: list[list[torch.Tensor | None]] = [[None] * len(s.entries) for s in store.slabs]
-        self.pending: dict[int, list[_GroupHyper]] = {}
+        self.pending: dict[int, _Pending] = {}
+        self.grad_ops: list[tuple[str, Any]] = []  # clipping recorded for the coming step
         self.optimizer_seconds = 0.0
         self.transport = None  # set by the engine (CUDA: wait for reads of a master before writing it)
 
@@ -133,7 +143,8 @@ class HostAdamW:
         Must run after all gradients of the accumulation window are in the accumulators.
         Returns the number of slabs scheduled.
         """
-        hyper = self._snapshot()
+        hyper = _Pending(self._snapshot(), self.grad_ops)
+        self.grad_ops = []
         # LR schedulers check that optimizer.step() ran before scheduler.step() via this flag
         # (torch.optim.lr_scheduler.LRScheduler.step); the user's optimizer's own step never runs.
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
@@ -141,7 +152,7 @@ class HostAdamW:
         for slab in self.store.slabs:
             if slab.index in self.pending:
                 self.apply_pending(slab.index)
-            if slab.acc is None or slab.acc_empty:
+            if slab.acc_empty:
                 continue
             self.pending[slab.index] = hyper
             n += 1
@@ -161,49 +172,110 @@ class HostAdamW:
         """Apply the recorded update of one slab (thread-safe; a no-op if none is pending)."""
         slab = self.store.slabs[slab_index]
         with slab.lock:
-            hyper = self.pending.pop(slab_index, None)
-            if hyper is None:
+            pend = self.pending.pop(slab_index, None)
+            if pend is None:
                 return
             t0 = time.perf_counter()
             if self.transport is not None:
                 self.transport.last_read_done(slab.last_read)
-            self._update(slab, hyper)
+            self._update(slab, pend)
             slab.updates += 1
             slab.acc_empty = True
             slab.has_grad = [False] * len(slab.entries)
+            self.store.discard_acc(slab_index)
             self.optimizer_seconds += time.perf_counter() - t0
 
     def discard_grads(self) -> None:
         """Forget accumulated gradients that no step consumed (``optimizer.zero_grad()`` semantics)."""
+        self.grad_ops = []
         for slab in self.store.slabs:
             with slab.lock:
                 if slab.index not in self.pending:
                     slab.acc_empty = True
                     slab.has_grad = [False] * len(slab.entries)
+                    self.store.discard_acc(slab.index)
+
+    # ------------------------------------------------------------------ clipping
+    def _grad_entries(self) -> list[tuple[int, int]]:
+        """(slab, entry) of every optimizer parameter holding a gradient, in param-group order."""
+        out = []
+        for g in self.optimizer.param_groups:
+            for p in g["params"]:
+                si, ei = self._where[id(p)]
+                slab = self.store.slabs[si]
+                if slab.entries[ei].trainable and not slab.acc_empty and slab.has_grad[ei]:
+                    out.append((si, ei))
+        return out
+
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """Total norm of the accumulated gradients of the optimizer's parameters, computed as
+        ``torch.nn.utils.clip_grad_norm_`` does (per-parameter ``_foreach_norm``, then the norm of
+        the stacked norms), reading each slab's accumulator once. Returns a 0-dim fp32 tensor."""
+        items = self._grad_entries()
+        by_slab: dict[int, list[int]] = {}
+        for si, ei in items:
+            by_slab.setdefault(si, []).append(ei)
+        norms: dict[tuple[int, int], torch.Tensor] = {}
+        for si, eis in by_slab.items():
+            slab = self.store.slabs[si]
+            with slab.lock, self.store.hold(si, ["acc"]) as t:
+                for ei, n in zip(eis, torch._foreach_norm([slab.view(t["acc"], ei) for ei in eis], norm_type)):
+                    norms[(si, ei)] = n
+        if not items:
+            return torch.tensor(0.0)
+        return torch.linalg.vector_norm(torch.stack([norms[k] for k in items]), norm_type)
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the host gradients: returns the total norm and
+        records the scale ``min(1, max_norm / (norm + 1e-6))`` for the coming step (applied per slab
+        in its update)."""
+        total = self.grad_norm(norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        self.grad_ops.append(("mul", coef))
+        return total
+
+    def clip_grad_value(self, clip_value: float) -> None:
+        """``torch.nn.utils.clip_grad_value_``: clamp every gradient to ``[-clip_value, clip_value]``
+        in the coming step's updates."""
+        self.grad_ops.append(("clamp", float(clip_value)))
 
     # ------------------------------------------------------------------ math
-    def _state(self, slab: Slab) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.exp_avg[slab.index] is None:
-            self.exp_avg[slab.index] = torch.zeros(slab.trainable_numel, dtype=torch.float32)
-            self.exp_avg_sq[slab.index] = torch.zeros(slab.trainable_numel, dtype=torch.float32)
-        return self.exp_avg[slab.index], self.exp_avg_sq[slab.index]  # type: ignore[return-value]
+    @property
+    def exp_avg(self) -> list[torch.Tensor | None]:
+        """Per slab, the flat ``exp_avg`` (RAM tier; ``None`` before the first update)."""
+        return [s.exp_avg for s in self.store.slabs]
 
-    def _update(self, slab: Slab, hyper: Sequence[_GroupHyper]) -> None:
-        m, v = self._state(slab)
+    def _update(self, slab: Slab, pend: _Pending) -> None:
+        with self.store.hold(slab.index, ["master", "exp_avg", "exp_avg_sq"], write=True) as w, \
+                self.store.hold(slab.index, ["acc"]) as r:
+            self._update_views(slab, pend, w["master"], r["acc"], w["exp_avg"], w["exp_avg_sq"])
+
+    def _update_views(self, slab: Slab, pend: _Pending, master: torch.Tensor, acc: torch.Tensor, m: torch.Tensor,
+                      v: torch.Tensor) -> None:
+        hyper = pend.hyper
         by_group: dict[int, list[int]] = {}
         for i, e in enumerate(slab.entries):
             gi = self.group_of[slab.index][i]
             if gi >= 0 and e.trainable and slab.has_grad[i]:
                 by_group.setdefault(gi, []).append(i)
+        if pend.grad_ops:
+            grads = [slab.view(acc, i) for i, e in enumerate(slab.entries) if e.trainable and slab.has_grad[i]]
+            for op, val in pend.grad_ops:
+                if not grads:
+                    break
+                if op == "mul":
+                    torch._foreach_mul_(grads, val)
+                else:
+                    torch._foreach_clamp_min_(grads, -val)
+                    torch._foreach_clamp_max_(grads, val)
         for gi, idx in by_group.items():
             h = hyper[gi]
             params, grads, ms, vs, steps = [], [], [], [], []
             for i in idx:
-                e = slab.entries[i]
-                params.append(slab.master_view(i))
-                grads.append(slab.acc_view(i))
-                ms.append(m[e.offset : e.offset + e.numel].view(e.shape))
-                vs.append(v[e.offset : e.offset + e.numel].view(e.shape))
+                params.append(slab.view(master, i))
+                grads.append(slab.view(acc, i))
+                ms.append(slab.view(m, i))
+                vs.append(slab.view(v, i))
                 st = self.steps[slab.index][i]
                 if st is None:
                     st = self.steps[slab.index][i] = torch.tensor(0.0, dtype=torch.float32)
@@ -218,17 +290,17 @@ class HostAdamW:
 
     # ------------------------------------------------------------------ introspection
     def state_for(self, slab_index: int, entry: int) -> dict[str, torch.Tensor] | None:
-        """The AdamW state of one parameter as ``torch.optim.AdamW`` would hold it (views), or ``None``."""
+        """The AdamW state of one parameter as ``torch.optim.AdamW`` would hold it, or ``None``.
+
+        RAM tier: views of the live state. NVMe tier: copies read through the host window."""
         st = self.steps[slab_index][entry]
         if st is None:
             return None
-        e = self.store.slabs[slab_index].entries[entry]
-        m, v = self.exp_avg[slab_index], self.exp_avg_sq[slab_index]
-        return {
-            "step": st,
-            "exp_avg": m[e.offset : e.offset + e.numel].view(e.shape),  # type: ignore[index]
-            "exp_avg_sq": v[e.offset : e.offset + e.numel].view(e.shape),  # type: ignore[index]
-        }
+        slab = self.store.slabs[slab_index]
+        copy = "exp_avg" in self.store.nvme_kinds
+        with self.store.hold(slab_index, ["exp_avg", "exp_avg_sq"]) as t:
+            m, v = slab.view(t["exp_avg"], entry), slab.view(t["exp_avg_sq"], entry)
+            return {"step": st, "exp_avg": m.clone() if copy else m, "exp_avg_sq": v.clone() if copy else v}
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self, copy: bool = True) -> dict[str, Any]:
@@ -274,9 +346,9 @@ class HostAdamW:
         if tuple(exp_avg.shape) != tuple(e.shape) or tuple(exp_avg_sq.shape) != tuple(e.shape):
             raise ValueError(f"AdamW state of {e.ref.fqn} has shape {tuple(exp_avg.shape)}, parameter {tuple(e.shape)}.")
         self.pending.pop(si, None)
-        m, v = self._state(slab)
-        m[e.offset : e.offset + e.numel].copy_(exp_avg.reshape(-1))
-        v[e.offset : e.offset + e.numel].copy_(exp_avg_sq.reshape(-1))
+        with slab.lock, self.store.hold(si, ["exp_avg", "exp_avg_sq"], write=True) as t:
+            t["exp_avg"][e.offset : e.offset + e.numel].copy_(exp_avg.reshape(-1))
+            t["exp_avg_sq"][e.offset : e.offset + e.numel].copy_(exp_avg_sq.reshape(-1))
         self.steps[si][ei] = step.detach().reshape(()).float().cpu().clone()
 
     def param_groups_meta(self, module: torch.nn.Module) -> list[dict[str, Any]]:

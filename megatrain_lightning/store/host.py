@@ -9,6 +9,12 @@ After :func:`build_store`, every ``nn.Parameter`` of the model has its ``.data``
 replaced by a view of its slab: the module keeps working as a plain PyTorch
 module (``state_dict()``, ``save_pretrained()``) and nothing is stored twice.
 
+With the NVMe tier (:mod:`megatrain_lightning.store.nvme`) some regions of every
+slab (``master``, and/or ``exp_avg``/``exp_avg_sq``/``acc``) live in per-block files
+instead; :meth:`HostStore.hold` gives the same access to both tiers. Parameters whose
+masters are on disk keep a 4-byte placeholder ``.data`` of the right shape (stride 0)
+while the engine owns them.
+
 Bytes per parameter on the host (fp32): master 4, gradient accumulator 4
 (trainable only, allocated at the first backward), exp_avg 4 and exp_avg_sq 4
 (trainable parameters the optimizer owns, allocated at the first step).
@@ -16,9 +22,10 @@ Bytes per parameter on the host (fp32): master 4, gradient accumulator 4
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -62,6 +69,8 @@ class Slab:
         shadow: bf16/fp16 copy of ``master`` streamed instead of it under mixed precision (2 bytes/param).
         shadow_version: ``(updates, master._version)`` when ``shadow`` was last written.
         updates: optimizer updates applied to ``master`` (the fused kernel does not bump ``_version``).
+        exp_avg / exp_avg_sq: fp32 AdamW states, shape ``[trainable_numel]`` (RAM tier; ``None`` until the
+            first update or while they live on disk).
     """
 
     index: int
@@ -76,19 +85,25 @@ class Slab:
     shadow: torch.Tensor | None = None
     shadow_version: tuple[int, int] = (-1, -1)
     updates: int = 0
+    exp_avg: torch.Tensor | None = None
+    exp_avg_sq: torch.Tensor | None = None
+    total_numel: int = 0
 
     @property
     def numel(self) -> int:
-        return self.master.numel()
+        return self.total_numel
+
+    def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Entry ``i``'s view (its parameter's shape) of a flat slab region (master, acc, exp_avg...)."""
+        e = self.entries[i]
+        return flat[e.offset : e.offset + e.numel].view(e.shape)
 
     def master_view(self, i: int) -> torch.Tensor:
-        e = self.entries[i]
-        return self.master[e.offset : e.offset + e.numel].view(e.shape)
+        return self.view(self.master, i)
 
     def acc_view(self, i: int) -> torch.Tensor:
-        e = self.entries[i]
-        assert self.acc is not None and e.trainable
-        return self.acc[e.offset : e.offset + e.numel].view(e.shape)
+        assert self.acc is not None and self.entries[i].trainable
+        return self.view(self.acc, i)
 
     def ensure_acc(self) -> torch.Tensor:
         if self.acc is None:
@@ -104,44 +119,75 @@ class HostStore:
         slabs: one slab per block, indexed by block index (blocks without parameters own an empty slab).
     """
 
-    def __init__(self, slabs: Sequence[Slab]):
+    def __init__(self, slabs: Sequence[Slab], nvme=None, nvme_kinds: Iterable[str] = ()):
         self.slabs = list(slabs)
+        self.nvme = nvme  # NVMeStore or None
+        self.nvme_kinds = frozenset(nvme_kinds)
 
     @property
     def numel(self) -> int:
         return sum(s.numel for s in self.slabs)
+
+    @property
+    def masters_on_disk(self) -> bool:
+        return "master" in self.nvme_kinds
+
+    def _ram(self, slab: Slab, kind: str) -> torch.Tensor:
+        if kind == "master":
+            return slab.master
+        if kind == "acc":
+            return slab.ensure_acc()
+        if slab.exp_avg is None:
+            slab.exp_avg = torch.zeros(slab.trainable_numel, dtype=torch.float32)
+            slab.exp_avg_sq = torch.zeros(slab.trainable_numel, dtype=torch.float32)
+        return slab.exp_avg if kind == "exp_avg" else slab.exp_avg_sq  # type: ignore[return-value]
+
+    @contextlib.contextmanager
+    def hold(self, i: int, kinds: Iterable[str], write: bool = False, fresh: Iterable[str] = ()) -> Iterator[dict[str, torch.Tensor]]:
+        """Slab ``i``'s regions as flat fp32 host tensors for the ``with`` body, from either tier.
+
+        Args:
+            i: slab index.
+            kinds: any of ``master`` (``[numel]``), ``exp_avg``, ``exp_avg_sq``, ``acc`` (``[trainable_numel]``).
+            write: the body modifies them (NVMe: written back afterwards).
+            fresh: regions whose old content is not needed (NVMe: not read from disk).
+
+        RAM-tier regions are the live tensors (zeros when first asked for, as AdamW states and
+        accumulators start); NVMe regions are pinned window buffers, valid only inside the body.
+        """
+        kinds = tuple(kinds)
+        slab = self.slabs[i]
+        out = {k: self._ram(slab, k) for k in kinds if k not in self.nvme_kinds}
+        disk = [k for k in kinds if k in self.nvme_kinds]
+        if not disk:
+            yield out
+            return
+        with self.nvme.hold(i, disk, write=write, fresh=fresh) as got:
+            out.update(got)
+            yield out
+
+    def discard_acc(self, i: int) -> None:
+        """The accumulator of slab ``i`` was consumed: NVMe drops its window buffer unwritten."""
+        if "acc" in self.nvme_kinds:
+            self.nvme.discard(i, "acc")
+
+    def close(self) -> None:
+        if self.nvme is not None:
+            self.nvme.close()
 
 
     def max_slab_numel(self, trainable: bool = False) -> int:
         return max((s.trainable_numel if trainable else s.numel) for s in self.slabs) if self.slabs else 0
 
 
-def build_store(blocks: Sequence[Block], pin_memory: bool = False,
-                sources: dict[int, Callable[[], torch.Tensor]] | None = None) -> HostStore:
-    """Pack every parameter into fp32 host slabs and repoint ``param.data`` at them.
+def placeholder(shape: torch.Size) -> torch.Tensor:
+    """A 4-byte fp32 tensor of ``shape`` (stride 0): the ``.data`` of a parameter whose master is on disk."""
+    return torch.zeros(1, dtype=torch.float32).expand(shape)
 
-    Args:
-        blocks: output of :func:`~megatrain_lightning.engine.blocks.discover_blocks`.
-        pin_memory: allocate the masters in page-locked memory (CUDA runs: H2D copies
-            then run asynchronously at full link speed).
-        sources: ``id(param) -> loader`` for parameters on the ``meta`` device (a model from
-            :func:`~megatrain_lightning.checkpoint.hf_io.meta_model_from_pretrained`): each loader
-            returns that one tensor (CPU, any float dtype), read straight into the slab, so the
-            whole model is never materialised a second time. A meta parameter is replaced by a new
-            ``nn.Parameter`` (a meta tensor cannot take CPU ``.data``) in every module that holds it,
-            so build the optimizer after the store (Lightning's ``configure_optimizers`` runs later).
 
-    Raises:
-        ValueError: a parameter is on the meta device and no source provides it.
-
-    Returns:
-        The store. Parameters keep their identity (the same ``nn.Parameter`` objects,
-        so optimizers and schedulers that hold them keep working); their dtype becomes fp32.
-
-    Peak extra memory while building: one slab (each block's original storage is
-    released once its parameters point into the slab, if nothing else holds it).
-    """
-    slabs: list[Slab] = []
+def slab_layout(blocks: Sequence[Block]) -> list[tuple[list[SlabEntry], int, int]]:
+    """Per block: its slab entries (trainable first), slab numel and trainable numel (elements)."""
+    out = []
     for blk in blocks:
         seen: set[int] = set()
         own = []
@@ -159,40 +205,90 @@ def build_store(blocks: Sequence[Block], pin_memory: bool = False,
             off += n
             if r.param.requires_grad:
                 trainable_numel = off
-        master = torch.empty(off, dtype=torch.float32, pin_memory=pin_memory)
-        for e in entries:
-            p = e.ref.param
-            if p.is_meta:
-                if not sources or id(p) not in sources:
-                    raise ValueError(
-                        f"Parameter {e.ref.fqn} is on the meta device and no weights source provides it. Build the "
-                        "model with megatrain_lightning.checkpoint.hf_io.meta_model_from_pretrained(path), or "
-                        "materialise it before training."
-                    )
-                value = sources[id(p)]()
-                if tuple(value.shape) != tuple(p.shape):
-                    raise ValueError(f"{e.ref.fqn}: source tensor has shape {tuple(value.shape)}, parameter {tuple(p.shape)}.")
-            else:
-                value = p.detach()
-            master[e.offset : e.offset + e.numel].copy_(value.reshape(-1))
-            del value
-        slab = Slab(index=blk.index, entries=entries, master=master, trainable_numel=trainable_numel)
-        for i, e in enumerate(entries):
-            old = e.ref.param
-            if old.is_meta:
-                new = torch.nn.Parameter(slab.master_view(i), requires_grad=old.requires_grad)
-                for b in blocks:
-                    for r in b.params:
-                        if r.param is old:
-                            r.owner._parameters[r.attr] = new
-                            r.param = new
-            else:
-                old.data = slab.master_view(i)
-        slabs.append(slab)
+        out.append((entries, off, trainable_numel))
+    return out
+
+
+def build_store(blocks: Sequence[Block], pin_memory: bool = False,
+                sources: dict[int, Callable[[], torch.Tensor]] | None = None,
+                nvme_factory: Callable[[list[tuple[int, int]]], object] | None = None,
+                nvme_kinds: Iterable[str] = ()) -> HostStore:
+    """Pack every parameter into fp32 host slabs and repoint ``param.data`` at them.
+
+    Args:
+        blocks: output of :func:`~megatrain_lightning.engine.blocks.discover_blocks`.
+        pin_memory: allocate the masters in page-locked memory (CUDA runs: H2D copies
+            then run asynchronously at full link speed).
+        sources: ``id(param) -> loader`` for parameters on the ``meta`` device (a model from
+            :func:`~megatrain_lightning.checkpoint.hf_io.meta_model_from_pretrained`): each loader
+            returns that one tensor (CPU, any float dtype), read straight into the slab, so the
+            whole model is never materialised a second time. A meta parameter is replaced by a new
+            ``nn.Parameter`` (a meta tensor cannot take CPU ``.data``) in every module that holds it,
+            so build the optimizer after the store (Lightning's ``configure_optimizers`` runs later).
+        nvme_factory: ``layout -> NVMeStore`` for the NVMe tier (``layout = [(numel, trainable numel)]``
+            per slab); ``None``: everything in RAM.
+        nvme_kinds: regions kept on disk: ``{"master"}`` (``offload_params="nvme"``) and/or
+            ``{"exp_avg", "exp_avg_sq", "acc"}`` (``offload_optimizer="nvme"``).
+
+    Raises:
+        ValueError: a parameter is on the meta device and no source provides it.
+
+    Returns:
+        The store. Parameters keep their identity (the same ``nn.Parameter`` objects,
+        so optimizers and schedulers that hold them keep working); their dtype becomes fp32.
+        With masters on disk their ``.data`` is a placeholder (see :func:`placeholder`).
+
+    Peak extra memory while building: one slab (each block's original storage is
+    released once its parameters point into the slab, if nothing else holds it).
+    """
+    layout = slab_layout(blocks)
+    nvme_kinds = frozenset(nvme_kinds)
+    nvme = nvme_factory([(n, t) for _, n, t in layout]) if nvme_factory is not None and nvme_kinds else None
+    store = HostStore([], nvme=nvme, nvme_kinds=nvme_kinds if nvme is not None else ())
+    on_disk = store.masters_on_disk
+    try:
+        for blk, (entries, numel, trainable_numel) in zip(blocks, layout):
+            slab = Slab(index=blk.index, entries=entries, master=None, trainable_numel=trainable_numel,  # type: ignore[arg-type]
+                        total_numel=numel)
+            if not on_disk:
+                slab.master = torch.empty(numel, dtype=torch.float32, pin_memory=pin_memory)
+            store.slabs.append(slab)
+            with store.hold(slab.index, ["master"], write=True, fresh=["master"]) as t:
+                master = t["master"]
+                for e in entries:
+                    p = e.ref.param
+                    if p.is_meta:
+                        if not sources or id(p) not in sources:
+                            raise ValueError(
+                                f"Parameter {e.ref.fqn} is on the meta device and no weights source provides it. Build the "
+                                "model with megatrain_lightning.checkpoint.hf_io.meta_model_from_pretrained(path), or "
+                                "materialise it before training."
+                            )
+                        value = sources[id(p)]()
+                        if tuple(value.shape) != tuple(p.shape):
+                            raise ValueError(f"{e.ref.fqn}: source tensor has shape {tuple(value.shape)}, parameter {tuple(p.shape)}.")
+                    else:
+                        value = p.detach()
+                    master[e.offset : e.offset + e.numel].copy_(value.reshape(-1))
+                    del value
+            for i, e in enumerate(entries):
+                old = e.ref.param
+                data = placeholder(e.shape) if on_disk else slab.master_view(i)
+                if old.is_meta:
+                    new = torch.nn.Parameter(data, requires_grad=old.requires_grad)
+                    for b in blocks:
+                        for r in b.params:
+                            if r.param is old:
+                                r.owner._parameters[r.attr] = new
+                                r.param = new
+                else:
+                    old.data = data
+    except BaseException:
+        store.close()
+        raise
     # every reference (tied parameters included) points at the final packed position
-    where = {id(e.ref.param): (s.index, i) for s in slabs for i, e in enumerate(s.entries)}
+    where = {id(e.ref.param): (s.index, i) for s in store.slabs for i, e in enumerate(s.entries)}
     for blk in blocks:
         for r in blk.params:
             r.slab, r.index = where[id(r.param)]
-    return HostStore(slabs)
-
+    return store

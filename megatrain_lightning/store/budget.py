@@ -1,0 +1,118 @@
+"""Strict host-memory accounting for the NVMe tier (``host_memory_limit``).
+
+Every host buffer the NVMe tier holds (cached master weights, ``exp_avg``, ``exp_avg_sq`` and
+gradient accumulators, and on CPU the compute buffers of the blocks in flight) is reserved
+here before it is allocated and released after it is freed. A reservation that does not fit
+waits until another thread releases bytes; it never overshoots the limit (DESIGN.md section 4:
+"the host window never exceeds host_memory_limit").
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
+          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """``16GiB``, ``"1.5 GB"``, ``"512MiB"``, ``2**30`` -> bytes (int).
+
+    Binary units (KiB, MiB, GiB, TiB) are powers of 1024, decimal ones (KB, MB, GB, TB and the bare
+    letters K, M, G, T) powers of 1000; case is ignored.
+
+    Raises:
+        ValueError: not a positive size, or an unknown unit.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"Not a memory size: {value!r}.")
+    if isinstance(value, (int, float)):
+        n = int(value)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        if m is None or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"Not a memory size: {value!r}. Write it as bytes or with a unit, e.g. '16GiB' or '500MB'.")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ValueError(f"A memory size must be positive, got {value!r}.")
+    return n
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes as a short human string (GiB/MiB/KiB)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+class HostMemoryBudgetError(RuntimeError):
+    """A reservation can never be satisfied (larger than the limit, or every byte held for too long)."""
+
+
+class HostBudget:
+    """Byte counter with a hard limit, shared by the threads of one engine.
+
+    Args:
+        limit: the most bytes reserved at any time (``host_memory_limit``).
+
+    Attributes:
+        used: bytes reserved now.
+        peak: the most bytes ever reserved at once (for benchmarks and tests).
+    """
+
+    def __init__(self, limit: int):
+        self.limit = int(limit)
+        self.used = 0
+        self.peak = 0
+        self.cond = threading.Condition(threading.RLock())
+
+    @property
+    def free(self) -> int:
+        return self.limit - self.used
+
+    def try_reserve(self, n: int) -> bool:
+        """Reserve ``n`` bytes if they fit now; never waits."""
+        with self.cond:
+            if self.used + n > self.limit:
+                return False
+            self.used += n
+            self.peak = max(self.peak, self.used)
+            return True
+
+    def reserve(self, n: int, make_room=None, timeout_s: float = 300.0, what: str = "a buffer") -> None:
+        """Reserve ``n`` bytes, calling ``make_room(missing_bytes)`` (which may evict cached data) and
+        waiting for releases while they do not fit.
+
+        Raises:
+            HostMemoryBudgetError: ``n`` exceeds the limit, or nothing was released for ``timeout_s``
+                seconds (the limit is too small for the blocks in flight).
+        """
+        if n > self.limit:
+            raise HostMemoryBudgetError(
+                f"megatrain: {what} needs {fmt_bytes(n)} but host_memory_limit is {fmt_bytes(self.limit)}. "
+                "Raise host_memory_limit."
+            )
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while self.used + n > self.limit:
+                if make_room is not None and make_room(self.used + n - self.limit):
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise HostMemoryBudgetError(
+                        f"megatrain: waited {timeout_s:.0f} s for {fmt_bytes(n)} of host memory for {what}; "
+                        f"{fmt_bytes(self.used)} of host_memory_limit={fmt_bytes(self.limit)} stay in use. "
+                        "Raise host_memory_limit or lower lookahead."
+                    )
+                self.cond.wait(min(left, 0.5))
+            self.used += n
+            self.peak = max(self.peak, self.used)
+
+    def release(self, n: int) -> None:
+        with self.cond:
+            self.used -= n
+            assert self.used >= 0, "host budget released more than it reserved"
+            self.cond.notify_all()

@@ -1,0 +1,619 @@
+"""NVMe tier: per-block files on disk and a host-memory window bounded by ``host_memory_limit``.
+
+Layout (DESIGN.md sections 2 and 4). One file per block, ``block_00012.bin``, holding four
+regions, each starting at a 4 KiB boundary and padded to a multiple of 4 KiB::
+
+    master (fp32, slab numel) | exp_avg (fp32, trainable) | exp_avg_sq (fp32, trainable) | acc (fp32, trainable)
+
+Files are opened with ``O_DIRECT`` where the filesystem allows it (host buffers are then
+4 KiB-aligned and the page cache stays out of the way); elsewhere (tmpfs, some overlay
+filesystems) buffered I/O is used and logged once.
+
+The host window is a cache of ``(block, region)`` buffers. Every buffer is reserved in a
+:class:`~megatrain_lightning.store.budget.HostBudget` before it is allocated, so the bytes
+held never exceed the limit: a reservation that does not fit first evicts clean buffers
+(least recently used, those the schedule needs next last), then waits for write-behind
+to finish. Callers use :meth:`NVMeStore.hold`, which pins buffers while they are in use;
+modified buffers are written back asynchronously as soon as they are unpinned
+(write-behind), and :meth:`NVMeStore.read_ahead` starts reads of buffers the schedule will
+need next (forward order, backward in reverse, optimizer updates) while budget allows.
+
+One run owns a store directory: an exclusive ``flock`` on ``<nvme_path>/megatrain_store/LOCK``
+(the kernel drops it when the process dies). A store left by a killed run is detected by its
+files and reset. Files are removed at :meth:`close` unless ``keep_files``.
+
+Faults: an ``OSError`` in a read or write (ENOSPC, EIO, ...) is re-raised as
+:class:`NVMeIOError` naming the file, the operation and the offset; a failed write-behind is
+raised at the next operation of the run, so training stops instead of continuing on lost data.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import errno
+import fcntl
+import itertools
+import logging
+import os
+import shutil
+import threading
+import time
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import torch
+
+from .budget import HostBudget, fmt_bytes
+
+log = logging.getLogger(__name__)
+
+ALIGN = 4096  # bytes: O_DIRECT alignment of offsets, lengths and buffers
+KINDS = ("master", "exp_avg", "exp_avg_sq", "acc")
+STORE_DIR = "megatrain_store"
+DISK_MARGIN = 0.05  # preflight: free disk must exceed the store's size by 5% + 1 GiB
+DISK_MARGIN_BYTES = 2**30
+
+
+class NVMeIOError(OSError):
+    """A read or write of the NVMe store failed (the message names file, operation and offset)."""
+
+
+class NVMeStoreLockedError(RuntimeError):
+    """Another live run holds the store directory."""
+
+
+def align_up(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def store_bytes(layout: Sequence[tuple[int, int]]) -> int:
+    """Disk bytes of a store for ``layout = [(slab numel, trainable numel), ...]`` (fp32, aligned regions)."""
+    return sum(align_up(4 * n) + 3 * align_up(4 * t) for n, t in layout)
+
+
+def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
+    """A uint8 host tensor of ``nbytes`` (a multiple of 4096) whose data starts at a 4 KiB boundary."""
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
+    off = (-raw.data_ptr()) % ALIGN
+    return raw[off : off + nbytes]
+
+
+# module-level so tests can inject faults (ENOSPC, EIO) without mounting a filesystem
+def _pread(fd: int, buf: memoryview, offset: int) -> int:
+    return os.preadv(fd, [buf], offset)
+
+
+def _pwrite(fd: int, buf: memoryview, offset: int) -> int:
+    return os.pwritev(fd, [buf], offset)
+
+
+@dataclass
+class IOMeter:
+    """Bytes moved and the wall time during which at least one transfer of a direction was running.
+
+    ``read_bytes / read_busy_s`` is the store's achieved read throughput (concurrent transfers are
+    not double counted); likewise for writes.
+    """
+
+    read_bytes: int = 0
+    write_bytes: int = 0
+    read_busy_s: float = 0.0
+    write_busy_s: float = 0.0
+    _active: dict = field(default_factory=lambda: {"read": [0, 0.0], "write": [0, 0.0]})
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @contextlib.contextmanager
+    def measure(self, op: str, nbytes: int) -> Iterator[None]:
+        with self._lock:
+            a = self._active[op]
+            if a[0] == 0:
+                a[1] = time.perf_counter()
+            a[0] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                a[0] -= 1
+                if a[0] == 0:
+                    busy = time.perf_counter() - a[1]
+                    if op == "read":
+                        self.read_busy_s += busy
+                    else:
+                        self.write_busy_s += busy
+                if op == "read":
+                    self.read_bytes += nbytes
+                else:
+                    self.write_bytes += nbytes
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return {"nvme_read_bytes": self.read_bytes, "nvme_write_bytes": self.write_bytes,
+                    "nvme_read_busy_s": self.read_busy_s, "nvme_write_busy_s": self.write_busy_s}
+
+
+@dataclass
+class NVMeConfig:
+    """Settings of the NVMe tier (built by the strategy from its options).
+
+    Attributes:
+        path: ``nvme_path``: directory on the fast disk.
+        kinds: regions on disk: ``"master"`` (``offload_params="nvme"``), ``"exp_avg"``, ``"exp_avg_sq"``
+            and ``"acc"`` (``offload_optimizer="nvme"``).
+        host_memory_limit: bytes the host window (and, on CPU, the compute buffers) may use.
+        io_threads: threads issuing reads and writes (the queue depth).
+        read_ahead: buffers read ahead at most at once.
+        direct_io: ``"auto"``, ``True`` or ``False`` (see :class:`NVMeStore`).
+        keep_files: keep the store's files after the run.
+    """
+
+    path: str
+    kinds: frozenset
+    host_memory_limit: int
+    io_threads: int = 4
+    read_ahead: int = 4
+    direct_io: bool | str = "auto"
+    keep_files: bool = False
+
+    def min_window(self, layout: Sequence[tuple[int, int]], device_type: str, lookahead: int) -> int:
+        """Bytes the host window needs at least: the largest slab's update working set (master,
+        exp_avg, exp_avg_sq and accumulator on disk), one more accumulator being filled by the D2H
+        worker and, on CPU, the compute buffers of ``lookahead + 3`` blocks (computing, prefetched,
+        the LM head kept for backward, one in backward) plus its gradients and a bf16 wire copy."""
+        if not layout:
+            return 0
+        p = max(align_up(4 * n) for n, _ in layout)
+        t = max(align_up(4 * t) for _, t in layout)
+        need = p if "master" in self.kinds else 0
+        if "acc" in self.kinds:
+            need += 4 * t  # exp_avg, exp_avg_sq, acc of the update + the accumulator being filled
+        if device_type == "cpu":
+            need += p * (lookahead + 3) + t + p // 2
+        return need + 2**16
+
+    def pinned_bytes(self, layout: Sequence[tuple[int, int]]) -> int:
+        """Page-locked bytes of a CUDA run: the host window (its buffers are pinned) + 2 D2H staging buffers."""
+        t = max((align_up(4 * t) for _, t in layout), default=0)
+        return self.host_memory_limit + 2 * t
+
+
+class _Entry:
+    __slots__ = ("buf", "t", "nbytes", "pins", "dirty", "io", "io_kind", "last")
+
+    def __init__(self, nbytes: int):
+        self.buf: torch.Tensor | None = None
+        self.t: torch.Tensor | None = None
+        self.nbytes = nbytes
+        self.pins = 0
+        self.dirty = False
+        self.io: Future | None = None
+        self.io_kind = ""
+        self.last = 0
+
+
+def probe_odirect(directory: Path) -> bool:
+    """``True`` if ``directory``'s filesystem accepts ``O_DIRECT`` reads and writes of 4 KiB."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    p = directory / f".odirect_probe_{os.getpid()}"
+    try:
+        fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    try:
+        buf = aligned_empty(ALIGN)
+        buf.fill_(7)
+        mv = memoryview(buf.numpy())
+        return os.pwritev(fd, [mv], 0) == ALIGN and os.preadv(fd, [mv], 0) == ALIGN
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            p.unlink()
+
+
+class NVMeStore:
+    """Per-block files plus the budgeted host window over them.
+
+    Args:
+        nvme_path: directory on the fast disk; the store lives in ``<nvme_path>/megatrain_store``.
+        layout: ``[(slab numel, trainable numel)]`` per block (elements, fp32).
+        budget: the run's host budget (shared with the engine's compute buffers on CPU).
+        io_threads: threads issuing reads and writes (each one request at a time; the
+            effective queue depth is ``io_threads``).
+        read_ahead: most buffers being read ahead at once.
+        direct_io: ``"auto"`` (``O_DIRECT`` if the filesystem takes it), ``True`` (required) or ``False``.
+        pin_memory: allocate window buffers page-locked (CUDA: H2D copies straight from them).
+        keep_files: leave the files on disk at :meth:`close`.
+
+    Raises:
+        NVMeStoreLockedError: another live process holds the store directory.
+        OSError: the directory cannot be created, or ``direct_io=True`` and ``O_DIRECT`` is refused.
+        NVMeIOError: the files cannot be allocated (ENOSPC included).
+    """
+
+    def __init__(self, nvme_path: str | os.PathLike, layout: Sequence[tuple[int, int]], budget: HostBudget, *,
+                 io_threads: int = 4, read_ahead: int = 4, direct_io: bool | str = "auto", pin_memory: bool = False,
+                 keep_files: bool = False):
+        self.dir = Path(nvme_path) / STORE_DIR
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = self._lock()
+        self.layout = list(layout)
+        self.budget = budget
+        self.cond = budget.cond
+        self.pin = pin_memory
+        self.keep_files = keep_files
+        self.read_ahead_max = read_ahead
+        self.meter = IOMeter()
+        odirect = probe_odirect(self.dir) if direct_io in ("auto", True) else False
+        if direct_io is True and not odirect:
+            raise OSError(f"direct_io=True but the filesystem of {self.dir} refuses O_DIRECT; use direct_io='auto'.")
+        if not odirect and direct_io == "auto":
+            log.warning("megatrain: %s does not support O_DIRECT; the NVMe store uses buffered I/O "
+                        "(the page cache then holds extra copies outside host_memory_limit).", self.dir)
+        self.direct = odirect
+        # region offsets and sizes per block
+        self._off: list[dict[str, int]] = []
+        self._nbytes: list[dict[str, int]] = []
+        self._numel: list[dict[str, int]] = []
+        for n, t in self.layout:
+            sizes = {"master": align_up(4 * n), "exp_avg": align_up(4 * t), "exp_avg_sq": align_up(4 * t), "acc": align_up(4 * t)}
+            off, o = {}, 0
+            for k in KINDS:
+                off[k] = o
+                o += sizes[k]
+            self._off.append(off)
+            self._nbytes.append(sizes)
+            self._numel.append({"master": n, "exp_avg": t, "exp_avg_sq": t, "acc": t})
+        self.valid: list[dict[str, bool]] = [{k: False for k in KINDS} for _ in self.layout]
+        self.entries: dict[tuple[int, str], _Entry] = {}
+        self._clock = itertools.count()
+        self._protected: dict[tuple[int, str], int] = {}
+        self._error: BaseException | None = None
+        self._io = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="megatrain-nvme")
+        self._fds: list[int] = []
+        self.closed = False
+        ref = weakref.ref(self)
+        atexit.register(lambda: (lambda st: st.close() if st is not None else None)(ref()))  # files go at exit
+        try:
+            for i in range(len(self.layout)):
+                self._fds.append(self._create(i))
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ files
+    def _lock(self) -> int:
+        lock = self.dir / "LOCK"
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise NVMeStoreLockedError(
+                f"megatrain: the NVMe store {self.dir} is in use by another live run (pid {owner}). Give each run "
+                "its own nvme_path, or wait for that run to end."
+            ) from None
+        old = os.pread(fd, 64, 0).decode(errors="replace").strip()
+        stale = sorted(self.dir.glob("block_*.bin"))
+        if stale:
+            log.warning("megatrain: the NVMe store %s was left by a run that did not finish (pid %s); resetting it "
+                        "(%d files removed).", self.dir, old or "?", len(stale))
+            for p in stale:
+                p.unlink()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        return fd
+
+    def path(self, i: int) -> Path:
+        return self.dir / f"block_{i:05d}.bin"
+
+    def _create(self, i: int) -> int:
+        flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if self.direct else 0)
+        p = self.path(i)
+        fd = os.open(p, flags, 0o600)
+        size = sum(self._nbytes[i].values())
+        try:
+            if size:
+                os.posix_fallocate(fd, 0, size)
+        except OSError as err:
+            os.close(fd)
+            raise NVMeIOError(err.errno, f"megatrain NVMe store: allocating {fmt_bytes(size)} for {p} failed: "
+                              f"{os.strerror(err.errno or 0)}. Free disk space under {self.dir.parent} or "
+                              "point nvme_path at a larger disk.") from err
+        return fd
+
+    def _transfer(self, op: str, i: int, kind: str, buf: torch.Tensor) -> None:
+        fd, off = self._fds[i], self._off[i][kind]
+        mv = memoryview(buf.numpy())
+        n, done = len(mv), 0
+        with self.meter.measure(op, n):
+            while done < n:
+                try:
+                    got = (_pread if op == "read" else _pwrite)(fd, mv[done:], off + done)
+                except OSError as err:
+                    raise NVMeIOError(err.errno, f"megatrain NVMe store: {op} of {kind} of block {i} "
+                                      f"({self.path(i)}, offset {off + done}, {n - done} bytes) failed: "
+                                      f"{os.strerror(err.errno or 0)}") from err
+                if got <= 0:
+                    raise NVMeIOError(errno.EIO, f"megatrain NVMe store: {op} of {kind} of block {i} "
+                                      f"({self.path(i)}, offset {off + done}) returned {got} bytes")
+                done += got
+
+    # ------------------------------------------------------------------ window
+    def numel(self, i: int, kind: str) -> int:
+        return self._numel[i][kind]
+
+    def raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _make_room(self, missing: int, protect_all: bool = False) -> bool:
+        """Evict unpinned clean buffers (under ``cond``); ``True`` if anything was freed."""
+        self.raise_error()
+        cands = [(k in self._protected, self._protected.get(k, 0), e.last, k) for k, e in self.entries.items()
+                 if e.pins == 0 and not e.dirty and e.io is None]
+        if protect_all:
+            cands = [c for c in cands if not c[0]]
+        # unprotected first (least recently used first), then protected ones needed last
+        cands.sort(key=lambda c: (c[0], -c[1] if c[0] else c[2]))
+        freed = 0
+        for _, _, _, k in cands:
+            if freed >= missing:
+                break
+            e = self.entries.pop(k)
+            e.buf = e.t = None
+            freed += e.nbytes
+            self.budget.release(e.nbytes)
+        return freed > 0
+
+    def _start_read(self, i: int, kind: str, e: _Entry, fresh: bool) -> None:
+        """Allocate and fill ``e`` (caller reserved its bytes and set ``e.io``)."""
+        try:
+            buf = aligned_empty(e.nbytes, self.pin)
+            if self.valid[i][kind] and not fresh:
+                self._transfer("read", i, kind, buf)
+            elif not fresh:
+                buf.zero_()  # never written: AdamW states and accumulators start at zero
+            with self.cond:
+                e.buf, e.t = buf, buf.view(torch.float32)[: self._numel[i][kind]]
+                fut, e.io = e.io, None
+                self.cond.notify_all()
+            fut.set_result(None)  # type: ignore[union-attr]
+        except BaseException as err:
+            with self.cond:
+                self.entries.pop((i, kind), None)
+                self.budget.release(e.nbytes)
+                fut, e.io = e.io, None
+            fut.set_exception(err)  # type: ignore[union-attr]
+
+    def _pin(self, i: int, kind: str, write: bool, fresh: bool) -> torch.Tensor:
+        key = (i, kind)
+        while True:
+            with self.cond:
+                self.raise_error()
+                e = self.entries.get(key)
+                if e is None:
+                    n = self._nbytes[i][kind]
+                    self.budget.reserve(n, self._make_room, what=f"{kind} of block {i}")
+                    if key in self.entries:  # loaded by another thread while we waited
+                        self.budget.release(n)
+                        continue
+                    e = self.entries[key] = _Entry(n)
+                    e.io, e.io_kind, e.pins, e.last = Future(), "read", 1, next(self._clock)
+                    load = True
+                else:
+                    fut = e.io
+                    if fut is not None and (e.io_kind == "read" or write):
+                        pass  # wait outside the lock, then look again
+                    else:
+                        e.pins += 1
+                        e.last = next(self._clock)
+                        return e.t  # type: ignore[return-value]
+                    load = False
+            if load:
+                fut = e.io
+                self._start_read(i, kind, e, fresh)
+                fut.result()  # type: ignore[union-attr]
+                return e.t  # type: ignore[return-value]
+            try:
+                fut.result()  # type: ignore[union-attr]
+            except BaseException:
+                pass  # a failed read-ahead: load again (its error resurfaces if persistent)
+
+    def _unpin(self, i: int, kind: str, write: bool) -> None:
+        with self.cond:
+            e = self.entries[(i, kind)]
+            e.pins -= 1
+            if write:
+                e.dirty = True
+            if e.pins == 0 and e.dirty and e.io is None:
+                e.io, e.io_kind = self._io.submit(self._write_back, i, kind, e), "write"
+            self.cond.notify_all()
+
+    def _write_back(self, i: int, kind: str, e: _Entry) -> None:
+        try:
+            self._transfer("write", i, kind, e.buf)  # type: ignore[arg-type]
+            ok = True
+        except BaseException as err:  # noqa: BLE001 - surfaced at the next operation
+            ok = False
+            with self.cond:
+                if self._error is None:
+                    self._error = err
+        with self.cond:
+            if ok:
+                e.dirty = False
+                self.valid[i][kind] = True
+            e.io = None
+            self.cond.notify_all()
+
+    @contextlib.contextmanager
+    def hold(self, i: int, kinds: Iterable[str], write: bool = False, fresh: Iterable[str] = ()) -> Iterator[dict[str, torch.Tensor]]:
+        """Pin block ``i``'s ``kinds`` in host memory for the ``with`` body.
+
+        Args:
+            i: block (slab) index.
+            kinds: regions wanted: ``master`` (fp32, slab numel), ``exp_avg``, ``exp_avg_sq``, ``acc``
+                (fp32, trainable numel).
+            write: the body modifies them (they are written back when unpinned).
+            fresh: regions whose current content does not matter (not read from disk).
+
+        Yields:
+            kind -> fp32 host tensor ``[numel]``, valid until the body ends.
+
+        Raises:
+            NVMeIOError: a read failed now, or an earlier write-behind failed.
+            HostMemoryBudgetError: the buffers never fit in ``host_memory_limit``.
+        """
+        fresh = set(fresh)
+        got: dict[str, torch.Tensor] = {}
+        try:
+            for k in kinds:
+                got[k] = self._pin(i, k, write, k in fresh)
+            yield got
+        finally:
+            for k in got:
+                self._unpin(i, k, write)
+
+    def discard(self, i: int, kind: str) -> None:
+        """Forget block ``i``'s ``kind`` buffer without writing it (a consumed gradient accumulator)."""
+        with self.cond:
+            e = self.entries.get((i, kind))
+            if e is not None and e.pins == 0 and e.io is None:
+                del self.entries[(i, kind)]
+                e.buf = e.t = None
+                self.budget.release(e.nbytes)
+                self.cond.notify_all()
+            elif e is not None and e.io is None:
+                e.dirty = False
+
+    def read_ahead(self, wanted: Sequence[tuple[int, str]]) -> None:
+        """Start reads of the buffers the schedule needs next, in order, while they fit.
+
+        ``wanted`` is ordered by when they will be needed. Only free budget and clean buffers that
+        are not wanted are used: read-ahead never waits and never evicts something needed sooner.
+        """
+        with self.cond:
+            if self._error is not None or self.closed:
+                return
+            self._protected = {k: len(wanted) - r for r, k in enumerate(wanted)}
+            inflight = sum(1 for e in self.entries.values() if e.io is not None and e.io_kind == "read")
+            for key in wanted:
+                if inflight >= self.read_ahead_max:
+                    break
+                i, kind = key
+                if key in self.entries or not self.valid[i][kind]:
+                    continue
+                n = self._nbytes[i][kind]
+                if self.budget.free < n:
+                    self._make_room(n - self.budget.free, protect_all=True)
+                if not self.budget.try_reserve(n):
+                    break
+                e = self.entries[key] = _Entry(n)
+                e.io, e.io_kind, e.last = Future(), "read", next(self._clock)
+                self._io.submit(self._start_read, i, kind, e, False)
+                inflight += 1
+
+    def wait_io(self) -> None:
+        """Block until no read or write is in flight; raise a failed write's error."""
+        with self.cond:
+            while any(e.io is not None for e in self.entries.values()):
+                self.cond.wait(0.5)
+        self.raise_error()
+
+    def resident_bytes(self) -> int:
+        with self.cond:
+            return sum(e.nbytes for e in self.entries.values())
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """Stop I/O, free the window and (unless ``keep_files``) delete the files; release the lock."""
+        if self.closed:
+            return
+        self.closed = True
+        self._io.shutdown(wait=True)
+        with self.cond:
+            for e in self.entries.values():
+                self.budget.release(e.nbytes)
+            self.entries.clear()
+            self.cond.notify_all()
+        for fd in self._fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds = []
+        if not self.keep_files:
+            for i in range(len(self.layout)):
+                with contextlib.suppress(OSError):
+                    self.path(i).unlink()
+        with contextlib.suppress(OSError):
+            os.ftruncate(self._lock_fd, 0)
+        os.close(self._lock_fd)
+        if not self.keep_files:
+            with contextlib.suppress(OSError):
+                (self.dir / "LOCK").unlink()
+                self.dir.rmdir()
+
+    def __del__(self):  # pragma: no cover - best effort
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+def preflight_nvme(nvme_path: str | os.PathLike, layout: Sequence[tuple[int, int]], host_memory_limit: int,
+                   min_window: int, pinned_bytes: int = 0) -> dict[str, int]:
+    """Check, before any allocation, that the NVMe tier can run.
+
+    Args:
+        nvme_path: the store's parent directory.
+        layout: ``[(slab numel, trainable numel)]`` per block.
+        host_memory_limit: bytes.
+        min_window: bytes the host window needs at least (blocks in flight, see the strategy).
+        pinned_bytes: page-locked bytes the run needs (CUDA), checked against ``ulimit -l``.
+
+    Returns:
+        ``{"disk_needed": ..., "disk_free": ..., "min_window": ...}`` (bytes).
+
+    Raises:
+        ValueError: with the numbers and what to change, when the path is missing or not a writable
+            directory, the disk is too small, the budget is below ``min_window``, or the
+            locked-memory limit is below ``pinned_bytes``.
+    """
+    p = Path(nvme_path)
+    if not p.exists():
+        raise ValueError(f"nvme_path {p} does not exist. Create it (on a fast local disk) or point nvme_path elsewhere.")
+    if not p.is_dir():
+        raise ValueError(f"nvme_path {p} is not a directory.")
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise ValueError(f"nvme_path {p} is not writable by this user. Fix its permissions or choose another path.")
+    need = store_bytes(layout)
+    existing = sum(f.stat().st_size for f in (p / STORE_DIR).glob("block_*.bin")) if (p / STORE_DIR).is_dir() else 0
+    free = shutil.disk_usage(p).free + existing
+    want = int(need * (1 + DISK_MARGIN)) + DISK_MARGIN_BYTES
+    if free < want:
+        raise ValueError(
+            f"nvme_path {p} has {fmt_bytes(free)} free; the NVMe store needs {fmt_bytes(need)} (16 bytes per trainable "
+            f"parameter, 4 per frozen one) plus a margin of 5% + 1 GiB = {fmt_bytes(want)}. Free disk space or point "
+            "nvme_path at a larger disk."
+        )
+    if host_memory_limit < min_window:
+        raise ValueError(
+            f"host_memory_limit={fmt_bytes(host_memory_limit)} is below the {fmt_bytes(min_window)} the NVMe tier needs "
+            "for the blocks in flight (the largest block's weights, gradients and AdamW states, and its compute "
+            f"buffers). Raise host_memory_limit to at least {fmt_bytes(min_window)} (2x that lets read-ahead work), "
+            "or lower lookahead."
+        )
+    if pinned_bytes:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        if soft != resource.RLIM_INFINITY and soft < pinned_bytes:
+            raise ValueError(
+                f"The locked-memory limit (ulimit -l) is {fmt_bytes(soft)}, below the {fmt_bytes(pinned_bytes)} of pinned "
+                "staging buffers this run needs. Raise it (ulimit -l unlimited, or memlock in "
+                "/etc/security/limits.conf), or pass pin_memory=False (slower H2D copies)."
+            )
+    return {"disk_needed": need, "disk_free": free, "min_window": min_window}

@@ -1,0 +1,260 @@
+"""NVMe tier (issue 4): bitwise parity with the RAM tier, strict host budget, preflight, lock, faults.
+
+The RAM tier is the reference here (it matches plain PyTorch to 1e-5, tests/test_parity.py):
+the NVMe tier runs the same arithmetic on the same values, only stored in files, so losses and
+weights must be *bitwise* equal, under a host budget small enough that every block is evicted
+and read back from disk each step.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+import megatrain_lightning  # noqa: F401  (registers strategy="megatrain_nvme")
+from megatrain_lightning import MegaTrainStrategy
+from megatrain_lightning.store import nvme as nvme_mod
+from megatrain_lightning.store.budget import HostBudget, HostMemoryBudgetError, parse_bytes
+from megatrain_lightning.store.nvme import STORE_DIR, NVMeIOError, NVMeStore, NVMeStoreLockedError
+from helpers import LM, make_data, make_model
+from test_checkpoint import loader
+
+STEPS = 20
+LIMIT = 600_000  # bytes: just above the window the largest block needs (min_window, ~0.5 MB)
+
+
+DEEP = {"num_hidden_layers": 8}  # 8 decoder layers: the model's 16 B/param (1.1 MB) is ~2x LIMIT
+
+
+def fit(strategy, steps=STEPS, accumulate=1, clip=None, arch="llama", model_kw=None, ckpt_path=None, data=None, **kw):
+    lm = LM(make_model(arch, **(model_kw or {})), total_steps=STEPS, sched="cosine")  # same LR schedule for every length
+    torch.manual_seed(0)
+    extra = {"accumulate_grad_batches": accumulate} if accumulate > 1 else {}
+    if clip is not None:
+        extra["gradient_clip_val"] = clip
+    extra.update(kw)
+    tr = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False,
+                    enable_checkpointing=bool(extra.get("callbacks")), enable_progress_bar=False,
+                    enable_model_summary=False, **extra)
+    tr.fit(lm, data if data is not None else make_data(n=steps * accumulate * 2), ckpt_path=ckpt_path)
+    return lm, tr
+
+
+def nvme_strategy(path, limit=LIMIT, **kw):
+    return MegaTrainStrategy(offload_params="nvme", offload_optimizer="nvme", nvme_path=str(path),
+                             host_memory_limit=limit, **kw)
+
+
+def assert_bitwise(a, b):
+    assert a.losses == b.losses, [(x, y) for x, y in zip(a.losses, b.losses) if x != y][:3]
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p.detach(), q.detach()), n
+
+
+@pytest.mark.parametrize("accumulate,clip", [(1, None), (3, 0.5)])
+def test_nvme_tier_is_bitwise_equal_to_ram_tier(tmp_path, accumulate, clip):
+    ram, _ = fit(MegaTrainStrategy(), accumulate=accumulate, clip=clip, model_kw=DEEP)
+    disk, tr = fit(nvme_strategy(tmp_path), accumulate=accumulate, clip=clip, model_kw=DEEP)
+    assert_bitwise(ram, disk)
+    hist = tr.strategy.engine.history
+    n = sum(p.numel() for p in ram.parameters())
+    # every step went through the disk: more bytes read than one copy of the weights
+    assert all(h["megatrain/nvme_read_bytes"] > 4 * n for h in hist[1:])
+    assert max(h["megatrain/host_budget_peak_bytes"] for h in hist) <= LIMIT
+    # the store stays open after fit (trainer.save_checkpoint reads it) until the strategy closes
+    assert list((tmp_path / STORE_DIR).glob("block_*.bin"))
+    tr.strategy.close()
+    assert not (tmp_path / STORE_DIR).exists()
+
+
+def test_optimizer_only_and_params_only_on_nvme_match(tmp_path):
+    ram, _ = fit(MegaTrainStrategy(), steps=6, accumulate=2)
+    for params, opt in (("nvme", "cpu"), ("cpu", "nvme")):
+        d = tmp_path / f"{params}-{opt}"
+        d.mkdir()
+        disk, tr = fit(MegaTrainStrategy(offload_params=params, offload_optimizer=opt, nvme_path=str(d),
+                                         host_memory_limit=LIMIT), steps=6, accumulate=2)
+        assert_bitwise(ram, disk)
+        tr.strategy.close()
+        assert not (d / STORE_DIR).exists()
+
+
+def test_registered_variant_reads_env(tmp_path, monkeypatch):
+    monkeypatch.delenv("MEGATRAIN_NVME_PATH", raising=False)
+    with pytest.raises(ValueError, match="MEGATRAIN_NVME_PATH"):
+        pl.Trainer(strategy="megatrain_nvme", accelerator="cpu", devices=1)
+    monkeypatch.setenv("MEGATRAIN_NVME_PATH", str(tmp_path))
+    lm, tr = fit("megatrain_nvme", steps=2)
+    assert tr.strategy.nvme is not None and tr.strategy.nvme.path == str(tmp_path)
+    assert tr.strategy.nvme.kinds == {"master", "exp_avg", "exp_avg_sq", "acc"}
+
+
+# ---------------------------------------------------------------- preflight
+def test_preflight_errors_name_the_numbers(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="does not exist"):
+        fit(nvme_strategy(tmp_path / "missing"), steps=1)
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ValueError, match="not a directory"):
+        fit(nvme_strategy(f), steps=1)
+    with pytest.raises(ValueError, match="host_memory_limit=.* is below .* Raise host_memory_limit to at least"):
+        fit(nvme_strategy(tmp_path, limit=100_000), steps=1)
+    with pytest.raises(ValueError, match="Not a memory size"):
+        nvme_strategy(tmp_path, limit="lots")
+    with pytest.raises(ValueError, match="must be 'cpu' or 'nvme'"):
+        MegaTrainStrategy(offload_params="disk")
+    with pytest.raises(ValueError, match="needs nvme_path"):
+        MegaTrainStrategy(offload_optimizer="nvme")
+
+    real = nvme_mod.shutil.disk_usage
+    monkeypatch.setattr(nvme_mod.shutil, "disk_usage", lambda p: real(p)._replace(free=10 * 2**20))
+    with pytest.raises(ValueError, match=r"has 10.00 MiB free; the NVMe store needs .* plus a margin"):
+        fit(nvme_strategy(tmp_path), steps=1)
+    monkeypatch.setattr(nvme_mod.shutil, "disk_usage", real)
+
+    monkeypatch.setattr(nvme_mod.os, "access", lambda p, mode: False)
+    with pytest.raises(ValueError, match="not writable"):
+        fit(nvme_strategy(tmp_path), steps=1)
+    monkeypatch.undo()
+    # nothing was created by the refused runs
+    assert not (tmp_path / STORE_DIR).exists()
+
+
+def test_preflight_checks_locked_memory_limit(tmp_path, monkeypatch):
+    import resource
+
+    from megatrain_lightning.store.nvme import preflight_nvme
+
+    monkeypatch.setattr(resource, "getrlimit", lambda r: (64 * 2**10, 64 * 2**10))
+    with pytest.raises(ValueError, match=r"ulimit -l.* 64.00 KiB"):
+        preflight_nvme(tmp_path, [(1000, 1000)], 2**20, 2**16, pinned_bytes=2**20)
+
+
+def test_budget_and_sizes():
+    assert parse_bytes("16GiB") == 16 * 2**30
+    assert parse_bytes("1.5 GB") == 1_500_000_000
+    assert parse_bytes(4096) == 4096
+    for bad in ("-1", "12 parsecs", 0, True):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+    b = HostBudget(100)
+    assert b.try_reserve(60) and not b.try_reserve(50)
+    with pytest.raises(HostMemoryBudgetError, match="needs 200 B"):
+        b.reserve(200)
+    with pytest.raises(HostMemoryBudgetError, match="waited"):
+        b.reserve(50, timeout_s=0.2)
+    b.release(60)
+    b.reserve(100)
+    assert b.peak == 100
+
+
+def test_window_evicts_and_round_trips_exactly(tmp_path):
+    layout = [(3000, 2000)] * 6  # each master region 12 KiB, each state 8 KiB
+    budget = HostBudget(3 * 12288)
+    st = NVMeStore(tmp_path, layout, budget, direct_io="auto")
+    vals = []
+    for i in range(6):
+        with st.hold(i, ["master"], write=True, fresh=["master"]) as t:
+            v = torch.randn(3000)
+            t["master"].copy_(v)
+            vals.append(v)
+    st.wait_io()
+    assert budget.peak <= budget.limit
+    for i in reversed(range(6)):
+        with st.hold(i, ["master"]) as t:
+            assert torch.equal(t["master"], vals[i])
+    with st.hold(0, ["exp_avg"]) as t:  # never written: zeros, like a fresh AdamW state
+        assert t["exp_avg"].abs().sum() == 0
+    assert st.meter.read_bytes >= 3 * 12288  # evicted blocks came back from disk
+    st.close()
+    assert not (tmp_path / STORE_DIR).exists()
+
+
+# ---------------------------------------------------------------- lock
+HOLDER = textwrap.dedent("""
+    import sys, time
+    from megatrain_lightning.store.budget import HostBudget
+    from megatrain_lightning.store.nvme import NVMeStore
+    st = NVMeStore(sys.argv[1], [(1024, 1024)], HostBudget(2**20))
+    print("ready", flush=True)
+    time.sleep(60)
+""")
+
+
+def test_second_live_run_is_refused_and_killed_run_is_reset(tmp_path, caplog):
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        with pytest.raises(NVMeStoreLockedError, match=f"in use by another live run \\(pid {p.pid}\\)"):
+            NVMeStore(tmp_path, [(1024, 1024)], HostBudget(2**20))
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    assert list((tmp_path / STORE_DIR).glob("block_*.bin"))  # the killed run left its files
+    with caplog.at_level(logging.WARNING, logger="megatrain_lightning.store.nvme"):
+        st = NVMeStore(tmp_path, [(1024, 1024)], HostBudget(2**20))
+    assert f"left by a run that did not finish (pid {p.pid}); resetting it" in caplog.text
+    st.close()
+
+
+# ---------------------------------------------------------------- faults
+@pytest.mark.parametrize("op,err", [("_pwrite", errno.ENOSPC), ("_pread", errno.EIO)])
+def test_io_fault_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, monkeypatch, op, err):
+    store_dir, ckpt_dir = tmp_path / "nvme", tmp_path / "ckpt"
+    store_dir.mkdir()
+    real = getattr(nvme_mod, op)
+    calls = {"n": 0, "armed": False}
+
+    def faulty(fd, buf, off):
+        if calls["armed"]:
+            calls["n"] += 1
+            if calls["n"] > 5:
+                raise OSError(err, os.strerror(err))
+        return real(fd, buf, off)
+
+    class Arm(pl.Callback):
+        def on_train_batch_start(self, trainer, *args):
+            if trainer.global_step == 4:
+                calls["armed"] = True  # the checkpoint of step 4 is complete
+
+    monkeypatch.setattr(nvme_mod, op, faulty)
+    cb = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1)
+    with pytest.raises(NVMeIOError) as info:
+        fit(nvme_strategy(store_dir), steps=10, callbacks=[cb, Arm()])
+    msg = str(info.value)
+    assert ("write of" if op == "_pwrite" else "read of") in msg and "block_" in msg and os.strerror(err) in msg
+    monkeypatch.setattr(nvme_mod, op, real)
+    # the newest complete checkpoint loads and training resumes from it (RAM tier)
+    last = max((p for p in ckpt_dir.iterdir() if not p.name.startswith(".")), key=lambda p: p.stat().st_mtime)
+    assert last.name == "epoch=0-step=4.ckpt"
+    resumed, _ = fit(MegaTrainStrategy(), steps=6, ckpt_path=str(last))
+    assert len(resumed.losses) == 2
+
+
+# ---------------------------------------------------------------- checkpoints across tiers
+@pytest.mark.parametrize("first,second", [("nvme", "ram"), ("ram", "nvme")])
+def test_checkpoint_resumes_on_the_other_tier(tmp_path, first, second):
+    def strat(kind, sub):
+        if kind == "ram":
+            return MegaTrainStrategy()
+        (tmp_path / sub).mkdir(exist_ok=True)
+        return nvme_strategy(tmp_path / sub)
+
+    full, _ = fit(MegaTrainStrategy(), steps=8, accumulate=2, data=loader())
+    a, ta = fit(strat(first, "a"), steps=3, accumulate=2, data=loader())  # mid-epoch (12 batches per epoch)
+    ta.save_checkpoint(tmp_path / "ckpt")
+    b, _ = fit(strat(second, "b"), steps=8, accumulate=2, ckpt_path=str(tmp_path / "ckpt"), data=loader())
+    assert a.losses + b.losses == full.losses
+    for (n, p), (_, q) in zip(b.named_parameters(), full.named_parameters()):
+        assert torch.equal(p.detach(), q.detach()), n
