@@ -414,6 +414,7 @@ class StreamingEngine:
         writes them back (the user may have changed them) and restores the placeholders."""
         if not self.store.masters_on_disk or self.materialized:
             return
+        self.store.nvme.drop_clean()  # the copies (4 B/param) replace the window, not add to it
         for slab in self.store.slabs:
             for i, e in enumerate(slab.entries):
                 e.ref.param.data = self.read_param(e.ref.param).clone()

@@ -526,7 +526,17 @@ class NVMeStore:
                 self.cond.wait(0.5)
         self.raise_error()
 
-    def resident_bytes(self) -> int:
+    def drop_clean(self) -> None:
+        """Write back everything dirty, then free every unpinned buffer (shrinks the window to what is in use)."""
+        self.wait_io()
+        with self.cond:
+            for key in [k for k, e in self.entries.items() if e.pins == 0 and not e.dirty and e.io is None]:
+                e = self.entries.pop(key)
+                e.buf = e.t = None
+                self.budget.release(e.nbytes)
+            self.cond.notify_all()
+
+    def resident_bytes(self) -> int:    def resident_bytes(self) -> int:
         with self.cond:
             return sum(e.nbytes for e in self.entries.values())
 
