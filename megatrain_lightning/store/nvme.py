@@ -536,7 +536,7 @@ class NVMeStore:
                 self.budget.release(e.nbytes)
             self.cond.notify_all()
 
-    def resident_bytes(self) -> int:    def resident_bytes(self) -> int:
+    def resident_bytes(self) -> int:
         with self.cond:
             return sum(e.nbytes for e in self.entries.values())
 
