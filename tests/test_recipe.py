@@ -59,3 +59,37 @@ def test_short_real_run_end_to_end(tmp_path, capsys):
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
     printed = capsys.readouterr().out
     assert "val_ppl" in printed and "sample" in printed
+
+
+def test_nvme_strategy_group_composes_and_needs_a_path(tmp_path, monkeypatch):
+    from hydra.utils import instantiate
+
+    monkeypatch.delenv("MEGATRAIN_NVME_PATH", raising=False)
+    cfg = cfg_for(tmp_path, "strategy=megatrain_nvme", "strategy.host_memory_limit=2GiB")
+    with pytest.raises(ValueError, match="needs nvme_path"):
+        instantiate(cfg.strategy)
+    monkeypatch.setenv("MEGATRAIN_NVME_PATH", str(tmp_path))
+    s = instantiate(cfg_for(tmp_path, "strategy=megatrain_nvme", "strategy.host_memory_limit=2GiB").strategy)
+    assert s.nvme.path == str(tmp_path) and s.nvme.host_memory_limit == 2 * 2**30
+
+
+def test_preflight_refuses_llama100b_on_nvme_for_disk(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGATRAIN_NVME_PATH", str(tmp_path))
+    cfg = cfg_for(tmp_path, "model=llama100b", "strategy=megatrain_nvme")
+    with pytest.raises(PreflightError, match="disk"):
+        finetune(cfg)
+    assert not any(tmp_path.iterdir())
+
+
+def test_short_real_run_on_the_nvme_tier(tmp_path, monkeypatch):
+    store = tmp_path / "nvme"
+    store.mkdir()
+    monkeypatch.setenv("MEGATRAIN_NVME_PATH", str(store))
+    cfg = cfg_for(tmp_path, "data=legal", "strategy=megatrain_nvme", "strategy.host_memory_limit=1GiB",
+                  "trainer.max_steps=2", "trainer.limit_val_batches=2", "data.seq_len=64", "data.batch_size=2",
+                  "data.probe.max_items=2", "sample.max_new_tokens=4", "trainer.enable_progress_bar=false",
+                  "optim.lr=3e-4")
+    out = finetune(cfg)
+    assert out["after"]["val_loss"] < out["before"]["val_loss"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(Path(out["checkpoint"]) / "model")
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008

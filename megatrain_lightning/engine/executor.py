@@ -418,6 +418,7 @@ class StreamingEngine:
         for slab in self.store.slabs:
             for i, e in enumerate(slab.entries):
                 e.ref.param.data = self.read_param(e.ref.param).clone()
+            self.store.nvme.discard(slab.index, "master")  # read through the window, not kept in it
         self.materialized = True
 
     def _dematerialize(self) -> None:
@@ -500,11 +501,12 @@ class StreamingEngine:
         leaves, refs = self._grad_leaves(blk, bufs)
         nbytes = sum(b.numel() * b.element_size() for b in bufs.values())
         remaining = [len(refs)]
+        self._track(self._grad_bytes(refs))  # its gradients, allocated in backward
 
         def hook_for(ref: Any) -> Callable[[torch.Tensor], None]:
             def hook(leaf: torch.Tensor) -> None:
                 grad, leaf.grad = leaf.grad, None
-                self._send_grads([ref], [grad])
+                self._send_grads([ref], [grad], reserved=self._grad_bytes([ref]))
                 remaining[0] -= 1
                 if remaining[0] == 0:
                     self._track(-nbytes)
@@ -561,6 +563,8 @@ class StreamingEngine:
         bufs = self.acquire(blk, backward=True)
         t0 = time.perf_counter()
         leaves, leaf_refs = self._grad_leaves(blk, bufs)
+        pre = self._grad_bytes(leaf_refs)
+        self._track(pre)  # the parameter gradients autograd is about to allocate
         flat = list(call.flat)
         for i, t in zip(call.tensor_pos, inputs):
             flat[i] = t
@@ -583,7 +587,7 @@ class StreamingEngine:
             self.stats.compute_s += time.perf_counter() - t0
             del leaves
             self._release(bufs)
-        self._send_grads(leaf_refs, grads[len(in_targets) :])
+        self._send_grads(leaf_refs, grads[len(in_targets) :], reserved=pre)
         it = iter(grads[: len(in_targets)])
         return [next(it) if need else None for need in needs]
 
@@ -865,15 +869,26 @@ class StreamingEngine:
         self._phase = "idle"
 
     # ------------------------------------------------------------------ gradients
-    def _send_grads(self, refs: Sequence, grads: Sequence[torch.Tensor | None]) -> None:
+    def _grad_bytes(self, refs: Sequence) -> int:
+        """Bytes of the gradients of ``refs`` as autograd makes them (the compute dtype)."""
+        return sum(self.store.slabs[r.slab].entries[r.index].numel for r in refs) * self.param_dtype.itemsize
+
+    def _send_grads(self, refs: Sequence, grads: Sequence[torch.Tensor | None], reserved: int = 0) -> None:
+        """Queue gradients for the D2H worker. ``reserved``: bytes already reserved for them (before
+        autograd allocated them), exchanged here for the bytes of their wire copies."""
         by_slab: dict[int, list[tuple[int, torch.Tensor]]] = {}
         for ref, g in zip(refs, grads):
             if g is not None:
                 by_slab.setdefault(ref.slab, []).append((ref.index, g))
         wire = self.grad_wire_dtype
+        total = sum(g.numel() * wire.itemsize for items in by_slab.values() for _, g in items)
+        if total < reserved:
+            self._track(total - reserved)
         for si, items in by_slab.items():
             nbytes = sum(g.numel() * wire.itemsize for _, g in items)
-            self._track(nbytes)
+            take = min(nbytes, reserved)
+            reserved -= take
+            self._track(nbytes - take)
             run = self.transport.stage_grads([g for _, g in items], wire)
             idx = [i for i, _ in items]
             self.stats.d2h_bytes += nbytes

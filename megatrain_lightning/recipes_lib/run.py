@@ -36,8 +36,12 @@ def run_preflight(cfg: DictConfig) -> None:
              batch_size=int(cfg.data.batch_size), seq_len=int(cfg.data.seq_len), precision=str(cfg.trainer.precision),
              lookahead=int(cfg.strategy.get("lookahead", 1)),
              checkpoint_every=int(cfg.strategy.get("checkpoint_every", 1)),
-             offload_activations=bool(cfg.strategy.get("offload_activations", False)))
-    preflight(p, path=cfg.output_dir)
+             offload_activations=bool(cfg.strategy.get("offload_activations", False)),
+             offload_params=str(cfg.strategy.get("offload_params", "cpu")),
+             offload_optimizer=str(cfg.strategy.get("offload_optimizer", "cpu")),
+             offload_grads=str(cfg.strategy.get("offload_optimizer", "cpu")))  # accumulators follow the optimizer
+    nvme = cfg.strategy.get("nvme_path")
+    preflight(p, path=nvme if nvme and Path(nvme).is_dir() else cfg.output_dir)  # a missing nvme_path: the strategy says so
 
 
 def evaluate(trainer: pl.Trainer, lm: CausalLMModule, dm: Any) -> dict[str, float]:
