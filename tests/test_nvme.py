@@ -72,10 +72,23 @@ def test_nvme_tier_is_bitwise_equal_to_ram_tier(tmp_path, accumulate, clip):
     # every step went through the disk: more bytes read than one copy of the weights
     assert all(h["megatrain/nvme_read_bytes"] > 4 * n for h in hist[1:])
     assert max(h["megatrain/host_budget_peak_bytes"] for h in hist) <= LIMIT
+    # without clipping the NVMe tier applies each update in backward; clipping needs every gradient first
+    n_eager = tr.strategy.engine.optimizer.updates_in_backward
+    assert (n_eager > 0) if clip is None else (n_eager == 0)
     # the store stays open after fit (trainer.save_checkpoint reads it) until the strategy closes
     assert list((tmp_path / STORE_DIR).glob("block_*.bin"))
     tr.strategy.close()
     assert not (tmp_path / STORE_DIR).exists()
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_optimizer_in_backward_is_bitwise_the_deferred_schedule(accumulate):
+    deferred, _ = fit(MegaTrainStrategy(optimizer_in_backward=False), steps=8, accumulate=accumulate)
+    eager, tr = fit(MegaTrainStrategy(optimizer_in_backward=True), steps=8, accumulate=accumulate)
+    assert_bitwise(deferred, eager)
+    # every slab with trainable parameters, every step (only the last micro-batch of a window)
+    slabs = sum(1 for s in tr.strategy.engine.store.slabs if s.trainable_numel)
+    assert tr.strategy.engine.optimizer.updates_in_backward == 8 * slabs
 
 
 def test_optimizer_only_and_params_only_on_nvme_match(tmp_path):
@@ -219,7 +232,7 @@ def test_io_fault_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, monkeypa
     def faulty(fd, buf, off):
         if calls["armed"]:
             calls["n"] += 1
-            if calls["n"] > 5:
+            if calls["n"] > 1:
                 raise OSError(err, os.strerror(err))
         return real(fd, buf, off)
 

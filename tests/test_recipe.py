@@ -62,11 +62,12 @@ def test_short_real_run_end_to_end(tmp_path, capsys):
 
 
 def test_nvme_strategy_group_composes_and_needs_a_path(tmp_path, monkeypatch):
+    from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
     monkeypatch.delenv("MEGATRAIN_NVME_PATH", raising=False)
     cfg = cfg_for(tmp_path, "strategy=megatrain_nvme", "strategy.host_memory_limit=2GiB")
-    with pytest.raises(ValueError, match="needs nvme_path"):
+    with pytest.raises(InstantiationException, match="needs nvme_path"):  # hydra wraps the strategy's ValueError
         instantiate(cfg.strategy)
     monkeypatch.setenv("MEGATRAIN_NVME_PATH", str(tmp_path))
     s = instantiate(cfg_for(tmp_path, "strategy=megatrain_nvme", "strategy.host_memory_limit=2GiB").strategy)
@@ -85,7 +86,7 @@ def test_short_real_run_on_the_nvme_tier(tmp_path, monkeypatch):
     store = tmp_path / "nvme"
     store.mkdir()
     monkeypatch.setenv("MEGATRAIN_NVME_PATH", str(store))
-    cfg = cfg_for(tmp_path, "data=legal", "strategy=megatrain_nvme", "strategy.host_memory_limit=1GiB",
+    cfg = cfg_for(tmp_path, "data=legal", "strategy=megatrain_nvme", "strategy.host_memory_limit=2GiB",
                   "trainer.max_steps=2", "trainer.limit_val_batches=2", "data.seq_len=64", "data.batch_size=2",
                   "data.probe.max_items=2", "sample.max_new_tokens=4", "trainer.enable_progress_bar=false",
                   "optim.lr=3e-4")

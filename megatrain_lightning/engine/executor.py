@@ -303,6 +303,13 @@ class StreamingEngine:
         self._live_lock = threading.Lock()
         self.stats = StepStats()
         self.history: list[dict[str, float]] = []
+        # optimizer step in backward (set per micro-batch by the strategy): each slab's AdamW update
+        # runs on the D2H worker as soon as its last gradient of the step is accumulated
+        self.update_in_backward = False
+        self._sends_left: dict[int, int] = {}
+        self._plan_due = False
+        self._eager_hyper = None
+        self._graph_refs: list = []
         self._warned_cache = False
         self.installed = False
 
@@ -501,6 +508,8 @@ class StreamingEngine:
         leaves, refs = self._grad_leaves(blk, bufs)
         nbytes = sum(b.numel() * b.element_size() for b in bufs.values())
         remaining = [len(refs)]
+        self._graph_refs = list(refs)
+        self._plan_updates_in_backward()  # its gradient hooks fire before any other backward fetch
         self._track(self._grad_bytes(refs))  # its gradients, allocated in backward
 
         def hook_for(ref: Any) -> Callable[[torch.Tensor], None]:
@@ -671,6 +680,23 @@ class StreamingEngine:
         self._recomputed.pop(call.pos - 1, None)
         call.saved, call.offloaded, call.versions = [], {}, {}
 
+    def _plan_updates_in_backward(self) -> None:
+        """At the start of a backward with ``update_in_backward``: snapshot the hyper-parameters and
+        count, per slab, the gradient batches this backward will send (one per block call holding
+        trainable parameters of the slab, one per parameter of the block that kept its graph)."""
+        if not self._plan_due:
+            return  # planned already (by the block that kept its graph, whose backward comes first)
+        self._plan_due = False
+        self._sends_left = {}
+        if not (self.update_in_backward and self.optimizer is not None):
+            return
+        self._eager_hyper = self.optimizer.snapshot()
+        for c in self._calls:
+            for si in {r.slab for r in c.block.params if r.param.requires_grad}:
+                self._sends_left[si] = self._sends_left.get(si, 0) + 1
+        for r in self._graph_refs:
+            self._sends_left[r.slab] = self._sends_left.get(r.slab, 0) + 1
+
     def _backward_sequence(self) -> list[int]:
         """Block fetch order of the coming backward (recompute chains included), for prefetching."""
         seq: list[int] = []
@@ -704,6 +730,7 @@ class StreamingEngine:
             self.order.append(blk.index)
         if backward and self._phase != "backward":
             self._phase = "backward"
+            self._plan_updates_in_backward()
             self._last_outs = None  # the forward is over: do not keep its last outputs alive
             self._bwd_seq = self._backward_sequence()
             self._seq, self._cursor = self._bwd_seq, 0
@@ -711,6 +738,7 @@ class StreamingEngine:
             self._phase = "forward"
             self._seq = self.order + self._bwd_seq if training else list(self.order)
             self._cursor = 0
+            self._graph_refs, self._plan_due = [], True  # a new forward: plan its backward's updates
         seq = self._seq
         for start in (self._cursor, 0):
             for p in range(start, len(seq)):
@@ -768,6 +796,8 @@ class StreamingEngine:
                 want = ["master"]
                 if si in pending:
                     want = ["exp_avg", "exp_avg_sq", "acc", "master"]
+                elif self._phase == "backward" and self._sends_left:
+                    want = ["master", "exp_avg", "exp_avg_sq"]  # the update runs right after this backward
                 elif self._phase == "backward" and not slab.acc_empty:
                     want = ["master", "acc"]  # gradient accumulation adds into the stored accumulator
                 for k in want:
@@ -884,6 +914,13 @@ class StreamingEngine:
         total = sum(g.numel() * wire.itemsize for items in by_slab.values() for _, g in items)
         if total < reserved:
             self._track(total - reserved)
+        final: set[int] = set()
+        if self._sends_left:
+            for si in {r.slab for r in refs}:
+                if si in self._sends_left:
+                    self._sends_left[si] -= 1
+                    if self._sends_left[si] == 0:
+                        final.add(si)
         for si, items in by_slab.items():
             nbytes = sum(g.numel() * wire.itemsize for _, g in items)
             take = min(nbytes, reserved)
@@ -892,9 +929,16 @@ class StreamingEngine:
             run = self.transport.stage_grads([g for _, g in items], wire)
             idx = [i for i, _ in items]
             self.stats.d2h_bytes += nbytes
-            self._d2h_futures.append(self._d2h.submit(self._accumulate, si, idx, run, nbytes))
+            self._d2h_futures.append(self._d2h.submit(self._accumulate, si, idx, run, nbytes, si in final))
+        for si in final - set(by_slab):  # its last batch had no gradient: the update still runs, in order
+            self._d2h_futures.append(self._d2h.submit(self._update_now, si))
 
-    def _accumulate(self, si: int, idx: list[int], run: Callable, nbytes: int) -> None:
+    def _update_now(self, si: int) -> None:
+        """D2H worker: the slab's gradients of this step are complete: apply its AdamW update now."""
+        assert self.optimizer is not None and self._eager_hyper is not None
+        self.optimizer.apply_now(si, self._eager_hyper)
+
+    def _accumulate(self, si: int, idx: list[int], run: Callable, nbytes: int, final: bool = False) -> None:
         slab = self.store.slabs[si]
 
         def consume(host_grads: list[torch.Tensor]) -> None:
@@ -916,6 +960,8 @@ class StreamingEngine:
             run(consume)
         finally:
             self._track(-nbytes)
+        if final:
+            self._update_now(si)
 
     def wait_grads(self) -> None:
         """Block until every gradient sent so far is in the host accumulators."""

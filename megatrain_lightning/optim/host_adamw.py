@@ -122,6 +122,7 @@ class HostAdamW:
         self.steps: list[list[torch.Tensor | None]] = [[None] * len(s.entries) for s in store.slabs]
         self.pending: dict[int, _Pending] = {}
         self.grad_ops: list[tuple[str, Any]] = []  # clipping recorded for the coming step
+        self.updates_in_backward = 0  # slab updates applied during backward (optimizer_in_backward)
         self.optimizer_seconds = 0.0
         self.transport = None  # set by the engine (CUDA: wait for reads of a master before writing it)
 
@@ -159,6 +160,24 @@ class HostAdamW:
         if not self.overlap:
             self.flush()
         return n
+
+    def snapshot(self) -> _Pending:
+        """The update the coming :meth:`step` would record (hyper-parameters and clipping), for
+        updates applied during backward."""
+        return _Pending(self._snapshot(), list(self.grad_ops))
+
+    def apply_now(self, slab_index: int, pend: _Pending) -> None:
+        """Apply one slab's update for this step now (optimizer step in backward: its gradients are
+        complete). :meth:`step` then skips the slab, whose accumulator is empty."""
+        slab = self.store.slabs[slab_index]
+        with slab.lock:
+            if slab.acc_empty:
+                return
+            if slab_index in self.pending:  # the previous step's deferred update comes first
+                self.apply_pending(slab_index)
+            self.pending[slab_index] = pend
+            self.apply_pending(slab_index)
+            self.updates_in_backward += 1
 
     def flush(self) -> None:
         """Apply every pending update now (before anything reads weights directly)."""

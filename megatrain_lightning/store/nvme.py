@@ -58,18 +58,6 @@ DISK_MARGIN = 0.05  # preflight: free disk must exceed the store's size by 5% + 
 DISK_MARGIN_BYTES = 2**30
 
 
-def _mmap_large_allocations() -> None:
-    """Ask glibc to serve every allocation of 1 MiB or more with its own mmap (returned to the OS
-    when freed) instead of its heaps, whose fragmentation would keep freed activation and gradient
-    buffers resident outside ``host_memory_limit`` (measured here: ~0.25 GiB). No-op off glibc."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, 2**20)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
-
-
 class NVMeIOError(OSError):
     """A read or write of the NVMe store failed (the message names file, operation and offset)."""
 
@@ -255,7 +243,6 @@ class NVMeStore:
                  keep_files: bool = False):
         self.dir = Path(nvme_path) / STORE_DIR
         self.dir.mkdir(parents=True, exist_ok=True)
-        _mmap_large_allocations()
         self._lock_fd = self._lock()
         self.layout = list(layout)
         self.budget = budget
