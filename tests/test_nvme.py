@@ -271,3 +271,21 @@ def test_checkpoint_resumes_on_the_other_tier(tmp_path, first, second):
     assert a.losses + b.losses == full.losses
     for (n, p), (_, q) in zip(b.named_parameters(), full.named_parameters()):
         assert torch.equal(p.detach(), q.detach()), n
+
+
+def test_generation_streams_when_weights_are_only_on_disk(tmp_path):
+    from megatrain_lightning.recipes_lib.run import inference_weights
+
+    lm, tr = fit(nvme_strategy(tmp_path), steps=2)
+    eng = tr.strategy.engine
+    ids = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(3))
+    kw = dict(max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0)
+    with inference_weights(tr) as dev:  # 4 B/param fit the budget: the module holds the weights
+        assert dev is None
+        plain = lm.model.eval().generate(ids, **kw)
+    eng._dematerialize()  # as for a model larger than host_memory_limit: placeholders only
+    assert all(p.stride() == (0,) * p.dim() for p in lm.model.parameters())
+    with inference_weights(tr) as dev:
+        streamed = lm.model.generate(ids.to(dev), **kw)
+    assert torch.equal(plain, streamed)
+    tr.strategy.close()

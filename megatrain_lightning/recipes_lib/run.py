@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import lightning.pytorch as pl
 import torch
@@ -44,26 +45,46 @@ def run_preflight(cfg: DictConfig) -> None:
     preflight(p, path=nvme if nvme and Path(nvme).is_dir() else cfg.output_dir)  # a missing nvme_path: the strategy says so
 
 
+@contextlib.contextmanager
+def inference_weights(trainer: pl.Trainer) -> Iterator[Any]:
+    """Where inference after ``fit`` finds the trained weights; yields the device for the inputs.
+
+    Weights in host memory (the RAM tier, or the NVMe tier when 4 B/param fit in
+    ``host_memory_limit``: the strategy gave the module its weights back): the plain module, ``None``.
+    Weights only on disk (larger than the host budget): the engine is installed again, so every
+    forward streams the blocks (the KV cache is kept in inference), and yields its device.
+    """
+    eng = getattr(trainer.strategy, "engine", None)
+    if eng is None or eng.closed or not eng.store.masters_on_disk or eng.materialized:
+        yield None
+        return
+    eng.install()
+    try:
+        with torch.no_grad():
+            yield eng.device
+    finally:
+        eng.uninstall()
+
+
 def evaluate(trainer: pl.Trainer, lm: CausalLMModule, dm: Any) -> dict[str, float]:
     """Validation loss/perplexity (streamed through the strategy) and the domain probe."""
     out = trainer.validate(lm, datamodule=dm, verbose=False)[0]
     metrics = {"val_loss": float(out["val_loss"]), "val_ppl": float(out["val_ppl"])}
-    metrics.update({f"probe/{k}": float(v) for k, v in dm.run_probe(lm.model).items()})
+    with inference_weights(trainer) as dev:
+        metrics.update({f"probe/{k}": float(v) for k, v in dm.run_probe(lm.model, device=dev).items()})
     return metrics
 
 
-def sample(lm: CausalLMModule, tok: Any, prompt: str, max_new_tokens: int) -> str:
-    """Greedy generation with the KV cache (no recompute in inference) on the trained weights.
-
-    After ``fit`` the strategy has restored the module's own ``forward`` methods and its parameters
-    are the trained fp32 weights in host memory, so this runs as a plain Hugging Face model.
-    """
+def sample(lm: CausalLMModule, tok: Any, prompt: str, max_new_tokens: int, trainer: pl.Trainer | None = None) -> str:
+    """Greedy generation with the KV cache (no recompute in inference) on the trained weights:
+    directly on the module when they are in host memory, streamed block by block when they are only
+    on disk (see :func:`inference_weights`)."""
     model = lm.model.eval()
     ids = tok(prompt, return_tensors="pt").input_ids
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True,
-                             pad_token_id=tok.pad_token_id)
-    return tok.decode(out[0], skip_special_tokens=True)
+    with (inference_weights(trainer) if trainer is not None else contextlib.nullcontext()) as dev, torch.no_grad():
+        out = model.generate(ids.to(dev) if dev is not None else ids, max_new_tokens=max_new_tokens, do_sample=False,
+                             use_cache=True, pad_token_id=tok.pad_token_id)
+    return tok.decode(out[0].cpu(), skip_special_tokens=True)
 
 
 def make_logger(cfg: DictConfig) -> Any:
@@ -100,7 +121,7 @@ def finetune(cfg: DictConfig) -> dict[str, Any]:
            "peak_rss_bytes": peak_rss_bytes(), "h2d_bytes": last.get("megatrain/h2d_bytes", 0),
            "d2h_bytes": last.get("megatrain/d2h_bytes", 0)}
     prompt = cfg.sample.prompt or DEFAULT_PROMPTS.get(str(cfg.data.get("domain")), "The")
-    text = sample(lm, tok, prompt, int(cfg.sample.max_new_tokens))
+    text = sample(lm, tok, prompt, int(cfg.sample.max_new_tokens), trainer)
     print("\n" + format_table(summary_rows(before, after, run)))
     print(f"\nHF checkpoint: {ckpt / 'model'}")
     print(f"\nsample ({prompt!r}):\n{text}\n")
