@@ -264,9 +264,8 @@ class StreamingEngine:
         factory = None
         if nvme is not None and nvme.kinds:
             layout = [(n, t) for _, n, t in slab_layout(self.blocks)]
-            self._min_window = nvme.min_window(layout, self.device.type, lookahead)
             self.nvme_preflight = preflight_nvme(nvme.path, layout, nvme.host_memory_limit,
-                                                 self._min_window,
+                                                 nvme.min_window(layout, self.device.type, lookahead),
                                                  pinned_bytes=nvme.pinned_bytes(layout) if pin_memory else 0)
             self.budget = HostBudget(nvme.host_memory_limit)
 
@@ -789,11 +788,6 @@ class StreamingEngine:
         """Tell the NVMe store what the schedule reads next: the masters of the coming fetches, and
         the AdamW states and accumulator of slabs whose update runs before their fetch."""
         kinds = self.store.nvme_kinds
-        nvme = self.store.nvme
-        # read ahead no further than the window can hold beside the blocks in flight: buffers read
-        # too early are evicted by blocking reservations before use and read again
-        spare = self.budget.limit - self._min_window  # type: ignore[union-attr]
-        wanted_bytes = 0
         wanted: list[tuple[int, str]] = []
         pending = self.optimizer.pending if self.optimizer is not None else {}
         for bi in self._seq[pos + 1 : pos + 2 + 2 * self.lookahead + self.nvme_config.read_ahead]:  # type: ignore[union-attr]
@@ -808,11 +802,8 @@ class StreamingEngine:
                     want = ["master", "acc"]  # gradient accumulation adds into the stored accumulator
                 for k in want:
                     if k in kinds and (si, k) not in wanted:
-                        wanted_bytes += nvme._nbytes[si][k]
-                        if wanted_bytes > spare:
-                            return nvme.read_ahead(wanted)
                         wanted.append((si, k))
-        nvme.read_ahead(wanted)
+        self.store.nvme.read_ahead(wanted)
 
     def _discard(self, fut: Future) -> None:
         def drop(f: Future) -> None:
@@ -954,10 +945,8 @@ class StreamingEngine:
             with slab.lock:
                 if slab.acc_empty:
                     slab.has_grad = [False] * len(slab.entries)
-                # an empty accumulator is overwritten, not read (NVMe: no disk read). The last batch
-                # of a step under optimizer_in_backward is consumed by the update inside this hold, so
-                # that accumulator is not marked for write-back: it never goes to disk.
-                with self.store.hold(si, ["acc"], write=not final, fresh=["acc"] if slab.acc_empty else []) as t:
+                # an empty accumulator is overwritten, not read (NVMe: no disk read)
+                with self.store.hold(si, ["acc"], write=True, fresh=["acc"] if slab.acc_empty else []) as t:
                     for i, g in zip(idx, host_grads):
                         acc = slab.view(t["acc"], i)
                         if slab.has_grad[i]:
@@ -965,14 +954,14 @@ class StreamingEngine:
                         else:
                             acc.copy_(g)
                             slab.has_grad[i] = True
-                    slab.acc_empty = False
-                    if final:
-                        self._update_now(si)
+                slab.acc_empty = False
 
         try:
             run(consume)
         finally:
             self._track(-nbytes)
+        if final:
+            self._update_now(si)
 
     def wait_grads(self) -> None:
         """Block until every gradient sent so far is in the host accumulators."""
