@@ -85,9 +85,32 @@ def _param_keys(module: nn.Module) -> dict[str, str]:
     return {n: source_key(hf, n[cut:]) for n in names}
 
 
+class _OneSlabWindow:
+    """NVMe tier: while a checkpoint reads parameters and AdamW states (in slab order), keep only
+    the current slab's regions in the host window, so a save needs one slab plus one shard of
+    memory instead of a full window."""
+
+    def __init__(self, engine: Any):
+        self.nvme = engine.store.nvme if engine is not None else None
+        self.engine, self.last = engine, None
+        if self.nvme is not None:
+            self.nvme.drop_clean()  # what training left cached goes first
+
+    def touch(self, p: torch.Tensor) -> None:
+        if self.nvme is None:
+            return
+        si = self.engine._param_where(p)[0]
+        if self.last is not None and self.last != si:
+            for kind in ("master", "exp_avg", "exp_avg_sq"):
+                self.nvme.discard(self.last, kind)
+        self.last = si
+
+
 def _optimizer_items(engine: Any, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     opt = engine.optimizer
+    window = _OneSlabWindow(engine)
     for name, p in module.named_parameters():
+        window.touch(p)
         st = opt.param_state(p) if opt is not None else None
         if st is None:
             continue
@@ -127,7 +150,12 @@ def save_checkpoint_dir(path: str | os.PathLike, checkpoint: dict[str, Any], mod
             if on_disk and engine.store.masters_on_disk:
                 hf = found[1]
                 saved = _saved_names(hf)
-                named = ((n, engine.read_param(t) if isinstance(t, torch.nn.Parameter) else t)
+                window = _OneSlabWindow(engine)
+
+                def read(t: torch.Tensor) -> torch.Tensor:
+                    window.touch(t)
+                    return engine.read_param(t)
+                named = ((n, read(t) if isinstance(t, torch.nn.Parameter) else t)
                          for n, t in _state_dict_entries(hf) if saved[n] == n)
             save_hf_model_dir(tmp / "model", found[1], tokenizer=tokenizer, max_shard_bytes=max_shard_bytes,
                               named_tensors=named)

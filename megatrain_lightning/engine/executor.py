@@ -287,6 +287,10 @@ class StreamingEngine:
         self.optimizer: HostAdamW | None = None
         self._h2d = ThreadPoolExecutor(1, thread_name_prefix="megatrain-h2d")
         self._d2h = ThreadPoolExecutor(1, thread_name_prefix="megatrain-d2h")
+        # budgeted CPU runs: at most 2 gradient batches queued for the D2H worker. Without this bound
+        # the queued gradients could take the whole budget while the worker itself waits for budget
+        # to accumulate (or update) them: a deadlock.
+        self._d2h_slots = threading.BoundedSemaphore(2) if self._budget_device else None
         self._prefetched: dict[int, Future] = {}
         self._d2h_futures: list[Future] = []
         self.order: list[int] = []  # block indices in forward call order (learned on the first forward)
@@ -925,18 +929,26 @@ class StreamingEngine:
             nbytes = sum(g.numel() * wire.itemsize for _, g in items)
             take = min(nbytes, reserved)
             reserved -= take
+            if self._d2h_slots is not None:
+                self._d2h_slots.acquire()
             self._track(nbytes - take)
             run = self.transport.stage_grads([g for _, g in items], wire)
             idx = [i for i, _ in items]
             self.stats.d2h_bytes += nbytes
             self._d2h_futures.append(self._d2h.submit(self._accumulate, si, idx, run, nbytes, si in final))
         for si in final - set(by_slab):  # its last batch had no gradient: the update still runs, in order
-            self._d2h_futures.append(self._d2h.submit(self._update_now, si))
+            if self._d2h_slots is not None:
+                self._d2h_slots.acquire()
+            self._d2h_futures.append(self._d2h.submit(self._update_now, si, True))
 
-    def _update_now(self, si: int) -> None:
+    def _update_now(self, si: int, slot: bool = False) -> None:
         """D2H worker: the slab's gradients of this step are complete: apply its AdamW update now."""
-        assert self.optimizer is not None and self._eager_hyper is not None
-        self.optimizer.apply_now(si, self._eager_hyper)
+        try:
+            assert self.optimizer is not None and self._eager_hyper is not None
+            self.optimizer.apply_now(si, self._eager_hyper)
+        finally:
+            if slot and self._d2h_slots is not None:
+                self._d2h_slots.release()
 
     def _accumulate(self, si: int, idx: list[int], run: Callable, nbytes: int, final: bool = False) -> None:
         slab = self.store.slabs[si]
@@ -960,6 +972,8 @@ class StreamingEngine:
             run(consume)
         finally:
             self._track(-nbytes)
+            if self._d2h_slots is not None:
+                self._d2h_slots.release()
         if final:
             self._update_now(si)
 

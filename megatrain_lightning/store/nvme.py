@@ -164,7 +164,8 @@ class NVMeConfig:
         """Bytes the host window needs at least: the largest slab's update working set (master,
         exp_avg, exp_avg_sq and accumulator on disk), one more accumulator being filled by the D2H
         worker and, on CPU, the compute buffers of ``lookahead + 3`` blocks (computing, prefetched,
-        the LM head kept for backward, one in backward) plus its gradients and a bf16 wire copy."""
+        the LM head kept for backward, one in backward), two gradient batches queued for the D2H
+        worker (the engine never queues more) and a bf16 wire copy."""
         if not layout:
             return 0
         p = max(align_up(4 * n) for n, _ in layout)
@@ -173,7 +174,7 @@ class NVMeConfig:
         if "acc" in self.kinds:
             need += 4 * t  # exp_avg, exp_avg_sq, acc of the update + the accumulator being filled
         if device_type == "cpu":
-            need += p * (lookahead + 3) + t + p // 2
+            need += p * (lookahead + 3) + 2 * t + p // 2  # blocks in flight, 2 queued gradient batches
         return need + 2**16
 
     def pinned_bytes(self, layout: Sequence[tuple[int, int]]) -> int:
