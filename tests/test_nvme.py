@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import lightning.pytorch as pl
 import pytest
