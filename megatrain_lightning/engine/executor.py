@@ -261,7 +261,7 @@ class StreamingEngine:
             pin_memory = self.device.type == "cuda"
         self.nvme_config = nvme
         self.budget: HostBudget | None = None
-        factory = None
+        factory: Callable[[list[tuple[int, int]]], NVMeStore] | None = None
         if nvme is not None and nvme.kinds:
             layout = [(n, t) for _, n, t in slab_layout(self.blocks)]
             self.nvme_preflight = preflight_nvme(nvme.path, layout, nvme.host_memory_limit,
@@ -269,9 +269,9 @@ class StreamingEngine:
                                                  pinned_bytes=nvme.pinned_bytes(layout) if pin_memory else 0)
             self.budget = HostBudget(nvme.host_memory_limit)
 
-            def factory(layout):
-                return NVMeStore(nvme.path, layout, self.budget, io_threads=nvme.io_threads, read_ahead=nvme.read_ahead,
-                                 direct_io=nvme.direct_io, pin_memory=pin_memory, keep_files=nvme.keep_files)
+            factory = lambda layout: NVMeStore(  # noqa: E731 - called by build_store with the slab layout
+                nvme.path, layout, self.budget, io_threads=nvme.io_threads, read_ahead=nvme.read_ahead,
+                direct_io=nvme.direct_io, pin_memory=pin_memory, keep_files=nvme.keep_files)
             if "master" in nvme.kinds:
                 cpu_zero_copy = False  # compute buffers are copies, counted in the budget
         self.store: HostStore = build_store(self.blocks, pin_memory=pin_memory and not (nvme and "master" in nvme.kinds),

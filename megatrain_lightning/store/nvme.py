@@ -124,7 +124,8 @@ class IOMeter:
                     a = self._active[k]
                     a[0] -= 1
                     if a[0] == 0:
-                        setattr(self, f"{k if k != 'any' else 'io'}_busy_s", getattr(self, f"{k if k != 'any' else 'io'}_busy_s") + now - a[1])
+                        attr = {"read": "read_busy_s", "write": "write_busy_s", "any": "io_busy_s"}[k]
+                        setattr(self, attr, getattr(self, attr) + now - a[1])
                 if op == "read":
                     self.read_bytes += nbytes
                 else:
