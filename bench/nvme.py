@@ -117,6 +117,8 @@ def child(a) -> None:
     from megatrain_lightning import MegaTrainStrategy
     from megatrain_lightning.checkpoint.hf_io import meta_model_from_config
 
+    from memtrace import MemTrace
+
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     torch.set_num_threads(a.threads)
@@ -153,7 +155,8 @@ def child(a) -> None:
     n_params = sum(p.numel() for p in lm.parameters())
     if a.tier == "nvme":
         strat = MegaTrainStrategy(offload_params="nvme", offload_optimizer="nvme", nvme_path=a.nvme_path,
-                                  host_memory_limit=a.limit, nvme_io_threads=a.io_threads, cpu_zero_copy=False)
+                                  host_memory_limit=a.limit, nvme_io_threads=a.io_threads,
+                                  nvme_io_block_size=a.io_block_size, cpu_zero_copy=False)
     else:
         strat = MegaTrainStrategy(cpu_zero_copy=False)
     timer = Timer()
@@ -161,13 +164,15 @@ def child(a) -> None:
     tr = pl.Trainer(strategy=strat, accelerator="cpu", devices=1, max_steps=a.steps, logger=False,
                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                     callbacks=[timer])
+    trace = MemTrace(lambda: getattr(getattr(tr.strategy, "engine", None), "budget", None)).start()
     tr.fit(lm, DataLoader(TensorDataset(ids), batch_size=1))
+    mem = trace.stop()
     hist = tr.strategy.engine.history
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     keys = ("compute_s", "wait_s", "optimizer_s", "nvme_read_bytes", "nvme_write_bytes", "nvme_read_busy_s",
             "nvme_write_busy_s", "nvme_io_busy_s", "host_budget_peak_bytes", "h2d_bytes")
     out = {"n_params": n_params, "tier": a.tier, "layers": a.layers, "limit": a.limit, "step_s": timer.t,
-           "setup_s": timer.setup_s, "peak_rss_bytes": rss,
+           "setup_s": timer.setup_s, "peak_rss_bytes": rss, "memory": mem,
            "history": [{k: h.get("megatrain/" + k) for k in keys} for h in hist]}
     tr.strategy.close()
     print("RESULT " + json.dumps(out), flush=True)
@@ -177,7 +182,7 @@ def run_child(a, tier: str, layers: int, steps: int) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--tier", tier, "--layers", str(layers),
            "--steps", str(steps), "--limit", str(a.limit), "--nvme-path", a.nvme_path, "--seq", str(a.seq),
            "--hidden", str(a.hidden), "--intermediate", str(a.intermediate), "--threads", str(a.threads),
-           "--io-threads", str(a.io_threads)]
+           "--io-threads", str(a.io_threads), "--io-block-size", str(a.io_block_size)]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True)
     line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
@@ -194,7 +199,9 @@ def summarize(r: dict, raw: dict, warm: int) -> dict:
     hs, st = r["history"][warm:], r["step_s"][warm:]
     med = lambda k: statistics.median(h[k] for h in hs)  # noqa: E731
     s = {"n_params": r["n_params"], "tier": r["tier"], "step_s": statistics.median(st), "compute_s": med("compute_s"),
-         "peak_rss_gib": r["peak_rss_bytes"] / 2**30, "setup_s": r["setup_s"]}
+         "peak_rss_gib": r["peak_rss_bytes"] / 2**30, "setup_s": r["setup_s"],
+         "rss_over_budget_max_gib": r["memory"].get("rss_over_budget_max_gib"),
+         "rss_over_budget_median_gib": r["memory"].get("rss_over_budget_median_gib")}
     if r["tier"] == "nvme":
         rb, wb = med("nvme_read_bytes"), med("nvme_write_bytes")
         io = sum(h.get("nvme_io_busy_s") or 0.0 for h in hs)
@@ -214,6 +221,7 @@ def main() -> None:
     p.add_argument("--nvme-path", required=True)
     p.add_argument("--quick", action="store_true", help="tiny models (checks the script, numbers mean nothing)")
     p.add_argument("--io-threads", type=int, default=4)
+    p.add_argument("--io-block-size", type=int, default=8 * 2**20, help="nvme_io_block_size, bytes")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--hidden", type=int, default=2048)
@@ -275,15 +283,17 @@ def main() -> None:
     checks["rss_flat_ok"] = all(results[k]["peak_rss_gib"] <= limit_gib + 1.5 for k in ("0.5B", "1B", "2B"))
 
     print(f"\nNVMe tier: {os.cpu_count()} cores, RAM {ram / 2**30:.1f} GiB, host_memory_limit {limit_gib:.2f} GiB, "
-          f"batch 1 x {a.seq}, fp32, io_threads {a.io_threads}; raw O_DIRECT write {raw['write']:.2f} / read {raw['read']:.2f} / "
+          f"batch 1 x {a.seq}, fp32, io_threads {a.io_threads}, io_block_size {a.io_block_size >> 20} MiB; raw O_DIRECT write {raw['write']:.2f} / read {raw['read']:.2f} / "
           f"mixed {raw['mixed']:.2f} GB/s")
     print(f"{'model':10s} {'params':>7s} {'step s':>7s} {'compute s':>9s} {'io bound s':>10s} {'step/bound':>10s} "
-          f"{'read GB':>8s} {'write GB':>8s} {'read GB/s':>9s} {'write GB/s':>10s} {'peak RSS GiB':>12s} {'budget peak':>11s}")
+          f"{'read GB':>8s} {'write GB':>8s} {'read GB/s':>9s} {'write GB/s':>10s} {'peak RSS GiB':>12s} {'budget peak':>11s} "
+          f"{'RSS-budget max':>14s}")
     for k, s in results.items():
-        f = lambda key, fmt: format(s[key], fmt) if key in s else "-"  # noqa: E731
+        f = lambda key, fmt: format(s[key], fmt) if s.get(key) is not None else "-"  # noqa: E731
         print(f"{k:10s} {s['n_params'] / 1e9:6.2f}B {s['step_s']:7.1f} {s['compute_s']:9.1f} {f('io_bound_s', '10.1f'):>10s} "
               f"{f('step_over_bound', '10.2f'):>10s} {f('read_gb', '8.1f'):>8s} {f('write_gb', '8.1f'):>8s} "
-              f"{f('read_gbps', '9.2f'):>9s} {f('write_gbps', '10.2f'):>10s} {s['peak_rss_gib']:12.2f} {f('budget_peak_gib', '11.2f'):>11s}")
+              f"{f('read_gbps', '9.2f'):>9s} {f('write_gbps', '10.2f'):>10s} {s['peak_rss_gib']:12.2f} {f('budget_peak_gib', '11.2f'):>11s} "
+              f"{f('rss_over_budget_max_gib', '14.2f'):>14s}")
     print(f"2.55B state / RAM = {checks['state_over_ram']:.2f} (>= 1.5); peak RSS {big['peak_rss_gib']:.2f} GiB <= limit + 1.5 = "
           f"{limit_gib + 1.5:.2f}: {'PASS' if checks['rss_ok'] else 'FAIL'}; step / bound {big['step_over_bound']:.2f} <= 1.25: "
           f"{'PASS' if checks['step_ok'] else 'FAIL'}")

@@ -38,7 +38,7 @@ from .engine.executor import StreamingEngine
 from .optim.host_adamw import UnsupportedOptimizerError, validate_optimizer
 from .precision import MegaTrainPrecision, to_megatrain_precision
 from .store.budget import parse_bytes
-from .store.nvme import NVMeConfig
+from .store.nvme import ALIGN, IO_BLOCK_SIZE, NVMeConfig
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,11 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         host_memory_limit: bytes (or ``"16GiB"``-style strings) the NVMe tier's host window may use,
             on CPU including the compute buffers (strict: never exceeded). Default: half of the
             machine's physical RAM. Ignored when nothing is on NVMe.
-        nvme_io_threads: concurrent reads/writes (queue depth; default 4, measured in bench/nvme.py).
+        nvme_io_threads: threads issuing NVMe read/write requests, one each at a time: the queue
+            depth (default 4, measured in bench/nvme.py).
+        nvme_io_block_size: bytes per NVMe request, a multiple of 4096 (or ``"16MiB"``-style);
+            each region is split into requests of this size that run concurrently (default 8 MiB,
+            measured in bench/nvme.py).
         nvme_read_ahead: buffers read ahead at most at once (default 4).
         direct_io: ``"auto"`` (``O_DIRECT`` where the filesystem allows it), ``True`` or ``False``.
         keep_nvme_files: keep the store's files when the engine closes (default: removed).
@@ -121,6 +125,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         nvme_path: str | None = None,
         host_memory_limit: int | str | None = None,
         nvme_io_threads: int = 4,
+        nvme_io_block_size: int | str = IO_BLOCK_SIZE,
         nvme_read_ahead: int = 4,
         direct_io: bool | str = "auto",
         keep_nvme_files: bool = False,
@@ -138,7 +143,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         self.cpu_zero_copy = cpu_zero_copy
         self.log_stats = log_stats
         self.nvme = nvme_config(offload_params, offload_optimizer, nvme_path, host_memory_limit, nvme_io_threads,
-                                nvme_read_ahead, direct_io, keep_nvme_files)
+                                nvme_read_ahead, direct_io, keep_nvme_files, io_block_size=nvme_io_block_size)
         self.optimizer_in_backward = optimizer_in_backward
         self.engine: StreamingEngine | None = None
         self._orig_zero_grad: tuple[Any, Any] | None = None
@@ -451,7 +456,8 @@ NVME_PATH_FROM_ENV = "$MEGATRAIN_NVME_PATH"
 
 
 def nvme_config(offload_params: str, offload_optimizer: str, nvme_path: str | None, host_memory_limit: Any,
-                io_threads: int, read_ahead: int, direct_io: Any, keep_files: bool) -> NVMeConfig | None:
+                io_threads: int, read_ahead: int, direct_io: Any, keep_files: bool,
+                io_block_size: int | str = IO_BLOCK_SIZE) -> NVMeConfig | None:
     """Validate the NVMe options (before any work) and build the tier's config; ``None`` when
     everything stays in host RAM.
 
@@ -485,5 +491,10 @@ def nvme_config(offload_params: str, offload_optimizer: str, nvme_path: str | No
         raise ValueError(f"nvme_io_threads must be >= 1 and nvme_read_ahead >= 0, got {io_threads} and {read_ahead}.")
     if direct_io not in ("auto", True, False):
         raise ValueError(f"direct_io must be 'auto', True or False, got {direct_io!r}.")
+    block = parse_bytes(io_block_size)
+    if block % ALIGN:
+        raise ValueError(f"nvme_io_block_size must be a multiple of {ALIGN} bytes (O_DIRECT alignment), got {block}; "
+                         "for example '16MiB'.")
     return NVMeConfig(path=str(nvme_path), kinds=frozenset(kinds), host_memory_limit=parse_bytes(host_memory_limit),
-                      io_threads=io_threads, read_ahead=read_ahead, direct_io=direct_io, keep_files=keep_files)
+                      io_threads=io_threads, io_block_size=block, read_ahead=read_ahead, direct_io=direct_io,
+                      keep_files=keep_files)

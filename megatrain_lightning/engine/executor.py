@@ -44,6 +44,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..optim.host_adamw import HostAdamW
+from ..store import heap
 from ..store.budget import HostBudget
 from ..store.host import HostStore, build_store, placeholder, slab_layout
 from ..store.nvme import NVMeConfig, NVMeStore, preflight_nvme
@@ -268,15 +269,18 @@ class StreamingEngine:
                                                  nvme.min_window(layout, self.device.type, lookahead),
                                                  pinned_bytes=nvme.pinned_bytes(layout) if pin_memory else 0)
             self.budget = HostBudget(nvme.host_memory_limit)
+            heap.bound_heap()  # freed buffers leave the process (the budget counts only live ones)
 
             factory = lambda layout: NVMeStore(  # noqa: E731 - called by build_store with the slab layout
-                nvme.path, layout, self.budget, io_threads=nvme.io_threads, read_ahead=nvme.read_ahead,
+                nvme.path, layout, self.budget, io_threads=nvme.io_threads, io_block_size=nvme.io_block_size, read_ahead=nvme.read_ahead,
                 direct_io=nvme.direct_io, pin_memory=pin_memory, keep_files=nvme.keep_files)
             if "master" in nvme.kinds:
                 cpu_zero_copy = False  # compute buffers are copies, counted in the budget
         self.store: HostStore = build_store(self.blocks, pin_memory=pin_memory and not (nvme and "master" in nvme.kinds),
                                             sources=_weight_sources(root), nvme_factory=factory,
                                             nvme_kinds=nvme.kinds if nvme is not None else ())
+        if self.budget is not None:
+            heap.trim()  # what building the store (random init, safetensors reads) left in the heap
         self.trainable = [p.requires_grad for p in root.parameters()]
         self.transport = make_transport(self.device, self.store.max_slab_numel(trainable=True), cpu_zero_copy)
         # on CPU the compute buffers are host memory: they count in host_memory_limit
@@ -519,6 +523,9 @@ class StreamingEngine:
         def hook_for(ref: Any) -> Callable[[torch.Tensor], None]:
             def hook(leaf: torch.Tensor) -> None:
                 grad, leaf.grad = leaf.grad, None
+                # the graph (kept by the loss until Lightning drops it) still holds the leaf, a view
+                # of the compute buffer released below: point the leaf at nothing so the buffer goes
+                leaf.data = torch.empty(0, dtype=leaf.dtype, device=leaf.device)
                 self._send_grads([ref], [grad], reserved=self._grad_bytes([ref]))
                 remaining[0] -= 1
                 if remaining[0] == 0:
@@ -951,31 +958,50 @@ class StreamingEngine:
                 self._d2h_slots.release()
 
     def _accumulate(self, si: int, idx: list[int], run: Callable, nbytes: int, final: bool = False) -> None:
-        slab = self.store.slabs[si]
+        """D2H worker: add one batch of slab ``si``'s gradients into its fp32 accumulator, then
+        (``final``: the slab's last batch of the step under ``optimizer_in_backward``) apply its update.
 
-        def consume(host_grads: list[torch.Tensor]) -> None:
+        The final batch is consumed by the update while the accumulator is still pinned, so that
+        accumulator is never marked for write-back: with ``offload_optimizer="nvme"`` it never
+        goes to disk (4 bytes/param/step less written)."""
+        slab = self.store.slabs[si]
+        done = [False]
+
+        def release() -> None:  # the gradient batch's bytes and D2H slot, exactly once
+            if not done[0]:
+                done[0] = True
+                self._track(-nbytes)
+                if self._d2h_slots is not None:
+                    self._d2h_slots.release()
+
+        try:
             with slab.lock:
                 if slab.acc_empty:
                     slab.has_grad = [False] * len(slab.entries)
                 # an empty accumulator is overwritten, not read (NVMe: no disk read)
-                with self.store.hold(si, ["acc"], write=True, fresh=["acc"] if slab.acc_empty else []) as t:
-                    for i, g in zip(idx, host_grads):
-                        acc = slab.view(t["acc"], i)
-                        if slab.has_grad[i]:
-                            acc.add_(g)
-                        else:
-                            acc.copy_(g)
-                            slab.has_grad[i] = True
-                slab.acc_empty = False
+                fresh = ["acc"] if slab.acc_empty else []
+                with self.store.hold(si, ["acc"], write=not final, fresh=fresh) as t:
 
-        try:
-            run(consume)
+                    def consume(host_grads: list[torch.Tensor]) -> None:
+                        for i, g in zip(idx, host_grads):
+                            acc = slab.view(t["acc"], i)
+                            if slab.has_grad[i]:
+                                acc.add_(g)
+                            else:
+                                acc.copy_(g)
+                                slab.has_grad[i] = True
+
+                    try:
+                        run(consume)
+                    finally:
+                        release()
+                    slab.acc_empty = False
+                    if final:
+                        self._update_now(si)
+                if final:
+                    self.store.discard_acc(si)  # consumed: free its window buffer now
         finally:
-            self._track(-nbytes)
-            if self._d2h_slots is not None:
-                self._d2h_slots.release()
-        if final:
-            self._update_now(si)
+            release()
 
     def wait_grads(self) -> None:
         """Block until every gradient sent so far is in the host accumulators."""

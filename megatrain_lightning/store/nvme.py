@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 ALIGN = 4096  # bytes: O_DIRECT alignment of offsets, lengths and buffers
 KINDS = ("master", "exp_avg", "exp_avg_sq", "acc")
 STORE_DIR = "megatrain_store"
+IO_BLOCK_SIZE = 8 * 2**20  # bytes per request; see "I/O settings" in docs/architecture.md for the measurement
 DISK_MARGIN = 0.05  # preflight: free disk must exceed the store's size by 5% + 1 GiB
 DISK_MARGIN_BYTES = 2**30
 
@@ -147,7 +148,8 @@ class NVMeConfig:
         kinds: regions on disk: ``"master"`` (``offload_params="nvme"``), ``"exp_avg"``, ``"exp_avg_sq"``
             and ``"acc"`` (``offload_optimizer="nvme"``).
         host_memory_limit: bytes the host window (and, on CPU, the compute buffers) may use.
-        io_threads: threads issuing reads and writes (the queue depth).
+        io_threads: threads issuing read/write requests (the queue depth).
+        io_block_size: bytes per request (a multiple of 4096).
         read_ahead: buffers read ahead at most at once.
         direct_io: ``"auto"``, ``True`` or ``False`` (see :class:`NVMeStore`).
         keep_files: keep the store's files after the run.
@@ -157,6 +159,7 @@ class NVMeConfig:
     kinds: frozenset
     host_memory_limit: int
     io_threads: int = 4
+    io_block_size: int = IO_BLOCK_SIZE
     read_ahead: int = 4
     direct_io: bool | str = "auto"
     keep_files: bool = False
@@ -227,8 +230,9 @@ class NVMeStore:
         nvme_path: directory on the fast disk; the store lives in ``<nvme_path>/megatrain_store``.
         layout: ``[(slab numel, trainable numel)]`` per block (elements, fp32).
         budget: the run's host budget (shared with the engine's compute buffers on CPU).
-        io_threads: threads issuing reads and writes (each one request at a time; the
-            effective queue depth is ``io_threads``).
+        io_threads: threads issuing read and write requests, each one at a time: the queue depth.
+        io_block_size: bytes per request (a multiple of 4096); a region is split into requests
+            of this size that run concurrently.
         read_ahead: most buffers being read ahead at once.
         direct_io: ``"auto"`` (``O_DIRECT`` if the filesystem takes it), ``True`` (required) or ``False``.
         pin_memory: allocate window buffers page-locked (CUDA: H2D copies straight from them).
@@ -241,7 +245,7 @@ class NVMeStore:
     """
 
     def __init__(self, nvme_path: str | os.PathLike, layout: Sequence[tuple[int, int]], budget: HostBudget, *,
-                 io_threads: int = 4, read_ahead: int = 4, direct_io: bool | str = "auto", pin_memory: bool = False,
+                 io_threads: int = 4, io_block_size: int = IO_BLOCK_SIZE, read_ahead: int = 4, direct_io: bool | str = "auto", pin_memory: bool = False,
                  keep_files: bool = False):
         self.dir = Path(nvme_path) / STORE_DIR
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -278,7 +282,10 @@ class NVMeStore:
         self._clock = itertools.count()
         self._protected: dict[tuple[int, str], int] = {}
         self._error: BaseException | None = None
-        self._io = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="megatrain-nvme")
+        # region transfers (each waits for its requests) and the requests themselves (the disk's queue)
+        self._io = ThreadPoolExecutor(max(1, io_threads) + read_ahead, thread_name_prefix="megatrain-nvme")
+        self._req = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="megatrain-nvme-req")
+        self.io_block_size = io_block_size
         self._fds: list[int] = []
         self.closed = False
         ref = weakref.ref(self)
@@ -333,21 +340,40 @@ class NVMeStore:
         return fd
 
     def _transfer(self, op: str, i: int, kind: str, buf: torch.Tensor) -> None:
-        fd, off = self._fds[i], self._off[i][kind]
+        """Move one region between ``buf`` and its file, as requests of at most ``io_block_size``
+        bytes run by the request threads (so one region alone still keeps ``io_threads`` requests
+        in flight). Blocks until all are done; the first failure is raised as :class:`NVMeIOError`."""
         mv = memoryview(buf.numpy())
-        n, done = len(mv), 0
+        n, step = len(mv), self.io_block_size
         with self.meter.measure(op, n):
-            while done < n:
+            if n <= step:
+                self._request(op, i, kind, mv, 0)
+                return
+            futs = [self._req.submit(self._request, op, i, kind, mv[lo : lo + step], lo) for lo in range(0, n, step)]
+            err = None
+            for f in futs:  # wait for all: a buffer must not be freed while a request still uses it
                 try:
-                    got = (_pread if op == "read" else _pwrite)(fd, mv[done:], off + done)
-                except OSError as err:
-                    raise NVMeIOError(err.errno, f"megatrain NVMe store: {op} of {kind} of block {i} "
-                                      f"({self.path(i)}, offset {off + done}, {n - done} bytes) failed: "
-                                      f"{os.strerror(err.errno or 0)}") from err
-                if got <= 0:
-                    raise NVMeIOError(errno.EIO, f"megatrain NVMe store: {op} of {kind} of block {i} "
-                                      f"({self.path(i)}, offset {off + done}) returned {got} bytes")
-                done += got
+                    f.result()
+                except BaseException as e:  # noqa: BLE001 - re-raised below, the first one
+                    err = err or e
+            if err is not None:
+                raise err
+
+    def _request(self, op: str, i: int, kind: str, mv: memoryview, start: int) -> None:
+        """One ``pread``/``pwrite`` of ``mv`` at byte ``start`` of the region (looping on short transfers)."""
+        fd, off = self._fds[i], self._off[i][kind] + start
+        n, done = len(mv), 0
+        while done < n:
+            try:
+                got = (_pread if op == "read" else _pwrite)(fd, mv[done:], off + done)
+            except OSError as err:
+                raise NVMeIOError(err.errno, f"megatrain NVMe store: {op} of {kind} of block {i} "
+                                  f"({self.path(i)}, offset {off + done}, {n - done} bytes) failed: "
+                                  f"{os.strerror(err.errno or 0)}") from err
+            if got <= 0:
+                raise NVMeIOError(errno.EIO, f"megatrain NVMe store: {op} of {kind} of block {i} "
+                                  f"({self.path(i)}, offset {off + done}) returned {got} bytes")
+            done += got
 
     # ------------------------------------------------------------------ window
     def numel(self, i: int, kind: str) -> int:
@@ -551,6 +577,7 @@ class NVMeStore:
             return
         self.closed = True
         self._io.shutdown(wait=True)
+        self._req.shutdown(wait=True)
         with self.cond:
             for e in self.entries.values():
                 self.budget.release(e.nbytes)
