@@ -41,10 +41,11 @@ def rss_bytes() -> int:
 
 
 class MemTrace:
-    """``start()``, then ``stop()`` -> summary dict (GiB) over the samples taken while a budget was live."""
+    """``start()``, then ``stop()`` -> summary dict (GiB): RSS - budget over the samples taken while a
+    budget was live, and the phase (``get_phase()``) at the peak RSS of the whole run."""
 
-    def __init__(self, get_budget: Callable[[], object], every: float = 0.05):
-        self.get_budget, self.every = get_budget, every
+    def __init__(self, get_budget: Callable[[], object], get_phase: Callable[[], str] = lambda: "", every: float = 0.05):
+        self.get_budget, self.get_phase, self.every = get_budget, get_phase, every
         self.rows: list[tuple] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -58,18 +59,26 @@ class MemTrace:
         t0 = time.perf_counter()
         while not self._stop.is_set():
             b = self.get_budget()
-            self.rows.append((time.perf_counter() - t0, rss_bytes(), getattr(b, "used", 0), *self._mallinfo()))
+            self.rows.append((time.perf_counter() - t0, rss_bytes(), getattr(b, "used", 0), *self._mallinfo(),
+                              self.get_phase()))
             time.sleep(self.every)
 
     def stop(self) -> dict[str, float]:
         self._stop.set()
         self._thread.join()
+        if os.environ.get("MEMTRACE_OUT"):  # the whole timeline, for a closer look
+            import json
+
+            with open(os.environ["MEMTRACE_OUT"], "w") as f:
+                json.dump(self.rows, f)
         live = [r for r in self.rows if r[2] > 0]
         if not live:
             return {}
         g = 2**30
         over = [(r[1] - r[2]) / g for r in live]
-        peak = max(live, key=lambda r: r[1])
+        peak = max(self.rows, key=lambda r: r[1])
+        worst = max(live, key=lambda r: r[1] - r[2])
         return {"rss_over_budget_median_gib": statistics.median(over), "rss_over_budget_max_gib": max(over),
-                "at_peak_rss": {"rss_gib": peak[1] / g, "budget_gib": peak[2] / g, "mmapped_gib": peak[3] / g,
-                                "arena_gib": peak[4] / g, "arena_in_use_gib": peak[5] / g}}
+                "at_max_over": {"phase": worst[7], "rss_gib": worst[1] / g, "budget_gib": worst[2] / g},
+                "at_peak_rss": {"phase": peak[7], "rss_gib": peak[1] / g, "budget_gib": peak[2] / g,
+                                "mmapped_gib": peak[3] / g, "arena_gib": peak[4] / g, "arena_in_use_gib": peak[5] / g}}

@@ -5,8 +5,11 @@ What, in one run (each training run in its own subprocess, so its peak RSS is it
      file, 64 MiB requests, 1 and --io-threads streams, best of both; and "mixed": half the
      streams reading while half write) against the store's achieved throughput during training.
      Reads and writes share the disk in training, so the target (>= 85%) is on both together:
-     (read + write bytes) / (wall time with any transfer running) against raw mixed; each
-     direction's bytes / its own busy time is reported too.
+     efficiency = (read_bytes / raw_read + write_bytes / raw_write) / (wall time with any store
+     transfer running), i.e. the time the raw disk needs for the store's bytes over the time the
+     store took. (read + write bytes) / that time against the raw 50/50 "mixed" rate, and each
+     direction's bytes / its own busy time, are reported too; training reads about twice what it
+     writes, so the 50/50 rate overstates what the disk can do for training's mix.
   2. Bigger than RAM: a Llama-architecture model whose 16 B/param training state is >= 1.5x the
      machine's RAM (2.55B params here: 40.8 GB on a 24 GiB machine), random init built straight
      into the store (megatrain_lightning.checkpoint.hf_io.meta_model_from_config), trained with
@@ -143,6 +146,10 @@ def child(a) -> None:
 
         def on_train_start(self, trainer, pl_module):
             self.setup_s = time.perf_counter() - t_start
+            phase.name = "train"
+
+        def on_train_end(self, trainer, pl_module):
+            phase.name = "teardown"
 
         def on_train_batch_start(self, *args):
             self.t0 = time.perf_counter()
@@ -151,6 +158,7 @@ def child(a) -> None:
             self.t.append(time.perf_counter() - self.t0)
 
     t_start = time.perf_counter()
+    phase = argparse.Namespace(name="setup")
     lm = LM()
     n_params = sum(p.numel() for p in lm.parameters())
     if a.tier == "nvme":
@@ -164,7 +172,8 @@ def child(a) -> None:
     tr = pl.Trainer(strategy=strat, accelerator="cpu", devices=1, max_steps=a.steps, logger=False,
                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                     callbacks=[timer])
-    trace = MemTrace(lambda: getattr(getattr(tr.strategy, "engine", None), "budget", None)).start()
+    engine = lambda: getattr(tr.strategy, "engine", None)  # noqa: E731
+    trace = MemTrace(lambda: getattr(engine(), "budget", None), lambda: phase.name + ":" + getattr(engine(), "_phase", "")).start()
     tr.fit(lm, DataLoader(TensorDataset(ids), batch_size=1))
     mem = trace.stop()
     hist = tr.strategy.engine.history
@@ -207,6 +216,11 @@ def summarize(r: dict, raw: dict, warm: int) -> dict:
         io = sum(h.get("nvme_io_busy_s") or 0.0 for h in hs)
         s.update({"read_gb": rb / 1e9, "write_gb": wb / 1e9,
                   "combined_gbps": sum(h["nvme_read_bytes"] + h["nvme_write_bytes"] for h in hs) / max(1e-9, io) / 1e9,
+                  # the time the raw disk needs for the bytes the store moved / the time the store had
+                  # transfers running: the fraction of the disk's raw speed the store achieved on its own
+                  # read/write mix (1.0 = raw speed; above 1.0 when reads and writes overlap well)
+                  "efficiency": sum(h["nvme_read_bytes"] / (raw["read"] * 1e9) + h["nvme_write_bytes"] / (raw["write"] * 1e9)
+                                    for h in hs) / max(1e-9, io),
                   "read_gbps": sum(h["nvme_read_bytes"] for h in hs) / max(1e-9, sum(h["nvme_read_busy_s"] for h in hs)) / 1e9,
                   "write_gbps": sum(h["nvme_write_bytes"] for h in hs) / max(1e-9, sum(h["nvme_write_busy_s"] for h in hs)) / 1e9,
                   "io_bound_s": rb / (raw["read"] * 1e9) + wb / (raw["write"] * 1e9),
@@ -273,13 +287,14 @@ def main() -> None:
         "read_ratio": big["read_gbps"] / raw["read"],
         "write_ratio": big["write_gbps"] / raw["write"],
         "combined_ratio": big["combined_gbps"] / raw["mixed"],
+        "efficiency": big["efficiency"],
         "rss_flat_spread_gib": max(results[k]["peak_rss_gib"] for k in ("0.5B", "1B", "2B"))
         - min(results[k]["peak_rss_gib"] for k in ("0.5B", "1B", "2B")),
         "compute_nvme_over_ram_0.5B": results["0.5B"]["compute_s"] / results["0.5B ram"]["compute_s"],
     }
     # reads and writes share one disk during training, so the store's throughput is judged on both
     # together (bytes / time with any transfer running) against the raw mixed read+write rate
-    checks["throughput_ok"] = checks["combined_ratio"] >= 0.85
+    checks["throughput_ok"] = checks["efficiency"] >= 0.85
     checks["rss_flat_ok"] = all(results[k]["peak_rss_gib"] <= limit_gib + 1.5 for k in ("0.5B", "1B", "2B"))
 
     print(f"\nNVMe tier: {os.cpu_count()} cores, RAM {ram / 2**30:.1f} GiB, host_memory_limit {limit_gib:.2f} GiB, "
@@ -297,9 +312,10 @@ def main() -> None:
     print(f"2.55B state / RAM = {checks['state_over_ram']:.2f} (>= 1.5); peak RSS {big['peak_rss_gib']:.2f} GiB <= limit + 1.5 = "
           f"{limit_gib + 1.5:.2f}: {'PASS' if checks['rss_ok'] else 'FAIL'}; step / bound {big['step_over_bound']:.2f} <= 1.25: "
           f"{'PASS' if checks['step_ok'] else 'FAIL'}")
-    print(f"store throughput vs raw: read+write {big['combined_gbps']:.2f} GB/s = {checks['combined_ratio']:.0%} of raw mixed "
-          f"{raw['mixed']:.2f} GB/s (>= 85%), per direction while busy: read {checks['read_ratio']:.0%}, write {checks['write_ratio']:.0%}: "
-          f"{'PASS' if checks['throughput_ok'] else 'FAIL'}; RSS spread 0.5B..2B {checks['rss_flat_spread_gib']:.2f} GiB: "
+    print(f"store throughput vs raw: the raw disk would need {big['efficiency']:.0%} of the time the store had transfers "
+          f"running for the same read and write bytes (>= 85%): {'PASS' if checks['throughput_ok'] else 'FAIL'}; "
+          f"read+write {big['combined_gbps']:.2f} GB/s = {checks['combined_ratio']:.0%} of raw 50/50 mixed {raw['mixed']:.2f} GB/s; "
+          f"per direction while busy: read {checks['read_ratio']:.0%}, write {checks['write_ratio']:.0%}; RSS spread 0.5B..2B {checks['rss_flat_spread_gib']:.2f} GiB: "
           f"{'PASS' if checks['rss_flat_ok'] else 'FAIL'}; compute_s NVMe/RAM at 0.5B {checks['compute_nvme_over_ram_0.5B']:.2f}")
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as fh:

@@ -201,6 +201,20 @@ def test_window_evicts_and_round_trips_exactly(tmp_path, io_block_size):
     assert not (tmp_path / STORE_DIR).exists()
 
 
+def test_eviction_keeps_the_read_ahead_needed_soonest(tmp_path):
+    layout = [(3000, 2000)] * 6  # master regions of 12 KiB
+    st = NVMeStore(tmp_path, layout, HostBudget(4 * 12288), read_ahead=4)
+    for i in range(6):
+        with st.hold(i, ["master"], write=True, fresh=["master"]):
+            pass
+    st.drop_clean()
+    st.read_ahead([(0, "master"), (1, "master"), (2, "master")])  # the schedule's next three, in order
+    st.wait_io()
+    with st.hold(3, ["master"]), st.hold(4, ["master"]):  # the window is full: one read-ahead must go
+        assert sorted(st.entries) == [(0, "master"), (1, "master"), (3, "master"), (4, "master")]
+    st.close()
+
+
 def test_failed_request_of_a_split_region_names_its_offset(tmp_path, monkeypatch):
     st = NVMeStore(tmp_path, [(3000, 2000)], HostBudget(2**20), io_block_size=4096)
     with st.hold(0, ["master"], write=True, fresh=["master"]) as t:

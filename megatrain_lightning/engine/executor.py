@@ -265,8 +265,8 @@ class StreamingEngine:
         factory: Callable[[list[tuple[int, int]]], NVMeStore] | None = None
         if nvme is not None and nvme.kinds:
             layout = [(n, t) for _, n, t in slab_layout(self.blocks)]
-            self.nvme_preflight = preflight_nvme(nvme.path, layout, nvme.host_memory_limit,
-                                                 nvme.min_window(layout, self.device.type, lookahead),
+            self._min_window = nvme.min_window(layout, self.device.type, lookahead)
+            self.nvme_preflight = preflight_nvme(nvme.path, layout, nvme.host_memory_limit, self._min_window,
                                                  pinned_bytes=nvme.pinned_bytes(layout) if pin_memory else 0)
             self.budget = HostBudget(nvme.host_memory_limit)
             heap.bound_heap()  # freed buffers leave the process (the budget counts only live ones)
@@ -797,8 +797,14 @@ class StreamingEngine:
 
     def _read_ahead(self, pos: int) -> None:
         """Tell the NVMe store what the schedule reads next: the masters of the coming fetches, and
-        the AdamW states and accumulator of slabs whose update runs before their fetch."""
+        the AdamW states and accumulator of slabs whose update runs before their fetch.
+
+        The list stops where its buffers would no longer fit beside the blocks in flight
+        (``host_memory_limit`` - the minimum window): buffers read further ahead would be evicted
+        by the compute path's own reservations before their use and read a second time."""
         kinds = self.store.nvme_kinds
+        nvme = self.store.nvme
+        spare = self.budget.limit - self._min_window  # type: ignore[union-attr]
         wanted: list[tuple[int, str]] = []
         pending = self.optimizer.pending if self.optimizer is not None else {}
         for bi in self._seq[pos + 1 : pos + 2 + 2 * self.lookahead + self.nvme_config.read_ahead]:  # type: ignore[union-attr]
@@ -813,8 +819,11 @@ class StreamingEngine:
                     want = ["master", "acc"]  # gradient accumulation adds into the stored accumulator
                 for k in want:
                     if k in kinds and (si, k) not in wanted:
+                        spare -= nvme.region_bytes(si, k)  # type: ignore[union-attr]
+                        if spare < 0:
+                            return nvme.read_ahead(wanted)  # type: ignore[union-attr]
                         wanted.append((si, k))
-        self.store.nvme.read_ahead(wanted)
+        nvme.read_ahead(wanted)  # type: ignore[union-attr]
 
     def _discard(self, fut: Future) -> None:
         def drop(f: Future) -> None:

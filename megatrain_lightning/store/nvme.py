@@ -280,7 +280,7 @@ class NVMeStore:
         self.valid: list[dict[str, bool]] = [{k: False for k in KINDS} for _ in self.layout]
         self.entries: dict[tuple[int, str], _Entry] = {}
         self._clock = itertools.count()
-        self._protected: dict[tuple[int, str], int] = {}
+        self._protected: dict[tuple[int, str], int] = {}  # buffers the schedule wants -> rank (0: needed next)
         self._error: BaseException | None = None
         # region transfers (each waits for its requests) and the requests themselves (the disk's queue)
         self._io = ThreadPoolExecutor(max(1, io_threads) + read_ahead, thread_name_prefix="megatrain-nvme")
@@ -379,6 +379,10 @@ class NVMeStore:
     def numel(self, i: int, kind: str) -> int:
         return self._numel[i][kind]
 
+    def region_bytes(self, i: int, kind: str) -> int:
+        """Bytes of block ``i``'s ``kind`` region (and of its window buffer): 4 KiB-aligned fp32."""
+        return self._nbytes[i][kind]
+
     def raise_error(self) -> None:
         if self._error is not None:
             raise self._error
@@ -390,7 +394,7 @@ class NVMeStore:
                  if e.pins == 0 and not e.dirty and e.io is None]
         if protect_all:
             cands = [c for c in cands if not c[0]]
-        # unprotected first (least recently used first), then protected ones needed last
+        # unprotected first (least recently used first), then protected ones, those needed last first
         cands.sort(key=lambda c: (c[0], -c[1] if c[0] else c[2]))
         freed = 0
         for _, _, _, k in cands:
@@ -531,7 +535,7 @@ class NVMeStore:
         with self.cond:
             if self._error is not None or self.closed:
                 return
-            self._protected = {k: len(wanted) - r for r, k in enumerate(wanted)}
+            self._protected = {k: r for r, k in enumerate(wanted)}
             inflight = sum(1 for e in self.entries.values() if e.io is not None and e.io_kind == "read")
             for key in wanted:
                 if inflight >= self.read_ahead_max:
