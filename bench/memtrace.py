@@ -41,8 +41,9 @@ def rss_bytes() -> int:
 
 
 class MemTrace:
-    """``start()``, then ``stop()`` -> summary dict (GiB): RSS - budget over the samples taken while a
-    budget was live, and the phase (``get_phase()``) at the peak RSS of the whole run."""
+    """``start()``, then ``stop()`` -> summary dict (GiB): RSS - budget over the samples taken in
+    training (``get_phase()`` starting with "train", a budget live), and the phase at the peak RSS of
+    the whole run (setup and teardown included)."""
 
     def __init__(self, get_budget: Callable[[], object], get_phase: Callable[[], str] = lambda: "", every: float = 0.05):
         self.get_budget, self.get_phase, self.every = get_budget, get_phase, every
@@ -71,7 +72,7 @@ class MemTrace:
 
             with open(os.environ["MEMTRACE_OUT"], "w") as f:
                 json.dump(self.rows, f)
-        live = [r for r in self.rows if r[2] > 0]
+        live = [r for r in self.rows if r[2] > 0 and str(r[7]).startswith("train")]
         if not live:
             return {}
         g = 2**30

@@ -81,7 +81,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         nvme_io_threads: threads issuing NVMe read/write requests, one each at a time: the queue
             depth (default 4, measured in bench/nvme.py).
         nvme_io_block_size: bytes per NVMe request, a multiple of 4096 (or ``"16MiB"``-style);
-            each region is split into requests of this size that run concurrently (default 8 MiB,
+            each region is split into requests of this size that run concurrently (default 16 MiB,
             measured in bench/nvme.py).
         nvme_read_ahead: buffers read ahead at most at once (default 4).
         direct_io: ``"auto"`` (``O_DIRECT`` where the filesystem allows it), ``True`` or ``False``.

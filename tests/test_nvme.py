@@ -201,6 +201,27 @@ def test_window_evicts_and_round_trips_exactly(tmp_path, io_block_size):
     assert not (tmp_path / STORE_DIR).exists()
 
 
+class SkipOddBatches(LM):
+    """``training_step`` returns ``None`` on odd batches: Lightning skips their backward and step."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx % 2 else loss
+
+
+def test_skipped_backward_releases_the_head_buffers_in_the_budget(tmp_path):
+    """The last block keeps its weights for a backward that never comes on skipped batches; the next
+    forward must give their bytes back to the budget (else the window shrinks every skipped step)."""
+    lm = SkipOddBatches(make_model("llama", **DEEP))
+    tr = pl.Trainer(strategy=nvme_strategy(tmp_path), accelerator="cpu", devices=1, max_epochs=1, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    tr.fit(lm, make_data(n=12))
+    eng = tr.strategy.engine
+    assert len(lm.losses) == 6  # 6 batches of 2, 3 of them without backward
+    assert eng._graph_open is None and eng._live == 0
+    assert eng.budget.used == eng.store.nvme.resident_bytes()  # only window buffers stay counted
+
+
 def test_eviction_keeps_the_read_ahead_needed_soonest(tmp_path):
     layout = [(3000, 2000)] * 6  # master regions of 12 KiB
     st = NVMeStore(tmp_path, layout, HostBudget(4 * 12288), read_ahead=4)

@@ -318,6 +318,7 @@ class StreamingEngine:
         self._plan_due = False
         self._eager_hyper = None
         self._graph_refs: list = []
+        self._graph_open: tuple[dict, int] | None = None  # the last block's graph: refs whose hook has not fired, buffer bytes
         self._warned_cache = False
         self.installed = False
 
@@ -512,10 +513,13 @@ class StreamingEngine:
         weights stay on the device until its backward, and a post-accumulate-grad hook on each
         weight leaf sends the gradient to the host accumulator and releases the buffers.
         """
+        self._close_graph()  # the previous forward's, if its backward never ran (training_step returned None)
         bufs = self.acquire(blk, backward=False, training=True)
         leaves, refs = self._grad_leaves(blk, bufs)
         nbytes = sum(b.numel() * b.element_size() for b in bufs.values())
-        remaining = [len(refs)]
+        open_refs = {id(r): (r, leaves[id(r.param)]) for r in refs}
+        if refs:
+            self._graph_open = (open_refs, nbytes)
         self._graph_refs = list(refs)
         self._plan_updates_in_backward()  # its gradient hooks fire before any other backward fetch
         self._track(self._grad_bytes(refs))  # its gradients, allocated in backward
@@ -527,10 +531,12 @@ class StreamingEngine:
                 # of the compute buffer released below: point the leaf at nothing so the buffer goes
                 leaf.data = torch.empty(0, dtype=leaf.dtype, device=leaf.device)
                 self._send_grads([ref], [grad], reserved=self._grad_bytes([ref]))
-                remaining[0] -= 1
-                if remaining[0] == 0:
+                open_refs.pop(id(ref), None)
+                if not open_refs:
                     self._track(-nbytes)
                     self.transport.released()
+                    if self._graph_open is not None and self._graph_open[0] is open_refs:
+                        self._graph_open = None
 
             return hook
 
@@ -544,6 +550,22 @@ class StreamingEngine:
             self.stats.compute_s += time.perf_counter() - t0
             if not refs:
                 self._release(bufs)
+
+    def _close_graph(self) -> None:
+        """Release what the last block's graph still holds once its backward is over (or will never
+        run): the bytes reserved for gradients of weights that got none (their hook never fires)
+        and the compute buffer. Without this they would stay counted in the host budget."""
+        if self._graph_open is None:
+            return
+        open_refs, nbytes = self._graph_open
+        self._graph_open = None
+        if not open_refs:
+            return
+        for ref, leaf in open_refs.values():
+            leaf.data = torch.empty(0, dtype=leaf.dtype, device=leaf.device)
+        self._track(-(self._grad_bytes([r for r, _ in open_refs.values()]) + nbytes))
+        open_refs.clear()
+        self.transport.released()
 
     @contextlib.contextmanager
     def _bind(self, blk: Block, bufs: dict[int, torch.Tensor], leaves: dict[int, torch.Tensor] | None):
@@ -1078,6 +1100,7 @@ class StreamingEngine:
 
     def end_step(self) -> dict[str, float]:
         """Close the accounting window of one optimizer step; returns the logged metrics."""
+        self._close_graph()  # the step's backward is over (or was skipped)
         if self.optimizer is not None:
             self.stats.optimizer_s = self.optimizer.optimizer_seconds
             self.optimizer.optimizer_seconds = 0.0
