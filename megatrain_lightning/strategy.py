@@ -82,7 +82,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             depth (default 4, measured in bench/nvme.py).
         nvme_io_block_size: bytes per NVMe request, a multiple of 4096 (or ``"16MiB"``-style);
             each region is split into requests of this size that run concurrently (default 16 MiB,
-            measured in bench/nvme.py).
+            measured in bench/nvme_requests.py).
         nvme_read_ahead: buffers read ahead at most at once (default 4).
         direct_io: ``"auto"`` (``O_DIRECT`` where the filesystem allows it), ``True`` or ``False``.
         keep_nvme_files: keep the store's files when the engine closes (default: removed).
@@ -206,6 +206,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             self.engine.close()
             self.engine = None
         if self.engine is None:
+            _refuse_placeholders(module)
             self.engine = StreamingEngine(
                 module,
                 self.root_device,
@@ -348,8 +349,10 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         if storage_options is not None:
             raise TypeError("strategy='megatrain' writes directory checkpoints and takes no storage_options.")
         if self.engine is None or self.lightning_module is None:
-            raise RuntimeError("save_checkpoint called before the megatrain strategy was set up.")
+            raise RuntimeError("save_checkpoint called before the megatrain strategy was set up, or after "
+                               "trainer.strategy.close().")
         self.flush()
+        self.engine.write_back_materialized()  # weights edited after fit (NVMe tier) are what gets saved
         save_checkpoint_dir(filepath, checkpoint, self.lightning_module, self.engine,
                             tokenizer=getattr(self.lightning_module, "tokenizer", None))
 
@@ -430,8 +433,16 @@ class MegaTrainStrategy(SingleDeviceStrategy):
                 nbytes / 2**30, self.engine.store.nvme.dir)
 
     def close(self) -> None:
-        """Close the engine: stop its threads and remove the NVMe store's files (unless kept)."""
+        """Close the engine: stop its threads and remove the NVMe store's files (unless kept).
+
+        If the weights were only in the store (larger than ``host_memory_limit``), they are gone
+        afterwards: save them first (``trainer.save_checkpoint``). The module then refuses to be
+        set up again (its parameters are placeholders)."""
         if self.engine is not None:
+            eng = self.engine
+            if eng.store.masters_on_disk and not eng.materialized and not (self.nvme and self.nvme.keep_files):
+                log.warning("megatrain: closing the NVMe store deletes the trained weights, which were only in it; "
+                            "the module's parameters stay placeholders.")
             self.engine.close()
             self.engine = None
 
@@ -453,6 +464,32 @@ class MegaTrainStrategy(SingleDeviceStrategy):
 
 
 NVME_PATH_FROM_ENV = "$MEGATRAIN_NVME_PATH"
+
+
+def _size(option: str, value: Any) -> int:
+    """``parse_bytes`` with the option's name in the error."""
+    try:
+        return parse_bytes(value)
+    except ValueError as err:
+        raise ValueError(f"{option}: {err}") from None
+
+
+def _refuse_placeholders(module: torch.nn.Module) -> None:
+    """Raise if the module's parameters are NVMe placeholders (stride-0 views of one 4-byte value) that
+    a new engine would take for weights: building a store from them would train or evaluate zeros.
+
+    Raises:
+        RuntimeError: with what happened and what to do.
+    """
+    for name, p in module.named_parameters():
+        if p.numel() > 1 and p.device.type == "cpu" and all(st == 0 for st in p.stride()) \
+                and p.untyped_storage().nbytes() == 4:
+            raise RuntimeError(
+                f"megatrain: parameter {name} holds no weights (an NVMe placeholder: its weights are in the NVMe store "
+                "of another strategy, or were, if that store was closed). Use the Trainer whose strategy holds them, "
+                "or load them again: from a checkpoint saved before the close (fit(module, ckpt_path=...)) or "
+                "from_pretrained on its model/ folder."
+            )
 
 
 def nvme_config(offload_params: str, offload_optimizer: str, nvme_path: str | None, host_memory_limit: Any,
@@ -487,14 +524,15 @@ def nvme_config(offload_params: str, offload_optimizer: str, nvme_path: str | No
         raise ValueError("offload_params/offload_optimizer='nvme' needs nvme_path= (a directory on a fast local disk).")
     if host_memory_limit is None:
         host_memory_limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
-    if io_threads < 1 or read_ahead < 0:
-        raise ValueError(f"nvme_io_threads must be >= 1 and nvme_read_ahead >= 0, got {io_threads} and {read_ahead}.")
+    for name, v, low in (("nvme_io_threads", io_threads, 1), ("nvme_read_ahead", read_ahead, 0)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {v!r}.")
     if direct_io not in ("auto", True, False):
         raise ValueError(f"direct_io must be 'auto', True or False, got {direct_io!r}.")
-    block = parse_bytes(io_block_size)
+    limit, block = _size("host_memory_limit", host_memory_limit), _size("nvme_io_block_size", io_block_size)
     if block % ALIGN:
         raise ValueError(f"nvme_io_block_size must be a multiple of {ALIGN} bytes (O_DIRECT alignment), got {block}; "
                          "for example '16MiB'.")
-    return NVMeConfig(path=str(nvme_path), kinds=frozenset(kinds), host_memory_limit=parse_bytes(host_memory_limit),
+    return NVMeConfig(path=str(nvme_path), kinds=frozenset(kinds), host_memory_limit=limit,
                       io_threads=io_threads, io_block_size=block, read_ahead=read_ahead, direct_io=direct_io,
                       keep_files=keep_files)

@@ -261,9 +261,55 @@ def test_failed_request_of_a_split_region_names_its_offset(tmp_path, monkeypatch
     st.close()
 
 
-def test_io_block_size_is_validated():
+def test_io_options_are_validated_with_their_names():
     with pytest.raises(ValueError, match="multiple of 4096"):
         MegaTrainStrategy(offload_params="nvme", nvme_path="/tmp", nvme_io_block_size=5000)
+    with pytest.raises(ValueError, match="nvme_io_block_size: Not a memory size: 'abc'"):
+        MegaTrainStrategy(offload_params="nvme", nvme_path="/tmp", nvme_io_block_size="abc")
+    with pytest.raises(ValueError, match="host_memory_limit: Not a memory size"):
+        MegaTrainStrategy(offload_params="nvme", nvme_path="/tmp", host_memory_limit="lots")
+    with pytest.raises(ValueError, match="nvme_io_threads must be an integer >= 1, got '4'"):
+        MegaTrainStrategy(offload_params="nvme", nvme_path="/tmp", nvme_io_threads="4")
+
+
+def test_closed_store_weights_are_refused_and_the_same_process_is_named(tmp_path, caplog):
+    """Weights larger than the budget live only in the store: after close() the module's parameters
+    are placeholders, and a new run must refuse them instead of training zeros. A second run on a
+    store the same process still holds is told to close the first."""
+    lm, tr = fit(nvme_strategy(tmp_path), steps=2, model_kw={"num_hidden_layers": 24})  # 4 B/param > LIMIT
+    assert not tr.strategy.engine.materialized
+    with pytest.raises(NVMeStoreLockedError, match="still open in this process.*trainer.strategy.close"):
+        fit(nvme_strategy(tmp_path), steps=1)
+    with caplog.at_level(logging.WARNING, logger="megatrain_lightning.strategy"):
+        tr.strategy.close()
+    assert "deletes the trained weights" in caplog.text
+    with pytest.raises(RuntimeError, match="holds no weights .*NVMe placeholder"):
+        pl.Trainer(strategy=nvme_strategy(tmp_path), accelerator="cpu", devices=1, max_steps=1, logger=False,
+                   enable_progress_bar=False, enable_model_summary=False).fit(lm, make_data(n=2))
+
+
+def test_weights_edited_after_fit_are_what_save_checkpoint_writes(tmp_path):
+    from safetensors.torch import load_file
+
+    (tmp_path / "nvme").mkdir()
+    lm, tr = fit(nvme_strategy(tmp_path / "nvme", limit=8 * 2**20), steps=2)  # small: materialized after fit
+    assert tr.strategy.engine.materialized
+    with torch.no_grad():
+        lm.model.lm_head.weight.mul_(0.5)
+    tr.save_checkpoint(tmp_path / "ck")
+    sd = load_file(tmp_path / "ck" / "model" / "model.safetensors")
+    assert torch.equal(sd["lm_head.weight"], lm.model.lm_head.weight.detach())
+    tr.strategy.close()
+
+
+def test_kept_files_are_replaced_with_a_message_that_says_so(tmp_path, caplog):
+    st = NVMeStore(tmp_path, [(1024, 1024)], HostBudget(2**20), keep_files=True)
+    with st.hold(0, ["master"], write=True, fresh=["master"]):
+        pass
+    st.close()
+    with caplog.at_level(logging.WARNING, logger="megatrain_lightning.store.nvme"):
+        NVMeStore(tmp_path, [(1024, 1024)], HostBudget(2**20)).close()
+    assert "files an earlier run kept (keep_nvme_files=True)" in caplog.text and "did not finish" not in caplog.text
 
 
 # ---------------------------------------------------------------- lock

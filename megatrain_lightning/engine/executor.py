@@ -437,14 +437,22 @@ class StreamingEngine:
             self.store.nvme.discard(slab.index, "master")  # read through the window, not kept in it
         self.materialized = True
 
-    def _dematerialize(self) -> None:
+    def write_back_materialized(self) -> None:
+        """Copy the materialized parameters (the user may have changed them after the run) into the
+        store, which checkpoints read; a no-op unless :meth:`materialize` ran."""
         if not self.materialized:
             return
         for slab in self.store.slabs:
-            for i, e in enumerate(slab.entries):
-                p = e.ref.param
-                self.write_param(p, p.data)
-                p.data = placeholder(e.shape)
+            for e in slab.entries:
+                self.write_param(e.ref.param, e.ref.param.data)
+
+    def _dematerialize(self) -> None:
+        if not self.materialized:
+            return
+        self.write_back_materialized()
+        for slab in self.store.slabs:
+            for e in slab.entries:
+                e.ref.param.data = placeholder(e.shape)
         self.materialized = False
 
     def close(self) -> None:

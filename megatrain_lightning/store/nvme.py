@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 ALIGN = 4096  # bytes: O_DIRECT alignment of offsets, lengths and buffers
 KINDS = ("master", "exp_avg", "exp_avg_sq", "acc")
 STORE_DIR = "megatrain_store"
+KEPT = "kept"  # what LOCK holds after a clean close with keep_files (instead of the owner's pid)
 IO_BLOCK_SIZE = 16 * 2**20  # bytes per request; measured: "Requests" under "NVMe tier" in docs/architecture.md
 DISK_MARGIN = 0.05  # preflight: free disk must exceed the store's size by 5% + 1 GiB
 DISK_MARGIN_BYTES = 2**30
@@ -306,15 +307,26 @@ class NVMeStore:
         except BlockingIOError:
             owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
             os.close(fd)
+            if owner == str(os.getpid()):
+                raise NVMeStoreLockedError(
+                    f"megatrain: the NVMe store {self.dir} is still open in this process, by the strategy of an earlier "
+                    "run (its store stays open after fit so that trainer.save_checkpoint works). Call "
+                    "trainer.strategy.close() on that run first (after saving what you need), or give this run "
+                    "another nvme_path."
+                ) from None
             raise NVMeStoreLockedError(
                 f"megatrain: the NVMe store {self.dir} is in use by another live run (pid {owner}). Give each run "
                 "its own nvme_path, or wait for that run to end."
             ) from None
         old = os.pread(fd, 64, 0).decode(errors="replace").strip()
         stale = sorted(self.dir.glob("block_*.bin"))
-        if stale:
+        if stale and old == KEPT:
+            log.warning("megatrain: the NVMe store %s holds files an earlier run kept (keep_nvme_files=True); "
+                        "replacing them (%d files removed).", self.dir, len(stale))
+        elif stale:
             log.warning("megatrain: the NVMe store %s was left by a run that did not finish (pid %s); resetting it "
                         "(%d files removed).", self.dir, old or "?", len(stale))
+        if stale:
             for p in stale:
                 p.unlink()
         os.ftruncate(fd, 0)
@@ -597,6 +609,8 @@ class NVMeStore:
                     self.path(i).unlink()
         with contextlib.suppress(OSError):
             os.ftruncate(self._lock_fd, 0)
+            if self.keep_files:
+                os.pwrite(self._lock_fd, KEPT.encode(), 0)
         os.close(self._lock_fd)
         if not self.keep_files:
             with contextlib.suppress(OSError):
@@ -646,10 +660,10 @@ def preflight_nvme(nvme_path: str | os.PathLike, layout: Sequence[tuple[int, int
         )
     if host_memory_limit < min_window:
         raise ValueError(
-            f"host_memory_limit={fmt_bytes(host_memory_limit)} is below the {fmt_bytes(min_window)} the NVMe tier needs "
-            "for the blocks in flight (the largest block's weights, gradients and AdamW states, and its compute "
-            f"buffers). Raise host_memory_limit to at least {fmt_bytes(min_window)} (2x that lets read-ahead work), "
-            "or lower lookahead."
+            f"host_memory_limit={host_memory_limit} bytes ({fmt_bytes(host_memory_limit)}) is below the {min_window} bytes "
+            f"({fmt_bytes(min_window)}) the NVMe tier needs for the blocks in flight (the largest block's weights, "
+            "gradients and AdamW states, and its compute buffers). Raise host_memory_limit to at least "
+            f"{min_window} bytes (2x that lets read-ahead work), or lower lookahead."
         )
     if pinned_bytes:
         import resource
