@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 
 log = logging.getLogger(__name__)
@@ -34,21 +35,14 @@ MMAP_THRESHOLD_BYTES = 8 * 2**20
 ARENA_MAX = 2
 """Heap arenas shared by all threads (glibc's default is 8 per core)."""
 
-_libc: ctypes.CDLL | None | bool = None
-
-
+@functools.lru_cache(maxsize=None)
 def _glibc() -> ctypes.CDLL | None:
-    global _libc
-    if _libc is None:
-        _libc = False
-        name = ctypes.util.find_library("c")
-        try:
-            lib = ctypes.CDLL(name or "libc.so.6")
-            if hasattr(lib, "mallopt") and hasattr(lib, "malloc_trim") and hasattr(lib, "gnu_get_libc_version"):
-                _libc = lib
-        except OSError:
-            pass
-    return _libc or None
+    """The C library if it is glibc (it has ``mallopt``, ``malloc_trim``, ``gnu_get_libc_version``)."""
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+    return lib if all(hasattr(lib, f) for f in ("mallopt", "malloc_trim", "gnu_get_libc_version")) else None
 
 
 def bound_heap() -> bool:
