@@ -297,7 +297,12 @@ class HostAdamW:
                 vs.append(slab.view(v, i))
                 st = self.steps[slab.index][i]
                 if st is None:
+                    # this optimizer's first update of the parameter: its state starts at zero, as
+                    # torch.optim.AdamW creates it lazily. The store's moments may hold the state of
+                    # an earlier optimizer (a previous fit, lr_find): never reuse them.
                     st = self.steps[slab.index][i] = torch.tensor(0.0, dtype=torch.float32)
+                    ms[-1].zero_()
+                    vs[-1].zero_()
                 steps.append(st)
             kw: dict[str, Any] = dict(
                 amsgrad=False, beta1=h.beta1, beta2=h.beta2, lr=h.lr, weight_decay=h.weight_decay, eps=h.eps, maximize=False
