@@ -211,14 +211,14 @@ def test_checkpoint_every_k_keeps_one_input_per_segment(k):
     eng.install()
     (ids,) = next(iter(make_data()))
     loss = model(input_ids=ids, labels=ids).loss
-    calls = eng._calls
+    calls = eng._fwd.live_calls()
     assert len(calls) == 6
     linked = [c.pos for c in calls if c.links]
     # the LM head (call 5) gets a slice `hidden[:, slice_indices]` of the norm output, not the
     # output itself, so it keeps its input whatever K is
     assert linked == [p for p in range(5) if p % k != 0]
     loss.backward()
-    assert not eng._recomputed  # every recomputed input was consumed
+    assert not eng._fwd.recomputed  # every recomputed input was consumed
     eng.close()
 
 

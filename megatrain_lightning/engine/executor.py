@@ -35,12 +35,14 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..optim.host_adamw import HostAdamW
@@ -138,7 +140,11 @@ class StepStats:
 
 @dataclass
 class _Call:
-    """Everything one block call needs to be recomputed in backward."""
+    """Everything one block call needs to be recomputed in backward.
+
+    ``keep``: the last block of a training forward, run with autograd and its graph kept in
+    ``graph`` (no recompute). ``freed``: its saved inputs were released by a backward that did not
+    retain the graph; a further backward through it is an error, as in PyTorch."""
 
     engine: "StreamingEngine"
     block: Block
@@ -146,6 +152,9 @@ class _Call:
     flat: list[Any]
     spec: Any
     tensor_pos: list[int]
+    fwd: "_Forward"
+    refs: list = field(default_factory=list)
+    keep: bool = False
     rng_cpu: torch.Tensor | None = None
     rng_dev: torch.Tensor | None = None
     autocast: tuple | None = None
@@ -157,6 +166,59 @@ class _Call:
     links: dict[int, int] = field(default_factory=dict)
     offloaded: dict[int, torch.Tensor] = field(default_factory=dict)
     versions: dict[int, int] = field(default_factory=dict)
+    graph: "_KeptGraph | None" = None
+    freed: bool = False
+
+
+@dataclass(eq=False)
+class _Forward:
+    """The grad-mode block calls of one training forward, shared by their backward.
+
+    Calls are held weakly (each call is kept alive by its autograd node), so a forward whose graph
+    was dropped without a backward frees its saved inputs at once. Several forwards may be alive
+    together (two forwards, then one backward of both losses)."""
+
+    calls: list["weakref.ref[_Call]"] = field(default_factory=list)
+    kept: list["weakref.ref[_Call]"] = field(default_factory=list)
+    recomputed: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # call pos -> outputs recomputed in backward
+    last_outs: tuple[int, list] | None = None  # (pos, weak refs to the outputs) of the latest call
+    backward_started: bool = False
+    shares_step: bool = False  # started while an earlier forward's backward had not run
+    first_block: int = -1  # block index of the first call
+
+    def live_calls(self) -> list[_Call]:
+        """The calls in order, while their graph is alive (all of them at the start of a backward)."""
+        return [c for c in (r() for r in self.calls) if c is not None]
+
+    def call(self, pos: int) -> _Call:
+        c = self.calls[pos]()
+        if c is None:
+            raise RuntimeError("megatrain: the graph of this forward was freed before its backward.")
+        return c
+
+    def live(self) -> list[_Call]:
+        return [c for c in (r() for r in self.calls + self.kept) if c is not None]
+
+
+class _KeptGraph:
+    """The last block's autograd graph, kept from its forward to its backward: the device buffers
+    and gradient leaves it computed with, its detached inputs and its outputs. ``close`` (idempotent)
+    drops them and returns their bytes to the accounting: after a backward that does not retain the
+    graph, when the call is garbage-collected (its graph dropped unused), or at the end of the step."""
+
+    def __init__(self, engine: "StreamingEngine", bufs: dict[int, torch.Tensor], leaves: dict[int, torch.Tensor],
+                 inputs: list, outs: list[torch.Tensor]):
+        self.engine, self.bufs, self.leaves, self.inputs, self.outs = engine, bufs, leaves, inputs, outs
+        self.open = True
+
+    def close(self) -> None:
+        if not self.open:
+            return
+        self.open = False
+        eng = self.engine
+        eng._kept_open.discard(self)
+        self.leaves, self.inputs, self.outs = {}, [], []
+        eng._release(self.bufs)
 
 
 def _autocast_state(device_type: str) -> tuple:
@@ -167,42 +229,79 @@ def _autocast_state(device_type: str) -> tuple:
     )
 
 
+def _leaf_gets_grad(leaf: torch.Tensor) -> bool:
+    """Whether the running backward computes a gradient for ``leaf``: ``loss.backward()`` does for
+    every leaf, ``backward(inputs=...)`` and ``torch.autograd.grad(..., inputs)`` only for the listed
+    ones. The engine's marker leaf (an input of every block call, never listed by users) therefore
+    tells an accumulating ``backward()`` apart from the other two."""
+    try:
+        return torch._C._will_engine_execute_node(get_gradient_edge(leaf).node)
+    except RuntimeError:  # torch answers this for a leaf that autograd.grad() captures: it is listed
+        return True
+
+
+def _keeps_graph() -> bool:
+    """``retain_graph`` of the running backward (what torch's own AOT autograd reads)."""
+    fn = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return bool(fn()) if fn is not None else False
+
+
 class _BlockFunction(torch.autograd.Function):
-    """Autograd boundary of one block: forward without a graph, backward by recompute."""
+    """Autograd boundary of one block: forward without a graph, backward by recompute (the kept
+    last block: backward through its kept graph).
+
+    Inputs: the call record, the engine's marker leaf, the call's tensor arguments, then the block's
+    trainable parameters (host ``nn.Parameter`` objects: only so that ``torch.autograd.grad`` or
+    ``backward(inputs=[param])`` on them gets their gradient; an ordinary ``backward()`` sends
+    parameter gradients to the host accumulators instead and returns ``None`` for them)."""
 
     @staticmethod
-    def forward(ctx, call: _Call, dummy: torch.Tensor, *tensors: torch.Tensor):  # type: ignore[override]
+    def forward(ctx, call: _Call, dummy: torch.Tensor, *inputs: torch.Tensor):  # type: ignore[override]
         eng = call.engine
         dev = eng.device
+        tensors = inputs[: len(call.tensor_pos)]
         call.rng_cpu = torch.get_rng_state()
         if dev.type == "cuda":
             call.rng_dev = torch.cuda.get_rng_state(dev)
         call.autocast = _autocast_state(dev.type)
-        out = eng._run_block(call, tensors, leaves=None, backward=False)
+        if call.keep:
+            out = eng._run_kept(call, tensors)
+        else:
+            out = eng._run_block(call, tensors, leaves=None, backward=False)
         out_flat, call.out_spec = tree_flatten(out)
         call.out_pos = [i for i, x in enumerate(out_flat) if isinstance(x, torch.Tensor)]
         call.out_flat = [None if isinstance(x, torch.Tensor) else x for x in out_flat]
         outs = tuple(out_flat[i] for i in call.out_pos)
         ctx.call = call
-        eng._save_inputs(call, tensors)
+        if not call.keep:
+            eng._save_inputs(call, tensors)
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
         return outs
 
     @staticmethod
     def backward(ctx, *grad_outs):  # type: ignore[override]
         call: _Call = ctx.call
-        ctx.call = None
         eng = call.engine
-        needs = ctx.needs_input_grad[2:]
-        inputs = []
-        for t, need in zip(eng._load_inputs(call), needs):
-            t = t.detach()
-            if need:
-                t.requires_grad_(True)
-            inputs.append(t)
-        grad_inputs = eng._backward_block(call, inputs, needs, grad_outs)
-        eng._done_backward(call)
-        return (None, None, *grad_inputs)
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"megatrain: backward(create_graph=True) (double backward, e.g. a gradient penalty) reached "
+                f"streamed block {call.block.name}; streamed blocks are differentiated once. Compute the "
+                "penalty with strategy='auto' or without create_graph."
+            )
+        if call.freed:
+            raise RuntimeError(
+                "Trying to backward through the graph a second time (or directly access saved tensors after "
+                "they have already been freed). Saved intermediate values of the graph are freed when you call "
+                ".backward() or autograd.grad(). Specify retain_graph=True if you need to backward through the "
+                f"graph a second time (megatrain: streamed block {call.block.name})."
+            )
+        n = len(call.tensor_pos)
+        needs = ctx.needs_input_grad[2 : 2 + n]
+        kind = "accumulate" if _leaf_gets_grad(eng._dummy) else "select"
+        keep_graph = _keeps_graph()
+        call.fwd.backward_started = True
+        grad_inputs, grad_params = eng._backward_call(call, needs, grad_outs, kind, keep_graph)
+        return (None, None, *grad_inputs, *grad_params)
 
 
 class StreamingEngine:
@@ -302,9 +401,8 @@ class StreamingEngine:
         self._cursor = 0
         self._phase = "idle"
         self._bwd_seq: list[int] = []  # backward fetch sequence of the last training step
-        self._calls: list[_Call] = []  # grad-mode block calls of the current forward, in order
-        self._recomputed: dict[int, list[torch.Tensor]] = {}  # call pos -> outputs recomputed in backward
-        self._last_outs: tuple[int, tuple[torch.Tensor, ...]] | None = None
+        self._fwd = _Forward()  # grad-mode block calls of the current forward, in order
+        self._kept_open: set[_KeptGraph] = set()  # last-block graphs whose backward has not run
         self._dummy = torch.empty(0, device=self.device, requires_grad=True)
         self._saved_forwards: dict[int, tuple[bool, Any]] = {}
         self._live = 0
@@ -317,8 +415,6 @@ class StreamingEngine:
         self._sends_left: dict[int, int] = {}
         self._plan_due = False
         self._eager_hyper = None
-        self._graph_refs: list = []
-        self._graph_open: tuple[dict, int] | None = None  # the last block's graph: refs whose hook has not fired, buffer bytes
         self._warned_cache = False
         self.installed = False
 
@@ -477,13 +573,15 @@ class StreamingEngine:
                 if stripped and not self._warned_cache:
                     self._warned_cache = True
                     log.info("megatrain: KV cache disabled for training forwards (recompute would corrupt gradients).")
-                if self._calls and self.order and blk.index == self.order[-1]:
-                    return self._run_with_graph(blk, orig, args, kwargs)
                 flat, spec = tree_flatten((args, kwargs))
                 pos = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
-                call = _Call(self, blk, orig, [None if i in pos else x for i, x in enumerate(flat)], spec, pos)
-                outs = _BlockFunction.apply(call, self._dummy, *[flat[i] for i in pos])
-                self._last_outs = (call.pos, outs)
+                refs = self._trainable_refs(blk)
+                fwd = self._forward_for(blk)
+                keep = bool(fwd.calls) and bool(self.order) and blk.index == self.order[-1]
+                call = _Call(self, blk, orig, [None if i in pos else x for i, x in enumerate(flat)], spec, pos,
+                             fwd=fwd, refs=refs, keep=keep)
+                outs = _BlockFunction.apply(call, self._dummy, *[flat[i] for i in pos], *[r.param for r in refs])
+                call.fwd.last_outs = (call.pos, [weakref.ref(o) for o in outs])
                 out_flat = list(call.out_flat)
                 for i, o in zip(call.out_pos, outs):
                     out_flat[i] = o
@@ -500,80 +598,74 @@ class StreamingEngine:
         proxy.__wrapped__ = orig  # type: ignore[attr-defined]
         return proxy
 
-    def _grad_leaves(self, blk: Block, bufs: dict[int, torch.Tensor]) -> tuple[dict[int, torch.Tensor], list]:
-        """One autograd leaf per trainable parameter of ``blk`` (a view of its device buffer), keyed by
-        ``id(param)``, and the parameter references in the same order."""
-        leaves: dict[int, torch.Tensor] = {}
+    def _forward_for(self, blk: Block) -> _Forward:
+        """The forward record a grad-mode call of ``blk`` belongs to: a new one when ``blk`` is the
+        block the current forward started with (a new forward pass)."""
+        fwd = self._fwd
+        if fwd.calls and blk.index == fwd.first_block:
+            earlier_open = not fwd.backward_started and any(not c.freed for c in fwd.live())
+            fwd = self._fwd = _Forward(shares_step=earlier_open)
+        if not fwd.calls:
+            fwd.first_block = blk.index
+        return fwd
+
+    @staticmethod
+    def _trainable_refs(blk: Block) -> list:
+        """The block's trainable parameter references, one per parameter object, in block order."""
+        seen: set[int] = set()
         refs = []
         for ref in blk.params:
-            if ref.param.requires_grad and id(ref.param) not in leaves:
-                e = self.store.slabs[ref.slab].entries[ref.index]
-                view = bufs[ref.slab][e.offset : e.offset + e.numel].view(e.shape)
-                leaves[id(ref.param)] = view.detach().requires_grad_(True)
+            if ref.param.requires_grad and id(ref.param) not in seen:
+                seen.add(id(ref.param))
                 refs.append(ref)
-        return leaves, refs
+        return refs
 
-    def _run_with_graph(self, blk: Block, orig: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        """Run the last block of a training forward with ordinary autograd tracking.
+    def _grad_leaves(self, refs: Sequence, bufs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """One autograd leaf per parameter of ``refs`` (a view of its device buffer), keyed by ``id(param)``."""
+        leaves: dict[int, torch.Tensor] = {}
+        for ref in refs:
+            e = self.store.slabs[ref.slab].entries[ref.index]
+            view = bufs[ref.slab][e.offset : e.offset + e.numel].view(e.shape)
+            leaves[id(ref.param)] = view.detach().requires_grad_(True)
+        return leaves
+
+    def _run_kept(self, call: _Call, tensors: Sequence[torch.Tensor]) -> Any:
+        """Run the last block of a training forward with autograd and keep its graph for its backward.
 
         Its backward comes first, right after the loss, so recomputing it would redo its forward
         (for an LM head: the B x T x V logits matmul) and fetch its weights again. Instead its
-        weights stay on the device until its backward, and a post-accumulate-grad hook on each
-        weight leaf sends the gradient to the host accumulator and releases the buffers.
-        """
-        self._close_graph()  # the previous forward's, if its backward never ran (training_step returned None)
+        weights stay on the device until its backward (``_KeptGraph``)."""
+        blk = call.block
         bufs = self.acquire(blk, backward=False, training=True)
-        leaves, refs = self._grad_leaves(blk, bufs)
-        nbytes = sum(b.numel() * b.element_size() for b in bufs.values())
-        open_refs = {id(r): (r, leaves[id(r.param)]) for r in refs}
-        if refs:
-            self._graph_open = (open_refs, nbytes)
-        self._graph_refs = list(refs)
-        self._plan_updates_in_backward()  # its gradient hooks fire before any other backward fetch
-        self._track(self._grad_bytes(refs))  # its gradients, allocated in backward
-
-        def hook_for(ref: Any) -> Callable[[torch.Tensor], None]:
-            def hook(leaf: torch.Tensor) -> None:
-                grad, leaf.grad = leaf.grad, None
-                # the graph (kept by the loss until Lightning drops it) still holds the leaf, a view
-                # of the compute buffer released below: point the leaf at nothing so the buffer goes
-                leaf.data = torch.empty(0, dtype=leaf.dtype, device=leaf.device)
-                self._send_grads([ref], [grad], reserved=self._grad_bytes([ref]))
-                open_refs.pop(id(ref), None)
-                if not open_refs:
-                    self._track(-nbytes)
-                    self.transport.released()
-                    if self._graph_open is not None and self._graph_open[0] is open_refs:
-                        self._graph_open = None
-
-            return hook
-
-        for ref in refs:
-            leaves[id(ref.param)].register_post_accumulate_grad_hook(hook_for(ref))
+        leaves = self._grad_leaves(call.refs, bufs)
+        inputs = [t.detach().requires_grad_(t.requires_grad) if t.is_floating_point() else t for t in tensors]
+        flat = list(call.flat)
+        for i, t in zip(call.tensor_pos, inputs):
+            flat[i] = t
+        args, kwargs = tree_unflatten(flat, call.spec)
         t0 = time.perf_counter()
         try:
-            with self._bind(blk, bufs, leaves):
-                return orig(*args, **kwargs)
+            with torch.enable_grad(), self._bind(blk, bufs, leaves):
+                out = call.forward(*args, **kwargs)
+        except BaseException:
+            self._release(bufs)
+            raise
         finally:
             self.stats.compute_s += time.perf_counter() - t0
-            if not refs:
-                self._release(bufs)
+        out_flat, spec = tree_flatten(out)
+        outs = [x for x in out_flat if isinstance(x, torch.Tensor)]
+        kept = _KeptGraph(self, bufs, leaves, inputs, outs)
+        call.graph = kept
+        self._kept_open.add(kept)
+        weakref.finalize(call, kept.close)  # its graph dropped unused (training_step returned None)
+        call.fwd.kept.append(weakref.ref(call))
+        # the caller gets detached outputs: autograd connects them to this call's node
+        return tree_unflatten([x.detach() if isinstance(x, torch.Tensor) else x for x in out_flat], spec)
 
-    def _close_graph(self) -> None:
-        """Release what the last block's graph still holds once its backward is over (or will never
-        run): the bytes reserved for gradients of weights that got none (their hook never fires)
-        and the compute buffer. Without this they would stay counted in the host budget."""
-        if self._graph_open is None:
-            return
-        open_refs, nbytes = self._graph_open
-        self._graph_open = None
-        if not open_refs:
-            return
-        for ref, leaf in open_refs.values():
-            leaf.data = torch.empty(0, dtype=leaf.dtype, device=leaf.device)
-        self._track(-(self._grad_bytes([r for r, _ in open_refs.values()]) + nbytes))
-        open_refs.clear()
-        self.transport.released()
+    def _close_kept(self) -> None:
+        """Release every kept last-block graph whose backward has not run (the step is over)."""
+        for kept in list(self._kept_open):
+            kept.close()
 
     @contextlib.contextmanager
     def _bind(self, blk: Block, bufs: dict[int, torch.Tensor], leaves: dict[int, torch.Tensor] | None):
@@ -608,38 +700,74 @@ class StreamingEngine:
             self.stats.compute_s += time.perf_counter() - t0
             self._release(bufs)
 
-    def _backward_block(self, call: _Call, inputs: list[torch.Tensor], needs: Sequence[bool], grad_outs: Sequence[torch.Tensor | None]):
-        blk = call.block
-        bufs = self.acquire(blk, backward=True)
-        t0 = time.perf_counter()
-        leaves, leaf_refs = self._grad_leaves(blk, bufs)
+    def _backward_call(self, call: _Call, needs: Sequence[bool], grad_outs: Sequence[torch.Tensor | None],
+                       kind: str, keep_graph: bool) -> tuple[list, list]:
+        """Backward of one block call: input gradients for autograd, parameter gradients to the host
+        accumulators (``kind == "accumulate"``: ``loss.backward()``) or (``"select"``: under
+        ``torch.autograd.grad`` / ``backward(inputs=...)``) to autograd, for the parameters it lists.
+
+        Returns:
+            (gradients of the call's tensor inputs, gradients of ``call.refs``' parameters), ``None``
+            where there is none.
+        """
+        refs = call.refs
+        want = [True] * len(refs) if kind == "accumulate" else [_leaf_gets_grad(r.param) for r in refs]
+        leaf_refs = [r for r, w in zip(refs, want) if w]
+        if call.keep:
+            self._enter_backward()
+            kept = call.graph
+            assert kept is not None
+            inputs, outs, leaves, bufs = kept.inputs, kept.outs, kept.leaves, None
+            t0 = time.perf_counter()
+        else:
+            inputs = []
+            for t, need in zip(self._load_inputs(call), needs):
+                t = t.detach()
+                if need:
+                    t.requires_grad_(True)
+                inputs.append(t)
+            bufs = self.acquire(call.block, backward=True)
+            t0 = time.perf_counter()
+            leaves = self._grad_leaves(refs, bufs)
         pre = self._grad_bytes(leaf_refs)
         self._track(pre)  # the parameter gradients autograd is about to allocate
-        flat = list(call.flat)
-        for i, t in zip(call.tensor_pos, inputs):
-            flat[i] = t
-        args, kwargs = tree_unflatten(flat, call.spec)
         try:
-            with self._replay(call), torch.enable_grad(), self._bind(blk, bufs, leaves):
-                out = call.forward(*args, **kwargs)
-            out_flat = tree_flatten(out)[0]
-            outs = [out_flat[i] for i in call.out_pos]
+            if not call.keep:
+                flat = list(call.flat)
+                for i, t in zip(call.tensor_pos, inputs):
+                    flat[i] = t
+                args, kwargs = tree_unflatten(flat, call.spec)
+                with self._replay(call), torch.enable_grad(), self._bind(call.block, bufs, leaves):
+                    out = call.forward(*args, **kwargs)
+                out_flat = tree_flatten(out)[0]
+                outs = [out_flat[i] for i in call.out_pos]
             pairs = [(o, g) for o, g in zip(outs, grad_outs) if g is not None and o.requires_grad]
             in_targets = [t for t, need in zip(inputs, needs) if need]
             targets = in_targets + [leaves[id(r.param)] for r in leaf_refs]
             if pairs and targets:
-                grads = torch.autograd.grad(
-                    [o for o, _ in pairs], targets, [g for _, g in pairs], allow_unused=True
-                )
+                grads = torch.autograd.grad([o for o, _ in pairs], targets, [g for _, g in pairs], allow_unused=True,
+                                            retain_graph=call.keep and keep_graph)
             else:
                 grads = (None,) * len(targets)
         finally:
             self.stats.compute_s += time.perf_counter() - t0
             del leaves
-            self._release(bufs)
-        self._send_grads(leaf_refs, grads[len(in_targets) :], reserved=pre)
+            if bufs is not None:
+                self._release(bufs)
+        param_grads = list(grads[len(in_targets) :])
+        if kind == "accumulate":
+            self._send_grads(leaf_refs, param_grads, reserved=pre)
+            out_params: list = [None] * len(refs)
+        else:
+            self._track(-pre)
+            it = iter(param_grads)
+            out_params = []
+            for r, w in zip(refs, want):
+                g = next(it) if w else None
+                out_params.append(None if g is None else g.to(r.param.device))
+        self._done_backward(call, keep_graph)
         it = iter(grads[: len(in_targets)])
-        return [next(it) if need else None for need in needs]
+        return [next(it) if need else None for need in needs], out_params
 
     # ------------------------------------------------------------------ activations
     @contextlib.contextmanager
@@ -664,17 +792,16 @@ class StreamingEngine:
         inputs that are not such outputs (attention masks, rotary cos/sin shared by all blocks)
         are kept by reference, which costs no memory beyond what the model already holds.
         """
-        if self._calls and call.block.index == self._calls[0].block.index:  # a new forward pass
-            self._calls, self._recomputed, self._last_outs = [], {}, None
-        call.pos = len(self._calls)
-        self._calls.append(call)
-        prev = self._last_outs if (self._last_outs and self._last_outs[0] == call.pos - 1) else None
+        fwd = call.fwd
+        call.pos = len(fwd.calls)
+        fwd.calls.append(weakref.ref(call))
+        prev = fwd.last_outs if (fwd.last_outs and fwd.last_outs[0] == call.pos - 1) else None
         start = call.pos % self.checkpoint_every == 0
         call.saved = []
         for i, t in enumerate(tensors):
             link = None
             if not start and prev is not None:
-                link = next((j for j, o in enumerate(prev[1]) if o is t), None)
+                link = next((j for j, o in enumerate(prev[1]) if o() is t), None)
             if link is not None:
                 call.links[i] = link
                 call.saved.append(None)
@@ -687,12 +814,12 @@ class StreamingEngine:
 
     def _load_inputs(self, call: _Call) -> list[torch.Tensor]:
         """The call's tensor inputs, recomputing linked ones from the segment start if needed."""
-        if call.links and (call.pos - 1) not in self._recomputed:
-            self._recompute_chain(call.pos - 1)
+        if call.links and (call.pos - 1) not in call.fwd.recomputed:
+            self._recompute_chain(call.fwd, call.pos - 1)
         out: list[torch.Tensor] = []
         for i, t in enumerate(call.saved):
             if i in call.links:
-                t = self._recomputed[call.pos - 1][call.links[i]]
+                t = call.fwd.recomputed[call.pos - 1][call.links[i]]
             elif i in call.offloaded:
                 t = self._restore(call.offloaded[i])
             elif t is not None and t._version != call.versions.get(i, t._version):
@@ -703,46 +830,59 @@ class StreamingEngine:
             out.append(t)  # type: ignore[arg-type]
         return out
 
-    def _recompute_chain(self, last: int) -> None:
-        """Forward (no autograd) the calls from the nearest one with all inputs kept up to ``last``,
-        caching each call's outputs for the backward of the call after it."""
+    def _recompute_chain(self, fwd: _Forward, last: int) -> None:
+        """Forward (no autograd) the calls of ``fwd`` from the nearest one with all inputs kept up to
+        ``last``, caching each call's outputs for the backward of the call after it."""
         chain = [last]
-        while self._calls[chain[-1]].links and (chain[-1] - 1) not in self._recomputed:
+        while fwd.call(chain[-1]).links and (chain[-1] - 1) not in fwd.recomputed:
             chain.append(chain[-1] - 1)
         for q in reversed(chain):
-            c = self._calls[q]
+            c = fwd.call(q)
+            if c.freed:
+                raise RuntimeError(
+                    "Trying to backward through the graph a second time (or directly access saved tensors after "
+                    "they have already been freed). Specify retain_graph=True if you need to backward through the "
+                    f"graph a second time (megatrain: block {c.block.name} is recomputed from freed inputs).")
             inputs = [t.detach() for t in self._load_inputs(c)]
             with torch.no_grad(), self._replay(c):
                 out = self._run_block(c, inputs, leaves=None, backward=True)
             flat = tree_flatten(out)[0]
-            self._recomputed[q] = [flat[i] for i in c.out_pos]
+            fwd.recomputed[q] = [flat[i] for i in c.out_pos]
 
-    def _done_backward(self, call: _Call) -> None:
-        self._recomputed.pop(call.pos - 1, None)
+    def _done_backward(self, call: _Call, keep_graph: bool) -> None:
+        """After a call's backward: drop the recomputed input it consumed; unless the graph is retained
+        (``retain_graph=True``), free what it saved, as autograd frees saved tensors."""
+        call.fwd.recomputed.pop(call.pos - 1, None)
+        if keep_graph:
+            return
+        call.freed = True
         call.saved, call.offloaded, call.versions = [], {}, {}
+        if call.graph is not None:
+            call.graph.close()
+            call.graph = None
 
     def _plan_updates_in_backward(self) -> None:
         """At the start of a backward with ``update_in_backward``: snapshot the hyper-parameters and
         count, per slab, the gradient batches this backward will send (one per block call holding
-        trainable parameters of the slab, one per parameter of the block that kept its graph)."""
+        trainable parameters of the slab). Not when this forward shares its step with an earlier
+        forward whose backward has not run (two forwards, one backward): gradients of that forward
+        would arrive after the update; the deferred schedule runs instead."""
         if not self._plan_due:
-            return  # planned already (by the block that kept its graph, whose backward comes first)
+            return
         self._plan_due = False
         self._sends_left = {}
-        if not (self.update_in_backward and self.optimizer is not None):
+        if not (self.update_in_backward and self.optimizer is not None) or self._fwd.shares_step:
             return
         self._eager_hyper = self.optimizer.snapshot()
-        for c in self._calls:
-            for si in {r.slab for r in c.block.params if r.param.requires_grad}:
+        for c in self._fwd.live():
+            for si in {r.slab for r in c.refs}:
                 self._sends_left[si] = self._sends_left.get(si, 0) + 1
-        for r in self._graph_refs:
-            self._sends_left[r.slab] = self._sends_left.get(r.slab, 0) + 1
 
     def _backward_sequence(self) -> list[int]:
         """Block fetch order of the coming backward (recompute chains included), for prefetching."""
         seq: list[int] = []
         cached: set[int] = set()
-        calls = self._calls
+        calls = self._fwd.live_calls()
         for p in range(len(calls) - 1, -1, -1):
             if calls[p].links and (p - 1) not in cached:
                 chain = [p - 1]
@@ -769,17 +909,13 @@ class StreamingEngine:
         """Advance the prefetch cursor to this fetch; returns its position in ``self._seq``."""
         if not backward and blk.index not in self.order:
             self.order.append(blk.index)
-        if backward and self._phase != "backward":
-            self._phase = "backward"
-            self._plan_updates_in_backward()
-            self._last_outs = None  # the forward is over: do not keep its last outputs alive
-            self._bwd_seq = self._backward_sequence()
-            self._seq, self._cursor = self._bwd_seq, 0
-        elif not backward and (self._phase != "forward" or (self.order and blk.index == self.order[0])):
+        if backward:
+            self._enter_backward()
+        elif self._phase != "forward" or (self.order and blk.index == self.order[0]):
             self._phase = "forward"
             self._seq = self.order + self._bwd_seq if training else list(self.order)
             self._cursor = 0
-            self._graph_refs, self._plan_due = [], True  # a new forward: plan its backward's updates
+            self._plan_due = True  # a new forward: plan its backward's updates
         seq = self._seq
         for start in (self._cursor, 0):
             for p in range(start, len(seq)):
@@ -787,6 +923,16 @@ class StreamingEngine:
                     self._cursor = p + 1
                     return p
         return None
+
+    def _enter_backward(self) -> None:
+        """First fetch (or kept graph) of a backward: plan its updates and its prefetch sequence."""
+        if self._phase == "backward":
+            return
+        self._phase = "backward"
+        self._plan_updates_in_backward()
+        self._fwd.last_outs = None  # the forward is over
+        self._bwd_seq = self._backward_sequence()
+        self._seq, self._cursor = self._bwd_seq, 0
 
     def acquire(self, blk: Block, backward: bool, training: bool = False) -> dict[int, torch.Tensor]:
         """Return the block's slabs on the device (waiting for the prefetch if needed) and start
@@ -1108,7 +1254,7 @@ class StreamingEngine:
 
     def end_step(self) -> dict[str, float]:
         """Close the accounting window of one optimizer step; returns the logged metrics."""
-        self._close_graph()  # the step's backward is over (or was skipped)
+        self._close_kept()  # the step's backward is over (or was skipped)
         if self.optimizer is not None:
             self.stats.optimizer_s = self.optimizer.optimizer_seconds
             self.optimizer.optimizer_seconds = 0.0

@@ -1,0 +1,179 @@
+"""What PyTorch autograd allows on a plain model works on a streamed one, or fails with a clear
+error naming the call (issue 13, item 2). Each test trains the same module with plain Lightning
+(``strategy="auto"``) and with ours, in manual optimization, and compares the weights."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+import megatrain_lightning  # noqa: F401
+from helpers import make_data, make_model, rel
+
+TOL = 1e-5
+
+
+class Manual(pl.LightningModule):
+    """Manual optimization; ``body(self, ids)`` does the forwards and backwards of one step."""
+
+    def __init__(self, model, body):
+        super().__init__()
+        self.model = model
+        self.body = body
+        self.automatic_optimization = False
+        self.seen: list[torch.Tensor] = []
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.body(self, ids)
+        opt.step()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def _run(strategy, body, tmp_path, arch="llama", steps=3, **model_kw):
+    lm = Manual(make_model(arch, **model_kw), body)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", max_steps=steps, enable_checkpointing=False,
+                         logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=str(tmp_path))
+    trainer.fit(lm, make_data(n=16))
+    return lm
+
+
+def _compare(body, tmp_path, **kw):
+    ref = _run("auto", body, tmp_path / "ref", **kw)
+    got = _run("megatrain", body, tmp_path / "ours", **kw)
+    pa, pb = dict(got.named_parameters()), dict(ref.named_parameters())
+    for k in pb:
+        r = rel(pa[k].detach(), pb[k].detach())
+        assert r <= TOL, f"{k}: {r:.2e} relative from plain Lightning"
+    assert len(got.seen) == len(ref.seen)
+    for a, b in zip(got.seen, ref.seen):
+        assert rel(a, b) <= TOL
+    return got, ref
+
+
+def _loss(m, ids, **kw):
+    return m.model(input_ids=ids, labels=ids, **kw).loss
+
+
+def test_retain_graph_then_second_backward(tmp_path):
+    def body(m, ids):
+        loss = _loss(m, ids)
+        m.manual_backward(loss, retain_graph=True)
+        m.manual_backward(0.5 * loss)
+
+    _compare(body, tmp_path)
+
+
+@pytest.mark.parametrize("checkpoint_every", [1, 2])
+def test_retain_graph_with_recompute_segments(tmp_path, checkpoint_every):
+    from megatrain_lightning import MegaTrainStrategy
+
+    def body(m, ids):
+        loss = _loss(m, ids)
+        m.manual_backward(loss, retain_graph=True)
+        m.manual_backward(0.5 * loss, retain_graph=True)
+        m.manual_backward(0.25 * loss)
+
+    ref = _run("auto", body, tmp_path / "ref")
+    got = _run(MegaTrainStrategy(checkpoint_every=checkpoint_every), body, tmp_path / "ours")
+    for (k, a), b in zip(got.named_parameters(), ref.parameters()):
+        assert rel(a.detach(), b.detach()) <= TOL, k
+
+
+def test_second_backward_without_retain_graph_fails_like_pytorch(tmp_path):
+    def body(m, ids):
+        loss = _loss(m, ids)
+        m.manual_backward(loss)
+        m.manual_backward(loss)
+
+    for strategy in ("auto", "megatrain"):
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            _run(strategy, body, tmp_path / strategy, steps=1)
+
+
+def test_two_forwards_then_one_backward(tmp_path):
+    def body(m, ids):
+        a = _loss(m, ids)
+        b = _loss(m, ids.flip(1))
+        m.manual_backward(a + 0.5 * b)
+
+    _compare(body, tmp_path)
+
+
+@pytest.mark.parametrize("checkpoint_every", [1, 2])
+def test_two_forwards_backward_in_reverse_order(tmp_path, checkpoint_every):
+    from megatrain_lightning import MegaTrainStrategy
+
+    def body(m, ids):
+        a = _loss(m, ids)
+        b = _loss(m, ids.flip(1))
+        m.manual_backward(b)
+        m.manual_backward(a)
+
+    ref = _run("auto", body, tmp_path / "ref")
+    got = _run(MegaTrainStrategy(checkpoint_every=checkpoint_every), body, tmp_path / "ours")
+    for (k, a), b in zip(got.named_parameters(), ref.parameters()):
+        assert rel(a.detach(), b.detach()) <= TOL, k
+
+
+def test_loss_that_uses_only_some_blocks(tmp_path):
+    """A loss on the hidden states after layer 1: layers 2.., the final norm and the LM head get no
+    gradient (AdamW skips them, as in plain PyTorch)."""
+    def body(m, ids):
+        out = m.model(input_ids=ids, output_hidden_states=True)
+        loss = out.hidden_states[2].pow(2).mean()
+        m.manual_backward(loss)
+
+    got, ref = _compare(body, tmp_path)
+    assert torch.equal(got.model.lm_head.weight, ref.model.lm_head.weight)  # untouched in both
+
+
+def test_autograd_grad_wrt_inputs_does_not_touch_parameter_grads(tmp_path):
+    """torch.autograd.grad(loss, inputs_embeds) returns the input gradient and accumulates nothing
+    into the parameters: the step after it only sees the gradients of the real backward."""
+    def body(m, ids):
+        emb = m.model.get_input_embeddings()(ids).detach().requires_grad_(True)
+        loss = m.model(inputs_embeds=emb, labels=ids).loss
+        (g,) = torch.autograd.grad(loss, emb)
+        m.seen.append(g.detach().clone())
+        m.manual_backward(_loss(m, ids))
+
+    _compare(body, tmp_path)
+
+
+def test_backward_with_inputs_only_fills_those(tmp_path):
+    def body(m, ids):
+        emb = m.model.get_input_embeddings()(ids).detach().requires_grad_(True)
+        loss = m.model(inputs_embeds=emb, labels=ids).loss
+        loss.backward(inputs=[emb])
+        m.seen.append(emb.grad.detach().clone())
+        m.manual_backward(_loss(m, ids))
+
+    _compare(body, tmp_path)
+
+
+def test_autograd_grad_wrt_parameters(tmp_path):
+    """torch.autograd.grad(loss, params) returns every parameter's gradient (plain PyTorch's
+    values) and leaves the accumulators alone."""
+    def body(m, ids):
+        params = [p for p in m.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(_loss(m, ids), params, allow_unused=True)
+        m.seen.extend(torch.zeros(()) if g is None else g.detach().clone() for g in grads)
+        m.manual_backward(_loss(m, ids))
+
+    _compare(body, tmp_path)
+
+
+def test_create_graph_is_refused_with_a_clear_error(tmp_path):
+    def body(m, ids):
+        loss = _loss(m, ids)
+        m.manual_backward(loss, create_graph=True)
+
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        _run("megatrain", body, tmp_path, steps=1)
