@@ -266,6 +266,10 @@ class StreamingEngine:
         if nvme is not None and nvme.kinds:
             layout = [(n, t) for _, n, t in slab_layout(self.blocks)]
             self._min_window = nvme.min_window(layout, self.device.type, lookahead)
+            if self.device.type == "cpu":
+                # direct blocks (a container's own parameters) keep their compute buffer for the whole
+                # forward and backward, next to the blocks in flight; their gradients come at the end
+                self._min_window += sum(8 * n for (n, _), b in zip(layout, self.blocks) if b.direct)
             self.nvme_preflight = preflight_nvme(nvme.path, layout, nvme.host_memory_limit, self._min_window,
                                                  pinned_bytes=nvme.pinned_bytes(layout) if pin_memory else 0)
             self.budget = HostBudget(nvme.host_memory_limit)
@@ -317,8 +321,10 @@ class StreamingEngine:
         self._sends_left: dict[int, int] = {}
         self._plan_due = False
         self._eager_hyper = None
-        self._graph_refs: list = []
-        self._graph_open: tuple[dict, int] | None = None  # the last block's graph: refs whose hook has not fired, buffer bytes
+        self._graph_refs: list = []  # parameters of this forward whose gradients come from graph hooks
+        # blocks run with their autograd graph kept (the last block, containers' direct parameters):
+        # per run, the refs whose gradient hook has not fired yet and the compute buffer's bytes
+        self._graphs: list[tuple[dict, int]] = []
         self._warned_cache = False
         self.installed = False
 
@@ -349,7 +355,7 @@ class StreamingEngine:
             had = "forward" in mod.__dict__
             orig = mod.forward
             self._saved_forwards[blk.index] = (had, mod.__dict__.get("forward"))
-            mod.forward = self._make_proxy(blk, orig)
+            mod.forward = self._make_direct_proxy(blk, orig) if blk.direct else self._make_proxy(blk, orig)
         self.buffers_to(self.device)
         self.installed = True
 
@@ -500,6 +506,26 @@ class StreamingEngine:
         proxy.__wrapped__ = orig  # type: ignore[attr-defined]
         return proxy
 
+    def _make_direct_proxy(self, blk: Block, orig: Callable[..., Any]) -> Callable[..., Any]:
+        """Proxy of a container whose own parameters form a direct block: its ``forward`` uses them
+        outside any block call, so they are bound for the whole call (its child blocks stream inside
+        it as usual). Under grad mode, trainable ones are autograd leaves kept until backward, whose
+        gradient hooks send the gradients to the host accumulators (as for the last block)."""
+        trainable = any(r.param.requires_grad for r in blk.params)
+
+        def proxy(*args: Any, **kwargs: Any) -> Any:
+            if torch.is_grad_enabled() and trainable:
+                return self._run_with_graph(blk, orig, args, kwargs, plan=False)
+            bufs = self.acquire(blk, backward=False, training=torch.is_grad_enabled())
+            try:
+                with self._bind(blk, bufs, None):
+                    return orig(*args, **kwargs)
+            finally:
+                self._release(bufs)
+
+        proxy.__wrapped__ = orig  # type: ignore[attr-defined]
+        return proxy
+
     def _grad_leaves(self, blk: Block, bufs: dict[int, torch.Tensor]) -> tuple[dict[int, torch.Tensor], list]:
         """One autograd leaf per trainable parameter of ``blk`` (a view of its device buffer), keyed by
         ``id(param)``, and the parameter references in the same order."""
@@ -513,23 +539,28 @@ class StreamingEngine:
                 refs.append(ref)
         return leaves, refs
 
-    def _run_with_graph(self, blk: Block, orig: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        """Run the last block of a training forward with ordinary autograd tracking.
+    def _run_with_graph(self, blk: Block, orig: Callable[..., Any], args: tuple, kwargs: dict,
+                        plan: bool = True) -> Any:
+        """Run a block with ordinary autograd tracking: the last block of a training forward, or a
+        container's direct parameters (``plan=False``) for the container's whole ``forward``.
 
-        Its backward comes first, right after the loss, so recomputing it would redo its forward
-        (for an LM head: the B x T x V logits matmul) and fetch its weights again. Instead its
-        weights stay on the device until its backward, and a post-accumulate-grad hook on each
-        weight leaf sends the gradient to the host accumulator and releases the buffers.
+        The last block's backward comes first, right after the loss, so recomputing it would redo
+        its forward (for an LM head: the B x T x V logits matmul) and fetch its weights again. A
+        container's parameters are used outside any block call, so there is nothing to recompute.
+        Either way the weights stay on the device until backward, and a post-accumulate-grad hook on
+        each weight leaf sends the gradient to the host accumulator; the buffers are released once
+        every leaf's hook fired (or at the next forward / the step's end if some never fire).
         """
-        self._close_graph()  # the previous forward's, if its backward never ran (training_step returned None)
-        bufs = self.acquire(blk, backward=False, training=True)
+        bufs = self.acquire(blk, backward=False, training=True)  # a new forward closes older graphs
         leaves, refs = self._grad_leaves(blk, bufs)
         nbytes = sum(b.numel() * b.element_size() for b in bufs.values())
         open_refs = {id(r): (r, leaves[id(r.param)]) for r in refs}
+        entry = (open_refs, nbytes)
         if refs:
-            self._graph_open = (open_refs, nbytes)
-        self._graph_refs = list(refs)
-        self._plan_updates_in_backward()  # its gradient hooks fire before any other backward fetch
+            self._graphs.append(entry)
+        self._graph_refs.extend(refs)
+        if plan:
+            self._plan_updates_in_backward()  # its gradient hooks fire before any other backward fetch
         self._track(self._grad_bytes(refs))  # its gradients, allocated in backward
 
         def hook_for(ref: Any) -> Callable[[torch.Tensor], None]:
@@ -543,8 +574,7 @@ class StreamingEngine:
                 if not open_refs:
                     self._track(-nbytes)
                     self.transport.released()
-                    if self._graph_open is not None and self._graph_open[0] is open_refs:
-                        self._graph_open = None
+                    self._graphs[:] = [g for g in self._graphs if g is not entry]
 
             return hook
 
@@ -555,25 +585,25 @@ class StreamingEngine:
             with self._bind(blk, bufs, leaves):
                 return orig(*args, **kwargs)
         finally:
-            self.stats.compute_s += time.perf_counter() - t0
+            if not blk.direct:  # a container's call includes its child blocks, timed by themselves
+                self.stats.compute_s += time.perf_counter() - t0
             if not refs:
                 self._release(bufs)
 
     def _close_graph(self) -> None:
-        """Release what the last block's graph still holds once its backward is over (or will never
-        run): the bytes reserved for gradients of weights that got none (their hook never fires)
-        and the compute buffer. Without this they would stay counted in the host budget."""
-        if self._graph_open is None:
-            return
-        open_refs, nbytes = self._graph_open
-        self._graph_open = None
-        if not open_refs:
-            return
-        for ref, leaf in open_refs.values():
-            leaf.data = torch.empty(0, dtype=leaf.dtype, device=leaf.device)
-        self._track(-(self._grad_bytes([r for r, _ in open_refs.values()]) + nbytes))
-        open_refs.clear()
-        self.transport.released()
+        """Release what the graphs kept by :meth:`_run_with_graph` still hold once their backward is
+        over (or will never run): the bytes reserved for gradients of weights that got none (their
+        hook never fires) and the compute buffers. Without this they would stay counted in the host
+        budget. Called when a new forward starts and at the step's end."""
+        graphs, self._graphs = self._graphs, []
+        for open_refs, nbytes in graphs:
+            if not open_refs:
+                continue
+            for ref, leaf in open_refs.values():
+                leaf.data = torch.empty(0, dtype=leaf.dtype, device=leaf.device)
+            self._track(-(self._grad_bytes([r for r, _ in open_refs.values()]) + nbytes))
+            open_refs.clear()
+            self.transport.released()
 
     @contextlib.contextmanager
     def _bind(self, blk: Block, bufs: dict[int, torch.Tensor], leaves: dict[int, torch.Tensor] | None):
@@ -779,6 +809,7 @@ class StreamingEngine:
             self._phase = "forward"
             self._seq = self.order + self._bwd_seq if training else list(self.order)
             self._cursor = 0
+            self._close_graph()  # the previous forward's, if its backward never ran (training_step returned None)
             self._graph_refs, self._plan_due = [], True  # a new forward: plan its backward's updates
         seq = self._seq
         for start in (self._cursor, 0):
@@ -1054,14 +1085,48 @@ class StreamingEngine:
         """Set ``param.grad`` to a view of its fp32 accumulator (``None`` where no gradient arrived).
 
         With accumulators on disk (``offload_optimizer="nvme"``) ``param.grad`` stays ``None``: the
-        gradients are not all in memory at once (clipping still works, see HostAdamW.clip_grad_norm)."""
+        gradients are not all in memory at once (clipping still works, see HostAdamW.clip_grad_norm).
+
+        Raises:
+            RuntimeError: a parameter got a gradient from ordinary autograd, outside the engine: it was
+                used outside the forward of the module that owns it (see :meth:`check_outside_grads`).
+        """
         self.wait_grads()
+        self.check_outside_grads()
         if "acc" in self.store.nvme_kinds:
             return
         for slab in self.store.slabs:
             for i, e in enumerate(slab.entries):
                 has = slab.acc is not None and not slab.acc_empty and slab.has_grad[i]
                 e.ref.param.grad = slab.acc_view(i) if has else None
+
+    def check_outside_grads(self) -> None:
+        """Raise if a parameter's ``.grad`` was set by ordinary autograd rather than by the engine.
+
+        The engine computes every gradient inside block calls and keeps it in the host accumulators;
+        ``param.grad`` is only ever ``None`` or a view of an accumulator. A parameter used *outside*
+        the forward of its block (for example ``self.net.pos`` read in ``training_step`` while only
+        ``net.forward`` binds it, or a weight reused with ``F.linear`` in another module) is seen by
+        autograd as the plain host tensor: its gradient would land in ``.grad`` and be lost.
+
+        Raises:
+            RuntimeError: naming the parameters and what to do.
+        """
+        bad = []
+        for slab in self.store.slabs:
+            acc = slab.acc.untyped_storage().data_ptr() if slab.acc is not None else None
+            for e in slab.entries:
+                g = e.ref.param.grad
+                if g is not None and (acc is None or g.untyped_storage().data_ptr() != acc):
+                    bad.append(e.ref.fqn)
+        if bad:
+            raise RuntimeError(
+                f"megatrain: parameters {bad} got a gradient outside the streamed blocks: they were used "
+                "outside the forward of the module that owns them, where the engine does not bind them, so "
+                "their gradient would be lost. Use each parameter only inside its own module's forward (call "
+                "the module instead of reading its weight, e.g. self.net(x) rather than self.net.pos), or "
+                "move the computation that uses it into that module's forward."
+            )
 
     def detach_grads(self) -> None:
         for slab in self.store.slabs:
