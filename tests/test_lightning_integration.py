@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, Logger
 from lightning.pytorch.utilities import grad_norm
 from torch import nn
 
@@ -337,3 +337,105 @@ def test_parameter_used_outside_its_module_is_an_error():
     with pytest.raises(RuntimeError, match=r"\['net.scale'\].*outside"):
         _trainer(strategy=MegaTrainStrategy(block_names=["net.layers.*"]), max_steps=1).fit(Outside(), make_data(n=4))
 
+
+# ---------------------------------------------------------------- engine statistics through Lightning
+class _Recorder(Logger):
+    """A logger that keeps every ``log_metrics`` call: ``rows = [(step, metrics)]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows: list[tuple[int, dict]] = []
+
+    @property
+    def name(self):
+        return "recorder"
+
+    @property
+    def version(self):
+        return 0
+
+    def log_hyperparams(self, *args, **kwargs):
+        pass
+
+    def log_metrics(self, metrics, step=None):
+        self.rows.append((step, dict(metrics)))
+
+    def steps_of(self, key):
+        return [s for s, m in self.rows if key in m]
+
+
+class _UserLogLM(LM):
+    """Logs its own step metric the way a Lightning user does; the reference for steps."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("user_loss", loss, on_step=True, on_epoch=False)
+        return loss
+
+
+class _ManualLM(_UserLogLM):
+    def __init__(self, model):
+        super().__init__(model)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        opt.step()
+
+
+@pytest.mark.parametrize("every,steps,accumulate,manual", [
+    (1, 4, 1, False), (2, 6, 1, False), (2, 5, 1, False), (2, 6, 2, False), (3, 7, 1, True),
+])
+def test_stats_reach_every_logger_at_lightnings_steps(tmp_path, every, steps, accumulate, manual):
+    """megatrain/* go through Lightning's logging: every logger gets them, at exactly the steps at which
+    plain Lightning logs a user's ``self.log(..., on_step=True)`` metric (log_every_n_steps honoured),
+    each value is the one of the optimizer step it is logged for, and callback_metrics holds them."""
+    csv, rec = CSVLogger(tmp_path, name="csv"), _Recorder()
+    lm = (_ManualLM if manual else _UserLogLM)(make_model("llama"))
+    trainer = _trainer(logger=[csv, rec], log_every_n_steps=every, max_steps=steps, accumulate_grad_batches=accumulate)
+    trainer.fit(lm, make_data(n=32))
+
+    plain_rec = _Recorder()
+    plain_lm = (_ManualLM if manual else _UserLogLM)(make_model("llama"))
+    _trainer(strategy="auto", logger=[plain_rec], log_every_n_steps=every, max_steps=steps,
+             accumulate_grad_batches=accumulate).fit(plain_lm, make_data(n=32))
+    expect = plain_rec.steps_of("user_loss")
+    assert expect == [s for s in range(steps) if (s + 1) % every == 0]  # what Lightning does
+    hist = trainer.strategy.engine.history
+    assert len(hist) == steps  # one accounting window per optimizer step
+    keys = sorted(hist[0])
+    for key in keys:
+        assert rec.steps_of(key) == expect, key  # once per logged step, at the user metric's steps
+    for step, row in rec.rows:
+        if "megatrain/h2d_bytes" in row:
+            # logged at step s: the window of optimizer step s + 1 (Lightning's step numbering)
+            assert {k: row[k] for k in keys} == hist[step]
+    # the CSV logger got the same values (one row per logged step)
+    import csv as csv_mod
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv") as f:
+        rows = [r for r in csv_mod.DictReader(f) if r.get("megatrain/h2d_bytes")]
+    assert [int(r["step"]) for r in rows] == expect
+    assert [float(r["megatrain/h2d_bytes"]) for r in rows] == [hist[s]["megatrain/h2d_bytes"] for s in expect]
+    # callbacks see them (ModelCheckpoint(monitor=...), EarlyStopping)
+    assert set(keys) <= set(trainer.callback_metrics)
+    assert trainer.callback_metrics["megatrain/h2d_bytes"].item() == hist[-1]["megatrain/h2d_bytes"]
+
+
+def test_log_stats_false_logs_nothing(tmp_path):
+    rec = _Recorder()
+    trainer = _trainer(strategy=MegaTrainStrategy(log_stats=False), logger=[rec], log_every_n_steps=1, max_steps=3)
+    trainer.fit(_UserLogLM(make_model("llama")), make_data(n=8))
+    assert rec.steps_of("user_loss") == [0, 1, 2]
+    assert not any(k.startswith("megatrain/") for _, m in rec.rows for k in m)
+    assert not any(k.startswith("megatrain/") for k in trainer.callback_metrics)
+    assert len(trainer.strategy.engine.history) == 3  # still measured
+
+
+def test_stats_reach_callback_metrics_without_a_logger():
+    trainer = _trainer(logger=False, max_steps=2)
+    trainer.fit(LM(make_model("llama")), make_data(n=4))
+    assert trainer.callback_metrics["megatrain/blocks_fetched"].item() == trainer.strategy.engine.history[-1][
+        "megatrain/blocks_fetched"]
