@@ -279,7 +279,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         step (``optimizer_step``; ``training_step`` under manual optimization) would. So every logger
         of ``Trainer(logger=[...])`` receives them, at the step and ``log_every_n_steps`` cadence of
         the user's own ``self.log(..., on_step=True)`` metrics, and ``trainer.callback_metrics`` holds
-        them (``ModelCheckpoint(monitor=...)`` and ``EarlyStopping`` can use them).
+        them (``ModelCheckpoint(monitor=...)`` and ``EarlyStopping`` can use them). Lightning logs step
+        metrics once per batch, so a manual-optimization ``training_step`` that steps twice logs the
+        second step's values (as it would a user's ``self.log``); ``engine.history`` has both.
 
         Values are float64 CPU tensors: byte counts stay exact (float32 would round them) and
         logging adds no device synchronisation. Nothing is logged with ``Trainer(barebones=True)``
