@@ -67,7 +67,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             prefetch schedule, deferred updates and accounting run the same either way, and
             ``False`` makes the CPU path copy exactly as the CUDA path does). Mixed precision always
             streams converted copies.
-        log_stats: log per-step accounting (``megatrain/h2d_bytes`` ...) through the Trainer's logger.
+        log_stats: log per-step accounting (``megatrain/h2d_bytes`` ...) like ``self.log(..., on_step=True)``:
+            to every logger of the Trainer at its ``log_every_n_steps``, and into ``trainer.callback_metrics``.
         offload_params: where fp32 master weights live: ``"cpu"`` (host RAM, default) or ``"nvme"``
             (per-block files under ``nvme_path``, read through a host window).
         offload_optimizer: where ``exp_avg``, ``exp_avg_sq`` and the gradient accumulators live:
@@ -264,16 +265,46 @@ class MegaTrainStrategy(SingleDeviceStrategy):
 
     # ------------------------------------------------------------------ step
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        """Lightning's optimizer step, then per-step accounting to the logger."""
+        """Lightning's optimizer step, then the step's accounting logged through Lightning."""
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.engine is not None:
             metrics = self.engine.end_step()
-            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-            if self.log_stats and trainer is not None and trainer.logger is not None:
-                step = trainer.global_step
-                if (step + 1) % max(1, trainer.log_every_n_steps) == 0:
-                    trainer.logger.log_metrics(metrics, step=step)
+            if self.log_stats:
+                self._log_stats(metrics)
         return out
+
+    def _log_stats(self, metrics: Mapping[str, float]) -> None:
+        """Log one optimizer step's accounting (``megatrain/*``: bytes, seconds, counts) with the
+        module's ``log_dict(on_step=True, on_epoch=False)``, as a ``self.log`` in the hook that ran the
+        step (``optimizer_step``; ``training_step`` under manual optimization) would. So every logger
+        of ``Trainer(logger=[...])`` receives them, at the step and ``log_every_n_steps`` cadence of
+        the user's own ``self.log(..., on_step=True)`` metrics, and ``trainer.callback_metrics`` holds
+        them (``ModelCheckpoint(monitor=...)`` and ``EarlyStopping`` can use them). Lightning logs step
+        metrics once per batch, so a manual-optimization ``training_step`` that steps twice logs the
+        second step's values (as it would a user's ``self.log``); ``engine.history`` has both.
+
+        Values are float64 CPU tensors: byte counts stay exact (float32 would round them) and
+        logging adds no device synchronisation. Nothing is logged with ``Trainer(barebones=True)``
+        (Lightning disables logging there) or outside a Trainer's loop; a hook in which Lightning
+        refuses step-level logging (a manual ``opt.step()`` in ``on_train_epoch_end``) gets a warning
+        once, and the values stay in ``trainer.strategy.engine.history``.
+        """
+        module = self.lightning_module
+        try:
+            trainer = module.trainer if module is not None else None
+        except RuntimeError:  # not attached to a Trainer
+            return
+        if trainer is None or trainer.barebones or not trainer.training:
+            return
+        values = {k: torch.tensor(float(v), dtype=torch.float64) for k, v in metrics.items()}
+        try:
+            # logger left at its default (True): no "no logger configured" warning with logger=False
+            module.log_dict(values, on_step=True, on_epoch=False, prog_bar=False, batch_size=1)
+        except MisconfigurationException as err:
+            if not getattr(self, "_warned_log", False):
+                self._warned_log = True
+                log.warning("megatrain: per-step statistics not logged (%s); they stay in "
+                            "trainer.strategy.engine.history.", err)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Lightning's training step; first decides whether this micro-batch's backward applies the

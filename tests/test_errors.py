@@ -120,6 +120,49 @@ def test_parameter_on_root_module():
         discover_blocks(Root(), block_names=["layer"])
 
 
+class _Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, h):
+        return self.fc(h)
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_Layer(), _Layer()])
+        self.pos = nn.Parameter(torch.zeros(4))
+
+
+class _M2(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = _Net()
+
+
+def test_unmatched_block_name_lists_the_module_paths():
+    """A pattern that matches nothing is an error that shows the paths there are to match."""
+    with pytest.raises(BlockDiscoveryError) as err:
+        discover_blocks(_M2(), block_names=["net.layer.*"])  # typo: layers
+    msg = str(err.value)
+    assert "['net.layer.*'] match no module path of _M2" in msg
+    for path in ("net (_Net)", "net.layers (ModuleList)", "net.layers.* (_Layer)", "net.layers.*.fc (Linear)"):
+        assert path in msg, path
+    # one pattern right, one wrong: still an error naming the wrong one
+    with pytest.raises(BlockDiscoveryError, match=r"\['net.head'\] match no module path"):
+        discover_blocks(_M2(), block_names=["net.layers.*", "net.head"])
+    # a class that matches nothing lists the paths with their classes too
+    with pytest.raises(BlockDiscoveryError, match=r"No module of _M2 matched.*net.layers.\* \(_Layer\)"):
+        discover_blocks(_M2(), block_classes=["Layer"])
+    # the right names work although the container owns a parameter (it gets a block of its own)
+    blocks = discover_blocks(_M2(), block_names=["net.layers.*"])
+    assert [(b.name, [r.fqn for r in b.params]) for b in blocks] == [
+        ("net", ["net.pos"]), ("net.layers.0", ["net.layers.0.fc.weight", "net.layers.0.fc.bias"]),
+        ("net.layers.1", ["net.layers.1.fc.weight", "net.layers.1.fc.bias"])]
+
+
 def test_negative_lookahead():
     lm = LM(make_model("llama"))
     with pytest.raises(ValueError, match="lookahead"):

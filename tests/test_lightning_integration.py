@@ -6,14 +6,17 @@ import copy
 import logging
 
 import lightning.pytorch as pl
+import pytest
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, Logger
 from lightning.pytorch.utilities import grad_norm
+from torch import nn
 
 import megatrain_lightning  # noqa: F401
-from megatrain_lightning import MegaTrainStrategy
-from helpers import LM, assert_parity, make_data, make_model, reference_train, rel
+from megatrain_lightning import MegaTrainStrategy, discover_blocks
+from helpers import LM, SEQ, VOCAB, assert_parity, make_data, make_model, reference_train, rel
 
 
 def _trainer(tmp_path=None, **kw):
@@ -227,3 +230,212 @@ def test_default_trainer_callbacks_progress_bar_and_self_log(tmp_path):
     from megatrain_lightning.checkpoint.hf_io import SafetensorsSource
     n_states = sum(1 for k in SafetensorsSource(ckpts[0] / "optimizer").keys() if k.endswith("/exp_avg"))
     assert n_states == sum(p.requires_grad for p in lm.parameters())
+
+
+# ---------------------------------------------------------------- containers that own parameters
+class _Layer(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+
+    def forward(self, h):
+        return h + self.fc2(torch.tanh(self.fc1(h)))
+
+
+class _Net(nn.Module):
+    """A container that owns parameters (``pos``, ``scale``, frozen ``shift``) used directly in its
+    forward, between and around the layers it holds."""
+
+    def __init__(self, d=16, n=3):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, d)
+        self.pos = nn.Parameter(torch.randn(SEQ, d) * 0.1)
+        self.layers = nn.ModuleList([_Layer(d) for _ in range(n)])
+        self.scale = nn.Parameter(1.0 + 0.1 * torch.randn(d))
+        self.shift = nn.Parameter(0.1 * torch.randn(d), requires_grad=False)
+        self.head = nn.Linear(d, VOCAB)
+
+    def forward(self, ids):
+        h = self.emb(ids) + self.pos[: ids.shape[1]]
+        for layer in self.layers:
+            h = layer(h) * self.scale
+        return self.head(h + self.shift)
+
+
+class ContainerLM(pl.LightningModule):
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = _Net()
+        self.losses: list[float] = []
+
+    def _loss(self, ids):
+        logits = self.net(ids)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch[0])
+        self.losses.append(loss.item())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self._loss(batch[0]))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def test_container_parameters_form_their_own_block():
+    blocks = discover_blocks(ContainerLM(), block_names=["net.layers.*"])
+    assert [(b.name, b.direct) for b in blocks] == [
+        ("net", True), ("net.emb", False), ("net.layers.0", False), ("net.layers.1", False),
+        ("net.layers.2", False), ("net.head", False)]
+    # the container's block holds only its direct parameters, not its children's
+    assert [r.fqn for r in blocks[0].params] == ["net.pos", "net.scale", "net.shift"]
+    assert [r.fqn for r in blocks[2].params] == ["net.layers.0.fc1.weight", "net.layers.0.fc1.bias",
+                                                 "net.layers.0.fc2.weight", "net.layers.0.fc2.bias"]
+    # without a block below it the same module still swallows its children (one block, as before)
+    assert [b.name for b in discover_blocks(ContainerLM(), block_names=["net"])] == ["net"]
+
+
+@pytest.mark.parametrize("options,trainer_kw", [
+    ({}, {}),
+    ({"optimizer_in_backward": True, "cpu_zero_copy": False}, {}),
+    ({"checkpoint_every": 2, "offload_activations": True}, {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}),
+    ({"offload_params": "nvme", "offload_optimizer": "nvme", "host_memory_limit": 400_000}, {}),
+], ids=["default", "optimizer_in_backward", "accumulate_clip_K2", "nvme"])
+def test_container_parameters_train_like_plain_lightning(tmp_path, options, trainer_kw):
+    """A container's own parameters are used in its forward outside any block call; they must get
+    the gradients and updates plain Lightning gives them (losses and weights within 1e-6)."""
+    if "nvme_path" not in options and options.get("offload_params") == "nvme":
+        options = {**options, "nvme_path": str(tmp_path)}
+    lm, ref = ContainerLM(), ContainerLM()
+    data, val = make_data(n=16), make_data(n=4, seed=7)
+    trainer = _trainer(strategy=MegaTrainStrategy(block_names=["net.layers.*"], **options), max_steps=5, **trainer_kw)
+    trainer.fit(lm, data)
+    plain = _trainer(strategy="auto", max_steps=5, **trainer_kw)
+    plain.fit(ref, data)
+    assert_parity(lm, ref, lm.losses, ref.losses, tol=1e-6)
+    assert not torch.equal(lm.net.pos.detach(), ContainerLM().net.pos.detach())  # it trained
+    eng = trainer.strategy.engine
+    assert not eng._kept_open and eng._live == 0  # the container's buffer and gradient bytes came back
+    # evaluation (no_grad) binds the container's parameters too
+    (ours,) = trainer.validate(lm, val)
+    (theirs,) = plain.validate(ref, val)
+    assert abs(ours["val_loss"] - theirs["val_loss"]) <= 1e-6 * theirs["val_loss"]
+
+
+def test_parameter_used_outside_its_module_is_an_error():
+    """Reading a container's parameter outside the container's forward (here in training_step) gives
+    it a plain autograd gradient the engine never sees: an error naming it, not a silent no-update."""
+
+    class Outside(ContainerLM):
+        def training_step(self, batch, batch_idx):
+            return super().training_step(batch, batch_idx) + self.net.scale.square().sum()
+
+    with pytest.raises(RuntimeError, match=r"\['net.scale'\].*outside"):
+        _trainer(strategy=MegaTrainStrategy(block_names=["net.layers.*"]), max_steps=1).fit(Outside(), make_data(n=4))
+
+
+# ---------------------------------------------------------------- engine statistics through Lightning
+class _Recorder(Logger):
+    """A logger that keeps every ``log_metrics`` call: ``rows = [(step, metrics)]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows: list[tuple[int, dict]] = []
+
+    @property
+    def name(self):
+        return "recorder"
+
+    @property
+    def version(self):
+        return 0
+
+    def log_hyperparams(self, *args, **kwargs):
+        pass
+
+    def log_metrics(self, metrics, step=None):
+        self.rows.append((step, dict(metrics)))
+
+    def steps_of(self, key):
+        return [s for s, m in self.rows if key in m]
+
+
+class _UserLogLM(LM):
+    """Logs its own step metric the way a Lightning user does; the reference for steps."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("user_loss", loss, on_step=True, on_epoch=False)
+        return loss
+
+
+class _ManualLM(_UserLogLM):
+    def __init__(self, model):
+        super().__init__(model)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        opt.step()
+
+
+@pytest.mark.parametrize("every,steps,accumulate,manual", [
+    (1, 4, 1, False), (2, 6, 1, False), (2, 5, 1, False), (2, 6, 2, False), (3, 7, 1, True),
+])
+def test_stats_reach_every_logger_at_lightnings_steps(tmp_path, every, steps, accumulate, manual):
+    """megatrain/* go through Lightning's logging: every logger gets them, at exactly the steps at which
+    plain Lightning logs a user's ``self.log(..., on_step=True)`` metric (log_every_n_steps honoured),
+    each value is the one of the optimizer step it is logged for, and callback_metrics holds them."""
+    csv, rec = CSVLogger(tmp_path, name="csv"), _Recorder()
+    lm = (_ManualLM if manual else _UserLogLM)(make_model("llama"))
+    trainer = _trainer(logger=[csv, rec], log_every_n_steps=every, max_steps=steps, accumulate_grad_batches=accumulate)
+    trainer.fit(lm, make_data(n=32))
+
+    plain_rec = _Recorder()
+    plain_lm = (_ManualLM if manual else _UserLogLM)(make_model("llama"))
+    _trainer(strategy="auto", logger=[plain_rec], log_every_n_steps=every, max_steps=steps,
+             accumulate_grad_batches=accumulate).fit(plain_lm, make_data(n=32))
+    expect = plain_rec.steps_of("user_loss")
+    assert expect == [s for s in range(steps) if (s + 1) % every == 0]  # what Lightning does
+    hist = trainer.strategy.engine.history
+    assert len(hist) == steps  # one accounting window per optimizer step
+    keys = sorted(hist[0])
+    for key in keys:
+        assert rec.steps_of(key) == expect, key  # once per logged step, at the user metric's steps
+    for step, row in rec.rows:
+        if "megatrain/h2d_bytes" in row:
+            # logged at step s: the window of optimizer step s + 1 (Lightning's step numbering)
+            assert {k: row[k] for k in keys} == hist[step]
+    # the CSV logger got the same values (one row per logged step)
+    import csv as csv_mod
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv") as f:
+        rows = [r for r in csv_mod.DictReader(f) if r.get("megatrain/h2d_bytes")]
+    assert [int(r["step"]) for r in rows] == expect
+    assert [float(r["megatrain/h2d_bytes"]) for r in rows] == [hist[s]["megatrain/h2d_bytes"] for s in expect]
+    # callbacks see them (ModelCheckpoint(monitor=...), EarlyStopping)
+    assert set(keys) <= set(trainer.callback_metrics)
+    assert trainer.callback_metrics["megatrain/h2d_bytes"].item() == hist[-1]["megatrain/h2d_bytes"]
+
+
+def test_log_stats_false_logs_nothing(tmp_path):
+    rec = _Recorder()
+    trainer = _trainer(strategy=MegaTrainStrategy(log_stats=False), logger=[rec], log_every_n_steps=1, max_steps=3)
+    trainer.fit(_UserLogLM(make_model("llama")), make_data(n=8))
+    assert rec.steps_of("user_loss") == [0, 1, 2]
+    assert not any(k.startswith("megatrain/") for _, m in rec.rows for k in m)
+    assert not any(k.startswith("megatrain/") for k in trainer.callback_metrics)
+    assert len(trainer.strategy.engine.history) == 3  # still measured
+
+
+def test_stats_reach_callback_metrics_without_a_logger():
+    trainer = _trainer(logger=False, max_steps=2)
+    trainer.fit(LM(make_model("llama")), make_data(n=4))
+    assert trainer.callback_metrics["megatrain/blocks_fetched"].item() == trainer.strategy.engine.history[-1][
+        "megatrain/blocks_fetched"]

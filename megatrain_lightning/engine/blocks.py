@@ -8,6 +8,13 @@ module that owns parameters directly (input embedding, position embedding,
 final norm, LM head) becomes a block of its own, so the whole model streams
 (DESIGN.md section 3, "Blocks").
 
+A *container* -- a module that owns parameters directly and also holds blocks below
+it (``Net`` with ``self.pos = nn.Parameter(...)`` and ``self.layers``) -- does not become
+one block: that would swallow its layers. Its direct parameters form a small block of
+their own (``Block.direct``) and discovery continues into its children. Such a block is
+bound for the whole of the container's ``forward`` (the parameters are used there,
+outside any block call) and keeps its autograd graph until backward, like the LM head.
+
 Tied parameters (for example ``lm_head.weight is model.embed_tokens.weight``)
 are stored once, in the slab of the first block that owns them in module
 order; later blocks that use them read that slab too.
@@ -57,12 +64,16 @@ class Block:
         name: module path inside the model (``model.layers.3``).
         module: the module object; its ``forward`` is replaced by a streaming proxy.
         params: every parameter the block reads, including tied ones stored in another slab.
+        direct: ``True`` for the direct parameters of a container (``module._parameters`` only,
+            not its children's): the engine binds them for the container's whole ``forward``, in
+            which its child blocks stream as usual, instead of proxying a leaf computation.
     """
 
     index: int
     name: str
     module: nn.Module
     params: list[ParamRef] = field(default_factory=list)
+    direct: bool = False
 
     @property
     def slabs(self) -> list[int]:
@@ -97,12 +108,35 @@ def find_hf_models(root: nn.Module) -> list[nn.Module]:
     return found
 
 
+def _module_listing(root: nn.Module, limit: int = 60) -> str:
+    """Module paths of ``root`` with their class names, numeric path parts shown as ``*``
+    (``net.layers.* (Layer)``), one entry per distinct path pattern, at most ``limit`` entries."""
+    seen: dict[str, str] = {}
+    for name, mod in root.named_modules():
+        if not name:
+            continue
+        pat = ".".join("*" if part.isdigit() else part for part in name.split("."))
+        seen.setdefault(pat, type(mod).__name__)
+    items = [f"{p} ({c})" for p, c in seen.items()]
+    more = f", ... and {len(items) - limit} more" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
+
+
 def discover_blocks(
     root: nn.Module,
     block_classes: Sequence[str | type] | None = None,
     block_names: Sequence[str] | None = None,
 ) -> list[Block]:
     """Split ``root`` into streamed blocks, in module (= forward) order.
+
+    Rules, for each module in ``named_modules()`` order that is not inside a block already:
+
+    * it matches ``block_classes`` / ``block_names``: a block (with everything below it);
+    * it owns parameters directly and some module below it matches: a *container*; its direct
+      parameters (only those, not its children's) form a ``direct`` block and discovery goes on
+      into its children;
+    * it owns parameters directly otherwise (embedding, norm, LM head): a block (with everything
+      below it).
 
     Args:
         root: the module to stream (a ``LightningModule`` or a Hugging Face model).
@@ -116,7 +150,8 @@ def discover_blocks(
 
     Raises:
         BlockDiscoveryError: no repeated block class/name matched (the model has no
-            ``_no_split_modules`` and no override was given), or ``root`` itself owns
+            ``_no_split_modules`` and no override was given), a ``block_names`` pattern matches no
+            module path (both list the module paths that exist), or ``root`` itself owns
             parameters directly (there is no module to stream them with).
     """
     classes: list[str | type] = list(block_classes or [])
@@ -129,7 +164,8 @@ def discover_blocks(
             f"Cannot find streamable blocks in {type(root).__name__}: no submodule declares "
             "`_no_split_modules` (Hugging Face models do). Pass "
             "`MegaTrainStrategy(block_classes=[YourLayerClass])` or "
-            "`block_names=['model.layers.*']` to name the repeated layers."
+            "`block_names=['model.layers.*']` to name the repeated layers. "
+            f"Module paths of {type(root).__name__}: {_module_listing(root)}."
         )
     if any(True for _ in root.parameters(recurse=False)):
         raise BlockDiscoveryError(
@@ -137,18 +173,28 @@ def discover_blocks(
             f"({[n for n, _ in root.named_parameters(recurse=False)]}); move them into a submodule "
             "so that they can be streamed with it."
         )
+    modules = [(name, mod) for name, mod in root.named_modules() if name]
+    unmatched = [pat for pat in names if not any(fnmatch.fnmatchcase(n, pat) for n, _ in modules)]
+    if unmatched:
+        raise BlockDiscoveryError(
+            f"block_names {unmatched} match no module path of {type(root).__name__}. Module paths "
+            f"(numeric indices shown as *): {_module_listing(root)}. Patterns are fnmatch patterns of "
+            "these paths, e.g. 'model.layers.*'."
+        )
+    matched = [name for name, mod in modules if _matches(name, type(mod).__name__, classes, names)]
+    matched_set = set(matched)
 
     blocks: list[Block] = []
     n_repeated = 0
     skip: list[str] = []
-    for name, mod in root.named_modules():
-        if name == "":
-            continue
+    for name, mod in modules:
         if any(name.startswith(p + ".") for p in skip):
             continue
-        is_block = _matches(name, type(mod).__name__, classes, names)
+        is_block = name in matched_set
         owns = any(True for _ in mod.parameters(recurse=False))
-        if is_block or owns:
+        if not is_block and owns and any(m.startswith(name + ".") for m in matched):
+            blocks.append(Block(index=len(blocks), name=name, module=mod, direct=True))
+        elif is_block or owns:
             blocks.append(Block(index=len(blocks), name=name, module=mod))
             skip.append(name)
             n_repeated += int(is_block)
@@ -156,12 +202,14 @@ def discover_blocks(
         raise BlockDiscoveryError(
             f"No module of {type(root).__name__} matched block classes {classes} / names {names}. "
             "Check the names (module classes are matched by class name, paths by fnmatch) or pass "
-            "`block_classes=` / `block_names=` to MegaTrainStrategy."
+            "`block_classes=` / `block_names=` to MegaTrainStrategy. Module paths (numeric indices "
+            f"shown as *, class in parentheses): {_module_listing(root)}."
         )
 
     owner_of: dict[int, tuple[int, int]] = {}
     for blk in blocks:
-        for sub_name, sub in blk.module.named_modules():
+        subs = [("", blk.module)] if blk.direct else blk.module.named_modules()
+        for sub_name, sub in subs:
             for attr, p in sub._parameters.items():
                 if p is None:
                     continue

@@ -184,7 +184,8 @@ class _Forward:
     last_outs: tuple[int, list] | None = None  # (pos, weak refs to the outputs) of the latest call
     backward_started: bool = False
     shares_step: bool = False  # started while an earlier forward's backward had not run
-    first_block: int = -1  # block index of the first call
+    first_block: int = -1  # block index of the first call (or container)
+    direct: list[list] = field(default_factory=list)  # trainable refs of each container call (_BoundParams)
 
     def live_calls(self) -> list[_Call]:
         """The calls in order, while their graph is alive (all of them at the start of a backward)."""
@@ -244,6 +245,38 @@ def _keeps_graph() -> bool:
     """``retain_graph`` of the running backward (what torch's own AOT autograd reads)."""
     fn = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
     return bool(fn()) if fn is not None else False
+
+
+class _BoundParams(torch.autograd.Function):
+    """A container's own parameters on the device for the span of its ``forward`` (a direct block:
+    they are used outside any block call, so there is nothing to recompute and ordinary autograd
+    tracks them).
+
+    Inputs: the engine, the parameters' references, their device views (the fetched buffer), the
+    engine's marker leaf, then the host parameters. Outputs: the device views, as tensors autograd
+    tracks. Backward: ``loss.backward()`` sends their gradients to the host accumulators;
+    ``torch.autograd.grad`` / ``backward(inputs=...)`` returns them for the parameters listed."""
+
+    @staticmethod
+    def forward(ctx, engine: "StreamingEngine", refs: list, views: list, dummy: torch.Tensor,
+                *params: torch.Tensor):  # type: ignore[override]
+        ctx.engine, ctx.refs = engine, refs
+        return tuple(views)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        eng, refs = ctx.engine, ctx.refs
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "megatrain: backward(create_graph=True) (double backward) reached a container's own parameters; "
+                "streamed models are differentiated once."
+            )
+        none = (None, None, None, None)
+        if _leaf_gets_grad(eng._dummy):
+            eng._send_grads(refs, list(grads))
+            return none + (None,) * len(refs)
+        return none + tuple(g.to(r.param.device) if g is not None and _leaf_gets_grad(r.param) else None
+                            for r, g in zip(refs, grads))
 
 
 class _BlockFunction(torch.autograd.Function):
@@ -365,6 +398,10 @@ class StreamingEngine:
         if nvme is not None and nvme.kinds:
             layout = [(n, t) for _, n, t in slab_layout(self.blocks)]
             self._min_window = nvme.min_window(layout, self.device.type, lookahead)
+            if self.device.type == "cpu":
+                # direct blocks (a container's own parameters) keep their compute buffer for the whole
+                # forward and backward, next to the blocks in flight; their gradients come at the end
+                self._min_window += sum(8 * n for (n, _), b in zip(layout, self.blocks) if b.direct)
             self.nvme_preflight = preflight_nvme(nvme.path, layout, nvme.host_memory_limit, self._min_window,
                                                  pinned_bytes=nvme.pinned_bytes(layout) if pin_memory else 0)
             self.budget = HostBudget(nvme.host_memory_limit)
@@ -445,7 +482,7 @@ class StreamingEngine:
             had = "forward" in mod.__dict__
             orig = mod.forward
             self._saved_forwards[blk.index] = (had, mod.__dict__.get("forward"))
-            mod.forward = self._make_proxy(blk, orig)
+            mod.forward = self._make_direct_proxy(blk, orig) if blk.direct else self._make_proxy(blk, orig)
         self.buffers_to(self.device)
         self.installed = True
 
@@ -602,12 +639,43 @@ class StreamingEngine:
         """The forward record a grad-mode call of ``blk`` belongs to: a new one when ``blk`` is the
         block the current forward started with (a new forward pass)."""
         fwd = self._fwd
-        if fwd.calls and blk.index == fwd.first_block:
+        if (fwd.calls or fwd.direct) and blk.index == fwd.first_block:
             earlier_open = not fwd.backward_started and any(not c.freed for c in fwd.live())
             fwd = self._fwd = _Forward(shares_step=earlier_open)
-        if not fwd.calls:
+        if not (fwd.calls or fwd.direct):
             fwd.first_block = blk.index
         return fwd
+
+    def _make_direct_proxy(self, blk: Block, orig: Callable[..., Any]) -> Callable[..., Any]:
+        """Proxy of a container whose own parameters form a direct block: its ``forward`` uses them
+        outside any block call, so they are bound for the whole call (its child blocks stream inside
+        it as usual). Under grad mode the trainable ones come from :class:`_BoundParams`, so autograd
+        tracks them without recompute. Their buffer's bytes leave the accounting when the container's
+        forward returns, although the graph may keep the views until backward (small: a container's
+        own parameters; the NVMe minimum window counts them)."""
+
+        def proxy(*args: Any, **kwargs: Any) -> Any:
+            grad = torch.is_grad_enabled()
+            refs = self._trainable_refs(blk) if grad else []
+            fwd = self._forward_for(blk) if refs else None
+            bufs = self.acquire(blk, backward=False, training=grad)
+            try:
+                leaves = None
+                if refs:
+                    views = []
+                    for r in refs:
+                        e = self.store.slabs[r.slab].entries[r.index]
+                        views.append(bufs[r.slab][e.offset : e.offset + e.numel].view(e.shape))
+                    outs = _BoundParams.apply(self, refs, views, self._dummy, *[r.param for r in refs])
+                    leaves = {id(r.param): o for r, o in zip(refs, outs)}
+                    fwd.direct.append(refs)  # type: ignore[union-attr]
+                with self._bind(blk, bufs, leaves):
+                    return orig(*args, **kwargs)
+            finally:
+                self._release(bufs)
+
+        proxy.__wrapped__ = orig  # type: ignore[attr-defined]
+        return proxy
 
     @staticmethod
     def _trainable_refs(blk: Block) -> list:
@@ -874,8 +942,8 @@ class StreamingEngine:
         if not (self.update_in_backward and self.optimizer is not None) or self._fwd.shares_step:
             return
         self._eager_hyper = self.optimizer.snapshot()
-        for c in self._fwd.live():
-            for si in {r.slab for r in c.refs}:
+        for refs in [c.refs for c in self._fwd.live()] + self._fwd.direct:
+            for si in {r.slab for r in refs}:
                 self._sends_left[si] = self._sends_left.get(si, 0) + 1
 
     def _backward_sequence(self) -> list[int]:
@@ -1200,14 +1268,48 @@ class StreamingEngine:
         """Set ``param.grad`` to a view of its fp32 accumulator (``None`` where no gradient arrived).
 
         With accumulators on disk (``offload_optimizer="nvme"``) ``param.grad`` stays ``None``: the
-        gradients are not all in memory at once (clipping still works, see HostAdamW.clip_grad_norm)."""
+        gradients are not all in memory at once (clipping still works, see HostAdamW.clip_grad_norm).
+
+        Raises:
+            RuntimeError: a parameter got a gradient from ordinary autograd, outside the engine: it was
+                used outside the forward of the module that owns it (see :meth:`check_outside_grads`).
+        """
         self.wait_grads()
+        self.check_outside_grads()
         if "acc" in self.store.nvme_kinds:
             return
         for slab in self.store.slabs:
             for i, e in enumerate(slab.entries):
                 has = slab.acc is not None and not slab.acc_empty and slab.has_grad[i]
                 e.ref.param.grad = slab.acc_view(i) if has else None
+
+    def check_outside_grads(self) -> None:
+        """Raise if a parameter's ``.grad`` was set by ordinary autograd rather than by the engine.
+
+        The engine computes every gradient inside block calls and keeps it in the host accumulators;
+        ``param.grad`` is only ever ``None`` or a view of an accumulator. A parameter used *outside*
+        the forward of its block (for example ``self.net.pos`` read in ``training_step`` while only
+        ``net.forward`` binds it, or a weight reused with ``F.linear`` in another module) is seen by
+        autograd as the plain host tensor: its gradient would land in ``.grad`` and be lost.
+
+        Raises:
+            RuntimeError: naming the parameters and what to do.
+        """
+        bad = []
+        for slab in self.store.slabs:
+            acc = slab.acc.untyped_storage().data_ptr() if slab.acc is not None else None
+            for e in slab.entries:
+                g = e.ref.param.grad
+                if g is not None and (acc is None or g.untyped_storage().data_ptr() != acc):
+                    bad.append(e.ref.fqn)
+        if bad:
+            raise RuntimeError(
+                f"megatrain: parameters {bad} got a gradient outside the streamed blocks: they were used "
+                "outside the forward of the module that owns them, where the engine does not bind them, so "
+                "their gradient would be lost. Use each parameter only inside its own module's forward (call "
+                "the module instead of reading its weight, e.g. self.net(x) rather than self.net.pos), or "
+                "move the computation that uses it into that module's forward."
+            )
 
     def detach_grads(self) -> None:
         for slab in self.store.slabs:
