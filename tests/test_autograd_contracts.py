@@ -177,3 +177,30 @@ def test_create_graph_is_refused_with_a_clear_error(tmp_path):
 
     with pytest.raises(RuntimeError, match="create_graph=True"):
         _run("megatrain", body, tmp_path, steps=1)
+
+
+def test_two_forwards_one_loss_with_update_in_backward(tmp_path):
+    """Automatic optimization, NVMe tier (AdamW updates applied during backward by default): a
+    training_step that sums the losses of two forwards must not update a block before the gradients
+    of both forwards reached it (the second forward shares the step: deferred schedule)."""
+    from megatrain_lightning import MegaTrainStrategy
+    from helpers import LM
+
+    class TwoForwards(LM):
+        def training_step(self, batch, batch_idx):
+            (ids,) = batch
+            return _loss(self, ids) + 0.5 * _loss(self, ids.flip(1))
+
+    def run(strategy, root):
+        lm = TwoForwards(make_model("llama"))
+        pl.Trainer(strategy=strategy, accelerator="cpu", max_steps=3, enable_checkpointing=False, logger=False,
+                   enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(root)).fit(lm, make_data(n=16))
+        return lm
+
+    (tmp_path / "store").mkdir()
+    ours = MegaTrainStrategy(offload_params="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path / "store"),
+                             host_memory_limit="256MiB")
+    got, ref = run(ours, tmp_path / "ours"), run("auto", tmp_path / "ref")
+    assert ours.engine.optimizer.updates_in_backward == 0  # the deferred schedule ran
+    for (k, a), b in zip(got.named_parameters(), ref.parameters()):
+        assert rel(a.detach(), b.detach()) <= TOL, k
