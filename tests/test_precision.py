@@ -198,13 +198,29 @@ def test_bf16_mixed_with_default_adamw_stays_near_lightning():
         assert abs(a - b) / b <= 1e-4, (a, b)
 
 
-def test_bf16_grads_halve_d2h():
+def test_bf16_grads_halve_d2h_and_are_exact_for_castable_weights():
+    """grad_dtype="bf16": half the D2H bytes. A castable weight's gradient is a bf16 matmul's output, so
+    it crosses unchanged; only the gradients of fp32-wire parameters (embedding, norms) are rounded."""
+    grads = []
+
+    class Grab(LM):
+        def on_before_optimizer_step(self, optimizer):
+            grads.append({n: p.grad.clone() for n, p in self.named_parameters()})
+
     model = make_model("llama")
-    _, t32 = fit(copy.deepcopy(model), 3, precision="bf16-mixed")
-    _, t16 = fit(copy.deepcopy(model), 3, plugins=[MegaTrainPrecision("bf16-mixed", grad_dtype="bf16")])
-    d32 = t32.strategy.engine.history[-1]["megatrain/d2h_bytes"]
-    d16 = t16.strategy.engine.history[-1]["megatrain/d2h_bytes"]
+    trainers = []
+    for plugin in (MegaTrainPrecision("bf16-mixed"), MegaTrainPrecision("bf16-mixed", grad_dtype="bf16")):
+        trainer = pl.Trainer(strategy="megatrain", accelerator="cpu", max_steps=1, plugins=[plugin], logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(Grab(copy.deepcopy(model)), make_data())
+        trainers.append(trainer)
+    d32, d16 = (t.strategy.engine.history[-1]["megatrain/d2h_bytes"] for t in trainers)
     assert d16 == d32 / 2
+    cast, keep = _wire_params(trainers[0].strategy.engine)
+    for n in cast:
+        assert torch.equal(grads[0]["model." + n], grads[1]["model." + n]), n
+    rounded = [n for n in keep if not torch.equal(grads[0]["model." + n], grads[1]["model." + n])]
+    assert "model.embed_tokens.weight" in rounded
 
 
 def test_bf16_true_trains_with_fp32_masters():
