@@ -2,8 +2,9 @@
 
 The engine calls the same three operations on every device:
 
-* :meth:`to_device` (on the H2D worker thread): copy a host fp32 slab into a fresh
-  device buffer, return it with an event that marks the copy done;
+* :meth:`to_device` (on the H2D worker thread): copy a host slab (the fp32 master, a
+  bf16/fp16 shadow, or a mixed wire image, see :mod:`.wire`) into a fresh device buffer
+  of the compute dtype, return it with an event that marks the copy done;
 * :meth:`ready` (on the compute thread): make the compute stream wait for that
   event before the buffer is read;
 * :meth:`grads_to_host` (compute thread, then the D2H worker thread): move a
