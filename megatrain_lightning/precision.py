@@ -4,23 +4,35 @@ Master weights, gradient accumulators and AdamW states are fp32 on the host in
 every mode: that is what "full-precision training" means here. The precision
 only decides what crosses the link and how the device computes:
 
-================  ===============  ==============  =================  ==============================
-precision         H2D weights      device params   autocast           gradients D2H (default)
-================  ===============  ==============  =================  ==============================
-``"32-true"``     fp32             fp32            none               fp32
-``"bf16-mixed"``  bf16             fp32 (upcast)   bf16               fp32 (``grad_dtype="bf16"``)
-``"16-mixed"``    fp16             fp32 (upcast)   fp16 + loss scale  fp32 (``grad_dtype="fp16"``)
-``"bf16-true"``   bf16             bf16            none               bf16
-================  ===============  ==============  =================  ==============================
+================  =====================  ==============  =================  ==============================
+precision         H2D weights            device params   autocast           gradients D2H (default)
+================  =====================  ==============  =================  ==============================
+``"32-true"``     fp32                   fp32            none               fp32
+``"bf16-mixed"``  bf16 castable, fp32    fp32 (upcast)   bf16               fp32 (``grad_dtype="bf16"``)
+``"16-mixed"``    fp16 castable, fp32    fp32 (upcast)   fp16 + loss scale  fp32 (``grad_dtype="fp16"``)
+``"bf16-true"``   bf16                   bf16            none               bf16
+================  =====================  ==============  =================  ==============================
 
-Mixed modes stream a bf16/fp16 copy of each slab (half the H2D bytes) and
-upcast it on the device, then run under ``torch.autocast`` exactly as
-Lightning's own ``bf16-mixed``/``16-mixed`` run on fp32 weights: matmuls in
-bf16/fp16, the ops autocast keeps in fp32 (softmax, norms, losses) in fp32, the
-residual stream in fp32. The only difference from Lightning's mixed precision
-is that every parameter (norm weights included) is rounded to bf16/fp16 once
-before the upcast. ``"bf16-true"`` runs the block entirely in bf16 (the master
-stays fp32, unlike Lightning's ``bf16-true``).
+The mixed modes give exactly Lightning's own ``bf16-mixed`` / ``16-mixed`` numbers (fp32 weights,
+the step under ``torch.autocast``). Autocast rounds a weight to bf16/fp16 only where an operation
+on its lower-precision list uses it (``linear``, ``addmm``, ``conv``...), freshly at each use;
+everything else (embedding lookups, norms, elementwise ops) sees fp32. So only *castable*
+weights travel in bf16/fp16: ``weight`` and ``bias`` of modules whose ``forward`` is that of
+``nn.Linear``, ``nn.Conv*d``, ``nn.ConvTranspose*d`` or transformers' ``Conv1D``, decided once at
+setup from the modules that hold the parameter
+(:func:`~megatrain_lightning.engine.wire.autocast_casts`). Embeddings, norm weights, parameters
+of other modules, and a weight shared by a castable and a non-castable module (an LM head tied
+to the embedding) travel in fp32. On the device the slab is rebuilt in fp32 (the upcast is
+exact) and autocast casts the castable weights back at use: the same bits as its own cast of
+the fp32 master (both round to nearest even), and gradients reach fp32 leaves as under
+Lightning. Limitation: a Linear called with autocast disabled around it (or a hook that uses its
+weight in another operation) would see the rounded weight where Lightning uses fp32.
+
+The default gradient wire is fp32, as Lightning's ``param.grad``. ``grad_dtype="bf16"``/``"fp16"``
+halves the D2H bytes: a castable weight's gradient is the output of a bf16/fp16 matmul, so it
+travels unchanged; the gradients of fp32-wire parameters (embeddings, norms) are rounded.
+``"bf16-true"`` runs the block entirely in bf16 (the master stays fp32, unlike Lightning's
+``bf16-true``).
 
 ``"16-mixed"`` uses dynamic loss scaling with ``torch.amp.GradScaler``'s
 semantics (init 2**16, x0.5 on inf/NaN, x2 after 2000 clean steps): gradients
@@ -71,8 +83,9 @@ class MegaTrainPrecision(Precision):
         precision: one of ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"`` (see the
             module docstring for what each streams and computes).
         grad_dtype: dtype of parameter gradients on the D2H link: ``"fp32"`` (default for
-            ``32-true`` and the mixed modes) or the compute dtype (``"bf16"``/``"fp16"``: half the
-            D2H bytes). Host accumulation is always fp32.
+            ``32-true`` and the mixed modes: Lightning's semantics) or the compute dtype
+            (``"bf16"``/``"fp16"``: half the D2H bytes; exact for castable weights, rounds the
+            gradients of embeddings and norms). Host accumulation is always fp32.
         init_scale, growth_factor, backoff_factor, growth_interval: dynamic loss scaling for
             ``"16-mixed"`` (defaults of ``torch.amp.GradScaler``).
         device_type: ``"cpu"`` or ``"cuda"`` for autocast; set by the strategy from its device.
@@ -95,6 +108,7 @@ class MegaTrainPrecision(Precision):
             raise _unsupported(precision)
         self.precision = _ALIASES[precision]  # type: ignore[assignment]
         half = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "bf16-true": torch.bfloat16}
+        # H2D dtype of every weight (32-true, bf16-true) or of the castable ones (mixed modes)
         self.wire_dtype = half.get(self.precision, torch.float32)
         self.param_dtype = torch.bfloat16 if self.precision == "bf16-true" else torch.float32
         self.autocast_dtype = half.get(self.precision) if self.precision.endswith("mixed") else None
@@ -115,7 +129,7 @@ class MegaTrainPrecision(Precision):
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """dtype of the weight copies streamed to the device."""
+        """dtype of the streamed weight copies (under the mixed modes: of the castable weights only)."""
         return self.wire_dtype
 
     # ------------------------------------------------------------------ contexts

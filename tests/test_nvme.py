@@ -407,3 +407,20 @@ def test_generation_streams_when_weights_are_only_on_disk(tmp_path):
         streamed = lm.model.generate(ids.to(dev), **kw)
     assert torch.equal(plain, streamed)
     tr.strategy.close()
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_nvme_tier_mixed_precision_is_bitwise_equal_to_ram_tier(tmp_path, precision):
+    """With masters on disk the wire image is cast from the window at every fetch (no resident shadow):
+    same layout (bf16 for the weights autocast casts, fp32 for embeddings and norms under bf16-mixed),
+    same bytes on the link, same results as the RAM tier's cached shadow, within the host budget."""
+    ram, t_ram = fit(MegaTrainStrategy(), model_kw=DEEP, precision=precision)
+    disk, tr = fit(nvme_strategy(tmp_path), model_kw=DEEP, precision=precision)
+    assert_bitwise(ram, disk)
+    engine = tr.strategy.engine
+    assert engine.wire_layouts == t_ram.strategy.engine.wire_layouts
+    assert all(slab.shadow is None for slab in engine.store.slabs)
+    h2d = lambda t: [h["megatrain/h2d_bytes"] for h in t.strategy.engine.history]  # noqa: E731
+    assert h2d(tr) == h2d(t_ram)
+    assert max(h["megatrain/host_budget_peak_bytes"] for h in engine.history) <= LIMIT
+    assert all(h["megatrain/cast_s"] > 0 for h in engine.history)

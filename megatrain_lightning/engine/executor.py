@@ -52,6 +52,7 @@ from ..store.host import HostStore, build_store, placeholder, slab_layout
 from ..store.nvme import NVMeConfig, NVMeStore, preflight_nvme
 from .blocks import Block, check_floating, discover_blocks, find_hf_models
 from .transport import make_transport
+from .wire import WireLayout, castable_flags
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,8 @@ class StepStats:
             the engine had alive at once.
         blocks_fetched: number of block fetches (forward + backward + evaluation).
         prefetch_misses: fetches that were not prefetched (the compute thread had to start the copy).
-        cast_s: seconds the H2D worker spent casting fp32 masters to the bf16/fp16 wire copies.
+        cast_s: seconds the H2D worker spent casting fp32 masters to their wire images (mixed and
+            ``bf16-true`` precision).
     """
 
     h2d_bytes: int = 0
@@ -421,9 +423,12 @@ class StreamingEngine:
         self.transport = make_transport(self.device, self.store.max_slab_numel(trainable=True), cpu_zero_copy)
         # on CPU the compute buffers are host memory: they count in host_memory_limit
         self._budget_device = self.budget is not None and self.device.type == "cpu"
-        self.wire_dtype = torch.float32  # dtype of weights on the H2D link
+        self.wire_dtype = torch.float32  # dtype of (castable, under mixed precision) weights on the H2D link
         self.param_dtype = torch.float32  # dtype the block's parameters have while it computes
         self.grad_wire_dtype = torch.float32  # dtype of gradients on the D2H link
+        # per slab entry: autocast casts the parameter at every use (owner is a Linear/Conv/Conv1D)
+        self.autocast_castable: list[list[bool]] = self._castable()
+        self.wire_layouts: list[WireLayout] = [WireLayout.uniform(s.numel, torch.float32) for s in self.store.slabs]
         self.optimizer: HostAdamW | None = None
         self._h2d = ThreadPoolExecutor(1, thread_name_prefix="megatrain-h2d")
         self._d2h = ThreadPoolExecutor(1, thread_name_prefix="megatrain-d2h")
@@ -1077,31 +1082,39 @@ class StreamingEngine:
         fut.add_done_callback(drop)
 
     def _fetch(self, blk: Block) -> dict[int, tuple[torch.Tensor, Any]]:
-        """H2D worker: apply pending optimizer updates of the block's slabs, then copy them."""
+        """H2D worker: apply pending optimizer updates of the block's slabs, then copy them.
+
+        A slab travels as its wire layout says (:meth:`configure_precision`): the fp32 master itself
+        when it is all fp32, else its wire image (RAM tier: the cached shadow; NVMe tier: cast from
+        the window's master at this fetch). ``stats.h2d_bytes`` counts the bytes that travel."""
         out = {}
         for si in blk.slabs:
             slab = self.store.slabs[si]
+            layout = self.wire_layouts[si]
             if self.optimizer is not None:
                 self.optimizer.apply_pending(si)
             nbytes = slab.numel * self.param_dtype.itemsize
             self._track(nbytes)  # reserved before the buffer exists (CPU + NVMe: counted in the budget)
             if not self.store.masters_on_disk:
-                src = slab.master if self.wire_dtype == torch.float32 else self._shadow(slab)
-                buf, ev = self.transport.to_device(src, self.param_dtype)
+                if layout.dtype == torch.float32:
+                    src = slab.master
+                    buf, ev = self.transport.to_device(src, self.param_dtype)
+                else:
+                    src = self._shadow(slab)
+                    buf, ev = self.transport.to_device(src, self.param_dtype, layout)
             else:
                 with self.store.hold(si, ["master"]) as t:
                     src = t["master"]
-                    if self.wire_dtype != torch.float32:
-                        wire_bytes = slab.numel * self.wire_dtype.itemsize
-                        self._track(wire_bytes)
+                    if layout.dtype != torch.float32:
+                        self._track(layout.nbytes)
                         try:
                             t0 = time.perf_counter()
-                            src = src.to(self.wire_dtype)  # no cached shadow: it would be 2 bytes/param resident
+                            src = layout.encode(src, layout.empty())  # no cached shadow: it would be resident
                             self.stats.cast_s += time.perf_counter() - t0
-                            buf, ev = self.transport.to_device(src, self.param_dtype)
+                            buf, ev = self.transport.to_device(src, self.param_dtype, layout)
                             self.transport.last_read_done(ev)
                         finally:
-                            self._track(-wire_bytes)
+                            self._track(-layout.nbytes)
                     else:
                         buf, ev = self.transport.to_device(src, self.param_dtype)
                         self.transport.last_read_done(ev)  # the window buffer may be evicted after the hold
@@ -1111,27 +1124,63 @@ class StreamingEngine:
         self.stats.blocks_fetched += 1
         return out
 
+    def _castable(self) -> list[list[bool]]:
+        """Per slab, per entry: whether autocast casts the parameter at every use (all its owners are
+        Linear/Conv/Conv1D modules: see :func:`~megatrain_lightning.engine.wire.autocast_casts`)."""
+        owners: dict[int, list[tuple[nn.Module, str]]] = {}
+        for blk in self.blocks:
+            for ref in blk.params:
+                owners.setdefault(id(ref.param), []).append((ref.owner, ref.attr))
+        return [castable_flags([owners[id(e.ref.param)] for e in s.entries]) for s in self.store.slabs]
+
+    def _wire_layout(self, si: int) -> WireLayout:
+        slab = self.store.slabs[si]
+        if self.wire_dtype == self.param_dtype:  # 32-true, bf16-true: every weight in one dtype
+            return WireLayout.uniform(slab.numel, self.wire_dtype)
+        dtypes = [self.wire_dtype if c else torch.float32 for c in self.autocast_castable[si]]
+        return WireLayout.build([e.numel for e in slab.entries], dtypes)
+
     def configure_precision(self, wire: torch.dtype, param: torch.dtype, grad_wire: torch.dtype) -> None:
-        """Set the dtypes of the H2D weight copies, of the bound parameters and of D2H gradients."""
+        """Set the dtypes of the H2D weight copies, of the bound parameters and of D2H gradients.
+
+        Args:
+            wire: dtype weights travel in. With ``param == wire`` (``32-true``: fp32, ``bf16-true``:
+                bf16) every weight travels and computes in it. With ``wire`` 16-bit and ``param``
+                fp32 (the mixed modes, computed under autocast) only the weights autocast casts at
+                every use travel in ``wire`` (``engine.autocast_castable``); the others (embeddings,
+                norms, tied weights, custom modules) travel in fp32, so the block sees exactly the
+                values Lightning's own mixed precision gives it.
+            param: dtype of the device buffer the block's parameters are bound to (fp32 in mixed modes).
+            grad_wire: dtype of parameter gradients on the D2H link (accumulated in fp32 on the host).
+        """
         if (wire, param, grad_wire) != (self.wire_dtype, self.param_dtype, self.grad_wire_dtype):
             self._drop_prefetched()
         self.wire_dtype, self.param_dtype, self.grad_wire_dtype = wire, param, grad_wire
+        layouts = [self._wire_layout(si) for si in range(len(self.store.slabs))]
+        for slab, old, new in zip(self.store.slabs, self.wire_layouts, layouts):
+            if old != new:
+                with slab.lock:
+                    self.transport.last_read_done(slab.last_read)  # an async H2D may still read the shadow
+                    slab.shadow, slab.shadow_version = None, (-1, -1)
+        self.wire_layouts = layouts
 
     def _shadow(self, slab) -> torch.Tensor:
-        """Host copy of the master slab in ``wire_dtype`` (2 bytes/param for bf16/fp16), refreshed when
-        the master changed (an optimizer update, or its version counter moved: state-dict load).
+        """Host wire image of the master slab (:class:`WireLayout`: bf16/fp16 for castable weights, fp32
+        for the rest under mixed precision; all bf16 under ``bf16-true``), refreshed when the master
+        changed (an optimizer update, or its version counter moved: state-dict load).
 
         One cast per slab per optimizer step, made by the H2D worker right after the slab's update,
         instead of one cast per fetch (each block is fetched twice per step)."""
+        layout = self.wire_layouts[slab.index]
         with slab.lock:
             v = (slab.updates, slab.master._version)
-            if slab.shadow is None or slab.shadow.dtype != self.wire_dtype:
-                slab.shadow = torch.empty(slab.numel, dtype=self.wire_dtype, pin_memory=self.device.type == "cuda")
+            if slab.shadow is None:
+                slab.shadow = layout.empty(pin_memory=self.device.type == "cuda")
                 slab.shadow_version = (-1, -1)
             if slab.shadow_version != v:
                 self.transport.last_read_done(slab.last_read)  # an async H2D may still read the shadow
                 t0 = time.perf_counter()
-                slab.shadow.copy_(slab.master)
+                layout.encode(slab.master, slab.shadow)
                 slab.shadow_version = v
                 self.stats.cast_s += time.perf_counter() - t0
             return slab.shadow

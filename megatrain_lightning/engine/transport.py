@@ -2,8 +2,9 @@
 
 The engine calls the same three operations on every device:
 
-* :meth:`to_device` (on the H2D worker thread): copy a host fp32 slab into a fresh
-  device buffer, return it with an event that marks the copy done;
+* :meth:`to_device` (on the H2D worker thread): copy a host slab (the fp32 master, a
+  bf16/fp16 shadow, or a mixed wire image, see :mod:`.wire`) into a fresh device buffer
+  of the compute dtype, return it with an event that marks the copy done;
 * :meth:`ready` (on the compute thread): make the compute stream wait for that
   event before the buffer is read;
 * :meth:`grads_to_host` (compute thread, then the D2H worker thread): move a
@@ -22,6 +23,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from .wire import WireLayout
+
 
 class CPUTransport:
     """Transfers for ``device.type == "cpu"``: copies done by worker threads.
@@ -36,9 +39,13 @@ class CPUTransport:
         self.device = device
         self.zero_copy = zero_copy
 
-    def to_device(self, host: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, None]:
+    def to_device(self, host: torch.Tensor, dtype: torch.dtype = torch.float32,
+                  layout: WireLayout | None = None) -> tuple[torch.Tensor, None]:
         """Copy ``host`` (``[n]``, fp32 master or bf16/fp16 wire copy) into a new buffer of ``dtype``
-        (converting on the way); returns ``(buffer, None)``."""
+        (converting on the way); returns ``(buffer, None)``. With a mixed ``layout``, ``host`` is its
+        uint8 image and the buffer (``[layout.numel]``) is decoded from it run by run."""
+        if layout is not None and layout.dtype is None:
+            return layout.decode(host, torch.empty(layout.numel, dtype=dtype)), None
         if self.zero_copy and dtype == host.dtype:
             return host, None
         buf = torch.empty(host.shape, dtype=dtype)
@@ -106,16 +113,22 @@ class CUDATransport:
         for _ in range(n_staging):
             self._staging.put(torch.empty(max(staging_numel, 1), dtype=torch.float32, pin_memory=True))
 
-    def to_device(self, host: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, object]:
+    def to_device(self, host: torch.Tensor, dtype: torch.dtype = torch.float32,
+                  layout: WireLayout | None = None) -> tuple[torch.Tensor, object]:
         """Asynchronous H2D copy of the pinned ``host`` slab on the H2D stream; returns ``(buffer, event)``.
 
-        Waits first until at most ``max_inflight`` released blocks are still being computed on the GPU."""
+        The buffer has ``dtype`` (converted on the device after the copy). With a mixed ``layout``,
+        ``host`` is its uint8 image: one H2D copy of the image, then each run is converted into the
+        ``[layout.numel]`` buffer on the H2D stream. Waits first until at most ``max_inflight``
+        released blocks are still being computed on the GPU."""
         while len(self._inflight) > self.max_inflight:
             self._inflight.popleft().synchronize()
         with torch.cuda.device(self.device), torch.cuda.stream(self.h2d_stream):
             buf = torch.empty(host.shape, dtype=host.dtype, device=self.device)
             buf.copy_(host, non_blocking=True)
-            if dtype != host.dtype:
+            if layout is not None and layout.dtype is None:
+                buf = layout.decode(buf, torch.empty(layout.numel, dtype=dtype, device=self.device))
+            elif dtype != host.dtype:
                 buf = buf.to(dtype)
             ev = torch.cuda.Event()
             ev.record(self.h2d_stream)

@@ -66,7 +66,9 @@ class Slab:
         acc_empty: ``True`` when ``acc`` holds nothing of the current window (the next gradient is copied, not added).
         lock: serialises optimizer updates and gradient writes on this slab across threads.
         last_read: CUDA event of the last H2D copy out of ``master`` (the optimizer waits on it before writing).
-        shadow: bf16/fp16 copy of ``master`` streamed instead of it under mixed precision (2 bytes/param).
+        shadow: the wire copy of ``master`` streamed instead of it under mixed precision and ``bf16-true``
+            (:class:`~megatrain_lightning.engine.wire.WireLayout`: a bf16/fp16 tensor, or a uint8 image with
+            castable weights in bf16/fp16 and the rest in fp32); ``None`` when the master itself is streamed.
         shadow_version: ``(updates, master._version)`` when ``shadow`` was last written.
         updates: optimizer updates applied to ``master`` (the fused kernel does not bump ``_version``).
         exp_avg / exp_avg_sq: fp32 AdamW states, shape ``[trainable_numel]`` (RAM tier; ``None`` until the

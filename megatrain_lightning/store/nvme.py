@@ -170,7 +170,8 @@ class NVMeConfig:
         exp_avg, exp_avg_sq and accumulator on disk), one more accumulator being filled by the D2H
         worker and, on CPU, the compute buffers of ``lookahead + 3`` blocks (computing, prefetched,
         the LM head kept for backward, one in backward), two gradient batches queued for the D2H
-        worker (the engine never queues more) and a bf16 wire copy."""
+        worker (the engine never queues more) and a wire image (mixed precision: bf16/fp16 for the
+        weights autocast casts, fp32 for the rest, so up to the fp32 size of the block)."""
         if not layout:
             return 0
         p = max(align_up(4 * n) for n, _ in layout)
@@ -179,7 +180,7 @@ class NVMeConfig:
         if "acc" in self.kinds:
             need += 4 * t  # exp_avg, exp_avg_sq, acc of the update + the accumulator being filled
         if device_type == "cpu":
-            need += p * (lookahead + 3) + 2 * t + p // 2  # blocks in flight, 2 queued gradient batches
+            need += p * (lookahead + 3) + 2 * t + p  # blocks in flight, 2 queued gradient batches, wire image
         return need + 2**16
 
     def pinned_bytes(self, layout: Sequence[tuple[int, int]]) -> int:

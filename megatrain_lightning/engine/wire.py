@@ -1,0 +1,142 @@
+"""What crosses the H2D link for each slab under mixed precision, and how the device rebuilds it.
+
+Lightning's ``bf16-mixed`` / ``16-mixed`` keep fp32 weights and run the step under
+``torch.autocast``: an operation on autocast's lower-precision list (``linear``, ``addmm``,
+``conv*``, ``matmul``...) casts its fp32 arguments to bf16/fp16 at each use (round to
+nearest even, ``tensor.to(dtype)``); every other operation (embedding lookup, norms,
+elementwise ops) sees the fp32 weight. To give exactly those numbers while moving fewer
+bytes, the engine sends a weight in bf16/fp16 only when autocast would cast it at every
+use anyway (:func:`autocast_casts`), and in fp32 otherwise. On the device each slab is
+rebuilt as one fp32 buffer: the bf16/fp16 weights are upcast (exact), autocast casts them
+back at use (exact: they are representable), and the block computes on the same values,
+with the same fp32 gradient leaves, as under Lightning's own mixed precision.
+
+A slab whose parameters are all of one wire dtype travels as one typed tensor; a slab that
+mixes them travels as one byte *image* (:class:`WireLayout`): consecutive parameters of the
+same wire dtype form a *run*, each run starts at a 16-byte boundary of the image.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+from torch import nn
+
+_ALIGN = 16  # bytes: every run of a wire image starts at a multiple of this
+
+
+def _castable_forwards() -> tuple:
+    forwards = [nn.Linear.forward, nn.Conv1d.forward, nn.Conv2d.forward, nn.Conv3d.forward,
+                nn.ConvTranspose1d.forward, nn.ConvTranspose2d.forward, nn.ConvTranspose3d.forward]
+    try:
+        from transformers.pytorch_utils import Conv1D  # GPT-2's projections: torch.addmm
+    except Exception:  # pragma: no cover - transformers always installed with this package
+        pass
+    else:
+        forwards.append(Conv1D.forward)
+    return tuple(forwards)
+
+
+_CASTABLE_FORWARDS = _castable_forwards()
+
+
+def autocast_casts(module: nn.Module, attr: str) -> bool:
+    """Whether autocast casts parameter ``attr`` of ``module`` to the autocast dtype at every use.
+
+    True for ``weight`` and ``bias`` of a module whose ``forward`` is that of ``nn.Linear``,
+    ``nn.Conv{1,2,3}d``, ``nn.ConvTranspose{1,2,3}d`` or ``transformers.pytorch_utils.Conv1D``
+    (``F.linear``, ``conv*``, ``conv_transpose*``, ``addmm``: on autocast's lower-precision list
+    on CPU and CUDA), subclasses that keep that ``forward`` included. Everything else is
+    False (embeddings, norms, custom modules, subclasses with their own ``forward``): such a
+    parameter travels in fp32 and autocast still casts it itself wherever it feeds a listed op,
+    so a False here never changes results, it only moves 4 instead of 2 bytes.
+
+    Not detected (documented limitation): a Linear called with autocast disabled around it, or a
+    hook that uses the weight in another operation; such a weight would see the bf16/fp16-rounded
+    value where Lightning uses the fp32 one.
+    """
+    return attr in ("weight", "bias") and type(module).forward in _CASTABLE_FORWARDS
+
+
+def castable_flags(refs_per_entry: Sequence[Iterable[tuple[nn.Module, str]]]) -> list[bool]:
+    """Per slab entry: True if every (owner module, attribute) that holds the parameter is castable
+    (:func:`autocast_casts`). A parameter shared by a castable and a non-castable owner (an LM head
+    tied to the embedding) is False: the embedding lookup must see fp32."""
+    return [all(autocast_casts(m, a) for m, a in owners) for owners in refs_per_entry]
+
+
+@dataclass(frozen=True)
+class WireLayout:
+    """How one slab travels H2D: ranges of its fp32 master, each in one wire dtype.
+
+    Attributes:
+        numel: elements of the slab (and of the buffer rebuilt on the device).
+        runs: ``(start, stop, dtype, byte_offset)`` per range: ``master[start:stop]`` travels as
+            ``dtype`` at bytes ``[byte_offset, byte_offset + (stop - start) * dtype.itemsize)`` of
+            the image. Ranges are consecutive and cover ``[0, numel)``.
+        nbytes: bytes on the link per transfer of the slab: ``numel * itemsize`` for a uniform
+            layout, the image size (runs padded to 16 bytes) otherwise.
+    """
+
+    numel: int
+    runs: tuple[tuple[int, int, torch.dtype, int], ...]
+    nbytes: int
+
+    @staticmethod
+    def build(sizes: Sequence[int], dtypes: Sequence[torch.dtype]) -> "WireLayout":
+        """Layout of a slab whose entries have ``sizes`` elements (in slab order) and travel as ``dtypes``."""
+        runs: list[list] = []
+        start = 0
+        for n, dt in zip(sizes, dtypes):
+            if n == 0:
+                continue
+            if runs and runs[-1][2] == dt and runs[-1][1] == start:
+                runs[-1][1] += n
+            else:
+                runs.append([start, start + n, dt, 0])
+            start += n
+        if len({r[2] for r in runs}) <= 1:
+            dt = runs[0][2] if runs else torch.float32
+            return WireLayout(start, ((0, start, dt, 0),), start * dt.itemsize)
+        off = 0
+        for r in runs:
+            r[3] = off
+            off += -(-(r[1] - r[0]) * r[2].itemsize // _ALIGN) * _ALIGN
+        return WireLayout(start, tuple(tuple(r) for r in runs), off)  # type: ignore[misc]
+
+    @staticmethod
+    def uniform(numel: int, dtype: torch.dtype) -> "WireLayout":
+        """The whole slab in one dtype (``32-true``: the master itself; ``bf16-true``: all bf16)."""
+        return WireLayout(numel, ((0, numel, dtype, 0),), numel * dtype.itemsize)
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The single wire dtype of a uniform layout, ``None`` for a mixed one (a byte image)."""
+        return self.runs[0][2] if len(self.runs) == 1 else None
+
+    def empty(self, pin_memory: bool = False) -> torch.Tensor:
+        """A host buffer for one encoded slab: ``[numel]`` of the wire dtype (uniform) or ``[nbytes]`` uint8."""
+        if self.dtype is not None:
+            return torch.empty(self.numel, dtype=self.dtype, pin_memory=pin_memory)
+        return torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pin_memory)
+
+    def _views(self, image: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
+        if self.dtype is not None:
+            return [(0, self.numel, image)]
+        return [(s, e, image[off : off + (e - s) * dt.itemsize].view(dt)) for s, e, dt, off in self.runs]
+
+    def encode(self, master: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Write fp32 ``master`` (``[numel]``) into ``out`` (from :meth:`empty`), casting each run to its wire
+        dtype with ``copy_`` (round to nearest even: bitwise what autocast's cast gives); returns ``out``."""
+        for s, e, view in self._views(out):
+            view.copy_(master[s:e])
+        return out
+
+    def decode(self, image: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Fill ``out`` (``[numel]``, the compute dtype, same device as ``image``) from an encoded image
+        (upcasting bf16/fp16 runs: exact); returns ``out``."""
+        for s, e, view in self._views(image):
+            out[s:e].copy_(view)
+        return out
