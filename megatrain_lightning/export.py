@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .checkpoint.hf_config import dense_config_dict
 from .checkpoint.hf_io import (CHECKSUMS_FILE, DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, SafetensorsSource, add_checksums,
                                resolve_dtype, verify_checksums, write_safetensors_shards)
 
@@ -57,14 +58,15 @@ def _model_dir(ckpt_dir: Path) -> tuple[Path, bool]:
     )
 
 
-def _copy_side_files(src: Path, dst: Path, dtype_name: str | None) -> list[str]:
-    """Copy config/generation/tokenizer (every non-weight) file; set the config's dtype. Returns the names."""
+def _copy_side_files(src: Path, dst: Path, dtype_name: str, dtypes: list) -> list[str]:
+    """Copy config/generation/tokenizer (every non-weight) file; the config gets the written dtype and
+    loses a quantization config that does not describe the written ``dtypes``. Returns the names."""
     copied = []
     for f in sorted(src.iterdir()):
         if not f.is_file() or f.name in (INDEX_FILE, CHECKSUMS_FILE) or f.name.endswith(_NOT_COPIED_SUFFIXES):
             continue
-        if f.name == "config.json" and dtype_name is not None:
-            cfg = json.loads(f.read_text())
+        if f.name == "config.json":
+            cfg = dense_config_dict(json.loads(f.read_text()), dtypes)
             cfg["dtype"] = dtype_name
             if "torch_dtype" in cfg:
                 cfg["torch_dtype"] = dtype_name
@@ -110,8 +112,9 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str =
         print(f"note: {src_dir} has no {CHECKSUMS_FILE} (not written by megatrain); exporting without verification",
               file=sys.stderr)
     source = SafetensorsSource(src_dir)
+    dtypes = [dt if source.dtype(k).is_floating_point else source.dtype(k) for k in source.keys()]
     index = write_safetensors_shards(dst, source.items(), max_shard_bytes=max_shard_bytes, dtype=dt)
-    copied = _copy_side_files(src_dir, dst, str(dt).split(".")[1])
+    copied = _copy_side_files(src_dir, dst, str(dt).split(".")[1], dtypes)
     add_checksums(dst, copied)
     summary = {
         "tensors": len(index["weight_map"]),

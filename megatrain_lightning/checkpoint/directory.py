@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from .hf_io import SafetensorsSource, save_hf_model_dir, source_key, verify_checksums, write_safetensors_shards
-from .hf_write import _saved_names, _state_dict_entries
+from .hf_names import saved_names as _saved_names, state_dict_entries as _state_dict_entries
 from .plain import to_plain
 
 FORMAT_VERSION = 1

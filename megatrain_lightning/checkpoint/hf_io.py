@@ -24,7 +24,7 @@ from .hf_common import (  # noqa: F401
 )
 from .hf_meta import meta_model_from_config, meta_model_from_pretrained, params_on_meta, source_key  # noqa: F401
 from .hf_source import SafetensorsSource  # noqa: F401
-from .hf_write import add_checksums, save_hf_model_dir, verify_checksums, write_safetensors_shards  # noqa: F401
+from .hf_write import add_checksums, file_sha256, save_hf_model_dir, verify_checksums, write_safetensors_shards  # noqa: F401
 
 __all__ = [
     "CheckpointFormatError",
