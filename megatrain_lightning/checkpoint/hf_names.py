@@ -14,7 +14,7 @@ A model's ``state_dict`` may hold one tensor object under several names:
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -24,17 +24,30 @@ log = logging.getLogger(__name__)
 _warned: set[tuple[str, ...]] = set()
 
 
-def state_dict_entries(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def state_dict_entries(model: torch.nn.Module,
+                       unwrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every ``(name, tensor)`` that ``model.state_dict(keep_vars=True)`` would hold, in its order,
-    without building it: the module's own parameter and persistent-buffer objects, no copies."""
-    for mod_name, mod in model.named_modules(remove_duplicate=False):
-        pre = f"{mod_name}." if mod_name else ""
+    without building it: the module's own parameter and persistent-buffer objects, no copies.
+
+    Args:
+        unwrap: applied to every submodule before it is read (e.g. a peft LoRA layer -> the layer it
+            wraps), so the names are those of the unwrapped model; default: none.
+    """
+    def walk(mod: torch.nn.Module, pre: str) -> Iterator[tuple[str, torch.Tensor]]:
+        if unwrap is not None:
+            mod = unwrap(mod)
         for n, p in mod._parameters.items():
             if p is not None:
                 yield pre + n, p
         for n, b in mod._buffers.items():
             if b is not None and n not in mod._non_persistent_buffers_set:
                 yield pre + n, b
+        for n, child in mod._modules.items():
+            if child is not None:
+                yield from walk(child, f"{pre}{n}.")
+
+    yield from walk(model, "")
 
 
 def _groups(entries: Iterable[tuple[str, torch.Tensor]]) -> list[list[str]]:
