@@ -186,17 +186,30 @@ def main(argv: list[str] | None = None) -> int:
         description="Export the model of a strategy='megatrain' checkpoint directory as a Hugging Face model "
                     "directory (safetensors) that AutoModelForCausalLM.from_pretrained loads.")
     parser.add_argument("ckpt_dir", metavar="CKPT_DIR", help="checkpoint directory (or HF model directory)")
-    parser.add_argument("out_dir", metavar="OUT_DIR", help="output directory (new or empty)")
+    parser.add_argument("out_dir", metavar="OUT_DIR", nargs="?", help="output directory (new or empty)")
     parser.add_argument("--dtype", default="fp32", help="fp32 (default), bf16 or fp16")
     parser.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES,
                         help="shard size limit in bytes (default 5 GiB)")
     parser.add_argument("--merge-adapter", action="store_true",
                         help="peft (LoRA) checkpoint: write the base model with the adapter merged (in memory)")
+    parser.add_argument("--lightning-ckpt", metavar="OUT.ckpt",
+                        help="also/instead write a single-file Lightning checkpoint (for load_from_checkpoint; "
+                             "the whole model and AdamW state are held in memory)")
+    parser.add_argument("--no-optimizer", action="store_true", help="with --lightning-ckpt: weights only")
     args = parser.parse_args(argv)
+    if args.out_dir is None and args.lightning_ckpt is None:
+        parser.error("give OUT_DIR (a Hugging Face model directory) and/or --lightning-ckpt OUT.ckpt")
     try:
-        export(args.ckpt_dir, args.out_dir, args.dtype, max_shard_bytes=args.max_shard_bytes,
-               merge_adapter=args.merge_adapter)
-    except (FileNotFoundError, FileExistsError, ValueError, ImportError) as err:
+        if args.out_dir is not None:
+            export(args.ckpt_dir, args.out_dir, args.dtype, max_shard_bytes=args.max_shard_bytes,
+                   merge_adapter=args.merge_adapter)
+        if args.lightning_ckpt is not None:
+            from .checkpoint.lightning_file import convert_to_lightning_checkpoint
+
+            res = convert_to_lightning_checkpoint(args.ckpt_dir, args.lightning_ckpt, optimizer=not args.no_optimizer)
+            print(f"wrote {res['out_path']}: {res['tensors']} state_dict tensors ({res['bytes']} bytes)"
+                  + (" + AdamW state" if res["optimizer"] else ""))
+    except (FileNotFoundError, FileExistsError, IsADirectoryError, ValueError, ImportError) as err:
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 2
     return 0

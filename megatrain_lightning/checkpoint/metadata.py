@@ -144,8 +144,9 @@ def verify_parts(path: Path, info: dict[str, Any]) -> None:
             raise CheckpointError(f"Checkpoint {path} is damaged: {part} is missing.")
         if part_digest(path, part) != digest:
             what = f"{part}/" if p.is_dir() else part
+            state = ("it is complete and matches its checksums.json, but it is not the one saved with it" if p.is_dir()
+                     else "its sha256 is not the one recorded in megatrain.json")
             raise CheckpointError(
-                f"Checkpoint {path}: {what} does not belong to this checkpoint: it is complete, but not the one "
-                f"saved with it (megatrain.json records another digest), so it was copied from another checkpoint "
-                f"(another step?) or changed after saving. Put back the {what} saved with this checkpoint, or resume "
-                f"from the checkpoint that {what} comes from.")
+                f"Checkpoint {path}: {what} does not belong to this checkpoint: {state}, so it was copied from "
+                f"another checkpoint (another step?) or changed after saving. Put back the {what} saved with this "
+                f"checkpoint, or resume from the checkpoint that {what} comes from.")
