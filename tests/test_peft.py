@@ -93,6 +93,18 @@ def test_merged_export_equals_peft_merge_and_unload(tmp_path):
     assert_same_state(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged"), reference)
 
 
+def test_lora_checkpoint_converts_to_one_lightning_file(tmp_path):
+    from megatrain_lightning.checkpoint.lightning_file import convert_to_lightning_checkpoint
+
+    arch, kw = VARIANTS["lora_modules_to_save"]
+    lm = LM(lora(arch, **kw))
+    fit(lm).save_checkpoint(tmp_path / "c")
+    convert_to_lightning_checkpoint(tmp_path / "c", tmp_path / "c.ckpt")
+    fresh = LM(lora(arch, **kw))
+    fresh.load_state_dict(torch.load(tmp_path / "c.ckpt", weights_only=True)["state_dict"])  # strict
+    assert_same_state(fresh, lm)
+
+
 def test_lora_checkpoint_from_the_nvme_tier_loads_back_with_peft(tmp_path):
     """Weights and adapters read from the NVMe store (not the module) reach peft's files."""
     from megatrain_lightning import MegaTrainStrategy
