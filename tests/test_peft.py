@@ -120,3 +120,14 @@ def test_lora_checkpoint_from_the_nvme_tier_loads_back_with_peft(tmp_path):
     strategy.close()
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "c" / "base_model")
     assert_same_state(peft.PeftModel.from_pretrained(base, tmp_path / "c" / "adapter"), ram.model)  # tiers are bitwise equal
+
+
+def test_prompt_learning_adapter_is_refused_before_anything_is_written(tmp_path):
+    """peft builds prompt-tuning weights outside the state dict: saving them is refused, not dropped."""
+    from megatrain_lightning.checkpoint.directory import CheckpointError, save_checkpoint_dir
+
+    config = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    module = LM(peft.get_peft_model(make_model("llama"), config))
+    with pytest.raises(CheckpointError, match="prompt_encoder.default.embedding.weight.*prompt-learning"):
+        save_checkpoint_dir(tmp_path / "c", {}, module, engine=None)
+    assert list(tmp_path.iterdir()) == []

@@ -8,7 +8,7 @@ import os
 import struct
 import uuid
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import torch
 from safetensors.torch import save_file

@@ -15,7 +15,7 @@ mapped key is in the files.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,6 @@ class Layout:
     parts: list[Part]
     tensors: dict[str, tuple[str, str]]  # LightningModule state_dict key -> (part, key)
     peft_model: Any = None
-    skipped: list[str] = field(default_factory=list)  # keys the model declares not saved
 
 
 def hf_model_of(module: nn.Module) -> tuple[str, nn.Module] | None:
@@ -106,14 +105,12 @@ def plan_layout(module: nn.Module) -> Layout:
         for key, t in part.entries:
             owners.setdefault(id(t), []).append((part.name, key))
     tensors: dict[str, tuple[str, str]] = {}
-    lost, skipped = [], []
+    lost = []
     for key, t in module.state_dict(keep_vars=True).items():
         cands = owners.get(id(t))
         if cands:
             tensors[key] = next((c for c in cands if key == c[1] or key.endswith("." + c[1])), cands[0])
-        elif id(t) in ignored:
-            skipped.append(key)
-        else:
+        elif id(t) not in ignored:  # not declared unsaved by the model (_keys_to_ignore_on_save)
             lost.append(key)
     if lost:
         raise CheckpointError(
@@ -122,7 +119,7 @@ def plan_layout(module: nn.Module) -> Layout:
             + ("peft does not take them from the model's state dict (prompt-learning adapters are not supported "
                "by directory checkpoints; use an adapter method such as LoRA). " if peft_model is not None else "")
             + "Nothing was written.")
-    return Layout(parts, tensors, peft_model, skipped)
+    return Layout(parts, tensors, peft_model)
 
 
 def open_part(root: Path, part: str) -> SafetensorsSource:
