@@ -253,3 +253,22 @@ def test_part_copied_from_another_checkpoint_is_refused_by_name(tmp_path, part):
     what = f"{part}/" if (ckpt / part).is_dir() else part
     with pytest.raises(CheckpointError, match=f"{re.escape(what)} does not belong to this checkpoint"):
         trainer(3).fit(lm_for(make_model("llama")), loader(), ckpt_path=ckpt)
+
+
+def test_format1_checkpoint_still_resumes_and_is_not_converted(tmp_path):
+    """Checkpoints written before megatrain.json recorded the key map and the part digests."""
+    from megatrain_lightning.checkpoint.lightning_file import convert_to_lightning_checkpoint
+
+    model = make_model("llama_tied")
+    first = lm_for(model)
+    t = trainer(2)
+    t.fit(first, loader())
+    t.save_checkpoint(tmp_path / "c")
+    f = tmp_path / "c" / "megatrain.json"
+    info = json.loads(f.read_text())
+    f.write_text(json.dumps({"format": 1, "has_optimizer": info["has_optimizer"], "params": info["params"]}))
+    again = lm_for(model)
+    trainer(2).fit(again, loader(), ckpt_path=tmp_path / "c")
+    _assert_same_state(again.model, first.model)
+    with pytest.raises(CheckpointError, match="format 1.*save it again"):
+        convert_to_lightning_checkpoint(tmp_path / "c", tmp_path / "c.ckpt")
