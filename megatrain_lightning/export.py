@@ -1,12 +1,19 @@
-"""Export the model of a megatrain checkpoint directory as a Hugging Face model directory.
+"""Export the model of a megatrain checkpoint directory as a Hugging Face model directory, or the
+whole checkpoint as one Lightning ``.ckpt`` file.
 
     python -m megatrain_lightning.export CKPT_DIR OUT_DIR [--dtype fp32|bf16|fp16] [--max-shard-bytes N]
+    python -m megatrain_lightning.export CKPT_DIR OUT_DIR --merge-adapter      # a peft (LoRA) checkpoint
+    python -m megatrain_lightning.export CKPT_DIR --lightning-ckpt OUT.ckpt    # for load_from_checkpoint
 
 CKPT_DIR is a checkpoint directory written by ``Trainer(strategy="megatrain")`` (its
 ``model/`` subdirectory is a Hugging Face model directory) or a Hugging Face model directory
 itself. Checksums are verified first; tensors are then streamed one at a time into OUT_DIR
 (cast to ``--dtype``), so memory stays at about one shard whatever the model size. The
-config (its ``dtype`` updated), generation config and tokenizer files are copied.
+config (its ``dtype`` updated; a GGUF quantization config dropped, the weights being dense),
+generation config and tokenizer files are copied. A checkpoint of a peft model (``base_model/``
++ ``adapter/``) is exported only with ``--merge-adapter``: peft merges the adapter into the base
+model in memory and the merged dense model is written. ``--lightning-ckpt`` writes a single-file
+Lightning checkpoint (see :mod:`megatrain_lightning.checkpoint.lightning_file`).
 """
 
 from __future__ import annotations
@@ -20,8 +27,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .checkpoint.hf_config import dense_config_dict
 from .checkpoint.hf_io import (CHECKSUMS_FILE, DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, SafetensorsSource, add_checksums,
-                               resolve_dtype, verify_checksums, write_safetensors_shards)
+                               resolve_dtype, save_hf_model_dir, verify_checksums, write_safetensors_shards)
+from .checkpoint.peft_io import ADAPTER_DIR, BASE_DIR
 
 _NOT_COPIED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -57,14 +66,15 @@ def _model_dir(ckpt_dir: Path) -> tuple[Path, bool]:
     )
 
 
-def _copy_side_files(src: Path, dst: Path, dtype_name: str | None) -> list[str]:
-    """Copy config/generation/tokenizer (every non-weight) file; set the config's dtype. Returns the names."""
+def _copy_side_files(src: Path, dst: Path, dtype_name: str, dtypes: list) -> list[str]:
+    """Copy config/generation/tokenizer (every non-weight) file; the config gets the written dtype and
+    loses a quantization config that does not describe the written ``dtypes``. Returns the names."""
     copied = []
     for f in sorted(src.iterdir()):
         if not f.is_file() or f.name in (INDEX_FILE, CHECKSUMS_FILE) or f.name.endswith(_NOT_COPIED_SUFFIXES):
             continue
-        if f.name == "config.json" and dtype_name is not None:
-            cfg = json.loads(f.read_text())
+        if f.name == "config.json":
+            cfg = dense_config_dict(json.loads(f.read_text()), dtypes)
             cfg["dtype"] = dtype_name
             if "torch_dtype" in cfg:
                 cfg["torch_dtype"] = dtype_name
@@ -75,8 +85,41 @@ def _copy_side_files(src: Path, dst: Path, dtype_name: str | None) -> list[str]:
     return copied
 
 
+def _peft_checkpoint(ckpt_dir: Path, merge_adapter: bool) -> bool:
+    """Whether ``ckpt_dir`` is a checkpoint of a peft model; raises unless that matches ``merge_adapter``."""
+    is_peft = (ckpt_dir / ADAPTER_DIR).is_dir() and (ckpt_dir / BASE_DIR).is_dir()
+    if merge_adapter and not is_peft:
+        raise ValueError(f"{ckpt_dir} holds no peft adapter ({ADAPTER_DIR}/ and {BASE_DIR}/): export it without "
+                         "--merge-adapter.")
+    if is_peft and not merge_adapter:
+        raise ValueError(
+            f"{ckpt_dir} is a checkpoint of a peft model: {BASE_DIR}/ holds the base weights and {ADAPTER_DIR}/ the "
+            f"adapter in peft's format, and {BASE_DIR}/ alone is the model without the fine-tuning. Pass "
+            "--merge-adapter (merge_adapter=True) to write the merged dense model (built in memory: it must fit in "
+            f"RAM), or use the adapter as it is: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("
+            f"'{ckpt_dir / BASE_DIR}'), '{ckpt_dir / ADAPTER_DIR}').")
+    return is_peft
+
+
+def _export_merged(ckpt_dir: Path, dst: Path, dt: Any, max_shard_bytes: int) -> tuple[dict[str, Any], Path]:
+    """Verify the whole checkpoint, merge its adapter with peft, write the merged model and the tokenizer."""
+    from .checkpoint.directory import verified_info
+    from .checkpoint.peft_io import merged_model
+
+    verified_info(ckpt_dir)
+    index = save_hf_model_dir(dst, merged_model(ckpt_dir), dtype=dt, max_shard_bytes=max_shard_bytes)
+    src = ckpt_dir / BASE_DIR
+    extra = [f.name for f in sorted(src.iterdir()) if f.is_file() and not (dst / f.name).exists()
+             and f.name not in (INDEX_FILE, CHECKSUMS_FILE) and not f.name.endswith(_NOT_COPIED_SUFFIXES)]
+    for name in extra:  # tokenizer files
+        shutil.copyfile(src / name, dst / name)
+    add_checksums(dst, extra)
+    return index, src
+
+
 def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "fp32", *,
-           max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, quiet: bool = False) -> dict[str, Any]:
+           max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, merge_adapter: bool = False,
+           quiet: bool = False) -> dict[str, Any]:
     """Write the model of ``ckpt_dir`` as a Hugging Face model directory at ``out_dir``.
 
     Args:
@@ -84,6 +127,8 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str =
         out_dir: created if missing; must not already hold weights and must differ from the source.
         dtype: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (floating tensors are cast; others keep their dtype).
         max_shard_bytes: shard size limit of the output, in bytes.
+        merge_adapter: ``ckpt_dir`` is a checkpoint of a peft model: write its base model with the
+            "default" adapter merged by peft (``merge_and_unload``); the fp32 model is built in memory.
         quiet: print nothing (default: the one-line summary on stdout, and a note on stderr
             when a plain HF directory without ``checksums.json`` is exported unverified).
 
@@ -94,25 +139,33 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str =
     Raises:
         FileNotFoundError: ``ckpt_dir`` does not exist, or has no safetensors weights.
         ValueError: ``ckpt_dir`` is a file (e.g. a ``.ckpt``) or not a checkpoint directory, an
-            unknown ``dtype``, a checksum mismatch (the message names the file), or
-            ``out_dir`` is the source directory.
+            unknown ``dtype``, a checksum mismatch (the message names the file), ``out_dir`` is
+            the source directory, or a peft checkpoint without ``merge_adapter`` (or the reverse).
+            A :class:`~megatrain_lightning.checkpoint.errors.CheckpointError` (a ``ValueError``) for
+            a damaged peft checkpoint or one assembled from several checkpoints.
         FileExistsError: ``out_dir`` already holds weights.
+        ImportError: ``merge_adapter`` without peft installed.
     """
     start = time.perf_counter()
     dt = resolve_dtype(dtype)
-    src_dir, need_sums = _model_dir(Path(ckpt_dir))
+    ckpt = Path(ckpt_dir)
     dst = Path(out_dir)
-    if dst.exists() and dst.resolve() == src_dir.resolve():
-        raise ValueError(f"OUT_DIR {dst} is the source model directory: choose another directory.")
-    if need_sums:
-        verify_checksums(src_dir)
-    elif not quiet:
-        print(f"note: {src_dir} has no {CHECKSUMS_FILE} (not written by megatrain); exporting without verification",
-              file=sys.stderr)
-    source = SafetensorsSource(src_dir)
-    index = write_safetensors_shards(dst, source.items(), max_shard_bytes=max_shard_bytes, dtype=dt)
-    copied = _copy_side_files(src_dir, dst, str(dt).split(".")[1])
-    add_checksums(dst, copied)
+    if ckpt.is_dir() and _peft_checkpoint(ckpt, merge_adapter):
+        index, src_dir = _export_merged(ckpt, dst, dt, max_shard_bytes)
+    else:
+        src_dir, need_sums = _model_dir(ckpt)
+        if dst.exists() and dst.resolve() == src_dir.resolve():
+            raise ValueError(f"OUT_DIR {dst} is the source model directory: choose another directory.")
+        if need_sums:
+            verify_checksums(src_dir)
+        elif not quiet:
+            print(f"note: {src_dir} has no {CHECKSUMS_FILE} (not written by megatrain); exporting without "
+                  "verification", file=sys.stderr)
+        source = SafetensorsSource(src_dir)
+        dtypes = [dt if source.dtype(k).is_floating_point else source.dtype(k) for k in source.keys()]
+        index = write_safetensors_shards(dst, source.items(), max_shard_bytes=max_shard_bytes, dtype=dt)
+        copied = _copy_side_files(src_dir, dst, str(dt).split(".")[1], dtypes)
+        add_checksums(dst, copied)
     summary = {
         "tensors": len(index["weight_map"]),
         "bytes": index["metadata"]["total_size"],
@@ -133,14 +186,30 @@ def main(argv: list[str] | None = None) -> int:
         description="Export the model of a strategy='megatrain' checkpoint directory as a Hugging Face model "
                     "directory (safetensors) that AutoModelForCausalLM.from_pretrained loads.")
     parser.add_argument("ckpt_dir", metavar="CKPT_DIR", help="checkpoint directory (or HF model directory)")
-    parser.add_argument("out_dir", metavar="OUT_DIR", help="output directory (new or empty)")
+    parser.add_argument("out_dir", metavar="OUT_DIR", nargs="?", help="output directory (new or empty)")
     parser.add_argument("--dtype", default="fp32", help="fp32 (default), bf16 or fp16")
     parser.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES,
                         help="shard size limit in bytes (default 5 GiB)")
+    parser.add_argument("--merge-adapter", action="store_true",
+                        help="peft (LoRA) checkpoint: write the base model with the adapter merged (in memory)")
+    parser.add_argument("--lightning-ckpt", metavar="OUT.ckpt",
+                        help="also/instead write a single-file Lightning checkpoint (for load_from_checkpoint; "
+                             "the whole model and AdamW state are held in memory)")
+    parser.add_argument("--no-optimizer", action="store_true", help="with --lightning-ckpt: weights only")
     args = parser.parse_args(argv)
+    if args.out_dir is None and args.lightning_ckpt is None:
+        parser.error("give OUT_DIR (a Hugging Face model directory) and/or --lightning-ckpt OUT.ckpt")
     try:
-        export(args.ckpt_dir, args.out_dir, args.dtype, max_shard_bytes=args.max_shard_bytes)
-    except (FileNotFoundError, FileExistsError, ValueError) as err:
+        if args.out_dir is not None:
+            export(args.ckpt_dir, args.out_dir, args.dtype, max_shard_bytes=args.max_shard_bytes,
+                   merge_adapter=args.merge_adapter)
+        if args.lightning_ckpt is not None:
+            from .checkpoint.lightning_file import convert_to_lightning_checkpoint
+
+            res = convert_to_lightning_checkpoint(args.ckpt_dir, args.lightning_ckpt, optimizer=not args.no_optimizer)
+            print(f"wrote {res['out_path']}: {res['tensors']} state_dict tensors ({res['bytes']} bytes)"
+                  + (" + AdamW state" if res["optimizer"] else ""))
+    except (FileNotFoundError, FileExistsError, IsADirectoryError, ValueError, ImportError) as err:
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 2
     return 0

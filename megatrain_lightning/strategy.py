@@ -376,6 +376,10 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         """Write a directory checkpoint (see :mod:`megatrain_lightning.checkpoint.directory`).
 
         ``storage_options`` is not supported (there is no CheckpointIO for directories).
+
+        Raises:
+            CheckpointError: a tensor of the module would not be written (e.g. a peft prompt-learning
+                adapter), found before anything is written.
         """
         if storage_options is not None:
             raise TypeError("strategy='megatrain' writes directory checkpoints and takes no storage_options.")
@@ -391,8 +395,10 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         """Verify a directory checkpoint, load its weights into the host store and return the metadata.
 
         Raises:
-            CheckpointError: not a megatrain checkpoint directory (a plain ``.ckpt`` file included),
-                written for another model config, or damaged (checksums).
+            CheckpointError: not a megatrain checkpoint directory (a plain ``.ckpt`` file included:
+                convert a directory for ``load_from_checkpoint`` with ``python -m megatrain_lightning.export
+                CKPT --lightning-ckpt OUT.ckpt``), written for another model config, damaged (checksums, a
+                damaged megatrain.json), or with a part copied from another checkpoint.
         """
         if self.engine is None or self.lightning_module is None:
             raise RuntimeError("load_checkpoint called before the megatrain strategy was set up.")

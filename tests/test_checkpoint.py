@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import json
+import re
+import shutil
 
 import lightning.pytorch as pl
 import pytest
@@ -156,3 +159,116 @@ def test_streaming_load_from_pretrained_trains_like_from_pretrained(tmp_path, ar
     ref_losses = reference_train(ref, make_data(n=10), 5)
     assert not any(p.is_meta for p in lm.parameters())
     assert_parity(lm.model, ref, lm.losses, ref_losses)
+
+
+# ----------------------------------------------------------------------------- what model/ and the export hold
+
+
+def _assert_same_state(loaded: torch.nn.Module, trained: torch.nn.Module) -> None:
+    """Every state_dict name and tensor of ``trained`` (tied and shared names included) in ``loaded``."""
+    a, b = loaded.state_dict(), trained.state_dict()
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    for k in b:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def _gguf_dequantised():
+    """What transformers' GGUF loader returns (tests/test_pretrained.py loads the real file): dense
+    fp32 weights with a GgufConfig left on the config."""
+    from transformers.utils.quantization_config import GgufConfig
+
+    model = make_model("llama")
+    model.config.quantization_config = GgufConfig()
+    return model
+
+
+def _shared_undeclared():
+    model = make_model("llama")
+    model.model.layers[2].mlp.up_proj.weight = model.model.layers[0].mlp.up_proj.weight
+    return model
+
+
+@pytest.mark.parametrize("build", [lambda: make_model("llama_tied"), _gguf_dequantised, _shared_undeclared],
+                         ids=["tied", "gguf_config", "shared_undeclared"])
+def test_trained_model_loads_back_with_from_pretrained_and_from_the_export(tmp_path, build):
+    """The user's loaders (from_pretrained on model/ and on the export, resume) give back every
+    tensor of the trained module, and the loaded model is a plain one transformers re-saves."""
+    from megatrain_lightning.export import export
+
+    lm = LM(build())
+    t = trainer(2)
+    t.fit(lm, loader())
+    t.save_checkpoint(tmp_path / "c")
+    export(tmp_path / "c", tmp_path / "out", quiet=True)
+    for d in (tmp_path / "c" / "model", tmp_path / "out"):
+        hf = transformers.AutoModelForCausalLM.from_pretrained(d)
+        _assert_same_state(hf, lm.model)
+        assert not getattr(hf, "is_quantized", False)
+        hf.save_pretrained(tmp_path / "resaved" / d.name)  # refused by transformers for a "quantized" model
+    again = LM(build())
+    trainer(2).fit(again, loader(), ckpt_path=tmp_path / "c")  # max_steps reached: only restores
+    _assert_same_state(again.model, lm.model)
+
+
+# ----------------------------------------------------------------------------- megatrain.json and the parts
+
+
+def _saved(tmp_path, name="c", steps=1):
+    lm = lm_for(make_model("llama"))
+    t = trainer(steps)
+    t.fit(lm, loader())
+    t.save_checkpoint(tmp_path / name)
+    return tmp_path / name
+
+
+@pytest.mark.parametrize("damage", ["not_json", "missing_field", "wrong_type"])
+def test_damaged_megatrain_json_names_the_file_and_the_field(tmp_path, damage):
+    ckpt = _saved(tmp_path)
+    f = ckpt / "megatrain.json"
+    info = json.loads(f.read_text())
+    if damage == "not_json":
+        f.write_text(f.read_text()[:40])
+        match = "megatrain.json is damaged: not valid JSON"
+    elif damage == "missing_field":
+        del info["tensors"]
+        f.write_text(json.dumps(info))
+        match = "megatrain.json is damaged: the field 'tensors' is missing"
+    else:
+        info["params"] = ["model.lm_head.weight"]
+        f.write_text(json.dumps(info))
+        match = "megatrain.json is damaged: the field 'params' is a list"
+    with pytest.raises(CheckpointError, match=match):
+        trainer(2).fit(lm_for(make_model("llama")), loader(), ckpt_path=ckpt)
+
+
+@pytest.mark.parametrize("part", ["optimizer", "model", "trainer.pt"])
+def test_part_copied_from_another_checkpoint_is_refused_by_name(tmp_path, part):
+    """Each part is complete and consistent on its own; megatrain.json ties them to one save."""
+    ckpt, other = _saved(tmp_path, "c", steps=2), _saved(tmp_path, "other", steps=1)
+    if (ckpt / part).is_dir():
+        shutil.rmtree(ckpt / part)
+        shutil.copytree(other / part, ckpt / part)
+    else:
+        shutil.copyfile(other / part, ckpt / part)
+    what = f"{part}/" if (ckpt / part).is_dir() else part
+    with pytest.raises(CheckpointError, match=f"{re.escape(what)} does not belong to this checkpoint"):
+        trainer(3).fit(lm_for(make_model("llama")), loader(), ckpt_path=ckpt)
+
+
+def test_format1_checkpoint_still_resumes_and_is_not_converted(tmp_path):
+    """Checkpoints written before megatrain.json recorded the key map and the part digests."""
+    from megatrain_lightning.checkpoint.lightning_file import convert_to_lightning_checkpoint
+
+    model = make_model("llama_tied")
+    first = lm_for(model)
+    t = trainer(2)
+    t.fit(first, loader())
+    t.save_checkpoint(tmp_path / "c")
+    f = tmp_path / "c" / "megatrain.json"
+    info = json.loads(f.read_text())
+    f.write_text(json.dumps({"format": 1, "has_optimizer": info["has_optimizer"], "params": info["params"]}))
+    again = lm_for(model)
+    trainer(2).fit(again, loader(), ckpt_path=tmp_path / "c")
+    _assert_same_state(again.model, first.model)
+    with pytest.raises(CheckpointError, match="format 1.*save it again"):
+        convert_to_lightning_checkpoint(tmp_path / "c", tmp_path / "c.ckpt")

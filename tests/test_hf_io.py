@@ -110,6 +110,68 @@ def test_write_shards_with_no_tensors_gives_a_readable_empty_file(tmp_path):
     assert index["weight_map"] == {} and SafetensorsSource(tmp_path).keys() == []
 
 
+def _gguf_dequantised(arch: str = "llama") -> transformers.PreTrainedModel:
+    """What transformers' GGUF loader returns (see tests/test_pretrained.py, the real file): dense fp32
+    weights, yet ``config.quantization_config`` is a GgufConfig."""
+    from transformers.utils.quantization_config import GgufConfig
+
+    model = make_model(arch)
+    model.config.quantization_config = GgufConfig()
+    return model
+
+
+def _loads_as_dense_and_resaves(d: Path, reference: torch.nn.Module, tmp: Path) -> None:
+    """The user's way: from_pretrained gives a plain model equal to ``reference``, and save_pretrained works."""
+    assert "quantization_config" not in json.loads((d / "config.json").read_text())
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(d)
+    assert not getattr(loaded, "is_quantized", False) and getattr(loaded, "hf_quantizer", None) is None
+    _assert_same_state(reference, loaded)
+    loaded.save_pretrained(tmp)  # transformers refuses this for a model it believes quantized
+    _assert_same_state(reference, transformers.AutoModelForCausalLM.from_pretrained(tmp))
+
+
+def test_dense_weights_are_written_without_the_gguf_quantization_config(tmp_path):
+    model = _gguf_dequantised()
+    save_hf_model_dir(tmp_path / "d", model)
+    _loads_as_dense_and_resaves(tmp_path / "d", model, tmp_path / "resaved")
+    assert model.config.quantization_config is not None  # the model's own config is left alone
+
+
+def test_export_drops_the_gguf_quantization_config_of_an_older_directory(tmp_path):
+    model = _gguf_dequantised()
+    old = tmp_path / "old"
+    save_hf_model_dir(old, model)
+    cfg = json.loads((old / "config.json").read_text())  # as directories written before the fix were
+    cfg["quantization_config"] = model.config.quantization_config.to_dict()
+    (old / "config.json").write_text(json.dumps(cfg))
+    (old / "checksums.json").unlink()
+    export(old, tmp_path / "out", quiet=True)
+    _loads_as_dense_and_resaves(tmp_path / "out", model, tmp_path / "resaved")
+
+
+def test_really_quantized_model_is_refused_before_writing(tmp_path):
+    model = make_model("llama")
+    model.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+    model.model.layers[0].mlp.up_proj.register_buffer("SCB", torch.zeros(4, dtype=torch.int8))
+    with pytest.raises(ValueError, match="quantized \\(bitsandbytes\\).*SCB.*dequantize"):
+        save_hf_model_dir(tmp_path / "d", model)
+    assert not (tmp_path / "d").exists()
+
+
+def test_undeclared_shared_weight_is_written_under_every_name(tmp_path, caplog):
+    """transformers' save_pretrained refuses this model; dropping the second name would make
+    from_pretrained initialise it at random. Both names are written, with a warning."""
+    model = make_model("llama")
+    model.model.layers[2].mlp.up_proj.weight = model.model.layers[0].mlp.up_proj.weight
+    with caplog.at_level("WARNING"):
+        save_hf_model_dir(tmp_path, model, max_shard_bytes=10**9)
+    assert "model.layers.0.mlp.up_proj.weight and model.layers.2.mlp.up_proj.weight" in caplog.text
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    _assert_same_state(model, loaded)  # every name, the shared one included
+    on_disk = load_file(tmp_path / "model.safetensors")  # one shard: the alias was copied for safetensors
+    assert torch.equal(on_disk["model.layers.2.mlp.up_proj.weight"], model.model.layers[0].mlp.up_proj.weight)
+
+
 # ----------------------------------------------------------------------------- SafetensorsSource
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import lightning.pytorch as pl
+import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import megatrain_lightning  # noqa: F401
@@ -37,7 +39,15 @@ def test_smollm2_gguf_finetunes_a_few_steps(tmp_path):
     trainer.save_checkpoint(tmp_path / "ck")
     import transformers
 
+    # transformers' GGUF loader leaves quantization_config=gguf on the dequantised model; the checkpoint
+    # holds dense weights, so its config must not say quantized (or transformers refuses to re-save it)
+    assert model.config.quantization_config is not None
+    assert "quantization_config" not in json.loads((tmp_path / "ck" / "model" / "config.json").read_text())
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ck" / "model")
+    assert not getattr(back, "is_quantized", False)
+    for (n, a), (_, b) in zip(back.named_parameters(), lm.model.named_parameters()):
+        assert torch.equal(a, b), n
+    back.save_pretrained(tmp_path / "resaved")
     prompt = tok("Permission is hereby granted", return_tensors="pt").input_ids
     out = back.generate(prompt, max_new_tokens=8, do_sample=False)
     assert out.shape[1] == prompt.shape[1] + 8

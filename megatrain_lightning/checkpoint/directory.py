@@ -5,46 +5,50 @@ Layout of a checkpoint directory (DESIGN.md section 6)::
     CKPT/
       model/            a Hugging Face model directory (config.json, sharded safetensors, index,
                         checksums.json) that AutoModelForCausalLM.from_pretrained loads; for a
-                        LightningModule without exactly one HF model: its named parameters
+                        LightningModule without exactly one HF model: its state_dict tensors by name
+      base_model/       instead of model/ for a peft model: the base model (HF directory), and
+      adapter/          the adapter(s) in peft's format (see peft_io.py)
       optimizer/        exp_avg / exp_avg_sq / step of every parameter with AdamW state,
                         safetensors keyed "<parameter name>/<state>", checksums.json
       trainer.pt        everything else Lightning saves (loops, callbacks, LR schedulers,
                         precision plugin state, hyper-parameters), converted to plain types and
                         tensors: loadable with torch.load(weights_only=True)
-      megatrain.json    format version, parameter names/shapes/dtypes, param-group layout
+      megatrain.json    format, parameter names/shapes, the (part, key) of every state_dict key,
+                        and the digest of every part (metadata.py)
 
-Writes go to a hidden temporary directory next to the target, every file is fsynced, and
-the directory is renamed into place (an existing checkpoint of the same name is moved aside
-first and removed after): a crash at any moment leaves either the old or the new checkpoint
-complete under the final name, never a half-written one. Tensors are written one shard at a
-time from views of the host store, so saving never needs a second copy of the model.
+What goes where is planned before anything is written (layout.py): a tensor of the module that no
+part would write is an error, not a silent drop. Writes go to a hidden temporary directory next to
+the target, every file is fsynced, and the directory is renamed into place (an existing
+checkpoint of the same name is moved aside first and removed after): a crash at any moment leaves
+either the old or the new checkpoint complete under the final name, never a half-written one.
+Tensors are written one shard at a time from views of the host store, so saving never needs a
+second copy of the model.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
+from .errors import CheckpointError
 from .hf_io import SafetensorsSource, save_hf_model_dir, source_key, verify_checksums, write_safetensors_shards
-from .hf_write import _saved_names, _state_dict_entries
+from .layout import Layout, hf_model_of, open_part, plan_layout, verify_written
+from .metadata import INFO_FILE, TRAINER_FILE, read_info, verify_parts, write_info
+from .peft_io import write_adapters
 from .plain import to_plain
 
-FORMAT_VERSION = 1
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be used: missing, corrupted, or written for another model."""
+__all__ = ["CheckpointError", "check_compatible", "is_directory_checkpoint", "load_checkpoint_dir",
+           "load_optimizer_dir", "save_checkpoint_dir", "verified_info"]
 
 
 def is_directory_checkpoint(path: str | os.PathLike) -> bool:
     p = Path(path)
-    return p.is_dir() and (p / "megatrain.json").is_file()
+    return p.is_dir() and (p / INFO_FILE).is_file()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -58,31 +62,6 @@ def _fsync_dir(path: Path) -> None:
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-
-
-def _hf_model_of(module: nn.Module) -> tuple[str, nn.Module] | None:
-    """The (prefix, model) of the single Hugging Face model holding every parameter of ``module``."""
-    from ..engine.blocks import find_hf_models
-
-    models = find_hf_models(module)
-    if len(models) != 1:
-        return None
-    hf = models[0]
-    prefix = next(n for n, m in module.named_modules() if m is hf)
-    if sum(1 for _ in module.parameters()) != sum(1 for _ in hf.parameters()):
-        return None
-    return prefix, hf
-
-
-def _param_keys(module: nn.Module) -> dict[str, str]:
-    """LightningModule parameter name -> key in ``model/`` (HF naming when the model is HF)."""
-    found = _hf_model_of(module)
-    names = [n for n, _ in module.named_parameters()]
-    if found is None:
-        return {n: n for n in names}
-    prefix, hf = found
-    cut = len(prefix) + 1 if prefix else 0
-    return {n: source_key(hf, n[cut:]) for n in names}
 
 
 class _OneSlabWindow:
@@ -106,6 +85,21 @@ class _OneSlabWindow:
         self.last = si
 
 
+def _reader(engine: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The current value of a module tensor: itself (detached) when masters are in RAM (the module's
+    parameters are views of the flushed host store), a copy read through the window when on NVMe."""
+    if engine is None or not engine.store.masters_on_disk:
+        return lambda t: t.detach()
+    window = _OneSlabWindow(engine)
+
+    def read(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, nn.Parameter):
+            window.touch(t)
+            return engine.read_param(t)
+        return t.detach()
+    return read
+
+
 def _optimizer_items(engine: Any, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     opt = engine.optimizer
     window = _OneSlabWindow(engine)
@@ -118,6 +112,26 @@ def _optimizer_items(engine: Any, module: nn.Module) -> Iterator[tuple[str, torc
             yield f"{name}/{k}", st[k].reshape(()) if k == "step" else st[k]
 
 
+def _write_parts(tmp: Path, layout: Layout, read: Callable, tokenizer: Any, max_shard_bytes: int) -> list[str]:
+    """Write every part of ``layout`` into ``tmp``; returns the part names."""
+    written: list[str] = []
+    adapters = {}
+    for part in layout.parts:
+        items = ((k, read(t)) for k, t in part.entries)
+        if part.kind == "hf":
+            save_hf_model_dir(tmp / part.name, part.hf_model, tokenizer=tokenizer, max_shard_bytes=max_shard_bytes,
+                              named_tensors=items)
+        elif part.kind == "plain":
+            write_safetensors_shards(tmp / part.name, items, max_shard_bytes=max_shard_bytes)
+        else:
+            adapters[part.name] = part.entries
+            continue
+        written.append(part.name)
+    if adapters:
+        written += write_adapters(tmp, layout.peft_model, adapters, read)
+    return written
+
+
 def save_checkpoint_dir(path: str | os.PathLike, checkpoint: dict[str, Any], module: nn.Module, engine: Any,
                         tokenizer: Any = None, max_shard_bytes: int = 2 * 2**30) -> None:
     """Write ``checkpoint`` (Lightning's dict) as a directory checkpoint at ``path``.
@@ -128,12 +142,16 @@ def save_checkpoint_dir(path: str | os.PathLike, checkpoint: dict[str, Any], mod
             are ignored (tensors are read from the host store instead).
         module: the LightningModule (its parameters are views of the store, flushed).
         engine: the streaming engine (for the AdamW state).
+        tokenizer: written into the Hugging Face model folder when given.
         max_shard_bytes: shard size of the safetensors files (bytes).
 
     Raises:
-        CheckpointError: the metadata cannot be made loadable without pickle.
+        CheckpointError: a tensor of the module would not be written (before anything is written),
+            the written files lack a planned tensor, or the metadata cannot be made loadable without pickle.
+        ValueError: the Hugging Face model holds packed quantized tensors (nothing written).
         OSError: the disk is full or not writable (the previous checkpoint is untouched).
     """
+    layout = plan_layout(module)
     final = Path(path)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
@@ -141,46 +159,24 @@ def save_checkpoint_dir(path: str | os.PathLike, checkpoint: dict[str, Any], mod
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        found = _hf_model_of(module)
-        on_disk = engine is not None and engine.store.nvme is not None
-        if on_disk:  # tensors are copies read through the host window: keep shards small
+        if engine is not None and engine.store.nvme is not None:  # tensors are copies read through the window
             max_shard_bytes = max(2**26, min(max_shard_bytes, engine.budget.limit // 8))
-        if found is not None:
-            named = None
-            if on_disk and engine.store.masters_on_disk:
-                hf = found[1]
-                saved = _saved_names(hf)
-                window = _OneSlabWindow(engine)
-
-                def read(t: torch.Tensor) -> torch.Tensor:
-                    window.touch(t)
-                    return engine.read_param(t)
-                named = ((n, read(t) if isinstance(t, torch.nn.Parameter) else t)
-                         for n, t in _state_dict_entries(hf) if saved[n] == n)
-            save_hf_model_dir(tmp / "model", found[1], tokenizer=tokenizer, max_shard_bytes=max_shard_bytes,
-                              named_tensors=named)
-        else:
-            items = ((n, engine.read_param(p) if engine is not None else p.detach()) for n, p in module.named_parameters())
-            write_safetensors_shards(tmp / "model", items, max_shard_bytes=max_shard_bytes)
+        parts = _write_parts(tmp, layout, _reader(engine), tokenizer, max_shard_bytes)
+        verify_written(tmp, layout.tensors)
         has_opt = "optimizer_states" in checkpoint and engine.optimizer is not None
         if has_opt:
             write_safetensors_shards(tmp / "optimizer", _optimizer_items(engine, module),
                                      max_shard_bytes=max_shard_bytes)
+            parts.append("optimizer")
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         if has_opt:
             meta["megatrain_param_groups"] = engine.optimizer.param_groups_meta(module)
         meta = to_plain(meta, where="checkpoint")
-        torch.save(meta, tmp / "trainer.pt")
-        _fsync_file(tmp / "trainer.pt")
-        torch.load(tmp / "trainer.pt", weights_only=True)  # refuse to write what cannot be loaded safely
-        info = {
-            "format": FORMAT_VERSION,
-            "has_optimizer": has_opt,
-            "params": {n: {"shape": list(p.shape), "requires_grad": p.requires_grad}
-                       for n, p in module.named_parameters()},
-        }
-        (tmp / "megatrain.json").write_text(json.dumps(info))
-        _fsync_file(tmp / "megatrain.json")
+        torch.save(meta, tmp / TRAINER_FILE)
+        _fsync_file(tmp / TRAINER_FILE)
+        torch.load(tmp / TRAINER_FILE, weights_only=True)  # refuse to write what cannot be loaded safely
+        params = {n: {"shape": list(p.shape), "requires_grad": p.requires_grad} for n, p in module.named_parameters()}
+        write_info(tmp, has_optimizer=has_opt, params=params, tensors=layout.tensors, parts=parts + [TRAINER_FILE])
         _fsync_dir(tmp)
         old = final.parent / f".{final.name}.old-{os.getpid()}"
         if final.exists():
@@ -192,23 +188,6 @@ def save_checkpoint_dir(path: str | os.PathLike, checkpoint: dict[str, Any], mod
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def _read_info(path: Path) -> dict[str, Any]:
-    if path.is_file():
-        raise CheckpointError(
-            f"{path} is a single file, not a checkpoint directory written by strategy='megatrain'. "
-            "Checkpoints of this strategy are directories (model/, optimizer/, trainer.pt). To start from the "
-            "weights of a plain Lightning .ckpt, load its 'state_dict' into your module before fitting."
-        )
-    if not path.is_dir():
-        raise CheckpointError(f"Checkpoint directory {path} does not exist.")
-    if not (path / "megatrain.json").is_file():
-        raise CheckpointError(f"{path} has no megatrain.json: not a complete checkpoint of strategy='megatrain'.")
-    info = json.loads((path / "megatrain.json").read_text())
-    if info.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: checkpoint format {info.get('format')} is not {FORMAT_VERSION}.")
-    return info
 
 
 def check_compatible(path: Path, info: dict[str, Any], module: nn.Module) -> None:
@@ -229,33 +208,70 @@ def check_compatible(path: Path, info: dict[str, Any], module: nn.Module) -> Non
         raise CheckpointError(f"Checkpoint {path} was written for another model config ({detail}).")
 
 
-def load_checkpoint_dir(path: str | os.PathLike, module: nn.Module, engine: Any = None) -> dict[str, Any]:
-    """Verify a checkpoint directory, copy its weights into the module's (store) parameters one
-    tensor at a time, and return Lightning's metadata dict (without tensors of the model).
+def verified_info(path: str | os.PathLike) -> dict[str, Any]:
+    """The ``megatrain.json`` of a checkpoint directory after checking every part: files against
+    their checksums, and (format 2) each part against the digest recorded at save time.
 
     Raises:
-        CheckpointError: not a directory checkpoint, another model config, missing/corrupted files.
+        CheckpointError: not a checkpoint directory, a damaged megatrain.json, a missing or damaged
+            file, or a part copied from another checkpoint (the message names the file or folder).
     """
     p = Path(path)
-    info = _read_info(p)
-    check_compatible(p, info, module)
+    info = read_info(p)
+    _verify(p, info)
+    return info
+
+
+def _verify(p: Path, info: dict[str, Any]) -> None:
+    if info["format"] >= 2:
+        verify_parts(p, info)
+        return
     for sub in ("model", "optimizer") if info["has_optimizer"] else ("model",):
         try:
             verify_checksums(p / sub)
         except (ValueError, FileNotFoundError) as err:
             raise CheckpointError(f"Checkpoint {p} is damaged: {err}") from err
+
+
+def _format1_keys(module: nn.Module) -> dict[str, tuple[str, str]]:
+    """Format-1 checkpoints: parameter name -> ("model", key), HF naming when the model is HF."""
+    found = hf_model_of(module)
+    names = [n for n, _ in module.named_parameters()]
+    if found is None:
+        return {n: ("model", n) for n in names}
+    prefix, hf = found
+    cut = len(prefix) + 1 if prefix else 0
+    return {n: ("model", source_key(hf, n[cut:])) for n in names}
+
+
+def load_checkpoint_dir(path: str | os.PathLike, module: nn.Module, engine: Any = None) -> dict[str, Any]:
+    """Verify a checkpoint directory, copy its weights into the module's (store) parameters one
+    tensor at a time, and return Lightning's metadata dict (without tensors of the model).
+
+    Raises:
+        CheckpointError: not a directory checkpoint, another model config, a damaged megatrain.json,
+            missing/corrupted files, or a part that belongs to another checkpoint.
+    """
+    p = Path(path)
+    info = read_info(p)
+    check_compatible(p, info, module)
+    _verify(p, info)
     try:
-        meta = torch.load(p / "trainer.pt", weights_only=True)
+        meta = torch.load(p / TRAINER_FILE, weights_only=True)
     except Exception as err:  # truncated or corrupted metadata
-        raise CheckpointError(f"Checkpoint {p}: trainer.pt cannot be read ({err}).") from err
-    source = SafetensorsSource(p / "model")
-    keys = _param_keys(module)
+        raise CheckpointError(f"Checkpoint {p}: {TRAINER_FILE} cannot be read ({err}).") from err
+    keys = ({n: tuple(v) for n, v in info["tensors"].items()} if info["format"] >= 2 else _format1_keys(module))
+    sources: dict[str, SafetensorsSource] = {}
     with torch.no_grad():
         for name, param in module.named_parameters():
+            part, key = keys[name]
+            if part not in sources:
+                sources[part] = open_part(p, part)
+            value = sources[part].get(key)
             if engine is not None:
-                engine.write_param(param, source.get(keys[name]))  # either tier, one tensor at a time
+                engine.write_param(param, value)  # either tier, one tensor at a time
             else:
-                param.copy_(source.get(keys[name]))
+                param.copy_(value)
     meta["state_dict"] = {}
     meta["optimizer_states"] = [{}] if info["has_optimizer"] else []
     return meta
@@ -273,4 +289,3 @@ def load_optimizer_dir(path: str | os.PathLike, module: nn.Module, engine: Any, 
         if source.has(f"{name}/exp_avg"):
             opt.load_param_state(param, source.get(f"{name}/exp_avg"), source.get(f"{name}/exp_avg_sq"),
                                  source.get(f"{name}/step"))
-

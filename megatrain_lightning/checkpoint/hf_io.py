@@ -1,6 +1,7 @@
 """Hugging Face model directories, one tensor at a time (public names; the code lives in
 ``hf_source`` (reading), ``hf_meta`` (meta-device models, key map), ``hf_write`` (writing,
-checksums) and ``hf_common``).
+checksums), ``hf_names`` (which names are written), ``hf_config`` (the config written with dense
+weights) and ``hf_common``).
 
 Reading: :class:`SafetensorsSource` opens a ``model.safetensors`` file or a sharded
 ``model.safetensors.index.json`` and returns single tensors on request (headers are read
@@ -24,12 +25,13 @@ from .hf_common import (  # noqa: F401
 )
 from .hf_meta import meta_model_from_config, meta_model_from_pretrained, params_on_meta, source_key  # noqa: F401
 from .hf_source import SafetensorsSource  # noqa: F401
-from .hf_write import add_checksums, save_hf_model_dir, verify_checksums, write_safetensors_shards  # noqa: F401
+from .hf_write import add_checksums, file_sha256, save_hf_model_dir, verify_checksums, write_safetensors_shards  # noqa: F401
 
 __all__ = [
     "CheckpointFormatError",
     "SafetensorsSource",
     "add_checksums",
+    "file_sha256",
     "meta_model_from_pretrained",
     "params_on_meta",
     "resolve_dtype",

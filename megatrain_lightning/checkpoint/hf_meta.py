@@ -10,7 +10,7 @@ from typing import Any, Iterator
 import torch
 
 from .hf_common import _HUB_ID, INDEX_FILE, _close, _tied_targets, resolve_dtype
-from .hf_write import _saved_names
+from .hf_names import saved_names
 from .hf_source import SafetensorsSource
 
 # ----------------------------------------------------------------------------- meta model
@@ -205,7 +205,7 @@ def source_key(model: torch.nn.Module, param_name: str) -> str:
             return key_map[param_name]
         raise KeyError(f"{param_name!r} is not a parameter of {type(model).__name__} found in its checkpoint; "
                        f"nearby names: {_close(param_name, key_map)}")
-    saved = _saved_names(model)
+    saved = saved_names(model)
     if param_name not in saved:
         raise KeyError(f"{param_name!r} is not a parameter or persistent buffer of {type(model).__name__}; "
                        f"nearby names: {_close(param_name, saved)}")
@@ -256,7 +256,7 @@ def meta_model_from_config(config: Any, *, seed: int = 0, attn_implementation: s
         kwargs["attn_implementation"] = attn_implementation
     with params_on_meta():
         model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
-    saved = _saved_names(model)
+    saved = saved_names(model)
     shapes = {saved[n]: p.shape for n, p in model.named_parameters(remove_duplicate=False)}
     model._megatrain_key_map = {n: saved[n] for n, _ in model.named_parameters(remove_duplicate=False)}
     model._megatrain_source = RandomInitSource(shapes, float(getattr(config, "initializer_range", 0.02)), seed)

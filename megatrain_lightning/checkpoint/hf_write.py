@@ -2,53 +2,24 @@
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import os
 import struct
 import uuid
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import torch
 from safetensors.torch import save_file
 
 from .hf_common import (CHECKSUMS_FILE, DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, SINGLE_FILE, _HASH_CHUNK, _SHARD_RE,
-                        _tied_targets, resolve_dtype)
+                        resolve_dtype)
+from .hf_config import saved_config
+from .hf_names import saved_names, state_dict_entries, undeclared_sharing, warn_undeclared_sharing
 
 
 # ----------------------------------------------------------------------------- writing
-
-
-def _state_dict_entries(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every (name, tensor) ``model.state_dict()`` would hold, in its order, without building it."""
-    for mod_name, mod in model.named_modules(remove_duplicate=False):
-        pre = f"{mod_name}." if mod_name else ""
-        for n, p in mod._parameters.items():
-            if p is not None:
-                yield pre + n, p
-        for n, b in mod._buffers.items():
-            if b is not None and n not in mod._non_persistent_buffers_set:
-                yield pre + n, b
-
-
-def _saved_names(model: torch.nn.Module) -> dict[str, str]:
-    """``{state_dict name: name it is saved under}``: tied duplicates map to the kept name.
-
-    Like ``save_pretrained``: of names sharing one tensor object, those declared as tied
-    targets are dropped; if none (or all) are, the first in state_dict order is kept.
-    """
-    groups: dict[int, list[str]] = {}
-    for name, t in _state_dict_entries(model):
-        groups.setdefault(id(t), []).append(name)
-    ties = _tied_targets(model)
-    out: dict[str, str] = {}
-    for names in groups.values():
-        keep = [n for n in names if n not in ties] or names
-        for n in names:
-            out[n] = n if n == keep[0] else keep[0]
-    return out
 
 
 def _fsync_path(path: Path) -> None:
@@ -62,7 +33,8 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: str | os.PathLike) -> str:
+    """Hex sha256 of the file at ``path`` (read in 8 MiB chunks)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_HASH_CHUNK):
@@ -92,7 +64,7 @@ def add_checksums(directory: str | os.PathLike, names: Iterable[str]) -> dict[st
     sums = json.loads(path.read_text()) if path.is_file() else {}
     for n in names:
         _fsync_path(d / n)
-        sums[n] = _sha256(d / n)
+        sums[n] = file_sha256(d / n)
     _write_json(path, dict(sorted(sums.items())))
     _fsync_path(d)
     return sums
@@ -120,6 +92,25 @@ def _out_bytes(t: torch.Tensor, dtype: torch.dtype | None) -> int:
     return t.numel() * item
 
 
+def _unaliased(shard: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``shard`` with every tensor whose bytes overlap an earlier one's (the same tensor written
+    under two names) replaced by a copy: safetensors refuses overlapping tensors in one file.
+    Disjoint views of one storage (a host slab) stay views."""
+    spans: dict[int, list[tuple[int, int]]] = {}
+    out = {}
+    for n, t in shard.items():
+        if t.numel():
+            start = t.data_ptr()
+            end = start + t.numel() * t.element_size()
+            mine = spans.setdefault(t.untyped_storage().data_ptr(), [])
+            if any(s < end and start < e for s, e in mine):
+                t = t.clone()
+            else:
+                mine.append((start, end))
+        out[n] = t
+    return out
+
+
 def write_safetensors_shards(out_dir: str | os.PathLike, items: Iterable[tuple[str, torch.Tensor]], *,
                              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                              dtype: torch.dtype | str | None = None,
@@ -130,7 +121,8 @@ def write_safetensors_shards(out_dir: str | os.PathLike, items: Iterable[tuple[s
     ``max_shard_bytes`` (a tensor larger than that gets a shard of its own); each shard is
     converted (to CPU, to ``dtype`` for floating tensors, made contiguous) only when written,
     so at most one shard of converted tensors exists at a time. Tensors may be views sharing
-    one storage as long as they do not overlap. Shards are written under temporary names and
+    one storage; one that overlaps an earlier tensor of its shard (one tensor under two names)
+    is written from a copy. Shards are written under temporary names and
     renamed to ``model-00001-of-0000N.safetensors`` at the end, with
     ``model.safetensors.index.json``; a single shard is written as ``model.safetensors`` with
     no index. Every file is fsynced, then the directory; ``checksums.json`` gets each file's sha256.
@@ -171,11 +163,11 @@ def write_safetensors_shards(out_dir: str | os.PathLike, items: Iterable[tuple[s
     def flush(pending: list[tuple[str, torch.Tensor]]) -> None:
         tmp = d / f".tmp-{tag}-{len(written) + 1:05d}.safetensors"
         written.append(tmp)
-        shard = {n: _prepare(t, n, dt) for n, t in pending}
+        shard = _unaliased({n: _prepare(t, n, dt) for n, t in pending})
         save_file(shard, str(tmp), metadata=meta)
         del shard
         _fsync_path(tmp)
-        sums[tmp.name] = _sha256(tmp)
+        sums[tmp.name] = file_sha256(tmp)
         shard_names.append([n for n, _ in pending])
 
     try:
@@ -213,7 +205,7 @@ def write_safetensors_shards(out_dir: str | os.PathLike, items: Iterable[tuple[s
         }
         if n > 1:
             _write_json(d / INDEX_FILE, index)
-            final_sums[INDEX_FILE] = _sha256(d / INDEX_FILE)
+            final_sums[INDEX_FILE] = file_sha256(d / INDEX_FILE)
         path = d / CHECKSUMS_FILE
         old = json.loads(path.read_text()) if path.is_file() else {}
         _write_json(path, dict(sorted({**old, **final_sums}.items())))
@@ -281,7 +273,7 @@ def verify_checksums(directory: str | os.PathLike) -> dict[str, str]:
             if problem is None and expected is not None and actual != expected:
                 problem = (f"truncated ({actual} bytes, header says {expected})" if actual < expected
                            else f"corrupted ({actual} bytes, header says {expected})")
-            if problem is None and _sha256(f) != digest:
+            if problem is None and file_sha256(f) != digest:
                 problem = "corrupted (sha256 differs)"
             if problem:
                 problems.append(f"{name}: {problem}")
@@ -296,10 +288,13 @@ def save_hf_model_dir(out_dir: str | os.PathLike, model: torch.nn.Module, *, dty
     """Write a Hugging Face model directory that ``AutoModelForCausalLM.from_pretrained`` loads.
 
     Writes the weights through :func:`write_safetensors_shards` under ``model.state_dict()``
-    names, one parameter/persistent buffer at a time (no state_dict is built), skipping tied
-    duplicates like ``save_pretrained`` (of names sharing one tensor, the declared tie targets,
-    e.g. ``lm_head.weight``); then ``config.json`` (with ``dtype`` and ``architectures`` set, as
-    ``save_pretrained`` does, on a copy: the model's config is not modified),
+    names, one parameter/persistent buffer at a time (no state_dict is built), skipping declared
+    tied duplicates like ``save_pretrained`` (e.g. ``lm_head.weight``). Names sharing one tensor
+    without a declared tie are all written (``save_pretrained`` refuses such a model; dropping a
+    name would make ``from_pretrained`` initialise it at random), with a warning. Then
+    ``config.json``, describing what was written (:func:`~.hf_config.saved_config`: ``dtype``,
+    ``architectures``, no ``quantization_config`` since the weights are dense; on a copy: the
+    model's config is not modified),
     ``generation_config.json`` when the model can generate, the tokenizer when given, and
     adds all these files to ``checksums.json``.
 
@@ -322,27 +317,26 @@ def save_hf_model_dir(out_dir: str | os.PathLike, model: torch.nn.Module, *, dty
 
     Raises:
         FileExistsError: ``out_dir`` already holds weights.
-        ValueError: a parameter is on the meta device, or an unknown dtype.
+        ValueError: a parameter is on the meta device, an unknown dtype, or the model holds packed
+            quantized tensors (nothing is written then).
     """
     d = Path(out_dir)
     dt = resolve_dtype(dtype)
     if clash := _existing_weights(d):
         raise FileExistsError(f"{d} already holds weight files {clash[:5]}: write into a new or empty directory.")
+    config = saved_config(model, dt)
     d.mkdir(parents=True, exist_ok=True)
     before = {x.name for x in d.iterdir()}
     if named_tensors is None:
-        saved = _saved_names(model)
-        named_tensors = ((n, t) for n, t in _state_dict_entries(model) if saved[n] == n)
+        entries = list(state_dict_entries(model))
+        warn_undeclared_sharing(undeclared_sharing(model, entries), type(model).__name__)
+        saved = saved_names(model, entries)
+        named_tensors = ((n, t) for n, t in entries if saved[n] == n)
     ignore = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
     if ignore:  # exact names, as save_pretrained treats them
         named_tensors = ((n, t) for n, t in named_tensors if n not in ignore)
     index = write_safetensors_shards(d, named_tensors, max_shard_bytes=max_shard_bytes, dtype=dt)
 
-    config = copy.deepcopy(model.config)
-    out_dtype = dt or getattr(model, "dtype", None)
-    if isinstance(out_dtype, torch.dtype):
-        config.dtype = str(out_dtype).split(".")[1]
-    config.architectures = [type(model).__name__]
     config.save_pretrained(str(d))
     gen = getattr(model, "generation_config", None)
     can_generate = getattr(model, "can_generate", lambda: False)

@@ -1,0 +1,133 @@
+"""LoRA through peft: training matches plain Lightning, checkpoints are in peft's format and load
+back with peft's own loader, resume is exact, and the merged export equals peft's merge_and_unload."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import lightning.pytorch as pl
+import peft
+import pytest
+import torch
+import transformers
+
+import megatrain_lightning  # noqa: F401
+from megatrain_lightning.data import ResumableDataLoader
+from megatrain_lightning.export import export
+from helpers import LM, assert_parity, make_data, make_model
+
+VARIANTS = {
+    "lora_tied": ("llama_tied", {}),
+    "lora_modules_to_save": ("llama", {"modules_to_save": ["lm_head"]}),
+}
+
+
+def lora(arch: str, **kw) -> peft.PeftModel:
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], **kw)
+    peft_model = peft.get_peft_model(make_model(arch), config)
+    torch.manual_seed(3)  # LoRA B starts at zero: make it non-zero so the adapter matters from step 0
+    for n, p in peft_model.named_parameters():
+        if "lora_B" in n:
+            p.data.normal_(0, 0.02)
+    return peft_model
+
+
+def data() -> ResumableDataLoader:
+    return ResumableDataLoader(make_data(n=12).dataset, batch_size=2, shuffle=True, seed=4)
+
+
+def fit(lm, strategy="megatrain", steps=3, ckpt_path=None):
+    t = pl.Trainer(strategy=strategy, accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False)
+    t.fit(lm, data(), ckpt_path=ckpt_path)
+    return t
+
+
+def assert_same_state(loaded: torch.nn.Module, trained: torch.nn.Module) -> None:
+    a, b = loaded.state_dict(), trained.state_dict()
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))[:6]
+    for k in b:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_lora_checkpoint_is_peft_format_and_loads_back_with_peft(tmp_path, variant):
+    arch, kw = VARIANTS[variant]
+    ref = LM(lora(arch, **kw))
+    fit(ref, strategy="auto")
+    lm = LM(lora(arch, **kw))
+    t = fit(lm)
+    assert_parity(lm.model, ref.model, lm.losses, ref.losses, tol=1e-5)
+
+    t.save_checkpoint(tmp_path / "c")
+    c = tmp_path / "c"
+    assert not (c / "model").exists()  # the base alone is not the fine-tuned model
+    assert json.loads((c / "adapter" / "adapter_config.json").read_text())["peft_type"] == "LORA"
+    base = transformers.AutoModelForCausalLM.from_pretrained(c / "base_model")
+    assert type(base) is type(lm.model.get_base_model())
+    loaded = peft.PeftModel.from_pretrained(base, c / "adapter")
+    assert_same_state(loaded, lm.model)  # every base weight, adapter weight and modules_to_save copy
+
+
+def test_lora_resume_is_exact(tmp_path):
+    arch, kw = VARIANTS["lora_modules_to_save"]
+    full = LM(lora(arch, **kw))
+    fit(full, steps=4)
+    first = LM(lora(arch, **kw))
+    fit(first, steps=2).save_checkpoint(tmp_path / "c")
+    second = LM(lora(arch, **kw))
+    fit(second, steps=4, ckpt_path=tmp_path / "c")
+    assert_parity(second.model, full.model, first.losses + second.losses, full.losses, tol=1e-6)
+
+
+def test_merged_export_equals_peft_merge_and_unload(tmp_path):
+    arch, kw = VARIANTS["lora_modules_to_save"]
+    lm = LM(lora(arch, **kw))
+    fit(lm).save_checkpoint(tmp_path / "c")
+    with pytest.raises(ValueError, match="--merge-adapter"):
+        export(tmp_path / "c", tmp_path / "base_only", quiet=True)
+    assert not (tmp_path / "base_only").exists()
+    export(tmp_path / "c", tmp_path / "merged", merge_adapter=True, quiet=True)
+    reference = copy.deepcopy(lm.model).merge_and_unload()  # peft's own merge of the trained module
+    assert_same_state(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged"), reference)
+
+
+def test_lora_checkpoint_converts_to_one_lightning_file(tmp_path):
+    from megatrain_lightning.checkpoint.lightning_file import convert_to_lightning_checkpoint
+
+    arch, kw = VARIANTS["lora_modules_to_save"]
+    lm = LM(lora(arch, **kw))
+    fit(lm).save_checkpoint(tmp_path / "c")
+    convert_to_lightning_checkpoint(tmp_path / "c", tmp_path / "c.ckpt")
+    fresh = LM(lora(arch, **kw))
+    fresh.load_state_dict(torch.load(tmp_path / "c.ckpt", weights_only=True)["state_dict"])  # strict
+    assert_same_state(fresh, lm)
+
+
+def test_lora_checkpoint_from_the_nvme_tier_loads_back_with_peft(tmp_path):
+    """Weights and adapters read from the NVMe store (not the module) reach peft's files."""
+    from megatrain_lightning import MegaTrainStrategy
+
+    arch, kw = VARIANTS["lora_modules_to_save"]
+    ram = LM(lora(arch, **kw))
+    fit(ram)
+    (tmp_path / "nvme").mkdir()
+    strategy = MegaTrainStrategy(offload_params="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path / "nvme"),
+                                 host_memory_limit=600_000)
+    t = fit(LM(lora(arch, **kw)), strategy=strategy)
+    t.save_checkpoint(tmp_path / "c")
+    strategy.close()
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "c" / "base_model")
+    assert_same_state(peft.PeftModel.from_pretrained(base, tmp_path / "c" / "adapter"), ram.model)  # tiers are bitwise equal
+
+
+def test_prompt_learning_adapter_is_refused_before_anything_is_written(tmp_path):
+    """peft builds prompt-tuning weights outside the state dict: saving them is refused, not dropped."""
+    from megatrain_lightning.checkpoint.directory import CheckpointError, save_checkpoint_dir
+
+    config = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    module = LM(peft.get_peft_model(make_model("llama"), config))
+    with pytest.raises(CheckpointError, match="prompt_encoder.default.embedding.weight.*prompt-learning"):
+        save_checkpoint_dir(tmp_path / "c", {}, module, engine=None)
+    assert list(tmp_path.iterdir()) == []
