@@ -6,7 +6,7 @@ Importing this package registers ``strategy="megatrain"`` with Lightning's
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from .engine.blocks import BlockDiscoveryError, discover_blocks
+from .blocks import BlockDiscoveryError, discover_blocks
 from .engine.executor import StreamingEngine
 from .optim.host_adamw import HostAdamW, UnsupportedOptimizerError
 from .precision import MegaTrainPrecision, UnsupportedPrecisionError

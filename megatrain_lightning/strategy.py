@@ -33,6 +33,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from .checkpoint.hf_io import weight_sources
 from .checkpoint.directory import load_checkpoint_dir, load_optimizer_dir, save_checkpoint_dir
 from .engine.executor import StreamingEngine
 from .optim.host_adamw import UnsupportedOptimizerError, validate_optimizer
@@ -219,6 +220,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
                 pin_memory=self.pin_memory,
                 cpu_zero_copy=self.cpu_zero_copy,
                 nvme=self.nvme,
+                sources=weight_sources(module),
             )
         self.engine.install()
         module._device = self.root_device  # the module is never moved as a whole

@@ -23,11 +23,12 @@ message), and remote code runs only with ``trust_remote_code=True``.
 from .hf_common import (  # noqa: F401
     CHECKSUMS_FILE, DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, SINGLE_FILE, CheckpointFormatError, resolve_dtype,
 )
-from .hf_meta import meta_model_from_config, meta_model_from_pretrained, params_on_meta, source_key  # noqa: F401
+from .hf_meta import meta_model_from_config, meta_model_from_pretrained, params_on_meta, source_key, weight_sources  # noqa: F401
 from .hf_source import SafetensorsSource  # noqa: F401
 from .hf_write import add_checksums, file_sha256, save_hf_model_dir, verify_checksums, write_safetensors_shards  # noqa: F401
 
 __all__ = [
+    "weight_sources",
     "CheckpointFormatError",
     "SafetensorsSource",
     "add_checksums",

@@ -261,3 +261,22 @@ def meta_model_from_config(config: Any, *, seed: int = 0, attn_implementation: s
     model._megatrain_key_map = {n: saved[n] for n, _ in model.named_parameters(remove_duplicate=False)}
     model._megatrain_source = RandomInitSource(shapes, float(getattr(config, "initializer_range", 0.02)), seed)
     return model
+
+
+def weight_sources(root: torch.nn.Module) -> dict[int, Any]:
+    """Loaders for the ``meta``-device parameters of every Hugging Face model under ``root`` built by
+    :func:`meta_model_from_pretrained`: ``id(param) -> loader()`` returning the fp32/bf16 tensor read
+    from its safetensors source (shape of the parameter). The strategy passes them to the engine,
+    which calls each once while it builds the host store. Parameters not on ``meta`` get none."""
+    from ..blocks import find_hf_models
+
+    out: dict[int, Any] = {}
+    for m in find_hf_models(root):
+        src = getattr(m, "_megatrain_source", None)
+        if src is None:
+            continue
+        for name, p in m.named_parameters(remove_duplicate=False):
+            if p.is_meta and id(p) not in out:
+                key = source_key(m, name)
+                out[id(p)] = lambda src=src, key=key: src.get(key)
+    return out

@@ -49,7 +49,7 @@ class Layout:
 def hf_model_of(module: nn.Module) -> tuple[str, nn.Module] | None:
     """``(prefix, model)`` of the single Hugging Face model (or peft model) holding every state_dict
     tensor of ``module``; ``None`` if there is no such model."""
-    from ..engine.blocks import find_hf_models
+    from ..blocks import find_hf_models
 
     models = find_hf_models(module)
     if len(models) != 1:

@@ -50,61 +50,12 @@ from ..store import heap
 from ..store.budget import HostBudget
 from ..store.host import HostStore, build_store, placeholder, slab_layout
 from ..store.nvme import NVMeConfig, NVMeStore, preflight_nvme
-from .blocks import Block, check_floating, discover_blocks, find_hf_models
+from ..blocks import Block, check_floating, discover_blocks, find_hf_models
+from .kv_cache import any_requires_grad, strip_cache
 from .transport import make_transport
 from .wire import WireLayout, castable_flags
 
 log = logging.getLogger(__name__)
-
-_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
-
-
-def _is_cache(x: Any) -> bool:
-    try:
-        from transformers.cache_utils import Cache
-    except Exception:  # pragma: no cover - transformers always installed with this package
-        return False
-    return isinstance(x, Cache)
-
-
-def _weight_sources(root: nn.Module) -> dict[int, Callable[[], torch.Tensor]]:
-    """Loaders for meta-device parameters of Hugging Face models built by ``meta_model_from_pretrained``."""
-    from ..checkpoint.hf_io import source_key
-
-    out: dict[int, Callable[[], torch.Tensor]] = {}
-    for m in find_hf_models(root):
-        src = getattr(m, "_megatrain_source", None)
-        if src is None:
-            continue
-        for name, p in m.named_parameters(remove_duplicate=False):
-            if p.is_meta and id(p) not in out:
-                key = source_key(m, name)
-                out[id(p)] = lambda src=src, key=key: src.get(key)
-    return out
-
-
-def _any_requires_grad(args: tuple, kwargs: dict) -> bool:
-    return any(isinstance(x, torch.Tensor) and x.requires_grad for x in tree_flatten((args, kwargs))[0])
-
-
-def _strip_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
-    """Remove KV-cache objects from a block call made under grad mode; returns (args, kwargs, stripped)."""
-    stripped = False
-    new_args = []
-    for a in args:
-        if _is_cache(a):
-            a, stripped = None, True
-        new_args.append(a)
-    kwargs = dict(kwargs)
-    for k in _CACHE_KWARGS:
-        if kwargs.get(k) is not None:
-            kwargs[k] = None
-            stripped = True
-    if kwargs.get("use_cache"):
-        kwargs["use_cache"] = False
-        stripped = True
-    return tuple(new_args), kwargs, stripped
-
 
 @dataclass
 class StepStats:
@@ -354,13 +305,16 @@ class StreamingEngine:
             device (the device footprint is then flat in depth; costs one D2H and one H2D of
             the hidden states per block).
         block_classes / block_names: override block discovery, see
-            :func:`~megatrain_lightning.engine.blocks.discover_blocks`.
+            :func:`~megatrain_lightning.blocks.discover_blocks`.
         pin_memory: page-lock host masters (default: ``True`` on CUDA).
         cpu_zero_copy: on CPU, bind blocks to the fp32 master slabs instead of copying them (only when
             the compute dtype is fp32; see MegaTrainStrategy). Off when masters are on disk.
         nvme: the NVMe tier's settings (:class:`~megatrain_lightning.store.nvme.NVMeConfig`), or
             ``None`` for everything in host RAM. Preflight (disk space, writable path, budget,
             ``ulimit -l``) runs before anything is allocated.
+        sources: ``id(param) -> loader`` for parameters on the ``meta`` device (models built by
+            ``meta_model_from_pretrained``: see ``checkpoint.hf_io.weight_sources``); each loader is
+            called once while the host store is built.
 
     Raises:
         BlockDiscoveryError: no blocks found (see ``discover_blocks``).
@@ -380,6 +334,7 @@ class StreamingEngine:
         pin_memory: bool | None = None,
         cpu_zero_copy: bool = True,
         nvme: NVMeConfig | None = None,
+        sources: dict[int, Callable[[], torch.Tensor]] | None = None,
     ):
         if lookahead < 0:
             raise ValueError(f"lookahead must be >= 0 (blocks prefetched ahead), got {lookahead}.")
@@ -415,7 +370,7 @@ class StreamingEngine:
             if "master" in nvme.kinds:
                 cpu_zero_copy = False  # compute buffers are copies, counted in the budget
         self.store: HostStore = build_store(self.blocks, pin_memory=pin_memory and not (nvme and "master" in nvme.kinds),
-                                            sources=_weight_sources(root), nvme_factory=factory,
+                                            sources=sources, nvme_factory=factory,
                                             nvme_kinds=nvme.kinds if nvme is not None else ())
         if self.budget is not None:
             heap.trim()  # what building the store (random init, safetensors reads) left in the heap
@@ -610,8 +565,8 @@ class StreamingEngine:
         trainable = any(r.param.requires_grad for r in blk.params)
 
         def proxy(*args: Any, **kwargs: Any) -> Any:
-            if torch.is_grad_enabled() and (trainable or _any_requires_grad(args, kwargs)):
-                args, kwargs, stripped = _strip_cache(args, kwargs)
+            if torch.is_grad_enabled() and (trainable or any_requires_grad(args, kwargs)):
+                args, kwargs, stripped = strip_cache(args, kwargs)
                 if stripped and not self._warned_cache:
                     self._warned_cache = True
                     log.info("megatrain: KV cache disabled for training forwards (recompute would corrupt gradients).")

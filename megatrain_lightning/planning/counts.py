@@ -5,7 +5,7 @@
 storage is allocated, so a 100B-parameter model costs a second and a few MB of RAM. The
 counts are therefore exactly what the engine will store (no hand-written formula per
 architecture), with tied parameters (``lm_head.weight is embed_tokens.weight``) counted
-once, in the first block that uses them -- the rule of ``engine/blocks.py``.
+once, in the first block that uses them -- the rule of ``blocks.py``.
 
 Grouping (DESIGN.md section 3, "Blocks"): the decoder layers are the outermost modules whose
 class is in the model's ``_no_split_modules``; every parameter met (in module order) before

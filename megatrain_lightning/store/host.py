@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from ..engine.blocks import Block, ParamRef
+from ..blocks import Block, ParamRef
 
 
 @dataclass
@@ -218,7 +218,7 @@ def build_store(blocks: Sequence[Block], pin_memory: bool = False,
     """Pack every parameter into fp32 host slabs and repoint ``param.data`` at them.
 
     Args:
-        blocks: output of :func:`~megatrain_lightning.engine.blocks.discover_blocks`.
+        blocks: output of :func:`~megatrain_lightning.blocks.discover_blocks`.
         pin_memory: allocate the masters in page-locked memory (CUDA runs: H2D copies
             then run asynchronously at full link speed).
         sources: ``id(param) -> loader`` for parameters on the ``meta`` device (a model from
