@@ -204,3 +204,15 @@ def test_two_forwards_one_loss_with_update_in_backward(tmp_path):
     assert ours.engine.optimizer.updates_in_backward == 0  # the deferred schedule ran
     for (k, a), b in zip(got.named_parameters(), ref.parameters()):
         assert rel(a.detach(), b.detach()) <= TOL, k
+
+
+def test_backward_with_inputs_listing_parameters_updates_only_those(tmp_path):
+    """backward(inputs=[some parameters]) accumulates their gradients only (into the host
+    accumulators, which are their .grad for the step); the others get no update."""
+    def body(m, ids):
+        layer = m.model.model.layers[1]
+        listed = [layer.mlp.up_proj.weight, m.model.lm_head.weight, m.model.model.embed_tokens.weight]
+        _loss(m, ids).backward(inputs=listed)
+
+    got, ref = _compare(body, tmp_path)
+    assert torch.equal(got.model.model.layers[0].mlp.up_proj.weight, ref.model.model.layers[0].mlp.up_proj.weight)

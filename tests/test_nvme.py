@@ -218,7 +218,7 @@ def test_skipped_backward_releases_the_head_buffers_in_the_budget(tmp_path):
     tr.fit(lm, make_data(n=12))
     eng = tr.strategy.engine
     assert len(lm.losses) == 6  # 6 batches of 2, 3 of them without backward
-    assert not eng._kept_open and eng._live == 0
+    assert not eng._kept_open and eng.acct.live == 0
     assert eng.budget.used == eng.store.nvme.resident_bytes()  # only window buffers stay counted
 
 
@@ -401,7 +401,7 @@ def test_generation_streams_when_weights_are_only_on_disk(tmp_path):
     with inference_weights(tr) as dev:  # 4 B/param fit the budget: the module holds the weights
         assert dev is None
         plain = lm.model.eval().generate(ids, **kw)
-    eng._dematerialize()  # as for a model larger than host_memory_limit: placeholders only
+    eng.params.dematerialize()  # as for a model larger than host_memory_limit: placeholders only
     assert all(p.stride() == (0,) * p.dim() for p in lm.model.parameters())
     with inference_weights(tr) as dev:
         streamed = lm.model.generate(ids.to(dev), **kw)

@@ -78,7 +78,7 @@ class _OneSlabWindow:
     def touch(self, p: torch.Tensor) -> None:
         if self.nvme is None:
             return
-        si = self.engine._param_where(p)[0]
+        si = self.engine.store.locate(p)[0]
         if self.last is not None and self.last != si:
             for kind in ("master", "exp_avg", "exp_avg_sq"):
                 self.nvme.discard(self.last, kind)

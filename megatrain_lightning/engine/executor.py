@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -48,48 +47,17 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..optim.host_adamw import HostAdamW
 from ..store import heap
 from ..store.budget import HostBudget
-from ..store.host import HostStore, build_store, placeholder, slab_layout
+from ..store.host import HostStore, build_store, slab_layout
 from ..store.nvme import NVMeConfig, NVMeStore, preflight_nvme
 from ..blocks import Block, check_floating, discover_blocks, find_hf_models
+from .accounting import ByteAccounting, StepStats
+from .grads import GradientSink
 from .kv_cache import any_requires_grad, strip_cache
+from .params import ParamAccess
 from .transport import make_transport
 from .wire import WireLayout, castable_flags
 
 log = logging.getLogger(__name__)
-
-@dataclass
-class StepStats:
-    """Per-optimizer-step accounting (reset after each step).
-
-    Attributes:
-        h2d_bytes: bytes copied host -> device (weights and restored activations).
-        d2h_bytes: bytes copied device -> host (gradients and offloaded activations).
-        wait_s: seconds the compute thread waited for weights or gradients (stall time).
-        optimizer_s: seconds spent in AdamW updates (mostly on the H2D worker, overlapped).
-        compute_s: seconds the compute thread spent inside block forward/backward calls, waits excluded.
-        peak_device_bytes: CUDA: ``torch.cuda.max_memory_allocated`` since the previous step (the
-            engine resets CUDA's peak statistics at every step: read them in ``on_before_optimizer_step``
-            if you measure over several steps); CPU: peak bytes of block weight/gradient buffers
-            the engine had alive at once.
-        blocks_fetched: number of block fetches (forward + backward + evaluation).
-        prefetch_misses: fetches that were not prefetched (the compute thread had to start the copy).
-        cast_s: seconds the H2D worker spent casting fp32 masters to their wire images (mixed and
-            ``bf16-true`` precision).
-    """
-
-    h2d_bytes: int = 0
-    d2h_bytes: int = 0
-    wait_s: float = 0.0
-    optimizer_s: float = 0.0
-    compute_s: float = 0.0
-    peak_device_bytes: int = 0
-    blocks_fetched: int = 0
-    prefetch_misses: int = 0
-    cast_s: float = 0.0
-
-    def as_dict(self, prefix: str = "megatrain/") -> dict[str, float]:
-        return {prefix + k: float(v) for k, v in self.__dict__.items()}
-
 
 @dataclass
 class _Call:
@@ -172,7 +140,7 @@ class _KeptGraph:
         eng = self.engine
         eng._kept_open.discard(self)
         self.leaves, self.inputs, self.outs = {}, [], []
-        eng._release(self.bufs)
+        eng.acct.release(self.bufs)
 
 
 def _autocast_state(device_type: str) -> tuple:
@@ -183,15 +151,16 @@ def _autocast_state(device_type: str) -> tuple:
     )
 
 
-def _leaf_gets_grad(leaf: torch.Tensor) -> bool:
-    """Whether the running backward computes a gradient for ``leaf``: ``loss.backward()`` does for
-    every leaf, ``backward(inputs=...)`` and ``torch.autograd.grad(..., inputs)`` only for the listed
-    ones. The engine's marker leaf (an input of every block call, never listed by users) therefore
-    tells an accumulating ``backward()`` apart from the other two."""
+def _leaf_grad_use(leaf: torch.Tensor) -> str | None:
+    """What the running backward does with ``leaf``'s gradient: ``"accumulate"`` into ``.grad``
+    (``loss.backward()`` for every leaf, ``backward(inputs=...)`` for the listed ones), ``"capture"``
+    (``torch.autograd.grad(..., inputs)`` for the listed ones: returned, nothing accumulates) or
+    ``None`` (not computed). The engine's marker leaf (an input of every block call, never listed by
+    users) therefore tells a plain ``backward()`` apart from the other two."""
     try:
-        return torch._C._will_engine_execute_node(get_gradient_edge(leaf).node)
+        return "accumulate" if torch._C._will_engine_execute_node(get_gradient_edge(leaf).node) else None
     except RuntimeError:  # torch answers this for a leaf that autograd.grad() captures: it is listed
-        return True
+        return "capture"
 
 
 def _keeps_graph() -> bool:
@@ -225,11 +194,14 @@ class _BoundParams(torch.autograd.Function):
                 "streamed models are differentiated once."
             )
         none = (None, None, None, None)
-        if _leaf_gets_grad(eng._dummy):
-            eng._send_grads(refs, list(grads))
+        if _leaf_grad_use(eng._dummy) == "accumulate":
+            eng.grads.send(refs, list(grads))
             return none + (None,) * len(refs)
-        return none + tuple(g.to(r.param.device) if g is not None and _leaf_gets_grad(r.param) else None
-                            for r, g in zip(refs, grads))
+        use = [_leaf_grad_use(r.param) for r in refs]
+        eng.grads.send([r for r, u in zip(refs, use) if u == "accumulate"],
+                        [g for g, u in zip(grads, use) if u == "accumulate"])
+        return none + tuple(g.to(r.param.device) if g is not None and u == "capture" else None
+                            for r, g, u in zip(refs, grads, use))
 
 
 class _BlockFunction(torch.autograd.Function):
@@ -283,7 +255,7 @@ class _BlockFunction(torch.autograd.Function):
             )
         n = len(call.tensor_pos)
         needs = ctx.needs_input_grad[2 : 2 + n]
-        kind = "accumulate" if _leaf_gets_grad(eng._dummy) else "select"
+        kind = "all" if _leaf_grad_use(eng._dummy) == "accumulate" else "select"
         keep_graph = _keeps_graph()
         call.fwd.backward_started = True
         grad_inputs, grad_params = eng._backward_call(call, needs, grad_outs, kind, keep_graph)
@@ -378,21 +350,20 @@ class StreamingEngine:
         self.transport = make_transport(self.device, self.store.max_slab_numel(trainable=True), cpu_zero_copy)
         # on CPU the compute buffers are host memory: they count in host_memory_limit
         self._budget_device = self.budget is not None and self.device.type == "cpu"
+        self.acct = ByteAccounting(reserve=self.store.nvme.reserve if self._budget_device else None,
+                                   unreserve=self.budget.release if self._budget_device else None,
+                                   on_release=self.transport.released)
+        self.params = ParamAccess(self.store, lambda: self.optimizer)
+        self.grads = GradientSink(self.store, self.acct, self.transport, lambda: self.optimizer,
+                                  bounded=self._budget_device)
         self.wire_dtype = torch.float32  # dtype of (castable, under mixed precision) weights on the H2D link
         self.param_dtype = torch.float32  # dtype the block's parameters have while it computes
-        self.grad_wire_dtype = torch.float32  # dtype of gradients on the D2H link
         # per slab entry: autocast casts the parameter at every use (owner is a Linear/Conv/Conv1D)
         self.autocast_castable: list[list[bool]] = self._castable()
         self.wire_layouts: list[WireLayout] = [WireLayout.uniform(s.numel, torch.float32) for s in self.store.slabs]
         self.optimizer: HostAdamW | None = None
         self._h2d = ThreadPoolExecutor(1, thread_name_prefix="megatrain-h2d")
-        self._d2h = ThreadPoolExecutor(1, thread_name_prefix="megatrain-d2h")
-        # budgeted CPU runs: at most 2 gradient batches queued for the D2H worker. Without this bound
-        # the queued gradients could take the whole budget while the worker itself waits for budget
-        # to accumulate (or update) them: a deadlock.
-        self._d2h_slots = threading.BoundedSemaphore(2) if self._budget_device else None
         self._prefetched: dict[int, Future] = {}
-        self._d2h_futures: list[Future] = []
         self.order: list[int] = []  # block indices in forward call order (learned on the first forward)
         self._seq: list[int] = []  # the fetch sequence the prefetcher follows now
         self._cursor = 0
@@ -402,16 +373,10 @@ class StreamingEngine:
         self._kept_open: set[_KeptGraph] = set()  # last-block graphs whose backward has not run
         self._dummy = torch.empty(0, device=self.device, requires_grad=True)
         self._saved_forwards: dict[int, tuple[bool, Any]] = {}
-        self._live = 0
-        self._live_lock = threading.Lock()
-        self.stats = StepStats()
-        self.history: list[dict[str, float]] = []
         # optimizer step in backward (set per micro-batch by the strategy): each slab's AdamW update
         # runs on the D2H worker as soon as its last gradient of the step is accumulated
         self.update_in_backward = False
-        self._sends_left: dict[int, int] = {}
         self._plan_due = False
-        self._eager_hyper = None
         self._warned_cache = False
         self.installed = False
 
@@ -424,7 +389,7 @@ class StreamingEngine:
         """
         if self.installed:
             return
-        self._dematerialize()
+        self.params.dematerialize()
         for m in find_hf_models(self.root):
             flag = "is_activation_checkpointing" if hasattr(type(m), "is_activation_checkpointing") else "is_gradient_checkpointing"
             if getattr(m, flag, False):
@@ -479,80 +444,44 @@ class StreamingEngine:
         return self.optimizer
 
     # ------------------------------------------------------------------ direct parameter access
-    def _param_where(self, p: torch.Tensor) -> tuple[int, int]:
-        if not hasattr(self, "_where") or id(p) not in self._where:
-            self._where = {id(e.ref.param): (s.index, i) for s in self.store.slabs for i, e in enumerate(s.entries)}
-        return self._where[id(p)]
-
+    # ------------------------------------------------------------------ direct parameter access
     def read_param(self, p: torch.Tensor) -> torch.Tensor:
-        """The current fp32 value of parameter ``p`` (pending updates applied): a view of the RAM
-        slab, or a copy read through the NVMe window when masters are on disk.
-
-        Raises:
-            KeyError: ``p`` is not a parameter of the streamed module.
-        """
-        si, ei = self._param_where(p)
-        if self.optimizer is not None:
-            self.optimizer.apply_pending(si)
-        slab = self.store.slabs[si]
-        with self.store.hold(si, ["master"]) as t:
-            v = slab.view(t["master"], ei)
-            return v.clone() if self.store.masters_on_disk else v
+        """The current fp32 value of ``p`` (see :meth:`ParamAccess.read`). Raises ``KeyError`` if ``p``
+        is not a parameter of the streamed module."""
+        return self.params.read(p)
 
     def write_param(self, p: torch.Tensor, value: torch.Tensor) -> None:
-        """Set parameter ``p``'s master weights to ``value`` (same shape, any float dtype), in either tier.
+        """Set ``p``'s fp32 master (see :meth:`ParamAccess.write`)."""
+        self.params.write(p, value)
 
-        Raises:
-            ValueError: shapes differ.
-        """
-        si, ei = self._param_where(p)
-        slab = self.store.slabs[si]
-        if tuple(value.shape) != tuple(slab.entries[ei].shape):
-            raise ValueError(f"{slab.entries[ei].ref.fqn}: value has shape {tuple(value.shape)}, parameter {tuple(slab.entries[ei].shape)}.")
-        if self.optimizer is not None:
-            self.optimizer.pending.pop(si, None)
-        with slab.lock, self.store.hold(si, ["master"], write=True) as t, torch.no_grad():
-            slab.view(t["master"], ei).copy_(value)
-            slab.updates += 1  # invalidates the bf16/fp16 shadow
-
-    materialized = False
+    @property
+    def materialized(self) -> bool:
+        """The module's parameters are real copies of the on-disk masters (:meth:`materialize`)."""
+        return self.params.materialized
 
     def materialize(self) -> None:
-        """Give every parameter a real fp32 tensor again (a copy read from the store) so the module
-        works on its own; used when masters are on disk and a run is over. The next :meth:`install`
-        writes them back (the user may have changed them) and restores the placeholders."""
-        if not self.store.masters_on_disk or self.materialized:
-            return
-        self.store.nvme.drop_clean()  # the copies (4 B/param) replace the window, not add to it
-        for slab in self.store.slabs:
-            for i, e in enumerate(slab.entries):
-                e.ref.param.data = self.read_param(e.ref.param).clone()
-            self.store.nvme.discard(slab.index, "master")  # read through the window, not kept in it
-        self.materialized = True
+        """Give every parameter a real fp32 copy of its on-disk master (see :meth:`ParamAccess.materialize`)."""
+        self.params.materialize()
 
     def write_back_materialized(self) -> None:
-        """Copy the materialized parameters (the user may have changed them after the run) into the
-        store, which checkpoints read; a no-op unless :meth:`materialize` ran."""
-        if not self.materialized:
-            return
-        for slab in self.store.slabs:
-            for e in slab.entries:
-                self.write_param(e.ref.param, e.ref.param.data)
+        """Copy materialized parameters back into the store (see :meth:`ParamAccess.write_back_materialized`)."""
+        self.params.write_back_materialized()
 
-    def _dematerialize(self) -> None:
-        if not self.materialized:
-            return
-        self.write_back_materialized()
-        for slab in self.store.slabs:
-            for e in slab.entries:
-                e.ref.param.data = placeholder(e.shape)
-        self.materialized = False
+    @property
+    def stats(self) -> StepStats:
+        """The current optimizer step's statistics."""
+        return self.acct.stats
+
+    @property
+    def history(self) -> list[dict[str, float]]:
+        """Every finished step's statistics (what :meth:`end_step` returned), oldest first."""
+        return self.acct.history
 
     def close(self) -> None:
         """Uninstall, stop the worker threads and close the NVMe store (its files are removed unless kept)."""
         self.uninstall()
         self._h2d.shutdown(wait=True)
-        self._d2h.shutdown(wait=True)
+        self.grads.close()
         self.store.close()
         self.closed = True
 
@@ -590,7 +519,7 @@ class StreamingEngine:
                     return orig(*args, **kwargs)
             finally:
                 self.stats.compute_s += time.perf_counter() - t0
-                self._release(bufs)
+                self.acct.release(bufs)
 
         proxy.__wrapped__ = orig  # type: ignore[attr-defined]
         return proxy
@@ -632,7 +561,7 @@ class StreamingEngine:
                 with self._bind(blk, bufs, leaves):
                     return orig(*args, **kwargs)
             finally:
-                self._release(bufs)
+                self.acct.release(bufs)
 
         proxy.__wrapped__ = orig  # type: ignore[attr-defined]
         return proxy
@@ -676,7 +605,7 @@ class StreamingEngine:
             with torch.enable_grad(), self._bind(blk, bufs, leaves):
                 out = call.forward(*args, **kwargs)
         except BaseException:
-            self._release(bufs)
+            self.acct.release(bufs)
             raise
         finally:
             self.stats.compute_s += time.perf_counter() - t0
@@ -726,21 +655,21 @@ class StreamingEngine:
                 return call.forward(*args, **kwargs)
         finally:
             self.stats.compute_s += time.perf_counter() - t0
-            self._release(bufs)
+            self.acct.release(bufs)
 
     def _backward_call(self, call: _Call, needs: Sequence[bool], grad_outs: Sequence[torch.Tensor | None],
                        kind: str, keep_graph: bool) -> tuple[list, list]:
         """Backward of one block call: input gradients for autograd, parameter gradients to the host
-        accumulators (``kind == "accumulate"``: ``loss.backward()``) or (``"select"``: under
-        ``torch.autograd.grad`` / ``backward(inputs=...)``) to autograd, for the parameters it lists.
+        accumulators (``kind == "all"``: ``loss.backward()``; under ``backward(inputs=...)`` those of
+        the listed parameters) or, under ``torch.autograd.grad``, to autograd for the listed ones.
 
         Returns:
             (gradients of the call's tensor inputs, gradients of ``call.refs``' parameters), ``None``
             where there is none.
         """
         refs = call.refs
-        want = [True] * len(refs) if kind == "accumulate" else [_leaf_gets_grad(r.param) for r in refs]
-        leaf_refs = [r for r, w in zip(refs, want) if w]
+        use = ["accumulate"] * len(refs) if kind == "all" else [_leaf_grad_use(r.param) for r in refs]
+        leaf_refs = [r for r, u in zip(refs, use) if u is not None]
         if call.keep:
             self._enter_backward()
             kept = call.graph
@@ -757,8 +686,8 @@ class StreamingEngine:
             bufs = self.acquire(call.block, backward=True)
             t0 = time.perf_counter()
             leaves = self._grad_leaves(refs, bufs)
-        pre = self._grad_bytes(leaf_refs)
-        self._track(pre)  # the parameter gradients autograd is about to allocate
+        pre = self.grads.grad_bytes(leaf_refs)
+        self.acct.track(pre)  # the parameter gradients autograd is about to allocate
         try:
             if not call.keep:
                 flat = list(call.flat)
@@ -781,18 +710,12 @@ class StreamingEngine:
             self.stats.compute_s += time.perf_counter() - t0
             del leaves
             if bufs is not None:
-                self._release(bufs)
-        param_grads = list(grads[len(in_targets) :])
-        if kind == "accumulate":
-            self._send_grads(leaf_refs, param_grads, reserved=pre)
-            out_params: list = [None] * len(refs)
-        else:
-            self._track(-pre)
-            it = iter(param_grads)
-            out_params = []
-            for r, w in zip(refs, want):
-                g = next(it) if w else None
-                out_params.append(None if g is None else g.to(r.param.device))
+                self.acct.release(bufs)
+        grads_of = dict(zip((id(r) for r in leaf_refs), grads[len(in_targets) :]))
+        sent = [r for r, u in zip(refs, use) if u == "accumulate"]
+        self.grads.send(sent, [grads_of[id(r)] for r in sent], reserved=pre)
+        out_params = [grads_of[id(r)].to(r.param.device) if u == "capture" and grads_of[id(r)] is not None else None
+                      for r, u in zip(refs, use)]
         self._done_backward(call, keep_graph)
         it = iter(grads[: len(in_targets)])
         return [next(it) if need else None for need in needs], out_params
@@ -898,13 +821,8 @@ class StreamingEngine:
         if not self._plan_due:
             return
         self._plan_due = False
-        self._sends_left = {}
-        if not (self.update_in_backward and self.optimizer is not None) or self._fwd.shares_step:
-            return
-        self._eager_hyper = self.optimizer.snapshot()
-        for refs in [c.refs for c in self._fwd.live()] + self._fwd.direct:
-            for si in {r.slab for r in refs}:
-                self._sends_left[si] = self._sends_left.get(si, 0) + 1
+        eager = self.update_in_backward and self.optimizer is not None and not self._fwd.shares_step
+        self.grads.plan([c.refs for c in self._fwd.live()] + self._fwd.direct if eager else [])
 
     def _backward_sequence(self) -> list[int]:
         """Block fetch order of the coming backward (recompute chains included), for prefetching."""
@@ -1017,7 +935,7 @@ class StreamingEngine:
                 want = ["master"]
                 if si in pending:
                     want = ["exp_avg", "exp_avg_sq", "acc", "master"]
-                elif self._phase == "backward" and self._sends_left:
+                elif self._phase == "backward" and self.grads.sends_left:
                     want = ["master", "exp_avg", "exp_avg_sq"]  # the update runs right after this backward
                 elif self._phase == "backward" and not slab.acc_empty:
                     want = ["master", "acc"]  # gradient accumulation adds into the stored accumulator
@@ -1032,7 +950,7 @@ class StreamingEngine:
     def _discard(self, fut: Future) -> None:
         def drop(f: Future) -> None:
             if f.exception() is None:
-                self._track(-sum(b.numel() * b.element_size() for b, _ in f.result().values()))
+                self.acct.track(-sum(b.numel() * b.element_size() for b, _ in f.result().values()))
 
         fut.add_done_callback(drop)
 
@@ -1049,7 +967,7 @@ class StreamingEngine:
             if self.optimizer is not None:
                 self.optimizer.apply_pending(si)
             nbytes = slab.numel * self.param_dtype.itemsize
-            self._track(nbytes)  # reserved before the buffer exists (CPU + NVMe: counted in the budget)
+            self.acct.track(nbytes)  # reserved before the buffer exists (CPU + NVMe: counted in the budget)
             if not self.store.masters_on_disk:
                 if layout.dtype == torch.float32:
                     src = slab.master
@@ -1061,7 +979,7 @@ class StreamingEngine:
                 with self.store.hold(si, ["master"]) as t:
                     src = t["master"]
                     if layout.dtype != torch.float32:
-                        self._track(layout.nbytes)
+                        self.acct.track(layout.nbytes)
                         try:
                             t0 = time.perf_counter()
                             src = layout.encode(src, layout.empty())  # no cached shadow: it would be resident
@@ -1069,7 +987,7 @@ class StreamingEngine:
                             buf, ev = self.transport.to_device(src, self.param_dtype, layout)
                             self.transport.last_read_done(ev)
                         finally:
-                            self._track(-layout.nbytes)
+                            self.acct.track(-layout.nbytes)
                     else:
                         buf, ev = self.transport.to_device(src, self.param_dtype)
                         self.transport.last_read_done(ev)  # the window buffer may be evicted after the hold
@@ -1108,9 +1026,10 @@ class StreamingEngine:
             param: dtype of the device buffer the block's parameters are bound to (fp32 in mixed modes).
             grad_wire: dtype of parameter gradients on the D2H link (accumulated in fp32 on the host).
         """
-        if (wire, param, grad_wire) != (self.wire_dtype, self.param_dtype, self.grad_wire_dtype):
+        if (wire, param, grad_wire) != (self.wire_dtype, self.param_dtype, self.grads.wire_dtype):
             self._drop_prefetched()
-        self.wire_dtype, self.param_dtype, self.grad_wire_dtype = wire, param, grad_wire
+        self.wire_dtype, self.param_dtype = wire, param
+        self.grads.wire_dtype, self.grads.param_dtype = grad_wire, param
         layouts = [self._wire_layout(si) for si in range(len(self.store.slabs))]
         for slab, old, new in zip(self.store.slabs, self.wire_layouts, layouts):
             if old != new:
@@ -1140,195 +1059,33 @@ class StreamingEngine:
                 self.stats.cast_s += time.perf_counter() - t0
             return slab.shadow
 
-    def _track(self, nbytes: int) -> None:
-        if self._budget_device:
-            if nbytes > 0:
-                self.budget.reserve(nbytes, self.store.nvme._make_room, what="compute buffers")  # type: ignore[union-attr]
-            elif nbytes < 0:
-                self.budget.release(-nbytes)  # type: ignore[union-attr]
-        with self._live_lock:
-            self._live += nbytes
-            self.stats.peak_device_bytes = max(self.stats.peak_device_bytes, self._live)
-
-    def _release(self, bufs: dict[int, torch.Tensor]) -> None:
-        self._track(-sum(b.numel() * b.element_size() for b in bufs.values()))
-        bufs.clear()
-        self.transport.released()
-
     def _drop_prefetched(self) -> None:
         """Wait for and discard prefetched copies (they predate an optimizer update)."""
         for fut in self._prefetched.values():
             try:
                 got = fut.result()
-                self._track(-sum(b.numel() * b.element_size() for b, _ in got.values()))
+                self.acct.track(-sum(b.numel() * b.element_size() for b, _ in got.values()))
             except Exception:  # the error resurfaces on the next synchronous fetch
                 pass
         self._prefetched.clear()
         self._phase = "idle"
 
     # ------------------------------------------------------------------ gradients
-    def _grad_bytes(self, refs: Sequence) -> int:
-        """Bytes of the gradients of ``refs`` as autograd makes them (the compute dtype)."""
-        return sum(self.store.slabs[r.slab].entries[r.index].numel for r in refs) * self.param_dtype.itemsize
-
-    def _send_grads(self, refs: Sequence, grads: Sequence[torch.Tensor | None], reserved: int = 0) -> None:
-        """Queue gradients for the D2H worker. ``reserved``: bytes already reserved for them (before
-        autograd allocated them), exchanged here for the bytes of their wire copies."""
-        by_slab: dict[int, list[tuple[int, torch.Tensor]]] = {}
-        for ref, g in zip(refs, grads):
-            if g is not None:
-                by_slab.setdefault(ref.slab, []).append((ref.index, g))
-        wire = self.grad_wire_dtype
-        total = sum(g.numel() * wire.itemsize for items in by_slab.values() for _, g in items)
-        if total < reserved:
-            self._track(total - reserved)
-        final: set[int] = set()
-        if self._sends_left:
-            for si in {r.slab for r in refs}:
-                if si in self._sends_left:
-                    self._sends_left[si] -= 1
-                    if self._sends_left[si] == 0:
-                        final.add(si)
-        for si, items in by_slab.items():
-            nbytes = sum(g.numel() * wire.itemsize for _, g in items)
-            take = min(nbytes, reserved)
-            reserved -= take
-            if self._d2h_slots is not None:
-                self._d2h_slots.acquire()
-            self._track(nbytes - take)
-            run = self.transport.stage_grads([g for _, g in items], wire)
-            idx = [i for i, _ in items]
-            self.stats.d2h_bytes += nbytes
-            self._d2h_futures.append(self._d2h.submit(self._accumulate, si, idx, run, nbytes, si in final))
-        for si in final - set(by_slab):  # its last batch had no gradient: the update still runs, in order
-            if self._d2h_slots is not None:
-                self._d2h_slots.acquire()
-            self._d2h_futures.append(self._d2h.submit(self._update_now, si, True))
-
-    def _update_now(self, si: int, slot: bool = False) -> None:
-        """D2H worker: the slab's gradients of this step are complete: apply its AdamW update now."""
-        try:
-            assert self.optimizer is not None and self._eager_hyper is not None
-            self.optimizer.apply_now(si, self._eager_hyper)
-        finally:
-            if slot and self._d2h_slots is not None:
-                self._d2h_slots.release()
-
-    def _accumulate(self, si: int, idx: list[int], run: Callable, nbytes: int, final: bool = False) -> None:
-        """D2H worker: add one batch of slab ``si``'s gradients into its fp32 accumulator, then
-        (``final``: the slab's last batch of the step under ``optimizer_in_backward``) apply its update.
-
-        The final batch is consumed by the update while the accumulator is still pinned, so that
-        accumulator is never marked for write-back: with ``offload_optimizer="nvme"`` it never
-        goes to disk (4 bytes/param/step less written)."""
-        slab = self.store.slabs[si]
-        done = [False]
-
-        def release() -> None:  # the gradient batch's bytes and D2H slot, exactly once
-            if not done[0]:
-                done[0] = True
-                self._track(-nbytes)
-                if self._d2h_slots is not None:
-                    self._d2h_slots.release()
-
-        try:
-            with slab.lock:
-                if slab.acc_empty:
-                    slab.has_grad = [False] * len(slab.entries)
-                # an empty accumulator is overwritten, not read (NVMe: no disk read)
-                fresh = ["acc"] if slab.acc_empty else []
-                with self.store.hold(si, ["acc"], write=not final, fresh=fresh) as t:
-
-                    def consume(host_grads: list[torch.Tensor]) -> None:
-                        for i, g in zip(idx, host_grads):
-                            acc = slab.view(t["acc"], i)
-                            if slab.has_grad[i]:
-                                acc.add_(g)
-                            else:
-                                acc.copy_(g)
-                                slab.has_grad[i] = True
-
-                    try:
-                        run(consume)
-                    finally:
-                        release()
-                    slab.acc_empty = False
-                    if final:
-                        self._update_now(si)
-                if final:
-                    self.store.discard_acc(si)  # consumed: free its window buffer now
-        finally:
-            release()
-
     def wait_grads(self) -> None:
         """Block until every gradient sent so far is in the host accumulators."""
-        t0 = time.perf_counter()
-        futs, self._d2h_futures = self._d2h_futures, []
-        for f in futs:
-            f.result()
-        self.stats.wait_s += time.perf_counter() - t0
+        self.grads.wait()
 
     def attach_grads(self) -> None:
-        """Set ``param.grad`` to a view of its fp32 accumulator (``None`` where no gradient arrived).
-
-        With accumulators on disk (``offload_optimizer="nvme"``) ``param.grad`` stays ``None``: the
-        gradients are not all in memory at once (clipping still works, see HostAdamW.clip_grad_norm).
-
-        Raises:
-            RuntimeError: a parameter got a gradient from ordinary autograd, outside the engine: it was
-                used outside the forward of the module that owns it (see :meth:`check_outside_grads`).
-        """
-        self.wait_grads()
-        self.check_outside_grads()
-        if "acc" in self.store.nvme_kinds:
-            return
-        for slab in self.store.slabs:
-            for i, e in enumerate(slab.entries):
-                has = slab.acc is not None and not slab.acc_empty and slab.has_grad[i]
-                e.ref.param.grad = slab.acc_view(i) if has else None
-
-    def check_outside_grads(self) -> None:
-        """Raise if a parameter's ``.grad`` was set by ordinary autograd rather than by the engine.
-
-        The engine computes every gradient inside block calls and keeps it in the host accumulators;
-        ``param.grad`` is only ever ``None`` or a view of an accumulator. A parameter used *outside*
-        the forward of its block (for example ``self.net.pos`` read in ``training_step`` while only
-        ``net.forward`` binds it, or a weight reused with ``F.linear`` in another module) is seen by
-        autograd as the plain host tensor: its gradient would land in ``.grad`` and be lost.
-
-        Raises:
-            RuntimeError: naming the parameters and what to do.
-        """
-        bad = []
-        for slab in self.store.slabs:
-            acc = slab.acc.untyped_storage().data_ptr() if slab.acc is not None else None
-            for e in slab.entries:
-                g = e.ref.param.grad
-                if g is not None and (acc is None or g.untyped_storage().data_ptr() != acc):
-                    bad.append(e.ref.fqn)
-        if bad:
-            raise RuntimeError(
-                f"megatrain: parameters {bad} got a gradient outside the streamed blocks: they were used "
-                "outside the forward of the module that owns them, where the engine does not bind them, so "
-                "their gradient would be lost. Use each parameter only inside its own module's forward (call "
-                "the module instead of reading its weight, e.g. self.net(x) rather than self.net.pos), or "
-                "move the computation that uses it into that module's forward."
-            )
+        """``param.grad`` = views of the fp32 accumulators (see :meth:`GradientSink.attach`)."""
+        self.grads.attach()
 
     def detach_grads(self) -> None:
-        for slab in self.store.slabs:
-            for e in slab.entries:
-                e.ref.param.grad = None
+        """``param.grad = None`` for every parameter."""
+        self.grads.detach()
 
     def zero_grad(self) -> None:
         """``optimizer.zero_grad()``: forget gradients no step consumed."""
-        self.wait_grads()
-        if self.optimizer is not None:
-            self.optimizer.discard_grads()
-        else:
-            for slab in self.store.slabs:
-                slab.acc_empty = True
-                slab.has_grad = [False] * len(slab.entries)
+        self.grads.zero()
 
     # ------------------------------------------------------------------ optimizer
     def step(self) -> None:
@@ -1376,6 +1133,5 @@ class StreamingEngine:
             out["megatrain/host_budget_peak_bytes"] = self.budget.peak  # type: ignore[union-attr]
             self._io_last = io
         self.history.append(out)
-        with self._live_lock:
-            self.stats = StepStats(peak_device_bytes=self._live)
+        self.acct.new_step()
         return out

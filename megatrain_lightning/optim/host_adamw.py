@@ -106,7 +106,7 @@ class HostAdamW:
         self.store = store
         self.optimizer = optimizer
         self.overlap = overlap
-        where = {id(e.ref.param): (s.index, i) for s in store.slabs for i, e in enumerate(s.entries)}
+        where = store.index
         self._where = where
         # group of each (slab, entry); -1 = not optimized
         self.group_of: list[list[int]] = [[-1] * len(s.entries) for s in store.slabs]

@@ -125,6 +125,25 @@ class HostStore:
         self.slabs = list(slabs)
         self.nvme = nvme  # NVMeStore or None
         self.nvme_kinds = frozenset(nvme_kinds)
+        self._index: dict[int, tuple[int, int]] | None = None
+
+    @property
+    def index(self) -> dict[int, tuple[int, int]]:
+        """``id(parameter) -> (slab index, entry index)``, built once (at the first lookup, after
+        :func:`build_store` added the slabs): every part looks parameters up here."""
+        if self._index is None:
+            self._index = {id(e.ref.param): (s.index, i) for s in self.slabs for i, e in enumerate(s.entries)}
+        return self._index
+
+    def locate(self, param: torch.Tensor) -> tuple[int, int]:
+        """``(slab index, entry index)`` of a parameter of the stored module.
+
+        Raises:
+            KeyError: ``param`` is not a parameter of the stored module."""
+        try:
+            return self.index[id(param)]
+        except KeyError:
+            raise KeyError(f"parameter of shape {tuple(param.shape)} is not part of the streamed module") from None
 
     @property
     def numel(self) -> int:

@@ -400,6 +400,14 @@ class NVMeStore:
         if self._error is not None:
             raise self._error
 
+    def reserve(self, nbytes: int, what: str = "compute buffers") -> None:
+        """Reserve ``nbytes`` of ``host_memory_limit`` for a buffer outside the window (the engine's
+        compute buffers on CPU), evicting clean unpinned window buffers first, else waiting.
+
+        Raises:
+            HostMemoryBudgetError: more than the limit, or the bytes never became free (``HostBudget.reserve``)."""
+        self.budget.reserve(nbytes, self._make_room, what=what)
+
     def _make_room(self, missing: int, protect_all: bool = False) -> bool:
         """Evict unpinned clean buffers (under ``cond``); ``True`` if anything was freed."""
         self.raise_error()

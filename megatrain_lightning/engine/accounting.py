@@ -1,0 +1,96 @@
+"""Per-step statistics and the live-byte accounting every part of the engine reports to.
+
+The engine counts the bytes of the compute buffers (block weights on the device, their gradients
+before they reach the host) it has alive at once. On CPU with the NVMe tier those buffers are host
+memory, so the same counts are reserved in the :class:`~megatrain_lightning.store.budget.HostBudget`
+that bounds everything the tier holds (docs/architecture.md, "NVMe tier": window).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+
+@dataclass
+class StepStats:
+    """Per-optimizer-step accounting (reset after each step).
+
+    Attributes:
+        h2d_bytes: bytes copied host -> device (weights and restored activations).
+        d2h_bytes: bytes copied device -> host (gradients and offloaded activations).
+        wait_s: seconds the compute thread waited for weights or gradients (stall time).
+        optimizer_s: seconds spent in AdamW updates (mostly on the H2D worker, overlapped).
+        compute_s: seconds the compute thread spent inside block forward/backward calls, waits excluded.
+        peak_device_bytes: CUDA: ``torch.cuda.max_memory_allocated`` since the previous step (the
+            engine resets CUDA's peak statistics at every step: read them in ``on_before_optimizer_step``
+            if you measure over several steps); CPU: peak bytes of block weight/gradient buffers
+            the engine had alive at once.
+        blocks_fetched: number of block fetches (forward + backward + evaluation).
+        prefetch_misses: fetches that were not prefetched (the compute thread had to start the copy).
+        cast_s: seconds the H2D worker spent casting fp32 masters to the bf16/fp16 wire copies.
+    """
+
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    wait_s: float = 0.0
+    optimizer_s: float = 0.0
+    compute_s: float = 0.0
+    peak_device_bytes: int = 0
+    blocks_fetched: int = 0
+    prefetch_misses: int = 0
+    cast_s: float = 0.0
+
+    def as_dict(self, prefix: str = "megatrain/") -> dict[str, float]:
+        """The statistics as ``{prefix + name: float}``, what the strategy logs."""
+        return {prefix + k: float(v) for k, v in self.__dict__.items()}
+
+
+class ByteAccounting:
+    """Live bytes of compute buffers and in-flight gradients, and the step's statistics.
+
+    Args:
+        reserve / unreserve: reserve and give back bytes in the host budget (CPU device with the NVMe
+            tier, where the compute buffers are host memory: ``NVMeStore.reserve``, which evicts clean
+            window buffers or waits, and ``HostBudget.release``), or ``None`` to count only.
+        on_release: called after a block's buffers are released (CUDA: records the compute stream's
+            progress, which bounds how far the H2D worker may run ahead).
+
+    Thread-safe: the H2D and D2H workers report through it too.
+    """
+
+    def __init__(self, reserve: Callable[[int], None] | None = None, unreserve: Callable[[int], None] | None = None,
+                 on_release: Callable[[], None] | None = None):
+        self._reserve, self._unreserve = reserve, unreserve
+        self._on_release = on_release
+        self.live = 0  # bytes counted now
+        self._lock = threading.Lock()
+        self.stats = StepStats()
+        self.history: list[dict[str, float]] = []
+
+    def track(self, nbytes: int) -> None:
+        """Count ``nbytes`` more (negative: fewer) live bytes; with a budget, reserve them first
+        (may wait for room) or release them."""
+        if self._reserve is not None and nbytes > 0:
+            self._reserve(nbytes)
+        elif self._unreserve is not None and nbytes < 0:
+            self._unreserve(-nbytes)
+        with self._lock:
+            self.live += nbytes
+            self.stats.peak_device_bytes = max(self.stats.peak_device_bytes, self.live)
+
+    def release(self, bufs: dict[int, torch.Tensor]) -> None:
+        """A block's buffers (slab index -> tensor) are no longer used by the compute thread."""
+        self.track(-sum(b.numel() * b.element_size() for b in bufs.values()))
+        bufs.clear()
+        if self._on_release is not None:
+            self._on_release()
+
+    def new_step(self) -> None:
+        """Start the statistics of the next optimizer step (peak starts at what is alive now)."""
+        with self._lock:
+            self.stats = StepStats(peak_device_bytes=self.live)

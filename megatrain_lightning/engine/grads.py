@@ -1,0 +1,239 @@
+"""The gradient sink: parameter gradients from the device to the fp32 host accumulators.
+
+A block's backward hands its parameter gradients to :meth:`GradientSink.send`; they are packed per
+slab on the compute stream, copied device -> host by the D2H worker thread and added into the slab's
+fp32 accumulator (``acc``) in the host store. ``param.grad`` is a view of that accumulator while
+Lightning's hooks and clipping run (:meth:`GradientSink.attach`). With the optimizer step in
+backward, the D2H worker also applies a slab's AdamW update right after its last gradient of the
+step (docs/architecture.md, "NVMe tier": optimizer step in backward).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..optim.host_adamw import HostAdamW
+from ..store.host import HostStore
+from .accounting import ByteAccounting
+
+
+class GradientSink:
+    """D2H gradient transfers, host accumulation, and the per-slab update plan of a backward.
+
+    Args:
+        store: the host store (accumulators in RAM or on NVMe).
+        acct: live-byte accounting (gradients in flight count until they are in the accumulator).
+        transport: the device transport (``stage_grads``).
+        optimizer: returns the attached host optimizer, or ``None``.
+        bounded: at most 2 gradient batches queued for the D2H worker (budgeted CPU runs: without the
+            bound the queued gradients could take the whole budget while the worker itself waits for
+            budget to accumulate or update them, a deadlock).
+    """
+
+    def __init__(self, store: HostStore, acct: ByteAccounting, transport: Any,
+                 optimizer: Callable[[], HostAdamW | None], bounded: bool = False):
+        self.store = store
+        self.acct = acct
+        self.transport = transport
+        self._optimizer = optimizer
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="megatrain-d2h")
+        self._slots = threading.BoundedSemaphore(2) if bounded else None
+        self._futures: list[Future] = []
+        self.wire_dtype = torch.float32  # dtype of gradients on the D2H link (accumulated in fp32)
+        self.param_dtype = torch.float32  # dtype autograd produces them in (the bound parameters')
+        # optimizer step in backward: per slab, the gradient batches still to come in this backward
+        self.sends_left: dict[int, int] = {}
+        self._hyper = None
+
+    # ------------------------------------------------------------------ plan
+    def plan(self, calls_refs: Sequence[Sequence[Any]]) -> None:
+        """Start of a backward that applies the AdamW updates as it goes: snapshot the optimizer's
+        hyper-parameters and count, per slab, the gradient batches the backward will send (one per
+        element of ``calls_refs``, the trainable parameter references of each block call, holding
+        parameters of the slab). ``calls_refs`` empty: no update in this backward."""
+        self.sends_left = {}
+        opt = self._optimizer()
+        if not calls_refs or opt is None:
+            return
+        self._hyper = opt.snapshot()
+        for refs in calls_refs:
+            for si in {r.slab for r in refs}:
+                self.sends_left[si] = self.sends_left.get(si, 0) + 1
+
+    def grad_bytes(self, refs: Sequence) -> int:
+        """Bytes of the gradients of ``refs`` as autograd makes them (the bound parameters' dtype)."""
+        return sum(self.store.slabs[r.slab].entries[r.index].numel for r in refs) * self.param_dtype.itemsize
+
+    # ------------------------------------------------------------------ send
+    def send(self, refs: Sequence, grads: Sequence[torch.Tensor | None], reserved: int = 0) -> None:
+        """Queue gradients (``grads[i]`` of parameter ``refs[i]``, device tensors of its shape, or
+        ``None``) for the D2H worker. ``reserved``: bytes already counted for them (before autograd
+        allocated them), exchanged here for the bytes of their wire copies."""
+        by_slab: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        for ref, g in zip(refs, grads):
+            if g is not None:
+                by_slab.setdefault(ref.slab, []).append((ref.index, g))
+        wire = self.wire_dtype
+        total = sum(g.numel() * wire.itemsize for items in by_slab.values() for _, g in items)
+        if total < reserved:
+            self.acct.track(total - reserved)
+        final: set[int] = set()
+        if self.sends_left:
+            for si in {r.slab for r in refs}:
+                if si in self.sends_left:
+                    self.sends_left[si] -= 1
+                    if self.sends_left[si] == 0:
+                        final.add(si)
+        for si, items in by_slab.items():
+            nbytes = sum(g.numel() * wire.itemsize for _, g in items)
+            take = min(nbytes, reserved)
+            reserved -= take
+            if self._slots is not None:
+                self._slots.acquire()
+            self.acct.track(nbytes - take)
+            run = self.transport.stage_grads([g for _, g in items], wire)
+            idx = [i for i, _ in items]
+            self.acct.stats.d2h_bytes += nbytes
+            self._futures.append(self._pool.submit(self._accumulate, si, idx, run, nbytes, si in final))
+        for si in final - set(by_slab):  # its last batch had no gradient: the update still runs, in order
+            if self._slots is not None:
+                self._slots.acquire()
+            self._futures.append(self._pool.submit(self._update_now, si, True))
+
+    def _update_now(self, si: int, slot: bool = False) -> None:
+        """D2H worker: the slab's gradients of this step are complete: apply its AdamW update now."""
+        try:
+            opt = self._optimizer()
+            assert opt is not None and self._hyper is not None
+            opt.apply_now(si, self._hyper)
+        finally:
+            if slot and self._slots is not None:
+                self._slots.release()
+
+    def _accumulate(self, si: int, idx: list[int], run: Callable, nbytes: int, final: bool = False) -> None:
+        """D2H worker: add one batch of slab ``si``'s gradients into its fp32 accumulator, then
+        (``final``: the slab's last batch of the step under ``optimizer_in_backward``) apply its update.
+
+        The final batch is consumed by the update while the accumulator is still pinned, so that
+        accumulator is never marked for write-back: with ``offload_optimizer="nvme"`` it never
+        goes to disk (4 bytes/param/step less written)."""
+        slab = self.store.slabs[si]
+        done = [False]
+
+        def release() -> None:  # the gradient batch's bytes and D2H slot, exactly once
+            if not done[0]:
+                done[0] = True
+                self.acct.track(-nbytes)
+                if self._slots is not None:
+                    self._slots.release()
+
+        try:
+            with slab.lock:
+                if slab.acc_empty:
+                    slab.has_grad = [False] * len(slab.entries)
+                # an empty accumulator is overwritten, not read (NVMe: no disk read)
+                fresh = ["acc"] if slab.acc_empty else []
+                with self.store.hold(si, ["acc"], write=not final, fresh=fresh) as t:
+
+                    def consume(host_grads: list[torch.Tensor]) -> None:
+                        for i, g in zip(idx, host_grads):
+                            acc = slab.view(t["acc"], i)
+                            if slab.has_grad[i]:
+                                acc.add_(g)
+                            else:
+                                acc.copy_(g)
+                                slab.has_grad[i] = True
+
+                    try:
+                        run(consume)
+                    finally:
+                        release()
+                    slab.acc_empty = False
+                    if final:
+                        self._update_now(si)
+                if final:
+                    self.store.discard_acc(si)  # consumed: free its window buffer now
+        finally:
+            release()
+
+    # ------------------------------------------------------------------ the step's view
+    def wait(self) -> None:
+        """Block until every gradient sent so far is in the host accumulators."""
+        t0 = time.perf_counter()
+        futs, self._futures = self._futures, []
+        for f in futs:
+            f.result()
+        self.acct.stats.wait_s += time.perf_counter() - t0
+
+    def attach(self) -> None:
+        """Set ``param.grad`` to a view of its fp32 accumulator (``None`` where no gradient arrived).
+
+        With accumulators on disk (``offload_optimizer="nvme"``) ``param.grad`` stays ``None``: the
+        gradients are not all in memory at once (clipping still works, see HostAdamW.clip_grad_norm).
+
+        Raises:
+            RuntimeError: a parameter got a gradient from ordinary autograd, outside the engine (see
+                :meth:`check_outside_grads`).
+        """
+        self.wait()
+        self.check_outside_grads()
+        if "acc" in self.store.nvme_kinds:
+            return
+        for slab in self.store.slabs:
+            for i, e in enumerate(slab.entries):
+                has = slab.acc is not None and not slab.acc_empty and slab.has_grad[i]
+                e.ref.param.grad = slab.acc_view(i) if has else None
+
+    def check_outside_grads(self) -> None:
+        """Raise if a parameter's ``.grad`` was set by ordinary autograd rather than by the engine.
+
+        The engine computes every gradient inside block calls and keeps it in the host accumulators;
+        ``param.grad`` is only ever ``None`` or a view of an accumulator. A parameter used *outside*
+        the forward of its block (for example ``self.net.pos`` read in ``training_step`` while only
+        ``net.forward`` binds it, or a weight reused with ``F.linear`` in another module) is seen by
+        autograd as the plain host tensor: its gradient would land in ``.grad`` and be lost.
+
+        Raises:
+            RuntimeError: naming the parameters and what to do.
+        """
+        bad = []
+        for slab in self.store.slabs:
+            acc = slab.acc.untyped_storage().data_ptr() if slab.acc is not None else None
+            for e in slab.entries:
+                g = e.ref.param.grad
+                if g is not None and (acc is None or g.untyped_storage().data_ptr() != acc):
+                    bad.append(e.ref.fqn)
+        if bad:
+            raise RuntimeError(
+                f"megatrain: parameters {bad} got a gradient outside the streamed blocks: they were used "
+                "outside the forward of the module that owns them, where the engine does not bind them, so "
+                "their gradient would be lost. Use each parameter only inside its own module's forward (call "
+                "the module instead of reading its weight, e.g. self.net(x) rather than self.net.pos), or "
+                "move the computation that uses it into that module's forward."
+            )
+
+    def detach(self) -> None:
+        """``param.grad = None`` for every parameter (after the step)."""
+        for slab in self.store.slabs:
+            for e in slab.entries:
+                e.ref.param.grad = None
+
+    def zero(self) -> None:
+        """``optimizer.zero_grad()``: forget gradients no step consumed."""
+        self.wait()
+        opt = self._optimizer()
+        if opt is not None:
+            opt.discard_grads()
+        else:
+            for slab in self.store.slabs:
+                slab.acc_empty = True
+                slab.has_grad = [False] * len(slab.entries)
+
+    def close(self) -> None:
+        """Stop the D2H worker (after the queued transfers)."""
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,99 @@
+"""Direct access to parameters the engine owns: read, write, and giving the module real weights back.
+
+While the engine owns a module, a parameter's authoritative value is its fp32 master in the host
+store (RAM slab or NVMe file), possibly with a deferred AdamW update pending. Everything that reads
+or writes a weight outside a block call goes through :class:`ParamAccess`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..optim.host_adamw import HostAdamW
+from ..store.host import HostStore, placeholder
+
+
+class ParamAccess:
+    """Read and write parameters' fp32 masters in either tier; materialize them after a run.
+
+    Args:
+        store: the host store holding the masters.
+        optimizer: returns the attached host optimizer (``None`` before one is attached); its pending
+            update of a slab is applied before a read and dropped before a write.
+    """
+
+    def __init__(self, store: HostStore, optimizer: Callable[[], HostAdamW | None]):
+        self.store = store
+        self._optimizer = optimizer
+        self.materialized = False
+
+    def read(self, p: torch.Tensor) -> torch.Tensor:
+        """The current fp32 value of parameter ``p`` (pending updates applied): a view of the RAM
+        slab, or a copy read through the NVMe window when masters are on disk.
+
+        Raises:
+            KeyError: ``p`` is not a parameter of the streamed module.
+        """
+        si, ei = self.store.locate(p)
+        opt = self._optimizer()
+        if opt is not None:
+            opt.apply_pending(si)
+        slab = self.store.slabs[si]
+        with self.store.hold(si, ["master"]) as t:
+            v = slab.view(t["master"], ei)
+            return v.clone() if self.store.masters_on_disk else v
+
+    def write(self, p: torch.Tensor, value: torch.Tensor) -> None:
+        """Set parameter ``p``'s master weights to ``value`` (same shape, any float dtype), in either tier.
+
+        Raises:
+            KeyError: ``p`` is not a parameter of the streamed module.
+            ValueError: shapes differ.
+        """
+        si, ei = self.store.locate(p)
+        slab = self.store.slabs[si]
+        if tuple(value.shape) != tuple(slab.entries[ei].shape):
+            raise ValueError(f"{slab.entries[ei].ref.fqn}: value has shape {tuple(value.shape)}, "
+                             f"parameter {tuple(slab.entries[ei].shape)}.")
+        opt = self._optimizer()
+        if opt is not None:
+            opt.pending.pop(si, None)
+        with slab.lock, self.store.hold(si, ["master"], write=True) as t, torch.no_grad():
+            slab.view(t["master"], ei).copy_(value)
+            slab.updates += 1  # invalidates the bf16/fp16 shadow
+
+    def materialize(self) -> None:
+        """Give every parameter a real fp32 tensor again (a copy read from the store) so the module
+        works on its own; used when masters are on disk and a run is over (4 bytes/param of host
+        memory). :meth:`dematerialize` writes them back and restores the placeholders."""
+        if not self.store.masters_on_disk or self.materialized:
+            return
+        nvme = self.store.nvme
+        nvme.drop_clean()  # the copies replace the window, not add to it
+        for slab in self.store.slabs:
+            for e in slab.entries:
+                e.ref.param.data = self.read(e.ref.param).clone()
+            nvme.discard(slab.index, "master")  # read through the window, not kept in it
+        self.materialized = True
+
+    def write_back_materialized(self) -> None:
+        """Copy the materialized parameters (the user may have changed them after the run) into the
+        store, which checkpoints read; a no-op unless :meth:`materialize` ran."""
+        if not self.materialized:
+            return
+        for slab in self.store.slabs:
+            for e in slab.entries:
+                self.write(e.ref.param, e.ref.param.data)
+
+    def dematerialize(self) -> None:
+        """Before the engine owns the module again: write materialized weights back, then point the
+        parameters at 4-byte placeholders (the masters are on disk)."""
+        if not self.materialized:
+            return
+        self.write_back_materialized()
+        for slab in self.store.slabs:
+            for e in slab.entries:
+                e.ref.param.data = placeholder(e.shape)
+        self.materialized = False
