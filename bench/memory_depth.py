@@ -128,9 +128,9 @@ def run(layers, offload):
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     engine = StreamingEngine(model, dev, offload_activations=offload)
     if not cuda and not args.async_workers:
-        engine._h2d.shutdown()
-        engine._d2h.shutdown()
-        engine._h2d, engine._d2h = Inline(), Inline()
+        for part in (engine.prefetcher, engine.grads):  # run the H2D/D2H work inline on the compute thread
+            part._pool.shutdown()
+            part._pool = Inline()
     engine.install()
     engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
     offloaded = [0]

@@ -56,13 +56,13 @@ class FetchSpy(Callback):
 
     def on_fit_start(self, trainer, pl_module):
         engine = trainer.strategy.engine
-        fetch = engine._fetch
+        fetch = engine.fetcher.fetch
 
         def spy(blk):
             self.wire_bytes += sum(engine.wire_layouts[si].nbytes for si in blk.slabs)
             return fetch(blk)
 
-        engine._fetch = spy
+        engine.fetcher.fetch = spy
 
 
 def _h2d_total(trainer):

@@ -35,7 +35,6 @@ import contextlib
 import logging
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -51,11 +50,12 @@ from ..store.host import HostStore, build_store, slab_layout
 from ..store.nvme import NVMeConfig, NVMeStore, preflight_nvme
 from ..blocks import Block, check_floating, discover_blocks, find_hf_models
 from .accounting import ByteAccounting, StepStats
+from .fetch import WeightFetcher
 from .grads import GradientSink
 from .kv_cache import any_requires_grad, strip_cache
+from .prefetch import Prefetcher
 from .params import ParamAccess
 from .transport import make_transport
-from .wire import WireLayout, castable_flags
 
 log = logging.getLogger(__name__)
 
@@ -356,14 +356,14 @@ class StreamingEngine:
         self.params = ParamAccess(self.store, lambda: self.optimizer)
         self.grads = GradientSink(self.store, self.acct, self.transport, lambda: self.optimizer,
                                   bounded=self._budget_device)
-        self.wire_dtype = torch.float32  # dtype of (castable, under mixed precision) weights on the H2D link
-        self.param_dtype = torch.float32  # dtype the block's parameters have while it computes
-        # per slab entry: autocast casts the parameter at every use (owner is a Linear/Conv/Conv1D)
-        self.autocast_castable: list[list[bool]] = self._castable()
-        self.wire_layouts: list[WireLayout] = [WireLayout.uniform(s.numel, torch.float32) for s in self.store.slabs]
+        self.fetcher = WeightFetcher(self.blocks, self.store, self.transport, self.acct, lambda: self.optimizer,
+                                     self.device)
+        nvme_on = self.store.nvme is not None
+        self.prefetcher = Prefetcher(self.blocks, self.store, self.transport, self.acct, lambda blk: self.fetcher.fetch(blk),
+                                     lookahead, lambda: self.optimizer,
+                                     read_ahead_bytes=self.budget.limit - self._min_window if nvme_on else None,
+                                     read_ahead_depth=nvme.read_ahead if nvme_on else 0)
         self.optimizer: HostAdamW | None = None
-        self._h2d = ThreadPoolExecutor(1, thread_name_prefix="megatrain-h2d")
-        self._prefetched: dict[int, Future] = {}
         self.order: list[int] = []  # block indices in forward call order (learned on the first forward)
         self._seq: list[int] = []  # the fetch sequence the prefetcher follows now
         self._cursor = 0
@@ -480,7 +480,7 @@ class StreamingEngine:
     def close(self) -> None:
         """Uninstall, stop the worker threads and close the NVMe store (its files are removed unless kept)."""
         self.uninstall()
-        self._h2d.shutdown(wait=True)
+        self.prefetcher.close()
         self.grads.close()
         self.store.close()
         self.closed = True
@@ -891,183 +891,38 @@ class StreamingEngine:
         Returns:
             slab index -> device buffer (fp32/compute dtype, shape ``[slab numel]``).
         """
-        t0 = time.perf_counter()
         pos = self._locate(blk, backward, training)
-        fut = self._prefetched.pop(blk.index, None)
-        if fut is None:
-            self.stats.prefetch_misses += 1
-            fut = self._h2d.submit(self._fetch, blk)
-        if self.lookahead > 0 and pos is not None:
-            want: list[int] = []
-            for bi in self._seq[pos + 1 :]:
-                if len(want) == self.lookahead:
-                    break
-                if bi not in want:
-                    want.append(bi)
-            for stale in [k for k in self._prefetched if k not in want]:
-                self._discard(self._prefetched.pop(stale))
-            for bi in want:
-                if bi not in self._prefetched:
-                    self._prefetched[bi] = self._h2d.submit(self._fetch, self.blocks[bi])
-        if self.store.nvme is not None and pos is not None:
-            self._read_ahead(pos)
-        got = fut.result()
-        for buf, ev in got.values():
-            self.transport.ready(buf, ev)
-        self.stats.wait_s += time.perf_counter() - t0
-        return {s: buf for s, (buf, _) in got.items()}
-
-    def _read_ahead(self, pos: int) -> None:
-        """Tell the NVMe store what the schedule reads next: the masters of the coming fetches, and
-        the AdamW states and accumulator of slabs whose update runs before their fetch.
-
-        The list stops where its buffers would no longer fit beside the blocks in flight
-        (``host_memory_limit`` - the minimum window): buffers read further ahead would be evicted
-        by the compute path's own reservations before their use and read a second time."""
-        kinds = self.store.nvme_kinds
-        nvme = self.store.nvme
-        spare = self.budget.limit - self._min_window  # type: ignore[union-attr]
-        wanted: list[tuple[int, str]] = []
-        pending = self.optimizer.pending if self.optimizer is not None else {}
-        for bi in self._seq[pos + 1 : pos + 2 + 2 * self.lookahead + self.nvme_config.read_ahead]:  # type: ignore[union-attr]
-            for si in self.blocks[bi].slabs:
-                slab = self.store.slabs[si]
-                want = ["master"]
-                if si in pending:
-                    want = ["exp_avg", "exp_avg_sq", "acc", "master"]
-                elif self._phase == "backward" and self.grads.sends_left:
-                    want = ["master", "exp_avg", "exp_avg_sq"]  # the update runs right after this backward
-                elif self._phase == "backward" and not slab.acc_empty:
-                    want = ["master", "acc"]  # gradient accumulation adds into the stored accumulator
-                for k in want:
-                    if k in kinds and (si, k) not in wanted:
-                        spare -= nvme.region_bytes(si, k)  # type: ignore[union-attr]
-                        if spare < 0:
-                            return nvme.read_ahead(wanted)  # type: ignore[union-attr]
-                        wanted.append((si, k))
-        nvme.read_ahead(wanted)  # type: ignore[union-attr]
-
-    def _discard(self, fut: Future) -> None:
-        def drop(f: Future) -> None:
-            if f.exception() is None:
-                self.acct.track(-sum(b.numel() * b.element_size() for b, _ in f.result().values()))
-
-        fut.add_done_callback(drop)
-
-    def _fetch(self, blk: Block) -> dict[int, tuple[torch.Tensor, Any]]:
-        """H2D worker: apply pending optimizer updates of the block's slabs, then copy them.
-
-        A slab travels as its wire layout says (:meth:`configure_precision`): the fp32 master itself
-        when it is all fp32, else its wire image (RAM tier: the cached shadow; NVMe tier: cast from
-        the window's master at this fetch). ``stats.h2d_bytes`` counts the bytes that travel."""
-        out = {}
-        for si in blk.slabs:
-            slab = self.store.slabs[si]
-            layout = self.wire_layouts[si]
-            if self.optimizer is not None:
-                self.optimizer.apply_pending(si)
-            nbytes = slab.numel * self.param_dtype.itemsize
-            self.acct.track(nbytes)  # reserved before the buffer exists (CPU + NVMe: counted in the budget)
-            if not self.store.masters_on_disk:
-                if layout.dtype == torch.float32:
-                    src = slab.master
-                    buf, ev = self.transport.to_device(src, self.param_dtype)
-                else:
-                    src = self._shadow(slab)
-                    buf, ev = self.transport.to_device(src, self.param_dtype, layout)
-            else:
-                with self.store.hold(si, ["master"]) as t:
-                    src = t["master"]
-                    if layout.dtype != torch.float32:
-                        self.acct.track(layout.nbytes)
-                        try:
-                            t0 = time.perf_counter()
-                            src = layout.encode(src, layout.empty())  # no cached shadow: it would be resident
-                            self.stats.cast_s += time.perf_counter() - t0
-                            buf, ev = self.transport.to_device(src, self.param_dtype, layout)
-                            self.transport.last_read_done(ev)
-                        finally:
-                            self.acct.track(-layout.nbytes)
-                    else:
-                        buf, ev = self.transport.to_device(src, self.param_dtype)
-                        self.transport.last_read_done(ev)  # the window buffer may be evicted after the hold
-            slab.last_read = ev
-            self.stats.h2d_bytes += src.numel() * src.element_size()
-            out[si] = (buf, ev)
-        self.stats.blocks_fetched += 1
-        return out
-
-    def _castable(self) -> list[list[bool]]:
-        """Per slab, per entry: whether autocast casts the parameter at every use (all its owners are
-        Linear/Conv/Conv1D modules: see :func:`~megatrain_lightning.engine.wire.autocast_casts`)."""
-        owners: dict[int, list[tuple[nn.Module, str]]] = {}
-        for blk in self.blocks:
-            for ref in blk.params:
-                owners.setdefault(id(ref.param), []).append((ref.owner, ref.attr))
-        return [castable_flags([owners[id(e.ref.param)] for e in s.entries]) for s in self.store.slabs]
-
-    def _wire_layout(self, si: int) -> WireLayout:
-        slab = self.store.slabs[si]
-        if self.wire_dtype == self.param_dtype:  # 32-true, bf16-true: every weight in one dtype
-            return WireLayout.uniform(slab.numel, self.wire_dtype)
-        dtypes = [self.wire_dtype if c else torch.float32 for c in self.autocast_castable[si]]
-        return WireLayout.build([e.numel for e in slab.entries], dtypes)
+        return self.prefetcher.get(blk, self._seq, pos, backward=self._phase == "backward",
+                                   updates_in_backward=bool(self.grads.sends_left))
 
     def configure_precision(self, wire: torch.dtype, param: torch.dtype, grad_wire: torch.dtype) -> None:
-        """Set the dtypes of the H2D weight copies, of the bound parameters and of D2H gradients.
-
-        Args:
-            wire: dtype weights travel in. With ``param == wire`` (``32-true``: fp32, ``bf16-true``:
-                bf16) every weight travels and computes in it. With ``wire`` 16-bit and ``param``
-                fp32 (the mixed modes, computed under autocast) only the weights autocast casts at
-                every use travel in ``wire`` (``engine.autocast_castable``); the others (embeddings,
-                norms, tied weights, custom modules) travel in fp32, so the block sees exactly the
-                values Lightning's own mixed precision gives it.
-            param: dtype of the device buffer the block's parameters are bound to (fp32 in mixed modes).
-            grad_wire: dtype of parameter gradients on the D2H link (accumulated in fp32 on the host).
-        """
-        if (wire, param, grad_wire) != (self.wire_dtype, self.param_dtype, self.grads.wire_dtype):
+        """Set the dtypes of the H2D weight copies and of the bound parameters
+        (:meth:`WeightFetcher.configure`), and of parameter gradients on the D2H link (accumulated
+        in fp32 on the host)."""
+        f = self.fetcher
+        if (wire, param, grad_wire) != (f.wire_dtype, f.param_dtype, self.grads.wire_dtype):
             self._drop_prefetched()
-        self.wire_dtype, self.param_dtype = wire, param
+        f.configure(wire, param)
         self.grads.wire_dtype, self.grads.param_dtype = grad_wire, param
-        layouts = [self._wire_layout(si) for si in range(len(self.store.slabs))]
-        for slab, old, new in zip(self.store.slabs, self.wire_layouts, layouts):
-            if old != new:
-                with slab.lock:
-                    self.transport.last_read_done(slab.last_read)  # an async H2D may still read the shadow
-                    slab.shadow, slab.shadow_version = None, (-1, -1)
-        self.wire_layouts = layouts
 
-    def _shadow(self, slab) -> torch.Tensor:
-        """Host wire image of the master slab (:class:`WireLayout`: bf16/fp16 for castable weights, fp32
-        for the rest under mixed precision; all bf16 under ``bf16-true``), refreshed when the master
-        changed (an optimizer update, or its version counter moved: state-dict load).
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """dtype of the device buffers blocks compute with (fp32, or bf16/fp16 under ``*-true``)."""
+        return self.fetcher.param_dtype
 
-        One cast per slab per optimizer step, made by the H2D worker right after the slab's update,
-        instead of one cast per fetch (each block is fetched twice per step)."""
-        layout = self.wire_layouts[slab.index]
-        with slab.lock:
-            v = (slab.updates, slab.master._version)
-            if slab.shadow is None:
-                slab.shadow = layout.empty(pin_memory=self.device.type == "cuda")
-                slab.shadow_version = (-1, -1)
-            if slab.shadow_version != v:
-                self.transport.last_read_done(slab.last_read)  # an async H2D may still read the shadow
-                t0 = time.perf_counter()
-                layout.encode(slab.master, slab.shadow)
-                slab.shadow_version = v
-                self.stats.cast_s += time.perf_counter() - t0
-            return slab.shadow
+    @property
+    def wire_layouts(self) -> list:
+        """Per slab, how its weights travel host -> device (:class:`~megatrain_lightning.engine.wire.WireLayout`)."""
+        return self.fetcher.wire_layouts
+
+    @property
+    def autocast_castable(self) -> list[list[bool]]:
+        """Per slab entry: autocast casts the parameter at every use (it travels 16-bit in mixed modes)."""
+        return self.fetcher.autocast_castable
 
     def _drop_prefetched(self) -> None:
         """Wait for and discard prefetched copies (they predate an optimizer update)."""
-        for fut in self._prefetched.values():
-            try:
-                got = fut.result()
-                self.acct.track(-sum(b.numel() * b.element_size() for b, _ in got.values()))
-            except Exception:  # the error resurfaces on the next synchronous fetch
-                pass
-        self._prefetched.clear()
+        self.prefetcher.drop()
         self._phase = "idle"
 
     # ------------------------------------------------------------------ gradients

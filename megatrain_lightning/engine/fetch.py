@@ -1,0 +1,147 @@
+"""One block's weights to the device: its pending AdamW update, the cast to the wire dtypes, the copy.
+
+Runs on the H2D worker thread (:mod:`megatrain_lightning.engine.prefetch` schedules it). Under the
+mixed modes only the weights autocast casts at every use travel in bf16/fp16 (their wire layout,
+:mod:`megatrain_lightning.engine.wire`); docs/architecture.md, "Precision".
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..blocks import Block
+from ..optim.host_adamw import HostAdamW
+from ..store.host import HostStore
+from .accounting import ByteAccounting
+from .wire import WireLayout, castable_flags
+
+
+class WeightFetcher:
+    """Copies blocks' fp32 masters (or their wire images) to the device.
+
+    Args:
+        blocks: the model's blocks (for each parameter's owners: which weights autocast casts).
+        store: the host store of the masters.
+        transport: the device transport (``to_device``, ``last_read_done``).
+        acct: live-byte accounting (a fetched buffer counts until the compute thread releases it).
+        optimizer: returns the attached host optimizer (its pending update of a slab is applied first).
+        device: the compute device (CUDA: wire images in pinned memory).
+    """
+
+    def __init__(self, blocks: list[Block], store: HostStore, transport: Any, acct: ByteAccounting,
+                 optimizer: Callable[[], HostAdamW | None], device: torch.device):
+        self.blocks, self.store, self.transport, self.acct = blocks, store, transport, acct
+        self._optimizer = optimizer
+        self.device = device
+        self.wire_dtype = torch.float32  # dtype of (castable, under mixed precision) weights on the H2D link
+        self.param_dtype = torch.float32  # dtype the block's parameters have while it computes
+        # per slab entry: autocast casts the parameter at every use (owner is a Linear/Conv/Conv1D)
+        self.autocast_castable: list[list[bool]] = self._castable()
+        self.wire_layouts: list[WireLayout] = [WireLayout.uniform(s.numel, torch.float32) for s in store.slabs]
+
+    def fetch(self, blk: Block) -> dict[int, tuple[torch.Tensor, Any]]:
+        """H2D worker: apply pending optimizer updates of the block's slabs, then copy them.
+
+        A slab travels as its wire layout says (:meth:`configure`): the fp32 master itself
+        when it is all fp32, else its wire image (RAM tier: the cached shadow; NVMe tier: cast from
+        the window's master at this fetch). ``stats.h2d_bytes`` counts the bytes that travel."""
+        out = {}
+        for si in blk.slabs:
+            slab = self.store.slabs[si]
+            layout = self.wire_layouts[si]
+            opt = self._optimizer()
+            if opt is not None:
+                opt.apply_pending(si)
+            nbytes = slab.numel * self.param_dtype.itemsize
+            self.acct.track(nbytes)  # reserved before the buffer exists (CPU + NVMe: counted in the budget)
+            if not self.store.masters_on_disk:
+                if layout.dtype == torch.float32:
+                    src = slab.master
+                    buf, ev = self.transport.to_device(src, self.param_dtype)
+                else:
+                    src = self._shadow(slab)
+                    buf, ev = self.transport.to_device(src, self.param_dtype, layout)
+            else:
+                with self.store.hold(si, ["master"]) as t:
+                    src = t["master"]
+                    if layout.dtype != torch.float32:
+                        self.acct.track(layout.nbytes)
+                        try:
+                            t0 = time.perf_counter()
+                            src = layout.encode(src, layout.empty())  # no cached shadow: it would be resident
+                            self.acct.stats.cast_s += time.perf_counter() - t0
+                            buf, ev = self.transport.to_device(src, self.param_dtype, layout)
+                            self.transport.last_read_done(ev)
+                        finally:
+                            self.acct.track(-layout.nbytes)
+                    else:
+                        buf, ev = self.transport.to_device(src, self.param_dtype)
+                        self.transport.last_read_done(ev)  # the window buffer may be evicted after the hold
+            slab.last_read = ev
+            self.acct.stats.h2d_bytes += src.numel() * src.element_size()
+            out[si] = (buf, ev)
+        self.acct.stats.blocks_fetched += 1
+        return out
+
+    def _castable(self) -> list[list[bool]]:
+        """Per slab, per entry: whether autocast casts the parameter at every use (all its owners are
+        Linear/Conv/Conv1D modules: see :func:`~megatrain_lightning.engine.wire.autocast_casts`)."""
+        owners: dict[int, list[tuple[nn.Module, str]]] = {}
+        for blk in self.blocks:
+            for ref in blk.params:
+                owners.setdefault(id(ref.param), []).append((ref.owner, ref.attr))
+        return [castable_flags([owners[id(e.ref.param)] for e in s.entries]) for s in self.store.slabs]
+
+    def _wire_layout(self, si: int) -> WireLayout:
+        slab = self.store.slabs[si]
+        if self.wire_dtype == self.param_dtype:  # 32-true, bf16-true: every weight in one dtype
+            return WireLayout.uniform(slab.numel, self.wire_dtype)
+        dtypes = [self.wire_dtype if c else torch.float32 for c in self.autocast_castable[si]]
+        return WireLayout.build([e.numel for e in slab.entries], dtypes)
+
+    def configure(self, wire: torch.dtype, param: torch.dtype) -> None:
+        """Set the dtypes of the H2D weight copies and of the bound parameters (the caller drops
+        prefetched copies first when they change).
+
+        Args:
+            wire: dtype weights travel in. With ``param == wire`` (``32-true``: fp32, ``bf16-true``:
+                bf16) every weight travels and computes in it. With ``wire`` 16-bit and ``param``
+                fp32 (the mixed modes, computed under autocast) only the weights autocast casts at
+                every use travel in ``wire`` (``autocast_castable``); the others (embeddings,
+                norms, tied weights, custom modules) travel in fp32, so the block sees exactly the
+                values Lightning's own mixed precision gives it.
+            param: dtype of the device buffer the block's parameters are bound to (fp32 in mixed modes).
+        """
+        self.wire_dtype, self.param_dtype = wire, param
+        layouts = [self._wire_layout(si) for si in range(len(self.store.slabs))]
+        for slab, old, new in zip(self.store.slabs, self.wire_layouts, layouts):
+            if old != new:
+                with slab.lock:
+                    self.transport.last_read_done(slab.last_read)  # an async H2D may still read the shadow
+                    slab.shadow, slab.shadow_version = None, (-1, -1)
+        self.wire_layouts = layouts
+
+    def _shadow(self, slab) -> torch.Tensor:
+        """Host wire image of the master slab (:class:`WireLayout`: bf16/fp16 for castable weights, fp32
+        for the rest under mixed precision; all bf16 under ``bf16-true``), refreshed when the master
+        changed (an optimizer update, or its version counter moved: state-dict load).
+
+        One cast per slab per optimizer step, made by the H2D worker right after the slab's update,
+        instead of one cast per fetch (each block is fetched twice per step)."""
+        layout = self.wire_layouts[slab.index]
+        with slab.lock:
+            v = (slab.updates, slab.master._version)
+            if slab.shadow is None:
+                slab.shadow = layout.empty(pin_memory=self.device.type == "cuda")
+                slab.shadow_version = (-1, -1)
+            if slab.shadow_version != v:
+                self.transport.last_read_done(slab.last_read)  # an async H2D may still read the shadow
+                t0 = time.perf_counter()
+                layout.encode(slab.master, slab.shadow)
+                slab.shadow_version = v
+                self.acct.stats.cast_s += time.perf_counter() - t0
+            return slab.shadow

@@ -1,0 +1,141 @@
+"""The read-ahead schedule: block copies started ``lookahead`` fetches ahead, NVMe reads further ahead.
+
+The engine knows the sequence of fetches a step makes (forward order, then the backward sequence
+with recompute chains: docs/architecture.md, "Prefetch schedule"). At every fetch it asks
+:class:`Prefetcher` for the block; the prefetcher hands over the copy started earlier (or starts it),
+submits the next ``lookahead`` fetches of the sequence to the single H2D worker thread and, with the
+NVMe tier, tells the store which regions the schedule reads next.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..blocks import Block
+from ..optim.host_adamw import HostAdamW
+from ..store.host import HostStore
+from .accounting import ByteAccounting
+
+
+class Prefetcher:
+    """Block copies in flight on the H2D worker, in schedule order.
+
+    Args:
+        blocks: the model's blocks (indexed by block index).
+        store: the host store (NVMe read-ahead).
+        transport: the device transport (``ready``: the compute stream waits for a copy).
+        acct: live-byte accounting (a dropped prefetch gives its bytes back).
+        fetch: copies one block's slabs to the device (``WeightFetcher.fetch``, run on the H2D worker):
+            slab index -> ``(device buffer, event)``.
+        lookahead: fetches started ahead of the one computing (1 = double buffering).
+        optimizer: returns the attached host optimizer (its pending updates tell what to read ahead).
+        read_ahead_bytes: NVMe tier: bytes the read-ahead may use beside the blocks in flight
+            (``host_memory_limit`` - the minimum window), or ``None`` without the NVMe tier.
+        read_ahead_depth: NVMe tier: fetches beyond the lookahead whose regions are read ahead.
+    """
+
+    def __init__(self, blocks: Sequence[Block], store: HostStore, transport: Any, acct: ByteAccounting,
+                 fetch: Callable[[Block], dict[int, tuple[torch.Tensor, Any]]], lookahead: int,
+                 optimizer: Callable[[], HostAdamW | None], read_ahead_bytes: int | None = None,
+                 read_ahead_depth: int = 0):
+        self.blocks, self.store, self.transport, self.acct = blocks, store, transport, acct
+        self._fetch = fetch
+        self.lookahead = lookahead
+        self._optimizer = optimizer
+        self._spare = read_ahead_bytes
+        self._depth = read_ahead_depth
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="megatrain-h2d")
+        self._inflight: dict[int, Future] = {}
+
+    def get(self, blk: Block, seq: Sequence[int], pos: int | None, backward: bool = False,
+            updates_in_backward: bool = False) -> dict[int, torch.Tensor]:
+        """The block's slabs on the device, waiting for its copy if needed; starts the next
+        ``lookahead`` fetches of ``seq`` after position ``pos`` (``None``: off the schedule).
+
+        Args:
+            backward / updates_in_backward: the fetch is in a backward (which applies AdamW updates as
+                it goes): what the NVMe read-ahead wants besides the masters.
+        Returns:
+            slab index -> device buffer (compute dtype, shape ``[slab numel]``).
+        """
+        t0 = time.perf_counter()
+        fut = self._inflight.pop(blk.index, None)
+        if fut is None:
+            self.acct.stats.prefetch_misses += 1
+            fut = self._pool.submit(self._fetch, blk)
+        if self.lookahead > 0 and pos is not None:
+            want: list[int] = []
+            for bi in seq[pos + 1 :]:
+                if len(want) == self.lookahead:
+                    break
+                if bi not in want:
+                    want.append(bi)
+            for stale in [k for k in self._inflight if k not in want]:
+                self._discard(self._inflight.pop(stale))
+            for bi in want:
+                if bi not in self._inflight:
+                    self._inflight[bi] = self._pool.submit(self._fetch, self.blocks[bi])
+        if self._spare is not None and pos is not None:
+            self._read_ahead(seq[pos + 1 : pos + 2 + 2 * self.lookahead + self._depth], backward, updates_in_backward)
+        got = fut.result()
+        for buf, ev in got.values():
+            self.transport.ready(buf, ev)
+        self.acct.stats.wait_s += time.perf_counter() - t0
+        return {s: buf for s, (buf, _) in got.items()}
+
+    def _read_ahead(self, upcoming: Sequence[int], backward: bool, updates_in_backward: bool) -> None:
+        """Tell the NVMe store what the schedule reads next: the masters of the coming fetches, and
+        the AdamW states and accumulator of slabs whose update runs before their fetch.
+
+        The list stops where its buffers would no longer fit beside the blocks in flight
+        (``host_memory_limit`` - the minimum window): buffers read further ahead would be evicted
+        by the compute path's own reservations before their use and read a second time."""
+        kinds = self.store.nvme_kinds
+        nvme = self.store.nvme
+        spare = self._spare
+        assert nvme is not None and spare is not None
+        wanted: list[tuple[int, str]] = []
+        opt = self._optimizer()
+        pending = opt.pending if opt is not None else {}
+        for bi in upcoming:
+            for si in self.blocks[bi].slabs:
+                slab = self.store.slabs[si]
+                want = ["master"]
+                if si in pending:
+                    want = ["exp_avg", "exp_avg_sq", "acc", "master"]
+                elif backward and updates_in_backward:
+                    want = ["master", "exp_avg", "exp_avg_sq"]  # the update runs right after this backward
+                elif backward and not slab.acc_empty:
+                    want = ["master", "acc"]  # gradient accumulation adds into the stored accumulator
+                for k in want:
+                    if k in kinds and (si, k) not in wanted:
+                        spare -= nvme.region_bytes(si, k)
+                        if spare < 0:
+                            return nvme.read_ahead(wanted)
+                        wanted.append((si, k))
+        nvme.read_ahead(wanted)
+
+    def _discard(self, fut: Future) -> None:
+        def drop(f: Future) -> None:
+            if f.exception() is None:
+                self.acct.track(-sum(b.numel() * b.element_size() for b, _ in f.result().values()))
+
+        fut.add_done_callback(drop)
+
+    def drop(self) -> None:
+        """Wait for and discard the copies in flight (they predate an optimizer update or a dtype change)."""
+        for fut in self._inflight.values():
+            try:
+                got = fut.result()
+                self.acct.track(-sum(b.numel() * b.element_size() for b, _ in got.values()))
+            except Exception:  # the error resurfaces on the next synchronous fetch
+                pass
+        self._inflight.clear()
+
+    def close(self) -> None:
+        """Stop the H2D worker (after the submitted copies)."""
+        self._pool.shutdown(wait=True)
