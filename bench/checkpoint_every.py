@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from megatrain_lightning.engine.executor import StreamingEngine
+from megatrain_lightning.engine.streaming import StreamingEngine
 
 
 def run(k: int, steps: int = 4):
@@ -32,7 +32,7 @@ def run(k: int, steps: int = 4):
     for i in range(steps):
         t0 = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
-        kept = sum(t.numel() * t.element_size() for c in eng._fwd.live_calls() for t in c.saved
+        kept = sum(t.numel() * t.element_size() for c in eng.recompute.fwd.live_calls() for t in c.saved
                    if t is not None and t.requires_grad)
         loss.backward()
         eng.attach_grads()

@@ -49,7 +49,7 @@ import transformers
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from megatrain_lightning.engine.executor import StreamingEngine
+from megatrain_lightning.engine.streaming import StreamingEngine
 
 TARGET = 0.10
 DEPTHS = (4, 8, 16, 32)

@@ -7,7 +7,7 @@ Importing this package registers ``strategy="megatrain"`` with Lightning's
 from lightning.pytorch.strategies import StrategyRegistry
 
 from .blocks import BlockDiscoveryError, discover_blocks
-from .engine.executor import StreamingEngine
+from .engine.streaming import StreamingEngine
 from .optim.host_adamw import HostAdamW, UnsupportedOptimizerError
 from .precision import MegaTrainPrecision, UnsupportedPrecisionError
 from .strategy import MegaTrainStrategy

@@ -6,14 +6,14 @@ recompute segment. Decoder layers are found from ``model._no_split_modules``
 (the list Hugging Face keeps for ``device_map`` and FSDP wrapping); every other
 module that owns parameters directly (input embedding, position embedding,
 final norm, LM head) becomes a block of its own, so the whole model streams
-(DESIGN.md section 3, "Blocks").
+(docs/architecture.md, "A training step": setup).
 
 A *container* -- a module that owns parameters directly and also holds blocks below
 it (``Net`` with ``self.pos = nn.Parameter(...)`` and ``self.layers``) -- does not become
 one block: that would swallow its layers. Its direct parameters form a small block of
 their own (``Block.direct``) and discovery continues into its children. Such a block is
 bound for the whole of the container's ``forward`` (the parameters are used there,
-outside any block call) and keeps its autograd graph until backward, like the LM head.
+outside any block call) as autograd-tracked device views, kept until backward.
 
 Tied parameters (for example ``lm_head.weight is model.embed_tokens.weight``)
 are stored once, in the slab of the first block that owns them in module

@@ -185,7 +185,7 @@ class TwoLayerNet(nn.Module):
 
 @pytest.mark.parametrize("inplace", [False, True])
 def test_inplace_change_of_a_saved_input_is_caught(inplace):
-    from megatrain_lightning.engine.executor import StreamingEngine
+    from megatrain_lightning.engine.streaming import StreamingEngine
 
     torch.manual_seed(0)
     net = TwoLayerNet(inplace)

@@ -204,21 +204,21 @@ def test_manual_optimization():
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_checkpoint_every_k_keeps_one_input_per_segment(k):
     """With checkpoint_every=K only every K-th block call keeps its hidden-state input."""
-    from megatrain_lightning.engine.executor import StreamingEngine
+    from megatrain_lightning.engine.streaming import StreamingEngine
 
     model = make_model("llama")  # embed, 3 layers, norm, lm_head: 6 block calls
     eng = StreamingEngine(model, torch.device("cpu"), checkpoint_every=k)
     eng.install()
     (ids,) = next(iter(make_data()))
     loss = model(input_ids=ids, labels=ids).loss
-    calls = eng._fwd.live_calls()
+    calls = eng.recompute.fwd.live_calls()
     assert len(calls) == 6
     linked = [c.pos for c in calls if c.links]
     # the LM head (call 5) gets a slice `hidden[:, slice_indices]` of the norm output, not the
     # output itself, so it keeps its input whatever K is
     assert linked == [p for p in range(5) if p % k != 0]
     loss.backward()
-    assert not eng._fwd.recomputed  # every recomputed input was consumed
+    assert not eng.recompute.fwd.recomputed  # every recomputed input was consumed
     eng.close()
 
 

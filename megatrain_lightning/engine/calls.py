@@ -1,0 +1,98 @@
+"""Records of grad-mode block calls: what one call keeps for its backward, the calls of one forward,
+and the last block's kept graph (docs/architecture.md, "A training step")."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from ..blocks import Block
+
+if TYPE_CHECKING:
+    from .recompute import Recompute
+
+
+@dataclass
+class BlockCall:
+    """Everything one block call needs to be recomputed in backward.
+
+    ``keep``: the last block of a training forward, run with autograd and its graph kept in
+    ``graph`` (no recompute). ``freed``: its saved inputs were released by a backward that did not
+    retain the graph; a further backward through it is an error, as in PyTorch."""
+
+    rc: "Recompute"
+    block: Block
+    forward: Callable[..., Any]
+    flat: list[Any]
+    spec: Any
+    tensor_pos: list[int]
+    fwd: "ForwardRecord"
+    refs: list = field(default_factory=list)
+    keep: bool = False
+    rng_cpu: torch.Tensor | None = None
+    rng_dev: torch.Tensor | None = None
+    autocast: tuple | None = None
+    out_spec: Any = None
+    out_flat: list[Any] = field(default_factory=list)
+    out_pos: list[int] = field(default_factory=list)
+    pos: int = -1
+    saved: list[torch.Tensor | None] = field(default_factory=list)
+    links: dict[int, int] = field(default_factory=dict)
+    offloaded: dict[int, torch.Tensor] = field(default_factory=dict)
+    versions: dict[int, int] = field(default_factory=dict)
+    graph: "KeptGraph | None" = None
+    freed: bool = False
+
+
+@dataclass(eq=False)
+class ForwardRecord:
+    """The grad-mode block calls of one training forward, shared by their backward.
+
+    Calls are held weakly (each call is kept alive by its autograd node), so a forward whose graph
+    was dropped without a backward frees its saved inputs at once. Several forwards may be alive
+    together (two forwards, then one backward of both losses)."""
+
+    calls: list["weakref.ref[BlockCall]"] = field(default_factory=list)
+    kept: list["weakref.ref[BlockCall]"] = field(default_factory=list)
+    recomputed: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # call pos -> outputs recomputed in backward
+    last_outs: tuple[int, list] | None = None  # (pos, weak refs to the outputs) of the latest call
+    backward_started: bool = False
+    shares_step: bool = False  # started while an earlier forward's backward had not run
+    first_block: int = -1  # block index of the first call (or container)
+    direct: list[list] = field(default_factory=list)  # trainable refs of each container call (_BoundParams)
+
+    def live_calls(self) -> list[BlockCall]:
+        """The calls in order, while their graph is alive (all of them at the start of a backward)."""
+        return [c for c in (r() for r in self.calls) if c is not None]
+
+    def call(self, pos: int) -> BlockCall:
+        c = self.calls[pos]()
+        if c is None:
+            raise RuntimeError("megatrain: the graph of this forward was freed before its backward.")
+        return c
+
+    def live(self) -> list[BlockCall]:
+        return [c for c in (r() for r in self.calls + self.kept) if c is not None]
+
+
+class KeptGraph:
+    """The last block's autograd graph, kept from its forward to its backward: the device buffers
+    and gradient leaves it computed with, its detached inputs and its outputs. ``close`` (idempotent)
+    drops them and returns their bytes to the accounting: after a backward that does not retain the
+    graph, when the call is garbage-collected (its graph dropped unused), or at the end of the step."""
+
+    def __init__(self, rc: "Recompute", bufs: dict[int, torch.Tensor], leaves: dict[int, torch.Tensor],
+                 inputs: list, outs: list[torch.Tensor]):
+        self.rc, self.bufs, self.leaves, self.inputs, self.outs = rc, bufs, leaves, inputs, outs
+        self.open = True
+
+    def close(self) -> None:
+        if not self.open:
+            return
+        self.open = False
+        self.rc.kept_open.discard(self)
+        self.leaves, self.inputs, self.outs = {}, [], []
+        self.rc.acct.release(self.bufs)

@@ -1,0 +1,479 @@
+"""The autograd boundary of a streamed block: what a training forward keeps, and its backward.
+
+Under grad mode every block call goes through :class:`_BlockFunction`: its forward runs the block
+without a graph and keeps only what the backward needs to rebuild the block's inputs (the inputs of
+every ``recompute_every``-th call, links to the previous call's outputs otherwise, optionally
+offloaded to host memory) plus the RNG and autocast state; its backward fetches the block again,
+recomputes its forward under the replayed state and differentiates it locally. The last block of a
+training forward keeps its graph instead (no recompute). Each training forward has its own record
+of calls, so several forwards, ``retain_graph=True`` and ``torch.autograd.grad`` behave as on a
+plain model (docs/architecture.md, "A training step": what autograd allows).
+
+How the block's weights reach the device and how its gradients reach the host are not here: the
+engine passes in the block runner (``acquire`` + ``bind``) and the gradient sink.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from typing import Any, Callable, ContextManager, Sequence
+
+import torch
+from torch.autograd.graph import get_gradient_edge
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..blocks import Block
+from ..store.host import HostStore
+from .accounting import ByteAccounting
+from .calls import BlockCall, ForwardRecord, KeptGraph
+from .grads import GradientSink
+
+
+def _autocast_state(device_type: str) -> tuple:
+    return (
+        torch.is_autocast_enabled(device_type),
+        torch.get_autocast_dtype(device_type),
+        torch.is_autocast_cache_enabled(),
+    )
+
+
+def _leaf_grad_use(leaf: torch.Tensor) -> str | None:
+    """What the running backward does with ``leaf``'s gradient: ``"accumulate"`` into ``.grad``
+    (``loss.backward()`` for every leaf, ``backward(inputs=...)`` for the listed ones), ``"capture"``
+    (``torch.autograd.grad(..., inputs)`` for the listed ones: returned, nothing accumulates) or
+    ``None`` (not computed). The engine's marker leaf (an input of every block call, never listed by
+    users) therefore tells a plain ``backward()`` apart from the other two."""
+    try:
+        return "accumulate" if torch._C._will_engine_execute_node(get_gradient_edge(leaf).node) else None
+    except RuntimeError:  # torch answers this for a leaf that autograd.grad() captures: it is listed
+        return "capture"
+
+
+def _keeps_graph() -> bool:
+    """``retain_graph`` of the running backward (what torch's own AOT autograd reads)."""
+    fn = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return bool(fn()) if fn is not None else False
+
+
+class _BoundParams(torch.autograd.Function):
+    """A container's own parameters on the device for the span of its ``forward`` (a direct block:
+    they are used outside any block call, so there is nothing to recompute and ordinary autograd
+    tracks them).
+
+    Inputs: the :class:`Recompute`, the parameters' references, their device views (the fetched buffer), the
+    engine's marker leaf, then the host parameters. Outputs: the device views, as tensors autograd
+    tracks. Backward: ``loss.backward()`` sends their gradients to the host accumulators;
+    ``torch.autograd.grad`` / ``backward(inputs=...)`` returns them for the parameters listed."""
+
+    @staticmethod
+    def forward(ctx, rc: "Recompute", refs: list, views: list, dummy: torch.Tensor,
+                *params: torch.Tensor):  # type: ignore[override]
+        ctx.rc, ctx.refs = rc, refs
+        return tuple(views)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        rc, refs = ctx.rc, ctx.refs
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "megatrain: backward(create_graph=True) (double backward) reached a container's own parameters; "
+                "streamed models are differentiated once."
+            )
+        none = (None, None, None, None)
+        if _leaf_grad_use(rc.dummy) == "accumulate":
+            rc.grads.send(refs, list(grads))
+            return none + (None,) * len(refs)
+        use = [_leaf_grad_use(r.param) for r in refs]
+        rc.grads.send([r for r, u in zip(refs, use) if u == "accumulate"],
+                        [g for g, u in zip(grads, use) if u == "accumulate"])
+        return none + tuple(g.to(r.param.device) if g is not None and u == "capture" else None
+                            for r, g, u in zip(refs, grads, use))
+
+
+class _BlockFunction(torch.autograd.Function):
+    """Autograd boundary of one block: forward without a graph, backward by recompute (the kept
+    last block: backward through its kept graph).
+
+    Inputs: the call record, the engine's marker leaf, the call's tensor arguments, then the block's
+    trainable parameters (host ``nn.Parameter`` objects: only so that ``torch.autograd.grad`` or
+    ``backward(inputs=[param])`` on them gets their gradient; an ordinary ``backward()`` sends
+    parameter gradients to the host accumulators instead and returns ``None`` for them)."""
+
+    @staticmethod
+    def forward(ctx, call: BlockCall, dummy: torch.Tensor, *inputs: torch.Tensor):  # type: ignore[override]
+        rc = call.rc
+        dev = rc.device
+        tensors = inputs[: len(call.tensor_pos)]
+        call.rng_cpu = torch.get_rng_state()
+        if dev.type == "cuda":
+            call.rng_dev = torch.cuda.get_rng_state(dev)
+        call.autocast = _autocast_state(dev.type)
+        if call.keep:
+            out = rc._run_kept(call, tensors)
+        else:
+            out = rc._run_block(call, tensors, leaves=None, backward=False)
+        out_flat, call.out_spec = tree_flatten(out)
+        call.out_pos = [i for i, x in enumerate(out_flat) if isinstance(x, torch.Tensor)]
+        call.out_flat = [None if isinstance(x, torch.Tensor) else x for x in out_flat]
+        outs = tuple(out_flat[i] for i in call.out_pos)
+        ctx.call = call
+        if not call.keep:
+            rc._save_inputs(call, tensors)
+        ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grad_outs):  # type: ignore[override]
+        call: BlockCall = ctx.call
+        rc = call.rc
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"megatrain: backward(create_graph=True) (double backward, e.g. a gradient penalty) reached "
+                f"streamed block {call.block.name}; streamed blocks are differentiated once. Compute the "
+                "penalty with strategy='auto' or without create_graph."
+            )
+        if call.freed:
+            raise RuntimeError(
+                "Trying to backward through the graph a second time (or directly access saved tensors after "
+                "they have already been freed). Saved intermediate values of the graph are freed when you call "
+                ".backward() or autograd.grad(). Specify retain_graph=True if you need to backward through the "
+                f"graph a second time (megatrain: streamed block {call.block.name})."
+            )
+        n = len(call.tensor_pos)
+        needs = ctx.needs_input_grad[2 : 2 + n]
+        kind = "all" if _leaf_grad_use(rc.dummy) == "accumulate" else "select"
+        keep_graph = _keeps_graph()
+        call.fwd.backward_started = True
+        grad_inputs, grad_params = rc._backward_call(call, needs, grad_outs, kind, keep_graph)
+        return (None, None, *grad_inputs, *grad_params)
+
+
+def trainable_refs(blk: Block) -> list:
+    """The block's trainable parameter references, one per parameter object, in block order."""
+    seen: set[int] = set()
+    refs = []
+    for ref in blk.params:
+        if ref.param.requires_grad and id(ref.param) not in seen:
+            seen.add(id(ref.param))
+            refs.append(ref)
+    return refs
+
+
+class Recompute:
+    """Saved inputs, recompute chains and backward of the grad-mode block calls.
+
+    Args:
+        device: the compute device.
+        store: the host store (slab layout: views of a block's buffer per parameter).
+        acct: live-byte accounting and statistics.
+        grads: the gradient sink (parameter gradients of a backward go there).
+        transport: the device transport (``offload``/``restore`` of saved activations).
+        acquire: ``acquire(block, backward, training)`` -> slab index -> device buffer (the
+            engine's prefetch schedule); released with ``acct.release``.
+        bind: ``bind(block, bufs, leaves)``: context manager pointing the block's parameters at views
+            of ``bufs`` (or at the given gradient leaves, keyed by ``id(param)``).
+        enter_backward: called when a backward starts at a kept graph (before any fetch).
+        recompute_every: K: only every K-th call keeps its inputs; the others recompute them.
+        offload_activations: kept inputs that need gradients go to host memory.
+    """
+
+    def __init__(self, *, device: torch.device, store: HostStore, acct: ByteAccounting, grads: GradientSink,
+                 transport: Any, acquire: Callable[..., dict[int, torch.Tensor]],
+                 bind: Callable[..., ContextManager[None]], enter_backward: Callable[[], None],
+                 recompute_every: int = 1, offload_activations: bool = False):
+        self.device, self.store, self.acct, self.grads, self.transport = device, store, acct, grads, transport
+        self._acquire, self._bind, self._enter_backward = acquire, bind, enter_backward
+        self.checkpoint_every = recompute_every
+        self.offload_activations = offload_activations
+        self.fwd = ForwardRecord()  # grad-mode block calls of the current forward, in order
+        self.kept_open: set[KeptGraph] = set()  # last-block graphs whose backward has not run
+        self.dummy = torch.empty(0, device=device, requires_grad=True)  # marker leaf of every call
+
+    def call(self, blk: Block, forward: Callable[..., Any], args: tuple, kwargs: dict, keep: bool) -> Any:
+        """Run one grad-mode call of ``blk`` (``forward``: the block's own forward) through the
+        autograd boundary; ``keep``: the last block of the forward (keeps its graph). Returns what
+        ``forward`` returns, its tensors connected to autograd."""
+        flat, spec = tree_flatten((args, kwargs))
+        pos = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+        refs = trainable_refs(blk)
+        fwd = self.forward_for(blk)
+        call = BlockCall(self, blk, forward, [None if i in pos else x for i, x in enumerate(flat)], spec, pos,
+                     fwd=fwd, refs=refs, keep=keep and bool(fwd.calls))
+        outs = _BlockFunction.apply(call, self.dummy, *[flat[i] for i in pos], *[r.param for r in refs])
+        call.fwd.last_outs = (call.pos, [weakref.ref(o) for o in outs])
+        out_flat = list(call.out_flat)
+        for i, o in zip(call.out_pos, outs):
+            out_flat[i] = o
+        return tree_unflatten(out_flat, call.out_spec)
+
+    def bound_params(self, blk: Block, refs: list, bufs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """A container's own trainable parameters (``refs``) as autograd-tracked device views of
+        ``bufs`` for the span of its forward (:class:`_BoundParams`), keyed by ``id(param)``."""
+        views = []
+        for r in refs:
+            e = self.store.slabs[r.slab].entries[r.index]
+            views.append(bufs[r.slab][e.offset : e.offset + e.numel].view(e.shape))
+        outs = _BoundParams.apply(self, refs, views, self.dummy, *[r.param for r in refs])
+        self.forward_for(blk).direct.append(refs)
+        return {id(r.param): o for r, o in zip(refs, outs)}
+
+    def plan_refs(self) -> list[list]:
+        """Trainable parameter references of each call of the current forward (containers' included):
+        the gradient batches its backward sends."""
+        return [c.refs for c in self.fwd.live()] + self.fwd.direct
+
+    def forward_for(self, blk: Block) -> ForwardRecord:
+        """The forward record a grad-mode call of ``blk`` belongs to: a new one when ``blk`` is the
+        block the current forward started with (a new forward pass)."""
+        fwd = self.fwd
+        if (fwd.calls or fwd.direct) and blk.index == fwd.first_block:
+            earlier_open = not fwd.backward_started and any(not c.freed for c in fwd.live())
+            fwd = self.fwd = ForwardRecord(shares_step=earlier_open)
+        if not (fwd.calls or fwd.direct):
+            fwd.first_block = blk.index
+        return fwd
+
+    def _grad_leaves(self, refs: Sequence, bufs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """One autograd leaf per parameter of ``refs`` (a view of its device buffer), keyed by ``id(param)``."""
+        leaves: dict[int, torch.Tensor] = {}
+        for ref in refs:
+            e = self.store.slabs[ref.slab].entries[ref.index]
+            view = bufs[ref.slab][e.offset : e.offset + e.numel].view(e.shape)
+            leaves[id(ref.param)] = view.detach().requires_grad_(True)
+        return leaves
+
+    def _run_kept(self, call: BlockCall, tensors: Sequence[torch.Tensor]) -> Any:
+        """Run the last block of a training forward with autograd and keep its graph for its backward.
+
+        Its backward comes first, right after the loss, so recomputing it would redo its forward
+        (for an LM head: the B x T x V logits matmul) and fetch its weights again. Instead its
+        weights stay on the device until its backward (``KeptGraph``)."""
+        blk = call.block
+        bufs = self._acquire(blk, backward=False, training=True)
+        leaves = self._grad_leaves(call.refs, bufs)
+        inputs = [t.detach().requires_grad_(t.requires_grad) if t.is_floating_point() else t for t in tensors]
+        flat = list(call.flat)
+        for i, t in zip(call.tensor_pos, inputs):
+            flat[i] = t
+        args, kwargs = tree_unflatten(flat, call.spec)
+        t0 = time.perf_counter()
+        try:
+            with torch.enable_grad(), self._bind(blk, bufs, leaves):
+                out = call.forward(*args, **kwargs)
+        except BaseException:
+            self.acct.release(bufs)
+            raise
+        finally:
+            self.acct.stats.compute_s += time.perf_counter() - t0
+        out_flat, spec = tree_flatten(out)
+        outs = [x for x in out_flat if isinstance(x, torch.Tensor)]
+        kept = KeptGraph(self, bufs, leaves, inputs, outs)
+        call.graph = kept
+        self.kept_open.add(kept)
+        weakref.finalize(call, kept.close)  # its graph dropped unused (training_step returned None)
+        call.fwd.kept.append(weakref.ref(call))
+        # the caller gets detached outputs: autograd connects them to this call's node
+        return tree_unflatten([x.detach() if isinstance(x, torch.Tensor) else x for x in out_flat], spec)
+
+    def close_kept(self) -> None:
+        """Release every kept last-block graph whose backward has not run (the step is over)."""
+        for kept in list(self.kept_open):
+            kept.close()
+
+    def _run_block(self, call: BlockCall, tensors: Sequence[torch.Tensor], leaves: dict[int, torch.Tensor] | None,
+                   backward: bool):
+        flat = list(call.flat)
+        for i, t in zip(call.tensor_pos, tensors):
+            flat[i] = t
+        args, kwargs = tree_unflatten(flat, call.spec)
+        bufs = self._acquire(call.block, backward=backward, training=not backward)
+        t0 = time.perf_counter()
+        try:
+            with self._bind(call.block, bufs, leaves):
+                return call.forward(*args, **kwargs)
+        finally:
+            self.acct.stats.compute_s += time.perf_counter() - t0
+            self.acct.release(bufs)
+
+    def _backward_call(self, call: BlockCall, needs: Sequence[bool], grad_outs: Sequence[torch.Tensor | None],
+                       kind: str, keep_graph: bool) -> tuple[list, list]:
+        """Backward of one block call: input gradients for autograd, parameter gradients to the host
+        accumulators (``kind == "all"``: ``loss.backward()``; under ``backward(inputs=...)`` those of
+        the listed parameters) or, under ``torch.autograd.grad``, to autograd for the listed ones.
+
+        Returns:
+            (gradients of the call's tensor inputs, gradients of ``call.refs``' parameters), ``None``
+            where there is none.
+        """
+        refs = call.refs
+        use = ["accumulate"] * len(refs) if kind == "all" else [_leaf_grad_use(r.param) for r in refs]
+        leaf_refs = [r for r, u in zip(refs, use) if u is not None]
+        if call.keep:
+            self._enter_backward()
+            kept = call.graph
+            assert kept is not None
+            inputs, outs, leaves, bufs = kept.inputs, kept.outs, kept.leaves, None
+            t0 = time.perf_counter()
+        else:
+            inputs = []
+            for t, need in zip(self._load_inputs(call), needs):
+                t = t.detach()
+                if need:
+                    t.requires_grad_(True)
+                inputs.append(t)
+            bufs = self._acquire(call.block, backward=True)
+            t0 = time.perf_counter()
+            leaves = self._grad_leaves(refs, bufs)
+        pre = self.grads.grad_bytes(leaf_refs)
+        self.acct.track(pre)  # the parameter gradients autograd is about to allocate
+        try:
+            if not call.keep:
+                flat = list(call.flat)
+                for i, t in zip(call.tensor_pos, inputs):
+                    flat[i] = t
+                args, kwargs = tree_unflatten(flat, call.spec)
+                with self._replay(call), torch.enable_grad(), self._bind(call.block, bufs, leaves):
+                    out = call.forward(*args, **kwargs)
+                out_flat = tree_flatten(out)[0]
+                outs = [out_flat[i] for i in call.out_pos]
+            pairs = [(o, g) for o, g in zip(outs, grad_outs) if g is not None and o.requires_grad]
+            in_targets = [t for t, need in zip(inputs, needs) if need]
+            targets = in_targets + [leaves[id(r.param)] for r in leaf_refs]
+            if pairs and targets:
+                grads = torch.autograd.grad([o for o, _ in pairs], targets, [g for _, g in pairs], allow_unused=True,
+                                            retain_graph=call.keep and keep_graph)
+            else:
+                grads = (None,) * len(targets)
+        finally:
+            self.acct.stats.compute_s += time.perf_counter() - t0
+            del leaves
+            if bufs is not None:
+                self.acct.release(bufs)
+        grads_of = dict(zip((id(r) for r in leaf_refs), grads[len(in_targets) :]))
+        sent = [r for r, u in zip(refs, use) if u == "accumulate"]
+        self.grads.send(sent, [grads_of[id(r)] for r in sent], reserved=pre)
+        out_params = [grads_of[id(r)].to(r.param.device) if u == "capture" and grads_of[id(r)] is not None else None
+                      for r, u in zip(refs, use)]
+        self._done_backward(call, keep_graph)
+        it = iter(grads[: len(in_targets)])
+        return [next(it) if need else None for need in needs], out_params
+
+    # ------------------------------------------------------------------ activations
+    @contextlib.contextmanager
+    def _replay(self, call: BlockCall):
+        """Run under the RNG and autocast state the block's forward saw (dropout, mixed precision)."""
+        dev = self.device
+        enabled, dtype, cache = call.autocast  # type: ignore[misc]
+        devices = [dev] if dev.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type="cuda"):
+            torch.set_rng_state(call.rng_cpu)  # type: ignore[arg-type]
+            if call.rng_dev is not None:
+                torch.cuda.set_rng_state(call.rng_dev, dev)
+            with torch.autocast(dev.type, dtype=dtype, enabled=enabled, cache_enabled=cache):
+                yield
+
+    def _save_inputs(self, call: BlockCall, tensors: Sequence[torch.Tensor]) -> None:
+        """Keep what backward needs to rebuild this call's inputs.
+
+        A call that starts a segment (every ``checkpoint_every``-th call) keeps all its tensor
+        inputs (in host memory with ``offload_activations``). Other calls keep only a link to the
+        output of the previous call they consumed (by identity) and recompute it in backward;
+        inputs that are not such outputs (attention masks, rotary cos/sin shared by all blocks)
+        are kept by reference, which costs no memory beyond what the model already holds.
+        """
+        fwd = call.fwd
+        call.pos = len(fwd.calls)
+        fwd.calls.append(weakref.ref(call))
+        prev = fwd.last_outs if (fwd.last_outs and fwd.last_outs[0] == call.pos - 1) else None
+        start = call.pos % self.checkpoint_every == 0
+        call.saved = []
+        for i, t in enumerate(tensors):
+            link = None
+            if not start and prev is not None:
+                link = next((j for j, o in enumerate(prev[1]) if o() is t), None)
+            if link is not None:
+                call.links[i] = link
+                call.saved.append(None)
+            elif self.offload_activations and t.is_floating_point() and t.requires_grad:
+                call.offloaded[i] = self._offload(t)
+                call.saved.append(None)
+            else:
+                call.saved.append(t)
+                call.versions[i] = t._version
+
+    def _load_inputs(self, call: BlockCall) -> list[torch.Tensor]:
+        """The call's tensor inputs, recomputing linked ones from the segment start if needed."""
+        if call.links and (call.pos - 1) not in call.fwd.recomputed:
+            self._recompute_chain(call.fwd, call.pos - 1)
+        out: list[torch.Tensor] = []
+        for i, t in enumerate(call.saved):
+            if i in call.links:
+                t = call.fwd.recomputed[call.pos - 1][call.links[i]]
+            elif i in call.offloaded:
+                t = self._restore(call.offloaded[i])
+            elif t is not None and t._version != call.versions.get(i, t._version):
+                raise RuntimeError(
+                    f"megatrain: input {i} of block {call.block.name} was modified in place after the block's "
+                    "forward; its recompute would be wrong. Make the operation after the block out of place."
+                )
+            out.append(t)  # type: ignore[arg-type]
+        return out
+
+    def _recompute_chain(self, fwd: ForwardRecord, last: int) -> None:
+        """Forward (no autograd) the calls of ``fwd`` from the nearest one with all inputs kept up to
+        ``last``, caching each call's outputs for the backward of the call after it."""
+        chain = [last]
+        while fwd.call(chain[-1]).links and (chain[-1] - 1) not in fwd.recomputed:
+            chain.append(chain[-1] - 1)
+        for q in reversed(chain):
+            c = fwd.call(q)
+            if c.freed:
+                raise RuntimeError(
+                    "Trying to backward through the graph a second time (or directly access saved tensors after "
+                    "they have already been freed). Specify retain_graph=True if you need to backward through the "
+                    f"graph a second time (megatrain: block {c.block.name} is recomputed from freed inputs).")
+            inputs = [t.detach() for t in self._load_inputs(c)]
+            with torch.no_grad(), self._replay(c):
+                out = self._run_block(c, inputs, leaves=None, backward=True)
+            flat = tree_flatten(out)[0]
+            fwd.recomputed[q] = [flat[i] for i in c.out_pos]
+
+    def _done_backward(self, call: BlockCall, keep_graph: bool) -> None:
+        """After a call's backward: drop the recomputed input it consumed; unless the graph is retained
+        (``retain_graph=True``), free what it saved, as autograd frees saved tensors."""
+        call.fwd.recomputed.pop(call.pos - 1, None)
+        if keep_graph:
+            return
+        call.freed = True
+        call.saved, call.offloaded, call.versions = [], {}, {}
+        if call.graph is not None:
+            call.graph.close()
+            call.graph = None
+
+    def backward_sequence(self) -> list[int]:
+        """Block fetch order of the coming backward (recompute chains included), for prefetching."""
+        seq: list[int] = []
+        cached: set[int] = set()
+        calls = self.fwd.live_calls()
+        for p in range(len(calls) - 1, -1, -1):
+            if calls[p].links and (p - 1) not in cached:
+                chain = [p - 1]
+                while calls[chain[-1]].links and (chain[-1] - 1) not in cached:
+                    chain.append(chain[-1] - 1)
+                for q in reversed(chain):
+                    seq.append(calls[q].block.index)
+                    cached.add(q)
+            seq.append(calls[p].block.index)
+            cached.discard(p - 1)
+        return seq
+
+    def _offload(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        nbytes = t.numel() * t.element_size()
+        self.acct.stats.d2h_bytes += nbytes
+        return self.transport.offload(t)
+
+    def _restore(self, host: tuple[torch.Tensor, Any]) -> torch.Tensor:
+        self.acct.stats.h2d_bytes += host[0].numel() * host[0].element_size()
+        return self.transport.restore(*host)

@@ -1,0 +1,493 @@
+"""``StreamingEngine``: streams a model's blocks through one device and owns their host state.
+
+What this file holds is the engine's frame: building the parts, installing the per-block proxies,
+the phase machine of a step (forward, backward, evaluation) that gives the prefetch schedule, and the
+optimizer step. The parts, each owning its state (docs/architecture.md, "Engine layout"):
+
+* ``accounting.py``: live bytes of compute buffers and gradients, per-step statistics;
+* ``fetch.py``: one block's weights to the device (pending update, wire cast, H2D copy);
+* ``prefetch.py``: copies started ``lookahead`` fetches ahead, NVMe read-ahead;
+* ``recompute.py``: the autograd boundary of a block call (saved inputs, recompute, backward);
+* ``grads.py``: parameter gradients to the fp32 host accumulators (D2H), the update-in-backward plan;
+* ``params.py``: direct reads and writes of parameters' masters;
+* ``kv_cache.py``: no KV cache in training forwards.
+
+A training step (docs/architecture.md, "A training step"): the model's own ``forward`` runs; each
+block's ``forward`` is a proxy that, under grad mode, goes through the autograd boundary (weights
+fetched, bound, block run without a graph, inputs kept); ``loss.backward()`` reaches each block's
+backward in reverse order (weights fetched again, forward recomputed, local ``autograd.grad``,
+parameter gradients to the host); ``optimizer.step()`` records one pending AdamW update per slab,
+applied by the H2D worker just before the slab's next fetch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..optim.host_adamw import HostAdamW
+from ..store import heap
+from ..store.budget import HostBudget
+from ..store.host import HostStore, build_store, slab_layout
+from ..store.nvme import NVMeConfig, NVMeStore, preflight_nvme
+from ..blocks import Block, check_floating, discover_blocks, find_hf_models
+from .accounting import ByteAccounting, StepStats
+from .fetch import WeightFetcher
+from .grads import GradientSink
+from .kv_cache import any_requires_grad, strip_cache
+from .prefetch import Prefetcher
+from .recompute import Recompute, trainable_refs
+from .params import ParamAccess
+from .transport import make_transport
+
+log = logging.getLogger(__name__)
+
+class StreamingEngine:
+    """Streams a model's blocks through the compute device and owns their host state.
+
+    Args:
+        root: the module to stream (the ``LightningModule``).
+        device: compute device (``cpu`` or ``cuda:N``).
+        lookahead: blocks prefetched ahead of the one computing (1 = double buffering).
+        checkpoint_every: K, blocks per recompute segment. Only the input of every K-th block
+            call is kept; the inputs of the others are recomputed (without autograd) from it when
+            backward reaches the segment, so saved activations shrink K-fold for up to one extra
+            forward of K-1 blocks per segment.
+        offload_activations: keep the saved block inputs in host memory instead of on the
+            device (the device footprint is then flat in depth; costs one D2H and one H2D of
+            the hidden states per block).
+        block_classes / block_names: override block discovery, see
+            :func:`~megatrain_lightning.blocks.discover_blocks`.
+        pin_memory: page-lock host masters (default: ``True`` on CUDA).
+        cpu_zero_copy: on CPU, bind blocks to the fp32 master slabs instead of copying them (only when
+            the compute dtype is fp32; see MegaTrainStrategy). Off when masters are on disk.
+        nvme: the NVMe tier's settings (:class:`~megatrain_lightning.store.nvme.NVMeConfig`), or
+            ``None`` for everything in host RAM. Preflight (disk space, writable path, budget,
+            ``ulimit -l``) runs before anything is allocated.
+        sources: ``id(param) -> loader`` for parameters on the ``meta`` device (models built by
+            ``meta_model_from_pretrained``: see ``checkpoint.hf_io.weight_sources``); each loader is
+            called once while the host store is built.
+
+    Raises:
+        BlockDiscoveryError: no blocks found (see ``discover_blocks``).
+        ValueError: ``lookahead < 0`` or an unsupported device type.
+    """
+
+    def __init__(
+        self,
+        root: nn.Module,
+        device: torch.device,
+        *,
+        lookahead: int = 1,
+        checkpoint_every: int = 1,
+        offload_activations: bool = False,
+        block_classes: Sequence[str | type] | None = None,
+        block_names: Sequence[str] | None = None,
+        pin_memory: bool | None = None,
+        cpu_zero_copy: bool = True,
+        nvme: NVMeConfig | None = None,
+        sources: dict[int, Callable[[], torch.Tensor]] | None = None,
+    ):
+        if lookahead < 0:
+            raise ValueError(f"lookahead must be >= 0 (blocks prefetched ahead), got {lookahead}.")
+        if checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1 (blocks per recompute segment), got {checkpoint_every}.")
+        self.checkpoint_every = checkpoint_every
+        self.root = root
+        self.device = torch.device(device)
+        self.lookahead = lookahead
+        self.offload_activations = offload_activations
+        self.blocks: list[Block] = discover_blocks(root, block_classes, block_names)
+        check_floating(self.blocks)
+        if pin_memory is None:
+            pin_memory = self.device.type == "cuda"
+        self.nvme_config = nvme
+        self.budget: HostBudget | None = None
+        factory: Callable[[list[tuple[int, int]]], NVMeStore] | None = None
+        if nvme is not None and nvme.kinds:
+            layout = [(n, t) for _, n, t in slab_layout(self.blocks)]
+            self._min_window = nvme.min_window(layout, self.device.type, lookahead)
+            if self.device.type == "cpu":
+                # direct blocks (a container's own parameters) keep their compute buffer for the whole
+                # forward and backward, next to the blocks in flight; their gradients come at the end
+                self._min_window += sum(8 * n for (n, _), b in zip(layout, self.blocks) if b.direct)
+            self.nvme_preflight = preflight_nvme(nvme.path, layout, nvme.host_memory_limit, self._min_window,
+                                                 pinned_bytes=nvme.pinned_bytes(layout) if pin_memory else 0)
+            self.budget = HostBudget(nvme.host_memory_limit)
+            heap.bound_heap()  # freed buffers leave the process (the budget counts only live ones)
+
+            factory = lambda layout: NVMeStore(  # noqa: E731 - called by build_store with the slab layout
+                nvme.path, layout, self.budget, io_threads=nvme.io_threads, io_block_size=nvme.io_block_size, read_ahead=nvme.read_ahead,
+                direct_io=nvme.direct_io, pin_memory=pin_memory, keep_files=nvme.keep_files)
+            if "master" in nvme.kinds:
+                cpu_zero_copy = False  # compute buffers are copies, counted in the budget
+        self.store: HostStore = build_store(self.blocks, pin_memory=pin_memory and not (nvme and "master" in nvme.kinds),
+                                            sources=sources, nvme_factory=factory,
+                                            nvme_kinds=nvme.kinds if nvme is not None else ())
+        if self.budget is not None:
+            heap.trim()  # what building the store (random init, safetensors reads) left in the heap
+        self.trainable = [p.requires_grad for p in root.parameters()]
+        self.transport = make_transport(self.device, self.store.max_slab_numel(trainable=True), cpu_zero_copy)
+        # on CPU the compute buffers are host memory: they count in host_memory_limit
+        self._budget_device = self.budget is not None and self.device.type == "cpu"
+        self.acct = ByteAccounting(reserve=self.store.nvme.reserve if self._budget_device else None,
+                                   unreserve=self.budget.release if self._budget_device else None,
+                                   on_release=self.transport.released)
+        self.params = ParamAccess(self.store, lambda: self.optimizer)
+        self.grads = GradientSink(self.store, self.acct, self.transport, lambda: self.optimizer,
+                                  bounded=self._budget_device)
+        self.fetcher = WeightFetcher(self.blocks, self.store, self.transport, self.acct, lambda: self.optimizer,
+                                     self.device)
+        nvme_on = self.store.nvme is not None
+        self.prefetcher = Prefetcher(self.blocks, self.store, self.transport, self.acct, lambda blk: self.fetcher.fetch(blk),
+                                     lookahead, lambda: self.optimizer,
+                                     read_ahead_bytes=self.budget.limit - self._min_window if nvme_on else None,
+                                     read_ahead_depth=nvme.read_ahead if nvme_on else 0)
+        self.optimizer: HostAdamW | None = None
+        self.order: list[int] = []  # block indices in forward call order (learned on the first forward)
+        self._seq: list[int] = []  # the fetch sequence the prefetcher follows now
+        self._cursor = 0
+        self._phase = "idle"
+        self._bwd_seq: list[int] = []  # backward fetch sequence of the last training step
+        self.recompute = Recompute(device=self.device, store=self.store, acct=self.acct, grads=self.grads,
+                                   transport=self.transport, acquire=self.acquire, bind=self._bind,
+                                   enter_backward=self._enter_backward, recompute_every=checkpoint_every,
+                                   offload_activations=offload_activations)
+        self._saved_forwards: dict[int, tuple[bool, Any]] = {}
+        # optimizer step in backward (set per micro-batch by the strategy): each slab's AdamW update
+        # runs on the D2H worker as soon as its last gradient of the step is accumulated
+        self.update_in_backward = False
+        self._plan_due = False
+        self._warned_cache = False
+        self.installed = False
+
+    # ------------------------------------------------------------------ install
+    def install(self) -> None:
+        """Replace each block's ``forward`` by the streaming proxy and move buffers to the device.
+
+        Hugging Face gradient checkpointing, if enabled, is disabled with a warning (the engine
+        already recomputes every block).
+        """
+        if self.installed:
+            return
+        self.params.dematerialize()
+        for m in find_hf_models(self.root):
+            flag = "is_activation_checkpointing" if hasattr(type(m), "is_activation_checkpointing") else "is_gradient_checkpointing"
+            if getattr(m, flag, False):
+                log.warning(
+                    "megatrain: %s had gradient checkpointing enabled; disabling it (the strategy already "
+                    "recomputes each block in backward).",
+                    type(m).__name__,
+                )
+                if hasattr(m, "activation_checkpointing_disable"):
+                    m.activation_checkpointing_disable()
+                else:
+                    m.gradient_checkpointing_disable()
+        for blk in self.blocks:
+            mod = blk.module
+            had = "forward" in mod.__dict__
+            orig = mod.forward
+            self._saved_forwards[blk.index] = (had, mod.__dict__.get("forward"))
+            mod.forward = self._make_direct_proxy(blk, orig) if blk.direct else self._make_proxy(blk, orig)
+        self.buffers_to(self.device)
+        self.installed = True
+
+    def uninstall(self) -> None:
+        """Restore the original ``forward`` of every block and move buffers back to the CPU."""
+        if not self.installed:
+            return
+        self.flush()
+        for blk in self.blocks:
+            had, fwd = self._saved_forwards.pop(blk.index)
+            if had:
+                blk.module.forward = fwd
+            else:
+                del blk.module.forward
+        self._drop_prefetched()
+        self.buffers_to(torch.device("cpu"))
+        self.installed = False
+
+    def buffers_to(self, device: torch.device) -> None:
+        """Move module buffers (rotary ``inv_freq``, masks; never parameters) to ``device``."""
+        for m in self.root.modules():
+            for k, b in m._buffers.items():
+                if b is not None and b.device != device:
+                    m._buffers[k] = b.to(device)
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer, overlap: bool = True) -> HostAdamW:
+        """Take over ``optimizer`` (AdamW/Adam); see :class:`HostAdamW`."""
+        if self.optimizer is not None and self.optimizer.optimizer is optimizer:
+            self.optimizer.overlap = overlap
+            return self.optimizer
+        self.flush()
+        self.optimizer = HostAdamW(self.store, optimizer, overlap=overlap)
+        self.optimizer.transport = self.transport
+        return self.optimizer
+
+    # ------------------------------------------------------------------ direct parameter access
+    # ------------------------------------------------------------------ direct parameter access
+    def read_param(self, p: torch.Tensor) -> torch.Tensor:
+        """The current fp32 value of ``p`` (see :meth:`ParamAccess.read`). Raises ``KeyError`` if ``p``
+        is not a parameter of the streamed module."""
+        return self.params.read(p)
+
+    def write_param(self, p: torch.Tensor, value: torch.Tensor) -> None:
+        """Set ``p``'s fp32 master (see :meth:`ParamAccess.write`)."""
+        self.params.write(p, value)
+
+    @property
+    def materialized(self) -> bool:
+        """The module's parameters are real copies of the on-disk masters (:meth:`materialize`)."""
+        return self.params.materialized
+
+    def materialize(self) -> None:
+        """Give every parameter a real fp32 copy of its on-disk master (see :meth:`ParamAccess.materialize`)."""
+        self.params.materialize()
+
+    def write_back_materialized(self) -> None:
+        """Copy materialized parameters back into the store (see :meth:`ParamAccess.write_back_materialized`)."""
+        self.params.write_back_materialized()
+
+    @property
+    def stats(self) -> StepStats:
+        """The current optimizer step's statistics."""
+        return self.acct.stats
+
+    @property
+    def history(self) -> list[dict[str, float]]:
+        """Every finished step's statistics (what :meth:`end_step` returned), oldest first."""
+        return self.acct.history
+
+    def close(self) -> None:
+        """Uninstall, stop the worker threads and close the NVMe store (its files are removed unless kept)."""
+        self.uninstall()
+        self.prefetcher.close()
+        self.grads.close()
+        self.store.close()
+        self.closed = True
+
+    closed = False
+
+    # ------------------------------------------------------------------ proxy
+    def _make_proxy(self, blk: Block, orig: Callable[..., Any]) -> Callable[..., Any]:
+        # a block with no trainable parameter whose inputs need no gradient (a frozen embedding)
+        # runs like evaluation: no autograd boundary, nothing saved, no backward fetch
+        trainable = any(r.param.requires_grad for r in blk.params)
+
+        def proxy(*args: Any, **kwargs: Any) -> Any:
+            if torch.is_grad_enabled() and (trainable or any_requires_grad(args, kwargs)):
+                args, kwargs, stripped = strip_cache(args, kwargs)
+                if stripped and not self._warned_cache:
+                    self._warned_cache = True
+                    log.info("megatrain: KV cache disabled for training forwards (recompute would corrupt gradients).")
+                keep = bool(self.order) and blk.index == self.order[-1]  # the last block keeps its graph
+                return self.recompute.call(blk, orig, args, kwargs, keep)
+            bufs = self.acquire(blk, backward=False, training=torch.is_grad_enabled())
+            t0 = time.perf_counter()
+            try:
+                with self._bind(blk, bufs, None):
+                    return orig(*args, **kwargs)
+            finally:
+                self.stats.compute_s += time.perf_counter() - t0
+                self.acct.release(bufs)
+
+        proxy.__wrapped__ = orig  # type: ignore[attr-defined]
+        return proxy
+
+    def _make_direct_proxy(self, blk: Block, orig: Callable[..., Any]) -> Callable[..., Any]:
+        """Proxy of a container whose own parameters form a direct block: its ``forward`` uses them
+        outside any block call, so they are bound for the whole call (its child blocks stream inside
+        it as usual). Under grad mode the trainable ones are autograd-tracked device views, so autograd
+        tracks them without recompute (``Recompute.bound_params``). Their buffer's bytes leave the accounting when the container's
+        forward returns, although the graph may keep the views until backward (small: a container's
+        own parameters; the NVMe minimum window counts them)."""
+
+        def proxy(*args: Any, **kwargs: Any) -> Any:
+            grad = torch.is_grad_enabled()
+            refs = trainable_refs(blk) if grad else []
+            bufs = self.acquire(blk, backward=False, training=grad)
+            try:
+                leaves = self.recompute.bound_params(blk, refs, bufs) if refs else None
+                with self._bind(blk, bufs, leaves):
+                    return orig(*args, **kwargs)
+            finally:
+                self.acct.release(bufs)
+
+        proxy.__wrapped__ = orig  # type: ignore[attr-defined]
+        return proxy
+
+    @contextlib.contextmanager
+    def _bind(self, blk: Block, bufs: dict[int, torch.Tensor], leaves: dict[int, torch.Tensor] | None):
+        """Point the block's parameters at views of the device buffers (or at gradient leaves)."""
+        saved = []
+        try:
+            for ref in blk.params:
+                if leaves is not None and id(ref.param) in leaves:
+                    t = leaves[id(ref.param)]
+                else:
+                    e = self.store.slabs[ref.slab].entries[ref.index]
+                    t = bufs[ref.slab][e.offset : e.offset + e.numel].view(e.shape)
+                saved.append((ref.owner, ref.attr, ref.owner._parameters[ref.attr]))
+                ref.owner._parameters[ref.attr] = t
+            yield
+        finally:
+            for owner, attr, p in reversed(saved):
+                owner._parameters[attr] = p
+
+    def _plan_updates_in_backward(self) -> None:
+        """At the start of a backward with ``update_in_backward``: snapshot the hyper-parameters and
+        count, per slab, the gradient batches this backward will send (one per block call holding
+        trainable parameters of the slab). Not when this forward shares its step with an earlier
+        forward whose backward has not run (two forwards, one backward): gradients of that forward
+        would arrive after the update; the deferred schedule runs instead."""
+        if not self._plan_due:
+            return
+        self._plan_due = False
+        eager = self.update_in_backward and self.optimizer is not None and not self.recompute.fwd.shares_step
+        self.grads.plan(self.recompute.plan_refs() if eager else [])
+
+    # ------------------------------------------------------------------ weights
+    def _locate(self, blk: Block, backward: bool, training: bool) -> int | None:
+        """Advance the prefetch cursor to this fetch; returns its position in ``self._seq``."""
+        if not backward and blk.index not in self.order:
+            self.order.append(blk.index)
+        if backward:
+            self._enter_backward()
+        elif self._phase != "forward" or (self.order and blk.index == self.order[0]):
+            self._phase = "forward"
+            self._seq = self.order + self._bwd_seq if training else list(self.order)
+            self._cursor = 0
+            self._plan_due = True  # a new forward: plan its backward's updates
+        seq = self._seq
+        for start in (self._cursor, 0):
+            for p in range(start, len(seq)):
+                if seq[p] == blk.index:
+                    self._cursor = p + 1
+                    return p
+        return None
+
+    def _enter_backward(self) -> None:
+        """First fetch (or kept graph) of a backward: plan its updates and its prefetch sequence."""
+        if self._phase == "backward":
+            return
+        self._phase = "backward"
+        self._plan_updates_in_backward()
+        self.recompute.fwd.last_outs = None  # the forward is over
+        self._bwd_seq = self.recompute.backward_sequence()
+        self._seq, self._cursor = self._bwd_seq, 0
+
+    def acquire(self, blk: Block, backward: bool, training: bool = False) -> dict[int, torch.Tensor]:
+        """Return the block's slabs on the device (waiting for the prefetch if needed) and start
+        prefetching the next ``lookahead`` fetches of the schedule.
+
+        Args:
+            blk: the block about to run.
+            backward: ``True`` for fetches made while autograd runs backward (recompute included).
+            training: a forward that a backward will follow (the schedule continues into it).
+        Returns:
+            slab index -> device buffer (fp32/compute dtype, shape ``[slab numel]``).
+        """
+        pos = self._locate(blk, backward, training)
+        return self.prefetcher.get(blk, self._seq, pos, backward=self._phase == "backward",
+                                   updates_in_backward=bool(self.grads.sends_left))
+
+    def configure_precision(self, wire: torch.dtype, param: torch.dtype, grad_wire: torch.dtype) -> None:
+        """Set the dtypes of the H2D weight copies and of the bound parameters
+        (:meth:`WeightFetcher.configure`), and of parameter gradients on the D2H link (accumulated
+        in fp32 on the host)."""
+        f = self.fetcher
+        if (wire, param, grad_wire) != (f.wire_dtype, f.param_dtype, self.grads.wire_dtype):
+            self._drop_prefetched()
+        f.configure(wire, param)
+        self.grads.wire_dtype, self.grads.param_dtype = grad_wire, param
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """dtype of the device buffers blocks compute with (fp32, or bf16/fp16 under ``*-true``)."""
+        return self.fetcher.param_dtype
+
+    @property
+    def wire_layouts(self) -> list:
+        """Per slab, how its weights travel host -> device (:class:`~megatrain_lightning.engine.wire.WireLayout`)."""
+        return self.fetcher.wire_layouts
+
+    @property
+    def autocast_castable(self) -> list[list[bool]]:
+        """Per slab entry: autocast casts the parameter at every use (it travels 16-bit in mixed modes)."""
+        return self.fetcher.autocast_castable
+
+    def _drop_prefetched(self) -> None:
+        """Wait for and discard prefetched copies (they predate an optimizer update)."""
+        self.prefetcher.drop()
+        self._phase = "idle"
+
+    # ------------------------------------------------------------------ gradients
+    def wait_grads(self) -> None:
+        """Block until every gradient sent so far is in the host accumulators."""
+        self.grads.wait()
+
+    def attach_grads(self) -> None:
+        """``param.grad`` = views of the fp32 accumulators (see :meth:`GradientSink.attach`)."""
+        self.grads.attach()
+
+    def detach_grads(self) -> None:
+        """``param.grad = None`` for every parameter."""
+        self.grads.detach()
+
+    def zero_grad(self) -> None:
+        """``optimizer.zero_grad()``: forget gradients no step consumed."""
+        self.grads.zero()
+
+    # ------------------------------------------------------------------ optimizer
+    def step(self) -> None:
+        """Schedule the host AdamW update for the gradients accumulated so far.
+
+        Raises:
+            RuntimeError: no optimizer attached (``attach_optimizer`` was not called).
+        """
+        if self.optimizer is None:
+            raise RuntimeError("megatrain: optimizer step requested but no optimizer is attached.")
+        self.wait_grads()
+        self._drop_prefetched()  # prefetched copies predate this update
+        self.optimizer.step()
+        self.detach_grads()
+
+    def skip_step(self) -> None:
+        """Drop the accumulated gradients without any update (a skipped fp16 step)."""
+        self.wait_grads()
+        self.detach_grads()
+        if self.optimizer is not None:
+            self.optimizer.discard_grads()
+
+    def flush(self) -> None:
+        """Apply all pending optimizer updates (call before reading parameters directly)."""
+        self.wait_grads()
+        if self.optimizer is not None and self.optimizer.has_pending():
+            self._drop_prefetched()
+            self.optimizer.flush()
+
+    def end_step(self) -> dict[str, float]:
+        """Close the accounting window of one optimizer step; returns the logged metrics."""
+        self.recompute.close_kept()  # the step's backward is over (or was skipped)
+        if self.optimizer is not None:
+            self.stats.optimizer_s = self.optimizer.optimizer_seconds
+            self.optimizer.optimizer_seconds = 0.0
+        peak = self.transport.peak_bytes()
+        if peak is not None:
+            self.stats.peak_device_bytes = peak
+            self.transport.reset_peak()
+        out = self.stats.as_dict()
+        if self.store.nvme is not None:
+            io = self.store.nvme.meter.snapshot()
+            last = getattr(self, "_io_last", {k: 0 for k in io})
+            out.update({"megatrain/" + k: v - last[k] for k, v in io.items()})
+            out["megatrain/host_budget_peak_bytes"] = self.budget.peak  # type: ignore[union-attr]
+            self._io_last = io
+        self.history.append(out)
+        self.acct.new_step()
+        return out
