@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.tuner import Tuner
 
 import megatrain_lightning  # noqa: F401
-from helpers import LM, make_data, make_model, rel
+from megatrain_lightning.testing import LM, make_data, make_model, rel
 
 TOL = 1e-5
 
