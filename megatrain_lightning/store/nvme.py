@@ -389,9 +389,6 @@ class NVMeStore:
             done += got
 
     # ------------------------------------------------------------------ window
-    def numel(self, i: int, kind: str) -> int:
-        return self._numel[i][kind]
-
     def region_bytes(self, i: int, kind: str) -> int:
         """Bytes of block ``i``'s ``kind`` region (and of its window buffer): 4 KiB-aligned fp32."""
         return self._nbytes[i][kind]
