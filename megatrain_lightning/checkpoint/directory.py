@@ -1,6 +1,6 @@
 """Directory checkpoints: weights and AdamW state as safetensors, trainer metadata without pickle.
 
-Layout of a checkpoint directory (DESIGN.md section 6)::
+Layout of a checkpoint directory (docs/architecture.md, "Checkpoints and resume")::
 
     CKPT/
       model/            a Hugging Face model directory (config.json, sharded safetensors, index,
