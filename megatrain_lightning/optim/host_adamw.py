@@ -259,6 +259,11 @@ class HostAdamW:
         self.grad_ops.append(("clamp", float(clip_value)))
 
     # ------------------------------------------------------------------ math
+    @property
+    def exp_avg(self) -> list[torch.Tensor | None]:
+        """Per slab, the flat ``exp_avg`` (RAM tier; ``None`` before the first update)."""
+        return [s.exp_avg for s in self.store.slabs]
+
     def _update(self, slab: Slab, pend: _Pending) -> None:
         with self.store.hold(slab.index, ["master", "exp_avg", "exp_avg_sq"], write=True) as w, \
                 self.store.hold(slab.index, ["acc"]) as r:
