@@ -5,12 +5,12 @@ key numbers) and ``summary`` gathers them into a table and bench/results/gpu_che
 
 * ``env``:      torch / CUDA / device name, transformers and lightning versions.
 * ``pytest``:   the CPU test suite (``python -m pytest tests -x -q``) still passes.
-* ``parity``:   llama, llama_tied, mixtral, gemma2, gpt2 (tiny configs of tests/helpers.py), 20 steps of
-                Trainer(strategy="megatrain", accelerator="gpu") against the plain-PyTorch reference loop
-                of tests/helpers.py on CUDA (TF32 off, eager attention, attention key biases frozen as in
-                tests/test_parity.py), plus llama_tied with offload_activations=True and with
-                checkpoint_every=2. PASS: max relative loss and weight error <= 1e-5 and the engine really
-                ran on the requested device.
+* ``parity``:   llama, llama_tied, mixtral, gemma2, gpt2 (tiny configs of megatrain_lightning/testing.py),
+                20 steps of Trainer(strategy="megatrain", accelerator="gpu") against the plain-PyTorch
+                reference loop (megatrain_lightning.testing.reference_train) on CUDA (TF32 off, eager
+                attention, attention key biases frozen as in tests/test_parity.py), plus llama_tied with
+                offload_activations=True and with checkpoint_every=2. PASS: max relative loss and weight
+                error <= 1e-5 and the engine really ran on the requested device.
 * ``precision``: mixed precision on CUDA (the wire images converted on the H2D stream): for llama,
                 llama_tied and gpt2 (use_cache=False) under bf16-mixed and 16-mixed, the parameter gradients
                 of one step through the strategy against a plain autocast step of the same fp32 model on the
@@ -50,7 +50,6 @@ import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 CHECKS = ["pytest", "parity", "precision", "memory", "overlap", "overhead", "nvme"]
 TOL = 1e-5
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts: deterministic cuBLAS
@@ -126,8 +125,7 @@ class OnDevice:
 
 def check_parity(a) -> dict:
     import torch
-    from helpers import LM, make_data, make_model, reference_train, rel
-    from test_parity import _freeze_key_biases
+    from megatrain_lightning.testing import LM, freeze_key_biases, make_data, make_model, reference_train, rel
 
     dev = device(a)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -143,7 +141,7 @@ def check_parity(a) -> dict:
         name = arch + "".join(f" {k}={v}" for k, v in kw.items())
         t0 = time.perf_counter()
         model = make_model(arch)
-        _freeze_key_biases(model)
+        freeze_key_biases(model)
         ref = copy.deepcopy(model)
         lm = LM(model, total_steps=steps)
         torch.manual_seed(0)
@@ -178,7 +176,7 @@ def check_parity(a) -> dict:
 def check_precision(a) -> dict:
     import lightning.pytorch as pl
     import torch
-    from helpers import LM, make_data, make_model, rel
+    from megatrain_lightning.testing import LM, make_data, make_model, rel
 
     from megatrain_lightning import MegaTrainPrecision, MegaTrainStrategy
 
@@ -268,7 +266,7 @@ def check_nvme(a) -> dict:
     import tempfile
 
     import torch
-    from helpers import LM, make_data, make_model
+    from megatrain_lightning.testing import LM, make_data, make_model
 
     from megatrain_lightning import MegaTrainStrategy
 
@@ -327,7 +325,7 @@ def check_overlap(a) -> dict:
     import lightning.pytorch as pl
     import torch
     import transformers
-    from helpers import LM
+    from megatrain_lightning.testing import LM
     from torch.utils.data import DataLoader, TensorDataset
 
     dev = device(a)

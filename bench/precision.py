@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -31,11 +30,9 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import megatrain_lightning  # noqa: E402,F401
-from megatrain_lightning import MegaTrainPrecision  # noqa: E402
-from helpers import LM, make_model  # noqa: E402
-from test_precision import learnable_data  # noqa: E402
+import megatrain_lightning  # noqa: F401
+from megatrain_lightning import MegaTrainPrecision
+from megatrain_lightning.testing import LM, learnable_data, make_model
 
 
 class StepTimer(pl.Callback):

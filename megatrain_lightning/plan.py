@@ -1,4 +1,4 @@
-"""Planner and preflight for the megatrain strategy (DESIGN.md section 7).
+"""Planner and preflight for the megatrain strategy (docs/architecture.md, "Planner and preflight").
 
 From a model config alone (the real model built on the meta device, no memory) and a
 hardware preset: the bytes in each memory tier (host RAM, device, NVMe, disk), the bytes

@@ -3,8 +3,8 @@
 import torch
 from torch.utils.data import TensorDataset
 
-from helpers import LM, SEQ, VOCAB, make_model
 from megatrain_lightning.data import ResumableDataLoader
+from megatrain_lightning.testing import LM, SEQ, VOCAB, make_model
 
 TOTAL = 6
 

@@ -11,10 +11,9 @@ from pathlib import Path
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-sys.path.insert(0, str(Path(__file__).parent))
-import megatrain_lightning  # noqa: E402,F401
-import megatrain_lightning.checkpoint.directory as directory  # noqa: E402
-from crash_common import TOTAL, lm, loader  # noqa: E402
+import megatrain_lightning  # noqa: F401
+import megatrain_lightning.checkpoint.directory as directory
+from crash_common import TOTAL, lm, loader  # next to this script: on sys.path when it runs
 
 out, mode, hang_at = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 saves = {"n": 0}

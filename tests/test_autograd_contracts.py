@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import megatrain_lightning  # noqa: F401
-from helpers import make_data, make_model, rel
+from megatrain_lightning.testing import make_data, make_model, rel
 
 TOL = 1e-5
 
@@ -184,7 +184,7 @@ def test_two_forwards_one_loss_with_update_in_backward(tmp_path):
     training_step that sums the losses of two forwards must not update a block before the gradients
     of both forwards reached it (the second forward shares the step: deferred schedule)."""
     from megatrain_lightning import MegaTrainStrategy
-    from helpers import LM
+    from megatrain_lightning.testing import LM
 
     class TwoForwards(LM):
         def training_step(self, batch, batch_idx):

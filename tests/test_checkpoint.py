@@ -17,7 +17,7 @@ from torch.utils.data import TensorDataset
 import megatrain_lightning  # noqa: F401
 from megatrain_lightning.checkpoint.directory import CheckpointError
 from megatrain_lightning.data import ResumableDataLoader
-from helpers import LM, SEQ, VOCAB, assert_parity, make_model
+from megatrain_lightning.testing import LM, SEQ, VOCAB, assert_parity, make_model
 
 
 def loader(n=24, batch_size=2, seed=5):
@@ -142,7 +142,7 @@ def test_metadata_loads_without_pickle(tmp_path):
 def test_streaming_load_from_pretrained_trains_like_from_pretrained(tmp_path, arch):
     """meta_model_from_pretrained + strategy: weights go from safetensors straight into the store;
     training matches plain PyTorch on the model transformers loads from the same directory."""
-    from helpers import make_data, reference_train
+    from megatrain_lightning.testing import make_data, reference_train
     from megatrain_lightning.checkpoint.hf_io import meta_model_from_pretrained
 
     make_model(arch).save_pretrained(tmp_path / "hf", max_shard_size="20KB")  # sharded on purpose

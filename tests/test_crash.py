@@ -15,7 +15,7 @@ import pytest
 
 import megatrain_lightning  # noqa: F401
 from crash_common import TOTAL, lm, loader
-from helpers import assert_parity
+from megatrain_lightning.testing import assert_parity
 
 
 def _trainer(**kw):
@@ -32,7 +32,9 @@ def uninterrupted():
 
 @pytest.mark.parametrize("mode,hang_at,expect_last", [("save", 3, 1), ("step", 4, 4)])
 def test_sigkill_then_resume_exactly(tmp_path, uninterrupted, mode, hang_at, expect_last):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    # the worker imports the same megatrain_lightning as this process (crash_common.py sits next to it)
+    root = str(Path(megatrain_lightning.__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "kill_worker.py"), str(tmp_path), mode,
                              str(hang_at)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 240

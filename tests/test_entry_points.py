@@ -8,7 +8,6 @@ compares every weight (and the AdamW state) afterwards.
 
 from __future__ import annotations
 
-import copy
 
 import lightning.pytorch as pl
 import pytest
@@ -16,7 +15,7 @@ import torch
 from lightning.pytorch.tuner import Tuner
 
 import megatrain_lightning  # noqa: F401
-from helpers import LM, make_data, make_model, rel
+from megatrain_lightning.testing import LM, make_data, make_model, rel
 
 TOL = 1e-5
 

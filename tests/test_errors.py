@@ -10,7 +10,7 @@ from torch import nn
 import megatrain_lightning  # noqa: F401
 from megatrain_lightning import (BlockDiscoveryError, MegaTrainPrecision, MegaTrainStrategy,
                                  UnsupportedOptimizerError, UnsupportedPrecisionError, discover_blocks)
-from helpers import LM, make_data, make_model
+from megatrain_lightning.testing import LM, make_data, make_model
 
 
 def _fit(lm, **kw):

@@ -18,7 +18,7 @@ from megatrain_lightning.checkpoint.hf_io import (CheckpointFormatError, Safeten
                                                   meta_model_from_pretrained, save_hf_model_dir, source_key,
                                                   verify_checksums, write_safetensors_shards)
 from megatrain_lightning.export import export
-from helpers import make_model
+from megatrain_lightning.testing import make_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

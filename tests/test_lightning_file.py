@@ -14,7 +14,7 @@ import torch
 import megatrain_lightning  # noqa: F401
 from megatrain_lightning.checkpoint.errors import CheckpointError
 from megatrain_lightning.checkpoint.lightning_file import convert_to_lightning_checkpoint
-from helpers import LM, assert_parity, make_model
+from megatrain_lightning.testing import LM, assert_parity, make_model
 from test_checkpoint import lm_for, loader, trainer
 
 ROOT = Path(__file__).resolve().parents[1]

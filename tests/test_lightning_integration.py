@@ -16,7 +16,7 @@ from torch import nn
 
 import megatrain_lightning  # noqa: F401
 from megatrain_lightning import MegaTrainStrategy, discover_blocks
-from helpers import LM, SEQ, VOCAB, assert_parity, make_data, make_model, reference_train, rel
+from megatrain_lightning.testing import LM, SEQ, VOCAB, assert_parity, make_data, make_model, reference_train, rel
 
 
 def _trainer(tmp_path=None, **kw):

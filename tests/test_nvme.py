@@ -26,7 +26,7 @@ from megatrain_lightning import MegaTrainStrategy
 from megatrain_lightning.store import nvme as nvme_mod
 from megatrain_lightning.store.budget import HostBudget, HostMemoryBudgetError, parse_bytes
 from megatrain_lightning.store.nvme import STORE_DIR, NVMeIOError, NVMeStore, NVMeStoreLockedError
-from helpers import LM, make_data, make_model
+from megatrain_lightning.testing import LM, make_data, make_model
 from test_checkpoint import loader
 
 STEPS = 20

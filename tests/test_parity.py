@@ -17,7 +17,8 @@ import torch
 
 import megatrain_lightning  # noqa: F401  (registers strategy="megatrain")
 from megatrain_lightning import MegaTrainStrategy
-from helpers import ARCHS, LM, assert_parity, make_data, make_model, reference_train
+from megatrain_lightning.testing import (ARCHS, LM, assert_parity, freeze_key_biases, make_data, make_model,
+                                        reference_train)
 
 STEPS = 20
 
@@ -27,20 +28,10 @@ def _trainer(strategy="megatrain", steps=STEPS, **kw):
                       logger=False, enable_progress_bar=False, enable_model_summary=False, **kw)
 
 
-def _freeze_key_biases(model):
-    """Attention key biases have an exactly-zero true gradient (softmax is invariant to adding the same
-    q.b_k to every score of a query), so both runs 'train' them on rounding noise that Adam's
-    normalisation amplifies to +-lr per step: no implementation can match such a parameter to 1e-5.
-    Freezing them keeps the comparison meaningful (and exercises frozen parameters)."""
-    for name, p in model.named_parameters():
-        if name.endswith("k_proj.bias") or name.endswith("c_attn.bias"):
-            p.requires_grad_(False)
-
-
 def run_pair(arch="llama", accumulate=1, clip=None, sched=None, strategy="megatrain", model_overrides=None,
              freeze=None, opt_kwargs=None, seed=0, clip_value=None, attn="eager"):
     model = make_model(arch, attn=attn, **(model_overrides or {}))
-    _freeze_key_biases(model)
+    freeze_key_biases(model)
     if freeze:
         for name, p in model.named_parameters():
             if name in freeze:
@@ -152,7 +143,7 @@ def test_engine_options_do_not_change_results(options):
 def test_weight_decay_param_groups():
     """Two param groups (no decay on norms and biases), as most fine-tuning recipes do."""
     model = make_model("qwen2")
-    _freeze_key_biases(model)
+    freeze_key_biases(model)
     ref = copy.deepcopy(model)
 
     def groups(m):

@@ -15,7 +15,7 @@ import transformers
 import megatrain_lightning  # noqa: F401
 from megatrain_lightning.data import ResumableDataLoader
 from megatrain_lightning.export import export
-from helpers import LM, assert_parity, make_data, make_model
+from megatrain_lightning.testing import LM, assert_parity, make_data, make_model
 
 VARIANTS = {
     "lora_tied": ("llama_tied", {}),

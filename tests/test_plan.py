@@ -1,5 +1,6 @@
-"""Planner and preflight (DESIGN.md section 7): counts from meta-device models, tier bytes,
-the step-time bound, Hydra configs, the CLI, and preflight on this machine. Meta device only."""
+"""Planner and preflight (docs/architecture.md, "Planner and preflight"): counts from meta-device
+models, tier bytes, the step-time bound, Hydra configs, the CLI, and preflight on this machine.
+Meta device only."""
 
 from __future__ import annotations
 

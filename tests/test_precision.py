@@ -10,21 +10,11 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import MixedPrecision
-from torch.utils.data import DataLoader, TensorDataset
 
 import megatrain_lightning  # noqa: F401
 from megatrain_lightning import MegaTrainPrecision
 from megatrain_lightning.engine.wire import WireLayout
-from helpers import LM, VOCAB, make_data, make_model, rel
-
-
-def learnable_data(n=64, seq=16, batch_size=4, seed=0):
-    """Sequences with structure (x_{t+1} = x_t + step mod V), so the loss really falls."""
-    g = torch.Generator().manual_seed(seed)
-    start = torch.randint(0, VOCAB, (n, 1), generator=g)
-    step = torch.randint(1, 4, (n, 1), generator=g)
-    ids = (start + step * torch.arange(seq)) % VOCAB
-    return DataLoader(TensorDataset(ids), batch_size=batch_size, shuffle=False)
+from megatrain_lightning.testing import LM, learnable_data, make_data, make_model, rel
 
 
 def fit(model, steps, data=None, **kw):

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import megatrain_lightning  # noqa: F401
 from megatrain_lightning.checkpoint.gguf import SMOLLM2_GGUF, load_gguf, smollm2_gguf_dir
-from helpers import LM
+from megatrain_lightning.testing import LM
 
 
 def license_text() -> str:

@@ -1,6 +1,6 @@
 """Directory checkpoints: weights and AdamW state as safetensors, trainer metadata without pickle.
 
-Layout of a checkpoint directory (DESIGN.md section 6)::
+Layout of a checkpoint directory (docs/architecture.md, "Checkpoints and resume")::
 
     CKPT/
       model/            a Hugging Face model directory (config.json, sharded safetensors, index,
@@ -38,17 +38,12 @@ from torch import nn
 from .errors import CheckpointError
 from .hf_io import SafetensorsSource, save_hf_model_dir, source_key, verify_checksums, write_safetensors_shards
 from .layout import Layout, hf_model_of, open_part, plan_layout, verify_written
-from .metadata import INFO_FILE, TRAINER_FILE, read_info, verify_parts, write_info
+from .metadata import TRAINER_FILE, read_info, verify_parts, write_info
 from .peft_io import write_adapters
 from .plain import to_plain
 
-__all__ = ["CheckpointError", "check_compatible", "is_directory_checkpoint", "load_checkpoint_dir",
-           "load_optimizer_dir", "save_checkpoint_dir", "verified_info"]
-
-
-def is_directory_checkpoint(path: str | os.PathLike) -> bool:
-    p = Path(path)
-    return p.is_dir() and (p / INFO_FILE).is_file()
+__all__ = ["CheckpointError", "check_compatible", "load_checkpoint_dir", "load_optimizer_dir", "save_checkpoint_dir",
+           "verified_info"]
 
 
 def _fsync_dir(path: Path) -> None:

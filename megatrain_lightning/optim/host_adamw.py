@@ -8,10 +8,10 @@ step (so LR schedulers and ``LearningRateMonitor`` work unchanged), but its
 master weights, gradient accumulator and fp32 ``exp_avg`` / ``exp_avg_sq``:
 the same per-element math as ``torch.optim.AdamW`` (Loshchilov & Hutter,
 "Decoupled Weight Decay Regularization", Algorithm 2; bias correction of
-Kingma & Ba, "Adam", Algorithm 1). DESIGN.md section 3 measures the fused
-kernel at 1.50 G params/s on 2 threads here, 5-7x the foreach/for-loop paths.
+Kingma & Ba, "Adam", Algorithm 1). The fused kernel was measured at 1.50 G params/s on
+2 threads, 5-7x the foreach/for-loop paths (docs/architecture.md, "Host optimizer").
 
-Schedule (DESIGN.md section 3, "Optimizer"): :meth:`step` snapshots the
+Schedule (docs/architecture.md, "Host optimizer"): :meth:`step` snapshots the
 hyper-parameters of every param group and records a *pending update* per slab;
 the engine applies slab j's update just before block j is next copied to the
 device (overlapping the next forward), or at once when ``overlap=False``.

@@ -1,4 +1,5 @@
-"""Planner and preflight (DESIGN.md section 7); the public entry point is :mod:`megatrain_lightning.plan`.
+"""Planner and preflight (docs/architecture.md, "Planner and preflight"); the public entry point
+is :mod:`megatrain_lightning.plan`.
 
 ``counts``     parameter counts per block from the real model on the meta device
 ``config``     hardware presets, Hydra composition of conf/plan.yaml

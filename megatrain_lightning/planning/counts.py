@@ -7,10 +7,10 @@ counts are therefore exactly what the engine will store (no hand-written formula
 architecture), with tied parameters (``lm_head.weight is embed_tokens.weight``) counted
 once, in the first block that uses them -- the rule of ``blocks.py``.
 
-Grouping (DESIGN.md section 3, "Blocks"): the decoder layers are the outermost modules whose
-class is in the model's ``_no_split_modules``; every parameter met (in module order) before
-the first layer belongs to the *embedding* group, every one after the last layer to the
-*head* group (final norm + LM head).
+Grouping (docs/architecture.md, "A training step", step 1): the decoder layers are the
+outermost modules whose class is in the model's ``_no_split_modules``; every parameter met (in
+module order) before the first layer belongs to the *embedding* group, every one after the last
+layer to the *head* group (final norm + LM head).
 """
 
 from __future__ import annotations

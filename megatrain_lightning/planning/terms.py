@@ -4,7 +4,7 @@ Every number follows from the parameter counts of the real model (:mod:`.counts`
 device), the settings, and one :class:`~.config.Hardware` preset. Units: bytes, seconds,
 FLOP; GiB = 2**30 B; bandwidths in GB/s = 1e9 B/s; compute in TFLOP/s = 1e12 FLOP/s.
 
-Memory tiers (DESIGN.md section 2), N = unique parameters (tied counted once):
+Memory tiers (docs/architecture.md, "Memory tiers"), N = unique parameters (tied counted once):
 
 * host RAM: fp32 master 4 B/param, fp32 gradient accumulator 4, AdamW exp_avg 4 and
   exp_avg_sq 4, plus the bf16/fp16 wire shadow 2 B/param under a 2-byte wire (the engine

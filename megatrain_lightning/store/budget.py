@@ -3,8 +3,8 @@
 Every host buffer the NVMe tier holds (cached master weights, ``exp_avg``, ``exp_avg_sq`` and
 gradient accumulators, and on CPU the compute buffers of the blocks in flight) is reserved
 here before it is allocated and released after it is freed. A reservation that does not fit
-waits until another thread releases bytes; it never overshoots the limit (DESIGN.md section 4:
-"the host window never exceeds host_memory_limit").
+waits until another thread releases bytes; it never overshoots the limit (docs/architecture.md,
+"NVMe tier", "Window").
 """
 
 from __future__ import annotations

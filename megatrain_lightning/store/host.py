@@ -3,7 +3,7 @@
 Each block's parameters are packed into one flat fp32 tensor (the *master*
 weights), trainable parameters first, frozen ones after, so one copy moves a
 whole block to the device and the trainable part is one contiguous range for
-the gradient accumulator and the AdamW states (DESIGN.md sections 2 and 3).
+the gradient accumulator and the AdamW states (docs/architecture.md, "Memory tiers").
 
 After :func:`build_store`, every ``nn.Parameter`` of the model has its ``.data``
 replaced by a view of its slab: the module keeps working as a plain PyTorch

@@ -1,7 +1,8 @@
 """NVMe tier: per-block files on disk and a host-memory window bounded by ``host_memory_limit``.
 
-Layout (DESIGN.md sections 2 and 4). One file per block, ``block_00012.bin``, holding four
-regions, each starting at a 4 KiB boundary and padded to a multiple of 4 KiB::
+Layout (docs/architecture.md, "Memory tiers" and "NVMe tier"). One file per block,
+``block_00012.bin``, holding four regions, each starting at a 4 KiB boundary and padded to a
+multiple of 4 KiB::
 
     master (fp32, slab numel) | exp_avg (fp32, trainable) | exp_avg_sq (fp32, trainable) | acc (fp32, trainable)
 
@@ -389,9 +390,6 @@ class NVMeStore:
             done += got
 
     # ------------------------------------------------------------------ window
-    def numel(self, i: int, kind: str) -> int:
-        return self._numel[i][kind]
-
     def region_bytes(self, i: int, kind: str) -> int:
         """Bytes of block ``i``'s ``kind`` region (and of its window buffer): 4 KiB-aligned fp32."""
         return self._nbytes[i][kind]
