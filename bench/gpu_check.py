@@ -9,7 +9,7 @@ key numbers) and ``summary`` gathers them into a table and bench/results/gpu_che
                 20 steps of Trainer(strategy="megatrain", accelerator="gpu") against the plain-PyTorch
                 reference loop (megatrain_lightning.testing.reference_train) on CUDA (TF32 off, eager
                 attention, attention key biases frozen as in tests/test_parity.py), plus llama_tied with
-                offload_activations=True and with checkpoint_every=2. PASS: max relative loss and weight
+                offload_activations=True and with recompute_every=2. PASS: max relative loss and weight
                 error <= 1e-5 and the engine really ran on the requested device.
 * ``precision``: mixed precision on CUDA (the wire images converted on the H2D stream): for llama,
                 llama_tied and gpt2 (use_cache=False) under bf16-mixed and 16-mixed, the parameter gradients
@@ -135,7 +135,7 @@ def check_parity(a) -> dict:
     torch.use_deterministic_algorithms(True, warn_only=True)
     steps = 5 if a.cpu_dry_run else 20
     runs = [(arch, {}) for arch in ("llama", "llama_tied", "mixtral", "gemma2", "gpt2")]
-    runs += [("llama_tied", {"offload_activations": True}), ("llama_tied", {"checkpoint_every": 2})]
+    runs += [("llama_tied", {"offload_activations": True}), ("llama_tied", {"recompute_every": 2})]
     rows = []
     for arch, kw in runs:
         name = arch + "".join(f" {k}={v}" for k, v in kw.items())

@@ -35,7 +35,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from .checkpoint.hf_io import weight_sources
 from .checkpoint.directory import load_checkpoint_dir, load_optimizer_dir, save_checkpoint_dir
-from .engine.streaming import StreamingEngine
+from .engine.streaming import StreamingEngine, deprecated_recompute_every
 from .optim.host_adamw import UnsupportedOptimizerError, validate_optimizer
 from .precision import MegaTrainPrecision, to_megatrain_precision
 from .store.budget import parse_bytes
@@ -53,9 +53,11 @@ class MegaTrainStrategy(SingleDeviceStrategy):
 
     Args:
         lookahead: blocks copied ahead of the one computing (1 = double buffering).
-        checkpoint_every: keep the input of every K-th block call only and recompute the others
+        recompute_every: keep the input of every K-th block call only and recompute the others
             in backward (saved activations / K, at most one extra forward of K-1 blocks per segment).
             Default 1: every block input is kept (see docs/architecture.md for the measurement).
+        checkpoint_every: the former name of ``recompute_every`` (it collided with Lightning's model
+            checkpoints); still accepted for one release, with a ``DeprecationWarning``.
         offload_activations: keep saved block inputs in host memory (device footprint flat in depth).
         overlap_optimizer: apply each block's AdamW update just before its next prefetch (default)
             instead of all at once in ``optimizer.step()``. Both give identical results.
@@ -114,7 +116,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         precision_plugin: Precision | None = None,
         *,
         lookahead: int = 1,
-        checkpoint_every: int = 1,
+        recompute_every: int = 1,
+        checkpoint_every: int | None = None,
         offload_activations: bool = False,
         overlap_optimizer: bool = True,
         block_classes: Sequence[str | type] | None = None,
@@ -136,7 +139,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         self._parallel_devices: list[torch.device] | None = None
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self.lookahead = lookahead
-        self.checkpoint_every = checkpoint_every
+        self.recompute_every = deprecated_recompute_every(recompute_every, checkpoint_every)
         self.offload_activations = offload_activations
         self.overlap_optimizer = overlap_optimizer
         self.block_classes = block_classes
@@ -213,7 +216,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
                 module,
                 self.root_device,
                 lookahead=self.lookahead,
-                checkpoint_every=self.checkpoint_every,
+                recompute_every=self.recompute_every,
                 offload_activations=self.offload_activations,
                 block_classes=self.block_classes,
                 block_names=self.block_names,

@@ -70,8 +70,8 @@ def test_retain_graph_then_second_backward(tmp_path):
     _compare(body, tmp_path)
 
 
-@pytest.mark.parametrize("checkpoint_every", [1, 2])
-def test_retain_graph_with_recompute_segments(tmp_path, checkpoint_every):
+@pytest.mark.parametrize("recompute_every", [1, 2])
+def test_retain_graph_with_recompute_segments(tmp_path, recompute_every):
     from megatrain_lightning import MegaTrainStrategy
 
     def body(m, ids):
@@ -81,7 +81,7 @@ def test_retain_graph_with_recompute_segments(tmp_path, checkpoint_every):
         m.manual_backward(0.25 * loss)
 
     ref = _run("auto", body, tmp_path / "ref")
-    got = _run(MegaTrainStrategy(checkpoint_every=checkpoint_every), body, tmp_path / "ours")
+    got = _run(MegaTrainStrategy(recompute_every=recompute_every), body, tmp_path / "ours")
     for (k, a), b in zip(got.named_parameters(), ref.parameters()):
         assert rel(a.detach(), b.detach()) <= TOL, k
 
@@ -106,8 +106,8 @@ def test_two_forwards_then_one_backward(tmp_path):
     _compare(body, tmp_path)
 
 
-@pytest.mark.parametrize("checkpoint_every", [1, 2])
-def test_two_forwards_backward_in_reverse_order(tmp_path, checkpoint_every):
+@pytest.mark.parametrize("recompute_every", [1, 2])
+def test_two_forwards_backward_in_reverse_order(tmp_path, recompute_every):
     from megatrain_lightning import MegaTrainStrategy
 
     def body(m, ids):
@@ -117,7 +117,7 @@ def test_two_forwards_backward_in_reverse_order(tmp_path, checkpoint_every):
         m.manual_backward(a)
 
     ref = _run("auto", body, tmp_path / "ref")
-    got = _run(MegaTrainStrategy(checkpoint_every=checkpoint_every), body, tmp_path / "ours")
+    got = _run(MegaTrainStrategy(recompute_every=recompute_every), body, tmp_path / "ours")
     for (k, a), b in zip(got.named_parameters(), ref.parameters()):
         assert rel(a.detach(), b.detach()) <= TOL, k
 

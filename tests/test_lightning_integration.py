@@ -302,7 +302,7 @@ def test_container_parameters_form_their_own_block():
 @pytest.mark.parametrize("options,trainer_kw", [
     ({}, {}),
     ({"optimizer_in_backward": True, "cpu_zero_copy": False}, {}),
-    ({"checkpoint_every": 2, "offload_activations": True}, {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}),
+    ({"recompute_every": 2, "offload_activations": True}, {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}),
     ({"offload_params": "nvme", "offload_optimizer": "nvme", "host_memory_limit": 400_000}, {}),
 ], ids=["default", "optimizer_in_backward", "accumulate_clip_K2", "nvme"])
 def test_container_parameters_train_like_plain_lightning(tmp_path, options, trainer_kw):

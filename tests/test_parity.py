@@ -130,10 +130,10 @@ def test_dropout_replays_rng(arch):
     dict(lookahead=3),
     dict(offload_activations=True),
     dict(cpu_zero_copy=False),
-    dict(cpu_zero_copy=False, lookahead=2, checkpoint_every=2),
-    dict(checkpoint_every=2),
-    dict(checkpoint_every=3, lookahead=2),
-    dict(checkpoint_every=4, offload_activations=True),
+    dict(cpu_zero_copy=False, lookahead=2, recompute_every=2),
+    dict(recompute_every=2),
+    dict(recompute_every=3, lookahead=2),
+    dict(recompute_every=4, offload_activations=True),
 ])
 def test_engine_options_do_not_change_results(options):
     lm, ref, ref_losses, _ = run_pair("llama_tied", strategy=MegaTrainStrategy(**options))
@@ -193,12 +193,12 @@ def test_manual_optimization():
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_checkpoint_every_k_keeps_one_input_per_segment(k):
-    """With checkpoint_every=K only every K-th block call keeps its hidden-state input."""
+def test_recompute_every_k_keeps_one_input_per_segment(k):
+    """With recompute_every=K only every K-th block call keeps its hidden-state input."""
     from megatrain_lightning.engine.streaming import StreamingEngine
 
     model = make_model("llama")  # embed, 3 layers, norm, lm_head: 6 block calls
-    eng = StreamingEngine(model, torch.device("cpu"), checkpoint_every=k)
+    eng = StreamingEngine(model, torch.device("cpu"), recompute_every=k)
     eng.install()
     (ids,) = next(iter(make_data()))
     loss = model(input_ids=ids, labels=ids).loss
@@ -215,7 +215,7 @@ def test_checkpoint_every_k_keeps_one_input_per_segment(k):
 
 def test_dropout_with_segments():
     over = {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}
-    lm, ref, ref_losses, _ = run_pair("gpt2", model_overrides=over, strategy=MegaTrainStrategy(checkpoint_every=3))
+    lm, ref, ref_losses, _ = run_pair("gpt2", model_overrides=over, strategy=MegaTrainStrategy(recompute_every=3))
     assert_parity(lm.model, ref, lm.losses, ref_losses)
 
 
@@ -224,6 +224,17 @@ def test_prefetch_follows_the_schedule(k):
     """Once the schedule is learned (step 3 on: step 1 learns the order, step 2 the backward without
     the LM head, which keeps its graph), the only fetch not prefetched is the first block of each
     forward (prefetching it earlier would read weights before the optimizer step is recorded)."""
-    lm, ref, ref_losses, trainer = run_pair("llama", strategy=MegaTrainStrategy(lookahead=1, checkpoint_every=k))
+    lm, ref, ref_losses, trainer = run_pair("llama", strategy=MegaTrainStrategy(lookahead=1, recompute_every=k))
     hist = trainer.strategy.engine.history
     assert [h["megatrain/prefetch_misses"] for h in hist[2:]] == [1.0] * (len(hist) - 2)
+
+
+def test_checkpoint_every_still_works_with_a_deprecation_warning():
+    """The former name of recompute_every (it collided with Lightning's model checkpoints)."""
+    from megatrain_lightning import MegaTrainStrategy
+
+    with pytest.warns(DeprecationWarning, match="recompute_every"):
+        s = MegaTrainStrategy(checkpoint_every=3)
+    assert s.recompute_every == 3
+    with pytest.raises(TypeError, match="both given"):
+        MegaTrainStrategy(recompute_every=2, checkpoint_every=3)

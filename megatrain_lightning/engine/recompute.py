@@ -185,7 +185,7 @@ class Recompute:
                  recompute_every: int = 1, offload_activations: bool = False):
         self.device, self.store, self.acct, self.grads, self.transport = device, store, acct, grads, transport
         self._acquire, self._bind, self._enter_backward = acquire, bind, enter_backward
-        self.checkpoint_every = recompute_every
+        self.recompute_every = recompute_every
         self.offload_activations = offload_activations
         self.fwd = ForwardRecord()  # grad-mode block calls of the current forward, in order
         self.kept_open: set[KeptGraph] = set()  # last-block graphs whose backward has not run
@@ -377,7 +377,7 @@ class Recompute:
     def _save_inputs(self, call: BlockCall, tensors: Sequence[torch.Tensor]) -> None:
         """Keep what backward needs to rebuild this call's inputs.
 
-        A call that starts a segment (every ``checkpoint_every``-th call) keeps all its tensor
+        A call that starts a segment (every ``recompute_every``-th call) keeps all its tensor
         inputs (in host memory with ``offload_activations``). Other calls keep only a link to the
         output of the previous call they consumed (by identity) and recompute it in backward;
         inputs that are not such outputs (attention masks, rotary cos/sin shared by all blocks)
@@ -387,7 +387,7 @@ class Recompute:
         call.pos = len(fwd.calls)
         fwd.calls.append(weakref.ref(call))
         prev = fwd.last_outs if (fwd.last_outs and fwd.last_outs[0] == call.pos - 1) else None
-        start = call.pos % self.checkpoint_every == 0
+        start = call.pos % self.recompute_every == 0
         call.saved = []
         for i, t in enumerate(tensors):
             link = None

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 import time
 from typing import Any, Callable, Sequence
 
@@ -47,6 +48,22 @@ from .transport import make_transport
 
 log = logging.getLogger(__name__)
 
+def deprecated_recompute_every(recompute_every: int, checkpoint_every: int | None) -> int:
+    """``recompute_every``, or the value given under its former name ``checkpoint_every`` (which
+    collided with Lightning's model checkpoints), with a ``DeprecationWarning``; kept for one release.
+
+    Raises:
+        TypeError: both names given with different values."""
+    if checkpoint_every is None:
+        return recompute_every
+    warnings.warn("megatrain: checkpoint_every was renamed recompute_every (it sets recompute segments, not model "
+                  "checkpoints); the old name will be removed in the next release.", DeprecationWarning, stacklevel=3)
+    if recompute_every not in (1, checkpoint_every):
+        raise TypeError(f"recompute_every={recompute_every} and checkpoint_every={checkpoint_every} both given; "
+                        "pass only recompute_every.")
+    return checkpoint_every
+
+
 class StreamingEngine:
     """Streams a model's blocks through the compute device and owns their host state.
 
@@ -54,10 +71,11 @@ class StreamingEngine:
         root: the module to stream (the ``LightningModule``).
         device: compute device (``cpu`` or ``cuda:N``).
         lookahead: blocks prefetched ahead of the one computing (1 = double buffering).
-        checkpoint_every: K, blocks per recompute segment. Only the input of every K-th block
+        recompute_every: K, blocks per recompute segment. Only the input of every K-th block
             call is kept; the inputs of the others are recomputed (without autograd) from it when
             backward reaches the segment, so saved activations shrink K-fold for up to one extra
             forward of K-1 blocks per segment.
+        checkpoint_every: the former name of ``recompute_every`` (``DeprecationWarning``).
         offload_activations: keep the saved block inputs in host memory instead of on the
             device (the device footprint is then flat in depth; costs one D2H and one H2D of
             the hidden states per block).
@@ -84,7 +102,8 @@ class StreamingEngine:
         device: torch.device,
         *,
         lookahead: int = 1,
-        checkpoint_every: int = 1,
+        recompute_every: int = 1,
+        checkpoint_every: int | None = None,
         offload_activations: bool = False,
         block_classes: Sequence[str | type] | None = None,
         block_names: Sequence[str] | None = None,
@@ -95,9 +114,10 @@ class StreamingEngine:
     ):
         if lookahead < 0:
             raise ValueError(f"lookahead must be >= 0 (blocks prefetched ahead), got {lookahead}.")
-        if checkpoint_every < 1:
-            raise ValueError(f"checkpoint_every must be >= 1 (blocks per recompute segment), got {checkpoint_every}.")
-        self.checkpoint_every = checkpoint_every
+        recompute_every = deprecated_recompute_every(recompute_every, checkpoint_every)
+        if recompute_every < 1:
+            raise ValueError(f"recompute_every must be >= 1 (blocks per recompute segment), got {recompute_every}.")
+        self.recompute_every = recompute_every
         self.root = root
         self.device = torch.device(device)
         self.lookahead = lookahead
@@ -156,7 +176,7 @@ class StreamingEngine:
         self._bwd_seq: list[int] = []  # backward fetch sequence of the last training step
         self.recompute = Recompute(device=self.device, store=self.store, acct=self.acct, grads=self.grads,
                                    transport=self.transport, acquire=self.acquire, bind=self._bind,
-                                   enter_backward=self._enter_backward, recompute_every=checkpoint_every,
+                                   enter_backward=self._enter_backward, recompute_every=recompute_every,
                                    offload_activations=offload_activations)
         self._saved_forwards: dict[int, tuple[bool, Any]] = {}
         # optimizer step in backward (set per micro-batch by the strategy): each slab's AdamW update

@@ -142,7 +142,7 @@ def _crossover(c: ParamCounts, hw: Hardware, s: dict[str, Any], e1: dict[str, An
 def plan(model_cfg: Any, hw: Hardware | Mapping[str, Any], *, batch_size: int = 1, seq_len: int = 2048,
          precision: str = "bf16-mixed", offload_params: str = "cpu", offload_optimizer: str = "cpu",
          offload_grads: str = "cpu", offload_activations: bool = False, lookahead: int = 1,
-         checkpoint_every: int = 1, grad_dtype: str | None = None, keep_checkpoints: int = 2,
+         recompute_every: int = 1, grad_dtype: str | None = None, keep_checkpoints: int = 2,
          pinned_round: bool = True, cpu_zero_copy: bool = True) -> Plan:
     """Plan one training configuration on one hardware preset (see the module docstring).
 
@@ -156,7 +156,7 @@ def plan(model_cfg: Any, hw: Hardware | Mapping[str, Any], *, batch_size: int = 
         offload_params, offload_optimizer, offload_grads: ``"cpu"`` (host RAM) or ``"nvme"``.
         offload_activations: saved block inputs in host RAM instead of device memory.
         lookahead: blocks prefetched ahead of the computing one (>= 0).
-        checkpoint_every: K, keep every K-th block input and recompute the rest (>= 1).
+        recompute_every: K, keep every K-th block input and recompute the rest (>= 1).
         grad_dtype: ``fp32``/``bf16``/``fp16`` gradients on the D2H link (default fp32, bf16 for
             ``bf16-true``).
         keep_checkpoints: directory checkpoints on disk at the peak of a save.
@@ -179,15 +179,15 @@ def plan(model_cfg: Any, hw: Hardware | Mapping[str, Any], *, batch_size: int = 
             raise ValueError(f"{name} must be one of {TIERS}, got {v!r}")
     if grad_dtype is not None and grad_dtype not in GRAD_BYTES:
         raise ValueError(f"grad_dtype must be one of {sorted(GRAD_BYTES)} or None, got {grad_dtype!r}")
-    if batch_size < 1 or seq_len < 1 or checkpoint_every < 1 or lookahead < 0 or keep_checkpoints < 0:
-        raise ValueError("batch_size, seq_len and checkpoint_every must be >= 1; lookahead, keep_checkpoints >= 0")
+    if batch_size < 1 or seq_len < 1 or recompute_every < 1 or lookahead < 0 or keep_checkpoints < 0:
+        raise ValueError("batch_size, seq_len and recompute_every must be >= 1; lookahead, keep_checkpoints >= 0")
     hw = Hardware.from_mapping(hw)
     name, cfg = _model_name_and_config(model_cfg)
     counts = count_params(cfg)
     s = dict(batch_size=int(batch_size), seq_len=int(seq_len), precision=precision, offload_params=offload_params,
              offload_optimizer=offload_optimizer, offload_grads=offload_grads,
              offload_activations=bool(offload_activations), lookahead=int(lookahead),
-             checkpoint_every=int(checkpoint_every), keep_checkpoints=int(keep_checkpoints),
+             recompute_every=int(recompute_every), keep_checkpoints=int(keep_checkpoints),
              pinned_round=bool(pinned_round), cpu_zero_copy=bool(cpu_zero_copy),
              grad_bytes=GRAD_BYTES[grad_dtype] if grad_dtype else PRECISIONS[precision][2])
     e = _estimate(counts, hw, s)

@@ -88,8 +88,8 @@ def _device_changes(p: Plan, act: int) -> list[str]:
         out.append("reduce batch_size/seq_len (even batch_size=1 does not fit at this seq_len)")
     if act and not s["offload_activations"]:
         out.append(f"enable offload_activations (moves {gib(act)} GiB of saved block inputs to host RAM)")
-    if act and s["checkpoint_every"] == 1:
-        out.append(f"checkpoint_every=4 (saved block inputs {gib(act)} -> {gib(replan(p, checkpoint_every=4).device['saved block inputs'])} GiB, "
+    if act and s["recompute_every"] == 1:
+        out.append(f"recompute_every=4 (saved block inputs {gib(act)} -> {gib(replan(p, recompute_every=4).device['saved block inputs'])} GiB, "
                    "+3/4 of a forward recomputed)")
     if s["lookahead"] > 1:
         out.append("lookahead=1 (one block prefetched instead of {})".format(s["lookahead"]))

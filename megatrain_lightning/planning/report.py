@@ -37,7 +37,7 @@ def format_plan(p: Plan) -> str:
     lines = [
         f"megatrain plan: {p.model} on {hw.name}",
         f"settings: precision={s['precision']} batch_size={s['batch_size']} seq_len={s['seq_len']} "
-        f"({p.tokens:,} tokens/step) lookahead={s['lookahead']} checkpoint_every={s['checkpoint_every']} "
+        f"({p.tokens:,} tokens/step) lookahead={s['lookahead']} recompute_every={s['recompute_every']} "
         f"offload params/optimizer/grads={s['offload_params']}/{s['offload_optimizer']}/{s['offload_grads']} "
         f"offload_activations={s['offload_activations']} grad bytes={s['grad_bytes']}",
         f"parameters: {c.total:,} = embedding {c.embedding:,} + {layers} + head+norm {c.head:,}"

@@ -42,7 +42,7 @@ Per optimizer step (one micro-batch of ``batch_size`` x ``seq_len`` tokens):
   forward (the LM head; the final norm's H params are counted with it), which keeps its
   graph and its weights on the device until its backward and so is fetched once (tied
   weights are fetched by both blocks that read them);
-  with ``checkpoint_every=K`` the recompute chains fetch (K-1)/K of the layers once more;
+  with ``recompute_every=K`` the recompute chains fetch (K-1)/K of the layers once more;
   offloaded activations come back in backward.
 * D2H = (params read by all blocks) x gradient bytes (fp32 by default, bf16 for
   ``bf16-true`` or ``grad_dtype``), plus offloaded activations in forward.
@@ -106,7 +106,7 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     """Pure arithmetic for one batch size: the tiers, bytes moved and seconds per term."""
     wire, dev_param, _, act_saved, act_mm, rate_key = PRECISIONS[s["precision"]]
     grad_b = s["grad_bytes"]
-    B, T, K, la = s["batch_size"], s["seq_len"], s["checkpoint_every"], s["lookahead"]
+    B, T, K, la = s["batch_size"], s["seq_len"], s["recompute_every"], s["lookahead"]
     N, big, L, H = c.total, c.largest_block, c.num_layers, c.hidden_size
     shadow = 2 if wire == 2 else 0          # fp32 wire streams the master itself
     window = la + 2                         # blocks of an offloaded part resident in RAM

@@ -36,7 +36,7 @@ def run_preflight(cfg: DictConfig) -> None:
     p = plan(OmegaConf.to_container(cfg.model, resolve=True), OmegaConf.to_container(cfg.hardware, resolve=True),
              batch_size=int(cfg.data.batch_size), seq_len=int(cfg.data.seq_len), precision=str(cfg.trainer.precision),
              lookahead=int(cfg.strategy.get("lookahead", 1)),
-             checkpoint_every=int(cfg.strategy.get("checkpoint_every", 1)),
+             recompute_every=int(cfg.strategy.get("recompute_every", 1)),
              offload_activations=bool(cfg.strategy.get("offload_activations", False)),
              offload_params=str(cfg.strategy.get("offload_params", "cpu")),
              offload_optimizer=str(cfg.strategy.get("offload_optimizer", "cpu")),

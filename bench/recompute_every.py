@@ -1,11 +1,11 @@
-"""Choose the default recompute segment length K (``checkpoint_every``) by measurement.
+"""Choose the default recompute segment length K (``recompute_every``) by measurement.
 
 For K in 1, 2, 4: median step time (3 steps after 1 warm-up) and the peak bytes of saved block
 inputs the engine keeps, on a 12-layer Llama (hidden 512, batch 2 x 512 tokens, fp32, CPU,
 2 threads), driven through the StreamingEngine directly. Prints a table, writes
-bench/results/checkpoint_every.json.
+bench/results/recompute_every.json.
 
-    python bench/checkpoint_every.py
+    python bench/recompute_every.py
 """
 
 import json
@@ -24,7 +24,7 @@ def run(k: int, steps: int = 4):
     cfg = transformers.LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1376, num_hidden_layers=12,
                                    num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
-    eng = StreamingEngine(model, torch.device("cpu"), checkpoint_every=k)
+    eng = StreamingEngine(model, torch.device("cpu"), recompute_every=k)
     eng.install()
     eng.attach_optimizer(torch.optim.AdamW(model.parameters()))
     ids = torch.randint(0, 8192, (2, 512))
@@ -52,8 +52,8 @@ def main():
     for r in rows:
         r["ratio"] = r["median_step_s"] / base
         print(f"{r['k']:>2} {r['median_step_s']:>8.3f} {r['ratio']:>7.2f} {r['saved_input_bytes'] / 2**20:>10.1f} MiB")
-    out = Path(__file__).parent / "results" / "checkpoint_every.json"
-    out.write_text(json.dumps({"bench": "checkpoint_every", "rows": rows, "torch": torch.__version__}, indent=1))
+    out = Path(__file__).parent / "results" / "recompute_every.json"
+    out.write_text(json.dumps({"bench": "recompute_every", "rows": rows, "torch": torch.__version__}, indent=1))
 
 
 if __name__ == "__main__":
