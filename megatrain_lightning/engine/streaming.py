@@ -35,7 +35,7 @@ from ..optim.host_adamw import HostAdamW
 from ..store import heap
 from ..store.budget import HostBudget
 from ..store.host import HostStore, build_store, slab_layout
-from ..store.nvme import NVMeConfig, NVMeStore, preflight_nvme
+from ..store.nvme import NVMeConfig, NVMeStore, align_up, preflight_nvme
 from ..blocks import Block, check_floating, discover_blocks, find_hf_models
 from .accounting import ByteAccounting, StepStats
 from .fetch import WeightFetcher
@@ -47,6 +47,24 @@ from .params import ParamAccess
 from .transport import make_transport
 
 log = logging.getLogger(__name__)
+
+def compute_window_bytes(layout: Sequence[tuple[int, int]], blocks: Sequence[Block], lookahead: int) -> int:
+    """Host bytes the engine's compute buffers take at most on a CPU device, where they share the NVMe
+    tier's ``host_memory_limit``: the weights of ``lookahead + 3`` blocks (computing, prefetched, the
+    last block kept for backward, one in backward), two gradient batches queued for the D2H worker
+    (:class:`GradientSink` never queues more), a wire image (mixed precision: up to the fp32 size of
+    the block), and the buffers and gradients of containers' own parameters (bound for the whole
+    forward and backward).
+
+    Args:
+        layout: per slab, ``(numel, trainable numel)`` (fp32 elements)."""
+    if not layout:
+        return 0
+    p = max(align_up(4 * n) for n, _ in layout)
+    t = max(align_up(4 * t) for _, t in layout)
+    direct = sum(8 * n for (n, _), b in zip(layout, blocks) if b.direct)
+    return p * (lookahead + 3) + 2 * t + p + direct
+
 
 def deprecated_recompute_every(recompute_every: int, checkpoint_every: int | None) -> int:
     """``recompute_every``, or the value given under its former name ``checkpoint_every`` (which
@@ -131,13 +149,11 @@ class StreamingEngine:
         factory: Callable[[list[tuple[int, int]]], NVMeStore] | None = None
         if nvme is not None and nvme.kinds:
             layout = [(n, t) for _, n, t in slab_layout(self.blocks)]
-            self._min_window = nvme.min_window(layout, self.device.type, lookahead)
+            self._min_window = nvme.min_window(layout)
             if self.device.type == "cpu":
-                # direct blocks (a container's own parameters) keep their compute buffer for the whole
-                # forward and backward, next to the blocks in flight; their gradients come at the end
-                self._min_window += sum(8 * n for (n, _), b in zip(layout, self.blocks) if b.direct)
-            self.nvme_preflight = preflight_nvme(nvme.path, layout, nvme.host_memory_limit, self._min_window,
-                                                 pinned_bytes=nvme.pinned_bytes(layout) if pin_memory else 0)
+                self._min_window += compute_window_bytes(layout, self.blocks, lookahead)
+            preflight_nvme(nvme.path, layout, nvme.host_memory_limit, self._min_window,
+                           pinned_bytes=nvme.pinned_bytes(layout) if pin_memory else 0)
             self.budget = HostBudget(nvme.host_memory_limit)
             heap.bound_heap()  # freed buffers leave the process (the budget counts only live ones)
 

@@ -1,14 +1,18 @@
 """Host <-> device transfers: CUDA streams, pinned memory and events, or CPU threads.
 
-The engine calls the same three operations on every device:
+The engine calls the same operations on every device:
 
 * :meth:`to_device` (on the H2D worker thread): copy a host slab (the fp32 master, a
   bf16/fp16 shadow, or a mixed wire image, see :mod:`.wire`) into a fresh device buffer
   of the compute dtype, return it with an event that marks the copy done;
 * :meth:`ready` (on the compute thread): make the compute stream wait for that
   event before the buffer is read;
-* :meth:`grads_to_host` (compute thread, then the D2H worker thread): move a
-  block's parameter gradients into the fp32 host accumulators.
+* :meth:`stage_grads` (compute thread, then the D2H worker thread): pack a block's
+  parameter gradients on the compute stream and return ``run(consume)``, which the D2H
+  worker calls to copy them to the host and hand host views to the accumulation;
+* :meth:`offload` / :meth:`restore`: saved activations to host memory and back;
+* :meth:`released` / :meth:`last_read_done`: bound how far the H2D worker runs ahead of the
+  compute stream, and make the optimizer wait for the last read of a master it writes.
 
 On CUDA the H2D and D2H copies run on their own streams from pinned memory, so
 they overlap kernels on the compute stream; on CPU the "device" buffer is a
@@ -80,8 +84,6 @@ class CPUTransport:
 
         return run
 
-    def synchronize(self) -> None:
-        pass
 
     def reset_peak(self) -> None:
         pass
@@ -210,8 +212,6 @@ class CUDATransport:
 
         return run
 
-    def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
 
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)

@@ -166,13 +166,14 @@ class NVMeConfig:
     direct_io: bool | str = "auto"
     keep_files: bool = False
 
-    def min_window(self, layout: Sequence[tuple[int, int]], device_type: str, lookahead: int) -> int:
-        """Bytes the host window needs at least: the largest slab's update working set (master,
-        exp_avg, exp_avg_sq and accumulator on disk), one more accumulator being filled by the D2H
-        worker and, on CPU, the compute buffers of ``lookahead + 3`` blocks (computing, prefetched,
-        the LM head kept for backward, one in backward), two gradient batches queued for the D2H
-        worker (the engine never queues more) and a wire image (mixed precision: bf16/fp16 for the
-        weights autocast casts, fp32 for the rest, so up to the fp32 size of the block)."""
+    def min_window(self, layout: Sequence[tuple[int, int]]) -> int:
+        """Bytes the store's own regions need in the host window at least: the largest slab's update
+        working set (master, ``exp_avg``, ``exp_avg_sq`` and accumulator, where they are on disk) and one
+        more accumulator being filled. Buffers outside the store that share the budget (the engine's
+        compute buffers on CPU) are added by the engine, which knows its schedule.
+
+        Args:
+            layout: per slab, ``(numel, trainable numel)``."""
         if not layout:
             return 0
         p = max(align_up(4 * n) for n, _ in layout)
@@ -180,8 +181,6 @@ class NVMeConfig:
         need = p if "master" in self.kinds else 0
         if "acc" in self.kinds:
             need += 4 * t  # exp_avg, exp_avg_sq, acc of the update + the accumulator being filled
-        if device_type == "cpu":
-            need += p * (lookahead + 3) + 2 * t + p  # blocks in flight, 2 queued gradient batches, wire image
         return need + 2**16
 
     def pinned_bytes(self, layout: Sequence[tuple[int, int]]) -> int:
