@@ -125,7 +125,15 @@ class MegaTrainPrecision(Precision):
         self.growth_interval = growth_interval
         self.growth_tracker = 0
         self.skipped_steps = 0
-        self.engine = None  # set by the strategy
+        self.engine = None  # the strategy's engine, from attach_engine()
+
+    def attach_engine(self, engine: Any, device_type: str) -> None:
+        """Use ``engine`` (a ``StreamingEngine``) for the optimizer step, clipping and unscaling, on a
+        ``device_type`` (``"cpu"``/``"cuda"``) device; the strategy calls it at every setup (the engine
+        is built there, after this plugin), and it sets the engine's streaming dtypes."""
+        self.engine = engine
+        self.device_type = device_type
+        engine.configure_precision(self.wire_dtype, self.param_dtype, self.grad_dtype)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -153,18 +161,7 @@ class MegaTrainPrecision(Precision):
     def _unscale_and_check(self, optimizer: Any) -> bool:
         """Divide the host gradients by the scale in place, slab by slab (either tier); return True
         if any is inf/NaN."""
-        found_inf = torch.zeros(1)
-        inv = torch.full((1,), 1.0 / self.scale)
-        engine = self.engine
-        opt = engine.optimizer
-        by_slab: dict[int, list[int]] = {}
-        for si, ei in opt._grad_entries():
-            by_slab.setdefault(si, []).append(ei)
-        for si, eis in by_slab.items():
-            slab = engine.store.slabs[si]
-            with slab.lock, engine.store.hold(si, ["acc"], write=True) as t:
-                torch._amp_foreach_non_finite_check_and_unscale_([slab.view(t["acc"], ei) for ei in eis], found_inf, inv)
-        return bool(found_inf.item())
+        return self.engine.optimizer.unscale_(1.0 / self.scale)
 
     # ------------------------------------------------------------------ clipping
     def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:

@@ -232,9 +232,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             self._take_over_optimizer()
         plugin = self.precision_plugin
         assert isinstance(plugin, MegaTrainPrecision)
-        plugin.engine = self.engine
-        plugin.device_type = self.root_device.type
-        self.engine.configure_precision(plugin.wire_dtype, plugin.param_dtype, plugin.grad_dtype)
+        plugin.attach_engine(self.engine, self.root_device.type)
         self.setup_precision_plugin()
 
     def _take_over_optimizer(self) -> None:

@@ -261,8 +261,7 @@ class StreamingEngine:
             self.optimizer.overlap = overlap
             return self.optimizer
         self.flush()
-        self.optimizer = HostAdamW(self.store, optimizer, overlap=overlap)
-        self.optimizer.transport = self.transport
+        self.optimizer = HostAdamW(self.store, optimizer, overlap=overlap, transport=self.transport)
         return self.optimizer
 
     # ------------------------------------------------------------------ direct parameter access

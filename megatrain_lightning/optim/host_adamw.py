@@ -92,6 +92,8 @@ class HostAdamW:
             of truth for hyper-parameters and group membership.
         overlap: defer each slab's update until the engine next reads that slab (default), or
             apply all updates inside :meth:`step`.
+        transport: the engine's device transport (``last_read_done``: an update waits for the last
+            H2D copy that reads the slab's master), or ``None``.
 
     State per trainable parameter the optimizer owns: ``exp_avg`` and ``exp_avg_sq`` (fp32, same
     shape as the parameter, views of one flat tensor per slab) and ``step`` (fp32 scalar tensor, as
@@ -101,7 +103,7 @@ class HostAdamW:
         UnsupportedOptimizerError: see :func:`validate_optimizer`.
     """
 
-    def __init__(self, store: HostStore, optimizer: torch.optim.Optimizer, overlap: bool = True):
+    def __init__(self, store: HostStore, optimizer: torch.optim.Optimizer, overlap: bool = True, transport: Any = None):
         self.decoupled = validate_optimizer(optimizer)
         self.store = store
         self.optimizer = optimizer
@@ -124,7 +126,7 @@ class HostAdamW:
         self.grad_ops: list[tuple[str, Any]] = []  # clipping recorded for the coming step
         self.updates_in_backward = 0  # slab updates applied during backward (optimizer_in_backward)
         self.optimizer_seconds = 0.0
-        self.transport = None  # set by the engine (CUDA: wait for reads of a master before writing it)
+        self.transport = transport  # CUDA: wait for the last H2D read of a master before writing it
 
     # ------------------------------------------------------------------ schedule
     def _snapshot(self) -> list[_GroupHyper]:
@@ -213,6 +215,22 @@ class HostAdamW:
                     slab.acc_empty = True
                     slab.has_grad = [False] * len(slab.entries)
                     self.store.discard_acc(slab.index)
+
+    # ------------------------------------------------------------------ loss scaling
+    def unscale_(self, inv_scale: float) -> bool:
+        """fp16 loss scaling: multiply every accumulated gradient by ``inv_scale`` in place, slab by
+        slab (either tier), with torch's ``_amp_foreach_non_finite_check_and_unscale_`` as
+        ``torch.amp.GradScaler.unscale_`` does. Returns ``True`` if any gradient is inf/NaN."""
+        found_inf = torch.zeros(1)
+        inv = torch.full((1,), inv_scale)
+        by_slab: dict[int, list[int]] = {}
+        for si, ei in self._grad_entries():
+            by_slab.setdefault(si, []).append(ei)
+        for si, eis in by_slab.items():
+            slab = self.store.slabs[si]
+            with slab.lock, self.store.hold(si, ["acc"], write=True) as t:
+                torch._amp_foreach_non_finite_check_and_unscale_([slab.view(t["acc"], ei) for ei in eis], found_inf, inv)
+        return bool(found_inf.item())
 
     # ------------------------------------------------------------------ clipping
     def _grad_entries(self) -> list[tuple[int, int]]:
