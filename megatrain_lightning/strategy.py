@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from typing import Any, Callable, Generator, Mapping, Sequence
 
 import torch
@@ -38,8 +37,7 @@ from .checkpoint.directory import load_checkpoint_dir, load_optimizer_dir, save_
 from .engine.streaming import StreamingEngine, deprecated_recompute_every
 from .optim.host_adamw import UnsupportedOptimizerError, validate_optimizer
 from .precision import MegaTrainPrecision, to_megatrain_precision
-from .store.budget import parse_bytes
-from .store.nvme import ALIGN, IO_BLOCK_SIZE, NVMeConfig
+from .store.nvme import IO_BLOCK_SIZE, NVME_PATH_FROM_ENV, NVMeConfig
 
 log = logging.getLogger(__name__)
 
@@ -147,8 +145,10 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         self.pin_memory = pin_memory
         self.cpu_zero_copy = cpu_zero_copy
         self.log_stats = log_stats
-        self.nvme = nvme_config(offload_params, offload_optimizer, nvme_path, host_memory_limit, nvme_io_threads,
-                                nvme_read_ahead, direct_io, keep_nvme_files, io_block_size=nvme_io_block_size)
+        self.nvme = NVMeConfig.from_options(
+            offload_params=offload_params, offload_optimizer=offload_optimizer, nvme_path=nvme_path,
+            host_memory_limit=host_memory_limit, io_threads=nvme_io_threads, io_block_size=nvme_io_block_size,
+            read_ahead=nvme_read_ahead, direct_io=direct_io, keep_files=keep_nvme_files)
         self.optimizer_in_backward = optimizer_in_backward
         self.engine: StreamingEngine | None = None
         self._orig_zero_grad: tuple[Any, Any] | None = None
@@ -503,17 +503,6 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         )
 
 
-NVME_PATH_FROM_ENV = "$MEGATRAIN_NVME_PATH"
-
-
-def _size(option: str, value: Any) -> int:
-    """``parse_bytes`` with the option's name in the error."""
-    try:
-        return parse_bytes(value)
-    except ValueError as err:
-        raise ValueError(f"{option}: {err}") from None
-
-
 def _refuse_placeholders(module: torch.nn.Module) -> None:
     """Raise if the module's parameters are NVMe placeholders (stride-0 views of one 4-byte value) that
     a new engine would take for weights: building a store from them would train or evaluate zeros.
@@ -530,49 +519,3 @@ def _refuse_placeholders(module: torch.nn.Module) -> None:
                 "or load them again: from a checkpoint saved before the close (fit(module, ckpt_path=...)) or "
                 "from_pretrained on its model/ folder."
             )
-
-
-def nvme_config(offload_params: str, offload_optimizer: str, nvme_path: str | None, host_memory_limit: Any,
-                io_threads: int, read_ahead: int, direct_io: Any, keep_files: bool,
-                io_block_size: int | str = IO_BLOCK_SIZE) -> NVMeConfig | None:
-    """Validate the NVMe options (before any work) and build the tier's config; ``None`` when
-    everything stays in host RAM.
-
-    Raises:
-        ValueError: an unknown tier, ``nvme`` without ``nvme_path`` (or with ``MEGATRAIN_NVME_PATH``
-            unset for ``strategy="megatrain_nvme"``), a bad ``host_memory_limit``, or bad I/O settings.
-    """
-    for name, v in (("offload_params", offload_params), ("offload_optimizer", offload_optimizer)):
-        if v not in ("cpu", "nvme"):
-            raise ValueError(f"{name} must be 'cpu' or 'nvme', got {v!r}.")
-    kinds = set()
-    if offload_params == "nvme":
-        kinds.add("master")
-    if offload_optimizer == "nvme":
-        kinds |= {"exp_avg", "exp_avg_sq", "acc"}
-    if not kinds:
-        return None
-    if nvme_path == NVME_PATH_FROM_ENV:
-        nvme_path = os.environ.get("MEGATRAIN_NVME_PATH")
-        if not nvme_path:
-            raise ValueError(
-                "strategy='megatrain_nvme' reads the store directory from the environment variable MEGATRAIN_NVME_PATH, "
-                "which is not set. Set it to a directory on a fast local disk (export MEGATRAIN_NVME_PATH=/mnt/nvme), "
-                "or pass MegaTrainStrategy(offload_params='nvme', offload_optimizer='nvme', nvme_path=...)."
-            )
-    if not nvme_path:
-        raise ValueError("offload_params/offload_optimizer='nvme' needs nvme_path= (a directory on a fast local disk).")
-    if host_memory_limit is None:
-        host_memory_limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
-    for name, v, low in (("nvme_io_threads", io_threads, 1), ("nvme_read_ahead", read_ahead, 0)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {v!r}.")
-    if direct_io not in ("auto", True, False):
-        raise ValueError(f"direct_io must be 'auto', True or False, got {direct_io!r}.")
-    limit, block = _size("host_memory_limit", host_memory_limit), _size("nvme_io_block_size", io_block_size)
-    if block % ALIGN:
-        raise ValueError(f"nvme_io_block_size must be a multiple of {ALIGN} bytes (O_DIRECT alignment), got {block}; "
-                         "for example '16MiB'.")
-    return NVMeConfig(path=str(nvme_path), kinds=frozenset(kinds), host_memory_limit=limit,
-                      io_threads=io_threads, io_block_size=block, read_ahead=read_ahead, direct_io=direct_io,
-                      keep_files=keep_files)
