@@ -460,9 +460,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         ``host_memory_limit`` the module's parameters get real tensors again (copies, written back at
         the next setup) so the module works on its own; otherwise they stay placeholders and a
         warning says how to get the weights."""
-        assert self.engine is not None and self.engine.budget is not None
+        assert self.engine is not None and self.engine.host_memory_limit is not None
         nbytes = 4 * self.engine.store.numel
-        if nbytes <= self.engine.budget.limit:
+        if nbytes <= self.engine.host_memory_limit:
             self.engine.materialize()
         else:
             log.warning(

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -57,54 +57,6 @@ def _fsync_dir(path: Path) -> None:
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-
-
-class _OneSlabWindow:
-    """NVMe tier: while a checkpoint reads parameters and AdamW states (in slab order), keep only
-    the current slab's regions in the host window, so a save needs one slab plus one shard of
-    memory instead of a full window."""
-
-    def __init__(self, engine: Any):
-        self.nvme = engine.store.nvme if engine is not None else None
-        self.engine, self.last = engine, None
-        if self.nvme is not None:
-            self.nvme.drop_clean()  # what training left cached goes first
-
-    def touch(self, p: torch.Tensor) -> None:
-        if self.nvme is None:
-            return
-        si = self.engine.store.locate(p)[0]
-        if self.last is not None and self.last != si:
-            for kind in ("master", "exp_avg", "exp_avg_sq"):
-                self.nvme.discard(self.last, kind)
-        self.last = si
-
-
-def _reader(engine: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The current value of a module tensor: itself (detached) when masters are in RAM (the module's
-    parameters are views of the flushed host store), a copy read through the window when on NVMe."""
-    if engine is None or not engine.store.masters_on_disk:
-        return lambda t: t.detach()
-    window = _OneSlabWindow(engine)
-
-    def read(t: torch.Tensor) -> torch.Tensor:
-        if isinstance(t, nn.Parameter):
-            window.touch(t)
-            return engine.read_param(t)
-        return t.detach()
-    return read
-
-
-def _optimizer_items(engine: Any, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    opt = engine.optimizer
-    window = _OneSlabWindow(engine)
-    for name, p in module.named_parameters():
-        window.touch(p)
-        st = opt.param_state(p) if opt is not None else None
-        if st is None:
-            continue
-        for k in ("exp_avg", "exp_avg_sq", "step"):
-            yield f"{name}/{k}", st[k].reshape(()) if k == "step" else st[k]
 
 
 def _write_parts(tmp: Path, layout: Layout, read: Callable, tokenizer: Any, max_shard_bytes: int) -> list[str]:
@@ -154,13 +106,14 @@ def save_checkpoint_dir(path: str | os.PathLike, checkpoint: dict[str, Any], mod
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        if engine is not None and engine.store.nvme is not None:  # tensors are copies read through the window
-            max_shard_bytes = max(2**26, min(max_shard_bytes, engine.budget.limit // 8))
-        parts = _write_parts(tmp, layout, _reader(engine), tokenizer, max_shard_bytes)
+        if engine is not None and engine.host_memory_limit is not None:  # tensors are copies read through the window
+            max_shard_bytes = max(2**26, min(max_shard_bytes, engine.host_memory_limit // 8))
+        read = engine.params.reader() if engine is not None else (lambda t: t.detach())
+        parts = _write_parts(tmp, layout, read, tokenizer, max_shard_bytes)
         verify_written(tmp, layout.tensors)
         has_opt = "optimizer_states" in checkpoint and engine.optimizer is not None
         if has_opt:
-            write_safetensors_shards(tmp / "optimizer", _optimizer_items(engine, module),
+            write_safetensors_shards(tmp / "optimizer", engine.params.named_optimizer_state(module),
                                      max_shard_bytes=max_shard_bytes)
             parts.append("optimizer")
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}

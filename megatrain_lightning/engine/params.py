@@ -7,9 +7,10 @@ or writes a weight outside a block call goes through :class:`ParamAccess`.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
+from torch import nn
 
 from ..optim.host_adamw import HostAdamW
 from ..store.host import HostStore, placeholder
@@ -97,3 +98,56 @@ class ParamAccess:
             for e in slab.entries:
                 e.ref.param.data = placeholder(e.shape)
         self.materialized = False
+
+    # ------------------------------------------------------------------ checkpoints
+    def reader(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A function giving the current value of a module tensor for a checkpoint: the tensor itself
+        (detached) when masters are in RAM (parameters are views of the flushed store), else for a
+        parameter a copy read through the NVMe window, which keeps only the slab being read (read
+        parameters in slab order: a save then needs one slab plus one shard of host memory)."""
+        if not self.store.masters_on_disk:
+            return lambda t: t.detach()
+        window = _OneSlabWindow(self.store)
+
+        def read(t: torch.Tensor) -> torch.Tensor:
+            if isinstance(t, nn.Parameter):
+                window.touch(t)
+                return self.read(t)
+            return t.detach()
+        return read
+
+    def named_optimizer_state(self, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """``("<param name>/exp_avg" | "/exp_avg_sq" | "/step", tensor)`` for every parameter of
+        ``module`` with AdamW state (fp32; ``step`` a 0-d tensor), in parameter order, reading through
+        a one-slab window on the NVMe tier."""
+        opt = self._optimizer()
+        if opt is None:
+            return
+        window = _OneSlabWindow(self.store)
+        for name, p in module.named_parameters():
+            window.touch(p)
+            st = opt.param_state(p)
+            if st is None:
+                continue
+            for k in ("exp_avg", "exp_avg_sq", "step"):
+                yield f"{name}/{k}", st[k].reshape(()) if k == "step" else st[k]
+
+
+class _OneSlabWindow:
+    """NVMe tier: while a checkpoint reads parameters and AdamW states (in slab order), keep only the
+    current slab's regions in the host window."""
+
+    def __init__(self, store: HostStore):
+        self.store, self.last = store, None
+        if store.nvme is not None:
+            store.nvme.drop_clean()  # what training left cached goes first
+
+    def touch(self, p: torch.Tensor) -> None:
+        nvme = self.store.nvme
+        if nvme is None:
+            return
+        si = self.store.locate(p)[0]
+        if self.last is not None and self.last != si:
+            for kind in ("master", "exp_avg", "exp_avg_sq"):
+                nvme.discard(self.last, kind)
+        self.last = si

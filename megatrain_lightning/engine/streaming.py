@@ -289,6 +289,11 @@ class StreamingEngine:
         self.params.write_back_materialized()
 
     @property
+    def host_memory_limit(self) -> int | None:
+        """Bytes the NVMe tier's host window may use (``None`` without the NVMe tier)."""
+        return self.budget.limit if self.budget is not None else None
+
+    @property
     def stats(self) -> StepStats:
         """The current optimizer step's statistics."""
         return self.acct.stats
