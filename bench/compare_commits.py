@@ -1,0 +1,78 @@
+"""Step time of this checkout against another commit, side by side in one run (refactor check).
+
+What: ``bench/overhead.py`` (median megatrain step / median plain-PyTorch step with activation
+checkpointing, in one process) run alternately on this checkout and on a git worktree of REF,
+``--rounds`` times each, so both see the same machine state. Each run prints its own baseline,
+so the comparison is of the ratios (machine-speed drift cancels) and of the megatrain step
+medians.
+
+Target: the new code's ratio within noise of the old one's: |median new - median old| <= the
+larger of the two rounds' spreads (max - min), and <= 5% of the old median.
+
+Run:
+    python bench/compare_commits.py 717e6fa                     # the commit before the engine split
+    python bench/compare_commits.py REF --rounds 3 -- --layers 8 --seq 256 --steps 3 --warmup 1
+Writes bench/results/compare_commits.json (REF, per-round ratios and step medians, verdict).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_overhead(tree: Path, extra: list[str], out: Path) -> dict:
+    """One ``bench/overhead.py`` run in ``tree`` (its package first on the path); returns its JSON."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    cmd = [sys.executable, str(tree / "bench" / "overhead.py"), "--out", str(out), *extra]
+    subprocess.run(cmd, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("ref", help="the other commit (e.g. the one before a refactor)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "compare_commits.json"))
+    argv = sys.argv[1:]
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    args.overhead_args = extra  # everything after -- goes to bench/overhead.py
+    with tempfile.TemporaryDirectory() as tmp:
+        old = Path(tmp) / "old"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(old), args.ref], check=True,
+                       stdout=subprocess.DEVNULL)
+        try:
+            rows: dict[str, list[dict]] = {"old": [], "new": []}
+            for r in range(args.rounds):
+                for name, tree in (("old", old), ("new", ROOT)):  # alternate: both see the same drift
+                    res = run_overhead(tree, args.overhead_args, Path(tmp) / f"{name}{r}.json")
+                    rows[name].append(res)
+                    steps = ", ".join(f"{row['name']}: {row['median_s']:.3f} s" for row in res["rows"])
+                    print(f"round {r} {name}: ratio {res['ratio']:.3f} ({steps}; reliable: {res['reliable']})", flush=True)
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)], check=False)
+    ratio = {k: [r["ratio"] for r in v] for k, v in rows.items()}
+    med = {k: statistics.median(v) for k, v in ratio.items()}
+    spread = max(max(v) - min(v) for v in ratio.values())
+    diff = med["new"] - med["old"]
+    ok = abs(diff) <= max(spread, 0.01) and abs(diff) <= 0.05 * med["old"]
+    print(f"\n| code | ratios (megatrain / plain + checkpointing) | median |\n|---|---|---|")
+    for k in ("old", "new"):
+        print(f"| {k} ({args.ref if k == 'old' else 'HEAD'}) | {', '.join(f'{x:.3f}' for x in ratio[k])} | {med[k]:.3f} |")
+    print(f"\nnew - old = {diff:+.3f} (spread {spread:.3f}): {'PASS' if ok else 'FAIL'} (within noise)")
+    Path(args.out).write_text(json.dumps({"ref": args.ref, "overhead_args": args.overhead_args, "rows": rows,
+                                          "median_ratio": med, "spread": spread, "pass": ok}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
