@@ -51,6 +51,7 @@ from ..store.budget import HostBudget
 from ..store.host import HostStore, build_store, placeholder, slab_layout
 from ..store.nvme import NVMeConfig, NVMeStore, preflight_nvme
 from .blocks import Block, check_floating, discover_blocks, find_hf_models
+from .shared_grads import SharedGradSums
 from .transport import make_transport
 from .wire import WireLayout, castable_flags
 
@@ -430,6 +431,8 @@ class StreamingEngine:
         self.autocast_castable: list[list[bool]] = self._castable()
         self.wire_layouts: list[WireLayout] = [WireLayout.uniform(s.numel, torch.float32) for s in self.store.slabs]
         self.optimizer: HostAdamW | None = None
+        # gradients of a parameter read by several blocks are summed per backward, as autograd does
+        self._shared_grads = SharedGradSums.for_blocks(self.blocks, enabled="acc" not in self.store.nvme_kinds)
         self._h2d = ThreadPoolExecutor(1, thread_name_prefix="megatrain-h2d")
         self._d2h = ThreadPoolExecutor(1, thread_name_prefix="megatrain-d2h")
         # budgeted CPU runs: at most 2 gradient batches queued for the D2H worker. Without this bound
@@ -1002,6 +1005,8 @@ class StreamingEngine:
         if self._phase == "backward":
             return
         self._phase = "backward"
+        if self._shared_grads.shared:  # the previous backward is over: its shared-parameter sums go in, in order
+            self._d2h_futures.append(self._d2h.submit(self._shared_grads.close_all, self.store.slabs))
         self._plan_updates_in_backward()
         self._fwd.last_outs = None  # the forward is over
         self._bwd_seq = self._backward_sequence()
@@ -1254,6 +1259,7 @@ class StreamingEngine:
         """D2H worker: the slab's gradients of this step are complete: apply its AdamW update now."""
         try:
             assert self.optimizer is not None and self._eager_hyper is not None
+            self._shared_grads.close_slab(self.store.slabs[si])
             self.optimizer.apply_now(si, self._eager_hyper)
         finally:
             if slot and self._d2h_slots is not None:
@@ -1286,12 +1292,7 @@ class StreamingEngine:
 
                     def consume(host_grads: list[torch.Tensor]) -> None:
                         for i, g in zip(idx, host_grads):
-                            acc = slab.view(t["acc"], i)
-                            if slab.has_grad[i]:
-                                acc.add_(g)
-                            else:
-                                acc.copy_(g)
-                                slab.has_grad[i] = True
+                            self._shared_grads.add(slab, i, slab.view(t["acc"], i), g)
 
                     try:
                         run(consume)
@@ -1311,6 +1312,7 @@ class StreamingEngine:
         futs, self._d2h_futures = self._d2h_futures, []
         for f in futs:
             f.result()
+        self._shared_grads.close_all(self.store.slabs)
         self.stats.wait_s += time.perf_counter() - t0
 
     def attach_grads(self) -> None:
