@@ -23,10 +23,12 @@ How a training step runs (DESIGN.md section 3):
    then records one pending AdamW update per slab (see
    :mod:`megatrain_lightning.optim.host_adamw`).
 
-The training forward never uses a KV cache: a cache object passed to a block
-under grad mode is replaced by ``None`` and ``use_cache`` by ``False``, because the
-recompute would attend over keys/values appended by the first pass and the
-gradients would silently be wrong (DESIGN.md section 3, "Pitfall").
+The training forward never writes a KV cache: each run of a block (forward and
+recompute) gets a fresh copy of an empty dynamic cache passed to it under grad mode
+(what plain PyTorch computes with it, see :mod:`.kv_cache`); any other cache object
+is replaced by ``None`` and ``use_cache`` by ``False``, because the recompute would
+attend over keys/values appended by the first pass and the gradients would silently
+be wrong (DESIGN.md section 3, "Pitfall").
 """
 
 from __future__ import annotations
@@ -51,22 +53,12 @@ from ..store.budget import HostBudget
 from ..store.host import HostStore, build_store, placeholder, slab_layout
 from ..store.nvme import NVMeConfig, NVMeStore, preflight_nvme
 from .blocks import Block, check_floating, discover_blocks, find_hf_models
+from .kv_cache import training_call
 from .shared_grads import SharedGradSums
 from .transport import make_transport
 from .wire import WireLayout, castable_flags
 
 log = logging.getLogger(__name__)
-
-_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
-
-
-def _is_cache(x: Any) -> bool:
-    try:
-        from transformers.cache_utils import Cache
-    except Exception:  # pragma: no cover - transformers always installed with this package
-        return False
-    return isinstance(x, Cache)
-
 
 def _weight_sources(root: nn.Module) -> dict[int, Callable[[], torch.Tensor]]:
     """Loaders for meta-device parameters of Hugging Face models built by ``meta_model_from_pretrained``."""
@@ -86,25 +78,6 @@ def _weight_sources(root: nn.Module) -> dict[int, Callable[[], torch.Tensor]]:
 
 def _any_requires_grad(args: tuple, kwargs: dict) -> bool:
     return any(isinstance(x, torch.Tensor) and x.requires_grad for x in tree_flatten((args, kwargs))[0])
-
-
-def _strip_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
-    """Remove KV-cache objects from a block call made under grad mode; returns (args, kwargs, stripped)."""
-    stripped = False
-    new_args = []
-    for a in args:
-        if _is_cache(a):
-            a, stripped = None, True
-        new_args.append(a)
-    kwargs = dict(kwargs)
-    for k in _CACHE_KWARGS:
-        if kwargs.get(k) is not None:
-            kwargs[k] = None
-            stripped = True
-    if kwargs.get("use_cache"):
-        kwargs["use_cache"] = False
-        stripped = True
-    return tuple(new_args), kwargs, stripped
 
 
 @dataclass
@@ -614,7 +587,7 @@ class StreamingEngine:
 
         def proxy(*args: Any, **kwargs: Any) -> Any:
             if torch.is_grad_enabled() and (trainable or _any_requires_grad(args, kwargs)):
-                args, kwargs, stripped = _strip_cache(args, kwargs)
+                args, kwargs, forward, stripped = training_call(args, kwargs, orig)
                 if stripped and not self._warned_cache:
                     self._warned_cache = True
                     log.info("megatrain: KV cache disabled for training forwards (recompute would corrupt gradients).")
@@ -623,7 +596,7 @@ class StreamingEngine:
                 refs = self._trainable_refs(blk)
                 fwd = self._forward_for(blk)
                 keep = bool(fwd.calls) and bool(self.order) and blk.index == self.order[-1]
-                call = _Call(self, blk, orig, [None if i in pos else x for i, x in enumerate(flat)], spec, pos,
+                call = _Call(self, blk, forward, [None if i in pos else x for i, x in enumerate(flat)], spec, pos,
                              fwd=fwd, refs=refs, keep=keep)
                 outs = _BlockFunction.apply(call, self._dummy, *[flat[i] for i in pos], *[r.param for r in refs])
                 call.fwd.last_outs = (call.pos, [weakref.ref(o) for o in outs])

@@ -1,0 +1,107 @@
+"""KV-cache objects passed to a block in a training forward.
+
+A Hugging Face model called with ``use_cache=True`` (the default of most configs, also in training)
+creates an empty ``DynamicCache`` and each attention layer calls ``cache.update(k, v, layer_idx)``,
+which appends its keys and values and attends over what it returns: a fresh contiguous copy
+(``torch.cat`` of the empty cache and ``k``). A streamed block runs twice per step (forward, then
+the recompute in backward), so it must not see the keys its own forward appended: the recompute
+would attend over them twice and the gradients would silently be wrong.
+
+What we do (docs/architecture.md, "KV cache" and "Fidelity"): an *empty* ``DynamicCache`` (or an
+``EncoderDecoderCache`` of two) is kept, and every run of the block (forward, recompute, kept last
+block) gets its own fresh copy of it. The block then computes exactly what it computes in plain
+PyTorch, down to the memory layout of the keys: GPT-2's keys are a transposed view of the fused
+``c_attn`` output, the cache's copy is contiguous, and the CPU bmm in the attention backward sums in
+another order for the two layouts (measured: 2.6e-7 relative in ``h.0.attn.c_attn.weight`` after
+one step when the cache was dropped instead). The user's cache object is never written (after the
+forward it is still empty; nothing in a training step reads it). Any other cache (one holding past
+keys, a static or quantized cache, a model-specific subclass) is replaced by ``None`` and
+``use_cache`` by ``False``, as before.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def is_cache(x: Any) -> bool:
+    """Whether ``x`` is a transformers ``Cache``."""
+    try:
+        from transformers.cache_utils import Cache
+    except Exception:  # pragma: no cover - transformers always installed with this package
+        return False
+    return isinstance(x, Cache)
+
+
+def _fresh_copyable(cache: Any) -> bool:
+    """An empty ``DynamicCache`` of plain dynamic layers, or an ``EncoderDecoderCache`` of two: a
+    shallow copy of its layer objects is a complete, independent empty cache (their ``update``
+    rebinds attributes and never writes a shared tensor)."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, EncoderDecoderCache
+
+    if type(cache) is EncoderDecoderCache:
+        return _fresh_copyable(cache.self_attention_cache) and _fresh_copyable(cache.cross_attention_cache)
+    if type(cache) is not DynamicCache or getattr(cache, "offloading", False):
+        return False
+    layers = getattr(cache, "layers", None)
+    return (isinstance(layers, list) and all(type(la) in (DynamicLayer, DynamicSlidingWindowLayer) for la in layers)
+            and not any(getattr(la, "is_initialized", True) for la in layers))
+
+
+def fresh_copy(cache: Any) -> Any:
+    """An independent copy of an empty cache accepted by :func:`_fresh_copyable`."""
+    from transformers.cache_utils import EncoderDecoderCache
+
+    new = copy.copy(cache)
+    if type(cache) is EncoderDecoderCache:
+        new.self_attention_cache = fresh_copy(cache.self_attention_cache)
+        new.cross_attention_cache = fresh_copy(cache.cross_attention_cache)
+        new.is_updated = dict(cache.is_updated)
+    else:
+        new.layers = [copy.copy(la) for la in cache.layers]
+    return new
+
+
+def training_call(args: tuple, kwargs: dict, forward: Callable[..., Any]
+                  ) -> tuple[tuple, dict, Callable[..., Any], bool]:
+    """Prepare a block call made under grad mode: ``(args, kwargs, forward, stripped)``.
+
+    Empty dynamic caches stay in the arguments and ``forward`` is wrapped so that each run gets a
+    fresh copy of them; other caches become ``None`` (``stripped``: something was removed, and
+    ``use_cache`` is then ``False``)."""
+    kept: list[Any] = []
+    stripped = False
+
+    def take(x: Any) -> Any:
+        nonlocal stripped
+        if not is_cache(x):
+            return x
+        if _fresh_copyable(x):
+            kept.append(x)
+            return x
+        stripped = True
+        return None
+
+    args = tuple(take(a) for a in args)
+    kwargs = dict(kwargs)
+    for k in CACHE_KWARGS:
+        if kwargs.get(k) is not None:
+            kwargs[k] = take(kwargs[k])
+    if kwargs.get("use_cache") and not kept:
+        kwargs["use_cache"] = False
+        stripped = True
+    if not kept:
+        return args, kwargs, forward, stripped
+    ids = {id(c) for c in kept}
+
+    def run(*a: Any, **kw: Any) -> Any:
+        a = tuple(fresh_copy(x) if id(x) in ids else x for x in a)
+        kw = {k: fresh_copy(v) if id(v) in ids else v for k, v in kw.items()}
+        return forward(*a, **kw)
+
+    run.__wrapped__ = forward  # type: ignore[attr-defined]
+    run._megatrain_caches = kept  # type: ignore[attr-defined]  # keeps the ids above valid
+    return args, kwargs, run, stripped
