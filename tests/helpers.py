@@ -81,8 +81,12 @@ class LM(pl.LightningModule):
 
 def reference_train(model, loader, steps: int, lr=1e-3, accumulate: int = 1, clip: float | None = None, fused: bool | None = None,
                     clip_value: float | None = None,
-                    sched: str | None = None, seed: int = 0, opt_kwargs=None):
-    """Plain PyTorch: the same loop Lightning runs, on the unmodified model."""
+                    sched: str | None = None, seed: int = 0, opt_kwargs=None, on_grads: Callable | None = None,
+                    on_step: Callable | None = None):
+    """Plain PyTorch: the same loop Lightning runs, on the unmodified model.
+
+    ``on_grads(model)`` runs where Lightning calls ``on_before_optimizer_step`` (gradients accumulated,
+    not yet clipped); ``on_step(model, opt)`` after each optimizer and scheduler step."""
     torch.manual_seed(seed)
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters()], lr=lr, fused=fused, **(opt_kwargs or {}))
@@ -104,6 +108,8 @@ def reference_train(model, loader, steps: int, lr=1e-3, accumulate: int = 1, cli
         (loss / accumulate).backward()
         micro += 1
         if micro == accumulate:
+            if on_grads is not None:
+                on_grads(model)
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             if clip_value is not None:
@@ -111,6 +117,8 @@ def reference_train(model, loader, steps: int, lr=1e-3, accumulate: int = 1, cli
             opt.step()
             if s is not None:
                 s.step()
+            if on_step is not None:
+                on_step(model, opt)
             micro = 0
             done += 1
     return losses

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 from torch.optim.adam import adam as _functional_adam
+from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from ..store.host import HostStore, Slab
 
@@ -286,7 +287,7 @@ class HostAdamW:
         if fused:
             return "fused"
         if foreach is None:  # torch's default for CPU parameters
-            foreach = torch.optim.optimizer._default_to_fused_or_foreach([torch.empty(0)], False, False)[1]
+            foreach = _default_to_fused_or_foreach([torch.empty(0)], False, False)[1]
         return "foreach" if foreach else "for-loop"
 
     @property
