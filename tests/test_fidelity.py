@@ -83,11 +83,12 @@ def _fit_both(arch: str, steps: int, opt_kwargs: dict | None = None, strategy="m
 
 
 def _assert_bitwise(lm, rec, ref_losses, ref_grads, ref_after, steps):
+    """Step by step, in the order they are computed, so that a failure names the first difference."""
     assert len(lm.losses) == len(ref_losses) == steps * ACC
-    for i, (a, b) in enumerate(zip(lm.losses, ref_losses)):
-        assert a == b, f"micro-batch {i}: loss {a!r} vs plain {b!r}"
     assert len(rec.grads) == len(ref_grads) == len(rec.after) == len(ref_after) == steps
     for s in range(steps):
+        for i in range(s * ACC, (s + 1) * ACC):
+            assert lm.losses[i] == ref_losses[i], f"micro-batch {i}: loss {lm.losses[i]!r} vs plain {ref_losses[i]!r}"
         for n, g in ref_grads[s].items():
             _same(rec.grads[s][n], g, f"step {s} gradient of {n}")
         for n, want in ref_after[s].items():
