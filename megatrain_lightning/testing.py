@@ -128,7 +128,8 @@ class LM(pl.LightningModule):
 
 def reference_train(model, loader, steps: int, lr=1e-3, accumulate: int = 1, clip: float | None = None,
                     fused: bool | None = None, clip_value: float | None = None, sched: str | None = None,
-                    seed: int = 0, opt_kwargs=None) -> list[float]:
+                    seed: int = 0, opt_kwargs=None, on_grads: Callable | None = None,
+                    on_step: Callable | None = None) -> list[float]:
     """Train ``model`` in place with plain PyTorch: the same loop Lightning runs, on the unmodified model.
 
     Args:
@@ -143,6 +144,9 @@ def reference_train(model, loader, steps: int, lr=1e-3, accumulate: int = 1, cli
         sched: ``"cosine"``: ``CosineAnnealingLR(T_max=steps)`` stepped after every optimizer step.
         seed: ``torch.manual_seed`` before training (dropout).
         opt_kwargs: further ``torch.optim.AdamW`` arguments.
+        on_grads: ``on_grads(model)`` where Lightning calls ``on_before_optimizer_step`` (gradients
+            accumulated, not yet clipped).
+        on_step: ``on_step(model, opt)`` after each optimizer and scheduler step.
 
     Returns:
         The loss of every micro-batch, as floats.
@@ -168,6 +172,8 @@ def reference_train(model, loader, steps: int, lr=1e-3, accumulate: int = 1, cli
         (loss / accumulate).backward()
         micro += 1
         if micro == accumulate:
+            if on_grads is not None:
+                on_grads(model)
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             if clip_value is not None:
@@ -175,6 +181,8 @@ def reference_train(model, loader, steps: int, lr=1e-3, accumulate: int = 1, cli
             opt.step()
             if s is not None:
                 s.step()
+            if on_step is not None:
+                on_step(model, opt)
             micro = 0
             done += 1
     return losses

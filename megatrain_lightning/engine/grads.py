@@ -20,6 +20,7 @@ import torch
 from ..optim.host_adamw import HostAdamW
 from ..store.host import HostStore
 from .accounting import ByteAccounting
+from .shared_grads import SharedGradSums
 
 
 class GradientSink:
@@ -30,14 +31,17 @@ class GradientSink:
         acct: live-byte accounting (gradients in flight count until they are in the accumulator).
         transport: the device transport (``stage_grads``).
         optimizer: returns the attached host optimizer, or ``None``.
+        shared: per-backward sums of parameters read by several blocks (tied embeddings), added into
+            the accumulator once per backward as autograd does (docs/architecture.md, "Fidelity").
         bounded: at most 2 gradient batches queued for the D2H worker (budgeted CPU runs: without the
             bound the queued gradients could take the whole budget while the worker itself waits for
             budget to accumulate or update them, a deadlock).
     """
 
     def __init__(self, store: HostStore, acct: ByteAccounting, transport: Any,
-                 optimizer: Callable[[], HostAdamW | None], bounded: bool = False):
+                 optimizer: Callable[[], HostAdamW | None], shared: SharedGradSums, bounded: bool = False):
         self.store = store
+        self.shared = shared
         self.acct = acct
         self.transport = transport
         self._optimizer = optimizer
@@ -68,6 +72,12 @@ class GradientSink:
     def grad_bytes(self, refs: Sequence) -> int:
         """Bytes of the gradients of ``refs`` as autograd makes them (the bound parameters' dtype)."""
         return sum(self.store.slabs[r.slab].entries[r.index].numel for r in refs) * self.param_dtype.itemsize
+
+    def new_backward(self) -> None:
+        """A backward starts: the previous backward's sums of shared parameters go into their
+        accumulators (on the D2H worker, after that backward's gradients)."""
+        if self.shared.shared:
+            self._futures.append(self._pool.submit(self.shared.close_all, self.store.slabs))
 
     # ------------------------------------------------------------------ send
     def send(self, refs: Sequence, grads: Sequence[torch.Tensor | None], reserved: int = 0) -> None:
@@ -110,6 +120,7 @@ class GradientSink:
         try:
             opt = self._optimizer()
             assert opt is not None and self._hyper is not None
+            self.shared.close_slab(self.store.slabs[si])
             opt.apply_now(si, self._hyper)
         finally:
             if slot and self._slots is not None:
@@ -142,12 +153,7 @@ class GradientSink:
 
                     def consume(host_grads: list[torch.Tensor]) -> None:
                         for i, g in zip(idx, host_grads):
-                            acc = slab.view(t["acc"], i)
-                            if slab.has_grad[i]:
-                                acc.add_(g)
-                            else:
-                                acc.copy_(g)
-                                slab.has_grad[i] = True
+                            self.shared.add(slab, i, slab.view(t["acc"], i), g)
 
                     try:
                         run(consume)
@@ -168,6 +174,7 @@ class GradientSink:
         futs, self._futures = self._futures, []
         for f in futs:
             f.result()
+        self.shared.close_all(self.store.slabs)
         self.acct.stats.wait_s += time.perf_counter() - t0
 
     def attach(self) -> None:

@@ -40,9 +40,10 @@ from ..blocks import Block, check_floating, discover_blocks, find_hf_models
 from .accounting import ByteAccounting, StepStats
 from .fetch import WeightFetcher
 from .grads import GradientSink
-from .kv_cache import any_requires_grad, strip_cache
+from .kv_cache import any_requires_grad, training_call
 from .prefetch import Prefetcher
 from .recompute import Recompute, trainable_refs
+from .shared_grads import SharedGradSums
 from .params import ParamAccess
 from .transport import make_transport
 
@@ -175,7 +176,9 @@ class StreamingEngine:
                                    unreserve=self.budget.release if self._budget_device else None,
                                    on_release=self.transport.released)
         self.params = ParamAccess(self.store, lambda: self.optimizer)
-        self.grads = GradientSink(self.store, self.acct, self.transport, lambda: self.optimizer,
+        # gradients of a parameter read by several blocks are summed per backward, as autograd does
+        shared = SharedGradSums.for_blocks(self.blocks, enabled="acc" not in self.store.nvme_kinds)
+        self.grads = GradientSink(self.store, self.acct, self.transport, lambda: self.optimizer, shared,
                                   bounded=self._budget_device)
         self.fetcher = WeightFetcher(self.blocks, self.store, self.transport, self.acct, lambda: self.optimizer,
                                      self.device)
@@ -321,12 +324,12 @@ class StreamingEngine:
 
         def proxy(*args: Any, **kwargs: Any) -> Any:
             if torch.is_grad_enabled() and (trainable or any_requires_grad(args, kwargs)):
-                args, kwargs, stripped = strip_cache(args, kwargs)
+                args, kwargs, forward, stripped = training_call(args, kwargs, orig)
                 if stripped and not self._warned_cache:
                     self._warned_cache = True
                     log.info("megatrain: KV cache disabled for training forwards (recompute would corrupt gradients).")
                 keep = bool(self.order) and blk.index == self.order[-1]  # the last block keeps its graph
-                return self.recompute.call(blk, orig, args, kwargs, keep)
+                return self.recompute.call(blk, forward, args, kwargs, keep)
             bufs = self.acquire(blk, backward=False, training=torch.is_grad_enabled())
             t0 = time.perf_counter()
             try:
@@ -416,6 +419,7 @@ class StreamingEngine:
         if self._phase == "backward":
             return
         self._phase = "backward"
+        self.grads.new_backward()
         self._plan_updates_in_backward()
         self.recompute.fwd.last_outs = None  # the forward is over
         self._bwd_seq = self.recompute.backward_sequence()

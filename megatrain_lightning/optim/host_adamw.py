@@ -1,15 +1,24 @@
-"""AdamW / Adam on the host, one slab at a time, with PyTorch's fused CPU kernel.
+"""AdamW / Adam on the host, one slab at a time, with the implementation the user's optimizer selects.
 
 The user's ``torch.optim.AdamW`` (or ``Adam``) from ``configure_optimizers``
 stays the optimizer Lightning sees: its ``param_groups`` are read at every
 step (so LR schedulers and ``LearningRateMonitor`` work unchanged), but its
-``step`` never runs. The update itself is :func:`torch.optim.adamw.adamw` /
-:func:`torch.optim.adam.adam` with ``fused=True`` over views of the slab's
-master weights, gradient accumulator and fp32 ``exp_avg`` / ``exp_avg_sq``:
-the same per-element math as ``torch.optim.AdamW`` (Loshchilov & Hutter,
-"Decoupled Weight Decay Regularization", Algorithm 2; bias correction of
-Kingma & Ba, "Adam", Algorithm 1). The fused kernel was measured at 1.50 G params/s on
-2 threads, 5-7x the foreach/for-loop paths (docs/architecture.md, "Host optimizer").
+``step`` never runs. The update itself is :func:`torch.optim.adam.adam` (what
+``torch.optim.AdamW.step`` calls) over views of the slab's master weights,
+gradient accumulator and fp32 ``exp_avg`` / ``exp_avg_sq``: the math of
+``torch.optim.AdamW`` (Loshchilov & Hutter, "Decoupled Weight Decay
+Regularization", Algorithm 2; bias correction of Kingma & Ba, "Adam",
+Algorithm 1).
+
+Implementation (docs/architecture.md, "Fidelity"): torch has three AdamW kernels (fused, foreach,
+for-loop) that round differently in the last fp32 bit. The host update runs the one the user's
+optimizer would run on these (host, CPU) parameters: its param group's ``fused`` / ``foreach`` flags,
+and with neither set, torch's own default for CPU tensors, the for-loop, so that a CPU run is bitwise
+the plain ``torch.optim.AdamW`` loop. With neither flag set on a CUDA run the host uses the fused CPU
+kernel instead: the user's optimizer would run CUDA kernels there, which no host kernel reproduces bit
+for bit, and the fused kernel is the fastest (measured here: fused 1.9 G params/s, for-loop 0.72,
+foreach 0.02 on 2 threads; docs/architecture.md, "Host optimizer"). Pass ``fused=True`` to get the fused
+kernel on CPU as well.
 
 Schedule (docs/architecture.md, "Host optimizer"): :meth:`step` snapshots the
 hyper-parameters of every param group and records a *pending update* per slab;
@@ -32,6 +41,7 @@ from typing import Any
 
 import torch
 from torch.optim.adam import adam as _functional_adam
+from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from ..store.host import HostStore, Slab
 
@@ -50,6 +60,8 @@ class _GroupHyper:
     eps: float
     weight_decay: float
     decoupled: bool
+    foreach: bool | None = None  # the param group's flags (None: not set), see HostAdamW.implementation
+    fused: bool | None = None
 
 
 @dataclass
@@ -137,7 +149,8 @@ class HostAdamW:
                 lr = lr.detach().clone()
             beta1, beta2 = g["betas"]
             decoupled = self.decoupled or bool(g.get("decoupled_weight_decay", False))
-            out.append(_GroupHyper(lr, float(beta1), float(beta2), float(g["eps"]), float(g["weight_decay"]), decoupled))
+            out.append(_GroupHyper(lr, float(beta1), float(beta2), float(g["eps"]), float(g["weight_decay"]), decoupled,
+                                   foreach=g.get("foreach"), fused=g.get("fused")))
         return out
 
     def step(self) -> int:
@@ -277,6 +290,25 @@ class HostAdamW:
         self.grad_ops.append(("clamp", float(clip_value)))
 
     # ------------------------------------------------------------------ math
+    def _flags(self, h: _GroupHyper) -> tuple[bool | None, bool | None]:
+        """``(foreach, fused)`` passed to :func:`torch.optim.adam.adam`: the group's own flags (torch
+        resolves ``None, None`` for CPU tensors to the for-loop, as the user's optimizer would), except
+        on a CUDA run with neither set, where the fused CPU kernel runs (module docstring)."""
+        device = getattr(self.transport, "device", None)
+        if h.foreach is None and h.fused is None and device is not None and torch.device(device).type != "cpu":
+            return None, True
+        return h.foreach, h.fused
+
+    def implementation(self, group: int = 0) -> str:
+        """The kernel the host update of param group ``group`` runs: ``"fused"``, ``"foreach"`` or
+        ``"for-loop"`` (resolved as :func:`torch.optim.adam.adam` resolves it for CPU tensors)."""
+        foreach, fused = self._flags(self._snapshot()[group])
+        if fused:
+            return "fused"
+        if foreach is None:  # torch's default for CPU parameters
+            foreach = _default_to_fused_or_foreach([torch.empty(0)], False, False)[1]
+        return "foreach" if foreach else "for-loop"
+
     @property
     def exp_avg(self) -> list[torch.Tensor | None]:
         """Per slab, the flat ``exp_avg`` (RAM tier; ``None`` before the first update)."""
@@ -325,9 +357,10 @@ class HostAdamW:
             kw: dict[str, Any] = dict(
                 amsgrad=False, beta1=h.beta1, beta2=h.beta2, lr=h.lr, weight_decay=h.weight_decay, eps=h.eps, maximize=False
             )
+            foreach, fused = self._flags(h)
             with torch.no_grad():
                 _functional_adam(
-                    params, grads, ms, vs, [], steps, fused=True, decoupled_weight_decay=h.decoupled, **kw
+                    params, grads, ms, vs, [], steps, foreach=foreach, fused=fused, decoupled_weight_decay=h.decoupled, **kw
                 )
 
     # ------------------------------------------------------------------ introspection

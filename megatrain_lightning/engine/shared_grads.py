@@ -1,0 +1,85 @@
+"""Per-backward sums of the gradients of a parameter read by several blocks (tied embeddings).
+
+Why (docs/architecture.md, "Fidelity"): in plain PyTorch autograd sums every gradient contribution
+of one parameter within one backward first (the ``AccumulateGrad`` node's input buffer) and adds the
+sum into ``.grad`` once: after micro-batches 1 and 2 of gradient accumulation a tied embedding holds
+``(a1 + b1) + (a2 + b2)``. The engine receives the contributions block by block (the LM head's ``a``
+early in backward, the embedding's ``b`` at its end); adding each into the fp32 accumulator as it
+arrives would give ``((a1 + b1) + a2) + b2``, a last-bit difference. So for such parameters the
+contributions of one backward are summed apart and the sum is added into the accumulator when the
+backward is over (the next backward starts, or the gradients are waited for before the step or an
+update in backward). In the first backward of an accumulation window the accumulator itself holds
+the sum; only later ones need a separate fp32 buffer of the parameter's size.
+
+All methods run on the engine's D2H worker (or after waiting for it) with the slab's lock
+available; they are not safe to call concurrently with each other.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from ..store.host import Slab
+
+
+class SharedGradSums:
+    """Sums the gradients of shared parameters per backward before adding them into the accumulators.
+
+    Args:
+        shared: ``(slab, entry)`` of every parameter read by more than one block.
+        enabled: ``False`` when the accumulators live on disk (``offload_optimizer="nvme"``): every
+            gradient is then added as it arrives (the accumulator is only held inside each add).
+    """
+
+    def __init__(self, shared: Iterable[tuple[int, int]], enabled: bool = True):
+        self.shared = frozenset(shared) if enabled else frozenset()
+        # (slab, entry) -> the running sum of this backward: None while the accumulator itself holds it
+        # (the window's first gradient of the parameter), else a separate fp32 tensor
+        self.open: dict[tuple[int, int], torch.Tensor | None] = {}
+
+    @classmethod
+    def for_blocks(cls, blocks: Iterable, enabled: bool = True) -> "SharedGradSums":
+        """From the blocks' parameter references: a parameter listed by two or more blocks is shared."""
+        users: dict[int, set[int]] = {}
+        where: dict[int, tuple[int, int]] = {}
+        for blk in blocks:
+            for ref in blk.params:
+                users.setdefault(id(ref.param), set()).add(blk.index)
+                where[id(ref.param)] = (ref.slab, ref.index)
+        return cls([where[p] for p, b in users.items() if len(b) > 1], enabled)
+
+    def add(self, slab: Slab, i: int, acc: torch.Tensor, g: torch.Tensor) -> None:
+        """Add gradient ``g`` of entry ``i`` into its accumulator view ``acc`` (or into this backward's sum).
+
+        Sets ``slab.has_grad[i]`` as a plain add does (the first gradient of the window is copied)."""
+        k = (slab.index, i)
+        if k in self.open:
+            part = self.open[k]
+            (acc if part is None else part).add_(g)
+        elif not slab.has_grad[i]:
+            acc.copy_(g)
+            slab.has_grad[i] = True
+            if k in self.shared:
+                self.open[k] = None
+        elif k in self.shared:
+            self.open[k] = torch.empty(g.shape, dtype=torch.float32).copy_(g)
+        else:
+            acc.add_(g)
+
+    def close_slab(self, slab: Slab) -> None:
+        """The backward is over for ``slab``: add each separate sum into its accumulator."""
+        keys = [k for k in self.open if k[0] == slab.index]
+        if not keys:
+            return
+        with slab.lock:
+            for k in keys:
+                part = self.open.pop(k)
+                if part is not None:
+                    slab.view(slab.acc, k[1]).add_(part)
+
+    def close_all(self, slabs: list[Slab]) -> None:
+        """The backward is over: add every open sum into its accumulator."""
+        for si in sorted({k[0] for k in self.open}):
+            self.close_slab(slabs[si])
