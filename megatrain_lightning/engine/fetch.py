@@ -42,6 +42,8 @@ class WeightFetcher:
         # per slab entry: autocast casts the parameter at every use (owner is a Linear/Conv/Conv1D)
         self.autocast_castable: list[list[bool]] = self._castable()
         self.wire_layouts: list[WireLayout] = [WireLayout.uniform(s.numel, torch.float32) for s in store.slabs]
+        # slab index -> (its wire image, (slab.updates, master._version) when written): RAM tier only
+        self.shadows: dict[int, tuple[torch.Tensor, tuple[int, int]]] = {}
 
     def fetch(self, blk: Block) -> dict[int, tuple[torch.Tensor, Any]]:
         """H2D worker: apply pending optimizer updates of the block's slabs, then copy them.
@@ -81,7 +83,7 @@ class WeightFetcher:
                     else:
                         buf, ev = self.transport.to_device(src, self.param_dtype)
                         self.transport.last_read_done(ev)  # the window buffer may be evicted after the hold
-            slab.last_read = ev
+            slab.read_by(ev)
             self.acct.stats.h2d_bytes += src.numel() * src.element_size()
             out[si] = (buf, ev)
         self.acct.stats.blocks_fetched += 1
@@ -122,7 +124,7 @@ class WeightFetcher:
             if old != new:
                 with slab.lock:
                     self.transport.last_read_done(slab.last_read)  # an async H2D may still read the shadow
-                    slab.shadow, slab.shadow_version = None, (-1, -1)
+                    self.shadows.pop(slab.index, None)
         self.wire_layouts = layouts
 
     def _shadow(self, slab) -> torch.Tensor:
@@ -135,13 +137,13 @@ class WeightFetcher:
         layout = self.wire_layouts[slab.index]
         with slab.lock:
             v = (slab.updates, slab.master._version)
-            if slab.shadow is None:
-                slab.shadow = layout.empty(pin_memory=self.device.type == "cuda")
-                slab.shadow_version = (-1, -1)
-            if slab.shadow_version != v:
+            shadow, version = self.shadows.get(slab.index, (None, None))
+            if shadow is None:
+                shadow = layout.empty(pin_memory=self.device.type == "cuda")
+            if version != v:
                 self.transport.last_read_done(slab.last_read)  # an async H2D may still read the shadow
                 t0 = time.perf_counter()
-                layout.encode(slab.master, slab.shadow)
-                slab.shadow_version = v
+                layout.encode(slab.master, shadow)
                 self.acct.stats.cast_s += time.perf_counter() - t0
-            return slab.shadow
+            self.shadows[slab.index] = (shadow, v)
+            return shadow

@@ -145,8 +145,7 @@ class GradientSink:
 
         try:
             with slab.lock:
-                if slab.acc_empty:
-                    slab.has_grad = [False] * len(slab.entries)
+                slab.start_window()
                 # an empty accumulator is overwritten, not read (NVMe: no disk read)
                 fresh = ["acc"] if slab.acc_empty else []
                 with self.store.hold(si, ["acc"], write=not final, fresh=fresh) as t:
@@ -159,7 +158,7 @@ class GradientSink:
                         run(consume)
                     finally:
                         release()
-                    slab.acc_empty = False
+                    slab.filled()
                     if final:
                         self._update_now(si)
                 if final:
@@ -238,8 +237,7 @@ class GradientSink:
             opt.discard_grads()
         else:
             for slab in self.store.slabs:
-                slab.acc_empty = True
-                slab.has_grad = [False] * len(slab.entries)
+                slab.clear_grads()
 
     def close(self) -> None:
         """Stop the D2H worker (after the queued transfers)."""

@@ -63,7 +63,7 @@ class ParamAccess:
             opt.pending.pop(si, None)
         with slab.lock, self.store.hold(si, ["master"], write=True) as t, torch.no_grad():
             slab.view(t["master"], ei).copy_(value)
-            slab.updates += 1  # invalidates the bf16/fp16 shadow
+            slab.updated()  # invalidates the bf16/fp16 wire image
 
     def materialize(self) -> None:
         """Give every parameter a real fp32 tensor again (a copy read from the store) so the module

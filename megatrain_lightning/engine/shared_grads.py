@@ -59,14 +59,13 @@ class SharedGradSums:
             part = self.open[k]
             (acc if part is None else part).add_(g)
         elif not slab.has_grad[i]:
-            acc.copy_(g)
-            slab.has_grad[i] = True
+            slab.add_grad(i, acc, g)  # the window's first gradient: copied
             if k in self.shared:
                 self.open[k] = None
         elif k in self.shared:
             self.open[k] = torch.empty(g.shape, dtype=torch.float32).copy_(g)
         else:
-            acc.add_(g)
+            slab.add_grad(i, acc, g)
 
     def close_slab(self, slab: Slab) -> None:
         """The backward is over for ``slab``: add each separate sum into its accumulator."""

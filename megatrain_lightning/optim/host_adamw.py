@@ -213,9 +213,8 @@ class HostAdamW:
             if self.transport is not None:
                 self.transport.last_read_done(slab.last_read)
             self._update(slab, pend)
-            slab.updates += 1
-            slab.acc_empty = True
-            slab.has_grad = [False] * len(slab.entries)
+            slab.updated()
+            slab.clear_grads()
             self.store.discard_acc(slab_index)
             self.optimizer_seconds += time.perf_counter() - t0
 
@@ -225,8 +224,7 @@ class HostAdamW:
         for slab in self.store.slabs:
             with slab.lock:
                 if slab.index not in self.pending:
-                    slab.acc_empty = True
-                    slab.has_grad = [False] * len(slab.entries)
+                    slab.clear_grads()
                     self.store.discard_acc(slab.index)
 
     # ------------------------------------------------------------------ loss scaling

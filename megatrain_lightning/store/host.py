@@ -66,11 +66,8 @@ class Slab:
         acc_empty: ``True`` when ``acc`` holds nothing of the current window (the next gradient is copied, not added).
         lock: serialises optimizer updates and gradient writes on this slab across threads.
         last_read: CUDA event of the last H2D copy out of ``master`` (the optimizer waits on it before writing).
-        shadow: the wire copy of ``master`` streamed instead of it under mixed precision and ``bf16-true``
-            (:class:`~megatrain_lightning.engine.wire.WireLayout`: a bf16/fp16 tensor, or a uint8 image with
-            castable weights in bf16/fp16 and the rest in fp32); ``None`` when the master itself is streamed.
-        shadow_version: ``(updates, master._version)`` when ``shadow`` was last written.
-        updates: optimizer updates applied to ``master`` (the fused kernel does not bump ``_version``).
+        updates: optimizer updates applied to ``master`` (the fused kernel does not bump ``_version``);
+            the engine's wire images of ``master`` are refreshed when it changes.
         exp_avg / exp_avg_sq: fp32 AdamW states, shape ``[trainable_numel]`` (RAM tier; ``None`` until the
             first update or while they live on disk).
     """
@@ -84,8 +81,6 @@ class Slab:
     acc_empty: bool = True
     lock: threading.RLock = field(default_factory=threading.RLock)
     last_read: object | None = None
-    shadow: torch.Tensor | None = None
-    shadow_version: tuple[int, int] = (-1, -1)
     updates: int = 0
     exp_avg: torch.Tensor | None = None
     exp_avg_sq: torch.Tensor | None = None
@@ -106,6 +101,41 @@ class Slab:
     def acc_view(self, i: int) -> torch.Tensor:
         assert self.acc is not None and self.entries[i].trainable
         return self.view(self.acc, i)
+
+    # State changes go through these methods (the gradient sink and the optimizer call them, under
+    # ``lock``), so the meaning of ``has_grad`` / ``acc_empty`` / ``updates`` lives in one place.
+    def start_window(self) -> None:
+        """Before adding gradients: if the accumulator holds nothing of the current window, no entry
+        has a gradient yet (the next one is copied, not added)."""
+        if self.acc_empty:
+            self.has_grad = [False] * len(self.entries)
+
+    def add_grad(self, i: int, acc: torch.Tensor, g: torch.Tensor) -> None:
+        """Add gradient ``g`` (fp32, entry ``i``'s shape) into ``acc``, entry ``i``'s view of the
+        accumulator: copied if it is the window's first gradient of the entry, else added, as
+        ``param.grad`` accumulates."""
+        if self.has_grad[i]:
+            acc.add_(g)
+        else:
+            acc.copy_(g)
+            self.has_grad[i] = True
+
+    def filled(self) -> None:
+        """The accumulator now holds gradients of the current window."""
+        self.acc_empty = False
+
+    def clear_grads(self) -> None:
+        """The window's gradients were consumed by an update or discarded (``zero_grad``)."""
+        self.acc_empty = True
+        self.has_grad = [False] * len(self.entries)
+
+    def updated(self) -> None:
+        """``master`` was written (an AdamW update or a direct write): wire images of it are stale."""
+        self.updates += 1
+
+    def read_by(self, event: object) -> None:
+        """Record the CUDA event of the latest H2D copy out of ``master``."""
+        self.last_read = event
 
     def ensure_acc(self) -> torch.Tensor:
         if self.acc is None:
