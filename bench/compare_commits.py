@@ -1,13 +1,13 @@
 """Step time of this checkout against another commit, side by side in one run (refactor check).
 
-What: ``bench/overhead.py`` (median megatrain step / median plain-PyTorch step with activation
-checkpointing, in one process) run alternately on this checkout and on a git worktree of REF,
-``--rounds`` times each, so both see the same machine state. Each run prints its own baseline,
-so the comparison is of the ratios (machine-speed drift cancels) and of the megatrain step
-medians.
+What: this checkout's ``bench/overhead.py`` (median megatrain step / median plain-PyTorch step with
+activation checkpointing, in one process) run alternately with this checkout's package and with
+REF's (a git worktree of REF first on ``PYTHONPATH``), ``--rounds`` times each, so both see the same
+machine state and the same benchmark code. Each run measures its own plain-PyTorch baseline, so
+machine-speed drift cancels in the ratio.
 
 Target: the new code's ratio within noise of the old one's: |median new - median old| <= the
-larger of the two rounds' spreads (max - min), and <= 5% of the old median.
+larger of the two rounds' spreads (max - min, at least 0.01), and <= 5% of the old median.
 
 Run:
     python bench/compare_commits.py 717e6fa                     # the commit before the engine split
@@ -30,9 +30,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_overhead(tree: Path, extra: list[str], out: Path) -> dict:
-    """One ``bench/overhead.py`` run in ``tree`` (its package first on the path); returns its JSON."""
+    """One run of this checkout's ``bench/overhead.py`` with ``tree``'s package first on the path;
+    returns its JSON."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    cmd = [sys.executable, str(tree / "bench" / "overhead.py"), "--out", str(out), *extra]
+    cmd = [sys.executable, str(ROOT / "bench" / "overhead.py"), "--out", str(out), *extra]
     subprocess.run(cmd, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
 
@@ -68,9 +69,11 @@ def main() -> int:
     print(f"\n| code | ratios (megatrain / plain + checkpointing) | median |\n|---|---|---|")
     for k in ("old", "new"):
         print(f"| {k} ({args.ref if k == 'old' else 'HEAD'}) | {', '.join(f'{x:.3f}' for x in ratio[k])} | {med[k]:.3f} |")
-    print(f"\nnew - old = {diff:+.3f} (spread {spread:.3f}): {'PASS' if ok else 'FAIL'} (within noise)")
+    step = {k: statistics.median(r["rows"][1]["median_s"] for r in v) for k, v in rows.items()}
+    print(f"\nmegatrain step median: old {step['old']:.3f} s, new {step['new']:.3f} s ({step['new'] / step['old']:.3f}x)")
+    print(f"new - old ratio = {diff:+.3f} (spread {spread:.3f}): {'PASS' if ok else 'FAIL'} (within noise)")
     Path(args.out).write_text(json.dumps({"ref": args.ref, "overhead_args": args.overhead_args, "rows": rows,
-                                          "median_ratio": med, "spread": spread, "pass": ok}, indent=2))
+                                          "median_ratio": med, "median_step_s": step, "spread": spread, "pass": ok}, indent=2))
     return 0
 
 

@@ -34,7 +34,8 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from .checkpoint.hf_io import weight_sources
 from .checkpoint.directory import load_checkpoint_dir, load_optimizer_dir, save_checkpoint_dir
-from .engine.streaming import StreamingEngine, deprecated_recompute_every
+from .engine.recompute import deprecated_recompute_every
+from .engine.streaming import StreamingEngine
 from .optim.host_adamw import UnsupportedOptimizerError, validate_optimizer
 from .precision import MegaTrainPrecision, to_megatrain_precision
 from .store.nvme import IO_BLOCK_SIZE, NVME_PATH_FROM_ENV, NVMeConfig

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
+
+from ..blocks import Block
+from ..store.nvme import align_up
 
 
 
@@ -94,3 +97,21 @@ class ByteAccounting:
         """Start the statistics of the next optimizer step (peak starts at what is alive now)."""
         with self._lock:
             self.stats = StepStats(peak_device_bytes=self.live)
+
+
+def compute_window_bytes(layout: Sequence[tuple[int, int]], blocks: Sequence[Block], lookahead: int) -> int:
+    """Host bytes the engine's compute buffers take at most on a CPU device, where they share the NVMe
+    tier's ``host_memory_limit``: the weights of ``lookahead + 3`` blocks (computing, prefetched, the
+    last block kept for backward, one in backward), two gradient batches queued for the D2H worker
+    (the gradient sink never queues more), a wire image (mixed precision: up to the fp32 size of
+    the block), and the buffers and gradients of containers' own parameters (bound for the whole
+    forward and backward).
+
+    Args:
+        layout: per slab, ``(numel, trainable numel)`` (fp32 elements)."""
+    if not layout:
+        return 0
+    p = max(align_up(4 * n) for n, _ in layout)
+    t = max(align_up(4 * t) for _, t in layout)
+    direct = sum(8 * n for (n, _), b in zip(layout, blocks) if b.direct)
+    return p * (lookahead + 3) + 2 * t + p + direct

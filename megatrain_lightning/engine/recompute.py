@@ -16,6 +16,7 @@ engine passes in the block runner (``acquire`` + ``bind``) and the gradient sink
 from __future__ import annotations
 
 import contextlib
+import warnings
 import time
 import weakref
 from typing import Any, Callable, ContextManager, Sequence
@@ -477,3 +478,19 @@ class Recompute:
     def _restore(self, host: tuple[torch.Tensor, Any]) -> torch.Tensor:
         self.acct.stats.h2d_bytes += host[0].numel() * host[0].element_size()
         return self.transport.restore(*host)
+
+
+def deprecated_recompute_every(recompute_every: int, checkpoint_every: int | None) -> int:
+    """``recompute_every``, or the value given under its former name ``checkpoint_every`` (which
+    collided with Lightning's model checkpoints), with a ``DeprecationWarning``; kept for one release.
+
+    Raises:
+        TypeError: both names given with different values."""
+    if checkpoint_every is None:
+        return recompute_every
+    warnings.warn("megatrain: checkpoint_every was renamed recompute_every (it sets recompute segments, not model "
+                  "checkpoints); the old name will be removed in the next release.", DeprecationWarning, stacklevel=3)
+    if recompute_every not in (1, checkpoint_every):
+        raise TypeError(f"recompute_every={recompute_every} and checkpoint_every={checkpoint_every} both given; "
+                        "pass only recompute_every.")
+    return checkpoint_every

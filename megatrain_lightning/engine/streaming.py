@@ -10,21 +10,16 @@ optimizer step. The parts, each owning its state (docs/architecture.md, "Engine 
 * ``recompute.py``: the autograd boundary of a block call (saved inputs, recompute, backward);
 * ``grads.py``: parameter gradients to the fp32 host accumulators (D2H), the update-in-backward plan;
 * ``params.py``: direct reads and writes of parameters' masters;
-* ``kv_cache.py``: no KV cache in training forwards.
+* ``shared_grads.py``: per-backward sums of tied parameters' gradients;
+* ``kv_cache.py``: training forwards never write a KV cache.
 
-A training step (docs/architecture.md, "A training step"): the model's own ``forward`` runs; each
-block's ``forward`` is a proxy that, under grad mode, goes through the autograd boundary (weights
-fetched, bound, block run without a graph, inputs kept); ``loss.backward()`` reaches each block's
-backward in reverse order (weights fetched again, forward recomputed, local ``autograd.grad``,
-parameter gradients to the host); ``optimizer.step()`` records one pending AdamW update per slab,
-applied by the H2D worker just before the slab's next fetch.
+How a training step runs through them: docs/architecture.md, "A training step".
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
 import time
 from typing import Any, Callable, Sequence
 
@@ -35,53 +30,19 @@ from ..optim.host_adamw import HostAdamW
 from ..store import heap
 from ..store.budget import HostBudget
 from ..store.host import HostStore, build_store, slab_layout
-from ..store.nvme import NVMeConfig, NVMeStore, align_up, preflight_nvme
+from ..store.nvme import NVMeConfig, NVMeStore, preflight_nvme
 from ..blocks import Block, check_floating, discover_blocks, find_hf_models
-from .accounting import ByteAccounting, StepStats
+from .accounting import ByteAccounting, StepStats, compute_window_bytes
 from .fetch import WeightFetcher
 from .grads import GradientSink
 from .kv_cache import any_requires_grad, training_call
 from .prefetch import Prefetcher
-from .recompute import Recompute, trainable_refs
+from .recompute import Recompute, deprecated_recompute_every, trainable_refs
 from .shared_grads import SharedGradSums
 from .params import ParamAccess
 from .transport import make_transport
 
 log = logging.getLogger(__name__)
-
-def compute_window_bytes(layout: Sequence[tuple[int, int]], blocks: Sequence[Block], lookahead: int) -> int:
-    """Host bytes the engine's compute buffers take at most on a CPU device, where they share the NVMe
-    tier's ``host_memory_limit``: the weights of ``lookahead + 3`` blocks (computing, prefetched, the
-    last block kept for backward, one in backward), two gradient batches queued for the D2H worker
-    (:class:`GradientSink` never queues more), a wire image (mixed precision: up to the fp32 size of
-    the block), and the buffers and gradients of containers' own parameters (bound for the whole
-    forward and backward).
-
-    Args:
-        layout: per slab, ``(numel, trainable numel)`` (fp32 elements)."""
-    if not layout:
-        return 0
-    p = max(align_up(4 * n) for n, _ in layout)
-    t = max(align_up(4 * t) for _, t in layout)
-    direct = sum(8 * n for (n, _), b in zip(layout, blocks) if b.direct)
-    return p * (lookahead + 3) + 2 * t + p + direct
-
-
-def deprecated_recompute_every(recompute_every: int, checkpoint_every: int | None) -> int:
-    """``recompute_every``, or the value given under its former name ``checkpoint_every`` (which
-    collided with Lightning's model checkpoints), with a ``DeprecationWarning``; kept for one release.
-
-    Raises:
-        TypeError: both names given with different values."""
-    if checkpoint_every is None:
-        return recompute_every
-    warnings.warn("megatrain: checkpoint_every was renamed recompute_every (it sets recompute segments, not model "
-                  "checkpoints); the old name will be removed in the next release.", DeprecationWarning, stacklevel=3)
-    if recompute_every not in (1, checkpoint_every):
-        raise TypeError(f"recompute_every={recompute_every} and checkpoint_every={checkpoint_every} both given; "
-                        "pass only recompute_every.")
-    return checkpoint_every
-
 
 class StreamingEngine:
     """Streams a model's blocks through the compute device and owns their host state.
