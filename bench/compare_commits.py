@@ -6,8 +6,11 @@ REF's (a git worktree of REF first on ``PYTHONPATH``), ``--rounds`` times each, 
 machine state and the same benchmark code. Each run measures its own plain-PyTorch baseline, so
 machine-speed drift cancels in the ratio.
 
-Target: the new code's ratio within noise of the old one's: |median new - median old| <= the
-larger of the two rounds' spreads (max - min, at least 0.01), and <= 5% of the old median.
+Target: the new code within noise of the old: the median megatrain step time of the new package over
+the old one's within the larger relative spread (max - min over median) of either package's rounds,
+and at most 5% slower. (The ratio to plain PyTorch is printed too; on a shared 2-core machine its
+baseline varies by 10-20% from run to run, so the step medians of the same benchmark code are the
+steadier comparison.)
 
 Run:
     python bench/compare_commits.py 717e6fa                     # the commit before the engine split
@@ -63,17 +66,18 @@ def main() -> int:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)], check=False)
     ratio = {k: [r["ratio"] for r in v] for k, v in rows.items()}
     med = {k: statistics.median(v) for k, v in ratio.items()}
-    spread = max(max(v) - min(v) for v in ratio.values())
-    diff = med["new"] - med["old"]
-    ok = abs(diff) <= max(spread, 0.01) and abs(diff) <= 0.05 * med["old"]
-    print(f"\n| code | ratios (megatrain / plain + checkpointing) | median |\n|---|---|---|")
+    step_runs = {k: [r["rows"][1]["median_s"] for r in v] for k, v in rows.items()}
+    step = {k: statistics.median(v) for k, v in step_runs.items()}
+    noise = max((max(v) - min(v)) / statistics.median(v) for v in step_runs.values())
+    slower = step["new"] / step["old"] - 1
+    ok = abs(slower) <= max(noise, 0.01) and slower <= 0.05
+    print("\n| code | megatrain step medians (s) | median | ratios to plain + checkpointing | median |\n|---|---|---|---|---|")
     for k in ("old", "new"):
-        print(f"| {k} ({args.ref if k == 'old' else 'HEAD'}) | {', '.join(f'{x:.3f}' for x in ratio[k])} | {med[k]:.3f} |")
-    step = {k: statistics.median(r["rows"][1]["median_s"] for r in v) for k, v in rows.items()}
-    print(f"\nmegatrain step median: old {step['old']:.3f} s, new {step['new']:.3f} s ({step['new'] / step['old']:.3f}x)")
-    print(f"new - old ratio = {diff:+.3f} (spread {spread:.3f}): {'PASS' if ok else 'FAIL'} (within noise)")
+        print(f"| {k} ({args.ref if k == 'old' else 'HEAD'}) | {', '.join(f'{x:.3f}' for x in step_runs[k])} | "
+              f"{step[k]:.3f} | {', '.join(f'{x:.3f}' for x in ratio[k])} | {med[k]:.3f} |")
+    print(f"\nnew / old step = {1 + slower:.3f} (run-to-run spread {noise:.1%}): {'PASS' if ok else 'FAIL'} (within noise)")
     Path(args.out).write_text(json.dumps({"ref": args.ref, "overhead_args": args.overhead_args, "rows": rows,
-                                          "median_ratio": med, "median_step_s": step, "spread": spread, "pass": ok}, indent=2))
+                                          "median_ratio": med, "median_step_s": step, "step_spread": noise, "pass": ok}, indent=2))
     return 0
 
 
