@@ -116,7 +116,7 @@ def test_registered_variant_reads_env(tmp_path, monkeypatch):
     monkeypatch.setenv("MEGATRAIN_NVME_PATH", str(tmp_path))
     lm, tr = fit("megatrain_nvme", steps=2)
     assert tr.strategy.nvme is not None and tr.strategy.nvme.path == str(tmp_path)
-    assert tr.strategy.nvme.kinds == {"master", "exp_avg", "exp_avg_sq", "acc"}
+    assert tr.strategy.nvme.kinds == {"master", "exp_avg", "exp_avg_sq", "grad_accum"}
 
 
 # ---------------------------------------------------------------- preflight

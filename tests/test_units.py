@@ -4,7 +4,7 @@ takes well under a second.
 
 The store is built the way the engine builds it (``discover_blocks`` of a module of three
 ``nn.Linear`` blocks, then ``build_store``), and gradients are written into the accumulators the way
-the engine's D2H worker does (``_accumulate``: ``store.hold(slab, ["acc"], write=True, fresh=...)``,
+the engine's D2H worker does (``_accumulate``: ``store.hold(slab, ["grad_accum"], write=True, fresh=...)``,
 copy into an empty accumulator, add into a filled one, ``has_grad`` per entry).
 """
 
@@ -26,7 +26,7 @@ from megatrain_lightning.store.nvme import NVMeStore
 from megatrain_lightning.blocks import discover_blocks
 from megatrain_lightning.engine.transport import CPUTransport, make_transport
 
-ALL_KINDS = ("master", "exp_avg", "exp_avg_sq", "acc")
+ALL_KINDS = ("master", "exp_avg", "exp_avg_sq", "grad_accum")
 
 
 class Net(nn.Module):
@@ -57,18 +57,18 @@ def accumulate(store: HostStore, si: int, grads: dict[int, torch.Tensor]) -> Non
     accumulator, as the engine's D2H worker does."""
     slab = store.slabs[si]
     with slab.lock:
-        if slab.acc_empty:
+        if slab.grad_accum_empty:
             slab.has_grad = [False] * len(slab.entries)
-        fresh = ["acc"] if slab.acc_empty else []  # an empty accumulator is overwritten, not read
-        with store.hold(si, ["acc"], write=True, fresh=fresh) as t:
+        fresh = ["grad_accum"] if slab.grad_accum_empty else []  # an empty accumulator is overwritten, not read
+        with store.hold(si, ["grad_accum"], write=True, fresh=fresh) as t:
             for i, g in grads.items():
-                acc = slab.view(t["acc"], i)
+                acc = slab.view(t["grad_accum"], i)
                 if slab.has_grad[i]:
                     acc.add_(g)
                 else:
                     acc.copy_(g)
                     slab.has_grad[i] = True
-        slab.acc_empty = False
+        slab.grad_accum_empty = False
 
 
 def where(store: HostStore) -> dict[str, tuple[int, int]]:
@@ -189,7 +189,7 @@ def test_host_adamw_discard_grads_forgets_an_unstepped_window():
     host = HostAdamW(store, torch.optim.AdamW(net.parameters()))
     accumulate(store, 0, {0: torch.ones(3, 4)})
     host.discard_grads()
-    assert store.slabs[0].acc_empty and not any(store.slabs[0].has_grad)
+    assert store.slabs[0].grad_accum_empty and not any(store.slabs[0].has_grad)
     assert host.step() == 0 and not host.has_pending()
 
 
@@ -305,7 +305,7 @@ def test_hold_starts_from_the_weights_and_zero_states_and_round_trips(tmp_path, 
     for name, p in ref.named_parameters():  # masters hold the weights; states and accumulators start at zero
         assert torch.equal(master(store, *loc[name]), p.detach())
     for s in store.slabs:
-        with store.hold(s.index, ["exp_avg", "exp_avg_sq", "acc"]) as t:
+        with store.hold(s.index, ["exp_avg", "exp_avg_sq", "grad_accum"]) as t:
             assert all(v.shape == (s.trainable_numel,) and not v.any() for v in t.values())
     written = fill(store, 0)
     got = read_all(store)
@@ -346,17 +346,17 @@ def test_discarded_accumulator_is_not_written(tmp_path):
     """A consumed accumulator (held without ``write``) leaves the window unwritten: the disk keeps its old content."""
     store = make_store(Net(), "nvme", tmp_path)
     nv = store.nvme
-    with store.hold(1, ["acc"], write=True, fresh=["acc"]) as t:
-        t["acc"].fill_(1.0)
+    with store.hold(1, ["grad_accum"], write=True, fresh=["grad_accum"]) as t:
+        t["grad_accum"].fill_(1.0)
     nv.wait_io()
     written0 = nv.meter.write_bytes
-    with store.hold(1, ["acc"]) as t:  # as the last gradient batch of an update in backward
-        t["acc"].fill_(2.0)
-    store.discard_acc(1)
+    with store.hold(1, ["grad_accum"]) as t:  # as the last gradient batch of an update in backward
+        t["grad_accum"].fill_(2.0)
+    store.discard_grad_accum(1)
     nv.wait_io()
-    assert nv.meter.write_bytes == written0 and (1, "acc") not in nv.entries
-    with store.hold(1, ["acc"]) as t:
-        assert torch.equal(t["acc"], torch.ones(20))
+    assert nv.meter.write_bytes == written0 and (1, "grad_accum") not in nv.entries
+    with store.hold(1, ["grad_accum"]) as t:
+        assert torch.equal(t["grad_accum"], torch.ones(20))
     store.close()
 
 
@@ -364,8 +364,8 @@ def test_both_tiers_hold_bitwise_the_same_content(tmp_path):
     stores = [make_store(Net(), "ram", None), make_store(Net(), "nvme", tmp_path, limit=4 * 4096)]
     for st in stores:
         fill(st, 2)
-        with st.hold(2, ["acc", "master"], write=True) as t:  # read-modify-write of existing content
-            t["acc"].mul_(3.0)
+        with st.hold(2, ["grad_accum", "master"], write=True) as t:  # read-modify-write of existing content
+            t["grad_accum"].mul_(3.0)
             t["master"][:5].add_(1.0)
     stores[1].nvme.drop_clean()
     ram, nvme = read_all(stores[0]), read_all(stores[1])

@@ -16,6 +16,7 @@ from torch import nn
 from ..blocks import Block
 from ..optim.host_adamw import HostAdamW
 from ..store.host import HostStore
+from ..store.regions import Region
 from .accounting import ByteAccounting
 from .wire import WireLayout, castable_flags
 
@@ -68,8 +69,8 @@ class WeightFetcher:
                     src = self._shadow(slab)
                     buf, ev = self.transport.to_device(src, self.param_dtype, layout)
             else:
-                with self.store.hold(si, ["master"]) as t:
-                    src = t["master"]
+                with self.store.hold(si, [Region.master]) as t:
+                    src = t[Region.master]
                     if layout.dtype != torch.float32:
                         self.acct.track(layout.nbytes)
                         try:

@@ -2,7 +2,7 @@
 
 A block's backward hands its parameter gradients to :meth:`GradientSink.send`; they are packed per
 slab on the compute stream, copied device -> host by the D2H worker thread and added into the slab's
-fp32 accumulator (``acc``) in the host store. ``param.grad`` is a view of that accumulator while
+fp32 accumulator (``grad_accum``) in the host store. ``param.grad`` is a view of that accumulator while
 Lightning's hooks and clipping run (:meth:`GradientSink.attach`). With the optimizer step in
 backward, the D2H worker also applies a slab's AdamW update right after its last gradient of the
 step (docs/architecture.md, "NVMe tier": optimizer step in backward).
@@ -19,6 +19,7 @@ import torch
 
 from ..optim.host_adamw import HostAdamW
 from ..store.host import HostStore
+from ..store.regions import Region
 from .accounting import ByteAccounting
 from .shared_grads import SharedGradSums
 
@@ -147,12 +148,12 @@ class GradientSink:
             with slab.lock:
                 slab.start_window()
                 # an empty accumulator is overwritten, not read (NVMe: no disk read)
-                fresh = ["acc"] if slab.acc_empty else []
-                with self.store.hold(si, ["acc"], write=not final, fresh=fresh) as t:
+                fresh = [Region.grad_accum] if slab.grad_accum_empty else []
+                with self.store.hold(si, [Region.grad_accum], write=not final, fresh=fresh) as t:
 
                     def consume(host_grads: list[torch.Tensor]) -> None:
                         for i, g in zip(idx, host_grads):
-                            self.shared.add(slab, i, slab.view(t["acc"], i), g)
+                            self.shared.add(slab, i, slab.view(t[Region.grad_accum], i), g)
 
                     try:
                         run(consume)
@@ -162,7 +163,7 @@ class GradientSink:
                     if final:
                         self._update_now(si)
                 if final:
-                    self.store.discard_acc(si)  # consumed: free its window buffer now
+                    self.store.discard_grad_accum(si)  # consumed: free its window buffer now
         finally:
             release()
 
@@ -188,12 +189,12 @@ class GradientSink:
         """
         self.wait()
         self.check_outside_grads()
-        if "acc" in self.store.nvme_kinds:
+        if Region.grad_accum in self.store.nvme_kinds:
             return
         for slab in self.store.slabs:
             for i, e in enumerate(slab.entries):
-                has = slab.acc is not None and not slab.acc_empty and slab.has_grad[i]
-                e.ref.param.grad = slab.acc_view(i) if has else None
+                has = slab.grad_accum is not None and not slab.grad_accum_empty and slab.has_grad[i]
+                e.ref.param.grad = slab.grad_accum_view(i) if has else None
 
     def check_outside_grads(self) -> None:
         """Raise if a parameter's ``.grad`` was set by ordinary autograd rather than by the engine.
@@ -209,7 +210,7 @@ class GradientSink:
         """
         bad = []
         for slab in self.store.slabs:
-            acc = slab.acc.untyped_storage().data_ptr() if slab.acc is not None else None
+            acc = slab.grad_accum.untyped_storage().data_ptr() if slab.grad_accum is not None else None
             for e in slab.entries:
                 g = e.ref.param.grad
                 if g is not None and (acc is None or g.untyped_storage().data_ptr() != acc):

@@ -14,6 +14,7 @@ from torch import nn
 
 from ..optim.host_adamw import HostAdamW
 from ..store.host import HostStore, placeholder
+from ..store.regions import Region
 
 
 class ParamAccess:
@@ -42,8 +43,8 @@ class ParamAccess:
         if opt is not None:
             opt.apply_pending(si)
         slab = self.store.slabs[si]
-        with self.store.hold(si, ["master"]) as t:
-            v = slab.view(t["master"], ei)
+        with self.store.hold(si, [Region.master]) as t:
+            v = slab.view(t[Region.master], ei)
             return v.clone() if self.store.masters_on_disk else v
 
     def write(self, p: torch.Tensor, value: torch.Tensor) -> None:
@@ -61,8 +62,8 @@ class ParamAccess:
         opt = self._optimizer()
         if opt is not None:
             opt.pending.pop(si, None)
-        with slab.lock, self.store.hold(si, ["master"], write=True) as t, torch.no_grad():
-            slab.view(t["master"], ei).copy_(value)
+        with slab.lock, self.store.hold(si, [Region.master], write=True) as t, torch.no_grad():
+            slab.view(t[Region.master], ei).copy_(value)
             slab.updated()  # invalidates the bf16/fp16 wire image
 
     def materialize(self) -> None:
@@ -76,7 +77,7 @@ class ParamAccess:
         for slab in self.store.slabs:
             for e in slab.entries:
                 e.ref.param.data = self.read(e.ref.param).clone()
-            nvme.discard(slab.index, "master")  # read through the window, not kept in it
+            nvme.discard(slab.index, Region.master)  # read through the window, not kept in it
         self.materialized = True
 
     def write_back_materialized(self) -> None:
@@ -148,6 +149,6 @@ class _OneSlabWindow:
             return
         si = self.store.locate(p)[0]
         if self.last is not None and self.last != si:
-            for kind in ("master", "exp_avg", "exp_avg_sq"):
+            for kind in (Region.master, Region.exp_avg, Region.exp_avg_sq):
                 nvme.discard(self.last, kind)
         self.last = si

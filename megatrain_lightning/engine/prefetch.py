@@ -18,6 +18,7 @@ import torch
 from ..blocks import Block
 from ..optim.host_adamw import HostAdamW
 from ..store.host import HostStore
+from ..store.regions import Region
 from .accounting import ByteAccounting
 
 
@@ -104,13 +105,13 @@ class Prefetcher:
         for bi in upcoming:
             for si in self.blocks[bi].slabs:
                 slab = self.store.slabs[si]
-                want = ["master"]
+                want = [Region.master]
                 if si in pending:
-                    want = ["exp_avg", "exp_avg_sq", "acc", "master"]
+                    want = [Region.exp_avg, Region.exp_avg_sq, Region.grad_accum, Region.master]
                 elif backward and updates_in_backward:
-                    want = ["master", "exp_avg", "exp_avg_sq"]  # the update runs right after this backward
-                elif backward and not slab.acc_empty:
-                    want = ["master", "acc"]  # gradient accumulation adds into the stored accumulator
+                    want = [Region.master, Region.exp_avg, Region.exp_avg_sq]  # the update runs right after this backward
+                elif backward and not slab.grad_accum_empty:
+                    want = [Region.master, Region.grad_accum]  # gradient accumulation adds into the stored accumulator
                 for k in want:
                     if k in kinds and (si, k) not in wanted:
                         spare -= nvme.region_bytes(si, k)

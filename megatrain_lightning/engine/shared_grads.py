@@ -76,7 +76,7 @@ class SharedGradSums:
             for k in keys:
                 part = self.open.pop(k)
                 if part is not None:
-                    slab.view(slab.acc, k[1]).add_(part)
+                    slab.view(slab.grad_accum, k[1]).add_(part)
 
     def close_all(self, slabs: list[Slab]) -> None:
         """The backward is over: add every open sum into its accumulator."""

@@ -30,6 +30,7 @@ from ..optim.host_adamw import HostAdamW
 from ..store import heap
 from ..store.budget import HostBudget
 from ..store.host import HostStore, build_store, slab_layout
+from ..store.regions import Region
 from ..store.nvme import NVMeConfig, NVMeStore, preflight_nvme
 from ..blocks import Block, check_floating, discover_blocks, find_hf_models
 from .accounting import ByteAccounting, StepStats, compute_window_bytes
@@ -122,9 +123,9 @@ class StreamingEngine:
             factory = lambda layout: NVMeStore(  # noqa: E731 - called by build_store with the slab layout
                 nvme.path, layout, self.budget, io_threads=nvme.io_threads, io_block_size=nvme.io_block_size, read_ahead=nvme.read_ahead,
                 direct_io=nvme.direct_io, pin_memory=pin_memory, keep_files=nvme.keep_files)
-            if "master" in nvme.kinds:
+            if Region.master in nvme.kinds:
                 cpu_zero_copy = False  # compute buffers are copies, counted in the budget
-        self.store: HostStore = build_store(self.blocks, pin_memory=pin_memory and not (nvme and "master" in nvme.kinds),
+        self.store: HostStore = build_store(self.blocks, pin_memory=pin_memory and not (nvme and Region.master in nvme.kinds),
                                             sources=sources, nvme_factory=factory,
                                             nvme_kinds=nvme.kinds if nvme is not None else ())
         if self.budget is not None:
@@ -138,7 +139,7 @@ class StreamingEngine:
                                    on_release=self.transport.released)
         self.params = ParamAccess(self.store, lambda: self.optimizer)
         # gradients of a parameter read by several blocks are summed per backward, as autograd does
-        shared = SharedGradSums.for_blocks(self.blocks, enabled="acc" not in self.store.nvme_kinds)
+        shared = SharedGradSums.for_blocks(self.blocks, enabled=Region.grad_accum not in self.store.nvme_kinds)
         self.grads = GradientSink(self.store, self.acct, self.transport, lambda: self.optimizer, shared,
                                   bounded=self._budget_device)
         self.fetcher = WeightFetcher(self.blocks, self.store, self.transport, self.acct, lambda: self.optimizer,

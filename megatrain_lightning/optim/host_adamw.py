@@ -44,6 +44,7 @@ from torch.optim.adam import adam as _functional_adam
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from ..store.host import HostStore, Slab
+from ..store.regions import Region
 
 SUPPORTED = "torch.optim.AdamW and torch.optim.Adam (amsgrad=False, maximize=False)"
 
@@ -168,7 +169,7 @@ class HostAdamW:
         for slab in self.store.slabs:
             if slab.index in self.pending:
                 self.apply_pending(slab.index)
-            if slab.acc_empty:
+            if slab.grad_accum_empty:
                 continue
             self.pending[slab.index] = hyper
             n += 1
@@ -186,7 +187,7 @@ class HostAdamW:
         complete). :meth:`step` then skips the slab, whose accumulator is empty."""
         slab = self.store.slabs[slab_index]
         with slab.lock:
-            if slab.acc_empty:
+            if slab.grad_accum_empty:
                 return
             if slab_index in self.pending:  # the previous step's deferred update comes first
                 self.apply_pending(slab_index)
@@ -215,7 +216,7 @@ class HostAdamW:
             self._update(slab, pend)
             slab.updated()
             slab.clear_grads()
-            self.store.discard_acc(slab_index)
+            self.store.discard_grad_accum(slab_index)
             self.optimizer_seconds += time.perf_counter() - t0
 
     def discard_grads(self) -> None:
@@ -225,7 +226,7 @@ class HostAdamW:
             with slab.lock:
                 if slab.index not in self.pending:
                     slab.clear_grads()
-                    self.store.discard_acc(slab.index)
+                    self.store.discard_grad_accum(slab.index)
 
     # ------------------------------------------------------------------ loss scaling
     def unscale_(self, inv_scale: float) -> bool:
@@ -239,8 +240,8 @@ class HostAdamW:
             by_slab.setdefault(si, []).append(ei)
         for si, eis in by_slab.items():
             slab = self.store.slabs[si]
-            with slab.lock, self.store.hold(si, ["acc"], write=True) as t:
-                torch._amp_foreach_non_finite_check_and_unscale_([slab.view(t["acc"], ei) for ei in eis], found_inf, inv)
+            with slab.lock, self.store.hold(si, [Region.grad_accum], write=True) as t:
+                torch._amp_foreach_non_finite_check_and_unscale_([slab.view(t[Region.grad_accum], ei) for ei in eis], found_inf, inv)
         return bool(found_inf.item())
 
     # ------------------------------------------------------------------ clipping
@@ -251,7 +252,7 @@ class HostAdamW:
             for p in g["params"]:
                 si, ei = self._where[id(p)]
                 slab = self.store.slabs[si]
-                if slab.entries[ei].trainable and not slab.acc_empty and slab.has_grad[ei]:
+                if slab.entries[ei].trainable and not slab.grad_accum_empty and slab.has_grad[ei]:
                     out.append((si, ei))
         return out
 
@@ -266,8 +267,8 @@ class HostAdamW:
         norms: dict[tuple[int, int], torch.Tensor] = {}
         for si, eis in by_slab.items():
             slab = self.store.slabs[si]
-            with slab.lock, self.store.hold(si, ["acc"]) as t:
-                for ei, n in zip(eis, torch._foreach_norm([slab.view(t["acc"], ei) for ei in eis], norm_type)):
+            with slab.lock, self.store.hold(si, [Region.grad_accum]) as t:
+                for ei, n in zip(eis, torch._foreach_norm([slab.view(t[Region.grad_accum], ei) for ei in eis], norm_type)):
                     norms[(si, ei)] = n
         if not items:
             return torch.tensor(0.0)
@@ -313,9 +314,9 @@ class HostAdamW:
         return [s.exp_avg for s in self.store.slabs]
 
     def _update(self, slab: Slab, pend: _Pending) -> None:
-        with self.store.hold(slab.index, ["master", "exp_avg", "exp_avg_sq"], write=True) as w, \
-                self.store.hold(slab.index, ["acc"]) as r:
-            self._update_views(slab, pend, w["master"], r["acc"], w["exp_avg"], w["exp_avg_sq"])
+        with self.store.hold(slab.index, [Region.master, Region.exp_avg, Region.exp_avg_sq], write=True) as w, \
+                self.store.hold(slab.index, [Region.grad_accum]) as r:
+            self._update_views(slab, pend, w[Region.master], r[Region.grad_accum], w[Region.exp_avg], w[Region.exp_avg_sq])
 
     def _update_views(self, slab: Slab, pend: _Pending, master: torch.Tensor, acc: torch.Tensor, m: torch.Tensor,
                       v: torch.Tensor) -> None:
@@ -370,9 +371,9 @@ class HostAdamW:
         if st is None:
             return None
         slab = self.store.slabs[slab_index]
-        copy = "exp_avg" in self.store.nvme_kinds
-        with self.store.hold(slab_index, ["exp_avg", "exp_avg_sq"]) as t:
-            m, v = slab.view(t["exp_avg"], entry), slab.view(t["exp_avg_sq"], entry)
+        copy = Region.exp_avg in self.store.nvme_kinds
+        with self.store.hold(slab_index, [Region.exp_avg, Region.exp_avg_sq]) as t:
+            m, v = slab.view(t[Region.exp_avg], entry), slab.view(t[Region.exp_avg_sq], entry)
             return {"step": st, "exp_avg": m.clone() if copy else m, "exp_avg_sq": v.clone() if copy else v}
 
     # ------------------------------------------------------------------ checkpoint
@@ -419,9 +420,9 @@ class HostAdamW:
         if tuple(exp_avg.shape) != tuple(e.shape) or tuple(exp_avg_sq.shape) != tuple(e.shape):
             raise ValueError(f"AdamW state of {e.ref.fqn} has shape {tuple(exp_avg.shape)}, parameter {tuple(e.shape)}.")
         self.pending.pop(si, None)
-        with slab.lock, self.store.hold(si, ["exp_avg", "exp_avg_sq"], write=True) as t:
-            t["exp_avg"][e.offset : e.offset + e.numel].copy_(exp_avg.reshape(-1))
-            t["exp_avg_sq"][e.offset : e.offset + e.numel].copy_(exp_avg_sq.reshape(-1))
+        with slab.lock, self.store.hold(si, [Region.exp_avg, Region.exp_avg_sq], write=True) as t:
+            t[Region.exp_avg][e.offset : e.offset + e.numel].copy_(exp_avg.reshape(-1))
+            t[Region.exp_avg_sq][e.offset : e.offset + e.numel].copy_(exp_avg_sq.reshape(-1))
         self.steps[si][ei] = step.detach().reshape(()).float().cpu().clone()
 
     def param_groups_meta(self, module: torch.nn.Module) -> list[dict[str, Any]]:

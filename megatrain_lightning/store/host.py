@@ -10,7 +10,7 @@ replaced by a view of its slab: the module keeps working as a plain PyTorch
 module (``state_dict()``, ``save_pretrained()``) and nothing is stored twice.
 
 With the NVMe tier (:mod:`megatrain_lightning.store.nvme`) some regions of every
-slab (``master``, and/or ``exp_avg``/``exp_avg_sq``/``acc``) live in per-block files
+slab (``master``, and/or ``exp_avg``/``exp_avg_sq``/``grad_accum``) live in per-block files
 instead; :meth:`HostStore.hold` gives the same access to both tiers. Parameters whose
 masters are on disk keep a 4-byte placeholder ``.data`` of the right shape (stride 0)
 while the engine owns them.
@@ -30,6 +30,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 
 from ..blocks import Block, ParamRef
+from .regions import Region
 
 
 @dataclass
@@ -60,10 +61,10 @@ class Slab:
         entries: parameters in slab order (trainable first).
         master: fp32 master weights, shape ``[numel]``; pinned on CUDA runs.
         trainable_numel: the trainable prefix ``master[:trainable_numel]``.
-        acc: fp32 gradient accumulator, shape ``[trainable_numel]`` (``None`` until the first gradient).
+        grad_accum: fp32 gradient accumulator, shape ``[trainable_numel]`` (``None`` until the first gradient).
         has_grad: per entry, whether a gradient arrived in the current accumulation window
             (``False`` entries behave like ``p.grad is None`` in PyTorch: no optimizer update).
-        acc_empty: ``True`` when ``acc`` holds nothing of the current window (the next gradient is copied, not added).
+        grad_accum_empty: ``True`` when ``grad_accum`` holds nothing of the current window (the next gradient is copied, not added).
         lock: serialises optimizer updates and gradient writes on this slab across threads.
         last_read: CUDA event of the last H2D copy out of ``master`` (the optimizer waits on it before writing).
         updates: optimizer updates applied to ``master`` (the fused kernel does not bump ``_version``);
@@ -76,9 +77,9 @@ class Slab:
     entries: list[SlabEntry]
     master: torch.Tensor
     trainable_numel: int
-    acc: torch.Tensor | None = None
+    grad_accum: torch.Tensor | None = None
     has_grad: list[bool] = field(default_factory=list)
-    acc_empty: bool = True
+    grad_accum_empty: bool = True
     lock: threading.RLock = field(default_factory=threading.RLock)
     last_read: object | None = None
     updates: int = 0
@@ -91,23 +92,23 @@ class Slab:
         return self.total_numel
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
-        """Entry ``i``'s view (its parameter's shape) of a flat slab region (master, acc, exp_avg...)."""
+        """Entry ``i``'s view (its parameter's shape) of a flat slab region (master, grad_accum, exp_avg...)."""
         e = self.entries[i]
         return flat[e.offset : e.offset + e.numel].view(e.shape)
 
     def master_view(self, i: int) -> torch.Tensor:
         return self.view(self.master, i)
 
-    def acc_view(self, i: int) -> torch.Tensor:
-        assert self.acc is not None and self.entries[i].trainable
-        return self.view(self.acc, i)
+    def grad_accum_view(self, i: int) -> torch.Tensor:
+        assert self.grad_accum is not None and self.entries[i].trainable
+        return self.view(self.grad_accum, i)
 
     # State changes go through these methods (the gradient sink and the optimizer call them, under
-    # ``lock``), so the meaning of ``has_grad`` / ``acc_empty`` / ``updates`` lives in one place.
+    # ``lock``), so the meaning of ``has_grad`` / ``grad_accum_empty`` / ``updates`` lives in one place.
     def start_window(self) -> None:
         """Before adding gradients: if the accumulator holds nothing of the current window, no entry
         has a gradient yet (the next one is copied, not added)."""
-        if self.acc_empty:
+        if self.grad_accum_empty:
             self.has_grad = [False] * len(self.entries)
 
     def add_grad(self, i: int, acc: torch.Tensor, g: torch.Tensor) -> None:
@@ -122,11 +123,11 @@ class Slab:
 
     def filled(self) -> None:
         """The accumulator now holds gradients of the current window."""
-        self.acc_empty = False
+        self.grad_accum_empty = False
 
     def clear_grads(self) -> None:
         """The window's gradients were consumed by an update or discarded (``zero_grad``)."""
-        self.acc_empty = True
+        self.grad_accum_empty = True
         self.has_grad = [False] * len(self.entries)
 
     def updated(self) -> None:
@@ -137,11 +138,11 @@ class Slab:
         """Record the CUDA event of the latest H2D copy out of ``master``."""
         self.last_read = event
 
-    def ensure_acc(self) -> torch.Tensor:
-        if self.acc is None:
-            self.acc = torch.zeros(self.trainable_numel, dtype=torch.float32)
+    def ensure_grad_accum(self) -> torch.Tensor:
+        if self.grad_accum is None:
+            self.grad_accum = torch.zeros(self.trainable_numel, dtype=torch.float32)
             self.has_grad = [False] * len(self.entries)
-        return self.acc
+        return self.grad_accum
 
 
 class HostStore:
@@ -181,17 +182,17 @@ class HostStore:
 
     @property
     def masters_on_disk(self) -> bool:
-        return "master" in self.nvme_kinds
+        return Region.master in self.nvme_kinds
 
     def _ram(self, slab: Slab, kind: str) -> torch.Tensor:
-        if kind == "master":
+        if kind == Region.master:
             return slab.master
-        if kind == "acc":
-            return slab.ensure_acc()
+        if kind == Region.grad_accum:
+            return slab.ensure_grad_accum()
         if slab.exp_avg is None:
             slab.exp_avg = torch.zeros(slab.trainable_numel, dtype=torch.float32)
             slab.exp_avg_sq = torch.zeros(slab.trainable_numel, dtype=torch.float32)
-        return slab.exp_avg if kind == "exp_avg" else slab.exp_avg_sq  # type: ignore[return-value]
+        return slab.exp_avg if kind == Region.exp_avg else slab.exp_avg_sq  # type: ignore[return-value]
 
     @contextlib.contextmanager
     def hold(self, i: int, kinds: Iterable[str], write: bool = False, fresh: Iterable[str] = ()) -> Iterator[dict[str, torch.Tensor]]:
@@ -199,7 +200,7 @@ class HostStore:
 
         Args:
             i: slab index.
-            kinds: any of ``master`` (``[numel]``), ``exp_avg``, ``exp_avg_sq``, ``acc`` (``[trainable_numel]``).
+            kinds: any of ``master`` (``[numel]``), ``exp_avg``, ``exp_avg_sq``, ``grad_accum`` (``[trainable_numel]``).
             write: the body modifies them (NVMe: written back afterwards).
             fresh: regions whose old content is not needed (NVMe: not read from disk).
 
@@ -217,10 +218,10 @@ class HostStore:
             out.update(got)
             yield out
 
-    def discard_acc(self, i: int) -> None:
+    def discard_grad_accum(self, i: int) -> None:
         """The accumulator of slab ``i`` was consumed: NVMe drops its window buffer unwritten."""
-        if "acc" in self.nvme_kinds:
-            self.nvme.discard(i, "acc")
+        if Region.grad_accum in self.nvme_kinds:
+            self.nvme.discard(i, Region.grad_accum)
 
     def close(self) -> None:
         if self.nvme is not None:
@@ -279,7 +280,7 @@ def build_store(blocks: Sequence[Block], pin_memory: bool = False,
         nvme_factory: ``layout -> NVMeStore`` for the NVMe tier (``layout = [(numel, trainable numel)]``
             per slab); ``None``: everything in RAM.
         nvme_kinds: regions kept on disk: ``{"master"}`` (``offload_params="nvme"``) and/or
-            ``{"exp_avg", "exp_avg_sq", "acc"}`` (``offload_optimizer="nvme"``).
+            ``{"exp_avg", Region.exp_avg_sq, Region.grad_accum}`` (``offload_optimizer="nvme"``).
 
     Raises:
         ValueError: a parameter is on the meta device and no source provides it.
@@ -304,8 +305,8 @@ def build_store(blocks: Sequence[Block], pin_memory: bool = False,
             if not on_disk:
                 slab.master = torch.empty(numel, dtype=torch.float32, pin_memory=pin_memory)
             store.slabs.append(slab)
-            with store.hold(slab.index, ["master"], write=True, fresh=["master"]) as t:
-                master = t["master"]
+            with store.hold(slab.index, [Region.master], write=True, fresh=[Region.master]) as t:
+                master = t[Region.master]
                 for e in entries:
                     p = e.ref.param
                     if p.is_meta:

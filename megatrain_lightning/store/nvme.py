@@ -4,7 +4,7 @@ Layout (docs/architecture.md, "Memory tiers" and "NVMe tier"). One file per bloc
 ``block_00012.bin``, holding four regions, each starting at a 4 KiB boundary and padded to a
 multiple of 4 KiB::
 
-    master (fp32, slab numel) | exp_avg (fp32, trainable) | exp_avg_sq (fp32, trainable) | acc (fp32, trainable)
+    master (fp32, slab numel) | exp_avg (fp32, trainable) | exp_avg_sq (fp32, trainable) | grad_accum (fp32, trainable)
 
 Files are opened with ``O_DIRECT`` where the filesystem allows it (host buffers are then
 4 KiB-aligned and the page cache stays out of the way); elsewhere (tmpfs, some overlay
@@ -49,11 +49,12 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 
 from .budget import HostBudget, fmt_bytes, parse_bytes
+from .regions import Region
 
 log = logging.getLogger(__name__)
 
 ALIGN = 4096  # bytes: O_DIRECT alignment of offsets, lengths and buffers
-KINDS = ("master", "exp_avg", "exp_avg_sq", "acc")
+KINDS = (Region.master, Region.exp_avg, Region.exp_avg_sq, Region.grad_accum)
 STORE_DIR = "megatrain_store"
 KEPT = "kept"  # what LOCK holds after a clean close with keep_files (instead of the owner's pid)
 IO_BLOCK_SIZE = 16 * 2**20  # bytes per request; measured: "Requests" under "NVMe tier" in docs/architecture.md
@@ -158,8 +159,8 @@ class NVMeConfig:
 
     Attributes:
         path: ``nvme_path``: directory on the fast disk.
-        kinds: regions on disk: ``"master"`` (``offload_params="nvme"``), ``"exp_avg"``, ``"exp_avg_sq"``
-            and ``"acc"`` (``offload_optimizer="nvme"``).
+        kinds: regions on disk: ``Region.master`` (``offload_params="nvme"``), ``Region.exp_avg``, ``Region.exp_avg_sq``
+            and ``Region.grad_accum`` (``offload_optimizer="nvme"``).
         host_memory_limit: bytes the host window (and, on CPU, the compute buffers) may use.
         io_threads: threads issuing read/write requests (the queue depth).
         io_block_size: bytes per request (a multiple of 4096).
@@ -201,9 +202,9 @@ class NVMeConfig:
                 raise ValueError(f"{name} must be 'cpu' or 'nvme', got {v!r}.")
         kinds = set()
         if offload_params == "nvme":
-            kinds.add("master")
+            kinds.add(Region.master)
         if offload_optimizer == "nvme":
-            kinds |= {"exp_avg", "exp_avg_sq", "acc"}
+            kinds |= {"exp_avg", Region.exp_avg_sq, Region.grad_accum}
         if not kinds:
             return None
         if nvme_path == NVME_PATH_FROM_ENV:
@@ -243,9 +244,9 @@ class NVMeConfig:
             return 0
         p = max(align_up(4 * n) for n, _ in layout)
         t = max(align_up(4 * t) for _, t in layout)
-        need = p if "master" in self.kinds else 0
-        if "acc" in self.kinds:
-            need += 4 * t  # exp_avg, exp_avg_sq, acc of the update + the accumulator being filled
+        need = p if Region.master in self.kinds else 0
+        if Region.grad_accum in self.kinds:
+            need += 4 * t  # exp_avg, exp_avg_sq, grad_accum of the update + the accumulator being filled
         return need + 2**16
 
     def pinned_bytes(self, layout: Sequence[tuple[int, int]]) -> int:
@@ -336,14 +337,14 @@ class NVMeStore:
         self._nbytes: list[dict[str, int]] = []
         self._numel: list[dict[str, int]] = []
         for n, t in self.layout:
-            sizes = {"master": align_up(4 * n), "exp_avg": align_up(4 * t), "exp_avg_sq": align_up(4 * t), "acc": align_up(4 * t)}
+            sizes = {"master": align_up(4 * n), Region.exp_avg: align_up(4 * t), Region.exp_avg_sq: align_up(4 * t), Region.grad_accum: align_up(4 * t)}
             off, o = {}, 0
             for k in KINDS:
                 off[k] = o
                 o += sizes[k]
             self._off.append(off)
             self._nbytes.append(sizes)
-            self._numel.append({"master": n, "exp_avg": t, "exp_avg_sq": t, "acc": t})
+            self._numel.append({"master": n, Region.exp_avg: t, Region.exp_avg_sq: t, Region.grad_accum: t})
         self.valid: list[dict[str, bool]] = [{k: False for k in KINDS} for _ in self.layout]
         self.entries: dict[tuple[int, str], _Entry] = {}
         self._clock = itertools.count()
@@ -575,7 +576,7 @@ class NVMeStore:
 
         Args:
             i: block (slab) index.
-            kinds: regions wanted: ``master`` (fp32, slab numel), ``exp_avg``, ``exp_avg_sq``, ``acc``
+            kinds: regions wanted: ``master`` (fp32, slab numel), ``exp_avg``, ``exp_avg_sq``, ``grad_accum``
                 (fp32, trainable numel).
             write: the body modifies them (they are written back when unpinned).
             fresh: regions whose current content does not matter (not read from disk).
