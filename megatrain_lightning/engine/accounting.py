@@ -36,6 +36,8 @@ class StepStats:
         blocks_fetched: number of block fetches (forward + backward + evaluation).
         prefetch_misses: fetches that were not prefetched (the compute thread had to start the copy).
         cast_s: seconds the H2D worker spent casting fp32 masters to the bf16/fp16 wire copies.
+        d2h_queue_peak: most gradient batches queued for the D2H worker at once (bounded by the
+            gradient sink's ``max_inflight``: each keeps its gradients on the device until copied).
     """
 
     h2d_bytes: int = 0
@@ -47,6 +49,7 @@ class StepStats:
     blocks_fetched: int = 0
     prefetch_misses: int = 0
     cast_s: float = 0.0
+    d2h_queue_peak: int = 0
 
     def as_dict(self, prefix: str = "megatrain/") -> dict[str, float]:
         """The statistics as ``{prefix + name: float}``, what the strategy logs."""

@@ -34,20 +34,28 @@ class GradientSink:
         optimizer: returns the attached host optimizer, or ``None``.
         shared: per-backward sums of parameters read by several blocks (tied embeddings), added into
             the accumulator once per backward as autograd does (docs/architecture.md, "Fidelity").
-        bounded: at most 2 gradient batches queued for the D2H worker (budgeted CPU runs: without the
-            bound the queued gradients could take the whole budget while the worker itself waits for
-            budget to accumulate or update them, a deadlock).
+        max_inflight: gradient batches (one block's gradients of one slab) sent but not yet in the
+            host accumulators, at most; :meth:`send` waits for the D2H worker beyond it. Each queued
+            batch keeps its packed gradients on the device until the worker copies them, so this bounds
+            the device memory of gradients whatever the depth, when the host add is slower than a
+            block's backward (the normal case for large layers; issue 17). On budgeted CPU runs it also
+            prevents a deadlock: unbounded, the queued gradients could take the whole budget while the
+            worker itself waits for budget to accumulate or update them.
     """
 
     def __init__(self, store: HostStore, acct: ByteAccounting, transport: Any,
-                 optimizer: Callable[[], HostAdamW | None], shared: SharedGradSums, bounded: bool = False):
+                 optimizer: Callable[[], HostAdamW | None], shared: SharedGradSums, max_inflight: int = 2):
         self.store = store
         self.shared = shared
         self.acct = acct
         self.transport = transport
         self._optimizer = optimizer
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="megatrain-d2h")
-        self._slots = threading.BoundedSemaphore(2) if bounded else None
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1 gradient batch, got {max_inflight}.")
+        self._slots = threading.BoundedSemaphore(max_inflight)
+        self._queued = 0  # batches (and in-backward updates) submitted and not yet done
+        self._queued_lock = threading.Lock()
         self._futures: list[Future] = []
         self.wire_dtype = torch.float32  # dtype of gradients on the D2H link (accumulated in fp32)
         self.param_dtype = torch.float32  # dtype autograd produces them in (the bound parameters')
@@ -104,17 +112,28 @@ class GradientSink:
             nbytes = sum(g.numel() * wire.itemsize for _, g in items)
             take = min(nbytes, reserved)
             reserved -= take
-            if self._slots is not None:
-                self._slots.acquire()
+            self._take_slot()
             self.acct.track(nbytes - take)
             run = self.transport.stage_grads([g for _, g in items], wire)
             idx = [i for i, _ in items]
             self.acct.stats.d2h_bytes += nbytes
             self._futures.append(self._pool.submit(self._accumulate, si, idx, run, nbytes, si in final))
         for si in final - set(by_slab):  # its last batch had no gradient: the update still runs, in order
-            if self._slots is not None:
-                self._slots.acquire()
+            self._take_slot()
             self._futures.append(self._pool.submit(self._update_now, si, True))
+
+    def _take_slot(self) -> None:
+        """Compute thread: wait until fewer than ``max_inflight`` batches are queued, then count one
+        more (the step's ``d2h_queue_peak``)."""
+        self._slots.acquire()
+        with self._queued_lock:
+            self._queued += 1
+            self.acct.stats.d2h_queue_peak = max(self.acct.stats.d2h_queue_peak, self._queued)
+
+    def _give_slot(self) -> None:
+        with self._queued_lock:
+            self._queued -= 1
+        self._slots.release()
 
     def _update_now(self, si: int, slot: bool = False) -> None:
         """D2H worker: the slab's gradients of this step are complete: apply its AdamW update now."""
@@ -124,8 +143,8 @@ class GradientSink:
             self.shared.close_slab(self.store.slabs[si])
             opt.apply_now(si, self._hyper)
         finally:
-            if slot and self._slots is not None:
-                self._slots.release()
+            if slot:
+                self._give_slot()
 
     def _accumulate(self, si: int, idx: list[int], run: Callable, nbytes: int, final: bool = False) -> None:
         """D2H worker: add one batch of slab ``si``'s gradients into its fp32 accumulator, then
@@ -141,8 +160,7 @@ class GradientSink:
             if not done[0]:
                 done[0] = True
                 self.acct.track(-nbytes)
-                if self._slots is not None:
-                    self._slots.release()
+                self._give_slot()
 
         try:
             with slab.lock:

@@ -141,7 +141,7 @@ class StreamingEngine:
         # gradients of a parameter read by several blocks are summed per backward, as autograd does
         shared = SharedGradSums.for_blocks(self.blocks, enabled=Region.grad_accum not in self.store.nvme_kinds)
         self.grads = GradientSink(self.store, self.acct, self.transport, lambda: self.optimizer, shared,
-                                  bounded=self._budget_device)
+                                  max_inflight=2)
         self.fetcher = WeightFetcher(self.blocks, self.store, self.transport, self.acct, lambda: self.optimizer,
                                      self.device)
         nvme_on = self.store.nvme is not None

@@ -16,7 +16,8 @@ Memory tiers (docs/architecture.md, "Memory tiers"), N = unique parameters (tied
   (lookahead + 2) blocks of it in RAM (read-ahead, the block in use, write-behind).
 * device: the largest block x (lookahead + 1) in the wire dtype, its fp32 upcast under mixed
   precision (``precision.py``: bf16 on the wire, fp32 params under autocast), the block's
-  parameter gradients (device dtype) plus their packed copy for D2H (``transport.stage_grads``),
+  parameter gradients (device dtype) plus the packed copies queued for D2H (``transport.stage_grads``;
+  at most ``D2H_INFLIGHT`` = 2 batches, the gradient sink's bound),
   the saved block inputs (ceil(L/K) + 1) x B x T x H in the residual-stream dtype (fp32
   under mixed precision), one block's recompute activations (estimate below), fp32 logits
   B x T x V x 4 and their gradient of the same size, and a 2 GiB runtime reserve (CUDA
@@ -92,6 +93,7 @@ PROCESS_OVERHEAD = 4 * GIB      # host: Python, torch, CUDA host side, data load
 DEVICE_RESERVE = 2 * GIB        # device: CUDA context, workspaces, fragmentation (assumption)
 CKPT_METADATA = 16 * 2**20      # checkpoint metadata allowance
 WORKING_SET_FACTOR = 1.5        # transient gradients during one block's backward (assumption)
+D2H_INFLIGHT = 2                # packed gradient batches queued for the D2H worker at most (engine/grads.py)
 
 TERM_LABELS = {"compute": "compute", "h2d": "H2D link", "d2h": "D2H link", "nvme_read": "NVMe read",
                "nvme_write": "NVMe write", "host_adamw": "host AdamW",
@@ -121,7 +123,7 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     device = {
         f"block weights x{la + 1} (wire)": 0 if zero_copy else big * (la + 1) * wire,
         "fp32 upcast of computing block": big * 4 if wire < dev_param else 0,
-        "block param grads + D2H pack": big * (dev_param + grad_b),
+        "block param grads + queued D2H packs": big * (dev_param + D2H_INFLIGHT * grad_b),
         "saved block inputs": 0 if s["offload_activations"] else saved_bytes,
         "restored inputs in flight": 2 * B * T * H * act_saved if s["offload_activations"] else 0,
         "one block's recompute activations": int(B * T * per_token * WORKING_SET_FACTOR),
