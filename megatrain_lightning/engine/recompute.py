@@ -136,12 +136,7 @@ class _BlockFunction(torch.autograd.Function):
                 "penalty with strategy='auto' or without create_graph."
             )
         if call.freed:
-            raise RuntimeError(
-                "Trying to backward through the graph a second time (or directly access saved tensors after "
-                "they have already been freed). Saved intermediate values of the graph are freed when you call "
-                ".backward() or autograd.grad(). Specify retain_graph=True if you need to backward through the "
-                f"graph a second time (megatrain: streamed block {call.block.name})."
-            )
+            raise RuntimeError(_SECOND_BACKWARD + f" (megatrain: streamed block {call.block.name}).")
         n = len(call.tensor_pos)
         needs = ctx.needs_input_grad[2 : 2 + n]
         kind = "all" if _leaf_grad_use(rc.dummy) == "accumulate" else "select"
@@ -149,6 +144,13 @@ class _BlockFunction(torch.autograd.Function):
         call.fwd.backward_started = True
         grad_inputs, grad_params = rc._backward_call(call, needs, grad_outs, kind, keep_graph)
         return (None, None, *grad_inputs, *grad_params)
+
+
+# PyTorch's own message for this error, so users find the usual advice
+_SECOND_BACKWARD = ("Trying to backward through the graph a second time (or directly access saved tensors after they "
+                    "have already been freed). Saved intermediate values of the graph are freed when you call "
+                    ".backward() or autograd.grad(). Specify retain_graph=True if you need to backward through the "
+                    "graph a second time")
 
 
 def trainable_refs(blk: Block) -> list:
@@ -201,7 +203,7 @@ class Recompute:
         refs = trainable_refs(blk)
         fwd = self.forward_for(blk)
         call = BlockCall(self, blk, forward, [None if i in pos else x for i, x in enumerate(flat)], spec, pos,
-                     fwd=fwd, refs=refs, keep=keep and bool(fwd.calls))
+                         fwd=fwd, refs=refs, keep=keep and bool(fwd.calls))
         outs = _BlockFunction.apply(call, self.dummy, *[flat[i] for i in pos], *[r.param for r in refs])
         call.fwd.last_outs = (call.pos, [weakref.ref(o) for o in outs])
         out_flat = list(call.out_flat)
@@ -212,10 +214,7 @@ class Recompute:
     def bound_params(self, blk: Block, refs: list, bufs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """A container's own trainable parameters (``refs``) as autograd-tracked device views of
         ``bufs`` for the span of its forward (:class:`_BoundParams`), keyed by ``id(param)``."""
-        views = []
-        for r in refs:
-            e = self.store.slabs[r.slab].entries[r.index]
-            views.append(bufs[r.slab][e.offset : e.offset + e.numel].view(e.shape))
+        views = [self.store.slabs[r.slab].view(bufs[r.slab], r.index) for r in refs]
         outs = _BoundParams.apply(self, refs, views, self.dummy, *[r.param for r in refs])
         self.forward_for(blk).direct.append(refs)
         return {id(r.param): o for r, o in zip(refs, outs)}
@@ -238,12 +237,8 @@ class Recompute:
 
     def _grad_leaves(self, refs: Sequence, bufs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """One autograd leaf per parameter of ``refs`` (a view of its device buffer), keyed by ``id(param)``."""
-        leaves: dict[int, torch.Tensor] = {}
-        for ref in refs:
-            e = self.store.slabs[ref.slab].entries[ref.index]
-            view = bufs[ref.slab][e.offset : e.offset + e.numel].view(e.shape)
-            leaves[id(ref.param)] = view.detach().requires_grad_(True)
-        return leaves
+        return {id(r.param): self.store.slabs[r.slab].view(bufs[r.slab], r.index).detach().requires_grad_(True)
+                for r in refs}
 
     def _run_kept(self, call: BlockCall, tensors: Sequence[torch.Tensor]) -> Any:
         """Run the last block of a training forward with autograd and keep its graph for its backward.
@@ -431,10 +426,7 @@ class Recompute:
         for q in reversed(chain):
             c = fwd.call(q)
             if c.freed:
-                raise RuntimeError(
-                    "Trying to backward through the graph a second time (or directly access saved tensors after "
-                    "they have already been freed). Specify retain_graph=True if you need to backward through the "
-                    f"graph a second time (megatrain: block {c.block.name} is recomputed from freed inputs).")
+                raise RuntimeError(_SECOND_BACKWARD + f" (megatrain: block {c.block.name} is recomputed from freed inputs).")
             inputs = [t.detach() for t in self._load_inputs(c)]
             with torch.no_grad(), self._replay(c):
                 out = self._run_block(c, inputs, leaves=None, backward=True)

@@ -98,24 +98,21 @@ class StreamingEngine:
         recompute_every = deprecated_recompute_every(recompute_every, checkpoint_every)
         if recompute_every < 1:
             raise ValueError(f"recompute_every must be >= 1 (blocks per recompute segment), got {recompute_every}.")
-        self.recompute_every = recompute_every
         self.root = root
         self.device = torch.device(device)
-        self.lookahead = lookahead
-        self.offload_activations = offload_activations
         self.blocks: list[Block] = discover_blocks(root, block_classes, block_names)
         check_floating(self.blocks)
         if pin_memory is None:
             pin_memory = self.device.type == "cuda"
-        self.nvme_config = nvme
         self.budget: HostBudget | None = None
+        min_window = 0
         factory: Callable[[list[tuple[int, int]]], NVMeStore] | None = None
         if nvme is not None and nvme.kinds:
             layout = [(n, t) for _, n, t in slab_layout(self.blocks)]
-            self._min_window = nvme.min_window(layout)
+            min_window = nvme.min_window(layout)
             if self.device.type == "cpu":
-                self._min_window += compute_window_bytes(layout, self.blocks, lookahead)
-            preflight_nvme(nvme.path, layout, nvme.host_memory_limit, self._min_window,
+                min_window += compute_window_bytes(layout, self.blocks, lookahead)
+            preflight_nvme(nvme.path, layout, nvme.host_memory_limit, min_window,
                            pinned_bytes=nvme.pinned_bytes(layout) if pin_memory else 0)
             self.budget = HostBudget(nvme.host_memory_limit)
             heap.bound_heap()  # freed buffers leave the process (the budget counts only live ones)
@@ -133,9 +130,9 @@ class StreamingEngine:
         self.trainable = [p.requires_grad for p in root.parameters()]
         self.transport = make_transport(self.device, self.store.max_slab_numel(trainable=True), cpu_zero_copy)
         # on CPU the compute buffers are host memory: they count in host_memory_limit
-        self._budget_device = self.budget is not None and self.device.type == "cpu"
-        self.acct = ByteAccounting(reserve=self.store.nvme.reserve if self._budget_device else None,
-                                   unreserve=self.budget.release if self._budget_device else None,
+        budget_device = self.budget is not None and self.device.type == "cpu"
+        self.acct = ByteAccounting(reserve=self.store.nvme.reserve if budget_device else None,
+                                   unreserve=self.budget.release if budget_device else None,
                                    on_release=self.transport.released)
         self.params = ParamAccess(self.store, lambda: self.optimizer)
         # gradients of a parameter read by several blocks are summed per backward, as autograd does
@@ -147,7 +144,7 @@ class StreamingEngine:
         nvme_on = self.store.nvme is not None
         self.prefetcher = Prefetcher(self.blocks, self.store, self.transport, self.acct, lambda blk: self.fetcher.fetch(blk),
                                      lookahead, lambda: self.optimizer,
-                                     read_ahead_bytes=self.budget.limit - self._min_window if nvme_on else None,
+                                     read_ahead_bytes=self.budget.limit - min_window if nvme_on else None,
                                      read_ahead_depth=nvme.read_ahead if nvme_on else 0)
         self.optimizer: HostAdamW | None = None
         self.order: list[int] = []  # block indices in forward call order (learned on the first forward)
@@ -335,8 +332,7 @@ class StreamingEngine:
                 if leaves is not None and id(ref.param) in leaves:
                     t = leaves[id(ref.param)]
                 else:
-                    e = self.store.slabs[ref.slab].entries[ref.index]
-                    t = bufs[ref.slab][e.offset : e.offset + e.numel].view(e.shape)
+                    t = self.store.slabs[ref.slab].view(bufs[ref.slab], ref.index)
                 saved.append((ref.owner, ref.attr, ref.owner._parameters[ref.attr]))
                 ref.owner._parameters[ref.attr] = t
             yield
