@@ -36,6 +36,7 @@ from .checkpoint.hf_io import weight_sources
 from .checkpoint.directory import load_checkpoint_dir, load_optimizer_dir, save_checkpoint_dir
 from .engine.recompute import deprecated_recompute_every
 from .engine.streaming import StreamingEngine
+from .engine.threads import check_host_threads
 from .optim.host_adamw import UnsupportedOptimizerError, validate_optimizer
 from .precision import MegaTrainPrecision, to_megatrain_precision
 from .store.nvme import IO_BLOCK_SIZE, NVME_PATH_FROM_ENV, NVMeConfig
@@ -98,9 +99,14 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             gradient clipping or fp16 loss scaling (both need every gradient first) and when the
             LightningModule does not override ``on_before_optimizer_step``,
             ``configure_gradient_clipping`` or ``optimizer_step``; otherwise the deferred schedule runs.
+        host_threads: intra-op CPU threads of the engine's two host workers (the host AdamW, gradient
+            adds into the fp32 accumulators, casts to the wire dtype). ``None`` (default): on CUDA
+            ``torch.get_num_threads() - 1``, which leaves a core for the thread launching GPU kernels
+            (derived, not measured: docs/architecture.md, "Engine layout"); on CPU torch's setting.
         accelerator, checkpoint_io, precision_plugin: as for every Lightning strategy.
 
     Raises:
+        ValueError: ``host_threads`` is not ``None`` or an integer >= 1 (when the strategy is built).
         MisconfigurationException: more than one device.
         UnsupportedOptimizerError: ``configure_optimizers`` returned anything but one AdamW/Adam.
         BlockDiscoveryError: the model has no discoverable blocks.
@@ -134,7 +140,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         direct_io: bool | str = "auto",
         keep_nvme_files: bool = False,
         optimizer_in_backward: bool | None = None,
+        host_threads: int | None = None,
     ) -> None:
+        check_host_threads(host_threads)
         self._parallel_devices: list[torch.device] | None = None
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self.lookahead = lookahead
@@ -151,6 +159,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             host_memory_limit=host_memory_limit, io_threads=nvme_io_threads, io_block_size=nvme_io_block_size,
             read_ahead=nvme_read_ahead, direct_io=direct_io, keep_files=keep_nvme_files)
         self.optimizer_in_backward = optimizer_in_backward
+        self.host_threads = host_threads
         self.engine: StreamingEngine | None = None
         self._orig_zero_grad: tuple[Any, Any] | None = None
 
@@ -225,6 +234,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
                 cpu_zero_copy=self.cpu_zero_copy,
                 nvme=self.nvme,
                 sources=weight_sources(module),
+                host_threads=self.host_threads,
             )
         self.engine.install()
         module._device = self.root_device  # the module is never moved as a whole

@@ -396,13 +396,15 @@ def test_cpu_transport_to_device_copies_or_binds():
 
 
 @pytest.mark.parametrize("wire", [torch.float32, torch.bfloat16])
-def test_cpu_transport_stage_grads_hands_the_gradients_to_consume(wire):
+def test_cpu_transport_stage_grads_gives_the_gradients_on_the_host(wire):
     grads = [torch.randn(3, 4), torch.randn(5)]
-    run = CPUTransport(torch.device("cpu")).stage_grads(grads, wire)
-    got = []
-    run(got.extend)
+    copy = CPUTransport(torch.device("cpu")).stage_grads(grads, wire)
+    got = copy.wait()
     assert [g.shape for g in got] == [g.shape for g in grads]
     assert all(h.dtype == wire and torch.equal(h, g.to(wire)) for h, g in zip(got, grads))
+    assert copy.busy_s >= 0.0
+    copy.release()
+    copy.release()  # once: a second release is a no-op
 
 
 def test_cpu_transport_offload_restore_round_trip():

@@ -38,6 +38,13 @@ class StepStats:
         cast_s: seconds the H2D worker spent casting fp32 masters to the bf16/fp16 wire copies.
         d2h_queue_peak: most gradient batches queued for the D2H worker at once (bounded by the
             gradient sink's ``max_inflight``: each keeps its gradients on the device until copied).
+        d2h_busy_s: seconds gradient copies device -> host were running (CUDA: between events recorded
+            on the D2H stream around each copy; CPU: the conversion to the wire dtype, if any). They
+            overlap the host adds of earlier batches (docs/architecture.md, "Engine layout").
+        d2h_copy_wait_s: seconds the D2H worker waited for a gradient copy to finish before adding it
+            (the copy time not hidden behind host adds; on CUDA it includes waiting for the block's
+            backward that produces the gradients).
+        grad_add_s: seconds the D2H worker spent adding gradients into the fp32 host accumulators.
     """
 
     h2d_bytes: int = 0
@@ -50,6 +57,9 @@ class StepStats:
     prefetch_misses: int = 0
     cast_s: float = 0.0
     d2h_queue_peak: int = 0
+    d2h_busy_s: float = 0.0
+    d2h_copy_wait_s: float = 0.0
+    grad_add_s: float = 0.0
 
     def as_dict(self, prefix: str = "megatrain/") -> dict[str, float]:
         """The statistics as ``{prefix + name: float}``, what the strategy logs."""
@@ -66,7 +76,8 @@ class ByteAccounting:
         on_release: called after a block's buffers are released (CUDA: records the compute stream's
             progress, which bounds how far the H2D worker may run ahead).
 
-    Thread-safe: the H2D and D2H workers report through it too.
+    Thread-safe: the H2D and D2H workers report through it too; the step's statistics change only
+    through :meth:`add` and :meth:`peak` (under the same lock), never by ``stats.x += ...``.
     """
 
     def __init__(self, reserve: Callable[[int], None] | None = None, unreserve: Callable[[int], None] | None = None,
@@ -88,6 +99,28 @@ class ByteAccounting:
         with self._lock:
             self.live += nbytes
             self.stats.peak_device_bytes = max(self.stats.peak_device_bytes, self.live)
+
+    def add(self, **deltas: float) -> None:
+        """Add to the current step's statistics, e.g. ``add(h2d_bytes=n, cast_s=dt)`` (any thread).
+
+        Raises:
+            AttributeError: a name that is not a :class:`StepStats` field."""
+        with self._lock:
+            for k, v in deltas.items():
+                setattr(self.stats, k, getattr(self.stats, k) + v)
+
+    def peak(self, **values: float) -> None:
+        """Raise the current step's statistics to at least ``values``, e.g. ``peak(d2h_queue_peak=2)``."""
+        with self._lock:
+            for k, v in values.items():
+                setattr(self.stats, k, max(getattr(self.stats, k), v))
+
+    def set(self, **values: float) -> None:
+        """Set statistics of the current step (end-of-step figures: ``optimizer_s``, the CUDA peak)."""
+        with self._lock:
+            for k, v in values.items():
+                getattr(self.stats, k)  # AttributeError for an unknown name, as add() and peak()
+                setattr(self.stats, k, v)
 
     def release(self, bufs: dict[int, torch.Tensor]) -> None:
         """A block's buffers (slab index -> tensor) are no longer used by the compute thread."""

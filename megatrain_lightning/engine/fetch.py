@@ -8,7 +8,7 @@ mixed modes only the weights autocast casts at every use travel in bf16/fp16 (th
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -53,14 +53,12 @@ class WeightFetcher:
         when it is all fp32, else its wire image (RAM tier: the cached shadow; NVMe tier: cast from
         the window's master at this fetch). ``stats.h2d_bytes`` counts the bytes that travel."""
         out = {}
-        for si in blk.slabs:
+        for si in self._locked(blk):  # each slab's lock held from its update until its event is published
             slab = self.store.slabs[si]
             layout = self.wire_layouts[si]
             opt = self._optimizer()
             if opt is not None:
                 opt.apply_pending(si)
-            nbytes = slab.numel * self.param_dtype.itemsize
-            self.acct.track(nbytes)  # reserved before the buffer exists (CPU + NVMe: counted in the budget)
             if not self.store.masters_on_disk:
                 if layout.dtype == torch.float32:
                     src = slab.master
@@ -76,7 +74,7 @@ class WeightFetcher:
                         try:
                             t0 = time.perf_counter()
                             src = layout.encode(src, layout.empty())  # no cached shadow: it would be resident
-                            self.acct.stats.cast_s += time.perf_counter() - t0
+                            self.acct.add(cast_s=time.perf_counter() - t0)
                             buf, ev = self.transport.to_device(src, self.param_dtype, layout)
                             self.transport.last_read_done(ev)
                         finally:
@@ -85,10 +83,22 @@ class WeightFetcher:
                         buf, ev = self.transport.to_device(src, self.param_dtype)
                         self.transport.last_read_done(ev)  # the window buffer may be evicted after the hold
             slab.read_by(ev)
-            self.acct.stats.h2d_bytes += src.numel() * src.element_size()
+            self.acct.add(h2d_bytes=src.numel() * src.element_size())
             out[si] = (buf, ev)
-        self.acct.stats.blocks_fetched += 1
+        self.acct.add(blocks_fetched=1)
         return out
+
+    def _locked(self, blk: Block) -> Iterator[int]:
+        """The block's slab indices for :meth:`fetch`'s loop, each with its compute buffer reserved
+        (``acct.track``: may wait for budget, so outside the lock) and then its slab's ``lock`` held
+        while the loop body runs (released when the loop moves on, ends or raises). A writer on another
+        thread (the in-backward update, ``write_param``) thus sees the copy's event in
+        ``slab.last_read`` and waits for it (``Slab.wait_reads``) before writing the master."""
+        for si in blk.slabs:
+            slab = self.store.slabs[si]
+            self.acct.track(slab.numel * self.param_dtype.itemsize)  # before the buffer exists (CPU + NVMe: budget)
+            with slab.lock:
+                yield si
 
     def _castable(self) -> list[list[bool]]:
         """Per slab, per entry: whether autocast casts the parameter at every use (all its owners are
@@ -145,6 +155,6 @@ class WeightFetcher:
                 self.transport.last_read_done(slab.last_read)  # an async H2D may still read the shadow
                 t0 = time.perf_counter()
                 layout.encode(slab.master, shadow)
-                self.acct.stats.cast_s += time.perf_counter() - t0
+                self.acct.add(cast_s=time.perf_counter() - t0)
             self.shadows[slab.index] = (shadow, v)
             return shadow

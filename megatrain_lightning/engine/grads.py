@@ -1,8 +1,11 @@
 """The gradient sink: parameter gradients from the device to the fp32 host accumulators.
 
 A block's backward hands its parameter gradients to :meth:`GradientSink.send`; they are packed per
-slab on the compute stream, copied device -> host by the D2H worker thread and added into the slab's
-fp32 accumulator (``grad_accum``) in the host store. ``param.grad`` is a view of that accumulator while
+slab on the compute stream and their copy device -> host is queued at once into a free pinned
+staging buffer (``transport.stage_grads``); the D2H worker thread waits for each copy, adds it into
+the slab's fp32 accumulator (``grad_accum``) in the host store and frees the staging buffer. The copy
+of batch k+1 thus runs while the worker adds batch k (stats ``d2h_busy_s``, ``d2h_copy_wait_s``,
+``grad_add_s``, ``d2h_queue_peak``). ``param.grad`` is a view of that accumulator while
 Lightning's hooks and clipping run (:meth:`GradientSink.attach`). With the optimizer step in
 backward, the D2H worker also applies a slab's AdamW update right after its last gradient of the
 step (docs/architecture.md, "NVMe tier": optimizer step in backward).
@@ -22,6 +25,8 @@ from ..store.host import HostStore
 from ..store.regions import Region
 from .accounting import ByteAccounting
 from .shared_grads import SharedGradSums
+from .threads import worker_initializer
+from .transport import GradCopy
 
 
 class GradientSink:
@@ -30,7 +35,8 @@ class GradientSink:
     Args:
         store: the host store (accumulators in RAM or on NVMe).
         acct: live-byte accounting (gradients in flight count until they are in the accumulator).
-        transport: the device transport (``stage_grads``).
+        transport: the device transport (``stage_grads``; CUDA: ``n_staging`` pinned staging buffers,
+            at least ``max_inflight``).
         optimizer: returns the attached host optimizer, or ``None``.
         shared: per-backward sums of parameters read by several blocks (tied embeddings), added into
             the accumulator once per backward as autograd does (docs/architecture.md, "Fidelity").
@@ -40,19 +46,32 @@ class GradientSink:
             the device memory of gradients whatever the depth, when the host add is slower than a
             block's backward (the normal case for large layers; issue 17). On budgeted CPU runs it also
             prevents a deadlock: unbounded, the queued gradients could take the whole budget while the
-            worker itself waits for budget to accumulate or update them.
+            worker itself waits for budget to accumulate or update them. Each batch in flight holds
+            one staging buffer from its copy until its add ends: with two, batch k+1 copies while
+            batch k is added.
+        host_threads: intra-op CPU threads of the D2H worker's adds and updates (``None``: torch's
+            setting; see :mod:`.threads`).
+
+    Raises:
+        ValueError: ``max_inflight < 1``, or more than the transport's staging buffers.
     """
 
     def __init__(self, store: HostStore, acct: ByteAccounting, transport: Any,
-                 optimizer: Callable[[], HostAdamW | None], shared: SharedGradSums, max_inflight: int = 2):
+                 optimizer: Callable[[], HostAdamW | None], shared: SharedGradSums, max_inflight: int = 2,
+                 host_threads: int | None = None):
         self.store = store
         self.shared = shared
         self.acct = acct
         self.transport = transport
         self._optimizer = optimizer
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="megatrain-d2h")
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1 gradient batch, got {max_inflight}.")
+        staging = getattr(transport, "n_staging", None)
+        if staging is not None and max_inflight > staging:
+            raise ValueError(f"max_inflight={max_inflight} gradient batches need as many D2H staging buffers; "
+                             f"the transport has {staging}.")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="megatrain-d2h",
+                                        initializer=worker_initializer(host_threads))
         self._slots = threading.BoundedSemaphore(max_inflight)
         self._queued = 0  # batches (and in-backward updates) submitted and not yet done
         self._queued_lock = threading.Lock()
@@ -112,12 +131,12 @@ class GradientSink:
             nbytes = sum(g.numel() * wire.itemsize for _, g in items)
             take = min(nbytes, reserved)
             reserved -= take
-            self._take_slot()
+            self._take_slot()  # a staging buffer is free once a slot is
             self.acct.track(nbytes - take)
-            run = self.transport.stage_grads([g for _, g in items], wire)
+            copy = self.transport.stage_grads([g for _, g in items], wire)  # queued now, overlaps the adds
             idx = [i for i, _ in items]
-            self.acct.stats.d2h_bytes += nbytes
-            self._futures.append(self._pool.submit(self._accumulate, si, idx, run, nbytes, si in final))
+            self.acct.add(d2h_bytes=nbytes)
+            self._futures.append(self._pool.submit(self._accumulate, si, idx, copy, nbytes, si in final))
         for si in final - set(by_slab):  # its last batch had no gradient: the update still runs, in order
             self._take_slot()
             self._futures.append(self._pool.submit(self._update_now, si, True))
@@ -128,7 +147,7 @@ class GradientSink:
         self._slots.acquire()
         with self._queued_lock:
             self._queued += 1
-            self.acct.stats.d2h_queue_peak = max(self.acct.stats.d2h_queue_peak, self._queued)
+            self.acct.peak(d2h_queue_peak=self._queued)
 
     def _give_slot(self) -> None:
         with self._queued_lock:
@@ -146,9 +165,11 @@ class GradientSink:
             if slot:
                 self._give_slot()
 
-    def _accumulate(self, si: int, idx: list[int], run: Callable, nbytes: int, final: bool = False) -> None:
-        """D2H worker: add one batch of slab ``si``'s gradients into its fp32 accumulator, then
-        (``final``: the slab's last batch of the step under ``optimizer_in_backward``) apply its update.
+    def _accumulate(self, si: int, idx: list[int], copy: GradCopy, nbytes: int, final: bool = False) -> None:
+        """D2H worker: wait for one batch of slab ``si``'s gradients to reach the host, add them into
+        its fp32 accumulator, free the staging buffer and the slot (the compute thread may queue the
+        next copy), then (``final``: the slab's last batch of the step under ``optimizer_in_backward``)
+        apply its update.
 
         The final batch is consumed by the update while the accumulator is still pinned, so that
         accumulator is never marked for write-back: with ``offload_optimizer="nvme"`` it never
@@ -156,26 +177,28 @@ class GradientSink:
         slab = self.store.slabs[si]
         done = [False]
 
-        def release() -> None:  # the gradient batch's bytes and D2H slot, exactly once
+        def release() -> None:  # the staging buffer, the batch's bytes and its D2H slot, exactly once
             if not done[0]:
                 done[0] = True
+                copy.release()
                 self.acct.track(-nbytes)
                 self._give_slot()
 
         try:
+            t0 = time.perf_counter()
+            host_grads = copy.wait()  # outside the slab's lock: the copy needs nothing of the slab
+            self.acct.add(d2h_copy_wait_s=time.perf_counter() - t0, d2h_busy_s=copy.busy_s)
             with slab.lock:
                 slab.start_window()
                 # an empty accumulator is overwritten, not read (NVMe: no disk read)
                 fresh = [Region.grad_accum] if slab.grad_accum_empty else []
                 with self.store.hold(si, [Region.grad_accum], write=not final, fresh=fresh) as t:
-
-                    def consume(host_grads: list[torch.Tensor]) -> None:
+                    t1 = time.perf_counter()
+                    try:
                         for i, g in zip(idx, host_grads):
                             self.shared.add(slab, i, slab.view(t[Region.grad_accum], i), g)
-
-                    try:
-                        run(consume)
                     finally:
+                        self.acct.add(grad_add_s=time.perf_counter() - t1)
                         release()
                     slab.filled()
                     if final:
@@ -193,7 +216,7 @@ class GradientSink:
         for f in futs:
             f.result()
         self.shared.close_all(self.store.slabs)
-        self.acct.stats.wait_s += time.perf_counter() - t0
+        self.acct.add(wait_s=time.perf_counter() - t0)
 
     def attach(self) -> None:
         """Set ``param.grad`` to a view of its fp32 accumulator (``None`` where no gradient arrived).

@@ -63,6 +63,7 @@ class ParamAccess:
         if opt is not None:
             opt.pending.pop(si, None)
         with slab.lock, self.store.hold(si, [Region.master], write=True) as t, torch.no_grad():
+            slab.wait_reads()  # an H2D copy (a prefetch) may still read the master
             slab.view(t[Region.master], ei).copy_(value)
             slab.updated()  # invalidates the bf16/fp16 wire image
 

@@ -20,6 +20,7 @@ from ..optim.host_adamw import HostAdamW
 from ..store.host import HostStore
 from ..store.regions import Region
 from .accounting import ByteAccounting
+from .threads import worker_initializer
 
 
 class Prefetcher:
@@ -37,19 +38,22 @@ class Prefetcher:
         read_ahead_bytes: NVMe tier: bytes the read-ahead may use beside the blocks in flight
             (``host_memory_limit`` - the minimum window), or ``None`` without the NVMe tier.
         read_ahead_depth: NVMe tier: fetches beyond the lookahead whose regions are read ahead.
+        host_threads: intra-op CPU threads of the H2D worker's updates and casts (``None``: torch's
+            setting; see :mod:`.threads`).
     """
 
     def __init__(self, blocks: Sequence[Block], store: HostStore, transport: Any, acct: ByteAccounting,
                  fetch: Callable[[Block], dict[int, tuple[torch.Tensor, Any]]], lookahead: int,
                  optimizer: Callable[[], HostAdamW | None], read_ahead_bytes: int | None = None,
-                 read_ahead_depth: int = 0):
+                 read_ahead_depth: int = 0, host_threads: int | None = None):
         self.blocks, self.store, self.transport, self.acct = blocks, store, transport, acct
         self._fetch = fetch
         self.lookahead = lookahead
         self._optimizer = optimizer
         self._spare = read_ahead_bytes
         self._depth = read_ahead_depth
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="megatrain-h2d")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="megatrain-h2d",
+                                        initializer=worker_initializer(host_threads))
         self._inflight: dict[int, Future] = {}
 
     def get(self, blk: Block, seq: Sequence[int], pos: int | None, backward: bool = False,
@@ -66,7 +70,7 @@ class Prefetcher:
         t0 = time.perf_counter()
         fut = self._inflight.pop(blk.index, None)
         if fut is None:
-            self.acct.stats.prefetch_misses += 1
+            self.acct.add(prefetch_misses=1)
             fut = self._pool.submit(self._fetch, blk)
         if self.lookahead > 0 and pos is not None:
             want: list[int] = []
@@ -85,7 +89,7 @@ class Prefetcher:
         got = fut.result()
         for buf, ev in got.values():
             self.transport.ready(buf, ev)
-        self.acct.stats.wait_s += time.perf_counter() - t0
+        self.acct.add(wait_s=time.perf_counter() - t0)
         return {s: buf for s, (buf, _) in got.items()}
 
     def _read_ahead(self, upcoming: Sequence[int], backward: bool, updates_in_backward: bool) -> None:
@@ -120,10 +124,18 @@ class Prefetcher:
                         wanted.append((si, k))
         nvme.read_ahead(wanted)
 
+    def _release(self, got: dict[int, tuple[torch.Tensor, Any]]) -> None:
+        """A fetched block nobody will use: wait until its copies are done (their buffers, and the host
+        memory they read, may be reused right after), then give its bytes back."""
+        for _, ev in got.values():
+            self.transport.last_read_done(ev)
+        self.acct.track(-sum(b.numel() * b.element_size() for b, _ in got.values()))
+
     def _discard(self, fut: Future) -> None:
+        """Drop a prefetch the schedule no longer wants (released on the H2D worker once it is done)."""
         def drop(f: Future) -> None:
             if f.exception() is None:
-                self.acct.track(-sum(b.numel() * b.element_size() for b, _ in f.result().values()))
+                self._release(f.result())
 
         fut.add_done_callback(drop)
 
@@ -132,9 +144,9 @@ class Prefetcher:
         for fut in self._inflight.values():
             try:
                 got = fut.result()
-                self.acct.track(-sum(b.numel() * b.element_size() for b, _ in got.values()))
             except Exception:  # the error resurfaces on the next synchronous fetch
-                pass
+                continue
+            self._release(got)
         self._inflight.clear()
 
     def close(self) -> None:

@@ -262,7 +262,7 @@ class Recompute:
             self.acct.release(bufs)
             raise
         finally:
-            self.acct.stats.compute_s += time.perf_counter() - t0
+            self.acct.add(compute_s=time.perf_counter() - t0)
         out_flat, spec = tree_flatten(out)
         outs = [x for x in out_flat if isinstance(x, torch.Tensor)]
         kept = KeptGraph(self, bufs, leaves, inputs, outs)
@@ -290,7 +290,7 @@ class Recompute:
             with self._bind(call.block, bufs, leaves):
                 return call.forward(*args, **kwargs)
         finally:
-            self.acct.stats.compute_s += time.perf_counter() - t0
+            self.acct.add(compute_s=time.perf_counter() - t0)
             self.acct.release(bufs)
 
     def _backward_call(self, call: BlockCall, needs: Sequence[bool], grad_outs: Sequence[torch.Tensor | None],
@@ -343,7 +343,7 @@ class Recompute:
             else:
                 grads = (None,) * len(targets)
         finally:
-            self.acct.stats.compute_s += time.perf_counter() - t0
+            self.acct.add(compute_s=time.perf_counter() - t0)
             del leaves
             if bufs is not None:
                 self.acct.release(bufs)
@@ -464,11 +464,11 @@ class Recompute:
 
     def _offload(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
         nbytes = t.numel() * t.element_size()
-        self.acct.stats.d2h_bytes += nbytes
+        self.acct.add(d2h_bytes=nbytes)
         return self.transport.offload(t)
 
     def _restore(self, host: tuple[torch.Tensor, Any]) -> torch.Tensor:
-        self.acct.stats.h2d_bytes += host[0].numel() * host[0].element_size()
+        self.acct.add(h2d_bytes=host[0].numel() * host[0].element_size())
         return self.transport.restore(*host)
 
 

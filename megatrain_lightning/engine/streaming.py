@@ -41,6 +41,7 @@ from .prefetch import Prefetcher
 from .recompute import Recompute, deprecated_recompute_every, trainable_refs
 from .shared_grads import SharedGradSums
 from .params import ParamAccess
+from .threads import resolve_host_threads
 from .transport import make_transport
 
 log = logging.getLogger(__name__)
@@ -71,10 +72,12 @@ class StreamingEngine:
         sources: ``id(param) -> loader`` for parameters on the ``meta`` device (models built by
             ``meta_model_from_pretrained``: see ``checkpoint.hf_io.weight_sources``); each loader is
             called once while the host store is built.
+        host_threads: intra-op CPU threads of the H2D and D2H workers (host AdamW, casts, gradient
+            adds); ``None``: on CUDA ``torch.get_num_threads() - 1``, on CPU torch's setting (:mod:`.threads`).
 
     Raises:
         BlockDiscoveryError: no blocks found (see ``discover_blocks``).
-        ValueError: ``lookahead < 0`` or an unsupported device type.
+        ValueError: ``lookahead < 0``, ``host_threads < 1`` or an unsupported device type.
     """
 
     def __init__(
@@ -92,6 +95,7 @@ class StreamingEngine:
         cpu_zero_copy: bool = True,
         nvme: NVMeConfig | None = None,
         sources: dict[int, Callable[[], torch.Tensor]] | None = None,
+        host_threads: int | None = None,
     ):
         if lookahead < 0:
             raise ValueError(f"lookahead must be >= 0 (blocks prefetched ahead), got {lookahead}.")
@@ -100,6 +104,7 @@ class StreamingEngine:
             raise ValueError(f"recompute_every must be >= 1 (blocks per recompute segment), got {recompute_every}.")
         self.root = root
         self.device = torch.device(device)
+        host_threads = resolve_host_threads(host_threads, self.device)
         self.blocks: list[Block] = discover_blocks(root, block_classes, block_names)
         check_floating(self.blocks)
         if pin_memory is None:
@@ -128,7 +133,7 @@ class StreamingEngine:
         if self.budget is not None:
             heap.trim()  # what building the store (random init, safetensors reads) left in the heap
         self.trainable = [p.requires_grad for p in root.parameters()]
-        self.transport = make_transport(self.device, self.store.max_slab_numel(trainable=True), cpu_zero_copy)
+        self.transport = make_transport(self.device, self.store.max_slab_numel(trainable=True), cpu_zero_copy, n_staging=2)
         # on CPU the compute buffers are host memory: they count in host_memory_limit
         budget_device = self.budget is not None and self.device.type == "cpu"
         self.acct = ByteAccounting(reserve=self.store.nvme.reserve if budget_device else None,
@@ -138,14 +143,14 @@ class StreamingEngine:
         # gradients of a parameter read by several blocks are summed per backward, as autograd does
         shared = SharedGradSums.for_blocks(self.blocks, enabled=Region.grad_accum not in self.store.nvme_kinds)
         self.grads = GradientSink(self.store, self.acct, self.transport, lambda: self.optimizer, shared,
-                                  max_inflight=2)
+                                  max_inflight=2, host_threads=host_threads)
         self.fetcher = WeightFetcher(self.blocks, self.store, self.transport, self.acct, lambda: self.optimizer,
                                      self.device)
         nvme_on = self.store.nvme is not None
         self.prefetcher = Prefetcher(self.blocks, self.store, self.transport, self.acct, lambda blk: self.fetcher.fetch(blk),
                                      lookahead, lambda: self.optimizer,
                                      read_ahead_bytes=self.budget.limit - min_window if nvme_on else None,
-                                     read_ahead_depth=nvme.read_ahead if nvme_on else 0)
+                                     read_ahead_depth=nvme.read_ahead if nvme_on else 0, host_threads=host_threads)
         self.optimizer: HostAdamW | None = None
         self.order: list[int] = []  # block indices in forward call order (learned on the first forward)
         self._seq: list[int] = []  # the fetch sequence the prefetcher follows now
@@ -227,7 +232,6 @@ class StreamingEngine:
         return self.optimizer
 
     # ------------------------------------------------------------------ direct parameter access
-    # ------------------------------------------------------------------ direct parameter access
     def read_param(self, p: torch.Tensor) -> torch.Tensor:
         """The current fp32 value of ``p`` (see :meth:`ParamAccess.read`). Raises ``KeyError`` if ``p``
         is not a parameter of the streamed module."""
@@ -295,7 +299,7 @@ class StreamingEngine:
                 with self._bind(blk, bufs, None):
                     return orig(*args, **kwargs)
             finally:
-                self.stats.compute_s += time.perf_counter() - t0
+                self.acct.add(compute_s=time.perf_counter() - t0)
                 self.acct.release(bufs)
 
         proxy.__wrapped__ = orig  # type: ignore[attr-defined]
@@ -477,11 +481,11 @@ class StreamingEngine:
         """Close the accounting window of one optimizer step; returns the logged metrics."""
         self.recompute.close_kept()  # the step's backward is over (or was skipped)
         if self.optimizer is not None:
-            self.stats.optimizer_s = self.optimizer.optimizer_seconds
+            self.acct.set(optimizer_s=self.optimizer.optimizer_seconds)
             self.optimizer.optimizer_seconds = 0.0
         peak = self.transport.peak_bytes()
         if peak is not None:
-            self.stats.peak_device_bytes = peak
+            self.acct.set(peak_device_bytes=peak)
             self.transport.reset_peak()
         out = self.stats.as_dict()
         if self.store.nvme is not None:

@@ -7,9 +7,12 @@ The engine calls the same operations on every device:
   of the compute dtype, return it with an event that marks the copy done;
 * :meth:`ready` (on the compute thread): make the compute stream wait for that
   event before the buffer is read;
-* :meth:`stage_grads` (compute thread, then the D2H worker thread): pack a block's
-  parameter gradients on the compute stream and return ``run(consume)``, which the D2H
-  worker calls to copy them to the host and hand host views to the accumulation;
+* :meth:`stage_grads` (compute thread): pack a block's parameter gradients on the compute
+  stream and queue their copy into a free pinned staging buffer on the D2H stream at once; the
+  returned :class:`GradCopy` is handed to the D2H worker, which waits for it (``wait``), adds the
+  host views into the accumulators and gives the staging buffer back (``release``). The copy of
+  batch k+1 therefore runs while the worker adds batch k (the gradient sink bounds the batches in
+  flight to the number of staging buffers);
 * :meth:`offload` / :meth:`restore`: saved activations to host memory and back;
 * :meth:`released` / :meth:`last_read_done`: bound how far the H2D worker runs ahead of the
   compute stream, and make the optimizer wait for the last read of a master it writes.
@@ -17,17 +20,58 @@ The engine calls the same operations on every device:
 On CUDA the H2D and D2H copies run on their own streams from pinned memory, so
 they overlap kernels on the compute stream; on CPU the "device" buffer is a
 separate host tensor filled by a worker thread, so CI runs the same schedule.
+Every CUDA event the host waits on is created with ``blocking=True``: the waiting thread sleeps
+instead of spinning on a core that the host AdamW and adds need.
 """
 
 from __future__ import annotations
 
 import collections
 import queue
+import time
 from typing import Callable, Sequence
 
 import torch
 
 from .wire import WireLayout
+
+
+class GradCopy:
+    """One gradient batch's copy device -> host, queued by :meth:`CUDATransport.stage_grads` /
+    :meth:`CPUTransport.stage_grads` on the compute thread and finished on the D2H worker.
+
+    Args:
+        host: the host tensors the copy fills (wire dtype, the gradients' shapes).
+        done / start: CUDA events recorded on the D2H stream after / before the copy, or ``None``
+            (CPU: the copy is already done).
+        release: gives the pinned staging buffer back, or ``None``.
+        busy_s: seconds the copy took, when known now (CPU).
+
+    Attributes:
+        busy_s: seconds the copy ran on the D2H stream (valid after :meth:`wait`).
+    """
+
+    def __init__(self, host: list[torch.Tensor], done: object = None, start: object = None,
+                 release: "Callable[[], None] | None" = None, busy_s: float = 0.0):
+        self.host, self._done, self._start, self._release = host, done, start, release
+        self.busy_s = busy_s
+
+    def wait(self) -> list[torch.Tensor]:
+        """Block (sleeping: a blocking event) until the copy is done; return the host tensors, valid
+        until :meth:`release`."""
+        if self._done is not None:
+            self._done.synchronize()  # type: ignore[attr-defined]
+            if self._start is not None:
+                self.busy_s = self._start.elapsed_time(self._done) / 1e3  # type: ignore[attr-defined]
+            self._done = None
+        return self.host
+
+    def release(self) -> None:
+        """The host tensors were consumed: their staging buffer may take the next copy (once)."""
+        self.host = []
+        if self._release is not None:
+            self._release, rel = None, self._release
+            rel()
 
 
 class CPUTransport:
@@ -57,7 +101,9 @@ class CPUTransport:
         return buf, None
 
     def ready(self, buf: torch.Tensor, event: object) -> None:
-        """Nothing to wait for: the worker's future already completed the copy."""
+        """Wait for the copy: ``event`` is ``None`` (the worker's future already completed it) or, from
+        a transport that copies asynchronously, an object with ``synchronize()``."""
+        self.last_read_done(event)
 
     def offload(self, t: torch.Tensor) -> tuple[torch.Tensor, None]:
         """Copy a saved activation to host memory (a separate tensor, so the original can be freed)."""
@@ -68,21 +114,25 @@ class CPUTransport:
         return host
 
     def last_read_done(self, event: object) -> None:
-        """Nothing to wait for on CPU."""
+        """Block until a copy out of a host slab is done: ``None`` (CPU copies are synchronous) or an
+        object with ``synchronize()``."""
+        if event is not None:
+            event.synchronize()  # type: ignore[attr-defined]
 
     def released(self) -> None:
         """A block's buffers were released by the compute thread (nothing to track on CPU)."""
 
-    def stage_grads(self, grads: Sequence[torch.Tensor], wire: torch.dtype = torch.float32
-                    ) -> Callable[[Callable[[list[torch.Tensor]], None]], None]:
-        """Return ``run(consume)`` (called on the D2H worker) that hands ``consume`` the gradients as
-        host tensors of dtype ``wire`` (same shapes as ``grads``); ``consume`` adds them into fp32."""
-        grads = list(grads)
+    def stage_grads(self, grads: Sequence[torch.Tensor], wire: torch.dtype = torch.float32) -> GradCopy:
+        """The gradients as host tensors of dtype ``wire`` (same shapes as ``grads``; converted here,
+        on the compute thread, as the CUDA copy is queued there): a finished :class:`GradCopy`."""
+        t0 = time.perf_counter()
+        host = [self.grad_to_host(g, wire) for g in grads]
+        return GradCopy(host, busy_s=time.perf_counter() - t0)
 
-        def run(consume: Callable[[list[torch.Tensor]], None]) -> None:
-            consume([g if g.dtype == wire else g.to(wire) for g in grads])
-
-        return run
+    @staticmethod
+    def grad_to_host(g: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
+        """One gradient on the "D2H link" of a CPU device: itself, or converted to ``wire``."""
+        return g if g.dtype == wire else g.to(wire)
 
 
     def reset_peak(self) -> None:
@@ -111,6 +161,7 @@ class CUDATransport:
         self.max_inflight = max_inflight
         self.h2d_stream = torch.cuda.Stream(device=device)
         self.d2h_stream = torch.cuda.Stream(device=device)
+        self.n_staging = n_staging
         self._staging: "queue.Queue[torch.Tensor]" = queue.Queue()
         for _ in range(n_staging):
             self._staging.put(torch.empty(max(staging_numel, 1), dtype=torch.float32, pin_memory=True))
@@ -132,7 +183,7 @@ class CUDATransport:
                 buf = layout.decode(buf, torch.empty(layout.numel, dtype=dtype, device=self.device))
             elif dtype != host.dtype:
                 buf = buf.to(dtype)
-            ev = torch.cuda.Event()
+            ev = torch.cuda.Event(blocking=True)  # the host waits on it (last_read_done)
             ev.record(self.h2d_stream)
         return buf, ev
 
@@ -155,7 +206,7 @@ class CUDATransport:
             self.d2h_stream.wait_stream(cur)
             t.record_stream(self.d2h_stream)
             host.copy_(t.detach(), non_blocking=True)
-            ev = torch.cuda.Event()
+            ev = torch.cuda.Event(blocking=True)
             ev.record(self.d2h_stream)
         return host, ev
 
@@ -167,7 +218,7 @@ class CUDATransport:
 
     def released(self) -> None:
         """Record on the compute stream that the block just released finishes there."""
-        ev = torch.cuda.Event()
+        ev = torch.cuda.Event(blocking=True)  # the H2D worker waits on it in to_device
         ev.record(torch.cuda.current_stream(self.device))
         self._inflight.append(ev)
 
@@ -176,42 +227,41 @@ class CUDATransport:
         if event is not None:
             event.synchronize()
 
-    def stage_grads(self, grads: Sequence[torch.Tensor], wire: torch.dtype = torch.float32
-                    ) -> Callable[[Callable[[list[torch.Tensor]], None]], None]:
-        """Pack gradients into one flat ``wire``-dtype tensor on the compute stream and return ``run(consume)``.
+    def stage_grads(self, grads: Sequence[torch.Tensor], wire: torch.dtype = torch.float32) -> GradCopy:
+        """Pack gradients into one flat ``wire``-dtype tensor on the compute stream and queue its copy
+        into a free pinned staging buffer on the D2H stream, after the compute stream's event; returns
+        the copy (host views of the gradients' shapes, valid until ``release``).
 
-        ``run`` (called on the D2H worker thread) takes a pinned staging buffer, copies the flat
-        gradient into it on the D2H stream after the compute stream's event, waits for the copy,
-        hands ``consume`` host views (same shapes as ``grads``) and returns the buffer to the pool.
+        The packed tensor is ``record_stream``-ed on the D2H stream: its device memory returns to the
+        allocator as soon as the copy ends, before the host add.
+
+        Raises:
+            RuntimeError: every staging buffer is taken (the gradient sink queues at most
+                ``n_staging`` batches: a caller queued more).
         """
         cur = torch.cuda.current_stream(self.device)
         flat = torch.cat([g.reshape(-1).to(wire) for g in grads]) if grads else torch.empty(0, device=self.device, dtype=wire)
-        ev_compute = torch.cuda.Event()
+        ev_compute = torch.cuda.Event()  # waited on by the D2H stream only, never by the host
         ev_compute.record(cur)
-        shapes = [g.shape for g in grads]
-
-        def run(consume: Callable[[list[torch.Tensor]], None]) -> None:
-            staging = self._staging.get()
-            try:
-                with torch.cuda.device(self.device), torch.cuda.stream(self.d2h_stream):
-                    self.d2h_stream.wait_event(ev_compute)
-                    flat.record_stream(self.d2h_stream)
-                    host = staging.view(wire) if wire.itemsize <= 4 else staging
-                    host[: flat.numel()].copy_(flat, non_blocking=True)
-                    done = torch.cuda.Event()
-                    done.record(self.d2h_stream)
-                done.synchronize()
-                out, off = [], 0
-                for shp in shapes:
-                    n = shp.numel()
-                    out.append(host[off : off + n].view(shp))
-                    off += n
-                consume(out)
-            finally:
-                self._staging.put(staging)
-
-        return run
-
+        try:
+            staging = self._staging.get_nowait()
+        except queue.Empty:
+            raise RuntimeError(f"megatrain: more gradient batches in flight than the {self.n_staging} pinned "
+                               "D2H staging buffers (the gradient sink bounds them: report this).") from None
+        host = (staging.view(wire) if wire.itemsize <= 4 else staging)[: flat.numel()]
+        with torch.cuda.device(self.device), torch.cuda.stream(self.d2h_stream):
+            self.d2h_stream.wait_event(ev_compute)
+            flat.record_stream(self.d2h_stream)
+            start = torch.cuda.Event(enable_timing=True, blocking=True)
+            start.record(self.d2h_stream)
+            host.copy_(flat, non_blocking=True)
+            done = torch.cuda.Event(enable_timing=True, blocking=True)
+            done.record(self.d2h_stream)
+        out, off = [], 0
+        for g in grads:
+            out.append(host[off : off + g.numel()].view(g.shape))
+            off += g.numel()
+        return GradCopy(out, done, start, lambda: self._staging.put(staging))
 
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -220,10 +270,11 @@ class CUDATransport:
         return torch.cuda.max_memory_allocated(self.device)
 
 
-def make_transport(device: torch.device, staging_numel: int, zero_copy_cpu: bool = False):
-    """Pick the transport for ``device`` (``cpu`` or ``cuda``); raises ``ValueError`` for others."""
+def make_transport(device: torch.device, staging_numel: int, zero_copy_cpu: bool = False, n_staging: int = 2):
+    """Pick the transport for ``device`` (``cpu`` or ``cuda``; ``n_staging``: pinned D2H staging
+    buffers, at least the gradient sink's ``max_inflight``); raises ``ValueError`` for others."""
     if device.type == "cpu":
         return CPUTransport(device, zero_copy=zero_copy_cpu)
     if device.type == "cuda":
-        return CUDATransport(device, staging_numel)
+        return CUDATransport(device, staging_numel, n_staging=n_staging)
     raise ValueError(f"megatrain supports accelerator 'cpu' and 'gpu' (CUDA); got device {device}.")

@@ -35,6 +35,7 @@ slab's deferred update, so the NVMe tier reads each accumulator once per step.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -105,8 +106,9 @@ class HostAdamW:
             of truth for hyper-parameters and group membership.
         overlap: defer each slab's update until the engine next reads that slab (default), or
             apply all updates inside :meth:`step`.
-        transport: the engine's device transport (``last_read_done``: an update waits for the last
-            H2D copy that reads the slab's master), or ``None``.
+        transport: the engine's device transport (its ``device`` picks the kernel, see :meth:`_flags`),
+            or ``None``. An update waits for the last H2D copy that reads the slab's master
+            (``Slab.wait_reads``, under the slab's lock).
 
     State per trainable parameter the optimizer owns: ``exp_avg`` and ``exp_avg_sq`` (fp32, same
     shape as the parameter, views of one flat tensor per slab) and ``step`` (fp32 scalar tensor, as
@@ -139,7 +141,8 @@ class HostAdamW:
         self.grad_ops: list[tuple[str, Any]] = []  # clipping recorded for the coming step
         self.updates_in_backward = 0  # slab updates applied during backward (optimizer_in_backward)
         self.optimizer_seconds = 0.0
-        self.transport = transport  # CUDA: wait for the last H2D read of a master before writing it
+        self._seconds_lock = threading.Lock()
+        self.transport = transport
 
     # ------------------------------------------------------------------ schedule
     def _snapshot(self) -> list[_GroupHyper]:
@@ -211,13 +214,13 @@ class HostAdamW:
             if pend is None:
                 return
             t0 = time.perf_counter()
-            if self.transport is not None:
-                self.transport.last_read_done(slab.last_read)
+            slab.wait_reads()  # an H2D copy may still read the master
             self._update(slab, pend)
             slab.updated()
             slab.clear_grads()
             self.store.discard_grad_accum(slab_index)
-            self.optimizer_seconds += time.perf_counter() - t0
+            with self._seconds_lock:  # the H2D and D2H workers update different slabs at once
+                self.optimizer_seconds += time.perf_counter() - t0
 
     def discard_grads(self) -> None:
         """Forget accumulated gradients that no step consumed (``optimizer.zero_grad()`` semantics)."""

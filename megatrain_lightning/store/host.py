@@ -66,7 +66,10 @@ class Slab:
             (``False`` entries behave like ``p.grad is None`` in PyTorch: no optimizer update).
         grad_accum_empty: ``True`` when ``grad_accum`` holds nothing of the current window (the next gradient is copied, not added).
         lock: serialises optimizer updates and gradient writes on this slab across threads.
-        last_read: CUDA event of the last H2D copy out of ``master`` (the optimizer waits on it before writing).
+        last_read: event of the last H2D copy out of ``master`` or its wire image (CUDA event, or any object
+            with ``synchronize()``; ``None``: no copy in flight). Recorded (:meth:`read_by`) with ``lock``
+            held from the pending update through the copy's queueing; every writer takes ``lock`` and
+            waits on it (:meth:`wait_reads`) before writing, so no write overlaps a copy still reading.
         updates: optimizer updates applied to ``master`` (the fused kernel does not bump ``_version``);
             the engine's wire images of ``master`` are refreshed when it changes.
         exp_avg / exp_avg_sq: fp32 AdamW states, shape ``[trainable_numel]`` (RAM tier; ``None`` until the
@@ -135,8 +138,16 @@ class Slab:
         self.updates += 1
 
     def read_by(self, event: object) -> None:
-        """Record the CUDA event of the latest H2D copy out of ``master``."""
+        """Record the event of the latest H2D copy out of ``master`` (call with ``lock`` held since the
+        copy was queued). Copies run in order on one stream, so the latest event covers the earlier ones."""
         self.last_read = event
+
+    def wait_reads(self) -> None:
+        """Block until the last H2D copy out of ``master`` (or its wire image) is done; every writer of
+        them calls this with ``lock`` held, right before writing."""
+        ev = self.last_read
+        if ev is not None:
+            ev.synchronize()  # type: ignore[attr-defined]
 
     def ensure_grad_accum(self) -> torch.Tensor:
         if self.grad_accum is None:

@@ -1,0 +1,63 @@
+"""CPU threads of the engine's host work: how many intra-op threads the H2D and D2H workers use.
+
+The H2D worker (deferred AdamW updates, casts to the wire dtype) and the D2H worker (gradient adds
+into the fp32 accumulators, AdamW updates in backward) run torch CPU kernels that use torch's
+intra-op thread pool. On a CUDA run the Python thread that launches the GPU kernels needs a core of
+its own: with every core busy in a host add, kernel launches queue behind it and the GPU idles.
+``host_threads`` sets the workers' intra-op threads; the default on CUDA is
+``torch.get_num_threads() - 1`` (torch's default is the number of physical cores, so one core stays
+for the launching thread), at least 1. It is derived, not measured on a GPU (no GPU was available
+when it was chosen; bench/gpu_check.py reports the D2H worker's add time with it). On a CPU device
+the compute thread's own kernels already use the pool, so the default leaves the workers as torch
+sets them.
+
+With PyTorch's OpenMP backend (its default on Linux) ``torch.set_num_threads`` called in a thread
+sets that thread's team size only; the workers call it once when they start, so the compute thread
+keeps its own setting.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def resolve_host_threads(host_threads: int | None, device: torch.device) -> int | None:
+    """The workers' intra-op thread count: ``host_threads`` if given, else on CUDA
+    ``max(1, torch.get_num_threads() - 1)`` and on CPU ``None`` (torch's setting, unchanged).
+
+    Raises:
+        ValueError: ``host_threads`` is not ``None`` or an integer >= 1.
+    """
+    check_host_threads(host_threads)
+    if host_threads is not None:
+        return host_threads
+    if torch.device(device).type == "cuda":
+        return max(1, torch.get_num_threads() - 1)
+    return None
+
+
+def check_host_threads(host_threads: object) -> None:
+    """Raise ``ValueError`` unless ``host_threads`` is ``None`` or an integer >= 1 (checked when the
+    strategy is built, before any work starts)."""
+    if host_threads is None:
+        return
+    if isinstance(host_threads, bool) or not isinstance(host_threads, int) or host_threads < 1:
+        raise ValueError(
+            f"host_threads must be a whole number of CPU threads >= 1 or None (default: on CUDA one less "
+            f"than torch.get_num_threads()), got {host_threads!r}. Set MegaTrainStrategy(host_threads=...) "
+            "or the Hydra key strategy.host_threads."
+        )
+
+
+def worker_initializer(threads: int | None) -> Callable[[], None] | None:
+    """``ThreadPoolExecutor(initializer=...)`` for a host worker: sets its intra-op threads to
+    ``threads`` when it starts (``None``: no initializer, torch's setting)."""
+    if threads is None:
+        return None
+
+    def init() -> None:
+        torch.set_num_threads(threads)
+
+    return init
