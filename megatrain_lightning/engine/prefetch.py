@@ -132,7 +132,8 @@ class Prefetcher:
         self.acct.track(-sum(b.numel() * b.element_size() for b, _ in got.values()))
 
     def _discard(self, fut: Future) -> None:
-        """Drop a prefetch the schedule no longer wants (released on the H2D worker once it is done)."""
+        """Drop a prefetch the schedule no longer wants (released when its fetch ends: on the H2D worker,
+        or here if it already has)."""
         def drop(f: Future) -> None:
             if f.exception() is None:
                 self._release(f.result())
