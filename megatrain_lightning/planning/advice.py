@@ -125,6 +125,7 @@ def device_advice(p: Plan, device: int | None, host: int | None = None,
 
 
 def activation_share(p: Plan) -> float:
-    """Fraction of the device bytes that grow with the sequence (activations)."""
+    """Fraction of the memory that runs short (device; host RAM on a CPU device) that grows with the
+    sequence (activations and saved inputs)."""
     act = sum(v for k, v in p.device.items() if "activations" in k or "inputs" in k)
-    return act / max(1, p.device_bytes)
+    return act / max(1, p.device_bytes if p.hardware.is_gpu else p.host_bytes)

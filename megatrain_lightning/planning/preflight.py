@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .advice import RECIPE_KEYS, activation_share, device_advice, host_advice, seq_len_advice
-from .estimate import Plan, gib, plan, shortfalls
+from .estimate import Plan, gib, max_seq_len, plan, shortfalls
 
 
 class PreflightError(ValueError):
@@ -95,7 +95,8 @@ def preflight(p: Plan, *, host_ram_bytes: int | None = None, disk_free_bytes: in
                 top = sorted(p.host.items(), key=lambda kv: -kv[1])[:4]
                 msg.append("      needed for: " + ", ".join(f"{k} {gib(v)} GiB" for k, v in top))
                 advice = []
-                if not p.hardware.is_gpu and activation_share(p) > 0.1:  # CPU device: activations are host RAM
+                if not p.hardware.is_gpu and activation_share(p) > 0.1 and max_seq_len(p, host, None):
+                    # CPU device: activations are host RAM, and a shorter sequence would fit
                     advice += ["change: " + a for a in seq_len_advice(p, host, None, keys)]
                 advice += ["change: " + a for a in host_advice(p, host, keys)]  # type: ignore[arg-type]
             elif line.startswith("device"):
