@@ -101,7 +101,9 @@ class Plan:
                                             "checkpoint_bytes", "checkpoint_write_s", "compute_bound_batch_size",
                                             "max_device_batch_size", "fits", "reasons", "headroom", "tight")}
         d.update(hardware=self.hardware.to_dict(), counts=self.counts.to_dict(), host_bytes=self.host_bytes,
-                 device_bytes=self.device_bytes, disk_bytes=self.disk_bytes)
+                 device_bytes=self.device_bytes, disk_bytes=self.disk_bytes,
+                 max_seq_len={"these options": max_seq_len(self),
+                              **{lab: max_seq_len(self, **ch) for lab, ch in long_sequence_variants(self)}})
         return d
 
 

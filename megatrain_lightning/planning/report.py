@@ -48,29 +48,24 @@ def format_activations(p: Plan) -> list[str]:
     """Activation memory per token for the plan's options (device and host), and the chunk-capped terms."""
     s = p.settings
     terms = per_token_terms(p.counts, s)
-    opts = (f"loss_chunk_size={s['loss_chunk_size']} mlp_chunk_size={s['mlp_chunk_size']} "
-            f"offload_activations={s['offload_activations']} recompute_every={s['recompute_every']}")
-    out = [f"activations ({opts}; formulas: planning/activations.py)"]
-    dev_pt = host_pt = 0.0
-    for phase in ("device", "layer", "head", "host"):
-        rows = [(k, pt, cap) for k, (pt, cap, w) in terms.items() if w == phase and pt]
-        for k, pt, cap in rows:
-            where = {"device": "device", "layer": "device, layer phase", "head": "device, head phase",
-                     "host": "host (pinned)"}[phase]
-            if cap is None:
-                out.append(f"    {k:<40} {_kib(pt):>14} per token   ({where})")
-            else:
-                out.append(f"    {k:<40} {_kib(pt):>14} per token up to {cap:,} tokens = {gib(pt * cap)} GiB at most ({where})")
+    where = {"device": "device", "layer": "device, layer phase", "head": "device, head phase", "host": "host, pinned"}
+    out = [f"activations (loss_chunk_size={s['loss_chunk_size']} mlp_chunk_size={s['mlp_chunk_size']} "
+           f"offload_activations={s['offload_activations']} recompute_every={s['recompute_every']}; "
+           "formulas: planning/activations.py)"]
     for k, (pt, cap, w) in terms.items():
-        if cap is None:
-            if w == "host":
-                host_pt += pt
-            elif w in ("device",):
-                dev_pt += pt
-    layer = sum(pt for pt, cap, w in terms.values() if w == "layer" and cap is None)
-    head = sum(pt for pt, cap, w in terms.values() if w == "head" and cap is None)
-    out.append(f"  per token beyond the chunks: device {_kib(dev_pt + max(layer, head))} "
-               f"(saved inputs {_kib(dev_pt)} + the larger phase {_kib(max(layer, head))}), host {_kib(host_pt)}"
+        if not pt:
+            continue
+        size = f"{_kib(pt):>14} per token"
+        if cap is not None:
+            size += f", up to {cap:,} tokens: {gib(pt * cap)} GiB at most"
+        out.append(f"    {k:<40} {size}   ({where[w]})")
+
+    def per_token(w: str) -> float:
+        return sum(pt for pt, cap, ww in terms.values() if ww == w and cap is None)
+
+    dev, phase = per_token("device"), max(per_token("layer"), per_token("head"))
+    out.append(f"  per token beyond the chunks: device {_kib(dev + phase)} (resident {_kib(dev)} + the larger phase "
+               f"{_kib(phase)}), host {_kib(per_token('host'))}"
                + ("" if p.hardware.is_gpu else " (CPU device: the device's bytes are host RAM too)"))
     return out
 
