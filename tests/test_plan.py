@@ -550,3 +550,5 @@ def test_cpu_device_preflight_names_activation_options():
         preflight(p, host_ram_bytes=20 * GIB, disk_free_bytes=1000 * GIB)
     msg = str(ei.value)
     assert "host RAM short" in msg and "longest data.seq_len that fits" in msg and "set strategy." in msg
+    assert "offload_activations" not in msg                    # the inputs are host RAM already on a CPU device
+    assert max_seq_len(p, offload_activations=True) == max_seq_len(p) < max_seq_len(p, loss_chunk_size=1024)

@@ -95,8 +95,11 @@ def head_per_token(c: ParamCounts, s: dict[str, Any]) -> dict[str, float]:
             "logits": 12 * V + 8, "logits saved": 4 * V + 8}
 
 
-def per_token_terms(c: ParamCounts, s: dict[str, Any]) -> dict[str, tuple[float, int | None, str]]:
+def per_token_terms(c: ParamCounts, s: dict[str, Any], gpu: bool = True) -> dict[str, tuple[float, int | None, str]]:
     """Activation terms as ``label -> (bytes per token, chunk cap in tokens or None, where)``.
+
+    ``gpu=False`` (the CPU device): an offloaded input is used where it lies in host memory
+    (``CPUTransport.restore``), so none is in flight.
 
     ``where`` is ``"device"``, ``"host"`` or one of the two phases ``"layer"`` / ``"head"``
     (device memory, the larger phase counts). Bytes of a term = per token x min(tokens, cap).
@@ -109,7 +112,7 @@ def per_token_terms(c: ParamCounts, s: dict[str, Any]) -> dict[str, tuple[float,
     off = s["offload_activations"]
     return {
         "saved block inputs": (0 if off else saved, None, "device"),
-        "restored inputs in flight": (RESTORE_IN_FLIGHT * H * r if off else 0, None, "device"),
+        "restored inputs in flight": (RESTORE_IN_FLIGHT * H * r if off and gpu else 0, None, "device"),
         "recompute chain inputs (K > 1)": ((K - 1) * H * r, None, "device"),
         "layer: norms + attention": (ws * (lay["attention"] + lay["mlp norm"]), None, "layer"),
         "layer: MLP input + intermediate": (ws * lay["mlp"], s["mlp_chunk_size"], "layer"),
@@ -119,7 +122,7 @@ def per_token_terms(c: ParamCounts, s: dict[str, Any]) -> dict[str, tuple[float,
     }
 
 
-def activation_bytes(c: ParamCounts, s: dict[str, Any]) -> tuple[dict[str, int], dict[str, int]]:
+def activation_bytes(c: ParamCounts, s: dict[str, Any], gpu: bool = True) -> tuple[dict[str, int], dict[str, int]]:
     """Device and host activation bytes for ``batch_size x seq_len`` tokens.
 
     Returns:
@@ -131,7 +134,7 @@ def activation_bytes(c: ParamCounts, s: dict[str, Any]) -> tuple[dict[str, int],
     dev: dict[str, int] = {}
     host: dict[str, int] = {}
     phase = {"layer": 0, "head": 0}
-    for label, (pt, cap, where) in per_token_terms(c, s).items():
+    for label, (pt, cap, where) in per_token_terms(c, s, gpu).items():
         cap = None if cap is None else (cap * s["batch_size"] if label.startswith("layer") else cap)
         n = _capped(pt, tokens, cap)
         if where in phase:

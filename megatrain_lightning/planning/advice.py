@@ -68,7 +68,7 @@ def _activation_options(p: Plan) -> list[dict[str, Any]]:
         single.append({"loss_chunk_size": SUGGESTED_CHUNK["loss_chunk_size"]})
     if s["mlp_chunk_size"] is None:
         single.append({"mlp_chunk_size": SUGGESTED_CHUNK["mlp_chunk_size"]})
-    if not s["offload_activations"]:
+    if not s["offload_activations"] and p.hardware.is_gpu:  # on a CPU device the inputs are host RAM already
         single.append({"offload_activations": True})
     if s["recompute_every"] == 1:
         single.append({"recompute_every": 4})

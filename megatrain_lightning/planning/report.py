@@ -47,7 +47,7 @@ def _kib(n: float) -> str:
 def format_activations(p: Plan) -> list[str]:
     """Activation memory per token for the plan's options (device and host), and the chunk-capped terms."""
     s = p.settings
-    terms = per_token_terms(p.counts, s)
+    terms = per_token_terms(p.counts, s, p.hardware.is_gpu)
     where = {"device": "device", "layer": "device, layer phase", "head": "device, head phase", "host": "host, pinned"}
     out = [f"activations (loss_chunk_size={s['loss_chunk_size']} mlp_chunk_size={s['mlp_chunk_size']} "
            f"offload_activations={s['offload_activations']} recompute_every={s['recompute_every']}; "

@@ -141,7 +141,7 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     staging = c.largest_slab                # the D2H staging buffer's elements (store.max_slab_numel)
 
     # ---- device
-    act_dev, act_host = activation_bytes(c, s)
+    act_dev, act_host = activation_bytes(c, s, gpu)
     device = {
         f"block weights x{la + 1} (compute dtype)": 0 if zero_copy else big * (la + 1) * dev_param,
         "wire image being decoded": big_wire if wire < dev_param else 0,
@@ -197,7 +197,7 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     chain_wire = layer_wire * (K - 1) // K
     act_io = act_host.get("offloaded block inputs", 0)
     h2d_f = sum(wire_of)
-    h2d_b = sum(wire_of[:-1]) + chain_wire + act_io
+    h2d_b = sum(wire_of[:-1]) + chain_wire + (act_io if gpu else 0)  # CPU: an offloaded input is used in place
     if zero_copy:                              # CPU device bound to the fp32 masters: nothing copied
         h2d_f = h2d_b = 0
     d2h = reads * grad_b + act_io
