@@ -3,19 +3,28 @@
 From a model config alone (the real model built on the meta device, no memory) and a
 hardware preset: the bytes in each memory tier (host RAM, device, NVMe, disk), the bytes
 moved per optimizer step (H2D, D2H, NVMe), a lower bound on the step time with its
-dominating term, the checkpoint size and write time, and the batch size at which compute
-dominates. ``preflight`` refuses a run that does not fit, with the numbers and what to change.
-Formulas, units and sources: :mod:`megatrain_lightning.planning.estimate`.
+dominating term, the checkpoint size and write time, the batch size at which compute
+dominates, the activation memory per token and the longest sequence that fits.
+``preflight`` refuses a run that does not fit, with the numbers and what to change.
+Formulas, units and sources: :mod:`megatrain_lightning.planning.terms` and
+:mod:`megatrain_lightning.planning.activations`.
 
-Command line (Hydra compose API over the repository's ``conf/``; primary config ``conf/plan.yaml``)::
+Command line (Hydra compose API over ``conf/``; primary config ``conf/plan.yaml``)::
 
     python -m megatrain_lightning.plan model=llama100b hardware=h200 batch_size=4 seq_len=4096
     python -m megatrain_lightning.plan model=llama70b hardware=all          # one row per preset
     python -m megatrain_lightning.plan model=llama8b hardware.h2d_gbps=25   # any field overridable
+    python -m megatrain_lightning.plan model=/path/to/hf_model_dir          # or .../config.json (local only)
+    python -m megatrain_lightning.plan model=llama8b seq_len=32768 loss_chunk_size=1024 offload_activations=true
+    python -m megatrain_lightning.plan max_seq_len=true model=llama8b,llama70b hardware=h100,h200
     python -m megatrain_lightning.plan model=smollm2_135m hardware=this_machine preflight=true
 
 ``preflight=true`` also checks the plan against the machine running the command (exit 2 when
-refused); ``json=true`` prints the plan as JSON.
+refused); ``json=true`` prints the plan as JSON; ``max_seq_len=true`` prints only the longest
+sequence at batch 1 for each model and hardware (comma-separated lists), without and with the
+long-sequence options (a Markdown table). ``model=`` takes a ``conf/model`` preset name or the
+path of a Hugging Face model directory / ``config.json``. Measure a CPU preset's rates with
+``python -m megatrain_lightning.planning.measure``.
 """
 
 from __future__ import annotations
@@ -27,20 +36,36 @@ from typing import Any, Sequence
 from .planning import (CONF_DIR, GIB, PRECISIONS, Hardware, ParamCounts, Plan, PreflightError, compose,
                        count_module, count_params, format_comparison, format_plan, load_hardware, load_model,
                        mem_available_bytes, plan, preflight, presets, replan)
+from .planning.config import is_model_path, load_hf_config
+from .planning.estimate import max_seq_len
+from .planning.report import format_longest_table, longest_rows
 
 __all__ = [
     "CONF_DIR", "GIB", "PRECISIONS", "Hardware", "ParamCounts", "Plan", "PreflightError", "compose",
     "count_module", "count_params", "format_comparison", "format_plan", "load_hardware", "load_model",
-    "main", "mem_available_bytes", "plan", "plan_from_config", "preflight", "presets", "replan",
+    "main", "max_seq_len", "mem_available_bytes", "plan", "plan_from_config", "preflight", "presets", "replan",
 ]
 
 _SETTINGS = ("batch_size", "seq_len", "precision", "offload_params", "offload_optimizer", "offload_grads",
-             "offload_activations", "lookahead", "recompute_every", "grad_dtype", "keep_checkpoints", "pinned_round", "cpu_zero_copy")
+             "offload_activations", "lookahead", "recompute_every", "grad_dtype", "keep_checkpoints", "pinned_round",
+             "cpu_zero_copy", "loss_chunk_size", "mlp_chunk_size")
 
 
 def plan_from_config(cfg: Any) -> Plan:
     """Build a :class:`Plan` from a composed ``conf/plan.yaml`` (``model``, ``hardware`` + settings)."""
     return plan(cfg.model, cfg.hardware, **{k: cfg[k] for k in _SETTINGS if k in cfg})
+
+
+def _compose(rest: list[str], model: str | None) -> Any:
+    """Compose conf/plan.yaml; a ``model=`` that is a path replaces the preset with that HF config."""
+    cfg = compose(rest)
+    if model is not None:
+        from omegaconf import OmegaConf, open_dict
+
+        load_hf_config(model)  # a clear error now for a wrong path
+        with open_dict(cfg):
+            cfg.model = OmegaConf.create({"name": model, "config": model})
+    return cfg
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -49,26 +74,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in args):
         print(__doc__)
         return 0
-    flags = {"preflight": False, "json": False}
-    rest = []
+    flags = {"preflight": False, "json": False, "max_seq_len": False}
+    rest: list[str] = []
+    models: list[str | None] = [None]
+    hardware: list[str] | None = None
     for a in args:
-        key, _, val = a.partition("=")
+        k, _, val = a.partition("=")
+        key = k.lstrip("+")
         if key in flags:
             flags[key] = val.lower() in ("1", "true", "yes")
+        elif key == "model":
+            models = [m.strip() for m in val.split(",")] if "," in val and not is_model_path(val) else [val]
+        elif key == "hardware":
+            hardware = presets("hardware") if val == "all" else [h.strip() for h in val.split(",")]
         else:
             rest.append(a)
-    hw_all = [a for a in rest if a in ("hardware=all", "+hardware=all")]
-    if hw_all:
-        rest = [a for a in rest if a not in hw_all]
-        plans = [plan_from_config(compose([*rest, f"hardware={h}"])) for h in presets("hardware")]
-        print(json.dumps([p.to_dict() for p in plans], indent=1, default=str) if flags["json"]
-              else format_comparison(plans))
+
+    def one(model: str | None, hw: str | None) -> Plan:
+        over = list(rest) + ([f"hardware={hw}"] if hw else [])
+        path = model if model is not None and is_model_path(model) else None
+        if model is not None and path is None:
+            over.append(f"model={model}")
+        return plan_from_config(_compose(over, path))
+
+    if flags["max_seq_len"]:
+        plans = [one(m, h) for m in models for h in (hardware or [None])]
+        print(f"longest seq_len at batch_size=1 ({plans[0].settings['precision']}; device and host memory; "
+              f"chunk sizes in tokens)\n")
+        print(format_longest_table(longest_rows(plans)))
         return 0
-    p = plan_from_config(compose(rest))
+    if hardware is not None and len(hardware) > 1 or len(models) > 1:
+        for m in models:
+            plans = [one(m, h) for h in (hardware or [None])]
+            print(json.dumps([p.to_dict() for p in plans], indent=1, default=str) if flags["json"]
+                  else format_comparison(plans))
+        return 0
+    p = one(models[0], hardware[0] if hardware else None)
     print(json.dumps(p.to_dict(), indent=1, default=str) if flags["json"] else format_plan(p))
     if flags["preflight"]:
         try:
-            have = preflight(p)
+            have = preflight(p, keys=None)
         except PreflightError as e:
             print(f"\n{e}")
             return 2

@@ -4,6 +4,7 @@ Meta device only."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import subprocess
@@ -17,7 +18,12 @@ from omegaconf import OmegaConf
 
 from megatrain_lightning.plan import (GIB, Hardware, PreflightError, compose, count_params, load_hardware,
                                       load_model, mem_available_bytes, plan, preflight, presets, replan)
-from megatrain_lightning.planning.estimate import CKPT_METADATA, gib
+from megatrain_lightning.planning import format_comparison, format_plan
+from megatrain_lightning.planning.activations import (WORKING_SET_FACTOR, head_per_token, layer_saved_per_token,
+                                                      per_token_terms)
+from megatrain_lightning.planning.config import find_conf_dir, resolve_chunk
+from megatrain_lightning.planning.estimate import CKPT_METADATA, gib, max_seq_len
+from megatrain_lightning.planning.preflight import plan_for_run
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ["llama8b", "llama70b", "llama100b", "smollm2_135m", "qwen2_7b", "mistral_7b"]
@@ -39,6 +45,37 @@ def test_presets_present():
     assert set(HARDWARE) <= set(presets("hardware"))
 
 
+def _meta_model(model_cfg: dict):
+    cfg = transformers.AutoConfig.for_model(**model_cfg["config"])
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+def _reference_wire(model) -> tuple[list[int], list[int]]:
+    """Independently of the planner: per block (embedding, layers, head), the H2D bytes under
+    bf16-mixed (a parameter held only by nn.Linear modules travels in bf16, anything else in fp32:
+    engine/wire.py's rule for these models), and per stored slab the cached wire image (none for
+    a slab with no Linear weight)."""
+    held_by_other = {id(p) for m in model.modules() if not isinstance(m, torch.nn.Linear)
+                     for p in m.parameters(recurse=False)}
+    castable = {id(p) for m in model.modules() if isinstance(m, torch.nn.Linear)
+                for p in m.parameters(recurse=False)} - held_by_other
+    inner = model.model
+    blocks = [list(inner.embed_tokens.parameters()), *[list(l.parameters()) for l in inner.layers],
+              list(inner.norm.parameters()) + list(model.lm_head.parameters())]
+
+    def wire(ps):
+        return sum((2 if id(p) in castable else 4) * p.numel() for p in ps)
+
+    seen: set[int] = set()
+    images = []
+    for ps in blocks:
+        own = [p for p in ps if id(p) not in seen]
+        seen |= {id(p) for p in own}
+        images.append(wire(own) if any(id(p) in castable for p in own) else 0)
+    return [wire(ps) for ps in blocks], images
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_bytes_equal_meta_model_params_times_bytes_per_param(name):
     mc = load_model(name)
@@ -48,26 +85,49 @@ def test_bytes_equal_meta_model_params_times_bytes_per_param(name):
     assert p.host["fp32 master weights"] == 4 * n
     assert p.host["fp32 grad accumulators"] == 4 * n
     assert p.host["AdamW exp_avg + exp_avg_sq"] == 8 * n
-    assert p.host["wire shadow (2 B/param)"] == 2 * n
-    assert p.checkpoint_bytes == 12 * n + CKPT_METADATA
+    # the wire rule (engine/wire.py): only Linear weights travel in bf16; embeddings, norms, a tied head in fp32
+    wire, images = _reference_wire(_meta_model(mc))
+    assert p.host["wire shadow (castable 2 B, rest 4 B)"] == sum(images)
+    assert p.moved["h2d"] == 2 * sum(wire) - wire[-1]   # forward + recompute fetch; the LM head once
+    assert images[0] == 0                                    # the embedding streams its fp32 master
+    assert 2 * p.counts.layers[0] < images[1] < 3 * p.counts.layers[0]  # norms' weights in fp32
     reads = p.counts.reads_per_pass
-    fetched = 2 * reads - p.counts.head_reads          # forward + recompute fetch; the LM head once
-    assert p.moved["h2d"] == fetched * 2               # bf16 wire
     assert p.moved["d2h"] == reads * 4                # fp32 gradients
     assert p.moved["nvme_read"] == p.moved["nvme_write"] == 0
+    assert p.checkpoint_bytes == 12 * n + CKPT_METADATA
     # fp32 run: no shadow, 4-byte wire
+    fetched = 2 * reads - p.counts.head_reads
     q = replan(p, precision="32-true")
-    assert q.host["wire shadow (2 B/param)"] == 0 and q.moved["h2d"] == fetched * 4
-    # everything on NVMe: the moved parts are there and RAM keeps only windows
+    assert q.host["wire shadow (castable 2 B, rest 4 B)"] == 0 and q.moved["h2d"] == fetched * 4
+    # bf16-true: every parameter in bf16
+    assert replan(p, precision="bf16-true").moved["h2d"] == fetched * 2
+    # everything on NVMe: the moved parts are there and RAM keeps only windows (no wire image is cached there)
     r = replan(p, offload_params="nvme", offload_optimizer="nvme", offload_grads="nvme")
-    assert r.nvme_bytes == (4 + 2 + 4 + 8) * n
-    assert r.moved["nvme_write"] == (4 + 2 + 8 + 4) * n
+    assert r.nvme_bytes == (4 + 4 + 8) * n
+    assert r.moved["nvme_write"] == (4 + 8 + 4) * n
     big = r.counts.largest_block
     assert "fp32 master weights" not in r.host and "AdamW exp_avg + exp_avg_sq" not in r.host
-    assert r.host["master+shadow window"] == 3 * big * 6     # lookahead + 2 blocks
+    assert r.host["master window"] == 3 * big * 4     # lookahead + 2 blocks
     assert r.host["AdamW moments window"] == 3 * big * 8
     assert r.host["grad accumulator window"] == 3 * big * 4
     assert r.disk_bytes == r.nvme_bytes + 2 * r.checkpoint_bytes
+
+
+def test_staging_and_inflight_gradient_packs_counted():
+    """Issue 17: 2 pinned D2H staging buffers of the largest slab in the gradient wire dtype (host),
+    and at most 2 packed gradient batches of the largest block queued for the D2H worker (device)."""
+    mc = load_model("llama8b")
+    model = _meta_model(mc)
+    inner = model.model
+    slabs = [inner.embed_tokens.weight.numel(), *[sum(p.numel() for p in l.parameters()) for l in inner.layers],
+             inner.norm.weight.numel() + model.lm_head.weight.numel()]
+    p = plan(mc, load_hardware("h200"))
+    assert p.host["pinned D2H staging x2 (largest slab)"] == 2 * max(slabs) * 4
+    assert p.device["queued D2H gradient packs x2"] == 2 * max(slabs) * 4
+    q = replan(p, grad_dtype="bf16")
+    assert q.host["pinned D2H staging x2 (largest slab)"] == 2 * max(slabs) * 2
+    assert q.device["queued D2H gradient packs x2"] == 2 * max(slabs) * 2
+    assert p.device_bytes - q.device_bytes == 2 * max(slabs) * 2
 
 
 def test_published_parameter_counts():
@@ -88,8 +148,11 @@ def test_tied_embeddings_counted_once():
     assert c.head_reads == 49152 * 576 + 576                 # but reads the tied matrix on the device
     p = plan(mc, load_hardware("h200"))
     assert p.host["fp32 master weights"] == 4 * unique
-    # both blocks fetch the tied slab; the head (last block) is not fetched again in backward
-    assert p.moved["h2d"] == 2 * (2 * (unique + c.tied) - c.head_reads)
+    # both blocks fetch the tied slab, in fp32 (the embedding lookup reads it); the head (last block)
+    # is not fetched again in backward; only the layers' Linear weights travel in bf16
+    wire, _ = _reference_wire(_meta_model(mc))
+    assert p.moved["h2d"] == 2 * sum(wire) - wire[-1]
+    assert wire[0] == wire[-1] - 4 * 576 == 4 * c.tied
 
 
 def test_untied_split():
@@ -101,7 +164,7 @@ def test_untied_split():
 @pytest.mark.parametrize("model", MODELS)
 def test_model_files_compose_with_schema(model):
     cfg = compose([f"model={model}"])
-    assert set(cfg.model) == {"name", "config", "weights", "gguf", "tokenizer", "max_seq_len"}
+    assert {"name", "config", "weights", "tokenizer"} <= set(cfg.model)  # a Hydra _target_ may be there too
     assert cfg.model.name == model and cfg.model.config.model_type
     # nested DictConfigs (rope_scaling) fail transformers' strict validation: convert first
     transformers.AutoConfig.for_model(**OmegaConf.to_container(cfg.model.config, resolve=True))
@@ -150,6 +213,11 @@ def test_step_bound_and_compute_crossover():
     assert replan(p, batch_size=b - 1).dominating != "compute"
     m = p.max_device_batch_size
     assert replan(p, batch_size=m).device_bytes <= p.capacity["device"] < replan(p, batch_size=m + 1).device_bytes
+    # the comparison's compute-bound column says when the device cannot hold that batch
+    q = plan(load_model("llama100b"), load_hardware("h100"))
+    assert q.compute_bound_batch_size > q.max_device_batch_size
+    row = next(r for r in format_comparison([q]).splitlines() if r.startswith("h100"))
+    assert f"{q.compute_bound_batch_size} (<= {q.max_device_batch_size}, too big)" in row
 
 
 def test_plan_fits_reasons():
@@ -177,12 +245,12 @@ def test_preflight_refuses_llama100b_here():
 def test_preflight_message_with_given_numbers():
     p = plan(load_model("llama100b"), load_hardware("h200"))
     with pytest.raises(PreflightError) as ei:
-        preflight(p, host_ram_bytes=512 * GIB, disk_free_bytes=10_000 * GIB, device_bytes=16 * GIB)
+        preflight(p, host_ram_bytes=512 * GIB, disk_free_bytes=10_000 * GIB, device_bytes=40 * GIB)
     msg = str(ei.value)
     assert f"need {gib(p.host_bytes)} GiB, have 512.0 GiB" in msg
-    assert "strategy=megatrain_nvme with host_memory_limit=460GiB" in msg
-    assert f"device memory short: need {gib(p.device_bytes)} GiB, have 16.0 GiB" in msg
-    assert "reduce batch_size/seq_len" in msg and "enable offload_activations" in msg
+    assert "strategy=megatrain_nvme, host_memory_limit=460GiB" in msg
+    assert f"device memory short: need {gib(p.device_bytes)} GiB, have 40.0 GiB" in msg
+    assert "longest data.seq_len that fits" in msg and "set strategy." in msg
     assert len(ei.value.shortfalls) == 2
     ok = preflight(p, host_ram_bytes=2048 * GIB, disk_free_bytes=10_000 * GIB, device_bytes=140 * GIB)
     assert ok["host"][0] == p.host_bytes
@@ -200,14 +268,22 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
-def test_cli_single_and_all():
+def _main(capsys, *args: str) -> tuple[int, str]:
+    """The CLI in this process (``python -m megatrain_lightning.plan`` runs the same ``main``)."""
+    from megatrain_lightning.plan import main
+
+    rc = main(list(args))
+    return rc, capsys.readouterr().out
+
+
+def test_cli_single_and_all(capsys):
     r = _cli("model=llama8b", "hardware=h200", "batch_size=4")
     assert r.returncode == 0, r.stderr
     assert "batch_size=4" in r.stdout and re.search(r"lower bound: [\d.,]+ s/step, dominated by \w", r.stdout)
-    r = _cli("model=llama70b", "hardware=all", "hardware.h2d_gbps=50")
-    assert r.returncode == 0, r.stderr
+    rc, out = _main(capsys, "model=llama70b", "hardware=all", "hardware.h2d_gbps=50")
+    assert rc == 0
     for h in HARDWARE:
-        assert re.search(rf"^{h}\s", r.stdout, re.M), r.stdout
+        assert re.search(rf"^{h}\s", out, re.M), out
 
 
 def test_plan_from_a_built_module():
@@ -226,9 +302,253 @@ def test_cpu_zero_copy_and_precision_aliases():
     mc, hw = load_model("smollm2_135m"), load_hardware("this_machine")
     p = plan(mc, hw, precision="32")
     assert p.settings["precision"] == "32-true"
-    assert p.moved["h2d"] == 0 and p.device["block weights x2 (wire)"] == 0
+    assert p.moved["h2d"] == 0 and p.device["block weights x2 (compute dtype)"] == 0
     q = replan(p, cpu_zero_copy=False)
     assert q.moved["h2d"] == (2 * p.counts.reads_per_pass - p.counts.head_reads) * 4
     assert plan(mc, hw, precision="bf16").moved["h2d"] > 0     # mixed precision streams converted copies
     with pytest.raises(ValueError, match="precision"):
         plan(mc, hw, precision="64-true")
+
+
+# ---------------------------------------------------------------- any model: a Hugging Face config
+
+TINY_HF = dict(model_type="llama", vocab_size=1000, hidden_size=64, intermediate_size=176, num_hidden_layers=3,
+               num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=4096)
+
+
+def _write_hf_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "tiny_llama"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({**TINY_HF, "architectures": ["LlamaForCausalLM"]}))
+    return d
+
+
+def test_plan_from_a_hugging_face_config_dir(tmp_path, capsys):
+    d = _write_hf_dir(tmp_path)
+    hw = load_hardware("h200")
+    ref = plan(TINY_HF, hw, seq_len=512)                          # the same shapes as AutoConfig kwargs
+    by_dir = plan(str(d), hw, seq_len=512)
+    by_file = plan(d / "config.json", hw, seq_len=512)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**TINY_HF))
+    assert by_dir.counts.total == by_file.counts.total == sum(p.numel() for p in model.parameters())
+    assert by_dir.host == ref.host and by_dir.device == ref.device and by_file.moved == ref.moved
+    assert by_dir.counts.max_position_embeddings == 4096
+    assert load_model(str(d)) == {"name": str(d), "config": str(d)}
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        plan(str(tmp_path), hw)                                   # a directory without config.json
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        plan(str(tmp_path / "nope"), hw)
+    # the command line: model=<dir>
+    rc, out = _main(capsys, f"model={d}", "hardware=h100", "seq_len=512")
+    assert rc == 0
+    assert f"megatrain plan: {d} on h100" in out and f"parameters: {by_dir.counts.total:,}" in out
+
+
+def test_model_entry_with_a_hydra_target_still_plans():
+    mc = load_model("llama8b")
+    tagged = {**mc, "_target_": "megatrain_lightning.recipes_lib.models.build_model",
+              "config": {**mc["config"], "_target_": "transformers.AutoConfig.for_model"}}
+    assert plan(tagged, load_hardware("h200")).host == plan(mc, load_hardware("h200")).host
+
+
+def test_conf_dir_found_from_the_environment(tmp_path, monkeypatch):
+    assert (find_conf_dir() / "plan.yaml").is_file()
+    (tmp_path / "plan.yaml").write_text("batch_size: 1\n")
+    monkeypatch.setenv("MEGATRAIN_CONF_DIR", str(tmp_path))
+    assert find_conf_dir() == tmp_path
+    monkeypatch.setenv("MEGATRAIN_CONF_DIR", str(tmp_path / "missing"))
+    assert find_conf_dir() != tmp_path / "missing"                 # falls back to the package's conf/
+
+
+def test_installed_wheel_finds_its_conf(tmp_path, monkeypatch):
+    """pyproject.toml ships conf/ as package data: a wheel installed elsewhere plans without the repository."""
+    wheel_dir, target = tmp_path / "dist", tmp_path / "site"
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
+                        "-q", "-w", str(wheel_dir)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    whl = next(wheel_dir.glob("*.whl"))
+    import zipfile
+
+    names = zipfile.ZipFile(whl).namelist()
+    assert "megatrain_lightning/conf/plan.yaml" in names and "megatrain_lightning/conf/hardware/h200.yaml" in names
+    zipfile.ZipFile(whl).extractall(target)
+    # the installed copy's planning/config.py, loaded from the install location, finds the installed conf/
+    import importlib.util
+
+    monkeypatch.delenv("MEGATRAIN_CONF_DIR", raising=False)
+    spec = importlib.util.spec_from_file_location("installed_config", target / "megatrain_lightning/planning/config.py")
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "installed_config", mod)   # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    assert mod.CONF_DIR == target / "megatrain_lightning" / "conf"
+    assert sorted(p.stem for p in (mod.CONF_DIR / "model").glob("*.yaml")) == presets("model")
+
+
+# ---------------------------------------------------------------- fit flags and advice
+
+def _hw_with(name: str, **fields) -> Hardware:
+    return Hardware.from_mapping({**load_hardware(name).to_dict(), **fields})
+
+
+def test_tight_headroom_is_flagged():
+    p = plan(load_model("llama8b"), load_hardware("h200"))
+    tight = plan(load_model("llama8b"), _hw_with("h200", hbm_gib=p.device_bytes / 0.97 / GIB))
+    assert tight.fits and tight.tight == ["device"] and 0.02 < tight.headroom["device"] < 0.05
+    text = format_plan(tight)
+    assert "fits: yes, but TIGHT: device 3.0% headroom" in text and "TIGHT: 3.0% headroom" in text
+    assert "yes*" in format_comparison([tight])
+    roomy = plan(load_model("llama8b"), _hw_with("h200", hbm_gib=p.device_bytes / 0.9 / GIB))
+    assert roomy.fits and roomy.tight == [] and "fits: yes\n" in format_plan(roomy) + "\n"
+
+
+def test_host_short_plan_suggests_the_nvme_tier_with_numbers():
+    p = plan(load_model("llama70b"), load_hardware("a100"))        # 1 TiB of RAM, 1.29 TiB needed
+    assert not p.fits and p.reasons[0].startswith("host RAM short")
+    nv = replan(p, offload_params="nvme", offload_optimizer="nvme", offload_grads="nvme")
+    assert nv.host_bytes < p.capacity["host"]
+    text = format_plan(p)
+    assert f"use the NVMe tier (strategy=megatrain_nvme, host_memory_limit={int(p.capacity['host'] * 0.9 / GIB)}GiB)" in text
+    assert f"host then needs {gib(nv.host_bytes)} GiB" in text and f"disk {gib(nv.disk_bytes)} GiB (fits)" in text
+    opt = replan(p, offload_optimizer="nvme", offload_grads="nvme")
+    assert f"offload_optimizer=nvme: AdamW moments and gradient accumulators" in text
+    assert f"host then needs {gib(opt.host_bytes)} GiB" in text
+    assert "use the NVMe tier" in format_comparison([p])
+
+
+# ---------------------------------------------------------------- activations and the longest sequence
+
+def _saved_bytes_per_token(fn, T1: int, T2: int) -> float:
+    """Bytes autograd saves, per token (slope between two lengths, so weight casts cancel)."""
+    def count(T):
+        seen = {}
+
+        def pack(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(T)
+        return sum(seen.values())
+
+    return (count(T2) - count(T1)) / (T2 - T1)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_per_token_formula_equals_what_autograd_saves(precision):
+    """The activation formula (planning/activations.py) against the tensors a real HF Llama decoder layer
+    and its LM head + loss save for backward (saved_tensors_hooks), per token."""
+    cfg = transformers.AutoConfig.for_model(**{**TINY_HF, "num_hidden_layers": 1}, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    auto = dict(device_type="cpu", dtype=torch.bfloat16, enabled=precision != "32-true")
+
+    def layer(T):
+        x = torch.randn(1, T, 64, requires_grad=True)
+        pos = torch.arange(T)[None]
+        with torch.autocast(**auto):
+            model.model.layers[0](x, position_embeddings=model.model.rotary_emb(x, pos), position_ids=pos)
+
+    def head(T):
+        h = torch.randn(1, T, 64, requires_grad=True)
+        with torch.autocast(**auto):
+            logits = model.lm_head(model.model.norm(h))
+        model.loss_function(logits=logits, labels=torch.randint(0, 1000, (1, T)), vocab_size=1000)
+
+    c = count_params(TINY_HF)
+    s = dict(precision=precision)
+    lay, hd = layer_saved_per_token(c, s), head_per_token(c, s)
+    assert _saved_bytes_per_token(layer, 64, 128) == sum(lay.values())
+    assert _saved_bytes_per_token(head, 64, 128) == hd["final norm + input"] + hd["logits saved"]
+    assert params  # the parameters themselves are not activations (their storage does not grow with T)
+
+
+def test_activation_options_bound_memory_and_max_seq_len_is_monotone():
+    p = plan(load_model("llama8b"), load_hardware("h100"), seq_len=4096, loss_chunk_size=None, mlp_chunk_size=None)
+    base = max_seq_len(p)
+    loss = max_seq_len(p, loss_chunk_size=1024)
+    mlp = max_seq_len(p, loss_chunk_size=1024, mlp_chunk_size=4096)
+    off = max_seq_len(p, loss_chunk_size=1024, mlp_chunk_size=4096, offload_activations=True)
+    assert 0 < base < loss < mlp < off
+    assert max_seq_len(p, recompute_every=4) > base and max_seq_len(p, offload_activations=True) > base
+    for kw, T in (({}, base), ({"loss_chunk_size": 1024}, loss), ({"offload_activations": True}, off)):
+        full = {"loss_chunk_size": 1024, "mlp_chunk_size": 4096} if kw.get("offload_activations") else {}
+        assert replan(p, seq_len=T, **kw, **full).fits and not replan(p, seq_len=T + 1, **kw, **full).fits
+    # consistent with the per-token formula: past every chunk, device bytes grow by exactly the per-token sum
+    ch = {"loss_chunk_size": 1024, "mlp_chunk_size": 4096}
+    s = {**p.settings, **ch}
+    terms = per_token_terms(p.counts, s)
+    layer_pt = sum(pt for pt, cap, w in terms.values() if w == "layer" and cap is None)
+    head_pt = sum(pt for pt, cap, w in terms.values() if w == "head" and cap is None)
+    assert layer_pt > head_pt                                   # the chunked head is the smaller phase here
+    dev_pt = sum(pt for pt, cap, w in terms.values() if w == "device") + layer_pt
+    a, b = replan(p, seq_len=40_000, **ch), replan(p, seq_len=50_000, **ch)
+    assert abs((b.device_bytes - a.device_bytes) - dev_pt * 10_000) <= 2
+    fixed = a.device_bytes - dev_pt * 40_000
+    assert abs(mlp - (p.capacity["device"] - fixed) / dev_pt) <= 1
+    # the head term: all logits without chunking, one chunk's with it (12 B per vocabulary entry)
+    key = "computing block activations (LM head: logits + grad)"
+    un = replan(p, seq_len=8192)
+    assert un.device[key] >= 8192 * 128256 * 12
+    ch = replan(p, seq_len=8192, loss_chunk_size=1024)
+    assert key not in ch.device or ch.device[key] < 1100 * 128256 * 12
+
+
+def test_chunk_sizes_are_validated():
+    assert resolve_chunk(None, "loss_chunk_size") is None and resolve_chunk("null", "loss_chunk_size") is None
+    assert resolve_chunk(2048, "mlp_chunk_size") == 2048 and resolve_chunk("512", "mlp_chunk_size") == 512
+    for bad in (0, -4, 1.5, "many", True):
+        with pytest.raises(ValueError, match="loss_chunk_size must be a positive number of tokens"):
+            plan(load_model("llama8b"), load_hardware("h200"), loss_chunk_size=bad)
+
+
+def test_plan_prints_activations_and_the_longest_sequence(capsys):
+    p = plan(load_model("llama70b"), load_hardware("h200"), loss_chunk_size=None, mlp_chunk_size=None)
+    text = format_plan(p)
+    assert "activations (loss_chunk_size=None" in text and "per token beyond the chunks: device" in text
+    assert f"{'+ offload_activations=true':<64} {max_seq_len(p, loss_chunk_size=1024, mlp_chunk_size=4096, offload_activations=True):>12,}" in text
+    rc, out = _main(capsys, "max_seq_len=true", "model=llama8b,smollm2_135m", "hardware=h100,h200")
+    assert rc == 0
+    rows = [l for l in out.splitlines() if l.startswith("| llama8b") or l.startswith("| smollm2")]
+    assert len(rows) == 4
+    q = plan(load_model("llama8b"), load_hardware("h100"), loss_chunk_size=None, mlp_chunk_size=None)
+    assert f"| llama8b | h100 | {max_seq_len(q):,} | {max_seq_len(q, loss_chunk_size=1024):,} |" in out
+
+
+def test_preflight_refuses_a_seq_len_that_cannot_fit_and_names_the_option():
+    strategy = {"lookahead": 1, "recompute_every": 1, "offload_activations": False, "loss_chunk_size": None,
+                "mlp_chunk_size": None}
+    p = plan_for_run(load_model("llama8b"), load_hardware("h100"), strategy, batch_size=1, seq_len=65536,
+                     precision="bf16-mixed")
+    assert p.settings["loss_chunk_size"] is None and not p.fits
+    with pytest.raises(PreflightError) as ei:
+        preflight(p, host_ram_bytes=2048 * GIB, disk_free_bytes=10_000 * GIB, device_bytes=p.capacity["device"])
+    msg = str(ei.value)
+    longest = max_seq_len(p)
+    assert f"longest data.seq_len that fits at batch_size=1 with these options: {longest:,}" in msg
+    fixed = replan(p, loss_chunk_size=1024)
+    assert fixed.fits
+    assert (f"set strategy.loss_chunk_size=1024: data.seq_len=65,536 then fits (device then needs "
+            f"{gib(fixed.device_bytes)} GiB") in msg
+    # longer still: chunking is not enough, offloading the saved inputs is named
+    q = replan(p, seq_len=200_000)
+    with pytest.raises(PreflightError) as ei:
+        preflight(q, host_ram_bytes=2048 * GIB, disk_free_bytes=10_000 * GIB, device_bytes=p.capacity["device"])
+    assert "strategy.offload_activations=true" in str(ei.value)
+    # the planner's own command line names its keys
+    with pytest.raises(PreflightError) as ei:
+        preflight(p, host_ram_bytes=2048 * GIB, disk_free_bytes=10_000 * GIB, device_bytes=p.capacity["device"], keys=None)
+    assert "set loss_chunk_size=1024: seq_len=65,536" in str(ei.value)
+
+
+def test_cpu_device_preflight_names_activation_options():
+    """Without an accelerator the activations are host RAM: a too-long sequence is refused for host RAM,
+    with the sequence options first."""
+    hw = _hw_with("this_machine", host_ram_gib=23.5)
+    p = plan(load_model("smollm2_135m"), hw, seq_len=32_768, loss_chunk_size=None, mlp_chunk_size=None)
+    with pytest.raises(PreflightError) as ei:
+        preflight(p, host_ram_bytes=20 * GIB, disk_free_bytes=1000 * GIB)
+    msg = str(ei.value)
+    assert "host RAM short" in msg and "longest data.seq_len that fits" in msg and "set strategy." in msg
+    assert "offload_activations" not in msg                    # the inputs are host RAM already on a CPU device
+    assert max_seq_len(p, offload_activations=True) == max_seq_len(p) < max_seq_len(p, loss_chunk_size=1024)

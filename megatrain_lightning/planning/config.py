@@ -7,12 +7,118 @@ compute in TFLOP/s = 1e12 FLOP/s, optimizer throughput in G params/s = 1e9 param
 
 from __future__ import annotations
 
+import inspect
+import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 GIB = 2**30
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+
+def find_conf_dir() -> Path:
+    """The ``conf/`` directory (``plan.yaml``, ``model/``, ``hardware/``...), wherever the package is.
+
+    In order: ``$MEGATRAIN_CONF_DIR``; the repository's ``conf/`` next to the package (a source
+    checkout or an editable install); ``megatrain_lightning/conf`` inside an installed wheel
+    (``pyproject.toml`` ships ``conf/`` there as package data).
+
+    Raises:
+        FileNotFoundError: none of these holds a ``plan.yaml``; names the places looked at and
+            ``MEGATRAIN_CONF_DIR``.
+    """
+    pkg = Path(__file__).resolve().parents[1]
+    tried = []
+    env = os.environ.get("MEGATRAIN_CONF_DIR")
+    for cand in ([Path(env)] if env else []) + [pkg.parent / "conf", pkg / "conf"]:
+        tried.append(str(cand))
+        if (cand / "plan.yaml").is_file():
+            return cand
+    raise FileNotFoundError(f"no conf/ directory with plan.yaml found (looked at {tried}); set MEGATRAIN_CONF_DIR "
+                            "to the repository's conf/ directory")
+
+
+CONF_DIR = find_conf_dir()
+
+#: chunk sizes (tokens) the planner suggests, and assumes for ``"default"`` when MegaTrainStrategy
+#: has the option with no integer default: loss 1024 tokens keeps one chunk's fp32 logits at
+#: 1024 x 128,256 x 4 B = 501 MiB for Llama 3's vocabulary (2 x with their gradient); MLP 4096
+#: tokens keeps Llama-3.1-70B's intermediate (4 x 28,672 x 2 B per token) at 0.9 GiB.
+SUGGESTED_CHUNK = {"loss_chunk_size": 1024, "mlp_chunk_size": 4096}
+
+
+def strategy_default(name: str) -> Any:
+    """``MegaTrainStrategy``'s default for keyword ``name``, or ``None`` when it has no such option
+    (a run then has the behaviour the option would turn on: off)."""
+    from ..strategy import MegaTrainStrategy
+
+    param = inspect.signature(MegaTrainStrategy.__init__).parameters.get(name)
+    return None if param is None or param.default is inspect.Parameter.empty else param.default
+
+
+def resolve_chunk(value: Any, name: str) -> int | None:
+    """A chunk-size setting as tokens or ``None`` (off).
+
+    Args:
+        value: a positive int, ``None``/``"null"``/``"none"``/``"off"`` (off), ``"default"``
+            (:func:`strategy_default`; a non-integer strategy default such as ``"auto"`` becomes
+            ``SUGGESTED_CHUNK[name]``).
+        name: the option (``loss_chunk_size`` / ``mlp_chunk_size``), for the error message.
+
+    Raises:
+        ValueError: anything else (zero, negative, a float, a word), naming the option.
+    """
+    if isinstance(value, str):
+        low = value.strip().lower()
+        if low in ("none", "null", "off", ""):
+            return None
+        if low == "default":
+            d = strategy_default(name)
+            if d is None or isinstance(d, int) and not isinstance(d, bool):
+                return resolve_chunk(d, name)
+            return SUGGESTED_CHUNK[name]
+        if low == "auto":
+            return SUGGESTED_CHUNK[name]
+        if low.isdigit():
+            value = int(low)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive number of tokens, null (off) or 'default', got {value!r}")
+    return value
+
+
+def is_model_path(value: Any) -> bool:
+    """Whether ``value`` names a Hugging Face model directory or a ``*.json`` config file (an existing
+    path, or one written as a path: contains a separator, starts with ``.``/``~``, ends in ``.json``)."""
+    if not isinstance(value, (str, os.PathLike)):
+        return False
+    v = os.fspath(value)
+    return Path(v).expanduser().exists() or os.sep in v or v.startswith((".", "~")) or v.endswith(".json")
+
+
+def load_hf_config(path: str | os.PathLike) -> Any:
+    """``transformers.AutoConfig`` of a local model directory (its ``config.json``) or a config file.
+
+    Local files only: nothing is downloaded.
+
+    Raises:
+        FileNotFoundError: no such directory/file, or a directory without ``config.json``.
+        ValueError: transformers cannot read it (the message says which file and why).
+    """
+    import transformers
+
+    p = Path(os.fspath(path)).expanduser()
+    if p.is_dir() and not (p / "config.json").is_file():
+        raise FileNotFoundError(f"model={path}: the directory has no config.json (a Hugging Face model directory "
+                                "holds one; or pass the path of a config file)")
+    if not p.exists():
+        raise FileNotFoundError(f"model={path}: no such directory or file (give a conf/model preset name, e.g. "
+                                f"model=llama8b, or a local Hugging Face model directory / config.json)")
+    try:
+        return transformers.AutoConfig.from_pretrained(str(p), local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"model={path}: transformers.AutoConfig could not read {p}: {e}") from e
 
 
 @dataclass(frozen=True)
@@ -68,6 +174,8 @@ def _plain(d: Any) -> dict[str, Any]:
             return OmegaConf.to_container(d, resolve=True)  # type: ignore[return-value]
     except ImportError:  # pragma: no cover - hydra-core is a dependency
         pass
+    if isinstance(d, Hardware):
+        return d.to_dict()
     return dict(d)
 
 
@@ -93,7 +201,12 @@ def compose(overrides: Sequence[str] = ()) -> Any:
 
 
 def load_model(name: str) -> dict[str, Any]:
-    """The ``conf/model/<name>.yaml`` mapping (name, config, weights, gguf, tokenizer, max_seq_len)."""
+    """The ``conf/model/<name>.yaml`` mapping (name, config, weights, gguf, tokenizer, max_seq_len; a
+    Hydra ``_target_`` where the entry has one), or for a path (:func:`is_model_path`) a mapping
+    ``{"name": path, "config": path}`` (:func:`~.estimate.plan` reads it with :func:`load_hf_config`)."""
+    if is_model_path(name):
+        load_hf_config(name)  # fail here with the message about the path
+        return {"name": str(name), "config": str(name)}
     return _plain(compose([f"model={name}"]).model)
 
 

@@ -37,6 +37,13 @@ class ParamCounts:
         tied: parameters the head reads from the embedding's storage (0 when untied).
         hidden_size, num_layers, vocab_size, intermediate_size, num_heads, num_kv_heads,
         head_dim: shapes used by the activation and FLOP estimates.
+        castable: per stored block (embedding, each layer, head), its own parameters that autocast
+            casts at every use (:func:`megatrain_lightning.engine.wire.autocast_casts`: ``weight``
+            and ``bias`` of Linear/Conv/Conv1D modules, every holder of the parameter castable): the
+            ones that travel in bf16/fp16 under the mixed precisions; the rest travel in fp32.
+        experts_per_token: MoE experts each token passes through (``num_experts_per_tok``; 1 for
+            a dense MLP): multiplies the MLP intermediate activations.
+        max_position_embeddings: the longest sequence the model's positions allow (0: unknown).
     """
 
     model_type: str
@@ -51,6 +58,25 @@ class ParamCounts:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    castable: tuple[int, ...] = ()
+    experts_per_token: int = 1
+    max_position_embeddings: int = 0
+
+    @property
+    def stored(self) -> tuple[int, ...]:
+        """Parameters each block stores in its slab (embedding, layers..., head; tied counted once)."""
+        return (self.embedding, *self.layers, self.head)
+
+    @property
+    def castable_reads(self) -> tuple[int, ...]:
+        """Castable parameters each block reads, in forward order, aligned with :attr:`block_reads`
+        (the head's tied weight is read by the embedding lookup too, so it is never castable)."""
+        return self.castable or (0,) * len(self.stored)
+
+    @property
+    def largest_slab(self) -> int:
+        """Parameters of the largest slab (the engine's D2H staging size, ``store.max_slab_numel``)."""
+        return max(self.stored)
 
     @property
     def total(self) -> int:
@@ -130,10 +156,22 @@ def count_params(config: Mapping[str, Any] | Any) -> ParamCounts:
         return count_module(config)
     if isinstance(config, Mapping):
         return _count_from_json(json.dumps(dict(config), sort_keys=True))
+    hf = _hf_config(config)
+    return _count_pretrained(type(hf), hf.to_json_string(use_diff=False), hf)
+
+
+_PRETRAINED_CACHE: dict[tuple[type, str], ParamCounts] = {}
+
+
+def _count_pretrained(kind: type, key: str, hf: Any) -> ParamCounts:
     import transformers
 
-    with torch.device("meta"):
-        return count_module(transformers.AutoModelForCausalLM.from_config(_hf_config(config)))
+    if (kind, key) not in _PRETRAINED_CACHE:
+        if len(_PRETRAINED_CACHE) > 32:
+            _PRETRAINED_CACHE.clear()
+        with torch.device("meta"):
+            _PRETRAINED_CACHE[(kind, key)] = count_module(transformers.AutoModelForCausalLM.from_config(hf))
+    return _PRETRAINED_CACHE[(kind, key)]
 
 
 def _outermost_layers(model: nn.Module, classes: set[str]) -> list[str]:
@@ -156,6 +194,14 @@ def count_module(model: nn.Module) -> ParamCounts:
     layers = [0] * len(layer_names)
     embedding = head = tied = 0
     seen: dict[int, str] = {}  # id(param) -> group that stores it
+    owner_ok: dict[int, bool] = {}  # id(param) -> autocast casts it at every use, in every module holding it
+    from ..engine.wire import autocast_casts
+
+    for mod in model.modules():
+        for attr, p in mod.named_parameters(recurse=False):
+            owner_ok[id(p)] = owner_ok.get(id(p), True) and autocast_casts(mod, attr)
+    cast = {"embedding": 0, "head": 0}
+    cast_layers = [0] * len(layer_names)
     after_layers = False  # named_parameters follows module (= forward) order
     for fqn, p in model.named_parameters(remove_duplicate=False):
         group: int | str | None = None
@@ -174,12 +220,16 @@ def count_module(model: nn.Module) -> ParamCounts:
                 tied += n
             continue
         seen[id(p)] = "layer" if isinstance(group, int) else group
+        ok = owner_ok.get(id(p), False)
         if isinstance(group, int):
             layers[group] += n
+            cast_layers[group] += n if ok else 0
         elif group == "embedding":
             embedding += n
+            cast["embedding"] += n if ok else 0
         else:
             head += n
+            cast["head"] += n if ok else 0
     cfg = getattr(model, "config", None)
 
     def get(*keys: str, default: int = 0) -> int:
@@ -198,4 +248,7 @@ def count_module(model: nn.Module) -> ParamCounts:
         intermediate_size=get("intermediate_size", "n_inner", default=4 * hidden),
         num_heads=heads, num_kv_heads=get("num_key_value_heads", default=heads),
         head_dim=get("head_dim", default=hidden // max(heads, 1)),
+        castable=(cast["embedding"], *cast_layers, cast["head"]),
+        experts_per_token=get("num_experts_per_tok", "moe_topk", default=1),
+        max_position_embeddings=get("max_position_embeddings", "n_positions", default=0),
     )

@@ -17,6 +17,8 @@ from .counts import ParamCounts, count_params
 from .terms import (CKPT_METADATA, GRAD_BYTES, PRECISION_ALIASES, PRECISIONS, TERM_LABELS,  # noqa: F401
                     TIERS, _estimate)
 
+TIGHT_HEADROOM = 0.05  # a tier that fits with less free than this is flagged "tight"
+
 
 @dataclass
 class Plan:
@@ -39,6 +41,10 @@ class Plan:
             compute time >= every other term (None: never, a term grows as fast as compute).
         max_device_batch_size: largest batch size whose device bytes fit (None: no GPU).
         fits, reasons: whether every tier fits, and one line per shortfall.
+        headroom: per checked tier (``host``, ``device``, ``disk``), (capacity - need) / capacity.
+        tight: the tiers that fit with under ``TIGHT_HEADROOM`` (5%) of headroom: the estimate's
+            assumptions (runtime reserve, working-set factor, allocator fragmentation) are larger
+            than that margin, so such a "fits" may not.
     """
 
     model: str
@@ -64,6 +70,8 @@ class Plan:
     max_device_batch_size: int | None = None
     fits: bool = True
     reasons: list[str] = field(default_factory=list)
+    headroom: dict[str, float] = field(default_factory=dict)
+    tight: list[str] = field(default_factory=list)
     source: Any = field(default=None, repr=False)
 
     @property
@@ -91,20 +99,33 @@ class Plan:
                                             "moved", "flops", "flops_parts", "times", "step_time_s", "dominating",
                                             "step_time_pessimistic_s", "dominating_pessimistic",
                                             "checkpoint_bytes", "checkpoint_write_s", "compute_bound_batch_size",
-                                            "max_device_batch_size", "fits", "reasons")}
+                                            "max_device_batch_size", "fits", "reasons", "headroom", "tight")}
         d.update(hardware=self.hardware.to_dict(), counts=self.counts.to_dict(), host_bytes=self.host_bytes,
-                 device_bytes=self.device_bytes, disk_bytes=self.disk_bytes)
+                 device_bytes=self.device_bytes, disk_bytes=self.disk_bytes,
+                 max_seq_len={"these options": max_seq_len(self),
+                              **{lab: max_seq_len(self, **ch) for lab, ch in long_sequence_variants(self)}})
         return d
 
 
 def _model_name_and_config(model_cfg: Any) -> tuple[str, Any]:
-    """Accept a ``conf/model`` mapping, an AutoConfig kwargs mapping, a PretrainedConfig or a module."""
-    from .config import _plain
+    """Accept a ``conf/model`` mapping, an AutoConfig kwargs mapping, a PretrainedConfig, a module, or
+    the path of a Hugging Face model directory / ``config.json`` (:func:`.config.load_hf_config`).
+    Hydra's ``_target_`` keys (a ``conf/model`` entry that names what it builds) are ignored."""
+    from .config import _plain, is_model_path, load_hf_config
 
+    if isinstance(model_cfg, (str, bytes)) or hasattr(model_cfg, "__fspath__"):
+        if not is_model_path(model_cfg):
+            raise ValueError(f"model {model_cfg!r} is neither a conf/model preset mapping nor a path to a Hugging Face "
+                             "model directory or config.json")
+        hf = load_hf_config(model_cfg)
+        return str(model_cfg), hf
     if isinstance(model_cfg, Mapping) or type(model_cfg).__name__ == "DictConfig":
-        d = _plain(model_cfg)
-        if "config" in d:
-            return str(d.get("name", d["config"].get("model_type"))), d["config"]
+        d = {k: v for k, v in _plain(model_cfg).items() if k != "_target_"}
+        if isinstance(d.get("config"), Mapping):
+            cfg = {k: v for k, v in d["config"].items() if k != "_target_"}
+            return str(d.get("name", cfg.get("model_type"))), cfg
+        if isinstance(d.get("config"), str) and is_model_path(d["config"]):  # config: /path/to/hf_dir
+            return str(d.get("name", d["config"])), load_hf_config(d["config"])
         return str(d.get("model_type", "model")), d
     return str(getattr(getattr(model_cfg, "config", model_cfg), "model_type", type(model_cfg).__name__)), model_cfg
 
@@ -112,7 +133,8 @@ def _model_name_and_config(model_cfg: Any) -> tuple[str, Any]:
 def _crossover(c: ParamCounts, hw: Hardware, s: dict[str, Any], e1: dict[str, Any]) -> tuple[int | None, int | None]:
     """Batch size where compute >= every other term, and the largest batch the device holds.
 
-    All terms are affine in the batch size at fixed ``seq_len``; two evaluations give them.
+    The time terms are affine in the batch size at fixed ``seq_len``: two evaluations give them.
+    Device bytes are searched (binary search; a chunk-capped term stops growing at its chunk).
     """
     e2 = _estimate(c, hw, {**s, "batch_size": s["batch_size"] + 1})
     b0 = s["batch_size"]
@@ -131,11 +153,21 @@ def _crossover(c: ParamCounts, hw: Hardware, s: dict[str, Any], e1: dict[str, An
         need = max(need, fixed / (comp - slope))
     bound = None if math.isinf(need) else max(1, math.ceil(need - 1e-9))
     max_dev = None
-    if hw.is_gpu:
-        d1, d2 = sum(e1["device"].values()), sum(e2["device"].values())
-        slope, cap = d2 - d1, hw.hbm_gib * GIB
-        fixed = d1 - slope * b0
-        max_dev = max(0, int((cap - fixed) // slope)) if slope > 0 else None
+    if hw.is_gpu:  # device bytes grow with the batch, piecewise (chunk caps, the larger phase): search
+        cap = hw.hbm_gib * GIB
+
+        def fits(b: int) -> bool:
+            return sum(_estimate(c, hw, {**s, "batch_size": b})["device"].values()) <= cap
+
+        lo, hi = 0, 1
+        while fits(hi) and hi < 1 << 20:
+            lo, hi = hi, hi * 2
+        if fits(hi):
+            return bound, hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        max_dev = lo
     return bound, max_dev
 
 
@@ -143,12 +175,14 @@ def plan(model_cfg: Any, hw: Hardware | Mapping[str, Any], *, batch_size: int = 
          precision: str = "bf16-mixed", offload_params: str = "cpu", offload_optimizer: str = "cpu",
          offload_grads: str = "cpu", offload_activations: bool = False, lookahead: int = 1,
          recompute_every: int = 1, grad_dtype: str | None = None, keep_checkpoints: int = 2,
-         pinned_round: bool = True, cpu_zero_copy: bool = True) -> Plan:
+         pinned_round: bool = True, cpu_zero_copy: bool = True, loss_chunk_size: int | str | None = "default",
+         mlp_chunk_size: int | str | None = "default") -> Plan:
     """Plan one training configuration on one hardware preset (see the module docstring).
 
     Args:
         model_cfg: a ``conf/model/*.yaml`` mapping (``name``, ``config``...), AutoConfig kwargs
-            with ``model_type``, a ``PretrainedConfig`` or a built model.
+            with ``model_type``, a ``PretrainedConfig``, a built model, or the path of a Hugging
+            Face model directory or its ``config.json`` (read with ``AutoConfig``, local files only).
         hw: a :class:`Hardware` or a ``conf/hardware/*.yaml`` mapping.
         batch_size, seq_len: sequences per optimizer step and tokens per sequence.
         precision: ``32-true``, ``bf16-mixed``, ``16-mixed`` or ``bf16-true`` (Lightning's aliases
@@ -166,10 +200,38 @@ def plan(model_cfg: Any, hw: Hardware | Mapping[str, Any], *, batch_size: int = 
             torch's caching host allocator (``ATen/core/CachingHostAllocator.h``) rounds every
             pinned allocation up to a power of two unless
             ``PYTORCH_CUDA_ALLOC_CONF=pinned_max_round_threshold_mb:<MB>`` (torch >= 2.9) says otherwise.
+        loss_chunk_size: tokens per chunk of the chunked LM head + loss (its logits and their
+            gradient exist for one chunk at a time); ``None`` = off (all logits at once);
+            ``"default"`` = ``MegaTrainStrategy``'s default (off where the strategy has no such option).
+        mlp_chunk_size: tokens per chunk of the chunked MLP (its intermediate activations exist for
+            one chunk); ``None`` = off; ``"default"`` as above.
 
     Raises:
-        ValueError: an unknown precision, tier or grad dtype, or a non-positive size.
+        ValueError: an unknown precision, tier or grad dtype, a non-positive size, or a chunk size
+            that is not a positive integer (the message names the option).
     """
+    hw = Hardware.from_mapping(hw)
+    name, cfg = _model_name_and_config(model_cfg)
+    counts = count_params(cfg)
+    s = settings(batch_size=batch_size, seq_len=seq_len, precision=precision, offload_params=offload_params,
+                 offload_optimizer=offload_optimizer, offload_grads=offload_grads,
+                 offload_activations=offload_activations, lookahead=lookahead, recompute_every=recompute_every,
+                 grad_dtype=grad_dtype, keep_checkpoints=keep_checkpoints, pinned_round=pinned_round,
+                 cpu_zero_copy=cpu_zero_copy, loss_chunk_size=loss_chunk_size, mlp_chunk_size=mlp_chunk_size)
+    return _plan_from_counts(name, counts, hw, s, model_cfg if not isinstance(model_cfg, (str, bytes)) else cfg)
+
+
+def settings(*, batch_size: int, seq_len: int, precision: str, offload_params: str, offload_optimizer: str,
+             offload_grads: str, offload_activations: bool, lookahead: int, recompute_every: int,
+             grad_dtype: str | None, keep_checkpoints: int, pinned_round: bool, cpu_zero_copy: bool,
+             loss_chunk_size: int | str | None, mlp_chunk_size: int | str | None) -> dict[str, Any]:
+    """Validated settings of a plan (the arguments of :func:`plan`); ``grad_dtype`` becomes ``grad_bytes``.
+
+    Raises:
+        ValueError: see :func:`plan`.
+    """
+    from .config import resolve_chunk
+
     precision = PRECISION_ALIASES.get(precision, precision)  # type: ignore[call-overload]
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
@@ -181,38 +243,126 @@ def plan(model_cfg: Any, hw: Hardware | Mapping[str, Any], *, batch_size: int = 
         raise ValueError(f"grad_dtype must be one of {sorted(GRAD_BYTES)} or None, got {grad_dtype!r}")
     if batch_size < 1 or seq_len < 1 or recompute_every < 1 or lookahead < 0 or keep_checkpoints < 0:
         raise ValueError("batch_size, seq_len and recompute_every must be >= 1; lookahead, keep_checkpoints >= 0")
-    hw = Hardware.from_mapping(hw)
-    name, cfg = _model_name_and_config(model_cfg)
-    counts = count_params(cfg)
-    s = dict(batch_size=int(batch_size), seq_len=int(seq_len), precision=precision, offload_params=offload_params,
-             offload_optimizer=offload_optimizer, offload_grads=offload_grads,
-             offload_activations=bool(offload_activations), lookahead=int(lookahead),
-             recompute_every=int(recompute_every), keep_checkpoints=int(keep_checkpoints),
-             pinned_round=bool(pinned_round), cpu_zero_copy=bool(cpu_zero_copy),
-             grad_bytes=GRAD_BYTES[grad_dtype] if grad_dtype else PRECISIONS[precision][2])
+    return dict(batch_size=int(batch_size), seq_len=int(seq_len), precision=precision, offload_params=offload_params,
+                offload_optimizer=offload_optimizer, offload_grads=offload_grads,
+                offload_activations=bool(offload_activations), lookahead=int(lookahead),
+                recompute_every=int(recompute_every), keep_checkpoints=int(keep_checkpoints),
+                pinned_round=bool(pinned_round), cpu_zero_copy=bool(cpu_zero_copy),
+                loss_chunk_size=resolve_chunk(loss_chunk_size, "loss_chunk_size"),
+                mlp_chunk_size=resolve_chunk(mlp_chunk_size, "mlp_chunk_size"),
+                grad_bytes=GRAD_BYTES[grad_dtype] if grad_dtype else PRECISIONS[precision][2])
+
+
+def _plan_from_counts(name: str, counts: ParamCounts, hw: Hardware, s: dict[str, Any], source: Any) -> Plan:
     e = _estimate(counts, hw, s)
     dom = max(e["times"], key=e["times"].get)
     dom_p = max(e["pess"], key=e["pess"].get)
     bound, max_dev = _crossover(counts, hw, s, e)
-    cap = {"host": int(hw.host_ram_gib * GIB), "device": int(hw.hbm_gib * GIB) if hw.is_gpu else None,
-           "disk": int(hw.nvme_drives * hw.nvme_capacity_gib * GIB)}
+    cap = capacity(hw)
     p = Plan(model=name, hardware=hw, counts=counts, settings=s, host=e["host"], device=e["device"],
              nvme=e["nvme"], disk=e["disk"], capacity=cap, moved=e["moved"], flops=e["flops"],
              flops_parts=e["flops_parts"], times=e["times"], step_time_s=e["times"][dom], dominating=dom,
              step_time_pessimistic_s=e["pess"][dom_p], dominating_pessimistic=dom_p, checkpoint_bytes=e["ckpt"],
              checkpoint_write_s=e["ckpt"] / (hw.nvme_drives * hw.nvme_write_gbps * 1e9),
-             compute_bound_batch_size=bound, max_device_batch_size=max_dev, source=model_cfg)
+             compute_bound_batch_size=bound, max_device_batch_size=max_dev, source=source)
     p.reasons = shortfalls(p, cap["host"], cap["device"], cap["disk"], where="preset")
     p.fits = not p.reasons
+    p.headroom = {k: (have - need) / have for k, need, have in _needs(p, cap["host"], cap["device"], cap["disk"])}
+    p.tight = [k for k, h in p.headroom.items() if 0 <= h < TIGHT_HEADROOM]
     return p
 
 
-def replan(p: Plan, **changes: Any) -> Plan:
-    """The same model and hardware with some settings changed (used for advice)."""
+def capacity(hw: Hardware) -> dict[str, int | None]:
+    """Bytes per tier on a preset: host RAM, device (None without a GPU), disk (all NVMe drives)."""
+    return {"host": int(hw.host_ram_gib * GIB), "device": int(hw.hbm_gib * GIB) if hw.is_gpu else None,
+            "disk": int(hw.nvme_drives * hw.nvme_capacity_gib * GIB)}
+
+
+def _needs(p: Plan, host: int | None, device: int | None, disk: int | None) -> list[tuple[str, int, int]]:
+    out = [("host", p.host_bytes, host), ("device", p.device_bytes, device if p.hardware.is_gpu else None),
+           ("disk", p.disk_bytes, disk)]
+    return [(k, n, h) for k, n, h in out if h]
+
+
+def fits_memory(p: Plan, host: int | None = None, device: int | None = None) -> bool:
+    """Whether host RAM and device memory fit (the preset's capacities unless given; disk not checked)."""
+    host = p.capacity["host"] if host is None else host
+    device = p.capacity["device"] if device is None else device
+    return p.host_bytes <= host and (not p.hardware.is_gpu or device is None or p.device_bytes <= device)
+
+
+def max_seq_len(p: Plan, host: int | None = None, device: int | None = None, limit: int = 1 << 24,
+                **changes: Any) -> int:
+    """Longest ``seq_len`` at ``batch_size=1`` whose host RAM and device memory fit (binary search:
+    every memory term grows with the sequence length).
+
+    Args:
+        p: the plan whose model, hardware and settings are used.
+        host, device: bytes available (default: the preset's capacities).
+        limit: the largest length tried (tokens; 16M).
+        changes: settings changed for this answer (``loss_chunk_size=1024``, ``offload_activations=True``).
+
+    Returns:
+        Tokens; 0 when not even one token fits (the weights, gradients and optimizer states alone
+        exceed a tier).
+    """
     s = dict(p.settings)
-    changes.setdefault("grad_dtype", {4: "fp32", 2: "bf16"}[s.pop("grad_bytes")])
+    s.update(changes, batch_size=1)
+
+    def ok(t: int) -> bool:
+        q = _plan_memory(p, {**s, "seq_len": t})
+        return fits_memory(q, host, device)
+
+    if not ok(1):
+        return 0
+    lo, hi = 1, limit
+    if ok(hi):
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def _plan_memory(p: Plan, s: dict[str, Any]) -> Plan:
+    """A Plan with only the memory tiers filled (no crossover search): what :func:`max_seq_len` probes."""
+    e = _estimate(p.counts, p.hardware, s)
+    return Plan(model=p.model, hardware=p.hardware, counts=p.counts, settings=s, host=e["host"], device=e["device"],
+                nvme=e["nvme"], disk=e["disk"], capacity=p.capacity, moved=e["moved"], flops=e["flops"],
+                flops_parts=e["flops_parts"], times=e["times"], step_time_s=0.0, dominating="compute",
+                step_time_pessimistic_s=0.0, dominating_pessimistic="compute", checkpoint_bytes=e["ckpt"],
+                checkpoint_write_s=0.0, source=p.source)
+
+
+#: the options the longest-sequence answer turns on one after another (planner names; the recipe's
+#: Hydra keys are ``strategy.<name>``), with the values it suggests when an option is off
+LONG_SEQUENCE_STEPS = ("loss_chunk_size", "mlp_chunk_size", "offload_activations")
+
+
+def long_sequence_variants(p: Plan) -> list[tuple[str, dict[str, Any]]]:
+    """Settings for the longest-sequence table: none of the options, then each added in turn
+    (``LONG_SEQUENCE_STEPS``; a chunk option keeps the plan's value, else its suggested size)."""
+    from .config import SUGGESTED_CHUNK
+
+    s = p.settings
+    on = {"loss_chunk_size": s["loss_chunk_size"] or SUGGESTED_CHUNK["loss_chunk_size"],
+          "mlp_chunk_size": s["mlp_chunk_size"] or SUGGESTED_CHUNK["mlp_chunk_size"], "offload_activations": True}
+    off = {"loss_chunk_size": None, "mlp_chunk_size": None, "offload_activations": False}
+    out = [("none of the options", dict(off))]
+    cur = dict(off)
+    for k in LONG_SEQUENCE_STEPS:
+        cur = {**cur, k: on[k]}
+        out.append(("+ " + (f"{k}={on[k]}" if k != "offload_activations" else "offload_activations=true"), dict(cur)))
+    return out
+
+
+def replan(p: Plan, **changes: Any) -> Plan:
+    """The same model and hardware with some settings changed (used for advice); the gradient
+    wire dtype stays unless ``grad_dtype`` is given."""
+    s = dict(p.settings)
+    s["grad_dtype"] = {4: "fp32", 2: "bf16"}[s.pop("grad_bytes")]
     s.update(changes)
-    return plan(p.source, p.hardware, **s)
+    return _plan_from_counts(p.model, p.counts, p.hardware, settings(**s), p.source)
 
 
 def gib(n: float | None) -> str:

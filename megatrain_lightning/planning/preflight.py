@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
-from .config import GIB
-from .estimate import TERM_LABELS, Plan, gib, replan, shortfalls
+from .advice import RECIPE_KEYS, activation_share, device_advice, host_advice, seq_len_advice
+from .estimate import Plan, gib, max_seq_len, plan, shortfalls
 
 
 class PreflightError(ValueError):
@@ -49,55 +49,6 @@ def device_free_bytes() -> int | None:
     return None
 
 
-def _host_advice(p: Plan, have: int) -> list[str]:
-    s = p.settings
-    limit = max(1, int(have * 0.9 / GIB))
-    out = []
-    if s["offload_optimizer"] == "cpu":
-        q = replan(p, offload_optimizer="nvme")
-        if q.host_bytes <= have:
-            out.append(f"offload_optimizer=nvme: AdamW moments ({gib(8 * p.counts.total)} GiB) go to NVMe; host then "
-                       f"needs {gib(q.host_bytes)} GiB, disk {gib(q.disk_bytes)} GiB; step bound {q.step_time_s:,.1f} s "
-                       f"({TERM_LABELS[q.dominating]})")
-    if "nvme" not in (s["offload_params"], s["offload_optimizer"], s["offload_grads"]) or out == []:
-        q = replan(p, offload_params="nvme", offload_optimizer="nvme", offload_grads="nvme")
-        if q.host_bytes <= have:
-            out.append(f"use strategy=megatrain_nvme with host_memory_limit={limit}GiB: masters, shadow, gradients and "
-                       f"moments ({gib(q.nvme_bytes)} GiB) go to NVMe; host then needs {gib(q.host_bytes)} GiB "
-                       f"(a window of {s['lookahead'] + 2} blocks), disk {gib(q.disk_bytes)} GiB, and the step is "
-                       f"bounded by {TERM_LABELS[q.dominating]} at {q.step_time_s:,.1f} s")
-        else:
-            out.append(f"even with every state on NVMe (strategy=megatrain_nvme) the host needs {gib(q.host_bytes)} GiB "
-                       f"(window {s['lookahead'] + 2} blocks + overhead): use a machine with more RAM")
-    out.append(f"or a machine with >= {gib(p.host_bytes)} GiB of free RAM")
-    return ["change: " + a for a in out]
-
-
-def _device_advice(p: Plan) -> list[str]:
-    big = sorted(p.device.items(), key=lambda kv: -kv[1])[:3]
-    info = "needed for: " + ", ".join(f"{k} {gib(v)} GiB" for k, v in big)
-    return [info] + ["change: " + a for a in _device_changes(p, p.device.get("saved block inputs", 0))]
-
-
-def _device_changes(p: Plan, act: int) -> list[str]:
-    s = p.settings
-    out = []
-    if p.max_device_batch_size:
-        out.append(f"reduce batch_size/seq_len (batch_size <= {p.max_device_batch_size} fits at seq_len={s['seq_len']})")
-    else:
-        out.append("reduce batch_size/seq_len (even batch_size=1 does not fit at this seq_len)")
-    if act and not s["offload_activations"]:
-        out.append(f"enable offload_activations (moves {gib(act)} GiB of saved block inputs to host RAM)")
-    if act and s["recompute_every"] == 1:
-        out.append(f"recompute_every=4 (saved block inputs {gib(act)} -> {gib(replan(p, recompute_every=4).device['saved block inputs'])} GiB, "
-                   "+3/4 of a forward recomputed)")
-    if s["lookahead"] > 1:
-        out.append("lookahead=1 (one block prefetched instead of {})".format(s["lookahead"]))
-    if s["precision"] == "32-true":
-        out.append("precision=bf16-mixed (halves the streamed block buffers)")
-    return out
-
-
 def _disk_advice(p: Plan, path: Any) -> list[str]:
     k = p.settings["keep_checkpoints"]
     return [f"needed for: NVMe store {gib(p.disk.get('NVMe store', 0))} GiB + {k} checkpoint(s) of {gib(p.checkpoint_bytes)} GiB",
@@ -105,7 +56,8 @@ def _disk_advice(p: Plan, path: Any) -> list[str]:
 
 
 def preflight(p: Plan, *, host_ram_bytes: int | None = None, disk_free_bytes: int | None = None,
-              device_bytes: int | None = None, path: str | Path = ".") -> dict[str, tuple[int, int | None]]:
+              device_bytes: int | None = None, path: str | Path = ".",
+              keys: Mapping[str, str] | None = RECIPE_KEYS) -> dict[str, tuple[int, int | None]]:
     """Check a :class:`Plan` against this machine (or the given numbers).
 
     Args:
@@ -114,13 +66,19 @@ def preflight(p: Plan, *, host_ram_bytes: int | None = None, disk_free_bytes: in
         disk_free_bytes: free disk; default ``shutil.disk_usage(path).free``.
         device_bytes: free accelerator memory; default ``torch.cuda.mem_get_info()[0]`` (CUDA only).
         path: where the NVMe store and checkpoints go (for the disk measurement).
+        keys: how the message names settings (:func:`.advice.key`): the recipe's Hydra keys
+            (``strategy.loss_chunk_size``, ``data.seq_len``; the default) or ``None`` for the
+            planner's command line (``loss_chunk_size``, ``seq_len``).
 
     Returns:
         ``{"host"|"device"|"disk": (need_bytes, have_bytes or None)}`` when everything fits.
 
     Raises:
         PreflightError: one or more tiers are short; the message gives need and have in GiB
-            for each and what to change.
+            for each and what to change: for host RAM the NVMe tier with its numbers; for
+            device memory (and host RAM on a CPU device, where activations live in host RAM)
+            the longest ``seq_len`` that fits and the option that makes this one fit
+            (``strategy.loss_chunk_size=...``, ``strategy.offload_activations=true``...).
     """
     host = host_ram_bytes if host_ram_bytes is not None else mem_available_bytes()
     disk = disk_free_bytes if disk_free_bytes is not None else shutil.disk_usage(path).free
@@ -136,11 +94,43 @@ def preflight(p: Plan, *, host_ram_bytes: int | None = None, disk_free_bytes: in
             if line.startswith("host"):
                 top = sorted(p.host.items(), key=lambda kv: -kv[1])[:4]
                 msg.append("      needed for: " + ", ".join(f"{k} {gib(v)} GiB" for k, v in top))
-                advice = _host_advice(p, host)  # type: ignore[arg-type]
+                advice = []
+                if not p.hardware.is_gpu and activation_share(p) > 0.1 and max_seq_len(p, host, None):
+                    # CPU device: activations are host RAM, and a shorter sequence would fit
+                    advice += ["change: " + a for a in seq_len_advice(p, host, None, keys)]
+                advice += ["change: " + a for a in host_advice(p, host, keys)]  # type: ignore[arg-type]
             elif line.startswith("device"):
-                advice = _device_advice(p)
+                advice = device_advice(p, dev, host, keys)
             else:
                 advice = _disk_advice(p, path)
             msg.extend(f"      {a}" for a in advice)
         raise PreflightError("\n".join(msg), lines)
     return {"host": (p.host_bytes, host), "device": (p.device_bytes, dev), "disk": (p.disk_bytes, disk)}
+
+
+def plan_for_run(model: Any, hardware: Any, strategy: Mapping[str, Any], *, batch_size: int, seq_len: int,
+                 precision: str) -> Plan:
+    """The plan of a recipe run from its composed config sections (``cfg.model``, ``cfg.hardware``,
+    ``cfg.strategy``; DictConfigs or mappings), reading every strategy option the planner models
+    (``lookahead``, ``recompute_every``, ``offload_activations``, ``offload_params``,
+    ``offload_optimizer`` -- which moves the gradient accumulators too, ``loss_chunk_size``,
+    ``mlp_chunk_size``); options the composed config does not set take ``MegaTrainStrategy``'s defaults.
+    Pass it to :func:`preflight`."""
+    from .config import _plain, strategy_default
+
+    st = _plain(strategy) if strategy is not None else {}
+
+    def opt(name: str, fallback: Any) -> Any:
+        if name in st:
+            return st[name]
+        d = strategy_default(name)
+        return fallback if d is None and fallback is not None else d
+
+    return plan(_plain(model), _plain(hardware), batch_size=int(batch_size), seq_len=int(seq_len),
+                precision=str(precision), lookahead=int(opt("lookahead", 1)),
+                recompute_every=int(opt("recompute_every", 1)),
+                offload_activations=bool(opt("offload_activations", False)),
+                offload_params=str(opt("offload_params", "cpu")),
+                offload_optimizer=str(opt("offload_optimizer", "cpu")),
+                offload_grads=str(opt("offload_optimizer", "cpu")),
+                loss_chunk_size=opt("loss_chunk_size", None), mlp_chunk_size=opt("mlp_chunk_size", None))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from .estimate import TERM_LABELS, Plan, gib
+from .activations import per_token_terms
+from .advice import device_advice, host_advice
+from .estimate import TERM_LABELS, Plan, gib, long_sequence_variants, max_seq_len
 
 
 def _num(x: float) -> str:
@@ -22,11 +24,64 @@ def _rate(p: Plan, key: str) -> str:
     }[key]
 
 
+def _fit_word(need: int, have: int | None) -> str:
+    if have is None:
+        return ""
+    if need > have:
+        return "  SHORT"
+    room = (have - need) / have
+    return f"  fits, TIGHT: {room:.1%} headroom (< 5%)" if room < 0.05 else f"  fits ({room:.0%} free)"
+
+
 def _tier(title: str, items: dict[str, int], need: int, have: int | None, note: str = "") -> list[str]:
-    ok = "" if have is None else ("  fits" if need <= have else "  SHORT")
-    out = [f"  {title:<44} {'GiB':>10}"]
-    out += [f"    {k:<42} {gib(v):>10}" for k, v in items.items() if v]
-    out.append(f"    {'total' + note:<42} {gib(need):>10}   have {gib(have)}{ok}")
+    out = [f"  {title:<54} {'GiB':>10}"]
+    out += [f"    {k:<52} {gib(v):>10}" for k, v in items.items() if v]
+    out.append(f"    {'total' + note:<52} {gib(need):>10}   have {gib(have)}{_fit_word(need, have)}")
+    return out
+
+
+def _kib(n: float) -> str:
+    return f"{n / 1024:,.1f} KiB"
+
+
+def format_activations(p: Plan) -> list[str]:
+    """Activation memory per token for the plan's options (device and host), and the chunk-capped terms."""
+    s = p.settings
+    terms = per_token_terms(p.counts, s, p.hardware.is_gpu)
+    where = {"device": "device", "layer": "device, layer phase", "head": "device, head phase", "host": "host, pinned"}
+    out = [f"activations (loss_chunk_size={s['loss_chunk_size']} mlp_chunk_size={s['mlp_chunk_size']} "
+           f"offload_activations={s['offload_activations']} recompute_every={s['recompute_every']}; "
+           "formulas: planning/activations.py)"]
+    for k, (pt, cap, w) in terms.items():
+        if not pt:
+            continue
+        size = f"{_kib(pt):>14} per token"
+        if cap is not None:
+            size += f", up to {cap:,} tokens: {gib(pt * cap)} GiB at most"
+        out.append(f"    {k:<40} {size}   ({where[w]})")
+
+    def per_token(w: str) -> float:
+        return sum(pt for pt, cap, ww in terms.values() if ww == w and cap is None)
+
+    dev, phase = per_token("device"), max(per_token("layer"), per_token("head"))
+    out.append(f"  per token beyond the chunks: device {_kib(dev + phase)} (resident {_kib(dev)} + the larger phase "
+               f"{_kib(phase)}), host {_kib(per_token('host'))}"
+               + ("" if p.hardware.is_gpu else " (CPU device: the device's bytes are host RAM too)"))
+    return out
+
+
+def format_longest(p: Plan) -> list[str]:
+    """The longest sequence at batch 1 for the plan's options and with the long-sequence options added."""
+    hw = p.hardware
+    what = (f"device {gib(p.capacity['device'])} GiB, host {gib(p.capacity['host'])} GiB" if hw.is_gpu
+            else f"host {gib(p.capacity['host'])} GiB")
+    out = [f"longest seq_len at batch_size=1 on {hw.name} ({what}):",
+           f"    {'these options':<64} {max_seq_len(p):>12,}"]
+    for label, ch in long_sequence_variants(p):
+        out.append(f"    {label:<64} {max_seq_len(p, **ch):>12,}")
+    mp = p.counts.max_position_embeddings
+    if mp:
+        out.append(f"    (the model's max_position_embeddings is {mp:,}; memory alone is counted above)")
     return out
 
 
@@ -75,15 +130,33 @@ def format_plan(p: Plan) -> str:
         f"checkpoint: {gib(p.checkpoint_bytes)} GiB (fp32 weights + 2 AdamW moments, 12 B/param), "
         f"write {p.checkpoint_write_s:,.1f} s at {hw.nvme_drives} x {hw.nvme_write_gbps:g} GB/s",
     ]
-    b = p.compute_bound_batch_size
+    b, m = p.compute_bound_batch_size, p.max_device_batch_size
     if b is None:
         lines.append("compute dominates: never (a transfer term grows as fast as compute with the batch)")
     else:
-        lines.append(f"compute dominates from batch_size={b} ({b * s['seq_len']:,} tokens/step at seq_len={s['seq_len']})")
-    if p.max_device_batch_size is not None:
-        lines.append(f"device memory holds batch_size <= {p.max_device_batch_size} at seq_len={s['seq_len']}")
-    lines.append("fits: yes" if p.fits else "fits: NO: " + "; ".join(p.reasons))
+        lines.append(f"compute dominates from batch_size={b} ({b * s['seq_len']:,} tokens/step at seq_len={s['seq_len']})"
+                     + (f", but device memory holds only batch_size <= {m} there: raise the batch with gradient "
+                        f"accumulation or shorten seq_len" if m and b > m else ""))
+    if m == 0:
+        lines.append(f"device memory does not hold even batch_size=1 at seq_len={s['seq_len']}")
+    elif m is not None:
+        lines.append(f"device memory holds batch_size <= {m} at seq_len={s['seq_len']}")
+    lines += [""] + format_activations(p) + [""] + format_longest(p) + [""]
+    lines.append(_fits_line(p))
+    if any(r.startswith("device memory short") for r in p.reasons):
+        lines += ["  " + a for a in device_advice(p, p.capacity["device"], p.capacity["host"], None)]
+    if any(r.startswith("host RAM short") for r in p.reasons):
+        lines += ["  change: " + a for a in host_advice(p, p.capacity["host"], None)]  # type: ignore[arg-type]
     return "\n".join(lines)
+
+
+def _fits_line(p: Plan) -> str:
+    if not p.fits:
+        return "fits: NO: " + "; ".join(p.reasons)
+    if p.tight:
+        return "fits: yes, but TIGHT: " + ", ".join(f"{k} {p.headroom[k]:.1%} headroom" for k in p.tight) + \
+            " (< 5%: the reserve and working-set assumptions are larger than that margin)"
+    return "fits: yes"
 
 
 def format_comparison(plans: list[Plan]) -> str:
@@ -92,16 +165,45 @@ def format_comparison(plans: list[Plan]) -> str:
     s = p0.settings
     head = (f"megatrain plan: {p0.model}, precision={s['precision']} batch_size={s['batch_size']} seq_len={s['seq_len']} "
             f"offload params/optimizer/grads={s['offload_params']}/{s['offload_optimizer']}/{s['offload_grads']}")
-    cols = (f"{'hardware':<13} {'host GiB need/have':>20} {'device GiB need/have':>21} {'fits':>5} "
-            f"{'bound s':>9} {'dominating':<12} {'pessim. s':>10} {'compute-bound batch':>20}")
+    cols = (f"{'hardware':<13} {'host GiB need/have':>20} {'device GiB need/have':>21} {'fits':>6} "
+            f"{'bound s':>9} {'dominating':<12} {'pessim. s':>10} {'compute-bound batch (device holds)':>35} "
+            f"{'max seq_len':>12}")
     out = [head, "", cols, "-" * len(cols)]
     for p in plans:
         dev = f"{gib(p.device_bytes)}/{gib(p.capacity['device'])}" if p.hardware.is_gpu else "(in host)"
-        b = "never" if p.compute_bound_batch_size is None else str(p.compute_bound_batch_size)
+        b, m = p.compute_bound_batch_size, p.max_device_batch_size
+        bb = "never" if b is None else str(b)
+        if m is not None:
+            bb += f" (<= {m}{', too big' if b is not None and b > m else ''})"
+        fit = ("yes*" if p.tight else "yes") if p.fits else "NO"
         out.append(f"{p.hardware.name:<13} {gib(p.host_bytes) + '/' + gib(p.capacity['host']):>20} {dev:>21} "
-                   f"{'yes' if p.fits else 'NO':>5} {p.step_time_s:>9.2f} {TERM_LABELS[p.dominating]:<12} "
-                   f"{p.step_time_pessimistic_s:>10.2f} {b:>20}")
+                   f"{fit:>6} {p.step_time_s:>9.2f} {TERM_LABELS[p.dominating]:<12} "
+                   f"{p.step_time_pessimistic_s:>10.2f} {bb:>35} {max_seq_len(p):>12,}")
+    if any(p.tight for p in plans):
+        out.append("  yes* = fits with under 5% headroom in a tier: " + "; ".join(
+            f"{p.hardware.name} " + ", ".join(f"{k} {p.headroom[k]:.1%}" for k in p.tight) for p in plans if p.tight))
     for p in plans:
         if not p.fits:
             out.append(f"  {p.hardware.name}: " + "; ".join(p.reasons))
+            if any(r.startswith("host RAM short") for r in p.reasons):
+                out += [f"    change: {a}" for a in host_advice(p, p.capacity["host"], None)[:-1]]  # type: ignore[arg-type]
+    out.append("  compute-bound batch: the batch size from which compute dominates the step; (<= N): the largest "
+               "batch device memory holds at this seq_len; max seq_len: at batch_size=1, these options")
     return "\n".join(out)
+
+
+def format_longest_table(rows: list[tuple[str, str, list[tuple[str, int]]]]) -> str:
+    """Markdown-ready table of the longest sequence: one row per (model, hardware), one column per
+    option set (``rows`` from :func:`longest_rows`)."""
+    labels = [lab for lab, _ in rows[0][2]]
+    head = "| model | hardware | " + " | ".join(labels) + " |"
+    out = [head, "|" + "---|" * (len(labels) + 2)]
+    for model, hw, vals in rows:
+        out.append(f"| {model} | {hw} | " + " | ".join(f"{v:,}" for _, v in vals) + " |")
+    return "\n".join(out)
+
+
+def longest_rows(plans: list[Plan]) -> list[tuple[str, str, list[tuple[str, int]]]]:
+    """For each plan: (model, hardware, [(option set, longest seq_len at batch 1)...])."""
+    return [(p.model, p.hardware.name, [(lab, max_seq_len(p, **ch)) for lab, ch in long_sequence_variants(p)])
+            for p in plans]

@@ -7,38 +7,37 @@ FLOP; GiB = 2**30 B; bandwidths in GB/s = 1e9 B/s; compute in TFLOP/s = 1e12 FLO
 Memory tiers (docs/architecture.md, "Memory tiers"), N = unique parameters (tied counted once):
 
 * host RAM: fp32 master 4 B/param, fp32 gradient accumulator 4, AdamW exp_avg 4 and
-  exp_avg_sq 4, plus the bf16/fp16 wire shadow 2 B/param under a 2-byte wire (the engine
-  casts each slab once per step after its update and streams the copy); pinned D2H staging
-  (2 buffers of the largest block's gradients); on a GPU, torch's caching host allocator
-  rounds each pinned allocation up to a power of two (one master and one shadow slab per
-  block), listed as its own line; a fixed 4 GiB for the process (Python, CUDA host side,
-  data loader) -- an assumption. A part moved to NVMe leaves a window of
-  (lookahead + 2) blocks of it in RAM (read-ahead, the block in use, write-behind).
-* device: the largest block x (lookahead + 1) in the wire dtype, its fp32 upcast under mixed
-  precision (``precision.py``: bf16 on the wire, fp32 params under autocast), the block's
-  parameter gradients (device dtype) plus the packed copies queued for D2H (``transport.stage_grads``;
-  at most ``D2H_INFLIGHT`` = 2 batches, the gradient sink's bound),
-  the saved block inputs (ceil(L/K) + 1) x B x T x H in the residual-stream dtype (fp32
-  under mixed precision), one block's recompute activations (estimate below), fp32 logits
-  B x T x V x 4 and their gradient of the same size, and a 2 GiB runtime reserve (CUDA
-  context, cuBLAS workspaces, allocator fragmentation; assumption). With no accelerator
-  (``hbm_gib: null``) the device buffers are host RAM and are added to the host tier; there,
-  under ``32-true`` with ``cpu_zero_copy`` (the strategy's default) blocks bind the fp32
-  masters directly: no weight buffers and no H2D bytes.
+  exp_avg_sq 4, plus the cached wire image of each slab under a 2-byte wire (the engine
+  casts each slab once per step after its update and streams the copy; ``engine/wire.py``:
+  under the mixed modes only weights autocast casts travel in bf16/fp16, 2 B, the others in
+  fp32, 4 B, and a slab that is all fp32 streams its master and has no image; ``bf16-true``:
+  2 B for every parameter); 2 pinned D2H staging buffers of the largest slab's gradients in
+  the gradient wire dtype (``CUDATransport``'s ``n_staging``); on a GPU, torch's caching host
+  allocator rounds each pinned allocation up to a power of two (one master and one wire image
+  per slab), listed as its own line; offloaded activations (:mod:`.activations`); a fixed 4 GiB
+  for the process (Python, CUDA host side, data loader) -- an assumption. A part moved to NVMe
+  leaves a window of (lookahead + 2) blocks of it in RAM (read-ahead, the block in use,
+  write-behind); NVMe masters are cast to their wire image at each fetch (no image cached).
+* device: the largest block x (lookahead + 1) in the compute dtype (fp32 under the mixed
+  modes: the wire image is upcast on the device, ``transport.to_device``) plus the wire image
+  being decoded and, under autocast, its cache of the castable weights' bf16/fp16 casts (alive
+  while the block computes), the computing block's parameter gradients (compute dtype) plus the packed
+  gradient batches queued for the D2H worker (``transport.stage_grads``; at most
+  ``D2H_INFLIGHT`` = 2, ``GradientSink``'s ``max_inflight``), the activations
+  (:mod:`.activations`: saved block inputs, the computing block's working set or the LM head's
+  logits, by option), and a 2 GiB runtime reserve (CUDA context, cuBLAS workspaces, allocator
+  fragmentation; assumption). With no accelerator (``hbm_gib: null``) the device buffers are
+  host RAM and are added to the host tier; there, under ``32-true`` with ``cpu_zero_copy``
+  (the strategy's default) blocks bind the fp32 masters directly: no weight buffers and no H2D.
 * disk: the NVMe store (the parts moved there) + ``keep_checkpoints`` directory
   checkpoints (a save keeps the previous one complete until the new one is renamed in).
   A checkpoint is fp32 weights + both AdamW moments = 12 B/param + 16 MiB of metadata
   allowance (config, index, checksums, trainer state).
 
-One block's recompute activations (an estimate, not a measurement): per token
-(2H + 2 q_dim + 3 kv_dim + 2H + 4 I) elements in the matmul dtype (norm outputs, q and its
-rotated copy, k/v and rotated k, attention output, MLP gate/up/activation/product) + 3H
-fp32 elements (residual and norm inputs), x 1.5 for the transient gradients of backward;
-with flash/SDPA attention no T x T score matrix is kept.
-
 Per optimizer step (one micro-batch of ``batch_size`` x ``seq_len`` tokens):
 
-* H2D = (2 x params read by all blocks - params of the last block) x wire bytes: the forward
+* H2D = the wire bytes (2 B per castable weight, 4 B per other parameter under the mixed
+  modes; see above) of 2 x the params read by all blocks - those of the last block: the forward
   fetch plus the backward fetch that recomputes each block, except the last block of the
   forward (the LM head; the final norm's H params are counted with it), which keeps its
   graph and its weights on the device until its backward and so is fetched once (tied
@@ -48,8 +47,8 @@ Per optimizer step (one micro-batch of ``batch_size`` x ``seq_len`` tokens):
 * D2H = (params read by all blocks) x gradient bytes (fp32 by default, bf16 for
   ``bf16-true`` or ``grad_dtype``), plus offloaded activations in forward.
 * NVMe (when offloaded): moments read 8 B/param + written 8; masters read 4 (the update is
-  fused with the forward fetch) + the backward fetch in the wire dtype, written 4 + the
-  2-byte shadow; gradient accumulators written 4 + read 4.
+  fused with the forward fetch) + 4 again for the backward fetch (cast to the wire image on the
+  host), written 4; gradient accumulators written 4 + read 4.
 * compute FLOPs ~ 8 x N_matmul x tokens + 8 x L x T x d_attn x tokens: the 6N of
   forward + backward (Kaplan et al. 2020, "Scaling Laws for Neural Language Models",
   table 1: C_forward ~ 2N + 2 n_layer n_ctx d_attn, backward = 2 x forward) plus 2N for the
@@ -76,6 +75,7 @@ import math
 from typing import Any
 
 from .config import GIB, Hardware
+from .activations import activation_bytes
 from .counts import ParamCounts
 
 #: precision -> (wire bytes, device param bytes, default grad bytes, saved residual bytes,
@@ -92,8 +92,8 @@ TIERS = ("cpu", "nvme")
 PROCESS_OVERHEAD = 4 * GIB      # host: Python, torch, CUDA host side, data loader (assumption)
 DEVICE_RESERVE = 2 * GIB        # device: CUDA context, workspaces, fragmentation (assumption)
 CKPT_METADATA = 16 * 2**20      # checkpoint metadata allowance
-WORKING_SET_FACTOR = 1.5        # transient gradients during one block's backward (assumption)
-D2H_INFLIGHT = 2                # packed gradient batches queued for the D2H worker at most (engine/grads.py)
+D2H_INFLIGHT = 2                # packed gradient batches queued for the D2H worker at most (GradientSink max_inflight)
+D2H_STAGING = 2                 # pinned D2H staging buffers (CUDATransport n_staging)
 
 TERM_LABELS = {"compute": "compute", "h2d": "H2D link", "d2h": "D2H link", "nvme_read": "NVMe read",
                "nvme_write": "NVMe write", "host_adamw": "host AdamW",
@@ -104,44 +104,65 @@ def _pow2_waste(nbytes: int) -> int:
     return 0 if nbytes <= 0 else (1 << (nbytes - 1).bit_length()) - nbytes
 
 
+def wire_bytes(params: int, castable: int, wire: int) -> int:
+    """Bytes of ``params`` parameters on the H2D link, ``castable`` of them castable
+    (:func:`megatrain_lightning.engine.wire.autocast_casts`): under a 2-byte wire only the castable
+    ones travel in 2 bytes, the rest (embeddings, norms, tied weights) in fp32 (``engine/wire.py``;
+    the up-to-15-byte alignment of each run of a mixed image is not counted)."""
+    return params * 4 if wire == 4 else castable * wire + (params - castable) * 4
+
+
+def shadow_bytes(params: int, castable: int, wire: int, precision: str) -> int:
+    """Host bytes of one slab's cached wire image (``engine/fetch.py`` ``_shadow``): none under
+    ``32-true`` or for a slab that travels all in fp32 (it streams the master itself); all 2-byte
+    under ``bf16-true``; else the mixed image (2 B per castable, 4 B per other parameter)."""
+    if wire == 4:
+        return 0
+    if precision == "bf16-true":
+        return 2 * params
+    return wire_bytes(params, castable, wire) if castable else 0
+
+
 def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]:
     """Pure arithmetic for one batch size: the tiers, bytes moved and seconds per term."""
-    wire, dev_param, _, act_saved, act_mm, rate_key = PRECISIONS[s["precision"]]
+    wire, dev_param, _, _, _, rate_key = PRECISIONS[s["precision"]]
     grad_b = s["grad_bytes"]
     B, T, K, la = s["batch_size"], s["seq_len"], s["recompute_every"], s["lookahead"]
-    N, big, L, H = c.total, c.largest_block, c.num_layers, c.hidden_size
-    shadow = 2 if wire == 2 else 0          # fp32 wire streams the master itself
+    N, L = c.total, c.num_layers
+    bf16_true = s["precision"] == "bf16-true"
     window = la + 2                         # blocks of an offloaded part resident in RAM
     gpu = hw.is_gpu
     zero_copy = not gpu and wire == 4 and s["cpu_zero_copy"]  # strategy default on a CPU device
+    # bytes on the H2D link per block read (forward order), and the cached wire image per slab
+    wire_of = [wire_bytes(n, k, wire) if not bf16_true else 2 * n for n, k in zip(c.block_reads, c.castable_reads)]
+    shadow_of = [shadow_bytes(n, k, wire, s["precision"]) for n, k in zip(c.stored, c.castable_reads)]
+    big = c.largest_block                   # parameters of the largest block on the device (tied included)
+    big_wire = max(wire_of)
+    staging = c.largest_slab                # the D2H staging buffer's elements (store.max_slab_numel)
 
     # ---- device
-    saved_calls = math.ceil(L / K) + 1
-    saved_bytes = saved_calls * B * T * H * act_saved
-    q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    per_token = (2 * H + 2 * q_dim + 3 * kv_dim + 2 * H + 4 * c.intermediate_size) * act_mm + 3 * H * 4
+    act_dev, act_host = activation_bytes(c, s, gpu)
     device = {
-        f"block weights x{la + 1} (wire)": 0 if zero_copy else big * (la + 1) * wire,
-        "fp32 upcast of computing block": big * 4 if wire < dev_param else 0,
-        "block param grads + queued D2H packs": big * (dev_param + D2H_INFLIGHT * grad_b),
-        "saved block inputs": 0 if s["offload_activations"] else saved_bytes,
-        "restored inputs in flight": 2 * B * T * H * act_saved if s["offload_activations"] else 0,
-        "one block's recompute activations": int(B * T * per_token * WORKING_SET_FACTOR),
-        "logits fp32": B * T * c.vocab_size * 4,
-        "logits grad fp32": B * T * c.vocab_size * 4,
+        f"block weights x{la + 1} (compute dtype)": 0 if zero_copy else big * (la + 1) * dev_param,
+        "wire image being decoded": big_wire if wire < dev_param else 0,
+        "autocast weight casts (computing block)": max(c.castable_reads) * wire if wire < dev_param else 0,
+        "block param grads": big * dev_param,
+        f"queued D2H gradient packs x{D2H_INFLIGHT}": big * D2H_INFLIGHT * grad_b,
+        **act_dev,
         "runtime reserve": DEVICE_RESERVE if gpu else 0,
     }
 
     # ---- host and NVMe
     host: dict[str, int] = {}
     nvme: dict[str, int] = {}
+    shadow_total = sum(shadow_of)
     if s["offload_params"] == "cpu":
         host["fp32 master weights"] = 4 * N
-        host["wire shadow (2 B/param)"] = shadow * N
+        host["wire shadow (castable 2 B, rest 4 B)"] = shadow_total
     else:
         nvme["fp32 master weights"] = 4 * N
-        nvme["wire shadow (2 B/param)"] = shadow * N
-        host["master+shadow window"] = window * big * (4 + shadow)
+        host["master window"] = window * big * 4
+        host["wire image being cast"] = big_wire if wire < 4 else 0
     if s["offload_grads"] == "cpu":
         host["fp32 grad accumulators"] = 4 * N
     else:
@@ -153,13 +174,14 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
         nvme["AdamW exp_avg + exp_avg_sq"] = 8 * N
         host["AdamW moments window"] = window * big * 8
     if gpu:
-        host["pinned D2H staging (2 blocks)"] = 2 * big * grad_b
+        host[f"pinned D2H staging x{D2H_STAGING} (largest slab)"] = D2H_STAGING * staging * grad_b
         if s["offload_params"] == "cpu" and s["pinned_round"]:
-            slabs = c.block_reads[:-1] + (c.head,)
-            host["pinned pow2 rounding"] = sum(_pow2_waste(n * 4) + (_pow2_waste(n * shadow) if shadow else 0)
-                                               for n in slabs)
-    if s["offload_activations"]:
-        host["offloaded block inputs"] = saved_bytes
+            host["pinned pow2 rounding"] = sum(_pow2_waste(n * 4) + _pow2_waste(sh)
+                                               for n, sh in zip(c.stored, shadow_of))
+        if act_host.get("offloaded block inputs") and s["pinned_round"]:  # one pinned tensor per saved input
+            n_saved = math.ceil(L / K) + 1
+            host["pinned pow2 rounding (offloaded inputs)"] = n_saved * _pow2_waste(act_host["offloaded block inputs"] // n_saved)
+    host.update(act_host)
     if not gpu:
         host["device buffers (CPU device)"] = sum(device.values())
     host["process overhead"] = PROCESS_OVERHEAD
@@ -171,15 +193,18 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     reads = c.reads_per_pass
     reads_b = reads - c.head_reads             # the last block keeps its graph: fetched once
     chain = c.layer_total * (K - 1) // K
-    act_io = saved_bytes if s["offload_activations"] else 0
-    h2d_f, h2d_b = reads * wire, (reads_b + chain) * wire + act_io
+    layer_wire = sum(wire_of[1:-1])
+    chain_wire = layer_wire * (K - 1) // K
+    act_io = act_host.get("offloaded block inputs", 0)
+    h2d_f = sum(wire_of)
+    h2d_b = sum(wire_of[:-1]) + chain_wire + (act_io if gpu else 0)  # CPU: an offloaded input is used in place
     if zero_copy:                              # CPU device bound to the fp32 masters: nothing copied
         h2d_f = h2d_b = 0
     d2h = reads * grad_b + act_io
     nv_r = nv_w = 0
     if s["offload_params"] == "nvme":
-        nv_r += 4 * N + (reads_b + chain) * wire
-        nv_w += (4 + shadow) * N
+        nv_r += 4 * N + 4 * (reads_b + chain)  # the backward fetch reads the fp32 master again and casts it
+        nv_w += 4 * N
     if s["offload_optimizer"] == "nvme":
         nv_r += 8 * N
         nv_w += 8 * N
@@ -191,6 +216,7 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
 
     # ---- compute (Kaplan et al. 2020 + the recompute forward)
     tokens = B * T
+    q_dim = c.num_heads * c.head_dim
     f_layers = 2 * c.layer_total + 2 * L * T * q_dim
     f_head = 2 * (c.matmul_params - c.layer_total)
     f_attn = 2 * L * T * q_dim

@@ -1,0 +1,131 @@
+"""What to change when a plan does not fit: the NVMe tier for host RAM, and for device memory the
+options that bound activations (the longest sequence with each).
+
+Every suggestion is re-planned (:func:`.estimate.replan`) and carries its numbers. Option names
+are given as the caller spells them: ``keys`` maps a planner setting (``loss_chunk_size``) to the
+key the user sets (``strategy.loss_chunk_size`` in the recipe, ``loss_chunk_size`` for the planner's
+command line). Units: GiB = 2**30 B.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from .config import GIB, SUGGESTED_CHUNK
+from .estimate import TERM_LABELS, Plan, fits_memory, gib, max_seq_len, replan
+
+#: the recipe's Hydra keys for the planner's settings (``recipes/finetune.py`` with conf/finetune.yaml)
+RECIPE_KEYS = {"seq_len": "data.seq_len", "batch_size": "data.batch_size", "precision": "trainer.precision"}
+
+
+def key(name: str, keys: Mapping[str, str] | None) -> str:
+    """How the user sets planner setting ``name``: ``keys[name]``, else ``strategy.<name>`` when ``keys``
+    is the recipe's (:data:`RECIPE_KEYS`), else ``name`` itself (``keys=None``: the planner's CLI)."""
+    if keys is None:
+        return name
+    return keys.get(name, f"strategy.{name}")
+
+
+def _value(v: Any) -> str:
+    return "true" if v is True else "false" if v is False else "null" if v is None else str(v)
+
+
+def host_advice(p: Plan, have: int, keys: Mapping[str, str] | None = None) -> list[str]:
+    """Ways to fit host RAM ``have`` (bytes): AdamW moments on NVMe, then every state on NVMe
+    (``strategy=megatrain_nvme`` with a ``host_memory_limit``), each with the host, disk and
+    step-time numbers it gives; else a bigger machine."""
+    s = p.settings
+    limit = max(1, int(have * 0.9 / GIB))
+    out = []
+    if s["offload_optimizer"] == "cpu":
+        q = replan(p, offload_optimizer="nvme", offload_grads="nvme")
+        if q.host_bytes <= have:
+            out.append(f"{key('offload_optimizer', keys)}=nvme: AdamW moments and gradient accumulators "
+                       f"({gib(12 * p.counts.total)} GiB) go to NVMe; host then needs {gib(q.host_bytes)} GiB, disk "
+                       f"{gib(q.disk_bytes)} GiB; step bound {q.step_time_s:,.1f} s ({TERM_LABELS[q.dominating]})")
+    if "nvme" not in (s["offload_params"], s["offload_optimizer"], s["offload_grads"]) or not out:
+        q = replan(p, offload_params="nvme", offload_optimizer="nvme", offload_grads="nvme")
+        if q.host_bytes <= have:
+            disk = q.capacity["disk"] or 0
+            out.append(f"use the NVMe tier (strategy=megatrain_nvme, host_memory_limit={limit}GiB): masters, gradients "
+                       f"and moments ({gib(q.nvme_bytes)} GiB) go to NVMe; host then needs {gib(q.host_bytes)} GiB "
+                       f"(a window of {s['lookahead'] + 2} blocks), disk {gib(q.disk_bytes)} GiB "
+                       f"({'the preset has ' + gib(disk) + ' GiB: SHORT' if q.disk_bytes > disk else 'fits'}), and "
+                       f"the step is bounded by {TERM_LABELS[q.dominating]} at {q.step_time_s:,.1f} s "
+                       f"(was {p.step_time_s:,.1f} s)")
+        else:
+            out.append(f"even with every state on NVMe (strategy=megatrain_nvme) the host needs {gib(q.host_bytes)} GiB "
+                       f"(a window of {s['lookahead'] + 2} blocks, the activations and the process): use a machine with more RAM")
+    out.append(f"or a machine with >= {gib(p.host_bytes)} GiB of free RAM")
+    return out
+
+
+def _activation_options(p: Plan) -> list[dict[str, Any]]:
+    """Option sets that bound activations, cheapest first: each option alone, then accumulated."""
+    s = p.settings
+    single: list[dict[str, Any]] = []
+    if s["loss_chunk_size"] is None:
+        single.append({"loss_chunk_size": SUGGESTED_CHUNK["loss_chunk_size"]})
+    if s["mlp_chunk_size"] is None:
+        single.append({"mlp_chunk_size": SUGGESTED_CHUNK["mlp_chunk_size"]})
+    if not s["offload_activations"] and p.hardware.is_gpu:  # on a CPU device the inputs are host RAM already
+        single.append({"offload_activations": True})
+    if s["recompute_every"] == 1:
+        single.append({"recompute_every": 4})
+    out, acc = list(single), {}
+    for d in single:
+        acc = {**acc, **d}
+        if len(acc) > 1 and acc not in out:
+            out.append(dict(acc))
+    return out
+
+
+def seq_len_advice(p: Plan, host: int | None, device: int | None, keys: Mapping[str, str] | None = None) -> list[str]:
+    """For a plan whose activations do not fit: the longest ``seq_len`` that fits at batch 1 with its
+    options, and the first option set (:func:`_activation_options`) with which this ``seq_len`` fits,
+    with its numbers. ``host``/``device``: bytes available (None: the preset's)."""
+    s = p.settings
+    sk = key("seq_len", keys)
+    longest = max_seq_len(p, host, device)
+    out = [f"longest {sk} that fits at batch_size=1 with these options: {longest:,}" if longest else
+           f"no {sk} fits at batch_size=1 with these options (the memory that does not grow with the sequence "
+           f"alone does not fit)"]
+    for opts in _activation_options(p):
+        q = replan(p, **opts)
+        if fits_memory(q, host, device):
+            setting = " ".join(f"{key(k, keys)}={_value(v)}" for k, v in opts.items())
+            where = f"device then needs {gib(q.device_bytes)} GiB" if p.hardware.is_gpu else \
+                f"host then needs {gib(q.host_bytes)} GiB"
+            out.append(f"set {setting}: {sk}={s['seq_len']:,} then fits ({where}; longest {sk} "
+                       f"{max_seq_len(p, host, device, **opts):,})")
+            break
+    else:
+        out.append(f"no activation option makes {sk}={s['seq_len']:,} fit here: reduce {sk}")
+    return out
+
+
+def device_advice(p: Plan, device: int | None, host: int | None = None,
+                  keys: Mapping[str, str] | None = None) -> list[str]:
+    """What uses the device memory and what to change, sequence-length options first."""
+    s = p.settings
+    big = sorted(p.device.items(), key=lambda kv: -kv[1])[:3]
+    out = ["needed for: " + ", ".join(f"{k} {gib(v)} GiB" for k, v in big)]
+    if host is not None and p.host_bytes > host:  # host RAM short: its own advice; judge the device alone here
+        host = 1 << 62
+    out += ["change: " + a for a in seq_len_advice(p, host, device, keys)]
+    if s["batch_size"] > 1:
+        m = p.max_device_batch_size
+        out.append(f"change: reduce {key('batch_size', keys)} (<= {m} fits at {key('seq_len', keys)}={s['seq_len']})"
+                   if m else f"change: reduce {key('batch_size', keys)}")
+    if s["lookahead"] > 1:
+        out.append(f"change: {key('lookahead', keys)}=1 (one block prefetched instead of {s['lookahead']})")
+    if s["precision"] == "32-true":
+        out.append(f"change: {key('precision', keys)}=bf16-mixed (halves the matmul activations and the weights on the link)")
+    return out
+
+
+def activation_share(p: Plan) -> float:
+    """Fraction of the memory that runs short (device; host RAM on a CPU device) that grows with the
+    sequence (activations and saved inputs)."""
+    act = sum(v for k, v in p.device.items() if "activations" in k or "inputs" in k)
+    return act / max(1, p.device_bytes if p.hardware.is_gpu else p.host_bytes)

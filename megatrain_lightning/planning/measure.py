@@ -1,0 +1,115 @@
+"""Measure this machine's compute rates for a CPU hardware preset (``conf/hardware/this_machine.yaml``).
+
+``python -m megatrain_lightning.planning.measure`` times the work the planner's compute term
+stands for: a training step of two linear layers (forward + backward, 6 x params x tokens
+FLOP, Kaplan et al. 2020) on ``tokens`` x ``hidden`` activations, once in fp32 (``32-true``)
+and once under ``torch.autocast(device_type="cpu", dtype=torch.bfloat16)`` (``bf16-mixed``:
+what the engine runs), plus a plain square matmul of each dtype for comparison, and prints
+the TFLOP/s (1e12 FLOP/s) as YAML lines for the preset; the preset takes the rates of a whole
+model step (:func:`model_step_tflops`: attention, norms, the LM head and the loss included), the
+planner's compute term being the FLOP of such steps. The median of ``repeats`` timed runs
+after one warm-up is reported. On CPUs without native bf16 matmul instructions (no AVX512-BF16
+or AMX) the bf16 rate is far below the fp32 one: assuming "bf16 is faster" would make the
+planner's step-time bound wrong by that factor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+def _median_seconds(fn: Callable[[], None], repeats: int) -> float:
+    fn()  # warm-up (allocations, kernel selection)
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def matmul_tflops(n: int, dtype: torch.dtype, repeats: int = 3) -> float:
+    """TFLOP/s of ``a @ b`` for square ``[n, n]`` tensors of ``dtype`` (2 n^3 FLOP)."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    return 2 * n**3 / _median_seconds(lambda: a @ b, repeats) / 1e12
+
+
+def train_step_tflops(tokens: int, hidden: int, intermediate: int, autocast_bf16: bool, repeats: int = 3) -> float:
+    """TFLOP/s of forward + backward of ``Linear(hidden, intermediate) -> Linear(intermediate, hidden)``
+    (fp32 parameters) on ``[tokens, hidden]`` fp32 inputs; ``autocast_bf16``: under CPU bf16 autocast.
+
+    FLOP = 6 x (2 x hidden x intermediate) x tokens (forward 2N per token, backward 4N)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(hidden, intermediate, bias=False),
+                              torch.nn.Linear(intermediate, hidden, bias=False))
+    x = torch.randn(tokens, hidden, requires_grad=True)
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
+            y = net(x)
+        y.float().sum().backward()
+
+    flop = 6 * 2 * hidden * intermediate * tokens
+    return flop / _median_seconds(step, repeats) / 1e12
+
+
+def model_step_tflops(tokens: int, layers: int, autocast_bf16: bool, repeats: int = 3) -> float:
+    """TFLOP/s of one training step (forward + backward with the loss) of a SmolLM2-135M-shaped
+    Hugging Face Llama (``conf/model/smollm2_135m.yaml``'s shapes, ``layers`` decoder layers) on one
+    sequence of ``tokens`` tokens, in fp32 or under CPU bf16 autocast, counted as the planner counts
+    a plain step: 6 x N_matmul x tokens + 6 x layers x tokens x q_dim x tokens (Kaplan et al. 2020,
+    forward 2N + 2 n_layer n_ctx d_attn per token, backward twice the forward)."""
+    import transformers
+
+    from .counts import count_module
+
+    cfg = transformers.AutoConfig.for_model(
+        model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
+        num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (1, tokens))
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    c = count_module(model)
+    flop = 6 * c.matmul_params * tokens + 6 * layers * tokens * c.num_heads * c.head_dim * tokens
+    return flop / _median_seconds(step, repeats) / 1e12
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--intermediate", type=int, default=2816)
+    ap.add_argument("--matmul", type=int, default=2048, help="square matmul size")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--model-tokens", type=int, default=512)
+    ap.add_argument("--model-layers", type=int, default=4)
+    a = ap.parse_args(argv)
+    m32 = model_step_tflops(a.model_tokens, a.model_layers, False, a.repeats)
+    m16 = model_step_tflops(a.model_tokens, a.model_layers, True, a.repeats)
+    fp32 = train_step_tflops(a.tokens, a.hidden, a.intermediate, False, a.repeats)
+    bf16 = train_step_tflops(a.tokens, a.hidden, a.intermediate, True, a.repeats)
+    mm32 = matmul_tflops(a.matmul, torch.float32, a.repeats)
+    mm16 = matmul_tflops(a.matmul, torch.bfloat16, a.repeats)
+    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads; train step = Linear({a.hidden},"
+          f"{a.intermediate}) -> Linear({a.intermediate},{a.hidden}) fwd+bwd on {a.tokens} tokens")
+    print(f"# model step = SmolLM2-135M shape, {a.model_layers} layers, 1 x {a.model_tokens} tokens, loss + backward")
+    print(f"fp32_tflops: {m32:.3g}    # model step fp32; two-linear step {fp32:.3g}; square {a.matmul} matmul {mm32:.3g}")
+    print(f"bf16_tflops: {m16:.3g}    # model step bf16 autocast; two-linear step {bf16:.3g}; square {a.matmul} "
+          f"matmul {mm16:.3g}; model-step bf16/fp32 = {m16 / m32:.3g}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
