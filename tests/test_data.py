@@ -361,7 +361,7 @@ def test_user_jsonl_txt_and_fields(tmp_path):
     (tmp_path / "lines.txt").write_text("one\n\ntwo\n")
     assert [d["text"] for d in load_user_source(tmp_path / "lines.txt", txt_mode="line")] == ["one", "two"]
     assert load_user_source(tmp_path / "lines.txt")[0] == {"id": "lines.txt", "text": "one\n\ntwo\n"}
-    with pytest.raises(FieldError, match=r"no 'text' \(text\) field; record keys are \['body', 'id'\]; set text_field='body'") as e:
+    with pytest.raises(FieldError, match=r"no 'text' field \(text\); record keys are \['body', 'id'\]; set text_field='body'") as e:
         load_user_source(tmp_path / "a.jsonl")
     assert (e.value.option, e.value.suggestion) == ("text_field", "body")
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{not json\n')

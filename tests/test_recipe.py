@@ -40,6 +40,8 @@ def cfg_for(tmp_path, *overrides):
     with open_dict(cfg):
         cfg.output_dir = str(tmp_path / "run")
         cfg.data.cache_dir = str(tmp_path / "cache")
+        if not any(o.startswith("checkpoint.search_dir=") for o in overrides):
+            cfg.checkpoint.search_dir = str(tmp_path)  # its default interpolates Hydra's runtime.cwd
     return cfg
 
 
@@ -196,6 +198,7 @@ def test_refuses_missing_logger_package_and_resume(tmp_path, no_build):
     if importlib.util.find_spec("wandb") is None:
         refused(tmp_path, "logger=wandb", key="logger", match=r"megatrain-lightning\[loggers\]")
     refused(tmp_path, "logger=comet", key="logger", match="unknown logger")
+    refused(tmp_path, "logger=[csv,comet]", key="logger", match="unknown logger .comet.")
     refused(tmp_path, "resume=last", f"checkpoint.search_dir={tmp_path}", key="resume", match="found no last.ckpt")
     refused(tmp_path, f"resume={tmp_path}", key="resume", match="not a checkpoint directory")
 

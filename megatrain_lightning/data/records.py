@@ -61,7 +61,7 @@ def _guess(rec: dict, names: tuple[str, ...], taken: tuple[str, ...] = ()) -> st
 def _missing(rec: dict, where: str, option: str, wanted: str, guesses: tuple[str, ...], taken=()) -> FieldError:
     got = _guess(rec, guesses, taken)
     fix = f"set {option}={got!r}" if got else f"set {option}= to the field that holds it"
-    return FieldError(f"{where}: no {wanted} field; record keys are {sorted(rec)}; {fix}.", option, got)
+    return FieldError(f"{where}: no {wanted}; record keys are {sorted(rec)}; {fix}.", option, got)
 
 
 def _conversation(turns: list, where: str) -> list[dict]:
@@ -136,15 +136,15 @@ class RecordMapper:
             raise FieldError(f"{where}: no {self.text!r} field, and the record looks like instruction data (keys "
                              f"{sorted(rec)}); set shape='instruction' (or text_field= to its text field).",
                              "shape", "instruction")
-        raise _missing(rec, where, "text_field", f"{self.text!r} (text)", TEXT_GUESSES)
+        raise _missing(rec, where, "text_field", f"{self.text!r} field (text)", TEXT_GUESSES)
 
     def _pair(self, rec: dict, where: str) -> tuple[str, str]:
         p = self.prompt or next((n for n in PROMPT_AUTO if isinstance(rec.get(n), str)), None)
         if p is None or not isinstance(rec.get(p), str):
-            wanted = repr(p) if p else "prompt (looked for 'prompt', 'instruction', 'messages', 'conversations')"
+            wanted = f"{p!r} field" if p else "prompt field (looked for 'prompt', 'instruction', 'messages', 'conversations')"
             raise _missing(rec, where, "prompt_field", wanted, PROMPT_GUESSES)
         r = self.response or next((n for n in RESPONSE_AUTO if isinstance(rec.get(n), str)), None)
         if r is None or not isinstance(rec.get(r), str):
-            wanted = repr(r) if r else "response (looked for 'response', 'output', 'completion')"
+            wanted = f"{r!r} field" if r else "response field (looked for 'response', 'output', 'completion')"
             raise _missing(rec, where, "response_field", wanted, RESPONSE_GUESSES, taken=(p,))
         return rec[p], rec[r]

@@ -3,8 +3,8 @@
 Periodic checkpoints are Lightning's ``ModelCheckpoint`` writing the strategy's directory checkpoints (weights,
 AdamW state, loops, data position) into ``<output_dir>/checkpoints/``: ``last.ckpt`` every ``every_n_steps``
 optimizer steps and at the end of training (only the newest is kept: one checkpoint's disk space, 16 B/param).
-``resume=last`` continues from the newest ``last.ckpt`` below ``checkpoint.search_dir`` (default: Hydra's
-``outputs/``), ``resume=/path/to/checkpoint`` from that one; the step count, optimizer state, LR schedule and
+``resume=last`` continues from the newest ``last.ckpt`` below ``checkpoint.search_dir`` (default: ``outputs/``
+of the working directory), ``resume=/path/to/checkpoint`` from that one; the step count, optimizer state, LR schedule and
 data position continue.
 """
 
@@ -41,7 +41,7 @@ def _is_checkpoint(p: Path) -> bool:
 
 def resolve_resume(cfg: Any) -> Path | None:
     """The checkpoint directory ``resume`` names: ``None`` (a fresh run), ``"last"`` (the newest ``last.ckpt``
-    below ``checkpoint.search_dir``, by modification time), or a path.
+    below ``checkpoint.search_dir``, by modification time; without one, below the parent of ``output_dir``), or a path.
 
     Raises:
         ConfigError: (key ``resume``) no such checkpoint.

@@ -193,13 +193,14 @@ def check_environment(cfg: Mapping[str, Any]) -> None:
             src = "strategy.nvme_path" if s.get("nvme_path") else "MEGATRAIN_NVME_PATH"
             raise ConfigError("strategy.nvme_path", f"{path} (from {src}) is not an existing directory; create it or "
                                                     "set strategy.nvme_path= / MEGATRAIN_NVME_PATH to one.")
-    logger = cfg.get("logger")
-    if logger not in LOGGERS:
-        raise ConfigError("logger", f"unknown logger {logger!r}; choose from {sorted(LOGGERS)}.")
-    pkgs = LOGGERS[logger]
-    if pkgs and not any(importlib.util.find_spec(p) for p in pkgs):
-        raise ConfigError("logger", f"logger={logger} needs the {pkgs[0]!r} package: pip install "
-                                    f"'megatrain-lightning[loggers]' (or pip install {pkgs[0]}), or use logger=csv.")
+    loggers = cfg.get("logger")
+    for logger in [loggers] if isinstance(loggers, str) else list(loggers or []):
+        if logger not in LOGGERS:
+            raise ConfigError("logger", f"unknown logger {logger!r}; choose from {sorted(LOGGERS)} (or a list of them).")
+        pkgs = LOGGERS[logger]
+        if pkgs and not any(importlib.util.find_spec(p) for p in pkgs):
+            raise ConfigError("logger", f"logger={logger} needs the {pkgs[0]!r} package: pip install "
+                                        f"'megatrain-lightning[loggers]' (or pip install {pkgs[0]}), or use logger=csv.")
     if cfg.get("plot") and importlib.util.find_spec("matplotlib") is None:
         raise ConfigError("plot", "loss.png needs matplotlib: pip install 'megatrain-lightning[plots]', or run with "
                                   "plot=false.")
