@@ -313,6 +313,18 @@ def test_summary_files_and_loss_plot(tmp_path, gpt2_dir):
     assert any(r.get("train_loss") for r in rows) and any(r.get("megatrain/h2d_bytes") for r in rows)
 
 
+def test_without_matplotlib_the_plot_is_skipped_with_a_log_line(tmp_path, monkeypatch, caplog):
+    from megatrain_lightning.recipes_lib.checks import check_environment
+    from megatrain_lightning.recipes_lib.results import plot_loss
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else object())
+    check_environment({"logger": "csv", "plot": True, "strategy": {}})  # a warning, not a refusal
+    assert plot_loss(tmp_path / "loss.png", [{"step": 1, "loss": 2.0}], {}, {"val_loss": 1.0}) is False
+    assert not (tmp_path / "loss.png").exists()
+    assert "matplotlib is not installed" in caplog.text and "no loss.png" in caplog.text
+
+
 def test_resume_last_continues_the_step_count(tmp_path, gpt2_dir):
     group, src = _formats(tmp_path)["text-jsonl"]
     common = [f"data={group}", f"data.source={src}", "eval.before=false", *tiny(gpt2_dir),

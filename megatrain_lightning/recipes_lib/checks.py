@@ -19,6 +19,7 @@ import difflib
 import importlib
 import importlib.util
 import inspect
+import logging
 import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
@@ -31,6 +32,7 @@ RECIPE_KEYS: dict[str, tuple[str, ...] | None] = {
     "sample": ("prompt", "max_new_tokens"),
     "checkpoint": ("every_n_steps", "save_final", "save_optimizer", "search_dir"),
 }
+log = logging.getLogger(__name__)
 HYDRA_SPECIAL = {"_target_", "_convert_", "_partial_", "_recursive_", "_args_"}
 TRAINER_SET_BY_RECIPE = ("strategy", "logger", "default_root_dir", "callbacks")
 LOGGERS = {"csv": None, "tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",)}
@@ -178,7 +180,8 @@ def check_data(data: Mapping[str, Any]) -> list[dict]:
 
 
 def check_environment(cfg: Mapping[str, Any]) -> None:
-    """Paths and packages: the NVMe directory, the logger's package, ``resume``.
+    """Paths and packages: the NVMe directory, the logger's package (and a warning when ``plot=true`` has no
+    matplotlib: the run goes on without ``loss.png``).
 
     Raises:
         ConfigError: naming ``strategy.nvme_path`` (or the ``MEGATRAIN_NVME_PATH`` variable), ``logger``, ``resume``.
@@ -201,9 +204,9 @@ def check_environment(cfg: Mapping[str, Any]) -> None:
         if pkgs and not any(importlib.util.find_spec(p) for p in pkgs):
             raise ConfigError("logger", f"logger={logger} needs the {pkgs[0]!r} package: pip install "
                                         f"'megatrain-lightning[loggers]' (or pip install {pkgs[0]}), or use logger=csv.")
-    if cfg.get("plot") and importlib.util.find_spec("matplotlib") is None:
-        raise ConfigError("plot", "loss.png needs matplotlib: pip install 'megatrain-lightning[plots]', or run with "
-                                  "plot=false.")
+    if cfg.get("plot") and importlib.util.find_spec("matplotlib") is None:  # said now, not after the run
+        log.warning("plot=true but matplotlib is not installed: this run writes no loss.png (pip install "
+                    "'megatrain-lightning[plots]'; plot=false silences this).")
 
 
 def check_all(cfg: Mapping[str, Any]) -> list[dict]:
