@@ -33,8 +33,8 @@ def finetune(cfg: DictConfig) -> dict:
         timings[name] = time.perf_counter() - t0
         return out
 
-    pl.seed_everything(cfg.seed, workers=True)
     timed("preflight", step.preflight, cfg)               # config keys, data fields, paths, memory: no model yet
+    pl.seed_everything(cfg.seed, workers=True)
     model, tok = timed("build_model", step.build_model, cfg)
     dm = step.build_data(cfg, tok)
     lm = step.build_module(cfg, model, tok)

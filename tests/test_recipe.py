@@ -230,7 +230,7 @@ def test_command_line_refusal_is_one_line_exit_2_and_no_run_directory(tmp_path):
 
 def test_help_does_not_import_torch(tmp_path):
     code = ("import runpy, sys; sys.argv = ['finetune.py', '--help']\n"
-            "try:\n    runpy.run_path(sys.argv[0] if False else %r, run_name='__main__')\n"
+            "try:\n    runpy.run_path(%r, run_name='__main__')\n"
             "except SystemExit:\n    pass\n"
             "assert 'torch' not in sys.modules, 'finetune.py --help imported torch'\n") % str(ROOT / "recipes" / "finetune.py")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=60)

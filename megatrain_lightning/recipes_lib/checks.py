@@ -34,7 +34,9 @@ RECIPE_KEYS: dict[str, tuple[str, ...] | None] = {
 }
 log = logging.getLogger(__name__)
 HYDRA_SPECIAL = {"_target_", "_convert_", "_partial_", "_recursive_", "_args_"}
-TRAINER_SET_BY_RECIPE = ("strategy", "logger", "default_root_dir", "callbacks")
+# Trainer arguments the recipe sets itself -> the recipe key to use instead
+TRAINER_SET_BY_RECIPE = {"strategy": "strategy=... / strategy.*", "logger": "logger=", "default_root_dir": "output_dir=",
+                         "callbacks": "checkpoint.*"}
 LOGGERS = {"csv": None, "tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",)}
 
 
@@ -88,10 +90,9 @@ def check_keys(cfg: Mapping[str, Any]) -> None:
     trainer = cfg.get("trainer") or {}
     names, _ = accepted(pl.Trainer.__init__)
     _unknown("trainer.", trainer.keys(), names, "lightning.pytorch.Trainer")
-    for k in TRAINER_SET_BY_RECIPE:
+    for k, instead in TRAINER_SET_BY_RECIPE.items():
         if k in trainer:
-            raise ConfigError(f"trainer.{k}", f"is set by the recipe; use the recipe's own key instead "
-                                              f"({'strategy=...' if k == 'strategy' else 'logger=' if k == 'logger' else 'output_dir=' if k == 'default_root_dir' else 'checkpoint.*'}).")
+            raise ConfigError(f"trainer.{k}", f"is set by the recipe; use the recipe's own key instead ({instead}).")
     from .module import CausalLMModule
 
     names, _ = accepted(CausalLMModule.__init__)
