@@ -31,6 +31,8 @@ from megatrain_lightning.data import (
     make_datamodule,
 )
 from megatrain_lightning.data.corpus import split_documents
+from megatrain_lightning.data.records import FieldError
+from megatrain_lightning.data.source_user import peek_user_source
 from megatrain_lightning.data import encode
 from megatrain_lightning.data.encode import encode_texts
 
@@ -359,11 +361,62 @@ def test_user_jsonl_txt_and_fields(tmp_path):
     (tmp_path / "lines.txt").write_text("one\n\ntwo\n")
     assert [d["text"] for d in load_user_source(tmp_path / "lines.txt", txt_mode="line")] == ["one", "two"]
     assert load_user_source(tmp_path / "lines.txt")[0] == {"id": "lines.txt", "text": "one\n\ntwo\n"}
-    with pytest.raises(ValueError, match="field 'text' is missing.*body"):
+    with pytest.raises(FieldError, match=r"no 'text' field \(text\); record keys are \['body', 'id'\]; set text_field='body'") as e:
         load_user_source(tmp_path / "a.jsonl")
+    assert (e.value.option, e.value.suggestion) == ("text_field", "body")
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{not json\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
         load_user_source(tmp_path / "bad.jsonl")
+
+
+def test_record_formats_map_to_documents(tmp_path):
+    """Alpaca (input joined, never dropped), OpenAI messages, ShareGPT conversations, prompt/response, .json lists."""
+    rows = [
+        {"instruction": "Translate.", "input": "Hallo", "output": "Hello"},
+        {"instruction": "Say hi.", "input": "", "output": "Hi"},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q"},
+                      {"role": "assistant", "content": "A"}]},
+        {"conversations": [{"from": "human", "value": "Q2"}, {"from": "gpt", "value": "A2"}]},
+        {"prompt": "P", "response": "R", "input": "extra"},
+        {"question": "Q3", "answer": "A3"},
+    ]
+    (tmp_path / "mixed.json").write_text(json.dumps({"data": rows[:5]}))
+    docs = load_user_source(tmp_path / "mixed.json", "instruction")
+    assert docs == [
+        {"id": "mixed.json:1", "prompt": "Translate.\n\nHallo", "response": "Hello"},
+        {"id": "mixed.json:2", "prompt": "Say hi.", "response": "Hi"},
+        {"id": "mixed.json:3", "messages": rows[2]["messages"]},
+        {"id": "mixed.json:4", "messages": [{"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"}]},
+        {"id": "mixed.json:5", "prompt": "P\n\nextra", "response": "R"},
+    ]
+    (tmp_path / "qa.jsonl").write_text(json.dumps(rows[5]) + "\n")
+    with pytest.raises(FieldError, match="set prompt_field='question'") as e:
+        load_user_source(tmp_path / "qa.jsonl", "instruction")
+    assert (e.value.option, e.value.suggestion) == ("prompt_field", "question")
+    with pytest.raises(FieldError, match="set response_field='answer'"):
+        load_user_source(tmp_path / "qa.jsonl", "instruction", prompt_field="question")
+    with pytest.raises(FieldError, match="looks like instruction data") as e:
+        load_user_source(tmp_path / "qa.jsonl", "text")
+    assert (e.value.option, e.value.suggestion) == ("shape", "instruction")
+    (tmp_path / "bad.json").write_text(json.dumps({"a": 1}))
+    with pytest.raises(ValueError, match="must hold a list of records"):
+        load_user_source(tmp_path / "bad.json")
+    (tmp_path / "lines.json").write_text('{"text": "a"}\n{"text": "b"}\n')
+    with pytest.raises(ValueError, match="rename it"):
+        load_user_source(tmp_path / "lines.json")
+    (tmp_path / "sg.jsonl").write_text(json.dumps({"conversations": [{"from": "alien", "value": "x"}]}) + "\n")
+    with pytest.raises(ValueError, match="unknown ShareGPT speaker 'alien'"):
+        load_user_source(tmp_path / "sg.jsonl", "instruction")
+
+
+def test_peek_reads_only_the_beginning(tmp_path):
+    good = "".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(100))
+    (tmp_path / "big.jsonl").write_text(good + "{broken json\n")  # past what peek reads
+    assert [d["text"] for d in peek_user_source(tmp_path / "big.jsonl", n=3)] == ["doc 0", "doc 1", "doc 2"]
+    with pytest.raises(ValueError, match="big.jsonl:101: not valid JSON"):
+        load_user_source(tmp_path / "big.jsonl")
+    with pytest.raises(ValueError, match=r"unknown source option\(s\) \['txt_mod'\]"):
+        peek_user_source(tmp_path / "big.jsonl", txt_mod="line")
 
 
 def test_user_source_bad_inputs(tmp_path, caplog):
@@ -386,7 +439,7 @@ def test_user_source_bad_inputs(tmp_path, caplog):
     with pytest.raises(ValueError, match="unsupported file type '.csv'"):
         (tmp_path / "t.csv").write_text("a,b\n")
         load_user_source(tmp_path / "t.csv")
-    with pytest.raises(ValueError, match="a .txt file has no prompt/response"):
+    with pytest.raises(FieldError, match="a .txt file has no prompt/response"):
         load_user_source(bad, "instruction")
 
 

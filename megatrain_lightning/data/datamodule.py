@@ -26,13 +26,22 @@ _PROBE_OPTIONS = {"legal": {"batch_size", "max_tokens"}, "code": {"batch_size", 
                   "biomedical": {"batch_size", "max_new_tokens", "use_chat_template"}}
 
 
+def probe_option_names(probe: str) -> set[str]:
+    """The ``probe_options`` keys probe ``probe`` takes (its item builder's, its function's, and ``max_items``).
+
+    Raises:
+        ValueError: unknown probe name.
+    """
+    if probe not in PROBES:
+        raise ValueError(f"Unknown probe {probe!r}; choose from {sorted(PROBES)} or None.")
+    return _PROBE_OPTIONS[probe] | _BUILDER_OPTIONS[probe] | {"max_items"}
+
+
 def _check_probe(probe: str | None, options: dict) -> None:
     """Raises ValueError for an unknown probe name or an option the probe does not take."""
     if probe is None:
         return
-    if probe not in PROBES:
-        raise ValueError(f"Unknown probe {probe!r}; choose from {sorted(PROBES)} or None.")
-    allowed = _PROBE_OPTIONS[probe] | _BUILDER_OPTIONS[probe] | {"max_items"}
+    allowed = probe_option_names(probe)
     unknown = set(options) - allowed
     if unknown:
         raise ValueError(f"Unknown probe option(s) {sorted(unknown)} for probe {probe!r}; allowed: {sorted(allowed)}.")

@@ -31,6 +31,7 @@ from typing import Iterator
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from .formatting import end_of_turn, eos_id, generation_prompt, resolve_chat_template
 from .probe_items import code_items, instruction_items, legal_items
@@ -52,6 +53,11 @@ def _device(model: torch.nn.Module, device) -> torch.device:
         return torch.device(device)
     p = next(model.parameters(), None)
     return p.device if p is not None else torch.device("cpu")
+
+
+def _batches(n: int, batch_size: int, desc: str) -> "tqdm":
+    """Batch start offsets with a progress bar on a terminal (tqdm hides it when stderr is not a TTY)."""
+    return tqdm(range(0, n, batch_size), desc=desc, unit="batch", leave=False, disable=None)
 
 
 def _take(items: list[dict], max_items: int | None) -> list[dict]:
@@ -99,7 +105,7 @@ def continuation_loss(model, tokenizer, items: list[dict], device=None, max_item
         raise ValueError("No probe item has a response token to score; raise max_tokens.")
     total, count = 0.0, 0
     with _eval_mode(model):
-        for i in range(0, len(pairs), batch_size):
+        for i in _batches(len(pairs), batch_size, "probe"):
             chunk = pairs[i : i + batch_size]
             t = max(len(ids) for ids, _ in chunk)
             ids = torch.full((len(chunk), t), pad, dtype=torch.long)
@@ -167,7 +173,7 @@ def biomedical_probe(model, tokenizer, items, device=None, max_items: int | None
                               eos_token_id=sorted(stops), pad_token_id=pad)
     hits = 0
     with _eval_mode(model):
-        for i in range(0, len(items), batch_size):
+        for i in _batches(len(items), batch_size, "probe (generation)"):
             chunk = items[i : i + batch_size]
             prompts = [generation_prompt(tokenizer, it["prompt"], chat) for it in chunk]
             encoded = [tokenizer(text, add_special_tokens=special, verbose=False)["input_ids"] for text, special in prompts]

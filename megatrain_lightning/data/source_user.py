@@ -1,26 +1,28 @@
-"""User sources: local ``.jsonl`` / ``.txt`` / ``.parquet`` files, directories of them, or a Hugging Face dataset id.
+"""User sources: local ``.jsonl`` / ``.json`` / ``.parquet`` / ``.txt`` files, directories of them, or a Hugging Face
+dataset id. Records become documents through :class:`~megatrain_lightning.data.records.RecordMapper` (plain text,
+prompt/response, Alpaca, OpenAI ``messages``, ShareGPT ``conversations``).
 
 Rules (all tested in ``tests/test_data.py``):
 
-* ``.jsonl``: one JSON object per line (blank lines skipped). Fields are mapped with ``text_field``
-  (text shape) or ``prompt_field``/``response_field`` or ``messages_field`` (instruction shape);
-  ``id_field`` gives the id when present, otherwise ``"<file>:<line>"``. Optional ``group``/``kind``
-  fields are kept.
-* ``.txt``: text shape only. ``txt_mode="file"``: one document per file (id = path relative to the
-  directory given, or the file name); ``txt_mode="line"``: one document per non-blank line
-  (id ``"<file>:<line>"``).
-* ``.parquet``: rows mapped like JSON objects; needs ``pyarrow`` (ImportError saying so otherwise).
-* A directory: every file below it, in sorted path order. Files of the three types that can give the
-  requested shape are read; everything else (other extensions, ``.txt`` for the instruction shape,
-  hidden files and directories) is skipped and listed in one INFO log line.
-* Invalid UTF-8 with ``errors="replace"`` (default): the file is decoded with U+FFFD replacement
-  characters and one WARNING names every such file. ``errors="strict"``: ValueError naming the file
-  and the byte offset.
-* A path that does not exist: FileNotFoundError naming it, unless it looks like a Hugging Face
-  dataset id (``name`` or ``owner/name``, no file extension), which is loaded with
-  ``datasets.load_dataset(id, split=hf_split)``: ImportError when ``datasets`` is not installed,
-  RuntimeError when loading fails (e.g. offline).
+* ``.jsonl``: one JSON object per line (blank lines skipped). ``id_field`` gives the id when present, otherwise
+  ``"<file>:<line>"``. Optional ``group``/``kind`` fields are kept.
+* ``.json``: a list of records, or an object with exactly one list of records as a value (``{"data": [...]}``);
+  ids default to ``"<file>:<index>"`` (from 1).
+* ``.parquet``: rows mapped like JSON objects (ids ``"<file>:<row>"`` from 0); needs ``pyarrow``
+  (``pip install megatrain-lightning[data]``; ImportError saying so otherwise).
+* ``.txt``: text shape only. ``txt_mode="file"``: one document per file (id = path relative to the directory
+  given, or the file name); ``txt_mode="line"``: one document per non-blank line (id ``"<file>:<line>"``).
+* A directory: every file below it, in sorted path order. Files of the types that can give the requested shape are
+  read; everything else (other extensions, ``.txt`` for the instruction shape, hidden files and directories) is
+  skipped and listed in one INFO log line.
+* Invalid UTF-8 with ``errors="replace"`` (default): the file is decoded with U+FFFD replacement characters and one
+  WARNING names every such file. ``errors="strict"``: ValueError naming the file and the byte offset.
+* A path that does not exist: FileNotFoundError naming it, unless it looks like a Hugging Face dataset id (``name``
+  or ``owner/name``, no file extension), which is loaded with ``datasets.load_dataset(id, split=hf_split)``:
+  ImportError when ``datasets`` is not installed, RuntimeError when loading fails (e.g. offline).
 * Documents with empty text (or empty prompt/response) are dropped; no document at all: ValueError.
+* :func:`peek_user_source` maps only the first records (the first MiB of a text file, the first row group of a
+  parquet file, the first file of a directory), so a wrong field name is found in milliseconds.
 """
 
 from __future__ import annotations
@@ -32,52 +34,13 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from .corpus import check_document, check_shape
+from .records import FieldError, RecordMapper
 
 log = logging.getLogger(__name__)
 
-READABLE = (".jsonl", ".txt", ".parquet")
+READABLE = (".jsonl", ".json", ".parquet", ".txt")
+PEEK_BYTES = 2**20
 _HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-
-
-class _Fields:
-    def __init__(self, shape, text_field, prompt_field, response_field, messages_field, id_field):
-        self.shape, self.text, self.prompt, self.response = shape, text_field, prompt_field, response_field
-        self.messages, self.id = messages_field, id_field
-
-    def document(self, rec: Any, default_id: str) -> dict | None:
-        """A document from one record, ``None`` when its content is empty.
-
-        Raises:
-            ValueError: a required field is missing or not a string (names it, the record's location and keys).
-        """
-        if not isinstance(rec, dict):
-            raise ValueError(f"{default_id}: expected a JSON object, got {type(rec).__name__}.")
-        rid = rec.get(self.id)
-        doc: dict = {"id": str(rid) if rid is not None else default_id}
-        for extra in ("group", "kind"):
-            if isinstance(rec.get(extra), str):
-                doc[extra] = rec[extra]
-        if self.shape == "text":
-            doc["text"] = self._field(rec, self.text, default_id)
-            empty = not doc["text"].strip()
-        elif isinstance(rec.get(self.messages), list):
-            doc["messages"] = rec[self.messages]
-            empty = not doc["messages"]
-        else:
-            doc["prompt"] = self._field(rec, self.prompt, default_id)
-            doc["response"] = self._field(rec, self.response, default_id)
-            empty = not doc["prompt"].strip() or not doc["response"].strip()
-        return None if empty else check_document(doc, self.shape, default_id)
-
-    @staticmethod
-    def _field(rec: dict, name: str, where: str) -> str:
-        value = rec.get(name)
-        if not isinstance(value, str):
-            raise ValueError(
-                f"{where}: field {name!r} is {'missing' if value is None else type(value).__name__}; record keys are "
-                f"{sorted(rec)}. Name the right field with text_field=/prompt_field=/response_field=."
-            )
-        return value
 
 
 class _Decoder:
@@ -88,8 +51,15 @@ class _Decoder:
             raise ValueError(f"errors must be 'replace' or 'strict', got {errors!r}.")
         self.errors, self.replaced = errors, []
 
-    def read(self, path: Path) -> str:
-        raw = path.read_bytes()
+    def read(self, path: Path, head: int | None = None) -> str:
+        """The file's text; with ``head``, only its first ``head`` bytes cut back to the last full line."""
+        if head is None:
+            raw = path.read_bytes()
+        else:
+            with path.open("rb") as f:
+                raw = f.read(head + 1)
+            if len(raw) > head:
+                raw = raw[: raw.rfind(b"\n", 0, head) + 1]
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -100,21 +70,47 @@ class _Decoder:
             return raw.decode("utf-8", errors="replace")
 
 
-def _jsonl(path: Path, name: str, fields: _Fields, dec: _Decoder) -> Iterator[dict]:
-    for i, line in enumerate(dec.read(path).splitlines(), start=1):
+def _jsonl(path: Path, name: str, fields: RecordMapper, dec: _Decoder, head: int | None) -> Iterator[dict]:
+    for i, line in enumerate(dec.read(path, head).splitlines(), start=1):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{i}: not valid JSON ({e.msg}); a .jsonl file holds one JSON object per line.") from None
+            hint = " (is it a .json file: one list of records?)" if i == 1 and line.lstrip().startswith("[") else ""
+            raise ValueError(f"{path}:{i}: not valid JSON ({e.msg}); a .jsonl file holds one JSON object per "
+                             f"line{hint}.") from None
         doc = fields.document(rec, f"{name}:{i}")
         if doc is not None:
             yield doc
 
 
-def _txt(path: Path, name: str, fields: _Fields, dec: _Decoder, txt_mode: str) -> Iterator[dict]:
-    text = dec.read(path)
+def _json_records(path: Path, dec: _Decoder) -> list:
+    try:
+        data = json.loads(dec.read(path))
+    except json.JSONDecodeError as e:
+        hint = " (one object per line is a .jsonl file: rename it)" if e.msg == "Extra data" else ""
+        raise ValueError(f"{path}: not valid JSON ({e.msg}, line {e.lineno}){hint}.") from None
+    if isinstance(data, dict):
+        lists = [v for v in data.values() if isinstance(v, list)]
+        if len(lists) == 1:
+            return lists[0]
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: a .json source must hold a list of records (or an object with one list of "
+                         f"records, e.g. {{\"data\": [...]}}), got {type(data).__name__} with keys "
+                         f"{sorted(data) if isinstance(data, dict) else '-'}.")
+    return data
+
+
+def _json(path: Path, name: str, fields: RecordMapper, dec: _Decoder) -> Iterator[dict]:
+    for i, rec in enumerate(_json_records(path, dec), start=1):
+        doc = fields.document(rec, f"{name}:{i}")
+        if doc is not None:
+            yield doc
+
+
+def _txt(path: Path, name: str, dec: _Decoder, txt_mode: str, head: int | None) -> Iterator[dict]:
+    text = dec.read(path, head)
     if txt_mode == "file":
         if text.strip():
             yield {"id": name, "text": text}
@@ -124,32 +120,43 @@ def _txt(path: Path, name: str, fields: _Fields, dec: _Decoder, txt_mode: str) -
             yield {"id": f"{name}:{i}", "text": line}
 
 
-def _parquet(path: Path, name: str, fields: _Fields) -> Iterator[dict]:
+def _parquet(path: Path, name: str, fields: RecordMapper, head: int | None) -> Iterator[dict]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ImportError(f"Reading {path} needs pyarrow: `pip install pyarrow` (or convert it to .jsonl).") from None
-    for i, rec in enumerate(pq.read_table(path).to_pylist()):
-        doc = fields.document(rec, f"{name}:{i}")
-        if doc is not None:
-            yield doc
+        raise ImportError(f"Reading {path} needs pyarrow: `pip install megatrain-lightning[data]` (or `pip install "
+                          "pyarrow`), or convert it to .jsonl.") from None
+    f = pq.ParquetFile(path)
+    i = 0
+    for batch in f.iter_batches(batch_size=head or 4096):
+        for rec in batch.to_pylist():
+            doc = fields.document(rec, f"{name}:{i}")
+            i += 1
+            if doc is not None:
+                yield doc
+        if head:
+            return
 
 
-def _read_file(path: Path, name: str, fields: _Fields, dec: _Decoder, txt_mode: str) -> Iterator[dict]:
+def _read_file(path: Path, name: str, fields: RecordMapper, dec: _Decoder, txt_mode: str,
+               head: int | None = None) -> Iterator[dict]:
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        return _jsonl(path, name, fields, dec)
+        return _jsonl(path, name, fields, dec, head)
+    if suffix == ".json":
+        return _json(path, name, fields, dec)
     if suffix == ".parquet":
-        return _parquet(path, name, fields)
+        return _parquet(path, name, fields, head and 64)
     if suffix == ".txt":
         if fields.shape != "text":
-            raise ValueError(f"{path}: a .txt file has no prompt/response fields; instruction data must be .jsonl or .parquet.")
-        return _txt(path, name, fields, dec, txt_mode)
+            raise FieldError(f"{path}: a .txt file has no prompt/response fields; instruction data must be .jsonl, "
+                             ".json or .parquet (or use shape='text').", "shape", "text")
+        return _txt(path, name, dec, txt_mode, head)
     raise ValueError(f"{path}: unsupported file type {suffix!r}; use one of {READABLE} (or a directory of them).")
 
 
 def _directory_files(root: Path, shape: str) -> list[Path]:
-    readable = {".jsonl", ".parquet"} | ({".txt"} if shape == "text" else set())
+    readable = {".jsonl", ".json", ".parquet"} | ({".txt"} if shape == "text" else set())
     keep, skipped = [], []
     for p in sorted(root.rglob("*")):
         if not p.is_file():
@@ -165,7 +172,7 @@ def _directory_files(root: Path, shape: str) -> list[Path]:
     return keep
 
 
-def _hf_records(dataset_id: str, split: str) -> Iterable[dict]:
+def _hf_module(dataset_id: str) -> Any:
     try:
         import datasets
     except ImportError:
@@ -174,6 +181,11 @@ def _hf_records(dataset_id: str, split: str) -> Iterable[dict]:
             "the `datasets` package (`pip install datasets`) and a connection to the Hub. Offline, point the source "
             "at a local .jsonl/.txt/.parquet file or a directory of them."
         ) from None
+    return datasets
+
+
+def _hf_records(dataset_id: str, split: str) -> Iterable[dict]:
+    datasets = _hf_module(dataset_id)
     try:
         return datasets.load_dataset(dataset_id, split=split)
     except Exception as e:  # network, missing dataset, bad split: all need the same advice
@@ -183,16 +195,45 @@ def _hf_records(dataset_id: str, split: str) -> Iterable[dict]:
 
 def looks_like_hf_id(s: str) -> bool:
     """``True`` for ``name`` or ``owner/name`` without a known file extension and not starting with ``.``, ``/`` or ``~``."""
-    return bool(_HF_ID.match(s)) and Path(s).suffix.lower() not in READABLE + (".json", ".csv")
+    return bool(_HF_ID.match(s)) and Path(s).suffix.lower() not in READABLE + (".csv",)
+
+
+USER_OPTIONS = ("text_field", "prompt_field", "response_field", "input_field", "messages_field", "conversations_field",
+                "id_field", "txt_mode", "errors", "hf_split", "limit")
+
+
+def _streams(raw: str, shape: str, fields: RecordMapper, dec: _Decoder, txt_mode: str, hf_split: str,
+             head: int | None) -> Iterator[Iterable[dict]]:
+    path = Path(raw).expanduser()
+    if path.is_dir():
+        for f in _directory_files(path, shape):
+            yield _read_file(f, f.relative_to(path).as_posix(), fields, dec, txt_mode, head)
+    elif path.is_file():
+        yield _read_file(path, path.name, fields, dec, txt_mode, head)
+    elif looks_like_hf_id(raw):
+        records = _hf_records(raw, hf_split)
+        yield filter(None, (fields.document(r, f"{raw}:{hf_split}:{i}") for i, r in enumerate(records)))
+    else:
+        raise FileNotFoundError(f"Data source {raw!r} does not exist (resolved to {path.resolve()}); give an existing "
+                                f"{'/'.join(READABLE)} file, a directory of them, or a Hugging Face dataset id.")
+
+
+def _mapper(shape: str, txt_mode: str, **field_names: Any) -> RecordMapper:
+    check_shape(shape)
+    if txt_mode not in ("file", "line"):
+        raise ValueError(f"txt_mode must be 'file' or 'line', got {txt_mode!r}.")
+    return RecordMapper(shape, **field_names)
 
 
 def load_user_source(
     path_or_id: str | Path,
     shape: str = "text",
     text_field: str = "text",
-    prompt_field: str = "prompt",
-    response_field: str = "response",
+    prompt_field: str | None = None,
+    response_field: str | None = None,
+    input_field: str | None = "input",
     messages_field: str = "messages",
+    conversations_field: str = "conversations",
     id_field: str = "id",
     txt_mode: str = "file",
     errors: str = "replace",
@@ -202,9 +243,11 @@ def load_user_source(
     """Documents of ``shape`` from a local file, a directory, or a Hugging Face dataset id (rules in the module docstring).
 
     Args:
-        path_or_id: a ``.jsonl``/``.txt``/``.parquet`` file, a directory, or a dataset id such as ``"owner/name"``.
+        path_or_id: a ``.jsonl``/``.json``/``.parquet``/``.txt`` file, a directory, or a dataset id such as ``"owner/name"``.
         shape: ``"text"`` or ``"instruction"``.
-        text_field, prompt_field, response_field, messages_field, id_field: record field names.
+        text_field, prompt_field, response_field, input_field, messages_field, conversations_field, id_field: record
+            field names (see :class:`~megatrain_lightning.data.records.RecordMapper`; ``None`` prompt/response
+            fields are found: ``prompt``/``instruction``, ``response``/``output``/``completion``).
         txt_mode: ``"file"`` (one document per ``.txt`` file) or ``"line"`` (one per non-blank line).
         errors: invalid UTF-8 handling, ``"replace"`` (warn and decode with U+FFFD) or ``"strict"`` (ValueError).
         hf_split: split of a Hugging Face dataset.
@@ -217,29 +260,17 @@ def load_user_source(
         FileNotFoundError: the path does not exist (and is not a dataset id).
         ImportError: ``.parquet`` without pyarrow, or a dataset id without ``datasets``.
         RuntimeError: the Hugging Face dataset could not be loaded.
-        ValueError: empty corpus, a missing field, bad JSON, invalid UTF-8 under ``errors="strict"``,
-            a ``.txt`` for the instruction shape, an unsupported file type, bad ``txt_mode``/``errors``.
+        FieldError: a record lacks the named field (a ValueError naming the option and a suggested value).
+        ValueError: empty corpus, bad JSON, invalid UTF-8 under ``errors="strict"``, an unsupported file type,
+            bad ``txt_mode``/``errors``.
     """
-    check_shape(shape)
-    if txt_mode not in ("file", "line"):
-        raise ValueError(f"txt_mode must be 'file' or 'line', got {txt_mode!r}.")
-    fields = _Fields(shape, text_field, prompt_field, response_field, messages_field, id_field)
+    fields = _mapper(shape, txt_mode, text_field=text_field, prompt_field=prompt_field, response_field=response_field,
+                     input_field=input_field, messages_field=messages_field, conversations_field=conversations_field,
+                     id_field=id_field)
     dec = _Decoder(errors)
     raw = str(path_or_id)
-    path = Path(raw).expanduser()
-    if path.is_dir():
-        files = _directory_files(path, shape)
-        streams = (_read_file(f, f.relative_to(path).as_posix(), fields, dec, txt_mode) for f in files)
-    elif path.is_file():
-        streams = iter([_read_file(path, path.name, fields, dec, txt_mode)])
-    elif looks_like_hf_id(raw):
-        records = _hf_records(raw, hf_split)
-        streams = iter([filter(None, (fields.document(r, f"{raw}:{hf_split}:{i}") for i, r in enumerate(records)))])
-    else:
-        raise FileNotFoundError(f"Data source {raw!r} does not exist (resolved to {path.resolve()}); give an existing "
-                                ".jsonl/.txt/.parquet file, a directory of them, or a Hugging Face dataset id.")
     docs: list[dict] = []
-    for stream in streams:
+    for stream in _streams(raw, shape, fields, dec, txt_mode, hf_split, None):
         for doc in stream:
             docs.append(doc)
             if limit is not None and len(docs) >= limit:
@@ -252,4 +283,32 @@ def load_user_source(
     if not docs:
         raise ValueError(f"Data source {raw!r} has no non-empty {shape} documents; check the path, the file types "
                          f"({', '.join(READABLE)}) and the field names.")
+    return docs
+
+
+def peek_user_source(path_or_id: str | Path, shape: str = "text", n: int = 8, **options: Any) -> list[dict]:
+    """The first ``n`` documents of a local source, reading only its beginning (see the module docstring); for
+    checking field names before a run. A Hugging Face dataset id is not opened (``[]``; ``datasets`` must be
+    importable). ``options``: those of :func:`load_user_source` (``limit`` and ``hf_split`` are ignored).
+
+    Raises:
+        the errors of :func:`load_user_source` that the first records show, plus ValueError for an unknown option.
+    """
+    unknown = sorted(set(options) - set(USER_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown source option(s) {unknown}; allowed: {list(USER_OPTIONS)}.")
+    txt_mode, errors = options.pop("txt_mode", "file"), options.pop("errors", "replace")
+    hf_split = options.pop("hf_split", "train")
+    options.pop("limit", None)
+    fields = _mapper(shape, txt_mode, **options)
+    raw = str(path_or_id)
+    if not Path(raw).expanduser().exists() and looks_like_hf_id(raw):
+        _hf_module(raw)
+        return []
+    docs: list[dict] = []
+    for stream in _streams(raw, shape, fields, _Decoder(errors), txt_mode, hf_split, PEEK_BYTES):
+        for doc in stream:
+            docs.append(check_document(doc, shape, doc["id"]))
+            if len(docs) >= n:
+                return docs
     return docs

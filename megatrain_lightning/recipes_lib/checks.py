@@ -1,0 +1,217 @@
+"""Checks of a composed recipe config that run before anything is built: seconds, not a model load.
+
+* every key is one something will take: ``strategy.*`` against ``MegaTrainStrategy.__init__`` (or whatever
+  ``strategy._target_`` names), ``trainer.*`` against ``lightning.pytorch.Trainer``, ``optim.*`` against
+  :class:`~megatrain_lightning.recipes_lib.module.CausalLMModule`, ``data.*`` against
+  :func:`~megatrain_lightning.data.make_datamodule` and the data module, ``data.probe.*`` against the probe,
+  ``data.source_options.*`` against the source, ``model.*`` against its ``_target_``, and the recipe's own groups;
+* the data: the first records of ``data.source`` are read and mapped with the configured shape and field names;
+  the offline corpus of a domain is checked against ``data.shape``;
+* paths and environment: the NVMe directory (``strategy.nvme_path`` / ``MEGATRAIN_NVME_PATH``), the logger's
+  package, ``resume``.
+
+Every error is a :class:`ConfigError` naming the Hydra key to change and, where one is known, the exact override.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.util
+import inspect
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+# the recipe's own top-level keys and sub-keys (conf/finetune.yaml); the groups are checked against signatures
+RECIPE_KEYS: dict[str, tuple[str, ...] | None] = {
+    "model": None, "data": None, "strategy": None, "trainer": None, "hardware": None, "optim": None,
+    "seed": (), "preflight": (), "logger": (), "output_dir": (), "resume": (), "plot": (),
+    "eval": ("before", "max_batches"),
+    "sample": ("prompt", "max_new_tokens"),
+    "checkpoint": ("every_n_steps", "save_final", "save_optimizer", "search_dir"),
+}
+log = logging.getLogger(__name__)
+HYDRA_SPECIAL = {"_target_", "_convert_", "_partial_", "_recursive_", "_args_"}
+# Trainer arguments the recipe sets itself -> the recipe key to use instead
+TRAINER_SET_BY_RECIPE = {"strategy": "strategy=... / strategy.*", "logger": "logger=", "default_root_dir": "output_dir=",
+                         "callbacks": "checkpoint.*"}
+LOGGERS = {"csv": None, "tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",)}
+
+
+class ConfigError(ValueError):
+    """A recipe setting that cannot work, found before the model is built.
+
+    Attributes:
+        key: the Hydra key to change (``"strategy.lookahead"``, ``"data.source_options.prompt_field"``...).
+    """
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+def _locate(path: str) -> Any:
+    module, _, name = path.rpartition(".")
+    obj = importlib.import_module(module)
+    return getattr(obj, name)
+
+
+def accepted(fn: Callable) -> tuple[set[str], bool]:
+    """``(keyword names, takes **kwargs)`` of a callable (a class: its ``__init__``)."""
+    sig = inspect.signature(fn)
+    names = {n for n, p in sig.parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return names - {"self"}, any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+
+
+def _unknown(prefix: str, given: Iterable[str], allowed: Iterable[str], what: str) -> None:
+    allowed = sorted(set(allowed))
+    for k in sorted(set(given) - set(allowed) - HYDRA_SPECIAL):
+        near = difflib.get_close_matches(k, allowed, n=1)
+        hint = f"did you mean {prefix}{near[0]}? " if near else ""
+        raise ConfigError(f"{prefix}{k}", f"unknown option ({what} takes no {k!r}); {hint}known: {', '.join(allowed)}.")
+
+
+def check_keys(cfg: Mapping[str, Any]) -> None:
+    """Every key of the composed config is one that something takes.
+
+    Raises:
+        ConfigError: the first unknown key, with the closest known one and the list of known ones.
+    """
+    _unknown("", cfg.keys(), RECIPE_KEYS, "the recipe")
+    for group, keys in RECIPE_KEYS.items():
+        if keys and isinstance(cfg.get(group), Mapping):
+            _unknown(f"{group}.", cfg[group].keys(), keys, f"the recipe's {group!r} group")
+    _check_target("strategy", cfg.get("strategy") or {})
+    _check_target("model", cfg.get("model") or {})
+    import lightning.pytorch as pl
+
+    trainer = cfg.get("trainer") or {}
+    names, _ = accepted(pl.Trainer.__init__)
+    _unknown("trainer.", trainer.keys(), names, "lightning.pytorch.Trainer")
+    for k, instead in TRAINER_SET_BY_RECIPE.items():
+        if k in trainer:
+            raise ConfigError(f"trainer.{k}", f"is set by the recipe; use the recipe's own key instead ({instead}).")
+    from .module import CausalLMModule
+
+    names, _ = accepted(CausalLMModule.__init__)
+    _unknown("optim.", (cfg.get("optim") or {}).keys(), names - {"model", "tokenizer", "total_steps"}, "CausalLMModule")
+    _check_data_keys(cfg.get("data") or {})
+
+
+def _check_target(group: str, node: Mapping[str, Any]) -> None:
+    target = node.get("_target_")
+    if not target:
+        raise ConfigError(f"{group}._target_", f"missing: the {group} entry must name what it builds with _target_.")
+    try:
+        fn = _locate(str(target))
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"{group}._target_", f"{target!r} cannot be imported ({e}).") from None
+    names, var_kw = accepted(fn)
+    if not var_kw:
+        _unknown(f"{group}.", node.keys(), names, str(target).rpartition(".")[2])
+
+
+def _check_data_keys(data: Mapping[str, Any]) -> None:
+    from ..data import DomainDataModule, make_datamodule
+    from ..data.datamodule import probe_option_names
+    from ..data.sources import OFFLINE
+    from ..data.source_user import USER_OPTIONS
+
+    if data.get("_target_") != "megatrain_lightning.data.make_datamodule":
+        _check_target("data", data)
+        return
+    own, _ = accepted(make_datamodule)
+    dm, _ = accepted(DomainDataModule.__init__)
+    _unknown("data.", data.keys(), (own | dm) - {"tokenizer", "documents", "max_seq_len", "probe_options"},
+             "make_datamodule")
+    domain, source = data.get("domain"), data.get("source")
+    if domain is not None and domain not in OFFLINE:
+        raise ConfigError("data.domain", f"unknown domain {domain!r}; choose from {sorted(OFFLINE)} or null (your data).")
+    opts = data.get("source_options") or {}
+    if source == "offline":
+        if domain is None:
+            raise ConfigError("data.source", "is required for this data group: data.source=/path/to/your/data.jsonl.")
+        names, _ = accepted(OFFLINE[domain][0])
+        _unknown("data.source_options.", opts.keys(), names, f"the offline {domain} corpus")
+    else:
+        _unknown("data.source_options.", opts.keys(), USER_OPTIONS, "a user data source")
+    probe = data.get("probe") or {}
+    if domain is not None and probe and probe.get("enabled", True):
+        _unknown("data.probe.", probe.keys(), probe_option_names(domain) | {"enabled"}, f"the {domain} probe")
+
+
+def check_data(data: Mapping[str, Any]) -> list[dict]:
+    """Read the first records of the data source and map them as the run will; returns those documents
+    (``[]`` for an offline corpus or a Hugging Face dataset id).
+
+    Raises:
+        ConfigError: a missing path (``data.source``), a field the records lack (the override that fixes it,
+            e.g. ``data.source_options.prompt_field=question``), a shape the source cannot give (``data.shape``).
+    """
+    from ..data.records import FieldError
+    from ..data.sources import OFFLINE
+    from ..data.source_user import peek_user_source
+
+    if data.get("_target_") != "megatrain_lightning.data.make_datamodule":
+        return []
+    domain, source, shape = data.get("domain"), data.get("source"), data.get("shape")
+    if source in (None, "", "offline"):
+        if domain is None:
+            raise ConfigError("data.source", "is required for this data group: data.source=/path/to/your/data.jsonl.")
+        native = OFFLINE[domain][1]
+        if shape not in (None, native):
+            raise ConfigError("data.shape", f"data={domain}'s offline corpus is {native!r} data, not {shape!r}; drop "
+                                            f"data.shape (or set data.shape={native}), or point data.source at "
+                                            f"{shape} data (e.g. data=instruction data.source=/path/to/pairs.jsonl).")
+        return []
+    shape = shape or OFFLINE[domain][1]
+    try:
+        return peek_user_source(source, shape, **dict(data.get("source_options") or {}))
+    except FileNotFoundError as e:
+        raise ConfigError("data.source", str(e)) from None
+    except FieldError as e:
+        key = "data.shape" if e.option == "shape" else f"data.source_options.{e.option}"
+        declared = e.option == "shape" or e.option in (data.get("source_options") or {})
+        fix = f" Run with {'' if declared else '+'}{key}={e.suggestion}." if e.suggestion else ""
+        raise ConfigError(key, f"{e}{fix}") from None
+    except (ValueError, ImportError) as e:
+        raise ConfigError("data.source", str(e)) from None
+
+
+def check_environment(cfg: Mapping[str, Any]) -> None:
+    """Paths and packages: the NVMe directory, the logger's package (and a warning when ``plot=true`` has no
+    matplotlib: the run goes on without ``loss.png``).
+
+    Raises:
+        ConfigError: naming ``strategy.nvme_path`` (or the ``MEGATRAIN_NVME_PATH`` variable), ``logger``, ``resume``.
+    """
+    s = cfg.get("strategy") or {}
+    if "nvme" in (s.get("offload_params"), s.get("offload_optimizer")):
+        path = s.get("nvme_path") or os.environ.get("MEGATRAIN_NVME_PATH")
+        if not path:
+            raise ConfigError("strategy.nvme_path", "the NVMe tier needs a directory on a fast local disk: set "
+                                                    "strategy.nvme_path=/mnt/nvme or export MEGATRAIN_NVME_PATH=/mnt/nvme.")
+        if not Path(path).is_dir():
+            src = "strategy.nvme_path" if s.get("nvme_path") else "MEGATRAIN_NVME_PATH"
+            raise ConfigError("strategy.nvme_path", f"{path} (from {src}) is not an existing directory; create it or "
+                                                    "set strategy.nvme_path= / MEGATRAIN_NVME_PATH to one.")
+    loggers = cfg.get("logger")
+    for logger in [loggers] if isinstance(loggers, str) else list(loggers or []):
+        if logger not in LOGGERS:
+            raise ConfigError("logger", f"unknown logger {logger!r}; choose from {sorted(LOGGERS)} (or a list of them).")
+        pkgs = LOGGERS[logger]
+        if pkgs and not any(importlib.util.find_spec(p) for p in pkgs):
+            raise ConfigError("logger", f"logger={logger} needs the {pkgs[0]!r} package: pip install "
+                                        f"'megatrain-lightning[loggers]' (or pip install {pkgs[0]}), or use logger=csv.")
+    if cfg.get("plot") and importlib.util.find_spec("matplotlib") is None:  # said now, not after the run
+        log.warning("plot=true but matplotlib is not installed: this run writes no loss.png (pip install "
+                    "'megatrain-lightning[plots]'; plot=false silences this).")
+
+
+def check_all(cfg: Mapping[str, Any]) -> list[dict]:
+    """:func:`check_keys`, :func:`check_environment`, then :func:`check_data`; returns the peeked documents."""
+    check_keys(cfg)
+    check_environment(cfg)
+    return check_data(cfg.get("data") or {})

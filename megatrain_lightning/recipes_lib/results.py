@@ -1,0 +1,128 @@
+"""What a recipe run leaves in its directory to keep and look at: ``summary.json``, ``summary.md``, ``loss.png``.
+
+``summary.json`` keys (:data:`SUMMARY_KEYS`): ``metrics`` (``{name: {"before", "after"}}``, every metric of the
+printed table; ``before`` is ``null`` with ``eval.before=false``), ``run`` (optimizer steps, train seconds,
+tokens/s, peak RSS bytes, H2D/D2H bytes per step), ``timings`` (seconds of each recipe step: preflight, build,
+evaluate_before, fit, evaluate_after, save, sample), ``loss`` (``[{"step", "loss"}]``, the training loss of every
+optimizer step, mean over its micro-batches), ``sample`` (``{"prompt", "completion"}``), ``checkpoint`` (the saved
+directory or ``null``), ``config`` (the composed config, resolved).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+
+from .report import format_table, summary_rows
+
+log = logging.getLogger(__name__)
+SUMMARY_KEYS = ("metrics", "run", "timings", "loss", "sample", "checkpoint", "config")
+
+
+class LossHistory(pl.Callback):
+    """Training loss of every optimizer step: ``steps`` is ``[{"step": global step after it, "loss": mean of its
+    micro-batch losses}]`` (floats; the loss the LightningModule returned from ``training_step``)."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+        self._pending: list[float] = []
+        self._last_step = 0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._last_step = int(trainer.global_step)  # a resumed run starts past 0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        if loss is not None:
+            self._pending.append(float(loss))
+        if trainer.global_step > self._last_step and self._pending:  # this batch completed an optimizer step
+            self._last_step = int(trainer.global_step)
+            self.steps.append({"step": self._last_step, "loss": sum(self._pending) / len(self._pending)})
+            self._pending = []
+
+
+def _num(v: Any) -> Any:
+    return None if v is None or (isinstance(v, float) and not math.isfinite(v)) else v
+
+
+def build_summary(before: dict[str, float], after: dict[str, float], run: dict[str, Any], timings: dict[str, float],
+                  loss: list[dict], sample: dict[str, str], checkpoint: str | None, config: dict) -> dict[str, Any]:
+    """The ``summary.json`` mapping (keys :data:`SUMMARY_KEYS`; see the module docstring)."""
+    metrics = {k: {"before": _num(before.get(k)), "after": _num(after.get(k))} for k in sorted(set(before) | set(after))}
+    return {"metrics": metrics, "run": {k: _num(v) for k, v in run.items()}, "timings": timings, "loss": loss,
+            "sample": sample, "checkpoint": checkpoint, "config": config}
+
+
+def summary_markdown(summary: dict[str, Any]) -> str:
+    """``summary.md``: the printed table, the timings, the sample and where the checkpoint is."""
+    m = summary["metrics"]
+    before = {k: v["before"] for k, v in m.items() if v["before"] is not None}
+    after = {k: v["after"] for k, v in m.items() if v["after"] is not None}
+    rows = summary_rows(before, after, summary["run"])
+    lines = ["# Fine-tuning run", "", "| metric | before | after |", "|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    lines += ["", "| step | seconds |", "|---|---|"] + [f"| {k} | {v:.1f} |" for k, v in summary["timings"].items()]
+    if summary["checkpoint"]:
+        lines += ["", f"Checkpoint: `{summary['checkpoint']}` (Hugging Face model in `model/`)"]
+    s = summary["sample"]
+    if s:
+        lines += ["", "Sample prompt:", "", "```", s["prompt"], "```", "", "Completion:", "", "```", s["completion"], "```"]
+    if summary.get("plot"):
+        lines += ["", "![loss](loss.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def plot_loss(path: Path, loss: list[dict], before: dict[str, float], after: dict[str, float]) -> bool:
+    """Write ``loss.png``: training loss per optimizer step, validation loss before (at step 0) and after (at the
+    last step). Returns ``False`` (and logs one line) when matplotlib is missing or there is nothing to plot."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("loss.png not written: matplotlib is not installed (pip install 'megatrain-lightning[plots]').")
+        return False
+    if not loss and "val_loss" not in after:
+        log.info("loss.png not written: no training loss and no validation loss to plot.")
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+    if loss:
+        ax.plot([p["step"] for p in loss], [p["loss"] for p in loss], marker=".", label="train loss")
+    last = loss[-1]["step"] if loss else 0
+    if "val_loss" in before:
+        ax.scatter([0], [before["val_loss"]], color="tab:red", zorder=3, label="val loss before")
+    if "val_loss" in after:
+        ax.scatter([last], [after["val_loss"]], color="tab:green", zorder=3, label="val loss after")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def write_results(out_dir: Path, summary: dict[str, Any], plot: bool) -> dict[str, Path]:
+    """Write ``summary.json``, ``summary.md`` and (``plot``) ``loss.png`` into ``out_dir``; returns their paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / "summary.json", "md": out_dir / "summary.md"}
+    if plot:
+        before = {k: v["before"] for k, v in summary["metrics"].items() if v["before"] is not None}
+        after = {k: v["after"] for k, v in summary["metrics"].items() if v["after"] is not None}
+        if plot_loss(out_dir / "loss.png", summary["loss"], before, after):
+            paths["png"] = out_dir / "loss.png"
+            summary = {**summary, "plot": "loss.png"}
+    paths["json"].write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    paths["md"].write_text(summary_markdown(summary))
+    return paths
+
+
+__all__ = ["LossHistory", "SUMMARY_KEYS", "build_summary", "format_table", "plot_loss", "summary_markdown",
+           "write_results"]
