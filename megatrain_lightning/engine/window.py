@@ -21,7 +21,7 @@ from ..store.nvme import NVMeConfig, NVMeStore, preflight_nvme
 from ..store.pinned import PinnedArena, page_up
 from ..store.regions import Region
 from .accounting import compute_window_bytes
-from .staging import ring_bytes_bound
+from .staging import RING_SLOTS, ring_bytes_bound
 
 
 def d2h_staging_bytes(layout: Sequence[tuple[int, int]], device: torch.device) -> int:
@@ -52,16 +52,22 @@ def nvme_window(blocks: Sequence[Block], nvme: NVMeConfig, device: torch.device,
     slabs = slab_layout(blocks)
     layout = [(n, t) for _, n, t in slabs]
     staging = d2h_staging_bytes(layout, device)
-    min_window = nvme.min_window(layout) + staging
-    if device.type == "cpu":
-        min_window += compute_window_bytes(layout, blocks, lookahead)
-    elif Region.master in nvme.kinds:  # wire images in flight (on CPU a copy gives its slot back at once)
-        min_window += ring_bytes_bound([(n, len(e)) for e, n, _ in slabs])
+    cpu = device.type == "cpu"
+    # outside the arena: on CPU the compute buffers (compute_window_bytes, less its wire image: that is a
+    # slot of the staging ring, in the arena), on CUDA the D2H staging buffers
+    image = max((page_up(4 * n) for n, _ in layout), default=0)
+    outside = compute_window_bytes(layout, blocks, lookahead) - image if cpu else staging
+    min_window = nvme.min_window(layout) + outside
+    if Region.master in nvme.kinds:  # wire images in flight: a CPU copy gives its slot back at once
+        min_window += ring_bytes_bound([(n, len(e)) for e, n, _ in slabs], slots=1 if cpu else RING_SLOTS)
+    elif cpu:
+        min_window += image
     preflight_nvme(nvme.path, layout, nvme.host_memory_limit, min_window)
     budget = HostBudget(nvme.host_memory_limit)
     budget.reserve(staging, what="D2H staging buffers")
     heap.bound_heap()  # freed buffers leave the process (the budget counts only live ones)
-    arena = PinnedArena(nvme.window_bytes(layout, reserved=staging), pin=pin)
+    # what the process holds for the tier, arena + what is outside it, is then at most host_memory_limit
+    arena = PinnedArena(nvme.window_bytes(layout, reserved=outside), pin=pin)
 
     def factory(layout: list[tuple[int, int]]) -> NVMeStore:
         return NVMeStore(nvme.path, layout, budget, io_threads=nvme.io_threads, io_block_size=nvme.io_block_size,

@@ -122,7 +122,7 @@ def try_host_buffer(nbytes: int, pin: bool | None, what: str) -> tuple[torch.Ten
 
     Raises:
         HostPinningError: ``pin is True`` and pinning failed."""
-    if not pin:
+    if pin is False:
         return host_buffer(nbytes, False), False
     try:
         return host_buffer(nbytes, True), True
