@@ -354,3 +354,27 @@ def test_late_copy_releases_keep_nvme_results(tmp_path, monkeypatch, precision):
     assert all(e.pins == 0 for e in eng.store.nvme.entries.values())  # every window hold ended
     assert max(h["megatrain/host_budget_peak_bytes"] for h in eng.history) <= limit
     tr.strategy.close()
+
+
+def test_hold_lets_its_own_buffers_go_when_they_split_the_arena(tmp_path):
+    """A 3-page arena: the first region of a hold lands in the middle page, so its 2-page master fits
+    nowhere while it stays pinned; the hold lets it go and places both again, instead of waiting forever."""
+    from megatrain_lightning.store.budget import HostBudget
+    from megatrain_lightning.store.nvme import NVMeStore
+
+    layout = [(2048, 1024), (1024, 0), (1024, 0), (1024, 0)]  # block 0: master 2 pages, exp_avg 1 page
+    st = NVMeStore(tmp_path, layout, HostBudget(3 * PAGE), arena=PinnedArena(3 * PAGE), place_timeout_s=5)
+    for i in (1, 2, 3):
+        with st.hold(i, ["master"], write=True, fresh=["master"]) as t:
+            t["master"].fill_(i)
+    st.wait_io()
+    st.discard(2, "master")  # page 1 free: the next 1-page buffer goes there
+    with st.hold(0, ["exp_avg", "master"], write=True, fresh=["exp_avg", "master"]) as t:
+        t["exp_avg"].fill_(5.0)
+        t["master"].fill_(7.0)
+        assert {st.entries[(0, "exp_avg")].off, st.entries[(0, "master")].off} == {0, PAGE}
+    st.wait_io()
+    for i, v in ((1, 1.0), (2, 2.0), (3, 3.0), (0, 7.0)):
+        with st.hold(i, ["master"]) as t:
+            assert torch.all(t["master"] == v)
+    st.close()

@@ -266,6 +266,10 @@ class NVMeConfig:
         return max(0, min(self.host_memory_limit - reserved, regions + ring))
 
 
+class _BackOff(Exception):
+    """No contiguous range can open while the caller keeps its own buffers pinned (see ``_pin_all``)."""
+
+
 class _Entry:
     __slots__ = ("buf", "t", "nbytes", "pins", "dirty", "io", "io_kind", "last", "off")
 
@@ -527,12 +531,13 @@ class NVMeStore:
             return None
         return e.nbytes * (1000.0 if key in self._protected else 1.0)
 
-    def _place(self, n: int, what: str) -> int:
+    def _place(self, n: int, what: str, back_off: bool = False) -> int:
         """Arena offset for a buffer of ``n`` bytes already reserved in the budget (under ``cond``).
 
         The budget bounds bytes; the arena also needs them contiguous. When no free range fits,
         the cheapest set of evictable neighbours is evicted (:meth:`PinnedArena.eviction_plan`),
-        else this waits for buffers in use or in I/O to be released.
+        else this waits for buffers in use or in I/O to be released (with ``back_off``, raises
+        :class:`_BackOff` instead: the caller lets its own pinned buffers go and retries).
 
         Raises:
             HostMemoryBudgetError: no contiguous range opened for ``place_timeout_s`` seconds."""
@@ -547,6 +552,8 @@ class NVMeStore:
                 for o in plan:
                     self._free(self.entries.pop(self._at[o]))
                 continue
+            if back_off:
+                raise _BackOff
             left = deadline - time.monotonic()
             if left <= 0:
                 raise HostMemoryBudgetError(
@@ -598,7 +605,7 @@ class NVMeStore:
                 fut, e.io = e.io, None
             fut.set_exception(err)  # type: ignore[union-attr]
 
-    def _pin(self, i: int, kind: str, write: bool, fresh: bool) -> torch.Tensor:
+    def _pin(self, i: int, kind: str, write: bool, fresh: bool, back_off: bool = False) -> torch.Tensor:
         key = (i, kind)
         while True:
             with self.cond:
@@ -608,7 +615,7 @@ class NVMeStore:
                     n = self._nbytes[i][kind]
                     self.budget.reserve(n, self._make_room, what=f"{kind} of block {i}")
                     try:
-                        off = self._place(n, f"{kind} of block {i}")
+                        off = self._place(n, f"{kind} of block {i}", back_off)
                     except BaseException:
                         self.budget.release(n)
                         raise
@@ -683,15 +690,37 @@ class NVMeStore:
             NVMeIOError: a read failed now, or an earlier write-behind failed.
             HostMemoryBudgetError: the buffers never fit in ``host_memory_limit``.
         """
-        fresh = set(fresh)
-        got: dict[str, torch.Tensor] = {}
+        got = self._pin_all(i, tuple(kinds), write, set(fresh))
         try:
-            for k in kinds:
-                got[k] = self._pin(i, k, write, k in fresh)
             yield got
         finally:
             for k in got:
                 self._unpin(i, k, write)
+
+    def _pin_all(self, i: int, kinds: tuple[str, ...], write: bool, fresh: set[str]) -> dict[str, torch.Tensor]:
+        """Pin ``kinds`` of block ``i``. When a later one finds no contiguous range that evictions could
+        open (the ones already pinned split the arena), the ones already pinned are let go (nothing was
+        written yet), taken out of the window, and all are placed again."""
+        deadline = time.monotonic() + self._place_timeout_s
+        while True:
+            got: dict[str, torch.Tensor] = {}
+            try:
+                for k in kinds:
+                    got[k] = self._pin(i, k, write, k in fresh, back_off=bool(got) and time.monotonic() < deadline)
+                return got
+            except _BackOff:
+                for k in got:
+                    self._unpin(i, k, False)
+                with self.cond:  # out of the window, so the retry places them anew
+                    for k in got:
+                        e = self.entries.get((i, k))
+                        if e is not None and e.pins == 0 and not e.dirty and e.io is None:
+                            self._free(self.entries.pop((i, k)))
+                    self.cond.wait(0.05)
+            except BaseException:
+                for k in got:
+                    self._unpin(i, k, False)
+                raise
 
     def discard(self, i: int, kind: str) -> None:
         """Forget block ``i``'s ``kind`` buffer without writing it (a consumed gradient accumulator)."""
