@@ -9,9 +9,10 @@ Memory tiers (docs/architecture.md, "Memory tiers"), N = unique parameters (tied
 * host RAM: fp32 master 4 B/param, fp32 gradient accumulator 4, AdamW exp_avg 4 and
   exp_avg_sq 4, plus the bf16/fp16 wire shadow 2 B/param under a 2-byte wire (the engine
   casts each slab once per step after its update and streams the copy); pinned D2H staging
-  (2 buffers of the largest block's gradients); on a GPU, torch's caching host allocator
-  rounds each pinned allocation up to a power of two (one master and one shadow slab per
-  block), listed as its own line; a fixed 4 GiB for the process (Python, CUDA host side,
+  (2 buffers of the largest block's gradients, pinned exactly: ``store/pinned.py``); with masters
+  on NVMe and a 2-byte wire, 2 H2D staging slots of the largest block's wire image; on a GPU,
+  torch's caching host allocator rounds each pinned master slab up to a power of two (the wire
+  shadows and the NVMe window are pinned exactly), listed as its own line; a fixed 4 GiB for the process (Python, CUDA host side,
   data loader) -- an assumption. A part moved to NVMe leaves a window of
   (lookahead + 2) blocks of it in RAM (read-ahead, the block in use, write-behind).
 * device: the largest block x (lookahead + 1) in the wire dtype, its fp32 upcast under mixed
@@ -154,10 +155,11 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
         host["AdamW moments window"] = window * big * 8
     if gpu:
         host["pinned D2H staging (2 blocks)"] = 2 * big * grad_b
+        if s["offload_params"] == "nvme" and shadow:
+            host["pinned H2D staging ring (2 wire images)"] = 2 * big * shadow
         if s["offload_params"] == "cpu" and s["pinned_round"]:
             slabs = c.block_reads[:-1] + (c.head,)
-            host["pinned pow2 rounding"] = sum(_pow2_waste(n * 4) + (_pow2_waste(n * shadow) if shadow else 0)
-                                               for n in slabs)
+            host["pinned pow2 rounding"] = sum(_pow2_waste(n * 4) for n in slabs)
     if s["offload_activations"]:
         host["offloaded block inputs"] = saved_bytes
     if not gpu:
