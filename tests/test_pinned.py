@@ -378,3 +378,25 @@ def test_hold_lets_its_own_buffers_go_when_they_split_the_arena(tmp_path):
         with st.hold(i, ["master"]) as t:
             assert torch.all(t["master"] == v)
     st.close()
+
+
+@pytest.mark.parametrize("pin,registered", [(False, 0), (None, 1), (True, 1)])
+def test_wire_shadows_honour_pin_memory(driver, pin, registered):
+    """RAM tier, 16-bit wire on a CUDA device: the cached wire image of a slab is pinned exactly (one
+    registration of its page-rounded size) unless pin_memory=False."""
+    from megatrain_lightning.engine.accounting import ByteAccounting
+    from megatrain_lightning.engine.fetch import WeightFetcher
+    from megatrain_lightning.store.host import build_store
+
+    blocks = _blocks()
+    store = build_store(blocks)
+    fetcher = WeightFetcher(blocks, store, CPUTransport(torch.device("cpu")), ByteAccounting(), lambda: None,
+                            torch.device("cuda"), pin_memory=pin)
+    fetcher.configure(torch.bfloat16, torch.bfloat16)  # bf16-true: every slab travels as a bf16 image
+    blk = blocks[1]  # a decoder layer
+    (buf, _), = fetcher.fetch(blk).values()
+    slab = store.slabs[blk.slabs[0]]
+    assert torch.equal(buf, slab.master.to(torch.bfloat16))
+    assert len(driver.registered) == registered
+    if registered:
+        assert list(driver.registered.values()) == [-(-2 * slab.numel // PAGE) * PAGE]
