@@ -319,8 +319,8 @@ def _host_cached_bytes(dev: str) -> int:
 
     if dev != "cuda":
         return 0
-    st = torch.cuda.host_memory_stats()
-    return int(st.get("reserved_bytes.current", st.get("segment.current", 0)) or 0)
+    st = torch.cuda.host_memory_stats()  # key names differ across torch versions: reserved, else owned blocks
+    return int(st.get("reserved_bytes.current", st.get("allocated_bytes.current", 0)) or 0)
 
 
 def check_pinned(a) -> dict:
