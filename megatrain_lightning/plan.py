@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 _SETTINGS = ("batch_size", "seq_len", "precision", "offload_params", "offload_optimizer", "offload_grads",
-             "offload_activations", "lookahead", "recompute_every", "grad_dtype", "keep_checkpoints", "pinned_round", "cpu_zero_copy")
+             "offload_activations", "lookahead", "recompute_every", "grad_dtype", "keep_checkpoints", "cpu_zero_copy")
 
 
 def plan_from_config(cfg: Any) -> Plan:

@@ -143,7 +143,7 @@ def plan(model_cfg: Any, hw: Hardware | Mapping[str, Any], *, batch_size: int = 
          precision: str = "bf16-mixed", offload_params: str = "cpu", offload_optimizer: str = "cpu",
          offload_grads: str = "cpu", offload_activations: bool = False, lookahead: int = 1,
          recompute_every: int = 1, grad_dtype: str | None = None, keep_checkpoints: int = 2,
-         pinned_round: bool = True, cpu_zero_copy: bool = True) -> Plan:
+         cpu_zero_copy: bool = True) -> Plan:
     """Plan one training configuration on one hardware preset (see the module docstring).
 
     Args:
@@ -162,11 +162,6 @@ def plan(model_cfg: Any, hw: Hardware | Mapping[str, Any], *, batch_size: int = 
         keep_checkpoints: directory checkpoints on disk at the peak of a save.
         cpu_zero_copy: without an accelerator and with fp32 compute, blocks bind the fp32 masters
             (``MegaTrainStrategy(cpu_zero_copy=True)``, its default): no weight copies, no H2D.
-        pinned_round: count torch's power-of-two rounding of the pinned RAM-tier master slabs (GPU
-            presets; wire shadows, staging buffers and the NVMe window are pinned exactly).
-            torch's caching host allocator (``ATen/core/CachingHostAllocator.h``) rounds every
-            pinned allocation up to a power of two unless
-            ``PYTORCH_CUDA_ALLOC_CONF=pinned_max_round_threshold_mb:<MB>`` (torch >= 2.9) says otherwise.
 
     Raises:
         ValueError: an unknown precision, tier or grad dtype, or a non-positive size.
@@ -189,7 +184,7 @@ def plan(model_cfg: Any, hw: Hardware | Mapping[str, Any], *, batch_size: int = 
              offload_optimizer=offload_optimizer, offload_grads=offload_grads,
              offload_activations=bool(offload_activations), lookahead=int(lookahead),
              recompute_every=int(recompute_every), keep_checkpoints=int(keep_checkpoints),
-             pinned_round=bool(pinned_round), cpu_zero_copy=bool(cpu_zero_copy),
+             cpu_zero_copy=bool(cpu_zero_copy),
              grad_bytes=GRAD_BYTES[grad_dtype] if grad_dtype else PRECISIONS[precision][2])
     e = _estimate(counts, hw, s)
     dom = max(e["times"], key=e["times"].get)

@@ -10,9 +10,8 @@ Memory tiers (docs/architecture.md, "Memory tiers"), N = unique parameters (tied
   exp_avg_sq 4, plus the bf16/fp16 wire shadow 2 B/param under a 2-byte wire (the engine
   casts each slab once per step after its update and streams the copy); pinned D2H staging
   (2 buffers of the largest block's gradients, pinned exactly: ``store/pinned.py``); with masters
-  on NVMe and a 2-byte wire, 2 H2D staging slots of the largest block's wire image; on a GPU,
-  torch's caching host allocator rounds each pinned master slab up to a power of two (the wire
-  shadows and the NVMe window are pinned exactly), listed as its own line; a fixed 4 GiB for the process (Python, CUDA host side,
+  on NVMe and a 2-byte wire, 2 H2D staging slots of the largest block's wire image (all pinned
+  memory is pinned at its exact size, rounded to the 4 KiB page: no power-of-two rounding); a fixed 4 GiB for the process (Python, CUDA host side,
   data loader) -- an assumption. A part moved to NVMe leaves a window of
   (lookahead + 2) blocks of it in RAM (read-ahead, the block in use, write-behind).
 * device: the largest block x (lookahead + 1) in the wire dtype, its fp32 upcast under mixed
@@ -101,10 +100,6 @@ TERM_LABELS = {"compute": "compute", "h2d": "H2D link", "d2h": "D2H link", "nvme
                "link_duplex": "H2D+D2H (H2D halved while D2H runs)"}
 
 
-def _pow2_waste(nbytes: int) -> int:
-    return 0 if nbytes <= 0 else (1 << (nbytes - 1).bit_length()) - nbytes
-
-
 def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]:
     """Pure arithmetic for one batch size: the tiers, bytes moved and seconds per term."""
     wire, dev_param, _, act_saved, act_mm, rate_key = PRECISIONS[s["precision"]]
@@ -157,9 +152,6 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
         host["pinned D2H staging (2 blocks)"] = 2 * big * grad_b
         if s["offload_params"] == "nvme" and shadow:
             host["pinned H2D staging ring (2 wire images)"] = 2 * big * shadow
-        if s["offload_params"] == "cpu" and s["pinned_round"]:
-            slabs = c.block_reads[:-1] + (c.head,)
-            host["pinned pow2 rounding"] = sum(_pow2_waste(n * 4) for n in slabs)
     if s["offload_activations"]:
         host["offloaded block inputs"] = saved_bytes
     if not gpu:
