@@ -58,8 +58,9 @@ def nvme_window(blocks: Sequence[Block], nvme: NVMeConfig, device: torch.device,
     image = max((page_up(4 * n) for n, _ in layout), default=0)
     outside = compute_window_bytes(layout, blocks, lookahead) - image if cpu else staging
     min_window = nvme.min_window(layout) + outside
-    if Region.master in nvme.kinds:  # wire images in flight: a CPU copy gives its slot back at once
-        min_window += ring_bytes_bound([(n, len(e)) for e, n, _ in slabs], slots=1 if cpu else RING_SLOTS)
+    ring = ring_bytes_bound([(n, len(e)) for e, n, _ in slabs]) if Region.master in nvme.kinds else 0
+    if ring:  # wire images in flight: a CPU copy gives its slot back at once
+        min_window += ring // RING_SLOTS if cpu else ring
     elif cpu:
         min_window += image
     preflight_nvme(nvme.path, layout, nvme.host_memory_limit, min_window)
@@ -67,7 +68,7 @@ def nvme_window(blocks: Sequence[Block], nvme: NVMeConfig, device: torch.device,
     budget.reserve(staging, what="D2H staging buffers")
     heap.bound_heap()  # freed buffers leave the process (the budget counts only live ones)
     # what the process holds for the tier, arena + what is outside it, is then at most host_memory_limit
-    arena = PinnedArena(nvme.window_bytes(layout, reserved=outside), pin=pin)
+    arena = PinnedArena(nvme.window_bytes(layout, reserved=outside, staging=ring), pin=pin)
 
     def factory(layout: list[tuple[int, int]]) -> NVMeStore:
         return NVMeStore(nvme.path, layout, budget, io_threads=nvme.io_threads, io_block_size=nvme.io_block_size,

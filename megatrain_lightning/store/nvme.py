@@ -251,19 +251,19 @@ class NVMeConfig:
             need += 4 * t  # exp_avg, exp_avg_sq, grad_accum of the update + the accumulator being filled
         return need + 2**16
 
-    def window_bytes(self, layout: Sequence[tuple[int, int]], reserved: int = 0) -> int:
+    def window_bytes(self, layout: Sequence[tuple[int, int]], reserved: int = 0, staging: int = 0) -> int:
         """Capacity of the host window's arena (:class:`~megatrain_lightning.store.pinned.PinnedArena`):
         ``host_memory_limit`` less ``reserved`` (buffers outside the arena counted in the limit: the D2H
-        staging buffers of a CUDA run), and never more than every on-disk region of the store plus an
-        H2D staging ring of 2 slabs at 4 bytes per element (a window larger than that is never used).
+        staging buffers of a CUDA run, the compute buffers of a CPU one), and never more than every
+        on-disk region of the store plus ``staging`` (a window larger than that is never used).
 
         Args:
             layout: per slab, ``(numel, trainable numel)``.
-            reserved: bytes of the limit used outside the arena."""
+            reserved: bytes of the limit used outside the arena.
+            staging: bytes of the arena's buffers outside the cache at most (the engine's H2D staging ring)."""
         regions = sum((align_up(4 * n) if Region.master in self.kinds else 0)
                       + (3 * align_up(4 * t) if Region.grad_accum in self.kinds else 0) for n, t in layout)
-        ring = 2 * max((align_up(4 * n + 16 * 64) for n, _ in layout), default=0) if Region.master in self.kinds else 0
-        return max(0, min(self.host_memory_limit - reserved, regions + ring))
+        return max(0, min(self.host_memory_limit - reserved, regions + staging))
 
 
 class _BackOff(Exception):
