@@ -39,6 +39,16 @@ key numbers) and ``summary`` gathers them into a table and bench/results/gpu_che
 * ``nvme``:     the NVMe tier on CUDA (pinned window buffers, H2D straight from them): llama 8 layers, 20 steps,
                 RAM tier vs offload_params=offload_optimizer="nvme" under a host budget that forces eviction,
                 without and with accumulation 3 + norm clipping. PASS: losses and weights bitwise equal.
+* ``pinned``:   pinned memory inside host_memory_limit (issue 17, items 3, 4, 6): llama with regions of awkward
+                sizes (vocabulary 32003, MLP width 688, 4 layers; dry run: 1021 / 70 / 5), 6 steps of the NVMe
+                tier (masters and optimizer on disk) under bf16-mixed (wire images through the H2D staging
+                ring) and 32-true (copies straight from the window), each against the RAM tier. Pinned bytes
+                are measured, not taken from the budget: the window's arena (one cudaHostRegister-ed mapping,
+                ``arena.buf.is_pinned()``), the 2 exactly pinned D2H staging buffers, and the growth of torch's
+                caching host allocator (``torch.cuda.host_memory_stats``) over the run. Also reports
+                ``ulimit -l`` (not a limit for CUDA's pinned memory) and the ring's peak slots in flight.
+                PASS: losses and weights bitwise equal to the RAM tier, the arena pinned, pinned total <=
+                host_memory_limit, the ring used with at most 2 slots out.
 
 ``--cpu-dry-run``: every check on the CPU with tiny sizes, to exercise this script without a GPU
 (timings, and the memory/overlap/overhead verdicts, mean nothing at those sizes).
@@ -58,7 +68,7 @@ import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CHECKS = ["pytest", "parity", "precision", "memory", "overlap", "d2h", "overhead", "nvme"]
+CHECKS = ["pytest", "parity", "precision", "memory", "overlap", "d2h", "overhead", "nvme", "pinned"]
 TOL = 1e-5
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts: deterministic cuBLAS
 
@@ -309,6 +319,84 @@ def check_nvme(a) -> dict:
         print(f"  nvme accumulate={acc} clip={clip}: losses equal {same_l}, weights equal {same_w}, O_DIRECT {direct}", flush=True)
     ok = all(r["losses_equal"] and r["weights_equal"] for r in rows)
     return {"result": "PASS" if ok else "FAIL", "numbers": {"runs": rows}}
+
+
+def _host_cached_bytes(dev: str) -> int:
+    """Bytes torch's caching host allocator holds (pinned blocks, cached ones included); 0 without CUDA."""
+    import torch
+
+    if dev != "cuda":
+        return 0
+    st = torch.cuda.host_memory_stats()  # key names differ across torch versions: reserved, else owned blocks
+    return int(st.get("reserved_bytes.current", st.get("allocated_bytes.current", 0)) or 0)
+
+
+def check_pinned(a) -> dict:
+    import resource
+    import tempfile
+
+    import lightning.pytorch as pl
+    import torch
+    from megatrain_lightning.engine.window import d2h_staging_bytes
+    from megatrain_lightning.testing import LM, make_data, make_model
+
+    from megatrain_lightning import MegaTrainStrategy
+
+    dev = device(a)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    shape = (dict(num_hidden_layers=5, vocab_size=1021, intermediate_size=70) if a.cpu_dry_run else
+             dict(num_hidden_layers=4, vocab_size=32003, intermediate_size=688, hidden_size=256,
+                  num_attention_heads=4, num_key_value_heads=2))
+    limit = 2_500_000 if a.cpu_dry_run else 400 * 10**6
+    memlock = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    rows = []
+    for precision in ("bf16-mixed", "32-true"):
+        out = []
+        for tier in ("ram", "nvme"):
+            kw = dict(offload_params="nvme", offload_optimizer="nvme", nvme_path=tempfile.mkdtemp(),
+                      host_memory_limit=limit) if tier == "nvme" else {}
+            lm = LM(make_model("llama", **shape), total_steps=6)
+            torch.manual_seed(0)
+            cached0 = _host_cached_bytes(dev)
+            tr = pl.Trainer(strategy=MegaTrainStrategy(**kw), accelerator="gpu" if dev == "cuda" else "cpu", devices=1,
+                            max_steps=6, precision=precision, enable_checkpointing=False, logger=False,
+                            enable_progress_bar=False, enable_model_summary=False)
+            tr.fit(lm, make_data(n=12))
+            eng = tr.strategy.engine
+            row = None
+            if tier == "nvme":
+                arena, ring = eng.store.nvme.arena, eng.fetcher.ring
+                layout = [(sl.numel, sl.trainable_numel) for sl in eng.store.slabs]
+                staging = d2h_staging_bytes(layout, torch.device(dev))  # the transport's 2 D2H buffers, pinned exactly
+                cached = _host_cached_bytes(dev) - cached0
+                pinned_total = (arena.capacity if arena.pinned else 0) + staging + max(cached, 0)
+                row = {"precision": precision, "limit": limit, "arena_bytes": arena.capacity, "arena_pinned": arena.pinned,
+                       "arena_is_pinned": bool(arena.buf.is_pinned()) if dev == "cuda" else None,
+                       "arena_peak_used": arena.peak, "d2h_staging_bytes": staging, "host_allocator_growth": cached,
+                       "pinned_total": pinned_total, "ring_slots_used": len(ring.acquired),
+                       "ring_peak_inflight": ring.peak_inflight,
+                       "budget_peak": max(h.get("megatrain/host_budget_peak_bytes", 0) for h in eng.history),
+                       "wait_s_median": statistics.median(h.get("megatrain/wait_s", 0) for h in eng.history),
+                       "cast_s_median": statistics.median(h.get("megatrain/cast_s", 0) for h in eng.history)}
+            out.append((lm, row))
+            tr.strategy.close()
+        (a_lm, _), (b_lm, row) = out
+        row["losses_equal"] = a_lm.losses == b_lm.losses
+        row["weights_equal"] = all(torch.equal(p.detach().cpu(), q.detach().cpu())
+                                   for p, q in zip(a_lm.parameters(), b_lm.parameters()))
+        rows.append(row)
+        print(f"  pinned {precision}: {row}", flush=True)
+
+    def ok(r):
+        ring_ok = (r["ring_slots_used"] > 0 and r["ring_peak_inflight"] <= 2) if r["precision"] != "32-true" else True
+        pinned_ok = r["arena_pinned"] and r["arena_is_pinned"] if dev == "cuda" else True
+        return r["losses_equal"] and r["weights_equal"] and r["pinned_total"] <= r["limit"] and ring_ok and pinned_ok
+
+    nums = {"memlock_soft_limit": None if memlock == resource.RLIM_INFINITY else memlock, "runs": rows}
+    os.makedirs(a.results, exist_ok=True)
+    with open(os.path.join(a.results, f"pinned_{'dryrun' if a.cpu_dry_run else 'cuda'}.json"), "w") as f:
+        json.dump(nums, f, indent=1, default=str)
+    return {"result": "PASS" if all(ok(r) for r in rows) else "FAIL", "numbers": nums}
 
 
 def _link_gbps(dev: str) -> float | None:

@@ -2,9 +2,9 @@
 # CUDA acceptance run of megatrain-lightning: one entry point for a short GPU lease.
 #   bash bench/gpu_check.sh                # on the GPU machine, from a fresh checkout (< 8 minutes)
 #   bash bench/gpu_check.sh --cpu-dry-run  # everything on the CPU with tiny sizes (exercises the logic)
-# Checks (see bench/gpu_check.py): env, parity, precision, memory, overlap, d2h, overhead, nvme, pytest (engine tests); each under its own
+# Checks (see bench/gpu_check.py): env, parity, precision, memory, overlap, d2h, overhead, nvme, pinned, pytest (engine tests); each under its own
 # timeout inside a global budget (GPU_CHECK_BUDGET_S, default 450 s), continuing after failures.
-# Writes bench/results/gpu_check.json, gpu_check.log, memory_depth_cuda.json, overhead_cuda.json
+# Writes bench/results/gpu_check.json, gpu_check.log, memory_depth_cuda.json, overhead_cuda.json, pinned_cuda.json
 # (dry run: into ${TMPDIR:-/tmp}/gpu_check_dryrun instead) and copies them to $OUT when it is set.
 set -u
 cd "$(dirname "$0")/.."
@@ -59,6 +59,7 @@ main() {
     run_check d2h 90
     run_check overhead 120
     run_check nvme 90
+    run_check pinned 60
     run_check pytest 90
     python3 bench/gpu_check.py summary $DRY --parts "$PARTS" --results "$RESULTS" --total-s $(($(date +%s) - START))
 }
@@ -67,7 +68,7 @@ main 2>&1 | tee "$LOG"
 rc=${PIPESTATUS[0]}
 rm -rf "$PARTS"
 if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then
-    cp "$RESULTS"/gpu_check.json "$RESULTS"/gpu_check.log "$RESULTS"/memory_depth_*.json "$RESULTS"/overhead_*.json "$OUT"/ 2>/dev/null
+    cp "$RESULTS"/gpu_check.json "$RESULTS"/gpu_check.log "$RESULTS"/memory_depth_*.json "$RESULTS"/overhead_*.json "$RESULTS"/pinned_*.json "$OUT"/ 2>/dev/null
 fi
 echo "total $(($(date +%s) - START))s, exit $rc"
 exit $rc

@@ -64,7 +64,11 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         block_classes: class names/classes of the repeated blocks; default: every Hugging Face
             model's ``_no_split_modules``.
         block_names: ``fnmatch`` patterns of module paths that are blocks, e.g. ``["net.layers.*"]``.
-        pin_memory: page-lock the host masters (default ``True`` on CUDA).
+        pin_memory: page-lock host memory on CUDA (the masters and wire images of the RAM tier, the NVMe
+            window, exactly what ``host_memory_limit`` counts). ``None`` (default): pin, and where pinning the
+            window or a wire image fails use pageable memory with a warning; ``True``: a failure is an error
+            (``HostPinningError``, naming host memory and this option); ``False``: never pin (H2D copies then
+            run at pageable speed). ``ulimit -l`` does not limit CUDA's pinned memory and is not checked.
         cpu_zero_copy: on CPU, compute on the fp32 master slabs instead of a copy of them (default
             ``True``: on a CPU device the copy would only move host memory to host memory; the
             prefetch schedule, deferred updates and accounting run the same either way, and

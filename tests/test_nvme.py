@@ -150,16 +150,6 @@ def test_preflight_errors_name_the_numbers(tmp_path, monkeypatch):
     assert not (tmp_path / STORE_DIR).exists()
 
 
-def test_preflight_checks_locked_memory_limit(tmp_path, monkeypatch):
-    import resource
-
-    from megatrain_lightning.store.nvme import preflight_nvme
-
-    monkeypatch.setattr(resource, "getrlimit", lambda r: (64 * 2**10, 64 * 2**10))
-    with pytest.raises(ValueError, match=r"ulimit -l.* 64.00 KiB"):
-        preflight_nvme(tmp_path, [(1000, 1000)], 2**20, 2**16, pinned_bytes=2**20)
-
-
 def test_budget_and_sizes():
     assert parse_bytes("16GiB") == 16 * 2**30
     assert parse_bytes("1.5 GB") == 1_500_000_000

@@ -7,6 +7,7 @@ mixed modes only the weights autocast casts at every use travel in bf16/fp16 (th
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Callable, Iterator
 
@@ -16,8 +17,10 @@ from torch import nn
 from ..blocks import Block
 from ..optim.host_adamw import HostAdamW
 from ..store.host import HostStore
+from ..store.pinned import try_host_buffer
 from ..store.regions import Region
 from .accounting import ByteAccounting
+from .staging import StagingRing
 from .wire import WireLayout, castable_flags
 
 
@@ -30,14 +33,21 @@ class WeightFetcher:
         transport: the device transport (``to_device``, ``last_read_done``).
         acct: live-byte accounting (a fetched buffer counts until the compute thread releases it).
         optimizer: returns the attached host optimizer (its pending update of a slab is applied first).
-        device: the compute device (CUDA: wire images in pinned memory).
+        device: the compute device.
+        pin_memory: page-lock the RAM tier's wire images (``True``/``False``; ``None``: on CUDA, with a
+            warning and pageable memory when pinning fails).
+        ring: the H2D staging ring wire images of on-disk masters are cast into (``None`` without
+            masters on disk).
     """
 
     def __init__(self, blocks: list[Block], store: HostStore, transport: Any, acct: ByteAccounting,
-                 optimizer: Callable[[], HostAdamW | None], device: torch.device):
+                 optimizer: Callable[[], HostAdamW | None], device: torch.device, pin_memory: bool | None = None,
+                 ring: StagingRing | None = None):
         self.blocks, self.store, self.transport, self.acct = blocks, store, transport, acct
         self._optimizer = optimizer
         self.device = device
+        self.pin_memory = pin_memory if device.type == "cuda" else False
+        self.ring = ring
         self.wire_dtype = torch.float32  # dtype of (castable, under mixed precision) weights on the H2D link
         self.param_dtype = torch.float32  # dtype the block's parameters have while it computes
         # per slab entry: autocast casts the parameter at every use (owner is a Linear/Conv/Conv1D)
@@ -67,21 +77,7 @@ class WeightFetcher:
                     src = self._shadow(slab)
                     buf, ev = self.transport.to_device(src, self.param_dtype, layout)
             else:
-                with self.store.hold(si, [Region.master]) as t:
-                    src = t[Region.master]
-                    if layout.dtype != torch.float32:
-                        self.acct.track(layout.nbytes)
-                        try:
-                            t0 = time.perf_counter()
-                            src = layout.encode(src, layout.empty())  # no cached shadow: it would be resident
-                            self.acct.add(cast_s=time.perf_counter() - t0)
-                            buf, ev = self.transport.to_device(src, self.param_dtype, layout)
-                            self.transport.last_read_done(ev)
-                        finally:
-                            self.acct.track(-layout.nbytes)
-                    else:
-                        buf, ev = self.transport.to_device(src, self.param_dtype)
-                        self.transport.last_read_done(ev)  # the window buffer may be evicted after the hold
+                src, buf, ev = self._from_window(si, layout)
             slab.read_by(ev)
             self.acct.add(h2d_bytes=src.numel() * src.element_size())
             out[si] = (buf, ev)
@@ -99,6 +95,34 @@ class WeightFetcher:
             self.acct.track(slab.numel * self.param_dtype.itemsize)  # before the buffer exists (CPU + NVMe: budget)
             with slab.lock:
                 yield si
+
+    def _from_window(self, si: int, layout: WireLayout) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Copy slab ``si``'s master from the NVMe window without waiting for the copy; returns
+        ``(what travelled, device buffer, event)``.
+
+        fp32 on the wire: the copy reads the window buffer itself, whose hold ends when the copy's event
+        completes (until then it cannot be evicted). Otherwise the master is cast into a slot of the
+        staging ring (no resident wire image: it would be resident for every block), the window's hold
+        ends right after the cast, and the slot goes back when the copy completes."""
+        with contextlib.ExitStack() as stack:
+            src = stack.enter_context(self.store.hold(si, [Region.master]))[Region.master]
+            if layout.dtype == torch.float32:
+                buf, ev = self.transport.to_device(src, self.param_dtype)
+                self.transport.when_done(ev, stack.pop_all().close)
+                return src, buf, ev
+            assert self.ring is not None, "masters on disk with a 16-bit wire need the H2D staging ring"
+            slot = self.ring.acquire(layout.nbytes)
+            try:
+                t0 = time.perf_counter()
+                image = layout.encode(src, slot.image(layout))
+                self.acct.add(cast_s=time.perf_counter() - t0)
+                stack.close()  # the cast was synchronous: the window's master is free again
+                buf, ev = self.transport.to_device(image, self.param_dtype, layout)
+            except BaseException:
+                self.ring.release_after(slot, None)
+                raise
+            self.ring.release_after(slot, ev)
+            return image, buf, ev
 
     def _castable(self) -> list[list[bool]]:
         """Per slab, per entry: whether autocast casts the parameter at every use (all its owners are
@@ -149,8 +173,12 @@ class WeightFetcher:
         with slab.lock:
             v = (slab.updates, slab.master._version)
             shadow, version = self.shadows.get(slab.index, (None, None))
-            if shadow is None:
-                shadow = layout.empty(pin_memory=self.device.type == "cuda")
+            if shadow is None:  # pinned exactly (store/pinned.py), not rounded up to a power of two
+                raw, pinned = try_host_buffer(layout.nbytes, self.pin_memory, "wire images")
+                if not pinned and self.pin_memory is None:
+                    self.pin_memory = False  # warned once: the next ones are pageable too
+                raw = raw[: layout.nbytes]
+                shadow = raw.view(layout.dtype) if layout.dtype is not None else raw
             if version != v:
                 self.transport.last_read_done(slab.last_read)  # an async H2D may still read the shadow
                 t0 = time.perf_counter()

@@ -149,7 +149,9 @@ class Prefetcher:
                 continue
             self._release(got)
         self._inflight.clear()
+        self.transport.settle()  # window holds and staging slots of finished copies are given back
 
     def close(self) -> None:
-        """Stop the H2D worker (after the submitted copies)."""
+        """Stop the H2D worker (after the submitted copies) and wait until their sources are given back."""
         self._pool.shutdown(wait=True)
+        self.transport.settle()

@@ -29,16 +29,18 @@ from torch import nn
 from ..optim.host_adamw import HostAdamW
 from ..store import heap
 from ..store.budget import HostBudget
-from ..store.host import HostStore, build_store, slab_layout
+from ..store.host import HostStore, build_store
 from ..store.regions import Region
-from ..store.nvme import NVMeConfig, NVMeStore, preflight_nvme
+from ..store.nvme import NVMeConfig, NVMeStore
 from ..blocks import Block, check_floating, discover_blocks, find_hf_models
-from .accounting import ByteAccounting, StepStats, compute_window_bytes
+from .accounting import ByteAccounting, StepStats
 from .fetch import WeightFetcher
 from .grads import GradientSink
 from .kv_cache import any_requires_grad, training_call
 from .prefetch import Prefetcher
 from .recompute import Recompute, deprecated_recompute_every, trainable_refs
+from .staging import StagingRing
+from .window import nvme_window
 from .shared_grads import SharedGradSums
 from .params import ParamAccess
 from .threads import resolve_host_threads
@@ -63,12 +65,16 @@ class StreamingEngine:
             the hidden states per block).
         block_classes / block_names: override block discovery, see
             :func:`~megatrain_lightning.blocks.discover_blocks`.
-        pin_memory: page-lock host masters (default: ``True`` on CUDA).
+        pin_memory: page-lock host memory on CUDA: the RAM tier's masters and wire images, the NVMe
+            window's arena. ``None`` (default): pin, and where pinning the window or a wire image
+            fails use pageable memory with a warning; ``True``: pin or raise ``HostPinningError``;
+            ``False``: never (synchronous, slower H2D copies). Ignored on CPU.
         cpu_zero_copy: on CPU, bind blocks to the fp32 master slabs instead of copying them (only when
             the compute dtype is fp32; see MegaTrainStrategy). Off when masters are on disk.
         nvme: the NVMe tier's settings (:class:`~megatrain_lightning.store.nvme.NVMeConfig`), or
-            ``None`` for everything in host RAM. Preflight (disk space, writable path, budget,
-            ``ulimit -l``) runs before anything is allocated.
+            ``None`` for everything in host RAM. Preflight (disk space, writable path, budget, then
+            pinning the window's arena: ``ulimit -l`` does not limit CUDA's pinned memory, so the
+            memory is pinned to find out) runs before any weight is read.
         sources: ``id(param) -> loader`` for parameters on the ``meta`` device (models built by
             ``meta_model_from_pretrained``: see ``checkpoint.hf_io.weight_sources``); each loader is
             called once while the host store is built.
@@ -78,6 +84,7 @@ class StreamingEngine:
     Raises:
         BlockDiscoveryError: no blocks found (see ``discover_blocks``).
         ValueError: ``lookahead < 0``, ``host_threads < 1`` or an unsupported device type.
+        HostPinningError: ``pin_memory=True`` and the NVMe window could not be page-locked.
     """
 
     def __init__(
@@ -107,27 +114,15 @@ class StreamingEngine:
         host_threads = resolve_host_threads(host_threads, self.device)
         self.blocks: list[Block] = discover_blocks(root, block_classes, block_names)
         check_floating(self.blocks)
-        if pin_memory is None:
-            pin_memory = self.device.type == "cuda"
+        pin: bool | None = pin_memory if self.device.type == "cuda" else False  # None: try (CUDA default), fall back with a warning
         self.budget: HostBudget | None = None
         min_window = 0
         factory: Callable[[list[tuple[int, int]]], NVMeStore] | None = None
         if nvme is not None and nvme.kinds:
-            layout = [(n, t) for _, n, t in slab_layout(self.blocks)]
-            min_window = nvme.min_window(layout)
-            if self.device.type == "cpu":
-                min_window += compute_window_bytes(layout, self.blocks, lookahead)
-            preflight_nvme(nvme.path, layout, nvme.host_memory_limit, min_window,
-                           pinned_bytes=nvme.pinned_bytes(layout) if pin_memory else 0)
-            self.budget = HostBudget(nvme.host_memory_limit)
-            heap.bound_heap()  # freed buffers leave the process (the budget counts only live ones)
-
-            factory = lambda layout: NVMeStore(  # noqa: E731 - called by build_store with the slab layout
-                nvme.path, layout, self.budget, io_threads=nvme.io_threads, io_block_size=nvme.io_block_size, read_ahead=nvme.read_ahead,
-                direct_io=nvme.direct_io, pin_memory=pin_memory, keep_files=nvme.keep_files)
+            self.budget, min_window, factory = nvme_window(self.blocks, nvme, self.device, lookahead, pin)
             if Region.master in nvme.kinds:
                 cpu_zero_copy = False  # compute buffers are copies, counted in the budget
-        self.store: HostStore = build_store(self.blocks, pin_memory=pin_memory and not (nvme and Region.master in nvme.kinds),
+        self.store: HostStore = build_store(self.blocks, pin_memory=pin is not False and not (nvme and Region.master in nvme.kinds),
                                             sources=sources, nvme_factory=factory,
                                             nvme_kinds=nvme.kinds if nvme is not None else ())
         if self.budget is not None:
@@ -144,8 +139,11 @@ class StreamingEngine:
         shared = SharedGradSums.for_blocks(self.blocks, enabled=Region.grad_accum not in self.store.nvme_kinds)
         self.grads = GradientSink(self.store, self.acct, self.transport, lambda: self.optimizer, shared,
                                   max_inflight=2, host_threads=host_threads)
+        nv = self.store.nvme
+        ring = StagingRing(lambda n: nv.alloc_staging(n, "the H2D staging ring"), nv.free_staging,
+                           self.transport.when_done) if self.store.masters_on_disk else None
         self.fetcher = WeightFetcher(self.blocks, self.store, self.transport, self.acct, lambda: self.optimizer,
-                                     self.device)
+                                     self.device, pin_memory=pin, ring=ring)
         nvme_on = self.store.nvme is not None
         self.prefetcher = Prefetcher(self.blocks, self.store, self.transport, self.acct, lambda blk: self.fetcher.fetch(blk),
                                      lookahead, lambda: self.optimizer,

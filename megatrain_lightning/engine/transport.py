@@ -15,7 +15,9 @@ The engine calls the same operations on every device:
   flight to the number of staging buffers);
 * :meth:`offload` / :meth:`restore`: saved activations to host memory and back;
 * :meth:`released` / :meth:`last_read_done`: bound how far the H2D worker runs ahead of the
-  compute stream, and make the optimizer wait for the last read of a master it writes.
+  compute stream, and make the optimizer wait for the last read of a master it writes;
+* :meth:`when_done` / :meth:`settle`: run a callback once a copy's event completed (the H2D worker
+  gives back a window buffer or a staging slot without waiting for the copy), wait for all of them.
 
 On CUDA the H2D and D2H copies run on their own streams from pinned memory, so
 they overlap kernels on the compute stream; on CPU the "device" buffer is a
@@ -27,13 +29,18 @@ instead of spinning on a core that the host AdamW and adds need.
 from __future__ import annotations
 
 import collections
+import logging
 import queue
 import time
+import threading
 from typing import Callable, Sequence
 
 import torch
 
+from ..store.pinned import host_buffer
 from .wire import WireLayout
+
+log = logging.getLogger(__name__)
 
 
 class GradCopy:
@@ -119,6 +126,13 @@ class CPUTransport:
         if event is not None:
             event.synchronize()  # type: ignore[attr-defined]
 
+    def when_done(self, event: object, fn: Callable[[], None]) -> None:
+        """Run ``fn`` now: a CPU copy is complete when :meth:`to_device` returns."""
+        fn()
+
+    def settle(self) -> None:
+        """Nothing pending on CPU."""
+
     def released(self) -> None:
         """A block's buffers were released by the compute thread (nothing to track on CPU)."""
 
@@ -163,8 +177,12 @@ class CUDATransport:
         self.d2h_stream = torch.cuda.Stream(device=device)
         self.n_staging = n_staging
         self._staging: "queue.Queue[torch.Tensor]" = queue.Queue()
+        # callbacks run once an H2D copy's event completed, in submission order (one stream: in order)
+        self._done: "queue.Queue[tuple[object, Callable[[], None]]]" = queue.Queue()
+        self._done_thread: threading.Thread | None = None
         for _ in range(n_staging):
-            self._staging.put(torch.empty(max(staging_numel, 1), dtype=torch.float32, pin_memory=True))
+            # exactly pinned (store/pinned.py): torch's caching host allocator would round it up to a power of two
+            self._staging.put(host_buffer(4 * max(staging_numel, 1), pin=True)[: 4 * max(staging_numel, 1)].view(torch.float32))
 
     def to_device(self, host: torch.Tensor, dtype: torch.dtype = torch.float32,
                   layout: WireLayout | None = None) -> tuple[torch.Tensor, object]:
@@ -186,6 +204,33 @@ class CUDATransport:
             ev = torch.cuda.Event(blocking=True)  # the host waits on it (last_read_done)
             ev.record(self.h2d_stream)
         return buf, ev
+
+    def when_done(self, event: object, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on a helper thread once ``event`` (an H2D copy's, from :meth:`to_device`) completed:
+        the H2D worker hands the release of the copy's source (a window buffer's hold, a staging slot)
+        to it and goes on with the next block's read, update and cast while the copy runs."""
+        if event is None:
+            fn()
+            return
+        if self._done_thread is None:
+            self._done_thread = threading.Thread(target=self._run_done, name="megatrain-h2d-done", daemon=True)
+            self._done_thread.start()
+        self._done.put((event, fn))
+
+    def _run_done(self) -> None:
+        while True:
+            event, fn = self._done.get()
+            try:
+                event.synchronize()  # type: ignore[attr-defined]
+                fn()
+            except Exception:  # noqa: BLE001 - a failed release must not stop the ones after it
+                log.exception("megatrain: releasing an H2D copy's source failed")
+            finally:
+                self._done.task_done()
+
+    def settle(self) -> None:
+        """Block until every :meth:`when_done` callback ran (before the window or the ring is torn down)."""
+        self._done.join()
 
     def ready(self, buf: torch.Tensor, event: object) -> None:
         """Compute stream waits for the copy; the allocator learns the buffer is used there."""

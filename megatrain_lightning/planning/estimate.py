@@ -196,7 +196,8 @@ def plan(model_cfg: Any, hw: Hardware | Mapping[str, Any], *, batch_size: int = 
         keep_checkpoints: directory checkpoints on disk at the peak of a save.
         cpu_zero_copy: without an accelerator and with fp32 compute, blocks bind the fp32 masters
             (``MegaTrainStrategy(cpu_zero_copy=True)``, its default): no weight copies, no H2D.
-        pinned_round: count torch's power-of-two rounding of pinned allocations (GPU presets).
+        pinned_round: count torch's power-of-two rounding of the offloaded block inputs' pinned
+            buffers (GPU presets; masters, wire images and staging are pinned exactly: ``store/pinned.py``).
             torch's caching host allocator (``ATen/core/CachingHostAllocator.h``) rounds every
             pinned allocation up to a power of two unless
             ``PYTORCH_CUDA_ALLOC_CONF=pinned_max_round_threshold_mb:<MB>`` (torch >= 2.9) says otherwise.

@@ -12,12 +12,14 @@ Memory tiers (docs/architecture.md, "Memory tiers"), N = unique parameters (tied
   under the mixed modes only weights autocast casts travel in bf16/fp16, 2 B, the others in
   fp32, 4 B, and a slab that is all fp32 streams its master and has no image; ``bf16-true``:
   2 B for every parameter); 2 pinned D2H staging buffers of the largest slab's gradients in
-  the gradient wire dtype (``CUDATransport``'s ``n_staging``); on a GPU, torch's caching host
-  allocator rounds each pinned allocation up to a power of two (one master and one wire image
-  per slab), listed as its own line; offloaded activations (:mod:`.activations`); a fixed 4 GiB
+  the gradient wire dtype (``CUDATransport``'s ``n_staging``); masters, wire images and staging
+  buffers are pinned at their exact size (``store/pinned.py``, 4 KiB pages); offloaded block inputs
+  are still pinned through torch's caching host allocator, which rounds each up to a power of
+  two (listed as its own line); offloaded activations (:mod:`.activations`); a fixed 4 GiB
   for the process (Python, CUDA host side, data loader) -- an assumption. A part moved to NVMe
   leaves a window of (lookahead + 2) blocks of it in RAM (read-ahead, the block in use,
-  write-behind); NVMe masters are cast to their wire image at each fetch (no image cached).
+  write-behind); NVMe masters are cast at each fetch into a ring of 2 pinned H2D staging slots of the largest
+  block's wire image (no image cached).
 * device: the largest block x (lookahead + 1) in the compute dtype (fp32 under the mixed
   modes: the wire image is upcast on the device, ``transport.to_device``) plus the wire image
   being decoded and, under autocast, its cache of the castable weights' bf16/fp16 casts (alive
@@ -162,7 +164,7 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     else:
         nvme["fp32 master weights"] = 4 * N
         host["master window"] = window * big * 4
-        host["wire image being cast"] = big_wire if wire < 4 else 0
+        host["pinned H2D staging ring x2 (wire images)"] = 2 * big_wire if wire < 4 else 0
     if s["offload_grads"] == "cpu":
         host["fp32 grad accumulators"] = 4 * N
     else:
@@ -175,9 +177,6 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
         host["AdamW moments window"] = window * big * 8
     if gpu:
         host[f"pinned D2H staging x{D2H_STAGING} (largest slab)"] = D2H_STAGING * staging * grad_b
-        if s["offload_params"] == "cpu" and s["pinned_round"]:
-            host["pinned pow2 rounding"] = sum(_pow2_waste(n * 4) + _pow2_waste(sh)
-                                               for n, sh in zip(c.stored, shadow_of))
         if act_host.get("offloaded block inputs") and s["pinned_round"]:  # one pinned tensor per saved input
             n_saved = math.ceil(L / K) + 1
             host["pinned pow2 rounding (offloaded inputs)"] = n_saved * _pow2_waste(act_host["offloaded block inputs"] // n_saved)

@@ -30,6 +30,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 
 from ..blocks import Block, ParamRef
+from .pinned import host_buffer
 from .regions import Region
 
 
@@ -314,7 +315,8 @@ def build_store(blocks: Sequence[Block], pin_memory: bool = False,
             slab = Slab(index=blk.index, entries=entries, master=None, trainable_numel=trainable_numel,  # type: ignore[arg-type]
                         total_numel=numel)
             if not on_disk:
-                slab.master = torch.empty(numel, dtype=torch.float32, pin_memory=pin_memory)
+                # pinned at its exact size (store/pinned.py), not rounded up to a power of two
+                slab.master = host_buffer(4 * numel, pin_memory)[: 4 * numel].view(torch.float32)
             store.slabs.append(slab)
             with store.hold(slab.index, [Region.master], write=True, fresh=[Region.master]) as t:
                 master = t[Region.master]

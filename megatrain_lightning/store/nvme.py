@@ -48,7 +48,8 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
-from .budget import HostBudget, fmt_bytes, parse_bytes
+from .budget import HostBudget, HostMemoryBudgetError, fmt_bytes, parse_bytes
+from .pinned import PinnedArena
 from .regions import Region
 
 log = logging.getLogger(__name__)
@@ -79,9 +80,10 @@ def store_bytes(layout: Sequence[tuple[int, int]]) -> int:
     return sum(align_up(4 * n) + 3 * align_up(4 * t) for n, t in layout)
 
 
-def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
-    """A uint8 host tensor of ``nbytes`` (a multiple of 4096) whose data starts at a 4 KiB boundary."""
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
+def aligned_empty(nbytes: int) -> torch.Tensor:
+    """A uint8 host tensor of ``nbytes`` (a multiple of 4096) whose data starts at a 4 KiB boundary
+    (pageable: the O_DIRECT probe; window buffers come from the store's :class:`PinnedArena`)."""
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
     off = (-raw.data_ptr()) % ALIGN
     return raw[off : off + nbytes]
 
@@ -249,16 +251,30 @@ class NVMeConfig:
             need += 4 * t  # exp_avg, exp_avg_sq, grad_accum of the update + the accumulator being filled
         return need + 2**16
 
-    def pinned_bytes(self, layout: Sequence[tuple[int, int]]) -> int:
-        """Page-locked bytes of a CUDA run: the host window (its buffers are pinned) + 2 D2H staging buffers."""
-        t = max((align_up(4 * t) for _, t in layout), default=0)
-        return self.host_memory_limit + 2 * t
+    def window_bytes(self, layout: Sequence[tuple[int, int]], reserved: int = 0, staging: int = 0) -> int:
+        """Capacity of the host window's arena (:class:`~megatrain_lightning.store.pinned.PinnedArena`):
+        ``host_memory_limit`` less ``reserved`` (buffers outside the arena counted in the limit: the D2H
+        staging buffers of a CUDA run, the compute buffers of a CPU one), and never more than every
+        on-disk region of the store plus ``staging`` (a window larger than that is never used).
+
+        Args:
+            layout: per slab, ``(numel, trainable numel)``.
+            reserved: bytes of the limit used outside the arena.
+            staging: bytes of the arena's buffers outside the cache at most (the engine's H2D staging ring)."""
+        regions = sum((align_up(4 * n) if Region.master in self.kinds else 0)
+                      + (3 * align_up(4 * t) if Region.grad_accum in self.kinds else 0) for n, t in layout)
+        return max(0, min(self.host_memory_limit - reserved, regions + staging))
+
+
+class _BackOff(Exception):
+    """No contiguous range can open while the caller keeps its own buffers pinned (see ``_pin_all``)."""
 
 
 class _Entry:
-    __slots__ = ("buf", "t", "nbytes", "pins", "dirty", "io", "io_kind", "last")
+    __slots__ = ("buf", "t", "nbytes", "pins", "dirty", "io", "io_kind", "last", "off")
 
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, off: int):
+        self.off = off  # byte offset of its buffer in the store's arena
         self.buf: torch.Tensor | None = None
         self.t: torch.Tensor | None = None
         self.nbytes = nbytes
@@ -303,25 +319,30 @@ class NVMeStore:
             of this size that run concurrently.
         read_ahead: most buffers being read ahead at once.
         direct_io: ``"auto"`` (``O_DIRECT`` if the filesystem takes it), ``True`` (required) or ``False``.
-        pin_memory: allocate window buffers page-locked (CUDA: H2D copies straight from them).
+        pin_memory: page-lock the window's arena (CUDA: H2D copies straight from it); ``None``: try, and
+            use pageable memory with a warning when pinning fails. Ignored when ``arena`` is given.
         keep_files: leave the files on disk at :meth:`close`.
+        arena: the memory window buffers are carved from (the engine makes it in its preflight);
+            default: one of ``min(budget.limit, every region's bytes)``.
+        place_timeout_s: seconds a buffer may wait for a contiguous free range of the arena.
 
     Raises:
         NVMeStoreLockedError: another live process holds the store directory.
         OSError: the directory cannot be created, or ``direct_io=True`` and ``O_DIRECT`` is refused.
         NVMeIOError: the files cannot be allocated (ENOSPC included).
+        HostPinningError: ``pin_memory=True`` and the arena could not be page-locked.
     """
 
     def __init__(self, nvme_path: str | os.PathLike, layout: Sequence[tuple[int, int]], budget: HostBudget, *,
-                 io_threads: int = 4, io_block_size: int = IO_BLOCK_SIZE, read_ahead: int = 4, direct_io: bool | str = "auto", pin_memory: bool = False,
-                 keep_files: bool = False):
+                 io_threads: int = 4, io_block_size: int = IO_BLOCK_SIZE, read_ahead: int = 4, direct_io: bool | str = "auto",
+                 pin_memory: bool | None = False, keep_files: bool = False, arena: PinnedArena | None = None,
+                 place_timeout_s: float = 300.0):
         self.dir = Path(nvme_path) / STORE_DIR
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock_fd = self._lock()
         self.layout = list(layout)
         self.budget = budget
         self.cond = budget.cond
-        self.pin = pin_memory
         self.keep_files = keep_files
         self.read_ahead_max = read_ahead
         self.meter = IOMeter()
@@ -346,6 +367,12 @@ class NVMeStore:
             self._nbytes.append(sizes)
             self._numel.append({"master": n, Region.exp_avg: t, Region.exp_avg_sq: t, Region.grad_accum: t})
         self.valid: list[dict[str, bool]] = [{k: False for k in KINDS} for _ in self.layout]
+        if arena is None:
+            every = sum(sum(d.values()) for d in self._nbytes)
+            arena = PinnedArena(max(ALIGN, min(budget.limit, every)), pin=pin_memory)
+        self.arena = arena
+        self._at: dict[int, tuple[int, str]] = {}  # arena offset -> the entry whose buffer starts there
+        self._place_timeout_s = place_timeout_s
         self.entries: dict[tuple[int, str], _Entry] = {}
         self._clock = itertools.count()
         self._protected: dict[tuple[int, str], int] = {}  # buffers the schedule wants -> rank (0: needed next)
@@ -484,16 +511,84 @@ class NVMeStore:
         for _, _, _, k in cands:
             if freed >= missing:
                 break
-            e = self.entries.pop(k)
-            e.buf = e.t = None
-            freed += e.nbytes
-            self.budget.release(e.nbytes)
+            freed += self._free(self.entries.pop(k))
         return freed > 0
+
+    def _free(self, e: _Entry) -> int:
+        """Give an entry's buffer back to the arena and its bytes to the budget (under ``cond``); returns them."""
+        e.buf = e.t = None
+        self._at.pop(e.off, None)
+        self.arena.free(e.off)
+        self.budget.release(e.nbytes)
+        return e.nbytes
+
+    def _evict_cost(self, off: int) -> float | None:
+        """Cost of evicting the buffer at arena offset ``off`` to open a contiguous range (``None``: it
+        cannot go now: in use, dirty, in I/O, or not a window buffer): its bytes, x1000 if the schedule wants it."""
+        key = self._at.get(off)
+        e = self.entries.get(key) if key is not None else None
+        if e is None or e.pins or e.dirty or e.io is not None:
+            return None
+        return e.nbytes * (1000.0 if key in self._protected else 1.0)
+
+    def _place(self, n: int, what: str, back_off: bool = False) -> int:
+        """Arena offset for a buffer of ``n`` bytes already reserved in the budget (under ``cond``).
+
+        The budget bounds bytes; the arena also needs them contiguous. When no free range fits,
+        the cheapest set of evictable neighbours is evicted (:meth:`PinnedArena.eviction_plan`),
+        else this waits for buffers in use or in I/O to be released (with ``back_off``, raises
+        :class:`_BackOff` instead: the caller lets its own pinned buffers go and retries).
+
+        Raises:
+            HostMemoryBudgetError: no contiguous range opened for ``place_timeout_s`` seconds."""
+        deadline = time.monotonic() + self._place_timeout_s
+        while True:
+            self.raise_error()
+            off = self.arena.alloc(n)
+            if off is not None:
+                return off
+            plan = self.arena.eviction_plan(n, self._evict_cost)
+            if plan:
+                for o in plan:
+                    self._free(self.entries.pop(self._at[o]))
+                continue
+            if back_off:
+                raise _BackOff
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise HostMemoryBudgetError(
+                    f"megatrain: waited {self._place_timeout_s:.0f} s for a contiguous {fmt_bytes(n)} of the host window "
+                    f"({fmt_bytes(self.arena.capacity)}, {fmt_bytes(self.arena.used)} in use, fragmented by buffers in "
+                    f"use) for {what}. Raise host_memory_limit or lower lookahead.")
+            self.cond.wait(min(left, 0.5))
+
+    def alloc_staging(self, nbytes: int, what: str) -> tuple[int, torch.Tensor]:
+        """A buffer of ``nbytes`` in the window's arena outside the cache (the engine's H2D staging ring),
+        reserved in the budget until :meth:`free_staging`; returns ``(offset, uint8 tensor [nbytes])``.
+
+        Raises:
+            HostMemoryBudgetError: it does not fit (see :meth:`reserve`, :meth:`_place`)."""
+        n = align_up(nbytes)
+        with self.cond:
+            self.budget.reserve(n, self._make_room, what=what)
+            try:
+                off = self._place(n, what)
+            except BaseException:
+                self.budget.release(n)
+                raise
+        return off, self.arena.view(off, nbytes)
+
+    def free_staging(self, off: int, nbytes: int) -> None:
+        """Return a buffer of :meth:`alloc_staging`."""
+        with self.cond:
+            self.arena.free(off)
+            self.budget.release(align_up(nbytes))
+            self.cond.notify_all()
 
     def _start_read(self, i: int, kind: str, e: _Entry, fresh: bool) -> None:
         """Allocate and fill ``e`` (caller reserved its bytes and set ``e.io``)."""
         try:
-            buf = aligned_empty(e.nbytes, self.pin)
+            buf = self.arena.view(e.off, e.nbytes)
             if self.valid[i][kind] and not fresh:
                 self._transfer("read", i, kind, buf)
             elif not fresh:
@@ -506,11 +601,11 @@ class NVMeStore:
         except BaseException as err:
             with self.cond:
                 self.entries.pop((i, kind), None)
-                self.budget.release(e.nbytes)
+                self._free(e)
                 fut, e.io = e.io, None
             fut.set_exception(err)  # type: ignore[union-attr]
 
-    def _pin(self, i: int, kind: str, write: bool, fresh: bool) -> torch.Tensor:
+    def _pin(self, i: int, kind: str, write: bool, fresh: bool, back_off: bool = False) -> torch.Tensor:
         key = (i, kind)
         while True:
             with self.cond:
@@ -519,10 +614,17 @@ class NVMeStore:
                 if e is None:
                     n = self._nbytes[i][kind]
                     self.budget.reserve(n, self._make_room, what=f"{kind} of block {i}")
+                    try:
+                        off = self._place(n, f"{kind} of block {i}", back_off)
+                    except BaseException:
+                        self.budget.release(n)
+                        raise
                     if key in self.entries:  # loaded by another thread while we waited
+                        self.arena.free(off)
                         self.budget.release(n)
                         continue
-                    e = self.entries[key] = _Entry(n)
+                    e = self.entries[key] = _Entry(n, off)
+                    self._at[off] = key
                     e.io, e.io_kind, e.pins, e.last = Future(), "read", 1, next(self._clock)
                     load = True
                 else:
@@ -588,15 +690,37 @@ class NVMeStore:
             NVMeIOError: a read failed now, or an earlier write-behind failed.
             HostMemoryBudgetError: the buffers never fit in ``host_memory_limit``.
         """
-        fresh = set(fresh)
-        got: dict[str, torch.Tensor] = {}
+        got = self._pin_all(i, tuple(kinds), write, set(fresh))
         try:
-            for k in kinds:
-                got[k] = self._pin(i, k, write, k in fresh)
             yield got
         finally:
             for k in got:
                 self._unpin(i, k, write)
+
+    def _pin_all(self, i: int, kinds: tuple[str, ...], write: bool, fresh: set[str]) -> dict[str, torch.Tensor]:
+        """Pin ``kinds`` of block ``i``. When a later one finds no contiguous range that evictions could
+        open (the ones already pinned split the arena), the ones already pinned are let go (nothing was
+        written yet), taken out of the window, and all are placed again."""
+        deadline = time.monotonic() + self._place_timeout_s
+        while True:
+            got: dict[str, torch.Tensor] = {}
+            try:
+                for k in kinds:
+                    got[k] = self._pin(i, k, write, k in fresh, back_off=bool(got) and time.monotonic() < deadline)
+                return got
+            except _BackOff:
+                for k in got:
+                    self._unpin(i, k, False)
+                with self.cond:  # out of the window, so the retry places them anew
+                    for k in got:
+                        e = self.entries.get((i, k))
+                        if e is not None and e.pins == 0 and not e.dirty and e.io is None:
+                            self._free(self.entries.pop((i, k)))
+                    self.cond.wait(0.05)
+            except BaseException:
+                for k in got:
+                    self._unpin(i, k, False)
+                raise
 
     def discard(self, i: int, kind: str) -> None:
         """Forget block ``i``'s ``kind`` buffer without writing it (a consumed gradient accumulator)."""
@@ -604,8 +728,7 @@ class NVMeStore:
             e = self.entries.get((i, kind))
             if e is not None and e.pins == 0 and e.io is None:
                 del self.entries[(i, kind)]
-                e.buf = e.t = None
-                self.budget.release(e.nbytes)
+                self._free(e)
                 self.cond.notify_all()
             elif e is not None and e.io is None:
                 e.dirty = False
@@ -632,7 +755,12 @@ class NVMeStore:
                     self._make_room(n - self.budget.free, protect_all=True)
                 if not self.budget.try_reserve(n):
                     break
-                e = self.entries[key] = _Entry(n)
+                off = self.arena.alloc(n)  # read-ahead never evicts for contiguity
+                if off is None:
+                    self.budget.release(n)
+                    break
+                e = self.entries[key] = _Entry(n, off)
+                self._at[off] = key
                 e.io, e.io_kind, e.last = Future(), "read", next(self._clock)
                 self._io.submit(self._start_read, i, kind, e, False)
                 inflight += 1
@@ -649,9 +777,7 @@ class NVMeStore:
         self.wait_io()
         with self.cond:
             for key in [k for k, e in self.entries.items() if e.pins == 0 and not e.dirty and e.io is None]:
-                e = self.entries.pop(key)
-                e.buf = e.t = None
-                self.budget.release(e.nbytes)
+                self._free(self.entries.pop(key))
             self.cond.notify_all()
 
     def resident_bytes(self) -> int:
@@ -667,10 +793,11 @@ class NVMeStore:
         self._io.shutdown(wait=True)
         self._req.shutdown(wait=True)
         with self.cond:
-            for e in self.entries.values():
-                self.budget.release(e.nbytes)
+            for e in list(self.entries.values()):
+                self._free(e)
             self.entries.clear()
             self.cond.notify_all()
+        self.arena.close()
         for fd in self._fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -695,7 +822,7 @@ class NVMeStore:
 
 
 def preflight_nvme(nvme_path: str | os.PathLike, layout: Sequence[tuple[int, int]], host_memory_limit: int,
-                   min_window: int, pinned_bytes: int = 0) -> dict[str, int]:
+                   min_window: int) -> dict[str, int]:
     """Check, before any allocation, that the NVMe tier can run.
 
     Args:
@@ -703,15 +830,17 @@ def preflight_nvme(nvme_path: str | os.PathLike, layout: Sequence[tuple[int, int
         layout: ``[(slab numel, trainable numel)]`` per block.
         host_memory_limit: bytes.
         min_window: bytes the host window needs at least (blocks in flight, see the strategy).
-        pinned_bytes: page-locked bytes the run needs (CUDA), checked against ``ulimit -l``.
 
     Returns:
         ``{"disk_needed": ..., "disk_free": ..., "min_window": ...}`` (bytes).
 
     Raises:
         ValueError: with the numbers and what to change, when the path is missing or not a writable
-            directory, the disk is too small, the budget is below ``min_window``, or the
-            locked-memory limit is below ``pinned_bytes``.
+            directory, the disk is too small, or the budget is below ``min_window``.
+
+    Whether the window can be page-locked is checked by pinning it (the engine makes the window's
+    :class:`~megatrain_lightning.store.pinned.PinnedArena` right after this): CUDA's pinned memory is
+    not limited by ``ulimit -l``, so that limit is not read.
     """
     p = Path(nvme_path)
     if not p.exists():
@@ -737,14 +866,4 @@ def preflight_nvme(nvme_path: str | os.PathLike, layout: Sequence[tuple[int, int
             "gradients and AdamW states, and its compute buffers). Raise host_memory_limit to at least "
             f"{min_window} bytes (2x that lets read-ahead work), or lower lookahead."
         )
-    if pinned_bytes:
-        import resource
-
-        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-        if soft != resource.RLIM_INFINITY and soft < pinned_bytes:
-            raise ValueError(
-                f"The locked-memory limit (ulimit -l) is {fmt_bytes(soft)}, below the {fmt_bytes(pinned_bytes)} of pinned "
-                "staging buffers this run needs. Raise it (ulimit -l unlimited, or memlock in "
-                "/etc/security/limits.conf), or pass pin_memory=False (slower H2D copies)."
-            )
     return {"disk_needed": need, "disk_free": free, "min_window": min_window}

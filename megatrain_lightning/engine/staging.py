@@ -1,0 +1,117 @@
+"""The H2D staging ring: wire images of on-disk masters, cast on the H2D worker, copied from pinned memory.
+
+With masters on NVMe there is no resident wire image (it would be resident for every block); the
+H2D worker casts the window's fp32 master into a staging slot at each fetch and the device copy
+reads the slot (docs/architecture.md, "NVMe tier", "Masters to the device"). A slot is a buffer of
+the window's pinned arena (so it is counted in ``host_memory_limit`` and the copy runs at pinned
+speed); it goes back when the copy's event completes, not when the worker issues the copy, so the
+worker casts the next block while this one is on the link. At most ``slots`` (default 2) are in
+flight: the cast of block k+2 waits for the copy of block k.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .wire import WireLayout
+
+RING_SLOTS = 2  # casts in flight: one being copied while the next is cast (double buffering)
+_RUN_PAD = 16  # bytes: a wire image pads each run to this (wire.py's _ALIGN)
+
+
+def ring_bytes_bound(slabs: list[tuple[int, int]], slots: int = RING_SLOTS) -> int:
+    """Most bytes the ring holds at once: ``slots`` images of the largest slab at 4 bytes per element
+    plus a run's padding per entry (a mixed image is never larger).
+
+    Args:
+        slabs: per slab, ``(numel, number of entries)``."""
+    page = 4096
+    one = max(((4 * n + _RUN_PAD * k + page - 1) // page * page for n, k in slabs), default=0)
+    return slots * one
+
+
+@dataclass
+class Slot:
+    """One staging buffer in flight: ``raw`` is its uint8 memory ``[nbytes]``; ``key`` what gives it back."""
+
+    key: object
+    raw: torch.Tensor
+    nbytes: int
+    seq: int
+
+    def image(self, layout: WireLayout) -> torch.Tensor:
+        """The slot as ``layout``'s host image: ``[numel]`` of the wire dtype (uniform), else ``[nbytes]`` uint8."""
+        raw = self.raw[: layout.nbytes]
+        return raw.view(layout.dtype) if layout.dtype is not None else raw
+
+
+class StagingRing:
+    """At most ``slots`` staging buffers in flight, each given back once its copy's event completed.
+
+    Args:
+        alloc: ``nbytes -> (key, uint8 tensor [nbytes])``: a buffer counted in the host budget
+            (``NVMeStore.alloc_staging``); may wait for room.
+        free: ``(key, nbytes) -> None``: gives it back (``NVMeStore.free_staging``).
+        when_done: ``(event, fn) -> None``: runs ``fn`` once ``event`` completed (the transport's
+            :meth:`when_done`; on CPU at once).
+        slots: buffers in flight at most.
+
+    Attributes:
+        acquired / released: slots handed out / given back, in order (their ``seq``), for tests and stats.
+        peak_inflight: most slots in flight at once.
+    """
+
+    def __init__(self, alloc: Callable[[int], tuple[object, torch.Tensor]], free: Callable[[object, int], None],
+                 when_done: Callable[[object, Callable[[], None]], None], slots: int = RING_SLOTS):
+        if slots < 1:
+            raise ValueError(f"a staging ring needs at least 1 slot, got {slots}.")
+        self._alloc, self._free, self._when_done = alloc, free, when_done
+        self.slots = slots
+        self._cond = threading.Condition()
+        self._inflight = 0
+        self._seq = 0
+        self.acquired: list[int] = []
+        self.released: list[int] = []
+        self.peak_inflight = 0
+
+    def acquire(self, nbytes: int) -> Slot:
+        """A staging buffer of ``nbytes``; waits while ``slots`` are in flight (their copies still run)."""
+        with self._cond:
+            while self._inflight >= self.slots:
+                self._cond.wait()
+            self._inflight += 1
+            self.peak_inflight = max(self.peak_inflight, self._inflight)
+            seq = self._seq
+            self._seq += 1
+        try:
+            key, raw = self._alloc(nbytes)
+        except BaseException:
+            self._done()
+            raise
+        with self._cond:
+            self.acquired.append(seq)
+        return Slot(key, raw, nbytes, seq)
+
+    def release_after(self, slot: Slot, event: object) -> None:
+        """Give ``slot`` back once ``event`` completed (``None``: now)."""
+        def give_back() -> None:
+            self._free(slot.key, slot.nbytes)
+            with self._cond:
+                self.released.append(slot.seq)
+            self._done()
+
+        self._when_done(event, give_back)
+
+    def _done(self) -> None:
+        with self._cond:
+            self._inflight -= 1
+            self._cond.notify_all()
+
+    @property
+    def inflight(self) -> int:
+        with self._cond:
+            return self._inflight

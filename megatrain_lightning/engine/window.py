@@ -1,0 +1,77 @@
+"""The NVMe tier's host window for an engine: its minimum size, preflight, budget and pinned arena.
+
+Everything the tier holds in host memory is counted in one :class:`HostBudget` of
+``host_memory_limit`` bytes (docs/architecture.md, "NVMe tier"): the window's buffers and the H2D
+staging ring (carved from one :class:`PinnedArena`), the D2H staging buffers on CUDA, and on a CPU
+device the engine's compute buffers. The arena is pinned here, before any weight is read, which is
+also the check that pinning works (``ulimit -l`` does not limit CUDA's pinned memory).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from ..blocks import Block
+from ..store import heap
+from ..store.budget import HostBudget
+from ..store.host import slab_layout
+from ..store.nvme import NVMeConfig, NVMeStore, preflight_nvme
+from ..store.pinned import PinnedArena, page_up
+from ..store.regions import Region
+from .accounting import compute_window_bytes
+from .staging import RING_SLOTS, ring_bytes_bound
+
+
+def d2h_staging_bytes(layout: Sequence[tuple[int, int]], device: torch.device) -> int:
+    """Pinned bytes of the CUDA transport's 2 D2H staging buffers (fp32, the largest trainable slab each);
+    0 on CPU. ``layout``: per slab, ``(numel, trainable numel)``."""
+    return 2 * page_up(4 * max((t for _, t in layout), default=0)) if device.type == "cuda" else 0
+
+
+def nvme_window(blocks: Sequence[Block], nvme: NVMeConfig, device: torch.device, lookahead: int,
+                pin: bool | None) -> tuple[HostBudget, int, Callable[[list[tuple[int, int]]], NVMeStore]]:
+    """Check the NVMe tier can run, then make its budget and pinned arena.
+
+    Args:
+        blocks: the model's blocks (slab layout, containers' own parameters).
+        nvme: the tier's settings.
+        device: the compute device (on CPU the compute buffers share the budget).
+        lookahead: blocks prefetched ahead (compute buffers in flight).
+        pin: ``pin_memory`` as the engine resolved it (``None``: try, fall back with a warning).
+
+    Returns:
+        ``(budget, min_window bytes, layout -> NVMeStore factory for build_store)``.
+
+    Raises:
+        ValueError: preflight refused the run (:func:`preflight_nvme`: disk, path, ``host_memory_limit``
+            below the minimum window, which includes the D2H staging and the H2D ring on CUDA).
+        HostPinningError: ``pin is True`` and the arena could not be page-locked.
+    """
+    slabs = slab_layout(blocks)
+    layout = [(n, t) for _, n, t in slabs]
+    staging = d2h_staging_bytes(layout, device)
+    cpu = device.type == "cpu"
+    # outside the arena: on CPU the compute buffers (compute_window_bytes, less its wire image: that is a
+    # slot of the staging ring, in the arena), on CUDA the D2H staging buffers
+    image = max((page_up(4 * n) for n, _ in layout), default=0)
+    outside = compute_window_bytes(layout, blocks, lookahead) - image if cpu else staging
+    min_window = nvme.min_window(layout) + outside
+    ring = ring_bytes_bound([(n, len(e)) for e, n, _ in slabs]) if Region.master in nvme.kinds else 0
+    if ring:  # wire images in flight: a CPU copy gives its slot back at once
+        min_window += ring // RING_SLOTS if cpu else ring
+    elif cpu:
+        min_window += image
+    preflight_nvme(nvme.path, layout, nvme.host_memory_limit, min_window)
+    budget = HostBudget(nvme.host_memory_limit)
+    budget.reserve(staging, what="D2H staging buffers")
+    heap.bound_heap()  # freed buffers leave the process (the budget counts only live ones)
+    # what the process holds for the tier, arena + what is outside it, is then at most host_memory_limit
+    arena = PinnedArena(nvme.window_bytes(layout, reserved=outside, staging=ring), pin=pin)
+
+    def factory(layout: list[tuple[int, int]]) -> NVMeStore:
+        return NVMeStore(nvme.path, layout, budget, io_threads=nvme.io_threads, io_block_size=nvme.io_block_size,
+                         read_ahead=nvme.read_ahead, direct_io=nvme.direct_io, keep_files=nvme.keep_files, arena=arena)
+
+    return budget, min_window, factory

@@ -1,0 +1,238 @@
+"""Page-locked (pinned) host memory whose size is exactly what was asked for, and an arena over it.
+
+Why not ``torch.empty(..., pin_memory=True)``: PyTorch's caching host allocator rounds every
+pinned allocation up to a power of two and keeps freed blocks cached per size class, so a
+2.10 GB region pins 4 GiB and a freed buffer stays pinned (docs/architecture.md, "NVMe tier",
+"Pinned memory"). Here memory is an anonymous ``mmap`` of exactly the bytes wanted (rounded to
+the 4 KiB page; page aligned, so ``O_DIRECT`` can use it) that is registered with the CUDA
+driver (``cudaHostRegister``) on CUDA runs and unregistered when its last tensor view dies.
+
+:class:`PinnedArena` is one such allocation carved into 4 KiB-aligned sub-buffers (best fit,
+coalescing free ranges): the NVMe window and the H2D staging ring live in it, so the bytes
+pinned are the arena's capacity, fixed at start, whatever the window does afterwards.
+
+Memory pinned through the CUDA driver is not limited by ``RLIMIT_MEMLOCK`` (``ulimit -l``):
+whether pinning works is found out by pinning (:func:`host_buffer` raises
+:class:`HostPinningError`), never by reading that limit.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import ctypes
+import logging
+import mmap
+import threading
+from typing import Callable
+
+import torch
+
+from .budget import fmt_bytes
+
+log = logging.getLogger(__name__)
+
+PAGE = 4096  # bytes: alignment of every buffer and sub-buffer (O_DIRECT, page size)
+_CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
+
+
+class HostPinningError(RuntimeError):
+    """Page-locking host memory failed (not enough free RAM to lock, or the container forbids it)."""
+
+
+def page_up(n: int) -> int:
+    """``n`` bytes rounded up to a multiple of :data:`PAGE`."""
+    return (int(n) + PAGE - 1) // PAGE * PAGE
+
+
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a failed registration (else the next kernel launch
+    check of PyTorch would report it); best effort through the loaded libcudart."""
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(name).cudaGetLastError()
+            return
+
+
+def cuda_register(ptr: int, nbytes: int) -> None:
+    """Page-lock ``nbytes`` at ``ptr`` through the CUDA driver (``cudaHostRegister``, portable).
+
+    Raises:
+        HostPinningError: the driver refused (the CUDA error's text is in the message)."""
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE)
+    if int(err) != 0:
+        _clear_cuda_error()
+        raise HostPinningError(str(cudart.cudaGetErrorString(err)))
+
+
+def cuda_unregister(ptr: int) -> None:
+    """Undo :func:`cuda_register` (errors ignored: this runs while memory is being freed)."""
+    with contextlib.suppress(Exception):
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+# module-level so tests can replace them (CPU builds of torch cannot pin)
+REGISTER: Callable[[int, int], None] = cuda_register
+UNREGISTER: Callable[[int], None] = cuda_unregister
+
+
+class _Mapping(mmap.mmap):
+    """An anonymous mapping that unregisters its pages before they are unmapped (the last tensor
+    view of it holds the buffer export, so this runs only after every view is gone)."""
+
+    pinned_ptr: int | None = None
+    unregister: Callable[[int], None] | None = None
+
+    def __del__(self) -> None:
+        if self.pinned_ptr is not None and self.unregister is not None:
+            self.unregister(self.pinned_ptr)
+            self.pinned_ptr = None
+
+
+def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+    """A uint8 host tensor of ``page_up(nbytes)`` bytes starting at a page boundary, page-locked
+    exactly (no rounding, no cache) when ``pin``; its memory returns to the system when the last
+    view of it is freed.
+
+    Raises:
+        HostPinningError: ``pin`` and the driver refused to lock the memory; the message names
+            the bytes, host memory, ``host_memory_limit`` and ``pin_memory``."""
+    n = max(page_up(nbytes), PAGE)
+    m = _Mapping(-1, n)
+    t = torch.frombuffer(m, dtype=torch.uint8)
+    if pin:
+        try:
+            REGISTER(t.data_ptr(), n)
+        except Exception as err:
+            raise HostPinningError(
+                f"megatrain: page-locking {fmt_bytes(n)} of host memory (pinned memory for the NVMe window and "
+                f"H2D/D2H staging) failed: {err}. The machine or container may not have that much free RAM to "
+                "lock. Lower host_memory_limit, free host memory, or pass pin_memory=False (pageable host memory: "
+                "H2D copies run synchronously, at pageable speed). ulimit -l does not apply to CUDA's pinned memory."
+            ) from err
+        m.pinned_ptr, m.unregister = t.data_ptr(), UNREGISTER
+    return t
+
+
+def try_host_buffer(nbytes: int, pin: bool | None, what: str) -> tuple[torch.Tensor, bool]:
+    """:func:`host_buffer` with the ``pin_memory`` option's rule: ``True`` pins or raises,
+    ``False`` never pins, ``None`` (the default on CUDA) pins and falls back to pageable memory with
+    a logged warning when pinning fails. Returns ``(buffer, pinned)``.
+
+    Raises:
+        HostPinningError: ``pin is True`` and pinning failed."""
+    if pin is False:
+        return host_buffer(nbytes, False), False
+    try:
+        return host_buffer(nbytes, True), True
+    except HostPinningError as err:
+        if pin is True:
+            raise
+        log.warning("%s Using pageable memory for %s instead (pin_memory=None: pinning is tried, not required).",
+                    err, what)
+        return host_buffer(nbytes, False), False
+
+
+class PinnedArena:
+    """One host allocation of ``capacity`` bytes (pinned on CUDA) handing out page-aligned sub-buffers.
+
+    Best fit over the free ranges; a freed sub-buffer merges with free neighbours. Not thread-safe
+    by itself: callers serialise (the NVMe store calls it under its condition's lock).
+
+    Args:
+        capacity: bytes (rounded up to :data:`PAGE`).
+        pin: ``True`` / ``False`` / ``None`` as in :func:`try_host_buffer`.
+
+    Attributes:
+        capacity: bytes of the allocation (what the process holds for the arena, pinned or not).
+        pinned: whether it is page-locked.
+        used / peak: bytes of live sub-buffers now / at most (page-rounded sizes).
+
+    Raises:
+        HostPinningError: ``pin is True`` and pinning failed.
+    """
+
+    def __init__(self, capacity: int, pin: bool | None = False):
+        self.capacity = page_up(capacity)
+        self.buf, self.pinned = try_host_buffer(self.capacity, pin, "the NVMe window")
+        self.capacity = self.buf.numel()
+        self._starts: list[int] = []  # sorted offsets of live sub-buffers
+        self._size: dict[int, int] = {}  # offset -> bytes
+        self.used = 0
+        self.peak = 0
+        self._lock = threading.Lock()
+
+    def holes(self) -> list[tuple[int, int]]:
+        """Free ranges ``(offset, bytes)`` in address order."""
+        out, pos = [], 0
+        for s in self._starts:
+            if s > pos:
+                out.append((pos, s - pos))
+            pos = s + self._size[s]
+        if pos < self.capacity:
+            out.append((pos, self.capacity - pos))
+        return out
+
+    def alloc(self, nbytes: int) -> int | None:
+        """Offset of a new sub-buffer of ``page_up(nbytes)`` bytes (the smallest free range that fits),
+        or ``None`` when no free range is large enough (fragmented or full)."""
+        n = page_up(nbytes)
+        with self._lock:
+            fits = [(size, off) for off, size in self.holes() if size >= n]
+            if not fits:
+                return None
+            _, off = min(fits)
+            bisect.insort(self._starts, off)
+            self._size[off] = n
+            self.used += n
+            self.peak = max(self.peak, self.used)
+            return off
+
+    def free(self, off: int) -> None:
+        """Return the sub-buffer at ``off`` (its neighbours' free ranges merge with it)."""
+        with self._lock:
+            n = self._size.pop(off)
+            self._starts.pop(bisect.bisect_left(self._starts, off))
+            self.used -= n
+
+    def view(self, off: int, nbytes: int) -> torch.Tensor:
+        """The uint8 tensor ``[nbytes]`` of the sub-buffer at ``off``."""
+        return self.buf[off : off + nbytes]
+
+    def eviction_plan(self, nbytes: int, cost: Callable[[int], float | None]) -> list[int] | None:
+        """The cheapest set of live sub-buffers (offsets) whose freeing leaves a contiguous free range
+        of ``page_up(nbytes)`` bytes, or ``None`` when none does.
+
+        Args:
+            cost: sub-buffer offset -> cost of freeing it, ``None`` if it cannot be freed now.
+
+        A sliding window over the address-ordered sub-buffers: the free ranges between them count
+        nothing, a sub-buffer counts its cost; windows that contain one that cannot be freed are skipped.
+        """
+        n = page_up(nbytes)
+        with self._lock:
+            starts = list(self._starts)
+            sizes = dict(self._size)
+        best: tuple[float, list[int]] | None = None
+        costs = [cost(s) for s in starts]
+        # candidate windows begin at 0 or right after a sub-buffer that stays, and grow over the following ones
+        begins = [(0, 0)] + [(s + sizes[s], k + 1) for k, s in enumerate(starts)]
+        for lo, k0 in begins:
+            total, chosen, k = 0.0, [], k0
+            while True:
+                end = starts[k] if k < len(starts) else self.capacity
+                if end - lo >= n:
+                    if best is None or total < best[0]:
+                        best = (total, list(chosen))
+                    break
+                if k >= len(starts) or costs[k] is None:
+                    break
+                total += costs[k]  # type: ignore[operator]
+                chosen.append(starts[k])
+                k += 1
+        return best[1] if best is not None else None
+
+    def close(self) -> None:
+        """Drop the arena's own reference (the memory goes, and is unpinned, with the last view)."""
+        self.buf = torch.empty(0, dtype=torch.uint8)
