@@ -34,6 +34,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from .checkpoint.hf_io import weight_sources
 from .checkpoint.directory import load_checkpoint_dir, load_optimizer_dir, save_checkpoint_dir
+from .engine.chunked_loss import check_chunk_size
 from .engine.recompute import deprecated_recompute_every
 from .engine.streaming import StreamingEngine
 from .optim.host_adamw import UnsupportedOptimizerError, validate_optimizer
@@ -57,7 +58,17 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             Default 1: every block input is kept (see docs/architecture.md for the measurement).
         checkpoint_every: the former name of ``recompute_every`` (it collided with Lightning's model
             checkpoints); still accepted for one release, with a ``DeprecationWarning``.
-        offload_activations: keep saved block inputs in host memory (device footprint flat in depth).
+        offload_activations: keep saved block inputs in host memory (device footprint flat in depth);
+            in backward each block call's inputs are copied back one call ahead (prefetched).
+        loss_chunk_size: tokens per chunk of the chunked LM head + cross-entropy in training calls
+            ``model(input_ids=..., labels=...)`` of a Hugging Face causal LM: the full logits are never
+            materialised, each chunk's are recomputed in backward; the loss equals the full computation's up
+            to the order of the sum over tokens. ``"auto"`` (default): 256 MiB of fp32 logits per chunk
+            (523 tokens of a 128,256-token vocabulary); calls with at most that many tokens, without labels or
+            under ``no_grad`` (validation, predict, generation) compute real logits as usual. ``None``: off.
+            See README, "Long sequences".
+        mlp_chunk_size: tokens per chunk of each block's MLP (forward and recompute; each chunk
+            checkpointed, so backward holds one chunk's MLP intermediates). ``None`` (default): off.
         overlap_optimizer: apply each block's AdamW update just before its next prefetch (default)
             instead of all at once in ``optimizer.step()``. Both give identical results.
         block_classes: class names/classes of the repeated blocks; default: every Hugging Face
@@ -102,6 +113,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
 
     Raises:
         MisconfigurationException: more than one device.
+        ValueError: ``loss_chunk_size`` / ``mlp_chunk_size`` not a positive int (or ``"auto"`` / ``None``).
         UnsupportedOptimizerError: ``configure_optimizers`` returned anything but one AdamW/Adam.
         BlockDiscoveryError: the model has no discoverable blocks.
     """
@@ -134,6 +146,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         direct_io: bool | str = "auto",
         keep_nvme_files: bool = False,
         optimizer_in_backward: bool | None = None,
+        loss_chunk_size: int | str | None = "auto",
+        mlp_chunk_size: int | None = None,
     ) -> None:
         self._parallel_devices: list[torch.device] | None = None
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
@@ -151,6 +165,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             host_memory_limit=host_memory_limit, io_threads=nvme_io_threads, io_block_size=nvme_io_block_size,
             read_ahead=nvme_read_ahead, direct_io=direct_io, keep_files=keep_nvme_files)
         self.optimizer_in_backward = optimizer_in_backward
+        self.loss_chunk_size = check_chunk_size("loss_chunk_size", loss_chunk_size, allow_auto=True)
+        self.mlp_chunk_size = check_chunk_size("mlp_chunk_size", mlp_chunk_size, allow_auto=False)
         self.engine: StreamingEngine | None = None
         self._orig_zero_grad: tuple[Any, Any] | None = None
 
@@ -219,6 +235,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
                 lookahead=self.lookahead,
                 recompute_every=self.recompute_every,
                 offload_activations=self.offload_activations,
+                loss_chunk_size=self.loss_chunk_size,
+                mlp_chunk_size=self.mlp_chunk_size,
                 block_classes=self.block_classes,
                 block_names=self.block_names,
                 pin_memory=self.pin_memory,

@@ -11,7 +11,8 @@ optimizer step. The parts, each owning its state (docs/architecture.md, "Engine 
 * ``grads.py``: parameter gradients to the fp32 host accumulators (D2H), the update-in-backward plan;
 * ``params.py``: direct reads and writes of parameters' masters;
 * ``shared_grads.py``: per-backward sums of tied parameters' gradients;
-* ``kv_cache.py``: training forwards never write a KV cache.
+* ``kv_cache.py``: training forwards never write a KV cache;
+* ``long_sequences.py``: LM head + loss and MLP over chunks of tokens; ``offload.py``: offloaded inputs.
 
 How a training step runs through them: docs/architecture.md, "A training step".
 """
@@ -32,10 +33,11 @@ from ..store.budget import HostBudget
 from ..store.host import HostStore, build_store, slab_layout
 from ..store.regions import Region
 from ..store.nvme import NVMeConfig, NVMeStore, preflight_nvme
-from ..blocks import Block, check_floating, discover_blocks, find_hf_models
+from ..blocks import Block, check_floating, disable_hf_checkpointing, discover_blocks
 from .accounting import ByteAccounting, StepStats, compute_window_bytes
 from .fetch import WeightFetcher
 from .grads import GradientSink
+from .long_sequences import LongSequences
 from .kv_cache import any_requires_grad, training_call
 from .prefetch import Prefetcher
 from .recompute import Recompute, deprecated_recompute_every, trainable_refs
@@ -71,10 +73,12 @@ class StreamingEngine:
         sources: ``id(param) -> loader`` for parameters on the ``meta`` device (models built by
             ``meta_model_from_pretrained``: see ``checkpoint.hf_io.weight_sources``); each loader is
             called once while the host store is built.
+        loss_chunk_size / mlp_chunk_size: tokens per chunk of the LM head + loss (``"auto"``, default:
+            256 MiB of fp32 logits) and of each block's MLP; ``None``: off (:mod:`.long_sequences`).
 
     Raises:
         BlockDiscoveryError: no blocks found (see ``discover_blocks``).
-        ValueError: ``lookahead < 0`` or an unsupported device type.
+        ValueError: ``lookahead < 0``, a chunk size that is not a positive int, or an unsupported device type.
     """
 
     def __init__(
@@ -92,12 +96,15 @@ class StreamingEngine:
         cpu_zero_copy: bool = True,
         nvme: NVMeConfig | None = None,
         sources: dict[int, Callable[[], torch.Tensor]] | None = None,
+        loss_chunk_size: int | str | None = "auto",
+        mlp_chunk_size: int | None = None,
     ):
         if lookahead < 0:
             raise ValueError(f"lookahead must be >= 0 (blocks prefetched ahead), got {lookahead}.")
         recompute_every = deprecated_recompute_every(recompute_every, checkpoint_every)
         if recompute_every < 1:
             raise ValueError(f"recompute_every must be >= 1 (blocks per recompute segment), got {recompute_every}.")
+        self.long = LongSequences(root, loss_chunk_size, mlp_chunk_size, self.call_block, lambda: self.param_dtype)
         self.root = root
         self.device = torch.device(device)
         self.blocks: list[Block] = discover_blocks(root, block_classes, block_names)
@@ -174,24 +181,16 @@ class StreamingEngine:
         if self.installed:
             return
         self.params.dematerialize()
-        for m in find_hf_models(self.root):
-            flag = "is_activation_checkpointing" if hasattr(type(m), "is_activation_checkpointing") else "is_gradient_checkpointing"
-            if getattr(m, flag, False):
-                log.warning(
-                    "megatrain: %s had gradient checkpointing enabled; disabling it (the strategy already "
-                    "recomputes each block in backward).",
-                    type(m).__name__,
-                )
-                if hasattr(m, "activation_checkpointing_disable"):
-                    m.activation_checkpointing_disable()
-                else:
-                    m.gradient_checkpointing_disable()
+        for name in disable_hf_checkpointing(self.root):
+            log.warning("megatrain: %s had gradient checkpointing enabled; disabling it (the strategy already "
+                        "recomputes each block in backward).", name)
         for blk in self.blocks:
             mod = blk.module
             had = "forward" in mod.__dict__
             orig = mod.forward
             self._saved_forwards[blk.index] = (had, mod.__dict__.get("forward"))
             mod.forward = self._make_direct_proxy(blk, orig) if blk.direct else self._make_proxy(blk, orig)
+        self.long.install(self.blocks)
         self.buffers_to(self.device)
         self.installed = True
 
@@ -200,6 +199,7 @@ class StreamingEngine:
         if not self.installed:
             return
         self.flush()
+        self.long.uninstall()
         for blk in self.blocks:
             had, fwd = self._saved_forwards.pop(blk.index)
             if had:
@@ -226,7 +226,6 @@ class StreamingEngine:
         self.optimizer = HostAdamW(self.store, optimizer, overlap=overlap, transport=self.transport)
         return self.optimizer
 
-    # ------------------------------------------------------------------ direct parameter access
     # ------------------------------------------------------------------ direct parameter access
     def read_param(self, p: torch.Tensor) -> torch.Tensor:
         """The current fp32 value of ``p`` (see :meth:`ParamAccess.read`). Raises ``KeyError`` if ``p``
@@ -287,8 +286,7 @@ class StreamingEngine:
                 if stripped and not self._warned_cache:
                     self._warned_cache = True
                     log.info("megatrain: KV cache disabled for training forwards (recompute would corrupt gradients).")
-                keep = bool(self.order) and blk.index == self.order[-1]  # the last block keeps its graph
-                return self.recompute.call(blk, forward, args, kwargs, keep)
+                return self.call_block(blk, forward, args, kwargs)
             bufs = self.acquire(blk, backward=False, training=torch.is_grad_enabled())
             t0 = time.perf_counter()
             try:
@@ -300,6 +298,11 @@ class StreamingEngine:
 
         proxy.__wrapped__ = orig  # type: ignore[attr-defined]
         return proxy
+
+    def call_block(self, blk: Block, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Run ``forward(*args, **kwargs)`` as a grad-mode call of ``blk`` (its parameters bound, recomputed
+        in backward, gradients to the host; the last block of the forward keeps its graph instead)."""
+        return self.recompute.call(blk, forward, args, kwargs, keep=bool(self.order) and blk.index == self.order[-1])
 
     def _make_direct_proxy(self, blk: Block, orig: Callable[..., Any]) -> Callable[..., Any]:
         """Proxy of a container whose own parameters form a direct block: its ``forward`` uses them
