@@ -89,8 +89,9 @@ class _ChunkedLinearCE(torch.autograd.Function):
         dev = h.device.type
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(h) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        acc = torch.promote_types(torch.float32, weight.dtype)  # fp32 sums (fp64 for fp64 weights)
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
         mm_dtype = weight.dtype
         with torch.autocast(dev, dtype=dtype, enabled=enabled):
             for s in range(0, h.shape[0], ctx.chunk):
@@ -106,10 +107,10 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 with torch.autocast(dev, enabled=False):
                     if need_h:  # linear's input gradient in the matmul dtype, cast back as autocast's backward does
                         grad_h[s : s + ctx.chunk] = (dx @ weight.to(dx.dtype)).to(h.dtype)
-                    if need_w:  # fp32 partial sums of the exact products
-                        grad_w.addmm_(dx.t().float(), hc.to(dx.dtype).float())
+                    if need_w:  # fp32 sums of the exact products
+                        grad_w.addmm_(dx.t().to(acc), hc.to(dx.dtype).to(acc))
                     if need_b:
-                        grad_b.add_(dx.float().sum(0))
+                        grad_b.add_(dx.to(acc).sum(0))
                 del dx
         # the full computation rounds the summed weight/bias gradient to the matmul dtype once
         if grad_w is not None:
