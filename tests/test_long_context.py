@@ -230,3 +230,20 @@ def test_offloaded_inputs_are_restored_one_call_ahead(recompute_every):
         # at most the call in backward and the next one; never all 6 layers'
         assert step["megatrain/activation_restored_peak_bytes"] <= 2 * one_input
     assert hist[0]["megatrain/activation_restore_misses"] <= 1
+
+
+def test_chunked_mlp_backward_recomputes_with_the_weights_bound_at_its_forward():
+    # the engine binds a block's parameters to device views / gradient leaves only for the block's call;
+    # the checkpointed chunks are recomputed later, inside autograd.grad, and must use those same tensors
+    torch.manual_seed(4)
+    mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.SiLU(), torch.nn.Linear(8, 4))
+    leaf = (mlp[0].weight.detach() * 2).requires_grad_(True)
+    x = torch.randn(1, 6, 4)
+    host = mlp[0]._parameters["weight"]
+    mlp[0]._parameters["weight"] = leaf
+    y = chunked_call(mlp, x, 2, mlp)
+    want = mlp(x)
+    mlp[0]._parameters["weight"] = host  # the block call is over
+    (g,) = torch.autograd.grad(y.square().sum(), leaf)
+    (wg,) = torch.autograd.grad(want.square().sum(), leaf)
+    assert torch.allclose(y, want, atol=1e-6) and torch.allclose(g, wg, atol=1e-5)

@@ -17,7 +17,8 @@ uninstall) is wrapped. Inputs ``[B, T, H]`` with ``T > mlp_chunk_size`` are chun
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -38,18 +39,45 @@ def find_mlp(module: nn.Module) -> nn.Module | None:
     return None
 
 
-def chunked_call(forward: Callable[[torch.Tensor], Any], x: torch.Tensor, chunk: int) -> torch.Tensor:
+@contextlib.contextmanager
+def _bound(slots: list[tuple[nn.Module, str]], tensors: tuple) -> Iterator[None]:
+    """Point each ``module._parameters[name]`` of ``slots`` at the matching tensor for the block."""
+    saved = [m._parameters[k] for m, k in slots]
+    try:
+        for (m, k), t in zip(slots, tensors):
+            m._parameters[k] = t
+        yield
+    finally:
+        for (m, k), t in zip(slots, saved):
+            m._parameters[k] = t
+
+
+def chunked_call(forward: Callable[[torch.Tensor], Any], x: torch.Tensor, chunk: int,
+                 module: nn.Module | None = None) -> torch.Tensor:
     """``forward(x)`` for ``x`` ``[B, T, ...]`` computed over ``x[:, s:s + chunk]`` and concatenated along
     dim 1; each chunk checkpointed when grad mode is on.
+
+    ``module``: the module ``forward`` belongs to. Its parameters as bound *now* (the engine binds a
+    block's parameters to device views or gradient leaves only for the block's call) are passed to the
+    checkpoint and bound again when backward recomputes the chunk, which happens after the engine's
+    binding has ended.
 
     Raises:
         RuntimeError: ``forward`` returns anything but a tensor ``[B, chunk, ...]`` (an MLP that is not
             per token); the message names ``mlp_chunk_size``."""
     grad = torch.is_grad_enabled()
+    slots = [(m, k) for m in (module.modules() if module is not None else ()) for k, v in m._parameters.items()
+             if v is not None]
+    params = tuple(m._parameters[k] for m, k in slots)
+
+    def run(xc: torch.Tensor, *ps: torch.Tensor) -> Any:
+        with _bound(slots, ps):
+            return forward(xc)
+
     pieces = []
     for s in range(0, x.shape[1], chunk):
         xc = x[:, s : s + chunk].contiguous()  # a view across the batch stride otherwise (MoE .view)
-        y = checkpoint(forward, xc, use_reentrant=False) if grad else forward(xc)
+        y = checkpoint(run, xc, *params, use_reentrant=False) if grad else forward(xc)
         if not torch.is_tensor(y) or tuple(y.shape[:2]) != tuple(xc.shape[:2]):
             raise RuntimeError(
                 f"megatrain: mlp_chunk_size: the MLP returned {type(y).__name__} "
@@ -75,12 +103,13 @@ class ChunkedMLP:
         """Wrap the MLP of every block of ``blocks`` that has one."""
         if self.chunk is None or self.installed:
             return
+        streamed = {id(b.module) for b in blocks}
         for blk in blocks:
             mlp = None if blk.direct else find_mlp(blk.module)
-            if mlp is None:
+            if mlp is None or id(mlp) in streamed:  # an MLP streamed as its own block keeps its proxy
                 continue
             self.installed.append((mlp, "forward" in mlp.__dict__, mlp.__dict__.get("forward")))
-            mlp.forward = self._wrap(mlp.forward, self.chunk)
+            mlp.forward = self._wrap(mlp, mlp.forward, self.chunk)
 
     def uninstall(self) -> None:
         """Restore every wrapped MLP's own ``forward``."""
@@ -92,11 +121,11 @@ class ChunkedMLP:
         self.installed = []
 
     @staticmethod
-    def _wrap(orig: Callable[..., Any], chunk: int) -> Callable[..., Any]:
+    def _wrap(mlp: nn.Module, orig: Callable[..., Any], chunk: int) -> Callable[..., Any]:
         def forward(x: Any, *args: Any, **kwargs: Any) -> Any:
             if args or kwargs or not torch.is_tensor(x) or x.dim() < 3 or x.shape[1] <= chunk:
                 return orig(x, *args, **kwargs)
-            return chunked_call(orig, x, chunk)
+            return chunked_call(orig, x, chunk, mlp)
 
         forward.__wrapped__ = orig  # type: ignore[attr-defined]
         return forward
