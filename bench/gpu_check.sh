@@ -2,7 +2,7 @@
 # CUDA acceptance run of megatrain-lightning: one entry point for a short GPU lease.
 #   bash bench/gpu_check.sh                # on the GPU machine, from a fresh checkout (< 8 minutes)
 #   bash bench/gpu_check.sh --cpu-dry-run  # everything on the CPU with tiny sizes (exercises the logic)
-# Checks (see bench/gpu_check.py): env, parity, precision, memory, overlap, d2h, overhead, nvme, pinned, pytest (engine tests); each under its own
+# Checks (see bench/gpu_check.py): env, parity, precision, memory, overlap, d2h, overhead, nvme, pinned, long, pytest (engine tests); each under its own
 # timeout inside a global budget (GPU_CHECK_BUDGET_S, default 450 s), continuing after failures.
 # Writes bench/results/gpu_check.json, gpu_check.log, memory_depth_cuda.json, overhead_cuda.json, pinned_cuda.json
 # (dry run: into ${TMPDIR:-/tmp}/gpu_check_dryrun instead) and copies them to $OUT when it is set.
@@ -60,6 +60,7 @@ main() {
     run_check overhead 120
     run_check nvme 90
     run_check pinned 60
+    run_check long 120
     run_check pytest 90
     python3 bench/gpu_check.py summary $DRY --parts "$PARTS" --results "$RESULTS" --total-s $(($(date +%s) - START))
 }

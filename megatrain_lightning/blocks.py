@@ -108,6 +108,21 @@ def find_hf_models(root: nn.Module) -> list[nn.Module]:
     return found
 
 
+def disable_hf_checkpointing(root: nn.Module) -> list[str]:
+    """Turn off Hugging Face gradient (activation) checkpointing on every model of ``root`` that has it
+    on; returns their class names."""
+    names = []
+    for m in find_hf_models(root):
+        flag = "is_activation_checkpointing" if hasattr(type(m), "is_activation_checkpointing") else "is_gradient_checkpointing"
+        if getattr(m, flag, False):
+            names.append(type(m).__name__)
+            if hasattr(m, "activation_checkpointing_disable"):
+                m.activation_checkpointing_disable()
+            else:
+                m.gradient_checkpointing_disable()
+    return names
+
+
 def _module_listing(root: nn.Module, limit: int = 60) -> str:
     """Module paths of ``root`` with their class names, numeric path parts shown as ``*``
     (``net.layers.* (Layer)``), one entry per distinct path pattern, at most ``limit`` entries."""

@@ -34,6 +34,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from .checkpoint.hf_io import weight_sources
 from .checkpoint.directory import load_checkpoint_dir, load_optimizer_dir, save_checkpoint_dir
+from .engine.chunked_loss import check_chunk_size
 from .engine.recompute import deprecated_recompute_every
 from .engine.streaming import StreamingEngine
 from .engine.threads import check_host_threads
@@ -58,7 +59,17 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             Default 1: every block input is kept (see docs/architecture.md for the measurement).
         checkpoint_every: the former name of ``recompute_every`` (it collided with Lightning's model
             checkpoints); still accepted for one release, with a ``DeprecationWarning``.
-        offload_activations: keep saved block inputs in host memory (device footprint flat in depth).
+        offload_activations: keep saved block inputs in host memory (device footprint flat in depth);
+            in backward each block call's inputs are copied back one call ahead (prefetched).
+        loss_chunk_size: tokens per chunk of the chunked LM head + cross-entropy in training calls
+            ``model(input_ids=..., labels=...)`` of a Hugging Face causal LM: the full logits are never
+            materialised, each chunk's are recomputed in backward; the loss equals the full computation's up
+            to the order of the sum over tokens. ``"auto"`` (default): 256 MiB of fp32 logits per chunk
+            (523 tokens of a 128,256-token vocabulary); calls with at most that many tokens, without labels or
+            under ``no_grad`` (validation, predict, generation) compute real logits as usual. ``None``: off.
+            See README, "Long sequences".
+        mlp_chunk_size: tokens per chunk of each block's MLP (forward and recompute; each chunk
+            checkpointed, so backward holds one chunk's MLP intermediates). ``None`` (default): off.
         overlap_optimizer: apply each block's AdamW update just before its next prefetch (default)
             instead of all at once in ``optimizer.step()``. Both give identical results.
         block_classes: class names/classes of the repeated blocks; default: every Hugging Face
@@ -112,6 +123,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     Raises:
         ValueError: ``host_threads`` is not ``None`` or an integer >= 1 (when the strategy is built).
         MisconfigurationException: more than one device.
+        ValueError: ``loss_chunk_size`` / ``mlp_chunk_size`` not a positive int (or ``"auto"`` / ``None``).
         UnsupportedOptimizerError: ``configure_optimizers`` returned anything but one AdamW/Adam.
         BlockDiscoveryError: the model has no discoverable blocks.
     """
@@ -145,6 +157,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         keep_nvme_files: bool = False,
         optimizer_in_backward: bool | None = None,
         host_threads: int | None = None,
+        loss_chunk_size: int | str | None = "auto",
+        mlp_chunk_size: int | None = None,
     ) -> None:
         check_host_threads(host_threads)
         self._parallel_devices: list[torch.device] | None = None
@@ -164,6 +178,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             read_ahead=nvme_read_ahead, direct_io=direct_io, keep_files=keep_nvme_files)
         self.optimizer_in_backward = optimizer_in_backward
         self.host_threads = host_threads
+        self.loss_chunk_size = check_chunk_size("loss_chunk_size", loss_chunk_size, allow_auto=True)
+        self.mlp_chunk_size = check_chunk_size("mlp_chunk_size", mlp_chunk_size, allow_auto=False)
         self.engine: StreamingEngine | None = None
         self._orig_zero_grad: tuple[Any, Any] | None = None
 
@@ -232,6 +248,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
                 lookahead=self.lookahead,
                 recompute_every=self.recompute_every,
                 offload_activations=self.offload_activations,
+                loss_chunk_size=self.loss_chunk_size,
+                mlp_chunk_size=self.mlp_chunk_size,
                 block_classes=self.block_classes,
                 block_names=self.block_names,
                 pin_memory=self.pin_memory,
@@ -405,7 +423,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             raise RuntimeError("save_checkpoint called before the megatrain strategy was set up, or after "
                                "trainer.strategy.close().")
         self.flush()
-        self.engine.write_back_materialized()  # weights edited after fit (NVMe tier) are what gets saved
+        self.engine.params.write_back_materialized()  # weights edited after fit (NVMe tier) are what gets saved
         save_checkpoint_dir(filepath, checkpoint, self.lightning_module, self.engine,
                             tokenizer=getattr(self.lightning_module, "tokenizer", None))
 
@@ -478,7 +496,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         assert self.engine is not None and self.engine.host_memory_limit is not None
         nbytes = 4 * self.engine.store.numel
         if nbytes <= self.engine.host_memory_limit:
-            self.engine.materialize()
+            self.engine.params.materialize()
         else:
             log.warning(
                 "megatrain: the fp32 weights (%.2f GiB) exceed host_memory_limit, so after the run they stay in the "
@@ -495,7 +513,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         set up again (its parameters are placeholders)."""
         if self.engine is not None:
             eng = self.engine
-            if eng.store.masters_on_disk and not eng.materialized and not (self.nvme and self.nvme.keep_files):
+            if eng.store.masters_on_disk and not eng.params.materialized and not (self.nvme and self.nvme.keep_files):
                 log.warning("megatrain: closing the NVMe store deletes the trained weights, which were only in it; "
                             "the module's parameters stay placeholders.")
             self.engine.close()

@@ -6,7 +6,9 @@ strategy on their own machine all use it); nothing in the library imports it.
 * :data:`ARCHS`: tiny configs (hidden 32, 3 layers, vocabulary :data:`VOCAB`) of ten Hugging Face
   causal LM families; :func:`make_model` builds one with a fixed seed.
 * :func:`make_data` (random tokens) and :func:`learnable_data` (sequences whose loss falls):
-  ``DataLoader`` s of ``(ids,)`` batches of length :data:`SEQ`.
+  ``DataLoader`` s of ``(ids,)`` batches of length :data:`SEQ`; :func:`padded_data`: right-padded
+  variable-length ``(ids, attention_mask, labels)`` batches (labels -100 at padding);
+  :func:`batch_inputs`: the model's keyword arguments for either kind of batch.
 * :class:`LM`: an ordinary ``LightningModule`` around such a model (AdamW, optional cosine schedule).
 * :func:`reference_train`: the loop Lightning runs, in plain PyTorch on the unmodified model; the
   parity tests train a copy of the same model through ``Trainer(strategy="megatrain")`` and compare.
@@ -23,8 +25,8 @@ import torch
 import transformers
 from torch.utils.data import DataLoader, TensorDataset
 
-__all__ = ["ARCHS", "LM", "SEQ", "VOCAB", "assert_parity", "freeze_key_biases", "learnable_data", "make_data",
-           "make_model", "reference_train", "rel"]
+__all__ = ["ARCHS", "LM", "SEQ", "VOCAB", "assert_parity", "batch_inputs", "freeze_key_biases", "learnable_data",
+           "make_data", "make_model", "padded_data", "reference_train", "rel"]
 
 VOCAB = 96
 """Vocabulary size of every tiny config."""
@@ -83,6 +85,28 @@ def learnable_data(n: int = 64, seq: int = 16, batch_size: int = 4, seed: int = 
     return DataLoader(TensorDataset(ids), batch_size=batch_size, shuffle=False)
 
 
+def padded_data(n: int = 64, seq: int = SEQ, batch_size: int = 2, seed: int = 2, pad_id: int = 0) -> DataLoader:
+    """``n`` random sequences of lengths uniform in ``[seq // 2, seq]``, right-padded to ``seq`` with
+    ``pad_id``: batches of ``(ids, attention_mask, labels)`` (``[B, seq]`` int64; labels are the ids,
+    -100 at padding)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (n, seq), generator=g)
+    lengths = torch.randint(seq // 2, seq + 1, (n,), generator=g)
+    mask = (torch.arange(seq)[None, :] < lengths[:, None]).long()
+    ids = ids * mask + pad_id * (1 - mask)
+    labels = ids.masked_fill(mask == 0, -100)
+    return DataLoader(TensorDataset(ids, mask, labels), batch_size=batch_size, shuffle=False)
+
+
+def batch_inputs(batch) -> dict:
+    """Keyword arguments of ``model(...)`` for a batch of :func:`make_data` (``(ids,)``: the ids are the
+    labels) or of :func:`padded_data` (``(ids, attention_mask, labels)``)."""
+    if len(batch) == 1:
+        return {"input_ids": batch[0], "labels": batch[0]}
+    ids, mask, labels = batch
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
 class LM(pl.LightningModule):
     """An ordinary LightningModule around a Hugging Face causal LM.
 
@@ -92,13 +116,17 @@ class LM(pl.LightningModule):
         sched: ``"cosine"`` for a per-step ``CosineAnnealingLR`` over ``total_steps``, or ``None``.
         total_steps: the schedule's ``T_max``.
         opt_kwargs: further ``torch.optim.AdamW`` arguments (``weight_decay``, ``fused``...).
+        extra_inputs: ``extra_inputs(batch) -> dict`` of further model keyword arguments
+            (``num_items_in_batch``...), or ``None``.
 
     Attributes:
         losses: every training loss, as a float, in order.
     """
 
-    def __init__(self, model, lr=1e-3, sched: str | None = None, total_steps: int = 20, opt_kwargs=None):
+    def __init__(self, model, lr=1e-3, sched: str | None = None, total_steps: int = 20, opt_kwargs=None,
+                 extra_inputs: Callable | None = None):
         super().__init__()
+        self.extra_inputs = extra_inputs
         self.model = model
         self.lr = lr
         self.sched = sched
@@ -107,14 +135,13 @@ class LM(pl.LightningModule):
         self.losses: list[float] = []
 
     def training_step(self, batch, batch_idx):
-        (ids,) = batch
-        loss = self.model(input_ids=ids, labels=ids).loss
+        extra = self.extra_inputs(batch) if self.extra_inputs is not None else {}
+        loss = self.model(**batch_inputs(batch), **extra).loss
         self.losses.append(loss.item())
         return loss
 
     def validation_step(self, batch, batch_idx):
-        (ids,) = batch
-        loss = self.model(input_ids=ids, labels=ids).loss
+        loss = self.model(**batch_inputs(batch)).loss
         self.log("val_loss", loss)
         return loss
 
@@ -129,12 +156,13 @@ class LM(pl.LightningModule):
 def reference_train(model, loader, steps: int, lr=1e-3, accumulate: int = 1, clip: float | None = None,
                     fused: bool | None = None, clip_value: float | None = None, sched: str | None = None,
                     seed: int = 0, opt_kwargs=None, on_grads: Callable | None = None,
-                    on_step: Callable | None = None) -> list[float]:
+                    on_step: Callable | None = None, extra_inputs: Callable | None = None) -> list[float]:
     """Train ``model`` in place with plain PyTorch: the same loop Lightning runs, on the unmodified model.
 
     Args:
         model: the model (trained in place).
-        loader: batches of ``(ids,)``; restarted when exhausted.
+        loader: batches of ``(ids,)`` or ``(ids, attention_mask, labels)`` (:func:`batch_inputs`);
+            restarted when exhausted.
         steps: optimizer steps.
         lr: AdamW learning rate.
         accumulate: micro-batches per step (each loss divided by it, as ``accumulate_grad_batches``).
@@ -147,6 +175,7 @@ def reference_train(model, loader, steps: int, lr=1e-3, accumulate: int = 1, cli
         on_grads: ``on_grads(model)`` where Lightning calls ``on_before_optimizer_step`` (gradients
             accumulated, not yet clipped).
         on_step: ``on_step(model, opt)`` after each optimizer and scheduler step.
+        extra_inputs: as :class:`LM`'s (further keyword arguments of the model call).
 
     Returns:
         The loss of every micro-batch, as floats.
@@ -161,13 +190,14 @@ def reference_train(model, loader, steps: int, lr=1e-3, accumulate: int = 1, cli
     micro = 0
     while done < steps:
         try:
-            (ids,) = next(it)
+            batch = next(it)
         except StopIteration:
             it = iter(loader)
-            (ids,) = next(it)
+            batch = next(it)
         if micro == 0:
             opt.zero_grad()
-        loss = model(input_ids=ids, labels=ids).loss
+        extra = extra_inputs(batch) if extra_inputs is not None else {}
+        loss = model(**batch_inputs(batch), **extra).loss
         losses.append(loss.item())
         (loss / accumulate).backward()
         micro += 1

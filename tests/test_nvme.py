@@ -267,7 +267,7 @@ def test_closed_store_weights_are_refused_and_the_same_process_is_named(tmp_path
     are placeholders, and a new run must refuse them instead of training zeros. A second run on a
     store the same process still holds is told to close the first."""
     lm, tr = fit(nvme_strategy(tmp_path), steps=2, model_kw={"num_hidden_layers": 24})  # 4 B/param > LIMIT
-    assert not tr.strategy.engine.materialized
+    assert not tr.strategy.engine.params.materialized
     with pytest.raises(NVMeStoreLockedError, match="still open in this process.*trainer.strategy.close"):
         fit(nvme_strategy(tmp_path), steps=1)
     with caplog.at_level(logging.WARNING, logger="megatrain_lightning.strategy"):
@@ -283,7 +283,7 @@ def test_weights_edited_after_fit_are_what_save_checkpoint_writes(tmp_path):
 
     (tmp_path / "nvme").mkdir()
     lm, tr = fit(nvme_strategy(tmp_path / "nvme", limit=8 * 2**20), steps=2)  # small: materialized after fit
-    assert tr.strategy.engine.materialized
+    assert tr.strategy.engine.params.materialized
     with torch.no_grad():
         lm.model.lm_head.weight.mul_(0.5)
     tr.save_checkpoint(tmp_path / "ck")

@@ -35,6 +35,9 @@ class StepStats:
             the engine had alive at once.
         blocks_fetched: number of block fetches (forward + backward + evaluation).
         prefetch_misses: fetches that were not prefetched (the compute thread had to start the copy).
+        activation_restore_misses: offloaded block inputs whose H2D copy was not started one call ahead
+            (``offload_activations``; the compute thread started it when backward needed it).
+        activation_restored_peak_bytes: most bytes of restored (offloaded) block inputs alive at once.
         cast_s: seconds the H2D worker spent casting fp32 masters to the bf16/fp16 wire copies.
         d2h_queue_peak: most gradient batches queued for the D2H worker at once (bounded by the
             gradient sink's ``max_inflight``: each keeps its gradients on the device until copied).
@@ -55,6 +58,8 @@ class StepStats:
     peak_device_bytes: int = 0
     blocks_fetched: int = 0
     prefetch_misses: int = 0
+    activation_restore_misses: int = 0
+    activation_restored_peak_bytes: int = 0
     cast_s: float = 0.0
     d2h_queue_peak: int = 0
     d2h_busy_s: float = 0.0

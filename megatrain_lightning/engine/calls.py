@@ -41,7 +41,7 @@ class BlockCall:
     pos: int = -1
     saved: list[torch.Tensor | None] = field(default_factory=list)
     links: dict[int, int] = field(default_factory=dict)
-    offloaded: dict[int, torch.Tensor] = field(default_factory=dict)
+    offloaded: dict[int, Any] = field(default_factory=dict)  # input index -> offload.Offloaded (host copy)
     versions: dict[int, int] = field(default_factory=dict)
     graph: "KeptGraph | None" = None
     freed: bool = False

@@ -30,6 +30,7 @@ from ..store.host import HostStore
 from .accounting import ByteAccounting
 from .calls import BlockCall, ForwardRecord, KeptGraph
 from .grads import GradientSink
+from .offload import ActivationOffload, next_offloaded
 
 
 def _autocast_state(device_type: str) -> tuple:
@@ -172,7 +173,8 @@ class Recompute:
         store: the host store (slab layout: views of a block's buffer per parameter).
         acct: live-byte accounting and statistics.
         grads: the gradient sink (parameter gradients of a backward go there).
-        transport: the device transport (``offload``/``restore`` of saved activations).
+        transport: the device transport (``offload``/``restore_async`` of saved activations, through
+            :class:`~.offload.ActivationOffload`: restored one call ahead of backward).
         acquire: ``acquire(block, backward, training)`` -> slab index -> device buffer (the
             engine's prefetch schedule); released with ``acct.release``.
         bind: ``bind(block, bufs, leaves)``: context manager pointing the block's parameters at views
@@ -190,6 +192,7 @@ class Recompute:
         self._acquire, self._bind, self._enter_backward = acquire, bind, enter_backward
         self.recompute_every = recompute_every
         self.offload_activations = offload_activations
+        self.offload = ActivationOffload(transport, acct)
         self.fwd = ForwardRecord()  # grad-mode block calls of the current forward, in order
         self.kept_open: set[KeptGraph] = set()  # last-block graphs whose backward has not run
         self.dummy = torch.empty(0, device=device, requires_grad=True)  # marker leaf of every call
@@ -310,11 +313,12 @@ class Recompute:
             self._enter_backward()
             kept = call.graph
             assert kept is not None
+            self.offload.prefetch(next_offloaded(call.fwd.calls, len(call.fwd.calls)))  # the first call's inputs
             inputs, outs, leaves, bufs = kept.inputs, kept.outs, kept.leaves, None
             t0 = time.perf_counter()
         else:
             inputs = []
-            for t, need in zip(self._load_inputs(call), needs):
+            for t, need in zip(self._load_inputs(call, final=True), needs):
                 t = t.detach()
                 if need:
                     t.requires_grad_(True)
@@ -393,14 +397,17 @@ class Recompute:
                 call.links[i] = link
                 call.saved.append(None)
             elif self.offload_activations and t.is_floating_point() and t.requires_grad:
-                call.offloaded[i] = self._offload(t)
+                call.offloaded[i] = self.offload.offload(t)
                 call.saved.append(None)
             else:
                 call.saved.append(t)
                 call.versions[i] = t._version
 
-    def _load_inputs(self, call: BlockCall) -> list[torch.Tensor]:
-        """The call's tensor inputs, recomputing linked ones from the segment start if needed."""
+    def _load_inputs(self, call: BlockCall, final: bool = False) -> list[torch.Tensor]:
+        """The call's tensor inputs, recomputing linked ones from the segment start if needed.
+        Offloaded inputs come from the restore prefetched one call ahead (``final``: the call's own
+        backward, after which its device copy is dropped; else a recompute chain, which keeps it for
+        that backward); then the next call's restore starts."""
         if call.links and (call.pos - 1) not in call.fwd.recomputed:
             self._recompute_chain(call.fwd, call.pos - 1)
         out: list[torch.Tensor] = []
@@ -408,13 +415,15 @@ class Recompute:
             if i in call.links:
                 t = call.fwd.recomputed[call.pos - 1][call.links[i]]
             elif i in call.offloaded:
-                t = self._restore(call.offloaded[i])
+                t = self.offload.take(call.offloaded[i], keep=not final)
             elif t is not None and t._version != call.versions.get(i, t._version):
                 raise RuntimeError(
                     f"megatrain: input {i} of block {call.block.name} was modified in place after the block's "
                     "forward; its recompute would be wrong. Make the operation after the block out of place."
                 )
             out.append(t)  # type: ignore[arg-type]
+        if call.offloaded:
+            self.offload.prefetch(next_offloaded(call.fwd.calls, call.pos))
         return out
 
     def _recompute_chain(self, fwd: ForwardRecord, last: int) -> None:
@@ -461,15 +470,6 @@ class Recompute:
             seq.append(calls[p].block.index)
             cached.discard(p - 1)
         return seq
-
-    def _offload(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        nbytes = t.numel() * t.element_size()
-        self.acct.add(d2h_bytes=nbytes)
-        return self.transport.offload(t)
-
-    def _restore(self, host: tuple[torch.Tensor, Any]) -> torch.Tensor:
-        self.acct.add(h2d_bytes=host[0].numel() * host[0].element_size())
-        return self.transport.restore(*host)
 
 
 def deprecated_recompute_every(recompute_every: int, checkpoint_every: int | None) -> int:

@@ -78,6 +78,15 @@ class StagingRing:
         self.released: list[int] = []
         self.peak_inflight = 0
 
+    @classmethod
+    def for_store(cls, store, transport) -> "StagingRing | None":
+        """The ring of a store whose masters live on NVMe (slots from its window's arena, given back on
+        the transport's copy events); ``None`` when the masters are in RAM (no ring needed)."""
+        if not store.masters_on_disk:
+            return None
+        nv = store.nvme
+        return cls(lambda n: nv.alloc_staging(n, "the H2D staging ring"), nv.free_staging, transport.when_done)
+
     def acquire(self, nbytes: int) -> Slot:
         """A staging buffer of ``nbytes``; waits while ``slots`` are in flight (their copies still run)."""
         with self._cond:

@@ -11,7 +11,8 @@ optimizer step. The parts, each owning its state (docs/architecture.md, "Engine 
 * ``grads.py``: parameter gradients to the fp32 host accumulators (D2H), the update-in-backward plan;
 * ``params.py``: direct reads and writes of parameters' masters;
 * ``shared_grads.py``: per-backward sums of tied parameters' gradients;
-* ``kv_cache.py``: training forwards never write a KV cache.
+* ``kv_cache.py``: training forwards never write a KV cache;
+* ``long_sequences.py``: LM head + loss and MLP over chunks of tokens; ``offload.py``: offloaded inputs.
 
 How a training step runs through them: docs/architecture.md, "A training step".
 """
@@ -32,10 +33,11 @@ from ..store.budget import HostBudget
 from ..store.host import HostStore, build_store
 from ..store.regions import Region
 from ..store.nvme import NVMeConfig, NVMeStore
-from ..blocks import Block, check_floating, discover_blocks, find_hf_models
+from ..blocks import Block, check_floating, disable_hf_checkpointing, discover_blocks
 from .accounting import ByteAccounting, StepStats
 from .fetch import WeightFetcher
 from .grads import GradientSink
+from .long_sequences import LongSequences
 from .kv_cache import any_requires_grad, training_call
 from .prefetch import Prefetcher
 from .recompute import Recompute, deprecated_recompute_every, trainable_refs
@@ -81,9 +83,14 @@ class StreamingEngine:
         host_threads: intra-op CPU threads of the H2D and D2H workers (host AdamW, casts, gradient
             adds); ``None``: on CUDA ``torch.get_num_threads() - 1``, on CPU torch's setting (:mod:`.threads`).
 
+        loss_chunk_size / mlp_chunk_size: tokens per chunk of the LM head + loss (``"auto"``, default:
+            256 MiB of fp32 logits) and of each block's MLP; ``None``: off (:mod:`.long_sequences`).
+
+
     Raises:
         BlockDiscoveryError: no blocks found (see ``discover_blocks``).
-        ValueError: ``lookahead < 0``, ``host_threads < 1`` or an unsupported device type.
+        ValueError: ``lookahead < 0``, ``host_threads < 1``, a chunk size that is not a positive int, or an
+            unsupported device type.
         HostPinningError: ``pin_memory=True`` and the NVMe window could not be page-locked.
     """
 
@@ -103,12 +110,15 @@ class StreamingEngine:
         nvme: NVMeConfig | None = None,
         sources: dict[int, Callable[[], torch.Tensor]] | None = None,
         host_threads: int | None = None,
+        loss_chunk_size: int | str | None = "auto",
+        mlp_chunk_size: int | None = None,
     ):
         if lookahead < 0:
             raise ValueError(f"lookahead must be >= 0 (blocks prefetched ahead), got {lookahead}.")
         recompute_every = deprecated_recompute_every(recompute_every, checkpoint_every)
         if recompute_every < 1:
             raise ValueError(f"recompute_every must be >= 1 (blocks per recompute segment), got {recompute_every}.")
+        self.long = LongSequences(root, loss_chunk_size, mlp_chunk_size, self.call_block, lambda: self.param_dtype)
         self.root = root
         self.device = torch.device(device)
         host_threads = resolve_host_threads(host_threads, self.device)
@@ -139,11 +149,8 @@ class StreamingEngine:
         shared = SharedGradSums.for_blocks(self.blocks, enabled=Region.grad_accum not in self.store.nvme_kinds)
         self.grads = GradientSink(self.store, self.acct, self.transport, lambda: self.optimizer, shared,
                                   max_inflight=2, host_threads=host_threads)
-        nv = self.store.nvme
-        ring = StagingRing(lambda n: nv.alloc_staging(n, "the H2D staging ring"), nv.free_staging,
-                           self.transport.when_done) if self.store.masters_on_disk else None
         self.fetcher = WeightFetcher(self.blocks, self.store, self.transport, self.acct, lambda: self.optimizer,
-                                     self.device, pin_memory=pin, ring=ring)
+                                     self.device, pin_memory=pin, ring=StagingRing.for_store(self.store, self.transport))
         nvme_on = self.store.nvme is not None
         self.prefetcher = Prefetcher(self.blocks, self.store, self.transport, self.acct, lambda blk: self.fetcher.fetch(blk),
                                      lookahead, lambda: self.optimizer,
@@ -177,24 +184,16 @@ class StreamingEngine:
         if self.installed:
             return
         self.params.dematerialize()
-        for m in find_hf_models(self.root):
-            flag = "is_activation_checkpointing" if hasattr(type(m), "is_activation_checkpointing") else "is_gradient_checkpointing"
-            if getattr(m, flag, False):
-                log.warning(
-                    "megatrain: %s had gradient checkpointing enabled; disabling it (the strategy already "
-                    "recomputes each block in backward).",
-                    type(m).__name__,
-                )
-                if hasattr(m, "activation_checkpointing_disable"):
-                    m.activation_checkpointing_disable()
-                else:
-                    m.gradient_checkpointing_disable()
+        for name in disable_hf_checkpointing(self.root):
+            log.warning("megatrain: %s had gradient checkpointing enabled; disabling it (the strategy already "
+                        "recomputes each block in backward).", name)
         for blk in self.blocks:
             mod = blk.module
             had = "forward" in mod.__dict__
             orig = mod.forward
             self._saved_forwards[blk.index] = (had, mod.__dict__.get("forward"))
             mod.forward = self._make_direct_proxy(blk, orig) if blk.direct else self._make_proxy(blk, orig)
+        self.long.install(self.blocks)
         self.buffers_to(self.device)
         self.installed = True
 
@@ -203,6 +202,7 @@ class StreamingEngine:
         if not self.installed:
             return
         self.flush()
+        self.long.uninstall()
         for blk in self.blocks:
             had, fwd = self._saved_forwards.pop(blk.index)
             if had:
@@ -238,19 +238,6 @@ class StreamingEngine:
     def write_param(self, p: torch.Tensor, value: torch.Tensor) -> None:
         """Set ``p``'s fp32 master (see :meth:`ParamAccess.write`)."""
         self.params.write(p, value)
-
-    @property
-    def materialized(self) -> bool:
-        """The module's parameters are real copies of the on-disk masters (:meth:`materialize`)."""
-        return self.params.materialized
-
-    def materialize(self) -> None:
-        """Give every parameter a real fp32 copy of its on-disk master (see :meth:`ParamAccess.materialize`)."""
-        self.params.materialize()
-
-    def write_back_materialized(self) -> None:
-        """Copy materialized parameters back into the store (see :meth:`ParamAccess.write_back_materialized`)."""
-        self.params.write_back_materialized()
 
     @property
     def host_memory_limit(self) -> int | None:
@@ -289,8 +276,7 @@ class StreamingEngine:
                 if stripped and not self._warned_cache:
                     self._warned_cache = True
                     log.info("megatrain: KV cache disabled for training forwards (recompute would corrupt gradients).")
-                keep = bool(self.order) and blk.index == self.order[-1]  # the last block keeps its graph
-                return self.recompute.call(blk, forward, args, kwargs, keep)
+                return self.call_block(blk, forward, args, kwargs)
             bufs = self.acquire(blk, backward=False, training=torch.is_grad_enabled())
             t0 = time.perf_counter()
             try:
@@ -302,6 +288,11 @@ class StreamingEngine:
 
         proxy.__wrapped__ = orig  # type: ignore[attr-defined]
         return proxy
+
+    def call_block(self, blk: Block, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Run ``forward(*args, **kwargs)`` as a grad-mode call of ``blk`` (its parameters bound, recomputed
+        in backward, gradients to the host; the last block of the forward keeps its graph instead)."""
+        return self.recompute.call(blk, forward, args, kwargs, keep=bool(self.order) and blk.index == self.order[-1])
 
     def _make_direct_proxy(self, blk: Block, orig: Callable[..., Any]) -> Callable[..., Any]:
         """Proxy of a container whose own parameters form a direct block: its ``forward`` uses them

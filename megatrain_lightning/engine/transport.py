@@ -13,7 +13,8 @@ The engine calls the same operations on every device:
   host views into the accumulators and gives the staging buffer back (``release``). The copy of
   batch k+1 therefore runs while the worker adds batch k (the gradient sink bounds the batches in
   flight to the number of staging buffers);
-* :meth:`offload` / :meth:`restore`: saved activations to host memory and back;
+* :meth:`offload` / :meth:`restore_async` + :meth:`ready`: saved activations to host memory and back
+  (the restore is started one block call ahead of backward by :mod:`.offload`);
 * :meth:`released` / :meth:`last_read_done`: bound how far the H2D worker runs ahead of the
   compute stream, and make the optimizer wait for the last read of a master it writes;
 * :meth:`when_done` / :meth:`settle`: run a callback once a copy's event completed (the H2D worker
@@ -119,6 +120,10 @@ class CPUTransport:
     def restore(self, host: torch.Tensor, event: object) -> torch.Tensor:
         """Bring an offloaded activation back (on CPU the host copy is used directly)."""
         return host
+
+    def restore_async(self, host: torch.Tensor, event: object) -> tuple[torch.Tensor, None]:
+        """Start bringing an offloaded activation back: on CPU the host copy itself, nothing to wait for."""
+        return host, None
 
     def last_read_done(self, event: object) -> None:
         """Block until a copy out of a host slab is done: ``None`` (CPU copies are synchronous) or an
@@ -256,10 +261,23 @@ class CUDATransport:
         return host, ev
 
     def restore(self, host: torch.Tensor, event: object) -> torch.Tensor:
-        """H2D of an offloaded activation on the compute stream, after its D2H copy finished."""
-        cur = torch.cuda.current_stream(self.device)
-        cur.wait_event(event)
-        return host.to(self.device, non_blocking=True)
+        """H2D of an offloaded activation, ready for the compute stream (:meth:`restore_async` + :meth:`ready`)."""
+        buf, ev = self.restore_async(host, event)
+        self.ready(buf, ev)
+        return buf
+
+    def restore_async(self, host: torch.Tensor, event: object) -> tuple[torch.Tensor, object]:
+        """Start the H2D copy of an offloaded activation (pinned ``host``) on the H2D stream, after its D2H
+        copy's ``event``; returns ``(device buffer, event of the copy)``. Before the compute stream reads
+        the buffer, call :meth:`ready` (waits on the event and ``record_stream``-s the buffer there)."""
+        with torch.cuda.device(self.device), torch.cuda.stream(self.h2d_stream):
+            if event is not None:
+                self.h2d_stream.wait_event(event)
+            buf = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+            buf.copy_(host, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.h2d_stream)
+        return buf, ev
 
     def released(self) -> None:
         """Record on the compute stream that the block just released finishes there."""

@@ -56,13 +56,25 @@ def strategy_default(name: str) -> Any:
     return None if param is None or param.default is inspect.Parameter.empty else param.default
 
 
+def loss_chunk_tokens(value: int | str | None, vocab_size: int) -> int | None:
+    """Tokens per LM-head chunk for a resolved ``loss_chunk_size`` (:func:`resolve_chunk`): ``"auto"``
+    is the engine's rule (``engine/chunked_loss.py``: 256 MiB of fp32 logits, e.g. 523 tokens at a
+    128,256-token vocabulary)."""
+    if value != "auto":
+        return value  # type: ignore[return-value]
+    from ..engine.chunked_loss import DEFAULT_LOSS_CHUNK_BYTES, auto_loss_chunk
+
+    return auto_loss_chunk(vocab_size, DEFAULT_LOSS_CHUNK_BYTES)
+
+
 def resolve_chunk(value: Any, name: str) -> int | None:
     """A chunk-size setting as tokens or ``None`` (off).
 
     Args:
         value: a positive int, ``None``/``"null"``/``"none"``/``"off"`` (off), ``"default"``
-            (:func:`strategy_default`; a non-integer strategy default such as ``"auto"`` becomes
-            ``SUGGESTED_CHUNK[name]``).
+            (:func:`strategy_default`), ``"auto"`` (``loss_chunk_size``: kept as ``"auto"``, which
+            :func:`loss_chunk_tokens` turns into the engine's token count for the model's vocabulary;
+            ``mlp_chunk_size``: ``SUGGESTED_CHUNK``).
         name: the option (``loss_chunk_size`` / ``mlp_chunk_size``), for the error message.
 
     Raises:
@@ -76,9 +88,9 @@ def resolve_chunk(value: Any, name: str) -> int | None:
             d = strategy_default(name)
             if d is None or isinstance(d, int) and not isinstance(d, bool):
                 return resolve_chunk(d, name)
-            return SUGGESTED_CHUNK[name]
-        if low == "auto":
-            return SUGGESTED_CHUNK[name]
+            return resolve_chunk(d, name) if str(d).lower() == "auto" else SUGGESTED_CHUNK[name]
+        if low == "auto":  # the engine's rule (engine/chunked_loss.py): resolved with the vocabulary
+            return "auto" if name == "loss_chunk_size" else SUGGESTED_CHUNK[name]  # type: ignore[return-value]
         if low.isdigit():
             value = int(low)
     if value is None:

@@ -255,6 +255,9 @@ def settings(*, batch_size: int, seq_len: int, precision: str, offload_params: s
 
 
 def _plan_from_counts(name: str, counts: ParamCounts, hw: Hardware, s: dict[str, Any], source: Any) -> Plan:
+    from .config import loss_chunk_tokens
+
+    s = {**s, "loss_chunk_size": loss_chunk_tokens(s["loss_chunk_size"], counts.vocab_size)}
     e = _estimate(counts, hw, s)
     dom = max(e["times"], key=e["times"].get)
     dom_p = max(e["pess"], key=e["pess"].get)

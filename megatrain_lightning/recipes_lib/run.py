@@ -159,7 +159,7 @@ def inference_weights(trainer: pl.Trainer) -> Iterator[Any]:
     forward streams the blocks (the KV cache is kept in inference), and yields its device.
     """
     eng = getattr(trainer.strategy, "engine", None)
-    if eng is None or eng.closed or not eng.store.masters_on_disk or eng.materialized:
+    if eng is None or eng.closed or not eng.store.masters_on_disk or eng.params.materialized:
         yield None
         return
     eng.install()

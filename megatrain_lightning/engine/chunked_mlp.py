@@ -1,0 +1,131 @@
+"""The MLP of each block over chunks of the sequence (``mlp_chunk_size``).
+
+A decoder layer's MLP keeps the largest activations of the block for its backward: per token the
+gate and up projections, the activation and their product, 3.5x-5x the hidden size (Llama:
+intermediate 3.5 x hidden, times four tensors). The MLP is computed per token, so running it over
+chunks of the sequence gives the same per-token values. Under grad mode (the block's recompute in
+backward) each chunk runs under ``torch.utils.checkpoint`` (non-reentrant): only the chunk's input
+is kept, and its intermediates are recomputed and freed one chunk at a time in backward, so the
+block's backward holds the MLP intermediates of ``mlp_chunk_size`` tokens instead of all of them.
+Cost: one more forward of the MLP per block in backward. Attention is not chunked (SDPA or eager,
+as the model chooses).
+
+The MLP is the block's child named ``mlp`` (Llama, Mistral, Mixtral, Qwen, Gemma, Phi-3, GPT-2),
+``feed_forward`` or ``block_sparse_moe``; its ``forward`` (an instance attribute, removed at
+uninstall) is wrapped. Inputs ``[B, T, H]`` with ``T > mlp_chunk_size`` are chunked along ``T``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..blocks import Block
+
+MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe")
+"""Child names of a block's MLP, first match wins."""
+
+
+def find_mlp(module: nn.Module) -> nn.Module | None:
+    """The MLP child of a decoder layer (:data:`MLP_NAMES`), or ``None``."""
+    for name in MLP_NAMES:
+        m = getattr(module, name, None)
+        if isinstance(m, nn.Module):
+            return m
+    return None
+
+
+@contextlib.contextmanager
+def _bound(slots: list[tuple[nn.Module, str]], tensors: tuple) -> Iterator[None]:
+    """Point each ``module._parameters[name]`` of ``slots`` at the matching tensor for the block."""
+    saved = [m._parameters[k] for m, k in slots]
+    try:
+        for (m, k), t in zip(slots, tensors):
+            m._parameters[k] = t
+        yield
+    finally:
+        for (m, k), t in zip(slots, saved):
+            m._parameters[k] = t
+
+
+def chunked_call(forward: Callable[[torch.Tensor], Any], x: torch.Tensor, chunk: int,
+                 module: nn.Module | None = None) -> torch.Tensor:
+    """``forward(x)`` for ``x`` ``[B, T, ...]`` computed over ``x[:, s:s + chunk]`` and concatenated along
+    dim 1; each chunk checkpointed when grad mode is on.
+
+    ``module``: the module ``forward`` belongs to. Its parameters as bound *now* (the engine binds a
+    block's parameters to device views or gradient leaves only for the block's call) are passed to the
+    checkpoint and bound again when backward recomputes the chunk, which happens after the engine's
+    binding has ended.
+
+    Raises:
+        RuntimeError: ``forward`` returns anything but a tensor ``[B, chunk, ...]`` (an MLP that is not
+            per token); the message names ``mlp_chunk_size``."""
+    grad = torch.is_grad_enabled()
+    slots = [(m, k) for m in (module.modules() if module is not None else ()) for k, v in m._parameters.items()
+             if v is not None]
+    params = tuple(m._parameters[k] for m, k in slots)
+
+    def run(xc: torch.Tensor, *ps: torch.Tensor) -> Any:
+        with _bound(slots, ps):
+            return forward(xc)
+
+    pieces = []
+    for s in range(0, x.shape[1], chunk):
+        xc = x[:, s : s + chunk].contiguous()  # a view across the batch stride otherwise (MoE .view)
+        y = checkpoint(run, xc, *params, use_reentrant=False) if grad else forward(xc)
+        if not torch.is_tensor(y) or tuple(y.shape[:2]) != tuple(xc.shape[:2]):
+            raise RuntimeError(
+                f"megatrain: mlp_chunk_size: the MLP returned {type(y).__name__} "
+                f"{tuple(y.shape) if torch.is_tensor(y) else ''} for input {tuple(xc.shape)}; only MLPs that map "
+                "[B, T, H] to [B, T, ...] per token can run in chunks. Set mlp_chunk_size=None (strategy option / "
+                "Hydra key strategy.mlp_chunk_size).")
+        pieces.append(y)
+    return torch.cat(pieces, 1)
+
+
+class ChunkedMLP:
+    """Wraps the MLP of every (non-direct) block to run over ``chunk`` tokens at a time.
+
+    Args:
+        chunk: ``mlp_chunk_size`` (tokens), or ``None`` (nothing installed).
+    """
+
+    def __init__(self, chunk: int | None):
+        self.chunk = chunk
+        self.installed: list[tuple[nn.Module, bool, Any]] = []
+
+    def install(self, blocks: list[Block]) -> None:
+        """Wrap the MLP of every block of ``blocks`` that has one."""
+        if self.chunk is None or self.installed:
+            return
+        streamed = {id(b.module) for b in blocks}
+        for blk in blocks:
+            mlp = None if blk.direct else find_mlp(blk.module)
+            if mlp is None or id(mlp) in streamed:  # an MLP streamed as its own block keeps its proxy
+                continue
+            self.installed.append((mlp, "forward" in mlp.__dict__, mlp.__dict__.get("forward")))
+            mlp.forward = self._wrap(mlp, mlp.forward, self.chunk)
+
+    def uninstall(self) -> None:
+        """Restore every wrapped MLP's own ``forward``."""
+        for mlp, had, fwd in reversed(self.installed):
+            if had:
+                mlp.forward = fwd
+            else:
+                del mlp.forward
+        self.installed = []
+
+    @staticmethod
+    def _wrap(mlp: nn.Module, orig: Callable[..., Any], chunk: int) -> Callable[..., Any]:
+        def forward(x: Any, *args: Any, **kwargs: Any) -> Any:
+            if args or kwargs or not torch.is_tensor(x) or x.dim() < 3 or x.shape[1] <= chunk:
+                return orig(x, *args, **kwargs)
+            return chunked_call(orig, x, chunk, mlp)
+
+        forward.__wrapped__ = orig  # type: ignore[attr-defined]
+        return forward

@@ -1,0 +1,53 @@
+"""The long-sequence options of the engine, validated and installed together (docs/architecture.md,
+"Long sequences"):
+
+* ``loss_chunk_size``: the LM head and the cross-entropy over chunks of tokens (:mod:`.head_loss`,
+  :mod:`.chunked_loss`);
+* ``mlp_chunk_size``: each block's MLP over chunks of the sequence (:mod:`.chunked_mlp`).
+
+(``offload_activations``, the third, lives with the saved inputs: :mod:`.offload`.)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..blocks import Block
+from .chunked_loss import check_chunk_size
+from .chunked_mlp import ChunkedMLP
+from .head_loss import HeadLoss
+
+
+class LongSequences:
+    """Chunked LM head + loss and chunked MLP for one engine.
+
+    Args:
+        root: the streamed module.
+        loss_chunk_size: tokens per loss chunk, ``"auto"`` (256 MiB of fp32 logits per chunk) or ``None``.
+        mlp_chunk_size: tokens per MLP chunk, or ``None``.
+        call_block: the engine's grad-mode block call (``call_block(block, forward, args, kwargs)``).
+        param_dtype: the dtype of the weights while a block computes.
+
+    Raises:
+        ValueError: a chunk size that is not a positive int (or ``"auto"`` / ``None``), at construction.
+    """
+
+    def __init__(self, root: nn.Module, loss_chunk_size: int | str | None,
+                 mlp_chunk_size: int | None, call_block: Callable[..., Any], param_dtype: Callable[[], torch.dtype]):
+        check_chunk_size("loss_chunk_size", loss_chunk_size, allow_auto=True)
+        check_chunk_size("mlp_chunk_size", mlp_chunk_size, allow_auto=False)
+        self.head_loss = HeadLoss(root, loss_chunk_size, call_block, param_dtype)
+        self.mlp = ChunkedMLP(mlp_chunk_size)
+
+    def install(self, blocks: list[Block]) -> None:
+        """Wrap the causal LMs' forwards and the MLPs of ``blocks`` (after the block proxies are installed)."""
+        self.head_loss.install(blocks)
+        self.mlp.install(blocks)
+
+    def uninstall(self) -> None:
+        """Restore what :meth:`install` wrapped."""
+        self.mlp.uninstall()
+        self.head_loss.uninstall()
