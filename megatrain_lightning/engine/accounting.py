@@ -38,6 +38,11 @@ class StepStats:
         cast_s: seconds the H2D worker spent casting fp32 masters to the bf16/fp16 wire copies.
         d2h_queue_peak: most gradient batches queued for the D2H worker at once (bounded by the
             gradient sink's ``max_inflight``: each keeps its gradients on the device until copied).
+        recompute_s: seconds the compute thread spent recomputing block forwards in backward (part of
+            ``compute_s``; with ``recompute="selective"``/``"none"`` kept op outputs are not recomputed).
+        saved_activation_bytes: most bytes of activations kept on the device at once between forward
+            and backward (saved block inputs that need gradients, plus op outputs the recompute
+            policy keeps; offloaded ones excluded).
     """
 
     h2d_bytes: int = 0
@@ -50,6 +55,8 @@ class StepStats:
     prefetch_misses: int = 0
     cast_s: float = 0.0
     d2h_queue_peak: int = 0
+    recompute_s: float = 0.0
+    saved_activation_bytes: int = 0
 
     def as_dict(self, prefix: str = "megatrain/") -> dict[str, float]:
         """The statistics as ``{prefix + name: float}``, what the strategy logs."""
@@ -95,6 +102,10 @@ class ByteAccounting:
         bufs.clear()
         if self._on_release is not None:
             self._on_release()
+
+    def saw_activations(self, nbytes: int) -> None:
+        """``nbytes`` of activations are kept now (the step's ``saved_activation_bytes`` is the most seen)."""
+        self.stats.saved_activation_bytes = max(self.stats.saved_activation_bytes, nbytes)
 
     def new_step(self) -> None:
         """Start the statistics of the next optimizer step (peak starts at what is alive now)."""

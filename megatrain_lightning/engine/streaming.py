@@ -38,7 +38,8 @@ from .fetch import WeightFetcher
 from .grads import GradientSink
 from .kv_cache import any_requires_grad, training_call
 from .prefetch import Prefetcher
-from .recompute import Recompute, deprecated_recompute_every, trainable_refs
+from .recompute import Recompute, trainable_refs
+from .recompute_policy import RecomputePolicy, deprecated_recompute_every
 from .shared_grads import SharedGradSums
 from .params import ParamAccess
 from .transport import make_transport
@@ -60,6 +61,8 @@ class StreamingEngine:
         offload_activations: keep the saved block inputs in host memory instead of on the
             device (the device footprint is then flat in depth; costs one D2H and one H2D of
             the hidden states per block).
+        recompute_policy: what a block call keeps besides its inputs (``recompute="block"`` /
+            ``"selective"`` / ``"none"`` / ``"auto"``: :class:`RecomputePolicy`); default ``"block"``.
         block_classes / block_names: override block discovery, see
             :func:`~megatrain_lightning.blocks.discover_blocks`.
         pin_memory: page-lock host masters (default: ``True`` on CUDA).
@@ -86,6 +89,7 @@ class StreamingEngine:
         recompute_every: int = 1,
         checkpoint_every: int | None = None,
         offload_activations: bool = False,
+        recompute_policy: RecomputePolicy | None = None,
         block_classes: Sequence[str | type] | None = None,
         block_names: Sequence[str] | None = None,
         pin_memory: bool | None = None,
@@ -155,7 +159,7 @@ class StreamingEngine:
         self.recompute = Recompute(device=self.device, store=self.store, acct=self.acct, grads=self.grads,
                                    transport=self.transport, acquire=self.acquire, bind=self._bind,
                                    enter_backward=self._enter_backward, recompute_every=recompute_every,
-                                   offload_activations=offload_activations)
+                                   offload_activations=offload_activations, policy=recompute_policy)
         self._saved_forwards: dict[int, tuple[bool, Any]] = {}
         # optimizer step in backward (set per micro-batch by the strategy): each slab's AdamW update
         # runs on the D2H worker as soon as its last gradient of the step is accumulated
@@ -226,7 +230,6 @@ class StreamingEngine:
         self.optimizer = HostAdamW(self.store, optimizer, overlap=overlap, transport=self.transport)
         return self.optimizer
 
-    # ------------------------------------------------------------------ direct parameter access
     # ------------------------------------------------------------------ direct parameter access
     def read_param(self, p: torch.Tensor) -> torch.Tensor:
         """The current fp32 value of ``p`` (see :meth:`ParamAccess.read`). Raises ``KeyError`` if ``p``
