@@ -266,9 +266,10 @@ class Recompute:
 
     def _run_block(self, call: BlockCall, tensors: Sequence[torch.Tensor], leaves: dict[int, torch.Tensor] | None,
                    backward: bool, measure: Any = None):
-        """Forward of a call (no graph kept). A call that keeps op outputs (``call.saved_ops``) runs
-        with autograd and gradient leaves, as its recompute will, so both see the same ops."""
-        ops = None if backward else call.saved_ops
+        """Forward of a call (no graph kept). A call that keeps op outputs (``call.saved_ops``) or measures
+        them (``measure``: "auto") runs with autograd and gradient leaves, as its recompute will, so both
+        see the same ops."""
+        ops = None if backward else call.saved_ops.forward() if call.saved_ops is not None else measure
         if ops is not None:
             tensors = [t.detach().requires_grad_(t.requires_grad) if t.is_floating_point() else t for t in tensors]
         flat = list(call.flat)
@@ -280,8 +281,8 @@ class Recompute:
         try:
             if ops is not None:
                 leaves = self._grad_leaves(call.refs, bufs)
-            ctx = ops.forward() if ops is not None else measure or contextlib.nullcontext()
-            with self._bind(call.block, bufs, leaves), torch.set_grad_enabled(ops is not None or torch.is_grad_enabled()), ctx:
+            with self._bind(call.block, bufs, leaves), torch.set_grad_enabled(ops is not None or torch.is_grad_enabled()), \
+                    ops or contextlib.nullcontext():
                 out = call.forward(*args, **kwargs)
             return out if ops is None else tree_map_only(torch.Tensor, torch.Tensor.detach, out)
         finally:

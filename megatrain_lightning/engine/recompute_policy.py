@@ -219,6 +219,7 @@ class _Measure:
         row = self.blocks.setdefault(block, dict(selective=0, none=0, flops=0, flops_selective=0))
         seen_s: set = set()
         seen_n: set = set()
+        alive: list = []  # outputs held for the call, so freed storage is not reused under a counted address
 
         def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
             out = ctx.op_output
@@ -226,6 +227,7 @@ class _Measure:
             row["flops"] += f
             kept = not _cheap(func)
             if kept:
+                alive.append(out)
                 row["none"] += _storage_bytes(out, seen_n)
             if kept and _expensive(func, args, kwargs):
                 row["selective"] += _storage_bytes(out, seen_s)
@@ -239,7 +241,8 @@ class _Measure:
 def decide(measured: dict[int, dict[str, float]], budget: int) -> dict[int, str]:
     """Per block, the policy of ``"auto"``: start from ``"block"`` everywhere (keeps nothing extra,
     recomputes everything); upgrade blocks to ``"selective"`` in order of recompute FLOPs saved per kept
-    byte while the kept bytes fit ``budget``; then, with what is left, to ``"none"`` the same way.
+    byte while the kept bytes fit ``budget``; then, with what is left, to ``"none"`` the same way
+    (a block only changes when that saves recompute FLOPs).
 
     Args:
         measured: block index -> ``selective``/``none`` (bytes kept), ``flops`` (forward FLOPs),
@@ -250,12 +253,12 @@ def decide(measured: dict[int, dict[str, float]], budget: int) -> dict[int, str]
     left = budget
     gain_s = {b: (m["flops"] - m["flops_selective"]) / max(m["selective"], 1) for b, m in measured.items()}
     for b in sorted(measured, key=lambda b: -gain_s[b]):
-        if measured[b]["selective"] <= left:
+        if measured[b]["selective"] <= left and measured[b]["flops"] > measured[b]["flops_selective"]:
             choice[b], left = "selective", left - measured[b]["selective"]
     gain_n = {b: m["flops_selective"] / max(m["none"] - m["selective"], 1) for b, m in measured.items()}
     for b in sorted(measured, key=lambda b: -gain_n[b]):
         extra = measured[b]["none"] - (measured[b]["selective"] if choice[b] == "selective" else 0)
-        if extra <= left:
+        if extra <= left and measured[b]["flops_selective"] > 0:
             choice[b], left = "none", left - extra
     return choice
 
