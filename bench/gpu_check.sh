@@ -2,8 +2,8 @@
 # CUDA acceptance run of megatrain-lightning: one entry point for a short GPU lease.
 #   bash bench/gpu_check.sh                # on the GPU machine, from a fresh checkout (< 8 minutes)
 #   bash bench/gpu_check.sh --cpu-dry-run  # everything on the CPU with tiny sizes (exercises the logic)
-# Checks (see bench/gpu_check.py): env, parity, precision, memory, overlap, overhead, pytest (engine tests); each under its own
-# timeout inside a global budget (GPU_CHECK_BUDGET_S, default 450 s), continuing after failures.
+# Checks (see bench/gpu_check.py): env, parity, precision, memory, overlap, overhead, recompute, nvme, pytest (engine tests); each under its own
+# timeout inside a global budget (GPU_CHECK_BUDGET_S, default 540 s), continuing after failures.
 # Writes bench/results/gpu_check.json, gpu_check.log, memory_depth_cuda.json, overhead_cuda.json
 # (dry run: into ${TMPDIR:-/tmp}/gpu_check_dryrun instead) and copies them to $OUT when it is set.
 set -u
@@ -15,7 +15,7 @@ if [ "${1:-}" = "--cpu-dry-run" ]; then
     DRY="--cpu-dry-run"
     RESULTS=${TMPDIR:-/tmp}/gpu_check_dryrun
 fi
-BUDGET=${GPU_CHECK_BUDGET_S:-450}
+BUDGET=${GPU_CHECK_BUDGET_S:-540}
 mkdir -p "$RESULTS"
 LOG=$RESULTS/gpu_check.log
 PARTS=$(mktemp -d)
@@ -57,6 +57,7 @@ main() {
     run_check memory 90
     run_check overlap 150
     run_check overhead 120
+    run_check recompute 180
     run_check nvme 90
     run_check pytest 90
     python3 bench/gpu_check.py summary $DRY --parts "$PARTS" --results "$RESULTS" --total-s $(($(date +%s) - START))
@@ -66,7 +67,7 @@ main 2>&1 | tee "$LOG"
 rc=${PIPESTATUS[0]}
 rm -rf "$PARTS"
 if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then
-    cp "$RESULTS"/gpu_check.json "$RESULTS"/gpu_check.log "$RESULTS"/memory_depth_*.json "$RESULTS"/overhead_*.json "$OUT"/ 2>/dev/null
+    cp "$RESULTS"/gpu_check.json "$RESULTS"/gpu_check.log "$RESULTS"/memory_depth_*.json "$RESULTS"/overhead_*.json "$RESULTS"/recompute_policy_*.json "$OUT"/ 2>/dev/null
 fi
 echo "total $(($(date +%s) - START))s, exit $rc"
 exit $rc

@@ -20,6 +20,7 @@ and the same leaves, so both see the same op sequence (the cache is matched op b
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import warnings
@@ -84,15 +85,7 @@ def deprecated_recompute_every(recompute_every: int, checkpoint_every: int | Non
     return checkpoint_every
 
 
-def _dropout_p(func: Any, args: tuple, kwargs: dict) -> float:
-    """The ``dropout_p`` argument of an attention op (0 when it has none)."""
-    for i, a in enumerate(func._schema.arguments):
-        if a.name == "dropout_p":
-            v = kwargs.get("dropout_p", args[i] if i < len(args) else a.default_value)
-            return float(v or 0.0)
-    return 0.0
-
-
+@functools.lru_cache(maxsize=None)
 def _cheap(func: Any) -> bool:
     """Ops never kept: views (free to redo), casts and copies (a cast weight would keep a copy of the
     weights), in-place ops (their output is their input) and random ops (they are recomputed under the
@@ -101,8 +94,16 @@ def _cheap(func: Any) -> bool:
             or torch.Tag.nondeterministic_seeded in func.tags)
 
 
+@functools.lru_cache(maxsize=None)
+def _dropout_index(func: Any) -> int | None:
+    return next((i for i, a in enumerate(func._schema.arguments) if a.name == "dropout_p"), None)
+
+
 def _expensive(func: Any, args: tuple, kwargs: dict) -> bool:
-    return func.overloadpacket in _EXPENSIVE and _dropout_p(func, args, kwargs) == 0.0
+    if func.overloadpacket not in _EXPENSIVE:
+        return False
+    i = _dropout_index(func)
+    return i is None or float(kwargs.get("dropout_p", args[i] if i < len(args) else 0.0) or 0.0) == 0.0
 
 
 def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
