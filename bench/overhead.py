@@ -81,7 +81,8 @@ p.add_argument("--vocab", type=int, default=49152)
 p.add_argument("--adamw", default="fused", choices=["fused", "default"],
                help="AdamW kernel of both sides: fused=True, or torch's default (the for-loop on CPU)")
 p.add_argument("--configs", default="all",
-               help="comma-separated rows: baseline,plain,block,copy,selective,none,auto (baseline always runs)")
+               help="comma-separated rows: baseline,plain,block,copy,selective,none,auto,auto25 (baseline always runs; "
+                    "auto25 needs none before it)")
 p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: 2 on cpu, every core with cuda)")
 p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "overhead.json"))
 args = p.parse_args()
@@ -277,8 +278,10 @@ ALL = {"baseline": (f"baseline (HF checkpointing, {args.adamw} AdamW)", True),
        "copy": ("megatrain cpu_zero_copy=False", {"cpu_zero_copy": False}),
        "selective": ("megatrain recompute=selective", {"recompute": "selective"}),
        "none": ("megatrain recompute=none", {"recompute": "none"}),
-       "auto": ("megatrain recompute=auto", {"recompute": "auto"})}
-wanted = list(ALL) if args.configs == "all" else ["baseline"] + [c for c in args.configs.split(",") if c != "baseline"]
+       "auto": ("megatrain recompute=auto", {"recompute": "auto"}),
+       # issue 14: a budget of 25% of what "none" keeps (set from the "none" row of this run)
+       "auto25": ("megatrain recompute=auto, 25% of none", {"recompute": "auto"})}
+wanted = [k for k in ALL if k != "auto25"] if args.configs == "all" else ["baseline"] + [c for c in args.configs.split(",") if c != "baseline"]
 if cuda and "copy" in wanted:
     wanted.remove("copy")  # CUDA always copies
 configs = [(key, *ALL[key]) for key in wanted]
@@ -288,11 +291,15 @@ for key, name, kw in configs:
         times, other, peak, kept = run_baseline(checkpointing=kw)
         hist = []
     else:
+        if key == "auto25":
+            none = next(r for r in rows if r["key"] == "none")
+            kw = {**kw, "activation_memory_limit": max(1, int(0.25 * none["engine_saved_activation_bytes"]))}
         times, other, peak, hist = run_megatrain(**kw)
         kept = None
     gc.collect()
     idx = quiet_steps(times, other)
-    row = {"key": key, "name": name, "strategy_kwargs": kw if isinstance(kw, dict) else None, "step_s": times, "other_cpu_s": other, "used_steps": idx,
+    row = {"key": key, "name": name, "strategy_kwargs": kw if isinstance(kw, dict) else None,
+           "saved_activation_bytes_max": max(h["megatrain/saved_activation_bytes"] for h in hist) if hist else None, "step_s": times, "other_cpu_s": other, "used_steps": idx,
            "alone": len(idx) == args.steps and all(other[i] <= QUIET * times[i] for i in idx),
            "median_s": med([times[i] for i in idx]), "peak_device_bytes": peak}
     for k in ("h2d_bytes", "d2h_bytes", "wait_s", "optimizer_s", "compute_s", "peak_device_bytes", "blocks_fetched",
@@ -320,6 +327,11 @@ if "none" in by and "plain" in by:
     checks.append(("none / plain without checkpointing", by["none"]["ratio_plain"], 1.05))
 if "copy" in by:
     checks.append(("block, cpu_zero_copy=False / baseline", by["copy"]["ratio"], 1.05))
+if "auto25" in by and "block" in by:
+    a25 = by["auto25"]
+    limit = a25["strategy_kwargs"]["activation_memory_limit"]
+    checks.append(("auto at 25% of none: kept bytes (max over steps) / limit", a25["saved_activation_bytes_max"] / limit, 1.0))
+    checks.append(("auto at 25% of none / block (step time)", a25["median_s"] / by["block"]["median_s"], 1.0))
 
 with torch.device("meta"):
     n_params = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(cfg).parameters())
