@@ -57,7 +57,7 @@ main() {
     run_check memory 90
     run_check overlap 150
     run_check overhead 120
-    run_check recompute 180
+    run_check recompute 240
     run_check nvme 90
     run_check pytest 90
     python3 bench/gpu_check.py summary $DRY --parts "$PARTS" --results "$RESULTS" --total-s $(($(date +%s) - START))

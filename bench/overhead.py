@@ -32,7 +32,7 @@ optimizer step, because the strategy resets the statistics in it).
 Shared machines: every step records the CPU time other processes used meanwhile (from
 /proc/stat); half a core of other load slows a 2-thread step by 15-200%. A step counts
 only if it "ran alone" (others < 5% of a core); contended steps are measured again, up to
-3 x --steps in all, and the median is over the first --steps that ran alone. If too few
+--tries x --steps in all (default 3), and the median is over the first --steps that ran alone. If too few
 did, all steps are used and a WARNING says the ratio is unreliable.
 
 Targets (PASS/FAIL printed; exit code 0): megatrain (block) / baseline <= 1.10; issue 14: selective or auto
@@ -80,6 +80,8 @@ p.add_argument("--kv-heads", type=int, default=3)
 p.add_argument("--vocab", type=int, default=49152)
 p.add_argument("--adamw", default="fused", choices=["fused", "default"],
                help="AdamW kernel of both sides: fused=True, or torch's default (the for-loop on CPU)")
+p.add_argument("--tries", type=int, default=3,
+               help="at most TRIES x --steps measured steps per row while other processes disturb them (1: no retry)")
 p.add_argument("--configs", default="all",
                help="comma-separated rows: baseline,plain,block,copy,selective,none,auto,auto25 (baseline always runs; "
                     "auto25 needs none before it)")
@@ -99,7 +101,7 @@ cfg = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, i
                                max_position_embeddings=max(2048, args.seq),
                                tie_word_embeddings=True, rope_theta=100000, use_cache=False)
 QUIET = 0.05  # a step "ran alone" if other processes used < 5% of a core meanwhile
-n_max = args.warmup + 3 * args.steps  # contended steps are retried: at most 2 x --steps extra steps
+n_max = args.warmup + max(1, args.tries) * args.steps  # contended steps are retried: at most 2 x --steps extra steps
 ids_all = torch.randint(0, cfg.vocab_size, (n_max * args.batch, args.seq), generator=torch.Generator().manual_seed(1))
 
 
@@ -354,7 +356,7 @@ for r in rows:
 busy = sum(sum(r["other_cpu_s"][i] for i in r["used_steps"]) for r in rows)
 reliable = all(r["alone"] for r in rows)  # even 1/10 of a core of other load slows a 2-thread step by ~15%
 if not reliable:
-    print(f"WARNING: fewer than {args.steps} steps of some config ran alone in {3 * args.steps} tries; other processes "
+    print(f"WARNING: fewer than {args.steps} steps of some config ran alone in {args.tries * args.steps} tries; other processes "
           f"used {busy:.1f} CPU-s during the steps used (column 'other cpu s'): the ratio is unreliable, rerun when idle")
 if ratio is not None:
     print(f"ratio megatrain / baseline = {ratio:.3f} (target <= {TARGET}): {'PASS' if passed else 'FAIL'}"
