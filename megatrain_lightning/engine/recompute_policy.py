@@ -15,6 +15,12 @@ Saving is PyTorch's selective activation checkpointing: ``create_selective_check
 a policy function returning ``CheckpointPolicy``; the caching mode runs around the block's forward,
 the cached mode around its recompute in backward (``engine/recompute.py``). Both run with autograd on
 and the same leaves, so both see the same op sequence (the cache is matched op by op).
+
+Beyond the public API this reads torch's SAC cache (the caching mode's ``storage``: op -> index ->
+pytree of ``_VersionWrapper(val, version)``, and the ``_RECOMPUTE`` marker) to count the kept bytes,
+move them to host memory with ``offload_activations``, keep them for ``retain_graph=True`` and turn an
+output modified in place back into a recompute; checked against torch 2.13
+(tests/test_recompute_policy.py fails if that layout changes).
 """
 
 from __future__ import annotations
