@@ -35,7 +35,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from .checkpoint.hf_io import weight_sources
 from .checkpoint.directory import load_checkpoint_dir, load_optimizer_dir, save_checkpoint_dir
 from .engine.chunked_loss import check_chunk_size
-from .engine.recompute import deprecated_recompute_every
+from .engine.recompute_policy import RecomputePolicy, check_recompute, deprecated_recompute_every
 from .engine.streaming import StreamingEngine
 from .engine.threads import check_host_threads
 from .optim.host_adamw import UnsupportedOptimizerError, validate_optimizer
@@ -70,6 +70,13 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             See README, "Long sequences".
         mlp_chunk_size: tokens per chunk of each block's MLP (forward and recompute; each chunk
             checkpointed, so backward holds one chunk's MLP intermediates). ``None`` (default): off.
+        recompute: what each block's backward recomputes (docs/architecture.md, "Recompute policy"):
+            ``"block"`` (default: keep the block's inputs, recompute the whole block), ``"selective"``
+            (also keep the outputs of matmuls and attention; recompute norms, activations, elementwise
+            ops and dropout), ``"none"`` (keep every op output: nothing costly is recomputed) or
+            ``"auto"`` (per block, within ``activation_memory_limit``; the choice is logged once).
+        activation_memory_limit: bytes (or ``"4GiB"``) of device memory that ``recompute="auto"`` lets the
+            kept activations take (block inputs included); default: half the free device memory.
         overlap_optimizer: apply each block's AdamW update just before its next prefetch (default)
             instead of all at once in ``optimizer.step()``. Both give identical results.
         block_classes: class names/classes of the repeated blocks; default: every Hugging Face
@@ -126,6 +133,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         ValueError: ``loss_chunk_size`` / ``mlp_chunk_size`` not a positive int (or ``"auto"`` / ``None``).
         UnsupportedOptimizerError: ``configure_optimizers`` returned anything but one AdamW/Adam.
         BlockDiscoveryError: the model has no discoverable blocks.
+        ValueError: ``recompute`` is not one of "block", "selective", "none", "auto", or
+            ``activation_memory_limit`` is not a positive size (at construction).
     """
 
     strategy_name = "megatrain"
@@ -140,6 +149,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         recompute_every: int = 1,
         checkpoint_every: int | None = None,
         offload_activations: bool = False,
+        recompute: str = "block",
+        activation_memory_limit: int | str | None = None,
         overlap_optimizer: bool = True,
         block_classes: Sequence[str | type] | None = None,
         block_names: Sequence[str] | None = None,
@@ -166,6 +177,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         self.lookahead = lookahead
         self.recompute_every = deprecated_recompute_every(recompute_every, checkpoint_every)
         self.offload_activations = offload_activations
+        self.recompute, self.activation_memory_limit = check_recompute(recompute, activation_memory_limit)
         self.overlap_optimizer = overlap_optimizer
         self.block_classes = block_classes
         self.block_names = block_names
@@ -250,6 +262,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
                 offload_activations=self.offload_activations,
                 loss_chunk_size=self.loss_chunk_size,
                 mlp_chunk_size=self.mlp_chunk_size,
+                recompute_policy=RecomputePolicy(self.recompute, self.root_device, self.activation_memory_limit),
                 block_classes=self.block_classes,
                 block_names=self.block_names,
                 pin_memory=self.pin_memory,

@@ -410,7 +410,7 @@ def test_host_short_plan_suggests_the_nvme_tier_with_numbers():
     assert f"use the NVMe tier (strategy=megatrain_nvme, host_memory_limit={int(p.capacity['host'] * 0.9 / GIB)}GiB)" in text
     assert f"host then needs {gib(nv.host_bytes)} GiB" in text and f"disk {gib(nv.disk_bytes)} GiB (fits)" in text
     opt = replan(p, offload_optimizer="nvme", offload_grads="nvme")
-    assert f"offload_optimizer=nvme: AdamW moments and gradient accumulators" in text
+    assert "offload_optimizer=nvme: AdamW moments and gradient accumulators" in text
     assert f"host then needs {gib(opt.host_bytes)} GiB" in text
     assert "use the NVMe tier" in format_comparison([p])
 

@@ -48,6 +48,11 @@ class StepStats:
             (the copy time not hidden behind host adds; on CUDA it includes waiting for the block's
             backward that produces the gradients).
         grad_add_s: seconds the D2H worker spent adding gradients into the fp32 host accumulators.
+        recompute_s: seconds the compute thread spent recomputing block forwards in backward (part of
+            ``compute_s``; with ``recompute="selective"``/``"none"`` kept op outputs are not recomputed).
+        saved_activation_bytes: most bytes of activations kept on the device at once between forward
+            and backward (saved block inputs that need gradients, plus op outputs the recompute
+            policy keeps; offloaded ones excluded).
     """
 
     h2d_bytes: int = 0
@@ -65,6 +70,8 @@ class StepStats:
     d2h_busy_s: float = 0.0
     d2h_copy_wait_s: float = 0.0
     grad_add_s: float = 0.0
+    recompute_s: float = 0.0
+    saved_activation_bytes: int = 0
 
     def as_dict(self, prefix: str = "megatrain/") -> dict[str, float]:
         """The statistics as ``{prefix + name: float}``, what the strategy logs."""
@@ -133,6 +140,10 @@ class ByteAccounting:
         bufs.clear()
         if self._on_release is not None:
             self._on_release()
+
+    def saw_activations(self, nbytes: int) -> None:
+        """``nbytes`` of activations are kept now (the step's ``saved_activation_bytes`` is the most seen)."""
+        self.peak(saved_activation_bytes=nbytes)
 
     def new_step(self) -> None:
         """Start the statistics of the next optimizer step (peak starts at what is alive now)."""

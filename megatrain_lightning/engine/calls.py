@@ -45,6 +45,8 @@ class BlockCall:
     versions: dict[int, int] = field(default_factory=dict)
     graph: "KeptGraph | None" = None
     freed: bool = False
+    saved_ops: Any = None  # recompute_policy.SavedOps: op outputs kept ("selective"/"none")
+    kept_bytes: Any = None  # releases this call's bytes in the activation meter
 
 
 @dataclass(eq=False)
@@ -96,3 +98,21 @@ class KeptGraph:
         self.rc.kept_open.discard(self)
         self.leaves, self.inputs, self.outs = {}, [], []
         self.rc.acct.release(self.bufs)
+
+
+# PyTorch's own message for this error, so users find the usual advice
+SECOND_BACKWARD = ("Trying to backward through the graph a second time (or directly access saved tensors after they "
+                    "have already been freed). Saved intermediate values of the graph are freed when you call "
+                    ".backward() or autograd.grad(). Specify retain_graph=True if you need to backward through the "
+                    "graph a second time")
+
+
+def trainable_refs(blk: Block) -> list:
+    """The block's trainable parameter references, one per parameter object, in block order."""
+    seen: set[int] = set()
+    refs = []
+    for ref in blk.params:
+        if ref.param.requires_grad and id(ref.param) not in seen:
+            seen.add(id(ref.param))
+            refs.append(ref)
+    return refs

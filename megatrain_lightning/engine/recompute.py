@@ -16,21 +16,21 @@ engine passes in the block runner (``acquire`` + ``bind``) and the gradient sink
 from __future__ import annotations
 
 import contextlib
-import warnings
 import time
 import weakref
 from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 from torch.autograd.graph import get_gradient_edge
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from ..blocks import Block
 from ..store.host import HostStore
 from .accounting import ByteAccounting
-from .calls import BlockCall, ForwardRecord, KeptGraph
+from .calls import SECOND_BACKWARD, BlockCall, ForwardRecord, KeptGraph, trainable_refs  # noqa: F401 - trainable_refs re-exported
 from .grads import GradientSink
 from .offload import ActivationOffload, next_offloaded
+from .recompute_policy import RecomputePolicy
 
 
 def _autocast_state(device_type: str) -> tuple:
@@ -115,7 +115,8 @@ class _BlockFunction(torch.autograd.Function):
         if call.keep:
             out = rc._run_kept(call, tensors)
         else:
-            out = rc._run_block(call, tensors, leaves=None, backward=False)
+            call.saved_ops, measure = rc.policy.start(call.block.index, call.fwd)
+            out = rc._run_block(call, tensors, leaves=None, backward=False, measure=measure)
         out_flat, call.out_spec = tree_flatten(out)
         call.out_pos = [i for i, x in enumerate(out_flat) if isinstance(x, torch.Tensor)]
         call.out_flat = [None if isinstance(x, torch.Tensor) else x for x in out_flat]
@@ -137,7 +138,7 @@ class _BlockFunction(torch.autograd.Function):
                 "penalty with strategy='auto' or without create_graph."
             )
         if call.freed:
-            raise RuntimeError(_SECOND_BACKWARD + f" (megatrain: streamed block {call.block.name}).")
+            raise RuntimeError(SECOND_BACKWARD + f" (megatrain: streamed block {call.block.name}).")
         n = len(call.tensor_pos)
         needs = ctx.needs_input_grad[2 : 2 + n]
         kind = "all" if _leaf_grad_use(rc.dummy) == "accumulate" else "select"
@@ -145,24 +146,6 @@ class _BlockFunction(torch.autograd.Function):
         call.fwd.backward_started = True
         grad_inputs, grad_params = rc._backward_call(call, needs, grad_outs, kind, keep_graph)
         return (None, None, *grad_inputs, *grad_params)
-
-
-# PyTorch's own message for this error, so users find the usual advice
-_SECOND_BACKWARD = ("Trying to backward through the graph a second time (or directly access saved tensors after they "
-                    "have already been freed). Saved intermediate values of the graph are freed when you call "
-                    ".backward() or autograd.grad(). Specify retain_graph=True if you need to backward through the "
-                    "graph a second time")
-
-
-def trainable_refs(blk: Block) -> list:
-    """The block's trainable parameter references, one per parameter object, in block order."""
-    seen: set[int] = set()
-    refs = []
-    for ref in blk.params:
-        if ref.param.requires_grad and id(ref.param) not in seen:
-            seen.add(id(ref.param))
-            refs.append(ref)
-    return refs
 
 
 class Recompute:
@@ -182,17 +165,20 @@ class Recompute:
         enter_backward: called when a backward starts at a kept graph (before any fetch).
         recompute_every: K: only every K-th call keeps its inputs; the others recompute them.
         offload_activations: kept inputs that need gradients go to host memory.
+        policy: what a call keeps besides its inputs (:class:`RecomputePolicy`; default ``"block"``).
     """
 
     def __init__(self, *, device: torch.device, store: HostStore, acct: ByteAccounting, grads: GradientSink,
                  transport: Any, acquire: Callable[..., dict[int, torch.Tensor]],
                  bind: Callable[..., ContextManager[None]], enter_backward: Callable[[], None],
-                 recompute_every: int = 1, offload_activations: bool = False):
+                 recompute_every: int = 1, offload_activations: bool = False, policy: RecomputePolicy | None = None):
         self.device, self.store, self.acct, self.grads, self.transport = device, store, acct, grads, transport
         self._acquire, self._bind, self._enter_backward = acquire, bind, enter_backward
         self.recompute_every = recompute_every
         self.offload_activations = offload_activations
         self.offload = ActivationOffload(transport, acct)
+        self.policy = policy or RecomputePolicy()
+        self.policy.meter.on_change = acct.saw_activations
         self.fwd = ForwardRecord()  # grad-mode block calls of the current forward, in order
         self.kept_open: set[KeptGraph] = set()  # last-block graphs whose backward has not run
         self.dummy = torch.empty(0, device=device, requires_grad=True)  # marker leaf of every call
@@ -282,7 +268,13 @@ class Recompute:
             kept.close()
 
     def _run_block(self, call: BlockCall, tensors: Sequence[torch.Tensor], leaves: dict[int, torch.Tensor] | None,
-                   backward: bool):
+                   backward: bool, measure: Any = None):
+        """Forward of a call (no graph kept). A call that keeps op outputs (``call.saved_ops``) or measures
+        them (``measure``: "auto") runs with autograd and gradient leaves, as its recompute will, so both
+        see the same ops."""
+        ops = None if backward else call.saved_ops.forward() if call.saved_ops is not None else measure
+        if ops is not None:
+            tensors = [t.detach().requires_grad_(t.requires_grad) if t.is_floating_point() else t for t in tensors]
         flat = list(call.flat)
         for i, t in zip(call.tensor_pos, tensors):
             flat[i] = t
@@ -290,8 +282,12 @@ class Recompute:
         bufs = self._acquire(call.block, backward=backward, training=not backward)
         t0 = time.perf_counter()
         try:
-            with self._bind(call.block, bufs, leaves):
-                return call.forward(*args, **kwargs)
+            if ops is not None:
+                leaves = self._grad_leaves(call.refs, bufs)
+            with self._bind(call.block, bufs, leaves), torch.set_grad_enabled(ops is not None or torch.is_grad_enabled()), \
+                    ops or contextlib.nullcontext():
+                out = call.forward(*args, **kwargs)
+            return out if ops is None else tree_map_only(torch.Tensor, torch.Tensor.detach, out)
         finally:
             self.acct.add(compute_s=time.perf_counter() - t0)
             self.acct.release(bufs)
@@ -323,6 +319,8 @@ class Recompute:
                 if need:
                     t.requires_grad_(True)
                 inputs.append(t)
+            if call.saved_ops is not None:
+                self.acct.add(h2d_bytes=call.saved_ops.restore(self.transport))
             bufs = self._acquire(call.block, backward=True)
             t0 = time.perf_counter()
             leaves = self._grad_leaves(refs, bufs)
@@ -334,8 +332,12 @@ class Recompute:
                 for i, t in zip(call.tensor_pos, inputs):
                     flat[i] = t
                 args, kwargs = tree_unflatten(flat, call.spec)
-                with self._replay(call), torch.enable_grad(), self._bind(call.block, bufs, leaves):
+                saved = call.saved_ops
+                ctx = saved.recompute(keep_graph) if saved is not None else contextlib.nullcontext()
+                t1 = time.perf_counter()
+                with self._replay(call), torch.enable_grad(), self._bind(call.block, bufs, leaves), ctx:
                     out = call.forward(*args, **kwargs)
+                self.acct.add(recompute_s=time.perf_counter() - t1)
                 out_flat = tree_flatten(out)[0]
                 outs = [out_flat[i] for i in call.out_pos]
             pairs = [(o, g) for o, g in zip(outs, grad_outs) if g is not None and o.requires_grad]
@@ -389,6 +391,7 @@ class Recompute:
         prev = fwd.last_outs if (fwd.last_outs and fwd.last_outs[0] == call.pos - 1) else None
         start = call.pos % self.recompute_every == 0
         call.saved = []
+        kept = 0
         for i, t in enumerate(tensors):
             link = None
             if not start and prev is not None:
@@ -402,6 +405,12 @@ class Recompute:
             else:
                 call.saved.append(t)
                 call.versions[i] = t._version
+                kept += t.numel() * t.element_size() if t.requires_grad else 0  # masks, cos/sin: shared
+        if call.saved_ops is not None and self.offload_activations:
+            self.acct.add(d2h_bytes=call.saved_ops.offload(self.transport))
+        elif call.saved_ops is not None:
+            kept += call.saved_ops.nbytes
+        call.kept_bytes = self.policy.meter.add(call, kept)
 
     def _load_inputs(self, call: BlockCall, final: bool = False) -> list[torch.Tensor]:
         """The call's tensor inputs, recomputing linked ones from the segment start if needed.
@@ -435,10 +444,12 @@ class Recompute:
         for q in reversed(chain):
             c = fwd.call(q)
             if c.freed:
-                raise RuntimeError(_SECOND_BACKWARD + f" (megatrain: block {c.block.name} is recomputed from freed inputs).")
+                raise RuntimeError(SECOND_BACKWARD + f" (megatrain: block {c.block.name} is recomputed from freed inputs).")
             inputs = [t.detach() for t in self._load_inputs(c)]
+            t0 = time.perf_counter()
             with torch.no_grad(), self._replay(c):
                 out = self._run_block(c, inputs, leaves=None, backward=True)
+            self.acct.add(recompute_s=time.perf_counter() - t0)
             flat = tree_flatten(out)[0]
             fwd.recomputed[q] = [flat[i] for i in c.out_pos]
 
@@ -450,6 +461,10 @@ class Recompute:
             return
         call.freed = True
         call.saved, call.offloaded, call.versions = [], {}, {}
+        if call.saved_ops is not None:
+            call.saved_ops.free()
+        if call.kept_bytes is not None:
+            call.kept_bytes()
         if call.graph is not None:
             call.graph.close()
             call.graph = None
@@ -471,18 +486,3 @@ class Recompute:
             cached.discard(p - 1)
         return seq
 
-
-def deprecated_recompute_every(recompute_every: int, checkpoint_every: int | None) -> int:
-    """``recompute_every``, or the value given under its former name ``checkpoint_every`` (which
-    collided with Lightning's model checkpoints), with a ``DeprecationWarning``; kept for one release.
-
-    Raises:
-        TypeError: both names given with different values."""
-    if checkpoint_every is None:
-        return recompute_every
-    warnings.warn("megatrain: checkpoint_every was renamed recompute_every (it sets recompute segments, not model "
-                  "checkpoints); the old name will be removed in the next release.", DeprecationWarning, stacklevel=3)
-    if recompute_every not in (1, checkpoint_every):
-        raise TypeError(f"recompute_every={recompute_every} and checkpoint_every={checkpoint_every} both given; "
-                        "pass only recompute_every.")
-    return checkpoint_every

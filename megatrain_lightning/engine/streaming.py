@@ -40,7 +40,8 @@ from .grads import GradientSink
 from .long_sequences import LongSequences
 from .kv_cache import any_requires_grad, training_call
 from .prefetch import Prefetcher
-from .recompute import Recompute, deprecated_recompute_every, trainable_refs
+from .recompute import Recompute, trainable_refs
+from .recompute_policy import RecomputePolicy, deprecated_recompute_every
 from .staging import StagingRing
 from .window import nvme_window
 from .shared_grads import SharedGradSums
@@ -65,6 +66,8 @@ class StreamingEngine:
         offload_activations: keep the saved block inputs in host memory instead of on the
             device (the device footprint is then flat in depth; costs one D2H and one H2D of
             the hidden states per block).
+        recompute_policy: what a block call keeps besides its inputs (``recompute="block"`` /
+            ``"selective"`` / ``"none"`` / ``"auto"``: :class:`RecomputePolicy`); default ``"block"``.
         block_classes / block_names: override block discovery, see
             :func:`~megatrain_lightning.blocks.discover_blocks`.
         pin_memory: page-lock host memory on CUDA: the RAM tier's masters and wire images, the NVMe
@@ -103,6 +106,7 @@ class StreamingEngine:
         recompute_every: int = 1,
         checkpoint_every: int | None = None,
         offload_activations: bool = False,
+        recompute_policy: RecomputePolicy | None = None,
         block_classes: Sequence[str | type] | None = None,
         block_names: Sequence[str] | None = None,
         pin_memory: bool | None = None,
@@ -165,7 +169,7 @@ class StreamingEngine:
         self.recompute = Recompute(device=self.device, store=self.store, acct=self.acct, grads=self.grads,
                                    transport=self.transport, acquire=self.acquire, bind=self._bind,
                                    enter_backward=self._enter_backward, recompute_every=recompute_every,
-                                   offload_activations=offload_activations)
+                                   offload_activations=offload_activations, policy=recompute_policy)
         self._saved_forwards: dict[int, tuple[bool, Any]] = {}
         # optimizer step in backward (set per micro-batch by the strategy): each slab's AdamW update
         # runs on the D2H worker as soon as its last gradient of the step is accumulated

@@ -1,0 +1,362 @@
+"""What a streamed block keeps from its forward for its backward: the recompute policy.
+
+``recompute`` (strategy option) chooses, per block call:
+
+* ``"block"``: keep only the block's inputs; backward recomputes the whole block (the MegaTrain default).
+* ``"selective"``: also keep the outputs of the expensive operations (matrix multiplies, attention:
+  the forward ops of ``torch.utils.flop_counter``'s registry); backward recomputes only the cheap
+  ones (norms, activations, elementwise, casts, dropout under the replayed RNG state).
+* ``"none"``: keep the output of every operation that is not a view, a cast, random or in place;
+  backward runs the block's Python again but recomputes no kernel that costs anything.
+* ``"auto"``: per block, the cheapest of the three in recompute FLOPs whose kept bytes fit
+  ``activation_memory_limit`` (decided once, after the first training forward measured them).
+
+Saving is PyTorch's selective activation checkpointing: ``create_selective_checkpoint_contexts`` and
+a policy function returning ``CheckpointPolicy``; the caching mode runs around the block's forward,
+the cached mode around its recompute in backward (``engine/recompute.py``). Both run with autograd on
+and the same leaves, so both see the same op sequence (the cache is matched op by op).
+
+Beyond the public API this reads torch's SAC cache (the caching mode's ``storage``: op -> index ->
+pytree of ``_VersionWrapper(val, version)``, and the ``_RECOMPUTE`` marker) to count the kept bytes,
+move them to host memory with ``offload_activations``, keep them for ``retain_graph=True`` and turn an
+output modified in place back into a recompute; checked against torch 2.13
+(tests/test_recompute_policy.py fails if that layout changes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import warnings
+import weakref
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils._pytree import tree_flatten
+from torch.utils import checkpoint as _torch_checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.flop_counter import flop_registry
+
+from ..store.budget import fmt_bytes, parse_bytes
+
+log = logging.getLogger(__name__)
+
+RECOMPUTE_MODES = ("block", "selective", "none", "auto")
+"""Allowed values of the ``recompute`` option."""
+
+_aten = torch.ops.aten
+# forward ops whose FLOPs torch counts (matmuls, convolutions, attention), plus CPU flash attention
+_EXPENSIVE = {k: v for k, v in flop_registry.items() if "backward" not in str(k)}
+_EXPENSIVE[_aten._scaled_dot_product_flash_attention_for_cpu] = flop_registry[_aten._scaled_dot_product_flash_attention]
+# torch's marker of a cache entry to recompute (what a PREFER_RECOMPUTE op gets in the cache)
+_RECOMPUTE = _torch_checkpoint._RECOMPUTE
+_CASTS = {_aten._to_copy, _aten.to, _aten.clone, _aten.copy_, _aten.lift_fresh}
+
+
+def check_recompute(mode: Any, activation_memory_limit: int | str | None = None) -> tuple[str, int | None]:
+    """Validate the ``recompute`` and ``activation_memory_limit`` options.
+
+    Returns:
+        (mode, limit in bytes or ``None``: "auto" then takes half the free device memory).
+    Raises:
+        ValueError: ``mode`` not one of :data:`RECOMPUTE_MODES`, or the limit not a positive size.
+    """
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"megatrain: recompute={mode!r} is not a recompute policy; use one of "
+                         f"{', '.join(repr(m) for m in RECOMPUTE_MODES)} (strategy option / Hydra key strategy.recompute).")
+    limit = None
+    if activation_memory_limit is not None:
+        try:
+            limit = parse_bytes(activation_memory_limit)
+        except ValueError as e:
+            raise ValueError(f"megatrain: activation_memory_limit: {e}") from None
+    return mode, limit
+
+
+def deprecated_recompute_every(recompute_every: int, checkpoint_every: int | None) -> int:
+    """``recompute_every``, or the value given under its former name ``checkpoint_every`` (which
+    collided with Lightning's model checkpoints), with a ``DeprecationWarning``; kept for one release.
+
+    Raises:
+        TypeError: both names given with different values."""
+    if checkpoint_every is None:
+        return recompute_every
+    warnings.warn("megatrain: checkpoint_every was renamed recompute_every (it sets recompute segments, not model "
+                  "checkpoints); the old name will be removed in the next release.", DeprecationWarning, stacklevel=3)
+    if recompute_every not in (1, checkpoint_every):
+        raise TypeError(f"recompute_every={recompute_every} and checkpoint_every={checkpoint_every} both given; "
+                        "pass only recompute_every.")
+    return checkpoint_every
+
+
+@functools.lru_cache(maxsize=None)
+def _cheap(func: Any) -> bool:
+    """Ops never kept: views (free to redo), casts and copies (a cast weight would keep a copy of the
+    weights), in-place ops (their output is their input) and random ops (they are recomputed under the
+    replayed RNG state, so no kept op may consume random numbers)."""
+    return (func.is_view or func.overloadpacket in _CASTS or func._schema.is_mutable
+            or torch.Tag.nondeterministic_seeded in func.tags)
+
+
+@functools.lru_cache(maxsize=None)
+def _dropout_index(func: Any) -> int | None:
+    return next((i for i, a in enumerate(func._schema.arguments) if a.name == "dropout_p"), None)
+
+
+def _expensive(func: Any, args: tuple, kwargs: dict) -> bool:
+    if func.overloadpacket not in _EXPENSIVE:
+        return False
+    i = _dropout_index(func)
+    return i is None or float(kwargs.get("dropout_p", args[i] if i < len(args) else 0.0) or 0.0) == 0.0
+
+
+def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
+    """Forward FLOPs of one op: torch's formula for matmuls/attention (``torch.utils.flop_counter``),
+    otherwise one per output element (elementwise estimate)."""
+    f = _EXPENSIVE.get(func.overloadpacket)
+    if f is not None:
+        try:
+            return int(f(*args, **kwargs, out_val=out))
+        except Exception:  # noqa: BLE001 - an estimate; a formula that does not fit counts elements
+            pass
+    return sum(t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+
+
+def _storage_bytes(out: Any, seen: set) -> int:
+    """Bytes of the tensors in ``out`` whose storage was not counted yet (``seen``: data pointers)."""
+    n = 0
+    for t in tree_flatten(out)[0]:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            key = t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                n += t.numel() * t.element_size()
+    return n
+
+
+class SavedOps:
+    """The op outputs one block call keeps (``"selective"`` / ``"none"``), with torch's two SAC modes.
+
+    ``forward()`` wraps the call's forward (caching mode), ``recompute(keep_graph)`` its recompute in
+    backward (cached mode). ``nbytes``: bytes kept (unique storages). Not thread-safe (compute thread).
+    """
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.nbytes = 0
+        self._fwd, self._cached = create_selective_checkpoint_contexts(self._policy)
+        self._offloaded: list[tuple[Any, tuple]] = []
+
+    def _policy(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if _cheap(func) or (self.mode == "selective" and not _expensive(func, args, kwargs)):
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE
+
+    def _entries(self) -> Iterator[tuple[dict, int, list]]:
+        # torch's cache: op -> {index: pytree of _VersionWrapper(val, version) or a marker}
+        for entries in self._fwd.storage.values():
+            for i, entry in entries.items():
+                ws = [w for w in tree_flatten(entry)[0] if isinstance(getattr(w, "val", None), torch.Tensor)]
+                if ws:
+                    yield entries, i, ws
+
+    def _wrappers(self) -> Iterator[Any]:
+        for _, _, ws in self._entries():
+            yield from ws
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        """Context of the call's forward (autograd on): keeps the outputs the policy selects. An output
+        modified in place later in the block (Mixtral's routing weights) is recomputed instead."""
+        with self._fwd:
+            yield
+        for entries, i, ws in list(self._entries()):
+            if any(w.val._version != w.version for w in ws):
+                entries[i] = _RECOMPUTE
+        self.nbytes = _storage_bytes([w.val for w in self._wrappers()], set())
+
+    @contextlib.contextmanager
+    def recompute(self, keep_graph: bool) -> Iterator[None]:
+        """Context of the call's recompute in backward: kept outputs are returned instead of computed.
+        ``keep_graph`` (``retain_graph=True``): the cache stays usable for a further backward."""
+        storage = self._fwd.storage
+        snapshot = {k: dict(v) for k, v in storage.items()} if keep_graph else None
+        try:
+            with self._cached:
+                yield
+        finally:
+            if snapshot is not None:
+                storage.clear()
+                storage.update(snapshot)
+
+    def offload(self, transport: Any) -> int:
+        """Move the kept outputs to host memory (``transport.offload``); returns the bytes moved."""
+        n = 0
+        for w in self._wrappers():
+            n += w.val.numel() * w.val.element_size()
+            self._offloaded.append((w, transport.offload(w.val)))
+            w.val = None
+        return n
+
+    def restore(self, transport: Any) -> int:
+        """Bring offloaded outputs back (``transport.restore``) before the recompute; returns bytes."""
+        n = 0
+        for w, host in self._offloaded:
+            w.val = transport.restore(*host)
+            w.version = w.val._version
+            n += w.val.numel() * w.val.element_size()
+        self._offloaded = []
+        return n
+
+    def free(self) -> None:
+        """Drop every kept output (the call's backward ran without ``retain_graph``)."""
+        self._fwd.storage.clear()
+        self._offloaded = []
+
+
+class _Measure:
+    """Per block, over one training forward: bytes each policy would keep and FLOPs it would recompute."""
+
+    def __init__(self):
+        self.blocks: dict[int, dict[str, float]] = {}
+
+    def context(self, block: int) -> Any:
+        row = self.blocks.setdefault(block, dict(selective=0, none=0, flops=0, flops_selective=0))
+        seen_s: set = set()
+        seen_n: set = set()
+        alive: list = []  # outputs held for the call, so freed storage is not reused under a counted address
+
+        def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            out = ctx.op_output
+            f = _flops(func, args, kwargs, out)
+            row["flops"] += f
+            kept = not _cheap(func)
+            if kept:
+                alive.append(out)
+                row["none"] += _storage_bytes(out, seen_n)
+            if kept and _expensive(func, args, kwargs):
+                row["selective"] += _storage_bytes(out, seen_s)
+            else:
+                row["flops_selective"] += f
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)[0]
+
+
+def decide(measured: dict[int, dict[str, float]], budget: int) -> dict[int, str]:
+    """Per block, the policy of ``"auto"``: start from ``"block"`` everywhere (keeps nothing extra,
+    recomputes everything); upgrade blocks to ``"selective"`` in order of recompute FLOPs saved per kept
+    byte while the kept bytes fit ``budget``; then, with what is left, to ``"none"`` the same way
+    (a block only changes when that saves recompute FLOPs).
+
+    Args:
+        measured: block index -> ``selective``/``none`` (bytes kept), ``flops`` (forward FLOPs),
+            ``flops_selective`` (FLOPs ``"selective"`` still recomputes).
+        budget: bytes the kept op outputs may take in all (block inputs excluded).
+    """
+    choice = {b: "block" for b in measured}
+    left = budget
+    gain_s = {b: (m["flops"] - m["flops_selective"]) / max(m["selective"], 1) for b, m in measured.items()}
+    for b in sorted(measured, key=lambda b: -gain_s[b]):
+        if measured[b]["selective"] <= left and measured[b]["flops"] > measured[b]["flops_selective"]:
+            choice[b], left = "selective", left - measured[b]["selective"]
+    gain_n = {b: m["flops_selective"] / max(m["none"] - m["selective"], 1) for b, m in measured.items()}
+    for b in sorted(measured, key=lambda b: -gain_n[b]):
+        extra = measured[b]["none"] - (measured[b]["selective"] if choice[b] == "selective" else 0)
+        if extra <= left and measured[b]["flops_selective"] > 0:
+            choice[b], left = "none", left - extra
+    return choice
+
+
+def default_activation_limit(device: torch.device) -> int:
+    """Half the free device memory, in bytes (CUDA: ``mem_get_info`` plus what torch's caching
+    allocator holds unused; CPU: half of ``MemAvailable`` in /proc/meminfo)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return free // 2
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return avail // 2
+
+
+class ActivationMeter:
+    """Bytes of activations the engine keeps on the device between a forward and its backward.
+
+    ``add(owner, n)`` counts ``n`` bytes until ``owner`` is garbage-collected or the returned handle is
+    called (idempotent); ``on_change(live)`` is called with the new total after every add (the engine
+    keeps the step's peak as ``saved_activation_bytes``). ``peak``: the most ever counted at once."""
+
+    def __init__(self, on_change: Callable[[int], None] | None = None):
+        self.live = 0
+        self.peak = 0
+        self.on_change = on_change
+
+    def add(self, owner: Any, n: int) -> Callable[[], Any]:
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        if self.on_change is not None:
+            self.on_change(self.live)
+        return weakref.finalize(owner, self._sub, n)
+
+    def _sub(self, n: int) -> None:
+        self.live -= n
+
+
+class RecomputePolicy:
+    """The recompute policy of the engine's block calls (module docstring).
+
+    Args:
+        mode: one of :data:`RECOMPUTE_MODES` (checked by :func:`check_recompute`).
+        device: the compute device (``"auto"``'s default budget).
+        activation_memory_limit: bytes ``"auto"`` lets the kept op outputs take (``None``: half the
+            free device memory when it decides). Block inputs count in it; ``"auto"`` gives op outputs
+            what the block inputs of its measured forward leave.
+    """
+
+    def __init__(self, mode: str = "block", device: torch.device | None = None,
+                 activation_memory_limit: int | None = None):
+        self.mode, self.limit = check_recompute(mode, activation_memory_limit)
+        self.device = device or torch.device("cpu")
+        self.choice: dict[int, str] | None = None if self.mode == "auto" else {}
+        self._measure: _Measure | None = None
+        self._measured_fwd: Any = None
+        self.meter = ActivationMeter()
+
+    def mode_for(self, block: int, fwd: Any) -> str:
+        """The policy of a call of block ``block`` in training forward ``fwd`` (any object identifying
+        the forward); under ``"auto"`` the first forward runs ``"block"`` and measures."""
+        if self.choice is not None:
+            return self.choice.get(block, self.mode if self.mode != "auto" else "block")
+        if self._measured_fwd is None:
+            self._measured_fwd, self._measure = fwd, _Measure()
+        elif fwd is not self._measured_fwd:
+            self._decide()
+            return self.choice.get(block, "block")  # type: ignore[union-attr]
+        return "measure"
+
+    def start(self, block: int, fwd: Any) -> tuple[SavedOps | None, Any]:
+        """What a call needs in its forward: (its :class:`SavedOps` or ``None``, the context its forward
+        runs under when it only measures, else ``None``)."""
+        mode = self.mode_for(block, fwd)
+        if mode == "measure":
+            return None, self._measure.context(block)  # type: ignore[union-attr]
+        return (SavedOps(mode) if mode in ("selective", "none") else None), None
+
+    def _decide(self) -> None:
+        m = self._measure.blocks  # type: ignore[union-attr]
+        budget = self.limit if self.limit is not None else default_activation_limit(self.device)
+        inputs = self.meter.peak  # the measured forward kept block inputs only
+        self.choice = decide(m, max(budget - inputs, 0))
+        counts = {k: sum(v == k for v in self.choice.values()) for k in ("none", "selective", "block")}
+        kept = sum(m[b][c] for b, c in self.choice.items() if c != "block")
+        log.info("megatrain: recompute='auto' with activation_memory_limit %s: %s (blocks none/selective/block: "
+                 "%d/%d/%d; per forward: block inputs %s, op outputs %s)", fmt_bytes(budget),
+                 ", ".join(f"{b}:{c}" for b, c in sorted(self.choice.items())), counts["none"], counts["selective"],
+                 counts["block"], fmt_bytes(inputs), fmt_bytes(kept))
+        self._measure = None
