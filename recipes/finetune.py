@@ -39,12 +39,13 @@ def finetune(cfg: DictConfig) -> dict:
     dm = step.build_data(cfg, tok)
     lm = step.build_module(cfg, model, tok)
     trainer, history = step.build_trainer(cfg)
-    before = timed("evaluate_before", step.evaluate, trainer, lm, dm) if cfg.eval.before else {}
-    run = timed("fit", step.fit, cfg, trainer, lm, dm)
-    after = timed("evaluate_after", step.evaluate, trainer, lm, dm)
-    ckpt = timed("save", step.save, cfg, trainer)
-    text = timed("sample", step.sample, cfg, trainer, lm, tok, dm)
-    return step.report(cfg, before, after, run, timings, history, text, ckpt)
+    with step.closing_loggers(trainer):                     # a wandb run ends here, also on an error
+        before = timed("evaluate_before", step.evaluate, trainer, lm, dm) if cfg.eval.before else {}
+        run = timed("fit", step.fit, cfg, trainer, lm, dm)
+        after = timed("evaluate_after", step.evaluate, trainer, lm, dm)
+        ckpt = timed("save", step.save, cfg, trainer)
+        text = timed("sample", step.sample, cfg, trainer, lm, tok, dm)
+        return step.report(cfg, before, after, run, timings, history, text, ckpt)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="finetune")

@@ -194,9 +194,13 @@ def test_refuses_missing_nvme_path_naming_key_and_variable(tmp_path, no_build, m
     refused(tmp_path, "strategy=megatrain_nvme", key="strategy.nvme_path", match="absent.*MEGATRAIN_NVME_PATH")
 
 
-def test_refuses_missing_logger_package_and_resume(tmp_path, no_build):
-    if importlib.util.find_spec("wandb") is None:
-        refused(tmp_path, "logger=wandb", key="logger", match=r"megatrain-lightning\[loggers\]")
+def test_refuses_missing_logger_package_and_resume(tmp_path, no_build, monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("wandb", "tensorboard",
+                        "tensorboardX") else real_find_spec(name, *a))  # as if the loggers extra were not installed
+    refused(tmp_path, "logger=wandb", key="logger", match=r"megatrain-lightning\[loggers\]")
+    refused(tmp_path, "logger=[csv,tensorboard]", key="logger", match=r"logger=tensorboard needs .*\[loggers\]")
+    monkeypatch.setattr(importlib.util, "find_spec", real_find_spec)
     refused(tmp_path, "logger=comet", key="logger", match="unknown logger")
     refused(tmp_path, "logger=[csv,comet]", key="logger", match="unknown logger .comet.")
     refused(tmp_path, "resume=last", f"checkpoint.search_dir={tmp_path}", key="resume", match="found no last.ckpt")
@@ -311,6 +315,35 @@ def test_summary_files_and_loss_plot(tmp_path, gpt2_dir):
 
     rows = list(csv.DictReader(next((run_dir / "logs").rglob("metrics.csv")).open()))
     assert any(r.get("train_loss") for r in rows) and any(r.get("megatrain/h2d_bytes") for r in rows)
+
+
+def test_tensorboard_logger_gets_the_engine_statistics(tmp_path, gpt2_dir):
+    """logger=[csv,tensorboard] (the test extra installs tensorboard): TensorBoard's event files hold the training
+    loss, the validation loss before and after, and every megatrain/* statistic with the values the CSV logger got."""
+    import csv
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    group, src = _formats(tmp_path)["alpaca-jsonl"]
+    finetune(cfg_for(tmp_path, f"data={group}", f"data.source={src}", *tiny(gpt2_dir), "logger=[csv,tensorboard]",
+                     "eval.max_batches=1"))
+    logs = tmp_path / "run" / "logs"
+    events = sorted(logs.rglob("events.out.tfevents.*"))
+    assert events, f"no TensorBoard event file under {logs}"
+    scalars: dict[str, dict[int, float]] = {}
+    for f in events:  # one file per trainer call (validate, fit, validate)
+        acc = EventAccumulator(str(f))
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            scalars.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
+    assert sorted(scalars["train_loss"]) == [0, 1] and sorted(scalars["val_loss"]) == [0, 2]  # before, after
+    rows = list(csv.DictReader(next(logs.rglob("metrics.csv")).open()))
+    engine = {k for k in rows[0] if k.startswith("megatrain/")}
+    assert {"megatrain/h2d_bytes", "megatrain/d2h_bytes", "megatrain/compute_s"} <= engine
+    assert engine <= set(scalars)
+    for k in ("megatrain/h2d_bytes", "megatrain/d2h_bytes", "megatrain/blocks_fetched"):
+        from_csv = {int(r["step"]): float(r[k]) for r in rows if r.get(k)}
+        assert scalars[k] == pytest.approx(from_csv) and all(v > 0 for v in from_csv.values())
 
 
 def test_without_matplotlib_the_plot_is_skipped_with_a_log_line(tmp_path, monkeypatch, caplog):

@@ -103,7 +103,9 @@ def build_module(cfg: DictConfig, model: torch.nn.Module, tokenizer: Any) -> Cau
 
 def make_loggers(cfg: DictConfig) -> list[Any]:
     """The Lightning loggers named by ``cfg.logger`` (``csv``, ``tensorboard``, ``wandb`` in offline mode, or a list
-    of them), writing under ``<output_dir>/logs``. The engine's per-step statistics reach every one of them."""
+    of them), writing under ``<output_dir>/logs`` (TensorBoard: ``logs/version_N/events.out.tfevents.*``; wandb:
+    ``logs/wandb/offline-run-*``, upload later with ``wandb sync``). The engine's per-step statistics
+    (``megatrain/*``) reach every one of them. A wandb run stays open until :func:`closing_loggers` ends it."""
     names = [cfg.logger] if isinstance(cfg.logger, str) else list(cfg.logger)
     out = []
     for name in names:
@@ -114,12 +116,28 @@ def make_loggers(cfg: DictConfig) -> list[Any]:
         elif name == "wandb":
             from lightning.pytorch.loggers import WandbLogger
 
-            out.append(WandbLogger(save_dir=cfg.output_dir, offline=True, project="megatrain-lightning"))
+            save_dir = Path(cfg.output_dir) / "logs"
+            save_dir.mkdir(parents=True, exist_ok=True)  # wandb.init(dir=...) does not create it
+            out.append(WandbLogger(save_dir=str(save_dir), offline=True, project="megatrain-lightning"))
         else:
             from lightning.pytorch.loggers import CSVLogger
 
             out.append(CSVLogger(cfg.output_dir, name="logs"))
     return out
+
+
+@contextlib.contextmanager
+def closing_loggers(trainer: pl.Trainer) -> Iterator[None]:
+    """Ends the trainer's wandb run when the block exits (also on an error). Lightning's ``WandbLogger`` never
+    finishes its run, and a second ``WandbLogger`` in the same process reuses an open one: without this, a second
+    ``finetune(cfg)`` in one process (a notebook, the tests) would log into the first run's directory."""
+    try:
+        yield
+    finally:
+        if any(type(logger).__name__ == "WandbLogger" for logger in trainer.loggers):
+            import wandb
+
+            wandb.finish()  # no-op when no run was started
 
 
 def log_every(configured: int, max_steps: int) -> int:
