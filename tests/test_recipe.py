@@ -162,7 +162,8 @@ def test_refuses_instruction_shape_on_a_text_corpus(tmp_path, no_build):
 def test_refuses_wrong_field_names_with_the_override(tmp_path, no_build):
     src = write_jsonl(tmp_path / "qa.jsonl", PAIRS)
     msg = refused(tmp_path, "data=instruction", f"data.source={src}", key="data.source_options.prompt_field")
-    assert "data.source_options.prompt_field=question" in msg
+    # both fields are missing: one error names both overrides
+    assert msg.endswith("Run with data.source_options.prompt_field=question data.source_options.response_field=answer.")
     msg = refused(tmp_path, "data=instruction", f"data.source={src}", "data.source_options.prompt_field=question",
                   key="data.source_options.response_field")
     assert "data.source_options.response_field=answer" in msg
@@ -178,6 +179,9 @@ def test_refuses_a_json_list_named_jsonl(tmp_path, no_build):
     (tmp_path / "list.jsonl").write_text(json.dumps([{"text": "a"}, {"text": "b"}], indent=1))
     refused(tmp_path, "data=text", f"data.source={tmp_path / 'list.jsonl'}", key="data.source",
             match="is it a .json file")
+    (tmp_path / "line.jsonl").write_text(json.dumps([{"text": "a"}, {"text": "b"}]))  # json.dump: one line
+    refused(tmp_path, "data=text", f"data.source={tmp_path / 'line.jsonl'}", key="data.source",
+            match="a JSON list, not one JSON object per line .is it a .json file")
 
 
 def test_refuses_missing_or_absent_source(tmp_path, no_build):

@@ -43,11 +43,14 @@ class FieldError(ValueError):
     Attributes:
         option: the ``load_user_source`` option to change (``"prompt_field"``, ``"text_field"``, ``"shape"``...).
         suggestion: a value that would work for this record, or ``None`` when no key looks right.
+        also: further options this record needs, option -> suggested value (both prompt and response fields
+            missing: one error names both, so the user does not meet the second after fixing the first).
     """
 
-    def __init__(self, message: str, option: str, suggestion: str | None = None) -> None:
+    def __init__(self, message: str, option: str, suggestion: str | None = None,
+                 also: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.option, self.suggestion = option, suggestion
+        self.option, self.suggestion, self.also = option, suggestion, dict(also or {})
 
 
 def _guess(rec: dict, names: tuple[str, ...], taken: tuple[str, ...] = ()) -> str | None:
@@ -142,7 +145,13 @@ class RecordMapper:
         p = self.prompt or next((n for n in PROMPT_AUTO if isinstance(rec.get(n), str)), None)
         if p is None or not isinstance(rec.get(p), str):
             wanted = f"{p!r} field" if p else "prompt field (looked for 'prompt', 'instruction', 'messages', 'conversations')"
-            raise _missing(rec, where, "prompt_field", wanted, PROMPT_GUESSES)
+            err = _missing(rec, where, "prompt_field", wanted, PROMPT_GUESSES)
+            r = self.response or next((n for n in RESPONSE_AUTO if isinstance(rec.get(n), str)), None)
+            r_guess = _guess(rec, RESPONSE_GUESSES, taken=(err.suggestion,)) if r is None else None
+            if err.suggestion and r_guess:  # the response field is missing too: say both at once
+                raise FieldError(f"{err} The response field is missing too: set response_field={r_guess!r}.",
+                                 "prompt_field", err.suggestion, also={"response_field": r_guess})
+            raise err
         r = self.response or next((n for n in RESPONSE_AUTO if isinstance(rec.get(n), str)), None)
         if r is None or not isinstance(rec.get(r), str):
             wanted = f"{r!r} field" if r else "response field (looked for 'response', 'output', 'completion')"

@@ -80,6 +80,9 @@ def _jsonl(path: Path, name: str, fields: RecordMapper, dec: _Decoder, head: int
             hint = " (is it a .json file: one list of records?)" if i == 1 and line.lstrip().startswith("[") else ""
             raise ValueError(f"{path}:{i}: not valid JSON ({e.msg}); a .jsonl file holds one JSON object per "
                              f"line{hint}.") from None
+        if isinstance(rec, list):  # json.dump(records, f) on one line: valid JSON, but a list, not a record
+            raise ValueError(f"{path}:{i}: a JSON list, not one JSON object per line (is it a .json file: one list "
+                             "of records? rename it to .json).")
         doc = fields.document(rec, f"{name}:{i}")
         if doc is not None:
             yield doc

@@ -173,8 +173,11 @@ def check_data(data: Mapping[str, Any]) -> list[dict]:
         raise ConfigError("data.source", str(e)) from None
     except FieldError as e:
         key = "data.shape" if e.option == "shape" else f"data.source_options.{e.option}"
-        declared = e.option == "shape" or e.option in (data.get("source_options") or {})
-        fix = f" Run with {'' if declared else '+'}{key}={e.suggestion}." if e.suggestion else ""
+        declared = dict(data.get("source_options") or {})
+        wanted = ({e.option: e.suggestion} if e.suggestion else {}) | e.also  # the error's option first
+        fixes = [("data.shape" if o == "shape" else f"{'' if o in declared else '+'}data.source_options.{o}") + f"={v}"
+                 for o, v in wanted.items()]
+        fix = f" Run with {' '.join(fixes)}." if fixes else ""
         raise ConfigError(key, f"{e}{fix}") from None
     except (ValueError, ImportError) as e:
         raise ConfigError("data.source", str(e)) from None
