@@ -140,3 +140,64 @@ def test_retain_graph_and_autograd_grad(mode, tmp_path):
 def test_bad_values_are_refused_at_construction(kw, match):
     with pytest.raises(ValueError, match=match):
         MegaTrainStrategy(**kw)
+
+
+@pytest.mark.parametrize("mode", ["selective", "none"])
+def test_chunked_loss_call_never_kept_by_the_policy(mode):
+    """The chunked head + loss runs as a kept-graph call from the first forward on: the recompute policy
+    never keeps its chunks' logits (step 1, before the forward order is known, keeps what later steps do;
+    before the fix step 1 also kept every chunk's logits). Its numbers: tests/test_long_context.py."""
+    lm = LM(make_model("llama"))
+    trainer = pl.Trainer(strategy=MegaTrainStrategy(recompute=mode, loss_chunk_size=5), accelerator="cpu", devices=1,
+                         max_steps=3, enable_checkpointing=False, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(lm, make_data(n=3))
+    kept = [h["megatrain/saved_activation_bytes"] for h in trainer.strategy.engine.history]
+    assert kept[0] == max(kept[1:]) > 0, kept
+
+
+def _backward_matmul_flops(mode: str, mlp_chunk_size: int | None) -> int:
+    """FLOPs of the matrix multiplies a training step's ``loss.backward()`` runs (recomputes included, outputs the
+    recompute policy serves from its cache excluded: those never reach a mode below torch's)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatrain_lightning.engine.recompute_policy import RecomputePolicy
+    from megatrain_lightning.engine.streaming import StreamingEngine
+
+    class CountMatmuls(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default):
+                a, b = args[0], args[1]
+            elif func == torch.ops.aten.addmm.default:
+                a, b = args[1], args[2]
+            else:
+                return func(*args, **(kwargs or {}))
+            CountMatmuls.n += 2 * a.numel() * b.shape[-1]  # 2 x (batch x) m x k x n
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = make_model("llama")
+    eng = StreamingEngine(model, torch.device("cpu"), recompute_policy=RecomputePolicy(mode, torch.device("cpu")),
+                          mlp_chunk_size=mlp_chunk_size, loss_chunk_size=None)
+    eng.install()
+    eng.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    ids = torch.randint(0, model.config.vocab_size, (2, 16))
+    try:
+        loss = model(input_ids=ids, labels=ids).loss
+        with CountMatmuls():
+            loss.backward()
+        return CountMatmuls.n
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("mode", ["selective", "none"])
+def test_chunked_mlp_under_a_saving_policy_recomputes_nothing_more(mode):
+    """With a mode that keeps op outputs, the MLP's chunks are not checkpointed on top (that dropped what
+    the policy kept and ran the MLP forward once more inside backward): backward does the same matmul
+    matmul FLOPs chunked as unchunked; with recompute="block" the chunks are checkpointed (one more MLP
+    forward per block, as documented)."""
+    assert _backward_matmul_flops(mode, 4) == _backward_matmul_flops(mode, None)
+    assert _backward_matmul_flops("block", 4) > _backward_matmul_flops("block", None)

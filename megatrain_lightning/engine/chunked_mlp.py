@@ -18,6 +18,7 @@ uninstall) is wrapped. Inputs ``[B, T, H]`` with ``T > mlp_chunk_size`` are chun
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Callable, Iterator
 
 import torch
@@ -52,10 +53,28 @@ def _bound(slots: list[tuple[nn.Module, str]], tensors: tuple) -> Iterator[None]
             m._parameters[k] = t
 
 
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def plain_chunks() -> Iterator[None]:
+    """Inside: :func:`chunked_call` runs its chunks without checkpointing them (this thread). The engine
+    enters it around a block forward or recompute that torch's selective activation checkpointing
+    manages (``recompute="selective"``/``"none"``/``"auto"``'s measurement): there the policy already
+    keeps or recomputes each op's output, and a checkpoint per chunk would drop what it kept and run the
+    MLP forward once more inside backward."""
+    prev = getattr(_state, "plain", False)
+    _state.plain = True
+    try:
+        yield
+    finally:
+        _state.plain = prev
+
+
 def chunked_call(forward: Callable[[torch.Tensor], Any], x: torch.Tensor, chunk: int,
                  module: nn.Module | None = None) -> torch.Tensor:
     """``forward(x)`` for ``x`` ``[B, T, ...]`` computed over ``x[:, s:s + chunk]`` and concatenated along
-    dim 1; each chunk checkpointed when grad mode is on.
+    dim 1; each chunk checkpointed when grad mode is on (not inside :func:`plain_chunks`).
 
     ``module``: the module ``forward`` belongs to. Its parameters as bound *now* (the engine binds a
     block's parameters to device views or gradient leaves only for the block's call) are passed to the
@@ -65,7 +84,7 @@ def chunked_call(forward: Callable[[torch.Tensor], Any], x: torch.Tensor, chunk:
     Raises:
         RuntimeError: ``forward`` returns anything but a tensor ``[B, chunk, ...]`` (an MLP that is not
             per token); the message names ``mlp_chunk_size``."""
-    grad = torch.is_grad_enabled()
+    grad = torch.is_grad_enabled() and not getattr(_state, "plain", False)
     slots = [(m, k) for m in (module.modules() if module is not None else ()) for k, v in m._parameters.items()
              if v is not None]
     params = tuple(m._parameters[k] for m, k in slots)

@@ -116,8 +116,9 @@ class HeadLoss:
         root: the module the engine streams.
         chunk: ``loss_chunk_size``: tokens per chunk, ``"auto"`` (:func:`~.chunked_loss.auto_loss_chunk`
             of the model's vocabulary) or ``None`` (nothing installed).
-        call_block: ``call_block(block, forward, args, kwargs)`` runs ``forward`` as a grad-mode call of
-            ``block`` (weights bound, gradients to the host), the engine's block call.
+        call_block: ``call_block(block, forward, args, kwargs, keep=True)`` runs ``forward`` as a grad-mode
+            call of ``block`` (weights bound, gradients to the host) whose graph is kept until its backward,
+            the engine's block call.
         param_dtype: the dtype the head's weight has while it computes.
     """
 
@@ -230,6 +231,8 @@ class HeadLoss:
                 return causal_lm_loss(h, head.weight, head.bias, labels, pending.chunk, transform, ignore_index,
                                       num_items, shift_labels)
 
-            return self.call_block(blk, run, (pending.hidden, labels, shift_labels, num_items_in_batch), {})
+            # keep=True: the loss's backward comes first, so its graph (one chunk's logits at a time) is kept rather
+            # than recomputed; never through the recompute policy, which would keep every chunk's logits
+            return self.call_block(blk, run, (pending.hidden, labels, shift_labels, num_items_in_batch), {}, keep=True)
 
         return loss_function

@@ -29,6 +29,7 @@ from ..store.host import HostStore
 from .accounting import ByteAccounting
 from .calls import SECOND_BACKWARD, BlockCall, ForwardRecord, KeptGraph, trainable_refs  # noqa: F401 - trainable_refs re-exported
 from .grads import GradientSink
+from .chunked_mlp import plain_chunks
 from .offload import ActivationOffload, next_offloaded
 from .recompute_policy import RecomputePolicy
 
@@ -285,7 +286,7 @@ class Recompute:
             if ops is not None:
                 leaves = self._grad_leaves(call.refs, bufs)
             with self._bind(call.block, bufs, leaves), torch.set_grad_enabled(ops is not None or torch.is_grad_enabled()), \
-                    ops or contextlib.nullcontext():
+                    ops or contextlib.nullcontext(), plain_chunks() if ops is not None else contextlib.nullcontext():
                 out = call.forward(*args, **kwargs)
             return out if ops is None else tree_map_only(torch.Tensor, torch.Tensor.detach, out)
         finally:
@@ -334,8 +335,9 @@ class Recompute:
                 args, kwargs = tree_unflatten(flat, call.spec)
                 saved = call.saved_ops
                 ctx = saved.recompute(keep_graph) if saved is not None else contextlib.nullcontext()
+                plain = plain_chunks() if saved is not None else contextlib.nullcontext()  # SAC keeps/recomputes
                 t1 = time.perf_counter()
-                with self._replay(call), torch.enable_grad(), self._bind(call.block, bufs, leaves), ctx:
+                with self._replay(call), torch.enable_grad(), self._bind(call.block, bufs, leaves), ctx, plain:
                     out = call.forward(*args, **kwargs)
                 self.acct.add(recompute_s=time.perf_counter() - t1)
                 out_flat = tree_flatten(out)[0]

@@ -108,10 +108,12 @@ class StagingRing:
     def release_after(self, slot: Slot, event: object) -> None:
         """Give ``slot`` back once ``event`` completed (``None``: now)."""
         def give_back() -> None:
-            self._free(slot.key, slot.nbytes)
-            with self._cond:
-                self.released.append(slot.seq)
-            self._done()
+            try:
+                self._free(slot.key, slot.nbytes)
+                with self._cond:
+                    self.released.append(slot.seq)
+            finally:
+                self._done()  # the slot counts as free even if giving its bytes back failed: never a hang
 
         self._when_done(event, give_back)
 

@@ -293,10 +293,14 @@ class StreamingEngine:
         proxy.__wrapped__ = orig  # type: ignore[attr-defined]
         return proxy
 
-    def call_block(self, blk: Block, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def call_block(self, blk: Block, forward: Callable[..., Any], args: tuple, kwargs: dict,
+                   keep: bool | None = None) -> Any:
         """Run ``forward(*args, **kwargs)`` as a grad-mode call of ``blk`` (its parameters bound, recomputed
-        in backward, gradients to the host; the last block of the forward keeps its graph instead)."""
-        return self.recompute.call(blk, forward, args, kwargs, keep=bool(self.order) and blk.index == self.order[-1])
+        in backward, gradients to the host); ``keep``: keep its graph instead (default: the last block of
+        the forward order, known from the first forward on; the chunked head + loss always keeps it)."""
+        if keep is None:
+            keep = bool(self.order) and blk.index == self.order[-1]
+        return self.recompute.call(blk, forward, args, kwargs, keep=keep)
 
     def _make_direct_proxy(self, blk: Block, orig: Callable[..., Any]) -> Callable[..., Any]:
         """Proxy of a container whose own parameters form a direct block: its ``forward`` uses them
