@@ -29,6 +29,7 @@ import contextlib
 import functools
 import logging
 import os
+import threading
 import warnings
 import weakref
 from typing import Any, Callable, Iterator
@@ -296,16 +297,20 @@ class ActivationMeter:
         self.live = 0
         self.peak = 0
         self.on_change = on_change
+        self._lock = threading.Lock()  # _sub runs in weakref finalizers, on whichever thread frees the tensor
 
     def add(self, owner: Any, n: int) -> Callable[[], Any]:
-        self.live += n
-        self.peak = max(self.peak, self.live)
+        with self._lock:
+            self.live += n
+            self.peak = max(self.peak, self.live)
+            live = self.live
         if self.on_change is not None:
-            self.on_change(self.live)
+            self.on_change(live)
         return weakref.finalize(owner, self._sub, n)
 
     def _sub(self, n: int) -> None:
-        self.live -= n
+        with self._lock:
+            self.live -= n
 
 
 class RecomputePolicy:

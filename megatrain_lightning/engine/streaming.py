@@ -142,7 +142,8 @@ class StreamingEngine:
         if self.budget is not None:
             heap.trim()  # what building the store (random init, safetensors reads) left in the heap
         self.trainable = [p.requires_grad for p in root.parameters()]
-        self.transport = make_transport(self.device, self.store.max_slab_numel(trainable=True), cpu_zero_copy, n_staging=2)
+        self.transport = make_transport(self.device, self.store.max_slab_numel(trainable=True), cpu_zero_copy, n_staging=2,
+                                        pin=pin)
         # on CPU the compute buffers are host memory: they count in host_memory_limit
         budget_device = self.budget is not None and self.device.type == "cpu"
         self.acct = ByteAccounting(reserve=self.store.nvme.reserve if budget_device else None,
@@ -478,8 +479,7 @@ class StreamingEngine:
         """Close the accounting window of one optimizer step; returns the logged metrics."""
         self.recompute.close_kept()  # the step's backward is over (or was skipped)
         if self.optimizer is not None:
-            self.acct.set(optimizer_s=self.optimizer.optimizer_seconds)
-            self.optimizer.optimizer_seconds = 0.0
+            self.acct.set(optimizer_s=self.optimizer.take_seconds())
         peak = self.transport.peak_bytes()
         if peak is not None:
             self.acct.set(peak_device_bytes=peak)

@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..store.pinned import host_buffer
+from ..store.pinned import try_host_buffer
 from .wire import WireLayout
 
 log = logging.getLogger(__name__)
@@ -171,7 +171,8 @@ class CUDATransport:
             previous block's are being added on the host).
     """
 
-    def __init__(self, device: torch.device, staging_numel: int, n_staging: int = 2, max_inflight: int = 2):
+    def __init__(self, device: torch.device, staging_numel: int, n_staging: int = 2, max_inflight: int = 2,
+                 pin: bool | None = None):
         self.device = device
         # events recorded on the compute stream when a block's buffers were released; the H2D
         # worker waits for the oldest before allocating more, so the host cannot queue work
@@ -185,9 +186,12 @@ class CUDATransport:
         # callbacks run once an H2D copy's event completed, in submission order (one stream: in order)
         self._done: "queue.Queue[tuple[object, Callable[[], None]]]" = queue.Queue()
         self._done_thread: threading.Thread | None = None
+        nbytes = 4 * max(staging_numel, 1)
         for _ in range(n_staging):
-            # exactly pinned (store/pinned.py): torch's caching host allocator would round it up to a power of two
-            self._staging.put(host_buffer(4 * max(staging_numel, 1), pin=True)[: 4 * max(staging_numel, 1)].view(torch.float32))
+            # exactly pinned (store/pinned.py): torch's caching host allocator would round it up to a power of two;
+            # pin_memory's rule (None: pinned if the driver can, else pageable with a warning; False: pageable)
+            buf, _ = try_host_buffer(nbytes, pin, "the D2H staging buffers")
+            self._staging.put(buf[:nbytes].view(torch.float32))
 
     def to_device(self, host: torch.Tensor, dtype: torch.dtype = torch.float32,
                   layout: WireLayout | None = None) -> tuple[torch.Tensor, object]:
@@ -333,11 +337,14 @@ class CUDATransport:
         return torch.cuda.max_memory_allocated(self.device)
 
 
-def make_transport(device: torch.device, staging_numel: int, zero_copy_cpu: bool = False, n_staging: int = 2):
+def make_transport(device: torch.device, staging_numel: int, zero_copy_cpu: bool = False, n_staging: int = 2,
+                   pin: bool | None = None):
     """Pick the transport for ``device`` (``cpu`` or ``cuda``; ``n_staging``: pinned D2H staging
-    buffers, at least the gradient sink's ``max_inflight``); raises ``ValueError`` for others."""
+    buffers, at least the gradient sink's ``max_inflight``; ``pin``: the ``pin_memory`` option for
+    them); raises ``ValueError`` for others and ``HostPinningError`` when ``pin`` is ``True`` and the
+    staging buffers cannot be page-locked."""
     if device.type == "cpu":
         return CPUTransport(device, zero_copy=zero_copy_cpu)
     if device.type == "cuda":
-        return CUDATransport(device, staging_numel, n_staging=n_staging)
+        return CUDATransport(device, staging_numel, n_staging=n_staging, pin=pin)
     raise ValueError(f"megatrain supports accelerator 'cpu' and 'gpu' (CUDA); got device {device}.")

@@ -222,6 +222,13 @@ class HostAdamW:
             with self._seconds_lock:  # the H2D and D2H workers update different slabs at once
                 self.optimizer_seconds += time.perf_counter() - t0
 
+
+    def take_seconds(self) -> float:
+        """Seconds spent in AdamW updates since the last call (any thread), and reset the count to 0."""
+        with self._seconds_lock:
+            sec, self.optimizer_seconds = self.optimizer_seconds, 0.0
+        return sec
+
     def discard_grads(self) -> None:
         """Forget accumulated gradients that no step consumed (``optimizer.zero_grad()`` semantics)."""
         self.grad_ops = []
