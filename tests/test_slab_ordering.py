@@ -92,7 +92,7 @@ class _Recorded(torch.Tensor):
 def async_transport(monkeypatch):
     made: list[AsyncCPUTransport] = []
 
-    def make(device, staging_numel, zero_copy_cpu=False, n_staging=2):
+    def make(device, staging_numel, zero_copy_cpu=False, n_staging=2, pin=None):
         made.append(AsyncCPUTransport(device))
         return made[-1]
 
@@ -186,6 +186,30 @@ def test_a_dropped_prefetch_is_done_before_drop_returns(async_transport):
     eng.prefetcher.drop()
     assert tr.events and all(ev.flag.is_set() for ev in tr.events)
     assert eng.acct.live == 0
+    eng.close()
+
+
+def test_a_prefetch_the_schedule_discarded_is_done_before_drop_returns(async_transport, monkeypatch):
+    """A prefetch dropped because the schedule changed (no longer in flight for the schedule) is still
+    waited for by drop(): it may read a master or a wire image that the caller of drop() is about to change."""
+    model = make_model("llama", num_hidden_layers=3)
+    eng = StreamingEngine(model, torch.device("cpu"), lookahead=2)
+    tr = async_transport[0]
+    fetch = eng.fetcher.fetch
+
+    def slow_fetch(blk):  # the H2D worker's work takes a while (a cast, an NVMe read)
+        time.sleep(0.3)
+        return fetch(blk)
+
+    monkeypatch.setattr(eng.fetcher, "fetch", slow_fetch)
+    order = [b.index for b in eng.blocks]
+    eng.acct.release(eng.prefetcher.get(eng.blocks[order[0]], order, 0))  # queues order[1], order[2]
+    eng.acct.release(eng.prefetcher.get(eng.blocks[order[1]], [order[1]], 0))  # order[2] discarded, still queued
+    eng.prefetcher.drop()
+    copies = len(tr.events)
+    assert all(ev.flag.is_set() for ev in tr.events) and eng.acct.live == 0
+    time.sleep(1.0)  # nothing of the discarded fetch may start or still run after drop() returned
+    assert len(tr.events) == copies and eng.acct.live == 0
     eng.close()
 
 

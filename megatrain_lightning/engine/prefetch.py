@@ -9,6 +9,7 @@ NVMe tier, tells the store which regions the schedule reads next.
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Sequence
@@ -55,6 +56,8 @@ class Prefetcher:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="megatrain-h2d",
                                         initializer=worker_initializer(host_threads))
         self._inflight: dict[int, Future] = {}
+        self._discarded: dict[int, Future] = {}  # dropped prefetches still running (drop() waits for them)
+        self._discard_lock = threading.Lock()
 
     def get(self, blk: Block, seq: Sequence[int], pos: int | None, backward: bool = False,
             updates_in_backward: bool = False) -> dict[int, torch.Tensor]:
@@ -133,16 +136,24 @@ class Prefetcher:
 
     def _discard(self, fut: Future) -> None:
         """Drop a prefetch the schedule no longer wants (released when its fetch ends: on the H2D worker,
-        or here if it already has)."""
-        def drop(f: Future) -> None:
-            if f.exception() is None:
-                self._release(f.result())
+        or here if it already has; :meth:`drop` waits for those still running)."""
+        with self._discard_lock:
+            self._discarded[id(fut)] = fut
+        fut.add_done_callback(self._release_discarded)
 
-        fut.add_done_callback(drop)
+    def _release_discarded(self, f: Future) -> None:
+        with self._discard_lock:
+            if self._discarded.pop(id(f), None) is None:
+                return  # drop() took it over
+        if f.exception() is None:
+            self._release(f.result())
 
     def drop(self) -> None:
-        """Wait for and discard the copies in flight (they predate an optimizer update or a dtype change)."""
-        for fut in self._inflight.values():
+        """Wait for and discard the copies in flight and the dropped prefetches still running (they predate an
+        optimizer update or a dtype change)."""
+        with self._discard_lock:  # dropped earlier and still running: they may read what is about to change
+            discarded, self._discarded = list(self._discarded.values()), {}
+        for fut in [*self._inflight.values(), *discarded]:
             try:
                 got = fut.result()
             except Exception:  # the error resurfaces on the next synchronous fetch
