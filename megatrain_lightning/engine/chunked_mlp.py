@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..blocks import Block
+from .forward_patch import ForwardPatches
 
 MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe")
 """Child names of a block's MLP, first match wins."""
@@ -116,7 +117,7 @@ class ChunkedMLP:
 
     def __init__(self, chunk: int | None):
         self.chunk = chunk
-        self.installed: list[tuple[nn.Module, bool, Any]] = []
+        self.installed = ForwardPatches()
 
     def install(self, blocks: list[Block]) -> None:
         """Wrap the MLP of every block of ``blocks`` that has one."""
@@ -127,17 +128,11 @@ class ChunkedMLP:
             mlp = None if blk.direct else find_mlp(blk.module)
             if mlp is None or id(mlp) in streamed:  # an MLP streamed as its own block keeps its proxy
                 continue
-            self.installed.append((mlp, "forward" in mlp.__dict__, mlp.__dict__.get("forward")))
-            mlp.forward = self._wrap(mlp, mlp.forward, self.chunk)
+            self.installed.patch(mlp, self._wrap(mlp, mlp.forward, self.chunk))
 
     def uninstall(self) -> None:
         """Restore every wrapped MLP's own ``forward``."""
-        for mlp, had, fwd in reversed(self.installed):
-            if had:
-                mlp.forward = fwd
-            else:
-                del mlp.forward
-        self.installed = []
+        self.installed.restore()
 
     @staticmethod
     def _wrap(mlp: nn.Module, orig: Callable[..., Any], chunk: int) -> Callable[..., Any]:

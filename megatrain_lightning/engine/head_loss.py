@@ -34,6 +34,7 @@ from torch import nn
 
 from ..blocks import Block
 from .chunked_loss import auto_loss_chunk, causal_lm_loss
+from .forward_patch import ForwardPatches
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ class HeadLoss:
                  param_dtype: Callable[[], torch.dtype]):
         self.root, self.chunk = root, chunk
         self.call_block, self.param_dtype = call_block, param_dtype
-        self.installed: list[tuple[nn.Module, bool, Any]] = []
+        self.installed = ForwardPatches()
 
     def install(self, blocks: list[Block]) -> None:
         """Wrap the ``forward`` of each eligible causal LM whose head is one of ``blocks``; log the models
@@ -145,18 +146,11 @@ class HeadLoss:
                 log.info("megatrain: loss_chunk_size: %s computes its full logits and loss (%s).", type(m).__name__, why)
                 continue
             chunk = self.chunk if isinstance(self.chunk, int) else auto_loss_chunk(head.out_features)
-            had = "forward" in m.__dict__
-            self.installed.append((m, had, m.__dict__.get("forward")))
-            m.forward = self._wrap(m, m.forward, head, by_module[id(head)], chunk)
+            self.installed.patch(m, self._wrap(m, m.forward, head, by_module[id(head)], chunk))
 
     def uninstall(self) -> None:
         """Restore every wrapped model's own ``forward``."""
-        for m, had, fwd in reversed(self.installed):
-            if had:
-                m.forward = fwd
-            else:
-                del m.forward
-        self.installed = []
+        self.installed.restore()
 
     @staticmethod
     def _unsupported(m: nn.Module, head: nn.Module, by_module: dict) -> str:

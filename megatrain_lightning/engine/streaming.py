@@ -36,6 +36,7 @@ from ..store.nvme import NVMeConfig, NVMeStore
 from ..blocks import Block, check_floating, disable_hf_checkpointing, discover_blocks
 from .accounting import ByteAccounting, StepStats
 from .fetch import WeightFetcher
+from .forward_patch import ForwardPatches
 from .grads import GradientSink
 from .long_sequences import LongSequences
 from .kv_cache import any_requires_grad, training_call
@@ -171,7 +172,7 @@ class StreamingEngine:
                                    transport=self.transport, acquire=self.acquire, bind=self._bind,
                                    enter_backward=self._enter_backward, recompute_every=recompute_every,
                                    offload_activations=offload_activations, policy=recompute_policy)
-        self._saved_forwards: dict[int, tuple[bool, Any]] = {}
+        self._proxies = ForwardPatches()  # each block's forward -> its streaming proxy
         # optimizer step in backward (set per micro-batch by the strategy): each slab's AdamW update
         # runs on the D2H worker as soon as its last gradient of the step is accumulated
         self.update_in_backward = False
@@ -193,11 +194,8 @@ class StreamingEngine:
             log.warning("megatrain: %s had gradient checkpointing enabled; disabling it (the strategy already "
                         "recomputes each block in backward).", name)
         for blk in self.blocks:
-            mod = blk.module
-            had = "forward" in mod.__dict__
-            orig = mod.forward
-            self._saved_forwards[blk.index] = (had, mod.__dict__.get("forward"))
-            mod.forward = self._make_direct_proxy(blk, orig) if blk.direct else self._make_proxy(blk, orig)
+            orig = blk.module.forward
+            self._proxies.patch(blk.module, self._make_direct_proxy(blk, orig) if blk.direct else self._make_proxy(blk, orig))
         self.long.install(self.blocks)
         self.buffers_to(self.device)
         self.installed = True
@@ -208,12 +206,7 @@ class StreamingEngine:
             return
         self.flush()
         self.long.uninstall()
-        for blk in self.blocks:
-            had, fwd = self._saved_forwards.pop(blk.index)
-            if had:
-                blk.module.forward = fwd
-            else:
-                del blk.module.forward
+        self._proxies.restore()
         self._drop_prefetched()
         self.buffers_to(torch.device("cpu"))
         self.installed = False
