@@ -164,7 +164,7 @@ class Hardware:
     def from_mapping(cls, d: Mapping[str, Any] | "Hardware") -> "Hardware":
         if isinstance(d, Hardware):
             return d
-        d = _plain(d)
+        d = as_plain_dict(d)
         names = [f.name for f in fields(cls)]
         missing = [n for n in names if n not in d]
         if missing:
@@ -178,7 +178,8 @@ class Hardware:
         return asdict(self)
 
 
-def _plain(d: Any) -> dict[str, Any]:
+def as_plain_dict(d: Any) -> dict[str, Any]:
+    """A config section as a plain dict: a Hydra ``DictConfig`` (resolved), a :class:`Hardware`, or a mapping."""
     try:
         from omegaconf import DictConfig, OmegaConf
 
@@ -219,7 +220,7 @@ def load_model(name: str) -> dict[str, Any]:
     if is_model_path(name):
         load_hf_config(name)  # fail here with the message about the path
         return {"name": str(name), "config": str(name)}
-    return _plain(compose([f"model={name}"]).model)
+    return as_plain_dict(compose([f"model={name}"]).model)
 
 
 def load_hardware(name: str) -> Hardware:

@@ -111,7 +111,7 @@ def _model_name_and_config(model_cfg: Any) -> tuple[str, Any]:
     """Accept a ``conf/model`` mapping, an AutoConfig kwargs mapping, a PretrainedConfig, a module, or
     the path of a Hugging Face model directory / ``config.json`` (:func:`.config.load_hf_config`).
     Hydra's ``_target_`` keys (a ``conf/model`` entry that names what it builds) are ignored."""
-    from .config import _plain, is_model_path, load_hf_config
+    from .config import as_plain_dict, is_model_path, load_hf_config
 
     if isinstance(model_cfg, (str, bytes)) or hasattr(model_cfg, "__fspath__"):
         if not is_model_path(model_cfg):
@@ -120,7 +120,7 @@ def _model_name_and_config(model_cfg: Any) -> tuple[str, Any]:
         hf = load_hf_config(model_cfg)
         return str(model_cfg), hf
     if isinstance(model_cfg, Mapping) or type(model_cfg).__name__ == "DictConfig":
-        d = {k: v for k, v in _plain(model_cfg).items() if k != "_target_"}
+        d = {k: v for k, v in as_plain_dict(model_cfg).items() if k != "_target_"}
         if isinstance(d.get("config"), Mapping):
             cfg = {k: v for k, v in d["config"].items() if k != "_target_"}
             return str(d.get("name", cfg.get("model_type"))), cfg

@@ -116,9 +116,9 @@ def plan_for_run(model: Any, hardware: Any, strategy: Mapping[str, Any], *, batc
     ``offload_optimizer`` -- which moves the gradient accumulators too, ``loss_chunk_size``,
     ``mlp_chunk_size``); options the composed config does not set take ``MegaTrainStrategy``'s defaults.
     Pass it to :func:`preflight`."""
-    from .config import _plain, strategy_default
+    from .config import as_plain_dict, strategy_default
 
-    st = _plain(strategy) if strategy is not None else {}
+    st = as_plain_dict(strategy) if strategy is not None else {}
 
     def opt(name: str, fallback: Any) -> Any:
         if name in st:
@@ -126,7 +126,7 @@ def plan_for_run(model: Any, hardware: Any, strategy: Mapping[str, Any], *, batc
         d = strategy_default(name)
         return fallback if d is None and fallback is not None else d
 
-    return plan(_plain(model), _plain(hardware), batch_size=int(batch_size), seq_len=int(seq_len),
+    return plan(as_plain_dict(model), as_plain_dict(hardware), batch_size=int(batch_size), seq_len=int(seq_len),
                 precision=str(precision), lookahead=int(opt("lookahead", 1)),
                 recompute_every=int(opt("recompute_every", 1)),
                 offload_activations=bool(opt("offload_activations", False)),
