@@ -23,11 +23,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from datetime import timedelta
 from typing import Any, Callable, Generator, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection, _sync_ddp_if_available
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -36,16 +43,19 @@ from .checkpoint.hf_io import weight_sources
 from .checkpoint.directory import load_checkpoint_dir, load_optimizer_dir, save_checkpoint_dir
 from .engine.chunked_loss import check_chunk_size
 from .engine.recompute_policy import RecomputePolicy, check_recompute, deprecated_recompute_every
+from .engine.reduce import GradReducer
 from .engine.streaming import StreamingEngine
 from .engine.threads import check_host_threads
 from .optim.host_adamw import UnsupportedOptimizerError, validate_optimizer
+from .parallel.groups import ProcessGroups
+from .parallel.node_share import NodeStore
 from .precision import MegaTrainPrecision, to_megatrain_precision
 from .store.nvme import IO_BLOCK_SIZE, NVME_PATH_FROM_ENV, NVMeConfig
 
 log = logging.getLogger(__name__)
 
 
-class MegaTrainStrategy(SingleDeviceStrategy):
+class MegaTrainStrategy(ParallelStrategy):
     """Train a model larger than accelerator memory by streaming it block by block.
 
     fp32 master weights, fp32 gradient accumulators and AdamW ``exp_avg``/``exp_avg_sq`` live
@@ -125,11 +135,23 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             adds into the fp32 accumulators, casts to the wire dtype). ``None`` (default): on CUDA
             ``torch.get_num_threads() - 1``, which leaves a core for the thread launching GPU kernels
             (derived, not measured: docs/architecture.md, "Engine layout"); on CPU torch's setting.
-        accelerator, checkpoint_io, precision_plugin: as for every Lightning strategy.
+        process_group_backend: ``torch.distributed`` backend of a run with several processes (default: NCCL
+            on CUDA, gloo on CPU, as ``DDPStrategy``).
+        timeout: how long a collective waits for the other ranks before it fails (default 30 minutes, as
+            ``DDPStrategy``; a ``timedelta`` or seconds): a rank that died makes the others stop with an
+            error after at most this long instead of hanging.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for every
+            Lightning strategy.
+
+    Several processes (``Trainer(devices=N, num_nodes=M)``): launched as ``DDPStrategy`` launches them
+    (Lightning's subprocess script launcher for ``python train.py``; torchrun and SLURM through their
+    cluster environments); each rank streams its micro-batches through its own device and every gradient
+    batch is averaged over the ranks as soon as its block's backward ends (``engine/reduce.py``), so the
+    ranks' updates, and weights, stay identical (docs/architecture.md, "Several GPUs and nodes").
 
     Raises:
         ValueError: ``host_threads`` is not ``None`` or an integer >= 1 (when the strategy is built).
-        MisconfigurationException: more than one device.
+        NotImplementedError: several processes with ``offload_params``/``offload_optimizer="nvme"`` (at setup).
         ValueError: ``loss_chunk_size`` / ``mlp_chunk_size`` not a positive int (or ``"auto"`` / ``None``).
         UnsupportedOptimizerError: ``configure_optimizers`` returned anything but one AdamW/Adam.
         BlockDiscoveryError: the model has no discoverable blocks.
@@ -170,10 +192,18 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         host_threads: int | None = None,
         loss_chunk_size: int | str | None = "auto",
         mlp_chunk_size: int | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | float | None = timedelta(minutes=30),
     ) -> None:
         check_host_threads(host_threads)
-        self._parallel_devices: list[torch.device] | None = None
-        super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+                         checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
+        self.groups: ProcessGroups | None = None
         self.lookahead = lookahead
         self.recompute_every = deprecated_recompute_every(recompute_every, checkpoint_every)
         self.offload_activations = offload_activations
@@ -195,33 +225,92 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         self.engine: StreamingEngine | None = None
         self._orig_zero_grad: tuple[Any, Any] | None = None
 
-    # ------------------------------------------------------------------ devices
-    @property
-    def parallel_devices(self) -> list[torch.device] | None:
-        return self._parallel_devices
-
-    @parallel_devices.setter
-    def parallel_devices(self, devices: list[torch.device] | None) -> None:
-        if devices and len(devices) > 1:
-            auto = None
-            try:
-                auto = self.accelerator.auto_device_count() if self.accelerator is not None else None
-            except Exception:
-                auto = None
-            if auto != len(devices) or devices[0].type == "cpu":
-                raise MisconfigurationException(
-                    f"strategy='megatrain' trains on one device; got {len(devices)} devices ({devices}). "
-                    "Pass Trainer(devices=1) (multi-device streaming is not implemented)."
-                )
-            log.info("megatrain: using %s of %d visible devices (devices='auto' means one device).", devices[0], len(devices))
-            devices = devices[:1]
-        self._parallel_devices = devices
-
+    # ------------------------------------------------------------------ devices and processes
     @property
     def root_device(self) -> torch.device:
-        if self._parallel_devices:
-            return torch.device(self._parallel_devices[0])
+        """This process's device: ``parallel_devices[local_rank]`` (CPU before the Trainer sets them)."""
+        if self.parallel_devices:
+            return torch.device(self.parallel_devices[self.local_rank])
         return torch.device("cpu")
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        """Processes per node (``Trainer(devices=N)``)."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 1
+
+    @property
+    def is_distributed(self) -> bool:
+        """More than one process in the run (Lightning's accelerator connector reads it for custom strategies:
+        it decides the ``DistributedSampler`` injection)."""
+        return self.num_processes * self.num_nodes > 1
+
+    distributed = is_distributed
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any] | None:
+        """What Lightning's ``DistributedSampler`` injection needs (``None`` in a single process)."""
+        if not self.distributed:
+            return None
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    def _configure_launcher(self) -> None:
+        """Lightning's subprocess script launcher, as ``DDPStrategy(start_method="popen")``; none for one process
+        (so a single-device run works in a notebook)."""
+        assert self.cluster_environment is not None
+        self._launcher = (_SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+                          if self.distributed else None)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.distributed:
+            self.setup_distributed()
+
+    def setup_distributed(self) -> None:
+        """Initialise ``torch.distributed`` as ``DDPStrategy`` does (seed, ranks, default group with ``timeout``),
+        then create the engine's own groups (``parallel/groups.py``)."""
+        reset_seed()
+        self.set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout,
+                              device_id=self.root_device if self.root_device.type != "cpu" else None)
+        self.groups = ProcessGroups.create(self.local_rank, self.num_processes, self.node_rank, self.num_nodes)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """``self.log(..., sync_dist=True)``: the mean (or ``reduce_op``) over the ranks; identity in one process."""
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
 
     # ------------------------------------------------------------------ precision
     @property  # type: ignore[override]
@@ -254,6 +343,11 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             self.engine = None
         if self.engine is None:
             _refuse_placeholders(module)
+            if self.groups is not None and (self.nvme.kinds if self.nvme is not None else ()):
+                raise NotImplementedError(
+                    "megatrain: offload_params/offload_optimizer='nvme' runs in one process for now; with "
+                    f"devices={self.num_processes} x num_nodes={self.num_nodes} keep the state in host RAM "
+                    "(strategy='megatrain'), or train on one device (docs/architecture.md, 'Several GPUs and nodes').")
             self.engine = StreamingEngine(
                 module,
                 self.root_device,
@@ -270,6 +364,10 @@ class MegaTrainStrategy(SingleDeviceStrategy):
                 nvme=self.nvme,
                 sources=weight_sources(module),
                 host_threads=self.host_threads,
+                reducer=GradReducer(self.groups.grads, self.groups.device_side_reduce) if self.groups else None,
+                node=NodeStore(self.groups, self._timeout.total_seconds() if self._timeout else 1800.0,
+                               pin=self.root_device.type == "cuda" and self.pin_memory is not False)
+                if self.groups else None,
             )
         self.engine.install()
         module._device = self.root_device  # the module is never moved as a whole
@@ -437,6 +535,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
                                "trainer.strategy.close().")
         self.flush()
         self.engine.params.write_back_materialized()  # weights edited after fit (NVMe tier) are what gets saved
+        if not self.is_global_zero:  # every rank holds the same state; Trainer.save_checkpoint's barrier follows
+            return
         save_checkpoint_dir(filepath, checkpoint, self.lightning_module, self.engine,
                             tokenizer=getattr(self.lightning_module, "tokenizer", None))
 
@@ -473,6 +573,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         from pathlib import Path
 
         p = Path(filepath)
+        if not self.is_global_zero:
+            return
         if p.is_dir():
             shutil.rmtree(p)
         elif p.exists():

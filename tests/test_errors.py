@@ -90,11 +90,6 @@ def test_two_optimizers():
     assert TwoLM.steps_run == 0
 
 
-def test_more_than_one_device():
-    with pytest.raises(Exception, match="devices=1"):
-        pl.Trainer(strategy="megatrain", accelerator="cpu", devices=2)
-
-
 @pytest.mark.parametrize("precision", ["16-true", "64-true", "transformer-engine"])
 def test_unsupported_precision(precision):
     if precision != "transformer-engine":  # Lightning itself refuses it first when TE is not installed

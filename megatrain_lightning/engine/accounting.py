@@ -48,6 +48,9 @@ class StepStats:
             (the copy time not hidden behind host adds; on CUDA it includes waiting for the block's
             backward that produces the gradients).
         grad_add_s: seconds the D2H worker spent adding gradients into the fp32 host accumulators.
+        grad_reduce_s: data parallel with gloo: seconds the D2H worker spent averaging gradient batches
+            over the ranks (``engine/reduce.py``; includes waiting for the slowest rank). NCCL reduces on
+            the device, asynchronously: 0 there (the time shows in ``d2h_copy_wait_s``).
         recompute_s: seconds the compute thread spent recomputing block forwards in backward (part of
             ``compute_s``; with ``recompute="selective"``/``"none"`` kept op outputs are not recomputed).
         saved_activation_bytes: most bytes of activations kept on the device at once between forward
@@ -66,6 +69,7 @@ class StepStats:
     activation_restore_misses: int = 0
     activation_restored_peak_bytes: int = 0
     cast_s: float = 0.0
+    grad_reduce_s: float = 0.0
     d2h_queue_peak: int = 0
     d2h_busy_s: float = 0.0
     d2h_copy_wait_s: float = 0.0

@@ -23,9 +23,11 @@ import torch
 from ..optim.host_adamw import HostAdamW
 from ..store.host import HostStore
 from ..store.regions import Region
+from ..store.shared import SlabOwnership
 from .accounting import ByteAccounting
 from .shared_grads import SharedGradSums
 from .threads import worker_initializer
+from .reduce import GradReducer
 from .transport import GradCopy
 
 
@@ -51,6 +53,11 @@ class GradientSink:
             batch k is added.
         host_threads: intra-op CPU threads of the D2H worker's adds and updates (``None``: torch's
             setting; see :mod:`.threads`).
+        reducer: data parallel: averages every batch over the ranks before it is added
+            (:mod:`.reduce`); a batch then lists every parameter of the call, ``None`` gradients
+            included, so that all ranks send the same batches.
+        ownership: data parallel with a node-shared store: only a slab's owner adds its (reduced) gradients
+            into the shared accumulator; the other ranks record the same gradient flags.
 
     Raises:
         ValueError: ``max_inflight < 1``, or more than the transport's staging buffers.
@@ -58,8 +65,11 @@ class GradientSink:
 
     def __init__(self, store: HostStore, acct: ByteAccounting, transport: Any,
                  optimizer: Callable[[], HostAdamW | None], shared: SharedGradSums, max_inflight: int = 2,
-                 host_threads: int | None = None):
+                 host_threads: int | None = None, reducer: GradReducer | None = None,
+                 ownership: SlabOwnership | None = None):
         self.store = store
+        self.reducer = reducer
+        self.ownership = ownership
         self.shared = shared
         self.acct = acct
         self.transport = transport
@@ -113,9 +123,16 @@ class GradientSink:
         ``None``) for the D2H worker. ``reserved``: bytes already counted for them (before autograd
         allocated them), exchanged here for the bytes of their wire copies."""
         by_slab: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        red = self.reducer
         for ref, g in zip(refs, grads):
-            if g is not None:
+            if g is not None or red is not None:
                 by_slab.setdefault(ref.slab, []).append((ref.index, g))
+        if red is not None:  # the same batches on every rank: None -> zeros + a presence flag per gradient
+            for si, items in by_slab.items():
+                slab = self.store.slabs[si]
+                packed = red.pack([g for _, g in items], [slab.entries[i].shape for i, _ in items],
+                                  self.transport.device, self.param_dtype)
+                by_slab[si] = [(i, t) for (i, _), t in zip(items, packed)] + [(-1, packed[-1])]
         wire = self.wire_dtype
         total = sum(g.numel() * wire.itemsize for items in by_slab.values() for _, g in items)
         if total < reserved:
@@ -133,7 +150,11 @@ class GradientSink:
             reserved -= take
             self._take_slot()  # a staging buffer is free once a slot is
             self.acct.track(nbytes - take)
-            copy = self.transport.stage_grads([g for _, g in items], wire)  # queued now, overlaps the adds
+            tensors = [g for _, g in items]
+            if red is not None and red.device_side:  # NCCL: reduced on the D2H stream before the copy
+                copy = self.transport.stage_grads(tensors, wire, reduce=red.all_reduce_)
+            else:
+                copy = self.transport.stage_grads(tensors, wire)  # queued now, overlaps the adds
             idx = [i for i, _ in items]
             self.acct.add(d2h_bytes=nbytes)
             self._futures.append(self._pool.submit(self._accumulate, si, idx, copy, nbytes, si in final))
@@ -188,6 +209,25 @@ class GradientSink:
             t0 = time.perf_counter()
             host_grads = copy.wait()  # outside the slab's lock: the copy needs nothing of the slab
             self.acct.add(d2h_copy_wait_s=time.perf_counter() - t0, d2h_busy_s=copy.busy_s)
+            red = self.reducer
+            if red is not None:  # averaged over the ranks (gloo: here, on the worker; NCCL: already)
+                if not red.device_side:
+                    t0 = time.perf_counter()
+                    host_grads = red.reduce_host(host_grads)
+                    self.acct.add(grad_reduce_s=time.perf_counter() - t0)
+                pairs = [(i, g) for i, g in zip(idx[:-1], red.unpack(host_grads)) if g is not None]
+                idx, host_grads = [i for i, _ in pairs], [g for _, g in pairs]
+            own = self.ownership
+            if own is not None and not own.owns(si):  # the owner adds them; keep the same flags
+                with slab.lock:
+                    slab.start_window()
+                    for i in idx:
+                        slab.has_grad[i] = True
+                    release()
+                    slab.filled()
+                if final:
+                    self._update_now(si)
+                return
             with slab.lock:
                 slab.start_window()
                 # an empty accumulator is overwritten, not read (NVMe: no disk read)

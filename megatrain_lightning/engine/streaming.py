@@ -32,6 +32,7 @@ from ..store import heap
 from ..store.budget import HostBudget
 from ..store.host import HostStore, build_store
 from ..store.regions import Region
+from ..store.shared import NodeShare, SlabOwnership
 from ..store.nvme import NVMeConfig, NVMeStore
 from ..blocks import Block, check_floating, disable_hf_checkpointing, discover_blocks
 from .accounting import ByteAccounting, StepStats
@@ -43,6 +44,7 @@ from .kv_cache import any_requires_grad, training_call
 from .prefetch import Prefetcher
 from .recompute import Recompute, trainable_refs
 from .recompute_policy import RecomputePolicy, deprecated_recompute_every
+from .reduce import GradReducer
 from .staging import StagingRing
 from .window import nvme_window
 from .shared_grads import SharedGradSums
@@ -89,7 +91,10 @@ class StreamingEngine:
 
         loss_chunk_size / mlp_chunk_size: tokens per chunk of the LM head + loss (``"auto"``, default:
             256 MiB of fp32 logits) and of each block's MLP; ``None``: off (:mod:`.long_sequences`).
-
+        reducer: data parallel: averages each gradient batch over the ranks before the host add
+            (:class:`~.reduce.GradReducer`); ``None``: one process.
+        node: data parallel: the node's shared store and slab owners (``store/shared.py``): one copy of the
+            training state per node, each slab added to and updated by its owner only. RAM tier only.
 
     Raises:
         BlockDiscoveryError: no blocks found (see ``discover_blocks``).
@@ -117,6 +122,8 @@ class StreamingEngine:
         host_threads: int | None = None,
         loss_chunk_size: int | str | None = "auto",
         mlp_chunk_size: int | None = None,
+        reducer: GradReducer | None = None,
+        node: NodeShare | None = None,
     ):
         if lookahead < 0:
             raise ValueError(f"lookahead must be >= 0 (blocks prefetched ahead), got {lookahead}.")
@@ -139,11 +146,15 @@ class StreamingEngine:
                 cpu_zero_copy = False  # compute buffers are copies, counted in the budget
         self.store: HostStore = build_store(self.blocks, pin_memory=pin is not False and not (nvme and Region.master in nvme.kinds),
                                             sources=sources, nvme_factory=factory,
-                                            nvme_kinds=nvme.kinds if nvme is not None else ())
+                                            nvme_kinds=nvme.kinds if nvme is not None else (),
+                                            shared=node.regions if node is not None else None)
+        self.ownership: SlabOwnership | None = node.setup(self.store) if node is not None else None
         if self.budget is not None:
             heap.trim()  # what building the store (random init, safetensors reads) left in the heap
         self.trainable = [p.requires_grad for p in root.parameters()]
-        self.transport = make_transport(self.device, self.store.max_slab_numel(trainable=True), cpu_zero_copy, n_staging=2,
+        # data parallel: a batch also carries one presence flag per parameter of the slab (engine/reduce.py)
+        staging = self.store.max_slab_numel(trainable=True) + (max(len(s.entries) for s in self.store.slabs) if reducer else 0)
+        self.transport = make_transport(self.device, staging, cpu_zero_copy, n_staging=2,
                                         pin=pin)
         # on CPU the compute buffers are host memory: they count in host_memory_limit
         budget_device = self.budget is not None and self.device.type == "cpu"
@@ -154,7 +165,8 @@ class StreamingEngine:
         # gradients of a parameter read by several blocks are summed per backward, as autograd does
         shared = SharedGradSums.for_blocks(self.blocks, enabled=Region.grad_accum not in self.store.nvme_kinds)
         self.grads = GradientSink(self.store, self.acct, self.transport, lambda: self.optimizer, shared,
-                                  max_inflight=2, host_threads=host_threads)
+                                  max_inflight=2, host_threads=host_threads, reducer=reducer,
+                                  ownership=self.ownership)
         self.fetcher = WeightFetcher(self.blocks, self.store, self.transport, self.acct, lambda: self.optimizer,
                                      self.device, pin_memory=pin, ring=StagingRing.for_store(self.store, self.transport))
         nvme_on = self.store.nvme is not None
@@ -224,7 +236,8 @@ class StreamingEngine:
             self.optimizer.overlap = overlap
             return self.optimizer
         self.flush()
-        self.optimizer = HostAdamW(self.store, optimizer, overlap=overlap, transport=self.transport)
+        self.optimizer = HostAdamW(self.store, optimizer, overlap=overlap, transport=self.transport,
+                                   ownership=self.ownership)
         return self.optimizer
 
     # ------------------------------------------------------------------ direct parameter access
@@ -429,7 +442,11 @@ class StreamingEngine:
         self.grads.wait()
 
     def attach_grads(self) -> None:
-        """``param.grad`` = views of the fp32 accumulators (see :meth:`GradientSink.attach`)."""
+        """``param.grad`` = views of the fp32 accumulators (see :meth:`GradientSink.attach`); with a node-shared
+        store, once every local rank's adds are in."""
+        if self.ownership is not None:
+            self.wait_grads()
+            self.ownership.sync()
         self.grads.attach()
 
     def detach_grads(self) -> None:

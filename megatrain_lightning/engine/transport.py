@@ -141,9 +141,13 @@ class CPUTransport:
     def released(self) -> None:
         """A block's buffers were released by the compute thread (nothing to track on CPU)."""
 
-    def stage_grads(self, grads: Sequence[torch.Tensor], wire: torch.dtype = torch.float32) -> GradCopy:
+    def stage_grads(self, grads: Sequence[torch.Tensor], wire: torch.dtype = torch.float32,
+                    reduce: Callable[[torch.Tensor], None] | None = None) -> GradCopy:
         """The gradients as host tensors of dtype ``wire`` (same shapes as ``grads``; converted here,
-        on the compute thread, as the CUDA copy is queued there): a finished :class:`GradCopy`."""
+        on the compute thread, as the CUDA copy is queued there): a finished :class:`GradCopy`.
+        ``reduce`` is refused: on a CPU device gradients are reduced on the host, by the gradient sink."""
+        if reduce is not None:
+            raise ValueError("megatrain: a CPU device reduces gradients on the host (gloo), not before the copy.")
         t0 = time.perf_counter()
         host = [self.grad_to_host(g, wire) for g in grads]
         return GradCopy(host, busy_s=time.perf_counter() - t0)
@@ -294,10 +298,16 @@ class CUDATransport:
         if event is not None:
             event.synchronize()
 
-    def stage_grads(self, grads: Sequence[torch.Tensor], wire: torch.dtype = torch.float32) -> GradCopy:
+    def stage_grads(self, grads: Sequence[torch.Tensor], wire: torch.dtype = torch.float32,
+                    reduce: Callable[[torch.Tensor], None] | None = None) -> GradCopy:
         """Pack gradients into one flat ``wire``-dtype tensor on the compute stream and queue its copy
         into a free pinned staging buffer on the D2H stream, after the compute stream's event; returns
         the copy (host views of the gradients' shapes, valid until ``release``).
+
+        ``reduce`` (data parallel, NCCL): called on the packed tensor with the D2H stream current, after
+        that stream waited for the compute stream and before the copy; an NCCL collective issued there
+        runs on NCCL's stream ordered after the D2H stream's work, and the copy waits for it, while the
+        compute stream goes on with the next block (``engine/reduce.py``).
 
         The packed tensor is ``record_stream``-ed on the D2H stream: its device memory returns to the
         allocator as soon as the copy ends, before the host add.
@@ -319,6 +329,8 @@ class CUDATransport:
         with torch.cuda.device(self.device), torch.cuda.stream(self.d2h_stream):
             self.d2h_stream.wait_event(ev_compute)
             flat.record_stream(self.d2h_stream)
+            if reduce is not None:
+                reduce(flat)
             start = torch.cuda.Event(enable_timing=True, blocking=True)
             start.record(self.d2h_stream)
             host.copy_(flat, non_blocking=True)

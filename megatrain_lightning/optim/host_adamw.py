@@ -45,6 +45,7 @@ from torch.optim.adam import adam as _functional_adam
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from ..store.host import HostStore, Slab
+from ..store.shared import SlabOwnership
 from ..store.regions import Region
 
 SUPPORTED = "torch.optim.AdamW and torch.optim.Adam (amsgrad=False, maximize=False)"
@@ -109,6 +110,10 @@ class HostAdamW:
         transport: the engine's device transport (its ``device`` picks the kernel, see :meth:`_flags`),
             or ``None``. An update waits for the last H2D copy that reads the slab's master
             (``Slab.wait_reads``, under the slab's lock).
+        ownership: data parallel with a node-shared store (``store/shared.py``): this process updates only
+            the slabs it owns; for the others it waits for the owner's update and keeps the same bookkeeping
+            (gradient flags, AdamW step counts). Clipping norms and the fp16 inf check combine the owners'
+            parts with one all-reduce over the node. ``None``: one process, every slab.
 
     State per trainable parameter the optimizer owns: ``exp_avg`` and ``exp_avg_sq`` (fp32, same
     shape as the parameter, views of one flat tensor per slab) and ``step`` (fp32 scalar tensor, as
@@ -118,8 +123,10 @@ class HostAdamW:
         UnsupportedOptimizerError: see :func:`validate_optimizer`.
     """
 
-    def __init__(self, store: HostStore, optimizer: torch.optim.Optimizer, overlap: bool = True, transport: Any = None):
+    def __init__(self, store: HostStore, optimizer: torch.optim.Optimizer, overlap: bool = True, transport: Any = None,
+                 ownership: SlabOwnership | None = None):
         self.decoupled = validate_optimizer(optimizer)
+        self.ownership = ownership
         self.store = store
         self.optimizer = optimizer
         self.overlap = overlap
@@ -209,13 +216,22 @@ class HostAdamW:
     def apply_pending(self, slab_index: int) -> None:
         """Apply the recorded update of one slab (thread-safe; a no-op if none is pending)."""
         slab = self.store.slabs[slab_index]
+        own = self.ownership
         with slab.lock:
             pend = self.pending.pop(slab_index, None)
             if pend is None:
                 return
             t0 = time.perf_counter()
+            if own is not None and not own.owns(slab_index):
+                own.wait(slab_index)  # its owner wrote the shared master and moments; count the steps
+                self._count_steps(slab)
+                slab.updated()
+                slab.clear_grads()
+                return
             slab.wait_reads()  # an H2D copy may still read the master
             self._update(slab, pend)
+            if own is not None:
+                own.published(slab_index)
             slab.updated()
             slab.clear_grads()
             self.store.discard_grad_accum(slab_index)
@@ -248,10 +264,15 @@ class HostAdamW:
         by_slab: dict[int, list[int]] = {}
         for si, ei in self._grad_entries():
             by_slab.setdefault(si, []).append(ei)
+        own = self.ownership
         for si, eis in by_slab.items():
+            if own is not None and not own.owns(si):
+                continue  # its owner unscales it in the shared accumulator
             slab = self.store.slabs[si]
             with slab.lock, self.store.hold(si, [Region.grad_accum], write=True) as t:
                 torch._amp_foreach_non_finite_check_and_unscale_([slab.view(t[Region.grad_accum], ei) for ei in eis], found_inf, inv)
+        if own is not None:
+            own.all_reduce(found_inf, "max")  # the same skip decision on every rank
         return bool(found_inf.item())
 
     # ------------------------------------------------------------------ clipping
@@ -275,14 +296,21 @@ class HostAdamW:
         for si, ei in items:
             by_slab.setdefault(si, []).append(ei)
         norms: dict[tuple[int, int], torch.Tensor] = {}
+        own = self.ownership
         for si, eis in by_slab.items():
+            if own is not None and not own.owns(si):
+                continue
             slab = self.store.slabs[si]
             with slab.lock, self.store.hold(si, [Region.grad_accum]) as t:
                 for ei, n in zip(eis, torch._foreach_norm([slab.view(t[Region.grad_accum], ei) for ei in eis], norm_type)):
                     norms[(si, ei)] = n
         if not items:
             return torch.tensor(0.0)
-        return torch.linalg.vector_norm(torch.stack([norms[k] for k in items]), norm_type)
+        zero = torch.zeros((), dtype=torch.float32)
+        stacked = torch.stack([norms.get(k, zero) for k in items])
+        if own is not None:  # each norm comes from its owner alone (the others add 0): exact, the same everywhere
+            own.all_reduce(stacked, "sum")
+        return torch.linalg.vector_norm(stacked, norm_type)
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the host gradients: returns the total norm and
@@ -322,6 +350,15 @@ class HostAdamW:
     def exp_avg(self) -> list[torch.Tensor | None]:
         """Per slab, the flat ``exp_avg`` (RAM tier; ``None`` before the first update)."""
         return [s.exp_avg for s in self.store.slabs]
+
+    def _count_steps(self, slab: Slab) -> None:
+        """Another rank applied this slab's update (shared store): advance the AdamW step counts of the
+        parameters it updated, as the update would have."""
+        for i, e in enumerate(slab.entries):
+            if self.group_of[slab.index][i] >= 0 and e.trainable and slab.has_grad[i]:
+                if self.steps[slab.index][i] is None:
+                    self.steps[slab.index][i] = torch.tensor(0.0, dtype=torch.float32)
+                self.steps[slab.index][i] += 1
 
     def _update(self, slab: Slab, pend: _Pending) -> None:
         with self.store.hold(slab.index, [Region.master, Region.exp_avg, Region.exp_avg_sq], write=True) as w, \

@@ -25,13 +25,16 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 import torch
 
 from ..blocks import Block, ParamRef
 from .pinned import host_buffer
 from .regions import Region
+
+if TYPE_CHECKING:
+    from .shared import SharedRegions
 
 
 @dataclass
@@ -169,6 +172,7 @@ class HostStore:
         self.nvme = nvme  # NVMeStore or None
         self.nvme_kinds = frozenset(nvme_kinds)
         self._index: dict[int, tuple[int, int]] | None = None
+        self.shared: "SharedRegions | None" = None  # data parallel: the node's shared file (store/shared.py)
 
     @property
     def index(self) -> dict[int, tuple[int, int]]:
@@ -276,7 +280,8 @@ def slab_layout(blocks: Sequence[Block]) -> list[tuple[list[SlabEntry], int, int
 def build_store(blocks: Sequence[Block], pin_memory: bool = False,
                 sources: dict[int, Callable[[], torch.Tensor]] | None = None,
                 nvme_factory: Callable[[list[tuple[int, int]]], object] | None = None,
-                nvme_kinds: Iterable[str] = ()) -> HostStore:
+                nvme_kinds: Iterable[str] = (),
+                shared: Callable[[list[tuple[int, int]]], "SharedRegions"] | None = None) -> HostStore:
     """Pack every parameter into fp32 host slabs and repoint ``param.data`` at them.
 
     Args:
@@ -293,6 +298,9 @@ def build_store(blocks: Sequence[Block], pin_memory: bool = False,
             per slab); ``None``: everything in RAM.
         nvme_kinds: regions kept on disk: ``{"master"}`` (``offload_params="nvme"``) and/or
             ``{"exp_avg", Region.exp_avg_sq, Region.grad_accum}`` (``offload_optimizer="nvme"``).
+        shared: data parallel: ``layout -> SharedRegions`` mapping the node's shared file (``store/shared.py``);
+            every region of every slab is a view of it, and only the node's writer (local rank 0) copies the
+            weights in. RAM tier only.
 
     Raises:
         ValueError: a parameter is on the meta device and no source provides it.
@@ -308,13 +316,23 @@ def build_store(blocks: Sequence[Block], pin_memory: bool = False,
     layout = slab_layout(blocks)
     nvme_kinds = frozenset(nvme_kinds)
     nvme = nvme_factory([(n, t) for _, n, t in layout]) if nvme_factory is not None and nvme_kinds else None
+    regions = shared([(n, t) for _, n, t in layout]) if shared is not None else None
+    if regions is not None and nvme is not None:
+        raise ValueError("build_store: a shared (data-parallel) store keeps every region in host RAM; no NVMe tier.")
     store = HostStore([], nvme=nvme, nvme_kinds=nvme_kinds if nvme is not None else ())
+    store.shared = regions
     on_disk = store.masters_on_disk
     try:
         for blk, (entries, numel, trainable_numel) in zip(blocks, layout):
             slab = Slab(index=blk.index, entries=entries, master=None, trainable_numel=trainable_numel,  # type: ignore[arg-type]
                         total_numel=numel)
-            if not on_disk:
+            if regions is not None:
+                slab.master = regions.region(slab.index, Region.master)
+                slab.grad_accum = regions.region(slab.index, Region.grad_accum)
+                slab.exp_avg = regions.region(slab.index, Region.exp_avg)
+                slab.exp_avg_sq = regions.region(slab.index, Region.exp_avg_sq)
+                slab.has_grad = [False] * len(entries)
+            elif not on_disk:
                 # pinned at its exact size (store/pinned.py), not rounded up to a power of two
                 slab.master = host_buffer(4 * numel, pin_memory)[: 4 * numel].view(torch.float32)
             store.slabs.append(slab)
@@ -334,7 +352,8 @@ def build_store(blocks: Sequence[Block], pin_memory: bool = False,
                             raise ValueError(f"{e.ref.fqn}: source tensor has shape {tuple(value.shape)}, parameter {tuple(p.shape)}.")
                     else:
                         value = p.detach()
-                    master[e.offset : e.offset + e.numel].copy_(value.reshape(-1))
+                    if regions is None or regions.writer:
+                        master[e.offset : e.offset + e.numel].copy_(value.reshape(-1))
                     del value
             for i, e in enumerate(entries):
                 old = e.ref.param

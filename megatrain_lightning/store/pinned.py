@@ -23,6 +23,7 @@ import contextlib
 import ctypes
 import logging
 import mmap
+import os
 import threading
 from typing import Callable
 
@@ -113,6 +114,31 @@ def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
             ) from err
         m.pinned_ptr, m.unregister = t.data_ptr(), UNREGISTER
     return t
+
+
+def shared_file_mapping(path: str, nbytes: int, pin: bool) -> mmap.mmap:
+    """A ``MAP_SHARED`` mapping of the file ``path`` (``nbytes`` bytes, from a page boundary): what one process
+    writes, the others mapping the same file see. Page-locked exactly when ``pin`` (as :func:`host_buffer`).
+    Tensors over it: ``torch.frombuffer(mapping, dtype=..., count=..., offset=...)``, one storage (and one
+    autograd version counter) each.
+
+    Raises:
+        HostPinningError: ``pin`` and the driver refused to lock the memory."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        m = _Mapping(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    if pin:
+        ptr = torch.frombuffer(m, dtype=torch.uint8, count=1).data_ptr()
+        try:
+            REGISTER(ptr, page_up(nbytes))
+        except Exception as err:
+            raise HostPinningError(
+                f"megatrain: page-locking the node's shared training state ({fmt_bytes(nbytes)}) failed: {err}. "
+                "Free host memory or pass pin_memory=False (H2D copies then run at pageable speed).") from err
+        m.pinned_ptr, m.unregister = ptr, UNREGISTER
+    return m
 
 
 def try_host_buffer(nbytes: int, pin: bool | None, what: str) -> tuple[torch.Tensor, bool]:

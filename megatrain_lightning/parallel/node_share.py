@@ -1,0 +1,81 @@
+"""The node-shared host store of a data-parallel run (the engine's ``NodeShare``, ``store/shared.py``).
+
+Every local rank maps one file under ``/dev/shm`` that holds the node's fp32 masters, gradient accumulators
+and AdamW moments; local rank 0 creates it and writes the initial weights, the file is unlinked once every
+local rank has mapped it, and the first node's weights are broadcast to the other nodes' copies (as
+``DistributedDataParallel`` broadcasts rank 0's module state).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import torch
+import torch.distributed as dist
+
+from ..store.host import HostStore
+from ..store.shared import SharedRegions, SlabOwnership, balance, check_shm, shared_state_bytes
+from .groups import ProcessGroups
+
+SHM_DIR = "/dev/shm"
+
+
+class NodeStore:
+    """Builds the shared regions and the slab owners for one process (a collective object: every rank of the
+    run constructs it and calls its methods at the same points).
+
+    Args:
+        groups: the run's process groups.
+        timeout_s: seconds a rank waits for a slab's owner before it gives up (the strategy's ``timeout``).
+        pin: page-lock the shared mapping (CUDA runs with ``pin_memory`` not ``False``).
+        directory: the tmpfs holding the file (default ``/dev/shm``).
+    """
+
+    def __init__(self, groups: ProcessGroups, timeout_s: float, pin: bool = False, directory: str = SHM_DIR):
+        self.groups = groups
+        self.timeout_s = timeout_s
+        self.pin = pin
+        box = [uuid.uuid4().hex[:12] if groups.global_rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=groups.host)  # one name per run, on every node
+        self.path = os.path.join(directory, f"megatrain-{box[0]}-node{groups.node_rank}")
+        self.directory = directory
+
+    def _barrier(self) -> None:
+        dist.barrier(group=self.groups.node)
+
+    def regions(self, layout: list[tuple[int, int]]) -> SharedRegions:
+        """Create (local rank 0) and map the node's file for ``layout``.
+
+        Raises:
+            SharedMemoryTooSmall: ``/dev/shm`` cannot hold it (checked on every local rank before anything
+                is allocated)."""
+        check_shm(shared_state_bytes(layout), self.directory)
+        first = self.groups.local_rank == 0
+        regions = SharedRegions.map(self.path, layout, create=True, pin=self.pin) if first else None
+        self._barrier()
+        if not first:
+            regions = SharedRegions.map(self.path, layout, create=False, pin=self.pin)
+        self._barrier()
+        if first:
+            os.unlink(self.path)  # the mappings keep the memory; nothing is left behind after the run
+        assert regions is not None
+        return regions
+
+    def setup(self, store: HostStore) -> SlabOwnership:
+        """After the store is built: the writer's weights reach every rank (and node), then the owners."""
+        g = self.groups
+        self._barrier()
+        if g.num_nodes > 1 and g.local_rank == 0:
+            for slab in store.slabs:
+                dist.broadcast(slab.master, src=0, group=g.leaders)
+        self._barrier()
+        owner = balance([s.trainable_numel or s.numel for s in store.slabs], g.local_world_size)
+        assert store.shared is not None
+
+        def all_reduce(t: torch.Tensor, op: str) -> None:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=g.node)
+
+        return SlabOwnership(owner, g.local_rank, store.shared.counts, self.timeout_s,
+                             global_rank_of=lambda r: g.node_rank * g.local_world_size + r,
+                             all_reduce=all_reduce, sync=self._barrier)

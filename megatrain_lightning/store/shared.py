@@ -1,0 +1,207 @@
+"""One copy of the training state per node: the host store's regions in shared memory, and who updates them.
+
+With several processes on a node (data parallel, ``Trainer(devices=N)``), each process would otherwise hold its
+own fp32 master, gradient accumulator, ``exp_avg`` and ``exp_avg_sq``: 16 bytes/param per process. Here they are
+allocated once per node in a file under ``/dev/shm`` (``torch.from_file(..., shared=True)``: a ``MAP_SHARED``
+mapping) that every local rank maps; the file is unlinked as soon as every local rank has mapped it, so nothing
+is left behind whatever way the processes end.
+
+Work is split by slab (ZeRO-1 style inside the node, as issue 12 asks): each slab has one *owner* local rank
+(:func:`balance`, by bytes) that adds the slab's reduced gradients into the shared accumulator and applies its
+AdamW update. The others keep the same Python-side bookkeeping (which parameters have a gradient, AdamW step
+counts: every rank sees the same reduced presence flags) but skip the tensor work, and before reading a slab's
+master for a new step they wait until its owner has published the update (:meth:`SlabOwnership.wait`, a per-slab
+update count in the shared file). The ordering argument is in docs/architecture.md, "Several GPUs and nodes".
+
+Layout of the file (fp32 elements, each slab's regions contiguous, 64-byte aligned): per slab ``master[numel]``,
+``grad_accum[t]``, ``exp_avg[t]``, ``exp_avg_sq[t]`` (``t`` = trainable numel), then one int64 update count per
+slab.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+import mmap
+
+from .pinned import shared_file_mapping
+
+_ALIGN = 16  # fp32 elements (64 bytes)
+
+
+def _round(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def shared_state_bytes(layout: Sequence[tuple[int, int]]) -> int:
+    """Bytes of the shared file for slabs ``layout = [(numel, trainable numel)]``: 4 bytes per master
+    element, 12 per trainable element (accumulator and both AdamW moments), alignment, 8 per slab for
+    its update count."""
+    return 4 * sum(_round(n) + 3 * _round(t) for n, t in layout) + 8 * len(layout)
+
+
+class SharedMemoryTooSmall(RuntimeError):
+    """The shared-memory filesystem cannot hold the node's training state."""
+
+
+def check_shm(nbytes: int, directory: str = "/dev/shm") -> None:
+    """Preflight: ``directory`` (a tmpfs) has ``nbytes`` free.
+
+    Raises:
+        SharedMemoryTooSmall: with the numbers and what to change (``docker run --shm-size``, the
+            ``/dev/shm`` mount, or fewer parameters in host RAM).
+    """
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    if free < nbytes:
+        raise SharedMemoryTooSmall(
+            f"megatrain: the node's training state needs {nbytes / 2**30:.2f} GiB of shared memory in {directory}, "
+            f"which has {free / 2**30:.2f} GiB free (of {st.f_blocks * st.f_frsize / 2**30:.2f} GiB). Enlarge it "
+            "(docker run --shm-size=..., or mount -o remount,size=... /dev/shm), or train on one device per node.")
+
+
+@dataclass
+class SharedRegions:
+    """The mapped shared file of a node: flat fp32 views per slab and the update counts.
+
+    Attributes:
+        path: the file (already unlinked once every local rank mapped it).
+        writer: this process writes the initial weights (local rank 0); the others only map.
+    """
+
+    path: str
+    writer: bool
+    _mapping: mmap.mmap
+    _offsets: list[tuple[int, int, int]]  # per slab: offset, numel, trainable numel (elements)
+    counts: torch.Tensor  # int64 [n_slabs], in the same mapping
+
+    @classmethod
+    def map(cls, path: str, layout: Sequence[tuple[int, int]], create: bool, pin: bool = False) -> "SharedRegions":
+        """Map (``create``: create and size) the file for ``layout``; ``pin``: page-lock the mapping (CUDA).
+        Creation sizes it with ``ftruncate``: the pages are zero and take memory only when written.
+
+        Raises:
+            FileExistsError: ``create`` and the file exists (another run's name).
+            HostPinningError: ``pin`` and the driver refused."""
+        nbytes = shared_state_bytes(layout)
+        if create:
+            fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, nbytes)
+            finally:
+                os.close(fd)
+        m = shared_file_mapping(path, nbytes, pin)
+        offsets, off = [], 0
+        for n, t in layout:
+            offsets.append((off, n, t))
+            off += _round(n) + 3 * _round(t)
+        counts = torch.frombuffer(m, dtype=torch.int64, count=len(layout), offset=4 * off) if layout else \
+            torch.zeros(0, dtype=torch.int64)
+        return cls(path, create, m, offsets, counts)
+
+    def region(self, i: int, kind: str) -> torch.Tensor:
+        """Slab ``i``'s flat fp32 region ``kind`` (``master`` ``[numel]``; ``grad_accum``, ``exp_avg``,
+        ``exp_avg_sq`` ``[trainable numel]``)."""
+        off, n, t = self._offsets[i]
+        if kind == "master":
+            start, count = off, n
+        else:
+            start, count = off + _round(n) + ("grad_accum", "exp_avg", "exp_avg_sq").index(kind) * _round(t), t
+        if count == 0:
+            return torch.zeros(0, dtype=torch.float32)
+        # a storage of its own: autograd's version counter of a master is not bumped by writes to other regions
+        return torch.frombuffer(self._mapping, dtype=torch.float32, count=count, offset=4 * start)
+
+
+def balance(sizes: Sequence[int], ranks: int) -> list[int]:
+    """Owner rank of each slab: largest first to the least loaded rank (greedy longest-processing-time), so
+    every rank adds and updates about ``sum(sizes) / ranks`` elements per step.
+
+    Args:
+        sizes: per slab, its work (trainable elements; frozen slabs count their elements).
+        ranks: local ranks (>= 1).
+    """
+    load = [0] * ranks
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(ranks), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += sizes[i]
+    return owner
+
+
+class OwnerTimeout(RuntimeError):
+    """A slab's owner did not publish its update in time (it died, or hangs)."""
+
+
+class SlabOwnership:
+    """Which local rank updates each slab, and the per-slab update counts that order the others' reads.
+
+    Args:
+        owner: per slab, its owner's local rank.
+        local_rank: this process's local rank.
+        counts: int64 ``[n_slabs]`` update counts in shared memory (:attr:`SharedRegions.counts`).
+        timeout_s: seconds :meth:`wait` waits before raising :class:`OwnerTimeout`.
+        global_rank_of: local rank -> global rank (for error messages).
+        all_reduce: ``all_reduce(tensor, op)`` over the node's ranks (``op``: ``"sum"`` or ``"max"``), in place.
+        sync: a barrier of the node's ranks (called once per optimizer step, before ``param.grad`` is shown to
+            Lightning's hooks: every owner's adds are then in the shared accumulators).
+    """
+
+    def __init__(self, owner: Sequence[int], local_rank: int, counts: torch.Tensor, timeout_s: float,
+                 global_rank_of: Callable[[int], int], all_reduce: Callable[[torch.Tensor, str], None],
+                 sync: Callable[[], None]):
+        self.sync = sync
+        self.owner = list(owner)
+        self.local_rank = local_rank
+        self.counts = counts
+        self.timeout_s = timeout_s
+        self.global_rank_of = global_rank_of
+        self.all_reduce = all_reduce
+        self.expected = [0] * len(self.owner)  # updates of each slab this process has seen or made
+
+    def owns(self, i: int) -> bool:
+        return self.owner[i] == self.local_rank
+
+    def published(self, i: int) -> None:
+        """Owner: slab ``i``'s update is written; count it where the other local ranks look."""
+        self.expected[i] += 1
+        self.counts[i] = self.expected[i]
+
+    def wait(self, i: int) -> None:
+        """Non-owner: wait until slab ``i``'s owner has published as many updates as this process expects
+        (sleeping 50 us -> 5 ms between looks).
+
+        Raises:
+            OwnerTimeout: not published within ``timeout_s`` seconds, naming the owner's global rank.
+        """
+        self.expected[i] += 1
+        want = self.expected[i]
+        t0 = time.monotonic()
+        pause = 5e-5
+        while int(self.counts[i]) < want:
+            if time.monotonic() - t0 > self.timeout_s:
+                raise OwnerTimeout(
+                    f"megatrain: rank {self.global_rank_of(self.owner[i])} (local rank {self.owner[i]}), which updates "
+                    f"slab {i}, did not publish update {want} within {self.timeout_s:.0f} s: it has died or hangs. "
+                    "Stopping; resume from the last checkpoint (the strategy's timeout= sets this limit).")
+            time.sleep(pause)
+            pause = min(pause * 2, 5e-3)
+
+
+class NodeShare(Protocol):
+    """What the engine needs from the data-parallel setup (``parallel/node_share.py`` builds it): the node's
+    shared file for a store layout, and the slab owners."""
+
+    def regions(self, layout: list[tuple[int, int]]) -> SharedRegions:
+        """Create (local rank 0) or map (the others) the node's shared file for ``layout`` (collective)."""
+
+    def setup(self, store) -> SlabOwnership:
+        """After :func:`~.host.build_store` (collective): wait for the writer's initial weights on every local
+        rank, make every node's copy the first node's, and return the slab owners (balanced by each slab's
+        trainable elements; ordered by the store's shared update counts)."""

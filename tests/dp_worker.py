@@ -1,0 +1,60 @@
+"""One data-parallel training run, launched by tests/test_data_parallel.py as ``python tests/dp_worker.py OUT
+--devices 2 ...``: Lightning's subprocess script launcher re-runs this script for local rank 1, exactly as it
+would a user's ``python train.py``. Each rank writes its losses (``losses_<rank>.pt``); rank 0 writes the final
+weights (``weights.pt``) and the strategy's per-step statistics."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+
+import megatrain_lightning  # noqa: F401  (registers strategy="megatrain")
+from megatrain_lightning import testing as T
+from megatrain_lightning.strategy import MegaTrainStrategy
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--arch", default="llama")
+    ap.add_argument("--devices", type=int, default=2)
+    ap.add_argument("--num-nodes", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=2, help="micro-batch per rank")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--accumulate", type=int, default=2)
+    ap.add_argument("--clip", type=float, default=None)
+    ap.add_argument("--sched", default=None)
+    ap.add_argument("--precision", default="32-true")
+    ap.add_argument("--offload-activations", action="store_true")
+    ap.add_argument("--dropout", type=float, default=0.0)
+    ap.add_argument("--n", type=int, default=64, help="samples in the dataset")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    over = {"resid_pdrop": args.dropout} if args.arch == "gpt2" else {}
+    model = T.make_model(args.arch, **over)
+    T.freeze_key_biases(model)
+    lm = T.LM(model, lr=1e-3, sched=args.sched, total_steps=args.steps)
+    strategy = MegaTrainStrategy(offload_activations=args.offload_activations, timeout=60)
+    trainer = pl.Trainer(accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
+                         precision=args.precision, max_steps=args.steps, accumulate_grad_batches=args.accumulate,
+                         gradient_clip_val=args.clip, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(lm, T.make_data(n=args.n, batch_size=args.batch))
+    rank = trainer.global_rank
+    torch.save(lm.losses, out / f"losses_{rank}.pt")
+    if rank == 0:
+        torch.save({k: v.detach().clone() for k, v in model.named_parameters()}, out / "weights.pt")
+        (out / "stats.json").write_text(json.dumps(trainer.strategy.engine.history))
+        (out / "env.json").write_text(json.dumps({"world_size": trainer.world_size,
+                                                  "sampler": type(trainer.train_dataloader.sampler).__name__}))
+
+
+if __name__ == "__main__":
+    main()

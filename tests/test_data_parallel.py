@@ -1,0 +1,96 @@
+"""Data parallel (issue 12): several processes launched by Lightning's own launcher, gloo on this CPU.
+
+Reference (as DDP promises): W processes with micro-batch b train like one process with micro-batch W*b.
+The runs are real ``python tests/dp_worker.py`` processes; Lightning's subprocess script launcher starts
+the other ranks, exactly as for a user's ``python train.py``. The reference is plain PyTorch
+(:func:`megatrain_lightning.testing.reference_train`) on the global batch.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatrain_lightning import testing as T
+
+WORKER = Path(__file__).with_name("dp_worker.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(out: Path, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run the worker (rank 0; the launcher starts the others) and return the finished process."""
+    e = {**os.environ, "MASTER_PORT": str(free_port()), "MASTER_ADDR": "127.0.0.1", **(env or {})}
+    for k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):  # a clean launch, whatever runs the tests
+        if env is None or k not in env:
+            e.pop(k, None)
+    return subprocess.run([sys.executable, str(WORKER), str(out), *args], env=e, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def check(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+def per_step_losses(out: Path, world: int) -> list[float]:
+    """Per micro-batch loss, mean over the ranks (each rank's loss is the mean over its micro-batch)."""
+    ranks = [torch.load(out / f"losses_{r}.pt") for r in range(world)]
+    return [sum(v) / world for v in zip(*ranks)]
+
+
+class ShuffledEpochs:
+    """The global batches of a data-parallel run over :func:`megatrain_lightning.testing.make_data`'s samples:
+    Lightning injects ``DistributedSampler(shuffle=True, seed=0)`` into training loaders and calls
+    ``set_epoch(e)`` every epoch, so epoch ``e`` visits ``randperm(n)`` seeded ``0 + e``; rank ``r`` of ``W`` takes
+    positions ``r, r + W, ...`` of it, so the union of the ranks' k-th micro-batches of size ``b`` is positions
+    ``[k*W*b, (k+1)*W*b)``: one process's k-th batch of size ``W*b``. Each ``iter()`` is the next epoch."""
+
+    def __init__(self, n: int, global_batch: int):
+        self.ids = next(iter(T.make_data(n=n, batch_size=n)))[0]
+        self.b, self.epoch = global_batch, 0
+
+    def __iter__(self):
+        perm = torch.randperm(len(self.ids), generator=torch.Generator().manual_seed(self.epoch))
+        self.epoch += 1
+        for i in range(0, len(perm), self.b):
+            yield (self.ids[perm[i : i + self.b]],)
+
+
+def reference(arch: str, batch: int, steps: int, accumulate: int, clip: float | None, sched: str | None,
+              n: int = 64) -> tuple[torch.nn.Module, list[float]]:
+    """Plain PyTorch on the global batch ``batch`` (the ranks' micro-batches together)."""
+    model = T.make_model(arch)
+    T.freeze_key_biases(model)
+    losses = T.reference_train(model, ShuffledEpochs(n, batch), steps, accumulate=accumulate, clip=clip, sched=sched)
+    return model, losses
+
+
+def assert_matches(out: Path, world: int, ref_model: torch.nn.Module, ref_losses: list[float], tol: float) -> None:
+    losses = per_step_losses(out, world)
+    assert len(losses) == len(ref_losses)
+    for i, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert abs(a - b) / abs(b) <= tol, f"micro-batch {i}: loss {a} vs reference {b}"
+    weights = torch.load(out / "weights.pt")
+    for k, p in ref_model.named_parameters():
+        r = T.rel(weights[k], p.detach())
+        assert r <= tol, f"{k}: relative weight error {r:.3e}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral", "gpt2"])
+def test_two_processes_match_one_with_the_global_batch(tmp_path, arch):
+    """2 ranks x micro-batch 2 = plain PyTorch with micro-batch 4: accumulation 2, norm clipping, cosine LR,
+    12 steps; every loss (mean over ranks) and every final weight within 1e-5 relative."""
+    check(launch(tmp_path, "--arch", arch, "--devices", "2", "--batch", "2", "--steps", "12", "--accumulate", "2",
+                 "--clip", "0.5", "--sched", "cosine"))
+    model, losses = reference(arch, 4, 12, 2, 0.5, "cosine")
+    assert_matches(tmp_path, 2, model, losses, 1e-5)
