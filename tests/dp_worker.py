@@ -12,9 +12,11 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from torch.utils.data import DataLoader, DistributedSampler
 
 import megatrain_lightning  # noqa: F401  (registers strategy="megatrain")
 from megatrain_lightning import testing as T
+from megatrain_lightning.data.resumable import ResumableDataLoader
 from megatrain_lightning.strategy import MegaTrainStrategy
 
 
@@ -33,6 +35,10 @@ def main() -> None:
     ap.add_argument("--offload-activations", action="store_true")
     ap.add_argument("--dropout", type=float, default=0.0)
     ap.add_argument("--n", type=int, default=64, help="samples in the dataset")
+    ap.add_argument("--resumable", action="store_true", help="megatrain_lightning.data.ResumableDataLoader (shuffled)")
+    ap.add_argument("--total-steps", type=int, default=None, help="the cosine schedule's T_max (default --steps)")
+    ap.add_argument("--save", default=None, help="trainer.save_checkpoint(SAVE) after fit")
+    ap.add_argument("--resume", default=None, help="fit(ckpt_path=RESUME)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -40,13 +46,22 @@ def main() -> None:
     over = {"resid_pdrop": args.dropout} if args.arch == "gpt2" else {}
     model = T.make_model(args.arch, **over)
     T.freeze_key_biases(model)
-    lm = T.LM(model, lr=1e-3, sched=args.sched, total_steps=args.steps)
+    lm = T.LM(model, lr=1e-3, sched=args.sched, total_steps=args.total_steps or args.steps)
     strategy = MegaTrainStrategy(offload_activations=args.offload_activations, timeout=60)
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
                          precision=args.precision, max_steps=args.steps, accumulate_grad_batches=args.accumulate,
                          gradient_clip_val=args.clip, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(lm, T.make_data(n=args.n, batch_size=args.batch))
+    loader = T.make_data(n=args.n, batch_size=args.batch)
+    if args.resumable:
+        loader = ResumableDataLoader(loader.dataset, batch_size=args.batch, shuffle=True, seed=0)
+    elif args.devices * args.num_nodes == 1:  # the order Lightning's injected DistributedSampler gives W ranks
+        ds = loader.dataset
+        loader = DataLoader(ds, batch_size=args.batch,
+                            sampler=DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0))
+    trainer.fit(lm, loader, ckpt_path=args.resume)
+    if args.save:
+        trainer.save_checkpoint(args.save)
     rank = trainer.global_rank
     torch.save(lm.losses, out / f"losses_{rank}.pt")
     if rank == 0:
