@@ -174,12 +174,6 @@ def test_lightning_keeps_the_loader_and_shards_a_plain_validation_loader(tmp_pat
     assert isinstance(val.sampler, DistributedSampler) and val.sampler.num_replicas == 2 and not val.sampler.shuffle
 
 
-def test_set_epoch_from_lightning_does_not_change_the_order():
-    dl = ResumableDataLoader(dataset(12), batch_size=3, shuffle=True, seed=SEED)
-    dl.sampler.set_epoch(5)  # Lightning calls it with its current_epoch
-    assert [b[0].tolist() for b in dl] == reference(12, 0, True, 3, 1)
-
-
 def test_bad_samplers_are_refused():
     ds = dataset(8)
     with pytest.raises(ValueError, match="owns the sample order"):

@@ -64,7 +64,7 @@ class _PositionSampler(DistributedSampler):
         return self.world()[1]
 
     def set_epoch(self, epoch: int) -> None:
-        """Ignored (class docstring)."""
+        """Ignored (class docstring); the loader sets ``epoch`` at the start of each iteration."""
 
     def order(self) -> list[int]:
         """The epoch's sample indices, ``[n]``: ``torch.randperm`` seeded by ``seed * 100_003 + epoch``, or in order."""
