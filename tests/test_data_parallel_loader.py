@@ -182,3 +182,23 @@ def test_bad_samplers_are_refused():
         ResumableDataLoader(ds, batch_sampler=torch.utils.data.BatchSampler(range(8), 2, False))
     with pytest.raises(ValueError, match="contradicts the DistributedSampler"):
         ResumableDataLoader(ds, batch_size=2, shuffle=True, sampler=DistributedSampler(ds, 2, 0, shuffle=False))
+
+
+def test_data_module_training_loader_shards_like_one_process_with_the_global_batch(gpt2_tok, monkeypatch):
+    """DomainDataModule(batch_size=2) on 2 ranks (torch.distributed reporting them) = batch_size=4 in one process."""
+    from megatrain_lightning.data import DomainDataModule
+
+    docs = [{"id": f"doc{i}", "text": f"Document number {i}. " + "clause " * (i % 7 + 1) + "end."} for i in range(60)]
+    kw = dict(documents=docs, seq_len=8, val_fraction=0.2, num_workers=0)
+    one = [b["input_ids"] for b in DomainDataModule(gpt2_tok, batch_size=4, **kw).train_dataloader()]
+    dm = DomainDataModule(gpt2_tok, batch_size=2, **kw)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    per_rank = []
+    for r in range(2):
+        monkeypatch.setattr(dist, "get_rank", lambda group=None, r=r: r)
+        per_rank.append([b["input_ids"] for b in dm.train_dataloader()])
+    assert one[-1].shape[0] == 3  # 67 rows: the tail of 3 is split 2 + 1
+    assert len(per_rank[0]) == len(per_rank[1]) == len(one) > 2
+    for step, (a, b) in zip(one, zip(*per_rank)):
+        assert torch.equal(torch.cat([a, b]), step)
