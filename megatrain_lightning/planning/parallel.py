@@ -30,6 +30,9 @@ The design planned (issue 12):
   the AdamW update (28 B/param: reads param, grad, exp_avg, exp_avg_sq, writes param, exp_avg,
   exp_avg_sq) + the wire-shadow cast, and the NVMe traffic.
 
+Without an accelerator (``hardware.hbm_gib: null``) the R ranks compute on the node's CPU cores:
+the compute term is R x one process's (the preset's rate is the node's).
+
 Step-time lower bound = max(compute, per-GPU H2D, per-GPU D2H, NVMe read, NVMe write (per node),
 host AdamW (per node), host memory (per node), intra-node reduce, inter-node all-reduce); every
 stream is assumed to overlap with the others, and each GPU to have its own host link (where two GPUs
@@ -146,6 +149,8 @@ def scale_out(hw: Any, s: dict[str, Any], e: dict[str, Any], *, n_params: int, g
     moved["host_memory"] = sum(host_traffic.values())
     ib, _ = intra_rate(hw)
     times = dict(e["times"])
+    if not hw.is_gpu:  # a CPU "device": the R ranks compute on the same cores, the node's rate is shared
+        times["compute"] = R * e["times"]["compute"]
     times.update(
         d2h=moved["d2h"] / (hw.d2h_gbps * gb),
         nvme_read=moved["nvme_read"] / (hw.nvme_drives * hw.nvme_read_gbps * gb),

@@ -124,11 +124,13 @@ def format_plan(p: Plan) -> str:
         "host_adamw": f"{c.total / 1e9:,.2f} G params",
         **{k: f"{gib(p.moved[k])} GiB" for k in ("host_memory", "intra_node", "inter_node") if k in p.moved},
     }
+    unit = "GPU" if hw.is_gpu else "rank"
     if p.parallel:
-        lines[-1] += "   (data parallel: [GPU] per rank, [node] per node)"
+        lines[-1] += f"   (data parallel: [{unit}] per rank, [node] per node)"
     for k, t in p.times.items():
         mark = "  <- dominates" if k == p.dominating else ""
-        label = TERM_LABELS[k] + ((" [node]" if k in NODE_TERMS else " [GPU]") if p.parallel else "")
+        node = k in NODE_TERMS or k == "compute" and not hw.is_gpu  # a CPU device's ranks share its cores
+        label = TERM_LABELS[k] + ((" [node]" if node else f" [{unit}]") if p.parallel else "")
         lines.append(f"  {label:<31} {amounts[k]:>16} {_rate(p, k):>24} {t:>10.3f}{mark}")
     parts = [f"{k} {v / 1e12:+,.1f}" for k, v in p.flops_parts.items() if v]
     lines.append("  (compute TFLOP = " + ", ".join(parts) + f"; N_matmul = {c.matmul_params:,})")
@@ -138,7 +140,7 @@ def format_plan(p: Plan) -> str:
         "",
         f"lower bound: {p.step_time_s:,.3f} s/step, dominated by {TERM_LABELS[p.dominating]} "
         f"({_num(p.tokens / p.step_time_s)} tokens/s at most"
-        + (f" per GPU, {_num(p.node_tokens / p.step_time_s)} per node, {_num(p.cluster_tokens / p.step_time_s)} "
+        + (f" per {'GPU' if hw.is_gpu else 'rank'}, {_num(p.node_tokens / p.step_time_s)} per node, {_num(p.cluster_tokens / p.step_time_s)} "
            f"for the {p.settings['num_nodes']} node(s))" if p.parallel else ")"),
         f"pessimistic (H2D at half bandwidth while D2H runs): {p.step_time_pessimistic_s:,.3f} s/step, "
         f"dominated by {TERM_LABELS[p.dominating_pessimistic]}",
@@ -171,6 +173,7 @@ def format_parallel(p: Plan) -> list[str]:
     d, hw, s = p.parallel, p.hardware, p.settings
     R, M, G = d["devices"], d["num_nodes"], d["grads"]
     ib, link = intra_rate(hw)
+    unit = "GPU" if hw.is_gpu else "rank"
     out = [f"data parallel: {R} process(es) per node x {M} node(s) = {d['world_size']} ranks; batch_size="
            f"{s['batch_size']} per process: {p.node_tokens:,} tokens/step per node, {p.cluster_tokens:,} in all",
            f"  host RAM per node {gib(p.host_bytes)} GiB = training state once per node {gib(d['shm_bytes'])} GiB "
@@ -178,11 +181,14 @@ def format_parallel(p: Plan) -> list[str]:
            + ", ".join(f"{k} {gib(v)}" for k, v in d["per_process"].items() if v) + ")"]
     need, dflt = d["shm_bytes"], d["shm_default_bytes"]
     size = -(-need // 2**30) + 1
-    out.append(f"  /dev/shm needed: {gib(need)} GiB; "
-               + (f"more than Linux's default tmpfs size (half of RAM: {gib(dflt)} GiB): "
-                  f"mount -o remount,size={size}G /dev/shm" if need > dflt else
-                  f"within Linux's default tmpfs size (half of RAM: {gib(dflt)} GiB)")
-               + f"; in a container --shm-size={size}g or --ipc=host (Docker's default is 64 MiB)")
+    if not need:
+        out.append("  /dev/shm: none needed (the training state is on NVMe, one store per node)")
+    else:
+        out.append(f"  /dev/shm needed: {gib(need)} GiB; "
+                   + (f"more than Linux's default tmpfs size (half of RAM: {gib(dflt)} GiB): "
+                      f"mount -o remount,size={size}G /dev/shm" if need > dflt else
+                      f"within Linux's default tmpfs size (half of RAM: {gib(dflt)} GiB)")
+                   + f"; in a container --shm-size={size}g or --ipc=host (Docker's default is 64 MiB)")
     if p.nvme:
         out.append(f"  NVMe per node: one store {gib(p.nvme_bytes)} GiB; reads {gib(p.moved['nvme_read'])} GiB/step "
                    f"(every rank reads the fp32 masters it streams)")
@@ -193,8 +199,8 @@ def format_parallel(p: Plan) -> list[str]:
     out.append(f"    inter-node, ring all-reduce among each block's owners: 2(M-1)/M x G = "
                f"{gib(p.moved['inter_node'])} GiB sent per node: {p.times['inter_node']:.3f} s at "
                f"{hw.network_gbps:g} GB/s (hardware.network_gbps)" if M > 1 else "    inter-node: none (one node)")
-    out.append(f"    D2H per GPU: its own blocks' reduced gradients {gib(p.moved['d2h'])} GiB (one process: {gib(G)} GiB)")
-    out.append(f"  shared by the node's {R} GPU(s): host AdamW {p.times['host_adamw']:.3f} s (all {p.counts.total / 1e9:,.2f} "
+    out.append(f"    D2H per {unit}: its own blocks' reduced gradients {gib(p.moved['d2h'])} GiB (one process: {gib(G)} GiB)")
+    out.append(f"  shared by the node's {R} {unit}(s): host AdamW {p.times['host_adamw']:.3f} s (all {p.counts.total / 1e9:,.2f} "
                f"G params once per node, as one process), host memory {gib(p.moved['host_memory'])} GiB / "
                f"{host_mem_rate(hw):g} GB/s = {p.times['host_memory']:.3f} s ("
                + ", ".join(f"{k} {gib(v)}" for k, v in d["host_traffic"].items() if v) + ")")
@@ -207,7 +213,7 @@ def format_parallel(p: Plan) -> list[str]:
     out.append(f"  binds: {TERM_LABELS[ranked[0][0]]} {ranked[0][1]:.3f} s/step; then "
                + ", ".join(f"{TERM_LABELS[k]} {p.times[k]:.3f} s" for k in top)
                + ("" if "compute" in top or ranked[0][0] == "compute" else
-                  f"; compute per GPU {p.times['compute']:.3f} s"))
+                  f"; compute per {unit} {p.times['compute']:.3f} s"))
     return out
 
 
