@@ -578,6 +578,8 @@ def test_dp_state_once_per_node_and_per_process_rest():
     assert p8.host["process overhead x8 processes"] == 8 * 4 * GIB
     # llama70b on 8 H200s: 1,051 GiB of state + 8 x 141 GiB per process > 2 TiB: refused, per node
     assert not p8.fits and p8.reasons[0].startswith(f"host RAM short: need {gib(p8.host_bytes)} GiB per node")
+    fit = max(r for r in range(1, 9) if 16 * n + r * own <= 2048 * GIB)
+    assert fit == 7 and f"or fewer processes per node: trainer.devices={fit} fits" in format_plan(p8)
 
 
 def test_dp_gradient_traffic_formulas():
