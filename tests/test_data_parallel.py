@@ -168,3 +168,24 @@ def test_exact_resume_across_world_sizes(tmp_path, first, then):
     wa, wb = torch.load(rest / "weights.pt"), torch.load(full / "weights.pt")
     for k in wb:
         assert T.rel(wa[k], wb[k]) <= 1e-5, (k, T.rel(wa[k], wb[k]))
+
+
+def test_recipe_runs_on_two_processes(tmp_path, gpt2_dir):
+    """``python recipes/finetune.py trainer.devices=2 ...``: Lightning's launcher re-runs the Hydra command for
+    rank 1; the run trains, evaluates (val_loss synced over ranks), saves one checkpoint and rank 0 writes the
+    results."""
+    from test_recipe import tiny
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(WORKER.parent.parent / "recipes" / "finetune.py"), *tiny(gpt2_dir),
+           "trainer.devices=2", "trainer.accelerator=cpu", f"output_dir={out}", "data=legal"]
+    env = {**os.environ, "MASTER_PORT": str(free_port()), "MASTER_ADDR": "127.0.0.1"}
+    for k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
+        env.pop(k, None)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    import json
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["run"]["steps"] == 2
+    assert (out / "checkpoint" / "model" / "config.json").is_file()
+    assert proc.stdout.count("HF checkpoint:") == 1  # rank 0 reports, once

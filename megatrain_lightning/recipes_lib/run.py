@@ -40,8 +40,11 @@ def run_preflight(cfg: DictConfig) -> None:
     Raises:
         PreflightError: with the numbers and what to change (before anything is allocated).
     """
+    devices = cfg.trainer.get("devices", 1)
+    devices = len(devices) if OmegaConf.is_list(devices) else devices if isinstance(devices, int) else 1  # "auto": 1
     p = plan_for_run(cfg.model, cfg.hardware, cfg.strategy, batch_size=int(cfg.data.batch_size),
-                     seq_len=int(cfg.data.seq_len), precision=str(cfg.trainer.precision))
+                     seq_len=int(cfg.data.seq_len), precision=str(cfg.trainer.precision), devices=devices,
+                     num_nodes=int(cfg.trainer.get("num_nodes", 1) or 1))
     nvme = cfg.strategy.get("nvme_path")
     disk = Path(nvme) if nvme and Path(nvme).is_dir() else Path(cfg.output_dir).absolute()
     while not disk.exists():  # the run directory is made later: measure the disk it will be on
