@@ -4,9 +4,10 @@ Lightning's launcher (``_SubprocessScriptLauncher``, or torchrun / SLURM through
 starts the processes and ``MegaTrainStrategy.setup_distributed`` initialises the default group, as
 ``DDPStrategy`` does. On top of it the strategy creates, in the same order on every rank:
 
-* ``grads``: all ranks, the device's backend (NCCL on CUDA, gloo on CPU): gradient batches only,
-  reduced by the engine's D2H worker or D2H stream (``engine/reduce.py``), never interleaved with the
-  main thread's collectives on the default group;
+* ``grads``, ``node_grads``, ``cross_grads``: all ranks / this node's ranks / every node's rank with this
+  local rank, the device's backend (NCCL on CUDA, gloo on CPU): gradient batches only, reduced by the
+  engine's D2H worker or D2H stream (``engine/reduce.py``), never interleaved with the main thread's
+  collectives on the default group;
 * ``host``: all ranks, gloo: collectives on host tensors whatever the device (configuration check);
 * ``node``: the ranks of this node, gloo: the node-shared store's barriers and the owners' partial clipping
   norms and inf checks (``store/shared.py``);
@@ -34,6 +35,9 @@ class ProcessGroups:
         host: the gloo group for host tensors.
         node: gloo group of this node's ranks.
         leaders: gloo group of every node's local rank 0 (``None`` on the other ranks).
+        node_grads: this node's ranks, the device's backend: gradient batches reduced to their owner.
+        cross_grads: the ranks of every node with this local rank, the device's backend: owners' all-reduce
+            across nodes (``None`` with one node).
     """
 
     global_rank: int
@@ -47,6 +51,8 @@ class ProcessGroups:
     host: Any
     node: Any
     leaders: Any
+    node_grads: Any = None
+    cross_grads: Any = None
 
     @classmethod
     def create(cls, local_rank: int, local_world_size: int, node_rank: int, num_nodes: int) -> "ProcessGroups":
@@ -78,8 +84,18 @@ class ProcessGroups:
         g = dist.new_group(ranks=[k * local_world_size for k in range(num_nodes)], backend="gloo")
         if local_rank == 0:
             leaders = g
+        node_grads = cross_grads = None
+        for k in range(num_nodes):
+            g = dist.new_group(ranks=[k * local_world_size + i for i in range(local_world_size)], backend=backend)
+            if k == node_rank:
+                node_grads = g
+        if num_nodes > 1:
+            for r in range(local_world_size):
+                g = dist.new_group(ranks=[k * local_world_size + r for k in range(num_nodes)], backend=backend)
+                if r == local_rank:
+                    cross_grads = g
         return cls(dist.get_rank(), world, local_rank, local_world_size, node_rank, num_nodes, backend, grads, host,
-                   node, leaders)
+                   node, leaders, node_grads, cross_grads)
 
     @property
     def device_side_reduce(self) -> bool:
