@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--total-steps", type=int, default=None, help="the cosine schedule's T_max (default --steps)")
     ap.add_argument("--save", default=None, help="trainer.save_checkpoint(SAVE) after fit")
     ap.add_argument("--resume", default=None, help="fit(ckpt_path=RESUME)")
+    ap.add_argument("--optimizer-in-backward", action="store_true")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -47,7 +48,8 @@ def main() -> None:
     model = T.make_model(args.arch, **over)
     T.freeze_key_biases(model)
     lm = T.LM(model, lr=1e-3, sched=args.sched, total_steps=args.total_steps or args.steps)
-    strategy = MegaTrainStrategy(offload_activations=args.offload_activations, timeout=60)
+    strategy = MegaTrainStrategy(offload_activations=args.offload_activations, timeout=60,
+                                 optimizer_in_backward=True if args.optimizer_in_backward else None)
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
                          precision=args.precision, max_steps=args.steps, accumulate_grad_batches=args.accumulate,
                          gradient_clip_val=args.clip, logger=False, enable_checkpointing=False,
@@ -68,6 +70,7 @@ def main() -> None:
         torch.save({k: v.detach().clone() for k, v in model.named_parameters()}, out / "weights.pt")
         (out / "stats.json").write_text(json.dumps(trainer.strategy.engine.history))
         eng = trainer.strategy.engine
+        (out / "updates_in_backward.json").write_text(json.dumps(eng.optimizer.updates_in_backward))
         (out / "env.json").write_text(json.dumps({"world_size": trainer.world_size,
                                                   "sampler": type(trainer.train_dataloader.sampler).__name__,
                                                   "shared_store": eng.store.shared is not None,
