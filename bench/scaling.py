@@ -82,7 +82,7 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=4,
                    help="CPU mode: global batch (sequences per optimizer step, split over the ranks); GPU mode: per rank")
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--steps", type=int, default=3, help="measured optimizer steps")
+    p.add_argument("--steps", type=int, default=4, help="measured optimizer steps")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=512)
@@ -432,18 +432,22 @@ def main() -> None:
           f"{STATE_BYTES_PER_PARAM} B/param = {gib(STATE_BYTES_PER_PARAM * n):.2f} GiB), fp32, {a.accelerator}, "
           + (f"global batch {a.batch} x {a.seq} tokens" if not sweep else f"batch {a.batch} x {a.seq} tokens per rank")
           + f", {a.warmup} warm-up + {a.steps} measured steps")
-    hdr = (f"{'config':26s} {'thr/rank':>8s} {'tokens/s':>9s} {'speedup':>7s} {'eff':>5s} {'PSS max':>7s} "
+    hdr = (f"{'config':26s} {'thr/rank':>8s} {'tokens/s':>9s} {'speedup':>7s} {'eff':>5s} {'step s':>6s} {'reduce s':>8s} "
+           f"{'PSS max':>7s} "
            f"{'PSS med':>7s} {'RSS max':>7s} {'shm':>5s} {'shm B/p':>7s} {'model B/p max':>13s} "
            f"{'model B/p med':>13s} {'(RSS max)':>9s} {'other cores':>11s}")
     print(hdr)
     for r in rows:
         print(f"{r['name']:26s} {','.join(str(t) for t in r['threads_per_rank']):>8s} {r['tokens_per_s']:9.1f} "
-              f"{r['speedup']:7.2f} {fmt(r['efficiency'], '5.2f'):>5s} {gib(r['train_pss_sum_bytes']):7.2f} "
+              f"{r['speedup']:7.2f} {fmt(r['efficiency'], '5.2f'):>5s} {statistics.median(r['step_s']):6.2f} "
+              f"{r['engine_median_rank0'].get('megatrain/grad_reduce_s', 0.0):8.3f} {gib(r['train_pss_sum_bytes']):7.2f} "
               f"{gib(r['train_median_pss_sum_bytes']):7.2f} {gib(r['train_rss_sum_bytes']):7.2f} "
               f"{gib(r['shm_state_bytes']):5.2f} {r['shm_bytes_per_param']:7.1f} "
               f"{fmt(r.get('model_train_pss_bytes_per_param'), '13.1f'):>13s} "
               f"{fmt(r.get('model_train_median_pss_bytes_per_param'), '13.1f'):>13s} "
               f"{fmt(r.get('model_train_rss_bytes_per_param'), '9.1f'):>9s} {fmt(r['other_cores'], '11.2f'):>11s}")
+    print("step s: median step time; reduce s: rank 0's time in the gradient all-reduce per step (engine statistic "
+          "grad_reduce_s; gloo over loopback on CPU).")
     print("Host memory in GiB during the measured steps (max and median over the samples), summed over the node's "
           "processes at one sampling instant. PSS: proportional set size (a page shared by k processes counts 1/k in "
           "each: the sum counts the shared state once); RSS counts a shared page in every process that maps it (double "
