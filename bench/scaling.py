@@ -1,7 +1,7 @@
 """Data-parallel scaling of strategy="megatrain" (issue 12): tokens/s and the node's host memory, 1 vs N processes.
 
 What: the same Llama-shaped model (random init, fp32; default hidden 512, MLP 1408, 8 layers, vocabulary 32000,
-untied head: 58.6M parameters, so the training state of 16 bytes/param, about 0.94 GB, dominates memory) trained
+untied head: 58.5M parameters, so the training state of 16 bytes/param, 0.94 GB = 0.87 GiB, dominates memory) trained
 through ``Trainer(strategy="megatrain")`` by real processes started as a user starts them: this script runs
 ``python bench/scaling.py --worker ...`` and Lightning's subprocess script launcher re-runs that command for the
 other local ranks (as for a user's ``python train.py``; tests/dp_worker.py is launched the same way).
@@ -21,10 +21,11 @@ run (the launched rank 0 and its descendants), ``/proc/PID/smaps_rollup``: ``Pss
 each shared page divided among the processes that map it, so the sum over the processes counts the shared state
 once) and ``Rss`` (which counts a shared page once PER PROCESS: the RSS sum double counts the shared state and is
 shown only for comparison), and from ``/proc/PID/maps`` the size of the mapped ``/dev/shm/megatrain-*`` file
-(unlinked once mapped, so it is not listed in ``/dev/shm``; its size is the shared state). Peaks are of the sum
-at one sampling instant. Each configuration is also run with a tiny model (hidden 64, 1 layer, vocabulary 256:
-the same processes without the model; ``--no-baseline`` skips it); "model B/param" = (peak PSS sum - the
-baseline's) / parameters: everything the model adds (state, streamed windows, activations, logits, allocator
+(unlinked once mapped, so it is not listed in ``/dev/shm``; its size is the shared state). The table shows the
+max and the median, over the samples taken during the measured steps, of the sum at one sampling instant (the
+JSON also has the peak of the whole run, start-up included, and a timeline). Each configuration is also run with
+a tiny model (hidden 64, 1 layer, vocabulary 256: the same processes without the model; ``--no-baseline`` skips
+it); "model B/param" = (PSS sum - the baseline's) / parameters: everything the model adds (state, streamed windows, activations, logits, allocator
 slack), next to the 16 B/param of the state alone (fp32 master 4 + gradient accumulator 4 + exp_avg 4 +
 exp_avg_sq 4; MegaTrain, arXiv 2604.05091).
 
@@ -45,11 +46,13 @@ meanwhile (from /proc/stat), in cores; with 2 cores, any of it slows the run and
 only indicative then (the memory comparison is not affected).
 
 Run:
-    python bench/scaling.py                                   # CPU: 1 x 2 threads vs 2 x 1 thread (~3 min here)
+    python bench/scaling.py                                   # CPU: 1 x 2 threads vs 2 x 1 thread (1-3 min here)
     python bench/scaling.py --layers 2 --hidden 128 --intermediate 256 --vocab 1024 --steps 2 --warmup 1  # smoke
     python bench/scaling.py --accelerator gpu --devices 8     # GPU scaling 1..8 on an 8-GPU machine
     python bench/scaling.py --accelerator gpu --devices 2 --process-group-backend gloo   # 2 ranks on 1 GPU
-Writes bench/results/scaling.json (GPU mode: bench/results/scaling_gpu.json).
+    python bench/scaling.py --sweep --share-device --no-baseline ...   # the GPU mode's logic on the CPU (dry run)
+Writes bench/results/scaling.json (GPU mode: bench/results/scaling_gpu.json). ``bash bench/gpu_check.sh scaling``
+runs the one-GPU variant (bench/gpu_check.py, check ``scaling``).
 """
 
 from __future__ import annotations
