@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -40,6 +41,8 @@ def main() -> None:
     ap.add_argument("--save", default=None, help="trainer.save_checkpoint(SAVE) after fit")
     ap.add_argument("--resume", default=None, help="fit(ckpt_path=RESUME)")
     ap.add_argument("--optimizer-in-backward", action="store_true")
+    ap.add_argument("--model-checkpoint", default=None,
+                    help="ModelCheckpoint(dirpath=..., every_n_train_steps=1, save_last=True, save_top_k=2)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -52,7 +55,11 @@ def main() -> None:
                                  optimizer_in_backward=True if args.optimizer_in_backward else None)
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
                          precision=args.precision, max_steps=args.steps, accumulate_grad_batches=args.accumulate,
-                         gradient_clip_val=args.clip, logger=False, enable_checkpointing=False,
+                         gradient_clip_val=args.clip, logger=False,
+                         enable_checkpointing=args.model_checkpoint is not None,
+                         callbacks=[ModelCheckpoint(dirpath=args.model_checkpoint, every_n_train_steps=1, save_last=True,
+                                                    save_top_k=2, monitor="step", mode="max")]
+                         if args.model_checkpoint else None,
                          enable_progress_bar=False, enable_model_summary=False)
     loader = T.make_data(n=args.n, batch_size=args.batch)
     if args.resumable:

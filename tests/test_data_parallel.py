@@ -208,3 +208,21 @@ def test_recipe_runs_on_two_processes(tmp_path, gpt2_dir):
     assert summary["run"]["steps"] == 2
     assert (out / "checkpoint" / "model" / "config.json").is_file()
     assert proc.stdout.count("HF checkpoint:") == 1  # rank 0 reports, once
+
+
+def test_model_checkpoint_and_resume_from_last(tmp_path):
+    """``ModelCheckpoint(every_n_train_steps=1, save_last=True, save_top_k=2)`` on two processes: rank 0 writes each
+    directory checkpoint, older ones are pruned, ``last`` points at the newest; ``fit(ckpt_path="last")`` on two
+    processes ends where the uninterrupted run ends (bitwise: the same split)."""
+    common = ["--arch", "llama", "--accumulate", "2", "--sched", "cosine", "--total-steps", "8", "--resumable",
+              "--devices", "2", "--batch", "2"]
+    full, part, rest, ckpts = tmp_path / "full", tmp_path / "part", tmp_path / "rest", tmp_path / "ckpts"
+    check(launch(full, *common, "--steps", "8"))
+    check(launch(part, *common, "--steps", "5", "--model-checkpoint", str(ckpts)))
+    kept = sorted(p.name for p in ckpts.iterdir() if not p.name.startswith("."))
+    assert len([k for k in kept if k.startswith("epoch")]) == 2 and "last.ckpt" in kept, kept
+    check(launch(rest, *common, "--steps", "8", "--model-checkpoint", str(ckpts), "--resume", "last"))
+    assert per_step_losses(rest, 2) == per_step_losses(full, 2)[10:]
+    wa, wb = torch.load(rest / "weights.pt"), torch.load(full / "weights.pt")
+    for k in wb:
+        assert torch.equal(wa[k], wb[k]), k
