@@ -178,6 +178,18 @@ def test_exact_resume_across_world_sizes(tmp_path, first, then):
     check(launch(full, *common, *per_rank(first), "--steps", "12"))
     check(launch(part, *common, *per_rank(first), "--steps", "5", "--save", str(ckpt)))
     assert (ckpt / "model").is_dir()
+    if first == 2:  # written together: each rank its own slabs' shards, rank 0 the index, checksums, metadata
+        import transformers
+        from megatrain_lightning.checkpoint.hf_io import verify_checksums
+
+        for part in ("model", "optimizer"):
+            shards = sorted(p.name for p in (ckpt / part).glob("*.safetensors"))
+            assert shards == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"], shards
+            verify_checksums(ckpt / part)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt / "model")
+        saved = torch.load(tmp_path / "part" / "weights.pt")
+        for k, v in hf.named_parameters():
+            assert torch.equal(v.detach(), saved[k]), k
     check(launch(rest, *common, *per_rank(then), "--steps", "12", "--resume", str(ckpt)))
     want = per_step_losses(full, first)[5 * 2:]
     got = per_step_losses(rest, then)
