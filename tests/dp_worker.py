@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--save", default=None, help="trainer.save_checkpoint(SAVE) after fit")
     ap.add_argument("--resume", default=None, help="fit(ckpt_path=RESUME)")
     ap.add_argument("--optimizer-in-backward", action="store_true")
+    ap.add_argument("--nvme", default=None, help="offload_params/offload_optimizer='nvme' under this path")
     ap.add_argument("--model-checkpoint", default=None,
                     help="ModelCheckpoint(dirpath=..., every_n_train_steps=1, save_last=True, save_top_k=2)")
     args = ap.parse_args()
@@ -52,7 +53,9 @@ def main() -> None:
     T.freeze_key_biases(model)
     lm = T.LM(model, lr=1e-3, sched=args.sched, total_steps=args.total_steps or args.steps)
     strategy = MegaTrainStrategy(offload_activations=args.offload_activations, timeout=60,
-                                 optimizer_in_backward=True if args.optimizer_in_backward else None)
+                                 optimizer_in_backward=True if args.optimizer_in_backward else None,
+                                 **({"offload_params": "nvme", "offload_optimizer": "nvme", "nvme_path": args.nvme}
+                                    if args.nvme else {}))
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
                          precision=args.precision, max_steps=args.steps, accumulate_grad_batches=args.accumulate,
                          gradient_clip_val=args.clip, logger=False,

@@ -238,3 +238,11 @@ def test_model_checkpoint_and_resume_from_last(tmp_path):
     wa, wb = torch.load(rest / "weights.pt"), torch.load(full / "weights.pt")
     for k in wb:
         assert torch.equal(wa[k], wb[k]), k
+
+
+def test_nvme_tier_with_several_processes_is_refused_clearly(tmp_path):
+    """Not built yet: refused at setup, before any weight is stored, saying what runs instead."""
+    proc = launch(tmp_path, "--devices", "2", "--steps", "1", "--nvme", str(tmp_path))
+    assert proc.returncode != 0
+    assert "NotImplementedError: megatrain: offload_params/offload_optimizer='nvme' runs in one process" in proc.stderr
+    assert not list(tmp_path.glob("megatrain_store*/*"))  # nothing written to the NVMe path
