@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -16,6 +17,31 @@ import torch
 import megatrain_lightning  # noqa: F401  (registers strategy="megatrain")
 from megatrain_lightning import testing as T
 from megatrain_lightning.strategy import MegaTrainStrategy
+
+
+class KillInBackward(pl.Callback):
+    """``--kill-rank R --kill-at-step S``: global rank R SIGKILLs itself in the middle of optimizer step S (in
+    ``on_after_backward`` of the step's last micro-batch: its gradients are being reduced, the others wait
+    in the collectives for its share); it writes ``OUT/killed_<R>`` (its pid) first."""
+
+    def __init__(self, rank: int, step: int, out: Path):
+        self.rank, self.step, self.out = rank, step, out
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            (self.out / f"killed_{self.rank}").write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fake_shm_free(nbytes: int) -> None:
+    """``os.statvfs("/dev/shm")`` reports ``nbytes`` free (a small tmpfs, as in a default Docker container)."""
+    real = os.statvfs
+
+    class Small:
+        def __init__(self, st):
+            self.f_frsize, self.f_blocks, self.f_bavail = st.f_frsize, nbytes // st.f_frsize, nbytes // st.f_frsize
+
+    os.statvfs = lambda path: Small(real(path)) if str(path).startswith("/dev/shm") else real(path)
 
 
 def main() -> None:
@@ -33,19 +59,33 @@ def main() -> None:
     ap.add_argument("--offload-activations", action="store_true")
     ap.add_argument("--dropout", type=float, default=0.0)
     ap.add_argument("--n", type=int, default=64, help="samples in the dataset")
+    ap.add_argument("--kill-rank", type=int, default=None, help="this global rank SIGKILLs itself ...")
+    ap.add_argument("--kill-at-step", type=int, default=3, help="... in the backward of this optimizer step")
+    ap.add_argument("--timeout", type=float, default=60.0, help="the strategy's timeout= (seconds)")
+    ap.add_argument("--mismatch", default="", help="comma-separated, on local rank 1 only: model (one more layer), "
+                    "accumulate (one more micro-batch), lookahead (2)")
+    ap.add_argument("--shm-free", type=int, default=None, help="local rank 1 sees this many bytes free in /dev/shm")
     args = ap.parse_args()
+    second = os.environ.get("LOCAL_RANK", "0") == "1"  # the launcher sets it for the rank it starts
+    mismatch = set(args.mismatch.split(",")) if second and args.mismatch else set()
+    if second and args.shm_free is not None:
+        fake_shm_free(args.shm_free)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
     over = {"resid_pdrop": args.dropout} if args.arch == "gpt2" else {}
+    if "model" in mismatch:
+        over["num_hidden_layers" if args.arch != "gpt2" else "n_layer"] = T.make_model(args.arch).config.num_hidden_layers + 1
     model = T.make_model(args.arch, **over)
     T.freeze_key_biases(model)
     lm = T.LM(model, lr=1e-3, sched=args.sched, total_steps=args.steps)
-    strategy = MegaTrainStrategy(offload_activations=args.offload_activations, timeout=60)
+    strategy = MegaTrainStrategy(offload_activations=args.offload_activations, timeout=args.timeout,
+                                 lookahead=2 if "lookahead" in mismatch else 1)
+    callbacks = [] if args.kill_rank is None else [KillInBackward(args.kill_rank, args.kill_at_step, out)]
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
-                         precision=args.precision, max_steps=args.steps, accumulate_grad_batches=args.accumulate,
+                         precision=args.precision, max_steps=args.steps, accumulate_grad_batches=args.accumulate + ("accumulate" in mismatch),
                          gradient_clip_val=args.clip, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
     trainer.fit(lm, T.make_data(n=args.n, batch_size=args.batch))
     rank = trainer.global_rank
     torch.save(lm.losses, out / f"losses_{rank}.pt")

@@ -28,8 +28,9 @@ never interleave with collectives the main thread issues on Lightning's default 
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,18 +43,24 @@ class GradReducer:
         group: the ``torch.distributed`` process group the gradients are reduced over (all data-parallel
             ranks); created by the strategy, used only for gradients.
         device_side: reduce on the device before the D2H copy (NCCL) instead of on the host after it.
+        guard: ``guard(what)``, a context manager around each collective that turns a transport error (a rank
+            died: "Connection closed by peer", or a timeout) into one naming that rank
+            (``ProcessGroups.guard``, ``parallel/faults.py``); default: errors pass unchanged.
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised (at construction).
+        PeerFailure: (from ``guard``) in :meth:`all_reduce_` when another rank died or stopped answering.
     """
 
-    def __init__(self, group: Any, device_side: bool = False):
+    def __init__(self, group: Any, device_side: bool = False,
+                 guard: Callable[[str], ContextManager[None]] | None = None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("megatrain: gradient reduction needs torch.distributed initialised "
                                "(the strategy's setup_environment does it).")
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.device_side = device_side
+        self.guard = guard if guard is not None else (lambda what: contextlib.nullcontext())
         self.seconds = 0.0  # time spent inside the collectives (host side), for the step's stats
 
     def pack(self, grads: Sequence[torch.Tensor | None], shapes: Sequence[torch.Size], device: torch.device,
@@ -68,7 +75,8 @@ class GradReducer:
     def all_reduce_(self, flat: torch.Tensor) -> None:
         """Average ``flat`` (any shape and floating dtype, on the group's device) over the ranks, in place."""
         t0 = time.perf_counter()
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+        with self.guard("the gradient all-reduce"):
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
         flat.div_(self.world_size)
         self.seconds += time.perf_counter() - t0
 

@@ -16,9 +16,12 @@ starts the processes and ``MegaTrainStrategy.setup_distributed`` initialises the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+
+from .faults import Peers
 
 
 @dataclass
@@ -34,6 +37,8 @@ class ProcessGroups:
         host: the gloo group for host tensors.
         node: gloo group of this node's ranks.
         leaders: gloo group of every node's local rank 0 (``None`` on the other ranks).
+        peers: every rank's host and process (``parallel/faults.py``: a failed collective names the dead rank).
+        timeout_s: seconds a collective of these groups waits for the other ranks (the strategy's ``timeout``).
     """
 
     global_rank: int
@@ -47,10 +52,15 @@ class ProcessGroups:
     host: Any
     node: Any
     leaders: Any
+    peers: Peers
+    timeout_s: float | None = None
 
     @classmethod
-    def create(cls, local_rank: int, local_world_size: int, node_rank: int, num_nodes: int) -> "ProcessGroups":
-        """Create the groups (a collective call: every rank calls it at the same point).
+    def create(cls, local_rank: int, local_world_size: int, node_rank: int, num_nodes: int,
+               timeout: timedelta | None = None) -> "ProcessGroups":
+        """Create the groups (a collective call: every rank calls it at the same point). ``timeout``: how long
+        their collectives wait for the other ranks (``torch.distributed.new_group`` would otherwise give them
+        its 30-minute default, not the default group's).
 
         Raises:
             RuntimeError: ``torch.distributed`` is not initialised, or its world size is not
@@ -68,18 +78,26 @@ class ProcessGroups:
                 "Trainer(devices=..., num_nodes=...) says (torchrun --nproc_per_node=devices --nnodes=num_nodes; "
                 "SLURM --ntasks-per-node=devices --nodes=num_nodes).")
         backend = str(dist.get_backend())
-        grads = dist.new_group(backend=backend)
-        host = dist.new_group(backend="gloo")
+        grads = dist.new_group(backend=backend, timeout=timeout)
+        host = dist.new_group(backend="gloo", timeout=timeout)
         node = leaders = None
         for k in range(num_nodes):  # every rank creates every group, in the same order
-            g = dist.new_group(ranks=[k * local_world_size + i for i in range(local_world_size)], backend="gloo")
+            g = dist.new_group(ranks=[k * local_world_size + i for i in range(local_world_size)], backend="gloo",
+                               timeout=timeout)
             if k == node_rank:
                 node = g
-        g = dist.new_group(ranks=[k * local_world_size for k in range(num_nodes)], backend="gloo")
+        g = dist.new_group(ranks=[k * local_world_size for k in range(num_nodes)], backend="gloo", timeout=timeout)
         if local_rank == 0:
             leaders = g
+        timeout_s = timeout.total_seconds() if timeout is not None else None
+        peers = Peers.gather(host)
         return cls(dist.get_rank(), world, local_rank, local_world_size, node_rank, num_nodes, backend, grads, host,
-                   node, leaders)
+                   node, leaders, peers, timeout_s)
+
+    def guard(self, what: str):
+        """``with groups.guard("the gradient all-reduce"):`` around collectives: a transport error becomes a
+        :class:`~.faults.PeerFailure` naming the rank that died (``parallel/faults.py``)."""
+        return self.peers.guard(what, self.timeout_s)
 
     @property
     def device_side_reduce(self) -> bool:

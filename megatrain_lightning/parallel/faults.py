@@ -1,0 +1,135 @@
+"""A rank that died or hangs: the other ranks stop with an error that names it, instead of a transport message.
+
+When a process of a data-parallel run dies (SIGKILL, out of memory, a crash), the others notice in their next
+collective with it: gloo reports "Connection closed by peer" (or "Connection reset") at once, NCCL and gloo a
+timeout after the strategy's ``timeout``. Neither says which rank. :class:`Peers` records every rank's host and
+process at setup (one ``all_gather_object``), so a failed collective can be explained: the ranks of this host
+whose process has ended are named (``/proc/<pid>``: gone, or a zombie not yet reaped by its launcher), else the
+ranks of the other hosts are listed as the candidates. :meth:`Peers.explain` turns the transport's error into a
+:class:`PeerFailure` saying so and what to do (resume from the last checkpoint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch.distributed as dist
+
+
+class PeerFailure(RuntimeError):
+    """Another rank of the run died or stopped answering; this rank stops (resume from the last checkpoint)."""
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (``/proc/<pid>/stat`` field 22), ``None`` if it is gone
+    or has exited (a zombie, state ``Z``/``X``), or on a system without ``/proc``."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()  # after "pid (comm) ": state is field 3, starttime field 22
+    if fields[0] in ("Z", "X"):
+        return None
+    return fields[19]
+
+
+@dataclass
+class Peers:
+    """Host name, process id and process start time of every global rank (index = global rank).
+
+    Attributes:
+        rank: this process's global rank.
+        hosts / pids / starts: per rank; ``starts`` tells a reused pid from the original process.
+        settle_s: seconds :meth:`explain` looks for a process of this host that has exited before it concludes that
+            none has (the kernel closes a killed process's sockets, which the others see, before it has exited).
+    """
+
+    rank: int
+    hosts: list[str]
+    pids: list[int]
+    starts: list[str | None]
+    settle_s: float = 2.0
+
+    @classmethod
+    def gather(cls, group: Any) -> "Peers":
+        """Every rank's host and process, from every rank of ``group`` (a collective: all ranks call it)."""
+        me = (socket.gethostname(), os.getpid(), _start_time(os.getpid()))
+        box: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(box, me, group=group)
+        return cls(dist.get_rank(), [b[0] for b in box], [b[1] for b in box], [b[2] for b in box])
+
+    @classmethod
+    def local(cls, world_size: int, rank: int, pids: Sequence[int]) -> "Peers":
+        """Peers all on this host with the given pids (tests)."""
+        host = socket.gethostname()
+        return cls(rank, [host] * world_size, list(pids), [_start_time(p) for p in pids])
+
+    def dead(self) -> list[int]:
+        """Global ranks on this host whose process has ended (or was replaced by another with the same pid).
+        Empty where ``/proc`` does not exist (it cannot tell)."""
+        if not os.path.isdir("/proc/self"):
+            return []
+        host = socket.gethostname()
+        out = []
+        for r, (h, pid, start) in enumerate(zip(self.hosts, self.pids, self.starts)):
+            if r != self.rank and h == host and start is not None and _start_time(pid) != start:
+                out.append(r)
+        return out
+
+    def describe(self, ranks: Sequence[int]) -> str:
+        """``"rank 1 stopped responding: its process (pid 123 on host a) has exited"``, or the plural."""
+        procs = ", ".join(f"pid {self.pids[r]} on {self.hosts[r]}" for r in ranks)
+        if len(ranks) == 1:
+            return f"rank {ranks[0]} stopped responding: its process ({procs}) has exited"
+        return f"ranks {', '.join(map(str, ranks))} stopped responding: their processes ({procs}) have exited"
+
+    def explain(self, err: BaseException, what: str, timeout_s: float | None = None) -> PeerFailure:
+        """The error to raise instead of ``err``, a transport error of the collective ``what`` (e.g. "the
+        gradient all-reduce"): names the rank(s) of this host that died, or else the ranks of other hosts that
+        could have, and says to resume from the last checkpoint. ``timeout_s``: the strategy's timeout, quoted."""
+        cause = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+        limit = f"within the timeout ({timeout_s:.0f} s, the strategy's timeout=)" if timeout_s else "in time"
+        dead = self.dead()
+        settle = time.monotonic() + self.settle_s  # a killed process closes its sockets before it has exited
+        while not dead and time.monotonic() < settle:
+            time.sleep(0.05)
+            dead = self.dead()
+        if dead:
+            return PeerFailure(
+                f"megatrain: {self.describe(dead)}. "
+                f"Rank {self.rank} stops in {what}. Resume from the last checkpoint (Trainer.fit(..., ckpt_path=...)); "
+                f"the first error of that rank is in its own output. [{cause}]")
+        host = socket.gethostname()
+        others = [r for r, h in enumerate(self.hosts) if h != host]
+        where = (f"one of ranks {', '.join(map(str, others))} on other hosts died, or a rank hangs"
+                 if others else "no process of this host has exited, so a rank hangs or its connection broke")
+        return PeerFailure(
+            f"megatrain: a rank stopped responding to rank {self.rank} in {what} ({where}; it did not answer "
+            f"{limit}). Resume from the last checkpoint (Trainer.fit(..., ckpt_path=...)). [{cause}]")
+
+    @contextlib.contextmanager
+    def guard(self, what: str, timeout_s: float | None = None) -> Iterator[None]:
+        """Run collectives; a ``RuntimeError`` from them (gloo, NCCL: ``DistBackendError`` is one) is
+        re-raised as :meth:`explain`'s :class:`PeerFailure`, chained to it."""
+        try:
+            yield
+        except PeerFailure:
+            raise
+        except RuntimeError as err:
+            raise self.explain(err, what, timeout_s) from err
+
+
+@contextlib.contextmanager
+def guarded(peers: Peers | None, what: str, timeout_s: float | None = None) -> Iterator[None]:
+    """:meth:`Peers.guard` where there are peers (a data-parallel run), nothing otherwise."""
+    if peers is None:
+        yield
+    else:
+        with peers.guard(what, timeout_s):
+            yield

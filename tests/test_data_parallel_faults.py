@@ -1,0 +1,219 @@
+"""Data parallel (issue 12), faults and bad input: a rank that dies, inconsistent launches, mismatched ranks,
+a too small ``/dev/shm``.
+
+The multi-process tests launch ``python tests/dp_worker.py`` (helpers of tests/test_data_parallel.py); Lightning's
+launcher starts rank 1. The others test the pieces in this process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+
+from megatrain_lightning.parallel.faults import PeerFailure, Peers
+from megatrain_lightning.parallel.launcher import ChildWatch, how_it_ended
+from megatrain_lightning.parallel.preflight import (ConfigMismatchError, RendezvousError, check_rendezvous,
+                                                    differences, mismatch_message)
+from megatrain_lightning.store.shared import SharedMemoryTooSmall, check_shm
+from megatrain_lightning.strategy import MegaTrainStrategy
+from test_data_parallel import launch
+
+TIMEOUT = 20  # the strategy's timeout= in the kill tests (seconds)
+
+
+def running_with(marker: str) -> list[int]:
+    """Pids of live processes (not zombies) whose command line contains ``marker``."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in cmd and state not in ("Z", "X"):
+            out.append(int(d.name))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- a rank dies
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_sigkilled_rank_stops_the_other_with_its_name(tmp_path, victim):
+    """Rank ``victim`` SIGKILLs itself in the backward of optimizer step 2 (after its first micro-batch's gradients
+    went out); the other rank, waiting for its share of a collective, stops with an error naming it within the
+    strategy's timeout (gloo sees the closed connection at once), exits non-zero, and no process of the run is left.
+    Rank 0 is the one that started rank 1 (Lightning's launcher): killing it leaves rank 1 on its own."""
+    t0 = time.monotonic()
+    proc = launch(tmp_path, "--steps", "6", "--accumulate", "2", "--kill-rank", str(victim), "--kill-at-step", "2",
+                  "--timeout", str(TIMEOUT), timeout=120 + TIMEOUT)
+    ended = time.monotonic()
+    out = proc.stdout + proc.stderr
+    assert (tmp_path / f"killed_{victim}").exists(), out[-4000:]
+    assert proc.returncode != 0, out[-4000:]
+    if victim == 0:
+        assert proc.returncode == -signal.SIGKILL
+    survivor = 1 - victim
+    named = f"megatrain: rank {victim} stopped responding: its process (pid {(tmp_path / f'killed_{victim}').read_text()}"
+    assert named in out, out[-6000:]
+    assert f"[rank{survivor}]: megatrain_lightning.parallel.faults.PeerFailure" in out or \
+        f"Rank {survivor} stops in" in out, out[-6000:]
+    assert "resume from the last checkpoint" in out.lower()
+    # from the kill to the end of every process of the run (the pipes close when the last one exits)
+    stopped = time.time() - (time.monotonic() - ended)
+    assert stopped - (tmp_path / f"killed_{victim}").stat().st_mtime < TIMEOUT + 10, ended - t0
+    assert running_with(str(tmp_path)) == []
+    assert not (tmp_path / "weights.pt").exists()
+
+
+def test_child_watch_names_the_dead_rank_and_stops_the_others(capfd):
+    """Lightning's launcher path: a child (local rank 1) dies; the watch says which rank and how, kills the other
+    child (local rank 2, asleep) and, after the grace period, the main process (here a stand-in)."""
+    dying = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    killed = []
+    watch = ChildWatch([dying, sleeper], first_rank=4, poll_s=0.05, grace_s=0.2, kill_main=lambda: killed.append(1))
+    watch.start()
+    watch.join(30)
+    assert not watch.is_alive()
+    assert sleeper.wait(10) == -signal.SIGKILL
+    assert killed == [1]
+    err = capfd.readouterr().err
+    assert f"megatrain: rank 5 (local rank 1, pid {dying.pid}) was killed by signal 9 (SIGKILL)" in err
+    assert "rank 4 did not stop within" in err
+
+
+def test_child_watch_leaves_main_alone_when_it_stops_by_itself():
+    dying = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    killed = []
+    watch = ChildWatch([dying], first_rank=0, poll_s=0.05, grace_s=5.0, kill_main=lambda: killed.append(1))
+    watch.start()
+    while dying.poll() is None:
+        time.sleep(0.05)
+    time.sleep(0.3)  # the watch saw it and now waits out the grace period
+    watch.stopped.set()  # what the launcher does when the main process raises
+    watch.join(10)
+    assert killed == []
+    assert how_it_ended(3) == "exited with code 3"
+
+
+def test_peers_name_a_dead_process_of_this_host():
+    """Two live processes and one that ended (a zombie until reaped, then gone): only that one is dead, and a
+    transport error becomes a PeerFailure naming it."""
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    peers = Peers.local(3, 0, [os.getpid(), live.pid, gone.pid])
+    while gone.poll() is None:
+        time.sleep(0.05)
+    try:
+        assert peers.dead() == [2]
+        err = peers.explain(RuntimeError("Connection closed by peer [127.0.0.1]:1234"), "the gradient all-reduce", 20)
+        assert isinstance(err, PeerFailure)
+        assert str(err).startswith(f"megatrain: rank 2 stopped responding: its process (pid {gone.pid} on ")
+        assert "Connection closed by peer" in str(err)
+        with pytest.raises(PeerFailure, match="rank 2 stopped responding"):
+            with peers.guard("a barrier"):
+                raise RuntimeError("Connection reset by peer")
+    finally:
+        live.kill()
+        live.wait()
+    # nobody on this host died (rank 1 on another host): the message says where to look, and the timeout
+    peers = Peers(0, [peers.hosts[0], "other-host"], [os.getpid(), 1], ["x", "y"], settle_s=0.0)
+    msg = str(peers.explain(RuntimeError("Timed out waiting 20000ms"), "a barrier", 20))
+    assert "one of ranks 1 on other hosts died, or a rank hangs" in msg and "(20 s, the strategy's timeout=)" in msg
+
+
+# ---------------------------------------------------------------------------------------------- rendezvous
+class _Env:
+    def __init__(self, external: bool):
+        self.creates_processes_externally = external
+
+
+@pytest.mark.parametrize("env, devices, nodes, match", [
+    ({"WORLD_SIZE": "3"}, 2, 1, r"WORLD_SIZE=3 but Trainer\(devices=2, num_nodes=1\) makes 2 processes"),
+    ({"MASTER_ADDR": "10.0.0.1", "NODE_RANK": "2"}, 2, 2, r"NODE_RANK=2 but Trainer\(num_nodes=2\) has nodes 0..1"),
+    ({"MASTER_ADDR": "10.0.0.1"}, 2, 2, r"num_nodes=2\) but NODE_RANK is not set"),
+    ({"NODE_RANK": "1"}, 2, 2, r"num_nodes=2\) but MASTER_ADDR is not set"),
+    ({}, 1, 2, r"MASTER_ADDR and NODE_RANK are not set"),
+    ({"MASTER_PORT": "70000"}, 2, 1, r"MASTER_PORT=70000 is not a port number"),
+])
+def test_inconsistent_rendezvous_settings_are_refused(env, devices, nodes, match):
+    with pytest.raises(RendezvousError, match=match):
+        check_rendezvous(env, _Env(False), devices, nodes)
+
+
+def test_consistent_rendezvous_settings_pass():
+    check_rendezvous({}, _Env(False), 2, 1)
+    check_rendezvous({"MASTER_ADDR": "127.0.0.1", "NODE_RANK": "1", "MASTER_PORT": "29500"}, _Env(False), 2, 2)
+    check_rendezvous({"WORLD_SIZE": "4", "GROUP_RANK": "1"}, _Env(True), 2, 2)  # torchrun sets these
+
+
+def test_trainer_refuses_two_nodes_without_a_rendezvous(monkeypatch):
+    """Through Lightning's connector: the check runs when the strategy picks its launcher, at ``Trainer(...)``,
+    before any process is started or anything allocated."""
+    for k in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_RANK", "RANK"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(RendezvousError, match=r"MASTER_ADDR and NODE_RANK are not set"):
+        pl.Trainer(strategy=MegaTrainStrategy(), accelerator="cpu", devices=2, num_nodes=2, logger=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RendezvousError, match=r"WORLD_SIZE=2 but Trainer\(devices=1, num_nodes=1\) makes 1"):
+        pl.Trainer(strategy=MegaTrainStrategy(), accelerator="cpu", devices=1, logger=False)
+
+
+# ---------------------------------------------------------------------------------------------- mismatched ranks
+def test_differences_list_each_key_with_its_ranks():
+    fps = [{"a": "1", "b": "x"}, {"a": "1", "b": "y"}, {"a": "2", "b": "x"}]
+    diff = differences(fps)
+    assert diff == {"a": {"1": [0, 1], "2": [2]}, "b": {"x": [0, 2], "y": [1]}}
+    msg = mismatch_message(diff)
+    assert "  a: 1 on ranks 0, 1; 2 on rank 2" in msg and "  b: x on ranks 0, 2; y on rank 1" in msg
+    assert differences([{"a": "1"}, {"a": "1"}]) == {}
+
+
+def test_ranks_with_different_models_and_options_are_refused(tmp_path):
+    """Rank 1 builds a model with one more layer and accumulates one more micro-batch: both ranks stop at setup,
+    before the store is built, listing every differing key with its values and ranks."""
+    proc = launch(tmp_path, "--steps", "2", "--mismatch", "model,accumulate,lookahead", timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "ConfigMismatchError: megatrain: the ranks of this run were started with different configurations" in out, \
+        out[-4000:]
+    assert "trainer.accumulate_grad_batches: 2 on rank 0; 3 on rank 1" in out
+    assert "strategy.lookahead: 1 on rank 0; 2 on rank 1" in out
+    assert "  model config: " in out and "  parameters: " in out
+    assert "  torch: " not in out and "trainer.precision" not in out  # only what differs
+    assert running_with(str(tmp_path)) == []
+
+
+# ---------------------------------------------------------------------------------------------- /dev/shm
+def test_check_shm_says_the_numbers_and_what_to_change(monkeypatch):
+    real = os.statvfs
+
+    class Small:
+        f_frsize, f_blocks, f_bavail = 4096, 16384, 16384  # a 64 MiB tmpfs (Docker's default), all free
+
+    monkeypatch.setattr(os, "statvfs", lambda p: Small() if p == "/dev/shm" else real(p))
+    check_shm(64 * 2**20)  # exactly fits
+    with pytest.raises(SharedMemoryTooSmall, match=r"needs 1\.00 GiB of shared memory in /dev/shm, which has 0\.06 GiB "
+                                                   r"free \(of 0\.06 GiB\).*--shm-size"):
+        check_shm(2**30)
+
+
+def test_too_small_dev_shm_on_one_rank_stops_every_rank(tmp_path):
+    """Local rank 1 sees 4 KiB free in /dev/shm: every rank stops before the shared file is created, with the
+    numbers and the ranks concerned (rank 0 would otherwise wait for rank 1 in a barrier)."""
+    proc = launch(tmp_path, "--steps", "2", "--shm-free", "4096", timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "SharedMemoryTooSmall: megatrain: shared memory too small on node 0 (ranks 1); nothing was allocated." \
+        in out, out[-4000:]
+    assert "which has 0.00 GiB free" in out and "--shm-size" in out
+    assert "[rank0]: megatrain_lightning.store.shared.SharedMemoryTooSmall" in out  # rank 0 stops too, not waiting
+    assert running_with(str(tmp_path)) == []
