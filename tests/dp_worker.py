@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -21,15 +22,18 @@ from megatrain_lightning.strategy import MegaTrainStrategy
 
 class KillInBackward(pl.Callback):
     """``--kill-rank R --kill-at-step S``: global rank R SIGKILLs itself in the middle of optimizer step S (in
-    ``on_after_backward`` of the step's last micro-batch: its gradients are being reduced, the others wait
-    in the collectives for its share); it writes ``OUT/killed_<R>`` (its pid) first."""
+    ``on_after_backward`` of the step's first micro-batch: its gradients are being reduced, the others wait
+    in the collectives for its share); it writes ``OUT/killed_<R>`` (its pid) first. ``hang``: it sleeps
+    10 minutes instead (a rank that hangs)."""
 
-    def __init__(self, rank: int, step: int, out: Path):
-        self.rank, self.step, self.out = rank, step, out
+    def __init__(self, rank: int, step: int, out: Path, hang: bool = False):
+        self.rank, self.step, self.out, self.hang = rank, step, out, hang
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
             (self.out / f"killed_{self.rank}").write_text(str(os.getpid()))
+            if self.hang:
+                time.sleep(600)
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -61,6 +65,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=64, help="samples in the dataset")
     ap.add_argument("--kill-rank", type=int, default=None, help="this global rank SIGKILLs itself ...")
     ap.add_argument("--kill-at-step", type=int, default=3, help="... in the backward of this optimizer step")
+    ap.add_argument("--hang", action="store_true", help="--kill-rank sleeps (10 min) instead of dying")
     ap.add_argument("--timeout", type=float, default=60.0, help="the strategy's timeout= (seconds)")
     ap.add_argument("--mismatch", default="", help="comma-separated, on local rank 1 only: model (one more layer), "
                     "accumulate (one more micro-batch), lookahead (2)")
@@ -81,7 +86,7 @@ def main() -> None:
     lm = T.LM(model, lr=1e-3, sched=args.sched, total_steps=args.steps)
     strategy = MegaTrainStrategy(offload_activations=args.offload_activations, timeout=args.timeout,
                                  lookahead=2 if "lookahead" in mismatch else 1)
-    callbacks = [] if args.kill_rank is None else [KillInBackward(args.kill_rank, args.kill_at_step, out)]
+    callbacks = [] if args.kill_rank is None else [KillInBackward(args.kill_rank, args.kill_at_step, out, args.hang)]
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
                          precision=args.precision, max_steps=args.steps, accumulate_grad_batches=args.accumulate + ("accumulate" in mismatch),
                          gradient_clip_val=args.clip, logger=False, enable_checkpointing=False,

@@ -18,7 +18,7 @@ import lightning.pytorch as pl
 import pytest
 
 from megatrain_lightning.parallel.faults import PeerFailure, Peers
-from megatrain_lightning.parallel.launcher import ChildWatch, how_it_ended
+from megatrain_lightning.parallel.launcher import ChildWatch, how_it_ended, stop_children
 from megatrain_lightning.parallel.preflight import (ConfigMismatchError, RendezvousError, check_rendezvous,
                                                     differences, mismatch_message)
 from megatrain_lightning.store.shared import SharedMemoryTooSmall, check_shm
@@ -71,6 +71,34 @@ def test_a_sigkilled_rank_stops_the_other_with_its_name(tmp_path, victim):
     assert stopped - (tmp_path / f"killed_{victim}").stat().st_mtime < TIMEOUT + 10, ended - t0
     assert running_with(str(tmp_path)) == []
     assert not (tmp_path / "weights.pt").exists()
+
+
+def test_a_hanging_rank_stops_the_run_within_twice_the_timeout(tmp_path):
+    """Rank 0 hangs (sleeps 10 minutes) in the backward of step 2, strategy timeout 10 s. Rank 1's next collective
+    with it gives up after the timeout (at most two: Lightning's per-batch SIGTERM broadcast swallows its own
+    timeout, then the gradient all-reduce times out) and rank 1 exits with the error saying so; rank 0's watch on
+    its child says which rank ended and kills the hanging rank 0 after its grace period (5 s). The run ends within
+    2 x 10 + 5 s plus a margin, and no process is left."""
+    proc = launch(tmp_path, "--steps", "6", "--kill-rank", "0", "--kill-at-step", "2", "--hang", "--timeout", "10",
+                  timeout=240)
+    ended = time.time()
+    out = proc.stdout + proc.stderr
+    assert (tmp_path / "killed_0").exists(), out[-4000:]
+    assert "megatrain: a rank stopped responding to rank 1 in " in out, out[-6000:]
+    assert "it did not answer within the timeout (10 s, the strategy's timeout=)" in out
+    assert "megatrain: rank 1 (local rank 1, pid " in out and "exited with code 1" in out
+    assert "megatrain: rank 0 did not stop within 5 s after rank 1 died; killing it." in out
+    assert proc.returncode == -signal.SIGKILL
+    assert ended - (tmp_path / "killed_0").stat().st_mtime < 2 * 10 + 5 + 15
+    assert running_with(str(tmp_path)) == []
+
+
+def test_stop_children_kills_what_is_left_after_the_grace_period():
+    """The launcher's path when local rank 0 raises: children still running after the grace period are killed."""
+    quick = subprocess.Popen([sys.executable, "-c", "pass"])
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stop_children([quick, sleeper], grace_s=0.5)
+    assert quick.wait(10) == 0 and sleeper.wait(10) == -signal.SIGKILL
 
 
 def test_child_watch_names_the_dead_rank_and_stops_the_others(capfd):

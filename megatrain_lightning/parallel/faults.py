@@ -48,6 +48,7 @@ class Peers:
         hosts / pids / starts: per rank; ``starts`` tells a reused pid from the original process.
         settle_s: seconds :meth:`explain` looks for a process of this host that has exited before it concludes that
             none has (the kernel closes a killed process's sockets, which the others see, before it has exited).
+        failure: the first :class:`PeerFailure` a :meth:`guard` raised (then the run is over).
     """
 
     rank: int
@@ -55,6 +56,7 @@ class Peers:
     pids: list[int]
     starts: list[str | None]
     settle_s: float = 2.0
+    failure: PeerFailure | None = None
 
     @classmethod
     def gather(cls, group: Any) -> "Peers":
@@ -116,13 +118,18 @@ class Peers:
     @contextlib.contextmanager
     def guard(self, what: str, timeout_s: float | None = None) -> Iterator[None]:
         """Run collectives; a ``RuntimeError`` from them (gloo, NCCL: ``DistBackendError`` is one) is
-        re-raised as :meth:`explain`'s :class:`PeerFailure`, chained to it."""
+        re-raised as :meth:`explain`'s :class:`PeerFailure`, chained to it. After one failure every later
+        guarded collective raises the same error at once instead of waiting out the timeout again (the D2H
+        worker's queued gradient batches, the exit's join of the worker threads)."""
+        if self.failure is not None:
+            raise PeerFailure(str(self.failure))
         try:
             yield
         except PeerFailure:
             raise
         except RuntimeError as err:
-            raise self.explain(err, what, timeout_s) from err
+            self.failure = self.explain(err, what, timeout_s)
+            raise self.failure from err
 
 
 @contextlib.contextmanager
