@@ -18,6 +18,7 @@ Command line (Hydra compose API over ``conf/``; primary config ``conf/plan.yaml`
     python -m megatrain_lightning.plan model=llama8b seq_len=32768 loss_chunk_size=1024 offload_activations=true
     python -m megatrain_lightning.plan max_seq_len=true model=llama8b,llama70b hardware=h100,h200
     python -m megatrain_lightning.plan model=smollm2_135m hardware=this_machine preflight=true
+    python -m megatrain_lightning.plan model=llama70b hardware=h200 trainer.devices=8 trainer.num_nodes=2
 
 ``preflight=true`` also checks the plan against the machine running the command (exit 2 when
 refused); ``json=true`` prints the plan as JSON; ``max_seq_len=true`` prints only the longest
@@ -25,6 +26,11 @@ sequence at batch 1 for each model and hardware (comma-separated lists), without
 long-sequence options (a Markdown table). ``model=`` takes a ``conf/model`` preset name or the
 path of a Hugging Face model directory / ``config.json``. Measure a CPU preset's rates with
 ``python -m megatrain_lightning.planning.measure``.
+
+``trainer.devices`` (processes per node; ``batch_size`` is per process) and ``trainer.num_nodes`` plan
+data parallel (:mod:`megatrain_lightning.planning.parallel`): host RAM and NVMe per node with the
+training state once per node in ``/dev/shm``, the gradient traffic inside and between nodes, and the
+resource that bounds the step when the node's GPUs share one host; tokens/s per node and cluster.
 """
 
 from __future__ import annotations
@@ -52,8 +58,16 @@ _SETTINGS = ("batch_size", "seq_len", "precision", "offload_params", "offload_op
 
 
 def plan_from_config(cfg: Any) -> Plan:
-    """Build a :class:`Plan` from a composed ``conf/plan.yaml`` (``model``, ``hardware`` + settings)."""
-    return plan(cfg.model, cfg.hardware, **{k: cfg[k] for k in _SETTINGS if k in cfg})
+    """Build a :class:`Plan` from a composed ``conf/plan.yaml`` (``model``, ``hardware``, settings, and
+    ``trainer.devices`` / ``trainer.num_nodes`` for data parallel).
+
+    Raises:
+        ValueError: see :func:`~megatrain_lightning.planning.estimate.plan` (a bad ``trainer.devices`` or
+            ``trainer.num_nodes`` is named).
+    """
+    trainer = cfg.get("trainer") or {}
+    dp = {k: trainer[k] for k in ("devices", "num_nodes") if k in trainer}
+    return plan(cfg.model, cfg.hardware, **{k: cfg[k] for k in _SETTINGS if k in cfg}, **dp)
 
 
 def _compose(rest: list[str], model: str | None) -> Any:

@@ -379,8 +379,7 @@ class MegaTrainStrategy(ParallelStrategy):
                 nvme=self.nvme,
                 sources=weight_sources(module),
                 host_threads=self.host_threads,
-                reducer=GradReducer(self.groups.grads, self.groups.device_side_reduce, guard=self.groups.guard)
-                if self.groups else None,
+                reducer=self._grad_reducer(),
                 node=NodeStore(self.groups, self._timeout.total_seconds() if self._timeout else 1800.0,
                                pin=self.root_device.type == "cuda" and self.pin_memory is not False)
                 if self.groups else None,
@@ -394,6 +393,13 @@ class MegaTrainStrategy(ParallelStrategy):
         assert isinstance(plugin, MegaTrainPrecision)
         plugin.attach_engine(self.engine, self.root_device.type)
         self.setup_precision_plugin()
+
+    def _grad_reducer(self) -> GradReducer | None:
+        g = self.groups
+        if g is None:
+            return None
+        return GradReducer(g.grads, g.node_grads, g.cross_grads, g.node_rank, g.local_world_size, g.device_side_reduce,
+                           guard=g.guard)
 
     def _take_over_optimizer(self) -> None:
         if len(self.optimizers) != 1:

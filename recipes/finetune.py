@@ -45,7 +45,7 @@ def finetune(cfg: DictConfig) -> dict:
         after = timed("evaluate_after", step.evaluate, trainer, lm, dm)
         ckpt = timed("save", step.save, cfg, trainer)
         text = timed("sample", step.sample, cfg, trainer, lm, tok, dm)
-        return step.report(cfg, before, after, run, timings, history, text, ckpt)
+        return step.report(cfg, trainer, before, after, run, timings, history, text, ckpt)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="finetune")

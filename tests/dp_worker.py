@@ -14,9 +14,11 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from torch.utils.data import DataLoader, DistributedSampler
 
 import megatrain_lightning  # noqa: F401  (registers strategy="megatrain")
 from megatrain_lightning import testing as T
+from megatrain_lightning.data.resumable import ResumableDataLoader
 from megatrain_lightning.strategy import MegaTrainStrategy
 
 
@@ -70,6 +72,10 @@ def main() -> None:
     ap.add_argument("--mismatch", default="", help="comma-separated, on local rank 1 only: model (one more layer), "
                     "accumulate (one more micro-batch), lookahead (2)")
     ap.add_argument("--shm-free", type=int, default=None, help="local rank 1 sees this many bytes free in /dev/shm")
+    ap.add_argument("--resumable", action="store_true", help="megatrain_lightning.data.ResumableDataLoader (shuffled)")
+    ap.add_argument("--total-steps", type=int, default=None, help="the cosine schedule's T_max (default --steps)")
+    ap.add_argument("--save", default=None, help="trainer.save_checkpoint(SAVE) after fit")
+    ap.add_argument("--resume", default=None, help="fit(ckpt_path=RESUME)")
     args = ap.parse_args()
     second = os.environ.get("LOCAL_RANK", "0") == "1"  # the launcher sets it for the rank it starts
     mismatch = set(args.mismatch.split(",")) if second and args.mismatch else set()
@@ -80,18 +86,28 @@ def main() -> None:
 
     over = {"resid_pdrop": args.dropout} if args.arch == "gpt2" else {}
     if "model" in mismatch:
-        over["num_hidden_layers" if args.arch != "gpt2" else "n_layer"] = T.make_model(args.arch).config.num_hidden_layers + 1
+        over["num_hidden_layers"] = T.make_model(args.arch).config.num_hidden_layers + 1
     model = T.make_model(args.arch, **over)
     T.freeze_key_biases(model)
-    lm = T.LM(model, lr=1e-3, sched=args.sched, total_steps=args.steps)
+    lm = T.LM(model, lr=1e-3, sched=args.sched, total_steps=args.total_steps or args.steps)
     strategy = MegaTrainStrategy(offload_activations=args.offload_activations, timeout=args.timeout,
                                  lookahead=2 if "lookahead" in mismatch else 1)
     callbacks = [] if args.kill_rank is None else [KillInBackward(args.kill_rank, args.kill_at_step, out, args.hang)]
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
-                         precision=args.precision, max_steps=args.steps, accumulate_grad_batches=args.accumulate + ("accumulate" in mismatch),
+                         precision=args.precision, max_steps=args.steps,
+                         accumulate_grad_batches=args.accumulate + ("accumulate" in mismatch),
                          gradient_clip_val=args.clip, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
-    trainer.fit(lm, T.make_data(n=args.n, batch_size=args.batch))
+    loader = T.make_data(n=args.n, batch_size=args.batch)
+    if args.resumable:
+        loader = ResumableDataLoader(loader.dataset, batch_size=args.batch, shuffle=True, seed=0)
+    elif args.devices * args.num_nodes == 1:  # the order Lightning's injected DistributedSampler gives W ranks
+        ds = loader.dataset
+        loader = DataLoader(ds, batch_size=args.batch,
+                            sampler=DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0))
+    trainer.fit(lm, loader, ckpt_path=args.resume)
+    if args.save:
+        trainer.save_checkpoint(args.save)
     rank = trainer.global_rank
     torch.save(lm.losses, out / f"losses_{rank}.pt")
     if rank == 0:

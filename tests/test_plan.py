@@ -552,3 +552,130 @@ def test_cpu_device_preflight_names_activation_options():
     assert "host RAM short" in msg and "longest data.seq_len that fits" in msg and "set strategy." in msg
     assert "offload_activations" not in msg                    # the inputs are host RAM already on a CPU device
     assert max_seq_len(p, offload_activations=True) == max_seq_len(p) < max_seq_len(p, loss_chunk_size=1024)
+
+
+# ---------------------------------------------------------------- data parallel (issue 12, Planner)
+
+SHARED = ("fp32 master weights", "fp32 grad accumulators", "AdamW exp_avg + exp_avg_sq")
+
+
+def test_dp_state_once_per_node_and_per_process_rest():
+    """Host RAM per node = 16 B/param once (in /dev/shm) + R x what one process holds besides the state."""
+    m = load_model("llama70b")
+    n, _ = _meta_unique_params(m)
+    one = plan(m, load_hardware("h200"))
+    assert one.parallel is None and one.host == plan(m, load_hardware("h200"), devices=1, num_nodes=1).host
+    own = one.host_bytes - 16 * n                           # everything but master + grads + moments
+    for devices, nodes in ((1, 2), (2, 1), (8, 1), (8, 2)):
+        p = plan(m, load_hardware("h200"), devices=devices, num_nodes=nodes)
+        assert p.parallel["shm_bytes"] == 16 * n            # the same for 1 and 8 local ranks
+        assert sum(v for k, v in p.host.items() if k.endswith("(shared, /dev/shm)")) == 16 * n
+        assert p.parallel["per_process_bytes"] == own
+        assert p.host_bytes == 16 * n + devices * own       # per node: independent of num_nodes
+        assert p.device == one.device                        # per GPU: unchanged
+    p8 = plan(m, load_hardware("h200"), devices=8)
+    assert "wire shadow (castable 2 B, rest 4 B) x8 processes" in p8.host
+    assert p8.host["process overhead x8 processes"] == 8 * 4 * GIB
+    # llama70b on 8 H200s: 1,051 GiB of state + 8 x 141 GiB per process > 2 TiB: refused, per node
+    assert not p8.fits and p8.reasons[0].startswith(f"host RAM short: need {gib(p8.host_bytes)} GiB per node")
+    fit = max(r for r in range(1, 9) if 16 * n + r * own <= 2048 * GIB)
+    assert fit == 7 and f"or fewer processes per node: trainer.devices={fit} fits" in format_plan(p8)
+
+
+def test_dp_gradient_traffic_formulas():
+    """G = 4 B x every parameter read (untied Llama: each once); intra-node (R-1)/R x G per rank,
+    inter-node ring all-reduce 2(M-1)/M x G per node, times at nvlink_gbps / network_gbps."""
+    m, hw = load_model("llama70b"), load_hardware("h200")
+    n, _ = _meta_unique_params(m)
+    g = 4 * n
+    for devices, nodes in ((8, 2), (4, 4), (2, 1), (1, 3)):
+        p = plan(m, hw, devices=devices, num_nodes=nodes)
+        assert p.parallel["grads"] == g
+        assert p.moved["intra_node"] == (devices - 1) * g // devices
+        assert p.moved["inter_node"] == 2 * (nodes - 1) * g // nodes
+        assert math.isclose(p.times["intra_node"], (devices - 1) / devices * g / (hw.nvlink_gbps * 1e9), rel_tol=1e-9)
+        assert math.isclose(p.times["inter_node"], 2 * (nodes - 1) / nodes * g / (hw.network_gbps * 1e9), rel_tol=1e-9)
+        # each GPU copies only the blocks it owns (at least the largest block: 1.05 B params of head)
+        assert p.moved["d2h"] == max(-(-g // devices), 4 * 1_050_681_344)
+        assert p.moved["h2d"] == plan(m, hw).moved["h2d"]    # every rank streams every block
+    half = plan(m, hw, devices=8, num_nodes=2, grad_dtype="bf16")
+    assert half.parallel["grads"] == 2 * n and half.moved["inter_node"] == 2 * n
+    pcie = plan(m, _hw_with("h200", nvlink_gbps=None), devices=8)  # no NVLink: PCIe at d2h_gbps
+    assert math.isclose(pcie.times["intra_node"], 7 / 8 * g / (53 * 1e9), rel_tol=1e-9)
+
+
+def test_dp_shared_host_terms_and_binding_resource():
+    """The host AdamW runs once per node (same seconds for 1 and 8 GPUs); host memory carries R x H2D;
+    what binds switches from GPU compute to host memory as the GPUs per node grow, and to the network
+    when it is slow."""
+    m, hw = load_model("llama70b"), load_hardware("h200")
+    n, _ = _meta_unique_params(m)
+    one_gpu = plan(m, hw, batch_size=12, num_nodes=2)
+    eight = plan(m, hw, batch_size=12, devices=8, num_nodes=2)
+    assert one_gpu.times["host_adamw"] == eight.times["host_adamw"] == n / 12e9
+    assert one_gpu.times["compute"] == eight.times["compute"]
+    h2d = one_gpu.moved["h2d"]
+    assert eight.moved["host_memory"] - one_gpu.moved["host_memory"] == 7 * h2d   # the rest is per node
+    assert math.isclose(eight.times["host_memory"], eight.moved["host_memory"] / 368e9, rel_tol=1e-9)
+    assert one_gpu.dominating == "compute" and eight.dominating == "host_memory"
+    assert eight.step_time_s == max(eight.times.values())
+    assert eight.node_tokens == 8 * 12 * 2048 and eight.cluster_tokens == 2 * eight.node_tokens
+    slow = plan(m, _hw_with("h200", network_gbps=12.5), batch_size=12, devices=8, num_nodes=4)  # 100 Gb/s
+    assert slow.dominating == "inter_node" and math.isclose(slow.step_time_s, 1.5 * 4 * n / 12.5e9, rel_tol=1e-9)
+    # a CPU "device": the ranks share the cores, so the node's compute does not scale
+    cpu1 = plan(load_model("smollm2_135m"), load_hardware("this_machine"))
+    cpu2 = plan(load_model("smollm2_135m"), load_hardware("this_machine"), devices=2)
+    assert math.isclose(cpu2.times["compute"], 2 * cpu1.times["compute"])
+
+
+def test_dp_nvme_store_once_reads_per_rank():
+    """NVMe tier: one store per node; every rank reads the fp32 masters it streams (the owner's update
+    read is fused with its forward fetch, as in one process)."""
+    m, hw = load_model("llama8b"), load_hardware("h100")
+    nv = dict(offload_params="nvme", offload_optimizer="nvme", offload_grads="nvme")
+    one, four = plan(m, hw, **nv), plan(m, hw, devices=4, **nv)
+    n, _ = _meta_unique_params(m)
+    assert four.nvme == one.nvme and four.disk == one.disk and four.parallel["shm_bytes"] == 0
+    masters = one.moved["nvme_read"] - 8 * n - 4 * n          # moments and gradients read once per node
+    assert four.moved["nvme_read"] == one.moved["nvme_read"] + 3 * masters
+    assert four.moved["nvme_write"] == one.moved["nvme_write"]
+    assert four.host_bytes == 4 * one.host_bytes              # windows, staging, overhead: per process
+
+
+@pytest.mark.parametrize("key,value", [("devices", 0), ("devices", "abc"), ("devices", 2.5), ("devices", True),
+                                       ("num_nodes", -1), ("num_nodes", [0, 1])])
+def test_dp_bad_counts_name_the_key(key, value):
+    with pytest.raises(ValueError, match=rf"trainer\.{key} must be a positive integer"):
+        plan(load_model("llama8b"), load_hardware("h200"), **{key: value})
+
+
+def test_dp_needs_network_bandwidth_for_several_nodes():
+    for name in HARDWARE:                                     # every preset plans several nodes
+        h = load_hardware(name)
+        assert h.host_mem_gbps > 0 and h.network_gbps > 0 and (h.nvlink_gbps or 0) >= 0
+    d = {k: v for k, v in load_hardware("h200").to_dict().items() if k != "network_gbps"}
+    hw = Hardware.from_mapping(d)                             # the data parallel fields may be left out
+    assert hw.network_gbps is None and plan(load_model("llama8b"), hw, devices=8).parallel
+    with pytest.raises(ValueError, match="hardware.network_gbps"):
+        plan(load_model("llama8b"), hw, num_nodes=2)
+    no_mem = Hardware.from_mapping({**d, "host_mem_gbps": None})
+    p = plan(load_model("llama8b"), no_mem, devices=2)      # host memory falls back to the AdamW assumption
+    assert math.isclose(p.times["host_memory"], p.moved["host_memory"] / (12 * 30e9), rel_tol=1e-9)
+
+
+def test_dp_cli_report(capsys):
+    rc, out = _main(capsys, "model=llama70b", "hardware=h200", "trainer.devices=8", "trainer.num_nodes=2")
+    assert rc == 0
+    p = plan(load_model("llama70b"), load_hardware("h200"), devices=8, num_nodes=2)
+    assert "8 process(es) per node x 2 node(s) = 16 ranks" in out
+    assert f"host RAM per node {gib(p.host_bytes)} GiB = training state once per node {gib(p.parallel['shm_bytes'])}" in out
+    assert f"/dev/shm needed: {gib(p.parallel['shm_bytes'])} GiB; more than Linux's default tmpfs size" in out
+    assert "2(M-1)/M x G = 262.8 GiB sent per node" in out and "(R-1)/R x G = 230.0 GiB sent per rank" in out
+    assert re.search(r"binds: host memory [\d.]+ s/step", out)
+    assert f"{p.cluster_tokens / p.step_time_s:,.0f} for the 2 node(s)" in out
+    rc, out = _main(capsys, "model=llama70b", "hardware=h200", "trainer.devices=8", "json=true")
+    assert json.loads(out)["parallel"]["shm_bytes"] == p.parallel["shm_bytes"]
+    rc, out = _main(capsys, "model=llama8b", "hardware=h200")
+    assert "data parallel" not in out and "[GPU]" not in out and "/dev/shm" not in out
+    with pytest.raises(ValueError, match="trainer.devices must be a positive integer"):
+        _main(capsys, "model=llama8b", "trainer.devices=auto")

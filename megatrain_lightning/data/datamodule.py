@@ -62,6 +62,9 @@ class DomainDataModule(pl.LightningDataModule):
     ``seed`` falls below ``val_fraction``; it never depends on order. Every batch is a dict of LongTensors
     ``{"input_ids", "labels", "attention_mask"}``. The training loader is a shuffling
     :class:`~megatrain_lightning.data.ResumableDataLoader` (exact mid-epoch resume); validation is in order.
+    With several data-parallel processes ``batch_size`` is per process: the training loader gives each rank its
+    share of every global batch (its own sharding, resumable at another world size); the validation
+    ``DataLoader`` gets Lightning's ``DistributedSampler`` (strided, padded by repeating up to world size - 1 rows).
 
     Args:
         tokenizer: a Hugging Face tokenizer (needs an EOS token).
@@ -69,7 +72,7 @@ class DomainDataModule(pl.LightningDataModule):
         source: a callable returning them (called once, at the first ``prepare_data``/``setup``/``stats``).
         shape: ``"text"`` or ``"instruction"``.
         seq_len: tokens per row (text) or maximum tokens per example (instruction).
-        batch_size: rows per batch.
+        batch_size: rows per batch (of each process, with several).
         val_fraction: expected fraction of documents (groups) held out, in ``[0, 1)``; 0 disables validation.
         seed: split, subsample and shuffle seed.
         cache_dir: directory of the tokenized-data cache (safetensors); ``None`` disables caching.

@@ -1,12 +1,21 @@
-"""A DataLoader whose position is part of Lightning's checkpoint, for exact mid-epoch resume.
+"""A DataLoader whose position is part of Lightning's checkpoint, for exact mid-epoch resume,
+sharded over data-parallel ranks.
 
 Lightning saves ``state_dict()`` of every training loader that has ``state_dict`` and
 ``load_state_dict`` (``lightning.fabric.utilities.types._Stateful``) and restores it before
 iterating on resume; a plain ``DataLoader`` restarts the epoch instead (Lightning only warns).
 
-Position is counted in batches yielded to the training loop. Lightning's data fetcher reads
-one batch ahead only for loaders without ``len()``; this loader always has a length, so
-every batch yielded has been consumed when a checkpoint is written.
+Position is counted in samples of the epoch's order consumed by the global steps yielded (all ranks
+together), so a state written with one world size resumes at another. Lightning's data fetcher reads
+one batch ahead only for loaders without ``len()``; this loader always has a length, so every batch
+yielded has been consumed when a checkpoint is written.
+
+Data parallel: the loader's sampler is a ``DistributedSampler`` (subclass), and Lightning leaves a
+loader whose sampler already is one as it is (``Trainer(use_distributed_sampler=True)`` "will not
+replace the existing one"): no re-instantiation, so ``shuffle``/``seed`` stay the loader's own. Rank
+and world size come from a ``DistributedSampler`` passed as ``sampler`` (what Lightning's
+``_update_dataloader`` does), else from ``torch.distributed``'s default group when it is initialised (read
+at each use, so a loader built before the process group exists shards correctly), else one process.
 """
 
 from __future__ import annotations
@@ -14,94 +23,173 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+
+from .global_batches import consumed, rank_share, share_size, steps_left
 
 
-class _PositionSampler(Sampler[int]):
-    """Indices of one epoch (a permutation seeded by ``(seed, epoch)`` when shuffling), from ``skip`` on.
+class _PositionSampler(DistributedSampler):
+    """This rank's indices of one epoch (a permutation seeded by ``(seed, epoch)`` when shuffling, the same
+    on every rank) from global position ``start`` on; see :mod:`~megatrain_lightning.data.global_batches`.
 
-    It has no ``set_epoch`` on purpose: Lightning would call it with its ``current_epoch``, which
-    is off by one after some resumes; the loader sets ``epoch`` itself.
+    A ``DistributedSampler`` so that Lightning does not inject its own; ``DistributedSampler.__init__`` is not
+    called because it needs the rank and world size at construction, before ``torch.distributed`` may be
+    initialised: they are read when used (explicit ``num_replicas``/``rank`` first, else the default process
+    group, else one process). ``set_epoch`` is ignored on purpose: Lightning would call it with its
+    ``current_epoch``, which is off by one after some resumes; the loader sets ``epoch`` itself.
     """
 
-    def __init__(self, n: int, shuffle: bool, seed: int):
-        self.n, self.shuffle, self.seed = n, shuffle, seed
-        self.epoch, self.skip = 0, 0
+    def __init__(self, n: int, shuffle: bool, seed: int, batch_size: int, drop_last: bool,
+                 num_replicas: int | None = None, rank: int | None = None):
+        self.n, self.shuffle, self.seed, self.batch_size, self.drop_last = n, shuffle, seed, batch_size, drop_last
+        self.epoch, self.start = 0, 0
+        self._explicit = None if num_replicas is None else (int(num_replicas), int(rank or 0))
 
-    def __iter__(self) -> Iterator[int]:
+    def world(self) -> tuple[int, int]:
+        """``(world_size, rank)`` this sampler shards for."""
+        if self._explicit is not None:
+            return self._explicit
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size(), dist.get_rank()
+        return 1, 0
+
+    @property
+    def num_replicas(self) -> int:  # type: ignore[override]
+        return self.world()[0]
+
+    @property
+    def rank(self) -> int:  # type: ignore[override]
+        return self.world()[1]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Ignored (class docstring); the loader sets ``epoch`` at the start of each iteration."""
+
+    def order(self) -> list[int]:
+        """The epoch's sample indices, ``[n]``: ``torch.randperm`` seeded by ``seed * 100_003 + epoch``, or in order."""
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-            order = torch.randperm(self.n, generator=g).tolist()
-        else:
-            order = list(range(self.n))
-        return iter(order[self.skip :])
+            return torch.randperm(self.n, generator=g).tolist()
+        return list(range(self.n))
+
+    def __iter__(self) -> Iterator[int]:
+        world, rank = self.world()
+        return iter(rank_share(self.order(), self.start, self.batch_size, world, rank, self.drop_last))
 
     def __len__(self) -> int:
-        return self.n - self.skip
+        world, rank = self.world()
+        return share_size(self.n, self.start, self.batch_size, world, rank, self.drop_last)
 
 
 class ResumableDataLoader(DataLoader):
-    """``DataLoader`` that resumes mid-epoch with the next batch after a checkpoint.
+    """``DataLoader`` that resumes mid-epoch with the next global batch after a checkpoint, at any world size.
+
+    Data parallel (``W`` ranks, ``batch_size`` = ``b`` per rank): every rank builds the same epoch order;
+    global step ``k`` (from the epoch start, or from the resumed position) takes the next ``G = b * W``
+    samples of it and rank ``r`` gets the contiguous slice ``r * b : (r + 1) * b`` of them, so the ranks'
+    batches of a step, concatenated in rank order, are exactly the batch of one process with batch size
+    ``G``. An incomplete last global batch is split as evenly as possible over the ranks (batches then
+    differ by at most one sample), dropped with ``drop_last=True``, and also dropped with ``W > 1`` when it
+    has fewer samples than ranks (:mod:`~megatrain_lightning.data.global_batches`). Every rank yields the
+    same number of batches. ``W == 1`` is a plain in-order/shuffled loader.
+
+    Used for validation it shards the same way (each sample once, no padding); a plain validation
+    ``DataLoader`` gets Lightning's ``DistributedSampler`` instead (strided, padded by repeating samples).
 
     Args:
         dataset: a map-style dataset (``len()`` and integer indexing).
-        batch_size: samples per batch.
+        batch_size: samples per batch of each rank (``None``: one sample per step, no collation).
         shuffle: reshuffle every epoch with a generator seeded by ``(seed, epoch)``, so the order
             after a resume is the order of the uninterrupted run. The loader counts its own epochs
             (one per iteration started); Lightning's ``current_epoch`` can differ by one after a
             resume from a checkpoint written once ``fit`` stopped at ``max_steps`` mid-epoch.
-        seed: shuffling seed.
-        **kwargs: any other ``DataLoader`` argument except ``sampler``/``batch_sampler``.
+        seed: shuffling seed (the same on every rank).
+        **kwargs: any other ``DataLoader`` argument (``drop_last`` drops an incomplete global batch), and
+            ``sampler``: only a ``torch.utils.data.DistributedSampler``, whose ``num_replicas``/``rank`` give
+            the world size and rank (instead of ``torch.distributed``'s) and whose ``shuffle``
+            replaces ``shuffle=`` (Lightning's re-instantiation passes ``shuffle=False`` with its sampler);
+            its seed and order are not used. ``batch_sampler`` only as ``None``.
 
     Raises:
-        ValueError: ``sampler`` or ``batch_sampler`` given (the loader owns the order).
+        ValueError: a ``sampler`` that is not a ``DistributedSampler``, a ``batch_sampler``, ``shuffle=True``
+            with a ``DistributedSampler(shuffle=False)``, or a sampler's ``rank`` outside ``[0, num_replicas)``.
     """
 
-    def __init__(self, dataset: Dataset, batch_size: int = 1, shuffle: bool = False, seed: int = 0, **kwargs: Any):
-        if "sampler" in kwargs or "batch_sampler" in kwargs:
-            raise ValueError("ResumableDataLoader owns the sample order; pass shuffle=/seed= instead of a sampler.")
-        self._position = _PositionSampler(len(dataset), shuffle, seed)  # type: ignore[arg-type]
+    def __init__(self, dataset: Dataset, batch_size: int | None = 1, shuffle: bool = False, seed: int = 0,
+                 **kwargs: Any):
+        sampler, batch_sampler = kwargs.pop("sampler", None), kwargs.pop("batch_sampler", None)
+        if batch_sampler is not None or (sampler is not None and not isinstance(sampler, DistributedSampler)):
+            raise ValueError("ResumableDataLoader owns the sample order; pass shuffle=/seed= instead of a sampler or "
+                             "batch_sampler (only a torch DistributedSampler is accepted, for its rank/world size).")
+        replicas = rank = None
+        if sampler is not None:
+            if shuffle and not sampler.shuffle:
+                raise ValueError("shuffle=True contradicts the DistributedSampler given (shuffle=False); the "
+                                 "sampler's shuffle decides: make them agree.")
+            shuffle, replicas, rank = bool(sampler.shuffle), int(sampler.num_replicas), int(sampler.rank)
+            if not 0 <= rank < replicas:
+                raise ValueError(f"The DistributedSampler's rank {rank} is outside [0, num_replicas={replicas}).")
+        drop_last = bool(kwargs.get("drop_last", False))
+        self._position = _PositionSampler(len(dataset), shuffle, seed, batch_size or 1, drop_last,  # type: ignore[arg-type]
+                                          replicas, rank)
         super().__init__(dataset, batch_size=batch_size, sampler=self._position, **kwargs)
-        self._yielded = 0
+        self.shuffle, self.seed = shuffle, seed  # public: Lightning's re-instantiation copies them
         self._epoch = 0  # epoch being iterated
         self._next_epoch = 0
-        self._resume: tuple[int, int] | None = None  # (epoch, batches) from a checkpoint
+        self._start = 0  # global position (samples) the current iteration started at
+        self._start_batches = 0  # global steps of the epoch taken before it (from a loaded state)
+        self._yielded = 0
+        self._resume: tuple[int, int, int] | None = None  # (epoch, samples, batches) from a checkpoint
+
+    def _steps(self, start: int) -> int:
+        world, _ = self._position.world()
+        return steps_left(self._position.n, start, self._position.batch_size, world, self._position.drop_last)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         # the body runs at the first next(): an iterator created and dropped unused (Lightning
         # makes one in setup_data) does not count as an epoch
-        start = 0
         if self._resume is not None:
-            self._epoch, start = self._resume
+            epoch, start, batches = self._resume
             self._resume = None
+            if start > 0 and self._steps(start) == 0:  # that epoch was complete
+                epoch, start, batches = epoch + 1, 0, 0
         else:
-            self._epoch = self._next_epoch
-        self._next_epoch = self._epoch + 1
-        self._position.epoch = self._epoch
-        self._position.skip = start * (self.batch_size or 1)
-        self._yielded = start
+            epoch, start, batches = self._next_epoch, 0, 0
+        self._epoch, self._next_epoch = epoch, epoch + 1
+        self._start, self._start_batches, self._yielded = start, batches, 0
+        self._position.epoch, self._position.start = epoch, start
         try:
             for batch in super().__iter__():
                 self._yielded += 1
                 yield batch
         finally:
-            self._position.skip = 0
+            self._position.start = 0
 
     def __len__(self) -> int:
-        saved, self._position.skip = self._position.skip, 0
-        try:
-            return super().__len__()
-        finally:
-            self._position.skip = saved
+        """Batches of a whole epoch on this rank (= global steps per epoch)."""
+        return self._steps(0)
 
     def state_dict(self) -> dict[str, int]:
-        """``{"epoch", "batches"}``: the epoch being iterated and the batches of it already yielded."""
-        return {"epoch": self._epoch, "batches": self._yielded}
+        """``{"epoch", "samples", "batches"}``, the same on every rank: the epoch being iterated, the samples of
+        its order consumed by the global steps yielded (all ranks together), and the global steps of it taken
+        (informational; ``samples`` decides the resume position). A state loaded but not yet iterated is
+        returned as loaded."""
+        if self._resume is not None:
+            epoch, samples, batches = self._resume
+            return {"epoch": epoch, "batches": batches, "samples": samples}
+        world, _ = self._position.world()
+        samples = consumed(self._position.n, self._start, self._yielded, self._position.batch_size, world)
+        return {"epoch": self._epoch, "batches": self._start_batches + self._yielded, "samples": samples}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume: the next iteration continues epoch ``state["epoch"]`` after its first ``batches``
-        batches (or starts the following epoch if that one was complete)."""
-        epoch, batches = int(state["epoch"]), int(state["batches"])
-        if batches >= len(self):
-            epoch, batches = epoch + 1, 0
-        self._resume = (epoch, batches)
+        """Resume: the next iteration continues epoch ``state["epoch"]`` after its first ``state["samples"]``
+        samples (or starts the following epoch if no global step of it is left), at this loader's world size
+        and batch size. A state without ``samples`` (written by one process before sharding existed:
+        ``{"epoch", "batches"}``) is read as ``batches`` global steps of this loader's global batch."""
+        epoch, batches = int(state["epoch"]), int(state.get("batches", 0))
+        if "samples" in state:
+            samples = int(state["samples"])
+        else:
+            samples = batches * self._position.batch_size * self._position.world()[0]
+        self._resume = (epoch, min(max(samples, 0), self._position.n), batches)

@@ -152,11 +152,18 @@ class GradientSink:
             self.acct.track(nbytes - take)
             tensors = [g for _, g in items]
             if red is not None and red.device_side:  # NCCL: reduced on the D2H stream before the copy
-                copy = self.transport.stage_grads(tensors, wire, reduce=red.all_reduce_)
+                own = self.ownership
+                assert own is not None
+                n_flags, owner, mine = tensors[-1].numel(), own.owner[si], own.owns(si)
+                copy = self.transport.stage_grads(
+                    tensors, wire, reduce=lambda flat: red.reduce_device(flat, n_flags, owner, mine))
             else:
                 copy = self.transport.stage_grads(tensors, wire)  # queued now, overlaps the adds
             idx = [i for i, _ in items]
-            self.acct.add(d2h_bytes=nbytes)
+            moved = nbytes
+            if red is not None and red.device_side and not self.ownership.owns(si):  # type: ignore[union-attr]
+                moved = tensors[-1].numel() * wire.itemsize  # only the presence flags cross
+            self.acct.add(d2h_bytes=moved)
             self._futures.append(self._pool.submit(self._accumulate, si, idx, copy, nbytes, si in final))
         for si in final - set(by_slab):  # its last batch had no gradient: the update still runs, in order
             self._take_slot()
@@ -209,15 +216,15 @@ class GradientSink:
             t0 = time.perf_counter()
             host_grads = copy.wait()  # outside the slab's lock: the copy needs nothing of the slab
             self.acct.add(d2h_copy_wait_s=time.perf_counter() - t0, d2h_busy_s=copy.busy_s)
-            red = self.reducer
-            if red is not None:  # averaged over the ranks (gloo: here, on the worker; NCCL: already)
+            red, own = self.reducer, self.ownership
+            if red is not None:  # averaged over the ranks onto the owner (gloo: here, on the worker; NCCL: already)
+                assert own is not None
                 if not red.device_side:
                     t0 = time.perf_counter()
-                    host_grads = red.reduce_host(host_grads)
+                    host_grads = red.reduce_host(host_grads, own.owner[si], own.owns(si))
                     self.acct.add(grad_reduce_s=time.perf_counter() - t0)
-                pairs = [(i, g) for i, g in zip(idx[:-1], red.unpack(host_grads)) if g is not None]
+                pairs = [(i, g) for i, g, p in zip(idx[:-1], host_grads[:-1], red.present(host_grads)) if p]
                 idx, host_grads = [i for i, _ in pairs], [g for _, g in pairs]
-            own = self.ownership
             if own is not None and not own.owns(si):  # the owner adds them; keep the same flags
                 with slab.lock:
                     slab.start_window()

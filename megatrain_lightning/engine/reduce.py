@@ -1,29 +1,38 @@
-"""Gradient averaging across data-parallel ranks, one gradient batch (one block's gradients of one slab) at a time.
+"""Gradient averaging across data-parallel ranks, one gradient batch (one block's gradients of one slab) at a time,
+delivered to the slab's owner only.
 
-Semantics are those of ``torch.nn.parallel.DistributedDataParallel``: after the reduce every rank holds
-the mean over ranks of the batch's gradients, so a run of W processes with micro-batch b steps like one
-process with micro-batch W*b (the loss being a mean over the micro-batch). A parameter that got no
-gradient on a rank (``None``: an MoE expert no token of that rank was routed to) counts as zeros in the
-mean, as DDP's ``find_unused_parameters`` does; it stays ``None`` (no AdamW update, as in plain PyTorch)
-only if no rank produced a gradient for it. To decide that, every batch carries one presence flag per
-parameter, reduced with the gradients.
+Semantics are those of ``torch.nn.parallel.DistributedDataParallel``: the owner of the batch's slab receives the
+mean over all ranks of the batch's gradients, so a run of W processes with micro-batch b steps like one process
+with micro-batch W*b (the loss being a mean over the micro-batch). A parameter that got no gradient on a rank
+(``None``: an MoE expert no token of that rank was routed to) counts as zeros in the mean, as DDP's
+``find_unused_parameters`` does; it stays ``None`` (no AdamW update, as in plain PyTorch) only if no rank produced
+a gradient for it. To decide that, every batch carries one presence flag per parameter.
 
-Every rank sends the same batches in the same order (the backward visits the blocks in the same order
-on every rank, and a batch lists every trainable parameter of the block call whether or not it got a
-gradient), so the collectives match without any negotiation.
+Per batch, with N local ranks per node and M nodes (the slab's owner is local rank r on every node):
 
-Where the reduce runs:
+1. the presence flags (``[n_params]``) are summed over all ranks (one small all-reduce): every rank learns which
+   parameters have a gradient, and keeps the same bookkeeping as the owner;
+2. the gradients are summed onto the node's owner (``reduce`` to rank ``node * N + r`` over the node's ranks): a
+   non-owner sends its part and receives nothing (on CUDA it then copies only the flags to the host);
+3. with several nodes the owners (local rank r of every node) all-reduce the node sums, so every node's owner
+   holds the same global sum, bitwise (the owners apply the same update to their node's copy);
+4. the owner divides by W.
 
-* ``device_side`` (NCCL, CUDA): on the packed device tensor, on the D2H stream before its copy to the
-  host (:meth:`CUDATransport.stage_grads` calls :meth:`GradReducer.all_reduce_`); the compute stream is
-  not blocked, so the next block's backward overlaps the collective;
-* otherwise (gloo; CPU, or CUDA with ``process_group_backend="gloo"``): on the host tensors, by the D2H
-  worker thread before it adds them into the accumulators (:meth:`GradReducer.reduce_host`), which also
-  overlaps the next block's backward on the compute thread.
+This is reduce-scatter at the granularity of slabs: each rank receives (and, on CUDA, copies D2H) only the slabs
+it owns. Every rank sends the same batches in the same order (the backward visits the blocks in the same order on
+every rank, and a batch lists every trainable parameter of the block call whether or not it got a gradient), so
+the collectives match without negotiation.
 
-The collectives run on a process group of their own (``group``), so that the D2H worker's reduces
-never interleave with collectives the main thread issues on Lightning's default group (``barrier``,
-``self.log(..., sync_dist=True)``).
+Where it runs:
+
+* ``device_side`` (NCCL, CUDA): on the packed device tensor, on the D2H stream before its copy to the host
+  (:meth:`CUDATransport.stage_grads` calls :meth:`GradReducer.reduce_device`); the compute stream is not blocked,
+  so the next block's backward overlaps the collectives;
+* otherwise (gloo; CPU, or CUDA with ``process_group_backend="gloo"``): on the host tensors, by the D2H worker
+  before it adds them (:meth:`GradReducer.reduce_host`), also overlapping the next block's backward.
+
+The groups (``parallel/groups.py``) are used for gradients only, so the D2H worker's collectives never interleave
+with collectives the main thread issues on Lightning's default group (``barrier``, ``sync_dist``).
 """
 
 from __future__ import annotations
@@ -37,31 +46,35 @@ import torch.distributed as dist
 
 
 class GradReducer:
-    """Averages gradient batches over the ranks of ``group`` (sum, then divide by the group's size).
+    """Averages gradient batches over all ranks onto each slab's owner.
 
     Args:
-        group: the ``torch.distributed`` process group the gradients are reduced over (all data-parallel
-            ranks); created by the strategy, used only for gradients.
+        everyone: process group of all ranks (the presence flags).
+        node: process group of this node's ranks (sums onto the owner).
+        cross: process group of the ranks with this local rank on every node, or ``None`` with one node.
+        node_rank / local_world_size: this process's node and the ranks per node (the owner's global rank is
+            ``node_rank * local_world_size + owner``).
         device_side: reduce on the device before the D2H copy (NCCL) instead of on the host after it.
-        guard: ``guard(what)``, a context manager around each collective that turns a transport error (a rank
-            died: "Connection closed by peer", or a timeout) into one naming that rank
+        guard: ``guard(what)``, a context manager around each batch's collectives that turns a transport error (a
+            rank died: "Connection closed by peer", or a timeout) into one naming that rank
             (``ProcessGroups.guard``, ``parallel/faults.py``); default: errors pass unchanged.
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised (at construction).
-        PeerFailure: (from ``guard``) in :meth:`all_reduce_` when another rank died or stopped answering.
+        PeerFailure: (from ``guard``) in :meth:`reduce_host` / :meth:`reduce_device` when another rank died or
+            stopped answering.
     """
 
-    def __init__(self, group: Any, device_side: bool = False,
-                 guard: Callable[[str], ContextManager[None]] | None = None):
+    def __init__(self, everyone: Any, node: Any, cross: Any, node_rank: int, local_world_size: int,
+                 device_side: bool = False, guard: Callable[[str], ContextManager[None]] | None = None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("megatrain: gradient reduction needs torch.distributed initialised "
                                "(the strategy's setup_environment does it).")
-        self.group = group
-        self.world_size = dist.get_world_size(group)
+        self.everyone, self.node, self.cross = everyone, node, cross
+        self.world_size = dist.get_world_size(everyone)
+        self.node_rank, self.local_world_size = node_rank, local_world_size
         self.device_side = device_side
         self.guard = guard if guard is not None else (lambda what: contextlib.nullcontext())
-        self.seconds = 0.0  # time spent inside the collectives (host side), for the step's stats
 
     def pack(self, grads: Sequence[torch.Tensor | None], shapes: Sequence[torch.Size], device: torch.device,
              dtype: torch.dtype) -> list[torch.Tensor]:
@@ -72,19 +85,31 @@ class GradReducer:
         out.append(torch.tensor([0.0 if g is None else 1.0 for g in grads], dtype=dtype, device=device))
         return out
 
-    def all_reduce_(self, flat: torch.Tensor) -> None:
-        """Average ``flat`` (any shape and floating dtype, on the group's device) over the ranks, in place."""
-        t0 = time.perf_counter()
-        with self.guard("the gradient all-reduce"):
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-        flat.div_(self.world_size)
-        self.seconds += time.perf_counter() - t0
+    def _reduce(self, grads: torch.Tensor, flags: torch.Tensor, owner: int, mine: bool) -> None:
+        """Steps 1-4 of the module docstring on flat ``grads`` and ``flags`` (same device), in place."""
+        with self.guard("the gradient reduce"):
+            dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=self.everyone)
+            dist.reduce(grads, dst=self.node_rank * self.local_world_size + owner, op=dist.ReduceOp.SUM,
+                        group=self.node)
+            if mine and self.cross is not None:
+                dist.all_reduce(grads, op=dist.ReduceOp.SUM, group=self.cross)
+        if mine:
+            grads.div_(self.world_size)
 
-    def reduce_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Average the host tensors of a batch (as made by :meth:`pack`) over the ranks: one collective on a
-        flat fp32 copy (gloo reduces one tensor per call). Returns new tensors of the same shapes."""
+    def reduce_device(self, flat: torch.Tensor, n_flags: int, owner: int, mine: bool) -> int | None:
+        """NCCL: average the packed batch ``flat`` (gradients, then ``n_flags`` presence flags) onto the owner, in
+        place, with the D2H stream current. Returns how many trailing elements the copy to the host needs:
+        ``None`` (all) on the owner, ``n_flags`` elsewhere."""
+        self._reduce(flat[: flat.numel() - n_flags], flat[flat.numel() - n_flags :], owner, mine)
+        return None if mine else n_flags
+
+    def reduce_host(self, tensors: Sequence[torch.Tensor], owner: int, mine: bool) -> list[torch.Tensor]:
+        """gloo: average the host tensors of a batch (as made by :meth:`pack`) onto the owner. Returns new fp32
+        tensors of the same shapes (one flat copy: gloo reduces one tensor per call); on a non-owner only the last
+        (the summed presence flags) is meaningful."""
         flat = torch.cat([t.reshape(-1).float() for t in tensors])
-        self.all_reduce_(flat)
+        n_flags = tensors[-1].numel()
+        self._reduce(flat[: flat.numel() - n_flags], flat[flat.numel() - n_flags :], owner, mine)
         out, off = [], 0
         for t in tensors:
             out.append(flat[off : off + t.numel()].view(t.shape))
@@ -92,8 +117,6 @@ class GradReducer:
         return out
 
     @staticmethod
-    def unpack(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
-        """Split a reduced batch into its gradients, ``None`` where no rank had one (presence flag 0)."""
-        *grads, present = tensors
-        flags = present.tolist()
-        return [g if f > 0 else None for g, f in zip(grads, flags)]
+    def present(tensors: Sequence[torch.Tensor]) -> list[bool]:
+        """Per gradient of a reduced batch: whether any rank had one (its summed presence flag > 0)."""
+        return [f > 0 for f in tensors[-1].tolist()]

@@ -9,9 +9,8 @@ optimizer step. The parts, each owning its state (docs/architecture.md, "Engine 
 * ``prefetch.py``: copies started ``lookahead`` fetches ahead, NVMe read-ahead;
 * ``recompute.py``: the autograd boundary of a block call (saved inputs, recompute, backward);
 * ``grads.py``: parameter gradients to the fp32 host accumulators (D2H), the update-in-backward plan;
-* ``params.py``: direct reads and writes of parameters' masters;
-* ``shared_grads.py``: per-backward sums of tied parameters' gradients;
-* ``kv_cache.py``: training forwards never write a KV cache;
+* ``params.py``: direct reads and writes of masters; ``shared_grads.py``: sums of tied parameters' gradients;
+* ``kv_cache.py``: training forwards never write a KV cache; ``reduce.py``: data-parallel gradient averaging;
 * ``long_sequences.py``: LM head + loss and MLP over chunks of tokens; ``offload.py``: offloaded inputs.
 
 How a training step runs through them: docs/architecture.md, "A training step".
@@ -91,10 +90,8 @@ class StreamingEngine:
 
         loss_chunk_size / mlp_chunk_size: tokens per chunk of the LM head + loss (``"auto"``, default:
             256 MiB of fp32 logits) and of each block's MLP; ``None``: off (:mod:`.long_sequences`).
-        reducer: data parallel: averages each gradient batch over the ranks before the host add
-            (:class:`~.reduce.GradReducer`); ``None``: one process.
-        node: data parallel: the node's shared store and slab owners (``store/shared.py``): one copy of the
-            training state per node, each slab added to and updated by its owner only. RAM tier only.
+        reducer / node: data parallel (``None``: one process): averages each gradient batch over the ranks
+            (:class:`~.reduce.GradReducer`); the node-shared store and slab owners (``store/shared.py``).
 
     Raises:
         BlockDiscoveryError: no blocks found (see ``discover_blocks``).
@@ -152,8 +149,8 @@ class StreamingEngine:
         if self.budget is not None:
             heap.trim()  # what building the store (random init, safetensors reads) left in the heap
         self.trainable = [p.requires_grad for p in root.parameters()]
-        # data parallel: a batch also carries one presence flag per parameter of the slab (engine/reduce.py)
-        staging = self.store.max_slab_numel(trainable=True) + (max(len(s.entries) for s in self.store.slabs) if reducer else 0)
+        staging = self.store.max_slab_numel(trainable=True) + (max(len(s.entries) for s in self.store.slabs) if reducer
+                                                              else 0)  # data parallel: + presence flags (reduce.py)
         self.transport = make_transport(self.device, staging, cpu_zero_copy, n_staging=2,
                                         pin=pin)
         # on CPU the compute buffers are host memory: they count in host_memory_limit
@@ -185,9 +182,7 @@ class StreamingEngine:
                                    enter_backward=self._enter_backward, recompute_every=recompute_every,
                                    offload_activations=offload_activations, policy=recompute_policy)
         self._proxies = ForwardPatches()  # each block's forward -> its streaming proxy
-        # optimizer step in backward (set per micro-batch by the strategy): each slab's AdamW update
-        # runs on the D2H worker as soon as its last gradient of the step is accumulated
-        self.update_in_backward = False
+        self.update_in_backward = False  # set per micro-batch by the strategy (optimizer_in_backward, grads.py)
         self._plan_due = False
         self._warned_cache = False
         self.installed = False
@@ -242,8 +237,7 @@ class StreamingEngine:
 
     # ------------------------------------------------------------------ direct parameter access
     def read_param(self, p: torch.Tensor) -> torch.Tensor:
-        """The current fp32 value of ``p`` (see :meth:`ParamAccess.read`). Raises ``KeyError`` if ``p``
-        is not a parameter of the streamed module."""
+        """The current fp32 value of ``p`` (:meth:`ParamAccess.read`; ``KeyError`` if not streamed)."""
         return self.params.read(p)
 
     def write_param(self, p: torch.Tensor, value: torch.Tensor) -> None:
@@ -257,8 +251,7 @@ class StreamingEngine:
 
     @property
     def stats(self) -> StepStats:
-        """The current optimizer step's statistics."""
-        return self.acct.stats
+        return self.acct.stats  # the current optimizer step's statistics
 
     @property
     def history(self) -> list[dict[str, float]]:

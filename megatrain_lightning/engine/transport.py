@@ -142,7 +142,7 @@ class CPUTransport:
         """A block's buffers were released by the compute thread (nothing to track on CPU)."""
 
     def stage_grads(self, grads: Sequence[torch.Tensor], wire: torch.dtype = torch.float32,
-                    reduce: Callable[[torch.Tensor], None] | None = None) -> GradCopy:
+                    reduce: Callable[[torch.Tensor], int | None] | None = None) -> GradCopy:
         """The gradients as host tensors of dtype ``wire`` (same shapes as ``grads``; converted here,
         on the compute thread, as the CUDA copy is queued there): a finished :class:`GradCopy`.
         ``reduce`` is refused: on a CPU device gradients are reduced on the host, by the gradient sink."""
@@ -299,7 +299,7 @@ class CUDATransport:
             event.synchronize()
 
     def stage_grads(self, grads: Sequence[torch.Tensor], wire: torch.dtype = torch.float32,
-                    reduce: Callable[[torch.Tensor], None] | None = None) -> GradCopy:
+                    reduce: Callable[[torch.Tensor], int | None] | None = None) -> GradCopy:
         """Pack gradients into one flat ``wire``-dtype tensor on the compute stream and queue its copy
         into a free pinned staging buffer on the D2H stream, after the compute stream's event; returns
         the copy (host views of the gradients' shapes, valid until ``release``).
@@ -307,7 +307,8 @@ class CUDATransport:
         ``reduce`` (data parallel, NCCL): called on the packed tensor with the D2H stream current, after
         that stream waited for the compute stream and before the copy; an NCCL collective issued there
         runs on NCCL's stream ordered after the D2H stream's work, and the copy waits for it, while the
-        compute stream goes on with the next block (``engine/reduce.py``).
+        compute stream goes on with the next block (``engine/reduce.py``). It returns how many trailing
+        elements to copy (``None``: all): a rank that does not own the slab copies only the presence flags.
 
         The packed tensor is ``record_stream``-ed on the D2H stream: its device memory returns to the
         allocator as soon as the copy ends, before the host add.
@@ -329,11 +330,13 @@ class CUDATransport:
         with torch.cuda.device(self.device), torch.cuda.stream(self.d2h_stream):
             self.d2h_stream.wait_event(ev_compute)
             flat.record_stream(self.d2h_stream)
-            if reduce is not None:
-                reduce(flat)
+            keep = reduce(flat) if reduce is not None else None
             start = torch.cuda.Event(enable_timing=True, blocking=True)
             start.record(self.d2h_stream)
-            host.copy_(flat, non_blocking=True)
+            if keep is None:
+                host.copy_(flat, non_blocking=True)
+            else:  # only the tail (another rank owns the gradients)
+                host[flat.numel() - keep :].copy_(flat[flat.numel() - keep :], non_blocking=True)
             done = torch.cuda.Event(enable_timing=True, blocking=True)
             done.record(self.d2h_stream)
         out, off = [], 0

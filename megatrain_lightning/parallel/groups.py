@@ -4,9 +4,10 @@ Lightning's launcher (``_SubprocessScriptLauncher``, or torchrun / SLURM through
 starts the processes and ``MegaTrainStrategy.setup_distributed`` initialises the default group, as
 ``DDPStrategy`` does. On top of it the strategy creates, in the same order on every rank:
 
-* ``grads``: all ranks, the device's backend (NCCL on CUDA, gloo on CPU): gradient batches only,
-  reduced by the engine's D2H worker or D2H stream (``engine/reduce.py``), never interleaved with the
-  main thread's collectives on the default group;
+* ``grads``, ``node_grads``, ``cross_grads``: all ranks / this node's ranks / every node's rank with this
+  local rank, the device's backend (NCCL on CUDA, gloo on CPU): gradient batches only, reduced by the
+  engine's D2H worker or D2H stream (``engine/reduce.py``), never interleaved with the main thread's
+  collectives on the default group;
 * ``host``: all ranks, gloo: collectives on host tensors whatever the device (configuration check);
 * ``node``: the ranks of this node, gloo: the node-shared store's barriers and the owners' partial clipping
   norms and inf checks (``store/shared.py``);
@@ -15,9 +16,10 @@ starts the processes and ``MegaTrainStrategy.setup_distributed`` initialises the
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, ContextManager
 
 import torch.distributed as dist
 
@@ -37,6 +39,9 @@ class ProcessGroups:
         host: the gloo group for host tensors.
         node: gloo group of this node's ranks.
         leaders: gloo group of every node's local rank 0 (``None`` on the other ranks).
+        node_grads: this node's ranks, the device's backend: gradient batches reduced to their owner.
+        cross_grads: the ranks of every node with this local rank, the device's backend: owners' all-reduce
+            across nodes (``None`` with one node).
         peers: every rank's host and process (``parallel/faults.py``: a failed collective names the dead rank).
         timeout_s: seconds a collective of these groups waits for the other ranks (the strategy's ``timeout``).
     """
@@ -52,7 +57,9 @@ class ProcessGroups:
     host: Any
     node: Any
     leaders: Any
-    peers: Peers
+    node_grads: Any = None
+    cross_grads: Any = None
+    peers: Peers | None = None
     timeout_s: float | None = None
 
     @classmethod
@@ -89,15 +96,26 @@ class ProcessGroups:
         g = dist.new_group(ranks=[k * local_world_size for k in range(num_nodes)], backend="gloo", timeout=timeout)
         if local_rank == 0:
             leaders = g
-        timeout_s = timeout.total_seconds() if timeout is not None else None
+        node_grads = cross_grads = None
+        for k in range(num_nodes):
+            g = dist.new_group(ranks=[k * local_world_size + i for i in range(local_world_size)], backend=backend,
+                               timeout=timeout)
+            if k == node_rank:
+                node_grads = g
+        if num_nodes > 1:
+            for r in range(local_world_size):
+                g = dist.new_group(ranks=[k * local_world_size + r for k in range(num_nodes)], backend=backend,
+                                   timeout=timeout)
+                if r == local_rank:
+                    cross_grads = g
         peers = Peers.gather(host)
         return cls(dist.get_rank(), world, local_rank, local_world_size, node_rank, num_nodes, backend, grads, host,
-                   node, leaders, peers, timeout_s)
+                   node, leaders, node_grads, cross_grads, peers, timeout.total_seconds() if timeout else None)
 
-    def guard(self, what: str):
-        """``with groups.guard("the gradient all-reduce"):`` around collectives: a transport error becomes a
+    def guard(self, what: str) -> ContextManager[None]:
+        """``with groups.guard("the gradient reduce"):`` around collectives: a transport error becomes a
         :class:`~.faults.PeerFailure` naming the rank that died (``parallel/faults.py``)."""
-        return self.peers.guard(what, self.timeout_s)
+        return self.peers.guard(what, self.timeout_s) if self.peers is not None else contextlib.nullcontext()
 
     @property
     def device_side_reduce(self) -> bool:

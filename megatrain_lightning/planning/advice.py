@@ -15,14 +15,16 @@ from .config import GIB, SUGGESTED_CHUNK
 from .estimate import TERM_LABELS, Plan, fits_memory, gib, max_seq_len, replan
 
 #: the recipe's Hydra keys for the planner's settings (``recipes/finetune.py`` with conf/finetune.yaml)
-RECIPE_KEYS = {"seq_len": "data.seq_len", "batch_size": "data.batch_size", "precision": "trainer.precision"}
+RECIPE_KEYS = {"seq_len": "data.seq_len", "batch_size": "data.batch_size", "precision": "trainer.precision",
+               "devices": "trainer.devices", "num_nodes": "trainer.num_nodes"}
 
 
-def key(name: str, keys: Mapping[str, str] | None) -> str:
+def key(name: str, keys: Mapping[str, str] | None, cli: str | None = None) -> str:
     """How the user sets planner setting ``name``: ``keys[name]``, else ``strategy.<name>`` when ``keys``
-    is the recipe's (:data:`RECIPE_KEYS`), else ``name`` itself (``keys=None``: the planner's CLI)."""
+    is the recipe's (:data:`RECIPE_KEYS`), else ``cli`` or ``name`` itself (``keys=None``: the planner's
+    CLI, where e.g. ``devices`` is ``trainer.devices``)."""
     if keys is None:
-        return name
+        return cli or name
     return keys.get(name, f"strategy.{name}")
 
 
@@ -56,6 +58,12 @@ def host_advice(p: Plan, have: int, keys: Mapping[str, str] | None = None) -> li
         else:
             out.append(f"even with every state on NVMe (strategy=megatrain_nvme) the host needs {gib(q.host_bytes)} GiB "
                        f"(a window of {s['lookahead'] + 2} blocks, the activations and the process): use a machine with more RAM")
+    R = s.get("devices", 1)
+    if R > 1:  # data parallel: each process holds its own buffers (planning/parallel.py)
+        fit = next((r for r in range(R - 1, 0, -1) if replan(p, devices=r).host_bytes <= have), None)
+        if fit:
+            out.append(f"or fewer processes per node: {key('devices', keys, 'trainer.devices')}={fit} fits "
+                       f"(host then needs {gib(replan(p, devices=fit).host_bytes)} GiB per node)")
     out.append(f"or a machine with >= {gib(p.host_bytes)} GiB of free RAM")
     return out
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -139,6 +139,16 @@ class Hardware:
 
     ``hbm_gib=None`` means there is no accelerator: the engine's "device" is the CPU and its
     device buffers come out of host RAM. Sources of the numbers are in each YAML file.
+
+    The last three fields plan data parallel runs (``trainer.devices`` > 1 or ``trainer.num_nodes``
+    > 1; :mod:`.parallel`) and may be left out of a mapping (``None``):
+
+    * ``host_mem_gbps``: sustained host DRAM bandwidth of the whole server, GB/s (reads + writes);
+      ``None``: ``host_adam_gparams_per_s`` x 30 B/param (the presets derive the AdamW rate from it).
+    * ``nvlink_gbps``: GPU-to-GPU bandwidth inside a node, per GPU and direction, GB/s; ``None``:
+      no NVLink/Infinity Fabric, the intra-node reduce runs over PCIe at ``d2h_gbps``.
+    * ``network_gbps``: inter-node bandwidth of one node (all its NICs together), per direction,
+      GB/s (400 Gb/s = 50 GB/s); ``None``: unknown, a plan with ``num_nodes`` > 1 raises.
     """
 
     name: str
@@ -155,6 +165,9 @@ class Hardware:
     nvme_read_gbps: float
     nvme_write_gbps: float
     host_adam_gparams_per_s: float
+    host_mem_gbps: float | None = None
+    nvlink_gbps: float | None = None
+    network_gbps: float | None = None
 
     @property
     def is_gpu(self) -> bool:
@@ -166,13 +179,14 @@ class Hardware:
             return d
         d = as_plain_dict(d)
         names = [f.name for f in fields(cls)]
-        missing = [n for n in names if n not in d]
+        optional = {f.name for f in fields(cls) if f.default is not MISSING}
+        missing = [n for n in names if n not in d and n not in optional]
         if missing:
             raise ValueError(f"hardware preset {d.get('name', '?')!r} lacks fields {missing}")
         extra = sorted(set(d) - set(names))
         if extra:
             raise ValueError(f"hardware preset {d.get('name', '?')!r} has unknown fields {extra}; known: {names}")
-        return cls(**{n: d[n] for n in names})
+        return cls(**{n: d[n] for n in names if n in d})
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

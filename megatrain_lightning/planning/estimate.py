@@ -45,6 +45,12 @@ class Plan:
         tight: the tiers that fit with under ``TIGHT_HEADROOM`` (5%) of headroom: the estimate's
             assumptions (runtime reserve, working-set factor, allocator fragmentation) are larger
             than that margin, so such a "fits" may not.
+        parallel: ``None`` for one process (``devices=1, num_nodes=1``); else data parallel details
+            (:func:`.parallel.scale_out`): ``devices``, ``num_nodes``, ``world_size``, ``shm_bytes`` (the
+            state shared per node in ``/dev/shm``), ``per_process_bytes``, ``grads`` (gradient bytes per
+            rank and step), ``shm_default_bytes``. Then ``host``, ``disk``, ``nvme_*`` and the
+            ``host_adamw``/``host_memory``/``inter_node`` terms are per node, ``device``, ``h2d``,
+            ``d2h``, ``compute``, ``intra_node`` per rank (GPU), and ``step_time_s`` the step of every rank.
     """
 
     model: str
@@ -72,6 +78,7 @@ class Plan:
     reasons: list[str] = field(default_factory=list)
     headroom: dict[str, float] = field(default_factory=dict)
     tight: list[str] = field(default_factory=list)
+    parallel: dict[str, Any] | None = None
     source: Any = field(default=None, repr=False)
 
     @property
@@ -92,14 +99,26 @@ class Plan:
 
     @property
     def tokens(self) -> int:
+        """Tokens per step of one process (``batch_size`` x ``seq_len``)."""
         return self.settings["batch_size"] * self.settings["seq_len"]
+
+    @property
+    def node_tokens(self) -> int:
+        """Tokens per step of one node: ``devices`` x :attr:`tokens`."""
+        return self.settings.get("devices", 1) * self.tokens
+
+    @property
+    def cluster_tokens(self) -> int:
+        """Tokens per step of all nodes: ``num_nodes`` x :attr:`node_tokens`."""
+        return self.settings.get("num_nodes", 1) * self.node_tokens
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in ("model", "settings", "host", "device", "nvme", "disk", "capacity",
                                             "moved", "flops", "flops_parts", "times", "step_time_s", "dominating",
                                             "step_time_pessimistic_s", "dominating_pessimistic",
                                             "checkpoint_bytes", "checkpoint_write_s", "compute_bound_batch_size",
-                                            "max_device_batch_size", "fits", "reasons", "headroom", "tight")}
+                                            "max_device_batch_size", "fits", "reasons", "headroom", "tight",
+                                            "parallel")}
         d.update(hardware=self.hardware.to_dict(), counts=self.counts.to_dict(), host_bytes=self.host_bytes,
                  device_bytes=self.device_bytes, disk_bytes=self.disk_bytes,
                  max_seq_len={"these options": max_seq_len(self),
@@ -176,7 +195,7 @@ def plan(model_cfg: Any, hw: Hardware | Mapping[str, Any], *, batch_size: int = 
          offload_grads: str = "cpu", offload_activations: bool = False, lookahead: int = 1,
          recompute_every: int = 1, grad_dtype: str | None = None, keep_checkpoints: int = 2,
          pinned_round: bool = True, cpu_zero_copy: bool = True, loss_chunk_size: int | str | None = "default",
-         mlp_chunk_size: int | str | None = "default") -> Plan:
+         mlp_chunk_size: int | str | None = "default", devices: int = 1, num_nodes: int = 1) -> Plan:
     """Plan one training configuration on one hardware preset (see the module docstring).
 
     Args:
@@ -206,10 +225,15 @@ def plan(model_cfg: Any, hw: Hardware | Mapping[str, Any], *, batch_size: int = 
             ``"default"`` = ``MegaTrainStrategy``'s default (off where the strategy has no such option).
         mlp_chunk_size: tokens per chunk of the chunked MLP (its intermediate activations exist for
             one chunk); ``None`` = off; ``"default"`` as above.
+        devices, num_nodes: data parallel, as ``Trainer(devices=, num_nodes=)`` (Hydra keys
+            ``trainer.devices``, ``trainer.num_nodes``): processes per node and nodes; ``batch_size`` is
+            per process. Above 1, host RAM, NVMe and the shared-host terms are per node
+            (:mod:`.parallel`).
 
     Raises:
-        ValueError: an unknown precision, tier or grad dtype, a non-positive size, or a chunk size
-            that is not a positive integer (the message names the option).
+        ValueError: an unknown precision, tier or grad dtype, a non-positive size, a chunk size
+            that is not a positive integer, ``devices``/``num_nodes`` not a positive integer (the
+            message names the option), or ``num_nodes`` > 1 on hardware without ``network_gbps``.
     """
     hw = Hardware.from_mapping(hw)
     name, cfg = _model_name_and_config(model_cfg)
@@ -218,21 +242,26 @@ def plan(model_cfg: Any, hw: Hardware | Mapping[str, Any], *, batch_size: int = 
                  offload_optimizer=offload_optimizer, offload_grads=offload_grads,
                  offload_activations=offload_activations, lookahead=lookahead, recompute_every=recompute_every,
                  grad_dtype=grad_dtype, keep_checkpoints=keep_checkpoints, pinned_round=pinned_round,
-                 cpu_zero_copy=cpu_zero_copy, loss_chunk_size=loss_chunk_size, mlp_chunk_size=mlp_chunk_size)
+                 cpu_zero_copy=cpu_zero_copy, loss_chunk_size=loss_chunk_size, mlp_chunk_size=mlp_chunk_size,
+                 devices=devices, num_nodes=num_nodes)
     return _plan_from_counts(name, counts, hw, s, model_cfg if not isinstance(model_cfg, (str, bytes)) else cfg)
 
 
 def settings(*, batch_size: int, seq_len: int, precision: str, offload_params: str, offload_optimizer: str,
              offload_grads: str, offload_activations: bool, lookahead: int, recompute_every: int,
              grad_dtype: str | None, keep_checkpoints: int, pinned_round: bool, cpu_zero_copy: bool,
-             loss_chunk_size: int | str | None, mlp_chunk_size: int | str | None) -> dict[str, Any]:
+             loss_chunk_size: int | str | None, mlp_chunk_size: int | str | None, devices: int = 1,
+             num_nodes: int = 1) -> dict[str, Any]:
     """Validated settings of a plan (the arguments of :func:`plan`); ``grad_dtype`` becomes ``grad_bytes``.
 
     Raises:
         ValueError: see :func:`plan`.
     """
     from .config import resolve_chunk
+    from .parallel import positive_count
 
+    devices = positive_count(devices, "trainer.devices")
+    num_nodes = positive_count(num_nodes, "trainer.num_nodes")
     precision = PRECISION_ALIASES.get(precision, precision)  # type: ignore[call-overload]
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
@@ -251,7 +280,8 @@ def settings(*, batch_size: int, seq_len: int, precision: str, offload_params: s
                 pinned_round=bool(pinned_round), cpu_zero_copy=bool(cpu_zero_copy),
                 loss_chunk_size=resolve_chunk(loss_chunk_size, "loss_chunk_size"),
                 mlp_chunk_size=resolve_chunk(mlp_chunk_size, "mlp_chunk_size"),
-                grad_bytes=GRAD_BYTES[grad_dtype] if grad_dtype else PRECISIONS[precision][2])
+                grad_bytes=GRAD_BYTES[grad_dtype] if grad_dtype else PRECISIONS[precision][2],
+                devices=devices, num_nodes=num_nodes)
 
 
 def _plan_from_counts(name: str, counts: ParamCounts, hw: Hardware, s: dict[str, Any], source: Any) -> Plan:
@@ -268,7 +298,7 @@ def _plan_from_counts(name: str, counts: ParamCounts, hw: Hardware, s: dict[str,
              flops_parts=e["flops_parts"], times=e["times"], step_time_s=e["times"][dom], dominating=dom,
              step_time_pessimistic_s=e["pess"][dom_p], dominating_pessimistic=dom_p, checkpoint_bytes=e["ckpt"],
              checkpoint_write_s=e["ckpt"] / (hw.nvme_drives * hw.nvme_write_gbps * 1e9),
-             compute_bound_batch_size=bound, max_device_batch_size=max_dev, source=source)
+             compute_bound_batch_size=bound, max_device_batch_size=max_dev, parallel=e["parallel"], source=source)
     p.reasons = shortfalls(p, cap["host"], cap["device"], cap["disk"], where="preset")
     p.fits = not p.reasons
     p.headroom = {k: (have - need) / have for k, need, have in _needs(p, cap["host"], cap["device"], cap["disk"])}
@@ -335,7 +365,7 @@ def _plan_memory(p: Plan, s: dict[str, Any]) -> Plan:
                 nvme=e["nvme"], disk=e["disk"], capacity=p.capacity, moved=e["moved"], flops=e["flops"],
                 flops_parts=e["flops_parts"], times=e["times"], step_time_s=0.0, dominating="compute",
                 step_time_pessimistic_s=0.0, dominating_pessimistic="compute", checkpoint_bytes=e["ckpt"],
-                checkpoint_write_s=0.0, source=p.source)
+                checkpoint_write_s=0.0, parallel=e["parallel"], source=p.source)
 
 
 #: the options the longest-sequence answer turns on one after another (planner names; the recipe's
@@ -380,10 +410,11 @@ def shortfalls(p: Plan, host: int | None, device: int | None, disk: int | None, 
     """One line per tier whose need exceeds what is available (``None`` = not checked)."""
     out = []
     what = "" if where == "preset" else f" ({where})"
+    node = " per node" if p.parallel else ""
     if host is not None and p.host_bytes > host:
-        out.append(f"host RAM short: need {gib(p.host_bytes)} GiB, have {gib(host)} GiB{what}")
+        out.append(f"host RAM short: need {gib(p.host_bytes)} GiB{node}, have {gib(host)} GiB{what}")
     if device is not None and p.hardware.is_gpu and p.device_bytes > device:
         out.append(f"device memory short: need {gib(p.device_bytes)} GiB, have {gib(device)} GiB{what}")
     if disk is not None and p.disk_bytes > disk:
-        out.append(f"disk short: need {gib(p.disk_bytes)} GiB, have {gib(disk)} GiB{what}")
+        out.append(f"disk short: need {gib(p.disk_bytes)} GiB{node}, have {gib(disk)} GiB{what}")
     return out

@@ -109,13 +109,14 @@ def preflight(p: Plan, *, host_ram_bytes: int | None = None, disk_free_bytes: in
 
 
 def plan_for_run(model: Any, hardware: Any, strategy: Mapping[str, Any], *, batch_size: int, seq_len: int,
-                 precision: str) -> Plan:
+                 precision: str, devices: int = 1, num_nodes: int = 1) -> Plan:
     """The plan of a recipe run from its composed config sections (``cfg.model``, ``cfg.hardware``,
     ``cfg.strategy``; DictConfigs or mappings), reading every strategy option the planner models
     (``lookahead``, ``recompute_every``, ``offload_activations``, ``offload_params``,
     ``offload_optimizer`` -- which moves the gradient accumulators too, ``loss_chunk_size``,
     ``mlp_chunk_size``); options the composed config does not set take ``MegaTrainStrategy``'s defaults.
-    Pass it to :func:`preflight`."""
+    ``devices``/``num_nodes`` (``trainer.devices``/``trainer.num_nodes``, integers) plan the host per node
+    (:mod:`.parallel`). Pass it to :func:`preflight`."""
     from .config import as_plain_dict, strategy_default
 
     st = as_plain_dict(strategy) if strategy is not None else {}
@@ -133,4 +134,5 @@ def plan_for_run(model: Any, hardware: Any, strategy: Mapping[str, Any], *, batc
                 offload_params=str(opt("offload_params", "cpu")),
                 offload_optimizer=str(opt("offload_optimizer", "cpu")),
                 offload_grads=str(opt("offload_optimizer", "cpu")),
-                loss_chunk_size=opt("loss_chunk_size", None), mlp_chunk_size=opt("mlp_chunk_size", None))
+                loss_chunk_size=opt("loss_chunk_size", None), mlp_chunk_size=opt("mlp_chunk_size", None),
+                devices=devices, num_nodes=num_nodes)

@@ -5,6 +5,10 @@ from __future__ import annotations
 from .activations import per_token_terms
 from .advice import device_advice, host_advice
 from .estimate import TERM_LABELS, Plan, gib, long_sequence_variants, max_seq_len
+from .parallel import host_mem_rate, intra_rate
+
+#: data parallel: the terms that are per node (the rest are per GPU)
+NODE_TERMS = ("nvme_read", "nvme_write", "host_adamw", "host_memory", "inter_node")
 
 
 def _num(x: float) -> str:
@@ -21,6 +25,9 @@ def _rate(p: Plan, key: str) -> str:
         "nvme_read": f"{hw.nvme_drives} x {hw.nvme_read_gbps:g} GB/s",
         "nvme_write": f"{hw.nvme_drives} x {hw.nvme_write_gbps:g} GB/s",
         "host_adamw": f"{hw.host_adam_gparams_per_s:g} G params/s",
+        "host_memory": f"{host_mem_rate(hw):g} GB/s",
+        "intra_node": "{:g} GB/s {}".format(*intra_rate(hw)),
+        "inter_node": f"{hw.network_gbps or 0:g} GB/s network",
     }[key]
 
 
@@ -115,16 +122,26 @@ def format_plan(p: Plan) -> str:
         "nvme_read": f"{gib(p.moved['nvme_read'])} GiB",
         "nvme_write": f"{gib(p.moved['nvme_write'])} GiB",
         "host_adamw": f"{c.total / 1e9:,.2f} G params",
+        **{k: f"{gib(p.moved[k])} GiB" for k in ("host_memory", "intra_node", "inter_node") if k in p.moved},
     }
+    unit = "GPU" if hw.is_gpu else "rank"
+    if p.parallel:
+        lines[-1] += f"   (data parallel: [{unit}] per rank, [node] per node)"
     for k, t in p.times.items():
         mark = "  <- dominates" if k == p.dominating else ""
-        lines.append(f"  {TERM_LABELS[k]:<31} {amounts[k]:>16} {_rate(p, k):>24} {t:>10.3f}{mark}")
+        node = k in NODE_TERMS or k == "compute" and not hw.is_gpu  # a CPU device's ranks share its cores
+        label = TERM_LABELS[k] + ((" [node]" if node else f" [{unit}]") if p.parallel else "")
+        lines.append(f"  {label:<31} {amounts[k]:>16} {_rate(p, k):>24} {t:>10.3f}{mark}")
     parts = [f"{k} {v / 1e12:+,.1f}" for k, v in p.flops_parts.items() if v]
     lines.append("  (compute TFLOP = " + ", ".join(parts) + f"; N_matmul = {c.matmul_params:,})")
+    if p.parallel:
+        lines += [""] + format_parallel(p)
     lines += [
         "",
         f"lower bound: {p.step_time_s:,.3f} s/step, dominated by {TERM_LABELS[p.dominating]} "
-        f"({_num(p.tokens / p.step_time_s)} tokens/s at most)",
+        f"({_num(p.tokens / p.step_time_s)} tokens/s at most"
+        + (f" per {'GPU' if hw.is_gpu else 'rank'}, {_num(p.node_tokens / p.step_time_s)} per node, {_num(p.cluster_tokens / p.step_time_s)} "
+           f"for the {p.settings['num_nodes']} node(s))" if p.parallel else ")"),
         f"pessimistic (H2D at half bandwidth while D2H runs): {p.step_time_pessimistic_s:,.3f} s/step, "
         f"dominated by {TERM_LABELS[p.dominating_pessimistic]}",
         f"checkpoint: {gib(p.checkpoint_bytes)} GiB (fp32 weights + 2 AdamW moments, 12 B/param), "
@@ -150,6 +167,56 @@ def format_plan(p: Plan) -> str:
     return "\n".join(lines)
 
 
+def format_parallel(p: Plan) -> list[str]:
+    """The data parallel block: host RAM and ``/dev/shm`` per node, gradient traffic, the shared-host
+    terms and the binding resource, tokens/s per node and cluster (``p.parallel`` set)."""
+    d, hw, s = p.parallel, p.hardware, p.settings
+    R, M, G = d["devices"], d["num_nodes"], d["grads"]
+    ib, link = intra_rate(hw)
+    unit = "GPU" if hw.is_gpu else "rank"
+    out = [f"data parallel: {R} process(es) per node x {M} node(s) = {d['world_size']} ranks; batch_size="
+           f"{s['batch_size']} per process: {p.node_tokens:,} tokens/step per node, {p.cluster_tokens:,} in all",
+           f"  host RAM per node {gib(p.host_bytes)} GiB = training state once per node {gib(d['shm_bytes'])} GiB "
+           f"(/dev/shm) + {R} x {gib(d['per_process_bytes'])} GiB per process ("
+           + ", ".join(f"{k} {gib(v)}" for k, v in d["per_process"].items() if v) + ")"]
+    need, dflt = d["shm_bytes"], d["shm_default_bytes"]
+    size = -(-need // 2**30) + 1
+    if not need:
+        out.append("  /dev/shm: none needed (the training state is on NVMe, one store per node)")
+    else:
+        out.append(f"  /dev/shm needed: {gib(need)} GiB; "
+                   + (f"more than Linux's default tmpfs size (half of RAM: {gib(dflt)} GiB): "
+                      f"mount -o remount,size={size}G /dev/shm" if need > dflt else
+                      f"within Linux's default tmpfs size (half of RAM: {gib(dflt)} GiB)")
+                   + f"; in a container --shm-size={size}g or --ipc=host (Docker's default is 64 MiB)")
+    if p.nvme:
+        out.append(f"  NVMe per node: one store {gib(p.nvme_bytes)} GiB; reads {gib(p.moved['nvme_read'])} GiB/step "
+                   f"(every rank reads the fp32 masters it streams)")
+    out.append(f"  gradients per rank and step: G = {gib(G)} GiB ({s['grad_bytes']} B x every block read)")
+    out.append(f"    intra-node, each block reduced to its owner (reduce-scatter-like): (R-1)/R x G = "
+               f"{gib(p.moved['intra_node'])} GiB sent per rank: {p.times['intra_node']:.3f} s at {ib:g} GB/s ({link})"
+               if R > 1 else "    intra-node: none (one process per node)")
+    out.append(f"    inter-node, ring all-reduce among each block's owners: 2(M-1)/M x G = "
+               f"{gib(p.moved['inter_node'])} GiB sent per node: {p.times['inter_node']:.3f} s at "
+               f"{hw.network_gbps:g} GB/s (hardware.network_gbps)" if M > 1 else "    inter-node: none (one node)")
+    out.append(f"    D2H per {unit}: its own blocks' reduced gradients {gib(p.moved['d2h'])} GiB (one process: {gib(G)} GiB)")
+    out.append(f"  shared by the node's {R} {unit}(s): host AdamW {p.times['host_adamw']:.3f} s (all {p.counts.total / 1e9:,.2f} "
+               f"G params once per node, as one process), host memory {gib(p.moved['host_memory'])} GiB / "
+               f"{host_mem_rate(hw):g} GB/s = {p.times['host_memory']:.3f} s ("
+               + ", ".join(f"{k} {gib(v)}" for k, v in d["host_traffic"].items() if v) + ")")
+    shadow = next((v for k, v in d["per_process"].items() if k.startswith("wire shadow")), 0)
+    if shadow and R > 1:
+        out.append(f"  wire shadows: {R} x {gib(shadow)} GiB, one per process; one shared copy per node would need "
+                   f"{gib((R - 1) * shadow)} GiB less (host RAM per node {gib(p.host_bytes - (R - 1) * shadow)} GiB)")
+    ranked = sorted(p.times.items(), key=lambda kv: -kv[1])
+    top = [k for k, _ in ranked[1:4]]
+    out.append(f"  binds: {TERM_LABELS[ranked[0][0]]} {ranked[0][1]:.3f} s/step; then "
+               + ", ".join(f"{TERM_LABELS[k]} {p.times[k]:.3f} s" for k in top)
+               + ("" if "compute" in top or ranked[0][0] == "compute" else
+                  f"; compute per {unit} {p.times['compute']:.3f} s"))
+    return out
+
+
 def _fits_line(p: Plan) -> str:
     if not p.fits:
         return "fits: NO: " + "; ".join(p.reasons)
@@ -164,7 +231,9 @@ def format_comparison(plans: list[Plan]) -> str:
     p0 = plans[0]
     s = p0.settings
     head = (f"megatrain plan: {p0.model}, precision={s['precision']} batch_size={s['batch_size']} seq_len={s['seq_len']} "
-            f"offload params/optimizer/grads={s['offload_params']}/{s['offload_optimizer']}/{s['offload_grads']}")
+            f"offload params/optimizer/grads={s['offload_params']}/{s['offload_optimizer']}/{s['offload_grads']}"
+            + (f" devices={s['devices']} num_nodes={s['num_nodes']} (host per node; bound per step of every rank)"
+               if p0.parallel else ""))
     cols = (f"{'hardware':<13} {'host GiB need/have':>20} {'device GiB need/have':>21} {'fits':>6} "
             f"{'bound s':>9} {'dominating':<12} {'pessim. s':>10} {'compute-bound batch (device holds)':>35} "
             f"{'max seq_len':>12}")

@@ -69,6 +69,9 @@ to overlap perfectly with the others. PCIe is full duplex, but H2D was measured 
 about half its bandwidth while D2H runs; D2H only runs during backward, so the *pessimistic*
 variant charges the forward H2D at full bandwidth and the backward H2D at half bandwidth
 while the D2H proceeds alongside: link = H2D_fwd / bw + max(2 x H2D_bwd / bw, D2H / d2h_bw).
+
+With ``devices`` > 1 or ``num_nodes`` > 1 (data parallel) :func:`.parallel.scale_out` turns the
+one-process numbers into per-node tiers and shared-host terms, and adds the gradient collectives.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ from typing import Any
 from .config import GIB, Hardware
 from .activations import activation_bytes
 from .counts import ParamCounts
+from .parallel import scale_out
 
 #: precision -> (wire bytes, device param bytes, default grad bytes, saved residual bytes,
 #: matmul activation bytes, compute rate key). Mirrors ``MegaTrainPrecision``.
@@ -99,7 +103,8 @@ D2H_STAGING = 2                 # pinned D2H staging buffers (CUDATransport n_st
 
 TERM_LABELS = {"compute": "compute", "h2d": "H2D link", "d2h": "D2H link", "nvme_read": "NVMe read",
                "nvme_write": "NVMe write", "host_adamw": "host AdamW",
-               "link_duplex": "H2D+D2H (H2D halved while D2H runs)"}
+               "link_duplex": "H2D+D2H (H2D halved while D2H runs)", "host_memory": "host memory",
+               "intra_node": "intra-node reduce", "inter_node": "inter-node all-reduce"}
 
 
 def _pow2_waste(nbytes: int) -> int:
@@ -240,5 +245,11 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     pess = dict(times)
     pess["link_duplex"] = h2d_f / (hw.h2d_gbps * gb) + max(2 * h2d_b / (hw.h2d_gbps * gb), d2h / (hw.d2h_gbps * gb))
     del pess["h2d"], pess["d2h"]
-    return dict(host=host, device=device, nvme=nvme, disk=disk, moved=moved, flops=flops, flops_parts=flops_parts,
-                times=times, pess=pess, ckpt=ckpt)
+    e = dict(host=host, device=device, nvme=nvme, disk=disk, moved=moved, flops=flops, flops_parts=flops_parts,
+             times=times, pess=pess, ckpt=ckpt, parallel=None)
+    if s.get("devices", 1) * s.get("num_nodes", 1) == 1:
+        return e
+    master_fetch = 4 * N + 4 * (reads_b + chain) if s["offload_params"] == "nvme" else 0
+    return scale_out(hw, s, e, n_params=N, grads=reads * grad_b, largest_grads=max(c.block_reads) * grad_b,
+                     accum_reads=reads, act_io=act_io, master_fetch=master_fetch,
+                     shadow=shadow_total if s["offload_params"] == "cpu" else 0)

@@ -56,7 +56,7 @@ class CausalLMModule(pl.LightningModule):
         out = self(batch)
         # Perplexity expects preds [B, T, V] and target [B, T]; shift as the model's loss does
         self.val_ppl.update(out.logits[:, :-1].float(), batch["labels"][:, 1:])
-        self.log("val_loss", out.loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        self.log("val_loss", out.loss, prog_bar=True, batch_size=batch["input_ids"].shape[0], sync_dist=True)
 
     def on_validation_epoch_end(self) -> None:
         self.log("val_ppl", self.val_ppl.compute(), prog_bar=True)

@@ -40,8 +40,11 @@ def run_preflight(cfg: DictConfig) -> None:
     Raises:
         PreflightError: with the numbers and what to change (before anything is allocated).
     """
+    devices = cfg.trainer.get("devices", 1)
+    devices = len(devices) if OmegaConf.is_list(devices) else devices if isinstance(devices, int) else 1  # "auto": 1
     p = plan_for_run(cfg.model, cfg.hardware, cfg.strategy, batch_size=int(cfg.data.batch_size),
-                     seq_len=int(cfg.data.seq_len), precision=str(cfg.trainer.precision))
+                     seq_len=int(cfg.data.seq_len), precision=str(cfg.trainer.precision), devices=devices,
+                     num_nodes=int(cfg.trainer.get("num_nodes", 1) or 1))
     nvme = cfg.strategy.get("nvme_path")
     disk = Path(nvme) if nvme and Path(nvme).is_dir() else Path(cfg.output_dir).absolute()
     while not disk.exists():  # the run directory is made later: measure the disk it will be on
@@ -209,7 +212,9 @@ def fit(cfg: DictConfig, trainer: pl.Trainer, lm: CausalLMModule, dm: Any) -> di
     seconds = time.perf_counter() - t0
     hist = trainer.strategy.engine.history
     last = hist[-1] if hist else {}
-    return {"steps": trainer.global_step, "seconds": seconds, "tokens_per_s": lm.tokens_seen / max(seconds, 1e-9),
+    # every rank's tokens (data parallel: each rank counted its own micro-batches)
+    tokens = float(trainer.strategy.reduce(torch.tensor(float(lm.tokens_seen), dtype=torch.float64), reduce_op="sum"))
+    return {"steps": trainer.global_step, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9),
             "peak_rss_bytes": peak_rss_bytes(), "h2d_bytes": last.get("megatrain/h2d_bytes", 0),
             "d2h_bytes": last.get("megatrain/d2h_bytes", 0), "resumed_from": str(ckpt) if ckpt else None}
 
@@ -258,12 +263,14 @@ def sample(cfg: DictConfig, trainer: pl.Trainer, lm: CausalLMModule, tok: Any, d
 
 
 # ---------------------------------------------------------------------------------------------- report
-def report(cfg: DictConfig, before: dict[str, float], after: dict[str, float], run: dict[str, Any],
+def report(cfg: DictConfig, trainer: pl.Trainer, before: dict[str, float], after: dict[str, float], run: dict[str, Any],
            timings: dict[str, float], history: LossHistory, text: dict[str, str], ckpt: Path | None) -> dict[str, Any]:
     """Print the summary table, the checkpoint path and the sample; write ``summary.json``, ``summary.md`` and
     ``loss.png`` (``plot=true``) into ``cfg.output_dir``. Returns the summary mapping."""
     summary = build_summary(before, after, run, timings, history.steps, text, str(ckpt) if ckpt else None,
                             OmegaConf.to_container(cfg, resolve=True))
+    if not trainer.is_global_zero:  # data parallel: rank 0 writes and prints the results
+        return summary
     paths = write_results(Path(cfg.output_dir), summary, plot=bool(cfg.plot))
     shown_before = before or {k: float("nan") for k in after}
     print("\n" + format_table(summary_rows(shown_before, after, run)))
