@@ -113,8 +113,11 @@ def main() -> None:
     if rank == 0:
         torch.save({k: v.detach().clone() for k, v in model.named_parameters()}, out / "weights.pt")
         (out / "stats.json").write_text(json.dumps(trainer.strategy.engine.history))
+        eng = trainer.strategy.engine
         (out / "env.json").write_text(json.dumps({"world_size": trainer.world_size,
-                                                  "sampler": type(trainer.train_dataloader.sampler).__name__}))
+                                                  "sampler": type(trainer.train_dataloader.sampler).__name__,
+                                                  "shared_store": eng.store.shared is not None,
+                                                  "shared_wire_images": eng.fetcher.images is not None}))
 
 
 if __name__ == "__main__":

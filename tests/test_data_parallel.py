@@ -8,6 +8,7 @@ the other ranks, exactly as for a user's ``python train.py``. The reference is p
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -94,6 +95,8 @@ def test_two_processes_match_one_with_the_global_batch(tmp_path, arch):
                  "--clip", "0.5", "--sched", "cosine"))
     model, losses = reference(arch, 4, 12, 2, 0.5, "cosine")
     assert_matches(tmp_path, 2, model, losses, 1e-5)
+    env = json.loads((tmp_path / "env.json").read_text())
+    assert env["world_size"] == 2 and env["sampler"] == "DistributedSampler" and env["shared_store"]
 
 
 def test_offload_activations_two_processes(tmp_path):
@@ -116,6 +119,8 @@ def test_bf16_mixed_two_processes_match_one(tmp_path):
               "--precision", "bf16-mixed"]
     check(launch(one, *common, "--devices", "1", "--batch", "4"))
     check(launch(two, *common, "--devices", "2", "--batch", "2"))
+    env = json.loads((two / "env.json").read_text())
+    assert env["shared_store"] and env["shared_wire_images"]  # one copy per node, bf16 images included
     ref_losses = torch.load(one / "losses_0.pt")
     for i, (a, b) in enumerate(zip(per_step_losses(two, 2), ref_losses)):
         assert abs(a - b) / abs(b) <= 2e-3, f"micro-batch {i}: loss {a} vs one process {b}"

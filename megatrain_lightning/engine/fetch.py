@@ -19,6 +19,7 @@ from ..optim.host_adamw import HostAdamW
 from ..store.host import HostStore
 from ..store.pinned import try_host_buffer
 from ..store.regions import Region
+from ..store.shared import SharedWireImages, SlabOwnership
 from .accounting import ByteAccounting
 from .staging import StagingRing
 from .wire import WireLayout, castable_flags
@@ -38,12 +39,19 @@ class WeightFetcher:
             warning and pageable memory when pinning fails).
         ring: the H2D staging ring wire images of on-disk masters are cast into (``None`` without
             masters on disk).
+        shared_images / ownership: data parallel with a node-shared store: ``nbytes per slab ->
+            SharedWireImages`` (collective) and the slab owners; the wire images are then one per node, each
+            written by its slab's owner (``store/shared.py``).
     """
 
     def __init__(self, blocks: list[Block], store: HostStore, transport: Any, acct: ByteAccounting,
                  optimizer: Callable[[], HostAdamW | None], device: torch.device, pin_memory: bool | None = None,
-                 ring: StagingRing | None = None):
+                 ring: StagingRing | None = None,
+                 shared_images: Callable[[list[int]], SharedWireImages] | None = None,
+                 ownership: SlabOwnership | None = None):
         self.blocks, self.store, self.transport, self.acct = blocks, store, transport, acct
+        self._shared_images, self.ownership = shared_images, ownership
+        self.images: SharedWireImages | None = None
         self._optimizer = optimizer
         self.device = device
         self.pin_memory = pin_memory if device.type == "cuda" else False
@@ -160,7 +168,11 @@ class WeightFetcher:
                 with slab.lock:
                     self.transport.last_read_done(slab.last_read)  # an async H2D may still read the shadow
                     self.shadows.pop(slab.index, None)
+        changed = layouts != self.wire_layouts
         self.wire_layouts = layouts
+        if self._shared_images is not None and changed:  # every rank decides the same: the same layouts
+            need = [lay.nbytes if lay.dtype != torch.float32 else 0 for lay in layouts]
+            self.images = self._shared_images(need) if any(need) else None
 
     def _shadow(self, slab) -> torch.Tensor:
         """Host wire image of the master slab (:class:`WireLayout`: bf16/fp16 for castable weights, fp32
@@ -170,6 +182,8 @@ class WeightFetcher:
         One cast per slab per optimizer step, made by the H2D worker right after the slab's update,
         instead of one cast per fetch (each block is fetched twice per step)."""
         layout = self.wire_layouts[slab.index]
+        if self.images is not None:
+            return self._shared_shadow(slab, layout)
         with slab.lock:
             v = (slab.updates, slab.master._version)
             shadow, version = self.shadows.get(slab.index, (None, None))
@@ -185,4 +199,25 @@ class WeightFetcher:
                 layout.encode(slab.master, shadow)
                 self.acct.add(cast_s=time.perf_counter() - t0)
             self.shadows[slab.index] = (shadow, v)
+            return shadow
+
+    def _shared_shadow(self, slab, layout: WireLayout) -> torch.Tensor:
+        """:meth:`_shadow` with the node's shared images: the owner rewrites a stale image (and counts a
+        generation); another rank waits for a generation newer than the one it last used."""
+        images, own = self.images, self.ownership
+        assert images is not None and own is not None
+        raw = images.images[slab.index]
+        shadow = raw.view(layout.dtype) if layout.dtype is not None else raw
+        with slab.lock:
+            v = (slab.updates, slab.master._version)
+            if self.shadows.get(slab.index, (None, None))[1] != v:
+                if own.owns(slab.index):
+                    self.transport.last_read_done(slab.last_read)  # an async H2D may still read the image
+                    t0 = time.perf_counter()
+                    layout.encode(slab.master, shadow)
+                    self.acct.add(cast_s=time.perf_counter() - t0)
+                    images.written(slab.index)
+                else:
+                    images.wait_newer(slab.index, own.global_rank_of(own.owner[slab.index]))
+                self.shadows[slab.index] = (shadow, v)
             return shadow

@@ -165,7 +165,8 @@ class StreamingEngine:
                                   max_inflight=2, host_threads=host_threads, reducer=reducer,
                                   ownership=self.ownership)
         self.fetcher = WeightFetcher(self.blocks, self.store, self.transport, self.acct, lambda: self.optimizer,
-                                     self.device, pin_memory=pin, ring=StagingRing.for_store(self.store, self.transport))
+                                     self.device, pin_memory=pin, ring=StagingRing.for_store(self.store, self.transport),
+                                     shared_images=node and node.wire_images, ownership=self.ownership)
         nvme_on = self.store.nvme is not None
         self.prefetcher = Prefetcher(self.blocks, self.store, self.transport, self.acct, lambda blk: self.fetcher.fetch(blk),
                                      lookahead, lambda: self.optimizer,

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from ..store.host import HostStore
-from ..store.shared import SharedMemoryTooSmall, SharedRegions, SlabOwnership, balance, check_shm, shared_state_bytes
+from ..store.shared import (SharedMemoryTooSmall, SharedRegions, SharedWireImages, SlabOwnership, balance, check_shm,
+                            shared_state_bytes)
 from .groups import ProcessGroups
 
 SHM_DIR = "/dev/shm"
@@ -41,6 +42,7 @@ class NodeStore:
             dist.broadcast_object_list(box, src=0, group=groups.host)  # one name per run, on every node
         self.path = os.path.join(directory, f"megatrain-{box[0]}-node{groups.node_rank}")
         self.directory = directory
+        self._images = 0  # wire-image files made (one per precision configuration)
 
     def _barrier(self) -> None:
         with self.groups.guard("a barrier of the node's ranks"):
@@ -85,6 +87,25 @@ class NodeStore:
             os.unlink(self.path)  # the mappings keep the memory; nothing is left behind after the run
         assert regions is not None
         return regions
+
+    def wire_images(self, nbytes: list[int]) -> SharedWireImages:
+        """Create (local rank 0) and map a new wire-image file (``nbytes`` per slab), as :meth:`regions`.
+
+        Raises:
+            SharedMemoryTooSmall: ``/dev/shm`` cannot hold it."""
+        self.check_shm(sum(nbytes) + 64 * len(nbytes))
+        self._images += 1
+        path = f"{self.path}-wire{self._images}"
+        first = self.groups.local_rank == 0
+        images = SharedWireImages(path, nbytes, True, self.pin, self.timeout_s) if first else None
+        self._barrier()
+        if not first:
+            images = SharedWireImages(path, nbytes, False, self.pin, self.timeout_s)
+        self._barrier()
+        if first:
+            os.unlink(path)
+        assert images is not None
+        return images
 
     def setup(self, store: HostStore) -> SlabOwnership:
         """After the store is built: the writer's weights reach every rank (and node), then the owners."""

@@ -7,8 +7,9 @@ The design planned (issue 12):
 
 * **Host RAM per node.** The training state is held once per node in shared memory (``/dev/shm``):
   fp32 master 4 B/param + fp32 gradient accumulator 4 + AdamW exp_avg 4 + exp_avg_sq 4 (the parts of
-  it on the RAM tier), whatever R. Everything else a process holds today it holds per process, R
-  times: the wire shadows (cached wire images), the NVMe windows and H2D staging ring, the pinned D2H
+  it on the RAM tier), whatever R, and so are the wire shadows (the bf16/fp16 wire images of mixed
+  precision, written by each slab's owner). Everything else it holds per process, R
+  times: the NVMe windows and H2D staging ring, the pinned D2H
   staging buffers, offloaded activations, a CPU device's buffers, the 4 GiB process overhead.
 * **NVMe per node.** One store per node (the state once). Each rank streams every block's weights:
   the owner's update is fused with its forward fetch as in one process, the R - 1 other ranks read the
@@ -46,7 +47,8 @@ from __future__ import annotations
 from typing import Any
 
 #: host tier entries held once per node in shared memory (labels of :func:`.terms._estimate`)
-SHARED_STATE = ("fp32 master weights", "fp32 grad accumulators", "AdamW exp_avg + exp_avg_sq")
+SHARED_STATE = ("fp32 master weights", "fp32 grad accumulators", "AdamW exp_avg + exp_avg_sq",
+                "wire shadow (castable 2 B, rest 4 B)")
 #: host DRAM bytes per parameter of the fused AdamW update: reads param, grad, exp_avg, exp_avg_sq
 #: (16 B), writes param, exp_avg, exp_avg_sq (12 B); the wire-shadow cast is counted on its own
 ADAMW_HOST_BYTES = 28

@@ -214,7 +214,66 @@ class NodeShare(Protocol):
     def regions(self, layout: list[tuple[int, int]]) -> SharedRegions:
         """Create (local rank 0) or map (the others) the node's shared file for ``layout`` (collective)."""
 
+    def wire_images(self, nbytes: list[int]) -> SharedWireImages:
+        """Create (local rank 0) or map the node's wire-image file, ``nbytes`` per slab (collective)."""
+
     def setup(self, store) -> SlabOwnership:
         """After :func:`~.host.build_store` (collective): wait for the writer's initial weights on every local
         rank, make every node's copy the first node's, and return the slab owners (balanced by each slab's
         trainable elements; ordered by the store's shared update counts)."""
+
+
+class SharedWireImages:
+    """The node's wire images (bf16/fp16 copies of the masters that mixed precision sends to the device) in a shared
+    file: one per node instead of one per process (2 bytes/param per process otherwise).
+
+    A slab's image is written only by the slab's owner, after its update (when its fetch finds the master newer than
+    the image), which then counts a new *generation* of it; another rank whose master changed since it last used
+    the image waits for the next generation before reading it. The same ordering argument as for the updates
+    applies (docs/architecture.md, "Several GPUs and nodes").
+
+    Args:
+        path / create / pin: as :meth:`SharedRegions.map`.
+        nbytes: per slab, its image's bytes (0: none).
+        timeout_s: as :class:`SlabOwnership`'s.
+    """
+
+    def __init__(self, path: str, nbytes: Sequence[int], create: bool, pin: bool, timeout_s: float):
+        offs, off = [], 0
+        for n in nbytes:
+            offs.append(off)
+            off += (n + 63) // 64 * 64
+        total = off + 8 * len(nbytes)
+        if create:
+            fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, max(total, 8))
+            finally:
+                os.close(fd)
+        self._mapping = shared_file_mapping(path, max(total, 8), pin)
+        self.images = [torch.frombuffer(self._mapping, dtype=torch.uint8, count=n, offset=o) if n else
+                       torch.zeros(0, dtype=torch.uint8) for n, o in zip(nbytes, offs)]
+        self.generations = torch.frombuffer(self._mapping, dtype=torch.int64, count=len(nbytes), offset=off) \
+            if nbytes else torch.zeros(0, dtype=torch.int64)
+        self.seen = [0] * len(nbytes)
+        self.timeout_s = timeout_s
+
+    def written(self, i: int) -> None:
+        """Owner: image ``i`` was rewritten from the current master."""
+        self.seen[i] = int(self.generations[i]) + 1
+        self.generations[i] = self.seen[i]
+
+    def wait_newer(self, i: int, owner_rank: int) -> None:
+        """Non-owner: wait for a generation of image ``i`` newer than the last one this process used.
+
+        Raises:
+            OwnerTimeout: none within ``timeout_s`` (the owner, global rank ``owner_rank``, died or hangs)."""
+        t0, pause = time.monotonic(), 5e-5
+        while int(self.generations[i]) <= self.seen[i]:
+            if time.monotonic() - t0 > self.timeout_s:
+                raise OwnerTimeout(
+                    f"megatrain: rank {owner_rank}, which writes the wire image of slab {i}, did not write it within "
+                    f"{self.timeout_s:.0f} s: it has died or hangs. Resume from the last checkpoint.")
+            time.sleep(pause)
+            pause = min(pause * 2, 5e-3)
+        self.seen[i] = int(self.generations[i])
