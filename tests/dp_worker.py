@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -72,6 +73,7 @@ def main() -> None:
     ap.add_argument("--mismatch", default="", help="comma-separated, on local rank 1 only: model (one more layer), "
                     "accumulate (one more micro-batch), lookahead (2)")
     ap.add_argument("--shm-free", type=int, default=None, help="local rank 1 sees this many bytes free in /dev/shm")
+    ap.add_argument("--ckpt-every-step", default=None, help="ModelCheckpoint(dirpath=..., every step, save_last=True)")
     ap.add_argument("--resumable", action="store_true", help="megatrain_lightning.data.ResumableDataLoader (shuffled)")
     ap.add_argument("--total-steps", type=int, default=None, help="the cosine schedule's T_max (default --steps)")
     ap.add_argument("--save", default=None, help="trainer.save_checkpoint(SAVE) after fit")
@@ -93,10 +95,13 @@ def main() -> None:
     strategy = MegaTrainStrategy(offload_activations=args.offload_activations, timeout=args.timeout,
                                  lookahead=2 if "lookahead" in mismatch else 1)
     callbacks = [] if args.kill_rank is None else [KillInBackward(args.kill_rank, args.kill_at_step, out, args.hang)]
+    if args.ckpt_every_step:
+        callbacks.append(ModelCheckpoint(dirpath=args.ckpt_every_step, every_n_train_steps=1, save_top_k=-1,
+                                         save_last=True))
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
                          precision=args.precision, max_steps=args.steps,
                          accumulate_grad_batches=args.accumulate + ("accumulate" in mismatch),
-                         gradient_clip_val=args.clip, logger=False, enable_checkpointing=False,
+                         gradient_clip_val=args.clip, logger=False, enable_checkpointing=bool(args.ckpt_every_step),
                          enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
     loader = T.make_data(n=args.n, batch_size=args.batch)
     if args.resumable:

@@ -16,6 +16,9 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
+import torch
+
+from megatrain_lightning import testing as T
 
 from megatrain_lightning.parallel.faults import PeerFailure, Peers
 from megatrain_lightning.parallel.launcher import ChildWatch, how_it_ended, stop_children
@@ -23,7 +26,7 @@ from megatrain_lightning.parallel.preflight import (ConfigMismatchError, Rendezv
                                                     differences, mismatch_message)
 from megatrain_lightning.store.shared import SharedMemoryTooSmall, check_shm
 from megatrain_lightning.strategy import MegaTrainStrategy
-from test_data_parallel import launch
+from test_data_parallel import check, launch, per_step_losses
 
 TIMEOUT = 20  # the strategy's timeout= in the kill tests (seconds)
 
@@ -71,6 +74,33 @@ def test_a_sigkilled_rank_stops_the_other_with_its_name(tmp_path, victim):
     assert stopped - (tmp_path / f"killed_{victim}").stat().st_mtime < TIMEOUT + 10, ended - t0
     assert running_with(str(tmp_path)) == []
     assert not (tmp_path / "weights.pt").exists()
+
+
+def test_the_run_resumes_exactly_from_the_last_checkpoint_before_the_kill(tmp_path):
+    """2 ranks checkpoint every optimizer step (ModelCheckpoint, save_last); rank 1 is SIGKILLed in step 6 (after
+    the step-5 checkpoint); rank 0 stops with the named error. ``fit(ckpt_path="last")`` in one process (global batch
+    4, as the two ranks' 2 + 2) ends where an uninterrupted 2-rank run ends: every later loss and every final weight
+    within 1e-5 relative (a different batch split rounds differently; tests/test_data_parallel.py's resume test)."""
+    common = ["--arch", "llama", "--accumulate", "2", "--clip", "0.5", "--sched", "cosine", "--total-steps", "8",
+              "--resumable", "--steps", "8"]
+    full, killed, rest, ckpts = tmp_path / "full", tmp_path / "killed", tmp_path / "rest", tmp_path / "ckpts"
+    check(launch(full, *common, "--devices", "2", "--batch", "2"))
+    proc = launch(killed, *common, "--devices", "2", "--batch", "2", "--ckpt-every-step", str(ckpts),
+                  "--kill-rank", "1", "--kill-at-step", "5", "--timeout", str(TIMEOUT))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "megatrain: rank 1 stopped responding: its process" in out, out[-4000:]
+    names = sorted(p.name for p in ckpts.iterdir() if not p.name.startswith("."))
+    assert "epoch=0-step=5.ckpt" in names and "epoch=0-step=6.ckpt" not in names and "last.ckpt" in names, names
+    check(launch(rest, *common, "--devices", "1", "--batch", "4", "--ckpt-every-step", str(ckpts), "--resume", "last"))
+    want = per_step_losses(full, 2)[5 * 2:]
+    got = per_step_losses(rest, 1)
+    assert len(got) == len(want) == 6
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert abs(a - b) / abs(b) <= 1e-5, f"micro-batch {10 + i}: {a} vs uninterrupted {b}"
+    wa, wb = torch.load(rest / "weights.pt"), torch.load(full / "weights.pt")
+    for k in wb:
+        assert T.rel(wa[k], wb[k]) <= 1e-5, (k, T.rel(wa[k], wb[k]))
+    assert running_with(str(tmp_path)) == []
 
 
 def test_a_hanging_rank_stops_the_run_within_twice_the_timeout(tmp_path):
