@@ -141,8 +141,9 @@ class MegaTrainStrategy(ParallelStrategy):
         process_group_backend: ``torch.distributed`` backend of a run with several processes (default: NCCL
             on CUDA, gloo on CPU, as ``DDPStrategy``).
         timeout: how long a collective waits for the other ranks before it fails (default 30 minutes, as
-            ``DDPStrategy``; a ``timedelta`` or seconds): a rank that died makes the others stop with an
-            error after at most this long instead of hanging.
+            ``DDPStrategy``; a ``timedelta`` or seconds; also the rendezvous's wait for every rank to start):
+            a rank that hangs makes the others stop after at most about twice this long instead of hanging;
+            one that died stops them at once, with a ``PeerFailure`` naming it (``parallel/faults.py``).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for every
             Lightning strategy.
 
@@ -160,6 +161,11 @@ class MegaTrainStrategy(ParallelStrategy):
         BlockDiscoveryError: the model has no discoverable blocks.
         ValueError: ``recompute`` is not one of "block", "selective", "none", "auto", or
             ``activation_memory_limit`` is not a positive size (at construction).
+        RendezvousError: the launch's ``WORLD_SIZE`` / ``NODE_RANK`` / ``MASTER_ADDR`` / ``MASTER_PORT`` contradict
+            ``devices`` and ``num_nodes`` (in ``Trainer(...)``, ``parallel/preflight.py``).
+        ConfigMismatchError: the ranks were started with different models or options (at setup, every rank).
+        SharedMemoryTooSmall: ``/dev/shm`` of some node cannot hold the node's state (at setup, every rank).
+        PeerFailure: another rank died or stopped answering (during the run).
     """
 
     strategy_name = "megatrain"
