@@ -387,7 +387,7 @@ class MegaTrainStrategy(ParallelStrategy):
                 host_threads=self.host_threads,
                 reducer=self._grad_reducer(),
                 node=NodeStore(self.groups, self._timeout.total_seconds() if self._timeout else 1800.0,
-                               pin=self.root_device.type == "cuda" and self.pin_memory is not False)
+                               pin=self.pin_memory if self.root_device.type == "cuda" else False)
                 if self.groups else None,
             )
         self.engine.install()

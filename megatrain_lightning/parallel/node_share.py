@@ -29,11 +29,12 @@ class NodeStore:
     Args:
         groups: the run's process groups.
         timeout_s: seconds a rank waits for a slab's owner before it gives up (the strategy's ``timeout``).
-        pin: page-lock the shared mapping (CUDA runs with ``pin_memory`` not ``False``).
+        pin: page-lock the shared mapping: the strategy's ``pin_memory`` on CUDA (``None``: try, pageable with a
+            warning if that fails), ``False`` on CPU.
         directory: the tmpfs holding the file (default ``/dev/shm``).
     """
 
-    def __init__(self, groups: ProcessGroups, timeout_s: float, pin: bool = False, directory: str = SHM_DIR):
+    def __init__(self, groups: ProcessGroups, timeout_s: float, pin: bool | None = False, directory: str = SHM_DIR):
         self.groups = groups
         self.timeout_s = timeout_s
         self.pin = pin

@@ -116,14 +116,15 @@ def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
     return t
 
 
-def shared_file_mapping(path: str, nbytes: int, pin: bool) -> mmap.mmap:
+def shared_file_mapping(path: str, nbytes: int, pin: bool | None) -> mmap.mmap:
     """A ``MAP_SHARED`` mapping of the file ``path`` (``nbytes`` bytes, from a page boundary): what one process
-    writes, the others mapping the same file see. Page-locked exactly when ``pin`` (as :func:`host_buffer`).
-    Tensors over it: ``torch.frombuffer(mapping, dtype=..., count=..., offset=...)``, one storage (and one
-    autograd version counter) each.
+    writes, the others mapping the same file see. Page-locked exactly when ``pin`` (as :func:`host_buffer`;
+    ``None``: try, and on failure log a warning and stay pageable). Tensors over it:
+    ``torch.frombuffer(mapping, dtype=..., count=..., offset=...)``, one storage (and one autograd version
+    counter) each.
 
     Raises:
-        HostPinningError: ``pin`` and the driver refused to lock the memory."""
+        HostPinningError: ``pin`` is ``True`` and the driver refused to lock the memory."""
     fd = os.open(path, os.O_RDWR)
     try:
         m = _Mapping(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -134,9 +135,12 @@ def shared_file_mapping(path: str, nbytes: int, pin: bool) -> mmap.mmap:
         try:
             REGISTER(ptr, page_up(nbytes))
         except Exception as err:
-            raise HostPinningError(
-                f"megatrain: page-locking the node's shared training state ({fmt_bytes(nbytes)}) failed: {err}. "
-                "Free host memory or pass pin_memory=False (H2D copies then run at pageable speed).") from err
+            msg = (f"megatrain: page-locking the node's shared training state ({fmt_bytes(nbytes)}) failed: {err}. "
+                   "Free host memory or pass pin_memory=False (H2D copies then run at pageable speed).")
+            if pin is True:
+                raise HostPinningError(msg) from err
+            log.warning("%s Using pageable memory.", msg)
+            return m
         m.pinned_ptr, m.unregister = ptr, UNREGISTER
     return m
 

@@ -29,6 +29,7 @@ import torch
 
 import mmap
 
+from .budget import fmt_bytes
 from .pinned import shared_file_mapping
 
 _ALIGN = 16  # fp32 elements (64 bytes)
@@ -60,8 +61,8 @@ def check_shm(nbytes: int, directory: str = "/dev/shm") -> None:
     free = st.f_bavail * st.f_frsize
     if free < nbytes:
         raise SharedMemoryTooSmall(
-            f"megatrain: the node's training state needs {nbytes / 2**30:.2f} GiB of shared memory in {directory}, "
-            f"which has {free / 2**30:.2f} GiB free (of {st.f_blocks * st.f_frsize / 2**30:.2f} GiB). Enlarge it "
+            f"megatrain: the node's training state needs {fmt_bytes(nbytes)} of shared memory in {directory}, "
+            f"which has {fmt_bytes(free)} free (of {fmt_bytes(st.f_blocks * st.f_frsize)}). Enlarge it "
             "(docker run --shm-size=..., or mount -o remount,size=... /dev/shm), or train on one device per node.")
 
 
@@ -81,13 +82,14 @@ class SharedRegions:
     counts: torch.Tensor  # int64 [n_slabs], in the same mapping
 
     @classmethod
-    def map(cls, path: str, layout: Sequence[tuple[int, int]], create: bool, pin: bool = False) -> "SharedRegions":
-        """Map (``create``: create and size) the file for ``layout``; ``pin``: page-lock the mapping (CUDA).
+    def map(cls, path: str, layout: Sequence[tuple[int, int]], create: bool, pin: bool | None = False) -> "SharedRegions":
+        """Map (``create``: create and size) the file for ``layout``; ``pin``: page-lock the mapping (CUDA;
+        ``None``: try, pageable with a warning if that fails).
         Creation sizes it with ``ftruncate``: the pages are zero and take memory only when written.
 
         Raises:
             FileExistsError: ``create`` and the file exists (another run's name).
-            HostPinningError: ``pin`` and the driver refused."""
+            HostPinningError: ``pin`` is ``True`` and the driver refused."""
         nbytes = shared_state_bytes(layout)
         if create:
             fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o600)
@@ -238,7 +240,7 @@ class SharedWireImages:
         timeout_s: as :class:`SlabOwnership`'s.
     """
 
-    def __init__(self, path: str, nbytes: Sequence[int], create: bool, pin: bool, timeout_s: float):
+    def __init__(self, path: str, nbytes: Sequence[int], create: bool, pin: bool | None, timeout_s: float):
         offs, off = [], 0
         for n in nbytes:
             offs.append(off)
