@@ -24,7 +24,7 @@ from megatrain_lightning.parallel.faults import PeerFailure, Peers
 from megatrain_lightning.parallel.launcher import ChildWatch, how_it_ended, stop_children
 from megatrain_lightning.parallel.preflight import (ConfigMismatchError, RendezvousError, check_rendezvous,
                                                     differences, mismatch_message)
-from megatrain_lightning.store.shared import SharedMemoryTooSmall, check_shm
+from megatrain_lightning.store.shared import OwnerTimeout, SharedMemoryTooSmall, SlabOwnership, check_shm
 from megatrain_lightning.strategy import MegaTrainStrategy
 from test_data_parallel import check, launch, per_step_losses
 
@@ -188,6 +188,18 @@ def test_peers_name_a_dead_process_of_this_host():
     assert "one of ranks 1 on other hosts died, or a rank hangs" in msg and "(20 s, the strategy's timeout=)" in msg
 
 
+def test_a_rank_waiting_for_a_dead_owner_stops_before_the_timeout():
+    """A rank waiting in shared memory for a slab's owner (``SlabOwnership.wait``) looks about once a second
+    whether the owner's process has exited, and then stops with an error naming it instead of waiting 60 s."""
+    counts = torch.zeros(1, dtype=torch.int64)
+    own = SlabOwnership([0], 1, counts, timeout_s=60, global_rank_of=lambda r: 4 + r, all_reduce=lambda t, op: None,
+                        sync=lambda: None, exited=lambda rank: rank == 4)
+    t0 = time.monotonic()
+    with pytest.raises(OwnerTimeout, match=r"rank 4 stopped responding: its process has exited \(local rank 0"):
+        own.wait(0)
+    assert time.monotonic() - t0 < 30
+
+
 # ---------------------------------------------------------------------------------------------- rendezvous
 class _Env:
     def __init__(self, external: bool):
@@ -259,8 +271,8 @@ def test_check_shm_says_the_numbers_and_what_to_change(monkeypatch):
 
     monkeypatch.setattr(os, "statvfs", lambda p: Small() if p == "/dev/shm" else real(p))
     check_shm(64 * 2**20)  # exactly fits
-    with pytest.raises(SharedMemoryTooSmall, match=r"needs 1\.00 GiB of shared memory in /dev/shm, which has 0\.06 GiB "
-                                                   r"free \(of 0\.06 GiB\).*--shm-size"):
+    with pytest.raises(SharedMemoryTooSmall, match=r"needs 1\.00 GiB of shared memory in /dev/shm, which has 64\.00 MiB "
+                                                   r"free \(of 64\.00 MiB\).*--shm-size"):
         check_shm(2**30)
 
 
@@ -272,6 +284,6 @@ def test_too_small_dev_shm_on_one_rank_stops_every_rank(tmp_path):
     assert proc.returncode != 0
     assert "SharedMemoryTooSmall: megatrain: shared memory too small on node 0 (ranks 1); nothing was allocated." \
         in out, out[-4000:]
-    assert "which has 0.00 GiB free" in out and "--shm-size" in out
+    assert "which has 4.00 KiB free (of 4.00 KiB)" in out and "--shm-size" in out
     assert "[rank0]: megatrain_lightning.store.shared.SharedMemoryTooSmall" in out  # rank 0 stops too, not waiting
     assert running_with(str(tmp_path)) == []
