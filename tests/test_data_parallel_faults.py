@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -22,8 +23,8 @@ from megatrain_lightning import testing as T
 
 from megatrain_lightning.parallel.faults import PeerFailure, Peers
 from megatrain_lightning.parallel.launcher import ChildWatch, how_it_ended, stop_children
-from megatrain_lightning.parallel.preflight import (ConfigMismatchError, RendezvousError, check_rendezvous,
-                                                    differences, mismatch_message)
+from megatrain_lightning.parallel.preflight import (RendezvousError, check_rendezvous, differences, mismatch_message,
+                                                    run_fingerprint)
 from megatrain_lightning.store.shared import OwnerTimeout, SharedMemoryTooSmall, SlabOwnership, check_shm
 from megatrain_lightning.strategy import MegaTrainStrategy
 from test_data_parallel import check, launch, per_step_losses
@@ -179,11 +180,18 @@ def test_peers_name_a_dead_process_of_this_host():
         with pytest.raises(PeerFailure, match="rank 2 stopped responding"):
             with peers.guard("a barrier"):
                 raise RuntimeError("Connection reset by peer")
+        with pytest.raises(PeerFailure, match="rank 2 stopped responding"):  # after a failure: at once, no collective
+            with peers.guard("a barrier"):
+                raise AssertionError("not reached")
     finally:
         live.kill()
         live.wait()
     # nobody on this host died (rank 1 on another host): the message says where to look, and the timeout
     peers = Peers(0, [peers.hosts[0], "other-host"], [os.getpid(), 1], ["x", "y"], settle_s=0.0)
+    with pytest.raises(RuntimeError, match="^Tensors must be contiguous$"):  # not about the peers: unchanged
+        with peers.guard("a barrier"):
+            raise RuntimeError("Tensors must be contiguous")
+    assert peers.failure is None
     msg = str(peers.explain(RuntimeError("Timed out waiting 20000ms"), "a barrier", 20))
     assert "one of ranks 1 on other hosts died, or a rank hangs" in msg and "(20 s, the strategy's timeout=)" in msg
 
@@ -245,6 +253,22 @@ def test_differences_list_each_key_with_its_ranks():
     msg = mismatch_message(diff)
     assert "  a: 1 on ranks 0, 1; 2 on rank 2" in msg and "  b: x on ranks 0, 2; y on rank 1" in msg
     assert differences([{"a": "1"}, {"a": "1"}]) == {}
+
+
+def test_fingerprint_sees_the_model_and_options_not_where_the_model_came_from():
+    """Same config loaded from another path (node-local copies): the same fingerprint. One more layer: the config
+    and the parameters differ; another lookahead or accumulation: those keys differ."""
+    trainer = types.SimpleNamespace(precision="bf16-mixed", accumulate_grad_batches=2)
+    a, b = T.make_model("llama"), T.make_model("llama")
+    b.config._name_or_path = "/local/copy/of/the/model"
+    fa = run_fingerprint(a, MegaTrainStrategy(), trainer)
+    assert fa == run_fingerprint(b, MegaTrainStrategy(), trainer)
+    assert fa["trainer.precision"] == "'bf16-mixed'" and fa["strategy.lookahead"] == "1"
+    deeper = T.make_model("llama", num_hidden_layers=a.config.num_hidden_layers + 1)
+    fb = run_fingerprint(deeper, MegaTrainStrategy(lookahead=2), types.SimpleNamespace(precision="bf16-mixed",
+                                                                                        accumulate_grad_batches=3))
+    assert set(differences([fa, fb])) == {"model config", "parameters", "strategy.lookahead",
+                                          "trainer.accumulate_grad_batches"}
 
 
 def test_ranks_with_different_models_and_options_are_refused(tmp_path):

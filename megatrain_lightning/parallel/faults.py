@@ -25,6 +25,20 @@ class PeerFailure(RuntimeError):
     """Another rank of the run died or stopped answering; this rank stops (resume from the last checkpoint)."""
 
 
+_TRANSPORT_WORDS = ("connection", "timed out", "timeout", "closed", "reset by peer", "broken pipe", "socket", "nccl",
+                    "gloo", "watchdog", "peer")
+
+
+def is_transport_error(err: BaseException) -> bool:
+    """Whether a collective's exception reports a failed peer or link: one of ``torch.distributed``'s ``DistError``
+    types (``DistBackendError``, ``DistNetworkError``, ``DistStoreError``), or a ``RuntimeError`` whose text says so
+    (gloo raises plain ``RuntimeError("[...pair.cc] Connection closed by peer ...")`` / "Timed out waiting")."""
+    if isinstance(err, getattr(dist, "DistError", ())):
+        return True
+    text = str(err).lower()
+    return any(w in text for w in _TRANSPORT_WORDS)
+
+
 def _start_time(pid: int) -> str | None:
     """The process's start time in clock ticks since boot (``/proc/<pid>/stat`` field 22), ``None`` if it is gone
     or has exited (a zombie, state ``Z``/``X``), or on a system without ``/proc``."""
@@ -118,7 +132,8 @@ class Peers:
     @contextlib.contextmanager
     def guard(self, what: str, timeout_s: float | None = None) -> Iterator[None]:
         """Run collectives; a ``RuntimeError`` from them (gloo, NCCL: ``DistBackendError`` is one) is
-        re-raised as :meth:`explain`'s :class:`PeerFailure`, chained to it. After one failure every later
+        re-raised as :meth:`explain`'s :class:`PeerFailure`, chained to it, when it reports a failed peer or link
+        (:func:`is_transport_error`) or a process of this host has exited; any other passes unchanged. After one failure every later
         guarded collective raises the same error at once instead of waiting out the timeout again (the D2H
         worker's queued gradient batches, the exit's join of the worker threads)."""
         if self.failure is not None:
@@ -128,6 +143,8 @@ class Peers:
         except PeerFailure:
             raise
         except RuntimeError as err:
+            if not (is_transport_error(err) or self.dead()):
+                raise  # not about the peers (a wrong argument...): unchanged
             self.failure = self.explain(err, what, timeout_s)
             raise self.failure from err
 

@@ -108,7 +108,8 @@ def run_fingerprint(module: torch.nn.Module, strategy: Any, trainer: Any) -> dic
     """What must be equal on every rank, as short strings (key -> value).
 
     Keys: ``model class`` (the LightningModule's and the first submodule's with a Hugging Face ``config``),
-    ``model config`` (a SHA-256 of that config's ``to_dict()``), ``parameters`` (count, elements, trainable
+    ``model config`` (a SHA-256 of that config's ``to_dict()`` without ``_``-keys such as ``_name_or_path`` and
+    without ``transformers_version``), ``parameters`` (count, elements, trainable
     elements and a SHA-256 of every parameter's name, shape, dtype and ``requires_grad``), ``strategy.<option>``
     for :data:`STRATEGY_OPTIONS`, ``trainer.<setting>`` for :data:`TRAINER_SETTINGS`, and the ``torch`` version.
     """
@@ -118,7 +119,8 @@ def run_fingerprint(module: torch.nn.Module, strategy: Any, trainer: Any) -> dic
         cfg = getattr(m, "config", None)
         if cfg is not None and hasattr(cfg, "to_dict"):
             classes.append(type(m).__qualname__)
-            config = cfg.to_dict()
+            # not the path it was loaded from (node-local copies differ) nor private or version keys
+            config = {k: v for k, v in cfg.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
             break
     params = [(n, list(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
     numel = sum(p.numel() for p in module.parameters())
