@@ -3,11 +3,11 @@
 #   bash bench/gpu_check.sh                # on the GPU machine, from a fresh checkout (at most 9 minutes)
 #   bash bench/gpu_check.sh memory nvme    # only these checks (a second call for what the budget skipped)
 #   bash bench/gpu_check.sh --cpu-dry-run  # everything on the CPU with tiny sizes (exercises the logic)
-# Checks (see bench/gpu_check.py), newest first: env, d2h, pinned, long, recompute, parity, memory, overlap, precision,
+# Checks (see bench/gpu_check.py), newest first: env, scaling, d2h, pinned, long, recompute, parity, memory, overlap, precision,
 # overhead, nvme, pytest (engine tests); each under its own timeout inside a global budget (GPU_CHECK_BUDGET_S,
 # default 540 s), continuing after failures; a check the budget skips is reported SKIP (run it in a second call).
 # Writes bench/results/gpu_check.json, gpu_check.log, memory_depth_cuda.json, overhead_cuda.json, pinned_cuda.json,
-# recompute_policy_cuda*.json
+# recompute_policy_cuda*.json, scaling_gpu.json
 # (dry run: into ${TMPDIR:-/tmp}/gpu_check_dryrun instead) and copies them to $OUT when it is set.
 set -u
 cd "$(dirname "$0")/.."
@@ -21,7 +21,7 @@ if [ "${1:-}" = "--cpu-dry-run" ]; then
 fi
 # newest checks first (those never run on a GPU yet): a lease that ends early still measured them;
 # `bash bench/gpu_check.sh [--cpu-dry-run] CHECK...` runs only those (e.g. a second call for the rest)
-DEFAULT="env d2h pinned long recompute parity memory overlap precision overhead nvme pytest"
+DEFAULT="env scaling d2h pinned long recompute parity memory overlap precision overhead nvme pytest"
 SELECTED="${*:-$DEFAULT}"
 BUDGET=${GPU_CHECK_BUDGET_S:-540}
 mkdir -p "$RESULTS"
@@ -61,7 +61,7 @@ limit_of() {  # seconds each check may take on the H200 (the dry run fits these 
     case $1 in
         env) echo 60;; parity) echo 120;; precision) echo 60;; memory) echo 90;; overlap) echo 150;;
         d2h) echo 90;; overhead) echo 120;; recompute) echo 240;; nvme) echo 90;; pinned) echo 60;;
-        long) echo 120;; pytest) echo 90;; *) echo 0;;
+        long) echo 120;; pytest) echo 90;; scaling) echo 150;; *) echo 0;;
     esac
 }
 
@@ -79,7 +79,7 @@ main 2>&1 | tee "$LOG"
 rc=${PIPESTATUS[0]}
 rm -rf "$PARTS"
 if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then
-    cp "$RESULTS"/gpu_check.json "$RESULTS"/gpu_check.log "$RESULTS"/memory_depth_*.json "$RESULTS"/overhead_*.json "$RESULTS"/pinned_*.json "$RESULTS"/recompute_policy_*.json "$OUT"/ 2>/dev/null
+    cp "$RESULTS"/gpu_check.json "$RESULTS"/gpu_check.log "$RESULTS"/memory_depth_*.json "$RESULTS"/overhead_*.json "$RESULTS"/pinned_*.json "$RESULTS"/recompute_policy_*.json "$RESULTS"/scaling_*.json "$OUT"/ 2>/dev/null
 fi
 echo "total $(($(date +%s) - START))s, exit $rc"
 exit $rc

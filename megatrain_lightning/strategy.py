@@ -47,6 +47,7 @@ from .engine.reduce import GradReducer
 from .engine.streaming import StreamingEngine
 from .engine.threads import check_host_threads
 from .optim.host_adamw import UnsupportedOptimizerError, validate_optimizer
+from .parallel.checkpoint_writers import CheckpointWriters
 from .parallel.faults import guarded
 from .parallel.groups import ProcessGroups
 from .parallel.launcher import MegaTrainLauncher
@@ -563,10 +564,12 @@ class MegaTrainStrategy(ParallelStrategy):
                                "trainer.strategy.close().")
         self.flush()
         self.engine.params.write_back_materialized()  # weights edited after fit (NVMe tier) are what gets saved
-        if not self.is_global_zero:  # every rank holds the same state; Trainer.save_checkpoint's barrier follows
-            return
+        coop = None
+        if self.groups is not None:  # each rank writes its own slabs; Trainer.save_checkpoint's barrier follows
+            assert self.engine.ownership is not None
+            coop = CheckpointWriters(self.groups, self.engine.store, self.engine.ownership)
         save_checkpoint_dir(filepath, checkpoint, self.lightning_module, self.engine,
-                            tokenizer=getattr(self.lightning_module, "tokenizer", None))
+                            tokenizer=getattr(self.lightning_module, "tokenizer", None), coop=coop)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Verify a directory checkpoint, load its weights into the host store and return the metadata.

@@ -66,6 +66,14 @@ def main() -> None:
     ap.add_argument("--offload-activations", action="store_true")
     ap.add_argument("--dropout", type=float, default=0.0)
     ap.add_argument("--n", type=int, default=64, help="samples in the dataset")
+    ap.add_argument("--resumable", action="store_true", help="megatrain_lightning.data.ResumableDataLoader (shuffled)")
+    ap.add_argument("--total-steps", type=int, default=None, help="the cosine schedule's T_max (default --steps)")
+    ap.add_argument("--save", default=None, help="trainer.save_checkpoint(SAVE) after fit")
+    ap.add_argument("--resume", default=None, help="fit(ckpt_path=RESUME)")
+    ap.add_argument("--optimizer-in-backward", action="store_true")
+    ap.add_argument("--nvme", default=None, help="offload_params/offload_optimizer='nvme' under this path")
+    ap.add_argument("--model-checkpoint", default=None,
+                    help="ModelCheckpoint(dirpath=..., every_n_train_steps=1, save_last=True, save_top_k=2)")
     ap.add_argument("--kill-rank", type=int, default=None, help="this global rank SIGKILLs itself ...")
     ap.add_argument("--kill-at-step", type=int, default=3, help="... in the backward of this optimizer step")
     ap.add_argument("--hang", action="store_true", help="--kill-rank sleeps (10 min) instead of dying")
@@ -73,11 +81,6 @@ def main() -> None:
     ap.add_argument("--mismatch", default="", help="comma-separated, on local rank 1 only: model (one more layer), "
                     "accumulate (one more micro-batch), lookahead (2)")
     ap.add_argument("--shm-free", type=int, default=None, help="local rank 1 sees this many bytes free in /dev/shm")
-    ap.add_argument("--ckpt-every-step", default=None, help="ModelCheckpoint(dirpath=..., every step, save_last=True)")
-    ap.add_argument("--resumable", action="store_true", help="megatrain_lightning.data.ResumableDataLoader (shuffled)")
-    ap.add_argument("--total-steps", type=int, default=None, help="the cosine schedule's T_max (default --steps)")
-    ap.add_argument("--save", default=None, help="trainer.save_checkpoint(SAVE) after fit")
-    ap.add_argument("--resume", default=None, help="fit(ckpt_path=RESUME)")
     args = ap.parse_args()
     second = os.environ.get("LOCAL_RANK", "0") == "1"  # the launcher sets it for the rank it starts
     mismatch = set(args.mismatch.split(",")) if second and args.mismatch else set()
@@ -93,16 +96,21 @@ def main() -> None:
     T.freeze_key_biases(model)
     lm = T.LM(model, lr=1e-3, sched=args.sched, total_steps=args.total_steps or args.steps)
     strategy = MegaTrainStrategy(offload_activations=args.offload_activations, timeout=args.timeout,
-                                 lookahead=2 if "lookahead" in mismatch else 1)
-    callbacks = [] if args.kill_rank is None else [KillInBackward(args.kill_rank, args.kill_at_step, out, args.hang)]
-    if args.ckpt_every_step:
-        callbacks.append(ModelCheckpoint(dirpath=args.ckpt_every_step, every_n_train_steps=1, save_top_k=-1,
-                                         save_last=True))
+                                 lookahead=2 if "lookahead" in mismatch else 1,
+                                 optimizer_in_backward=True if args.optimizer_in_backward else None,
+                                 **({"offload_params": "nvme", "offload_optimizer": "nvme", "nvme_path": args.nvme}
+                                    if args.nvme else {}))
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
                          precision=args.precision, max_steps=args.steps,
                          accumulate_grad_batches=args.accumulate + ("accumulate" in mismatch),
-                         gradient_clip_val=args.clip, logger=False, enable_checkpointing=bool(args.ckpt_every_step),
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+                         gradient_clip_val=args.clip, logger=False,
+                         enable_checkpointing=args.model_checkpoint is not None,
+                         callbacks=([ModelCheckpoint(dirpath=args.model_checkpoint, every_n_train_steps=1, save_last=True,
+                                                     save_top_k=2, monitor="step", mode="max")]
+                                    if args.model_checkpoint else [])
+                         + ([KillInBackward(args.kill_rank, args.kill_at_step, out, args.hang)]
+                            if args.kill_rank is not None else []),
+                         enable_progress_bar=False, enable_model_summary=False)
     loader = T.make_data(n=args.n, batch_size=args.batch)
     if args.resumable:
         loader = ResumableDataLoader(loader.dataset, batch_size=args.batch, shuffle=True, seed=0)
@@ -119,6 +127,7 @@ def main() -> None:
         torch.save({k: v.detach().clone() for k, v in model.named_parameters()}, out / "weights.pt")
         (out / "stats.json").write_text(json.dumps(trainer.strategy.engine.history))
         eng = trainer.strategy.engine
+        (out / "updates_in_backward.json").write_text(json.dumps(eng.optimizer.updates_in_backward))
         (out / "env.json").write_text(json.dumps({"world_size": trainer.world_size,
                                                   "sampler": type(trainer.train_dataloader.sampler).__name__,
                                                   "shared_store": eng.store.shared is not None,

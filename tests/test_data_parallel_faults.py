@@ -78,7 +78,7 @@ def test_a_sigkilled_rank_stops_the_other_with_its_name(tmp_path, victim):
 
 
 def test_the_run_resumes_exactly_from_the_last_checkpoint_before_the_kill(tmp_path):
-    """2 ranks checkpoint every optimizer step (ModelCheckpoint, save_last); rank 1 is SIGKILLed in step 6 (after
+    """2 ranks checkpoint every optimizer step (ModelCheckpoint, save_last, the last two kept); rank 1 is SIGKILLed in step 6 (after
     the step-5 checkpoint); rank 0 stops with the named error. ``fit(ckpt_path="last")`` in one process (global batch
     4, as the two ranks' 2 + 2) ends where an uninterrupted 2-rank run ends: every later loss and every final weight
     within 1e-5 relative (a different batch split rounds differently; tests/test_data_parallel.py's resume test)."""
@@ -86,13 +86,13 @@ def test_the_run_resumes_exactly_from_the_last_checkpoint_before_the_kill(tmp_pa
               "--resumable", "--steps", "8"]
     full, killed, rest, ckpts = tmp_path / "full", tmp_path / "killed", tmp_path / "rest", tmp_path / "ckpts"
     check(launch(full, *common, "--devices", "2", "--batch", "2"))
-    proc = launch(killed, *common, "--devices", "2", "--batch", "2", "--ckpt-every-step", str(ckpts),
+    proc = launch(killed, *common, "--devices", "2", "--batch", "2", "--model-checkpoint", str(ckpts),
                   "--kill-rank", "1", "--kill-at-step", "5", "--timeout", str(TIMEOUT))
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "megatrain: rank 1 stopped responding: its process" in out, out[-4000:]
     names = sorted(p.name for p in ckpts.iterdir() if not p.name.startswith("."))
     assert "epoch=0-step=5.ckpt" in names and "epoch=0-step=6.ckpt" not in names and "last.ckpt" in names, names
-    check(launch(rest, *common, "--devices", "1", "--batch", "4", "--ckpt-every-step", str(ckpts), "--resume", "last"))
+    check(launch(rest, *common, "--devices", "1", "--batch", "4", "--model-checkpoint", str(ckpts), "--resume", "last"))
     want = per_step_losses(full, 2)[5 * 2:]
     got = per_step_losses(rest, 1)
     assert len(got) == len(want) == 6

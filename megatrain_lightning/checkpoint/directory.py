@@ -30,13 +30,14 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
 
 from .errors import CheckpointError
 from .hf_io import SafetensorsSource, save_hf_model_dir, source_key, verify_checksums, write_safetensors_shards
+from .hf_write import finish_safetensors_parts, write_hf_config_files, write_safetensors_part
 from .layout import Layout, hf_model_of, open_part, plan_layout, verify_written
 from .metadata import TRAINER_FILE, read_info, verify_parts, write_info
 from .peft_io import write_adapters
@@ -79,8 +80,27 @@ def _write_parts(tmp: Path, layout: Layout, read: Callable, tokenizer: Any, max_
     return written
 
 
+class Cooperation(Protocol):
+    """Several processes writing one directory checkpoint (data parallel; ``parallel/checkpoint_writers.py``).
+
+    Attributes:
+        rank: this process's global rank (rank 0 completes the checkpoint).
+        writer: this process's writer number (its files' prefix), or ``None`` if it writes no tensors (a rank of
+            another node: every node holds the same state).
+    """
+
+    rank: int
+    writer: int | None
+
+    def writes(self, t: torch.Tensor) -> bool:
+        """This writer writes module tensor ``t`` (a parameter of a slab it owns; rank 0: every other tensor)."""
+
+    def exchange(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order (a collective: every rank calls it at the same points)."""
+
+
 def save_checkpoint_dir(path: str | os.PathLike, checkpoint: dict[str, Any], module: nn.Module, engine: Any,
-                        tokenizer: Any = None, max_shard_bytes: int = 2 * 2**30) -> None:
+                        tokenizer: Any = None, max_shard_bytes: int = 2 * 2**30, coop: Cooperation | None = None) -> None:
     """Write ``checkpoint`` (Lightning's dict) as a directory checkpoint at ``path``.
 
     Args:
@@ -91,6 +111,9 @@ def save_checkpoint_dir(path: str | os.PathLike, checkpoint: dict[str, Any], mod
         engine: the streaming engine (for the AdamW state).
         tokenizer: written into the Hugging Face model folder when given.
         max_shard_bytes: shard size of the safetensors files (bytes).
+        coop: data parallel: every rank calls this; each writer writes the tensors of the slabs it owns (weights
+            and AdamW state) as its own shards, at the same time as the others, then rank 0 renames the shards,
+            writes the indexes, checksums and metadata and moves the directory into place (:func:`_save_together`).
 
     Raises:
         CheckpointError: a tensor of the module would not be written (before anything is written),
@@ -100,6 +123,9 @@ def save_checkpoint_dir(path: str | os.PathLike, checkpoint: dict[str, Any], mod
     """
     layout = plan_layout(module)
     final = Path(path)
+    if coop is not None:
+        _save_together(final, checkpoint, module, engine, layout, tokenizer, max_shard_bytes, coop)
+        return
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
     if tmp.exists():
@@ -110,29 +136,100 @@ def save_checkpoint_dir(path: str | os.PathLike, checkpoint: dict[str, Any], mod
             max_shard_bytes = max(2**26, min(max_shard_bytes, engine.host_memory_limit // 8))
         read = engine.params.reader() if engine is not None else (lambda t: t.detach())
         parts = _write_parts(tmp, layout, read, tokenizer, max_shard_bytes)
-        verify_written(tmp, layout.tensors)
         has_opt = "optimizer_states" in checkpoint and engine.optimizer is not None
         if has_opt:
             write_safetensors_shards(tmp / "optimizer", engine.params.named_optimizer_state(module),
                                      max_shard_bytes=max_shard_bytes)
-            parts.append("optimizer")
-        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        _finish(final, tmp, checkpoint, module, engine, layout, parts, has_opt)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _finish(final: Path, tmp: Path, checkpoint: dict[str, Any], module: nn.Module, engine: Any, layout: Layout,
+            parts: list[str], has_opt: bool) -> None:
+    """Check what was written, add ``trainer.pt`` and ``megatrain.json``, move ``tmp`` to ``final`` atomically."""
+    verify_written(tmp, layout.tensors)
+    if has_opt:
+        parts.append("optimizer")
+    meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    if has_opt:
+        meta["megatrain_param_groups"] = engine.optimizer.param_groups_meta(module)
+    meta = to_plain(meta, where="checkpoint")
+    torch.save(meta, tmp / TRAINER_FILE)
+    _fsync_file(tmp / TRAINER_FILE)
+    torch.load(tmp / TRAINER_FILE, weights_only=True)  # refuse to write what cannot be loaded safely
+    params = {n: {"shape": list(p.shape), "requires_grad": p.requires_grad} for n, p in module.named_parameters()}
+    write_info(tmp, has_optimizer=has_opt, params=params, tensors=layout.tensors, parts=parts + [TRAINER_FILE])
+    _fsync_dir(tmp)
+    old = final.parent / f".{final.name}.old-{os.getpid()}"
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def _save_together(final: Path, checkpoint: dict[str, Any], module: nn.Module, engine: Any, layout: Layout,
+                   tokenizer: Any, max_shard_bytes: int, coop: Cooperation) -> None:
+    """:func:`save_checkpoint_dir` by several processes: rank 0 makes the temporary directory; every writer writes
+    its tensors (``write_safetensors_part``, prefix ``.part-<writer>``) into each part at once; the outcomes are
+    exchanged (a failed writer fails every rank, naming it, and rank 0 removes the temporary directory); rank 0
+    completes each part (``finish_safetensors_parts``, the model's config and tokenizer, peft adapters), then
+    finishes as one process does. The files are those one process writes (the shards split differently)."""
+    token = coop.exchange(f"{os.getpid()}-{os.urandom(4).hex()}" if coop.rank == 0 else None)[0]
+    tmp = final.parent / f".{final.name}.tmp-{token}"
+    if coop.rank == 0:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    coop.exchange(None)  # the directory exists before anyone writes into it
+    has_opt = "optimizer_states" in checkpoint and engine.optimizer is not None
+    mine: dict[str, Any] = {}
+    try:
+        if coop.writer is not None:
+            prefix = f".part-{coop.writer:04d}"
+            read = engine.params.reader()
+            for part in layout.parts:
+                if part.kind not in ("hf", "plain"):
+                    continue
+                ignore = set(getattr(part.hf_model, "_keys_to_ignore_on_save", None) or ()) if part.kind == "hf" else set()
+                items = ((k, read(t)) for k, t in part.entries if k not in ignore and coop.writes(t))
+                mine[part.name] = write_safetensors_part(tmp / part.name, items, prefix=prefix,
+                                                         max_shard_bytes=max_shard_bytes)
+            if has_opt:
+                owned = {n for n, p in module.named_parameters() if coop.writes(p)}
+                items = ((n, t) for n, t in engine.params.named_optimizer_state(module) if n.rsplit("/", 1)[0] in owned)
+                mine["optimizer"] = write_safetensors_part(tmp / "optimizer", items, prefix=prefix,
+                                                           max_shard_bytes=max_shard_bytes)
+    except Exception as err:  # every rank learns of it below
+        mine = {"error": f"{type(err).__name__}: {err}"}
+    outcomes = coop.exchange(mine)
+    failed = [(r, o["error"]) for r, o in enumerate(outcomes) if "error" in o]
+    if failed:
+        if coop.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        r, err = failed[0]
+        raise CheckpointError(f"rank {r} could not write its part of the checkpoint {final} ({err}); nothing was "
+                              "written under that name (the previous checkpoint, if any, is untouched).")
+    if coop.rank != 0:
+        return
+    try:
+        parts: list[str] = []
+        adapters = {}
+        for part in layout.parts:
+            if part.kind == "adapter":
+                adapters[part.name] = part.entries
+                continue
+            finish_safetensors_parts(tmp / part.name, [o[part.name] for o in outcomes if part.name in o])
+            if part.kind == "hf":
+                write_hf_config_files(tmp / part.name, part.hf_model, tokenizer=tokenizer)
+            parts.append(part.name)
+        if adapters:
+            parts += write_adapters(tmp, layout.peft_model, adapters, engine.params.reader())
         if has_opt:
-            meta["megatrain_param_groups"] = engine.optimizer.param_groups_meta(module)
-        meta = to_plain(meta, where="checkpoint")
-        torch.save(meta, tmp / TRAINER_FILE)
-        _fsync_file(tmp / TRAINER_FILE)
-        torch.load(tmp / TRAINER_FILE, weights_only=True)  # refuse to write what cannot be loaded safely
-        params = {n: {"shape": list(p.shape), "requires_grad": p.requires_grad} for n, p in module.named_parameters()}
-        write_info(tmp, has_optimizer=has_opt, params=params, tensors=layout.tensors, parts=parts + [TRAINER_FILE])
-        _fsync_dir(tmp)
-        old = final.parent / f".{final.name}.old-{os.getpid()}"
-        if final.exists():
-            os.replace(final, old)
-        os.replace(tmp, final)
-        _fsync_dir(final.parent)
-        if old.exists():
-            shutil.rmtree(old)
+            finish_safetensors_parts(tmp / "optimizer", [o["optimizer"] for o in outcomes if "optimizer" in o])
+        _finish(final, tmp, checkpoint, module, engine, layout, parts, has_opt)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -146,22 +146,42 @@ def write_safetensors_shards(out_dir: str | os.PathLike, items: Iterable[tuple[s
         OSError: the disk is full or not writable (temporary shards are removed).
     """
     d = Path(out_dir)
+    if clash := _existing_weights(d):
+        raise FileExistsError(f"{d} already holds weight files {clash[:5]}: write into a new or empty directory.")
+    part = write_safetensors_part(d, items, prefix=f".tmp-{uuid.uuid4().hex[:8]}", max_shard_bytes=max_shard_bytes,
+                                  dtype=dtype, metadata=metadata)
+    return finish_safetensors_parts(d, [part])
+
+
+def write_safetensors_part(out_dir: str | os.PathLike, items: Iterable[tuple[str, torch.Tensor]], *, prefix: str,
+                           max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: torch.dtype | str | None = None,
+                           metadata: dict[str, str] | None = None) -> dict[str, Any]:
+    """Write ``items`` as safetensors shards named ``<prefix>-NNNNN.safetensors`` (as
+    :func:`write_safetensors_shards` groups and converts them), without index or checksums: one writer's part of a
+    directory that :func:`finish_safetensors_parts` completes (several processes may write parts of one directory
+    at once, each with its own ``prefix``). Every shard is fsynced.
+
+    Returns:
+        ``{"files": [shard file names], "names": [[tensor names of each file]], "sums": {file: sha256},
+        "total_size": bytes, "total_parameters": n}`` (plain data: it can travel to another process).
+
+    Raises:
+        ValueError / TypeError / OSError: as :func:`write_safetensors_shards` (this part's shards are removed).
+    """
+    d = Path(out_dir)
     dt = resolve_dtype(dtype)
     if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be a positive number of bytes, got {max_shard_bytes!r}.")
-    if clash := _existing_weights(d):
-        raise FileExistsError(f"{d} already holds weight files {clash[:5]}: write into a new or empty directory.")
     d.mkdir(parents=True, exist_ok=True)
     meta = {"format": "pt", **{str(k): str(v) for k, v in (metadata or {}).items()}}
-    tag = uuid.uuid4().hex[:8]
-    written: list[Path] = []  # temporary shard paths, in order
+    written: list[Path] = []
     shard_names: list[list[str]] = []
     sums: dict[str, str] = {}
     seen: set[str] = set()
     total_size = total_params = 0
 
     def flush(pending: list[tuple[str, torch.Tensor]]) -> None:
-        tmp = d / f".tmp-{tag}-{len(written) + 1:05d}.safetensors"
+        tmp = d / f"{prefix}-{len(written) + 1:05d}.safetensors"
         written.append(tmp)
         shard = _unaliased({n: _prepare(t, n, dt) for n, t in pending})
         save_file(shard, str(tmp), metadata=meta)
@@ -189,31 +209,68 @@ def write_safetensors_shards(out_dir: str | os.PathLike, items: Iterable[tuple[s
             pending_bytes += size
             total_size += size
             total_params += t.numel()
-        if pending or not written:
+        if pending:
             flush(pending)
         del pending
-
-        n = len(written)
-        finals = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        for tmp, final in zip(written, finals):
-            os.replace(tmp, d / final)
-        final_sums = {final: sums[tmp.name] for tmp, final in zip(written, finals)}
-        written = []
-        index = {
-            "metadata": {"total_size": total_size, "total_parameters": total_params},
-            "weight_map": {name: final for final, names in zip(finals, shard_names) for name in names},
-        }
-        if n > 1:
-            _write_json(d / INDEX_FILE, index)
-            final_sums[INDEX_FILE] = file_sha256(d / INDEX_FILE)
-        path = d / CHECKSUMS_FILE
-        old = json.loads(path.read_text()) if path.is_file() else {}
-        _write_json(path, dict(sorted({**old, **final_sums}.items())))
-        _fsync_path(d)
-        return index
-    finally:
-        for tmp in written:  # only on error: remove the partial shards
+    except BaseException:
+        for tmp in written:
             tmp.unlink(missing_ok=True)
+        raise
+    return {"files": [w.name for w in written], "names": shard_names, "sums": sums, "total_size": total_size,
+            "total_parameters": total_params}
+
+
+def finish_safetensors_parts(out_dir: str | os.PathLike, parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Complete a directory of :func:`write_safetensors_part` parts (in order): rename the shards to
+    ``model-00001-of-0000N.safetensors`` (``model.safetensors`` when there is one; an empty shard when there is
+    none), write ``model.safetensors.index.json`` (N > 1) and merge every file's sha256 into ``checksums.json``;
+    fsync the directory.
+
+    Returns:
+        The index dict ``{"metadata": {"total_size", "total_parameters"}, "weight_map": {name: file}}``.
+
+    Raises:
+        OSError: the disk is full or not writable (the parts' shards are removed).
+    """
+    d = Path(out_dir)
+    files = [f for p in parts for f in p["files"]]
+    names = [n for p in parts for n in p["names"]]
+    sums = {k: v for p in parts for k, v in p["sums"].items()}
+    try:
+        if not files:  # nothing to write: one empty shard, as a model without tensors is saved
+            files.append(_empty_shard(d, sums))
+            names.append([])
+        n = len(files)
+        finals = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        for tmp, final in zip(files, finals):
+            os.replace(d / tmp, d / final)
+        final_sums = {final: sums[tmp] for tmp, final in zip(files, finals)}
+        files = []
+    finally:
+        for tmp in files:  # only on error: remove the partial shards
+            (d / tmp).unlink(missing_ok=True)
+    index = {
+        "metadata": {"total_size": sum(p["total_size"] for p in parts),
+                     "total_parameters": sum(p["total_parameters"] for p in parts)},
+        "weight_map": {name: final for final, ns in zip(finals, names) for name in ns},
+    }
+    if n > 1:
+        _write_json(d / INDEX_FILE, index)
+        final_sums[INDEX_FILE] = file_sha256(d / INDEX_FILE)
+    path = d / CHECKSUMS_FILE
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    _write_json(path, dict(sorted({**old, **final_sums}.items())))
+    _fsync_path(d)
+    return index
+
+
+def _empty_shard(d: Path, sums: dict[str, str]) -> str:
+    """A safetensors file without tensors (``format: pt``), fsynced; its sha256 goes into ``sums``."""
+    tmp = d / f".tmp-{uuid.uuid4().hex[:8]}-00001.safetensors"
+    save_file({}, str(tmp), metadata={"format": "pt"})
+    _fsync_path(tmp)
+    sums[tmp.name] = file_sha256(tmp)
+    return tmp.name
 
 
 def _safetensors_expected_size(path: Path) -> tuple[int | None, str | None]:
@@ -336,7 +393,20 @@ def save_hf_model_dir(out_dir: str | os.PathLike, model: torch.nn.Module, *, dty
     if ignore:  # exact names, as save_pretrained treats them
         named_tensors = ((n, t) for n, t in named_tensors if n not in ignore)
     index = write_safetensors_shards(d, named_tensors, max_shard_bytes=max_shard_bytes, dtype=dt)
+    write_hf_config_files(d, model, dtype=dt, tokenizer=tokenizer, config=config,
+                          exclude=before | set(index["weight_map"].values()))
+    return index
 
+
+def write_hf_config_files(out_dir: str | os.PathLike, model: torch.nn.Module, *, dtype: torch.dtype | str | None = None,
+                          tokenizer: Any = None, config: Any = None, exclude: Iterable[str] = ()) -> None:
+    """The non-weight files of a Hugging Face model directory (:func:`save_hf_model_dir`): ``config.json``
+    (``config``, default :func:`~.hf_config.saved_config` of ``model`` for ``dtype``), ``generation_config.json``
+    when the model can generate, remote code, the tokenizer; each new file (not in ``exclude``, not weights)
+    is added to ``checksums.json``."""
+    d = Path(out_dir)
+    before = {x.name for x in d.iterdir()} | set(exclude)
+    config = config if config is not None else saved_config(model, resolve_dtype(dtype))
     config.save_pretrained(str(d))
     gen = getattr(model, "generation_config", None)
     can_generate = getattr(model, "can_generate", lambda: False)
@@ -348,8 +418,8 @@ def save_hf_model_dir(out_dir: str | os.PathLike, model: torch.nn.Module, *, dty
         custom_object_save(model, str(d), config=config)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(d))
-    weights = set(index["weight_map"].values()) | {INDEX_FILE, CHECKSUMS_FILE}
-    new = sorted(x.name for x in d.iterdir() if x.is_file() and x.name not in before and x.name not in weights)
+    skip = {INDEX_FILE, CHECKSUMS_FILE}
+    new = sorted(x.name for x in d.iterdir() if x.is_file() and x.name not in before and x.name not in skip
+                 and not x.name.endswith(".safetensors"))
     add_checksums(d, new)
-    return index
 
