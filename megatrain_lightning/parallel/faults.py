@@ -39,6 +39,18 @@ def is_transport_error(err: BaseException) -> bool:
     return any(w in text for w in _TRANSPORT_WORDS)
 
 
+def _place() -> str:
+    """Where this process's pids mean something: host name, kernel boot id and PID namespace (two containers with
+    one host name, or a node whose host name repeats another's, do not compare pids across each other)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        boot = ns = "?"
+    return f"{socket.gethostname()} {boot} {ns}"
+
+
 def _start_time(pid: int) -> str | None:
     """The process's start time in clock ticks since boot (``/proc/<pid>/stat`` field 22), ``None`` if it is gone
     or has exited (a zombie, state ``Z``/``X``), or on a system without ``/proc``."""
@@ -60,6 +72,8 @@ class Peers:
     Attributes:
         rank: this process's global rank.
         hosts / pids / starts: per rank; ``starts`` tells a reused pid from the original process.
+        places: per rank, where its pid means something (:func:`_place`; default: ``hosts``); only the ranks with
+            this process's place are looked at.
         settle_s: seconds :meth:`explain` looks for a process of this host that has exited before it concludes that
             none has (the kernel closes a killed process's sockets, which the others see, before it has exited).
         failure: the first :class:`PeerFailure` a :meth:`guard` raised (then the run is over).
@@ -69,32 +83,39 @@ class Peers:
     hosts: list[str]
     pids: list[int]
     starts: list[str | None]
+    places: list[str] | None = None
     settle_s: float = 2.0
     failure: PeerFailure | None = None
 
     @classmethod
     def gather(cls, group: Any) -> "Peers":
         """Every rank's host and process, from every rank of ``group`` (a collective: all ranks call it)."""
-        me = (socket.gethostname(), os.getpid(), _start_time(os.getpid()))
+        me = (socket.gethostname(), os.getpid(), _start_time(os.getpid()), _place())
         box: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(box, me, group=group)
-        return cls(dist.get_rank(), [b[0] for b in box], [b[1] for b in box], [b[2] for b in box])
+        return cls(dist.get_rank(), *[[b[i] for b in box] for i in range(4)])
 
     @classmethod
     def local(cls, world_size: int, rank: int, pids: Sequence[int]) -> "Peers":
         """Peers all on this host with the given pids (tests)."""
-        host = socket.gethostname()
-        return cls(rank, [host] * world_size, list(pids), [_start_time(p) for p in pids])
+        return cls(rank, [socket.gethostname()] * world_size, list(pids), [_start_time(p) for p in pids],
+                   [_place()] * world_size)
+
+    def _here(self) -> tuple[list[str], str]:
+        """Every rank's place and this process's (host names where places were not given)."""
+        if self.places is None:
+            return self.hosts, socket.gethostname()
+        return self.places, _place()
 
     def dead(self) -> list[int]:
         """Global ranks on this host whose process has ended (or was replaced by another with the same pid).
         Empty where ``/proc`` does not exist (it cannot tell)."""
         if not os.path.isdir("/proc/self"):
             return []
-        host = socket.gethostname()
+        places, here = self._here()
         out = []
-        for r, (h, pid, start) in enumerate(zip(self.hosts, self.pids, self.starts)):
-            if r != self.rank and h == host and start is not None and _start_time(pid) != start:
+        for r, (h, pid, start) in enumerate(zip(places, self.pids, self.starts)):
+            if r != self.rank and h == here and start is not None and _start_time(pid) != start:
                 out.append(r)
         return out
 
@@ -121,8 +142,8 @@ class Peers:
                 f"megatrain: {self.describe(dead)}. "
                 f"Rank {self.rank} stops in {what}. Resume from the last checkpoint (Trainer.fit(..., ckpt_path=...)); "
                 f"the first error of that rank is in its own output. [{cause}]")
-        host = socket.gethostname()
-        others = [r for r, h in enumerate(self.hosts) if h != host]
+        places, here = self._here()
+        others = [r for r, h in enumerate(places) if h != here]
         where = (f"one of ranks {', '.join(map(str, others))} on other hosts died, or a rank hangs"
                  if others else "no process of this host has exited, so a rank hangs or its connection broke")
         return PeerFailure(
