@@ -52,7 +52,7 @@ from .parallel.faults import guarded
 from .parallel.groups import ProcessGroups
 from .parallel.launcher import MegaTrainLauncher
 from .parallel.node_share import NodeStore
-from .parallel.preflight import check_rendezvous, check_same_config, run_fingerprint
+from .parallel.preflight import check_rendezvous, check_same_config, optimizer_fingerprint, run_fingerprint
 from .precision import MegaTrainPrecision, to_megatrain_precision
 from .store.nvme import IO_BLOCK_SIZE, NVME_PATH_FROM_ENV, NVMeConfig
 
@@ -417,6 +417,9 @@ class MegaTrainStrategy(ParallelStrategy):
             )
         opt = self.optimizers[0]
         validate_optimizer(opt)
+        if self.groups is not None:  # every rank's owners must apply the same update
+            check_same_config(self.groups.host, optimizer_fingerprint(opt, self.lr_scheduler_configs),
+                              guard=self.groups.guard)
         assert self.engine is not None
         self.engine.attach_optimizer(opt, overlap=self.overlap_optimizer)
         engine = self.engine

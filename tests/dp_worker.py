@@ -79,7 +79,7 @@ def main() -> None:
     ap.add_argument("--hang", action="store_true", help="--kill-rank sleeps (10 min) instead of dying")
     ap.add_argument("--timeout", type=float, default=60.0, help="the strategy's timeout= (seconds)")
     ap.add_argument("--mismatch", default="", help="comma-separated, on local rank 1 only: model (one more layer), "
-                    "accumulate (one more micro-batch), lookahead (2)")
+                    "accumulate (one more micro-batch), lookahead (2), lr (twice)")
     ap.add_argument("--shm-free", type=int, default=None, help="local rank 1 sees this many bytes free in /dev/shm")
     args = ap.parse_args()
     second = os.environ.get("LOCAL_RANK", "0") == "1"  # the launcher sets it for the rank it starts
@@ -95,6 +95,8 @@ def main() -> None:
     model = T.make_model(args.arch, **over)
     T.freeze_key_biases(model)
     lm = T.LM(model, lr=1e-3, sched=args.sched, total_steps=args.total_steps or args.steps)
+    if "lr" in mismatch:
+        lm.lr *= 2
     strategy = MegaTrainStrategy(offload_activations=args.offload_activations, timeout=args.timeout,
                                  lookahead=2 if "lookahead" in mismatch else 1,
                                  optimizer_in_backward=True if args.optimizer_in_backward else None,

@@ -24,7 +24,7 @@ from megatrain_lightning import testing as T
 from megatrain_lightning.parallel.faults import PeerFailure, Peers
 from megatrain_lightning.parallel.launcher import ChildWatch, how_it_ended, stop_children
 from megatrain_lightning.parallel.preflight import (RendezvousError, check_rendezvous, differences, mismatch_message,
-                                                    run_fingerprint)
+                                                    optimizer_fingerprint, run_fingerprint)
 from megatrain_lightning.store.shared import OwnerTimeout, SharedMemoryTooSmall, SlabOwnership, check_shm
 from megatrain_lightning.strategy import MegaTrainStrategy
 from test_data_parallel import check, launch, per_step_losses
@@ -271,6 +271,24 @@ def test_fingerprint_sees_the_model_and_options_not_where_the_model_came_from():
                                           "trainer.accumulate_grad_batches"}
 
 
+def test_optimizer_fingerprint_sees_learning_rate_groups_and_schedulers():
+    model = T.make_model("llama")
+    params = list(model.parameters())
+
+    def fp(lr: float, split: int, sched: bool):
+        opt = torch.optim.AdamW([{"params": params[:split]}, {"params": params[split:], "weight_decay": 0.0}], lr=lr)
+        cfgs = [types.SimpleNamespace(scheduler=torch.optim.lr_scheduler.CosineAnnealingLR(opt, 10), interval="step",
+                                      frequency=1)] if sched else []
+        return optimizer_fingerprint(opt, cfgs)
+
+    base = fp(1e-3, 4, True)
+    assert base == fp(1e-3, 4, True)
+    assert base["optimizer.group1.weight_decay"] == "0.0" and base["scheduler0"].startswith("CosineAnnealingLR")
+    assert set(differences([base, fp(2e-3, 4, True)])) == {"optimizer.group0.lr", "optimizer.group1.lr"}
+    assert set(differences([base, fp(1e-3, 5, True)])) == {"optimizer.group0.params", "optimizer.group1.params"}
+    assert set(differences([base, fp(1e-3, 4, False)])) == {"scheduler0"}
+
+
 def test_ranks_with_different_models_and_options_are_refused(tmp_path):
     """Rank 1 builds a model with one more layer and accumulates one more micro-batch: both ranks stop at setup,
     before the store is built, listing every differing key with its values and ranks."""
@@ -283,6 +301,18 @@ def test_ranks_with_different_models_and_options_are_refused(tmp_path):
     assert "strategy.lookahead: 1 on rank 0; 2 on rank 1" in out
     assert "  model config: " in out and "  parameters: " in out
     assert "  torch: " not in out and "trainer.precision" not in out  # only what differs
+    assert running_with(str(tmp_path)) == []
+
+
+def test_ranks_with_different_learning_rates_are_refused_before_the_first_step(tmp_path):
+    """Rank 1's configure_optimizers returns twice the learning rate: each slab's owner would apply its own, so
+    both ranks stop once the optimizers are made, before the first step, naming the key and the ranks."""
+    proc = launch(tmp_path, "--steps", "2", "--mismatch", "lr", timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "  optimizer.group0.lr: 0.001 on rank 0; 0.002 on rank 1" in out, out[-4000:]
+    assert "[rank0]: megatrain_lightning.parallel.preflight.ConfigMismatchError" in out
+    assert not (tmp_path / "losses_0.pt").exists()
     assert running_with(str(tmp_path)) == []
 
 

@@ -7,7 +7,9 @@ rank runs the same configuration.
 * :func:`check_same_config` (at the strategy's ``setup``, before the host store is built): the model, its
   parameters, the strategy's options and the Trainer's step settings are the same on every rank (a
   fingerprint per rank, one ``all_gather_object``); different ones would make the collectives mismatch (a hang,
-  or a crash) or the ranks' updates differ silently.
+  or a crash) or the ranks' updates differ silently. Once ``configure_optimizers`` has run (after the store is
+  built, before the first step), the same for the optimizer's settings and the LR schedulers
+  (:func:`optimizer_fingerprint`).
 """
 
 from __future__ import annotations
@@ -135,6 +137,29 @@ def run_fingerprint(module: torch.nn.Module, strategy: Any, trainer: Any) -> dic
         fp[f"strategy.{name}"] = repr(getattr(strategy, name, None))
     for name in TRAINER_SETTINGS:
         fp[f"trainer.{name}"] = repr(getattr(trainer, name, None))
+    return fp
+
+
+#: Keys of an optimizer's param groups that change its updates (``params`` is summarised by its count).
+OPTIMIZER_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach", "fused", "capturable",
+                  "differentiable", "decoupled_weight_decay")
+
+
+def optimizer_fingerprint(optimizer: Any, lr_scheduler_configs: Any = ()) -> dict[str, str]:
+    """What must be equal on every rank about the optimizer and its schedulers: ``optimizer`` (class, number of
+    param groups), ``optimizer.group<i>.<key>`` for :data:`OPTIMIZER_KEYS` and the group's parameter count, and
+    ``scheduler<i>`` (class, ``interval``, ``frequency``) for Lightning's ``LRSchedulerConfig`` list. Each slab's
+    owner applies the update with its own optimizer's settings, so a rank with another learning rate would
+    silently train its slabs differently."""
+    fp = {"optimizer": f"{type(optimizer).__qualname__}, {len(optimizer.param_groups)} param groups"}
+    for i, g in enumerate(optimizer.param_groups):
+        fp[f"optimizer.group{i}.params"] = str(len(g["params"]))
+        for k in OPTIMIZER_KEYS:
+            if k in g:
+                fp[f"optimizer.group{i}.{k}"] = repr(g[k])
+    for i, c in enumerate(lr_scheduler_configs):
+        fp[f"scheduler{i}"] = (f"{type(c.scheduler).__qualname__}, interval={c.interval}, "
+                               f"frequency={c.frequency}")
     return fp
 
 
