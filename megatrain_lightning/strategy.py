@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from datetime import timedelta
 from typing import Any, Callable, Generator, Mapping, Sequence
 
@@ -33,7 +34,6 @@ from lightning.fabric.utilities.distributed import _get_default_process_group_ba
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -48,8 +48,11 @@ from .engine.streaming import StreamingEngine
 from .engine.threads import check_host_threads
 from .optim.host_adamw import UnsupportedOptimizerError, validate_optimizer
 from .parallel.checkpoint_writers import CheckpointWriters
+from .parallel.faults import guarded
 from .parallel.groups import ProcessGroups
+from .parallel.launcher import MegaTrainLauncher
 from .parallel.node_share import NodeStore
+from .parallel.preflight import check_rendezvous, check_same_config, optimizer_fingerprint, run_fingerprint
 from .precision import MegaTrainPrecision, to_megatrain_precision
 from .store.nvme import IO_BLOCK_SIZE, NVME_PATH_FROM_ENV, NVMeConfig
 
@@ -139,8 +142,9 @@ class MegaTrainStrategy(ParallelStrategy):
         process_group_backend: ``torch.distributed`` backend of a run with several processes (default: NCCL
             on CUDA, gloo on CPU, as ``DDPStrategy``).
         timeout: how long a collective waits for the other ranks before it fails (default 30 minutes, as
-            ``DDPStrategy``; a ``timedelta`` or seconds): a rank that died makes the others stop with an
-            error after at most this long instead of hanging.
+            ``DDPStrategy``; a ``timedelta`` or seconds; also the rendezvous's wait for every rank to start):
+            a rank that hangs makes the others stop after at most about twice this long instead of hanging;
+            one that died stops them at once, with a ``PeerFailure`` naming it (``parallel/faults.py``).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for every
             Lightning strategy.
 
@@ -158,6 +162,11 @@ class MegaTrainStrategy(ParallelStrategy):
         BlockDiscoveryError: the model has no discoverable blocks.
         ValueError: ``recompute`` is not one of "block", "selective", "none", "auto", or
             ``activation_memory_limit`` is not a positive size (at construction).
+        RendezvousError: the launch's ``WORLD_SIZE`` / ``NODE_RANK`` / ``MASTER_ADDR`` / ``MASTER_PORT`` contradict
+            ``devices`` and ``num_nodes`` (in ``Trainer(...)``, ``parallel/preflight.py``).
+        ConfigMismatchError: the ranks were started with different models or options (at setup, every rank).
+        SharedMemoryTooSmall: ``/dev/shm`` of some node cannot hold the node's state (at setup, every rank).
+        PeerFailure: another rank died or stopped answering (during the run).
     """
 
     strategy_name = "megatrain"
@@ -263,10 +272,12 @@ class MegaTrainStrategy(ParallelStrategy):
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     def _configure_launcher(self) -> None:
-        """Lightning's subprocess script launcher, as ``DDPStrategy(start_method="popen")``; none for one process
-        (so a single-device run works in a notebook)."""
+        """Lightning's subprocess script launcher, as ``DDPStrategy(start_method="popen")``, watching the ranks it
+        starts (``parallel/launcher.py``); none for one process (so a single-device run works in a notebook).
+        First the launch's environment is checked against devices/num_nodes (``parallel/preflight.py``)."""
         assert self.cluster_environment is not None
-        self._launcher = (_SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        check_rendezvous(os.environ, self.cluster_environment, self.num_processes, self.num_nodes)
+        self._launcher = (MegaTrainLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
                           if self.distributed else None)
 
     def setup_environment(self) -> None:
@@ -284,7 +295,8 @@ class MegaTrainStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout,
                               device_id=self.root_device if self.root_device.type != "cpu" else None)
-        self.groups = ProcessGroups.create(self.local_rank, self.num_processes, self.node_rank, self.num_nodes)
+        self.groups = ProcessGroups.create(self.local_rank, self.num_processes, self.node_rank, self.num_nodes,
+                                           timeout=self._timeout)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -292,25 +304,32 @@ class MegaTrainStrategy(ParallelStrategy):
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank
 
+    def _guard(self, what: str) -> Any:
+        """Main-thread collectives: a rank that died is named (``parallel/faults.py``)."""
+        return guarded(self.groups.peers if self.groups else None, what, self._timeout.total_seconds() if self._timeout else None)
+
     def barrier(self, name: str | None = None) -> None:
         if not _distributed_is_initialized():
             return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        with self._guard(f"the barrier {name!r}" if name else "a barrier"):
+            if dist.get_backend() == "nccl":
+                dist.barrier(device_ids=[self.root_device.index])
+            else:
+                dist.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _distributed_is_initialized():
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src)
+        with self._guard("a broadcast"):
+            dist.broadcast_object_list(box, src)
         return box[0]
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         """``self.log(..., sync_dist=True)``: the mean (or ``reduce_op``) over the ranks; identity in one process."""
         if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            with self._guard("a reduce of logged values (sync_dist)"):
+                return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     # ------------------------------------------------------------------ precision
@@ -349,6 +368,8 @@ class MegaTrainStrategy(ParallelStrategy):
                     "megatrain: offload_params/offload_optimizer='nvme' runs in one process for now; with "
                     f"devices={self.num_processes} x num_nodes={self.num_nodes} keep the state in host RAM "
                     "(strategy='megatrain'), or train on one device (docs/architecture.md, 'Several GPUs and nodes').")
+            if self.groups is not None:  # every rank the same model and options, before the store is built
+                check_same_config(self.groups.host, run_fingerprint(module, self, trainer), guard=self.groups.guard)
             self.engine = StreamingEngine(
                 module,
                 self.root_device,
@@ -384,7 +405,8 @@ class MegaTrainStrategy(ParallelStrategy):
         g = self.groups
         if g is None:
             return None
-        return GradReducer(g.grads, g.node_grads, g.cross_grads, g.node_rank, g.local_world_size, g.device_side_reduce)
+        return GradReducer(g.grads, g.node_grads, g.cross_grads, g.node_rank, g.local_world_size, g.device_side_reduce,
+                           guard=g.guard)
 
     def _take_over_optimizer(self) -> None:
         if len(self.optimizers) != 1:
@@ -395,6 +417,9 @@ class MegaTrainStrategy(ParallelStrategy):
             )
         opt = self.optimizers[0]
         validate_optimizer(opt)
+        if self.groups is not None:  # every rank's owners must apply the same update
+            check_same_config(self.groups.host, optimizer_fingerprint(opt, self.lr_scheduler_configs),
+                              guard=self.groups.guard)
         assert self.engine is not None
         self.engine.attach_optimizer(opt, overlap=self.overlap_optimizer)
         engine = self.engine

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -19,6 +21,34 @@ import megatrain_lightning  # noqa: F401  (registers strategy="megatrain")
 from megatrain_lightning import testing as T
 from megatrain_lightning.data.resumable import ResumableDataLoader
 from megatrain_lightning.strategy import MegaTrainStrategy
+
+
+class KillInBackward(pl.Callback):
+    """``--kill-rank R --kill-at-step S``: global rank R SIGKILLs itself in the middle of optimizer step S (in
+    ``on_after_backward`` of the step's first micro-batch: its gradients are being reduced, the others wait
+    in the collectives for its share); it writes ``OUT/killed_<R>`` (its pid) first. ``hang``: it sleeps
+    10 minutes instead (a rank that hangs)."""
+
+    def __init__(self, rank: int, step: int, out: Path, hang: bool = False):
+        self.rank, self.step, self.out, self.hang = rank, step, out, hang
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            (self.out / f"killed_{self.rank}").write_text(str(os.getpid()))
+            if self.hang:
+                time.sleep(600)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fake_shm_free(nbytes: int) -> None:
+    """``os.statvfs("/dev/shm")`` reports ``nbytes`` free (a small tmpfs, as in a default Docker container)."""
+    real = os.statvfs
+
+    class Small:
+        def __init__(self, st):
+            self.f_frsize, self.f_blocks, self.f_bavail = st.f_frsize, nbytes // st.f_frsize, nbytes // st.f_frsize
+
+    os.statvfs = lambda path: Small(real(path)) if str(path).startswith("/dev/shm") else real(path)
 
 
 def main() -> None:
@@ -44,25 +74,44 @@ def main() -> None:
     ap.add_argument("--nvme", default=None, help="offload_params/offload_optimizer='nvme' under this path")
     ap.add_argument("--model-checkpoint", default=None,
                     help="ModelCheckpoint(dirpath=..., every_n_train_steps=1, save_last=True, save_top_k=2)")
+    ap.add_argument("--kill-rank", type=int, default=None, help="this global rank SIGKILLs itself ...")
+    ap.add_argument("--kill-at-step", type=int, default=3, help="... in the backward of this optimizer step")
+    ap.add_argument("--hang", action="store_true", help="--kill-rank sleeps (10 min) instead of dying")
+    ap.add_argument("--timeout", type=float, default=60.0, help="the strategy's timeout= (seconds)")
+    ap.add_argument("--mismatch", default="", help="comma-separated, on local rank 1 only: model (one more layer), "
+                    "accumulate (one more micro-batch), lookahead (2), lr (twice)")
+    ap.add_argument("--shm-free", type=int, default=None, help="local rank 1 sees this many bytes free in /dev/shm")
     args = ap.parse_args()
+    second = os.environ.get("LOCAL_RANK", "0") == "1"  # the launcher sets it for the rank it starts
+    mismatch = set(args.mismatch.split(",")) if second and args.mismatch else set()
+    if second and args.shm_free is not None:
+        fake_shm_free(args.shm_free)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
     over = {"resid_pdrop": args.dropout} if args.arch == "gpt2" else {}
+    if "model" in mismatch:
+        over["num_hidden_layers"] = T.make_model(args.arch).config.num_hidden_layers + 1
     model = T.make_model(args.arch, **over)
     T.freeze_key_biases(model)
     lm = T.LM(model, lr=1e-3, sched=args.sched, total_steps=args.total_steps or args.steps)
-    strategy = MegaTrainStrategy(offload_activations=args.offload_activations, timeout=60,
+    if "lr" in mismatch:
+        lm.lr *= 2
+    strategy = MegaTrainStrategy(offload_activations=args.offload_activations, timeout=args.timeout,
+                                 lookahead=2 if "lookahead" in mismatch else 1,
                                  optimizer_in_backward=True if args.optimizer_in_backward else None,
                                  **({"offload_params": "nvme", "offload_optimizer": "nvme", "nvme_path": args.nvme}
                                     if args.nvme else {}))
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
-                         precision=args.precision, max_steps=args.steps, accumulate_grad_batches=args.accumulate,
+                         precision=args.precision, max_steps=args.steps,
+                         accumulate_grad_batches=args.accumulate + ("accumulate" in mismatch),
                          gradient_clip_val=args.clip, logger=False,
                          enable_checkpointing=args.model_checkpoint is not None,
-                         callbacks=[ModelCheckpoint(dirpath=args.model_checkpoint, every_n_train_steps=1, save_last=True,
-                                                    save_top_k=2, monitor="step", mode="max")]
-                         if args.model_checkpoint else None,
+                         callbacks=([ModelCheckpoint(dirpath=args.model_checkpoint, every_n_train_steps=1, save_last=True,
+                                                     save_top_k=2, monitor="step", mode="max")]
+                                    if args.model_checkpoint else [])
+                         + ([KillInBackward(args.kill_rank, args.kill_at_step, out, args.hang)]
+                            if args.kill_rank is not None else []),
                          enable_progress_bar=False, enable_model_summary=False)
     loader = T.make_data(n=args.n, batch_size=args.batch)
     if args.resumable:

@@ -37,8 +37,9 @@ with collectives the main thread issues on Lightning's default group (``barrier`
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,13 +55,18 @@ class GradReducer:
         node_rank / local_world_size: this process's node and the ranks per node (the owner's global rank is
             ``node_rank * local_world_size + owner``).
         device_side: reduce on the device before the D2H copy (NCCL) instead of on the host after it.
+        guard: ``guard(what)``, a context manager around each batch's collectives that turns a transport error (a
+            rank died: "Connection closed by peer", or a timeout) into one naming that rank
+            (``ProcessGroups.guard``, ``parallel/faults.py``); default: errors pass unchanged.
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised (at construction).
+        PeerFailure: (from ``guard``) in :meth:`reduce_host` / :meth:`reduce_device` when another rank died or
+            stopped answering.
     """
 
     def __init__(self, everyone: Any, node: Any, cross: Any, node_rank: int, local_world_size: int,
-                 device_side: bool = False):
+                 device_side: bool = False, guard: Callable[[str], ContextManager[None]] | None = None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("megatrain: gradient reduction needs torch.distributed initialised "
                                "(the strategy's setup_environment does it).")
@@ -68,6 +74,7 @@ class GradReducer:
         self.world_size = dist.get_world_size(everyone)
         self.node_rank, self.local_world_size = node_rank, local_world_size
         self.device_side = device_side
+        self.guard = guard if guard is not None else (lambda what: contextlib.nullcontext())
 
     def pack(self, grads: Sequence[torch.Tensor | None], shapes: Sequence[torch.Size], device: torch.device,
              dtype: torch.dtype) -> list[torch.Tensor]:
@@ -80,11 +87,13 @@ class GradReducer:
 
     def _reduce(self, grads: torch.Tensor, flags: torch.Tensor, owner: int, mine: bool) -> None:
         """Steps 1-4 of the module docstring on flat ``grads`` and ``flags`` (same device), in place."""
-        dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=self.everyone)
-        dist.reduce(grads, dst=self.node_rank * self.local_world_size + owner, op=dist.ReduceOp.SUM, group=self.node)
-        if mine:
-            if self.cross is not None:
+        with self.guard("the gradient reduce"):
+            dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=self.everyone)
+            dist.reduce(grads, dst=self.node_rank * self.local_world_size + owner, op=dist.ReduceOp.SUM,
+                        group=self.node)
+            if mine and self.cross is not None:
                 dist.all_reduce(grads, op=dist.ReduceOp.SUM, group=self.cross)
+        if mine:
             grads.div_(self.world_size)
 
     def reduce_device(self, flat: torch.Tensor, n_flags: int, owner: int, mine: bool) -> int | None:

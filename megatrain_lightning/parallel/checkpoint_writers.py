@@ -43,5 +43,6 @@ class CheckpointWriters:
 
     def exchange(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.groups.world_size
-        dist.all_gather_object(out, obj, group=self.groups.host)
+        with self.groups.guard("the checkpoint writers' exchange"):
+            dist.all_gather_object(out, obj, group=self.groups.host)
         return out

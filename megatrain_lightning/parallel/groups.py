@@ -16,10 +16,14 @@ starts the processes and ``MegaTrainStrategy.setup_distributed`` initialises the
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any
+from datetime import timedelta
+from typing import Any, ContextManager
 
 import torch.distributed as dist
+
+from .faults import Peers
 
 
 @dataclass
@@ -38,6 +42,8 @@ class ProcessGroups:
         node_grads: this node's ranks, the device's backend: gradient batches reduced to their owner.
         cross_grads: the ranks of every node with this local rank, the device's backend: owners' all-reduce
             across nodes (``None`` with one node).
+        peers: every rank's host and process (``parallel/faults.py``: a failed collective names the dead rank).
+        timeout_s: seconds a collective of these groups waits for the other ranks (the strategy's ``timeout``).
     """
 
     global_rank: int
@@ -53,10 +59,15 @@ class ProcessGroups:
     leaders: Any
     node_grads: Any = None
     cross_grads: Any = None
+    peers: Peers | None = None
+    timeout_s: float | None = None
 
     @classmethod
-    def create(cls, local_rank: int, local_world_size: int, node_rank: int, num_nodes: int) -> "ProcessGroups":
-        """Create the groups (a collective call: every rank calls it at the same point).
+    def create(cls, local_rank: int, local_world_size: int, node_rank: int, num_nodes: int,
+               timeout: timedelta | None = None) -> "ProcessGroups":
+        """Create the groups (a collective call: every rank calls it at the same point). ``timeout``: how long
+        their collectives wait for the other ranks (``torch.distributed.new_group`` would otherwise give them
+        its 30-minute default, not the default group's).
 
         Raises:
             RuntimeError: ``torch.distributed`` is not initialised, or its world size is not
@@ -74,28 +85,37 @@ class ProcessGroups:
                 "Trainer(devices=..., num_nodes=...) says (torchrun --nproc_per_node=devices --nnodes=num_nodes; "
                 "SLURM --ntasks-per-node=devices --nodes=num_nodes).")
         backend = str(dist.get_backend())
-        grads = dist.new_group(backend=backend)
-        host = dist.new_group(backend="gloo")
+        grads = dist.new_group(backend=backend, timeout=timeout)
+        host = dist.new_group(backend="gloo", timeout=timeout)
         node = leaders = None
         for k in range(num_nodes):  # every rank creates every group, in the same order
-            g = dist.new_group(ranks=[k * local_world_size + i for i in range(local_world_size)], backend="gloo")
+            g = dist.new_group(ranks=[k * local_world_size + i for i in range(local_world_size)], backend="gloo",
+                               timeout=timeout)
             if k == node_rank:
                 node = g
-        g = dist.new_group(ranks=[k * local_world_size for k in range(num_nodes)], backend="gloo")
+        g = dist.new_group(ranks=[k * local_world_size for k in range(num_nodes)], backend="gloo", timeout=timeout)
         if local_rank == 0:
             leaders = g
         node_grads = cross_grads = None
         for k in range(num_nodes):
-            g = dist.new_group(ranks=[k * local_world_size + i for i in range(local_world_size)], backend=backend)
+            g = dist.new_group(ranks=[k * local_world_size + i for i in range(local_world_size)], backend=backend,
+                               timeout=timeout)
             if k == node_rank:
                 node_grads = g
         if num_nodes > 1:
             for r in range(local_world_size):
-                g = dist.new_group(ranks=[k * local_world_size + r for k in range(num_nodes)], backend=backend)
+                g = dist.new_group(ranks=[k * local_world_size + r for k in range(num_nodes)], backend=backend,
+                                   timeout=timeout)
                 if r == local_rank:
                     cross_grads = g
+        peers = Peers.gather(host)
         return cls(dist.get_rank(), world, local_rank, local_world_size, node_rank, num_nodes, backend, grads, host,
-                   node, leaders, node_grads, cross_grads)
+                   node, leaders, node_grads, cross_grads, peers, timeout.total_seconds() if timeout else None)
+
+    def guard(self, what: str) -> ContextManager[None]:
+        """``with groups.guard("the gradient reduce"):`` around collectives: a transport error becomes a
+        :class:`~.faults.PeerFailure` naming the rank that died (``parallel/faults.py``)."""
+        return self.peers.guard(what, self.timeout_s) if self.peers is not None else contextlib.nullcontext()
 
     @property
     def device_side_reduce(self) -> bool:

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from ..store.host import HostStore
-from ..store.shared import SharedRegions, SharedWireImages, SlabOwnership, balance, check_shm, shared_state_bytes
+from ..store.shared import (SharedMemoryTooSmall, SharedRegions, SharedWireImages, SlabOwnership, balance, check_shm,
+                            shared_state_bytes)
 from .groups import ProcessGroups
 
 SHM_DIR = "/dev/shm"
@@ -38,13 +39,37 @@ class NodeStore:
         self.timeout_s = timeout_s
         self.pin = pin
         box = [uuid.uuid4().hex[:12] if groups.global_rank == 0 else None]
-        dist.broadcast_object_list(box, src=0, group=groups.host)  # one name per run, on every node
+        with groups.guard("the setup of the node-shared store"):
+            dist.broadcast_object_list(box, src=0, group=groups.host)  # one name per run, on every node
         self.path = os.path.join(directory, f"megatrain-{box[0]}-node{groups.node_rank}")
         self.directory = directory
         self._images = 0  # wire-image files made (one per precision configuration)
 
     def _barrier(self) -> None:
-        dist.barrier(group=self.groups.node)
+        with self.groups.guard("a barrier of the node's ranks"):
+            dist.barrier(group=self.groups.node)
+
+    def check_shm(self, nbytes: int) -> None:
+        """Preflight on every rank of every node (a collective over all ranks): each checks its node's
+        ``/dev/shm`` for ``nbytes``; if any is too small, every rank raises, quoting each one that is (so no
+        rank goes on to wait for a node that stopped).
+
+        Raises:
+            SharedMemoryTooSmall: with the numbers, the ranks and nodes, and what to change."""
+        try:
+            check_shm(nbytes, self.directory)
+            mine = None
+        except SharedMemoryTooSmall as err:
+            mine = str(err)
+        box: list = [None] * self.groups.world_size
+        with self.groups.guard("the shared-memory check"):
+            dist.all_gather_object(box, (self.groups.node_rank, mine), group=self.groups.host)
+        bad = [(r, node, msg) for r, (node, msg) in enumerate(box) if msg is not None]
+        if bad:
+            where = ", ".join(sorted({f"node {node}" for _, node, _ in bad}))
+            raise SharedMemoryTooSmall(
+                f"megatrain: shared memory too small on {where} (ranks {', '.join(str(r) for r, _, _ in bad)}); "
+                f"nothing was allocated. {bad[0][2].removeprefix('megatrain: ')}")
 
     def regions(self, layout: list[tuple[int, int]]) -> SharedRegions:
         """Create (local rank 0) and map the node's file for ``layout``.
@@ -52,7 +77,7 @@ class NodeStore:
         Raises:
             SharedMemoryTooSmall: ``/dev/shm`` cannot hold it (checked on every local rank before anything
                 is allocated)."""
-        check_shm(shared_state_bytes(layout), self.directory)
+        self.check_shm(shared_state_bytes(layout))
         first = self.groups.local_rank == 0
         regions = SharedRegions.map(self.path, layout, create=True, pin=self.pin) if first else None
         self._barrier()
@@ -69,7 +94,7 @@ class NodeStore:
 
         Raises:
             SharedMemoryTooSmall: ``/dev/shm`` cannot hold it."""
-        check_shm(sum(nbytes) + 64 * len(nbytes), self.directory)
+        self.check_shm(sum(nbytes) + 64 * len(nbytes))
         self._images += 1
         path = f"{self.path}-wire{self._images}"
         first = self.groups.local_rank == 0
@@ -88,15 +113,17 @@ class NodeStore:
         g = self.groups
         self._barrier()
         if g.num_nodes > 1 and g.local_rank == 0:
-            for slab in store.slabs:
-                dist.broadcast(slab.master, src=0, group=g.leaders)
+            with g.guard("the broadcast of the initial weights to the other nodes"):
+                for slab in store.slabs:
+                    dist.broadcast(slab.master, src=0, group=g.leaders)
         self._barrier()
         owner = balance([s.trainable_numel or s.numel for s in store.slabs], g.local_world_size)
         assert store.shared is not None
 
         def all_reduce(t: torch.Tensor, op: str) -> None:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=g.node)
+            with g.guard("the all-reduce of the owners' norms and inf checks"):
+                dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=g.node)
 
         return SlabOwnership(owner, g.local_rank, store.shared.counts, self.timeout_s,
                              global_rank_of=lambda r: g.node_rank * g.local_world_size + r,
-                             all_reduce=all_reduce, sync=self._barrier)
+                             all_reduce=all_reduce, sync=self._barrier, exited=lambda r: r in g.peers.dead())

@@ -153,12 +153,15 @@ class SlabOwnership:
         all_reduce: ``all_reduce(tensor, op)`` over the node's ranks (``op``: ``"sum"`` or ``"max"``), in place.
         sync: a barrier of the node's ranks (called once per optimizer step, before ``param.grad`` is shown to
             Lightning's hooks: every owner's adds are then in the shared accumulators).
+        exited: ``exited(global_rank)``: whether that rank's process has ended (looked at about once a second
+            while waiting, so a dead owner stops the wait at once instead of after ``timeout_s``); default: never.
     """
 
     def __init__(self, owner: Sequence[int], local_rank: int, counts: torch.Tensor, timeout_s: float,
                  global_rank_of: Callable[[int], int], all_reduce: Callable[[torch.Tensor, str], None],
-                 sync: Callable[[], None]):
+                 sync: Callable[[], None], exited: Callable[[int], bool] | None = None):
         self.sync = sync
+        self.exited = exited if exited is not None else (lambda rank: False)
         self.owner = list(owner)
         self.local_rank = local_rank
         self.counts = counts
@@ -180,14 +183,24 @@ class SlabOwnership:
         (sleeping 50 us -> 5 ms between looks).
 
         Raises:
-            OwnerTimeout: not published within ``timeout_s`` seconds, naming the owner's global rank.
+            OwnerTimeout: not published within ``timeout_s`` seconds, or the owner's process has exited
+                (``exited``), naming the owner's global rank.
         """
         self.expected[i] += 1
         want = self.expected[i]
-        t0 = time.monotonic()
+        t0 = last_look = time.monotonic()
         pause = 5e-5
         while int(self.counts[i]) < want:
-            if time.monotonic() - t0 > self.timeout_s:
+            now = time.monotonic()
+            if now - last_look > 1.0:
+                last_look = now
+                owner = self.global_rank_of(self.owner[i])
+                if self.exited(owner):
+                    raise OwnerTimeout(
+                        f"megatrain: rank {owner} stopped responding: its process has exited (local rank "
+                        f"{self.owner[i]}, which updates slab {i}; update {want} never came). Stopping; resume from "
+                        "the last checkpoint.")
+            if now - t0 > self.timeout_s:
                 raise OwnerTimeout(
                     f"megatrain: rank {self.global_rank_of(self.owner[i])} (local rank {self.owner[i]}), which updates "
                     f"slab {i}, did not publish update {want} within {self.timeout_s:.0f} s: it has died or hangs. "
