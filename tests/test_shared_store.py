@@ -74,8 +74,13 @@ def test_wire_image_generations(tmp_path):
     a.written(0)
     b.wait_newer(0, owner_rank=0)  # generation 1 is newer than none
     assert torch.all(b.images[0] == 7)
-    with pytest.raises(S.OwnerTimeout, match="rank 3"):
+    with pytest.raises(S.OwnerTimeout, match="rank 3, which writes the wire image of slab 0, did not write it within"):
         b.wait_newer(0, owner_rank=3)  # no newer generation comes
+    b.timeout_s = 60
+    t0 = time.monotonic()
+    with pytest.raises(S.OwnerTimeout, match="rank 3, .*did not write it: its process has exited"):
+        b.wait_newer(0, owner_rank=3, exited=lambda: True)  # a dead owner is noticed within about a second
+    assert time.monotonic() - t0 < 10
 
 
 def test_check_shm_names_the_numbers_and_the_fix(monkeypatch):

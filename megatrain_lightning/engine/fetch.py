@@ -218,6 +218,7 @@ class WeightFetcher:
                     self.acct.add(cast_s=time.perf_counter() - t0)
                     images.written(slab.index)
                 else:
-                    images.wait_newer(slab.index, own.global_rank_of(own.owner[slab.index]))
+                    rank = own.global_rank_of(own.owner[slab.index])
+                    images.wait_newer(slab.index, rank, lambda: own.exited(rank))
                 self.shadows[slab.index] = (shadow, v)
             return shadow

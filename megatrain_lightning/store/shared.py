@@ -188,25 +188,32 @@ class SlabOwnership:
         """
         self.expected[i] += 1
         want = self.expected[i]
-        t0 = last_look = time.monotonic()
-        pause = 5e-5
-        while int(self.counts[i]) < want:
-            now = time.monotonic()
-            if now - last_look > 1.0:
-                last_look = now
-                owner = self.global_rank_of(self.owner[i])
-                if self.exited(owner):
-                    raise OwnerTimeout(
-                        f"megatrain: rank {owner} stopped responding: its process has exited (local rank "
-                        f"{self.owner[i]}, which updates slab {i}; update {want} never came). Stopping; resume from "
-                        "the last checkpoint.")
-            if now - t0 > self.timeout_s:
-                raise OwnerTimeout(
-                    f"megatrain: rank {self.global_rank_of(self.owner[i])} (local rank {self.owner[i]}), which updates "
-                    f"slab {i}, did not publish update {want} within {self.timeout_s:.0f} s: it has died or hangs. "
-                    "Stopping; resume from the last checkpoint (the strategy's timeout= sets this limit).")
-            time.sleep(pause)
-            pause = min(pause * 2, 5e-3)
+        owner = self.global_rank_of(self.owner[i])
+        wait_for(lambda: int(self.counts[i]) >= want, self.timeout_s, lambda: self.exited(owner),
+                 f"rank {owner} (local rank {self.owner[i]}), which updates slab {i}, did not publish update {want}")
+
+
+def wait_for(ready: Callable[[], bool], timeout_s: float, exited: Callable[[], bool], what: str) -> None:
+    """Poll ``ready()`` (sleeping 50 us -> 5 ms between looks) until it is true.
+
+    Raises:
+        OwnerTimeout: ``exited()`` (looked at about once a second) says the process that should make it true has
+            ended, or ``timeout_s`` seconds passed; the message says ``what`` did not happen.
+    """
+    t0 = last_look = time.monotonic()
+    pause = 5e-5
+    while not ready():
+        now = time.monotonic()
+        if now - last_look > 1.0:
+            last_look = now
+            if exited():
+                raise OwnerTimeout(f"megatrain: {what}: its process has exited. Stopping; resume from the last "
+                                   "checkpoint.")
+        if now - t0 > timeout_s:
+            raise OwnerTimeout(f"megatrain: {what} within {timeout_s:.0f} s: it has died or hangs. Stopping; resume "
+                               "from the last checkpoint (the strategy's timeout= sets this limit).")
+        time.sleep(pause)
+        pause = min(pause * 2, 5e-3)
 
 
 class NodeShare(Protocol):
@@ -265,17 +272,12 @@ class SharedWireImages:
         self.seen[i] = int(self.generations[i]) + 1
         self.generations[i] = self.seen[i]
 
-    def wait_newer(self, i: int, owner_rank: int) -> None:
+    def wait_newer(self, i: int, owner_rank: int, exited: Callable[[], bool] = lambda: False) -> None:
         """Non-owner: wait for a generation of image ``i`` newer than the last one this process used.
 
         Raises:
-            OwnerTimeout: none within ``timeout_s`` (the owner, global rank ``owner_rank``, died or hangs)."""
-        t0, pause = time.monotonic(), 5e-5
-        while int(self.generations[i]) <= self.seen[i]:
-            if time.monotonic() - t0 > self.timeout_s:
-                raise OwnerTimeout(
-                    f"megatrain: rank {owner_rank}, which writes the wire image of slab {i}, did not write it within "
-                    f"{self.timeout_s:.0f} s: it has died or hangs. Resume from the last checkpoint.")
-            time.sleep(pause)
-            pause = min(pause * 2, 5e-3)
+            OwnerTimeout: none within ``timeout_s``, or ``exited()`` (the owner, global rank ``owner_rank``, has
+                ended)."""
+        wait_for(lambda: int(self.generations[i]) > self.seen[i], self.timeout_s, exited,
+                 f"rank {owner_rank}, which writes the wire image of slab {i}, did not write it")
         self.seen[i] = int(self.generations[i])
