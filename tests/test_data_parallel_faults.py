@@ -27,7 +27,7 @@ from megatrain_lightning.parallel.preflight import (RendezvousError, check_rende
                                                     optimizer_fingerprint, run_fingerprint)
 from megatrain_lightning.store.shared import OwnerTimeout, SharedMemoryTooSmall, SlabOwnership, check_shm
 from megatrain_lightning.strategy import MegaTrainStrategy
-from test_data_parallel import check, launch, per_step_losses
+from test_data_parallel import assert_resumed_like, check, launch
 
 TIMEOUT = 20  # the strategy's timeout= in the kill tests (seconds)
 
@@ -93,14 +93,7 @@ def test_the_run_resumes_exactly_from_the_last_checkpoint_before_the_kill(tmp_pa
     names = sorted(p.name for p in ckpts.iterdir() if not p.name.startswith("."))
     assert "epoch=0-step=5.ckpt" in names and "epoch=0-step=6.ckpt" not in names and "last.ckpt" in names, names
     check(launch(rest, *common, "--devices", "1", "--batch", "4", "--model-checkpoint", str(ckpts), "--resume", "last"))
-    want = per_step_losses(full, 2)[5 * 2:]
-    got = per_step_losses(rest, 1)
-    assert len(got) == len(want) == 6
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert abs(a - b) / abs(b) <= 1e-5, f"micro-batch {10 + i}: {a} vs uninterrupted {b}"
-    wa, wb = torch.load(rest / "weights.pt"), torch.load(full / "weights.pt")
-    for k in wb:
-        assert T.rel(wa[k], wb[k]) <= 1e-5, (k, T.rel(wa[k], wb[k]))
+    assert_resumed_like(rest, 1, full, 2, skip=5 * 2, n=6)
     assert running_with(str(tmp_path)) == []
 
 

@@ -38,7 +38,6 @@ with collectives the main thread issues on Lightning's default group (``barrier`
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import Any, Callable, ContextManager, Sequence
 
 import torch
