@@ -125,6 +125,8 @@ def main() -> None:
         trainer.save_checkpoint(args.save)
     rank = trainer.global_rank
     torch.save(lm.losses, out / f"losses_{rank}.pt")
+    if trainer.local_rank == 0:  # each node's copy of the weights (its shared store)
+        torch.save({k: v.detach().clone() for k, v in model.named_parameters()}, out / f"node_weights_{rank}.pt")
     if rank == 0:
         torch.save({k: v.detach().clone() for k, v in model.named_parameters()}, out / "weights.pt")
         (out / "stats.json").write_text(json.dumps(trainer.strategy.engine.history))
@@ -132,6 +134,7 @@ def main() -> None:
         (out / "updates_in_backward.json").write_text(json.dumps(eng.optimizer.updates_in_backward))
         (out / "env.json").write_text(json.dumps({"world_size": trainer.world_size,
                                                   "sampler": type(trainer.train_dataloader.sampler).__name__,
+                                                  "cluster_environment": type(trainer.strategy.cluster_environment).__name__,
                                                   "shared_store": eng.store.shared is not None,
                                                   "shared_wire_images": eng.fetcher.images is not None}))
 

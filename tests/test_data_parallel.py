@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -98,6 +99,7 @@ def test_two_processes_match_one_with_the_global_batch(tmp_path, arch):
     assert_matches(tmp_path, 2, model, losses, 1e-5)
     env = json.loads((tmp_path / "env.json").read_text())
     assert env["world_size"] == 2 and env["sampler"] == "DistributedSampler" and env["shared_store"]
+    assert env["cluster_environment"] == "LightningEnvironment"  # python train.py: Lightning's launcher spawned rank 1
 
 
 def test_offload_activations_two_processes(tmp_path):
@@ -161,6 +163,9 @@ def test_two_nodes_on_loopback(tmp_path):
         assert p.returncode == 0, out[-2000:] + err[-5000:]
     model, losses = reference("llama", 4, 12, 2, 0.5, "cosine")
     assert_matches(tmp_path, 4, model, losses, 1e-5)
+    first, second = torch.load(tmp_path / "node_weights_0.pt"), torch.load(tmp_path / "node_weights_2.pt")
+    for k in first:  # the owners on both nodes applied the same updates to their own copies
+        assert torch.equal(first[k], second[k]), k
 
 
 @pytest.mark.parametrize("first,then", [(2, 1), (1, 2)])
@@ -252,3 +257,41 @@ def test_nvme_tier_with_several_processes_is_refused_clearly(tmp_path):
     assert proc.returncode != 0
     assert "NotImplementedError: megatrain: offload_params/offload_optimizer='nvme' runs in one process" in proc.stderr
     assert not list(tmp_path.glob("megatrain_store*/*"))  # nothing written to the NVMe path
+
+
+def test_torchrun_launch(tmp_path):
+    """``torchrun --nproc_per_node=2 train.py`` (TorchElastic: Lightning's TorchElasticEnvironment reports the
+    ranks, nothing is spawned by the strategy): the same numbers as plain PyTorch on the global batch."""
+    port = str(free_port())
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK",
+                                                               "MASTER_PORT", "MASTER_ADDR")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+                           str(WORKER), str(tmp_path), "--devices", "2", "--batch", "2", "--steps", "12",
+                           "--accumulate", "2", "--clip", "0.5", "--sched", "cosine"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    check(proc)
+    assert json.loads((tmp_path / "env.json").read_text())["cluster_environment"] == "TorchElasticEnvironment"
+    model, losses = reference("llama", 4, 12, 2, 0.5, "cosine")
+    assert_matches(tmp_path, 2, model, losses, 1e-5)
+
+
+def test_slurm_environment(tmp_path):
+    """Under SLURM (``srun --ntasks-per-node=2 python train.py``; here the two tasks are started with the variables
+    srun sets), Lightning's SLURMEnvironment reports the ranks and nothing is spawned: the same numbers as plain
+    PyTorch on the global batch."""
+    job = str(random.randint(1, 10**6))  # Lightning derives the rendezvous port from the job id
+    base = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK",
+                                                                "MASTER_PORT", "MASTER_ADDR")}
+    procs = []
+    for r in (0, 1):
+        env = {**base, "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r),
+               "SLURM_NODEID": "0", "SLURM_JOB_ID": job, "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "localhost"}
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(tmp_path), "--devices", "2", "--batch", "2",
+                                       "--steps", "12", "--accumulate", "2", "--clip", "0.5", "--sched", "cosine"],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, out[-2000:] + err[-4000:]
+    assert json.loads((tmp_path / "env.json").read_text())["cluster_environment"] == "SLURMEnvironment"
+    model, losses = reference("llama", 4, 12, 2, 0.5, "cosine")
+    assert_matches(tmp_path, 2, model, losses, 1e-5)
