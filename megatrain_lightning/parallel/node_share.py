@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,7 @@ from ..store.shared import (SharedMemoryTooSmall, SharedRegions, SharedWireImage
 from .groups import ProcessGroups
 
 SHM_DIR = "/dev/shm"
+T = TypeVar("T")
 
 
 class NodeStore:
@@ -78,16 +80,7 @@ class NodeStore:
             SharedMemoryTooSmall: ``/dev/shm`` cannot hold it (checked on every local rank before anything
                 is allocated)."""
         self.check_shm(shared_state_bytes(layout))
-        first = self.groups.local_rank == 0
-        regions = SharedRegions.map(self.path, layout, create=True, pin=self.pin) if first else None
-        self._barrier()
-        if not first:
-            regions = SharedRegions.map(self.path, layout, create=False, pin=self.pin)
-        self._barrier()
-        if first:
-            os.unlink(self.path)  # the mappings keep the memory; nothing is left behind after the run
-        assert regions is not None
-        return regions
+        return self._create_and_map(self.path, lambda create: SharedRegions.map(self.path, layout, create, self.pin))
 
     def wire_images(self, nbytes: list[int]) -> SharedWireImages:
         """Create (local rank 0) and map a new wire-image file (``nbytes`` per slab), as :meth:`regions`.
@@ -97,16 +90,23 @@ class NodeStore:
         self.check_shm(sum(nbytes) + 64 * len(nbytes))
         self._images += 1
         path = f"{self.path}-wire{self._images}"
+        return self._create_and_map(path, lambda create: SharedWireImages(path, nbytes, create, self.pin,
+                                                                          self.timeout_s))
+
+    def _create_and_map(self, path: str, make: Callable[[bool], T]) -> T:
+        """``make(create=True)`` on local rank 0, then ``make(create=False)`` on the others once the file exists;
+        the file is unlinked once every local rank has mapped it (the mappings keep the memory: nothing is left
+        behind after the run, whatever way it ends)."""
         first = self.groups.local_rank == 0
-        images = SharedWireImages(path, nbytes, True, self.pin, self.timeout_s) if first else None
+        obj = make(True) if first else None
         self._barrier()
         if not first:
-            images = SharedWireImages(path, nbytes, False, self.pin, self.timeout_s)
+            obj = make(False)
         self._barrier()
         if first:
             os.unlink(path)
-        assert images is not None
-        return images
+        assert obj is not None
+        return obj
 
     def setup(self, store: HostStore) -> SlabOwnership:
         """After the store is built: the writer's weights reach every rank (and node), then the owners."""
