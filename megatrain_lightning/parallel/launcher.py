@@ -8,8 +8,8 @@ info log line; local rank 0 then often dies before it can say why. Here the watc
 (they may wait in a collective for the dead one), gives local rank 0 ``grace_s`` seconds to stop with its own
 error (a :class:`~.faults.PeerFailure` from its next collective), and only then SIGKILLs it. Conversely, when
 local rank 0 fails with an exception, the children still running after ``grace_s`` seconds are SIGKILLed, so
-no rank is left behind waiting for it. The launch itself first checks the rendezvous settings
-(:func:`~.preflight.check_rendezvous`, also called when the strategy picks its launcher).
+no rank is left behind waiting for it. The rendezvous settings are checked before this launcher is made
+(:func:`~.preflight.check_rendezvous`, called when the strategy picks its launcher).
 """
 
 from __future__ import annotations
