@@ -81,7 +81,11 @@ class GradReducer:
         ``dtype`` on ``device`` where it is ``None``), then one presence flag per gradient (shape
         ``[len(grads)]``, ``dtype``: 1 where this rank has a gradient)."""
         out = [g if g is not None else torch.zeros(s, dtype=dtype, device=device) for g, s in zip(grads, shapes)]
-        out.append(torch.tensor([0.0 if g is None else 1.0 for g in grads], dtype=dtype, device=device))
+        flags = torch.ones(len(grads), dtype=dtype, device=device)  # made on the device: no host copy, no sync
+        for i, g in enumerate(grads):
+            if g is None:
+                flags[i] = 0.0
+        out.append(flags)
         return out
 
     def _reduce(self, grads: torch.Tensor, flags: torch.Tensor, owner: int, mine: bool) -> None:
