@@ -138,7 +138,8 @@ class MegaTrainStrategy(ParallelStrategy):
         host_threads: intra-op CPU threads of the engine's two host workers (the host AdamW, gradient
             adds into the fp32 accumulators, casts to the wire dtype). ``None`` (default): on CUDA
             ``torch.get_num_threads() - 1``, which leaves a core for the thread launching GPU kernels
-            (derived, not measured: docs/architecture.md, "Engine layout"); on CPU torch's setting.
+            (derived, not measured: docs/architecture.md, "Engine layout"); on CPU 1 (the compute
+            kernels use every core; measured: engine/threads.py).
         process_group_backend: ``torch.distributed`` backend of a run with several processes (default: NCCL
             on CUDA, gloo on CPU, as ``DDPStrategy``).
         timeout: how long a collective waits for the other ranks before it fails (default 30 minutes, as

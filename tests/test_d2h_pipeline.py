@@ -86,10 +86,10 @@ def test_host_threads_option_is_checked_when_the_strategy_is_built():
     assert MegaTrainStrategy(host_threads=3).host_threads == 3
 
 
-def test_host_threads_default_leaves_a_core_on_cuda_only():
+def test_host_threads_default_leaves_a_core_on_cuda_and_one_thread_per_worker_on_cpu():
     n = torch.get_num_threads()
     assert resolve_host_threads(None, torch.device("cuda", 0)) == max(1, n - 1)
-    assert resolve_host_threads(None, torch.device("cpu")) is None  # the compute thread's pool: unchanged
+    assert resolve_host_threads(None, torch.device("cpu")) == 1  # the compute thread's kernels use every core
     assert resolve_host_threads(5, torch.device("cpu")) == 5
 
 

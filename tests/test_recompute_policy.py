@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 import logging
 
 import lightning.pytorch as pl
@@ -57,14 +59,20 @@ def test_modes_with_offload_and_segments(mode, extra):
 
 def test_saved_bytes_are_ordered_block_selective_none():
     """What each mode keeps per step (deterministic bytes): the block's inputs only < plus matmul and
-    attention outputs < every op output. Recompute time is reported for each (its speed: bench/)."""
+    attention outputs < everything autograd saves but the weights. Recompute time is reported for each
+    (its speed: bench/); "none" recomputes nothing."""
     got = {m: _fit("llama", steps=2, recompute=m)[-1] for m in ("block", "selective", "none")}
     saved = {m: h["megatrain/saved_activation_bytes"] for m, h in got.items()}
     assert 0 < saved["block"] < saved["selective"] < saved["none"], saved
     # block: the hidden states entering each streamed call (2 x 16 tokens x 32 fp32, x blocks that need grad)
     hidden = 2 * 16 * 32 * 4
     assert saved["block"] % hidden == 0
-    assert all(h["megatrain/recompute_s"] > 0 for h in got.values())
+    # block and selective recompute in backward; none differentiates each block's kept graph
+    assert got["block"]["megatrain/recompute_s"] > 0 and got["selective"]["megatrain/recompute_s"] > 0
+    assert got["none"]["megatrain/recompute_s"] == 0
+    # "none": the embedding's backward reads no weight (its graph saves only the indices): one fetch less
+    # per micro-batch
+    assert got["none"]["megatrain/blocks_fetched"] == got["block"]["megatrain/blocks_fetched"] - ACC
 
 
 def test_auto_stays_within_a_quarter_of_none(caplog):
@@ -201,3 +209,52 @@ def test_chunked_mlp_under_a_saving_policy_recomputes_nothing_more(mode):
     forward per block, as documented)."""
     assert _backward_matmul_flops(mode, 4) == _backward_matmul_flops(mode, None)
     assert _backward_matmul_flops("block", 4) > _backward_matmul_flops("block", None)
+
+
+def _weights_alive_after_forward(mode: str, monkeypatch) -> list[int]:
+    """Bytes of block weight buffers alive between each training forward and its backward, independent
+    of the engine's accounting: every buffer the copying CPU transport makes is given numpy memory, and a
+    weak reference to that array says whether any tensor (view, leaf, saved tensor) still uses it."""
+    import numpy as np
+
+    from megatrain_lightning.engine.transport import CPUTransport
+
+    made: list = []
+    to_device = CPUTransport.to_device
+
+    def record(self, *a, **kw):
+        buf, ev = to_device(self, *a, **kw)
+        arr = np.empty(buf.numel(), dtype=np.float32)
+        out = torch.from_numpy(arr).view(buf.shape)
+        out.copy_(buf)
+        made.append(weakref.ref(arr))
+        return out, ev
+
+    monkeypatch.setattr(CPUTransport, "to_device", record)
+    alive: list[int] = []
+
+    class Probe(LM):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            gc.collect()
+            alive.append(sum(a.nbytes for a in (r() for r in made) if a is not None))
+            return loss
+
+    trainer = pl.Trainer(strategy=MegaTrainStrategy(recompute=mode, cpu_zero_copy=False, lookahead=1),
+                         accelerator="cpu", devices=1, max_steps=2, enable_checkpointing=False, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Probe(make_model("llama", num_hidden_layers=6)), make_data(n=2))
+    return alive
+
+
+def test_none_keeps_no_weights_between_forward_and_backward(monkeypatch):
+    """recompute="none" keeps each block's autograd graph but not its weights: between the forward and
+    the backward the weight buffers alive are bounded as with "block" (which keeps no graph): the last
+    block's and the backward's prefetch, not the six layers."""
+    model = make_model("llama", num_hidden_layers=6)
+    layer = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
+    head = sum(p.numel() * 4 for p in model.lm_head.parameters()) + sum(p.numel() * 4 for p in model.model.norm.parameters())
+    bound = head + 2 * layer  # the kept last block, at most lookahead + 1 layers prefetched for backward
+    block = _weights_alive_after_forward("block", monkeypatch)
+    none = _weights_alive_after_forward("none", monkeypatch)
+    assert max(block) <= bound and max(none) <= bound, (block, none, bound)

@@ -64,7 +64,7 @@ class ForwardRecord:
     backward_started: bool = False
     shares_step: bool = False  # started while an earlier forward's backward had not run
     first_block: int = -1  # block index of the first call (or container)
-    direct: list[list] = field(default_factory=list)  # trainable refs of each container call (_BoundParams)
+    direct: list[list] = field(default_factory=list)  # trainable refs of each container call (bound_params.BoundParams)
 
     def live_calls(self) -> list[BlockCall]:
         """The calls in order, while their graph is alive (all of them at the start of a backward)."""
@@ -81,14 +81,16 @@ class ForwardRecord:
 
 
 class KeptGraph:
-    """The last block's autograd graph, kept from its forward to its backward: the device buffers
-    and gradient leaves it computed with, its detached inputs and its outputs. ``close`` (idempotent)
+    """A block call's autograd graph, kept from its forward to its backward: the last block's (with the
+    device buffers it computed with) or a ``recompute="none"`` call's (``hooks``: without its weights,
+    :mod:`.block_graph`); the gradient leaves, its detached inputs and its outputs. ``close`` (idempotent)
     drops them and returns their bytes to the accounting: after a backward that does not retain the
     graph, when the call is garbage-collected (its graph dropped unused), or at the end of the step."""
 
     def __init__(self, rc: "Recompute", bufs: dict[int, torch.Tensor], leaves: dict[int, torch.Tensor],
-                 inputs: list, outs: list[torch.Tensor]):
+                 inputs: list, outs: list[torch.Tensor], hooks: Any = None):
         self.rc, self.bufs, self.leaves, self.inputs, self.outs = rc, bufs, leaves, inputs, outs
+        self.hooks = hooks  # block_graph.GraphHooks of a recompute="none" call (its weights are not kept)
         self.open = True
 
     def close(self) -> None:
@@ -97,6 +99,8 @@ class KeptGraph:
         self.open = False
         self.rc.kept_open.discard(self)
         self.leaves, self.inputs, self.outs = {}, [], []
+        if self.hooks is not None:
+            self.hooks.free()
         self.rc.acct.release(self.bufs)
 
 

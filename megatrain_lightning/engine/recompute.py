@@ -21,12 +21,14 @@ import weakref
 from typing import Any, Callable, ContextManager, Sequence
 
 import torch
-from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from ..blocks import Block
 from ..store.host import HostStore
 from .accounting import ByteAccounting
+from .backward_state import keeps_graph, leaf_grad_use
+from .block_graph import GraphHooks, release_leaves
+from .bound_params import BoundParams
 from .calls import SECOND_BACKWARD, BlockCall, ForwardRecord, KeptGraph, trainable_refs  # noqa: F401 - trainable_refs re-exported
 from .grads import GradientSink
 from .chunked_mlp import plain_chunks
@@ -40,59 +42,6 @@ def _autocast_state(device_type: str) -> tuple:
         torch.get_autocast_dtype(device_type),
         torch.is_autocast_cache_enabled(),
     )
-
-
-def _leaf_grad_use(leaf: torch.Tensor) -> str | None:
-    """What the running backward does with ``leaf``'s gradient: ``"accumulate"`` into ``.grad``
-    (``loss.backward()`` for every leaf, ``backward(inputs=...)`` for the listed ones), ``"capture"``
-    (``torch.autograd.grad(..., inputs)`` for the listed ones: returned, nothing accumulates) or
-    ``None`` (not computed). The engine's marker leaf (an input of every block call, never listed by
-    users) therefore tells a plain ``backward()`` apart from the other two."""
-    try:
-        return "accumulate" if torch._C._will_engine_execute_node(get_gradient_edge(leaf).node) else None
-    except RuntimeError:  # torch answers this for a leaf that autograd.grad() captures: it is listed
-        return "capture"
-
-
-def _keeps_graph() -> bool:
-    """``retain_graph`` of the running backward (what torch's own AOT autograd reads)."""
-    fn = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    return bool(fn()) if fn is not None else False
-
-
-class _BoundParams(torch.autograd.Function):
-    """A container's own parameters on the device for the span of its ``forward`` (a direct block:
-    they are used outside any block call, so there is nothing to recompute and ordinary autograd
-    tracks them).
-
-    Inputs: the :class:`Recompute`, the parameters' references, their device views (the fetched buffer), the
-    engine's marker leaf, then the host parameters. Outputs: the device views, as tensors autograd
-    tracks. Backward: ``loss.backward()`` sends their gradients to the host accumulators;
-    ``torch.autograd.grad`` / ``backward(inputs=...)`` returns them for the parameters listed."""
-
-    @staticmethod
-    def forward(ctx, rc: "Recompute", refs: list, views: list, dummy: torch.Tensor,
-                *params: torch.Tensor):  # type: ignore[override]
-        ctx.rc, ctx.refs = rc, refs
-        return tuple(views)
-
-    @staticmethod
-    def backward(ctx, *grads):  # type: ignore[override]
-        rc, refs = ctx.rc, ctx.refs
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                "megatrain: backward(create_graph=True) (double backward) reached a container's own parameters; "
-                "streamed models are differentiated once."
-            )
-        none = (None, None, None, None)
-        if _leaf_grad_use(rc.dummy) == "accumulate":
-            rc.grads.send(refs, list(grads))
-            return none + (None,) * len(refs)
-        use = [_leaf_grad_use(r.param) for r in refs]
-        rc.grads.send([r for r, u in zip(refs, use) if u == "accumulate"],
-                        [g for g, u in zip(grads, use) if u == "accumulate"])
-        return none + tuple(g.to(r.param.device) if g is not None and u == "capture" else None
-                            for r, g, u in zip(refs, grads, use))
 
 
 class _BlockFunction(torch.autograd.Function):
@@ -116,14 +65,17 @@ class _BlockFunction(torch.autograd.Function):
         if call.keep:
             out = rc._run_kept(call, tensors)
         else:
-            call.saved_ops, measure = rc.policy.start(call.block.index, call.fwd)
-            out = rc._run_block(call, tensors, leaves=None, backward=False, measure=measure)
+            call.saved_ops, measure, graph = rc.policy.start(call.block.index, call.fwd)
+            if graph:  # recompute="none": the call keeps its graph, without its weights
+                out = rc._run_kept(call, tensors, GraphHooks(rc.offload if rc.offload_activations else None))
+            else:
+                out = rc._run_block(call, tensors, leaves=None, backward=False, measure=measure)
         out_flat, call.out_spec = tree_flatten(out)
         call.out_pos = [i for i, x in enumerate(out_flat) if isinstance(x, torch.Tensor)]
         call.out_flat = [None if isinstance(x, torch.Tensor) else x for x in out_flat]
         outs = tuple(out_flat[i] for i in call.out_pos)
         ctx.call = call
-        if not call.keep:
+        if call.graph is None:
             rc._save_inputs(call, tensors)
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
         return outs
@@ -142,8 +94,8 @@ class _BlockFunction(torch.autograd.Function):
             raise RuntimeError(SECOND_BACKWARD + f" (megatrain: streamed block {call.block.name}).")
         n = len(call.tensor_pos)
         needs = ctx.needs_input_grad[2 : 2 + n]
-        kind = "all" if _leaf_grad_use(rc.dummy) == "accumulate" else "select"
-        keep_graph = _keeps_graph()
+        kind = "all" if leaf_grad_use(rc.dummy) == "accumulate" else "select"
+        keep_graph = keeps_graph()
         call.fwd.backward_started = True
         grad_inputs, grad_params = rc._backward_call(call, needs, grad_outs, kind, keep_graph)
         return (None, None, *grad_inputs, *grad_params)
@@ -195,7 +147,8 @@ class Recompute:
         call = BlockCall(self, blk, forward, [None if i in pos else x for i, x in enumerate(flat)], spec, pos,
                          fwd=fwd, refs=refs, keep=keep and bool(fwd.calls))
         outs = _BlockFunction.apply(call, self.dummy, *[flat[i] for i in pos], *[r.param for r in refs])
-        call.fwd.last_outs = (call.pos, [weakref.ref(o) for o in outs])
+        # the next call may rebuild its inputs from this call's outputs, unless this call keeps its graph
+        call.fwd.last_outs = None if call.graph is not None else (call.pos, [weakref.ref(o) for o in outs])
         out_flat = list(call.out_flat)
         for i, o in zip(call.out_pos, outs):
             out_flat[i] = o
@@ -203,9 +156,9 @@ class Recompute:
 
     def bound_params(self, blk: Block, refs: list, bufs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """A container's own trainable parameters (``refs``) as autograd-tracked device views of
-        ``bufs`` for the span of its forward (:class:`_BoundParams`), keyed by ``id(param)``."""
+        ``bufs`` for the span of its forward (:class:`~.bound_params.BoundParams`), keyed by ``id(param)``."""
         views = [self.store.slabs[r.slab].view(bufs[r.slab], r.index) for r in refs]
-        outs = _BoundParams.apply(self, refs, views, self.dummy, *[r.param for r in refs])
+        outs = BoundParams.apply(self, refs, views, self.dummy, *[r.param for r in refs])
         self.forward_for(blk).direct.append(refs)
         return {id(r.param): o for r, o in zip(refs, outs)}
 
@@ -230,12 +183,14 @@ class Recompute:
         return {id(r.param): self.store.slabs[r.slab].view(bufs[r.slab], r.index).detach().requires_grad_(True)
                 for r in refs}
 
-    def _run_kept(self, call: BlockCall, tensors: Sequence[torch.Tensor]) -> Any:
-        """Run the last block of a training forward with autograd and keep its graph for its backward.
+    def _run_kept(self, call: BlockCall, tensors: Sequence[torch.Tensor], hooks: GraphHooks | None = None) -> Any:
+        """Run a training call with autograd and keep its graph for its backward (no recompute).
 
-        Its backward comes first, right after the loss, so recomputing it would redo its forward
-        (for an LM head: the B x T x V logits matmul) and fetch its weights again. Instead its
-        weights stay on the device until its backward (``KeptGraph``)."""
+        Without ``hooks``: the last block of a training forward. Its backward comes first, right after
+        the loss, so recomputing it would redo its forward (for an LM head: the B x T x V logits matmul)
+        and fetch its weights again; instead its weights stay on the device until its backward.
+        With ``hooks`` (``recompute="none"``, :mod:`.block_graph`): the graph keeps every saved tensor
+        but the block's weights; the buffers are released now and fetched again for the backward."""
         blk = call.block
         bufs = self._acquire(blk, backward=False, training=True)
         leaves = self._grad_leaves(call.refs, bufs)
@@ -246,7 +201,9 @@ class Recompute:
         args, kwargs = tree_unflatten(flat, call.spec)
         t0 = time.perf_counter()
         try:
-            with torch.enable_grad(), self._bind(blk, bufs, leaves):
+            with torch.enable_grad(), self._bind(blk, bufs, leaves), \
+                    hooks.capture(bufs) if hooks else contextlib.nullcontext(), \
+                    plain_chunks() if hooks else contextlib.nullcontext():
                 out = call.forward(*args, **kwargs)
         except BaseException:
             self.acct.release(bufs)
@@ -255,11 +212,20 @@ class Recompute:
             self.acct.add(compute_s=time.perf_counter() - t0)
         out_flat, spec = tree_flatten(out)
         outs = [x for x in out_flat if isinstance(x, torch.Tensor)]
-        kept = KeptGraph(self, bufs, leaves, inputs, outs)
-        call.graph = kept
-        self.kept_open.add(kept)
-        weakref.finalize(call, kept.close)  # its graph dropped unused (training_step returned None)
-        call.fwd.kept.append(weakref.ref(call))
+        if hooks is not None:
+            release_leaves(leaves)
+            self.acct.release(bufs)  # the graph holds no weights
+            call.graph = KeptGraph(self, {}, leaves, inputs, outs, hooks=hooks)
+            fwd = call.fwd
+            call.pos, call.offloaded = len(fwd.calls), hooks.offloaded
+            fwd.calls.append(weakref.ref(call))
+            call.kept_bytes = self.policy.meter.add(call, hooks.nbytes)
+        else:
+            kept = KeptGraph(self, bufs, leaves, inputs, outs)
+            call.graph = kept
+            self.kept_open.add(kept)
+            weakref.finalize(call, kept.close)  # its graph dropped unused (training_step returned None)
+            call.fwd.kept.append(weakref.ref(call))
         # the caller gets detached outputs: autograd connects them to this call's node
         return tree_unflatten([x.detach() if isinstance(x, torch.Tensor) else x for x in out_flat], spec)
 
@@ -271,9 +237,10 @@ class Recompute:
     def _run_block(self, call: BlockCall, tensors: Sequence[torch.Tensor], leaves: dict[int, torch.Tensor] | None,
                    backward: bool, measure: Any = None):
         """Forward of a call (no graph kept). A call that keeps op outputs (``call.saved_ops``) or measures
-        them (``measure``: "auto") runs with autograd and gradient leaves, as its recompute will, so both
-        see the same ops."""
-        ops = None if backward else call.saved_ops.forward() if call.saved_ops is not None else measure
+        them (``measure(bufs)``: the context of "auto"'s measurement) runs with autograd and gradient
+        leaves, as its recompute will, so both see the same ops."""
+        saved = call.saved_ops
+        ops = None if backward else (lambda bufs: saved.forward()) if saved is not None else measure
         if ops is not None:
             tensors = [t.detach().requires_grad_(t.requires_grad) if t.is_floating_point() else t for t in tensors]
         flat = list(call.flat)
@@ -286,7 +253,8 @@ class Recompute:
             if ops is not None:
                 leaves = self._grad_leaves(call.refs, bufs)
             with self._bind(call.block, bufs, leaves), torch.set_grad_enabled(ops is not None or torch.is_grad_enabled()), \
-                    ops or contextlib.nullcontext(), plain_chunks() if ops is not None else contextlib.nullcontext():
+                    ops(bufs) if ops is not None else contextlib.nullcontext(), \
+                    plain_chunks() if ops is not None else contextlib.nullcontext():
                 out = call.forward(*args, **kwargs)
             return out if ops is None else tree_map_only(torch.Tensor, torch.Tensor.detach, out)
         finally:
@@ -304,14 +272,20 @@ class Recompute:
             where there is none.
         """
         refs = call.refs
-        use = ["accumulate"] * len(refs) if kind == "all" else [_leaf_grad_use(r.param) for r in refs]
+        use = ["accumulate"] * len(refs) if kind == "all" else [leaf_grad_use(r.param) for r in refs]
         leaf_refs = [r for r, u in zip(refs, use) if u is not None]
-        if call.keep:
-            self._enter_backward()
-            kept = call.graph
-            assert kept is not None
-            self.offload.prefetch(next_offloaded(call.fwd.calls, len(call.fwd.calls)))  # the first call's inputs
-            inputs, outs, leaves, bufs = kept.inputs, kept.outs, kept.leaves, None
+        kept = call.graph
+        if kept is not None:  # the graph kept from the forward: the last block, or recompute="none"
+            bufs = None
+            if call.keep:
+                self._enter_backward()
+                self.offload.prefetch(next_offloaded(call.fwd.calls, len(call.fwd.calls)))  # the first call's inputs
+            else:
+                self.offload.prefetch(next_offloaded(call.fwd.calls, call.pos))
+                if kept.hooks.needs_weights:  # an embedding's backward reads no weight: no fetch
+                    bufs = self._acquire(call.block, backward=True)
+                    kept.hooks.bind(bufs)
+            inputs, outs, leaves = kept.inputs, kept.outs, kept.leaves
             t0 = time.perf_counter()
         else:
             inputs = []
@@ -328,7 +302,7 @@ class Recompute:
         pre = self.grads.grad_bytes(leaf_refs)
         self.acct.track(pre)  # the parameter gradients autograd is about to allocate
         try:
-            if not call.keep:
+            if kept is None:
                 flat = list(call.flat)
                 for i, t in zip(call.tensor_pos, inputs):
                     flat[i] = t
@@ -347,13 +321,15 @@ class Recompute:
             targets = in_targets + [leaves[id(r.param)] for r in leaf_refs]
             if pairs and targets:
                 grads = torch.autograd.grad([o for o, _ in pairs], targets, [g for _, g in pairs], allow_unused=True,
-                                            retain_graph=call.keep and keep_graph)
+                                            retain_graph=kept is not None and keep_graph)
             else:
                 grads = (None,) * len(targets)
         finally:
             self.acct.add(compute_s=time.perf_counter() - t0)
             del leaves
             if bufs is not None:
+                if kept is not None:
+                    kept.hooks.unbind()
                 self.acct.release(bufs)
         grads_of = dict(zip((id(r) for r in leaf_refs), grads[len(in_targets) :]))
         sent = [r for r, u in zip(refs, use) if u == "accumulate"]
@@ -477,6 +453,9 @@ class Recompute:
         cached: set[int] = set()
         calls = self.fwd.live_calls()
         for p in range(len(calls) - 1, -1, -1):
+            g = calls[p].graph
+            if g is not None and g.hooks is not None and not g.hooks.needs_weights:
+                continue  # its backward fetches nothing
             if calls[p].links and (p - 1) not in cached:
                 chain = [p - 1]
                 while calls[chain[-1]].links and (chain[-1] - 1) not in cached:

@@ -41,6 +41,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from torch.utils.flop_counter import flop_registry
 
 from ..store.budget import fmt_bytes, parse_bytes
+from .block_graph import ParamLocator
 
 log = logging.getLogger(__name__)
 
@@ -93,12 +94,10 @@ def deprecated_recompute_every(recompute_every: int, checkpoint_every: int | Non
 
 
 @functools.lru_cache(maxsize=None)
-def _cheap(func: Any) -> bool:
+def _cheap_op(func: Any) -> bool:
     """Ops never kept: views (free to redo), casts and copies (a cast weight would keep a copy of the
-    weights), in-place ops (their output is their input) and random ops (they are recomputed under the
-    replayed RNG state, so no kept op may consume random numbers)."""
-    return (func.is_view or func.overloadpacket in _CASTS or func._schema.is_mutable
-            or torch.Tag.nondeterministic_seeded in func.tags)
+    weights) and in-place ops (their output is their input)."""
+    return func.is_view or func.overloadpacket in _CASTS or func._schema.is_mutable
 
 
 @functools.lru_cache(maxsize=None)
@@ -106,11 +105,27 @@ def _dropout_index(func: Any) -> int | None:
     return next((i for i, a in enumerate(func._schema.arguments) if a.name == "dropout_p"), None)
 
 
-def _expensive(func: Any, args: tuple, kwargs: dict) -> bool:
-    if func.overloadpacket not in _EXPENSIVE:
-        return False
+def _dropout_p(func: Any, args: tuple, kwargs: dict) -> float:
+    """The ``dropout_p`` argument of an op that has one (attention), else 0."""
     i = _dropout_index(func)
-    return i is None or float(kwargs.get("dropout_p", args[i] if i < len(args) else 0.0) or 0.0) == 0.0
+    if i is None:
+        return 0.0
+    return float(kwargs.get("dropout_p", args[i] if i < len(args) else 0.0) or 0.0)
+
+
+def _cheap(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Ops never kept: :func:`_cheap_op`, and random ops (recomputed under the replayed RNG state, so no
+    kept op consumes random numbers). An op tagged random only for its dropout (attention) is random
+    only with ``dropout_p > 0``: attention without dropout is kept (its recompute is the costliest one)."""
+    if _cheap_op(func):
+        return True
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return False
+    return _dropout_index(func) is None or _dropout_p(func, args, kwargs) > 0.0
+
+
+def _expensive(func: Any, args: tuple, kwargs: dict) -> bool:
+    return func.overloadpacket in _EXPENSIVE and _dropout_p(func, args, kwargs) == 0.0
 
 
 def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
@@ -151,7 +166,7 @@ class SavedOps:
         self._offloaded: list[tuple[Any, tuple]] = []
 
     def _policy(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if _cheap(func) or (self.mode == "selective" and not _expensive(func, args, kwargs)):
+        if _cheap(func, args, kwargs) or (self.mode == "selective" and not _expensive(func, args, kwargs)):
             return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE
 
@@ -218,32 +233,45 @@ class SavedOps:
 
 
 class _Measure:
-    """Per block, over one training forward: bytes each policy would keep and FLOPs it would recompute."""
+    """Per block, over one training forward: bytes each policy would keep and FLOPs it would recompute.
+
+    ``"selective"``: the outputs of the expensive ops (SAC policy, as :class:`SavedOps` keeps them);
+    ``"none"``: what autograd saves, the block's weights excluded (as :mod:`.block_graph` keeps it)."""
 
     def __init__(self):
         self.blocks: dict[int, dict[str, float]] = {}
 
-    def context(self, block: int) -> Any:
+    @contextlib.contextmanager
+    def context(self, block: int, bufs: dict[int, torch.Tensor]) -> Iterator[None]:
         row = self.blocks.setdefault(block, dict(selective=0, none=0, flops=0, flops_selective=0))
         seen_s: set = set()
         seen_n: set = set()
         alive: list = []  # outputs held for the call, so freed storage is not reused under a counted address
+        locator = ParamLocator(bufs)
 
         def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
             out = ctx.op_output
             f = _flops(func, args, kwargs, out)
             row["flops"] += f
-            kept = not _cheap(func)
-            if kept:
+            if not _cheap(func, args, kwargs) and _expensive(func, args, kwargs):
                 alive.append(out)
-                row["none"] += _storage_bytes(out, seen_n)
-            if kept and _expensive(func, args, kwargs):
                 row["selective"] += _storage_bytes(out, seen_s)
             else:
                 row["flops_selective"] += f
             return CheckpointPolicy.PREFER_RECOMPUTE
 
-        return create_selective_checkpoint_contexts(policy)[0]
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if locator.find(t) is None and t.device.type != "meta":
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in seen_n:
+                    seen_n.add(ptr)
+                    alive.append(t)
+                    row["none"] += t.untyped_storage().nbytes()
+            return t
+
+        with create_selective_checkpoint_contexts(policy)[0], \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
 
 
 def decide(measured: dict[int, dict[str, float]], budget: int) -> dict[int, str]:
@@ -345,13 +373,17 @@ class RecomputePolicy:
             return self.choice.get(block, "block")  # type: ignore[union-attr]
         return "measure"
 
-    def start(self, block: int, fwd: Any) -> tuple[SavedOps | None, Any]:
-        """What a call needs in its forward: (its :class:`SavedOps` or ``None``, the context its forward
-        runs under when it only measures, else ``None``)."""
+    def start(self, block: int, fwd: Any) -> tuple[SavedOps | None, Callable[[dict], Any] | None, bool]:
+        """What a call needs in its forward: (its :class:`SavedOps` (``"selective"``) or ``None``;
+        when it only measures, ``context(bufs)`` -> the context its forward runs under (``bufs``: the
+        block's device buffers), else ``None``; ``True`` when it keeps its graph (``"none"``,
+        :mod:`.block_graph`))."""
         mode = self.mode_for(block, fwd)
         if mode == "measure":
-            return None, self._measure.context(block)  # type: ignore[union-attr]
-        return (SavedOps(mode) if mode in ("selective", "none") else None), None
+            measure = self._measure
+            assert measure is not None
+            return None, functools.partial(measure.context, block), False
+        return (SavedOps(mode) if mode == "selective" else None), None, mode == "none"
 
     def _decide(self) -> None:
         m = self._measure.blocks  # type: ignore[union-attr]

@@ -86,7 +86,7 @@ class StreamingEngine:
             ``meta_model_from_pretrained``: see ``checkpoint.hf_io.weight_sources``); each loader is
             called once while the host store is built.
         host_threads: intra-op CPU threads of the H2D and D2H workers (host AdamW, casts, gradient
-            adds); ``None``: on CUDA ``torch.get_num_threads() - 1``, on CPU torch's setting (:mod:`.threads`).
+            adds); ``None``: on CUDA ``torch.get_num_threads() - 1``, on CPU 1 (:mod:`.threads`).
 
         loss_chunk_size / mlp_chunk_size: tokens per chunk of the LM head + loss (``"auto"``, default:
             256 MiB of fp32 logits) and of each block's MLP; ``None``: off (:mod:`.long_sequences`).

@@ -8,8 +8,11 @@ its own: with every core busy in a host add, kernel launches queue behind it and
 ``torch.get_num_threads() - 1`` (torch's default is the number of physical cores, so one core stays
 for the launching thread), at least 1. It is derived, not measured on a GPU (no GPU was available
 when it was chosen; bench/gpu_check.py reports the D2H worker's add time with it). On a CPU device
-the compute thread's own kernels already use the pool, so the default leaves the workers as torch
-sets them.
+the compute thread's own kernels already use every core, so the default there is 1: a worker with
+a team of its own oversubscribes the cores, and OpenMP threads spin while they wait. Measured on the
+2-core machine (SmolLM2-135M shape, batch 1 x 512, ``recompute="none"``, ``python
+bench/recompute_policy.py``): torch's setting (2 per worker) stepped in 1.06-1.08 x plain PyTorch, 1
+thread per worker in 1.00 x.
 
 With PyTorch's OpenMP backend (its default on Linux) ``torch.set_num_threads`` called in a thread
 sets that thread's team size only; the workers call it once when they start, so the compute thread
@@ -25,7 +28,7 @@ import torch
 
 def resolve_host_threads(host_threads: int | None, device: torch.device) -> int | None:
     """The workers' intra-op thread count: ``host_threads`` if given, else on CUDA
-    ``max(1, torch.get_num_threads() - 1)`` and on CPU ``None`` (torch's setting, unchanged).
+    ``max(1, torch.get_num_threads() - 1)`` and on CPU 1 (module docstring).
 
     Raises:
         ValueError: ``host_threads`` is not ``None`` or an integer >= 1.
@@ -35,7 +38,7 @@ def resolve_host_threads(host_threads: int | None, device: torch.device) -> int 
         return host_threads
     if torch.device(device).type == "cuda":
         return max(1, torch.get_num_threads() - 1)
-    return None
+    return 1
 
 
 def check_host_threads(host_threads: object) -> None:

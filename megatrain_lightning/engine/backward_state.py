@@ -1,0 +1,27 @@
+"""What the running backward does: whether a leaf's gradient is accumulated, captured or not computed,
+and whether the graph is retained. Read from torch's autograd engine, so a block's backward (an
+``autograd.Function``) behaves like ordinary autograd under ``backward()``, ``backward(inputs=...)``,
+``torch.autograd.grad`` and ``retain_graph=True``."""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.graph import get_gradient_edge
+
+
+def leaf_grad_use(leaf: torch.Tensor) -> str | None:
+    """What the running backward does with ``leaf``'s gradient: ``"accumulate"`` into ``.grad``
+    (``loss.backward()`` for every leaf, ``backward(inputs=...)`` for the listed ones), ``"capture"``
+    (``torch.autograd.grad(..., inputs)`` for the listed ones: returned, nothing accumulates) or
+    ``None`` (not computed). The engine's marker leaf (an input of every block call, never listed by
+    users) therefore tells a plain ``backward()`` apart from the other two."""
+    try:
+        return "accumulate" if torch._C._will_engine_execute_node(get_gradient_edge(leaf).node) else None
+    except RuntimeError:  # torch answers this for a leaf that autograd.grad() captures: it is listed
+        return "capture"
+
+
+def keeps_graph() -> bool:
+    """``retain_graph`` of the running backward (what torch's own AOT autograd reads)."""
+    fn = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return bool(fn()) if fn is not None else False

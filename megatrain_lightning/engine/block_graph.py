@@ -1,0 +1,145 @@
+"""``recompute="none"``: a block call keeps its own autograd graph, without the block's weights.
+
+Plain PyTorch keeps, from a forward to its backward, every tensor autograd saves: activations and the
+weights themselves. A streamed block cannot keep its weights on the device (that is the whole model),
+but it need not recompute anything either: its forward runs with autograd under
+``torch.autograd.graph.saved_tensors_hooks`` whose pack hook replaces each saved tensor that lies in
+one of the block's device buffers (a weight, or a view of one such as ``weight.t()``) by its place in
+that buffer (:class:`InBuffer`: slab, element offset, size, stride); every other saved tensor is kept
+as autograd would keep it (or, with ``offload_activations``, copied to host memory). In backward the
+engine fetches the block again and the unpack hook rebuilds each weight as the same view of the
+fetched buffer, so autograd differentiates the forward's own graph: nothing runs twice, and the
+bytes kept are what plain PyTorch keeps for that block, weights excluded (``saved_activation_bytes``).
+
+The graph's parameter leaves are the one other hold on the buffers (autograd's ``AccumulateGrad``
+nodes keep their leaf): after the forward each leaf's data becomes a zero-stride placeholder of the
+same shape (one element), so the device buffer is released as in every other mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from .offload import ActivationOffload, Offloaded
+
+
+@dataclass(frozen=True)
+class InBuffer:
+    """Where a saved tensor lies in a block's device buffer: ``slab`` (its index), ``offset`` (elements
+    from the buffer's first element), the tensor's ``size`` and ``stride`` (elements)."""
+
+    slab: int
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+class ParamLocator:
+    """Finds the tensors that lie in a block's device buffers (``bufs``: slab index -> flat buffer).
+
+    A tensor lies in a buffer when its first element's address is inside the buffer and it has the
+    buffer's dtype and device (the buffers are disjoint allocations, so activations never match)."""
+
+    def __init__(self, bufs: dict[int, torch.Tensor]):
+        self.spans = [(si, b.data_ptr(), b.data_ptr() + b.numel() * b.element_size(), b.dtype, b.device)
+                      for si, b in bufs.items() if b.numel()]
+
+    def find(self, t: torch.Tensor) -> InBuffer | None:
+        """``t``'s place in one of the buffers, or ``None``."""
+        if not self.spans or t.numel() == 0:
+            return None
+        p = t.data_ptr()
+        for si, lo, hi, dtype, device in self.spans:
+            if lo <= p < hi and t.dtype == dtype and t.device == device:
+                return InBuffer(si, (p - lo) // t.element_size(), tuple(t.size()), tuple(t.stride()))
+        return None
+
+
+def release_leaves(leaves: dict[int, torch.Tensor]) -> None:
+    """Point each gradient leaf at a one-element, zero-stride placeholder of its shape, so the graph's
+    ``AccumulateGrad`` nodes no longer hold the device buffer the leaves were views of (autograd only
+    needs a leaf's shape, dtype and device to return its gradient)."""
+    for leaf in leaves.values():
+        leaf.data = torch.zeros((), dtype=leaf.dtype, device=leaf.device).expand(leaf.shape)
+
+
+class GraphHooks:
+    """The saved-tensor hooks of one ``recompute="none"`` block call (module docstring).
+
+    Args:
+        offload: with ``offload_activations``, moves saved activations to host memory (``None``: kept
+            on the device).
+
+    ``capture(bufs)`` wraps the forward; ``nbytes`` is then the device bytes kept (unique storages),
+    ``offloaded`` the host copies and ``needs_weights`` whether the backward reads any weight (an
+    embedding's does not: it saves only the indices, so its backward fetches nothing).
+    ``bind(bufs)`` / ``unbind()`` bracket the backward with the buffers fetched for it. Compute thread only.
+    """
+
+    def __init__(self, offload: ActivationOffload | None = None):
+        self.offload = offload
+        self.nbytes = 0
+        self.needs_weights = False
+        self.offloaded: dict[int, Offloaded] = {}
+        self._bufs: dict[int, torch.Tensor] | None = None
+
+    @contextlib.contextmanager
+    def capture(self, bufs: dict[int, torch.Tensor]) -> Iterator[None]:
+        """Context of the call's forward (autograd on) with the block's buffers ``bufs``."""
+        locator = ParamLocator(bufs)
+        device = next(iter(bufs.values())).device if bufs else None  # saved tensors elsewhere stay there
+        seen: dict[tuple, Any] = {}  # one record per saved tensor (several ops save the same input)
+        alive: list[torch.Tensor] = []  # no address is reused while the forward runs (keys stay unique)
+        storages: set[int] = set()
+
+        def pack(t: torch.Tensor) -> Any:
+            where = locator.find(t)
+            if where is not None:
+                self.needs_weights = True
+                return where
+            if self.offload is not None and t.numel() and (device is None or t.device == device):
+                key = (t.data_ptr(), tuple(t.size()), tuple(t.stride()), t.dtype)
+                if key not in seen:
+                    alive.append(t)
+                    seen[key] = self.offload.offload(t)
+                    self.offloaded[len(self.offloaded)] = seen[key]
+                return seen[key]
+            if t.device.type != "meta":
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in storages:
+                    storages.add(ptr)
+                    self.nbytes += t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+            yield
+
+    def _unpack(self, x: Any) -> torch.Tensor:
+        if isinstance(x, InBuffer):
+            if self._bufs is None:
+                raise RuntimeError("megatrain: a streamed block's weights were read outside its backward.")
+            buf = self._bufs[x.slab]
+            return buf.as_strided(x.size, x.stride, buf.storage_offset() + x.offset)
+        if isinstance(x, Offloaded):
+            assert self.offload is not None
+            return self.offload.take(x, keep=True)
+        return x
+
+    def bind(self, bufs: dict[int, torch.Tensor]) -> None:
+        """Backward: the saved weights are views of ``bufs`` (the buffers fetched for it)."""
+        self._bufs = dict(bufs)
+
+    def unbind(self) -> None:
+        """After the backward: drop the buffers and the restored activations' device copies."""
+        self._bufs = None
+        for e in self.offloaded.values():
+            e.device, e.h2d = None, None
+
+    def free(self) -> None:
+        """The graph was freed: drop the host copies too."""
+        self.unbind()
+        self.offloaded = {}

@@ -1,0 +1,48 @@
+"""A container's own parameters on the device for the span of its ``forward`` (docs/architecture.md,
+"A training step": a container that owns parameters used directly in its forward)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .backward_state import leaf_grad_use
+
+if TYPE_CHECKING:
+    from .recompute import Recompute
+
+
+class BoundParams(torch.autograd.Function):
+    """A container's own parameters on the device for the span of its ``forward`` (a direct block:
+    they are used outside any block call, so there is nothing to recompute and ordinary autograd
+    tracks them).
+
+    Inputs: the :class:`Recompute`, the parameters' references, their device views (the fetched buffer), the
+    engine's marker leaf, then the host parameters. Outputs: the device views, as tensors autograd
+    tracks. Backward: ``loss.backward()`` sends their gradients to the host accumulators;
+    ``torch.autograd.grad`` / ``backward(inputs=...)`` returns them for the parameters listed."""
+
+    @staticmethod
+    def forward(ctx, rc: "Recompute", refs: list, views: list, dummy: torch.Tensor,
+                *params: torch.Tensor):  # type: ignore[override]
+        ctx.rc, ctx.refs = rc, refs
+        return tuple(views)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        rc, refs = ctx.rc, ctx.refs
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "megatrain: backward(create_graph=True) (double backward) reached a container's own parameters; "
+                "streamed models are differentiated once."
+            )
+        none = (None, None, None, None)
+        if leaf_grad_use(rc.dummy) == "accumulate":
+            rc.grads.send(refs, list(grads))
+            return none + (None,) * len(refs)
+        use = [leaf_grad_use(r.param) for r in refs]
+        rc.grads.send([r for r, u in zip(refs, use) if u == "accumulate"],
+                        [g for g, u in zip(grads, use) if u == "accumulate"])
+        return none + tuple(g.to(r.param.device) if g is not None and u == "capture" else None
+                            for r, g, u in zip(refs, grads, use))
