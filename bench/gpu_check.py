@@ -177,7 +177,8 @@ def check_parity(a) -> dict:
     runs = [(arch, {}) for arch in ("llama", "llama_tied", "mixtral", "gemma2", "gpt2")]
     runs += [("llama_tied", {"offload_activations": True}), ("llama_tied", {"recompute_every": 2})]
     runs += [("llama_tied", {"recompute": "selective"}), ("mixtral", {"recompute": "none"}),
-             ("gpt2", {"recompute": "selective", "offload_activations": True})]
+             ("gpt2", {"recompute": "selective", "offload_activations": True}),
+             ("llama_tied", {"recompute": "none", "offload_activations": True})]
     rows = []
     for arch, kw in runs:
         name = arch + "".join(f" {k}={v}" for k, v in kw.items())
