@@ -258,3 +258,43 @@ def test_none_keeps_no_weights_between_forward_and_backward(monkeypatch):
     block = _weights_alive_after_forward("block", monkeypatch)
     none = _weights_alive_after_forward("none", monkeypatch)
     assert max(block) <= bound and max(none) <= bound, (block, none, bound)
+
+
+@pytest.mark.parametrize("precision,arch", [("bf16-mixed", "llama_tied"), ("16-mixed", "gpt2")])
+def test_none_under_autocast_is_lightnings_mixed_precision_and_keeps_no_weight_copies(precision, arch):
+    """recompute="none" under Lightning's bf16-mixed / 16-mixed: bitwise the losses and weights of plain
+    Lightning (fp32 weights under autocast), and the graphs keep no autocast copy of a weight: the bytes
+    kept shrink from fp32's by at least the 16-bit copies of the weights autocast casts (which a graph
+    that kept them would hold on top of its activations)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from megatrain_lightning import MegaTrainPrecision
+
+    steps = 6
+    model = make_model(arch)
+    runs, kept = [], {}
+    for strategy in (MegaTrainStrategy(recompute="none"), "auto", MegaTrainStrategy(recompute="none")):
+        lm = LM(copy.deepcopy(model), lr=3e-3, opt_kwargs={"fused": True})
+        fp32 = len(runs) == 2
+        if fp32:
+            kw = {}
+        elif precision == "16-mixed":  # on CPU Lightning turns "16-mixed" into bf16: build fp16 plugins
+            kw = {"plugins": [MegaTrainPrecision("16-mixed") if strategy != "auto"
+                              else MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]}
+        else:
+            kw = {"precision": precision}
+        torch.manual_seed(0)
+        trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, enable_checkpointing=False,
+                             logger=False, enable_progress_bar=False, enable_model_summary=False, **kw)
+        trainer.fit(lm, make_data(n=2 * steps))
+        runs.append(lm)
+        if strategy != "auto":
+            engine = trainer.strategy.engine
+            kept["fp32" if fp32 else "mixed"] = engine.history[-1]["megatrain/saved_activation_bytes"]
+            copies = sum(e.numel * 2 for slab, flags in zip(engine.store.slabs, engine.autocast_castable)
+                         for e, c in zip(slab.entries, flags) if c)
+    ours, ref = runs[0], runs[1]
+    assert ours.losses == ref.losses
+    for (n, p), q in zip(ours.named_parameters(), ref.parameters()):
+        assert torch.equal(p.detach(), q.detach()), (n, rel(p.detach(), q.detach()))
+    assert kept["mixed"] <= kept["fp32"] - copies, (kept, copies)

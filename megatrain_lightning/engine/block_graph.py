@@ -11,6 +11,13 @@ engine fetches the block again and the unpack hook rebuilds each weight as the s
 fetched buffer, so autograd differentiates the forward's own graph: nothing runs twice, and the
 bytes kept are what plain PyTorch keeps for that block, weights excluded (``saved_activation_bytes``).
 
+Under autocast, a weight that autocast casts at every use (a Linear's: ``autocast_castable``) would be
+saved as its bf16/fp16 copy, which is the weight again: the engine casts such weights once before the
+forward (what autograd and autocast would compute: the same ``to(dtype)``, differentiable to the fp32
+leaf) and binds the copies, and the pack hook replaces a saved tensor that lies in one of those copies
+by :class:`CastOf` (the weight's place and the dtype); the unpack hook casts the fetched weight again
+(once per weight and backward: a cast, the one cheap recompute this mode keeps).
+
 The graph's parameter leaves are the one other hold on the buffers (autograd's ``AccumulateGrad``
 nodes keep their leaf): after the forward each leaf's data becomes a zero-stride placeholder of the
 same shape (one element), so the device buffer is released as in every other mode.
@@ -33,6 +40,18 @@ class InBuffer:
     from the buffer's first element), the tensor's ``size`` and ``stride`` (elements)."""
 
     slab: int
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CastOf:
+    """A saved tensor that lies in the ``dtype`` copy of the weight at ``source``: ``offset`` (elements
+    from the copy's first element), ``size`` and ``stride`` within that copy."""
+
+    source: InBuffer
+    dtype: torch.dtype
     offset: int
     size: tuple[int, ...]
     stride: tuple[int, ...]
@@ -86,12 +105,21 @@ class GraphHooks:
         self.needs_weights = False
         self.offloaded: dict[int, Offloaded] = {}
         self._bufs: dict[int, torch.Tensor] | None = None
+        self._casts: dict[tuple, torch.Tensor] = {}  # (weight, dtype) -> its cast, during one backward
 
     @contextlib.contextmanager
-    def capture(self, bufs: dict[int, torch.Tensor]) -> Iterator[None]:
-        """Context of the call's forward (autograd on) with the block's buffers ``bufs``."""
+    def capture(self, bufs: dict[int, torch.Tensor],
+                casts: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Iterator[None]:
+        """Context of the call's forward (autograd on) with the block's buffers ``bufs`` and the autocast
+        copies of its weights bound for it (``casts``: ``(weight view in bufs, its contiguous copy)``)."""
         locator = ParamLocator(bufs)
         device = next(iter(bufs.values())).device if bufs else None  # saved tensors elsewhere stay there
+        copies = []
+        for src, copy in casts or []:
+            where = locator.find(src)
+            if where is not None and copy.numel():
+                lo = copy.data_ptr()
+                copies.append((lo, lo + copy.numel() * copy.element_size(), copy.dtype, where))
         seen: dict[tuple, Any] = {}  # one record per saved tensor (several ops save the same input)
         alive: list[torch.Tensor] = []  # no address is reused while the forward runs (keys stay unique)
         storages: set[int] = set()
@@ -101,6 +129,11 @@ class GraphHooks:
             if where is not None:
                 self.needs_weights = True
                 return where
+            p = t.data_ptr()
+            for lo, hi, dtype, src in copies:
+                if lo <= p < hi and t.dtype == dtype and t.numel():
+                    self.needs_weights = True
+                    return CastOf(src, dtype, (p - lo) // t.element_size(), tuple(t.size()), tuple(t.stride()))
             if self.offload is not None and t.numel() and (device is None or t.device == device):
                 key = (t.data_ptr(), tuple(t.size()), tuple(t.stride()), t.dtype)
                 if key not in seen:
@@ -118,12 +151,21 @@ class GraphHooks:
         with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
             yield
 
+    def _weight(self, x: InBuffer) -> torch.Tensor:
+        if self._bufs is None:
+            raise RuntimeError("megatrain: a streamed block's weights were read outside its backward.")
+        buf = self._bufs[x.slab]
+        return buf.as_strided(x.size, x.stride, buf.storage_offset() + x.offset)
+
     def _unpack(self, x: Any) -> torch.Tensor:
         if isinstance(x, InBuffer):
-            if self._bufs is None:
-                raise RuntimeError("megatrain: a streamed block's weights were read outside its backward.")
-            buf = self._bufs[x.slab]
-            return buf.as_strided(x.size, x.stride, buf.storage_offset() + x.offset)
+            return self._weight(x)
+        if isinstance(x, CastOf):
+            key = (x.source, x.dtype)
+            copy = self._casts.get(key)
+            if copy is None:
+                copy = self._casts[key] = self._weight(x.source).to(x.dtype)
+            return copy.as_strided(x.size, x.stride, copy.storage_offset() + x.offset)
         if isinstance(x, Offloaded):
             assert self.offload is not None
             return self.offload.take(x, keep=True)
@@ -134,8 +176,10 @@ class GraphHooks:
         self._bufs = dict(bufs)
 
     def unbind(self) -> None:
-        """After the backward: drop the buffers and the restored activations' device copies."""
+        """After the backward: drop the buffers, the weights' casts and the restored activations'
+        device copies."""
         self._bufs = None
+        self._casts = {}
         for e in self.offloaded.values():
             e.device, e.h2d = None, None
 

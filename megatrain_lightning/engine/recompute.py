@@ -119,14 +119,18 @@ class Recompute:
         recompute_every: K: only every K-th call keeps its inputs; the others recompute them.
         offload_activations: kept inputs that need gradients go to host memory.
         policy: what a call keeps besides its inputs (:class:`RecomputePolicy`; default ``"block"``).
+        castable: ``castable(param_ref)``: autocast casts this parameter at every use (``"none"`` under
+            autocast binds its cast instead: :mod:`.block_graph`).
     """
 
     def __init__(self, *, device: torch.device, store: HostStore, acct: ByteAccounting, grads: GradientSink,
                  transport: Any, acquire: Callable[..., dict[int, torch.Tensor]],
                  bind: Callable[..., ContextManager[None]], enter_backward: Callable[[], None],
-                 recompute_every: int = 1, offload_activations: bool = False, policy: RecomputePolicy | None = None):
+                 recompute_every: int = 1, offload_activations: bool = False, policy: RecomputePolicy | None = None,
+                 castable: Callable[[Any], bool] | None = None):
         self.device, self.store, self.acct, self.grads, self.transport = device, store, acct, grads, transport
         self._acquire, self._bind, self._enter_backward = acquire, bind, enter_backward
+        self._castable = castable
         self.recompute_every = recompute_every
         self.offload_activations = offload_activations
         self.offload = ActivationOffload(transport, acct)
@@ -199,10 +203,13 @@ class Recompute:
         for i, t in zip(call.tensor_pos, inputs):
             flat[i] = t
         args, kwargs = tree_unflatten(flat, call.spec)
+        binding, casts = leaves, []
+        if hooks is not None and call.autocast is not None and call.autocast[0]:
+            binding, casts = self._autocast_copies(blk, bufs, leaves, call.autocast[1])
         t0 = time.perf_counter()
         try:
-            with torch.enable_grad(), self._bind(blk, bufs, leaves), \
-                    hooks.capture(bufs) if hooks else contextlib.nullcontext(), \
+            with torch.enable_grad(), self._bind(blk, bufs, binding), \
+                    hooks.capture(bufs, casts) if hooks else contextlib.nullcontext(), \
                     plain_chunks() if hooks else contextlib.nullcontext():
                 out = call.forward(*args, **kwargs)
         except BaseException:
@@ -228,6 +235,26 @@ class Recompute:
             call.fwd.kept.append(weakref.ref(call))
         # the caller gets detached outputs: autograd connects them to this call's node
         return tree_unflatten([x.detach() if isinstance(x, torch.Tensor) else x for x in out_flat], spec)
+
+    def _autocast_copies(self, blk: Block, bufs: dict[int, torch.Tensor], leaves: dict[int, torch.Tensor],
+                         dtype: torch.dtype) -> tuple[dict[int, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """``recompute="none"`` under autocast: each weight autocast casts at every use, cast to ``dtype`` now
+        (differentiable to its leaf, as autocast's own cast) so the graph saves a copy the hooks can name.
+        Returns (what to bind: parameter id -> tensor, the (weight view, copy) pairs)."""
+        binding, casts = dict(leaves), []
+        done: set[int] = set()
+        for ref in blk.params:
+            if id(ref.param) in done or self._castable is None or not self._castable(ref):
+                continue
+            done.add(id(ref.param))
+            src = leaves.get(id(ref.param))
+            if src is None:
+                src = self.store.slabs[ref.slab].view(bufs[ref.slab], ref.index)
+            if src.is_floating_point() and src.dtype != dtype:
+                with torch.enable_grad():
+                    binding[id(ref.param)] = copy = src.to(dtype)
+                casts.append((src, copy))
+        return binding, casts
 
     def close_kept(self) -> None:
         """Release every kept last-block graph whose backward has not run (the step is over)."""

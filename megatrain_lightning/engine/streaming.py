@@ -151,8 +151,7 @@ class StreamingEngine:
         self.trainable = [p.requires_grad for p in root.parameters()]
         staging = self.store.max_slab_numel(trainable=True) + (max(len(s.entries) for s in self.store.slabs) if reducer
                                                               else 0)  # data parallel: + presence flags (reduce.py)
-        self.transport = make_transport(self.device, staging, cpu_zero_copy, n_staging=2,
-                                        pin=pin)
+        self.transport = make_transport(self.device, staging, cpu_zero_copy, n_staging=2, pin=pin)
         # on CPU the compute buffers are host memory: they count in host_memory_limit
         budget_device = self.budget is not None and self.device.type == "cpu"
         self.acct = ByteAccounting(reserve=self.store.nvme.reserve if budget_device else None,
@@ -181,7 +180,8 @@ class StreamingEngine:
         self.recompute = Recompute(device=self.device, store=self.store, acct=self.acct, grads=self.grads,
                                    transport=self.transport, acquire=self.acquire, bind=self._bind,
                                    enter_backward=self._enter_backward, recompute_every=recompute_every,
-                                   offload_activations=offload_activations, policy=recompute_policy)
+                                   offload_activations=offload_activations, policy=recompute_policy,
+                                   castable=lambda r: self.fetcher.autocast_castable[r.slab][r.index])
         self._proxies = ForwardPatches()  # each block's forward -> its streaming proxy
         self.update_in_backward = False  # set per micro-batch by the strategy (optimizer_in_backward, grads.py)
         self._plan_due = False
