@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--sched", default=None)
     ap.add_argument("--precision", default="32-true")
     ap.add_argument("--offload-activations", action="store_true")
+    ap.add_argument("--recompute", default="block", help="the strategy's recompute= policy")
     ap.add_argument("--dropout", type=float, default=0.0)
     ap.add_argument("--n", type=int, default=64, help="samples in the dataset")
     ap.add_argument("--resumable", action="store_true", help="megatrain_lightning.data.ResumableDataLoader (shuffled)")
@@ -97,7 +98,7 @@ def main() -> None:
     lm = T.LM(model, lr=1e-3, sched=args.sched, total_steps=args.total_steps or args.steps)
     if "lr" in mismatch:
         lm.lr *= 2
-    strategy = MegaTrainStrategy(offload_activations=args.offload_activations, timeout=args.timeout,
+    strategy = MegaTrainStrategy(offload_activations=args.offload_activations, timeout=args.timeout, recompute=args.recompute,
                                  lookahead=2 if "lookahead" in mismatch else 1,
                                  optimizer_in_backward=True if args.optimizer_in_backward else None,
                                  **({"offload_params": "nvme", "offload_optimizer": "nvme", "nvme_path": args.nvme}

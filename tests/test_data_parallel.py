@@ -110,6 +110,16 @@ def test_offload_activations_two_processes(tmp_path):
     assert_matches(tmp_path, 2, model, losses, 1e-5)
 
 
+@pytest.mark.parametrize("recompute", ["selective", "none"])
+def test_recompute_policies_two_processes(tmp_path, recompute):
+    """As above with each recompute policy that keeps more than the block inputs (llama_tied: the tied
+    embedding, whose backward under "none" fetches no weight)."""
+    check(launch(tmp_path, "--arch", "llama_tied", "--devices", "2", "--batch", "2", "--steps", "12", "--accumulate",
+                 "2", "--clip", "0.5", "--sched", "cosine", "--recompute", recompute))
+    model, losses = reference("llama_tied", 4, 12, 2, 0.5, "cosine")
+    assert_matches(tmp_path, 2, model, losses, 1e-5)
+
+
 def test_optimizer_in_backward_two_processes(tmp_path):
     """``optimizer_in_backward=True``: each owner applies its slabs' updates on its D2H worker as their last
     gradients arrive, the other rank waits for them; the same numbers as plain PyTorch (no clipping: the

@@ -298,3 +298,10 @@ def test_none_under_autocast_is_lightnings_mixed_precision_and_keeps_no_weight_c
     for (n, p), q in zip(ours.named_parameters(), ref.parameters()):
         assert torch.equal(p.detach(), q.detach()), (n, rel(p.detach(), q.detach()))
     assert kept["mixed"] <= kept["fp32"] - copies, (kept, copies)
+
+
+@pytest.mark.parametrize("mode", ["selective", "none"])
+def test_modes_on_the_nvme_tier(mode, tmp_path):
+    """Masters and AdamW states on NVMe (the weights a "none" backward reads are fetched from the disk
+    tier's window again): the same numbers as plain PyTorch."""
+    _fit("llama", recompute=mode, offload_params="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path))
