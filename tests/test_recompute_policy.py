@@ -305,3 +305,28 @@ def test_modes_on_the_nvme_tier(mode, tmp_path):
     """Masters and AdamW states on NVMe (the weights a "none" backward reads are fetched from the disk
     tier's window again): the same numbers as plain PyTorch."""
     _fit("llama", recompute=mode, offload_params="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path))
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_auto_measures_what_none_keeps(precision, caplog):
+    """"auto"'s measuring forward counts, per block, the bytes "none" then keeps (autocast's weight copies
+    excluded, as "none" does not keep them): given exactly what "none" keeps (plus the block inputs its
+    budget sets aside first) it picks "none" for every block and keeps what "none" keeps. Counting the
+    16-bit weight copies too would overshoot that limit by more than the slack."""
+    kept = {}
+
+    def run(mode, limit=None):
+        trainer = pl.Trainer(strategy=MegaTrainStrategy(recompute=mode, activation_memory_limit=limit),
+                             accelerator="cpu", devices=1, max_steps=3, precision=precision,
+                             enable_checkpointing=False, logger=False, enable_progress_bar=False,
+                             enable_model_summary=False)
+        with caplog.at_level(logging.INFO, logger="megatrain_lightning.engine.recompute_policy"):
+            trainer.fit(LM(make_model("llama")), make_data(n=6))
+        kept[mode] = [h["megatrain/saved_activation_bytes"] for h in trainer.strategy.engine.history]
+
+    run("block")
+    run("none")
+    run("auto", int(max(kept["none"]) + max(kept["block"])))
+    line = next(r.getMessage() for r in caplog.records if "recompute='auto'" in r.getMessage())
+    assert "selective" not in line.split("(blocks")[0] and ":block" not in line, line
+    assert kept["auto"][1:] == kept["none"][1:], kept  # step 0 of "auto" measures under "block"

@@ -261,7 +261,7 @@ class _Measure:
             return CheckpointPolicy.PREFER_RECOMPUTE
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            if locator.find(t) is None and t.device.type != "meta":
+            if locator.find(t) is None and not _weight_cast(t, locator) and t.device.type != "meta":
                 ptr = t.untyped_storage().data_ptr()
                 if ptr not in seen_n:
                     seen_n.add(ptr)
@@ -272,6 +272,18 @@ class _Measure:
         with create_selective_checkpoint_contexts(policy)[0], \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
+
+
+def _weight_cast(t: torch.Tensor, locator: ParamLocator) -> bool:
+    """``t`` is (a view of) autocast's cast of a trainable weight in the block's buffers: ``"none"`` keeps
+    the weight's place instead (:mod:`.block_graph`), not the copy. A frozen weight's cast has no autograd
+    history and is counted (an overestimate)."""
+    base = t._base if t._base is not None else t
+    fn = base.grad_fn
+    if fn is None or type(fn).__name__ != "ToCopyBackward0" or not fn.next_functions:
+        return False
+    leaf = getattr(fn.next_functions[0][0], "variable", None)
+    return isinstance(leaf, torch.Tensor) and locator.find(leaf) is not None
 
 
 def decide(measured: dict[int, dict[str, float]], budget: int) -> dict[int, str]:
