@@ -131,3 +131,28 @@ def test_prompt_learning_adapter_is_refused_before_anything_is_written(tmp_path)
     with pytest.raises(CheckpointError, match="prompt_encoder.default.embedding.weight.*prompt-learning"):
         save_checkpoint_dir(tmp_path / "c", {}, module, engine=None)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_lora_with_recompute_none_under_bf16_mixed_is_lightnings():
+    """LoRA (frozen base weights, cast by autocast at every use) with recompute="none" under bf16-mixed:
+    bitwise plain Lightning's losses and weights; the graphs keep less than under fp32 (no 16-bit copy
+    of a frozen base weight is kept: the unpack hook casts the fetched weight again)."""
+    from megatrain_lightning import MegaTrainStrategy
+
+    base = lora("llama")
+    runs, kept = {}, {}
+    for name, strategy, precision in [("ours", MegaTrainStrategy(recompute="none"), "bf16-mixed"),
+                                      ("plain", "auto", "bf16-mixed"),
+                                      ("ours32", MegaTrainStrategy(recompute="none"), "32-true")]:
+        lm = LM(copy.deepcopy(base), lr=3e-3, opt_kwargs={"fused": True})
+        torch.manual_seed(0)
+        t = pl.Trainer(strategy=strategy, accelerator="cpu", max_steps=4, precision=precision, logger=False,
+                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        t.fit(lm, make_data(n=8))
+        runs[name] = lm
+        if name != "plain":
+            kept[name] = t.strategy.engine.history[-1]["megatrain/saved_activation_bytes"]
+    assert runs["ours"].losses == runs["plain"].losses
+    for p, q in zip(runs["ours"].parameters(), runs["plain"].parameters()):
+        assert torch.equal(p.detach(), q.detach())
+    assert kept["ours"] < kept["ours32"], kept
