@@ -35,6 +35,7 @@ Reported per row (medians over --steps measured steps after --warmup unmeasured 
                  (trainer.strategy.engine.history) / step_s / 1e9, against the raw pinned-copy bandwidth measured
                  in the same run (a 1 GiB pinned host tensor copied to the device and back, non_blocking, timed
                  with CUDA events, best of 5; GB = 1e9 bytes);
+  /plain         step_s / the plain row's step_s (JSON: ratio_plain);
   peak_device_GiB  torch.cuda.max_memory_allocated over the row (statistics reset between rows; ours: read in
                  on_before_optimizer_step and at each batch end, because the engine resets them every step).
 Each row runs in its own try/except (a failing row is reported, the others still run); memory is freed between
@@ -398,14 +399,15 @@ def table(name: str, sh: dict) -> None:
     print(f"\npeer [{name}]: Llama {s['layers']} layers, hidden {s['hidden']}, {sh['n_params'] / 1e6:,.2f}M params, batch "
           f"{s['batch']} x {s['seq']}, {dev.type}"
           + (f", raw pinned H2D {RAW['h2d_GBps']:.1f} GB/s, D2H {RAW['d2h_GBps']:.1f} GB/s" if RAW else ""))
-    print(f"{'row':38s} {'status':12s} {'step s':>8s} {'tok/s':>9s} {'TFLOPS':>7s} {'H2D GB/s':>9s} {'D2H GB/s':>9s} "
+    print(f"{'row':38s} {'status':12s} {'step s':>8s} {'/plain':>6s} {'tok/s':>9s} {'TFLOPS':>7s} {'H2D GB/s':>9s} {'D2H GB/s':>9s} "
           f"{'peak GiB':>8s}  note")
     for r in sh["rows"]:
         pk = r.get("peak_device_bytes")
         note = r.get("why", "")
         if r["row"] == "offload" and r.get("why_not"):
             note = (f"ran {r['trainer']}; " if r.get("trainer") else "") + "; ".join(f"{k}: {v}" for k, v in r["why_not"].items())
-        print(f"{r['name'][:38]:38s} {r['status']:12s} {fmt(r.get('step_s'), '8.3f'):>8s} {fmt(r.get('tokens_per_s'), '9.0f'):>9s} "
+        print(f"{r['name'][:38]:38s} {r['status']:12s} {fmt(r.get('step_s'), '8.3f'):>8s} {fmt(r.get('ratio_plain'), '6.2f'):>6s} "
+              f"{fmt(r.get('tokens_per_s'), '9.0f'):>9s} "
               f"{fmt(r.get('model_TFLOPS'), '7.2f'):>7s} {fmt(r.get('h2d_GBps'), '9.2f'):>9s} {fmt(r.get('d2h_GBps'), '9.2f'):>9s} "
               f"{fmt(None if pk is None else pk / 2**30, '8.2f'):>8s}  {note[:160]}")
 
