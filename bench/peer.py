@@ -354,6 +354,8 @@ def run_row(key: str, make_model) -> dict:
         os.makedirs(path, exist_ok=True)
         need, free_b = STATE_BYTES_PER_PARAM * N_PARAMS, shutil.disk_usage(path).free
         if free_b < 1.05 * need:
+            if args.nvme_path is None:
+                shutil.rmtree(path, ignore_errors=True)
             return {"status": "does not fit", "why": f"the NVMe store needs {need / 2**30:.1f} GiB (16 B/param) under "
                     f"{path}, {free_b / 2**30:.1f} GiB free: pass --nvme-path on a larger disk", "needed_bytes_at_least": need}
         try:
