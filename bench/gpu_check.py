@@ -71,6 +71,17 @@ key numbers) and ``summary`` gathers them into a table and bench/results/gpu_che
                 then the 2-process run must fail with SharedMemoryTooSmall, which is reported). PASS: both runs
                 finished, 2 ranks on gloo, the shared state file holds 16 B/param (+-3%).
 
+* ``peer``:     bench/peer.py (issue 14, "peer benchmark"): ours fp32 and bf16-mixed (RAM tier), plain PyTorch +
+                HF checkpointing + fused AdamW, one existing offload trainer (DeepSpeed ZeRO-3 CPU offload if its
+                CPU Adam loads, else torchao's CPUOffloadOptimizer) and ours on the NVMe tier, same model and batch:
+                the 0.9B shape, --steps 3 --warmup 1, under a --time-budget of this check's limit less 100 s (no
+                row starts after it; the NVMe row, slowest, runs last; peer.json is rewritten after every row);
+                ``PEER_SHAPES=0p9b,max`` adds the largest Llama whose fp32 state fits 0.6 x host RAM (then give it
+                time: gpu_check.sh allows 540 s). Step time, tokens/s, model TFLOPS, the engine's H2D/D2H GB/s
+                against the raw pinned-copy bandwidth, device peak. Also records what an offline DeepSpeed build
+                needs on the image (g++, ninja, Python.h) and whether torchao/deepspeed import. PASS: our rows ran
+                and no row crashed (plain may not fit; the offload row may be skipped, with its reason).
+
 ``--cpu-dry-run``: every check on the CPU with tiny sizes, to exercise this script without a GPU
 (timings, and the memory/overlap/overhead verdicts, mean nothing at those sizes).
 """
@@ -90,7 +101,7 @@ import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECKS = ["pytest", "parity", "precision", "memory", "overlap", "d2h", "overhead", "recompute", "nvme", "pinned", "long",
-          "scaling"]
+          "scaling", "peer"]
 TOL = 1e-5
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts: deterministic cuBLAS
 
@@ -707,6 +718,50 @@ def check_scaling(a) -> dict:
     ok = rc == 0 and len(two) == 1 and two[0]["backend"] == "gloo" and abs(two[0]["shm_bytes_per_param"] - 16) <= 0.5
     return {"result": "PASS" if ok else "FAIL", "numbers": nums,
             "details": [{k: v for k, v in r.items() if k != "timeline"} for r in rows]}
+
+
+def _toolchain() -> dict:
+    """What DeepSpeed's JIT build of its CPU Adam op needs on this image, and which offload packages import."""
+    import importlib.util
+    import shutil
+    import sysconfig
+
+    inc = sysconfig.get_paths().get("include") or ""
+    return {"gxx": shutil.which("g++") or shutil.which("c++"), "ninja": shutil.which("ninja"),
+            "python_h": os.path.exists(os.path.join(inc, "Python.h")), "nvcc": shutil.which("nvcc"),
+            "torchao": importlib.util.find_spec("torchao") is not None,
+            "deepspeed": importlib.util.find_spec("deepspeed") is not None}
+
+
+def check_peer(a) -> dict:
+    tool = _toolchain()
+    if a.cpu_dry_run:
+        out = os.path.join(a.results, "peer_cpu_dry_run.json")
+        args = ["--cpu-dry-run"]
+    else:
+        out = os.path.join(a.results, "peer.json")
+        limit = float(os.environ.get("GPU_CHECK_LIMIT_S", "240"))
+        args = ["--shapes", os.environ.get("PEER_SHAPES", "0p9b"), "--steps", "3", "--warmup", "1",
+                "--rows", "fp32,bf16,plain,offload,nvme", "--time-budget", str(max(30.0, limit - 100))]
+    if os.path.exists(out):
+        os.remove(out)
+    rc, _ = sh([sys.executable, os.path.join(ROOT, "bench", "peer.py"), *args, "--out", out])
+    nums = {"rc": rc, "toolchain": tool}
+    if not os.path.exists(out):
+        return {"result": "FAIL", "numbers": {**nums, "error": "no result JSON (see the log)"}}
+    with open(out) as f:
+        res = json.load(f)
+    nums["raw_pinned_GBps"] = {k: round(v, 1) for k, v in (res.get("raw_pinned") or {}).items() if k.endswith("GBps")}
+    for name, shape in res.get("shapes", {}).items():
+        nums[name] = {r["row"]: (r["status"] if "step_s" not in r else
+                                 {"step_s": round(r["step_s"], 3), "TFLOPS": round(r["model_TFLOPS"], 1),
+                                  "h2d_GBps": None if r.get("h2d_GBps") is None else round(r["h2d_GBps"], 1),
+                                  "peak_GiB": None if r.get("peak_device_bytes") is None else round(r["peak_device_bytes"] / 2**30, 2)})
+                      for r in shape.get("rows", [])}
+        off = next((r for r in shape.get("rows", []) if r["row"] == "offload"), None)
+        if off is not None:
+            nums[name + "_offload"] = {"ran": off.get("trainer"), "why_not": off.get("why_not")}
+    return {"result": "PASS" if rc == 0 and res.get("pass") else "FAIL", "numbers": nums}
 
 
 # ---------------------------------------------------------------- summary
