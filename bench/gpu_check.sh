@@ -7,7 +7,7 @@
 # The peer check's torchao wheel is not in git (bench/wheels/, ignored): the device tool must carry it,
 # run(carry=["bench/wheels"]); it is installed offline (pip --no-index, else unzipped onto PYTHONPATH) when torchao
 # does not import. PEER_DEEPSPEED=1 also installs bench/wheels/deepspeed/ (sdist + pure deps) to try ZeRO-3 offload.
-# Checks (see bench/gpu_check.py), newest first: env, peer, scaling, d2h, pinned, long, recompute, parity, memory, overlap, precision,
+# Checks (see bench/gpu_check.py), in the order that closes open issues first: env, scaling (12), d2h, pinned, memory (17), parity, recompute, peer (14), long, overlap, precision,
 # overhead, nvme, pytest (engine tests); each under its own timeout inside a global budget (GPU_CHECK_BUDGET_S,
 # default 540 s), continuing after failures; a check the budget skips is reported SKIP (run it in a second call).
 # Writes bench/results/gpu_check.json, gpu_check.log, memory_depth_cuda.json, overhead_cuda.json, pinned_cuda.json,
@@ -25,7 +25,7 @@ if [ "${1:-}" = "--cpu-dry-run" ]; then
 fi
 # newest checks first (those never run on a GPU yet): a lease that ends early still measured them;
 # `bash bench/gpu_check.sh [--cpu-dry-run] CHECK...` runs only those (e.g. a second call for the rest)
-DEFAULT="env peer scaling d2h pinned long recompute parity memory overlap precision overhead nvme pytest"
+DEFAULT="env scaling d2h pinned memory parity recompute peer long overlap precision overhead nvme pytest"
 SELECTED="${*:-$DEFAULT}"
 BUDGET=${GPU_CHECK_BUDGET_S:-540}
 mkdir -p "$RESULTS"
