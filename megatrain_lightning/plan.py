@@ -54,7 +54,7 @@ __all__ = [
 
 _SETTINGS = ("batch_size", "seq_len", "precision", "offload_params", "offload_optimizer", "offload_grads",
              "offload_activations", "lookahead", "recompute_every", "grad_dtype", "keep_checkpoints", "pinned_round",
-             "cpu_zero_copy", "loss_chunk_size", "mlp_chunk_size")
+             "cpu_zero_copy", "loss_chunk_size", "mlp_chunk_size", "recompute", "activation_memory_limit")
 
 
 def plan_from_config(cfg: Any) -> Plan:

@@ -202,10 +202,12 @@ def test_step_bound_and_compute_crossover():
     p = plan(load_model("llama70b"), load_hardware("h200"))
     assert p.step_time_s == max(p.times.values()) == p.times[p.dominating]
     assert p.step_time_pessimistic_s >= p.step_time_s
-    # 8 x N_matmul x tokens (Kaplan 6N + 2N recompute) plus attention
-    parts = p.flops_parts
-    assert parts["8 x N_matmul x tokens"] == 8 * p.counts.matmul_params * 2048
-    assert parts["attention"] > 0 and parts["LM head not recomputed"] == -2 * 2048 * (p.counts.matmul_params - p.counts.layer_total)
+    # Kaplan 6N + attention, plus the recompute="block" forward of every decoder layer (2 N_layers + attention)
+    parts, c = p.flops_parts, p.counts
+    assert parts["6 x N_matmul x tokens"] == 6 * c.matmul_params * 2048
+    f_attn = 2 * c.num_layers * 2048 * c.num_heads * c.head_dim
+    assert parts["attention (forward + backward)"] == 3 * f_attn * 2048
+    assert math.isclose(parts["recompute (recompute=block: block layers)"], (2 * c.layer_total + f_attn) * 2048)
     assert math.isclose(p.flops, sum(parts.values()))
     b = p.compute_bound_batch_size
     assert b and b > 1

@@ -46,7 +46,34 @@ Options that cap a term at a chunk of tokens (the term is per token x min(tokens
 * ``loss_chunk_size`` = C: the LM head and the cross-entropy over chunks of C tokens, each
   chunk's logits recomputed and freed in backward: the logits term holds C tokens, not all;
 * ``mlp_chunk_size`` = M: each layer's MLP over chunks of M tokens (in forward and in the
-  recompute): the MLP's input casts and intermediate hold M tokens.
+  recompute): the MLP's input casts and intermediate hold M tokens (``recompute="block"`` only: with
+  the other modes the chunks run without a checkpoint, ``chunked_mlp.plain_chunks``, so no cap).
+
+The ``recompute`` option (``engine/recompute_policy.py``; docs/architecture.md, "Recompute policy")
+changes what each decoder layer keeps between its forward and its backward, per token:
+
+* ``"block"``: its input only (the saved block inputs above); the layer phase is the recomputed
+  graph, x ``WORKING_SET_FACTOR``.
+* ``"selective"``: also the outputs of its matmuls and attention (torch's SAC cache,
+  ``SavedOps``): the q, k, v, o projections (q + 2kv + H) a, gate/up/down (2I + H) a (x
+  ``experts_per_token`` for a mixture of experts), the SDPA output qa and its log-sum-exp, 4 B per
+  head: :func:`selective_per_token`. The layer phase is still the recomputed graph.
+* ``"none"``: its whole autograd graph, weights excluded (``engine/block_graph.py``): the
+  :func:`layer_saved_per_token` sum (its first norm's fp32 input is the block input, so no separate
+  input is kept; under ``bf16-true`` it is the input's fp32 cast), kept for every layer, plus the
+  final norm's graph ((4 + r)H + 4) and the embedding's int64 indices (8 B); under autocast also the
+  bf16/fp16 casts of each layer's castable weights (per step, not per token: the castable parameters
+  x 2 B). The layer phase is then the activation gradients only, x (``WORKING_SET_FACTOR`` - 1).
+* ``"auto"``: a mix, per layer one of the three (``estimate.py`` chooses it with the engine's own
+  :func:`~megatrain_lightning.engine.recompute_policy.decide`).
+
+With ``offload_activations`` the kept op outputs and graphs go to pinned host memory with the block
+inputs (the engine's ``transport.offload``), two layers' worth in flight on the device.
+Checked against the engine's measured ``megatrain/saved_activation_bytes`` on tiny Llama models
+(``tests/test_plan_recompute.py``: within 10% for each mode, two sequence lengths, fp32 and bf16-mixed;
+"selective" and "block" match exactly; "none" is above by the rotary tables, counted per token here
+but per sequence position in the model, and the LM head's input, which the engine keeps but does
+not report).
 """
 
 from __future__ import annotations
@@ -85,6 +112,72 @@ def layer_saved_per_token(c: ParamCounts, s: dict[str, Any]) -> dict[str, float]
     }
 
 
+def selective_per_token(c: ParamCounts, s: dict[str, Any]) -> float:
+    """Bytes per token ``recompute="selective"`` keeps in one decoder layer (module docstring): the
+    outputs of the q/k/v/o projections, of gate/up/down (per expert a token passes through), of SDPA
+    and its fp32 log-sum-exp (4 B per head); in the matmul dtype ``a``."""
+    _, a, _ = _dtypes(s)
+    H = c.hidden_size
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    experts = max(1, c.experts_per_token)
+    return (q + 2 * kv + H) * a + experts * (2 * c.intermediate_size + H) * a + q * a + 4 * c.num_heads
+
+
+def none_extra_per_token(c: ParamCounts, s: dict[str, Any]) -> float:
+    """Bytes per token ``recompute="none"`` keeps outside the decoder layers: the final norm's graph
+    ((4 + r)H + 4) and the embedding's int64 indices (8 B)."""
+    r, _, _ = _dtypes(s)
+    return (4 + r) * c.hidden_size + 4 + 8
+
+
+def none_weight_casts(c: ParamCounts, s: dict[str, Any], layers: int) -> int:
+    """Bytes of the autocast weight casts ``layers`` decoder layers keep under ``recompute="none"``
+    (mixed precisions: castable parameters x 2 B; 0 otherwise). Per step, not per token."""
+    _, a, mixed = _dtypes(s)
+    if not mixed or not layers:
+        return 0
+    per_layer = c.castable_reads[1:-1]
+    return int(a * sum(per_layer) / max(1, len(per_layer)) * layers)
+
+
+def layer_mix(c: ParamCounts, s: dict[str, Any]) -> dict[str, int]:
+    """Decoder layers per policy, ``{"block": n, "selective": n, "none": n}``: all layers in the
+    ``recompute`` mode, or for ``"auto"`` the mix in ``s["recompute_mix"]`` (set by the estimate;
+    ``"block"`` everywhere until it is)."""
+    L = c.num_layers
+    mode = s.get("recompute", "block")
+    if mode == "auto":
+        mix = s.get("recompute_mix") or {"block": L}
+        return {k: int(mix.get(k, 0)) for k in ("block", "selective", "none")}
+    return {k: (L if k == mode else 0) for k in ("block", "selective", "none")}
+
+
+def kept_per_token(c: ParamCounts, s: dict[str, Any]) -> dict[str, float]:
+    """What the engine keeps between forward and backward, bytes per token, by part (its
+    ``saved_activation_bytes`` plus the LM head's input): ``"block inputs"`` (every K-th input of a
+    recomputed layer and the LM head's input), ``"selective op outputs"``, ``"none: layer graphs"``
+    (with the final norm and the indices when every layer keeps its graph). Weight casts of
+    ``"none"``: :func:`none_weight_casts`."""
+    r, _, _ = _dtypes(s)
+    H, K = c.hidden_size, s.get("recompute_every", 1)
+    mix = layer_mix(c, s)
+    recomputed = mix["block"] + mix["selective"]
+    lay = sum(layer_saved_per_token(c, s).values())
+    none = mix["none"] * lay + (none_extra_per_token(c, s) if mix["none"] == c.num_layers else 0)
+    return {"block inputs": (math.ceil(recomputed / K) + 1) * H * r,
+            "selective op outputs": mix["selective"] * selective_per_token(c, s),
+            "none: layer graphs": none}
+
+
+def kept_bytes(c: ParamCounts, s: dict[str, Any]) -> int:
+    """Bytes the engine keeps from a forward to its backward for ``batch_size x seq_len`` tokens, on the
+    device or (``offload_activations``) in host memory: :func:`kept_per_token` x tokens plus
+    ``"none"``'s weight casts. Comparable to the engine's ``megatrain/saved_activation_bytes``
+    (which leaves out the LM head's input, H x r per token)."""
+    tokens = s["batch_size"] * s["seq_len"]
+    return int(sum(kept_per_token(c, s).values()) * tokens) + none_weight_casts(c, s, layer_mix(c, s)["none"])
+
+
 def head_per_token(c: ParamCounts, s: dict[str, Any]) -> dict[str, float]:
     """LM head phase bytes per token: ``"final norm + input"`` and ``"logits"`` (the backward's peak,
     12 B per vocabulary entry: what ``loss_chunk_size`` caps); ``"logits saved"`` is the part autograd
@@ -105,20 +198,31 @@ def per_token_terms(c: ParamCounts, s: dict[str, Any], gpu: bool = True) -> dict
     (device memory, the larger phase counts). Bytes of a term = per token x min(tokens, cap).
     """
     r, _, _ = _dtypes(s)
-    H, L, K = c.hidden_size, c.num_layers, s["recompute_every"]
-    ws = WORKING_SET_FACTOR
+    H, K = c.hidden_size, s["recompute_every"]
+    mix = layer_mix(c, s)
+    recomputes = mix["block"] + mix["selective"] > 0
+    # "none" everywhere: the layer phase holds the activation gradients only (the graph is kept)
+    ws = WORKING_SET_FACTOR if recomputes else WORKING_SET_FACTOR - 1
     lay, head = layer_saved_per_token(c, s), head_per_token(c, s)
-    saved = (math.ceil(L / K) + 1) * H * r
+    kept = kept_per_token(c, s)
+    saved = kept["block inputs"]
+    ops = kept["selective op outputs"] + kept["none: layer graphs"]
+    per_layer_kept = max(selective_per_token(c, s) if mix["selective"] else 0,
+                         sum(lay.values()) if mix["none"] else 0)
     off = s["offload_activations"]
     return {
         "saved block inputs": (0 if off else saved, None, "device"),
-        "restored inputs in flight": (RESTORE_IN_FLIGHT * H * r if off and gpu else 0, None, "device"),
-        "recompute chain inputs (K > 1)": ((K - 1) * H * r, None, "device"),
+        f"kept op outputs / graphs (recompute={s.get('recompute', 'block')})": (0 if off else ops, None, "device"),
+        "restored inputs in flight": ((RESTORE_IN_FLIGHT * (H * r + per_layer_kept)) if off and gpu else 0,
+                                      None, "device"),
+        "recompute chain inputs (K > 1)": ((K - 1) * H * r if recomputes else 0, None, "device"),
         "layer: norms + attention": (ws * (lay["attention"] + lay["mlp norm"]), None, "layer"),
-        "layer: MLP input + intermediate": (ws * lay["mlp"], s["mlp_chunk_size"], "layer"),
+        "layer: MLP input + intermediate": (ws * lay["mlp"], s["mlp_chunk_size"] if mix["block"] == c.num_layers else None,
+                                            "layer"),
         "head: final norm + input": (head["final norm + input"], None, "head"),
         "head: logits, log-probs, grads (fp32)": (head["logits"], s["loss_chunk_size"], "head"),
         "offloaded block inputs": (saved if off else 0, None, "host"),
+        "offloaded op outputs / graphs": (ops if off else 0, None, "host"),
     }
 
 
@@ -143,6 +247,9 @@ def activation_bytes(c: ParamCounts, s: dict[str, Any], gpu: bool = True) -> tup
             host[label] = n
         else:
             dev[label] = n
+    casts = none_weight_casts(c, s, layer_mix(c, s)["none"])
+    if casts:
+        (host if s["offload_activations"] else dev)["kept autocast weight casts (recompute=none)"] = casts
     which = "head" if phase["head"] > phase["layer"] else "layer"
     label = {"head": "computing block activations (LM head: logits + grad)",
              "layer": "computing block activations (one decoder layer)"}[which]

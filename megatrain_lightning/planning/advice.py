@@ -72,6 +72,9 @@ def _activation_options(p: Plan) -> list[dict[str, Any]]:
     """Option sets that bound activations, cheapest first: each option alone, then accumulated."""
     s = p.settings
     single: list[dict[str, Any]] = []
+    # layers that keep op outputs or their graph: recompute more (the same arithmetic, more FLOPs)
+    single += [{"recompute": m} for m in {"none": ("selective", "block"), "auto": ("block",),
+                                           "selective": ("block",)}.get(s.get("recompute", "block"), ())]
     if s["loss_chunk_size"] is None:
         single.append({"loss_chunk_size": SUGGESTED_CHUNK["loss_chunk_size"]})
     if s["mlp_chunk_size"] is None:
@@ -82,6 +85,8 @@ def _activation_options(p: Plan) -> list[dict[str, Any]]:
         single.append({"recompute_every": 4})
     out, acc = list(single), {}
     for d in single:
+        if "recompute" in d and d["recompute"] != "block":
+            continue  # accumulate the cheapest-memory recompute only
         acc = {**acc, **d}
         if len(acc) > 1 and acc not in out:
             out.append(dict(acc))
@@ -132,8 +137,24 @@ def device_advice(p: Plan, device: int | None, host: int | None = None,
     return out
 
 
+def recompute_advice(p: Plan, keys: Mapping[str, str] | None = None) -> str | None:
+    """With ``recompute="block"`` on a GPU preset, when ``"selective"`` fits too: a line with what it
+    saves (the layers' matmul recompute) and costs (device bytes); else None."""
+    s = p.settings
+    if not p.hardware.is_gpu or s.get("recompute", "block") != "block" or not p.fits:
+        return None
+    q = replan(p, recompute="selective")
+    if not q.fits:
+        return None
+    return (f"tip: {key('recompute', keys)}=selective also fits (device {gib(q.device_bytes)} GiB, was "
+            f"{gib(p.device_bytes)} GiB): it keeps the matmul and attention outputs and skips their recompute, "
+            f"{(p.flops - q.flops) / 1e12:,.1f} TFLOP less per step (" +
+            (f"step bound {q.step_time_s:,.3f} s, was {p.step_time_s:,.3f} s)" if q.step_time_s < p.step_time_s else
+             f"the step bound stays {p.step_time_s:,.3f} s, set by {TERM_LABELS[p.dominating]})"))
+
+
 def activation_share(p: Plan) -> float:
     """Fraction of the memory that runs short (device; host RAM on a CPU device) that grows with the
     sequence (activations and saved inputs)."""
-    act = sum(v for k, v in p.device.items() if "activations" in k or "inputs" in k)
+    act = sum(v for k, v in p.device.items() if "activations" in k or "inputs" in k or k.startswith("kept"))
     return act / max(1, p.device_bytes if p.hardware.is_gpu else p.host_bytes)

@@ -30,8 +30,8 @@ class Plan:
         capacity: bytes available per tier on the preset (``device`` None without a GPU).
         moved: bytes per optimizer step: ``h2d``, ``h2d_forward``, ``h2d_backward``, ``d2h``,
             ``nvme_read``, ``nvme_write``.
-        flops: compute per step (FLOP); ``flops_parts`` its terms (8 x N_matmul x tokens,
-            attention, minus the LM head's recompute that does not happen, K > 1 chains).
+        flops: compute per step (FLOP); ``flops_parts`` its terms (6 x N_matmul x tokens, attention,
+            the recompute of the ``recompute`` mode, K > 1 chains: :func:`.terms.recompute_flops`).
         times: seconds per term (``compute``, ``h2d``, ``d2h``, ``nvme_read``, ``nvme_write``,
             ``host_adamw``); ``step_time_s`` their max, named by ``dominating``;
             ``step_time_pessimistic_s`` / ``dominating_pessimistic`` the half-duplex variant.
@@ -195,7 +195,8 @@ def plan(model_cfg: Any, hw: Hardware | Mapping[str, Any], *, batch_size: int = 
          offload_grads: str = "cpu", offload_activations: bool = False, lookahead: int = 1,
          recompute_every: int = 1, grad_dtype: str | None = None, keep_checkpoints: int = 2,
          pinned_round: bool = True, cpu_zero_copy: bool = True, loss_chunk_size: int | str | None = "default",
-         mlp_chunk_size: int | str | None = "default", devices: int = 1, num_nodes: int = 1) -> Plan:
+         mlp_chunk_size: int | str | None = "default", devices: int = 1, num_nodes: int = 1,
+         recompute: str = "block", activation_memory_limit: int | str | None = None) -> Plan:
     """Plan one training configuration on one hardware preset (see the module docstring).
 
     Args:
@@ -229,9 +230,16 @@ def plan(model_cfg: Any, hw: Hardware | Mapping[str, Any], *, batch_size: int = 
             ``trainer.devices``, ``trainer.num_nodes``): processes per node and nodes; ``batch_size`` is
             per process. Above 1, host RAM, NVMe and the shared-host terms are per node
             (:mod:`.parallel`).
+        recompute: ``"block"``, ``"selective"``, ``"none"`` or ``"auto"`` (the strategy option; Hydra key
+            ``strategy.recompute``): what each layer keeps for its backward (:mod:`.activations`) and
+            what its backward recomputes (FLOPs, :mod:`.terms`).
+        activation_memory_limit: ``"auto"``'s budget for kept activations (bytes or ``"4GiB"``);
+            ``None``: half the device memory the plan leaves free (``"auto"`` then reports its mix:
+            ``settings["recompute_mix"]``, ``settings["activation_budget"]``).
 
     Raises:
-        ValueError: an unknown precision, tier or grad dtype, a non-positive size, a chunk size
+        ValueError: a ``recompute`` that is not a policy or a bad ``activation_memory_limit``,
+            an unknown precision, tier or grad dtype, a non-positive size, a chunk size
             that is not a positive integer, ``devices``/``num_nodes`` not a positive integer (the
             message names the option), or ``num_nodes`` > 1 on hardware without ``network_gbps``.
     """
@@ -243,7 +251,8 @@ def plan(model_cfg: Any, hw: Hardware | Mapping[str, Any], *, batch_size: int = 
                  offload_activations=offload_activations, lookahead=lookahead, recompute_every=recompute_every,
                  grad_dtype=grad_dtype, keep_checkpoints=keep_checkpoints, pinned_round=pinned_round,
                  cpu_zero_copy=cpu_zero_copy, loss_chunk_size=loss_chunk_size, mlp_chunk_size=mlp_chunk_size,
-                 devices=devices, num_nodes=num_nodes)
+                 devices=devices, num_nodes=num_nodes, recompute=recompute,
+                 activation_memory_limit=activation_memory_limit)
     return _plan_from_counts(name, counts, hw, s, model_cfg if not isinstance(model_cfg, (str, bytes)) else cfg)
 
 
@@ -251,14 +260,18 @@ def settings(*, batch_size: int, seq_len: int, precision: str, offload_params: s
              offload_grads: str, offload_activations: bool, lookahead: int, recompute_every: int,
              grad_dtype: str | None, keep_checkpoints: int, pinned_round: bool, cpu_zero_copy: bool,
              loss_chunk_size: int | str | None, mlp_chunk_size: int | str | None, devices: int = 1,
-             num_nodes: int = 1) -> dict[str, Any]:
+             num_nodes: int = 1, recompute: str = "block",
+             activation_memory_limit: int | str | None = None) -> dict[str, Any]:
     """Validated settings of a plan (the arguments of :func:`plan`); ``grad_dtype`` becomes ``grad_bytes``.
 
     Raises:
         ValueError: see :func:`plan`.
     """
+    from ..engine.recompute_policy import check_recompute
     from .config import resolve_chunk
     from .parallel import positive_count
+
+    recompute, limit = check_recompute(recompute, activation_memory_limit)
 
     devices = positive_count(devices, "trainer.devices")
     num_nodes = positive_count(num_nodes, "trainer.num_nodes")
@@ -281,7 +294,7 @@ def settings(*, batch_size: int, seq_len: int, precision: str, offload_params: s
                 loss_chunk_size=resolve_chunk(loss_chunk_size, "loss_chunk_size"),
                 mlp_chunk_size=resolve_chunk(mlp_chunk_size, "mlp_chunk_size"),
                 grad_bytes=GRAD_BYTES[grad_dtype] if grad_dtype else PRECISIONS[precision][2],
-                devices=devices, num_nodes=num_nodes)
+                devices=devices, num_nodes=num_nodes, recompute=recompute, activation_memory_limit=limit)
 
 
 def _plan_from_counts(name: str, counts: ParamCounts, hw: Hardware, s: dict[str, Any], source: Any) -> Plan:
@@ -289,6 +302,7 @@ def _plan_from_counts(name: str, counts: ParamCounts, hw: Hardware, s: dict[str,
 
     s = {**s, "loss_chunk_size": loss_chunk_tokens(s["loss_chunk_size"], counts.vocab_size)}
     e = _estimate(counts, hw, s)
+    s = e["settings"]  # with "auto"'s budget and mix
     dom = max(e["times"], key=e["times"].get)
     dom_p = max(e["pess"], key=e["pess"].get)
     bound, max_dev = _crossover(counts, hw, s, e)
@@ -395,6 +409,8 @@ def replan(p: Plan, **changes: Any) -> Plan:
     wire dtype stays unless ``grad_dtype`` is given."""
     s = dict(p.settings)
     s["grad_dtype"] = {4: "fp32", 2: "bf16"}[s.pop("grad_bytes")]
+    for k in ("recompute_mix", "activation_budget"):  # derived by the estimate
+        s.pop(k, None)
     s.update(changes)
     return _plan_from_counts(p.model, p.counts, p.hardware, settings(**s), p.source)
 

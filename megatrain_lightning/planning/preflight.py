@@ -78,7 +78,8 @@ def preflight(p: Plan, *, host_ram_bytes: int | None = None, disk_free_bytes: in
             for each and what to change: for host RAM the NVMe tier with its numbers; for
             device memory (and host RAM on a CPU device, where activations live in host RAM)
             the longest ``seq_len`` that fits and the option that makes this one fit
-            (``strategy.loss_chunk_size=...``, ``strategy.offload_activations=true``...).
+            (``strategy.recompute=selective`` / ``block`` when the layers keep more than their
+            inputs, ``strategy.loss_chunk_size=...``, ``strategy.offload_activations=true``...).
     """
     host = host_ram_bytes if host_ram_bytes is not None else mem_available_bytes()
     disk = disk_free_bytes if disk_free_bytes is not None else shutil.disk_usage(path).free
@@ -88,7 +89,8 @@ def preflight(p: Plan, *, host_ram_bytes: int | None = None, disk_free_bytes: in
         s = p.settings
         msg = [f"megatrain preflight refused {p.model} (planned for {p.hardware.name}; precision={s['precision']}, "
                f"batch_size={s['batch_size']}, seq_len={s['seq_len']}, offload params/optimizer/grads="
-               f"{s['offload_params']}/{s['offload_optimizer']}/{s['offload_grads']}):"]
+               f"{s['offload_params']}/{s['offload_optimizer']}/{s['offload_grads']}, "
+               f"recompute={s.get('recompute', 'block')}):"]
         for line in lines:
             msg.append(f"  - {line}")
             if line.startswith("host"):
@@ -114,7 +116,7 @@ def plan_for_run(model: Any, hardware: Any, strategy: Mapping[str, Any], *, batc
     ``cfg.strategy``; DictConfigs or mappings), reading every strategy option the planner models
     (``lookahead``, ``recompute_every``, ``offload_activations``, ``offload_params``,
     ``offload_optimizer`` -- which moves the gradient accumulators too, ``loss_chunk_size``,
-    ``mlp_chunk_size``); options the composed config does not set take ``MegaTrainStrategy``'s defaults.
+    ``mlp_chunk_size``, ``recompute``, ``activation_memory_limit``); options the composed config does not set take ``MegaTrainStrategy``'s defaults.
     ``devices``/``num_nodes`` (``trainer.devices``/``trainer.num_nodes``, integers) plan the host per node
     (:mod:`.parallel`). Pass it to :func:`preflight`."""
     from .config import as_plain_dict, strategy_default
@@ -135,4 +137,5 @@ def plan_for_run(model: Any, hardware: Any, strategy: Mapping[str, Any], *, batc
                 offload_optimizer=str(opt("offload_optimizer", "cpu")),
                 offload_grads=str(opt("offload_optimizer", "cpu")),
                 loss_chunk_size=opt("loss_chunk_size", None), mlp_chunk_size=opt("mlp_chunk_size", None),
-                devices=devices, num_nodes=num_nodes)
+                devices=devices, num_nodes=num_nodes, recompute=str(opt("recompute", "block")),
+                activation_memory_limit=opt("activation_memory_limit", None))

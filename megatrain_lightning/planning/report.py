@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from .activations import per_token_terms
-from .advice import device_advice, host_advice
+from .activations import kept_bytes
+from .advice import device_advice, host_advice, recompute_advice
 from .estimate import TERM_LABELS, Plan, gib, long_sequence_variants, max_seq_len
 from .parallel import host_mem_rate, intra_rate
 
@@ -59,6 +60,7 @@ def format_activations(p: Plan) -> list[str]:
     out = [f"activations (loss_chunk_size={s['loss_chunk_size']} mlp_chunk_size={s['mlp_chunk_size']} "
            f"offload_activations={s['offload_activations']} recompute_every={s['recompute_every']}; "
            "formulas: planning/activations.py)"]
+    out.append("  " + recompute_line(p))
     for k, (pt, cap, w) in terms.items():
         if not pt:
             continue
@@ -75,6 +77,24 @@ def format_activations(p: Plan) -> list[str]:
                f"{_kib(phase)}), host {_kib(per_token('host'))}"
                + ("" if p.hardware.is_gpu else " (CPU device: the device's bytes are host RAM too)"))
     return out
+
+
+def recompute_line(p: Plan) -> str:
+    """The ``recompute`` mode, the activation bytes it keeps between forward and backward (the engine's
+    ``saved_activation_bytes``, plus the LM head's input), and for ``"auto"`` its budget and mix."""
+    s = p.settings
+    kept = kept_bytes(p.counts, s)
+    where = "host, pinned" if s["offload_activations"] else "device"
+    line = (f"recompute={s.get('recompute', 'block')}: keeps {gib(kept)} GiB of activations from forward to backward "
+            f"({where})")
+    if s.get("recompute") == "auto":
+        mix = s.get("recompute_mix") or {}
+        src = "activation_memory_limit" if s.get("activation_memory_limit") is not None else \
+            "half the free " + ("device memory" if p.hardware.is_gpu else "host RAM")
+        line += (f"; budget {gib(s.get('activation_budget'))} GiB ({src}); expected layers block/selective/none: "
+                 f"{mix.get('block', 0)}/{mix.get('selective', 0)}/{mix.get('none', 0)} (the engine decides after "
+                 f"its first forward and logs it)")
+    return line
 
 
 def format_longest(p: Plan) -> list[str]:
@@ -101,7 +121,8 @@ def format_plan(p: Plan) -> str:
         f"settings: precision={s['precision']} batch_size={s['batch_size']} seq_len={s['seq_len']} "
         f"({p.tokens:,} tokens/step) lookahead={s['lookahead']} recompute_every={s['recompute_every']} "
         f"offload params/optimizer/grads={s['offload_params']}/{s['offload_optimizer']}/{s['offload_grads']} "
-        f"offload_activations={s['offload_activations']} grad bytes={s['grad_bytes']}",
+        f"offload_activations={s['offload_activations']} recompute={s.get('recompute', 'block')} "
+        f"grad bytes={s['grad_bytes']}",
         f"parameters: {c.total:,} = embedding {c.embedding:,} + {layers} + head+norm {c.head:,}"
         f"{f' (tied: {c.tied:,} read by the head, stored once)' if c.tied else ''}; "
         f"largest block {c.largest_block:,}",
@@ -160,6 +181,9 @@ def format_plan(p: Plan) -> str:
         lines.append(f"device memory holds batch_size <= {m} at seq_len={s['seq_len']}")
     lines += [""] + format_activations(p) + [""] + format_longest(p) + [""]
     lines.append(_fits_line(p))
+    tip = recompute_advice(p)
+    if tip:
+        lines.append("  " + tip)
     if any(r.startswith("device memory short") for r in p.reasons):
         lines += ["  " + a for a in device_advice(p, p.capacity["device"], p.capacity["host"], None)]
     if any(r.startswith("host RAM short") for r in p.reasons):

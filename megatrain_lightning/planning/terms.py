@@ -51,13 +51,15 @@ Per optimizer step (one micro-batch of ``batch_size`` x ``seq_len`` tokens):
 * NVMe (when offloaded): moments read 8 B/param + written 8; masters read 4 (the update is
   fused with the forward fetch) + 4 again for the backward fetch (cast to the wire image on the
   host), written 4; gradient accumulators written 4 + read 4.
-* compute FLOPs ~ 8 x N_matmul x tokens + 8 x L x T x d_attn x tokens: the 6N of
-  forward + backward (Kaplan et al. 2020, "Scaling Laws for Neural Language Models",
-  table 1: C_forward ~ 2N + 2 n_layer n_ctx d_attn, backward = 2 x forward) plus 2N for the
-  per-block recompute of the forward in backward (the engine recomputes every block but the
-  last, the LM head, whose 2N_head is therefore counted 3x, not 4x), plus
-  (K-1)/K x one more layer forward with K > 1. N_matmul excludes the input-embedding lookup
-  (no FLOPs) unless it is tied to the LM head.
+* compute FLOPs ~ 6 x N_matmul x tokens + 6 x L x T x d_attn x tokens: forward + backward
+  (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", table 1: C_forward ~ 2N +
+  2 n_layer n_ctx d_attn, backward = 2 x forward), plus the recompute, by ``recompute`` mode
+  (:func:`recompute_flops`): ``"block"`` re-runs each decoder layer's forward in backward,
+  2 x N_layers + 2 x L x T x d_attn per token (the LM head keeps its graph and the embedding is a
+  lookup: neither is recomputed), ``"selective"`` only the cheap ops (norms, activations,
+  elementwise: counted 0), ``"none"`` nothing; ``"auto"`` per layer as its mix; plus
+  (K-1)/K x one more layer forward with K > 1 for the layers that recompute. N_matmul excludes
+  the input-embedding lookup (no FLOPs) unless it is tied to the LM head.
 * host AdamW: N / ``host_adam_gparams_per_s`` (torch's fused CPU kernel; the shadow cast is
   folded into the presets' memory-bandwidth assumption, measured separately at 4.5 G
   params/s on the 2-core dev box).
@@ -130,8 +132,63 @@ def shadow_bytes(params: int, castable: int, wire: int, precision: str) -> int:
     return wire_bytes(params, castable, wire) if castable else 0
 
 
+def resolve_auto(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]:
+    """``recompute="auto"``: the settings with ``activation_budget`` (bytes) and ``recompute_mix``
+    (decoder layers per policy) as the engine would choose them; other modes unchanged.
+
+    Budget = ``activation_memory_limit``, else half the memory the plan leaves free with every layer in
+    ``"block"`` (device memory; host RAM on a CPU device), as the engine's default takes half the free
+    device memory (``default_activation_limit``). As in the engine, the saved block inputs come out of
+    it and the rest goes to op outputs, chosen by the engine's own
+    :func:`~megatrain_lightning.engine.recompute_policy.decide` from per-layer bytes
+    (:mod:`.activations`) and FLOPs (forward: 2 x layer params + 2 x seq_len x q per token; what
+    ``"selective"`` still recomputes: one FLOP per element the layer's graph keeps beyond the op
+    outputs, the engine's elementwise estimate)."""
+    if s.get("recompute") != "auto":
+        return s
+    from ..engine.recompute_policy import decide
+    from .activations import kept_per_token, layer_saved_per_token, none_weight_casts, selective_per_token
+
+    L, tokens = c.num_layers, s["batch_size"] * s["seq_len"]
+    base = {**s, "recompute": "block", "recompute_mix": None}
+    budget = s.get("activation_memory_limit")
+    if budget is None:
+        e0 = _estimate(c, hw, base)
+        if hw.is_gpu:
+            free = int(hw.hbm_gib * GIB) - sum(e0["device"].values())
+        else:
+            free = int(hw.host_ram_gib * GIB) - sum(e0["host"].values())
+        budget = max(free, 0) // 2
+    inputs = 0 if s["offload_activations"] else int(kept_per_token(c, base)["block inputs"] * tokens)
+    sel = selective_per_token(c, s) * tokens
+    none = sum(layer_saved_per_token(c, s).values()) * tokens + none_weight_casts(c, s, 1)
+    flops = (2 * c.layer_total / L + 2 * s["seq_len"] * c.num_heads * c.head_dim) * tokens
+    r = PRECISIONS[s["precision"]][3]
+    measured = {i: dict(selective=sel, none=none, flops=flops, flops_selective=(none - sel) / r) for i in range(L)}
+    # offloaded kept activations take no device memory: the engine's meter counts device bytes only
+    choice = decide(measured, 1 << 62 if s["offload_activations"] else max(budget - inputs, 0))
+    mix = {k: sum(v == k for v in choice.values()) for k in ("block", "selective", "none")}
+    return {**s, "recompute_mix": mix, "activation_budget": int(budget)}
+
+
+def recompute_flops(c: ParamCounts, s: dict[str, Any]) -> dict[str, float]:
+    """Recompute FLOPs per token by ``recompute`` mode (:func:`_estimate`'s ``flops_parts``):
+    ``"block"`` layers re-run their forward (2 x layer params + attention 2 x seq_len x q), with
+    ``recompute_every=K`` > 1 (K-1)/K of them once more (chains, also under ``"selective"``: a linked
+    call's chain runs without its cache); ``"selective"`` re-runs only norms, activations and
+    elementwise ops (counted as 0: no matmul); ``"none"`` nothing."""
+    from .activations import layer_mix
+
+    L, T, K = c.num_layers, s["seq_len"], s["recompute_every"]
+    mix = layer_mix(c, s)
+    f_layers = 2 * c.layer_total + 2 * L * T * c.num_heads * c.head_dim
+    return {"recompute (block layers)": mix["block"] / L * f_layers,
+            "recompute chains (K > 1)": (K - 1) / K * (mix["block"] + mix["selective"]) / L * f_layers}
+
+
 def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]:
     """Pure arithmetic for one batch size: the tiers, bytes moved and seconds per term."""
+    s = resolve_auto(c, hw, s)
     wire, dev_param, _, _, _, rate_key = PRECISIONS[s["precision"]]
     grad_b = s["grad_bytes"]
     B, T, K, la = s["batch_size"], s["seq_len"], s["recompute_every"], s["lookahead"]
@@ -196,10 +253,14 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     # ---- bytes moved per step
     reads = c.reads_per_pass
     reads_b = reads - c.head_reads             # the last block keeps its graph: fetched once
-    chain = c.layer_total * (K - 1) // K
+    from .activations import layer_mix
+    mix = layer_mix(c, s)
+    chained = (mix["block"] + mix["selective"]) / L  # "none" layers rebuild nothing: no chain fetch
+    chain = int(c.layer_total * (K - 1) // K * chained)
     layer_wire = sum(wire_of[1:-1])
-    chain_wire = layer_wire * (K - 1) // K
-    act_io = act_host.get("offloaded block inputs", 0)
+    chain_wire = int(layer_wire * (K - 1) // K * chained)
+    act_io = act_host.get("offloaded block inputs", 0) + act_host.get("offloaded op outputs / graphs", 0) \
+        + act_host.get("kept autocast weight casts (recompute=none)", 0)
     h2d_f = sum(wire_of)
     h2d_b = sum(wire_of[:-1]) + chain_wire + (act_io if gpu else 0)  # CPU: an offloaded input is used in place
     if zero_copy:                              # CPU device bound to the fp32 masters: nothing copied
@@ -218,20 +279,18 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     moved = {"h2d": h2d_f + h2d_b, "h2d_forward": h2d_f, "h2d_backward": h2d_b, "d2h": d2h,
              "nvme_read": nv_r, "nvme_write": nv_w}
 
-    # ---- compute (Kaplan et al. 2020 + the recompute forward)
+    # ---- compute (Kaplan et al. 2020 + the recompute forward, by recompute mode)
     tokens = B * T
     q_dim = c.num_heads * c.head_dim
-    f_layers = 2 * c.layer_total + 2 * L * T * q_dim
-    f_head = 2 * (c.matmul_params - c.layer_total)
     f_attn = 2 * L * T * q_dim
+    rec = recompute_flops(c, s)
     flops_parts = {
-        "8 x N_matmul x tokens": 8.0 * c.matmul_params * tokens,
-        "attention": (4 + (K - 1) / K) * f_attn * tokens,
-        "LM head not recomputed": -1.0 * f_head * tokens,
-        "recompute chains (K > 1)": (K - 1) / K * 2 * c.layer_total * tokens,
+        "6 x N_matmul x tokens": 6.0 * c.matmul_params * tokens,
+        "attention (forward + backward)": 3.0 * f_attn * tokens,
+        f"recompute (recompute={s.get('recompute', 'block')}: block layers)": rec["recompute (block layers)"] * tokens,
+        "recompute chains (K > 1)": rec["recompute chains (K > 1)"] * tokens,
     }
     flops = sum(flops_parts.values())
-    assert math.isclose(flops, tokens * (4 * f_layers + 3 * f_head + (K - 1) / K * f_layers), rel_tol=1e-9)
 
     gb = 1e9
     times = {
@@ -246,7 +305,7 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     pess["link_duplex"] = h2d_f / (hw.h2d_gbps * gb) + max(2 * h2d_b / (hw.h2d_gbps * gb), d2h / (hw.d2h_gbps * gb))
     del pess["h2d"], pess["d2h"]
     e = dict(host=host, device=device, nvme=nvme, disk=disk, moved=moved, flops=flops, flops_parts=flops_parts,
-             times=times, pess=pess, ckpt=ckpt, parallel=None)
+             times=times, pess=pess, ckpt=ckpt, parallel=None, settings=s)
     if s.get("devices", 1) * s.get("num_nodes", 1) == 1:
         return e
     master_fetch = 4 * N + 4 * (reads_b + chain) if s["offload_params"] == "nvme" else 0
