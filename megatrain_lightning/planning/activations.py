@@ -61,9 +61,9 @@ changes what each decoder layer keeps between its forward and its backward, per 
 * ``"none"``: its whole autograd graph, weights excluded (``engine/block_graph.py``): the
   :func:`layer_saved_per_token` sum (its first norm's fp32 input is the block input, so no separate
   input is kept; under ``bf16-true`` it is the input's fp32 cast), kept for every layer, plus the
-  final norm's graph ((4 + r)H + 4) and the embedding's int64 indices (8 B); under autocast also the
-  bf16/fp16 casts of each layer's castable weights (per step, not per token: the castable parameters
-  x 2 B). The layer phase is then the activation gradients only, x (``WORKING_SET_FACTOR`` - 1).
+  final norm's graph ((4 + r)H + 4) and the embedding's int64 indices (8 B); under autocast not the
+  bf16/fp16 casts of the weights (the engine names them and casts the fetched weight again in
+  backward, ``engine/block_graph.py``). The layer phase is then the activation gradients only, x (``WORKING_SET_FACTOR`` - 1).
 * ``"auto"``: a mix, per layer one of the three (``estimate.py`` chooses it with the engine's own
   :func:`~megatrain_lightning.engine.recompute_policy.decide`).
 
@@ -130,16 +130,6 @@ def none_extra_per_token(c: ParamCounts, s: dict[str, Any]) -> float:
     return (4 + r) * c.hidden_size + 4 + 8
 
 
-def none_weight_casts(c: ParamCounts, s: dict[str, Any], layers: int) -> int:
-    """Bytes of the autocast weight casts ``layers`` decoder layers keep under ``recompute="none"``
-    (mixed precisions: castable parameters x 2 B; 0 otherwise). Per step, not per token."""
-    _, a, mixed = _dtypes(s)
-    if not mixed or not layers:
-        return 0
-    per_layer = c.castable_reads[1:-1]
-    return int(a * sum(per_layer) / max(1, len(per_layer)) * layers)
-
-
 def layer_mix(c: ParamCounts, s: dict[str, Any]) -> dict[str, int]:
     """Decoder layers per policy, ``{"block": n, "selective": n, "none": n}``: all layers in the
     ``recompute`` mode, or for ``"auto"`` the mix in ``s["recompute_mix"]`` (set by the estimate;
@@ -156,8 +146,7 @@ def kept_per_token(c: ParamCounts, s: dict[str, Any]) -> dict[str, float]:
     """What the engine keeps between forward and backward, bytes per token, by part (its
     ``saved_activation_bytes`` plus the LM head's input): ``"block inputs"`` (every K-th input of a
     recomputed layer and the LM head's input), ``"selective op outputs"``, ``"none: layer graphs"``
-    (with the final norm and the indices when every layer keeps its graph). Weight casts of
-    ``"none"``: :func:`none_weight_casts`."""
+    (with the final norm and the indices when every layer keeps its graph)."""
     r, _, _ = _dtypes(s)
     H, K = c.hidden_size, s.get("recompute_every", 1)
     mix = layer_mix(c, s)
@@ -171,11 +160,10 @@ def kept_per_token(c: ParamCounts, s: dict[str, Any]) -> dict[str, float]:
 
 def kept_bytes(c: ParamCounts, s: dict[str, Any]) -> int:
     """Bytes the engine keeps from a forward to its backward for ``batch_size x seq_len`` tokens, on the
-    device or (``offload_activations``) in host memory: :func:`kept_per_token` x tokens plus
-    ``"none"``'s weight casts. Comparable to the engine's ``megatrain/saved_activation_bytes``
+    device or (``offload_activations``) in host memory: :func:`kept_per_token` x tokens. Comparable to the engine's ``megatrain/saved_activation_bytes``
     (which leaves out the LM head's input, H x r per token)."""
     tokens = s["batch_size"] * s["seq_len"]
-    return int(sum(kept_per_token(c, s).values()) * tokens) + none_weight_casts(c, s, layer_mix(c, s)["none"])
+    return int(sum(kept_per_token(c, s).values()) * tokens)
 
 
 def head_per_token(c: ParamCounts, s: dict[str, Any]) -> dict[str, float]:
@@ -247,9 +235,6 @@ def activation_bytes(c: ParamCounts, s: dict[str, Any], gpu: bool = True) -> tup
             host[label] = n
         else:
             dev[label] = n
-    casts = none_weight_casts(c, s, layer_mix(c, s)["none"])
-    if casts:
-        (host if s["offload_activations"] else dev)["kept autocast weight casts (recompute=none)"] = casts
     which = "head" if phase["head"] > phase["layer"] else "layer"
     label = {"head": "computing block activations (LM head: logits + grad)",
              "layer": "computing block activations (one decoder layer)"}[which]

@@ -147,7 +147,7 @@ def resolve_auto(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, A
     if s.get("recompute") != "auto":
         return s
     from ..engine.recompute_policy import decide
-    from .activations import kept_per_token, layer_saved_per_token, none_weight_casts, selective_per_token
+    from .activations import kept_per_token, layer_saved_per_token, selective_per_token
 
     L, tokens = c.num_layers, s["batch_size"] * s["seq_len"]
     base = {**s, "recompute": "block", "recompute_mix": None}
@@ -161,7 +161,7 @@ def resolve_auto(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, A
         budget = max(free, 0) // 2
     inputs = 0 if s["offload_activations"] else int(kept_per_token(c, base)["block inputs"] * tokens)
     sel = selective_per_token(c, s) * tokens
-    none = sum(layer_saved_per_token(c, s).values()) * tokens + none_weight_casts(c, s, 1)
+    none = sum(layer_saved_per_token(c, s).values()) * tokens
     flops = (2 * c.layer_total / L + 2 * s["seq_len"] * c.num_heads * c.head_dim) * tokens
     r = PRECISIONS[s["precision"]][3]
     measured = {i: dict(selective=sel, none=none, flops=flops, flops_selective=(none - sel) / r) for i in range(L)}
@@ -259,8 +259,7 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     chain = int(c.layer_total * (K - 1) // K * chained)
     layer_wire = sum(wire_of[1:-1])
     chain_wire = int(layer_wire * (K - 1) // K * chained)
-    act_io = act_host.get("offloaded block inputs", 0) + act_host.get("offloaded op outputs / graphs", 0) \
-        + act_host.get("kept autocast weight casts (recompute=none)", 0)
+    act_io = act_host.get("offloaded block inputs", 0) + act_host.get("offloaded op outputs / graphs", 0)
     h2d_f = sum(wire_of)
     h2d_b = sum(wire_of[:-1]) + chain_wire + (act_io if gpu else 0)  # CPU: an offloaded input is used in place
     if zero_copy:                              # CPU device bound to the fp32 masters: nothing copied
