@@ -6,12 +6,12 @@
 * ``"selective"``: also keep the outputs of the expensive operations (matrix multiplies, attention:
   the forward ops of ``torch.utils.flop_counter``'s registry); backward recomputes only the cheap
   ones (norms, activations, elementwise, casts, dropout under the replayed RNG state).
-* ``"none"``: keep the output of every operation that is not a view, a cast, random or in place;
-  backward runs the block's Python again but recomputes no kernel that costs anything.
+* ``"none"``: keep the block's own autograd graph, without its weights (``engine/block_graph.py``);
+  backward differentiates that graph and recomputes nothing.
 * ``"auto"``: per block, the cheapest of the three in recompute FLOPs whose kept bytes fit
   ``activation_memory_limit`` (decided once, after the first training forward measured them).
 
-Saving is PyTorch's selective activation checkpointing: ``create_selective_checkpoint_contexts`` and
+``"selective"`` saving is PyTorch's selective activation checkpointing: ``create_selective_checkpoint_contexts`` and
 a policy function returning ``CheckpointPolicy``; the caching mode runs around the block's forward,
 the cached mode around its recompute in backward (``engine/recompute.py``). Both run with autograd on
 and the same leaves, so both see the same op sequence (the cache is matched op by op).
@@ -153,7 +153,7 @@ def _storage_bytes(out: Any, seen: set) -> int:
 
 
 class SavedOps:
-    """The op outputs one block call keeps (``"selective"`` / ``"none"``), with torch's two SAC modes.
+    """The op outputs one ``"selective"`` block call keeps, with torch's two SAC modes.
 
     ``forward()`` wraps the call's forward (caching mode), ``recompute(keep_graph)`` its recompute in
     backward (cached mode). ``nbytes``: bytes kept (unique storages). Not thread-safe (compute thread).
