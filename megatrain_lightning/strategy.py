@@ -42,6 +42,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from .checkpoint.hf_io import weight_sources
 from .checkpoint.directory import load_checkpoint_dir, load_optimizer_dir, save_checkpoint_dir
 from .engine.chunked_loss import check_chunk_size
+from .engine.block_groups import check_block_group
 from .engine.recompute_policy import RecomputePolicy, check_recompute, deprecated_recompute_every
 from .engine.reduce import GradReducer
 from .engine.streaming import StreamingEngine
@@ -67,7 +68,11 @@ class MegaTrainStrategy(ParallelStrategy):
     saved block inputs (MegaTrain, arXiv 2604.05091).
 
     Args:
-        lookahead: blocks copied ahead of the one computing (1 = double buffering).
+        lookahead: fetches copied ahead of the one computing (1 = double buffering).
+        block_group: consecutive decoder layers fetched as one transfer unit (one H2D worker task and
+            one wait for the group instead of one per layer: for small blocks, whose fixed cost per
+            fetch is not hidden behind their compute; docs/architecture.md, "Block groups"). The device
+            then holds up to ``(lookahead + 1) x block_group`` decoder layers' weights. Default 1.
         recompute_every: keep the input of every K-th block call only and recompute the others
             in backward (saved activations / K, at most one extra forward of K-1 blocks per segment).
             Default 1: every block input is kept (see docs/architecture.md for the measurement).
@@ -156,7 +161,8 @@ class MegaTrainStrategy(ParallelStrategy):
     ranks' updates, and weights, stay identical (docs/architecture.md, "Several GPUs and nodes").
 
     Raises:
-        ValueError: ``host_threads`` is not ``None`` or an integer >= 1 (when the strategy is built).
+        ValueError: ``host_threads`` is not ``None`` or an integer >= 1, or ``block_group`` not an integer >= 1
+            (when the strategy is built).
         NotImplementedError: several processes with ``offload_params``/``offload_optimizer="nvme"`` (at setup).
         ValueError: ``loss_chunk_size`` / ``mlp_chunk_size`` not a positive int (or ``"auto"`` / ``None``).
         UnsupportedOptimizerError: ``configure_optimizers`` returned anything but one AdamW/Adam.
@@ -179,6 +185,7 @@ class MegaTrainStrategy(ParallelStrategy):
         precision_plugin: Precision | None = None,
         *,
         lookahead: int = 1,
+        block_group: int = 1,
         recompute_every: int = 1,
         checkpoint_every: int | None = None,
         offload_activations: bool = False,
@@ -216,6 +223,7 @@ class MegaTrainStrategy(ParallelStrategy):
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
         self.groups: ProcessGroups | None = None
         self.lookahead = lookahead
+        self.block_group = check_block_group(block_group)
         self.recompute_every = deprecated_recompute_every(recompute_every, checkpoint_every)
         self.offload_activations = offload_activations
         self.recompute, self.activation_memory_limit = check_recompute(recompute, activation_memory_limit)
@@ -375,6 +383,7 @@ class MegaTrainStrategy(ParallelStrategy):
                 module,
                 self.root_device,
                 lookahead=self.lookahead,
+                block_group=self.block_group,
                 recompute_every=self.recompute_every,
                 offload_activations=self.offload_activations,
                 loss_chunk_size=self.loss_chunk_size,

@@ -34,6 +34,8 @@ class StepStats:
             if you measure over several steps); CPU: peak bytes of block weight/gradient buffers
             the engine had alive at once.
         blocks_fetched: number of block fetches (forward + backward + evaluation).
+        weight_transfers: fetches handed to the H2D worker: one per block fetch, or per block group
+            (``block_group``: the consecutive members one fetch serves).
         prefetch_misses: fetches that were not prefetched (the compute thread had to start the copy).
         activation_restore_misses: offloaded block inputs whose H2D copy was not started one call ahead
             (``offload_activations``; the compute thread started it when backward needed it).
@@ -65,6 +67,7 @@ class StepStats:
     compute_s: float = 0.0
     peak_device_bytes: int = 0
     blocks_fetched: int = 0
+    weight_transfers: int = 0
     prefetch_misses: int = 0
     activation_restore_misses: int = 0
     activation_restored_peak_bytes: int = 0

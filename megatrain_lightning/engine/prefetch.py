@@ -4,7 +4,8 @@ The engine knows the sequence of fetches a step makes (forward order, then the b
 with recompute chains: docs/architecture.md, "Prefetch schedule"). At every fetch it asks
 :class:`Prefetcher` for the block; the prefetcher hands over the copy started earlier (or starts it),
 submits the next ``lookahead`` fetches of the sequence to the single H2D worker thread and, with the
-NVMe tier, tells the store which regions the schedule reads next.
+NVMe tier, tells the store which regions the schedule reads next. With block groups
+(:mod:`.block_groups`) one fetch copies a group of consecutive blocks.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ..optim.host_adamw import HostAdamW
 from ..store.host import HostStore
 from ..store.regions import Region
 from .accounting import ByteAccounting
+from .block_groups import GroupSchedule
 from .threads import worker_initializer
 
 
@@ -41,12 +43,15 @@ class Prefetcher:
         read_ahead_depth: NVMe tier: fetches beyond the lookahead whose regions are read ahead.
         host_threads: intra-op CPU threads of the H2D worker's updates and casts (``None``: torch's
             setting; see :mod:`.threads`).
+        groups: transfer units (:func:`~.block_groups.form_groups`); ``lookahead`` then counts group
+            fetches. ``None``: one per block.
     """
 
     def __init__(self, blocks: Sequence[Block], store: HostStore, transport: Any, acct: ByteAccounting,
                  fetch: Callable[[Block], dict[int, tuple[torch.Tensor, Any]]], lookahead: int,
                  optimizer: Callable[[], HostAdamW | None], read_ahead_bytes: int | None = None,
-                 read_ahead_depth: int = 0, host_threads: int | None = None):
+                 read_ahead_depth: int = 0, host_threads: int | None = None,
+                 groups: Sequence[tuple[int, ...]] | None = None):
         self.blocks, self.store, self.transport, self.acct = blocks, store, transport, acct
         self._fetch = fetch
         self.lookahead = lookahead
@@ -55,7 +60,9 @@ class Prefetcher:
         self._depth = read_ahead_depth
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="megatrain-h2d",
                                         initializer=worker_initializer(host_threads))
-        self._inflight: dict[int, Future] = {}
+        self.schedule = GroupSchedule(groups if groups is not None else [(b.index,) for b in blocks])
+        self._inflight: dict[tuple[int, ...], Future] = {}  # blocks of one fetch (run_at) -> its fetch
+        self._open: dict[int, dict[int, dict[int, tuple[torch.Tensor, Any]]]] = {}  # group -> members not used yet
         self._discarded: dict[int, Future] = {}  # dropped prefetches still running (drop() waits for them)
         self._discard_lock = threading.Lock()
 
@@ -64,6 +71,10 @@ class Prefetcher:
         """The block's slabs on the device, waiting for its copy if needed; starts the next
         ``lookahead`` fetches of ``seq`` after position ``pos`` (``None``: off the schedule).
 
+        With block groups (:mod:`.block_groups`) a fetch copies the block and the members of its group
+        that come right after it in ``seq``; they are served from it when they come, or released
+        unused if the schedule changes (another group's block first, an optimizer update).
+
         Args:
             backward / updates_in_backward: the fetch is in a backward (which applies AdamW updates as
                 it goes): what the NVMe read-ahead wants besides the masters.
@@ -71,29 +82,58 @@ class Prefetcher:
             slab index -> device buffer (compute dtype, shape ``[slab numel]``).
         """
         t0 = time.perf_counter()
-        fut = self._inflight.pop(blk.index, None)
-        if fut is None:
-            self.acct.add(prefetch_misses=1)
-            fut = self._pool.submit(self._fetch, blk)
+        sched = self.schedule
+        g = sched.group_of[blk.index]
+        for other in [k for k in self._open if k != g]:
+            self._release_members(self._open.pop(other))  # their turn has passed
+        opened = self._open.get(g)
+        got = opened.pop(blk.index, None) if opened is not None else None
+        fut: Future | None = None
+        if got is None:
+            if opened is not None:  # a member is fetched again: the rest of that fetch is not used
+                self._release_members(self._open.pop(g))
+            run = sched.run_at(seq, pos) if pos is not None else (blk.index,)
+            fut = self._inflight.pop(run, None)
+            if fut is None:
+                self.acct.add(prefetch_misses=1)
+                fut = self._pool.submit(self._fetch_run, run)
+            left = set(run[1:])
+        else:
+            left = set(opened or ())
         if self.lookahead > 0 and pos is not None:
-            want: list[int] = []
-            for bi in seq[pos + 1 :]:
-                if len(want) == self.lookahead:
-                    break
-                if bi not in want:
-                    want.append(bi)
+            want = sched.upcoming(seq, pos, left, self.lookahead)
             for stale in [k for k in self._inflight if k not in want]:
                 self._discard(self._inflight.pop(stale))
-            for bi in want:
-                if bi not in self._inflight:
-                    self._inflight[bi] = self._pool.submit(self._fetch, self.blocks[bi])
+            for run in want:
+                if run not in self._inflight:
+                    self._inflight[run] = self._pool.submit(self._fetch_run, run)
         if self._spare is not None and pos is not None:
-            self._read_ahead(seq[pos + 1 : pos + 2 + 2 * self.lookahead + self._depth], backward, updates_in_backward)
-        got = fut.result()
+            la = (self.lookahead + 1) * sched.size - 1  # blocks in flight ahead
+            self._read_ahead(seq[pos + 1 : pos + 2 + 2 * la + self._depth], backward, updates_in_backward)
+        if fut is not None:
+            members = fut.result()
+            got = members.pop(blk.index)
+            if members:
+                self._open[g] = members
+        if not self._open.get(g, True):
+            del self._open[g]
+        assert got is not None
         for buf, ev in got.values():
             self.transport.ready(buf, ev)
         self.acct.add(wait_s=time.perf_counter() - t0)
         return {s: buf for s, (buf, _) in got.items()}
+
+    def _fetch_run(self, run: tuple[int, ...]) -> dict[int, dict[int, tuple[torch.Tensor, Any]]]:
+        """H2D worker: fetch the blocks of one transfer unit; block index -> slab index -> (buffer, event)."""
+        out: dict[int, dict[int, tuple[torch.Tensor, Any]]] = {}
+        self.acct.add(weight_transfers=1)
+        try:
+            for bi in run:
+                out[bi] = self._fetch(self.blocks[bi])
+        except BaseException:
+            self._release_members(out)
+            raise
+        return out
 
     def _read_ahead(self, upcoming: Sequence[int], backward: bool, updates_in_backward: bool) -> None:
         """Tell the NVMe store what the schedule reads next: the masters of the coming fetches, and
@@ -127,12 +167,14 @@ class Prefetcher:
                         wanted.append((si, k))
         nvme.read_ahead(wanted)
 
-    def _release(self, got: dict[int, tuple[torch.Tensor, Any]]) -> None:
-        """A fetched block nobody will use: wait until its copies are done (their buffers, and the host
-        memory they read, may be reused right after), then give its bytes back."""
-        for _, ev in got.values():
-            self.transport.last_read_done(ev)
-        self.acct.track(-sum(b.numel() * b.element_size() for b, _ in got.values()))
+    def _release_members(self, members: dict[int, dict[int, tuple[torch.Tensor, Any]]]) -> None:
+        """Fetched blocks nobody will use (block index -> slab index -> (buffer, event)): wait until their
+        copies are done (their buffers, and the host memory they read, may be reused right after),
+        then give their bytes back."""
+        for got in members.values():
+            for _, ev in got.values():
+                self.transport.last_read_done(ev)
+            self.acct.track(-sum(b.numel() * b.element_size() for b, _ in got.values()))
 
     def _discard(self, fut: Future) -> None:
         """Drop a prefetch the schedule no longer wants (released when its fetch ends: on the H2D worker,
@@ -146,11 +188,11 @@ class Prefetcher:
             if self._discarded.pop(id(f), None) is None:
                 return  # drop() took it over
         if f.exception() is None:
-            self._release(f.result())
+            self._release_members(f.result())
 
     def drop(self) -> None:
-        """Wait for and discard the copies in flight and the dropped prefetches still running (they predate an
-        optimizer update or a dtype change)."""
+        """Wait for and discard the copies in flight, the dropped prefetches still running and the group
+        members not used yet (they predate an optimizer update or a dtype change)."""
         with self._discard_lock:  # dropped earlier and still running: they may read what is about to change
             discarded, self._discarded = list(self._discarded.values()), {}
         for fut in [*self._inflight.values(), *discarded]:
@@ -158,8 +200,11 @@ class Prefetcher:
                 got = fut.result()
             except Exception:  # the error resurfaces on the next synchronous fetch
                 continue
-            self._release(got)
+            self._release_members(got)
         self._inflight.clear()
+        for members in self._open.values():  # fetched with their group before the update: stale
+            self._release_members(members)
+        self._open.clear()
         self.transport.settle()  # window holds and staging slots of finished copies are given back
 
     def close(self) -> None:

@@ -35,6 +35,7 @@ from ..store.shared import NodeShare, SlabOwnership
 from ..store.nvme import NVMeConfig, NVMeStore
 from ..blocks import Block, check_floating, disable_hf_checkpointing, discover_blocks
 from .accounting import ByteAccounting, StepStats
+from .block_groups import form_groups
 from .fetch import WeightFetcher
 from .forward_patch import ForwardPatches
 from .grads import GradientSink
@@ -59,15 +60,14 @@ class StreamingEngine:
     Args:
         root: the module to stream (the ``LightningModule``).
         device: compute device (``cpu`` or ``cuda:N``).
-        lookahead: blocks prefetched ahead of the one computing (1 = double buffering).
-        recompute_every: K, blocks per recompute segment. Only the input of every K-th block
-            call is kept; the inputs of the others are recomputed (without autograd) from it when
-            backward reaches the segment, so saved activations shrink K-fold for up to one extra
-            forward of K-1 blocks per segment.
+        lookahead: fetches prefetched ahead of the one computing (1 = double buffering).
+        block_group: consecutive decoder layers fetched as one transfer unit (:mod:`.block_groups`;
+            ``lookahead`` then counts groups); 1: one block per fetch.
+        recompute_every: K, blocks per recompute segment: only every K-th block call's input is kept,
+            the others' are recomputed from it in backward (saved activations / K, at most K-1 extra forwards).
         checkpoint_every: the former name of ``recompute_every`` (``DeprecationWarning``).
-        offload_activations: keep the saved block inputs in host memory instead of on the
-            device (the device footprint is then flat in depth; costs one D2H and one H2D of
-            the hidden states per block).
+        offload_activations: keep the saved block inputs in host memory (device footprint flat in depth;
+            one D2H and one H2D of the hidden states per block).
         recompute_policy: what a block call keeps besides its inputs (``recompute="block"`` /
             ``"selective"`` / ``"none"`` / ``"auto"``: :class:`RecomputePolicy`); default ``"block"``.
         block_classes / block_names: override block discovery, see
@@ -78,16 +78,13 @@ class StreamingEngine:
             ``False``: never (synchronous, slower H2D copies). Ignored on CPU.
         cpu_zero_copy: on CPU, bind blocks to the fp32 master slabs instead of copying them (only when
             the compute dtype is fp32; see MegaTrainStrategy). Off when masters are on disk.
-        nvme: the NVMe tier's settings (:class:`~megatrain_lightning.store.nvme.NVMeConfig`), or
-            ``None`` for everything in host RAM. Preflight (disk space, writable path, budget, then
-            pinning the window's arena: ``ulimit -l`` does not limit CUDA's pinned memory, so the
-            memory is pinned to find out) runs before any weight is read.
+        nvme: the NVMe tier's settings (:class:`~megatrain_lightning.store.nvme.NVMeConfig`), or ``None`` (all in
+            host RAM). Preflight (disk, path, budget, pinning the window's arena) runs before any weight is read.
         sources: ``id(param) -> loader`` for parameters on the ``meta`` device (models built by
             ``meta_model_from_pretrained``: see ``checkpoint.hf_io.weight_sources``); each loader is
             called once while the host store is built.
         host_threads: intra-op CPU threads of the H2D and D2H workers (host AdamW, casts, gradient
             adds); ``None``: on CUDA ``torch.get_num_threads() - 1``, on CPU 1 (:mod:`.threads`).
-
         loss_chunk_size / mlp_chunk_size: tokens per chunk of the LM head + loss (``"auto"``, default:
             256 MiB of fp32 logits) and of each block's MLP; ``None``: off (:mod:`.long_sequences`).
         reducer / node: data parallel (``None``: one process): averages each gradient batch over the ranks
@@ -95,8 +92,8 @@ class StreamingEngine:
 
     Raises:
         BlockDiscoveryError: no blocks found (see ``discover_blocks``).
-        ValueError: ``lookahead < 0``, ``host_threads < 1``, a chunk size that is not a positive int, or an
-            unsupported device type.
+        ValueError: ``lookahead < 0``, ``block_group < 1``, ``host_threads < 1``, a chunk size that is not a
+            positive int, or an unsupported device type.
         HostPinningError: ``pin_memory=True`` and the NVMe window could not be page-locked.
     """
 
@@ -121,6 +118,7 @@ class StreamingEngine:
         mlp_chunk_size: int | None = None,
         reducer: GradReducer | None = None,
         node: NodeShare | None = None,
+        block_group: int = 1,
     ):
         if lookahead < 0:
             raise ValueError(f"lookahead must be >= 0 (blocks prefetched ahead), got {lookahead}.")
@@ -133,12 +131,14 @@ class StreamingEngine:
         host_threads = resolve_host_threads(host_threads, self.device)
         self.blocks: list[Block] = discover_blocks(root, block_classes, block_names)
         check_floating(self.blocks)
+        groups = form_groups(self.blocks, block_group)
+        ahead = (lookahead + 1) * max(map(len, groups)) - 1  # blocks fetched ahead of the one computing
         pin: bool | None = pin_memory if self.device.type == "cuda" else False  # None: try (CUDA default), fall back with a warning
         self.budget: HostBudget | None = None
         min_window = 0
         factory: Callable[[list[tuple[int, int]]], NVMeStore] | None = None
         if nvme is not None and nvme.kinds:
-            self.budget, min_window, factory = nvme_window(self.blocks, nvme, self.device, lookahead, pin)
+            self.budget, min_window, factory = nvme_window(self.blocks, nvme, self.device, ahead, pin)
             if Region.master in nvme.kinds:
                 cpu_zero_copy = False  # compute buffers are copies, counted in the budget
         self.store: HostStore = build_store(self.blocks, pin_memory=pin is not False and not (nvme and Region.master in nvme.kinds),
@@ -170,7 +170,8 @@ class StreamingEngine:
         self.prefetcher = Prefetcher(self.blocks, self.store, self.transport, self.acct, lambda blk: self.fetcher.fetch(blk),
                                      lookahead, lambda: self.optimizer,
                                      read_ahead_bytes=self.budget.limit - min_window if nvme_on else None,
-                                     read_ahead_depth=nvme.read_ahead if nvme_on else 0, host_threads=host_threads)
+                                     read_ahead_depth=nvme.read_ahead if nvme_on else 0, host_threads=host_threads,
+                                     groups=groups)
         self.optimizer: HostAdamW | None = None
         self.order: list[int] = []  # block indices in forward call order (learned on the first forward)
         self._seq: list[int] = []  # the fetch sequence the prefetcher follows now
@@ -268,7 +269,6 @@ class StreamingEngine:
         self.closed = True
 
     closed = False
-
     # ------------------------------------------------------------------ proxy
     def _make_proxy(self, blk: Block, orig: Callable[..., Any]) -> Callable[..., Any]:
         # a block with no trainable parameter whose inputs need no gradient (a frozen embedding)

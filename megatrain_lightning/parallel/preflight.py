@@ -93,7 +93,7 @@ def check_rendezvous(env: Mapping[str, str], cluster_environment: Any, devices: 
 
 
 #: Strategy options that must be the same on every rank (public attributes of ``MegaTrainStrategy``).
-STRATEGY_OPTIONS = ("lookahead", "recompute_every", "offload_activations", "recompute", "activation_memory_limit",
+STRATEGY_OPTIONS = ("lookahead", "block_group", "recompute_every", "offload_activations", "recompute", "activation_memory_limit",
                     "overlap_optimizer", "block_classes", "block_names", "cpu_zero_copy", "nvme",
                     "optimizer_in_backward", "loss_chunk_size", "mlp_chunk_size")
 

@@ -864,6 +864,6 @@ def preflight_nvme(nvme_path: str | os.PathLike, layout: Sequence[tuple[int, int
             f"host_memory_limit={host_memory_limit} bytes ({fmt_bytes(host_memory_limit)}) is below the {min_window} bytes "
             f"({fmt_bytes(min_window)}) the NVMe tier needs for the blocks in flight (the largest block's weights, "
             "gradients and AdamW states, and its compute buffers). Raise host_memory_limit to at least "
-            f"{min_window} bytes (2x that lets read-ahead work), or lower lookahead."
+            f"{min_window} bytes (2x that lets read-ahead work), or lower lookahead or block_group."
         )
     return {"disk_needed": need, "disk_free": free, "min_window": min_window}

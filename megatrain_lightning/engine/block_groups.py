@@ -1,0 +1,117 @@
+"""Block groups: several consecutive blocks fetched as one transfer unit.
+
+A fetch has a fixed cost besides its bytes: a task handed to the H2D worker thread, its wake-up, an
+event per copy and the compute thread's wait (docs/architecture.md, "Per-block cost"). Where blocks are
+small (SmolLM2-135M: 14 MB per decoder layer) that cost is not hidden behind the block's compute.
+With ``block_group=G`` the H2D worker fetches ``G`` consecutive decoder layers in one task; the
+compute thread waits once for the group, and the members it has not used yet stay on the device
+until their call (or until the schedule moves to another group, or an optimizer update makes them
+stale: then they are released unused). Each member keeps its own buffers, so the live-byte
+accounting and the release of each member stay exact; the arithmetic is the same as ``G=1``.
+
+Only consecutive blocks of the same module class that each own exactly one slab that no other block
+reads (decoder layers; not the embedding or LM head, not containers' own parameters) are grouped.
+A fetch copies the members the fetch sequence uses from it (:meth:`GroupSchedule.run_at`): with
+``recompute_every`` chains or ``recompute="none"`` (the embedding's backward fetches nothing) a
+group's fetch may need fewer than all its members, and none is copied in vain.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..blocks import Block
+
+
+def check_block_group(size: object) -> int:
+    """Return ``size`` when it is a valid ``block_group`` (an int >= 1); raise ``ValueError`` otherwise."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"block_group must be an int >= 1 (consecutive decoder layers fetched as one transfer), "
+                         f"got {size!r}.")
+    return size
+
+
+def form_groups(blocks: Sequence[Block], size: int) -> list[tuple[int, ...]]:
+    """Partition the block indices into transfer units of at most ``size`` consecutive blocks.
+
+    Args:
+        blocks: the model's blocks, indexed by ``Block.index``.
+        size: blocks per group (``block_group``); 1 gives one group per block.
+
+    Returns:
+        Groups in index order, each a tuple of block indices; every block is in exactly one group.
+        A block is grouped with its neighbours only when they have the same module class (decoder
+        layers), it reads no other block's slab, no other block reads its slab, and it is not a
+        container's own parameters (``Block.direct``).
+
+    Raises:
+        ValueError: ``size`` is not an int >= 1.
+    """
+    check_block_group(size)
+    readers: dict[int, set[int]] = {}
+    for blk in blocks:
+        for si in blk.slabs:
+            readers.setdefault(si, set()).add(blk.index)
+    groups: list[tuple[int, ...]] = []
+    run: list[int] = []
+    for blk in blocks:
+        alone = blk.direct or blk.slabs != [blk.index] or readers.get(blk.index, set()) != {blk.index}
+        other = bool(run) and type(blocks[run[-1]].module) is not type(blk.module)
+        if alone or other or len(run) == size:
+            if run:
+                groups.append(tuple(run))
+            run = []
+        if alone:
+            groups.append((blk.index,))
+        else:
+            run.append(blk.index)
+    if run:
+        groups.append(tuple(run))
+    return groups
+
+
+class GroupSchedule:
+    """Which group each block is in, and the group fetches a fetch sequence will make.
+
+    Args:
+        groups: output of :func:`form_groups` (group key: its first block index).
+    """
+
+    def __init__(self, groups: Sequence[tuple[int, ...]]):
+        self.members: dict[int, tuple[int, ...]] = {g[0]: tuple(g) for g in groups}
+        self.group_of: dict[int, int] = {bi: g[0] for g in groups for bi in g}
+        self.size = max((len(g) for g in groups), default=1)
+
+    def run_at(self, seq: Sequence[int], p: int) -> tuple[int, ...]:
+        """The blocks one fetch at position ``p`` of ``seq`` serves: ``seq[p]`` and the entries right
+        after it that are other members of its group (until another group's block or a repeated member)."""
+        g = self.group_of[seq[p]]
+        out = [seq[p]]
+        for bi in seq[p + 1:]:
+            if self.group_of[bi] != g or bi in out:
+                break
+            out.append(bi)
+        return tuple(out)
+
+    def upcoming(self, seq: Sequence[int], pos: int, left: set[int], n: int) -> list[tuple[int, ...]]:
+        """The next ``n`` distinct fetches of ``seq`` after position ``pos``, each the tuple of blocks it
+        serves (:meth:`run_at`).
+
+        Args:
+            seq: the fetch sequence (block indices).
+            pos: position of the fetch being served now.
+            left: the members of the current fetch not used yet (they come next in ``seq``, served
+                without a new fetch).
+            n: how many fetches to return (the prefetch ``lookahead``).
+        """
+        want: list[tuple[int, ...]] = []
+        left, p = set(left), pos + 1
+        while p < len(seq) and seq[p] in left:
+            left.discard(seq[p])
+            p += 1
+        while p < len(seq) and len(want) < n:
+            run = self.run_at(seq, p)
+            if run not in want:
+                want.append(run)
+            p += len(run)
+        return want
