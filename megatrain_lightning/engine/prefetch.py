@@ -61,8 +61,9 @@ class Prefetcher:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="megatrain-h2d",
                                         initializer=worker_initializer(host_threads))
         self.schedule = GroupSchedule(groups if groups is not None else [(b.index,) for b in blocks])
-        self._inflight: dict[tuple[int, ...], Future] = {}  # blocks of one fetch (run_at) -> its fetch
-        self._open: dict[int, dict[int, dict[int, tuple[torch.Tensor, Any]]]] = {}  # group -> members not used yet
+        # blocks of one fetch (run_at) -> per block, the future of its part of the fetch
+        self._inflight: dict[tuple[int, ...], dict[int, Future]] = {}
+        self._open: dict[int, dict[int, Future]] = {}  # group -> its fetch's members not used yet
         self._discarded: dict[int, Future] = {}  # dropped prefetches still running (drop() waits for them)
         self._discard_lock = threading.Lock()
 
@@ -85,55 +86,56 @@ class Prefetcher:
         sched = self.schedule
         g = sched.group_of[blk.index]
         for other in [k for k in self._open if k != g]:
-            self._release_members(self._open.pop(other))  # their turn has passed
-        opened = self._open.get(g)
-        got = opened.pop(blk.index, None) if opened is not None else None
-        fut: Future | None = None
-        if got is None:
-            if opened is not None:  # a member is fetched again: the rest of that fetch is not used
-                self._release_members(self._open.pop(g))
+            self._discard_all(self._open.pop(other))  # their turn has passed
+        opened = self._open.pop(g, None)
+        fut = opened.pop(blk.index, None) if opened is not None else None
+        if fut is None:
+            if opened:  # a member is fetched again: the rest of that fetch is not used
+                self._discard_all(opened)
             run = sched.run_at(seq, pos) if pos is not None else (blk.index,)
-            fut = self._inflight.pop(run, None)
-            if fut is None:
+            opened = self._inflight.pop(run, None)
+            if opened is None:
                 self.acct.add(prefetch_misses=1)
-                fut = self._pool.submit(self._fetch_run, run)
-            left = set(run[1:])
-        else:
-            left = set(opened or ())
+                opened = self._submit(run)
+            fut = opened.pop(blk.index)
+        if opened:
+            self._open[g] = opened
         if self.lookahead > 0 and pos is not None:
-            want = sched.upcoming(seq, pos, left, self.lookahead)
+            want = sched.upcoming(seq, pos, set(opened or ()), self.lookahead)
             for stale in [k for k in self._inflight if k not in want]:
-                self._discard(self._inflight.pop(stale))
+                self._discard_all(self._inflight.pop(stale))
             for run in want:
                 if run not in self._inflight:
-                    self._inflight[run] = self._pool.submit(self._fetch_run, run)
+                    self._inflight[run] = self._submit(run)
         if self._spare is not None and pos is not None:
             la = (self.lookahead + 1) * sched.size - 1  # blocks in flight ahead
             self._read_ahead(seq[pos + 1 : pos + 2 + 2 * la + self._depth], backward, updates_in_backward)
-        if fut is not None:
-            members = fut.result()
-            got = members.pop(blk.index)
-            if members:
-                self._open[g] = members
-        if not self._open.get(g, True):
-            del self._open[g]
-        assert got is not None
+        got = fut.result()
         for buf, ev in got.values():
             self.transport.ready(buf, ev)
         self.acct.add(wait_s=time.perf_counter() - t0)
         return {s: buf for s, (buf, _) in got.items()}
 
-    def _fetch_run(self, run: tuple[int, ...]) -> dict[int, dict[int, tuple[torch.Tensor, Any]]]:
-        """H2D worker: fetch the blocks of one transfer unit; block index -> slab index -> (buffer, event)."""
-        out: dict[int, dict[int, tuple[torch.Tensor, Any]]] = {}
+    def _submit(self, run: tuple[int, ...]) -> dict[int, Future]:
+        """Hand one fetch of the blocks ``run`` to the H2D worker; per block, the future of its part (each
+        completes when that block's slabs are copied, so the first block can compute while the worker
+        fetches the next)."""
+        parts = {bi: Future() for bi in run}
+        self._pool.submit(self._fetch_run, run, dict(parts))
+        return parts
+
+    def _fetch_run(self, run: tuple[int, ...], parts: dict[int, Future]) -> None:
+        """H2D worker: fetch the blocks of one transfer unit in order, completing each block's future with
+        slab index -> (device buffer, event); an error fails this block's future and the rest."""
         self.acct.add(weight_transfers=1)
-        try:
-            for bi in run:
-                out[bi] = self._fetch(self.blocks[bi])
-        except BaseException:
-            self._release_members(out)
-            raise
-        return out
+        for i, bi in enumerate(run):
+            try:
+                got = self._fetch(self.blocks[bi])
+            except BaseException as e:
+                for rest in run[i:]:
+                    parts[rest].set_exception(e)
+                return
+            parts[bi].set_result(got)
 
     def _read_ahead(self, upcoming: Sequence[int], backward: bool, updates_in_backward: bool) -> None:
         """Tell the NVMe store what the schedule reads next: the masters of the coming fetches, and
@@ -167,14 +169,17 @@ class Prefetcher:
                         wanted.append((si, k))
         nvme.read_ahead(wanted)
 
-    def _release_members(self, members: dict[int, dict[int, tuple[torch.Tensor, Any]]]) -> None:
-        """Fetched blocks nobody will use (block index -> slab index -> (buffer, event)): wait until their
-        copies are done (their buffers, and the host memory they read, may be reused right after),
-        then give their bytes back."""
-        for got in members.values():
-            for _, ev in got.values():
-                self.transport.last_read_done(ev)
-            self.acct.track(-sum(b.numel() * b.element_size() for b, _ in got.values()))
+    def _release(self, got: dict[int, tuple[torch.Tensor, Any]]) -> None:
+        """A fetched block nobody will use: wait until its copies are done (their buffers, and the host
+        memory they read, may be reused right after), then give its bytes back."""
+        for _, ev in got.values():
+            self.transport.last_read_done(ev)
+        self.acct.track(-sum(b.numel() * b.element_size() for b, _ in got.values()))
+
+    def _discard_all(self, parts: dict[int, Future]) -> None:
+        """Drop fetched (or still fetching) blocks the schedule no longer wants (block index -> future)."""
+        for fut in parts.values():
+            self._discard(fut)
 
     def _discard(self, fut: Future) -> None:
         """Drop a prefetch the schedule no longer wants (released when its fetch ends: on the H2D worker,
@@ -188,23 +193,23 @@ class Prefetcher:
             if self._discarded.pop(id(f), None) is None:
                 return  # drop() took it over
         if f.exception() is None:
-            self._release_members(f.result())
+            self._release(f.result())
 
     def drop(self) -> None:
         """Wait for and discard the copies in flight, the dropped prefetches still running and the group
         members not used yet (they predate an optimizer update or a dtype change)."""
         with self._discard_lock:  # dropped earlier and still running: they may read what is about to change
             discarded, self._discarded = list(self._discarded.values()), {}
-        for fut in [*self._inflight.values(), *discarded]:
+        # in flight, and group members fetched before the update but not used yet: stale
+        pending = [f for parts in [*self._inflight.values(), *self._open.values()] for f in parts.values()]
+        self._inflight.clear()
+        self._open.clear()
+        for fut in [*pending, *discarded]:
             try:
                 got = fut.result()
             except Exception:  # the error resurfaces on the next synchronous fetch
                 continue
-            self._release_members(got)
-        self._inflight.clear()
-        for members in self._open.values():  # fetched with their group before the update: stale
-            self._release_members(members)
-        self._open.clear()
+            self._release(got)
         self.transport.settle()  # window holds and staging slots of finished copies are given back
 
     def close(self) -> None:
