@@ -47,7 +47,8 @@ key numbers) and ``summary`` gathers them into a table and bench/results/gpu_che
                 plain PyTorch + HF checkpointing + fused AdamW and plain PyTorch without checkpointing, same
                 model and batch on the same GPU, for the SmolLM2-135M shape at batch 1 x 512 and (time
                 allowing) the 0.9B shape at batch 8 x 1024; step time, ratios, kept bytes per token, device
-                peak. PASS: every row ran; the issue-14 ratio targets are reported, not gated (first
+                peak; at the small shape also block_group=4 (recompute block and none) against single blocks.
+                PASS: every row ran; the issue-14 ratio targets are reported, not gated (first
                 GPU measurement).
 * ``nvme``:     the NVMe tier on CUDA (pinned window buffers, H2D straight from them): llama 8 layers, 20 steps,
                 RAM tier vs offload_params=offload_optimizer="nvme" under a host budget that forces eviction,
@@ -316,7 +317,8 @@ def check_overhead(a) -> dict:
     return {"result": "PASS" if rc == 0 and res.get("pass") else "FAIL", "numbers": nums}
 
 
-SHAPES = {"smollm2_135m_b1": ["--batch", "1", "--seq", "512"],
+SHAPES = {"smollm2_135m_b1": ["--batch", "1", "--seq", "512",  # small blocks (14 MB): block groups next to single blocks
+                               "--configs", "baseline,plain,block,selective,none,auto,auto25,block_g4,none_g4"],
           "llama_0p9b_b8": ["--layers", "16", "--hidden", "2048", "--intermediate", "5632", "--heads", "16",
                             "--kv-heads", "16", "--vocab", "32000", "--batch", "8", "--seq", "1024",
                             "--configs", "baseline,plain,block,selective,none"]}  # the 0.9B model builds slowly
@@ -331,7 +333,8 @@ def check_recompute(a) -> dict:
         out = os.path.join(a.results, f"recompute_policy_{name}_{tag}.json")
         if os.path.exists(out):
             os.remove(out)
-        args = ["--device", device(a), "--out", out, "--steps", "3", "--warmup", "1"] + (dry if a.cpu_dry_run else shape)
+        configs = shape[shape.index("--configs"):][:2] if "--configs" in shape else []
+        args = ["--device", device(a), "--out", out, "--steps", "3", "--warmup", "1"] + (dry + configs if a.cpu_dry_run else shape)
         rc, _ = sh([sys.executable, os.path.join(ROOT, "bench", "recompute_policy.py"), *args])
         if not os.path.exists(out):
             nums[name] = {"rc": rc, "error": "no result JSON"}
@@ -341,6 +344,7 @@ def check_recompute(a) -> dict:
             res = json.load(f)
         nums[name] = {"rows": {r["row"]: {k: r[k] for k in ("step_s", "ratio_ckpt", "ratio_plain", "saved_bytes_per_token")}
                                for r in res.get("table", [])},
+                      "block_group_ratios": res.get("block_group_ratios"),
                       "peak_GiB": {r["name"]: round((r.get("peak_device_bytes") or 0) / 2**30, 2) for r in res["rows"]},
                       "targets": res.get("issue14_checks")}
         ok = ok and rc == 0
