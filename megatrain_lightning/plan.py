@@ -19,6 +19,7 @@ Command line (Hydra compose API over ``conf/``; primary config ``conf/plan.yaml`
     python -m megatrain_lightning.plan max_seq_len=true model=llama8b,llama70b hardware=h100,h200
     python -m megatrain_lightning.plan model=smollm2_135m hardware=this_machine preflight=true
     python -m megatrain_lightning.plan model=llama70b hardware=h200 trainer.devices=8 trainer.num_nodes=2
+    python -m megatrain_lightning.plan model=smollm2_135m hardware=h200 block_group=10  # 10 layers per transfer
 
 ``preflight=true`` also checks the plan against the machine running the command (exit 2 when
 refused); ``json=true`` prints the plan as JSON; ``max_seq_len=true`` prints only the longest
@@ -53,7 +54,7 @@ __all__ = [
 ]
 
 _SETTINGS = ("batch_size", "seq_len", "precision", "offload_params", "offload_optimizer", "offload_grads",
-             "offload_activations", "lookahead", "recompute_every", "grad_dtype", "keep_checkpoints", "pinned_round",
+             "offload_activations", "lookahead", "block_group", "recompute_every", "grad_dtype", "keep_checkpoints", "pinned_round",
              "cpu_zero_copy", "loss_chunk_size", "mlp_chunk_size", "recompute", "activation_memory_limit")
 
 

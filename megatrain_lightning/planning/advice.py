@@ -13,6 +13,16 @@ from typing import Any, Mapping
 
 from .config import GIB, SUGGESTED_CHUNK
 from .estimate import TERM_LABELS, Plan, fits_memory, gib, max_seq_len, replan
+from .terms import blocks_ahead, group_size, layer_wire_bytes
+
+#: The planner's bytes-per-transfer threshold for suggesting a ``block_group``: a decoder-layer fetch
+#: smaller than this is suggested to be grouped with its neighbours. An engineering choice, NOT a
+#: measurement: at the presets' ~55 GB/s H2D, 64 MiB takes ~1.2 ms, so a fixed cost of some tens of
+#: microseconds per fetch (worker wake-up, event record/wait, the compute thread's wait; "Per-block
+#: cost" in docs/architecture.md) would be a few percent of it. GPU profiling must confirm or replace it
+#: (no measured source yet).
+TRANSFER_TARGET_BYTES = 64 * 2**20
+MIB = 2**20
 
 #: the recipe's Hydra keys for the planner's settings (``recipes/finetune.py`` with conf/finetune.yaml)
 RECIPE_KEYS = {"seq_len": "data.seq_len", "batch_size": "data.batch_size", "precision": "trainer.precision",
@@ -51,13 +61,14 @@ def host_advice(p: Plan, have: int, keys: Mapping[str, str] | None = None) -> li
             disk = q.capacity["disk"] or 0
             out.append(f"use the NVMe tier (strategy=megatrain_nvme, host_memory_limit={limit}GiB): masters, gradients "
                        f"and moments ({gib(q.nvme_bytes)} GiB) go to NVMe; host then needs {gib(q.host_bytes)} GiB "
-                       f"(a window of {s['lookahead'] + 2} blocks), disk {gib(q.disk_bytes)} GiB "
+                       f"(a window of {blocks_ahead(q.counts, s) + 2} blocks), disk {gib(q.disk_bytes)} GiB "
                        f"({'the preset has ' + gib(disk) + ' GiB: SHORT' if q.disk_bytes > disk else 'fits'}), and "
                        f"the step is bounded by {TERM_LABELS[q.dominating]} at {q.step_time_s:,.1f} s "
                        f"(was {p.step_time_s:,.1f} s)")
         else:
             out.append(f"even with every state on NVMe (strategy=megatrain_nvme) the host needs {gib(q.host_bytes)} GiB "
-                       f"(a window of {s['lookahead'] + 2} blocks, the activations and the process): use a machine with more RAM")
+                       f"(a window of {blocks_ahead(q.counts, s) + 2} blocks, the activations and the process): use a "
+                       f"machine with more RAM")
     R = s.get("devices", 1)
     if R > 1:  # data parallel: each process holds its own buffers (planning/parallel.py)
         fit = next((r for r in range(R - 1, 0, -1) if replan(p, devices=r).host_bytes <= have), None)
@@ -131,7 +142,11 @@ def device_advice(p: Plan, device: int | None, host: int | None = None,
         out.append(f"change: reduce {key('batch_size', keys)} (<= {m} fits at {key('seq_len', keys)}={s['seq_len']})"
                    if m else f"change: reduce {key('batch_size', keys)}")
     if s["lookahead"] > 1:
-        out.append(f"change: {key('lookahead', keys)}=1 (one block prefetched instead of {s['lookahead']})")
+        out.append(f"change: {key('lookahead', keys)}=1 (one fetch prefetched instead of {s['lookahead']})")
+    if group_size(p.counts, s) > 1:
+        la = s["lookahead"]
+        out.append(f"change: {key('block_group', keys)}=1 (the weights of {la + 1} blocks in flight instead of "
+                   f"{la + 1} fetches of {group_size(p.counts, s)} decoder layers)")
     if s["precision"] == "32-true":
         out.append(f"change: {key('precision', keys)}=bf16-mixed (halves the matmul activations and the weights on the link)")
     return out
@@ -151,6 +166,48 @@ def recompute_advice(p: Plan, keys: Mapping[str, str] | None = None) -> str | No
             f"{(p.flops - q.flops) / 1e12:,.1f} TFLOP less per step (" +
             (f"step bound {q.step_time_s:,.3f} s, was {p.step_time_s:,.3f} s)" if q.step_time_s < p.step_time_s else
              f"the step bound stays {p.step_time_s:,.3f} s, set by {TERM_LABELS[p.dominating]})"))
+
+
+def block_group_advice(p: Plan, keys: Mapping[str, str] | None = None) -> str | None:
+    """A ``block_group`` suggestion when a decoder-layer fetch is small, else None.
+
+    On a GPU preset (the threshold is about the H2D link; a CPU device's copies are host memcpy), when
+    one fetch, the largest decoder layer in the wire dtype x ``block_group`` (:func:`.terms.transfer_bytes`), is below
+    :data:`TRANSFER_TARGET_BYTES` (64 MiB, the planner's threshold: an engineering choice, not a
+    measurement), the smallest ``block_group`` whose fetch reaches it (at most every decoder layer in
+    one fetch), re-planned (:func:`.estimate.replan`): suggested when host RAM and device memory still
+    fit; else the largest ``block_group`` above the current one that fits, if any. Only a suggestion:
+    the strategy's default stays 1. Returns None when the plan does not fit to begin with.
+    """
+    s, c = p.settings, p.counts
+    per = layer_wire_bytes(c, s)
+    G = group_size(c, s)
+    if not p.hardware.is_gpu or not per or per * G >= TRANSFER_TARGET_BYTES or not fits_memory(p):
+        return None
+    want = min(-(-TRANSFER_TARGET_BYTES // per), c.num_layers)
+    if want <= G:  # every decoder layer is in one fetch already
+        return None
+    name = key("block_group", keys)
+    was = f"was {G} x {per / MIB:,.1f} MiB"
+
+    def line(g: int, q: Plan, why: str) -> str:
+        return (f"tip: {name}={g}: {g} decoder layers per transfer, {g * per / MIB:,.1f} MiB each ({was}); {why}; "
+                f"device then needs {gib(q.device_bytes)} GiB (was {gib(p.device_bytes)} GiB; weights of up to "
+                f"{(s['lookahead'] + 1) * g} layers in flight)")
+
+    q = replan(p, block_group=want)
+    if fits_memory(q):
+        why = (f">= {TRANSFER_TARGET_BYTES // MIB} MiB, the planner's threshold for a transfer that pays "
+               f"bandwidth rather than per-fetch latency (not yet measured on a GPU)")
+        if want * per < TRANSFER_TARGET_BYTES:
+            why = f"every decoder layer in one transfer, still below the planner's {TRANSFER_TARGET_BYTES // MIB} MiB"
+        return line(want, q, why)
+    for g in range(want - 1, G, -1):
+        q = replan(p, block_group=g)
+        if fits_memory(q):
+            return line(g, q, f"the largest that fits; {want} would reach the planner's "
+                              f"{TRANSFER_TARGET_BYTES // MIB} MiB but does not fit")
+    return None
 
 
 def activation_share(p: Plan) -> float:

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 from .config import GIB, Hardware
 from .counts import ParamCounts, count_params
 from .terms import (CKPT_METADATA, GRAD_BYTES, PRECISION_ALIASES, PRECISIONS, TERM_LABELS,  # noqa: F401
-                    TIERS, _estimate)
+                    TIERS, _estimate, transfer_bytes)
 
 TIGHT_HEADROOM = 0.05  # a tier that fits with less free than this is flagged "tight"
 
@@ -112,6 +112,12 @@ class Plan:
         """Tokens per step of all nodes: ``num_nodes`` x :attr:`node_tokens`."""
         return self.settings.get("num_nodes", 1) * self.node_tokens
 
+    @property
+    def transfer_bytes(self) -> int:
+        """Bytes of one decoder-layer fetch on the H2D link: the largest layer in the wire dtype x
+        ``block_group`` (:func:`.terms.transfer_bytes`; the size a copy would have where none is made)."""
+        return transfer_bytes(self.counts, self.settings)
+
     def to_dict(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in ("model", "settings", "host", "device", "nvme", "disk", "capacity",
                                             "moved", "flops", "flops_parts", "times", "step_time_s", "dominating",
@@ -120,7 +126,7 @@ class Plan:
                                             "max_device_batch_size", "fits", "reasons", "headroom", "tight",
                                             "parallel")}
         d.update(hardware=self.hardware.to_dict(), counts=self.counts.to_dict(), host_bytes=self.host_bytes,
-                 device_bytes=self.device_bytes, disk_bytes=self.disk_bytes,
+                 device_bytes=self.device_bytes, disk_bytes=self.disk_bytes, transfer_bytes=self.transfer_bytes,
                  max_seq_len={"these options": max_seq_len(self),
                               **{lab: max_seq_len(self, **ch) for lab, ch in long_sequence_variants(self)}})
         return d
@@ -196,7 +202,8 @@ def plan(model_cfg: Any, hw: Hardware | Mapping[str, Any], *, batch_size: int = 
          recompute_every: int = 1, grad_dtype: str | None = None, keep_checkpoints: int = 2,
          pinned_round: bool = True, cpu_zero_copy: bool = True, loss_chunk_size: int | str | None = "default",
          mlp_chunk_size: int | str | None = "default", devices: int = 1, num_nodes: int = 1,
-         recompute: str = "block", activation_memory_limit: int | str | None = None) -> Plan:
+         recompute: str = "block", activation_memory_limit: int | str | None = None,
+         block_group: int = 1) -> Plan:
     """Plan one training configuration on one hardware preset (see the module docstring).
 
     Args:
@@ -209,7 +216,11 @@ def plan(model_cfg: Any, hw: Hardware | Mapping[str, Any], *, batch_size: int = 
             ``32``, ``16``, ``bf16`` are accepted).
         offload_params, offload_optimizer, offload_grads: ``"cpu"`` (host RAM) or ``"nvme"``.
         offload_activations: saved block inputs in host RAM instead of device memory.
-        lookahead: blocks prefetched ahead of the computing one (>= 0).
+        lookahead: fetches prefetched ahead of the computing one (>= 0).
+        block_group: consecutive decoder layers fetched as one transfer unit (>= 1; the strategy option,
+            Hydra key ``strategy.block_group``, ``engine/block_groups.py``): the device holds the weights of
+            ``lookahead + 1`` fetches of up to ``block_group`` layers, the NVMe tier's RAM window
+            ``(lookahead + 1) x block_group + 1`` blocks; :attr:`Plan.transfer_bytes` is one fetch's size.
         recompute_every: K, keep every K-th block input and recompute the rest (>= 1).
         grad_dtype: ``fp32``/``bf16``/``fp16`` gradients on the D2H link (default fp32, bf16 for
             ``bf16-true``).
@@ -238,7 +249,8 @@ def plan(model_cfg: Any, hw: Hardware | Mapping[str, Any], *, batch_size: int = 
             ``settings["recompute_mix"]``, ``settings["activation_budget"]``).
 
     Raises:
-        ValueError: a ``recompute`` that is not a policy or a bad ``activation_memory_limit``,
+        ValueError: a ``recompute`` that is not a policy or a bad ``activation_memory_limit``, a
+            ``block_group`` that is not an integer >= 1 (the message names ``block_group``),
             an unknown precision, tier or grad dtype, a non-positive size, a chunk size
             that is not a positive integer, ``devices``/``num_nodes`` not a positive integer (the
             message names the option), or ``num_nodes`` > 1 on hardware without ``network_gbps``.
@@ -252,7 +264,7 @@ def plan(model_cfg: Any, hw: Hardware | Mapping[str, Any], *, batch_size: int = 
                  grad_dtype=grad_dtype, keep_checkpoints=keep_checkpoints, pinned_round=pinned_round,
                  cpu_zero_copy=cpu_zero_copy, loss_chunk_size=loss_chunk_size, mlp_chunk_size=mlp_chunk_size,
                  devices=devices, num_nodes=num_nodes, recompute=recompute,
-                 activation_memory_limit=activation_memory_limit)
+                 activation_memory_limit=activation_memory_limit, block_group=block_group)
     return _plan_from_counts(name, counts, hw, s, model_cfg if not isinstance(model_cfg, (str, bytes)) else cfg)
 
 
@@ -261,7 +273,7 @@ def settings(*, batch_size: int, seq_len: int, precision: str, offload_params: s
              grad_dtype: str | None, keep_checkpoints: int, pinned_round: bool, cpu_zero_copy: bool,
              loss_chunk_size: int | str | None, mlp_chunk_size: int | str | None, devices: int = 1,
              num_nodes: int = 1, recompute: str = "block",
-             activation_memory_limit: int | str | None = None) -> dict[str, Any]:
+             activation_memory_limit: int | str | None = None, block_group: int = 1) -> dict[str, Any]:
     """Validated settings of a plan (the arguments of :func:`plan`); ``grad_dtype`` becomes ``grad_bytes``.
 
     Raises:
@@ -272,6 +284,7 @@ def settings(*, batch_size: int, seq_len: int, precision: str, offload_params: s
     from .parallel import positive_count
 
     recompute, limit = check_recompute(recompute, activation_memory_limit)
+    block_group = check_group(block_group)
 
     devices = positive_count(devices, "trainer.devices")
     num_nodes = positive_count(num_nodes, "trainer.num_nodes")
@@ -294,7 +307,27 @@ def settings(*, batch_size: int, seq_len: int, precision: str, offload_params: s
                 loss_chunk_size=resolve_chunk(loss_chunk_size, "loss_chunk_size"),
                 mlp_chunk_size=resolve_chunk(mlp_chunk_size, "mlp_chunk_size"),
                 grad_bytes=GRAD_BYTES[grad_dtype] if grad_dtype else PRECISIONS[precision][2],
-                devices=devices, num_nodes=num_nodes, recompute=recompute, activation_memory_limit=limit)
+                devices=devices, num_nodes=num_nodes, recompute=recompute, activation_memory_limit=limit,
+                block_group=block_group)
+
+
+def check_group(value: Any) -> int:
+    """``block_group`` as an integer >= 1 (the engine's rule, ``engine/block_groups.py``
+    ``check_block_group``; a string of digits from a command line is accepted).
+
+    Raises:
+        ValueError: a bool, float, word, zero or negative value; the message names ``block_group``
+            (planner key) and ``strategy.block_group`` (recipe key).
+    """
+    from ..engine.block_groups import check_block_group
+
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    try:
+        return check_block_group(value)
+    except ValueError as e:
+        raise ValueError(f"{e} Set block_group=<int >= 1> (planner) or strategy.block_group=<int >= 1> (recipes); "
+                         "1 fetches one decoder layer at a time.") from None
 
 
 def _plan_from_counts(name: str, counts: ParamCounts, hw: Hardware, s: dict[str, Any], source: Any) -> Plan:

@@ -114,7 +114,7 @@ def plan_for_run(model: Any, hardware: Any, strategy: Mapping[str, Any], *, batc
                  precision: str, devices: int = 1, num_nodes: int = 1) -> Plan:
     """The plan of a recipe run from its composed config sections (``cfg.model``, ``cfg.hardware``,
     ``cfg.strategy``; DictConfigs or mappings), reading every strategy option the planner models
-    (``lookahead``, ``recompute_every``, ``offload_activations``, ``offload_params``,
+    (``lookahead``, ``block_group``, ``recompute_every``, ``offload_activations``, ``offload_params``,
     ``offload_optimizer`` -- which moves the gradient accumulators too, ``loss_chunk_size``,
     ``mlp_chunk_size``, ``recompute``, ``activation_memory_limit``); options the composed config does not set take ``MegaTrainStrategy``'s defaults.
     ``devices``/``num_nodes`` (``trainer.devices``/``trainer.num_nodes``, integers) plan the host per node
@@ -130,7 +130,7 @@ def plan_for_run(model: Any, hardware: Any, strategy: Mapping[str, Any], *, batc
         return fallback if d is None and fallback is not None else d
 
     return plan(as_plain_dict(model), as_plain_dict(hardware), batch_size=int(batch_size), seq_len=int(seq_len),
-                precision=str(precision), lookahead=int(opt("lookahead", 1)),
+                precision=str(precision), lookahead=int(opt("lookahead", 1)), block_group=opt("block_group", 1),
                 recompute_every=int(opt("recompute_every", 1)),
                 offload_activations=bool(opt("offload_activations", False)),
                 offload_params=str(opt("offload_params", "cpu")),

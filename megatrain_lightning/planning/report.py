@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from .activations import per_token_terms
 from .activations import kept_bytes
-from .advice import device_advice, host_advice, recompute_advice
+from .advice import block_group_advice, device_advice, host_advice, recompute_advice
 from .estimate import TERM_LABELS, Plan, gib, long_sequence_variants, max_seq_len
 from .parallel import host_mem_rate, intra_rate
+from .terms import group_size, layer_wire_bytes, zero_copy
 
 #: data parallel: the terms that are per node (the rest are per GPU)
 NODE_TERMS = ("nvme_read", "nvme_write", "host_adamw", "host_memory", "inter_node")
@@ -112,6 +113,20 @@ def format_longest(p: Plan) -> list[str]:
     return out
 
 
+def transfer_line(p: Plan) -> str:
+    """The decoder-layer fetch: ``block_group``, its bytes per transfer (the largest layer in the wire
+    dtype x ``block_group``) and the decoder layers whose weights the device holds in flight."""
+    s, c = p.settings, p.counts
+    G = group_size(c, s)
+    per = layer_wire_bytes(c, s)
+    line = (f"transfers: block_group={s.get('block_group', 1)}: {p.transfer_bytes / 2**20:,.1f} MiB per decoder-layer "
+            f"fetch ({G} x {per / 2**20:,.1f} MiB in the wire dtype); weights of up to {(s['lookahead'] + 1) * G} "
+            f"decoder layers in flight ((lookahead + 1) x {G})")
+    if zero_copy(p.hardware, s):
+        line += "; no copies here (CPU device, cpu_zero_copy: blocks bind the fp32 masters)"
+    return line
+
+
 def format_plan(p: Plan) -> str:
     """The full single-preset report."""
     c, s, hw = p.counts, p.settings, p.hardware
@@ -119,13 +134,15 @@ def format_plan(p: Plan) -> str:
     lines = [
         f"megatrain plan: {p.model} on {hw.name}",
         f"settings: precision={s['precision']} batch_size={s['batch_size']} seq_len={s['seq_len']} "
-        f"({p.tokens:,} tokens/step) lookahead={s['lookahead']} recompute_every={s['recompute_every']} "
+        f"({p.tokens:,} tokens/step) lookahead={s['lookahead']} block_group={s.get('block_group', 1)} "
+        f"recompute_every={s['recompute_every']} "
         f"offload params/optimizer/grads={s['offload_params']}/{s['offload_optimizer']}/{s['offload_grads']} "
         f"offload_activations={s['offload_activations']} recompute={s.get('recompute', 'block')} "
         f"grad bytes={s['grad_bytes']}",
         f"parameters: {c.total:,} = embedding {c.embedding:,} + {layers} + head+norm {c.head:,}"
         f"{f' (tied: {c.tied:,} read by the head, stored once)' if c.tied else ''}; "
         f"largest block {c.largest_block:,}",
+        transfer_line(p),
         "",
         "memory",
     ]
@@ -181,9 +198,9 @@ def format_plan(p: Plan) -> str:
         lines.append(f"device memory holds batch_size <= {m} at seq_len={s['seq_len']}")
     lines += [""] + format_activations(p) + [""] + format_longest(p) + [""]
     lines.append(_fits_line(p))
-    tip = recompute_advice(p)
-    if tip:
-        lines.append("  " + tip)
+    for tip in (recompute_advice(p), block_group_advice(p)):
+        if tip:
+            lines.append("  " + tip)
     if any(r.startswith("device memory short") for r in p.reasons):
         lines += ["  " + a for a in device_advice(p, p.capacity["device"], p.capacity["host"], None)]
     if any(r.startswith("host RAM short") for r in p.reasons):

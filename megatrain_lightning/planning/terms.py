@@ -17,11 +17,15 @@ Memory tiers (docs/architecture.md, "Memory tiers"), N = unique parameters (tied
   are still pinned through torch's caching host allocator, which rounds each up to a power of
   two (listed as its own line); offloaded activations (:mod:`.activations`); a fixed 4 GiB
   for the process (Python, CUDA host side, data loader) -- an assumption. A part moved to NVMe
-  leaves a window of (lookahead + 2) blocks of it in RAM (read-ahead, the block in use,
-  write-behind); NVMe masters are cast at each fetch into a ring of 2 pinned H2D staging slots of the largest
+  leaves a window of (blocks ahead + 2) blocks of it in RAM (read-ahead, the block in use,
+  write-behind), where blocks ahead = (lookahead + 1) x block_group - 1 (:func:`blocks_ahead`, the
+  ``ahead`` the engine passes to its NVMe window sizing, ``engine/streaming.py``); NVMe masters are cast at each fetch into a ring of 2 pinned H2D staging slots of the largest
   block's wire image (no image cached).
-* device: the largest block x (lookahead + 1) in the compute dtype (fp32 under the mixed
-  modes: the wire image is upcast on the device, ``transport.to_device``) plus the wire image
+* device: the weights of ``lookahead + 1`` fetches in the compute dtype (fp32 under the mixed
+  modes: the wire image is upcast on the device, ``transport.to_device``), each fetch either one
+  block (at most the largest block) or, with ``block_group=G`` > 1, a group of up to G consecutive
+  decoder layers (``engine/block_groups.py``): (lookahead + 1) x max(largest block, G x largest
+  layer) parameters, the ``(lookahead + 1) x G`` decoder layers the engine may hold in flight; plus the wire image
   being decoded and, under autocast, its cache of the castable weights' bf16/fp16 casts (alive
   while the block computes), the computing block's parameter gradients (compute dtype) plus the packed
   gradient batches queued for the D2H worker (``transport.stage_grads``; at most
@@ -121,6 +125,46 @@ def wire_bytes(params: int, castable: int, wire: int) -> int:
     return params * 4 if wire == 4 else castable * wire + (params - castable) * 4
 
 
+def group_size(c: ParamCounts, s: dict[str, Any]) -> int:
+    """Decoder layers one fetch moves at most: ``block_group``, capped at the number of layers (the
+    engine's ``max(map(len, groups))`` for a stack of one decoder-layer class, ``engine/block_groups.py``)."""
+    return max(1, min(int(s.get("block_group", 1)), c.num_layers or 1))
+
+
+def blocks_ahead(c: ParamCounts, s: dict[str, Any]) -> int:
+    """Blocks fetched ahead of the one computing: ``(lookahead + 1) x group_size - 1``, the ``ahead`` the
+    engine passes to its NVMe window sizing (``engine/streaming.py``, ``engine/window.py`` ``nvme_window``,
+    ``engine/accounting.py`` ``compute_window_bytes``); ``lookahead`` with ``block_group=1``."""
+    return (s["lookahead"] + 1) * group_size(c, s) - 1
+
+
+def layer_wire_bytes(c: ParamCounts, s: dict[str, Any]) -> int:
+    """Bytes of the largest decoder layer on the H2D link in the wire dtype (:func:`wire_bytes`; all
+    2-byte under ``bf16-true``); 0 for a model without decoder layers."""
+    wire = PRECISIONS[s["precision"]][0]
+    reads = list(zip(c.block_reads, c.castable_reads))[1:-1]
+    if s["precision"] == "bf16-true":
+        return max((2 * n for n, _ in reads), default=0)
+    return max((wire_bytes(n, k, wire) for n, k in reads), default=0)
+
+
+def transfer_bytes(c: ParamCounts, s: dict[str, Any]) -> int:
+    """Bytes of one decoder-layer fetch on the H2D link: the largest layer's wire bytes
+    (:func:`layer_wire_bytes`) x :func:`group_size` (``block_group`` consecutive layers per transfer).
+    The embedding and the LM head are fetched alone (never grouped). Nothing is copied on a CPU device
+    with ``cpu_zero_copy`` (:func:`zero_copy`); this is the size a copy would have."""
+    return layer_wire_bytes(c, s) * group_size(c, s)
+
+
+def zero_copy(hw: Hardware, s: dict[str, Any]) -> bool:
+    """Whether blocks bind the fp32 masters without a copy: no accelerator, a 4-byte wire,
+    ``cpu_zero_copy`` (the strategy's default on a CPU device) and the masters in host RAM (with
+    ``offload_params="nvme"`` the engine turns ``cpu_zero_copy`` off: its compute buffers are copies
+    counted in the window, ``engine/streaming.py``)."""
+    return (not hw.is_gpu and PRECISIONS[s["precision"]][0] == 4 and bool(s["cpu_zero_copy"])
+            and s.get("offload_params", "cpu") == "cpu")
+
+
 def shadow_bytes(params: int, castable: int, wire: int, precision: str) -> int:
     """Host bytes of one slab's cached wire image (``engine/fetch.py`` ``_shadow``): none under
     ``32-true`` or for a slab that travels all in fp32 (it streams the master itself); all 2-byte
@@ -186,6 +230,13 @@ def recompute_flops(c: ParamCounts, s: dict[str, Any]) -> dict[str, float]:
             "recompute chains (K > 1)": (K - 1) / K * (mix["block"] + mix["selective"]) / L * f_layers}
 
 
+def weights_label(lookahead: int, group: int) -> str:
+    """The device term of the weights in flight (``lookahead + 1`` fetches of ``group`` layers)."""
+    if group == 1:
+        return f"block weights x{lookahead + 1} (compute dtype)"
+    return f"block weights x{lookahead + 1} fetches x{group} layers (compute dtype)"
+
+
 def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]:
     """Pure arithmetic for one batch size: the tiers, bytes moved and seconds per term."""
     s = resolve_auto(c, hw, s)
@@ -194,9 +245,10 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     B, T, K, la = s["batch_size"], s["seq_len"], s["recompute_every"], s["lookahead"]
     N, L = c.total, c.num_layers
     bf16_true = s["precision"] == "bf16-true"
-    window = la + 2                         # blocks of an offloaded part resident in RAM
+    G = group_size(c, s)                    # decoder layers per fetch (block_group)
+    window = blocks_ahead(c, s) + 2         # blocks of an offloaded part resident in RAM
     gpu = hw.is_gpu
-    zero_copy = not gpu and wire == 4 and s["cpu_zero_copy"]  # strategy default on a CPU device
+    no_copy = zero_copy(hw, s)              # strategy default on a CPU device
     # bytes on the H2D link per block read (forward order), and the cached wire image per slab
     wire_of = [wire_bytes(n, k, wire) if not bf16_true else 2 * n for n, k in zip(c.block_reads, c.castable_reads)]
     shadow_of = [shadow_bytes(n, k, wire, s["precision"]) for n, k in zip(c.stored, c.castable_reads)]
@@ -207,7 +259,8 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     # ---- device
     act_dev, act_host = activation_bytes(c, s, gpu)
     device = {
-        f"block weights x{la + 1} (compute dtype)": 0 if zero_copy else big * (la + 1) * dev_param,
+        # lookahead + 1 fetches in flight, each one block or a group of G decoder layers
+        weights_label(la, G): 0 if no_copy else (la + 1) * max(big, G * max(c.layers, default=0)) * dev_param,
         "wire image being decoded": big_wire if wire < dev_param else 0,
         "autocast weight casts (computing block)": max(c.castable_reads) * wire if wire < dev_param else 0,
         "block param grads": big * dev_param,
@@ -262,7 +315,7 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     act_io = act_host.get("offloaded block inputs", 0) + act_host.get("offloaded op outputs / graphs", 0)
     h2d_f = sum(wire_of)
     h2d_b = sum(wire_of[:-1]) + chain_wire + (act_io if gpu else 0)  # CPU: an offloaded input is used in place
-    if zero_copy:                              # CPU device bound to the fp32 masters: nothing copied
+    if no_copy:                                # CPU device bound to the fp32 masters: nothing copied
         h2d_f = h2d_b = 0
     d2h = reads * grad_b + act_io
     nv_r = nv_w = 0
