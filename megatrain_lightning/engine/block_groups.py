@@ -3,9 +3,9 @@
 A fetch has a fixed cost besides its bytes: a task handed to the H2D worker thread, its wake-up, an
 event per copy and the compute thread's wait (docs/architecture.md, "Per-block cost"). Where blocks are
 small (SmolLM2-135M: 14 MB per decoder layer) that cost is not hidden behind the block's compute.
-With ``block_group=G`` the H2D worker fetches ``G`` consecutive decoder layers in one task; the
-compute thread waits once for the group, and the members it has not used yet stay on the device
-until their call (or until the schedule moves to another group, or an optimizer update makes them
+With ``block_group=G`` the H2D worker fetches ``G`` consecutive decoder layers in one task; each
+member's part completes its own future (the first member computes while the worker copies the next),
+and the members not used yet stay on the device until their call (or until the schedule moves to another group, or an optimizer update makes them
 stale: then they are released unused). Each member keeps its own buffers, so the live-byte
 accounting and the release of each member stay exact; the arithmetic is the same as ``G=1``.
 
@@ -78,7 +78,6 @@ class GroupSchedule:
     """
 
     def __init__(self, groups: Sequence[tuple[int, ...]]):
-        self.members: dict[int, tuple[int, ...]] = {g[0]: tuple(g) for g in groups}
         self.group_of: dict[int, int] = {bi: g[0] for g in groups for bi in g}
         self.size = max((len(g) for g in groups), default=1)
 
