@@ -10,6 +10,7 @@ Run:
     python bench/profile_step.py                       # SmolLM2-135M shape, cpu_zero_copy=False, block
     python bench/profile_step.py --layers 8 --seq 256  # quicker
     python bench/profile_step.py --recompute selective
+    python bench/profile_step.py --zero-copy --recompute auto --activation-memory-limit 173775360   # 25% of "none"
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ p.add_argument("--seq", type=int, default=512)
 p.add_argument("--warmup", type=int, default=2)
 p.add_argument("--recompute", default="block")
 p.add_argument("--zero-copy", action="store_true", help="cpu_zero_copy=True (default: False, copies as on CUDA)")
+p.add_argument("--activation-memory-limit", default=None, help="recompute='auto''s budget (bytes, or '170MB')")
 p.add_argument("--top", type=int, default=25)
 p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "profile_step.json"))
 args = p.parse_args()
@@ -90,7 +92,8 @@ class Profile(pl.Callback):
 
 
 cb = Profile()
-trainer = pl.Trainer(strategy=MegaTrainStrategy(cpu_zero_copy=args.zero_copy, recompute=args.recompute), accelerator="cpu",
+trainer = pl.Trainer(strategy=MegaTrainStrategy(cpu_zero_copy=args.zero_copy, recompute=args.recompute,
+                                                activation_memory_limit=args.activation_memory_limit), accelerator="cpu",
                      devices=1, max_steps=n, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                      enable_model_summary=False, callbacks=[cb])
 trainer.fit(LM(model), DataLoader(TensorDataset(ids), batch_size=1))

@@ -13,6 +13,8 @@ the device peaks) and no slower than block (printed by overhead.py as PASS/FAIL)
 
 Run:
     python bench/recompute_policy.py                                  # full size, CPU (several minutes)
+    python bench/recompute_policy.py --rounds 3 --isolate --configs baseline,plain,block,copy,selective,none,auto,auto25,block_g4,copy_g4,none_g4
+                                          # the recorded run: 3 interleaved rounds, a fresh process per row (~30 min)
     python bench/recompute_policy.py --layers 4 --seq 128 --steps 2 --warmup 1   # smoke run
     python bench/recompute_policy.py --device cuda --batch 8 --seq 1024 --layers 16 --hidden 2048 \\
         --intermediate 5632 --heads 16 --kv-heads 16 --vocab 32000

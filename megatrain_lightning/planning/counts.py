@@ -44,6 +44,9 @@ class ParamCounts:
         experts_per_token: MoE experts each token passes through (``num_experts_per_tok``; 1 for
             a dense MLP): multiplies the MLP intermediate activations.
         max_position_embeddings: the longest sequence the model's positions allow (0: unknown).
+        head_refetched: parameters of the head group outside the LM head module (the final norm):
+            the engine streams them as their own block, which its backward fetches again (only the
+            last block, the LM head, keeps its graph).
     """
 
     model_type: str
@@ -61,6 +64,7 @@ class ParamCounts:
     castable: tuple[int, ...] = ()
     experts_per_token: int = 1
     max_position_embeddings: int = 0
+    head_refetched: int = 0
 
     @property
     def stored(self) -> tuple[int, ...]:
@@ -192,7 +196,9 @@ def count_module(model: nn.Module) -> ParamCounts:
         raise ValueError(f"{type(model).__name__}: no decoder layer found (no module of classes {sorted(classes)}).")
     index = {n: i for i, n in enumerate(layer_names)}
     layers = [0] * len(layer_names)
-    embedding = head = tied = 0
+    embedding = head = tied = head_refetched = 0
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    out_name = next((n for n, m in model.named_modules() if m is out), None) if out is not None else None
     seen: dict[int, str] = {}  # id(param) -> group that stores it
     owner_ok: dict[int, bool] = {}  # id(param) -> autocast casts it at every use, in every module holding it
     from ..engine.wire import autocast_casts
@@ -230,6 +236,8 @@ def count_module(model: nn.Module) -> ParamCounts:
         else:
             head += n
             cast["head"] += n if ok else 0
+            if out_name is not None and not fqn.startswith(out_name + "."):
+                head_refetched += n
     cfg = getattr(model, "config", None)
 
     def get(*keys: str, default: int = 0) -> int:
@@ -251,4 +259,5 @@ def count_module(model: nn.Module) -> ParamCounts:
         castable=(cast["embedding"], *cast_layers, cast["head"]),
         experts_per_token=get("num_experts_per_tok", "moe_topk", default=1),
         max_position_embeddings=get("max_position_embeddings", "n_positions", default=0),
+        head_refetched=head_refetched,
     )

@@ -45,9 +45,12 @@ Per optimizer step (one micro-batch of ``batch_size`` x ``seq_len`` tokens):
 * H2D = the wire bytes (2 B per castable weight, 4 B per other parameter under the mixed
   modes; see above) of 2 x the params read by all blocks - those of the last block: the forward
   fetch plus the backward fetch that recomputes each block, except the last block of the
-  forward (the LM head; the final norm's H params are counted with it), which keeps its
-  graph and its weights on the device until its backward and so is fetched once (tied
-  weights are fetched by both blocks that read them);
+  forward (the LM head), which keeps its graph and its weights on the device until its
+  backward and so is fetched once (the final norm before it is its own block, fetched
+  twice: ``ParamCounts.head_refetched``; tied weights are fetched by both blocks that read
+  them); with ``recompute="none"`` on every layer the embedding's backward fetches nothing
+  either (its graph keeps only the token indices). Checked against the engine's measured
+  ``megatrain/h2d_bytes`` (tests/test_plan_recompute.py);
   with ``recompute_every=K`` the recompute chains fetch (K-1)/K of the layers once more;
   offloaded activations come back in backward.
 * D2H = (params read by all blocks) x gradient bytes (fp32 by default, bf16 for
@@ -304,17 +307,22 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     disk = {"NVMe store": sum(nvme.values()), f"checkpoints x{s['keep_checkpoints']}": s["keep_checkpoints"] * ckpt}
 
     # ---- bytes moved per step
-    reads = c.reads_per_pass
-    reads_b = reads - c.head_reads             # the last block keeps its graph: fetched once
     from .activations import layer_mix
     mix = layer_mix(c, s)
+    # recompute="none" everywhere: the embedding keeps its graph too, and its backward reads no weight
+    # (the engine fetches nothing for it: engine/recompute.py, ``needs_weights``)
+    emb_fetched_b = 0 if mix["none"] == c.num_layers else 1
+    reads = c.reads_per_pass
+    # the last block (the LM head) keeps its graph: fetched once; the final norm before it is fetched again
+    reads_b = reads - c.head_reads + c.head_refetched - (1 - emb_fetched_b) * c.embedding
     chained = (mix["block"] + mix["selective"]) / L  # "none" layers rebuild nothing: no chain fetch
     chain = int(c.layer_total * (K - 1) // K * chained)
     layer_wire = sum(wire_of[1:-1])
+    norm_wire = wire_bytes(c.head_refetched, 0, wire) if not bf16_true else 2 * c.head_refetched  # norms: not castable
     chain_wire = int(layer_wire * (K - 1) // K * chained)
     act_io = act_host.get("offloaded block inputs", 0) + act_host.get("offloaded op outputs / graphs", 0)
     h2d_f = sum(wire_of)
-    h2d_b = sum(wire_of[:-1]) + chain_wire + (act_io if gpu else 0)  # CPU: an offloaded input is used in place
+    h2d_b = emb_fetched_b * wire_of[0] + layer_wire + norm_wire + chain_wire + (act_io if gpu else 0)  # CPU: an offloaded input is used in place
     if no_copy:                                # CPU device bound to the fp32 masters: nothing copied
         h2d_f = h2d_b = 0
     d2h = reads * grad_b + act_io
