@@ -121,14 +121,15 @@ def test_weight_bytes_moved_per_step_match_the_engine(mode, arch):
     """The planner's H2D bytes per step (``moved["h2d"]``) equal the engine's measured
     ``megatrain/h2d_bytes`` when every block is copied (``cpu_zero_copy=False``, fp32): forward fetches
     every block, backward every block but the last (its graph is kept); with ``"none"`` the embedding's
-    backward fetches nothing either (its graph keeps only the token indices). Step 3: the first step does
-    not know yet which block is last (it recomputes it), so step 2's schedule still prefetches it."""
+    backward fetches nothing either (its graph keeps only the token indices). From step 2 on: the first
+    step does not know yet which block is last (it recomputes it), and its backward's schedule must not
+    make step 2 prefetch that block for a backward that no longer fetches it."""
     model = make_model(arch, attn="sdpa")
     trainer = pl.Trainer(strategy=MegaTrainStrategy(recompute=mode, cpu_zero_copy=False), accelerator="cpu", devices=1,
                          max_steps=3, precision="32-true", enable_checkpointing=False, logger=False,
                          enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(LM(model), learnable_data(n=3 * BATCH, seq=16, batch_size=BATCH))
-    measured = trainer.strategy.engine.history[-1]["megatrain/h2d_bytes"]
+    measured = [h["megatrain/h2d_bytes"] for h in trainer.strategy.engine.history]
     planned = plan(model, load_hardware("this_machine"), batch_size=BATCH, seq_len=16, precision="32-true",
                    recompute=mode, cpu_zero_copy=False).moved["h2d"]
-    assert planned == measured
+    assert measured[1:] == [planned, planned]

@@ -175,8 +175,7 @@ class StreamingEngine:
         self.optimizer: HostAdamW | None = None
         self.order: list[int] = []  # block indices in forward call order (learned on the first forward)
         self._seq: list[int] = []  # the fetch sequence the prefetcher follows now
-        self._cursor = 0
-        self._phase = "idle"
+        self._cursor, self._phase = 0, "idle"
         self._bwd_seq: list[int] = []  # backward fetch sequence of the last training step
         self.recompute = Recompute(device=self.device, store=self.store, acct=self.acct, grads=self.grads,
                                    transport=self.transport, acquire=self.acquire, bind=self._bind,
@@ -382,8 +381,9 @@ class StreamingEngine:
         self.grads.new_backward()
         self._plan_updates_in_backward()
         self.recompute.fwd.last_outs = None  # the forward is over
-        self._bwd_seq = self.recompute.backward_sequence()
-        self._seq, self._cursor = self._bwd_seq, 0
+        self._seq, self._cursor = self.recompute.backward_sequence(), 0
+        seq = self._seq  # the next forward's guess: from the 2nd forward on the last block keeps its graph
+        self._bwd_seq = seq[1:] if seq[:1] == self.order[-1:] else seq
 
     def acquire(self, blk: Block, backward: bool, training: bool = False) -> dict[int, torch.Tensor]:
         """Return the block's slabs on the device (waiting for the prefetch if needed) and start
