@@ -88,8 +88,9 @@ def test_bytes_equal_meta_model_params_times_bytes_per_param(name):
     # the wire rule (engine/wire.py): only Linear weights travel in bf16; embeddings, norms, a tied head in fp32
     wire, images = _reference_wire(_meta_model(mc))
     assert p.host["wire shadow (castable 2 B, rest 4 B)"] == sum(images)
-    # forward + recompute fetch; the LM head once (its graph is kept), the final norm (fp32) twice
-    assert p.moved["h2d"] == 2 * sum(wire) - wire[-1] + 4 * p.counts.head_refetched
+    # forward + recompute fetch; the LM head once (its graph is kept), the final norm (fp32) twice, the
+    # embedding once (it keeps its graph: its backward reads no weight)
+    assert p.moved["h2d"] == 2 * sum(wire) - wire[-1] + 4 * p.counts.head_refetched - wire[0]
     assert images[0] == 0                                    # the embedding streams its fp32 master
     assert 2 * p.counts.layers[0] < images[1] < 3 * p.counts.layers[0]  # norms' weights in fp32
     reads = p.counts.reads_per_pass
@@ -97,7 +98,7 @@ def test_bytes_equal_meta_model_params_times_bytes_per_param(name):
     assert p.moved["nvme_read"] == p.moved["nvme_write"] == 0
     assert p.checkpoint_bytes == 12 * n + CKPT_METADATA
     # fp32 run: no shadow, 4-byte wire
-    fetched = 2 * reads - p.counts.head_reads + p.counts.head_refetched
+    fetched = 2 * reads - p.counts.head_reads + p.counts.head_refetched - p.counts.embedding
     q = replan(p, precision="32-true")
     assert q.host["wire shadow (castable 2 B, rest 4 B)"] == 0 and q.moved["h2d"] == fetched * 4
     # bf16-true: every parameter in bf16
@@ -150,10 +151,11 @@ def test_tied_embeddings_counted_once():
     assert c.head_refetched == 576                           # the final norm: its own block, fetched in backward
     p = plan(mc, load_hardware("h200"))
     assert p.host["fp32 master weights"] == 4 * unique
-    # both blocks fetch the tied slab, in fp32 (the embedding lookup reads it); the head (last block)
-    # is not fetched again in backward (the final norm before it is); only the layers' Linear weights travel in bf16
+    # both blocks fetch the tied slab in forward, in fp32 (the embedding lookup reads it); neither fetches it
+    # in backward: the head (last block) keeps its graph, the embedding's backward reads no weight (the
+    # final norm before the head is fetched again); only the layers' Linear weights travel in bf16
     wire, _ = _reference_wire(_meta_model(mc))
-    assert p.moved["h2d"] == 2 * sum(wire) - wire[-1] + 4 * 576
+    assert p.moved["h2d"] == 2 * sum(wire) - wire[-1] - wire[0] + 4 * 576
     assert wire[0] == wire[-1] - 4 * 576 == 4 * c.tied
 
 
@@ -308,7 +310,8 @@ def test_cpu_zero_copy_and_precision_aliases():
     assert p.settings["precision"] == "32-true"
     assert p.moved["h2d"] == 0 and p.device["block weights x2 (compute dtype)"] == 0
     q = replan(p, cpu_zero_copy=False)
-    assert q.moved["h2d"] == (2 * p.counts.reads_per_pass - p.counts.head_reads + p.counts.head_refetched) * 4
+    assert q.moved["h2d"] == (2 * p.counts.reads_per_pass - p.counts.head_reads + p.counts.head_refetched
+                              - p.counts.embedding) * 4
     assert plan(mc, hw, precision="bf16").moved["h2d"] > 0     # mixed precision streams converted copies
     with pytest.raises(ValueError, match="precision"):
         plan(mc, hw, precision="64-true")

@@ -12,8 +12,8 @@ accounting and the release of each member stay exact; the arithmetic is the same
 Only consecutive blocks of the same module class that each own exactly one slab that no other block
 reads (decoder layers; not the embedding or LM head, not containers' own parameters) are grouped.
 A fetch copies the members the fetch sequence uses from it (:meth:`GroupSchedule.run_at`): with
-``recompute_every`` chains or ``recompute="none"`` (the embedding's backward fetches nothing) a
-group's fetch may need fewer than all its members, and none is copied in vain.
+``recompute_every`` chains or ``recompute="none"`` a group's fetch may need fewer than all its
+members, and none is copied in vain.
 """
 
 from __future__ import annotations

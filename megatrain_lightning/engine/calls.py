@@ -61,6 +61,7 @@ class ForwardRecord:
     kept: list["weakref.ref[BlockCall]"] = field(default_factory=list)
     recomputed: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # call pos -> outputs recomputed in backward
     last_outs: tuple[int, list] | None = None  # (pos, weak refs to the outputs) of the latest call
+    segment_start: int = 0  # pos of the call that started the current recompute segment
     backward_started: bool = False
     shares_step: bool = False  # started while an earlier forward's backward had not run
     first_block: int = -1  # block index of the first call (or container)

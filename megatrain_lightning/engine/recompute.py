@@ -33,7 +33,7 @@ from .calls import SECOND_BACKWARD, BlockCall, ForwardRecord, KeptGraph, trainab
 from .grads import GradientSink
 from .chunked_mlp import plain_chunks
 from .offload import ActivationOffload, next_offloaded
-from .recompute_policy import RecomputePolicy
+from .recompute_policy import RecomputePolicy, is_lookup
 
 
 def _autocast_state(device_type: str) -> tuple:
@@ -65,8 +65,9 @@ class _BlockFunction(torch.autograd.Function):
         if call.keep:
             out = rc._run_kept(call, tensors)
         else:
-            call.saved_ops, measure, graph = rc.policy.start(call.block.index, call.fwd)
-            if graph:  # recompute="none": the call keeps its graph, without its weights
+            lookup = is_lookup(call.block.module)
+            call.saved_ops, measure, graph = rc.policy.start(call.block.index, call.fwd, lookup)
+            if graph:  # "none" (or an embedding lookup): the call keeps its graph, without its weights
                 out = rc._run_kept(call, tensors, GraphHooks(rc.offload if rc.offload_activations else None))
             else:
                 out = rc._run_block(call, tensors, leaves=None, backward=False, measure=measure)
@@ -384,8 +385,9 @@ class Recompute:
     def _save_inputs(self, call: BlockCall, tensors: Sequence[torch.Tensor]) -> None:
         """Keep what backward needs to rebuild this call's inputs.
 
-        A call that starts a segment (every ``recompute_every``-th call) keeps all its tensor
-        inputs (in host memory with ``offload_activations``). Other calls keep only a link to the
+        A call that starts a segment (the first after a call that keeps its graph, such as the
+        embedding, then every ``recompute_every``-th call) keeps all its tensor inputs (in host
+        memory with ``offload_activations``). Other calls keep only a link to the
         output of the previous call they consumed (by identity) and recompute it in backward;
         inputs that are not such outputs (attention masks, rotary cos/sin shared by all blocks)
         are kept by reference, which costs no memory beyond what the model already holds.
@@ -394,7 +396,9 @@ class Recompute:
         call.pos = len(fwd.calls)
         fwd.calls.append(weakref.ref(call))
         prev = fwd.last_outs if (fwd.last_outs and fwd.last_outs[0] == call.pos - 1) else None
-        start = call.pos % self.recompute_every == 0
+        start = prev is None or call.pos - fwd.segment_start >= self.recompute_every
+        if start:
+            fwd.segment_start = call.pos
         call.saved = []
         kept = 0
         for i, t in enumerate(tensors):

@@ -11,6 +11,11 @@
 * ``"auto"``: per block, the cheapest of the three in recompute FLOPs whose kept bytes fit
   ``activation_memory_limit`` (decided once, after the first training forward measured them).
 
+Under every mode an embedding lookup block (:func:`is_lookup`) keeps its graph as under ``"none"``:
+that graph saves only the token indices, which ``"block"`` keeps anyway as the block's input, so
+recomputing it would fetch the whole table again (the largest block of a small model: 113 MB fp32
+for SmolLM2-135M) for nothing; its backward fetches nothing.
+
 ``"selective"`` saving is PyTorch's selective activation checkpointing: ``create_selective_checkpoint_contexts`` and
 a policy function returning ``CheckpointPolicy``; the caching mode runs around the block's forward,
 the cached mode around its recompute in backward (``engine/recompute.py``). Both run with autograd on
@@ -55,6 +60,14 @@ _EXPENSIVE[_aten._scaled_dot_product_flash_attention_for_cpu] = flop_registry[_a
 # torch's marker of a cache entry to recompute (what a PREFER_RECOMPUTE op gets in the cache)
 _RECOMPUTE = _torch_checkpoint._RECOMPUTE
 _CASTS = {_aten._to_copy, _aten.to, _aten.clone, _aten.copy_, _aten.lift_fresh}
+
+
+def is_lookup(module: torch.nn.Module) -> bool:
+    """``module`` is an embedding lookup whose autograd graph saves only its integer indices (any
+    ``nn.Embedding``, a subclass scaling its output by a constant too, as Gemma's; not one with
+    ``max_norm``, whose forward renormalises the weight in place): such a block keeps its graph under
+    every ``recompute`` mode (module docstring)."""
+    return isinstance(module, torch.nn.Embedding) and module.max_norm is None
 
 
 def check_recompute(mode: Any, activation_memory_limit: int | str | None = None) -> tuple[str, int | None]:
@@ -373,9 +386,12 @@ class RecomputePolicy:
         self._measured_fwd: Any = None
         self.meter = ActivationMeter()
 
-    def mode_for(self, block: int, fwd: Any) -> str:
+    def mode_for(self, block: int, fwd: Any, lookup: bool = False) -> str:
         """The policy of a call of block ``block`` in training forward ``fwd`` (any object identifying
-        the forward); under ``"auto"`` the first forward runs ``"block"`` and measures."""
+        the forward); under ``"auto"`` the first forward runs ``"block"`` and measures. ``lookup``: the
+        block is an embedding lookup (:func:`is_lookup`): ``"none"`` under every mode."""
+        if lookup:
+            return "none"
         if self.choice is not None:
             return self.choice.get(block, self.mode if self.mode != "auto" else "block")
         if self._measured_fwd is None:
@@ -385,12 +401,13 @@ class RecomputePolicy:
             return self.choice.get(block, "block")  # type: ignore[union-attr]
         return "measure"
 
-    def start(self, block: int, fwd: Any) -> tuple[SavedOps | None, Callable[[dict], Any] | None, bool]:
+    def start(self, block: int, fwd: Any, lookup: bool = False
+              ) -> tuple[SavedOps | None, Callable[[dict], Any] | None, bool]:
         """What a call needs in its forward: (its :class:`SavedOps` (``"selective"``) or ``None``;
         when it only measures, ``context(bufs)`` -> the context its forward runs under (``bufs``: the
         block's device buffers), else ``None``; ``True`` when it keeps its graph (``"none"``,
-        :mod:`.block_graph`))."""
-        mode = self.mode_for(block, fwd)
+        :mod:`.block_graph`)). ``lookup``: as in :meth:`mode_for`."""
+        mode = self.mode_for(block, fwd, lookup)
         if mode == "measure":
             measure = self._measure
             assert measure is not None

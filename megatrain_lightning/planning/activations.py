@@ -124,10 +124,10 @@ def selective_per_token(c: ParamCounts, s: dict[str, Any]) -> float:
 
 
 def none_extra_per_token(c: ParamCounts, s: dict[str, Any]) -> float:
-    """Bytes per token ``recompute="none"`` keeps outside the decoder layers: the final norm's graph
-    ((4 + r)H + 4) and the embedding's int64 indices (8 B)."""
+    """Bytes per token ``recompute="none"`` keeps outside the decoder layers and the embedding: the
+    final norm's graph ((4 + r)H + 4)."""
     r, _, _ = _dtypes(s)
-    return (4 + r) * c.hidden_size + 4 + 8
+    return (4 + r) * c.hidden_size + 4
 
 
 def layer_mix(c: ParamCounts, s: dict[str, Any]) -> dict[str, int]:
@@ -145,15 +145,16 @@ def layer_mix(c: ParamCounts, s: dict[str, Any]) -> dict[str, int]:
 def kept_per_token(c: ParamCounts, s: dict[str, Any]) -> dict[str, float]:
     """What the engine keeps between forward and backward, bytes per token, by part (its
     ``saved_activation_bytes`` plus the LM head's input): ``"block inputs"`` (every K-th input of a
-    recomputed layer and the LM head's input), ``"selective op outputs"``, ``"none: layer graphs"``
-    (with the final norm and the indices when every layer keeps its graph)."""
+    recomputed layer and the LM head's input), ``"embedding indices"`` (int64, 8 B: the embedding keeps
+    its graph under every mode, ``engine/recompute_policy.py`` ``is_lookup``), ``"selective op outputs"``,
+    ``"none: layer graphs"`` (with the final norm when every layer keeps its graph)."""
     r, _, _ = _dtypes(s)
     H, K = c.hidden_size, s.get("recompute_every", 1)
     mix = layer_mix(c, s)
     recomputed = mix["block"] + mix["selective"]
     lay = sum(layer_saved_per_token(c, s).values())
     none = mix["none"] * lay + (none_extra_per_token(c, s) if mix["none"] == c.num_layers else 0)
-    return {"block inputs": (math.ceil(recomputed / K) + 1) * H * r,
+    return {"block inputs": (math.ceil(recomputed / K) + 1) * H * r, "embedding indices": 8,
             "selective op outputs": mix["selective"] * selective_per_token(c, s),
             "none: layer graphs": none}
 
@@ -193,7 +194,7 @@ def per_token_terms(c: ParamCounts, s: dict[str, Any], gpu: bool = True) -> dict
     ws = WORKING_SET_FACTOR if recomputes else WORKING_SET_FACTOR - 1
     lay, head = layer_saved_per_token(c, s), head_per_token(c, s)
     kept = kept_per_token(c, s)
-    saved = kept["block inputs"]
+    saved = kept["block inputs"] + kept["embedding indices"]
     ops = kept["selective op outputs"] + kept["none: layer graphs"]
     per_layer_kept = max(selective_per_token(c, s) if mix["selective"] else 0,
                          sum(lay.values()) if mix["none"] else 0)

@@ -48,8 +48,8 @@ Per optimizer step (one micro-batch of ``batch_size`` x ``seq_len`` tokens):
   forward (the LM head), which keeps its graph and its weights on the device until its
   backward and so is fetched once (the final norm before it is its own block, fetched
   twice: ``ParamCounts.head_refetched``; tied weights are fetched by both blocks that read
-  them); with ``recompute="none"`` on every layer the embedding's backward fetches nothing
-  either (its graph keeps only the token indices). Checked against the engine's measured
+  them); the embedding's backward fetches nothing under every ``recompute`` mode (it keeps
+  its graph, which holds only the token indices). Checked against the engine's measured
   ``megatrain/h2d_bytes`` (tests/test_plan_recompute.py);
   with ``recompute_every=K`` the recompute chains fetch (K-1)/K of the layers once more;
   offloaded activations come back in backward.
@@ -206,7 +206,8 @@ def resolve_auto(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, A
         else:
             free = int(hw.host_ram_gib * GIB) - sum(e0["host"].values())
         budget = max(free, 0) // 2
-    inputs = 0 if s["offload_activations"] else int(kept_per_token(c, base)["block inputs"] * tokens)
+    kept0 = kept_per_token(c, base)  # what the measured forward keeps: block inputs, the embedding's indices
+    inputs = 0 if s["offload_activations"] else int((kept0["block inputs"] + kept0["embedding indices"]) * tokens)
     sel = selective_per_token(c, s) * tokens
     none = sum(layer_saved_per_token(c, s).values()) * tokens
     flops = (2 * c.layer_total / L + 2 * s["seq_len"] * c.num_heads * c.head_dim) * tokens
@@ -309,12 +310,11 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     # ---- bytes moved per step
     from .activations import layer_mix
     mix = layer_mix(c, s)
-    # recompute="none" everywhere: the embedding keeps its graph too, and its backward reads no weight
-    # (the engine fetches nothing for it: engine/recompute.py, ``needs_weights``)
-    emb_fetched_b = 0 if mix["none"] == c.num_layers else 1
+    # the embedding keeps its graph under every mode, and its backward reads no weight: the engine
+    # fetches nothing for it (engine/recompute_policy.py ``is_lookup``, engine/recompute.py ``needs_weights``)
     reads = c.reads_per_pass
     # the last block (the LM head) keeps its graph: fetched once; the final norm before it is fetched again
-    reads_b = reads - c.head_reads + c.head_refetched - (1 - emb_fetched_b) * c.embedding
+    reads_b = reads - c.head_reads + c.head_refetched - c.embedding
     chained = (mix["block"] + mix["selective"]) / L  # "none" layers rebuild nothing: no chain fetch
     chain = int(c.layer_total * (K - 1) // K * chained)
     layer_wire = sum(wire_of[1:-1])
@@ -322,7 +322,7 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     chain_wire = int(layer_wire * (K - 1) // K * chained)
     act_io = act_host.get("offloaded block inputs", 0) + act_host.get("offloaded op outputs / graphs", 0)
     h2d_f = sum(wire_of)
-    h2d_b = emb_fetched_b * wire_of[0] + layer_wire + norm_wire + chain_wire + (act_io if gpu else 0)  # CPU: an offloaded input is used in place
+    h2d_b = layer_wire + norm_wire + chain_wire + (act_io if gpu else 0)  # CPU: an offloaded input is used in place
     if no_copy:                                # CPU device bound to the fp32 masters: nothing copied
         h2d_f = h2d_b = 0
     d2h = reads * grad_b + act_io
