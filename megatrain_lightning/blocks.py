@@ -155,10 +155,12 @@ def discover_blocks(
 
     Args:
         root: the module to stream (a ``LightningModule`` or a Hugging Face model).
-        block_classes: class names or classes of the repeated blocks. Default: the union of
-            ``_no_split_modules`` of every Hugging Face model inside ``root``.
+        block_classes: class names or classes of the repeated blocks (one name or class alone is
+            taken as a list of one). Default: the union of ``_no_split_modules`` of every Hugging
+            Face model inside ``root``.
         block_names: ``fnmatch`` patterns of module paths that are blocks (``"model.layers.*"``),
-            like FSDP's wrap policy; used together with ``block_classes``.
+            like FSDP's wrap policy (one pattern alone is taken as a list of one); used together
+            with ``block_classes``.
 
     Returns:
         Blocks in module order. Every parameter of ``root`` belongs to exactly one slab.
@@ -169,8 +171,8 @@ def discover_blocks(
             module path (both list the module paths that exist), or ``root`` itself owns
             parameters directly (there is no module to stream them with).
     """
-    classes: list[str | type] = list(block_classes or [])
-    names = list(block_names or [])
+    classes: list[str | type] = [block_classes] if isinstance(block_classes, (str, type)) else list(block_classes or [])
+    names = [block_names] if isinstance(block_names, str) else list(block_names or [])
     if not classes and not names:
         for m in find_hf_models(root):
             classes.extend(m._no_split_modules)

@@ -44,6 +44,7 @@ from .checkpoint.directory import load_checkpoint_dir, load_optimizer_dir, save_
 from .engine.chunked_loss import check_chunk_size
 from .engine.block_groups import check_block_group
 from .engine.recompute_policy import RecomputePolicy, check_recompute, deprecated_recompute_every
+from .engine.prefetch import check_lookahead
 from .engine.reduce import GradReducer
 from .engine.streaming import StreamingEngine
 from .engine.threads import check_host_threads
@@ -222,7 +223,7 @@ class MegaTrainStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
         self.groups: ProcessGroups | None = None
-        self.lookahead = lookahead
+        self.lookahead = check_lookahead(lookahead)
         self.block_group = check_block_group(block_group)
         self.recompute_every = deprecated_recompute_every(recompute_every, checkpoint_every)
         self.offload_activations = offload_activations

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -158,10 +160,23 @@ def test_unmatched_block_name_lists_the_module_paths():
         ("net.layers.1", ["net.layers.1.fc.weight", "net.layers.1.fc.bias"])]
 
 
-def test_negative_lookahead():
-    lm = LM(make_model("llama"))
-    with pytest.raises(ValueError, match="lookahead"):
-        _fit(lm, strategy=MegaTrainStrategy(lookahead=-1))
+@pytest.mark.parametrize("bad", [dict(lookahead=-1), dict(lookahead="2"), dict(lookahead=1.5), dict(recompute_every=0),
+                                 dict(recompute_every="3"), dict(checkpoint_every=0)])
+def test_bad_lookahead_or_recompute_every_is_refused_when_the_strategy_is_built(bad):
+    """Before any Trainer or model exists, with the option's name and Hydra key."""
+    key = next(iter(bad)).replace("checkpoint_every", "recompute_every")
+    with pytest.warns(DeprecationWarning) if "checkpoint_every" in bad else contextlib.nullcontext():
+        with pytest.raises(ValueError, match=rf"{key} must be an int .*strategy\.{key}"):
+            MegaTrainStrategy(**bad)
+
+
+def test_one_block_class_or_name_given_as_a_string():
+    """A single class name or pattern (a natural Hydra override) is one entry, not a list of characters."""
+    model = make_model("llama")
+    by_list = [b.name for b in discover_blocks(model, block_names=["model.layers.*"])]
+    assert [b.name for b in discover_blocks(model, block_names="model.layers.*")] == by_list
+    assert [b.name for b in discover_blocks(model, block_classes="LlamaDecoderLayer")] == by_list
+    assert [b.name for b in discover_blocks(model, block_classes=type(model.model.layers[0]))] == by_list
 
 
 class TwoLayerNet(nn.Module):

@@ -230,6 +230,30 @@ def test_prefetch_follows_the_schedule(k):
     assert [h["megatrain/prefetch_misses"] for h in hist[2:]] == [1.0] * (len(hist) - 2)
 
 
+def test_a_large_fetch_starts_while_small_blocks_compute():
+    """A tied embedding 7x a decoder layer: its fetch for the LM head starts while the first layers
+    compute (they leave room within 2 largest fetches, what lookahead=1 already needs), not one block
+    before its use; the numbers, the bytes moved and the prefetch misses are those of plain lookahead."""
+    model = make_model("llama_tied", vocab_size=2048, num_hidden_layers=6)
+    ref = copy.deepcopy(model)
+    lm = LM(model)
+    trainer = pl.Trainer(strategy=MegaTrainStrategy(lookahead=1, cpu_zero_copy=False), accelerator="cpu", devices=1,
+                         max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(lm, make_data(n=STEPS * 2))
+    assert_parity(lm.model, ref, lm.losses, reference_train(ref, make_data(n=STEPS * 2), STEPS))
+    eng = trainer.strategy.engine
+    seq = list(range(len(eng.blocks)))  # the forward: embedding, 6 layers, final norm, LM head
+    head = (seq[-1],)
+    assert head in eng.prefetcher.wanted(seq, 1, set())  # at the first layer already
+    assert head not in eng.prefetcher.schedule.upcoming(seq, 1, set(), 1)
+    hist = eng.history
+    assert [h["megatrain/prefetch_misses"] for h in hist[2:]] == [1.0] * (len(hist) - 2)
+    # per step from the second (the first does not know the last block yet): every block in forward, all
+    # but the embedding and the LM head in backward (none in vain)
+    assert {h["megatrain/blocks_fetched"] for h in hist[1:]} == {2 * len(seq) - 2}
+
+
 def test_checkpoint_every_still_works_with_a_deprecation_warning():
     """The former name of recompute_every (it collided with Lightning's model checkpoints)."""
     from megatrain_lightning import MegaTrainStrategy

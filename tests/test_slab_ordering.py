@@ -92,7 +92,7 @@ class _Recorded(torch.Tensor):
 def async_transport(monkeypatch):
     made: list[AsyncCPUTransport] = []
 
-    def make(device, staging_numel, zero_copy_cpu=False, n_staging=2, pin=None):
+    def make(device, staging_numel, zero_copy_cpu=False, n_staging=2, pin=None, reuse_cpu_buffers=False):
         made.append(AsyncCPUTransport(device))
         return made[-1]
 

@@ -18,7 +18,7 @@ members, and none is copied in vain.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from ..blocks import Block
 
@@ -104,13 +104,21 @@ class GroupSchedule:
             n: how many fetches to return (the prefetch ``lookahead``).
         """
         want: list[tuple[int, ...]] = []
+        for run in self.iter_upcoming(seq, pos, left):
+            if len(want) == n:
+                break
+            if run not in want:
+                want.append(run)
+        return want
+
+    def iter_upcoming(self, seq: Sequence[int], pos: int, left: set[int]) -> Iterator[tuple[int, ...]]:
+        """The fetches of ``seq`` after position ``pos``, in order, lazily, a run fetched twice (a
+        recompute chain) at each of its positions (arguments as in :meth:`upcoming`)."""
         left, p = set(left), pos + 1
         while p < len(seq) and seq[p] in left:
             left.discard(seq[p])
             p += 1
-        while p < len(seq) and len(want) < n:
+        while p < len(seq):
             run = self.run_at(seq, p)
-            if run not in want:
-                want.append(run)
+            yield run
             p += len(run)
-        return want

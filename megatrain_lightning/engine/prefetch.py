@@ -26,6 +26,17 @@ from .block_groups import GroupSchedule
 from .threads import worker_initializer
 
 
+def check_lookahead(lookahead: object) -> int:
+    """Return ``lookahead`` when it is an int >= 0 (fetches prefetched ahead; 1 = double buffering).
+
+    Raises:
+        ValueError: anything else (a negative number, a float, a string, ``True``), naming the option."""
+    if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
+        raise ValueError(f"megatrain: lookahead must be an int >= 0 (fetches prefetched ahead of the one computing; "
+                         f"1 = double buffering), got {lookahead!r}. Set strategy option / Hydra key strategy.lookahead.")
+    return lookahead
+
+
 class Prefetcher:
     """Block copies in flight on the H2D worker, in schedule order.
 
@@ -36,7 +47,8 @@ class Prefetcher:
         acct: live-byte accounting (a dropped prefetch gives its bytes back).
         fetch: copies one block's slabs to the device (``WeightFetcher.fetch``, run on the H2D worker):
             slab index -> ``(device buffer, event)``.
-        lookahead: fetches started ahead of the one computing (1 = double buffering).
+        lookahead: fetches started ahead of the one computing (1 = double buffering); further fetches
+            start while they fit the elements of ``lookahead + 1`` largest fetches (:meth:`wanted`).
         optimizer: returns the attached host optimizer (its pending updates tell what to read ahead).
         read_ahead_bytes: NVMe tier: bytes the read-ahead may use beside the blocks in flight
             (``host_memory_limit`` - the minimum window), or ``None`` without the NVMe tier.
@@ -60,7 +72,11 @@ class Prefetcher:
         self._depth = read_ahead_depth
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="megatrain-h2d",
                                         initializer=worker_initializer(host_threads))
-        self.schedule = GroupSchedule(groups if groups is not None else [(b.index,) for b in blocks])
+        groups = groups if groups is not None else [(b.index,) for b in blocks]
+        self.schedule = GroupSchedule(groups)
+        # elements a block's fetch brings to the device (the slabs it reads, tied ones included)
+        self._numel = {b.index: sum(store.slabs[si].numel for si in b.slabs) for b in blocks}
+        self._cap = (lookahead + 1) * max((sum(self._numel[bi] for bi in g) for g in groups), default=0)
         # blocks of one fetch (run_at) -> per block, the future of its part of the fetch
         self._inflight: dict[tuple[int, ...], dict[int, Future]] = {}
         self._open: dict[int, dict[int, Future]] = {}  # group -> its fetch's members not used yet
@@ -101,7 +117,7 @@ class Prefetcher:
         if opened:
             self._open[g] = opened
         if self.lookahead > 0 and pos is not None:
-            want = sched.upcoming(seq, pos, set(opened or ()), self.lookahead)
+            want = self.wanted(seq, pos, set(opened or ()))
             for stale in [k for k in self._inflight if k not in want]:
                 self._discard_all(self._inflight.pop(stale))
             for run in want:
@@ -115,6 +131,27 @@ class Prefetcher:
             self.transport.ready(buf, ev)
         self.acct.add(wait_s=time.perf_counter() - t0)
         return {s: buf for s, (buf, _) in got.items()}
+
+    def wanted(self, seq: Sequence[int], pos: int, left: set[int]) -> list[tuple[int, ...]]:
+        """The fetches to have in flight while ``seq[pos]`` computes: the next ``lookahead`` ones, then
+        further ones while the elements of the block computing, of the members of its fetch not used yet
+        (``left``) and of every fetch in flight stay within those of ``lookahead + 1`` largest fetches:
+        the device memory ``lookahead`` already needs for a model's largest block (the embedding or LM
+        head of a small model is 8x a decoder layer of SmolLM2-135M), used while small blocks compute,
+        so a large fetch starts several blocks before its use instead of one.
+
+        A run fetched twice (a recompute chain) is in flight once, but counts at each position: what
+        fits at one fetch then still fits at the next, so a prefetch is never dropped for lack of room."""
+        room = self._cap - self._numel[seq[pos]] - sum(self._numel[b] for b in left)
+        want: list[tuple[int, ...]] = []
+        for run in self.schedule.iter_upcoming(seq, pos, left):
+            n = sum(self._numel[b] for b in run)
+            if len(want) >= self.lookahead and n > room:
+                break
+            if run not in want:
+                want.append(run)
+            room -= n
+        return want
 
     def _submit(self, run: tuple[int, ...]) -> dict[int, Future]:
         """Hand one fetch of the blocks ``run`` to the H2D worker; per block, the future of its part (each

@@ -91,19 +91,28 @@ def check_recompute(mode: Any, activation_memory_limit: int | str | None = None)
 
 
 def deprecated_recompute_every(recompute_every: int, checkpoint_every: int | None) -> int:
-    """``recompute_every``, or the value given under its former name ``checkpoint_every`` (which
-    collided with Lightning's model checkpoints), with a ``DeprecationWarning``; kept for one release.
+    """``recompute_every`` (checked: an int >= 1, block calls per recompute segment), or the value given
+    under its former name ``checkpoint_every`` (which collided with Lightning's model checkpoints), with a
+    ``DeprecationWarning``; kept for one release.
 
     Raises:
-        TypeError: both names given with different values."""
+        TypeError: both names given with different values.
+        ValueError: the value is not an int >= 1."""
     if checkpoint_every is None:
-        return recompute_every
+        return _check_recompute_every(recompute_every)
     warnings.warn("megatrain: checkpoint_every was renamed recompute_every (it sets recompute segments, not model "
                   "checkpoints); the old name will be removed in the next release.", DeprecationWarning, stacklevel=3)
     if recompute_every not in (1, checkpoint_every):
         raise TypeError(f"recompute_every={recompute_every} and checkpoint_every={checkpoint_every} both given; "
                         "pass only recompute_every.")
-    return checkpoint_every
+    return _check_recompute_every(checkpoint_every)
+
+
+def _check_recompute_every(k: object) -> int:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"megatrain: recompute_every must be an int >= 1 (block calls per recompute segment), "
+                         f"got {k!r}. Set strategy option / Hydra key strategy.recompute_every.")
+    return k
 
 
 @functools.lru_cache(maxsize=None)

@@ -41,7 +41,7 @@ from .forward_patch import ForwardPatches
 from .grads import GradientSink
 from .long_sequences import LongSequences
 from .kv_cache import any_requires_grad, training_call
-from .prefetch import Prefetcher
+from .prefetch import Prefetcher, check_lookahead
 from .recompute import Recompute, trainable_refs
 from .recompute_policy import RecomputePolicy, deprecated_recompute_every
 from .reduce import GradReducer
@@ -120,11 +120,8 @@ class StreamingEngine:
         node: NodeShare | None = None,
         block_group: int = 1,
     ):
-        if lookahead < 0:
-            raise ValueError(f"lookahead must be >= 0 (blocks prefetched ahead), got {lookahead}.")
+        check_lookahead(lookahead)
         recompute_every = deprecated_recompute_every(recompute_every, checkpoint_every)
-        if recompute_every < 1:
-            raise ValueError(f"recompute_every must be >= 1 (blocks per recompute segment), got {recompute_every}.")
         self.long = LongSequences(root, loss_chunk_size, mlp_chunk_size, self.call_block, lambda: self.param_dtype)
         self.root = root
         self.device = torch.device(device)
@@ -151,7 +148,8 @@ class StreamingEngine:
         self.trainable = [p.requires_grad for p in root.parameters()]
         staging = self.store.max_slab_numel(trainable=True) + (max(len(s.entries) for s in self.store.slabs) if reducer
                                                               else 0)  # data parallel: + presence flags (reduce.py)
-        self.transport = make_transport(self.device, staging, cpu_zero_copy, n_staging=2, pin=pin)
+        self.transport = make_transport(self.device, staging, cpu_zero_copy, n_staging=2, pin=pin,
+                                        reuse_cpu_buffers=self.budget is None)
         # on CPU the compute buffers are host memory: they count in host_memory_limit
         budget_device = self.budget is not None and self.device.type == "cpu"
         self.acct = ByteAccounting(reserve=self.store.nvme.reserve if budget_device else None,

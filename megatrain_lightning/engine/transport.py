@@ -39,6 +39,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..store.pinned import try_host_buffer
+from .cpu_buffers import BufferPool
 from .wire import WireLayout
 
 log = logging.getLogger(__name__)
@@ -89,11 +90,18 @@ class CPUTransport:
         zero_copy: bind blocks straight to the host master slabs instead of copying
             them into a separate buffer (saves one memcpy of the block per fetch; the
             schedule, prefetch and accounting are unchanged).
+        reuse_buffers: copy into buffers reused once free (:class:`~.cpu_buffers.BufferPool`, as CUDA's
+            caching allocator), not fresh allocations; off where freed memory must leave the process
+            (the NVMe tier's ``host_memory_limit`` counts live buffers only).
     """
 
-    def __init__(self, device: torch.device, zero_copy: bool = False):
+    def __init__(self, device: torch.device, zero_copy: bool = False, reuse_buffers: bool = False):
         self.device = device
         self.zero_copy = zero_copy
+        self.pool = BufferPool() if reuse_buffers and not zero_copy else None
+
+    def _empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.pool.take(numel, dtype) if self.pool is not None else torch.empty(numel, dtype=dtype)
 
     def to_device(self, host: torch.Tensor, dtype: torch.dtype = torch.float32,
                   layout: WireLayout | None = None) -> tuple[torch.Tensor, None]:
@@ -101,10 +109,10 @@ class CPUTransport:
         (converting on the way); returns ``(buffer, None)``. With a mixed ``layout``, ``host`` is its
         uint8 image and the buffer (``[layout.numel]``) is decoded from it run by run."""
         if layout is not None and layout.dtype is None:
-            return layout.decode(host, torch.empty(layout.numel, dtype=dtype)), None
+            return layout.decode(host, self._empty(layout.numel, dtype)), None
         if self.zero_copy and dtype == host.dtype:
             return host, None
-        buf = torch.empty(host.shape, dtype=dtype)
+        buf = self._empty(host.numel(), dtype).view(host.shape)
         buf.copy_(host)
         return buf, None
 
@@ -353,13 +361,13 @@ class CUDATransport:
 
 
 def make_transport(device: torch.device, staging_numel: int, zero_copy_cpu: bool = False, n_staging: int = 2,
-                   pin: bool | None = None):
+                   pin: bool | None = None, reuse_cpu_buffers: bool = False):
     """Pick the transport for ``device`` (``cpu`` or ``cuda``; ``n_staging``: pinned D2H staging
     buffers, at least the gradient sink's ``max_inflight``; ``pin``: the ``pin_memory`` option for
-    them); raises ``ValueError`` for others and ``HostPinningError`` when ``pin`` is ``True`` and the
-    staging buffers cannot be page-locked."""
+    them; ``reuse_cpu_buffers``: :class:`CPUTransport`'s ``reuse_buffers``); raises ``ValueError`` for
+    others and ``HostPinningError`` when ``pin`` is ``True`` and the staging buffers cannot be page-locked."""
     if device.type == "cpu":
-        return CPUTransport(device, zero_copy=zero_copy_cpu)
+        return CPUTransport(device, zero_copy=zero_copy_cpu, reuse_buffers=reuse_cpu_buffers)
     if device.type == "cuda":
         return CUDATransport(device, staging_numel, n_staging=n_staging, pin=pin)
     raise ValueError(f"megatrain supports accelerator 'cpu' and 'gpu' (CUDA); got device {device}.")
