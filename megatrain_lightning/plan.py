@@ -84,11 +84,23 @@ def _compose(rest: list[str], model: str | None) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry point; returns the exit status (0 ok, 2 refused by ``preflight=true``)."""
+    """CLI entry point; returns the exit status (0 ok, 2 refused by ``preflight=true`` or a bad setting: one
+    ``error:`` line on stderr, e.g. an unknown preset with the available ones, or a value the planner rejects)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in args):
         print(__doc__)
         return 0
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return _run(args)
+    except (ValueError, TypeError, OSError, HydraException, OmegaConfBaseException) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: list[str]) -> int:
     flags = {"preflight": False, "json": False, "max_seq_len": False}
     rest: list[str] = []
     models: list[str | None] = [None]

@@ -48,6 +48,7 @@ from .engine.prefetch import check_lookahead
 from .engine.reduce import GradReducer
 from .engine.streaming import StreamingEngine
 from .engine.threads import check_host_threads
+from .strategy_options import check_switches, warn_unused_activation_limit
 from .optim.host_adamw import UnsupportedOptimizerError, validate_optimizer
 from .parallel.checkpoint_writers import CheckpointWriters
 from .parallel.faults import guarded
@@ -217,6 +218,9 @@ class MegaTrainStrategy(ParallelStrategy):
         timeout: timedelta | float | None = timedelta(minutes=30),
     ) -> None:
         check_host_threads(host_threads)
+        check_switches(("pin_memory", "optimizer_in_backward"), offload_activations=offload_activations,
+                       overlap_optimizer=overlap_optimizer, pin_memory=pin_memory, cpu_zero_copy=cpu_zero_copy,
+                       log_stats=log_stats, keep_nvme_files=keep_nvme_files, optimizer_in_backward=optimizer_in_backward)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self._num_nodes = 1
@@ -228,6 +232,7 @@ class MegaTrainStrategy(ParallelStrategy):
         self.recompute_every = deprecated_recompute_every(recompute_every, checkpoint_every)
         self.offload_activations = offload_activations
         self.recompute, self.activation_memory_limit = check_recompute(recompute, activation_memory_limit)
+        warn_unused_activation_limit(self.recompute, activation_memory_limit)
         self.overlap_optimizer = overlap_optimizer
         self.block_classes = block_classes
         self.block_names = block_names

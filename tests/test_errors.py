@@ -170,6 +170,21 @@ def test_bad_lookahead_or_recompute_every_is_refused_when_the_strategy_is_built(
             MegaTrainStrategy(**bad)
 
 
+def test_switches_and_options_without_effect(tmp_path):
+    """A string for an on/off switch ("false" is truthy) is refused; options that only act with another one
+    warn that they do nothing alone; NVMe I/O settings are checked even with the tier off."""
+    with pytest.raises(ValueError, match=r"log_stats must be True or False, got 'false'.*strategy\.log_stats"):
+        MegaTrainStrategy(log_stats="false")
+    with pytest.raises(ValueError, match="pin_memory must be True, False or None"):
+        MegaTrainStrategy(pin_memory="yes")
+    with pytest.warns(UserWarning, match="nvme_path given but nothing is offloaded to NVMe"):
+        MegaTrainStrategy(nvme_path=str(tmp_path))
+    with pytest.warns(UserWarning, match="activation_memory_limit has no effect with recompute='block'"):
+        MegaTrainStrategy(activation_memory_limit="1GiB")
+    with pytest.raises(ValueError, match="nvme_io_threads must be an integer >= 1"):
+        MegaTrainStrategy(nvme_io_threads=0)
+
+
 def test_one_block_class_or_name_given_as_a_string():
     """A single class name or pattern (a natural Hydra override) is one entry, not a list of characters."""
     model = make_model("llama")

@@ -252,6 +252,10 @@ def test_a_large_fetch_starts_while_small_blocks_compute():
     # per step from the second (the first does not know the last block yet): every block in forward, all
     # but the embedding and the LM head in backward (none in vain)
     assert {h["megatrain/blocks_fetched"] for h in hist[1:]} == {2 * len(seq) - 2}
+    # within what the planner counts for lookahead=1: the weights of 2 largest blocks (the kept LM head counts
+    # against the room) and the gradients of one (the LM head's, while its backward runs)
+    largest = max(sum(eng.store.slabs[si].numel for si in b.slabs) for b in eng.blocks) * 4
+    assert max(h["megatrain/peak_device_bytes"] for h in hist) <= 3 * largest
 
 
 def test_checkpoint_every_still_works_with_a_deprecation_warning():

@@ -292,6 +292,18 @@ def test_cli_single_and_all(capsys):
         assert re.search(rf"^{h}\s", out, re.M), out
 
 
+def test_cli_bad_settings_are_one_error_line_with_exit_2(capsys):
+    """An unknown preset lists the available ones; a value the planner rejects names the setting; no traceback."""
+    from megatrain_lightning.plan import main
+
+    for args, want in ((["model=llama8b", "hardware=h20"], "h200"), (["batch_size=abc"], "batch_size must be an int"),
+                       (["batch_size=-4"], "batch_size must be an int >= 1"), (["lookahead=-1"], "lookahead must be"),
+                       (["precision=fp16"], "precision must be one of")):
+        assert main(args) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and want in err and "Traceback" not in err, (args, err)
+
+
 def test_plan_from_a_built_module():
     """The same code at setup(): a model already built (here tiny, on the CPU) plans like its config."""
     cfg = dict(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
@@ -686,5 +698,7 @@ def test_dp_cli_report(capsys):
     assert json.loads(out)["parallel"]["shm_bytes"] == p.parallel["shm_bytes"]
     rc, out = _main(capsys, "model=llama8b", "hardware=h200")
     assert "data parallel" not in out and "[GPU]" not in out and "/dev/shm" not in out
-    with pytest.raises(ValueError, match="trainer.devices must be a positive integer"):
-        _main(capsys, "model=llama8b", "trainer.devices=auto")
+    from megatrain_lightning.plan import main
+
+    assert main(["model=llama8b", "trainer.devices=auto"]) == 2
+    assert "error: trainer.devices must be a positive integer" in capsys.readouterr().err

@@ -127,6 +127,24 @@ def test_refuses_unknown_strategy_option(tmp_path, no_build):
     assert "did you mean strategy.lookahead" in msg
 
 
+def test_refuses_bad_values_before_the_build_naming_the_key(tmp_path, no_build):
+    """Wrong values (a word for a number, a negative size, a misspelt mode) are one ConfigError naming the key,
+    before the model loads; the strategy group is built to check its options."""
+    refused(tmp_path, "trainer.max_steps=abc", key="trainer.max_steps", match="positive int")
+    refused(tmp_path, "trainer.max_steps=0", key="trainer.max_steps")
+    refused(tmp_path, "trainer.accumulate_grad_batches=0", key="trainer.accumulate_grad_batches")
+    refused(tmp_path, "data.seq_len=0", key="data.seq_len")
+    refused(tmp_path, "data.batch_size=-1", key="data.batch_size")
+    refused(tmp_path, "optim.warmup_steps=-2", key="optim.warmup_steps")
+    refused(tmp_path, "checkpoint.every_n_steps=0", key="checkpoint.every_n_steps")
+    refused(tmp_path, "sample.max_new_tokens=-1", key="sample.max_new_tokens")
+    refused(tmp_path, "strategy.lookahead=-1", key="strategy", match="strategy.lookahead")
+    refused(tmp_path, "strategy.lookahead=abc", key="strategy", match="lookahead must be an int")
+    refused(tmp_path, "strategy.recompute=selctive", key="strategy", match="'selctive' is not a recompute policy")
+    refused(tmp_path, "strategy.offload_activations=yes", key="strategy", match="offload_activations must be True or False")
+    refused(tmp_path, "trainer.precision=fp16", key="preflight", match="precision must be one of")
+
+
 def test_refuses_unknown_keys_of_each_group(tmp_path, no_build):
     refused(tmp_path, "+trainer.max_stepz=3", key="trainer.max_stepz", match="did you mean trainer.max_steps")
     refused(tmp_path, "+optim.learning_rate=1", key="optim.learning_rate")
@@ -432,3 +450,45 @@ def test_short_real_run_on_the_nvme_tier(tmp_path, monkeypatch):
     assert out["metrics"]["val_loss"]["after"] < out["metrics"]["val_loss"]["before"]
     model = transformers.AutoModelForCausalLM.from_pretrained(Path(out["checkpoint"]) / "model")
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
+
+
+def test_schedule_spans_an_epoch_based_run():
+    """trainer.max_steps=-1 with max_epochs (the recipe then passes total_steps=None): the cosine schedule spans
+    Lightning's estimated optimizer steps, so the learning rate stays above 0 to the last step (it fell to 0
+    after the warm-up when the length -1 was clamped to 1)."""
+    import math
+
+    import lightning.pytorch as pl
+    import torch
+
+    from megatrain_lightning.recipes_lib.module import CausalLMModule
+    from megatrain_lightning.testing import make_data, make_model
+
+    batches = [{"input_ids": ids, "labels": ids} for (ids,) in make_data(n=20, batch_size=2)]  # 10 steps per epoch
+    lrs = []
+
+    class Record(pl.Callback):
+        def on_train_batch_start(self, trainer, *args):
+            lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    lm = CausalLMModule(make_model("llama"), lr=1e-3, warmup_steps=2, total_steps=None)
+    trainer = pl.Trainer(strategy="megatrain", accelerator="cpu", devices=1, max_epochs=1, max_steps=-1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[Record()])
+    trainer.fit(lm, torch.utils.data.DataLoader(batches, batch_size=None))
+    want = [1e-3 * ((s + 1) / 2 if s < 2 else 0.5 * (1 + math.cos(math.pi * (s - 2) / 8))) for s in range(10)]
+    assert lrs == pytest.approx(want) and min(lrs) > 0
+    with pytest.raises(ValueError, match="needs a length"):
+        lm2 = CausalLMModule(make_model("llama"), total_steps=None)
+        pl.Trainer(strategy="megatrain", accelerator="cpu", devices=1, max_epochs=-1, max_steps=-1, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False).fit(
+            lm2, torch.utils.data.DataLoader(batches, batch_size=None))
+
+
+def test_summary_rows_keep_metrics_measured_only_after():
+    """eval.before=false: the validation rows stay, with an empty "before" cell (not nan, not dropped)."""
+    from megatrain_lightning.recipes_lib.report import summary_rows
+
+    rows = summary_rows({}, {"val_loss": 2.5, "val_ppl": 12.18}, {"steps": 2})
+    assert rows[:2] == [("val_loss", "", "2.5000"), ("val_ppl", "", "12.1800")]
+    assert summary_rows({"val_loss": 3.0}, {"val_loss": 2.5}, {})[0] == ("val_loss", "3.0000", "2.5000")

@@ -310,6 +310,17 @@ def test_modes_on_the_nvme_tier(mode, tmp_path):
     _fit("llama", recompute=mode, offload_params="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path))
 
 
+def test_auto_below_the_block_inputs_warns_and_recomputes_every_block(caplog):
+    """A limit no policy can meet (the block inputs alone exceed it) is said, not silently ignored."""
+    with caplog.at_level(logging.INFO, logger="megatrain_lightning.engine.recompute_policy"):
+        hist = _fit("llama", steps=2, recompute="auto", activation_memory_limit=1024)
+    warn = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warn) == 1 and "below what the block inputs alone keep" in warn[0], warn
+    chosen = [r.getMessage() for r in caplog.records if "recompute='auto' with" in r.getMessage()]
+    assert "none/selective/block: 0/0/" in chosen[0], chosen
+    assert hist[-1]["megatrain/recompute_s"] > 0
+
+
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_auto_measures_what_none_keeps(precision, caplog):
     """"auto"'s measuring forward counts, per block, the bytes "none" then keeps (autocast's weight copies

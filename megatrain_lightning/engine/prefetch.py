@@ -84,7 +84,7 @@ class Prefetcher:
         self._discard_lock = threading.Lock()
 
     def get(self, blk: Block, seq: Sequence[int], pos: int | None, backward: bool = False,
-            updates_in_backward: bool = False) -> dict[int, torch.Tensor]:
+            updates_in_backward: bool = False, held: int = 0) -> dict[int, torch.Tensor]:
         """The block's slabs on the device, waiting for its copy if needed; starts the next
         ``lookahead`` fetches of ``seq`` after position ``pos`` (``None``: off the schedule).
 
@@ -95,6 +95,8 @@ class Prefetcher:
         Args:
             backward / updates_in_backward: the fetch is in a backward (which applies AdamW updates as
                 it goes): what the NVMe read-ahead wants besides the masters.
+            held: elements of other blocks' buffers still on the device (a kept last block's graph):
+                they count against the prefetch's room (:meth:`wanted`).
         Returns:
             slab index -> device buffer (compute dtype, shape ``[slab numel]``).
         """
@@ -117,7 +119,7 @@ class Prefetcher:
         if opened:
             self._open[g] = opened
         if self.lookahead > 0 and pos is not None:
-            want = self.wanted(seq, pos, set(opened or ()))
+            want = self.wanted(seq, pos, set(opened or ()), held)
             for stale in [k for k in self._inflight if k not in want]:
                 self._discard_all(self._inflight.pop(stale))
             for run in want:
@@ -132,17 +134,18 @@ class Prefetcher:
         self.acct.add(wait_s=time.perf_counter() - t0)
         return {s: buf for s, (buf, _) in got.items()}
 
-    def wanted(self, seq: Sequence[int], pos: int, left: set[int]) -> list[tuple[int, ...]]:
+    def wanted(self, seq: Sequence[int], pos: int, left: set[int], held: int = 0) -> list[tuple[int, ...]]:
         """The fetches to have in flight while ``seq[pos]`` computes: the next ``lookahead`` ones, then
         further ones while the elements of the block computing, of the members of its fetch not used yet
-        (``left``) and of every fetch in flight stay within those of ``lookahead + 1`` largest fetches:
+        (``left``), of other buffers still ``held`` (a kept last block's) and of every fetch in flight stay
+        within those of ``lookahead + 1`` largest fetches:
         the device memory ``lookahead`` already needs for a model's largest block (the embedding or LM
         head of a small model is 8x a decoder layer of SmolLM2-135M), used while small blocks compute,
         so a large fetch starts several blocks before its use instead of one.
 
         A run fetched twice (a recompute chain) is in flight once, but counts at each position: what
         fits at one fetch then still fits at the next, so a prefetch is never dropped for lack of room."""
-        room = self._cap - self._numel[seq[pos]] - sum(self._numel[b] for b in left)
+        room = self._cap - self._numel[seq[pos]] - sum(self._numel[b] for b in left) - held
         want: list[tuple[int, ...]] = []
         for run in self.schedule.iter_upcoming(seq, pos, left):
             n = sum(self._numel[b] for b in run)

@@ -395,8 +395,9 @@ class StreamingEngine:
             slab index -> device buffer (fp32/compute dtype, shape ``[slab numel]``).
         """
         pos = self._locate(blk, backward, training)
+        held = sum(b.numel() for k in list(self.recompute.kept_open) for b in k.bufs.values())  # kept last block
         return self.prefetcher.get(blk, self._seq, pos, backward=self._phase == "backward",
-                                   updates_in_backward=bool(self.grads.sends_left))
+                                   updates_in_backward=bool(self.grads.sends_left), held=held)
 
     def configure_precision(self, wire: torch.dtype, param: torch.dtype, grad_wire: torch.dtype) -> None:
         """Set the dtypes of the H2D weight copies and of the bound parameters

@@ -297,8 +297,10 @@ def settings(*, batch_size: int, seq_len: int, precision: str, offload_params: s
             raise ValueError(f"{name} must be one of {TIERS}, got {v!r}")
     if grad_dtype is not None and grad_dtype not in GRAD_BYTES:
         raise ValueError(f"grad_dtype must be one of {sorted(GRAD_BYTES)} or None, got {grad_dtype!r}")
-    if batch_size < 1 or seq_len < 1 or recompute_every < 1 or lookahead < 0 or keep_checkpoints < 0:
-        raise ValueError("batch_size, seq_len and recompute_every must be >= 1; lookahead, keep_checkpoints >= 0")
+    for name, v, low in (("batch_size", batch_size, 1), ("seq_len", seq_len, 1), ("recompute_every", recompute_every, 1),
+                         ("lookahead", lookahead, 0), ("keep_checkpoints", keep_checkpoints, 0)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
     return dict(batch_size=int(batch_size), seq_len=int(seq_len), precision=precision, offload_params=offload_params,
                 offload_optimizer=offload_optimizer, offload_grads=offload_grads,
                 offload_activations=bool(offload_activations), lookahead=int(lookahead),

@@ -7,6 +7,8 @@
   ``data.source_options.*`` against the source, ``model.*`` against its ``_target_``, and the recipe's own groups;
 * the data: the first records of ``data.source`` are read and mapped with the configured shape and field names;
   the offline corpus of a domain is checked against ``data.shape``;
+* values: the numeric settings (steps, batch size, sequence length, accumulation, warm-up, checkpoint interval)
+  and every strategy option (the strategy is built: its constructor checks them);
 * paths and environment: the NVMe directory (``strategy.nvme_path`` / ``MEGATRAIN_NVME_PATH``), the logger's
   package, ``resume``.
 
@@ -213,8 +215,46 @@ def check_environment(cfg: Mapping[str, Any]) -> None:
                     "'megatrain-lightning[plots]'; plot=false silences this).")
 
 
+def _int(key: str, value: Any, low: int, what: str, extra: tuple = ()) -> None:
+    ok = value in extra or (isinstance(value, int) and not isinstance(value, bool) and value >= low)
+    if not ok:
+        raise ConfigError(key, f"must be {what}; got {value!r}.")
+
+
+def check_values(cfg: Mapping[str, Any]) -> None:
+    """The recipe's numeric settings have usable values, and the strategy group builds (its constructor checks
+    every strategy option: ``recompute``, ``lookahead``, ``block_group``, chunk sizes, NVMe settings...).
+
+    Raises:
+        ConfigError: the first bad value, naming its key.
+    """
+    trainer, data = cfg.get("trainer") or {}, cfg.get("data") or {}
+    _int("trainer.max_steps", trainer.get("max_steps", -1), 1, "a positive int (optimizer steps), or -1 to train "
+         "trainer.max_epochs epochs", extra=(-1,))
+    if "max_epochs" in trainer:
+        _int("trainer.max_epochs", trainer["max_epochs"], 1, "a positive int, -1 or null (unlimited)", extra=(-1, None))
+    _int("trainer.accumulate_grad_batches", trainer.get("accumulate_grad_batches", 1), 1,
+         "a positive int (micro-batches per optimizer step)")
+    for k in ("batch_size", "seq_len"):
+        if k in data:
+            _int(f"data.{k}", data[k], 1, "a positive int")
+    _int("optim.warmup_steps", (cfg.get("optim") or {}).get("warmup_steps", 0), 0, "an int >= 0 (optimizer steps)")
+    _int("checkpoint.every_n_steps", (cfg.get("checkpoint") or {}).get("every_n_steps"), 1,
+         "a positive int (optimizer steps) or null (no periodic checkpoint)", extra=(None,))
+    _int("sample.max_new_tokens", (cfg.get("sample") or {}).get("max_new_tokens", 0), 0, "an int >= 0 (tokens)")
+    strategy = cfg.get("strategy") or {}
+    if strategy.get("_target_"):
+        kwargs = {k: v for k, v in strategy.items() if k not in HYDRA_SPECIAL}
+        try:
+            _locate(strategy["_target_"])(**kwargs)
+        except (ValueError, TypeError) as e:
+            raise ConfigError("strategy", str(e).removeprefix("megatrain: ")) from None
+
+
 def check_all(cfg: Mapping[str, Any]) -> list[dict]:
-    """:func:`check_keys`, :func:`check_environment`, then :func:`check_data`; returns the peeked documents."""
+    """:func:`check_keys`, :func:`check_environment`, :func:`check_values`, then :func:`check_data`; returns the
+    peeked documents."""
     check_keys(cfg)
     check_environment(cfg)
+    check_values(cfg)
     return check_data(cfg.get("data") or {})

@@ -27,12 +27,14 @@ class CausalLMModule(pl.LightningModule):
         weight_decay: AdamW decoupled weight decay on parameters with ``ndim >= 2``.
         betas: AdamW betas.
         warmup_steps: optimizer steps of linear warm-up from ``lr / warmup_steps``.
-        total_steps: optimizer steps of the cosine decay to 0 (usually ``trainer.max_steps``).
+        total_steps: optimizer steps of the cosine decay to 0; ``None`` (or <= 0, as Lightning's
+            ``max_steps=-1``): the Trainer's ``estimated_stepping_batches`` (epochs x batches per epoch /
+            accumulation, or ``max_steps``), known when ``configure_optimizers`` runs.
         tokenizer: kept for checkpoints (saved into ``model/``) and generation.
     """
 
     def __init__(self, model: torch.nn.Module, lr: float = 1e-4, weight_decay: float = 0.0,
-                 betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 0, total_steps: int = 100,
+                 betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 0, total_steps: int | None = None,
                  tokenizer: Any = None) -> None:
         super().__init__()
         self.model = model
@@ -65,12 +67,25 @@ class CausalLMModule(pl.LightningModule):
         with torch.inference_mode(False):
             self.val_ppl.reset()
 
+    def _total_steps(self) -> int:
+        """The schedule's length in optimizer steps (``total_steps``, else the Trainer's estimate).
+
+        Raises:
+            ValueError: neither is finite (``max_steps=-1`` and ``max_epochs=-1``)."""
+        if self.total_steps is not None and self.total_steps > 0:
+            return int(self.total_steps)
+        est = self.trainer.estimated_stepping_batches
+        if not math.isfinite(est):
+            raise ValueError("CausalLMModule: the learning-rate schedule needs a length: set total_steps, "
+                             "trainer.max_steps or trainer.max_epochs (both are unlimited now).")
+        return max(1, int(est))
+
     def configure_optimizers(self) -> Any:
         decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim >= 2]
         no_decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim < 2]
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": self.weight_decay},
                                  {"params": no_decay, "weight_decay": 0.0}], lr=self.lr, betas=self.betas)
-        warm, total = max(0, self.warmup_steps), max(1, self.total_steps)
+        warm, total = max(0, self.warmup_steps), self._total_steps()
 
         def factor(step: int) -> float:
             if step < warm:

@@ -21,11 +21,13 @@ def format_table(rows: Sequence[tuple[str, str, str]], header: tuple[str, str, s
 
 
 def summary_rows(before: dict[str, float], after: dict[str, float], run: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """Rows: every metric present before and after (perplexities, probes), then run statistics
-    (``run`` keys: tokens_per_s, peak_rss_bytes, h2d_bytes, d2h_bytes, steps, seconds)."""
+    """Rows: every metric measured before or after (perplexities, probes; an empty cell where it was not, e.g.
+    the "before" column with ``eval.before=false``), then run statistics (``run`` keys: tokens_per_s,
+    peak_rss_bytes, h2d_bytes, d2h_bytes, steps, seconds)."""
     rows = []
-    for k in sorted(set(before) & set(after)):
-        rows.append((k, f"{before[k]:.4f}", f"{after[k]:.4f}"))
+    cell = lambda d, k: f"{d[k]:.4f}" if k in d else ""  # noqa: E731
+    for k in sorted(set(before) | set(after)):
+        rows.append((k, cell(before, k), cell(after, k)))
     gib = 2**30
     extra = [
         ("optimizer steps", f"{run.get('steps', 0)}"),

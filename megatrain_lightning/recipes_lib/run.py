@@ -42,9 +42,15 @@ def run_preflight(cfg: DictConfig) -> None:
     """
     devices = cfg.trainer.get("devices", 1)
     devices = len(devices) if OmegaConf.is_list(devices) else devices if isinstance(devices, int) else 1  # "auto": 1
-    p = plan_for_run(cfg.model, cfg.hardware, cfg.strategy, batch_size=int(cfg.data.batch_size),
-                     seq_len=int(cfg.data.seq_len), precision=str(cfg.trainer.precision), devices=devices,
-                     num_nodes=int(cfg.trainer.get("num_nodes", 1) or 1))
+    try:
+        p = plan_for_run(cfg.model, cfg.hardware, cfg.strategy, batch_size=int(cfg.data.batch_size),
+                         seq_len=int(cfg.data.seq_len), precision=str(cfg.trainer.precision), devices=devices,
+                         num_nodes=int(cfg.trainer.get("num_nodes", 1) or 1))
+    except PreflightError:
+        raise
+    except (ValueError, TypeError) as e:  # a setting the planner cannot take (precision=fp16, ...)
+        raise ConfigError("preflight", f"{e} (the planner checks the model, hardware, strategy and trainer "
+                          "settings; preflight=false skips it)") from None
     nvme = cfg.strategy.get("nvme_path")
     disk = Path(nvme) if nvme and Path(nvme).is_dir() else Path(cfg.output_dir).absolute()
     while not disk.exists():  # the run directory is made later: measure the disk it will be on
@@ -99,8 +105,11 @@ def build_data(cfg: DictConfig, tokenizer: Any) -> Any:
 
 
 def build_module(cfg: DictConfig, model: torch.nn.Module, tokenizer: Any) -> CausalLMModule:
-    """The LightningModule (``cfg.optim``: learning rate, betas, weight decay, warm-up)."""
-    return CausalLMModule(model, tokenizer=tokenizer, total_steps=int(cfg.trainer.max_steps),
+    """The LightningModule (``cfg.optim``: learning rate, betas, weight decay, warm-up). The cosine
+    schedule spans ``trainer.max_steps``, or with ``max_steps=-1`` the steps Lightning estimates for
+    ``trainer.max_epochs``."""
+    steps = int(cfg.trainer.max_steps)
+    return CausalLMModule(model, tokenizer=tokenizer, total_steps=steps if steps > 0 else None,
                           **OmegaConf.to_container(cfg.optim, resolve=True))
 
 
@@ -272,8 +281,7 @@ def report(cfg: DictConfig, trainer: pl.Trainer, before: dict[str, float], after
     if not trainer.is_global_zero:  # data parallel: rank 0 writes and prints the results
         return summary
     paths = write_results(Path(cfg.output_dir), summary, plot=bool(cfg.plot))
-    shown_before = before or {k: float("nan") for k in after}
-    print("\n" + format_table(summary_rows(shown_before, after, run)))
+    print("\n" + format_table(summary_rows(before or {}, after, run)))
     if ckpt:
         print(f"\nHF checkpoint: {ckpt / 'model'}")
     print(f"results: {', '.join(str(p) for p in paths.values())}")

@@ -40,6 +40,7 @@ import os
 import shutil
 import threading
 import time
+import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -198,6 +199,9 @@ class NVMeConfig:
             ValueError: an unknown tier, ``nvme`` without ``nvme_path`` (or with ``MEGATRAIN_NVME_PATH``
                 unset for ``strategy="megatrain_nvme"``), a bad ``host_memory_limit``, or bad I/O settings;
                 each message names the option.
+
+        Warns:
+            UserWarning: ``nvme_path`` or ``host_memory_limit`` given while nothing is offloaded to NVMe.
         """
         for name, v in (("offload_params", offload_params), ("offload_optimizer", offload_optimizer)):
             if v not in ("cpu", "nvme"):
@@ -207,7 +211,18 @@ class NVMeConfig:
             kinds.add(Region.master)
         if offload_optimizer == "nvme":
             kinds |= {"exp_avg", Region.exp_avg_sq, Region.grad_accum}
+        for name, v, low in (("nvme_io_threads", io_threads, 1), ("nvme_read_ahead", read_ahead, 0)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {v!r}.")
+        if direct_io not in ("auto", True, False):
+            raise ValueError(f"direct_io must be 'auto', True or False, got {direct_io!r}.")
         if not kinds:
+            given = [k for k, v in (("nvme_path", nvme_path), ("host_memory_limit", host_memory_limit)) if v is not None]
+            if given:
+                warnings.warn(f"megatrain: {' and '.join(given)} given but nothing is offloaded to NVMe, so "
+                              f"{'it has' if len(given) == 1 else 'they have'} no effect: everything stays in host RAM. "
+                              "Set offload_params='nvme' and/or offload_optimizer='nvme' (or use "
+                              "strategy='megatrain_nvme') to use the NVMe tier.", UserWarning, stacklevel=3)
             return None
         if nvme_path == NVME_PATH_FROM_ENV:
             nvme_path = os.environ.get("MEGATRAIN_NVME_PATH")
@@ -222,11 +237,6 @@ class NVMeConfig:
             raise ValueError("offload_params/offload_optimizer='nvme' needs nvme_path= (a directory on a fast local disk).")
         if host_memory_limit is None:
             host_memory_limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
-        for name, v, low in (("nvme_io_threads", io_threads, 1), ("nvme_read_ahead", read_ahead, 0)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {v!r}.")
-        if direct_io not in ("auto", True, False):
-            raise ValueError(f"direct_io must be 'auto', True or False, got {direct_io!r}.")
         limit, block = _size("host_memory_limit", host_memory_limit), _size("nvme_io_block_size", io_block_size)
         if block % ALIGN:
             raise ValueError(f"nvme_io_block_size must be a multiple of {ALIGN} bytes (O_DIRECT alignment), got {block}; "
