@@ -15,6 +15,8 @@ steadier comparison.)
 Run:
     python bench/compare_commits.py 717e6fa                     # the commit before the engine split
     python bench/compare_commits.py REF --rounds 3 -- --layers 8 --seq 256 --steps 3 --warmup 1
+    python bench/compare_commits.py c95ac1e --out bench/results/compare_commits_copy.json -- --configs baseline,copy
+                                          # the second row compared (here cpu_zero_copy=False)
 Writes bench/results/compare_commits.json (REF, per-round ratios and step medians, verdict).
 """
 
@@ -61,10 +63,11 @@ def main() -> int:
                     res = run_overhead(tree, args.overhead_args, Path(tmp) / f"{name}{r}.json")
                     rows[name].append(res)
                     steps = ", ".join(f"{row['name']}: {row['median_s']:.3f} s" for row in res["rows"])
-                    print(f"round {r} {name}: ratio {res['ratio']:.3f} ({steps}; reliable: {res['reliable']})", flush=True)
+                    print(f"round {r} {name}: ratio {res['rows'][1]['ratio']:.3f} ({steps}; reliable: {res['reliable']})",
+                          flush=True)
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)], check=False)
-    ratio = {k: [r["ratio"] for r in v] for k, v in rows.items()}
+    ratio = {k: [r["rows"][1]["ratio"] for r in v] for k, v in rows.items()}  # the compared row / the baseline
     med = {k: statistics.median(v) for k, v in ratio.items()}
     step_runs = {k: [r["rows"][1]["median_s"] for r in v] for k, v in rows.items()}
     step = {k: statistics.median(v) for k, v in step_runs.items()}
