@@ -118,9 +118,9 @@ def test_schedule_serves_consecutive_members_and_refetches_a_repeated_one():
     assert s.run_at(seq, 1) == (1, 2)
     assert s.run_at(seq, 4) == (2, 1)
     assert s.run_at(seq, 6) == (1, 2)  # 1 again: a new fetch
-    assert s.upcoming(seq, 0, set(), 2) == [(1, 2), (3,)]
-    assert s.upcoming(seq, 1, {2}, 3) == [(3,), (2, 1), (1, 2)]
-    assert s.upcoming([1, 2, 1, 2], 0, {2}, 1) == [(1, 2)]  # a member used once is not served twice
+    assert list(s.iter_upcoming(seq, 0, set())) == [(1, 2), (3,), (2, 1), (1, 2), (0,)]
+    assert list(s.iter_upcoming(seq, 1, {2})) == [(3,), (2, 1), (1, 2), (0,)]  # 2: served by the open fetch
+    assert list(s.iter_upcoming([1, 2, 1, 2], 0, {2})) == [(1, 2)]  # a member used once is not served twice
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, "2", True])

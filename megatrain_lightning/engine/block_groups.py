@@ -92,28 +92,16 @@ class GroupSchedule:
             out.append(bi)
         return tuple(out)
 
-    def upcoming(self, seq: Sequence[int], pos: int, left: set[int], n: int) -> list[tuple[int, ...]]:
-        """The next ``n`` distinct fetches of ``seq`` after position ``pos``, each the tuple of blocks it
-        serves (:meth:`run_at`).
+    def iter_upcoming(self, seq: Sequence[int], pos: int, left: set[int]) -> Iterator[tuple[int, ...]]:
+        """The fetches of ``seq`` after position ``pos``, in order, lazily, each the tuple of blocks it
+        serves (:meth:`run_at`); a run fetched twice (a recompute chain) comes at each of its positions.
 
         Args:
             seq: the fetch sequence (block indices).
             pos: position of the fetch being served now.
             left: the members of the current fetch not used yet (they come next in ``seq``, served
                 without a new fetch).
-            n: how many fetches to return (the prefetch ``lookahead``).
         """
-        want: list[tuple[int, ...]] = []
-        for run in self.iter_upcoming(seq, pos, left):
-            if len(want) == n:
-                break
-            if run not in want:
-                want.append(run)
-        return want
-
-    def iter_upcoming(self, seq: Sequence[int], pos: int, left: set[int]) -> Iterator[tuple[int, ...]]:
-        """The fetches of ``seq`` after position ``pos``, in order, lazily, a run fetched twice (a
-        recompute chain) at each of its positions (arguments as in :meth:`upcoming`)."""
         left, p = set(left), pos + 1
         while p < len(seq) and seq[p] in left:
             left.discard(seq[p])

@@ -36,7 +36,8 @@ class BufferPool:
     """
 
     def __init__(self):
-        self._free_uses: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, int]]] = {}
+        # (numel, dtype) -> every buffer made, with its storage use count when nothing else refers to it
+        self._bufs: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, int]]] = {}
         self._lock = threading.Lock()
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -44,7 +45,7 @@ class BufferPool:
         pooled one nothing refers to any more, or a new one."""
         key = (numel, dtype)
         with self._lock:
-            bufs = self._free_uses.setdefault(key, [])
+            bufs = self._bufs.setdefault(key, [])
             for base, idle in bufs:
                 if _storage_uses(base) == idle:
                     return base.view(numel)
@@ -56,4 +57,4 @@ class BufferPool:
     def nbytes(self) -> int:
         """Bytes the pool holds (in use or not)."""
         with self._lock:
-            return sum(b.numel() * b.element_size() for bufs in self._free_uses.values() for b, _ in bufs)
+            return sum(b.numel() * b.element_size() for bufs in self._bufs.values() for b, _ in bufs)

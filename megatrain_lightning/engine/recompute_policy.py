@@ -426,13 +426,12 @@ class RecomputePolicy:
     def _decide(self) -> None:
         m = self._measure.blocks  # type: ignore[union-attr]
         budget = self.limit if self.limit is not None else default_activation_limit(self.device)
-        inputs = self.meter.peak  # the measured forward kept block inputs only
+        inputs = self.meter.peak  # the measured forward kept block inputs (and the embedding's indices) only
         if budget < inputs:
             log.warning("megatrain: recompute='auto': activation_memory_limit %s is below what the block inputs "
                         "alone keep (%s), which no policy drops: every block recomputes whole (as 'block'). Raise "
                         "the limit, or keep fewer inputs on the device (offload_activations=True, recompute_every=K).",
-                        fmt_bytes(budget),
-                        fmt_bytes(inputs))
+                        fmt_bytes(budget), fmt_bytes(inputs))
         self.choice = decide(m, max(budget - inputs, 0))
         counts = {k: sum(v == k for v in self.choice.values()) for k in ("none", "selective", "block")}
         kept = sum(m[b][c] for b, c in self.choice.items() if c != "block")

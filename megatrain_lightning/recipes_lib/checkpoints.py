@@ -19,16 +19,11 @@ CHECKPOINT_MARK = "megatrain.json"  # every directory checkpoint has it
 
 
 def checkpoint_callback(cfg: Any) -> Any:
-    """A ``ModelCheckpoint`` saving ``last.ckpt`` every ``checkpoint.every_n_steps`` steps, or ``None`` when unset.
-
-    Raises:
-        ConfigError: ``checkpoint.every_n_steps`` is not a positive integer.
-    """
+    """A ``ModelCheckpoint`` saving ``last.ckpt`` every ``checkpoint.every_n_steps`` steps, or ``None`` when unset
+    (the value was checked at preflight: :func:`~.checks.check_values`)."""
     n = cfg.checkpoint.get("every_n_steps")
     if n is None:
         return None
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ConfigError("checkpoint.every_n_steps", f"must be a positive integer or null, got {n!r}.")
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     return ModelCheckpoint(dirpath=Path(cfg.output_dir) / "checkpoints", every_n_train_steps=n, save_top_k=0,

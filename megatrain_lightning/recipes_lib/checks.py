@@ -216,8 +216,9 @@ def check_environment(cfg: Mapping[str, Any]) -> None:
 
 
 def _int(key: str, value: Any, low: int, what: str, extra: tuple = ()) -> None:
-    ok = value in extra or (isinstance(value, int) and not isinstance(value, bool) and value >= low)
-    if not ok:
+    """Raise ``ConfigError(key, ...)`` unless ``value`` is an int >= ``low`` or one of ``extra`` (-1, None)."""
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if not ((is_int and (value >= low or value in extra)) or (value is None and None in extra)):
         raise ConfigError(key, f"must be {what}; got {value!r}.")
 
 

@@ -108,8 +108,7 @@ def build_module(cfg: DictConfig, model: torch.nn.Module, tokenizer: Any) -> Cau
     """The LightningModule (``cfg.optim``: learning rate, betas, weight decay, warm-up). The cosine
     schedule spans ``trainer.max_steps``, or with ``max_steps=-1`` the steps Lightning estimates for
     ``trainer.max_epochs``."""
-    steps = int(cfg.trainer.max_steps)
-    return CausalLMModule(model, tokenizer=tokenizer, total_steps=steps if steps > 0 else None,
+    return CausalLMModule(model, tokenizer=tokenizer, total_steps=int(cfg.trainer.max_steps),  # -1: estimated
                           **OmegaConf.to_container(cfg.optim, resolve=True))
 
 
