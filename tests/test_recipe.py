@@ -138,6 +138,7 @@ def test_refuses_bad_values_before_the_build_naming_the_key(tmp_path, no_build):
     refused(tmp_path, "optim.warmup_steps=-2", key="optim.warmup_steps")
     refused(tmp_path, "checkpoint.every_n_steps=0", key="checkpoint.every_n_steps")
     refused(tmp_path, "sample.max_new_tokens=-1", key="sample.max_new_tokens")
+    refused(tmp_path, "eval.max_batches=0", key="eval.max_batches", match="eval.before=false")
     refused(tmp_path, "strategy.lookahead=-1", key="strategy", match="strategy.lookahead")
     refused(tmp_path, "strategy.lookahead=abc", key="strategy", match="lookahead must be an int")
     refused(tmp_path, "strategy.recompute=selctive", key="strategy", match="'selctive' is not a recompute policy")
@@ -210,6 +211,7 @@ def test_refuses_missing_logger_package_and_resume(tmp_path, no_build, monkeypat
     monkeypatch.setattr(importlib.util, "find_spec", real_find_spec)
     refused(tmp_path, "logger=comet", key="logger", match="unknown logger")
     refused(tmp_path, "logger=[csv,comet]", key="logger", match="unknown logger .comet.")
+    refused(tmp_path, "logger=[csv,csv]", key="logger", match="more than once")
     refused(tmp_path, "resume=last", f"checkpoint.search_dir={tmp_path}", key="resume", match="found no last.ckpt")
     refused(tmp_path, f"resume={tmp_path}", key="resume", match="not a checkpoint directory")
 

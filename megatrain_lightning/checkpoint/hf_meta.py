@@ -146,6 +146,11 @@ def meta_model_from_pretrained(path_or_id: str | os.PathLike, *, trust_remote_co
     buffers (rotary ``inv_freq``, embedding scales) are built on the CPU by the modules' own
     ``__init__``, as small as they are.
 
+    Only ``strategy="megatrain"`` / ``"megatrain_nvme"`` can train or run such a model (their setup loads
+    the weights from the checkpoint into the host store); any other strategy moves the module to its
+    device and torch refuses ("Cannot copy out of meta tensor"): for those, load the model with
+    ``AutoModelForCausalLM.from_pretrained``.
+
     Args:
         path_or_id: a local model directory (config.json + model.safetensors or a sharded index),
             or a Hugging Face Hub id (fetched with ``huggingface_hub.snapshot_download``, json,

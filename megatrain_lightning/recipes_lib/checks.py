@@ -203,7 +203,12 @@ def check_environment(cfg: Mapping[str, Any]) -> None:
             raise ConfigError("strategy.nvme_path", f"{path} (from {src}) is not an existing directory; create it or "
                                                     "set strategy.nvme_path= / MEGATRAIN_NVME_PATH to one.")
     loggers = cfg.get("logger")
-    for logger in [loggers] if isinstance(loggers, str) else list(loggers or []):
+    names = [loggers] if isinstance(loggers, str) else list(loggers or [])
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError("logger", f"{twice} listed more than once: each logger writes its own files under "
+                                    "output_dir, so two of one kind would write the same files; list each once.")
+    for logger in names:
         if logger not in LOGGERS:
             raise ConfigError("logger", f"unknown logger {logger!r}; choose from {sorted(LOGGERS)} (or a list of them).")
         pkgs = LOGGERS[logger]
@@ -242,6 +247,8 @@ def check_values(cfg: Mapping[str, Any]) -> None:
     _int("optim.warmup_steps", (cfg.get("optim") or {}).get("warmup_steps", 0), 0, "an int >= 0 (optimizer steps)")
     _int("checkpoint.every_n_steps", (cfg.get("checkpoint") or {}).get("every_n_steps"), 1,
          "a positive int (optimizer steps) or null (no periodic checkpoint)", extra=(None,))
+    _int("eval.max_batches", (cfg.get("eval") or {}).get("max_batches"), 1, "a positive int (validation batches "
+         "per evaluation) or null (trainer.limit_val_batches); to skip an evaluation set eval.before=false", extra=(None,))
     _int("sample.max_new_tokens", (cfg.get("sample") or {}).get("max_new_tokens", 0), 0, "an int >= 0 (tokens)")
     strategy = cfg.get("strategy") or {}
     if strategy.get("_target_"):
