@@ -118,8 +118,8 @@ def test_preflight_refuses_recompute_none_that_does_not_fit_and_names_the_option
 @pytest.mark.parametrize("arch", ["llama", "llama_tied"])
 @pytest.mark.parametrize("mode", ["block", "selective", "none"])
 def test_weight_bytes_moved_per_step_match_the_engine(mode, arch):
-    """The planner's H2D bytes per step (``moved["h2d"]``) equal the engine's measured
-    ``megatrain/h2d_bytes`` when every block is copied (``cpu_zero_copy=False``, fp32): forward fetches
+    """The planner's H2D and D2H bytes per step (``moved``) equal the engine's measured
+    ``megatrain/h2d_bytes`` / ``d2h_bytes`` when every block is copied (``cpu_zero_copy=False``, fp32): forward fetches
     every block, backward every block but the last (its graph is kept); with ``"none"`` the embedding's
     backward fetches nothing either (its graph keeps only the token indices). From step 2 on: the first
     step does not know yet which block is last (it recomputes it), and its backward's schedule must not
@@ -129,7 +129,9 @@ def test_weight_bytes_moved_per_step_match_the_engine(mode, arch):
                          max_steps=3, precision="32-true", enable_checkpointing=False, logger=False,
                          enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(LM(model), learnable_data(n=3 * BATCH, seq=16, batch_size=BATCH))
-    measured = [h["megatrain/h2d_bytes"] for h in trainer.strategy.engine.history]
-    planned = plan(model, load_hardware("this_machine"), batch_size=BATCH, seq_len=16, precision="32-true",
-                   recompute=mode, cpu_zero_copy=False).moved["h2d"]
-    assert measured[1:] == [planned, planned]
+    hist = trainer.strategy.engine.history
+    moved = plan(model, load_hardware("this_machine"), batch_size=BATCH, seq_len=16, precision="32-true",
+                 recompute=mode, cpu_zero_copy=False).moved
+    assert [h["megatrain/h2d_bytes"] for h in hist][1:] == [moved["h2d"]] * 2
+    # D2H: every gradient once, the embedding's as the rows its tokens read (engine/row_grads.py)
+    assert [h["megatrain/d2h_bytes"] for h in hist] == [moved["d2h"]] * 3

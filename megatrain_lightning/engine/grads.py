@@ -28,6 +28,7 @@ from .accounting import ByteAccounting
 from .shared_grads import SharedGradSums
 from .threads import worker_initializer
 from .reduce import GradReducer
+from .row_grads import RowGrad, to_wire
 from .transport import GradCopy
 
 
@@ -121,20 +122,26 @@ class GradientSink:
     def send(self, refs: Sequence, grads: Sequence[torch.Tensor | None], reserved: int = 0) -> None:
         """Queue gradients (``grads[i]`` of parameter ``refs[i]``, device tensors of its shape, or
         ``None``) for the D2H worker. ``reserved``: bytes already counted for them (before autograd
-        allocated them), exchanged here for the bytes of their wire copies."""
-        by_slab: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        allocated them), exchanged here for the bytes of their wire copies. A sparse COO gradient (an
+        embedding's, :mod:`.row_grads`) crosses as its rows and row ids; with a reducer it is made dense."""
+        by_slab: dict[int, list[tuple[int, list[torch.Tensor]]]] = {}
         red = self.reducer
+        wire = self.wire_dtype
         for ref, g in zip(refs, grads):
+            if g is not None and g.is_sparse:
+                if red is None:
+                    by_slab.setdefault(ref.slab, []).append((ref.index, to_wire(g, wire)))
+                    continue
+                g = g.to_dense()
             if g is not None or red is not None:
-                by_slab.setdefault(ref.slab, []).append((ref.index, g))
+                by_slab.setdefault(ref.slab, []).append((ref.index, [g]))  # type: ignore[list-item]
         if red is not None:  # the same batches on every rank: None -> zeros + a presence flag per gradient
             for si, items in by_slab.items():
                 slab = self.store.slabs[si]
-                packed = red.pack([g for _, g in items], [slab.entries[i].shape for i, _ in items],
+                packed = red.pack([g for _, (g,) in items], [slab.entries[i].shape for i, _ in items],
                                   self.transport.device, self.param_dtype)
-                by_slab[si] = [(i, t) for (i, _), t in zip(items, packed)] + [(-1, packed[-1])]
-        wire = self.wire_dtype
-        total = sum(g.numel() * wire.itemsize for items in by_slab.values() for _, g in items)
+                by_slab[si] = [(i, [t]) for (i, _), t in zip(items, packed)] + [(-1, [packed[-1]])]
+        total = sum(t.numel() * wire.itemsize for items in by_slab.values() for _, ts in items for t in ts)
         if total < reserved:
             self.acct.track(total - reserved)
         final: set[int] = set()
@@ -145,12 +152,12 @@ class GradientSink:
                     if self.sends_left[si] == 0:
                         final.add(si)
         for si, items in by_slab.items():
-            nbytes = sum(g.numel() * wire.itemsize for _, g in items)
+            tensors = [t for _, ts in items for t in ts]
+            nbytes = sum(t.numel() * wire.itemsize for t in tensors)
             take = min(nbytes, reserved)
             reserved -= take
             self._take_slot()  # a staging buffer is free once a slot is
             self.acct.track(nbytes - take)
-            tensors = [g for _, g in items]
             if red is not None and red.device_side:  # NCCL: reduced on the D2H stream before the copy
                 own = self.ownership
                 assert own is not None
@@ -160,11 +167,12 @@ class GradientSink:
             else:
                 copy = self.transport.stage_grads(tensors, wire)  # queued now, overlaps the adds
             idx = [i for i, _ in items]
+            parts = [len(ts) for _, ts in items]
             moved = nbytes
             if red is not None and red.device_side and not self.ownership.owns(si):  # type: ignore[union-attr]
                 moved = tensors[-1].numel() * wire.itemsize  # only the presence flags cross
             self.acct.add(d2h_bytes=moved)
-            self._futures.append(self._pool.submit(self._accumulate, si, idx, copy, nbytes, si in final))
+            self._futures.append(self._pool.submit(self._accumulate, si, idx, copy, nbytes, si in final, parts))
         for si in final - set(by_slab):  # its last batch had no gradient: the update still runs, in order
             self._take_slot()
             self._futures.append(self._pool.submit(self._update_now, si, True))
@@ -193,11 +201,13 @@ class GradientSink:
             if slot:
                 self._give_slot()
 
-    def _accumulate(self, si: int, idx: list[int], copy: GradCopy, nbytes: int, final: bool = False) -> None:
+    def _accumulate(self, si: int, idx: list[int], copy: GradCopy, nbytes: int, final: bool = False,
+                    parts: list[int] | None = None) -> None:
         """D2H worker: wait for one batch of slab ``si``'s gradients to reach the host, add them into
         its fp32 accumulator, free the staging buffer and the slot (the compute thread may queue the
         next copy), then (``final``: the slab's last batch of the step under ``optimizer_in_backward``)
-        apply its update.
+        apply its update. ``parts``: host tensors per gradient (2: an embedding's rows and row ids,
+        :class:`~.row_grads.RowGrad`; default 1 each).
 
         The final batch is consumed by the update while the accumulator is still pinned, so that
         accumulator is never marked for write-back: with ``offload_optimizer="nvme"`` it never
@@ -215,6 +225,8 @@ class GradientSink:
         try:
             t0 = time.perf_counter()
             host_grads = copy.wait()  # outside the slab's lock: the copy needs nothing of the slab
+            if parts is not None and any(n != 1 for n in parts):
+                host_grads = self._regroup(slab, idx, host_grads, parts)
             self.acct.add(d2h_copy_wait_s=time.perf_counter() - t0, d2h_busy_s=copy.busy_s)
             red, own = self.reducer, self.ownership
             if red is not None:  # averaged over the ranks onto the owner (gloo: here, on the worker; NCCL: already)
@@ -229,7 +241,7 @@ class GradientSink:
                 with slab.lock:
                     slab.start_window()
                     for i in idx:
-                        slab.has_grad[i] = True
+                        slab.got_grad(i)
                     release()
                     slab.filled()
                 if final:
@@ -254,6 +266,14 @@ class GradientSink:
                     self.store.discard_grad_accum(si)  # consumed: free its window buffer now
         finally:
             release()
+
+    @staticmethod
+    def _regroup(slab, idx: list[int], host: list[torch.Tensor], parts: list[int]) -> list:
+        """One gradient per entry of ``idx``: a host tensor, or a :class:`~.row_grads.RowGrad` from two."""
+        out, it = [], iter(host)
+        for i, n in zip(idx, parts):
+            out.append(next(it) if n == 1 else RowGrad([next(it) for _ in range(n)], slab.entries[i].shape))
+        return out
 
     # ------------------------------------------------------------------ the step's view
     def wait(self) -> None:

@@ -34,14 +34,12 @@ from .grads import GradientSink
 from .chunked_mlp import plain_chunks
 from .offload import ActivationOffload, next_offloaded
 from .recompute_policy import RecomputePolicy, is_lookup
+from .row_grads import dense, lookup_context
 
 
 def _autocast_state(device_type: str) -> tuple:
-    return (
-        torch.is_autocast_enabled(device_type),
-        torch.get_autocast_dtype(device_type),
-        torch.is_autocast_cache_enabled(),
-    )
+    return (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type),
+            torch.is_autocast_cache_enabled())
 
 
 class _BlockFunction(torch.autograd.Function):
@@ -191,11 +189,11 @@ class Recompute:
     def _run_kept(self, call: BlockCall, tensors: Sequence[torch.Tensor], hooks: GraphHooks | None = None) -> Any:
         """Run a training call with autograd and keep its graph for its backward (no recompute).
 
-        Without ``hooks``: the last block of a training forward. Its backward comes first, right after
-        the loss, so recomputing it would redo its forward (for an LM head: the B x T x V logits matmul)
-        and fetch its weights again; instead its weights stay on the device until its backward.
+        Without ``hooks``: the last block of a training forward, whose backward comes right after the loss:
+        its weights stay on the device until then (no second fetch, no second B x T x V logits matmul).
         With ``hooks`` (``recompute="none"``, :mod:`.block_graph`): the graph keeps every saved tensor
-        but the block's weights; the buffers are released now and fetched again for the backward."""
+        but the block's weights; the buffers are released now and fetched again for the backward. An
+        embedding's gradient then goes to the host as the rows its tokens read (:mod:`.row_grads`)."""
         blk = call.block
         bufs = self._acquire(blk, backward=False, training=True)
         leaves = self._grad_leaves(call.refs, bufs)
@@ -209,7 +207,8 @@ class Recompute:
             binding, casts = self._autocast_copies(blk, bufs, leaves, call.autocast[1])
         t0 = time.perf_counter()
         try:
-            with torch.enable_grad(), self._bind(blk, bufs, binding), \
+            rows = lookup_context(blk.module, inputs, self.grads.wire_dtype, not hooks or self.grads.reducer is not None)
+            with torch.enable_grad(), self._bind(blk, bufs, binding), rows, \
                     hooks.capture(bufs, casts) if hooks else contextlib.nullcontext(), \
                     plain_chunks() if hooks else contextlib.nullcontext():
                 out = call.forward(*args, **kwargs)
@@ -362,8 +361,8 @@ class Recompute:
         grads_of = dict(zip((id(r) for r in leaf_refs), grads[len(in_targets) :]))
         sent = [r for r, u in zip(refs, use) if u == "accumulate"]
         self.grads.send(sent, [grads_of[id(r)] for r in sent], reserved=pre)
-        out_params = [grads_of[id(r)].to(r.param.device) if u == "capture" and grads_of[id(r)] is not None else None
-                      for r, u in zip(refs, use)]
+        out_params = [dense(grads_of[id(r)]).to(r.param.device) if u == "capture" and grads_of[id(r)] is not None
+                      else None for r, u in zip(refs, use)]
         self._done_backward(call, keep_graph)
         it = iter(grads[: len(in_targets)])
         return [next(it) if need else None for need in needs], out_params

@@ -22,6 +22,15 @@ from typing import Iterable
 import torch
 
 from ..store.host import Slab
+from .row_grads import RowGrad
+
+
+def _copy(dst: torch.Tensor, g: "torch.Tensor | RowGrad") -> None:
+    g.copy_to(dst) if isinstance(g, RowGrad) else dst.copy_(g)
+
+
+def _add(dst: torch.Tensor, g: "torch.Tensor | RowGrad") -> None:
+    g.add_to(dst) if isinstance(g, RowGrad) else dst.add_(g)
 
 
 class SharedGradSums:
@@ -50,22 +59,25 @@ class SharedGradSums:
                 where[id(ref.param)] = (ref.slab, ref.index)
         return cls([where[p] for p, b in users.items() if len(b) > 1], enabled)
 
-    def add(self, slab: Slab, i: int, acc: torch.Tensor, g: torch.Tensor) -> None:
+    def add(self, slab: Slab, i: int, acc: torch.Tensor, g: "torch.Tensor | RowGrad") -> None:
         """Add gradient ``g`` of entry ``i`` into its accumulator view ``acc`` (or into this backward's sum).
 
-        Sets ``slab.has_grad[i]`` as a plain add does (the first gradient of the window is copied)."""
+        Sets ``slab.has_grad[i]`` as a plain add does (the first gradient of the window is copied). ``g``
+        is a host tensor of the entry's shape or an embedding's :class:`~.row_grads.RowGrad` (its rows only)."""
         k = (slab.index, i)
         if k in self.open:
             part = self.open[k]
-            (acc if part is None else part).add_(g)
+            _add(acc if part is None else part, g)
         elif not slab.has_grad[i]:
-            slab.add_grad(i, acc, g)  # the window's first gradient: copied
+            _copy(acc, g)  # the window's first gradient: copied
+            slab.got_grad(i)
             if k in self.shared:
                 self.open[k] = None
         elif k in self.shared:
-            self.open[k] = torch.empty(g.shape, dtype=torch.float32).copy_(g)
+            self.open[k] = torch.empty(g.shape, dtype=torch.float32)
+            _copy(self.open[k], g)
         else:
-            slab.add_grad(i, acc, g)
+            _add(acc, g)
 
     def close_slab(self, slab: Slab) -> None:
         """The backward is over for ``slab``: add each separate sum into its accumulator."""

@@ -54,7 +54,9 @@ Per optimizer step (one micro-batch of ``batch_size`` x ``seq_len`` tokens):
   with ``recompute_every=K`` the recompute chains fetch (K-1)/K of the layers once more;
   offloaded activations come back in backward.
 * D2H = (params read by all blocks) x gradient bytes (fp32 by default, bf16 for
-  ``bf16-true`` or ``grad_dtype``), plus offloaded activations in forward.
+  ``bf16-true`` or ``grad_dtype``), plus offloaded activations in forward; the input
+  embedding's gradient counts as the rows its tokens read, B x T x (H x gradient bytes + 8),
+  when that is less than its V x H table (engine/row_grads.py; data parallel: dense).
 * NVMe (when offloaded): moments read 8 B/param + written 8; masters read 4 (the update is
   fused with the forward fetch) + 4 again for the backward fetch (cast to the wire image on the
   host), written 4; gradient accumulators written 4 + read 4.
@@ -325,7 +327,10 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     h2d_b = layer_wire + norm_wire + chain_wire + (act_io if gpu else 0)  # CPU: an offloaded input is used in place
     if no_copy:                                # CPU device bound to the fp32 masters: nothing copied
         h2d_f = h2d_b = 0
-    d2h = reads * grad_b + act_io
+    # the input embedding's gradient crosses as the rows its B x T tokens read (8-byte row id each) when that
+    # is smaller than the table (engine/row_grads.py ``use_row_grads``)
+    table = c.vocab_size * c.hidden_size if c.embedding >= c.vocab_size * c.hidden_size else 0
+    d2h = (reads - table) * grad_b + min(table * grad_b, B * T * (c.hidden_size * grad_b + 8)) + act_io
     nv_r = nv_w = 0
     if s["offload_params"] == "nvme":
         nv_r += 4 * N + 4 * (reads_b + chain)  # the backward fetch reads the fp32 master again and casts it

@@ -118,15 +118,9 @@ class Slab:
         if self.grad_accum_empty:
             self.has_grad = [False] * len(self.entries)
 
-    def add_grad(self, i: int, acc: torch.Tensor, g: torch.Tensor) -> None:
-        """Add gradient ``g`` (fp32, entry ``i``'s shape) into ``acc``, entry ``i``'s view of the
-        accumulator: copied if it is the window's first gradient of the entry, else added, as
-        ``param.grad`` accumulates."""
-        if self.has_grad[i]:
-            acc.add_(g)
-        else:
-            acc.copy_(g)
-            self.has_grad[i] = True
+    def got_grad(self, i: int) -> None:
+        """Entry ``i`` got a gradient in the current window (the next one is added, not copied)."""
+        self.has_grad[i] = True
 
     def filled(self) -> None:
         """The accumulator now holds gradients of the current window."""
