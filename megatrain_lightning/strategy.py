@@ -378,6 +378,7 @@ class MegaTrainStrategy(ParallelStrategy):
             self.engine = None
         if self.engine is None:
             _refuse_placeholders(module)
+            _refuse_compiled(module)
             if self.groups is not None and (self.nvme.kinds if self.nvme is not None else ()):
                 raise NotImplementedError(
                     "megatrain: offload_params/offload_optimizer='nvme' runs in one process for now; with "
@@ -717,3 +718,24 @@ def _refuse_placeholders(module: torch.nn.Module) -> None:
                 "or load them again: from a checkpoint saved before the close (fit(module, ckpt_path=...)) or "
                 "from_pretrained on its model/ folder."
             )
+
+
+def _refuse_compiled(module: torch.nn.Module) -> None:
+    """Raise if a submodule was compiled: ``torch.compile(m)`` (an ``OptimizedModule``) or ``m.compile()``.
+
+    The engine replaces each block's forward to stream its weights; a compiled module traces into that
+    code, where Dynamo fails with an internal error in the first step (whole model) or graph-breaks and
+    falls back to eager after its recompile limit (one block). (``torch.compile`` of the LightningModule
+    itself is refused by Lightning before this.)
+
+    Raises:
+        RuntimeError: naming the compiled submodule and what to change.
+    """
+    for name, m in module.named_modules():
+        # nn.Module.compile() keeps the class and stores the compiled call here (torch has no public query)
+        if isinstance(m, torch._dynamo.eval_frame.OptimizedModule) or getattr(m, "_compiled_call_impl", None):
+            raise RuntimeError(
+                f"megatrain: submodule {name or '(the LightningModule)'} ({type(m).__name__}) is compiled "
+                "(torch.compile(...) or .compile()), which strategy='megatrain' does not support: the engine "
+                "streams each block's weights through its own forward code, which Dynamo cannot trace. Pass the "
+                "uncompiled module (self.model = model instead of torch.compile(model); no model.compile() call).")
