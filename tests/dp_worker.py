@@ -70,6 +70,8 @@ def main() -> None:
     ap.add_argument("--resumable", action="store_true", help="megatrain_lightning.data.ResumableDataLoader (shuffled)")
     ap.add_argument("--total-steps", type=int, default=None, help="the cosine schedule's T_max (default --steps)")
     ap.add_argument("--save", default=None, help="trainer.save_checkpoint(SAVE) after fit")
+    ap.add_argument("--save-on-rank0-only", action="store_true",
+                    help="--save under `if trainer.is_global_zero` (a common mistake: the save is collective)")
     ap.add_argument("--resume", default=None, help="fit(ckpt_path=RESUME)")
     ap.add_argument("--optimizer-in-backward", action="store_true")
     ap.add_argument("--nvme", default=None, help="offload_params/offload_optimizer='nvme' under this path")
@@ -122,7 +124,7 @@ def main() -> None:
         loader = DataLoader(ds, batch_size=args.batch,
                             sampler=DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0))
     trainer.fit(lm, loader, ckpt_path=args.resume)
-    if args.save:
+    if args.save and (trainer.is_global_zero or not args.save_on_rank0_only):
         trainer.save_checkpoint(args.save)
     rank = trainer.global_rank
     torch.save(lm.losses, out / f"losses_{rank}.pt")
