@@ -127,6 +127,7 @@ class MegaTrainPrecision(Precision):
         self.skipped_steps = 0
         self.engine = None  # the strategy's engine, from attach_engine()
         self._attached: list[tuple[str, torch.nn.Parameter, torch.Tensor | None]] = []  # param.grad as attached
+        self._world_size = 1
 
     def attach_engine(self, engine: Any, device_type: str) -> None:
         """Use ``engine`` (a ``StreamingEngine``) for the optimizer step, clipping and unscaling, on a
@@ -193,6 +194,7 @@ class MegaTrainPrecision(Precision):
         update is then the one plain PyTorch makes. In-place edits need nothing (the views are the accumulators).
 
         Raises:
+            NotImplementedError: a replaced gradient with several processes (their accumulators are shared per node).
             RuntimeError: a hook set ``param.grad`` to ``None`` where a gradient was attached, or gave a gradient to
                 a parameter that had none (or whose gradients are on NVMe: ``param.grad`` is ``None`` there).
         """
@@ -200,6 +202,11 @@ class MegaTrainPrecision(Precision):
             g = p.grad
             if g is view:
                 continue
+            if self._world_size > 1:
+                raise NotImplementedError(
+                    f"megatrain: a hook replaced {name}.grad; with several processes the gradients are one buffer "
+                    "per node, shared by its processes, and replacing them is not supported yet (each process "
+                    "would write its own result into it). Train in one process, or leave param.grad as it is.")
             if g is None or view is None:
                 raise RuntimeError(
                     f"megatrain: a hook set {name}.grad to {'None' if g is None else 'a tensor'} where the step had "
@@ -239,6 +246,7 @@ class MegaTrainPrecision(Precision):
         closure_result = closure()
         engine.attach_grads()
         self._attached = [(n, p, p.grad) for n, p in model.named_parameters()]
+        self._world_size = model.trainer.world_size
         found_inf = self._unscale_and_check(optimizer) if self.scaling else False
         self._after_closure(model, optimizer)
         self._keep_replaced_grads()  # a configure_gradient_clipping override may replace them too
