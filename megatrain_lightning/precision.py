@@ -250,6 +250,7 @@ class MegaTrainPrecision(Precision):
         found_inf = self._unscale_and_check(optimizer) if self.scaling else False
         self._after_closure(model, optimizer)
         self._keep_replaced_grads()  # a configure_gradient_clipping override may replace them too
+        self._attached = []
         if found_inf:
             engine.skip_step()
         else:
