@@ -126,6 +126,8 @@ class MegaTrainPrecision(Precision):
         self.growth_tracker = 0
         self.skipped_steps = 0
         self.engine = None  # the strategy's engine, from attach_engine()
+        self._attached: list[tuple[str, torch.nn.Parameter, torch.Tensor | None]] = []  # param.grad as attached
+        self._world_size = 1
 
     def attach_engine(self, engine: Any, device_type: str) -> None:
         """Use ``engine`` (a ``StreamingEngine``) for the optimizer step, clipping and unscaling, on a
@@ -180,6 +182,41 @@ class MegaTrainPrecision(Precision):
             return super().clip_grad_by_value(optimizer, clip_val)
         self.engine.optimizer.clip_grad_value(float(clip_val))
 
+    def _clip_gradients(self, model: Any, optimizer: Any, clip_val: Any = None,
+                        gradient_clip_algorithm: Any = None) -> None:
+        """Lightning's clipping step (after the ``on_before_optimizer_step`` hooks), on the gradients the hooks left."""
+        self._keep_replaced_grads()
+        super()._clip_gradients(model, optimizer, clip_val, gradient_clip_algorithm)
+
+    def _keep_replaced_grads(self) -> None:
+        """Copy a ``param.grad`` that a hook replaced by a new tensor (``p.grad = p.grad * 0.5``) into the
+        accumulator it replaced, which is what the host AdamW steps from, and attach the accumulator again: the
+        update is then the one plain PyTorch makes. In-place edits need nothing (the views are the accumulators).
+
+        Raises:
+            NotImplementedError: a replaced gradient with several processes (their accumulators are shared per node).
+            RuntimeError: a hook set ``param.grad`` to ``None`` where a gradient was attached, or gave a gradient to
+                a parameter that had none (or whose gradients are on NVMe: ``param.grad`` is ``None`` there).
+        """
+        for name, p, view in self._attached:
+            g = p.grad
+            if g is view:
+                continue
+            if self._world_size > 1:
+                raise NotImplementedError(
+                    f"megatrain: a hook replaced {name}.grad; with several processes the gradients are one buffer "
+                    "per node, shared by its processes, and replacing them is not supported yet (each process "
+                    "would write its own result into it). Train in one process, or leave param.grad as it is.")
+            if g is None or view is None:
+                raise RuntimeError(
+                    f"megatrain: a hook set {name}.grad to {'None' if g is None else 'a tensor'} where the step had "
+                    f"{'a gradient' if g is None else 'none (no gradient arrived, or gradients are on NVMe)'}; "
+                    "strategy='megatrain' steps every trainable parameter from its own gradient buffer. Edit "
+                    "param.grad in place or assign a tensor of its shape where it has one; to leave a parameter "
+                    "untrained, freeze it (requires_grad_(False)) before fit.")
+            view.copy_(g)
+            p.grad = view
+
     def _update_scale(self, found_inf: bool) -> None:
         if found_inf:
             self.scale *= self.backoff_factor
@@ -208,8 +245,12 @@ class MegaTrainPrecision(Precision):
             raise RuntimeError("MegaTrainPrecision is only usable with strategy='megatrain'.")
         closure_result = closure()
         engine.attach_grads()
+        self._attached = [(n, p, p.grad) for n, p in model.named_parameters()]
+        self._world_size = model.trainer.world_size
         found_inf = self._unscale_and_check(optimizer) if self.scaling else False
         self._after_closure(model, optimizer)
+        self._keep_replaced_grads()  # a configure_gradient_clipping override may replace them too
+        self._attached = []
         if found_inf:
             engine.skip_step()
         else:

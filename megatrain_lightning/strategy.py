@@ -378,6 +378,7 @@ class MegaTrainStrategy(ParallelStrategy):
             self.engine = None
         if self.engine is None:
             _refuse_placeholders(module)
+            _refuse_compiled(module)
             if self.groups is not None and (self.nvme.kinds if self.nvme is not None else ()):
                 raise NotImplementedError(
                     "megatrain: offload_params/offload_optimizer='nvme' runs in one process for now; with "
@@ -541,6 +542,17 @@ class MegaTrainStrategy(ParallelStrategy):
 
     def on_train_end(self) -> None:
         self.flush()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Refuse a parameter unfrozen since setup (Lightning calls this after the callbacks' and the
+        module's ``on_train_batch_start``, so an unfreeze in any of those hooks is caught before its forward).
+
+        Raises:
+            RuntimeError: :func:`_refuse_unfrozen`.
+        """
+        super().on_train_batch_start(batch, batch_idx)
+        if self.engine is not None:
+            _refuse_unfrozen(self.lightning_module, self.engine.trainable)
 
     # ------------------------------------------------------------------ state
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -717,3 +729,46 @@ def _refuse_placeholders(module: torch.nn.Module) -> None:
                 "or load them again: from a checkpoint saved before the close (fit(module, ckpt_path=...)) or "
                 "from_pretrained on its model/ folder."
             )
+
+
+def _refuse_compiled(module: torch.nn.Module) -> None:
+    """Raise if a submodule was compiled: ``torch.compile(m)`` (an ``OptimizedModule``) or ``m.compile()``.
+
+    The engine replaces each block's forward to stream its weights; a compiled module traces into that
+    code, where Dynamo fails with an internal error in the first step (whole model) or graph-breaks and
+    falls back to eager after its recompile limit (one block). (``torch.compile`` of the LightningModule
+    itself is refused by Lightning before this.)
+
+    Raises:
+        RuntimeError: naming the compiled submodule and what to change.
+    """
+    for name, m in module.named_modules():
+        # nn.Module.compile() keeps the class and stores the compiled call here (torch has no public query)
+        if isinstance(m, torch._dynamo.eval_frame.OptimizedModule) or getattr(m, "_compiled_call_impl", None):
+            raise RuntimeError(
+                f"megatrain: submodule {name or '(the LightningModule)'} ({type(m).__name__}) is compiled "
+                "(torch.compile(...) or .compile()), which strategy='megatrain' does not support: the engine "
+                "streams each block's weights through its own forward code, which Dynamo cannot trace. Pass the "
+                "uncompiled module (self.model = model instead of torch.compile(model); no model.compile() call).")
+
+
+def _refuse_unfrozen(module: torch.nn.Module, trainable: Sequence[bool]) -> None:
+    """Raise if a parameter frozen when the engine was built (``trainable[i]`` False, in
+    ``module.parameters()`` order) has ``requires_grad`` True now.
+
+    The host store holds gradient accumulators and AdamW state only for the parameters trainable at
+    setup; such a parameter's gradient has nowhere to go (the backward failed with a reshape error of
+    an empty accumulator). Freezing during fit works (its gradient is dropped, as in plain PyTorch).
+
+    Raises:
+        RuntimeError: naming the first such parameter and the two ways to get the same training.
+    """
+    for (name, p), was in zip(module.named_parameters(), trainable):
+        if p.requires_grad and not was:
+            raise RuntimeError(
+                f"megatrain: parameter {name} was frozen (requires_grad=False) when fit started and is trainable now "
+                "(a callback such as BackboneFinetuning, or requires_grad_(True) during fit); strategy='megatrain' "
+                "allocates gradient and AdamW state at setup, for the parameters trainable then. Either train in two "
+                "fits (fit with it frozen, then unfreeze, raise max_epochs/max_steps and call trainer.fit again: the "
+                "strategy rebuilds its store, configure_optimizers runs again), or keep it trainable from the start "
+                "in a param group whose lr is 0 until it should train.")

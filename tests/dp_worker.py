@@ -40,6 +40,15 @@ class KillInBackward(pl.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class ReplaceGrads(pl.Callback):
+    """``--replace-grads``: ``p.grad = p.grad * 0.5`` in ``on_before_optimizer_step`` (gradient surgery out of place)."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        for p in pl_module.parameters():
+            if p.grad is not None:
+                p.grad = p.grad * 0.5
+
+
 def fake_shm_free(nbytes: int) -> None:
     """``os.statvfs("/dev/shm")`` reports ``nbytes`` free (a small tmpfs, as in a default Docker container)."""
     real = os.statvfs
@@ -70,6 +79,9 @@ def main() -> None:
     ap.add_argument("--resumable", action="store_true", help="megatrain_lightning.data.ResumableDataLoader (shuffled)")
     ap.add_argument("--total-steps", type=int, default=None, help="the cosine schedule's T_max (default --steps)")
     ap.add_argument("--save", default=None, help="trainer.save_checkpoint(SAVE) after fit")
+    ap.add_argument("--save-on-rank0-only", action="store_true",
+                    help="--save under `if trainer.is_global_zero` (a common mistake: the save is collective)")
+    ap.add_argument("--replace-grads", action="store_true", help="a callback assigns new tensors to param.grad")
     ap.add_argument("--resume", default=None, help="fit(ckpt_path=RESUME)")
     ap.add_argument("--optimizer-in-backward", action="store_true")
     ap.add_argument("--nvme", default=None, help="offload_params/offload_optimizer='nvme' under this path")
@@ -112,7 +124,8 @@ def main() -> None:
                                                      save_top_k=2, monitor="step", mode="max")]
                                     if args.model_checkpoint else [])
                          + ([KillInBackward(args.kill_rank, args.kill_at_step, out, args.hang)]
-                            if args.kill_rank is not None else []),
+                            if args.kill_rank is not None else [])
+                         + ([ReplaceGrads()] if args.replace_grads else []),
                          enable_progress_bar=False, enable_model_summary=False)
     loader = T.make_data(n=args.n, batch_size=args.batch)
     if args.resumable:
@@ -122,7 +135,7 @@ def main() -> None:
         loader = DataLoader(ds, batch_size=args.batch,
                             sampler=DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0))
     trainer.fit(lm, loader, ckpt_path=args.resume)
-    if args.save:
+    if args.save and (trainer.is_global_zero or not args.save_on_rank0_only):
         trainer.save_checkpoint(args.save)
     rank = trainer.global_rank
     torch.save(lm.losses, out / f"losses_{rank}.pt")

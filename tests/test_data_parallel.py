@@ -269,6 +269,27 @@ def test_nvme_tier_with_several_processes_is_refused_clearly(tmp_path):
     assert not list(tmp_path.glob("megatrain_store*/*"))  # nothing written to the NVMe path
 
 
+def test_save_checkpoint_on_rank_zero_only_says_to_call_it_on_every_rank(tmp_path):
+    """``if trainer.is_global_zero: trainer.save_checkpoint(path)`` (plain DDP fails too, in Lightning's barrier,
+    with gloo's "Connection closed by peer"): rank 0 stops with an error that names the mistake and the fix."""
+    proc = launch(tmp_path, "--devices", "2", "--steps", "1", "--save", str(tmp_path / "final"), "--save-on-rank0-only")
+    assert proc.returncode != 0
+    assert "PeerFailure: megatrain: rank 1 stopped responding" in proc.stderr
+    assert "trainer.save_checkpoint writes from every rank: call it on all ranks, not only under `if " \
+           "trainer.is_global_zero`" in proc.stderr
+
+
+def test_replacing_param_grad_with_several_processes_is_refused(tmp_path):
+    """The gradients are one buffer per node shared by its processes, so a hook's ``p.grad = p.grad * 0.5`` would be
+    written once per process (racing; 85% weight error against DDP after 6 steps): refused with what to do, on every
+    rank, at the first step. (In one process the new tensor is used, tests/test_lightning_integration.py.)"""
+    proc = launch(tmp_path, "--devices", "2", "--steps", "2", "--replace-grads")
+    assert proc.returncode != 0
+    assert "NotImplementedError: megatrain: a hook replaced model.model.embed_tokens.weight.grad; with several " \
+           "processes" in proc.stderr
+    assert not (tmp_path / "weights.pt").exists()
+
+
 def test_torchrun_launch(tmp_path):
     """``torchrun --nproc_per_node=2 train.py`` (TorchElastic: Lightning's TorchElasticEnvironment reports the
     ranks, nothing is spawned by the strategy): the same numbers as plain PyTorch on the global batch."""

@@ -230,3 +230,29 @@ def test_inplace_change_of_a_saved_input_is_caught(inplace):
         for (n, p), (_, q) in zip(net.named_parameters(), ref.named_parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=n)
     eng.close()
+
+
+@pytest.mark.parametrize("how", ["wrapped", "in_place", "one_block"])
+def test_compiled_submodule_is_refused_before_the_first_step(how):
+    """Plain Lightning trains a LightningModule holding a torch.compile'd model; with strategy='megatrain' Dynamo
+    traced into the engine's block forward and failed in the first step with an internal NameError (whole model),
+    or fell back to eager after its recompile limit (one block). Now: one error naming the submodule, no step run."""
+    def lm_for() -> _Counting:
+        model = make_model("llama")
+        if how == "in_place":
+            model.compile(backend="eager")
+        if how == "one_block":
+            model.model.layers[1].compile(backend="eager")
+        lm = _Counting(model)
+        if how == "wrapped":
+            lm.model = torch.compile(model, backend="eager")
+        return lm
+
+    _Counting.steps_run = 0
+    _fit(lm_for(), strategy="auto")  # the reference: Lightning itself accepts it
+    assert _Counting.steps_run == 2
+    _Counting.steps_run = 0
+    where = {"wrapped": "model", "in_place": "model", "one_block": "model.model.layers.1"}[how]
+    with pytest.raises(RuntimeError, match=rf"submodule {where} \(.*\) is compiled .*torch.compile\(model\)"):
+        _fit(lm_for())
+    assert _Counting.steps_run == 0

@@ -313,6 +313,30 @@ HOLDER = textwrap.dedent("""
 """)
 
 
+def test_a_dropped_trainer_does_not_block_the_next_run_on_its_store(tmp_path):
+    """Two NVMe runs one after the other in one process (a notebook), the first Trainer dropped: its strategy,
+    engine and store hold reference cycles, so until the cyclic GC ran the second run was refused with "still open in
+    this process ... Call trainer.strategy.close() on that run", a Trainer the user no longer has. Now the store
+    collects such a run and goes on; the second run trains exactly like the RAM tier."""
+    import gc
+
+    gc.collect()
+    gc.disable()  # the collector would otherwise run at a moment of its own choosing
+    try:
+        def dropped():
+            lm, tr = fit(nvme_strategy(tmp_path), steps=2)
+            return lm.losses
+
+        first = dropped()
+        second, tr = fit(nvme_strategy(tmp_path), steps=2)
+    finally:
+        gc.enable()
+    ram, _ = fit(MegaTrainStrategy(), steps=2)
+    assert first == ram.losses
+    assert_bitwise(second, ram)
+    tr.strategy.close()
+
+
 def test_second_live_run_is_refused_and_killed_run_is_reset(tmp_path, caplog):
     p = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf, open_dict
 import megatrain_lightning  # noqa: F401
 from megatrain_lightning.planning import PreflightError
 from megatrain_lightning.recipes_lib import run as step
-from megatrain_lightning.recipes_lib.checks import ConfigError
+from megatrain_lightning.recipes_lib.checks import ConfigError, check_values
 from megatrain_lightning.recipes_lib.results import SUMMARY_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -494,3 +494,20 @@ def test_summary_rows_keep_metrics_measured_only_after():
     rows = summary_rows({}, {"val_loss": 2.5, "val_ppl": 12.18}, {"steps": 2})
     assert rows[:2] == [("val_loss", "", "2.5000"), ("val_ppl", "", "12.1800")]
     assert summary_rows({"val_loss": 3.0}, {"val_loss": 2.5}, {})[0] == ("val_loss", "3.0000", "2.5000")
+
+
+def test_refuses_bad_data_parallel_settings_before_the_build(tmp_path, no_build, monkeypatch):
+    """trainer.devices=abc reached Lightning's TypeError after the model load, trainer.num_nodes was not a key of
+    the trainer group (Hydra: "Key 'num_nodes' is not in struct"), and the NVMe tier with 2 processes was the
+    strategy's NotImplementedError after the model load: now each is one ConfigError naming the key, before it."""
+    refused(tmp_path, "trainer.devices=abc", key="trainer.devices", match="positive int .* got 'abc'")
+    refused(tmp_path, "trainer.devices=0", key="trainer.devices")
+    refused(tmp_path, "trainer.devices=[0,-1]", key="trainer.devices")
+    refused(tmp_path, "trainer.num_nodes=0", key="trainer.num_nodes", match="positive int")
+    monkeypatch.setenv("MEGATRAIN_NVME_PATH", str(tmp_path))
+    refused(tmp_path, "strategy=megatrain_nvme", "trainer.devices=2", key="strategy",
+            match="NVMe tier runs in one process .* trainer.devices=2 x trainer.num_nodes=1")
+    refused(tmp_path, "strategy=megatrain_nvme", "trainer.num_nodes=2", key="strategy", match="start 2")
+    cfg = cfg_for(tmp_path, "trainer.devices=auto", "trainer.num_nodes=2")  # what Lightning takes passes the checks
+    check_values(OmegaConf.to_container(cfg, resolve=True))
+    check_values(OmegaConf.to_container(cfg_for(tmp_path, "trainer.devices=[0,1]"), resolve=True))

@@ -43,6 +43,8 @@ class CheckpointWriters:
 
     def exchange(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.groups.world_size
-        with self.groups.guard("the checkpoint writers' exchange"):
+        # every rank writes its own slabs, so a save that only rank 0 runs stops here: say so in the error
+        with self.groups.guard("the checkpoint writers' exchange (trainer.save_checkpoint writes from every rank: "
+                               "call it on all ranks, not only under `if trainer.is_global_zero`)"):
             dist.all_gather_object(out, obj, group=self.groups.host)
         return out

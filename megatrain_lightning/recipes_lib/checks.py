@@ -227,6 +227,21 @@ def _int(key: str, value: Any, low: int, what: str, extra: tuple = ()) -> None:
         raise ConfigError(key, f"must be {what}; got {value!r}.")
 
 
+def _devices_ok(value: Any) -> bool:
+    """``Trainer(devices=)`` as Lightning takes it: an int >= 1 or -1, ``"auto"``, a list of GPU indices, or a
+    string of them (``"0,1"``)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return value >= 1 or value == -1
+    if isinstance(value, (list, tuple)):
+        return bool(value) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+    if isinstance(value, str):
+        v = value.strip()
+        return v == "auto" or v == "-1" or bool(v) and all(p.strip().isdigit() for p in v.rstrip(",").split(","))
+    return False
+
+
 def check_values(cfg: Mapping[str, Any]) -> None:
     """The recipe's numeric settings have usable values, and the strategy group builds (its constructor checks
     every strategy option: ``recompute``, ``lookahead``, ``block_group``, chunk sizes, NVMe settings...).
@@ -239,6 +254,18 @@ def check_values(cfg: Mapping[str, Any]) -> None:
          "trainer.max_epochs epochs", extra=(-1,))
     if "max_epochs" in trainer:
         _int("trainer.max_epochs", trainer["max_epochs"], 1, "a positive int, -1 or null (unlimited)", extra=(-1, None))
+    devices = trainer.get("devices", 1)
+    if not _devices_ok(devices):
+        raise ConfigError("trainer.devices", "must be a positive int (processes per node, one per GPU), 'auto', -1 "
+                          f"(every GPU) or a list of GPU indices; got {devices!r}.")
+    _int("trainer.num_nodes", trainer.get("num_nodes", 1), 1, "a positive int (machines, each running this command)")
+    strategy = cfg.get("strategy") or {}
+    world = (len(devices) if isinstance(devices, (list, tuple)) else devices if isinstance(devices, int) else 1) \
+        * trainer.get("num_nodes", 1)
+    if world > 1 and "nvme" in (strategy.get("offload_params"), strategy.get("offload_optimizer")):
+        raise ConfigError("strategy", f"the NVMe tier runs in one process for now, and trainer.devices={devices} x "
+                          f"trainer.num_nodes={trainer.get('num_nodes', 1)} start {world}: use strategy=megatrain "
+                          "(state in host RAM) with several processes, or trainer.devices=1 trainer.num_nodes=1.")
     _int("trainer.accumulate_grad_batches", trainer.get("accumulate_grad_batches", 1), 1,
          "a positive int (micro-batches per optimizer step)")
     for k in ("batch_size", "seq_len"):
@@ -250,7 +277,6 @@ def check_values(cfg: Mapping[str, Any]) -> None:
     _int("eval.max_batches", (cfg.get("eval") or {}).get("max_batches"), 1, "a positive int (validation batches "
          "per evaluation) or null (trainer.limit_val_batches); to skip an evaluation set eval.before=false", extra=(None,))
     _int("sample.max_new_tokens", (cfg.get("sample") or {}).get("max_new_tokens", 0), 0, "an int >= 0 (tokens)")
-    strategy = cfg.get("strategy") or {}
     if strategy.get("_target_"):
         kwargs = {k: v for k, v in strategy.items() if k not in HYDRA_SPECIAL}
         try:

@@ -34,6 +34,7 @@ import atexit
 import contextlib
 import errno
 import fcntl
+import gc
 import itertools
 import logging
 import os
@@ -403,7 +404,7 @@ class NVMeStore:
             raise
 
     # ------------------------------------------------------------------ files
-    def _lock(self) -> int:
+    def _lock(self, collected: bool = False) -> int:
         lock = self.dir / "LOCK"
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -411,6 +412,13 @@ class NVMeStore:
         except BlockingIOError:
             owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
             os.close(fd)
+            if owner == str(os.getpid()) and not collected:
+                # an earlier run's store whose Trainer was dropped but not yet collected (strategy, engine and
+                # store hold reference cycles): collecting it closes it (__del__), which removes LOCK and the
+                # directory, so make them again and retry once
+                gc.collect()
+                self.dir.mkdir(parents=True, exist_ok=True)
+                return self._lock(collected=True)
             if owner == str(os.getpid()):
                 raise NVMeStoreLockedError(
                     f"megatrain: the NVMe store {self.dir} is still open in this process, by the strategy of an earlier "
