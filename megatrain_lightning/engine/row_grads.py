@@ -121,9 +121,3 @@ class RowGrad:
         """``acc.add_(dense)``: each row sum added into its row (the other rows add zero)."""
         uniq, sums = self.sums()
         acc.index_add_(0, uniq, sums)
-
-    def dense(self) -> torch.Tensor:
-        """The dense fp32 gradient ``[V, H]``."""
-        out = torch.empty(self.shape, dtype=torch.float32)
-        self.copy_to(out)
-        return out
