@@ -53,7 +53,9 @@ import contextlib
 from typing import Any, Callable, Generator
 
 import torch
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 _ALIASES = {"32": "32-true", 32: "32-true", "32-true": "32-true", "bf16-mixed": "bf16-mixed",
             "16-mixed": "16-mixed", "16": "16-mixed", 16: "16-mixed", "bf16-true": "bf16-true"}
@@ -127,7 +129,6 @@ class MegaTrainPrecision(Precision):
         self.skipped_steps = 0
         self.engine = None  # the strategy's engine, from attach_engine()
         self._attached: list[tuple[str, torch.nn.Parameter, torch.Tensor | None]] = []  # param.grad as attached
-        self._world_size = 1
 
     def attach_engine(self, engine: Any, device_type: str) -> None:
         """Use ``engine`` (a ``StreamingEngine``) for the optimizer step, clipping and unscaling, on a
@@ -156,9 +157,48 @@ class MegaTrainPrecision(Precision):
 
     # ------------------------------------------------------------------ loss scaling
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
+        self._settle_grads()  # manual optimization: param.grad shown since the last backward
+        self._detach_grads()
         if self.scaling:
             tensor = tensor * self.scale
         return super().pre_backward(tensor, module)
+
+    def post_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
+        """Lightning's ``on_after_backward`` hooks, with ``param.grad`` = the gradients accumulated so far (the fp32
+        host accumulators, as plain Lightning shows its ``.grad``; with 16-mixed still scaled, as there). Shown
+        only where something can look (manual optimization, or a module or callback overriding
+        ``on_after_backward``): it waits for the backward's gradient copies. Under manual optimization they stay
+        shown until the step (``opt.step()``) or the next backward. Not with ``optimizer_in_backward`` (the
+        update has consumed them: ``None``, as torch's optimizer-in-backward hooks leave them) or the NVMe
+        gradient tier (``None``). With several processes, they are the gradients averaged over the ranks so far
+        (DDP shows each rank's own until the last micro-batch of an accumulation)."""
+        engine = self.engine
+        show = engine is not None and not engine.update_in_backward and _looks_at_grads(module)
+        if show:
+            engine.attach_grads()
+            self._attached = [(n, p, p.grad) for n, p in module.named_parameters()]
+        out = super().post_backward(tensor, module)
+        if show and module.automatic_optimization:
+            self._settle_grads()
+            self._detach_grads()
+        return out
+
+    def _settle_grads(self) -> None:
+        """The hooks' edits of the shown ``param.grad`` into the accumulators (replaced tensors copied; with several
+        processes, :meth:`StreamingEngine.commit_grads`, a collective: every rank calls it at the same points)."""
+        if self._attached:
+            self._keep_replaced_grads()
+            self.engine.commit_grads()
+
+    def grads_zeroed(self) -> None:
+        """``optimizer.zero_grad()`` ran (``param.grad`` is ``None`` again; the engine dropped the accumulated
+        gradients): nothing is shown any more."""
+        self._detach_grads()
+
+    def _detach_grads(self) -> None:
+        if self._attached:
+            self.engine.detach_grads()
+            self._attached = []
 
     def _unscale_and_check(self, optimizer: Any) -> bool:
         """Divide the host gradients by the scale in place, slab by slab (either tier); return True
@@ -172,6 +212,7 @@ class MegaTrainPrecision(Precision):
         each slab's AdamW update (see ``HostAdamW.clip_grad_norm``)."""
         if self.engine is None or self.engine.optimizer is None:
             return super().clip_grad_by_norm(optimizer, clip_val)
+        self._settle_grads()  # edits a configure_gradient_clipping override made before calling it
         self.engine.wait_grads()
         self.engine.optimizer.clip_grad_norm(float(clip_val))
 
@@ -180,21 +221,22 @@ class MegaTrainPrecision(Precision):
         in its slab's AdamW update."""
         if self.engine is None or self.engine.optimizer is None:
             return super().clip_grad_by_value(optimizer, clip_val)
+        self._settle_grads()
         self.engine.optimizer.clip_grad_value(float(clip_val))
 
     def _clip_gradients(self, model: Any, optimizer: Any, clip_val: Any = None,
                         gradient_clip_algorithm: Any = None) -> None:
         """Lightning's clipping step (after the ``on_before_optimizer_step`` hooks), on the gradients the hooks left."""
-        self._keep_replaced_grads()
+        self._settle_grads()
         super()._clip_gradients(model, optimizer, clip_val, gradient_clip_algorithm)
 
     def _keep_replaced_grads(self) -> None:
         """Copy a ``param.grad`` that a hook replaced by a new tensor (``p.grad = p.grad * 0.5``) into the
         accumulator it replaced, which is what the host AdamW steps from, and attach the accumulator again: the
-        update is then the one plain PyTorch makes. In-place edits need nothing (the views are the accumulators).
+        update is then the one plain PyTorch makes. In-place edits need nothing here (the views are the accumulators;
+        with several processes their copy-on-write views, committed by :meth:`_settle_grads`).
 
         Raises:
-            NotImplementedError: a replaced gradient with several processes (their accumulators are shared per node).
             RuntimeError: a hook set ``param.grad`` to ``None`` where a gradient was attached, or gave a gradient to
                 a parameter that had none (or whose gradients are on NVMe: ``param.grad`` is ``None`` there).
         """
@@ -202,11 +244,6 @@ class MegaTrainPrecision(Precision):
             g = p.grad
             if g is view:
                 continue
-            if self._world_size > 1:
-                raise NotImplementedError(
-                    f"megatrain: a hook replaced {name}.grad; with several processes the gradients are one buffer "
-                    "per node, shared by its processes, and replacing them is not supported yet (each process "
-                    "would write its own result into it). Train in one process, or leave param.grad as it is.")
             if g is None or view is None:
                 raise RuntimeError(
                     f"megatrain: a hook set {name}.grad to {'None' if g is None else 'a tensor'} where the step had "
@@ -244,12 +281,13 @@ class MegaTrainPrecision(Precision):
         if engine is None:
             raise RuntimeError("MegaTrainPrecision is only usable with strategy='megatrain'.")
         closure_result = closure()
+        self._settle_grads()  # manual optimization: edits between manual_backward and opt.step()
+        engine.wait_grads()
+        found_inf = self._unscale_and_check(optimizer) if self.scaling else False
         engine.attach_grads()
         self._attached = [(n, p, p.grad) for n, p in model.named_parameters()]
-        self._world_size = model.trainer.world_size
-        found_inf = self._unscale_and_check(optimizer) if self.scaling else False
         self._after_closure(model, optimizer)
-        self._keep_replaced_grads()  # a configure_gradient_clipping override may replace them too
+        self._settle_grads()  # a configure_gradient_clipping override may edit them after clipping
         self._attached = []
         if found_inf:
             engine.skip_step()
@@ -270,6 +308,14 @@ class MegaTrainPrecision(Precision):
             self.scale = float(state_dict["scale"])
             self.growth_tracker = int(state_dict["growth_tracker"])
             self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+
+
+def _looks_at_grads(module: Any) -> bool:
+    """Whether anything may read ``param.grad`` after a backward: manual optimization, or an ``on_after_backward``
+    of the module or of a callback."""
+    if not module.automatic_optimization or is_overridden("on_after_backward", module):
+        return True
+    return any(is_overridden("on_after_backward", cb, Callback) for cb in module.trainer.callbacks)
 
 
 def to_megatrain_precision(plugin: Precision | None) -> MegaTrainPrecision | None:

@@ -417,6 +417,7 @@ class MegaTrainStrategy(ParallelStrategy):
         assert isinstance(plugin, MegaTrainPrecision)
         plugin.attach_engine(self.engine, self.root_device.type)
         self.setup_precision_plugin()
+        self._wrap_lightning_optimizers()
 
     def _grad_reducer(self) -> GradReducer | None:
         g = self.groups
@@ -443,12 +444,26 @@ class MegaTrainStrategy(ParallelStrategy):
         had = "zero_grad" in opt.__dict__
         orig = opt.zero_grad
 
+        plugin = self.precision_plugin
+
         def zero_grad(set_to_none: bool = True) -> None:
             orig(set_to_none=set_to_none)
             engine.zero_grad()
+            if isinstance(plugin, MegaTrainPrecision):
+                plugin.grads_zeroed()
 
         self._orig_zero_grad = (opt, orig if had else None)
         opt.zero_grad = zero_grad  # type: ignore[method-assign]
+
+    def _wrap_lightning_optimizers(self) -> None:
+        """``self.optimizers()`` under manual optimization: Lightning's wrapper subclasses the optimizer's class, so
+        its ``zero_grad`` is the class's, not the one set on the optimizer (the engine would keep its gradients).
+        Called once the wrappers are final (``setup_precision_plugin`` makes new ones)."""
+        if self._orig_zero_grad is not None:
+            opt = self._orig_zero_grad[0]
+            for wrapper in self._lightning_optimizers:
+                if wrapper.optimizer is opt:
+                    wrapper.zero_grad = opt.zero_grad  # type: ignore[method-assign]
 
     def _restore_zero_grad(self) -> None:
         if self._orig_zero_grad is not None:
@@ -458,6 +473,8 @@ class MegaTrainStrategy(ParallelStrategy):
             else:
                 opt.zero_grad = orig
             self._orig_zero_grad = None
+        for wrapper in self._lightning_optimizers:
+            wrapper.__dict__.pop("zero_grad", None)
 
     # ------------------------------------------------------------------ step
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

@@ -156,7 +156,8 @@ class LM(pl.LightningModule):
 def reference_train(model, loader, steps: int, lr=1e-3, accumulate: int = 1, clip: float | None = None,
                     fused: bool | None = None, clip_value: float | None = None, sched: str | None = None,
                     seed: int = 0, opt_kwargs=None, on_grads: Callable | None = None,
-                    on_step: Callable | None = None, extra_inputs: Callable | None = None) -> list[float]:
+                    on_step: Callable | None = None, extra_inputs: Callable | None = None,
+                    after_backward: Callable | None = None) -> list[float]:
     """Train ``model`` in place with plain PyTorch: the same loop Lightning runs, on the unmodified model.
 
     Args:
@@ -176,6 +177,7 @@ def reference_train(model, loader, steps: int, lr=1e-3, accumulate: int = 1, cli
             accumulated, not yet clipped).
         on_step: ``on_step(model, opt)`` after each optimizer and scheduler step.
         extra_inputs: as :class:`LM`'s (further keyword arguments of the model call).
+        after_backward: ``after_backward(model)`` after every micro-batch's backward (``on_after_backward``).
 
     Returns:
         The loss of every micro-batch, as floats.
@@ -200,6 +202,8 @@ def reference_train(model, loader, steps: int, lr=1e-3, accumulate: int = 1, cli
         loss = model(**batch_inputs(batch), **extra).loss
         losses.append(loss.item())
         (loss / accumulate).backward()
+        if after_backward is not None:
+            after_backward(model)
         micro += 1
         if micro == accumulate:
             if on_grads is not None:

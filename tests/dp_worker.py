@@ -25,9 +25,9 @@ from megatrain_lightning.strategy import MegaTrainStrategy
 
 class KillInBackward(pl.Callback):
     """``--kill-rank R --kill-at-step S``: global rank R SIGKILLs itself in the middle of optimizer step S (in
-    ``on_after_backward`` of the step's first micro-batch: its gradients are being reduced, the others wait
-    in the collectives for its share); it writes ``OUT/killed_<R>`` (its pid) first. ``hang``: it sleeps
-    10 minutes instead (a rank that hangs)."""
+    ``on_after_backward`` of the step's first micro-batch: the others wait for it in the node's collectives, the
+    commit of the hooks' gradient edits or the next micro-batch's gradient reduce); it writes ``OUT/killed_<R>``
+    (its pid) first. ``hang``: it sleeps 10 minutes instead (a rank that hangs)."""
 
     def __init__(self, rank: int, step: int, out: Path, hang: bool = False):
         self.rank, self.step, self.out, self.hang = rank, step, out, hang
@@ -40,13 +40,31 @@ class KillInBackward(pl.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-class ReplaceGrads(pl.Callback):
-    """``--replace-grads``: ``p.grad = p.grad * 0.5`` in ``on_before_optimizer_step`` (gradient surgery out of place)."""
+class EditGrads(pl.Callback):
+    """``--grad-edit MODE``: every gradient times 0.5 in a hook. ``inplace``: in ``on_before_optimizer_step``, with
+    ``p.grad.mul_`` (every other parameter through ``p.grad.data``, which autograd's version counter does not see);
+    ``replace``: there, ``p.grad = p.grad * 0.5`` (out of place); ``after_backward``: as ``inplace``, in
+    ``on_after_backward`` of every micro-batch."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+
+    def _edit(self, pl_module) -> None:
+        for i, p in enumerate(pl_module.parameters()):
+            if p.grad is None:
+                continue
+            if self.mode == "replace":
+                p.grad = p.grad * 0.5
+            else:
+                (p.grad if i % 2 == 0 else p.grad.data).mul_(0.5)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        for p in pl_module.parameters():
-            if p.grad is not None:
-                p.grad = p.grad * 0.5
+        if self.mode != "after_backward":
+            self._edit(pl_module)
+
+    def on_after_backward(self, trainer, pl_module):
+        if self.mode == "after_backward":
+            self._edit(pl_module)
 
 
 def fake_shm_free(nbytes: int) -> None:
@@ -81,7 +99,8 @@ def main() -> None:
     ap.add_argument("--save", default=None, help="trainer.save_checkpoint(SAVE) after fit")
     ap.add_argument("--save-on-rank0-only", action="store_true",
                     help="--save under `if trainer.is_global_zero` (a common mistake: the save is collective)")
-    ap.add_argument("--replace-grads", action="store_true", help="a callback assigns new tensors to param.grad")
+    ap.add_argument("--grad-edit", default=None, choices=["inplace", "replace", "after_backward"],
+                    help="a callback scales every gradient by 0.5 (see EditGrads)")
     ap.add_argument("--resume", default=None, help="fit(ckpt_path=RESUME)")
     ap.add_argument("--optimizer-in-backward", action="store_true")
     ap.add_argument("--nvme", default=None, help="offload_params/offload_optimizer='nvme' under this path")
@@ -125,7 +144,7 @@ def main() -> None:
                                     if args.model_checkpoint else [])
                          + ([KillInBackward(args.kill_rank, args.kill_at_step, out, args.hang)]
                             if args.kill_rank is not None else [])
-                         + ([ReplaceGrads()] if args.replace_grads else []),
+                         + ([EditGrads(args.grad_edit)] if args.grad_edit else []),
                          enable_progress_bar=False, enable_model_summary=False)
     loader = T.make_data(n=args.n, batch_size=args.batch)
     if args.resumable:

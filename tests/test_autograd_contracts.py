@@ -216,3 +216,48 @@ def test_backward_with_inputs_listing_parameters_updates_only_those(tmp_path):
 
     got, ref = _compare(body, tmp_path)
     assert torch.equal(got.model.model.layers[0].mlp.up_proj.weight, ref.model.model.layers[0].mlp.up_proj.weight)
+
+
+def _grad_norms(m) -> torch.Tensor:
+    """Every parameter's gradient norm (0 for ``None``), stacked: what a user logs between backward and step."""
+    return torch.stack([p.grad.norm() if p.grad is not None else torch.zeros(()) for p in m.parameters()])
+
+
+def test_param_grad_between_manual_backward_and_step(tmp_path):
+    """Manual optimization: ``param.grad`` holds the accumulated gradients after each ``manual_backward`` (it was
+    ``None`` until ``opt.step()``), and edits made there (in place, through ``.data``, or a new tensor) are what
+    the step uses, as in plain Lightning; ``clip_gradients`` clips the edited gradients."""
+    def body(m, ids):
+        m.manual_backward(_loss(m, ids))
+        m.seen.append(_grad_norms(m))
+        m.manual_backward(0.5 * _loss(m, ids.flip(1)))
+        m.seen.append(_grad_norms(m))
+        for i, p in enumerate(m.parameters()):
+            if p.grad is not None:
+                if i % 3 == 0:
+                    p.grad.mul_(0.5)
+                elif i % 3 == 1:
+                    p.grad.data.add_(1e-3)
+                else:
+                    p.grad = p.grad * 2.0
+        m.seen.append(_grad_norms(m))
+        m.clip_gradients(m.optimizers(), gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+
+    got, _ = _compare(body, tmp_path)
+    assert len(got.seen) == 9 and all(bool((s > 0).any()) for s in got.seen)
+    assert all(p.grad is None for p in got.parameters())  # zero_grad(set_to_none=True) then step: as plain
+
+
+def test_zero_grad_after_reading_grads_drops_them(tmp_path):
+    """``self.optimizers().zero_grad()`` between a backward and the next: the gradients are gone (``None``) and the
+    step uses only the later backward's, as in plain PyTorch. Before, Lightning's optimizer wrapper ran the
+    optimizer class's ``zero_grad``, which the engine never saw: the step used both backwards' gradients."""
+    def body(m, ids):
+        m.manual_backward(_loss(m, ids))
+        m.seen.append(_grad_norms(m))
+        m.optimizers().zero_grad()
+        m.seen.append(torch.tensor([float(p.grad is None) for p in m.parameters()]))
+        m.manual_backward(_loss(m, ids.flip(1)))
+        m.seen.append(_grad_norms(m))
+
+    _compare(body, tmp_path)

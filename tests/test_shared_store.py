@@ -90,3 +90,31 @@ def test_check_shm_names_the_numbers_and_the_fix(monkeypatch):
     S.check_shm(1000 * 4096, "/dev/shm")
     with pytest.raises(S.SharedMemoryTooSmall, match=r"needs 4.00 MiB .*has 3.91 MiB free.*--shm-size"):
         S.check_shm(4 * 2**20, "/dev/shm")
+
+
+def test_copy_on_write_mapping_reads_shared_pages_and_keeps_writes_private(tmp_path):
+    """``private_mapping``: reads see the file (also what another process writes later to a page not yet written
+    here); writes stay private and are found by ``written_privately`` (also through ``.data``); after
+    ``madvise(MADV_DONTNEED)`` the pages show the file again. Regions larger than a page, so a write to one
+    region is told apart from its neighbours'."""
+    import mmap
+
+    layout = [(5000, 3000), (4000, 4000)]
+    path = str(tmp_path / "state")
+    shared = S.SharedRegions.map(path, layout, create=True)
+    other = S.SharedRegions.map(path, layout, create=False)  # another local rank
+    shared.region(0, "grad_accum").fill_(1.0)
+    shared.region(1, "grad_accum").fill_(2.0)
+    cow = shared.private_mapping()
+    g0, g1 = shared.region(0, "grad_accum", cow), shared.region(1, "grad_accum", cow)
+    assert torch.all(g0 == 1.0) and torch.all(g1 == 2.0)
+    assert not shared.written_privately(g0) and not shared.written_privately(g1)
+    g1.data[3500:].mul_(0.5)  # through .data: no autograd version bump
+    assert shared.written_privately(g1) and not shared.written_privately(g0)
+    assert torch.all(other.region(1, "grad_accum") == 2.0)  # the file is untouched
+    other.region(0, "grad_accum").fill_(3.0)  # another rank's write to pages not written here: seen
+    assert torch.all(g0 == 3.0)
+    other.region(1, "grad_accum")[3500:].fill_(7.0)  # to pages written here: the private copy stays
+    assert torch.all(g1[3500:] == 1.0)
+    cow.madvise(mmap.MADV_DONTNEED)
+    assert torch.all(g1[3500:] == 7.0) and not shared.written_privately(g1)

@@ -27,6 +27,7 @@ from ..store.shared import SlabOwnership
 from .accounting import ByteAccounting
 from .shared_grads import SharedGradSums
 from .threads import worker_initializer
+from .hook_grads import HookGradViews
 from .reduce import GradReducer
 from .row_grads import RowGrad, to_wire
 from .transport import GradCopy
@@ -92,6 +93,9 @@ class GradientSink:
         # optimizer step in backward: per slab, the gradient batches still to come in this backward
         self.sends_left: dict[int, int] = {}
         self._hyper = None
+        # data parallel with a node-shared store: param.grad shows copy-on-write views (hook_grads.py)
+        self.hook_views = HookGradViews(store, ownership) if ownership is not None and store.shared is not None \
+            else None
 
     # ------------------------------------------------------------------ plan
     def plan(self, calls_refs: Sequence[Sequence[Any]]) -> None:
@@ -290,6 +294,9 @@ class GradientSink:
 
         With accumulators on disk (``offload_optimizer="nvme"``) ``param.grad`` stays ``None``: the
         gradients are not all in memory at once (clipping still works, see HostAdamW.clip_grad_norm).
+        With a node-shared store the views are copy-on-write views of the shared accumulators (every
+        owner's adds must be in: :meth:`StreamingEngine.attach_grads` waits); :meth:`commit` brings the
+        hooks' edits into them.
 
         Raises:
             RuntimeError: a parameter got a gradient from ordinary autograd, outside the engine (see
@@ -299,10 +306,21 @@ class GradientSink:
         self.check_outside_grads()
         if Region.grad_accum in self.store.nvme_kinds:
             return
+        flats = self.hook_views.open() if self.hook_views is not None else None
         for slab in self.store.slabs:
             for i, e in enumerate(slab.entries):
                 has = slab.grad_accum is not None and not slab.grad_accum_empty and slab.has_grad[i]
-                e.ref.param.grad = slab.grad_accum_view(i) if has else None
+                if not has:
+                    e.ref.param.grad = None
+                else:
+                    e.ref.param.grad = slab.grad_accum_view(i) if flats is None else slab.view(flats[slab.index], i)
+
+    def commit(self) -> None:
+        """Make the edits Lightning's hooks made to ``param.grad`` the accumulators' (data parallel with a node-shared
+        store: :meth:`HookGradViews.commit`, a collective of the node's ranks; otherwise nothing: the views are the
+        accumulators)."""
+        if self.hook_views is not None:
+            self.hook_views.commit()
 
     def check_outside_grads(self) -> None:
         """Raise if a parameter's ``.grad`` was set by ordinary autograd rather than by the engine.
@@ -319,9 +337,10 @@ class GradientSink:
         bad = []
         for slab in self.store.slabs:
             acc = slab.grad_accum.untyped_storage().data_ptr() if slab.grad_accum is not None else None
+            ours = {acc, self.hook_views.storage_ptr(slab.index) if self.hook_views is not None else None} - {None}
             for e in slab.entries:
                 g = e.ref.param.grad
-                if g is not None and (acc is None or g.untyped_storage().data_ptr() != acc):
+                if g is not None and g.untyped_storage().data_ptr() not in ours:
                     bad.append(e.ref.fqn)
         if bad:
             raise RuntimeError(
@@ -334,6 +353,8 @@ class GradientSink:
 
     def detach(self) -> None:
         """``param.grad = None`` for every parameter (after the step)."""
+        if self.hook_views is not None:
+            self.hook_views.close()
         for slab in self.store.slabs:
             for e in slab.entries:
                 e.ref.param.grad = None

@@ -9,6 +9,7 @@ optimizer step. The parts, each owning its state (docs/architecture.md, "Engine 
 * ``prefetch.py``: copies started ``lookahead`` fetches ahead, NVMe read-ahead;
 * ``recompute.py``: the autograd boundary of a block call (saved inputs, recompute, backward);
 * ``grads.py``: parameter gradients to the fp32 host accumulators (D2H), the update-in-backward plan;
+  ``hook_grads.py``: ``param.grad`` of a node-shared accumulator (data parallel);
 * ``params.py``: direct reads and writes of masters; ``shared_grads.py``: sums of tied parameters' gradients;
 * ``kv_cache.py``: training forwards never write a KV cache; ``reduce.py``: data-parallel gradient averaging;
 * ``long_sequences.py``: LM head + loss and MLP over chunks of tokens; ``offload.py``: offloaded inputs.
@@ -72,17 +73,15 @@ class StreamingEngine:
             ``"selective"`` / ``"none"`` / ``"auto"``: :class:`RecomputePolicy`); default ``"block"``.
         block_classes / block_names: override block discovery, see
             :func:`~megatrain_lightning.blocks.discover_blocks`.
-        pin_memory: page-lock host memory on CUDA: the RAM tier's masters and wire images, the NVMe
-            window's arena. ``None`` (default): pin, and where pinning the window or a wire image
-            fails use pageable memory with a warning; ``True``: pin or raise ``HostPinningError``;
-            ``False``: never (synchronous, slower H2D copies). Ignored on CPU.
+        pin_memory: page-lock host memory on CUDA: the RAM tier's masters and wire images, the NVMe window's
+            arena. ``None`` (default): pin, and where pinning the window or a wire image fails use pageable memory
+            with a warning; ``True``: pin or raise ``HostPinningError``; ``False``: never (slower H2D). Ignored on CPU.
         cpu_zero_copy: on CPU, bind blocks to the fp32 master slabs instead of copying them (only when
             the compute dtype is fp32; see MegaTrainStrategy). Off when masters are on disk.
         nvme: the NVMe tier's settings (:class:`~megatrain_lightning.store.nvme.NVMeConfig`), or ``None`` (all in
             host RAM). Preflight (disk, path, budget, pinning the window's arena) runs before any weight is read.
-        sources: ``id(param) -> loader`` for parameters on the ``meta`` device (models built by
-            ``meta_model_from_pretrained``: see ``checkpoint.hf_io.weight_sources``); each loader is
-            called once while the host store is built.
+        sources: ``id(param) -> loader`` for parameters on the ``meta`` device (``meta_model_from_pretrained``:
+            see ``checkpoint.hf_io.weight_sources``); each loader is called once while the host store is built.
         host_threads: intra-op CPU threads of the H2D and D2H workers (host AdamW, casts, gradient
             adds); ``None``: on CUDA ``torch.get_num_threads() - 1``, on CPU 1 (:mod:`.threads`).
         loss_chunk_size / mlp_chunk_size: tokens per chunk of the LM head + loss (``"auto"``, default:
@@ -139,8 +138,7 @@ class StreamingEngine:
             if Region.master in nvme.kinds:
                 cpu_zero_copy = False  # compute buffers are copies, counted in the budget
         self.store: HostStore = build_store(self.blocks, pin_memory=pin is not False and not (nvme and Region.master in nvme.kinds),
-                                            sources=sources, nvme_factory=factory,
-                                            nvme_kinds=nvme.kinds if nvme is not None else (),
+                                            sources=sources, nvme_factory=factory, nvme_kinds=nvme.kinds if nvme else (),
                                             shared=node.regions if node is not None else None)
         self.ownership: SlabOwnership | None = node.setup(self.store) if node is not None else None
         if self.budget is not None:
@@ -166,8 +164,7 @@ class StreamingEngine:
                                      shared_images=node and node.wire_images, ownership=self.ownership)
         nvme_on = self.store.nvme is not None
         self.prefetcher = Prefetcher(self.blocks, self.store, self.transport, self.acct, lambda blk: self.fetcher.fetch(blk),
-                                     lookahead, lambda: self.optimizer,
-                                     read_ahead_bytes=self.budget.limit - min_window if nvme_on else None,
+                                     lookahead, lambda: self.optimizer, read_ahead_bytes=self.budget.limit - min_window if nvme_on else None,
                                      read_ahead_depth=nvme.read_ahead if nvme_on else 0, host_threads=host_threads,
                                      groups=groups)
         self.optimizer: HostAdamW | None = None
@@ -400,9 +397,8 @@ class StreamingEngine:
                                    updates_in_backward=bool(self.grads.sends_left), held=held)
 
     def configure_precision(self, wire: torch.dtype, param: torch.dtype, grad_wire: torch.dtype) -> None:
-        """Set the dtypes of the H2D weight copies and of the bound parameters
-        (:meth:`WeightFetcher.configure`), and of parameter gradients on the D2H link (accumulated
-        in fp32 on the host)."""
+        """Set the dtypes of the H2D weight copies and of the bound parameters (:meth:`WeightFetcher.configure`),
+        and of parameter gradients on the D2H link (accumulated in fp32 on the host)."""
         f = self.fetcher
         if (wire, param, grad_wire) != (f.wire_dtype, f.param_dtype, self.grads.wire_dtype):
             self._drop_prefetched()
@@ -441,6 +437,10 @@ class StreamingEngine:
             self.wait_grads()
             self.ownership.sync()
         self.grads.attach()
+
+    def commit_grads(self) -> None:
+        """The hooks' edits of ``param.grad`` into the accumulators (:meth:`GradientSink.commit`; DP: collective)."""
+        self.grads.commit()
 
     def detach_grads(self) -> None:
         """``param.grad = None`` for every parameter."""

@@ -33,6 +33,7 @@ from .budget import fmt_bytes
 from .pinned import shared_file_mapping
 
 _ALIGN = 16  # fp32 elements (64 bytes)
+_PAGE = mmap.PAGESIZE
 
 
 def _round(n: int) -> int:
@@ -80,6 +81,12 @@ class SharedRegions:
     _mapping: mmap.mmap
     _offsets: list[tuple[int, int, int]]  # per slab: offset, numel, trainable numel (elements)
     counts: torch.Tensor  # int64 [n_slabs], in the same mapping
+    _fd: int = -1  # read-only descriptor of the file, kept for copy-on-write mappings once it is unlinked
+
+    def __del__(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     @classmethod
     def map(cls, path: str, layout: Sequence[tuple[int, int]], create: bool, pin: bool | None = False) -> "SharedRegions":
@@ -98,17 +105,48 @@ class SharedRegions:
             finally:
                 os.close(fd)
         m = shared_file_mapping(path, nbytes, pin)
+        fd = os.open(path, os.O_RDONLY)
         offsets, off = [], 0
         for n, t in layout:
             offsets.append((off, n, t))
             off += _round(n) + 3 * _round(t)
         counts = torch.frombuffer(m, dtype=torch.int64, count=len(layout), offset=4 * off) if layout else \
             torch.zeros(0, dtype=torch.int64)
-        return cls(path, create, m, offsets, counts)
+        return cls(path, create, m, offsets, counts, fd)
 
-    def region(self, i: int, kind: str) -> torch.Tensor:
+    def private_mapping(self) -> mmap.mmap:
+        """A copy-on-write (``MAP_PRIVATE``) mapping of the whole file, for :meth:`region`'s ``mapping``.
+
+        Reads see the shared pages (no copy; a page this process has not written also shows later writes of
+        the other processes, as Linux maps the file's own pages); this process's writes go to private copies
+        of the pages it writes, never to the file (:meth:`written_privately` finds them). Memory: 4 KiB per
+        page written, until the mapping is gone (the last tensor over it freed) or ``madvise(MADV_DONTNEED)``
+        drops the copies (its pages then show the file again)."""
+        return mmap.mmap(self._fd, len(self._mapping), mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+
+    def written_privately(self, region: torch.Tensor) -> bool:
+        """Whether this process wrote any page of ``region`` (a :meth:`region` of a :meth:`private_mapping`):
+        a page of it is a private copy, or swapped out (only private copies can be), by the page flags of
+        ``/proc/self/pagemap`` (Linux, Documentation/admin-guide/mm/pagemap.rst: bit 63 present, 62 swapped,
+        61 file page). Reads ``8`` bytes per 4 KiB page of the region. Where pagemap cannot be read, ``True``
+        (the caller then treats the region as written: correct, only slower)."""
+        if region.numel() == 0:
+            return False
+        first = region.data_ptr() // _PAGE
+        last = (region.data_ptr() + 4 * region.numel() - 1) // _PAGE
+        try:
+            with open("/proc/self/pagemap", "rb", buffering=0) as f:
+                f.seek(8 * first)
+                flags = torch.frombuffer(bytearray(f.read(8 * (last - first + 1))), dtype=torch.int64)
+        except OSError:
+            return True
+        present, swapped, file_page = (flags >> 63) & 1, (flags >> 62) & 1, (flags >> 61) & 1
+        return bool(((present.bool() & ~file_page.bool()) | swapped.bool()).any())
+
+    def region(self, i: int, kind: str, mapping: mmap.mmap | None = None) -> torch.Tensor:
         """Slab ``i``'s flat fp32 region ``kind`` (``master`` ``[numel]``; ``grad_accum``, ``exp_avg``,
-        ``exp_avg_sq`` ``[trainable numel]``)."""
+        ``exp_avg_sq`` ``[trainable numel]``), in the shared mapping or in ``mapping`` (a
+        :meth:`private_mapping`)."""
         off, n, t = self._offsets[i]
         if kind == "master":
             start, count = off, n
@@ -117,7 +155,8 @@ class SharedRegions:
         if count == 0:
             return torch.zeros(0, dtype=torch.float32)
         # a storage of its own: autograd's version counter of a master is not bumped by writes to other regions
-        return torch.frombuffer(self._mapping, dtype=torch.float32, count=count, offset=4 * start)
+        return torch.frombuffer(self._mapping if mapping is None else mapping, dtype=torch.float32, count=count,
+                                offset=4 * start)
 
 
 def balance(sizes: Sequence[int], ranks: int) -> list[int]:

@@ -1,0 +1,92 @@
+"""``param.grad`` for Lightning's hooks when a node's processes share one gradient accumulator (data parallel).
+
+Under DDP every process holds its own averaged gradients: a hook that edits them (``p.grad.mul_(0.5)`` in
+``on_before_optimizer_step``, ``p.grad = ...``, ``clip_grad_norm_`` in ``configure_gradient_clipping``) edits
+its own copy, and every process makes the same edit. Here the processes of a node share one fp32 accumulator per
+slab (store/shared.py), so plain views of it would take every process's edit: an edit would land once per local
+rank (``mul_(0.5)`` twice with two processes).
+
+Instead each process shows its hooks the accumulators through its own copy-on-write mapping of the node's file
+(:meth:`~..store.shared.SharedRegions.private_mapping`): reads are the shared pages themselves (no copy, no extra
+memory), writes go to private pages of that process only. :meth:`HookGradViews.commit` then brings the edits
+into the shared accumulators once:
+
+1. every owner looks whether it wrote its own slabs' views (the private pages, from ``/proc/self/pagemap``);
+   one all-reduce (max) of that flag over the node's ranks is also the barrier after every rank's hooks;
+2. if any did, each owner copies its written slabs' views into the shared accumulators, the node's ranks meet at
+   a barrier, and every rank drops its private pages (``madvise(MADV_DONTNEED)``): the views show the shared
+   accumulators again, now edited.
+
+As under DDP, the hooks must make the same edit on every rank (the owner's edit is the one kept).
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+from ..store.host import HostStore
+from ..store.regions import Region
+from ..store.shared import SlabOwnership
+
+
+class HookGradViews:
+    """Per optimizer step (or per backward, for ``on_after_backward``): the private views of the node's shared
+    gradient accumulators that ``param.grad`` shows, and the commit of the hooks' edits.
+
+    Args:
+        store: a store whose regions are in the node's shared file (``store.shared`` set).
+        ownership: the slab owners of the node.
+
+    Raises:
+        ValueError: ``store.shared`` is ``None`` (not a node-shared store).
+    """
+
+    def __init__(self, store: HostStore, ownership: SlabOwnership):
+        if store.shared is None:
+            raise ValueError("HookGradViews needs a node-shared store (data parallel).")
+        self.store = store
+        self.shared = store.shared
+        self.ownership = ownership
+        self._mapping: mmap.mmap | None = None
+        self._flat: dict[int, torch.Tensor] = {}
+
+    def open(self) -> dict[int, torch.Tensor]:
+        """A fresh copy-on-write mapping; returns per slab index its flat fp32 ``[trainable numel]`` accumulator
+        view in it (slabs without trainable parameters left out). Call once every owner's adds are in."""
+        self.close()
+        self._mapping = self.shared.private_mapping()
+        self._flat = {s.index: self.shared.region(s.index, Region.grad_accum, self._mapping)
+                      for s in self.store.slabs if s.trainable_numel}
+        return self._flat
+
+    def commit(self) -> bool:
+        """Bring the hooks' edits of the views into the shared accumulators, once (steps 1-2 in the module
+        docstring). A collective of the node's ranks: every rank calls it at the same points. Returns whether any
+        rank had edited. A no-op (``False``) while no views are open."""
+        if self._mapping is None:
+            return False
+        own = self.ownership
+        written = [si for si, flat in self._flat.items() if own.owns(si) and self.shared.written_privately(flat)]
+        flag = torch.tensor([1.0 if written else 0.0])
+        own.all_reduce(flag, "max")
+        if flag.item() == 0.0:
+            return False
+        for si in written:
+            slab = self.store.slabs[si]
+            with slab.lock:
+                assert slab.grad_accum is not None
+                slab.grad_accum.copy_(self._flat[si])
+        own.sync()
+        self._mapping.madvise(mmap.MADV_DONTNEED)
+        return True
+
+    def storage_ptr(self, i: int) -> int | None:
+        """Address of slab ``i``'s view storage while views are open (``None`` otherwise)."""
+        flat = self._flat.get(i)
+        return flat.untyped_storage().data_ptr() if flat is not None else None
+
+    def close(self) -> None:
+        """Forget the views (the mapping goes when the last tensor over it is freed, with its private pages)."""
+        self._mapping, self._flat = None, {}
