@@ -16,7 +16,9 @@ Between steps (for example in ``on_train_batch_end``) updates may still be
 pending when ``overlap_optimizer=True``: a callback that reads raw parameters
 there sees the weights *before* the last step; call
 ``trainer.strategy.flush()`` first. Validation, test, predict, checkpoints,
-``lightning_module_state_dict()`` and the end of ``fit`` flush automatically.
+``lightning_module_state_dict()``, the end of every training epoch (before any
+``on_train_epoch_end``: ``StochasticWeightAveraging`` averages the current weights) and
+the end of ``fit`` flush automatically.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection, _sync_ddp_if_available
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -413,6 +416,8 @@ class MegaTrainStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self._take_over_optimizer()
+            if not any(isinstance(cb, _FlushAtEpochEnd) for cb in trainer.callbacks):
+                trainer.callbacks.insert(0, _FlushAtEpochEnd())
         plugin = self.precision_plugin
         assert isinstance(plugin, MegaTrainPrecision)
         plugin.attach_engine(self.engine, self.root_device.type)
@@ -728,6 +733,17 @@ class MegaTrainStrategy(ParallelStrategy):
             offload_optimizer="nvme",
             nvme_path=NVME_PATH_FROM_ENV,
         )
+
+
+class _FlushAtEpochEnd(Callback):
+    """Applies the pending updates at the end of every training epoch, first among the ``on_train_epoch_end``
+    hooks (the strategy puts it at the front of ``trainer.callbacks``; Lightning has no strategy hook there), so
+    the callbacks' and the module's hooks read the current weights (``StochasticWeightAveraging`` averages them,
+    and copies the average into the parameters at ``on_train_end``: a pending update applied after that would
+    overwrite it)."""
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        trainer.strategy.flush()
 
 
 def _refuse_placeholders(module: torch.nn.Module) -> None:

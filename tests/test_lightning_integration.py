@@ -518,3 +518,29 @@ def test_gradients_replaced_in_on_before_optimizer_step_train_like_plain_lightni
     lm = LM(make_model("llama"))
     with pytest.raises(RuntimeError, match=r"set model\.model\.embed_tokens\.weight\.grad to None .*requires_grad_"):
         _trainer(callbacks=[_ReplaceGrads(to_none=True)]).fit(lm, make_data(n=8))
+
+
+def test_stochastic_weight_averaging_and_epoch_end_reads_train_like_plain_lightning():
+    """``on_train_epoch_end`` sees the weights of the epoch's last step (before, the pending update was applied
+    only later: ``StochasticWeightAveraging`` averaged weights one step old, and the update applied at the end of
+    ``fit`` overwrote the average it had copied into the parameters)."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    class EpochEndWeights(Callback):
+        def __init__(self):
+            self.seen: list[torch.Tensor] = []
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            self.seen.append(torch.cat([p.detach().flatten() for p in pl_module.parameters()]))
+
+    def run(strategy):
+        lm, cb = LM(make_model("llama"), lr=1e-2), EpochEndWeights()
+        swa = StochasticWeightAveraging(swa_lrs=1e-2, swa_epoch_start=1)
+        _trainer(strategy=strategy, max_steps=-1, max_epochs=3, callbacks=[cb, swa]).fit(lm, make_data(n=8))
+        return lm, cb.seen
+
+    (ours, seen), (plain, plain_seen) = run("megatrain"), run("auto")
+    assert_parity(ours.model, plain.model, ours.losses, plain.losses)
+    assert len(seen) == len(plain_seen) == 3
+    for a, b in zip(seen, plain_seen):
+        assert rel(a, b) <= 1e-5
