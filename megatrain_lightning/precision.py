@@ -185,8 +185,14 @@ class MegaTrainPrecision(Precision):
 
     def _settle_grads(self) -> None:
         """The hooks' edits of the shown ``param.grad`` into the accumulators (replaced tensors copied; with several
-        processes, :meth:`StreamingEngine.commit_grads`, a collective: every rank calls it at the same points)."""
+        processes, :meth:`StreamingEngine.commit_grads`, a collective: every rank calls it at the same points).
+        Every shown gradient set to ``None`` (``module.zero_grad()``, or ``p.grad = None`` for each) drops them all,
+        as ``optimizer.zero_grad()`` does: plain PyTorch then steps nothing from them."""
         if self._attached:
+            if all(p.grad is None for _, p, _ in self._attached) and any(v is not None for _, _, v in self._attached):
+                self.engine.zero_grad()
+                self._detach_grads()
+                return
             self._keep_replaced_grads()
             self.engine.commit_grads()
 
@@ -250,7 +256,8 @@ class MegaTrainPrecision(Precision):
                     f"{'a gradient' if g is None else 'none (no gradient arrived, or gradients are on NVMe)'}; "
                     "strategy='megatrain' steps every trainable parameter from its own gradient buffer. Edit "
                     "param.grad in place or assign a tensor of its shape where it has one; to leave a parameter "
-                    "untrained, freeze it (requires_grad_(False)) before fit.")
+                    "untrained, freeze it (requires_grad_(False)) before fit; to drop every gradient, call "
+                    "optimizer.zero_grad() or module.zero_grad().")
             view.copy_(g)
             p.grad = view
 

@@ -5,12 +5,13 @@ callback under plain Lightning (``strategy="auto"``)."""
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
 import megatrain_lightning  # noqa: F401
 from megatrain_lightning import MegaTrainStrategy
-from megatrain_lightning.testing import LM, assert_parity, make_data, make_model, rel
+from megatrain_lightning.testing import LM, assert_parity, batch_inputs, make_data, make_model, rel
 
 
 class EditAfterBackward(Callback):
@@ -67,3 +68,42 @@ def test_on_after_backward_with_the_16_mixed_loss_scale():
     for a, b in zip(ours_cb.norms, plain_cb.norms):
         assert rel(a, b) <= 1e-5
     assert float(ours_cb.norms[0].max()) > 100.0  # scaled by 2**16
+
+
+class DiscardFirstBackward(LM):
+    """Manual optimization: a first backward (of three times the loss of a second forward) whose gradients are
+    dropped with ``module.zero_grad()`` (``how="module"``) or ``p.grad = None`` for every parameter (``"none"``),
+    then the real backward and the step."""
+
+    def __init__(self, model, how: str):
+        super().__init__(model, lr=1e-2)
+        self.automatic_optimization = False
+        self.how = how
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = self.model(**batch_inputs(batch)).loss
+        self.losses.append(loss.item())
+        self.manual_backward(self.model(**batch_inputs(batch)).loss * 3)
+        if self.how == "module":
+            self.zero_grad()
+        else:
+            for p in self.parameters():
+                p.grad = None
+        self.manual_backward(loss)
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("how", ["module", "none"])
+def test_module_zero_grad_between_manual_backwards_drops_the_gradients(how):
+    """``module.zero_grad()`` (or every ``p.grad = None``) after a ``manual_backward`` forgets its gradients, as
+    ``opt.zero_grad()`` does (before, it was refused as a hook that set one parameter's gradient to ``None``)."""
+    def run(strategy):
+        lm = DiscardFirstBackward(make_model("llama"), how)
+        pl.Trainer(strategy=strategy, accelerator="cpu", max_steps=3, enable_checkpointing=False, logger=False,
+                   enable_progress_bar=False, enable_model_summary=False).fit(lm, make_data(n=8))
+        return lm
+
+    ours, plain = run("megatrain"), run("auto")
+    assert_parity(ours.model, plain.model, ours.losses, plain.losses)
