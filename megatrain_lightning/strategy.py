@@ -414,6 +414,7 @@ class MegaTrainStrategy(ParallelStrategy):
         self.engine.install()
         module._device = self.root_device  # the module is never moved as a whole
         if trainer.state.fn == TrainerFn.FITTING:
+            _refuse_router_aux_loss(module)
             self.setup_optimizers(trainer)
             self._take_over_optimizer()
             if not any(isinstance(cb, _FlushAtEpochEnd) for cb in trainer.callbacks):
@@ -783,6 +784,29 @@ def _refuse_compiled(module: torch.nn.Module) -> None:
                 "(torch.compile(...) or .compile()), which strategy='megatrain' does not support: the engine "
                 "streams each block's weights through its own forward code, which Dynamo cannot trace. Pass the "
                 "uncompiled module (self.model = model instead of torch.compile(model); no model.compile() call).")
+
+
+def _refuse_router_aux_loss(module: torch.nn.Module) -> None:
+    """Raise if a mixture-of-experts model would add its router auxiliary (load-balancing) loss to the loss
+    (``config.output_router_logits=True`` with a nonzero ``router_aux_loss_coef``: Mixtral, Qwen-MoE, OLMoE...).
+
+    Transformers gathers the router logits with forward hooks inside each decoder layer; a streamed block runs
+    its forward without autograd and returns only its outputs to the graph, so those logits carry no gradient:
+    the loss value would include the auxiliary loss but its gradient (to the routers and everything before them)
+    would be silently missing.
+
+    Raises:
+        RuntimeError: naming the submodule and what to set.
+    """
+    for name, m in module.named_modules():
+        cfg = getattr(m, "config", None)
+        if getattr(cfg, "output_router_logits", False) and getattr(cfg, "router_aux_loss_coef", 1.0):
+            raise RuntimeError(
+                f"megatrain: {name or '(the LightningModule)'} ({type(m).__name__}) has config.output_router_logits="
+                "True, which strategy='megatrain' does not support in training: the router logits are gathered inside "
+                "the streamed decoder layers, where they carry no gradient, so the router auxiliary loss would be "
+                "added to the loss without training anything. Set config.output_router_logits=False (the loss is "
+                "then the language-modelling loss alone) before fit.")
 
 
 def _refuse_unfrozen(module: torch.nn.Module, trainable: Sequence[bool]) -> None:
