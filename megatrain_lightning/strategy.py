@@ -382,6 +382,7 @@ class MegaTrainStrategy(ParallelStrategy):
         if self.engine is None:
             _refuse_placeholders(module)
             _refuse_compiled(module)
+            _warn_low_precision_params(module)
             if self.groups is not None and (self.nvme.kinds if self.nvme is not None else ()):
                 raise NotImplementedError(
                     "megatrain: offload_params/offload_optimizer='nvme' runs in one process for now; with "
@@ -784,6 +785,23 @@ def _refuse_compiled(module: torch.nn.Module) -> None:
                 "(torch.compile(...) or .compile()), which strategy='megatrain' does not support: the engine "
                 "streams each block's weights through its own forward code, which Dynamo cannot trace. Pass the "
                 "uncompiled module (self.model = model instead of torch.compile(model); no model.compile() call).")
+
+
+def _warn_low_precision_params(module: torch.nn.Module) -> None:
+    """Warn if parameters are 16-bit floats (a model loaded with ``torch_dtype=torch.bfloat16``): the store
+    keeps them as fp32 masters, so the run trains (and the module comes back) in fp32, where plain Lightning
+    would update the 16-bit weights themselves: the numbers differ."""
+    low: dict[torch.dtype, list[str]] = {}
+    for name, p in module.named_parameters():
+        if p.dtype in (torch.bfloat16, torch.float16):
+            low.setdefault(p.dtype, []).append(name)
+    for dtype, names in low.items():
+        log.warning(
+            "megatrain: %d parameters are %s (e.g. %s): strategy='megatrain' keeps fp32 master weights, gradients and "
+            "AdamW state, so they are trained in fp32 and the module's parameters are fp32 afterwards (plain Lightning "
+            "would update the %s weights themselves, with other numbers). Load the model in float32 (no "
+            "torch_dtype=...) to silence this; for 16-bit compute use precision='bf16-mixed' or 'bf16-true'.",
+            len(names), dtype, names[0], dtype)
 
 
 def _refuse_router_aux_loss(module: torch.nn.Module) -> None:

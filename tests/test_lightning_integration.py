@@ -544,3 +544,17 @@ def test_stochastic_weight_averaging_and_epoch_end_reads_train_like_plain_lightn
     assert len(seen) == len(plain_seen) == 3
     for a, b in zip(seen, plain_seen):
         assert rel(a, b) <= 1e-5
+
+
+def test_bf16_parameters_are_trained_as_fp32_masters_with_a_warning(caplog):
+    """A model loaded in bf16 (``torch_dtype=torch.bfloat16``) trains from fp32 masters, as the same model
+    upcast to fp32 does, and comes back fp32; a warning says so (plain Lightning would update the bf16 weights:
+    other numbers). Before, nothing was said."""
+    lm = LM(make_model("llama").to(torch.bfloat16))
+    ref = LM(make_model("llama").to(torch.bfloat16).float())
+    with caplog.at_level(logging.WARNING, logger="megatrain_lightning"):
+        _trainer(max_steps=2).fit(lm, make_data(n=4))
+    assert any("torch.bfloat16" in r.getMessage() and "fp32" in r.getMessage() for r in caplog.records)
+    assert all(p.dtype == torch.float32 for p in lm.parameters())
+    _trainer(max_steps=2).fit(ref, make_data(n=4))
+    assert_parity(lm.model, ref.model, lm.losses, ref.losses)
