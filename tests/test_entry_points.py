@@ -183,3 +183,37 @@ def test_fresh_optimizer_state_is_zero(tmp_path):
         st = opt.param_state(p)
         assert st is not None and float(st["step"]) == 1.0, n
         assert rel(st["exp_avg"], 0.1 * grads[n]) < 1e-6, n
+
+
+def _finder_callback_fit(strategy, tmp_path, finder):
+    from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
+
+    class BatchLM(LM):
+        def __init__(self, model):
+            super().__init__(model)
+            self.batch_size = 2
+
+        def train_dataloader(self):
+            return make_data(n=32, batch_size=self.batch_size)
+
+        validation_step = None
+
+    lm = BatchLM(make_model("llama"))
+    cb = (BatchSizeFinder(mode="power", steps_per_trial=2, max_trials=2) if finder == "batch_size"
+          else LearningRateFinder(min_lr=1e-4, max_lr=1e-2, num_training_steps=5, update_attr=False))
+    _trainer(strategy, tmp_path, max_steps=3, callbacks=[cb]).fit(lm)
+    return lm
+
+
+@pytest.mark.parametrize("finder", ["batch_size", "lr"])
+def test_finder_callbacks_inside_fit_start_the_fit_with_a_fresh_optimizer(finder, tmp_path):
+    """``BatchSizeFinder`` / ``LearningRateFinder`` as callbacks run their trials inside ``fit`` with its optimizer,
+    then restore a checkpoint saved before any step: the fit's first update is a first one, as plain Lightning's
+    (before, the AdamW steps and moments of the trials were kept: the checkpoint had no state for them)."""
+    ref = _finder_callback_fit("auto", tmp_path / "ref", finder)
+    got = _finder_callback_fit("megatrain", tmp_path / "ours", finder)
+    assert got.batch_size == ref.batch_size
+    assert len(got.losses) == len(ref.losses)
+    for a, b in zip(got.losses, ref.losses):
+        assert abs(a - b) <= TOL * abs(b)
+    _assert_same_weights(got, ref, f"{finder} finder callback, then fit")

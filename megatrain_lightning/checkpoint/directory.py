@@ -323,7 +323,8 @@ def load_checkpoint_dir(path: str | os.PathLike, module: nn.Module, engine: Any 
 
 
 def load_optimizer_dir(path: str | os.PathLike, module: nn.Module, engine: Any, meta: dict[str, Any]) -> None:
-    """Load AdamW state (exp_avg, exp_avg_sq, step per parameter; param-group hyper-parameters)."""
+    """Load AdamW state (exp_avg, exp_avg_sq, step per parameter; param-group hyper-parameters). A parameter the
+    checkpoint holds no state for has none afterwards (its next update is a first one), whatever steps ran since."""
     p = Path(path)
     opt = engine.optimizer
     if opt is None or not (p / "optimizer").exists():
@@ -334,3 +335,5 @@ def load_optimizer_dir(path: str | os.PathLike, module: nn.Module, engine: Any, 
         if source.has(f"{name}/exp_avg"):
             opt.load_param_state(param, source.get(f"{name}/exp_avg"), source.get(f"{name}/exp_avg_sq"),
                                  source.get(f"{name}/step"))
+        else:  # no state saved (no step before the save): none now, as torch.optim.AdamW.load_state_dict leaves it
+            opt.forget_param_state(param)

@@ -472,6 +472,14 @@ class HostAdamW:
             t[Region.exp_avg_sq][e.offset : e.offset + e.numel].copy_(exp_avg_sq.reshape(-1))
         self.steps[si][ei] = step.detach().reshape(()).float().cpu().clone()
 
+    def forget_param_state(self, param: torch.Tensor) -> None:
+        """Drop the AdamW state of one parameter: its next update starts at step 0 with zero moments, as
+        ``torch.optim.AdamW.load_state_dict`` leaves a parameter the loaded state has no entry for (a checkpoint
+        saved before its first step, e.g. the one ``BatchSizeFinder``/``lr_find`` restore after their trials)."""
+        where = self._where.get(id(param))
+        if where is not None:
+            self.steps[where[0]][where[1]] = None
+
     def param_groups_meta(self, module: torch.nn.Module) -> list[dict[str, Any]]:
         """Param groups as plain data: hyper-parameters plus the parameter *names* of each group."""
         names = {id(p): n for n, p in module.named_parameters()}
