@@ -376,7 +376,8 @@ class MegaTrainStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         if self.engine is not None and (self.engine.closed or self.engine.root is not module
-                                        or self.engine.trainable != [p.requires_grad for p in module.parameters()]):
+                                        or self.engine.trainable != [p.requires_grad for p in module.parameters()]
+                                        or not _same_parameters(self.engine.store, module)):
             self.engine.close()
             self.engine = None
         if self.engine is None:
@@ -785,6 +786,17 @@ def _refuse_compiled(module: torch.nn.Module) -> None:
                 "(torch.compile(...) or .compile()), which strategy='megatrain' does not support: the engine "
                 "streams each block's weights through its own forward code, which Dynamo cannot trace. Pass the "
                 "uncompiled module (self.model = model instead of torch.compile(model); no model.compile() call).")
+
+
+def _same_parameters(store: Any, module: torch.nn.Module) -> bool:
+    """Whether every parameter of ``module`` is one the store was built from, with the shape it had (a
+    ``resize_token_embeddings`` or a replaced submodule between two ``fit`` calls makes new parameters: the store
+    is then rebuilt from the module as it is now)."""
+    for p in module.parameters():
+        where = store.index.get(id(p))
+        if where is None or tuple(store.slabs[where[0]].entries[where[1]].shape) != tuple(p.shape):
+            return False
+    return True
 
 
 def _warn_low_precision_params(module: torch.nn.Module) -> None:

@@ -217,3 +217,25 @@ def test_finder_callbacks_inside_fit_start_the_fit_with_a_fresh_optimizer(finder
     for a, b in zip(got.losses, ref.losses):
         assert abs(a - b) <= TOL * abs(b)
     _assert_same_weights(got, ref, f"{finder} finder callback, then fit")
+
+
+def _fit_resize_fit(strategy, tmp_path):
+    lm = LM(make_model("llama"))
+    trainer = _trainer(strategy, tmp_path, max_steps=2)
+    trainer.fit(lm, make_data(n=8))
+    lm.model.resize_token_embeddings(104, mean_resizing=False)  # new embedding and head parameters
+    trainer.fit_loop.epoch_loop.max_steps = 4
+    trainer.fit(lm, make_data(n=8))
+    return lm
+
+
+def test_parameters_replaced_between_two_fits_train_like_plain_lightning(tmp_path):
+    """``resize_token_embeddings`` between two ``fit`` calls on one Trainer: the second fit trains the new
+    parameters (before, the store built for the old ones was kept, and the optimizer was refused as holding
+    parameters "not part of the LightningModule")."""
+    torch.manual_seed(0)
+    ref = _fit_resize_fit("auto", tmp_path / "ref")
+    torch.manual_seed(0)
+    got = _fit_resize_fit("megatrain", tmp_path / "ours")
+    assert got.model.get_input_embeddings().weight.shape[0] == 104
+    _assert_same_weights(got, ref, "fit, resize_token_embeddings, fit")
