@@ -79,17 +79,20 @@ def test_lr_find_then_fit_matches_plain_lightning(tmp_path):
     _assert_same_weights(got, ref, "lr_find, then fit")
 
 
+class BatchLM(LM):
+    """An ``LM`` with a ``batch_size`` attribute its own training loader uses (what the batch-size finders tune)."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.batch_size = 2
+
+    def train_dataloader(self):
+        return make_data(n=32, batch_size=self.batch_size)
+
+    validation_step = None  # no validation loop: the finders then tune the training loop
+
+
 def _scale_batch_size_then_fit(strategy, tmp_path):
-    class BatchLM(LM):
-        def __init__(self, model):
-            super().__init__(model)
-            self.batch_size = 2
-
-        def train_dataloader(self):
-            return make_data(n=32, batch_size=self.batch_size)
-
-        validation_step = None  # no validation loop: scale_batch_size then tunes the training loop
-
     lm = BatchLM(make_model("llama"))
     trainer = _trainer(strategy, tmp_path, max_steps=3)
     Tuner(trainer).scale_batch_size(lm, mode="power", steps_per_trial=1, init_val=2, max_trials=2)
@@ -187,16 +190,6 @@ def test_fresh_optimizer_state_is_zero(tmp_path):
 
 def _finder_callback_fit(strategy, tmp_path, finder):
     from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
-
-    class BatchLM(LM):
-        def __init__(self, model):
-            super().__init__(model)
-            self.batch_size = 2
-
-        def train_dataloader(self):
-            return make_data(n=32, batch_size=self.batch_size)
-
-        validation_step = None
 
     lm = BatchLM(make_model("llama"))
     cb = (BatchSizeFinder(mode="power", steps_per_trial=2, max_trials=2) if finder == "batch_size"
