@@ -48,6 +48,7 @@ from .engine.chunked_loss import check_chunk_size
 from .engine.block_groups import check_block_group
 from .engine.recompute_policy import RecomputePolicy, check_recompute, deprecated_recompute_every
 from .engine.prefetch import check_lookahead
+from .engine import recorded_outputs
 from .engine.reduce import GradReducer
 from .engine.streaming import StreamingEngine
 from .engine.threads import check_host_threads
@@ -416,7 +417,8 @@ class MegaTrainStrategy(ParallelStrategy):
         self.engine.install()
         module._device = self.root_device  # the module is never moved as a whole
         if trainer.state.fn == TrainerFn.FITTING:
-            _refuse_router_aux_loss(module)
+            if not recorded_outputs.supported():
+                _refuse_router_aux_loss(module)
             self.setup_optimizers(trainer)
             self._take_over_optimizer()
             if not any(isinstance(cb, _FlushAtEpochEnd) for cb in trainer.callbacks):
@@ -820,10 +822,11 @@ def _refuse_router_aux_loss(module: torch.nn.Module) -> None:
     """Raise if a mixture-of-experts model would add its router auxiliary (load-balancing) loss to the loss
     (``config.output_router_logits=True`` with a nonzero ``router_aux_loss_coef``: Mixtral, Qwen-MoE, OLMoE...).
 
-    Transformers gathers the router logits with forward hooks inside each decoder layer; a streamed block runs
-    its forward without autograd and returns only its outputs to the graph, so those logits carry no gradient:
-    the loss value would include the auxiliary loss but its gradient (to the routers and everything before them)
-    would be silently missing.
+    Called only when this transformers version does not record per-layer outputs the way
+    ``engine/recorded_outputs.py`` handles (which makes the router logits outputs of the block calls):
+    otherwise the logits would carry no gradient out of a streamed block, and the loss value would
+    include the auxiliary loss while its gradient (to the routers and everything before them) would be
+    silently missing.
 
     Raises:
         RuntimeError: naming the submodule and what to set.
@@ -833,8 +836,8 @@ def _refuse_router_aux_loss(module: torch.nn.Module) -> None:
         if getattr(cfg, "output_router_logits", False) and getattr(cfg, "router_aux_loss_coef", 1.0):
             raise RuntimeError(
                 f"megatrain: {name or '(the LightningModule)'} ({type(m).__name__}) has config.output_router_logits="
-                "True, which strategy='megatrain' does not support in training: the router logits are gathered inside "
-                "the streamed decoder layers, where they carry no gradient, so the router auxiliary loss would be "
+                "True, which strategy='megatrain' does not support with this transformers version: the router logits "
+                "are gathered inside the streamed decoder layers, where they carry no gradient, so the router auxiliary loss would be "
                 "added to the loss without training anything. Set config.output_router_logits=False (the loss is "
                 "then the language-modelling loss alone) before fit.")
 

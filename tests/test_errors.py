@@ -256,16 +256,3 @@ def test_compiled_submodule_is_refused_before_the_first_step(how):
     with pytest.raises(RuntimeError, match=rf"submodule {where} \(.*\) is compiled .*torch.compile\(model\)"):
         _fit(lm_for())
     assert _Counting.steps_run == 0
-
-
-def test_moe_router_aux_loss_is_refused_before_the_first_step():
-    """``output_router_logits=True`` (Mixtral's load-balancing loss) is refused at setup: the router logits are
-    gathered inside the streamed layers without a gradient, so the auxiliary loss would be in the loss but train
-    nothing (before, it trained silently without it: gradients 5-100% off plain Lightning's). A zero
-    coefficient, or ``output_router_logits=False``, trains."""
-    _Counting.steps_run = 0
-    with pytest.raises(RuntimeError, match="output_router_logits"):
-        _fit(_Counting(make_model("mixtral", output_router_logits=True, router_aux_loss_coef=0.02)))
-    assert _Counting.steps_run == 0
-    _fit(_Counting(make_model("mixtral", output_router_logits=True, router_aux_loss_coef=0.0)), max_steps=1)
-    assert _Counting.steps_run == 1

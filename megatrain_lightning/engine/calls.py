@@ -15,6 +15,12 @@ if TYPE_CHECKING:
     from .recompute import Recompute
 
 
+def autocast_state(device_type: str) -> tuple[bool, torch.dtype, bool]:
+    """The autocast state a block call's recompute replays: (enabled, dtype, cache enabled)."""
+    return (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type),
+            torch.is_autocast_cache_enabled())
+
+
 @dataclass
 class BlockCall:
     """Everything one block call needs to be recomputed in backward.

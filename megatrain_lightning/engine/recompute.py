@@ -29,17 +29,13 @@ from .accounting import ByteAccounting
 from .backward_state import keeps_graph, leaf_grad_use
 from .block_graph import GraphHooks, release_leaves
 from .bound_params import BoundParams
-from .calls import SECOND_BACKWARD, BlockCall, ForwardRecord, KeptGraph, trainable_refs  # noqa: F401 - trainable_refs re-exported
+from .calls import SECOND_BACKWARD, BlockCall, ForwardRecord, KeptGraph, autocast_state, trainable_refs  # noqa: F401 - trainable_refs re-exported
 from .grads import GradientSink
 from .chunked_mlp import plain_chunks
 from .offload import ActivationOffload, next_offloaded
 from .recompute_policy import RecomputePolicy, is_lookup
+from .recorded_outputs import hand_over, recorded_keys, recording
 from .row_grads import dense, lookup_context
-
-
-def _autocast_state(device_type: str) -> tuple:
-    return (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type),
-            torch.is_autocast_cache_enabled())
 
 
 class _BlockFunction(torch.autograd.Function):
@@ -59,7 +55,7 @@ class _BlockFunction(torch.autograd.Function):
         call.rng_cpu = torch.get_rng_state()
         if dev.type == "cuda":
             call.rng_dev = torch.cuda.get_rng_state(dev)
-        call.autocast = _autocast_state(dev.type)
+        call.autocast = autocast_state(dev.type)
         if call.keep:
             out = rc._run_kept(call, tensors)
         else:
@@ -147,6 +143,8 @@ class Recompute:
         pos = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
         refs = trainable_refs(blk)
         fwd = self.forward_for(blk)
+        keys = recorded_keys()  # e.g. router logits for the load-balancing loss: outputs of the call too
+        forward = recording(forward, keys) if keys else forward
         call = BlockCall(self, blk, forward, [None if i in pos else x for i, x in enumerate(flat)], spec, pos,
                          fwd=fwd, refs=refs, keep=keep and bool(fwd.calls))
         outs = _BlockFunction.apply(call, self.dummy, *[flat[i] for i in pos], *[r.param for r in refs])
@@ -155,7 +153,8 @@ class Recompute:
         out_flat = list(call.out_flat)
         for i, o in zip(call.out_pos, outs):
             out_flat[i] = o
-        return tree_unflatten(out_flat, call.out_spec)
+        out = tree_unflatten(out_flat, call.out_spec)
+        return hand_over(out) if keys else out
 
     def bound_params(self, blk: Block, refs: list, bufs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """A container's own trainable parameters (``refs``) as autograd-tracked device views of

@@ -1,0 +1,81 @@
+"""Tensors a block's submodules hand to Hugging Face's output recorder, as outputs of the block call.
+
+Transformers gathers some per-layer tensors with forward hooks on modules *inside* a decoder layer
+(``_can_record_outputs``, ``transformers.utils.output_capturing``): Mixtral's, Qwen-MoE's and OLMoE's
+router logits (``output_router_logits=True``; the model adds ``router_aux_loss_coef x`` the
+load-balancing loss computed from them to its loss), the attention weights (``output_attentions``).
+The hooks append to a collector (a dict of lists) that the model's forward installs in a context
+variable for its duration.
+
+A streamed block call runs its forward without a graph and recomputes it in backward, so a tensor
+the hooks appended inside the call would reach the loss without a gradient: the load-balancing
+loss would be in the loss value and train nothing. :func:`recording` instead makes the call's
+forward run under a collector of its own (the keys the model asked for) and return what the hooks
+appended as extra outputs ``(output, {key: [tensors]})``; the engine passes them through the
+block's ``autograd.Function`` like any output and :func:`hand_over` appends them to the model's
+collector, now connected to the call's backward. The recompute in backward runs the same wrapped
+forward, so the hooks record the same tensors again and their gradients enter the block's local
+``torch.autograd.grad`` with the block output's.
+
+``hidden_states`` is left to the model's collector: its hook sits on the decoder layer itself,
+outside the block call, where it sees the call's outputs; its first-entry rule (the layer input
+first) must see the model's whole list.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+try:  # transformers >= 5: per-layer outputs recorded by forward hooks into a context variable
+    from transformers.utils.output_capturing import _active_collector
+except ImportError:  # pragma: no cover - older transformers returned them from each layer
+    _active_collector = None
+
+_LEFT_TO_MODEL = {"hidden_states"}
+
+
+def supported() -> bool:
+    """Whether this transformers version records per-layer outputs through the collector handled here
+    (the strategy refuses the router load-balancing loss otherwise: it would train nothing)."""
+    return _active_collector is not None
+
+
+def recorded_keys() -> tuple[str, ...]:
+    """The keys of the model's active output collector that hooks inside a block may append to
+    (``()``: no model forward is recording, or it records nothing a block call must carry)."""
+    if _active_collector is None:
+        return ()
+    collected = _active_collector.get()
+    if not collected:
+        return ()
+    return tuple(k for k, v in collected.items()
+                 if isinstance(v, list) and not k.startswith("_") and k not in _LEFT_TO_MODEL)
+
+
+def recording(forward: Callable[..., Any], keys: tuple[str, ...]) -> Callable[..., tuple[Any, dict[str, list]]]:
+    """``forward`` run under a collector of its own for ``keys``; returns ``(output, {key: [tensors the
+    hooks appended during the call, in order]})``. Used for the call's forward and its recompute alike."""
+    assert _active_collector is not None
+
+    def run(*args: Any, **kwargs: Any) -> tuple[Any, dict[str, list]]:
+        own: dict[str, list] = {k: [] for k in keys}
+        token = _active_collector.set(own)
+        try:
+            out = forward(*args, **kwargs)
+        finally:
+            _active_collector.reset(token)
+        return out, own
+
+    return run
+
+
+def hand_over(out: tuple[Any, dict[str, list]]) -> Any:
+    """Take what a :func:`recording` forward returned through the block's autograd node: append the
+    recorded tensors (now outputs of that node) to the model's collector, where the hooks would have
+    appended them, and return the block's own output."""
+    out, recorded = out
+    collected = _active_collector.get() if _active_collector is not None else None
+    for k, tensors in recorded.items():
+        if collected is not None and k in collected:
+            collected[k].extend(tensors)
+    return out
