@@ -26,7 +26,7 @@ from megatrain_lightning.planning.estimate import CKPT_METADATA, gib, max_seq_le
 from megatrain_lightning.planning.preflight import plan_for_run
 
 ROOT = Path(__file__).resolve().parents[1]
-MODELS = ["llama8b", "llama70b", "llama100b", "smollm2_135m", "qwen2_7b", "mistral_7b"]
+MODELS = ["llama8b", "llama70b", "llama100b", "smollm2_135m", "qwen2_7b", "mistral_7b", "mixtral_8x7b"]
 HARDWARE = ["h100", "h200", "b200", "a100", "mi300x", "rtx4090", "this_machine"]
 
 
@@ -92,7 +92,8 @@ def test_bytes_equal_meta_model_params_times_bytes_per_param(name):
     # embedding once (it keeps its graph: its backward reads no weight)
     assert p.moved["h2d"] == 2 * sum(wire) - wire[-1] + 4 * p.counts.head_refetched - wire[0]
     assert images[0] == 0                                    # the embedding streams its fp32 master
-    assert 2 * p.counts.layers[0] < images[1] < 3 * p.counts.layers[0]  # norms' weights in fp32
+    if not p.counts.expert_params:  # norms' weights in fp32 (Mixtral's experts, not nn.Linear, travel in fp32 too)
+        assert 2 * p.counts.layers[0] < images[1] < 3 * p.counts.layers[0]
     reads = p.counts.reads_per_pass
     # fp32 gradients; the input embedding's as the rows its B x T tokens read when smaller (engine/row_grads.py)
     table = p.counts.vocab_size * p.counts.hidden_size
@@ -140,7 +141,32 @@ def test_published_parameter_counts():
     assert abs(count_params(load_model("llama70b")["config"]).total / 1e9 - 70.6) < 0.1  # 70,553,706,496
     assert count_params(load_model("qwen2_7b")["config"]).total == 7_615_616_512
     assert count_params(load_model("mistral_7b")["config"]).total == 7_248_023_552
+    assert count_params(load_model("mixtral_8x7b")["config"]).total == 46_702_792_704   # "46.7B"
     assert abs(count_params(load_model("llama100b")["config"]).total / 1e9 - 100.3) < 0.1
+
+
+def test_moe_matmul_params_are_what_a_token_multiplies_by():
+    """A mixture of experts: N_matmul (the 6 x N x tokens compute term) counts the routed experts a token passes
+    through (2 of 8 for Mixtral), not all of them; checked against torch's FLOP counter on a tiny Mixtral run
+    with the per-expert loop (``grouped_mm`` is not counted by it): the forward's matmul FLOPs / (2 x tokens)
+    differ from N_matmul only by the norm weights, which N_matmul includes."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatrain_lightning.testing import make_model
+
+    m = make_model("mixtral")
+    m.config._experts_implementation = "eager"
+    c = count_params(m)
+    assert c.num_experts == m.config.num_local_experts and c.experts_per_token == m.config.num_experts_per_tok
+    assert c.expert_params == sum(p.numel() for n, p in m.named_parameters() if ".experts." in n) > 0
+    B, T = 2, 16
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+        m(input_ids=torch.randint(0, m.config.vocab_size, (B, T)))
+    norms = sum(p.numel() for n, p in m.named_parameters() if "norm" in n)
+    assert fc.get_flop_counts()["Global"][torch.ops.aten.mm] / (2 * B * T) == c.matmul_params - norms
+    big = count_params(load_model("mixtral_8x7b")["config"])
+    assert abs((big.matmul_params + big.embedding) / 1e9 - 12.9) < 0.05  # Mistral AI's "12.9B active parameters"
+    assert count_params(load_model("llama8b")["config"]).idle_expert_params == 0
 
 
 def test_tied_embeddings_counted_once():

@@ -174,6 +174,13 @@ class WeightFetcher:
             need = [lay.nbytes if lay.dtype != torch.float32 else 0 for lay in layouts]
             self.images = self._shared_images(need) if any(need) else None
 
+    def forget_images(self) -> None:
+        """Re-encode every cached wire image at its slab's next fetch: the masters were written where their
+        version counter does not show it (``param.data.copy_``, which has a counter of its own)."""
+        for si, (shadow, _) in list(self.shadows.items()):
+            with self.store.slabs[si].lock:
+                self.shadows[si] = (shadow, None)
+
     def _shadow(self, slab) -> torch.Tensor:
         """Host wire image of the master slab (:class:`WireLayout`: bf16/fp16 for castable weights, fp32
         for the rest under mixed precision; all bf16 under ``bf16-true``), refreshed when the master

@@ -2,7 +2,8 @@
 
 What this file holds is the engine's frame: building the parts, installing the per-block proxies,
 the phase machine of a step (forward, backward, evaluation) that gives the prefetch schedule, and the
-optimizer step. The parts, each owning its state (docs/architecture.md, "Engine layout"):
+optimizer step. The parts, each owning its state (docs/architecture.md, "Engine layout"; a step through
+them: "A training step"):
 
 * ``accounting.py``: live bytes of compute buffers and gradients, per-step statistics;
 * ``fetch.py``: one block's weights to the device (pending update, wire cast, H2D copy);
@@ -11,10 +12,8 @@ optimizer step. The parts, each owning its state (docs/architecture.md, "Engine 
 * ``grads.py``: parameter gradients to the fp32 host accumulators (D2H), the update-in-backward plan;
   ``hook_grads.py``: ``param.grad`` of a node-shared accumulator (data parallel);
 * ``params.py``: direct reads and writes of masters; ``shared_grads.py``: sums of tied parameters' gradients;
-* ``kv_cache.py``: training forwards never write a KV cache; ``reduce.py``: data-parallel gradient averaging;
-* ``long_sequences.py``: LM head + loss and MLP over chunks of tokens; ``offload.py``: offloaded inputs.
-
-How a training step runs through them: docs/architecture.md, "A training step".
+  ``kv_cache.py``: no KV cache in training; ``reduce.py``: data-parallel gradient averaging; ``long_sequences.py``:
+  LM head + loss and MLP over chunks of tokens; ``offload.py``: offloaded inputs.
 """
 
 from __future__ import annotations
@@ -406,11 +405,6 @@ class StreamingEngine:
         self.grads.wire_dtype, self.grads.param_dtype = grad_wire, param
 
     @property
-    def param_dtype(self) -> torch.dtype:
-        """dtype of the device buffers blocks compute with (fp32, or bf16/fp16 under ``*-true``)."""
-        return self.fetcher.param_dtype
-
-    @property
     def wire_layouts(self) -> list:
         """Per slab, how its weights travel host -> device (:class:`~megatrain_lightning.engine.wire.WireLayout`)."""
         return self.fetcher.wire_layouts
@@ -477,6 +471,13 @@ class StreamingEngine:
         if self.optimizer is not None and self.optimizer.has_pending():
             self._drop_prefetched()
             self.optimizer.flush()
+
+    def weights_written(self) -> None:
+        """Parameters were written through ``param.data`` (no version counter shows it): drop the prefetched
+        copies and re-encode every wire image at its next fetch."""
+        self.flush()
+        self._drop_prefetched()
+        self.fetcher.forget_images()
 
     def end_step(self) -> dict[str, float]:
         """Close the accounting window of one optimizer step; returns the logged metrics."""

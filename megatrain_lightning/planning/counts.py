@@ -47,6 +47,11 @@ class ParamCounts:
         head_refetched: parameters of the head group outside the LM head module (the final norm):
             the engine streams them as their own block, which its backward fetches again (only the
             last block, the LM head, keeps its graph).
+        expert_params: parameters of routed MoE experts, all layers (under a module named ``experts``;
+            a shared expert is not routed); ``num_experts``: experts per layer (``num_local_experts``,
+            ``num_experts``, ``n_routed_experts``; 0 for a dense model). A token's matmuls read only
+            ``experts_per_token / num_experts`` of the routed experts' weights (:attr:`matmul_params`),
+            while every block still stores and streams all of them.
     """
 
     model_type: str
@@ -65,6 +70,8 @@ class ParamCounts:
     experts_per_token: int = 1
     max_position_embeddings: int = 0
     head_refetched: int = 0
+    expert_params: int = 0
+    num_experts: int = 0
 
     @property
     def stored(self) -> tuple[int, ...]:
@@ -112,11 +119,26 @@ class ParamCounts:
         return max(self.block_reads)
 
     @property
+    def idle_expert_params(self) -> int:
+        """Routed experts' parameters a token does not pass through: ``expert_params x (1 - experts_per_token /
+        num_experts)`` (0 for a dense model)."""
+        if not self.num_experts or not self.expert_params:
+            return 0
+        return self.expert_params - self.expert_params * min(self.experts_per_token, self.num_experts) // self.num_experts
+
+    @property
+    def layer_active(self) -> int:
+        """Decoder-layer parameters one token's matmuls read (all of them for a dense model)."""
+        return self.layer_total - self.idle_expert_params
+
+    @property
     def matmul_params(self) -> int:
         """Parameters that take part in a matmul per token (the input embedding is a lookup:
-        it costs no FLOPs unless it is tied to the LM head, which is a matmul)."""
+        it costs no FLOPs unless it is tied to the LM head, which is a matmul; a mixture of experts'
+        routed experts count for the ``experts_per_token`` a token passes through, Kaplan et al.'s N
+        being the parameters a token's forward multiplies by)."""
         lookup = self.embedding - self.tied
-        return self.total - lookup
+        return self.total - lookup - self.idle_expert_params
 
     def to_dict(self) -> dict[str, Any]:
         return {"model_type": self.model_type, "total": self.total, "embedding": self.embedding,
@@ -209,6 +231,7 @@ def count_module(model: nn.Module) -> ParamCounts:
     cast = {"embedding": 0, "head": 0}
     cast_layers = [0] * len(layer_names)
     after_layers = False  # named_parameters follows module (= forward) order
+    experts = 0  # routed experts' parameters (under a module named "experts")
     for fqn, p in model.named_parameters(remove_duplicate=False):
         group: int | str | None = None
         parts = fqn.split(".")
@@ -229,6 +252,7 @@ def count_module(model: nn.Module) -> ParamCounts:
         ok = owner_ok.get(id(p), False)
         if isinstance(group, int):
             layers[group] += n
+            experts += n if "experts" in parts[:-1] else 0
             cast_layers[group] += n if ok else 0
         elif group == "embedding":
             embedding += n
@@ -260,4 +284,6 @@ def count_module(model: nn.Module) -> ParamCounts:
         experts_per_token=get("num_experts_per_tok", "moe_topk", default=1),
         max_position_embeddings=get("max_position_embeddings", "n_positions", default=0),
         head_refetched=head_refetched,
+        expert_params=experts,
+        num_experts=get("num_local_experts", "num_experts", "n_routed_experts") if experts else 0,
     )

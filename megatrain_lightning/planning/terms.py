@@ -212,7 +212,7 @@ def resolve_auto(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, A
     inputs = 0 if s["offload_activations"] else int((kept0["block inputs"] + kept0["embedding indices"]) * tokens)
     sel = selective_per_token(c, s) * tokens
     none = sum(layer_saved_per_token(c, s).values()) * tokens
-    flops = (2 * c.layer_total / L + 2 * s["seq_len"] * c.num_heads * c.head_dim) * tokens
+    flops = (2 * c.layer_active / L + 2 * s["seq_len"] * c.num_heads * c.head_dim) * tokens
     r = PRECISIONS[s["precision"]][3]
     measured = {i: dict(selective=sel, none=none, flops=flops, flops_selective=(none - sel) / r) for i in range(L)}
     # offloaded kept activations take no device memory: the engine's meter counts device bytes only
@@ -223,7 +223,7 @@ def resolve_auto(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, A
 
 def recompute_flops(c: ParamCounts, s: dict[str, Any]) -> dict[str, float]:
     """Recompute FLOPs per token by ``recompute`` mode (:func:`_estimate`'s ``flops_parts``):
-    ``"block"`` layers re-run their forward (2 x layer params + attention 2 x seq_len x q), with
+    ``"block"`` layers re-run their forward (2 x the layer params a token reads + attention 2 x seq_len x q), with
     ``recompute_every=K`` > 1 (K-1)/K of them once more (chains, also under ``"selective"``: a linked
     call's chain runs without its cache); ``"selective"`` re-runs only norms, activations and
     elementwise ops (counted as 0: no matmul); ``"none"`` nothing."""
@@ -231,7 +231,7 @@ def recompute_flops(c: ParamCounts, s: dict[str, Any]) -> dict[str, float]:
 
     L, T, K = c.num_layers, s["seq_len"], s["recompute_every"]
     mix = layer_mix(c, s)
-    f_layers = 2 * c.layer_total + 2 * L * T * c.num_heads * c.head_dim
+    f_layers = 2 * c.layer_active + 2 * L * T * c.num_heads * c.head_dim
     return {"recompute (block layers)": mix["block"] / L * f_layers,
             "recompute chains (K > 1)": (K - 1) / K * (mix["block"] + mix["selective"]) / L * f_layers}
 
