@@ -36,6 +36,8 @@ from lightning.fabric.utilities.distributed import _get_default_process_group_ba
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.callbacks import Callback
 
+from lightning.pytorch.callbacks import StochasticWeightAveraging as _StochasticWeightAveraging
+
 try:  # Lightning >= 2.5: WeightAveraging / EMAWeightAveraging read the weights after every optimizer step
     from lightning.pytorch.callbacks.weight_averaging import WeightAveraging as _WeightAveraging
 except ImportError:  # pragma: no cover - older Lightning
@@ -67,6 +69,7 @@ from .parallel.node_share import NodeStore
 from .parallel.preflight import check_rendezvous, check_same_config, optimizer_fingerprint, run_fingerprint
 from .precision import MegaTrainPrecision, to_megatrain_precision
 from .store.nvme import IO_BLOCK_SIZE, NVME_PATH_FROM_ENV, NVMeConfig
+from .store.regions import Region
 
 log = logging.getLogger(__name__)
 
@@ -381,6 +384,8 @@ class MegaTrainStrategy(ParallelStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
+        if trainer.state.fn == TrainerFn.FITTING:
+            _refuse_averaging_masters_on_disk(trainer.callbacks, self.nvme is not None and Region.master in self.nvme.kinds)
         if self.engine is not None and (self.engine.closed or self.engine.root is not module
                                         or self.engine.trainable != [p.requires_grad for p in module.parameters()]
                                         or not _same_parameters(self.engine.store, module)):
@@ -804,6 +809,29 @@ class _AfterWeightAveraging(Callback):
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._written(trainer)
+
+
+def _refuse_averaging_masters_on_disk(callbacks: Sequence[Callback], masters_on_disk: bool) -> None:
+    """Raise if a weight-averaging callback would read and write ``param.data`` while the masters are on NVMe.
+
+    ``StochasticWeightAveraging`` and ``WeightAveraging`` (``EMAWeightAveraging``) average ``pl_module.parameters()``
+    and copy the average back into them; with ``offload_params="nvme"`` those tensors are placeholders (the
+    weights are in the store's files), so the average would be of placeholders, and the first swap fails
+    with a PyTorch error after the training steps it ran. Refused at setup, before any work.
+
+    Raises:
+        RuntimeError: naming the callback and what to change.
+    """
+    if not masters_on_disk:
+        return
+    kinds = tuple(k for k in (_WeightAveraging, _StochasticWeightAveraging) if k is not None)
+    for cb in callbacks:
+        if kinds and isinstance(cb, kinds):
+            raise RuntimeError(
+                f"megatrain: the {type(cb).__name__} callback averages the parameters by reading and writing them "
+                "directly, but with offload_params='nvme' the weights live in the NVMe store's files and the "
+                "parameters are placeholders. Keep the weights in host RAM (offload_params='cpu'; "
+                "offload_optimizer='nvme' still moves the AdamW state to disk), or remove the callback.")
 
 
 def _refuse_placeholders(module: torch.nn.Module) -> None:

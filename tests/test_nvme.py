@@ -251,6 +251,25 @@ def test_failed_request_of_a_split_region_names_its_offset(tmp_path, monkeypatch
     st.close()
 
 
+@pytest.mark.parametrize("callback", ["ema", "swa"])
+def test_weight_averaging_with_masters_on_disk_is_refused_before_any_step(tmp_path, callback):
+    """``EMAWeightAveraging`` / ``StochasticWeightAveraging`` read and write ``param.data``, which the NVMe tier
+    keeps as placeholders: refused at setup, naming the callback and the option (before, EMA failed with a
+    PyTorch error at the first validation, after the steps before it ran). With only the AdamW state on NVMe,
+    EMA trains bitwise as with the RAM tier."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging
+
+    make = (lambda: EMAWeightAveraging(decay=0.5)) if callback == "ema" else (lambda: StochasticWeightAveraging(1e-2))
+    with pytest.raises(RuntimeError, match=rf"{type(make()).__name__} callback .* offload_params='nvme'.* host RAM"):
+        fit(nvme_strategy(tmp_path / "a"), callbacks=[make()], default_root_dir=tmp_path)
+    if callback == "ema":
+        (tmp_path / "b").mkdir()
+        opt_only, _ = fit(MegaTrainStrategy(offload_optimizer="nvme", nvme_path=str(tmp_path / "b")),
+                          callbacks=[make()], default_root_dir=tmp_path)
+        ram, _ = fit(MegaTrainStrategy(), callbacks=[make()], default_root_dir=tmp_path)
+        assert_bitwise(opt_only, ram)
+
+
 def test_io_options_are_validated_with_their_names():
     with pytest.raises(ValueError, match="multiple of 4096"):
         MegaTrainStrategy(offload_params="nvme", nvme_path="/tmp", nvme_io_block_size=5000)
