@@ -18,21 +18,21 @@ import torch
 import megatrain_lightning  # noqa: F401  (registers strategy="megatrain")
 from megatrain_lightning import MegaTrainStrategy
 from megatrain_lightning.engine import recorded_outputs
-from megatrain_lightning.testing import LM, assert_parity, make_data, make_model, reference_train
+from megatrain_lightning.testing import LM, assert_parity, make_data, make_model, padded_data, reference_train
 
 STEPS, ACC, CLIP = 4, 2, 0.5
 
 
-def _fit_against_plain(model, extra_inputs=None, **strategy_kw):
+def _fit_against_plain(model, extra_inputs=None, data=make_data, **strategy_kw):
     ref = copy.deepcopy(model)
     lm = LM(model, extra_inputs=extra_inputs)
     torch.manual_seed(0)
     trainer = pl.Trainer(strategy=MegaTrainStrategy(**strategy_kw), accelerator="cpu", devices=1, max_steps=STEPS,
                          accumulate_grad_batches=ACC, gradient_clip_val=CLIP, enable_checkpointing=False, logger=False,
                          enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(lm, make_data(n=STEPS * ACC * 2))
+    trainer.fit(lm, data(n=STEPS * ACC * 2))
     torch.manual_seed(0)
-    ref_losses = reference_train(ref, make_data(n=STEPS * ACC * 2), STEPS, accumulate=ACC, clip=CLIP,
+    ref_losses = reference_train(ref, data(n=STEPS * ACC * 2), STEPS, accumulate=ACC, clip=CLIP,
                                  extra_inputs=extra_inputs)
     assert_parity(lm.model, ref, lm.losses, ref_losses)
     return lm
@@ -46,6 +46,15 @@ def test_router_aux_loss_trains_like_plain_pytorch(kw):
     """``config.output_router_logits=True`` with a large coefficient (0.5, so the load-balancing loss moves the
     routers visibly): losses and every weight (router gates included) within 1e-5 of plain PyTorch."""
     _fit_against_plain(make_model("mixtral", output_router_logits=True, router_aux_loss_coef=0.5), **kw)
+
+
+def test_router_aux_loss_with_an_attention_mask_over_mlp_chunks():
+    """``mlp_chunk_size`` runs the MoE block (its router included) once per chunk of tokens; the load-balancing
+    loss weighs each layer's ``[B*T, E]`` router logits by the ``[B*T]`` attention mask. The chunks' logits are
+    put back in one tensor per layer: padded batches train like plain PyTorch (before: a shape error in
+    ``load_balancing_loss_func``, as soon as the batch had an attention mask)."""
+    _fit_against_plain(make_model("mixtral", output_router_logits=True, router_aux_loss_coef=0.5), data=padded_data,
+                       mlp_chunk_size=4)
 
 
 def test_router_logits_requested_per_call_train_too():

@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..blocks import Block
 from .forward_patch import ForwardPatches
+from .recorded_outputs import over_chunks
 
 MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe")
 """Child names of a block's MLP, first match wins."""
@@ -94,10 +95,15 @@ def chunked_call(forward: Callable[[torch.Tensor], Any], x: torch.Tensor, chunk:
         with _bound(slots, ps):
             return forward(xc)
 
+    starts = range(0, x.shape[1], chunk)
+
+    def one(i: int) -> Any:
+        xc = x[:, starts[i] : starts[i] + chunk].contiguous()  # a view across the batch stride otherwise (MoE .view)
+        return xc, checkpoint(run, xc, *params, use_reentrant=False) if grad else forward(xc)
+
     pieces = []
-    for s in range(0, x.shape[1], chunk):
-        xc = x[:, s : s + chunk].contiguous()  # a view across the batch stride otherwise (MoE .view)
-        y = checkpoint(run, xc, *params, use_reentrant=False) if grad else forward(xc)
+    # what hooks inside record (MoE router logits) is put back in the unchunked layout
+    for xc, y in over_chunks(one, len(starts), x.shape[0], [min(chunk, x.shape[1] - s) for s in starts]):
         if not torch.is_tensor(y) or tuple(y.shape[:2]) != tuple(xc.shape[:2]):
             raise RuntimeError(
                 f"megatrain: mlp_chunk_size: the MLP returned {type(y).__name__} "

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
+
 try:  # transformers >= 5: per-layer outputs recorded by forward hooks into a context variable
     from transformers.utils.output_capturing import _active_collector
 except ImportError:  # pragma: no cover - older transformers returned them from each layer
@@ -79,3 +81,51 @@ def hand_over(out: tuple[Any, dict[str, list]]) -> Any:
         if collected is not None and k in collected:
             collected[k].extend(tensors)
     return out
+
+
+def over_chunks(run_chunk: Callable[[int], Any], n_chunks: int, batch: int, lengths: list[int]) -> list[Any]:
+    """Run ``run_chunk(i)`` for each of ``n_chunks`` chunks of a ``[batch, sum(lengths), ...]`` input (chunk ``i``
+    has ``lengths[i]`` tokens: ``mlp_chunk_size``) and return their outputs; what the hooks inside record for the
+    model's collector is recorded per chunk and appended once per hook call, as the unchunked call records it.
+
+    A MoE MLP run over chunks calls its router once per chunk: the model's load-balancing loss would get one
+    ``[batch * chunk, E]`` router-logit tensor per chunk instead of one ``[batch * T, E]`` per layer, and fail
+    against the ``[batch * T]`` attention mask (or weigh the wrong rows). Each recorded tensor is put back in the
+    unchunked layout: ``[batch * len, ...]`` rows (batch-major) or ``[batch, len, ...]``, concatenated along the
+    tokens.
+
+    Raises:
+        RuntimeError: a chunk recorded a tensor of another layout, or the chunks recorded different numbers.
+    """
+    keys = recorded_keys()
+    if not keys:
+        return [run_chunk(i) for i in range(n_chunks)]
+    outs, per_chunk = [], []
+    for i in range(n_chunks):
+        out, own = recording(run_chunk, keys)(i)
+        outs.append(out)
+        per_chunk.append(own)
+    collected = _active_collector.get()
+    for k in keys:
+        lists = [own[k] for own in per_chunk]
+        if len({len(x) for x in lists}) != 1:
+            raise RuntimeError(f"megatrain: mlp_chunk_size: the MLP's chunks recorded different numbers of "
+                               f"'{k}' outputs ({[len(x) for x in lists]}); set mlp_chunk_size=None.")
+        collected[k].extend(_merge(k, [x[j] for x in lists], batch, lengths) for j in range(len(lists[0])))
+    return outs
+
+
+def _merge(key: str, parts: list, batch: int, lengths: list[int]) -> Any:
+    """One chunked recording (``parts``: one per chunk) in the layout of the unchunked call's."""
+    if all(p is None for p in parts):
+        return None
+    if all(isinstance(p, torch.Tensor) and p.dim() >= 2 and tuple(p.shape[:2]) == (batch, n)
+           for p, n in zip(parts, lengths)):
+        return torch.cat(parts, 1)
+    if all(isinstance(p, torch.Tensor) and p.dim() >= 1 and p.shape[0] == batch * n for p, n in zip(parts, lengths)):
+        rest = tuple(parts[0].shape[1:])
+        return torch.cat([p.reshape(batch, n, *rest) for p, n in zip(parts, lengths)], 1).reshape(-1, *rest)
+    shapes = [tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__ for p in parts]
+    raise RuntimeError(f"megatrain: mlp_chunk_size: the MLP recorded '{key}' outputs of shapes {shapes} over chunks "
+                       f"of {lengths} tokens (batch {batch}), which cannot be put back in the unchunked layout; set "
+                       "mlp_chunk_size=None.")
