@@ -35,19 +35,18 @@ from lightning.fabric.utilities.distributed import _distributed_is_initialized, 
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.callbacks import Callback
-
 from lightning.pytorch.callbacks import StochasticWeightAveraging as _StochasticWeightAveraging
-
-try:  # Lightning >= 2.5: WeightAveraging / EMAWeightAveraging read the weights after every optimizer step
-    from lightning.pytorch.callbacks.weight_averaging import WeightAveraging as _WeightAveraging
-except ImportError:  # pragma: no cover - older Lightning
-    _WeightAveraging = None
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
+
+try:  # Lightning >= 2.5: WeightAveraging / EMAWeightAveraging read the weights after every optimizer step
+    from lightning.pytorch.callbacks.weight_averaging import WeightAveraging as _WeightAveraging
+except ImportError:  # pragma: no cover - older Lightning
+    _WeightAveraging = None
 
 from .checkpoint.hf_io import weight_sources
 from .checkpoint.directory import load_checkpoint_dir, load_optimizer_dir, save_checkpoint_dir

@@ -18,6 +18,7 @@ uninstall) is wrapped. Inputs ``[B, T, H]`` with ``T > mlp_chunk_size`` are chun
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from typing import Any, Callable, Iterator
 
@@ -29,8 +30,22 @@ from ..blocks import Block
 from .forward_patch import ForwardPatches
 from .recorded_outputs import over_chunks
 
+log = logging.getLogger(__name__)
+
 MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe")
 """Child names of a block's MLP, first match wins."""
+
+
+def _random_parts(mlp: nn.Module) -> list[str]:
+    """What in ``mlp`` draws random numbers in training: dropout with ``p > 0``, router jitter noise (PhiMoE)."""
+    found = []
+    for name, m in mlp.named_modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            found.append(f"{name or 'mlp'}: {type(m).__name__}(p={m.p})")
+        jitter = getattr(m, "router_jitter_noise", None) or getattr(m, "jitter_noise", None)
+        if isinstance(jitter, (int, float)) and jitter > 0:
+            found.append(f"{name or 'mlp'}: router jitter noise {jitter}")
+    return found
 
 
 def find_mlp(module: nn.Module) -> nn.Module | None:
@@ -130,11 +145,19 @@ class ChunkedMLP:
         if self.chunk is None or self.installed:
             return
         streamed = {id(b.module) for b in blocks}
+        warned = False
         for blk in blocks:
             mlp = None if blk.direct else find_mlp(blk.module)
             if mlp is None or id(mlp) in streamed:  # an MLP streamed as its own block keeps its proxy
                 continue
             self.installed.patch(mlp, self._wrap(mlp, mlp.forward, self.chunk))
+            random = _random_parts(mlp)
+            if random and not warned:
+                warned = True
+                log.warning("megatrain: mlp_chunk_size=%d: the MLP of %s draws random numbers in training (%s); over "
+                            "chunks they are drawn per chunk, so training differs from plain PyTorch's (the same "
+                            "distribution, not the same numbers). Set mlp_chunk_size=None for exact parity.",
+                            self.chunk, blk.name, ", ".join(random))
 
     def uninstall(self) -> None:
         """Restore every wrapped MLP's own ``forward``."""

@@ -120,7 +120,7 @@ class StreamingEngine:
     ):
         check_lookahead(lookahead)
         recompute_every = deprecated_recompute_every(recompute_every, checkpoint_every)
-        self.long = LongSequences(root, loss_chunk_size, mlp_chunk_size, self.call_block, lambda: self.param_dtype)
+        self.long = LongSequences(root, loss_chunk_size, mlp_chunk_size, self.call_block, lambda: self.fetcher.param_dtype)
         self.root = root
         self.device = torch.device(device)
         host_threads = resolve_host_threads(host_threads, self.device)
