@@ -775,8 +775,13 @@ class _FlushForCallbacks(Callback):
     ``trainer.strategy.flush()`` first (README, "Lightning features"); flushing for every callback that
     overrides the hook (progress bars, loggers) would give up the optimizer overlap on every step."""
 
+    _flushed_step = -1
+
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self._flushed_step:  # no optimizer step since (a micro-batch of accumulation)
+            return
         if _WeightAveraging is not None and any(isinstance(cb, _WeightAveraging) for cb in trainer.callbacks):
+            self._flushed_step = trainer.global_step
             trainer.strategy.flush()
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:

@@ -550,7 +550,8 @@ def test_stochastic_weight_averaging_and_epoch_end_reads_train_like_plain_lightn
                          ids=["fp32", "fp32_copies", "bf16_mixed"])
 def test_ema_weight_averaging_trains_and_validates_like_plain_lightning(precision, kw):
     """Lightning's ``EMAWeightAveraging``: averages after every optimizer step (``on_train_batch_end``), swaps the
-    average in for validation and back through ``param.data``, copies it into the model at the end. Before, it
+    average in for validation and back through ``param.data``, copies it into the model at the end (accumulation 2:
+    the flush runs once per optimizer step, not per micro-batch). Before, it
     averaged weights one step old (final weights 2% off) and, under bf16-mixed, validation and training after it
     read 16-bit wire images cached before the swap (0.4% off). Validation losses and final weights: bitwise."""
     from lightning.pytorch.callbacks import EMAWeightAveraging
@@ -567,12 +568,12 @@ def test_ema_weight_averaging_trains_and_validates_like_plain_lightning(precisio
 
     def run(strategy):
         lm = ValLM(make_model("llama"))
-        _trainer(strategy=strategy, precision=precision, callbacks=[EMAWeightAveraging(decay=0.5)], val_check_interval=3,
-                 limit_val_batches=2).fit(lm, make_data(n=24), make_data(n=8, seed=5))
+        _trainer(strategy=strategy, precision=precision, callbacks=[EMAWeightAveraging(decay=0.5)], val_check_interval=4,
+                 limit_val_batches=2, accumulate_grad_batches=2).fit(lm, make_data(n=24), make_data(n=8, seed=5))
         return lm
 
     ours, plain = run(MegaTrainStrategy(**kw)), run("auto")
-    assert ours.losses == plain.losses and len(ours.val) == len(plain.val) == 6
+    assert ours.losses == plain.losses and len(ours.val) == len(plain.val) > 0
     assert ours.val == plain.val
     for (name, a), b in zip(ours.named_parameters(), plain.parameters()):
         assert torch.equal(a.detach(), b.detach()), name
