@@ -34,7 +34,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection, _sync_ddp_if_available
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import BaseFinetuning, Callback
 from lightning.pytorch.callbacks import StochasticWeightAveraging as _StochasticWeightAveraging
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
@@ -153,6 +153,12 @@ class MegaTrainStrategy(ParallelStrategy):
             gradient clipping or fp16 loss scaling (both need every gradient first) and when the
             LightningModule does not override ``on_before_optimizer_step``,
             ``configure_gradient_clipping`` or ``optimizer_step``; otherwise the deferred schedule runs.
+        unfreeze_during_fit: keep gradient and AdamW state in the store for the parameters frozen at setup as
+            well, so that they can be unfrozen (``requires_grad_(True)``, ``optimizer.add_param_group``) while fit
+            runs. Costs what training them costs (12 bytes per frozen element more once allocated: the
+            accumulator at the first backward, the moments at the first step), from the start. ``None`` (default):
+            on when a Lightning ``BaseFinetuning`` callback (``BackboneFinetuning`` or a subclass) is in the
+            Trainer. ``False``: unfreezing during fit raises (the store has no room for the gradient).
         host_threads: intra-op CPU threads of the engine's two host workers (the host AdamW, gradient
             adds into the fp32 accumulators, casts to the wire dtype). ``None`` (default): on CUDA
             ``torch.get_num_threads() - 1``, which leaves a core for the thread launching GPU kernels
@@ -220,6 +226,7 @@ class MegaTrainStrategy(ParallelStrategy):
         direct_io: bool | str = "auto",
         keep_nvme_files: bool = False,
         optimizer_in_backward: bool | None = None,
+        unfreeze_during_fit: bool | None = None,
         host_threads: int | None = None,
         loss_chunk_size: int | str | None = "auto",
         mlp_chunk_size: int | None = None,
@@ -229,9 +236,10 @@ class MegaTrainStrategy(ParallelStrategy):
         timeout: timedelta | float | None = timedelta(minutes=30),
     ) -> None:
         check_host_threads(host_threads)
-        check_switches(("pin_memory", "optimizer_in_backward"), offload_activations=offload_activations,
+        check_switches(("pin_memory", "optimizer_in_backward", "unfreeze_during_fit"), offload_activations=offload_activations,
                        overlap_optimizer=overlap_optimizer, pin_memory=pin_memory, cpu_zero_copy=cpu_zero_copy,
-                       log_stats=log_stats, keep_nvme_files=keep_nvme_files, optimizer_in_backward=optimizer_in_backward)
+                       log_stats=log_stats, keep_nvme_files=keep_nvme_files, optimizer_in_backward=optimizer_in_backward,
+                       unfreeze_during_fit=unfreeze_during_fit)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self._num_nodes = 1
@@ -255,6 +263,7 @@ class MegaTrainStrategy(ParallelStrategy):
             host_memory_limit=host_memory_limit, io_threads=nvme_io_threads, io_block_size=nvme_io_block_size,
             read_ahead=nvme_read_ahead, direct_io=direct_io, keep_files=keep_nvme_files)
         self.optimizer_in_backward = optimizer_in_backward
+        self.unfreeze_during_fit = unfreeze_during_fit
         self.host_threads = host_threads
         self.loss_chunk_size = check_chunk_size("loss_chunk_size", loss_chunk_size, allow_auto=True)
         self.mlp_chunk_size = check_chunk_size("mlp_chunk_size", mlp_chunk_size, allow_auto=False)
@@ -384,9 +393,11 @@ class MegaTrainStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         if trainer.state.fn == TrainerFn.FITTING:
-            _refuse_averaging_masters_on_disk(trainer.callbacks, self.nvme is not None and Region.master in self.nvme.kinds)
+            _refuse_callbacks_reading_masters_on_disk(trainer.callbacks, self.nvme is not None and Region.master in self.nvme.kinds)
+        reserve_frozen = _reserve_frozen(self.unfreeze_during_fit, trainer.callbacks)
         if self.engine is not None and (self.engine.closed or self.engine.root is not module
-                                        or self.engine.trainable != [p.requires_grad for p in module.parameters()]
+                                        or self.engine.trainable != [reserve_frozen or p.requires_grad
+                                                                     for p in module.parameters()]
                                         or not _same_parameters(self.engine.store, module)):
             self.engine.close()
             self.engine = None
@@ -406,6 +417,7 @@ class MegaTrainStrategy(ParallelStrategy):
                 self.root_device,
                 lookahead=self.lookahead,
                 block_group=self.block_group,
+                reserve_frozen=reserve_frozen,
                 recompute_every=self.recompute_every,
                 offload_activations=self.offload_activations,
                 loss_chunk_size=self.loss_chunk_size,
@@ -670,8 +682,17 @@ class MegaTrainStrategy(ParallelStrategy):
         """Weights were already copied into the store by :meth:`load_checkpoint`."""
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Load the AdamW state and param groups of the checkpoint :meth:`load_checkpoint` read.
+
+        A ``BaseFinetuning`` callback restores the param groups it added (``on_fit_start`` after its
+        ``load_state_dict``); with ``restore_checkpoint_after_setup`` Lightning restores callbacks after
+        ``on_fit_start``, so its hook runs again here, before the groups are matched (a no-op when not resuming)."""
         if self.engine is None or self.engine.optimizer is None or getattr(self, "_loaded_path", None) is None:
             return
+        trainer = self.lightning_module.trainer
+        for cb in trainer.callbacks:
+            if isinstance(cb, BaseFinetuning):
+                cb.on_fit_start(trainer, self.lightning_module)
         load_optimizer_dir(self._loaded_path, self.lightning_module, self.engine, self._loaded_meta)
 
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -815,13 +836,16 @@ class _AfterWeightAveraging(Callback):
         self._written(trainer)
 
 
-def _refuse_averaging_masters_on_disk(callbacks: Sequence[Callback], masters_on_disk: bool) -> None:
-    """Raise if a weight-averaging callback would read and write ``param.data`` while the masters are on NVMe.
+def _refuse_callbacks_reading_masters_on_disk(callbacks: Sequence[Callback], masters_on_disk: bool) -> None:
+    """Raise if a callback would read (or write) parameter values through ``param.data`` while the masters are on
+    NVMe (``offload_params="nvme"``: those tensors are placeholders, the weights are in the store's files).
 
     ``StochasticWeightAveraging`` and ``WeightAveraging`` (``EMAWeightAveraging``) average ``pl_module.parameters()``
-    and copy the average back into them; with ``offload_params="nvme"`` those tensors are placeholders (the
-    weights are in the store's files), so the average would be of placeholders, and the first swap fails
-    with a PyTorch error after the training steps it ran. Refused at setup, before any work.
+    and copy the average back into them: the average would be of placeholders, and the first swap fails with a
+    PyTorch error after the training steps it ran. ``BaseFinetuning`` decides which unfrozen parameters are
+    already in the optimizer by comparing values (``filter_on_optimizer``: ``torch.equal``), and placeholders of
+    one shape are all equal: it would add no param group, and the unfrozen parameters would silently not train
+    (measured). Refused at setup, before any work.
 
     Raises:
         RuntimeError: naming the callback and what to change.
@@ -836,6 +860,14 @@ def _refuse_averaging_masters_on_disk(callbacks: Sequence[Callback], masters_on_
                 "directly, but with offload_params='nvme' the weights live in the NVMe store's files and the "
                 "parameters are placeholders. Keep the weights in host RAM (offload_params='cpu'; "
                 "offload_optimizer='nvme' still moves the AdamW state to disk), or remove the callback.")
+        if isinstance(cb, BaseFinetuning):
+            raise RuntimeError(
+                f"megatrain: the {type(cb).__name__} callback finds the parameters it unfreezes in the optimizer by "
+                "comparing their values, but with offload_params='nvme' the weights live in the NVMe store's files "
+                "and the parameters are placeholders (all equal), so it would add no param group and the unfrozen "
+                "parameters would not train. Keep the weights in host RAM (offload_params='cpu'; "
+                "offload_optimizer='nvme' still moves the AdamW state to disk), or unfreeze in a callback of your own "
+                "(requires_grad_(True) and optimizer.add_param_group) with MegaTrainStrategy(unfreeze_during_fit=True).")
 
 
 def _refuse_placeholders(module: torch.nn.Module) -> None:
@@ -929,6 +961,12 @@ def _refuse_router_aux_loss(module: torch.nn.Module) -> None:
                 "then the language-modelling loss alone) before fit.")
 
 
+def _reserve_frozen(option: bool | None, callbacks: Sequence[Callback]) -> bool:
+    """``unfreeze_during_fit`` resolved: the option, or with ``None`` whether a ``BaseFinetuning`` callback (which
+    unfreezes parameters and adds them to the optimizer during fit) is among ``callbacks``."""
+    return option if option is not None else any(isinstance(cb, BaseFinetuning) for cb in callbacks)
+
+
 def _refuse_unfrozen(module: torch.nn.Module, trainable: Sequence[bool]) -> None:
     """Raise if a parameter frozen when the engine was built (``trainable[i]`` False, in
     ``module.parameters()`` order) has ``requires_grad`` True now.
@@ -944,8 +982,8 @@ def _refuse_unfrozen(module: torch.nn.Module, trainable: Sequence[bool]) -> None
         if p.requires_grad and not was:
             raise RuntimeError(
                 f"megatrain: parameter {name} was frozen (requires_grad=False) when fit started and is trainable now "
-                "(a callback such as BackboneFinetuning, or requires_grad_(True) during fit); strategy='megatrain' "
-                "allocates gradient and AdamW state at setup, for the parameters trainable then. Either train in two "
-                "fits (fit with it frozen, then unfreeze, raise max_epochs/max_steps and call trainer.fit again: the "
-                "strategy rebuilds its store, configure_optimizers runs again), or keep it trainable from the start "
-                "in a param group whose lr is 0 until it should train.")
+                "(requires_grad_(True) during fit); strategy='megatrain' "
+                "allocates gradient and AdamW state at setup, for the parameters trainable then. Pass "
+                "MegaTrainStrategy(unfreeze_during_fit=True) (Hydra: strategy.unfreeze_during_fit=true; automatic with a "
+                "BaseFinetuning callback) to keep state for the frozen parameters too, or train in two fits (fit with it "
+                "frozen, then unfreeze, raise max_epochs/max_steps and call trainer.fit again).")

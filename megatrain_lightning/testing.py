@@ -153,6 +153,23 @@ class LM(pl.LightningModule):
         return opt
 
 
+class BackboneLM(LM):
+    """:class:`LM` whose ``backbone`` (the embedding and the first decoder layer) Lightning's ``BackboneFinetuning``
+    freezes at setup and unfreezes into a new param group later; the optimizer starts with the trainable rest.
+
+    Args:
+        model: a causal LM with ``model.model.embed_tokens`` and ``model.model.layers`` (llama-style).
+        lr: AdamW learning rate.
+    """
+
+    def __init__(self, model, lr=1e-2):
+        super().__init__(model, lr=lr)
+        self.backbone = torch.nn.ModuleList([model.model.embed_tokens, model.model.layers[0]])
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+
+
 def reference_train(model, loader, steps: int, lr=1e-3, accumulate: int = 1, clip: float | None = None,
                     fused: bool | None = None, clip_value: float | None = None, sched: str | None = None,
                     seed: int = 0, opt_kwargs=None, on_grads: Callable | None = None,

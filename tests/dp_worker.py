@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -112,6 +112,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=60.0, help="the strategy's timeout= (seconds)")
     ap.add_argument("--mismatch", default="", help="comma-separated, on local rank 1 only: model (one more layer), "
                     "accumulate (one more micro-batch), lookahead (2), lr (twice)")
+    ap.add_argument("--backbone-finetuning", action="store_true",
+                    help="testing.BackboneLM (lr 1e-2) with BackboneFinetuning: the backbone unfrozen at epoch 1")
     ap.add_argument("--shm-free", type=int, default=None, help="local rank 1 sees this many bytes free in /dev/shm")
     args = ap.parse_args()
     second = os.environ.get("LOCAL_RANK", "0") == "1"  # the launcher sets it for the rank it starts
@@ -126,7 +128,8 @@ def main() -> None:
         over["num_hidden_layers"] = T.make_model(args.arch).config.num_hidden_layers + 1
     model = T.make_model(args.arch, **over)
     T.freeze_key_biases(model)
-    lm = T.LM(model, lr=1e-3, sched=args.sched, total_steps=args.total_steps or args.steps)
+    lm = (T.BackboneLM(model) if args.backbone_finetuning
+          else T.LM(model, lr=1e-3, sched=args.sched, total_steps=args.total_steps or args.steps))
     if "lr" in mismatch:
         lm.lr *= 2
     strategy = MegaTrainStrategy(offload_activations=args.offload_activations, timeout=args.timeout, recompute=args.recompute,
@@ -144,7 +147,9 @@ def main() -> None:
                                     if args.model_checkpoint else [])
                          + ([KillInBackward(args.kill_rank, args.kill_at_step, out, args.hang)]
                             if args.kill_rank is not None else [])
-                         + ([EditGrads(args.grad_edit)] if args.grad_edit else []),
+                         + ([EditGrads(args.grad_edit)] if args.grad_edit else [])
+                         + ([BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda epoch: 2.0)]
+                            if args.backbone_finetuning else []),
                          enable_progress_bar=False, enable_model_summary=False)
     loader = T.make_data(n=args.n, batch_size=args.batch)
     if args.resumable:

@@ -16,7 +16,7 @@ from torch import nn
 
 import megatrain_lightning  # noqa: F401
 from megatrain_lightning import MegaTrainStrategy, discover_blocks
-from megatrain_lightning.testing import LM, SEQ, VOCAB, assert_parity, make_data, make_model, reference_train, rel
+from megatrain_lightning.testing import LM, SEQ, VOCAB, BackboneLM, assert_parity, make_data, make_model, reference_train, rel
 
 
 def _trainer(tmp_path=None, **kw):
@@ -489,6 +489,98 @@ def test_unfreezing_during_fit_is_refused_and_two_fits_train_like_plain_lightnin
     assert len(ours.losses) == 8
     assert_parity(ours.model, plain.model, ours.losses, plain.losses)
     assert rel(ours.model.model.layers[0].mlp.up_proj.weight, make_model("llama").model.layers[0].mlp.up_proj.weight) > 1e-4
+
+
+def _backbone_finetuning():
+    """Unfreeze ``BackboneLM.backbone`` at epoch 1 (lr 0.1 x the first group's), then its lr x2 per epoch."""
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    return BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda epoch: 2.0)
+
+
+@pytest.mark.parametrize("precision,kw", [("32-true", {}), ("bf16-mixed", {}), ("32-true", {"offload_optimizer": "nvme"})],
+                         ids=["fp32", "bf16_mixed", "nvme_optimizer"])
+def test_backbone_finetuning_trains_like_plain_lightning(tmp_path, precision, kw):
+    """``BackboneFinetuning`` unfreezes layers and adds them to the optimizer at epoch 1 (accumulation 2, norm
+    clipping). Before, the unfreeze was refused (the store had no gradient or AdamW state for parameters frozen at
+    setup); with such a callback the store now keeps state for every parameter (``unfreeze_during_fit``), the new
+    param group is mapped at the next step, and a block whose parameters were all frozen at setup takes part in
+    backward once they train. Losses and weights: bitwise plain Lightning's; the backbone moved."""
+    if "offload_optimizer" in kw:
+        kw = {**kw, "nvme_path": str(tmp_path)}
+
+    def run(strategy):
+        lm = BackboneLM(make_model("llama"))
+        t = _trainer(strategy=strategy, precision=precision, max_epochs=3, max_steps=-1, accumulate_grad_batches=2,
+                     gradient_clip_val=0.5, callbacks=[_backbone_finetuning()])
+        t.fit(lm, make_data(n=8))
+        return lm, t
+
+    (ours, t), (plain, _) = run(MegaTrainStrategy(**kw)), run("auto")
+    assert [len(g["params"]) for g in t.optimizers[0].param_groups] == [20, 10]
+    assert len(ours.losses) == 12 and ours.losses == plain.losses
+    for (name, a), b in zip(ours.named_parameters(), plain.parameters()):
+        assert torch.equal(a.detach(), b.detach()), name
+    assert rel(ours.model.model.embed_tokens.weight, make_model("llama").model.embed_tokens.weight) > 1e-4
+
+
+def test_backbone_finetuning_resumes_like_plain_lightning(tmp_path):
+    """Resume from the checkpoint saved after the unfreeze: ``BaseFinetuning`` restores its param groups in
+    ``on_fit_start``, which Lightning calls before it restores callbacks when the strategy restores after setup (as
+    megatrain does): the load failed with "Checkpoint has 2 param groups, the optimizer 1". The strategy now runs
+    that hook again before the optimizer state is loaded. Losses and weights after resuming: bitwise plain
+    Lightning's (which, resuming, leaves the restored backbone frozen: Lightning's own behaviour, kept)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(strategy, d):
+        def trainer(epochs):
+            return _trainer(strategy=strategy(), max_epochs=epochs, max_steps=-1, accumulate_grad_batches=2,
+                            enable_checkpointing=True, default_root_dir=d,
+                            callbacks=[_backbone_finetuning(), ModelCheckpoint(dirpath=d, save_top_k=-1)])
+
+        trainer(2).fit(BackboneLM(make_model("llama")), make_data(n=8))
+        lm = BackboneLM(make_model("llama"))
+        trainer(3).fit(lm, make_data(n=8), ckpt_path=str(d / "epoch=1-step=4.ckpt"))
+        return lm
+
+    ours, plain = run(MegaTrainStrategy, tmp_path / "ours"), run(lambda: "auto", tmp_path / "plain")
+    assert len(ours.losses) == 4 and ours.losses == plain.losses
+    for (name, a), b in zip(ours.named_parameters(), plain.parameters()):
+        assert torch.equal(a.detach(), b.detach()), name
+
+
+class _UnfreezeIntoNewGroup(Callback):
+    """A hand-written unfreeze at epoch 1: ``requires_grad_(True)`` and ``optimizer.add_param_group``."""
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == 1:
+            params = [p for name, p in pl_module.named_parameters() if "layers.0." in name or "embed" in name]
+            for p in params:
+                p.requires_grad_(True)
+            trainer.optimizers[0].add_param_group({"params": params, "lr": 2e-3})
+
+
+@pytest.mark.parametrize("kw", [{}, {"offload_params": "nvme", "offload_optimizer": "nvme"}], ids=["ram", "nvme"])
+def test_own_unfreeze_with_unfreeze_during_fit_trains_like_plain_lightning(tmp_path, kw):
+    """``unfreeze_during_fit=True`` without a ``BaseFinetuning`` callback (a hand-written unfreeze; with the masters
+    on NVMe too, where ``BaseFinetuning`` itself is refused): bitwise plain Lightning."""
+    if kw:
+        kw = {**kw, "nvme_path": str(tmp_path)}
+
+    def run(strategy):
+        model = make_model("llama")
+        for name, p in model.named_parameters():
+            if "layers.0." in name or "embed" in name:
+                p.requires_grad_(False)
+        lm = BackboneLM(model)
+        _trainer(strategy=strategy, max_epochs=2, max_steps=-1, accumulate_grad_batches=2, gradient_clip_val=0.5,
+                 callbacks=[_UnfreezeIntoNewGroup()]).fit(lm, make_data(n=8))
+        return lm
+
+    ours, plain = run(MegaTrainStrategy(unfreeze_during_fit=True, **kw)), run("auto")
+    assert ours.losses == plain.losses
+    for (name, a), b in zip(ours.named_parameters(), plain.parameters()):
+        assert torch.equal(a.detach(), b.detach()), name
 
 
 class _ReplaceGrads(Callback):

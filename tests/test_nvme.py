@@ -251,15 +251,25 @@ def test_failed_request_of_a_split_region_names_its_offset(tmp_path, monkeypatch
     st.close()
 
 
-@pytest.mark.parametrize("callback", ["ema", "swa"])
-def test_weight_averaging_with_masters_on_disk_is_refused_before_any_step(tmp_path, callback):
+@pytest.mark.parametrize("callback", ["ema", "swa", "finetuning"])
+def test_callbacks_reading_weights_with_masters_on_disk_are_refused_before_any_step(tmp_path, callback):
     """``EMAWeightAveraging`` / ``StochasticWeightAveraging`` read and write ``param.data``, which the NVMe tier
     keeps as placeholders: refused at setup, naming the callback and the option (before, EMA failed with a
-    PyTorch error at the first validation, after the steps before it ran). With only the AdamW state on NVMe,
-    EMA trains bitwise as with the RAM tier."""
-    from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging
+    PyTorch error at the first validation, after the steps before it ran). ``BaseFinetuning`` compares parameter
+    values to find them in the optimizer: with placeholders it added no param group, and the unfrozen layers did
+    not train. With only the AdamW state on NVMe, EMA trains bitwise as with the RAM tier."""
+    from lightning.pytorch.callbacks import BaseFinetuning, EMAWeightAveraging, StochasticWeightAveraging
 
-    make = (lambda: EMAWeightAveraging(decay=0.5)) if callback == "ema" else (lambda: StochasticWeightAveraging(1e-2))
+    class FreezeLayer0(BaseFinetuning):
+        def freeze_before_training(self, pl_module):
+            self.freeze(pl_module.model.model.layers[0])
+
+        def finetune_function(self, pl_module, epoch, optimizer):
+            if epoch == 1:
+                self.unfreeze_and_add_param_group(pl_module.model.model.layers[0], optimizer)
+
+    make = {"ema": lambda: EMAWeightAveraging(decay=0.5), "swa": lambda: StochasticWeightAveraging(1e-2),
+            "finetuning": FreezeLayer0}[callback]
     with pytest.raises(RuntimeError, match=rf"{type(make()).__name__} callback .* offload_params='nvme'.* host RAM"):
         fit(nvme_strategy(tmp_path / "a"), callbacks=[make()], default_root_dir=tmp_path)
     if callback == "ema":

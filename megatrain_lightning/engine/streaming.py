@@ -87,6 +87,7 @@ class StreamingEngine:
             256 MiB of fp32 logits) and of each block's MLP; ``None``: off (:mod:`.long_sequences`).
         reducer / node: data parallel (``None``: one process): averages each gradient batch over the ranks
             (:class:`~.reduce.GradReducer`); the node-shared store and slab owners (``store/shared.py``).
+        reserve_frozen: gradient and AdamW state for frozen parameters too, to unfreeze in fit (``slab_layout``).
 
     Raises:
         BlockDiscoveryError: no blocks found (see ``discover_blocks``).
@@ -117,6 +118,7 @@ class StreamingEngine:
         reducer: GradReducer | None = None,
         node: NodeShare | None = None,
         block_group: int = 1,
+        reserve_frozen: bool = False,
     ):
         check_lookahead(lookahead)
         recompute_every = deprecated_recompute_every(recompute_every, checkpoint_every)
@@ -133,16 +135,16 @@ class StreamingEngine:
         min_window = 0
         factory: Callable[[list[tuple[int, int]]], NVMeStore] | None = None
         if nvme is not None and nvme.kinds:
-            self.budget, min_window, factory = nvme_window(self.blocks, nvme, self.device, ahead, pin)
+            self.budget, min_window, factory = nvme_window(self.blocks, nvme, self.device, ahead, pin, reserve_frozen)
             if Region.master in nvme.kinds:
                 cpu_zero_copy = False  # compute buffers are copies, counted in the budget
         self.store: HostStore = build_store(self.blocks, pin_memory=pin is not False and not (nvme and Region.master in nvme.kinds),
                                             sources=sources, nvme_factory=factory, nvme_kinds=nvme.kinds if nvme else (),
-                                            shared=node.regions if node is not None else None)
+                                            shared=node.regions if node is not None else None, reserve_frozen=reserve_frozen)
         self.ownership: SlabOwnership | None = node.setup(self.store) if node is not None else None
         if self.budget is not None:
             heap.trim()  # what building the store (random init, safetensors reads) left in the heap
-        self.trainable = [p.requires_grad for p in root.parameters()]
+        self.trainable = [reserve_frozen or p.requires_grad for p in root.parameters()]  # state in the store
         staging = self.store.max_slab_numel(trainable=True) + (max(len(s.entries) for s in self.store.slabs) if reducer
                                                               else 0)  # data parallel: + presence flags (reduce.py)
         self.transport = make_transport(self.device, staging, cpu_zero_copy, n_staging=2, pin=pin,
@@ -264,12 +266,10 @@ class StreamingEngine:
     closed = False
     # ------------------------------------------------------------------ proxy
     def _make_proxy(self, blk: Block, orig: Callable[..., Any]) -> Callable[..., Any]:
-        # a block with no trainable parameter whose inputs need no gradient (a frozen embedding)
-        # runs like evaluation: no autograd boundary, nothing saved, no backward fetch
-        trainable = any(r.param.requires_grad for r in blk.params)
-
+        # a block with no trainable parameter whose inputs need no gradient (a frozen embedding) runs like
+        # evaluation: no autograd boundary, nothing saved, no backward fetch (read at each call: unfreezing in fit)
         def proxy(*args: Any, **kwargs: Any) -> Any:
-            if torch.is_grad_enabled() and (trainable or any_requires_grad(args, kwargs)):
+            if torch.is_grad_enabled() and (any(r.param.requires_grad for r in blk.params) or any_requires_grad(args, kwargs)):
                 args, kwargs, forward, stripped = training_call(args, kwargs, orig)
                 if stripped and not self._warned_cache:
                     self._warned_cache = True

@@ -31,7 +31,7 @@ def d2h_staging_bytes(layout: Sequence[tuple[int, int]], device: torch.device) -
 
 
 def nvme_window(blocks: Sequence[Block], nvme: NVMeConfig, device: torch.device, lookahead: int,
-                pin: bool | None) -> tuple[HostBudget, int, Callable[[list[tuple[int, int]]], NVMeStore]]:
+                pin: bool | None, reserve_frozen: bool = False) -> tuple[HostBudget, int, Callable[[list[tuple[int, int]]], NVMeStore]]:
     """Check the NVMe tier can run, then make its budget and pinned arena.
 
     Args:
@@ -40,6 +40,7 @@ def nvme_window(blocks: Sequence[Block], nvme: NVMeConfig, device: torch.device,
         device: the compute device (on CPU the compute buffers share the budget).
         lookahead: blocks prefetched ahead (compute buffers in flight).
         pin: ``pin_memory`` as the engine resolved it (``None``: try, fall back with a warning).
+        reserve_frozen: the store's layout keeps state for frozen parameters too (``store.host.slab_layout``).
 
     Returns:
         ``(budget, min_window bytes, layout -> NVMeStore factory for build_store)``.
@@ -49,7 +50,7 @@ def nvme_window(blocks: Sequence[Block], nvme: NVMeConfig, device: torch.device,
             below the minimum window, which includes the D2H staging and the H2D ring on CUDA).
         HostPinningError: ``pin is True`` and the arena could not be page-locked.
     """
-    slabs = slab_layout(blocks)
+    slabs = slab_layout(blocks, reserve_frozen)
     layout = [(n, t) for _, n, t in slabs]
     staging = d2h_staging_bytes(layout, device)
     cpu = device.type == "cpu"

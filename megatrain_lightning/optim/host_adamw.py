@@ -130,19 +130,10 @@ class HostAdamW:
         self.store = store
         self.optimizer = optimizer
         self.overlap = overlap
-        where = store.index
-        self._where = where
-        # group of each (slab, entry); -1 = not optimized
-        self.group_of: list[list[int]] = [[-1] * len(s.entries) for s in store.slabs]
-        for gi, g in enumerate(optimizer.param_groups):
-            for p in g["params"]:
-                if id(p) not in where:
-                    raise UnsupportedOptimizerError(
-                        "The optimizer holds a parameter that is not part of the LightningModule; "
-                        "build it from self.parameters() (or a subset) in configure_optimizers."
-                    )
-                si, ei = where[id(p)]
-                self.group_of[si][ei] = gi
+        self._where = store.index
+        self.group_of: list[list[int]] = []  # group of each (slab, entry); -1 = not optimized
+        self._group_sizes: list[int] | None = None
+        self._map_groups()
         self.steps: list[list[torch.Tensor | None]] = [[None] * len(s.entries) for s in store.slabs]
         self.pending: dict[int, _Pending] = {}
         self.grad_ops: list[tuple[str, Any]] = []  # clipping recorded for the coming step
@@ -152,6 +143,31 @@ class HostAdamW:
         self.transport = transport
 
     # ------------------------------------------------------------------ schedule
+    def _map_groups(self) -> None:
+        """Map each (slab, entry) to its param group in the optimizer's current ``param_groups``, again
+        whenever their sizes changed since the last call (``add_param_group`` during fit, as Lightning's
+        ``BaseFinetuning`` does when it unfreezes; a new parameter's state starts at zero at its first update).
+
+        Raises:
+            UnsupportedOptimizerError: a parameter that is not in the store, or a group with an unsupported flag.
+        """
+        sizes = [len(g["params"]) for g in self.optimizer.param_groups]
+        if sizes == self._group_sizes:
+            return
+        if self._group_sizes is not None:
+            validate_optimizer(self.optimizer)
+        group_of = [[-1] * len(s.entries) for s in self.store.slabs]
+        for gi, g in enumerate(self.optimizer.param_groups):
+            for p in g["params"]:
+                if id(p) not in self._where:
+                    raise UnsupportedOptimizerError(
+                        "The optimizer holds a parameter that is not part of the LightningModule; "
+                        "build it from self.parameters() (or a subset) in configure_optimizers."
+                    )
+                si, ei = self._where[id(p)]
+                group_of[si][ei] = gi
+        self.group_of, self._group_sizes = group_of, sizes
+
     def _snapshot(self) -> list[_GroupHyper]:
         out = []
         for g in self.optimizer.param_groups:
@@ -170,6 +186,7 @@ class HostAdamW:
         Must run after all gradients of the accumulation window are in the accumulators.
         Returns the number of slabs scheduled.
         """
+        self._map_groups()
         hyper = _Pending(self._snapshot(), self.grad_ops)
         self.grad_ops = []
         # LR schedulers check that optimizer.step() ran before scheduler.step() via this flag
@@ -190,6 +207,7 @@ class HostAdamW:
     def snapshot(self) -> _Pending:
         """The update the coming :meth:`step` would record (hyper-parameters and clipping), for
         updates applied during backward."""
+        self._map_groups()
         return _Pending(self._snapshot(), list(self.grad_ops))
 
     def apply_now(self, slab_index: int, pend: _Pending) -> None:
@@ -371,7 +389,7 @@ class HostAdamW:
         by_group: dict[int, list[int]] = {}
         for i, e in enumerate(slab.entries):
             gi = self.group_of[slab.index][i]
-            if gi >= 0 and e.trainable and slab.has_grad[i]:
+            if 0 <= gi < len(hyper) and e.trainable and slab.has_grad[i]:  # a group added after the step: not in it
                 by_group.setdefault(gi, []).append(i)
         if pend.grad_ops:
             grads = [slab.view(acc, i) for i, e in enumerate(slab.entries) if e.trainable and slab.has_grad[i]]

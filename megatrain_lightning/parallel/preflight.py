@@ -95,7 +95,7 @@ def check_rendezvous(env: Mapping[str, str], cluster_environment: Any, devices: 
 #: Strategy options that must be the same on every rank (public attributes of ``MegaTrainStrategy``).
 STRATEGY_OPTIONS = ("lookahead", "block_group", "recompute_every", "offload_activations", "recompute", "activation_memory_limit",
                     "overlap_optimizer", "block_classes", "block_names", "cpu_zero_copy", "nvme",
-                    "optimizer_in_backward", "loss_chunk_size", "mlp_chunk_size")
+                    "optimizer_in_backward", "loss_chunk_size", "mlp_chunk_size", "unfreeze_during_fit")
 
 #: Trainer settings that change what a step does.
 TRAINER_SETTINGS = ("precision", "accumulate_grad_batches", "gradient_clip_val", "gradient_clip_algorithm",

@@ -46,7 +46,8 @@ class SlabEntry:
         offset: first element of the parameter in the slab (elements, not bytes).
         numel: number of elements.
         shape: the parameter's shape.
-        trainable: ``requires_grad`` at the time the store was built.
+        trainable: the store holds a gradient accumulator and AdamW state for it: ``requires_grad`` at the
+            time the store was built, or every parameter with ``reserve_frozen`` (:func:`slab_layout`).
     """
 
     ref: ParamRef
@@ -247,8 +248,12 @@ def placeholder(shape: torch.Size) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.float32).expand(shape)
 
 
-def slab_layout(blocks: Sequence[Block]) -> list[tuple[list[SlabEntry], int, int]]:
-    """Per block: its slab entries (trainable first), slab numel and trainable numel (elements)."""
+def slab_layout(blocks: Sequence[Block], reserve_frozen: bool = False) -> list[tuple[list[SlabEntry], int, int]]:
+    """Per block: its slab entries (trainable first), slab numel and trainable numel (elements).
+
+    ``reserve_frozen``: lay out every parameter as trainable, frozen ones included (``requires_grad`` may be
+    set during fit, e.g. by Lightning's ``BaseFinetuning``): their gradient accumulator and AdamW state are
+    then part of the slab, 12 more bytes per frozen element once allocated."""
     out = []
     for blk in blocks:
         seen: set[int] = set()
@@ -257,15 +262,16 @@ def slab_layout(blocks: Sequence[Block]) -> list[tuple[list[SlabEntry], int, int
             if id(r.param) not in seen:
                 seen.add(id(r.param))
                 own.append(r)
-        order = [r for r in own if r.param.requires_grad] + [r for r in own if not r.param.requires_grad]
+        train = {id(r.param): reserve_frozen or r.param.requires_grad for r in own}
+        order = [r for r in own if train[id(r.param)]] + [r for r in own if not train[id(r.param)]]
         entries: list[SlabEntry] = []
         off = 0
         trainable_numel = 0
         for r in order:
             n = r.param.numel()
-            entries.append(SlabEntry(ref=r, offset=off, numel=n, shape=r.param.shape, trainable=r.param.requires_grad))
+            entries.append(SlabEntry(ref=r, offset=off, numel=n, shape=r.param.shape, trainable=train[id(r.param)]))
             off += n
-            if r.param.requires_grad:
+            if train[id(r.param)]:
                 trainable_numel = off
         out.append((entries, off, trainable_numel))
     return out
@@ -275,7 +281,8 @@ def build_store(blocks: Sequence[Block], pin_memory: bool = False,
                 sources: dict[int, Callable[[], torch.Tensor]] | None = None,
                 nvme_factory: Callable[[list[tuple[int, int]]], object] | None = None,
                 nvme_kinds: Iterable[str] = (),
-                shared: Callable[[list[tuple[int, int]]], "SharedRegions"] | None = None) -> HostStore:
+                shared: Callable[[list[tuple[int, int]]], "SharedRegions"] | None = None,
+                reserve_frozen: bool = False) -> HostStore:
     """Pack every parameter into fp32 host slabs and repoint ``param.data`` at them.
 
     Args:
@@ -295,6 +302,7 @@ def build_store(blocks: Sequence[Block], pin_memory: bool = False,
         shared: data parallel: ``layout -> SharedRegions`` mapping the node's shared file (``store/shared.py``);
             every region of every slab is a view of it, and only the node's writer (local rank 0) copies the
             weights in. RAM tier only.
+        reserve_frozen: gradient and AdamW state for frozen parameters too (:func:`slab_layout`).
 
     Raises:
         ValueError: a parameter is on the meta device and no source provides it.
@@ -307,7 +315,7 @@ def build_store(blocks: Sequence[Block], pin_memory: bool = False,
     Peak extra memory while building: one slab (each block's original storage is
     released once its parameters point into the slab, if nothing else holds it).
     """
-    layout = slab_layout(blocks)
+    layout = slab_layout(blocks, reserve_frozen)
     nvme_kinds = frozenset(nvme_kinds)
     nvme = nvme_factory([(n, t) for _, n, t in layout]) if nvme_factory is not None and nvme_kinds else None
     regions = shared([(n, t) for _, n, t in layout]) if shared is not None else None
