@@ -609,7 +609,7 @@ class MegaTrainStrategy(ParallelStrategy):
         """
         super().on_train_batch_start(batch, batch_idx)
         if self.engine is not None:
-            _refuse_unfrozen(self.lightning_module, self.engine.trainable)
+            _refuse_unfrozen(self.lightning_module, self.engine.trainable, self.unfreeze_during_fit is False)
 
     # ------------------------------------------------------------------ state
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -790,7 +790,12 @@ class _FlushForCallbacks(Callback):
     * at the end of every training batch, when a ``WeightAveraging`` callback (Lightning's EMA,
       ``EMAWeightAveraging``) is in the Trainer: it averages the weights there after each optimizer step
       (without the flush it averaged weights one step old: final weights 2% off plain Lightning's);
-    * at ``on_train_end``, before ``WeightAveraging`` copies its average into the parameters.
+    * at ``on_train_end``, before ``WeightAveraging`` copies its average into the parameters;
+    * at the start (end) of every training batch, when a ``BaseFinetuning`` subclass overrides
+      ``on_train_batch_start`` (``on_train_batch_end``), where it may unfreeze: its ``filter_on_optimizer`` tells
+      parameters already in the optimizer by their values, and a trained parameter whose last update was still
+      pending looked like a frozen one (a mid-epoch unfreeze left two unfrozen norms out of the new param group).
+      ``BaseFinetuning`` itself unfreezes in ``on_train_epoch_start``, after the epoch-end flush.
 
     Other callbacks that read weights in ``on_train_batch_end`` (a hand-written EMA) call
     ``trainer.strategy.flush()`` first (README, "Lightning features"); flushing for every callback that
@@ -798,10 +803,15 @@ class _FlushForCallbacks(Callback):
 
     _flushed_step = -1
 
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if any(_finetuning_overrides(cb, "on_train_batch_start") for cb in trainer.callbacks):
+            trainer.strategy.flush()
+
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step == self._flushed_step:  # no optimizer step since (a micro-batch of accumulation)
             return
-        if _WeightAveraging is not None and any(isinstance(cb, _WeightAveraging) for cb in trainer.callbacks):
+        if any((_WeightAveraging is not None and isinstance(cb, _WeightAveraging))
+               or _finetuning_overrides(cb, "on_train_batch_end") for cb in trainer.callbacks):
             self._flushed_step = trainer.global_step
             trainer.strategy.flush()
 
@@ -810,6 +820,11 @@ class _FlushForCallbacks(Callback):
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         trainer.strategy.flush()
+
+
+def _finetuning_overrides(cb: Callback, hook: str) -> bool:
+    """``cb`` is a ``BaseFinetuning`` whose class overrides the Lightning hook ``hook`` (it may unfreeze there)."""
+    return isinstance(cb, BaseFinetuning) and getattr(type(cb), hook) is not getattr(BaseFinetuning, hook)
 
 
 class _AfterWeightAveraging(Callback):
@@ -967,7 +982,7 @@ def _reserve_frozen(option: bool | None, callbacks: Sequence[Callback]) -> bool:
     return option if option is not None else any(isinstance(cb, BaseFinetuning) for cb in callbacks)
 
 
-def _refuse_unfrozen(module: torch.nn.Module, trainable: Sequence[bool]) -> None:
+def _refuse_unfrozen(module: torch.nn.Module, trainable: Sequence[bool], option_off: bool = False) -> None:
     """Raise if a parameter frozen when the engine was built (``trainable[i]`` False, in
     ``module.parameters()`` order) has ``requires_grad`` True now.
 
@@ -983,7 +998,9 @@ def _refuse_unfrozen(module: torch.nn.Module, trainable: Sequence[bool]) -> None
             raise RuntimeError(
                 f"megatrain: parameter {name} was frozen (requires_grad=False) when fit started and is trainable now "
                 "(requires_grad_(True) during fit); strategy='megatrain' "
-                "allocates gradient and AdamW state at setup, for the parameters trainable then. Pass "
-                "MegaTrainStrategy(unfreeze_during_fit=True) (Hydra: strategy.unfreeze_during_fit=true; automatic with a "
-                "BaseFinetuning callback) to keep state for the frozen parameters too, or train in two fits (fit with it "
-                "frozen, then unfreeze, raise max_epochs/max_steps and call trainer.fit again).")
+                "allocates gradient and AdamW state at setup, for the parameters trainable then"
+                + (" (unfreeze_during_fit=False was passed). " if option_off else ". ")
+                + "Pass MegaTrainStrategy(unfreeze_during_fit=True) (Hydra: strategy.unfreeze_during_fit=true; the "
+                "default None turns it on with a BaseFinetuning callback) to keep state for the frozen parameters too, "
+                "or train in two fits (fit with it frozen, then unfreeze, raise max_epochs/max_steps and call "
+                "trainer.fit again).")

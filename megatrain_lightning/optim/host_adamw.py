@@ -132,7 +132,7 @@ class HostAdamW:
         self.overlap = overlap
         self._where = store.index
         self.group_of: list[list[int]] = []  # group of each (slab, entry); -1 = not optimized
-        self._group_sizes: list[int] | None = None
+        self._group_members: list[list[int]] | None = None  # ids of each group's parameters when last mapped
         self._map_groups()
         self.steps: list[list[torch.Tensor | None]] = [[None] * len(s.entries) for s in store.slabs]
         self.pending: dict[int, _Pending] = {}
@@ -145,16 +145,17 @@ class HostAdamW:
     # ------------------------------------------------------------------ schedule
     def _map_groups(self) -> None:
         """Map each (slab, entry) to its param group in the optimizer's current ``param_groups``, again
-        whenever their sizes changed since the last call (``add_param_group`` during fit, as Lightning's
-        ``BaseFinetuning`` does when it unfreezes; a new parameter's state starts at zero at its first update).
+        whenever their members changed since the last call (``add_param_group`` during fit, as Lightning's
+        ``BaseFinetuning`` does when it unfreezes, or a group's ``params`` replaced; a new parameter's state starts
+        at zero at its first update). Costs one pass over the groups' parameter ids per step.
 
         Raises:
             UnsupportedOptimizerError: a parameter that is not in the store, or a group with an unsupported flag.
         """
-        sizes = [len(g["params"]) for g in self.optimizer.param_groups]
-        if sizes == self._group_sizes:
+        members = [list(map(id, g["params"])) for g in self.optimizer.param_groups]
+        if members == self._group_members:
             return
-        if self._group_sizes is not None:
+        if self._group_members is not None:
             validate_optimizer(self.optimizer)
         group_of = [[-1] * len(s.entries) for s in self.store.slabs]
         for gi, g in enumerate(self.optimizer.param_groups):
@@ -166,7 +167,7 @@ class HostAdamW:
                     )
                 si, ei = self._where[id(p)]
                 group_of[si][ei] = gi
-        self.group_of, self._group_sizes = group_of, sizes
+        self.group_of, self._group_members = group_of, members
 
     def _snapshot(self) -> list[_GroupHyper]:
         out = []
