@@ -7,9 +7,15 @@ Importing this package registers ``strategy="megatrain"`` with Lightning's
 from lightning.pytorch.strategies import StrategyRegistry
 
 from .blocks import BlockDiscoveryError, discover_blocks
+from .checkpoint.errors import CheckpointError
 from .engine.streaming import StreamingEngine
 from .optim.host_adamw import HostAdamW, UnsupportedOptimizerError
+from .parallel.faults import PeerFailure
+from .parallel.preflight import ConfigMismatchError, RendezvousError
 from .precision import MegaTrainPrecision, UnsupportedPrecisionError
+from .store.nvme import NVMeIOError
+from .store.pinned import HostPinningError
+from .store.shared import SharedMemoryTooSmall
 from .strategy import MegaTrainStrategy
 
 __version__ = "0.1.0"
@@ -19,9 +25,16 @@ if "megatrain" not in StrategyRegistry:
 
 __all__ = [
     "BlockDiscoveryError",
+    "CheckpointError",
+    "ConfigMismatchError",
     "HostAdamW",
+    "HostPinningError",
     "MegaTrainPrecision",
     "MegaTrainStrategy",
+    "NVMeIOError",
+    "PeerFailure",
+    "RendezvousError",
+    "SharedMemoryTooSmall",
     "StreamingEngine",
     "UnsupportedOptimizerError",
     "UnsupportedPrecisionError",

@@ -78,6 +78,18 @@ def _unsupported(name: Any) -> UnsupportedPrecisionError:
     )
 
 
+def check_precision(name: Any) -> str:
+    """The canonical name (one of :data:`SUPPORTED_PRECISION`) of a Lightning ``precision`` setting (``32``,
+    ``"16"``, ``"bf16-mixed"``...).
+
+    Raises:
+        UnsupportedPrecisionError: a precision the strategy does not implement, with the supported ones.
+    """
+    if name not in _ALIASES:
+        raise _unsupported(name)
+    return _ALIASES[name]
+
+
 class MegaTrainPrecision(Precision):
     """Precision plugin for :class:`~megatrain_lightning.strategy.MegaTrainStrategy`.
 
@@ -106,9 +118,7 @@ class MegaTrainPrecision(Precision):
         growth_interval: int = 2000,
         device_type: str = "cpu",
     ) -> None:
-        if precision not in _ALIASES:
-            raise _unsupported(precision)
-        self.precision = _ALIASES[precision]  # type: ignore[assignment]
+        self.precision = check_precision(precision)  # type: ignore[assignment]
         half = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "bf16-true": torch.bfloat16}
         # H2D dtype of every weight (32-true, bf16-true) or of the castable ones (mixed modes)
         self.wire_dtype = half.get(self.precision, torch.float32)

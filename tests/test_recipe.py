@@ -143,7 +143,9 @@ def test_refuses_bad_values_before_the_build_naming_the_key(tmp_path, no_build):
     refused(tmp_path, "strategy.lookahead=abc", key="strategy", match="lookahead must be an int")
     refused(tmp_path, "strategy.recompute=selctive", key="strategy", match="'selctive' is not a recompute policy")
     refused(tmp_path, "strategy.offload_activations=yes", key="strategy", match="offload_activations must be True or False")
-    refused(tmp_path, "trainer.precision=fp16", key="preflight", match="precision must be one of")
+    refused(tmp_path, "trainer.precision=fp16", key="trainer.precision", match="supports precision in")
+    # also without the planner (before, a Lightning traceback after the model load)
+    refused(tmp_path, "trainer.precision=fp16", "preflight=false", key="trainer.precision", match="bf16-mixed")
 
 
 def test_refuses_unknown_keys_of_each_group(tmp_path, no_build):

@@ -26,6 +26,8 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
+from ..precision import UnsupportedPrecisionError, check_precision
+
 # the recipe's own top-level keys and sub-keys (conf/finetune.yaml); the groups are checked against signatures
 RECIPE_KEYS: dict[str, tuple[str, ...] | None] = {
     "model": None, "data": None, "strategy": None, "trainer": None, "hardware": None, "optim": None,
@@ -266,6 +268,10 @@ def check_values(cfg: Mapping[str, Any]) -> None:
         raise ConfigError("strategy", f"the NVMe tier runs in one process for now, and trainer.devices={devices} x "
                           f"trainer.num_nodes={trainer.get('num_nodes', 1)} start {world}: use strategy=megatrain "
                           "(state in host RAM) with several processes, or trainer.devices=1 trainer.num_nodes=1.")
+    try:
+        check_precision(trainer.get("precision", "32-true"))
+    except UnsupportedPrecisionError as e:
+        raise ConfigError("trainer.precision", str(e)) from None
     _int("trainer.accumulate_grad_batches", trainer.get("accumulate_grad_batches", 1), 1,
          "a positive int (micro-batches per optimizer step)")
     for k in ("batch_size", "seq_len"):
