@@ -137,6 +137,14 @@ def _module_listing(root: nn.Module, limit: int = 60) -> str:
     return ", ".join(items[:limit]) + more
 
 
+def _own_params(mod: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of ``mod`` itself (if it has direct parameters) and of its ``nn.ParameterDict`` /
+    ``nn.ParameterList`` children with parameters: the modules whose parameters ``mod``'s forward reads itself."""
+    out = [("", mod)] if any(True for _ in mod.parameters(recurse=False)) else []
+    return out + [(n, c) for n, c in mod.named_children()
+                  if isinstance(c, (nn.ParameterDict, nn.ParameterList)) and any(True for _ in c.parameters())]
+
+
 def discover_blocks(
     root: nn.Module,
     block_classes: Sequence[str | type] | None = None,
@@ -152,6 +160,10 @@ def discover_blocks(
       into its children;
     * it owns parameters directly otherwise (embedding, norm, LM head): a block (with everything
       below it).
+
+    Parameters held in an ``nn.ParameterDict`` / ``nn.ParameterList`` child count as owned directly by the
+    module holding that child (the container's ``forward`` is never called; its holder reads them: peft's
+    ``lora_embedding_A``, ``ia3_l``, ``hada_w1_a``... on an embedding or LM head).
 
     Args:
         root: the module to stream (a ``LightningModule`` or a Hugging Face model).
@@ -184,10 +196,10 @@ def discover_blocks(
             "`block_names=['model.layers.*']` to name the repeated layers. "
             f"Module paths of {type(root).__name__}: {_module_listing(root)}."
         )
-    if any(True for _ in root.parameters(recurse=False)):
+    if _own_params(root):
         raise BlockDiscoveryError(
             f"{type(root).__name__} owns parameters directly "
-            f"({[n for n, _ in root.named_parameters(recurse=False)]}); move them into a submodule "
+            f"({[n for _, m in _own_params(root) for n, _ in m.named_parameters()]}); move them into a submodule "
             "so that they can be streamed with it."
         )
     modules = [(name, mod) for name, mod in root.named_modules() if name]
@@ -205,10 +217,10 @@ def discover_blocks(
     n_repeated = 0
     skip: list[str] = []
     for name, mod in modules:
-        if any(name.startswith(p + ".") for p in skip):
-            continue
+        if any(name.startswith(p + ".") for p in skip) or isinstance(mod, (nn.ParameterDict, nn.ParameterList)):
+            continue  # inside a block, or read by the module holding it (_own_params)
         is_block = name in matched_set
-        owns = any(True for _ in mod.parameters(recurse=False))
+        owns = bool(_own_params(mod))
         if not is_block and owns and any(m.startswith(name + ".") for m in matched):
             blocks.append(Block(index=len(blocks), name=name, module=mod, direct=True))
         elif is_block or owns:
@@ -225,7 +237,7 @@ def discover_blocks(
 
     owner_of: dict[int, tuple[int, int]] = {}
     for blk in blocks:
-        subs = [("", blk.module)] if blk.direct else blk.module.named_modules()
+        subs = _own_params(blk.module) if blk.direct else blk.module.named_modules()
         for sub_name, sub in subs:
             for attr, p in sub._parameters.items():
                 if p is None:

@@ -70,6 +70,62 @@ def test_lora_checkpoint_is_peft_format_and_loads_back_with_peft(tmp_path, varia
     assert_same_state(loaded, lm.model)  # every base weight, adapter weight and modules_to_save copy
 
 
+ADAPTERS_OUTSIDE_THE_LAYERS = {
+    "lora_embedding": lambda: peft.LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"]),
+    "ia3_lm_head": lambda: peft.IA3Config(target_modules=["lm_head", "down_proj"], feedforward_modules=["down_proj"]),
+    "loha_lm_head": lambda: peft.LoHaConfig(r=2, target_modules=["lm_head"]),
+}
+
+
+@pytest.mark.parametrize("variant", ADAPTERS_OUTSIDE_THE_LAYERS)
+def test_adapters_on_the_embedding_or_head_train_like_plain_lightning(tmp_path, variant):
+    """Adapters whose weights peft keeps in an ``nn.ParameterDict`` of the adapted module (LoRA on an embedding:
+    ``lora_embedding_A/B``; IA3's ``ia3_l``; LoHa's ``hada_w*``) outside the decoder layers: block discovery made the
+    ``ParameterDict`` a block of its own, whose forward never runs, and the first step failed with "got a gradient
+    outside the streamed blocks" (found by a probe). Its holder is now the block. Bitwise plain Lightning; the
+    checkpoint's adapter loads back with peft."""
+    def build():
+        torch.manual_seed(3)
+        model = peft.get_peft_model(make_model("llama"), ADAPTERS_OUTSIDE_THE_LAYERS[variant]())
+        for n, p in model.named_parameters():
+            if p.requires_grad:  # LoRA B / IA3 start at zero / one: make every adapter weight matter from step 0
+                p.data.add_(torch.randn_like(p) * 0.02)
+        return LM(model)
+
+    ref, lm = build(), build()
+    fit(ref, strategy="auto")
+    t = fit(lm)
+    assert lm.losses == ref.losses
+    for (name, a), b in zip(lm.named_parameters(), ref.parameters()):
+        assert torch.equal(a.detach(), b.detach()), name
+    t.save_checkpoint(tmp_path / "c")
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "c" / "base_model")
+    assert_same_state(peft.PeftModel.from_pretrained(base, tmp_path / "c" / "adapter"), lm.model)
+
+
+def test_dora_under_bf16_mixed_is_lightnings():
+    """DoRA takes the norm of ``base_layer.weight + scale * B @ A`` in fp32, outside autocast's cast: its base
+    weights travel in fp32 (``engine.wire.weights_read_outside_linear``). Before, they travelled in bf16 like any
+    Linear weight and DoRA's norm saw them rounded: weights 8% off Lightning's bf16-mixed after 3 steps (probe).
+    Now bitwise."""
+    def run(strategy):
+        torch.manual_seed(3)
+        model = peft.get_peft_model(make_model("llama"), peft.LoraConfig(r=4, lora_alpha=8, use_dora=True,
+                                                                       target_modules="all-linear"))
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.data.normal_(0, 0.02)
+        lm = LM(model)
+        pl.Trainer(strategy=strategy, accelerator="cpu", max_steps=3, precision="bf16-mixed", logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(lm, data())
+        return lm
+
+    ours, plain = run("megatrain"), run("auto")
+    assert ours.losses == plain.losses
+    for (name, a), b in zip(ours.named_parameters(), plain.parameters()):
+        assert torch.equal(a.detach(), b.detach()), name
+
+
 def test_lora_resume_is_exact(tmp_path):
     arch, kw = VARIANTS["lora_modules_to_save"]
     full = LM(lora(arch, **kw))

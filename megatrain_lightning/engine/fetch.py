@@ -22,7 +22,7 @@ from ..store.regions import Region
 from ..store.shared import SharedWireImages, SlabOwnership
 from .accounting import ByteAccounting
 from .staging import StagingRing
-from .wire import WireLayout, castable_flags
+from .wire import WireLayout, castable_flags, weights_read_outside_linear
 
 
 class WeightFetcher:
@@ -139,7 +139,9 @@ class WeightFetcher:
         for blk in self.blocks:
             for ref in blk.params:
                 owners.setdefault(id(ref.param), []).append((ref.owner, ref.attr))
-        return [castable_flags([owners[id(e.ref.param)] for e in s.entries]) for s in self.store.slabs]
+        fp32 = weights_read_outside_linear(m for blk in self.blocks for m in blk.module.modules())
+        return [[c and id(e.ref.param) not in fp32 for e, c in
+                 zip(s.entries, castable_flags([owners[id(e.ref.param)] for e in s.entries]))] for s in self.store.slabs]
 
     def _wire_layout(self, si: int) -> WireLayout:
         slab = self.store.slabs[si]
