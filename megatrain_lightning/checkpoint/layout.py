@@ -116,10 +116,18 @@ def plan_layout(module: nn.Module) -> Layout:
         raise CheckpointError(
             f"Cannot save a checkpoint of {type(module).__name__}: {len(lost)} tensor(s) of its state_dict would be "
             f"written by no part of the checkpoint, so they could not be loaded back: {lost[:5]}. "
-            + ("peft does not take them from the model's state dict (prompt-learning adapters are not supported "
-               "by directory checkpoints; use an adapter method such as LoRA). " if peft_model is not None else "")
+            + (f"peft's adapter state dict ({_peft_types(peft_model)}) does not hold them as the module's own "
+               "tensors (prompt-learning adapters keep their weights elsewhere; AdaLoRA leaves out its rank counters "
+               "and returns resized copies), so directory checkpoints do not support this adapter; LoRA, DoRA, IA3, "
+               "LoHa, LoKr and VeRA are supported. " if peft_model is not None else "")
             + "Nothing was written.")
     return Layout(parts, tensors, peft_model)
+
+
+def _peft_types(peft_model: Any) -> str:
+    """The adapters' peft types, e.g. ``"ADALORA"`` (from ``peft_model.peft_config``)."""
+    cfgs = getattr(peft_model, "peft_config", {}) or {}
+    return ", ".join(sorted({str(getattr(c, "peft_type", "?")).split(".")[-1] for c in cfgs.values()})) or "?"
 
 
 def open_part(root: Path, part: str) -> SafetensorsSource:
