@@ -549,6 +549,15 @@ def test_backbone_finetuning_resumes_like_plain_lightning(tmp_path):
         assert torch.equal(a.detach(), b.detach()), name
 
 
+def _llama_frozen(*parts: str) -> BackboneLM:
+    """A tiny Llama ``BackboneLM`` whose parameters with any of ``parts`` in their name start frozen."""
+    model = make_model("llama")
+    for name, p in model.named_parameters():
+        if any(part in name for part in parts):
+            p.requires_grad_(False)
+    return BackboneLM(model)
+
+
 class _UnfreezeIntoNewGroup(Callback):
     """A hand-written unfreeze at epoch 1: ``requires_grad_(True)`` and ``optimizer.add_param_group``."""
 
@@ -568,11 +577,7 @@ def test_own_unfreeze_with_unfreeze_during_fit_trains_like_plain_lightning(tmp_p
         kw = {**kw, "nvme_path": str(tmp_path)}
 
     def run(strategy):
-        model = make_model("llama")
-        for name, p in model.named_parameters():
-            if "layers.0." in name or "embed" in name:
-                p.requires_grad_(False)
-        lm = BackboneLM(model)
+        lm = _llama_frozen("layers.0.", "embed")
         _trainer(strategy=strategy, max_epochs=2, max_steps=-1, accumulate_grad_batches=2, gradient_clip_val=0.5,
                  callbacks=[_UnfreezeIntoNewGroup()]).fit(lm, make_data(n=8))
         return lm
@@ -606,11 +611,7 @@ def test_a_param_group_whose_members_are_replaced_is_mapped_again():
     before, layer 1 swapped into a group in place of layer 0 (9 tensors each) never trained (silently; found by a
     probe). Bitwise plain Lightning; layer 1 moved."""
     def run(strategy):
-        model = make_model("llama")
-        for name, p in model.named_parameters():
-            if "layers.0." in name or "layers.1." in name:
-                p.requires_grad_(False)
-        lm = BackboneLM(model)
+        lm = _llama_frozen("layers.0.", "layers.1.")
         _trainer(strategy=strategy, max_epochs=3, max_steps=-1, callbacks=[_SwapLayerInGroup()]).fit(lm, make_data(n=4))
         return lm
 
