@@ -49,6 +49,7 @@ except ImportError:  # pragma: no cover - older Lightning
     _WeightAveraging = None
 
 from .checkpoint.hf_io import weight_sources
+from .checkpoint.peft_io import unsavable_adapters
 from .checkpoint.directory import load_checkpoint_dir, load_optimizer_dir, save_checkpoint_dir
 from .engine.chunked_loss import check_chunk_size
 from .engine.block_groups import check_block_group
@@ -438,6 +439,12 @@ class MegaTrainStrategy(ParallelStrategy):
         self.engine.install()
         module._device = self.root_device  # the module is never moved as a whole
         if trainer.state.fn == TrainerFn.FITTING:
+            unsavable = unsavable_adapters(module)
+            if unsavable:  # before the training that a final save_checkpoint would then refuse
+                log.warning("megatrain: peft adapter(s) %s train, but directory checkpoints cannot save them "
+                            "(trainer.save_checkpoint and ModelCheckpoint will raise CheckpointError); save the adapter "
+                            "with model.save_pretrained(...) after fit, or use LoRA, DoRA, IA3, LoHa, LoKr or VeRA.",
+                            ", ".join(unsavable))
             if not recorded_outputs.supported():
                 _refuse_router_aux_loss(module)
             self.setup_optimizers(trainer)

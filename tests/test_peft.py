@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 
 import lightning.pytorch as pl
 import peft
@@ -187,6 +188,20 @@ def test_prompt_learning_adapter_is_refused_before_anything_is_written(tmp_path)
     with pytest.raises(CheckpointError, match="prompt_encoder.default.embedding.weight.*prompt-learning"):
         save_checkpoint_dir(tmp_path / "c", {}, module, engine=None)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_unsavable_adapter_is_named_before_training(caplog):
+    """Prompt tuning trains (bitwise plain Lightning, probe), but its checkpoint is refused at save time: a
+    warning at setup says so before the steps run, with what to do instead."""
+    config = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    with caplog.at_level(logging.WARNING, logger="megatrain_lightning"):
+        fit(LM(peft.get_peft_model(make_model("llama"), config)), steps=1)
+    assert any("default (PROMPT_TUNING)" in r.getMessage() and "save_pretrained" in r.getMessage()
+               for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megatrain_lightning"):
+        fit(LM(lora("llama")), steps=1)
+    assert not any("cannot save" in r.getMessage() for r in caplog.records)
 
 
 def test_lora_with_recompute_none_under_bf16_mixed_is_lightnings():

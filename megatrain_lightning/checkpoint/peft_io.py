@@ -39,6 +39,20 @@ def is_peft_model(model: Any) -> bool:
     return isinstance(model, PeftModel)
 
 
+def unsavable_adapters(root: torch.nn.Module) -> list[str]:
+    """``"name (TYPE)"`` of every peft adapter in ``root`` that directory checkpoints cannot save: prompt learning
+    (peft keeps its weights outside the module's state dict) and AdaLoRA (peft's adapter state dict leaves out its
+    rank counters and returns resized copies); :func:`~.layout.plan_layout` refuses them at save time."""
+    out = []
+    for m in root.modules():
+        if is_peft_model(m):
+            for name, cfg in m.peft_config.items():
+                kind = str(getattr(cfg, "peft_type", "?")).split(".")[-1]
+                if getattr(cfg, "is_prompt_learning", False) or kind == "ADALORA":
+                    out.append(f"{name} ({kind})")
+    return out
+
+
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
     """The module peft's ``unload()`` leaves in place of ``module`` (adapter layers and
     modules_to_save wrappers give back the original layer)."""
