@@ -234,6 +234,27 @@ def test_default_trainer_callbacks_progress_bar_and_self_log(tmp_path):
     assert n_states == sum(p.requires_grad for p in lm.parameters())
 
 
+def test_resuming_a_weights_only_checkpoint_is_refused_like_plain_lightning(tmp_path):
+    """``ModelCheckpoint(save_weights_only=True)`` writes no AdamW state: ``fit(ckpt_path=...)`` from it raises
+    Lightning's own KeyError naming the optimizer state (it named the LR scheduler: the directory's metadata
+    listed an empty ``optimizer_states``), and ``validate(ckpt_path=...)`` loads its weights."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    messages = {}
+    for strategy in ("auto", "megatrain"):
+        cb = ModelCheckpoint(dirpath=tmp_path / strategy, save_weights_only=True, every_n_train_steps=2)
+        trained = LM(make_model("llama"))
+        _trainer(tmp_path, strategy=strategy, max_steps=2, callbacks=[cb], enable_checkpointing=True).fit(trained, make_data(n=8))
+        with pytest.raises(KeyError) as err:
+            _trainer(tmp_path, strategy=strategy, max_steps=4).fit(LM(make_model("llama", seed=1)), make_data(n=8),
+                                                                    ckpt_path=cb.best_model_path)
+        messages[strategy] = str(err.value)
+        fresh = LM(make_model("llama", seed=1))
+        _trainer(tmp_path, strategy=strategy).validate(fresh, make_data(n=4), ckpt_path=cb.best_model_path)
+        assert torch.equal(fresh.model.lm_head.weight, trained.model.lm_head.weight)
+    assert messages["megatrain"] == messages["auto"] and "optimizer state" in messages["auto"]
+
+
 # ---------------------------------------------------------------- containers that own parameters
 class _Layer(nn.Module):
     def __init__(self, d):

@@ -318,7 +318,8 @@ def load_checkpoint_dir(path: str | os.PathLike, module: nn.Module, engine: Any 
             else:
                 param.copy_(value)
     meta["state_dict"] = {}
-    meta["optimizer_states"] = [{}] if info["has_optimizer"] else []
+    if info["has_optimizer"]:  # absent otherwise, so Lightning's resume refuses a weights-only checkpoint by name
+        meta["optimizer_states"] = [{}]
     return meta
 
 
