@@ -12,10 +12,11 @@ fp32 weights.
 What a callback sees: during ``on_before_optimizer_step`` each parameter's
 ``.grad`` is a view of its fp32 host accumulator (``None`` if it got no
 gradient), so ``lightning.pytorch.utilities.grad_norm`` and clipping work.
-Between steps (for example in ``on_train_batch_end``) updates may still be
-pending when ``overlap_optimizer=True``: a callback that reads raw parameters
-there sees the weights *before* the last step; call
-``trainer.strategy.flush()`` first. Validation, test, predict, checkpoints,
+Between an optimizer step and the next forward (``on_train_batch_end``,
+``on_train_batch_start``, ``training_step`` before it calls the model) updates
+are still pending when ``overlap_optimizer=True``: code that reads raw
+parameters there sees the weights *before* the last step; call
+``trainer.strategy.flush()`` first (or pass ``overlap_optimizer=False``). Validation, test, predict, checkpoints,
 ``lightning_module_state_dict()``, the end of every training epoch (before any
 ``on_train_epoch_end``: ``StochasticWeightAveraging`` averages the current weights) and
 the end of ``fit`` flush automatically.

@@ -210,6 +210,34 @@ def test_callback_sees_updated_weights_after_flush():
     assert not torch.equal(snap[0], snap[1])
 
 
+def test_training_step_reading_weights_sees_what_plain_lightning_sees_after_flush_or_without_overlap():
+    """A ``training_step`` that reads the weights before the forward (a logged weight norm) sees the previous
+    step's update only after ``trainer.strategy.flush()`` or with ``overlap_optimizer=False`` (README: the update
+    is otherwise applied during the forward); then every value equals plain Lightning's."""
+
+    class Reads(LM):
+        def __init__(self, model, flush):
+            super().__init__(model)
+            self.flush, self.seen = flush, []
+
+        def training_step(self, batch, batch_idx):
+            if self.flush:
+                self.trainer.strategy.flush()
+            self.seen.append([p.detach().clone() for p in self.parameters()])
+            return super().training_step(batch, batch_idx)
+
+    def seen(strategy, flush=False):
+        lm = Reads(make_model("llama"), flush)
+        _trainer(strategy=strategy, max_steps=3).fit(lm, make_data(n=8))
+        return lm.seen
+
+    ref = seen("auto")
+    stale = seen("megatrain")
+    assert all(map(torch.equal, stale[1], ref[0])) and not all(map(torch.equal, stale[1], ref[1]))  # documented
+    for ours in (seen("megatrain", flush=True), seen(MegaTrainStrategy(overlap_optimizer=False))):
+        assert all(all(map(torch.equal, a, b)) for a, b in zip(ours, ref, strict=True))
+
+
 def test_default_trainer_callbacks_progress_bar_and_self_log(tmp_path):
     """Plain Trainer defaults: progress bar, model summary, ModelCheckpoint, logger, self.log."""
     model = make_model("gemma2")
