@@ -7,6 +7,7 @@ import contextlib
 import lightning.pytorch as pl
 import pytest
 import torch
+import transformers
 from torch import nn
 
 import megatrain_lightning  # noqa: F401
@@ -256,3 +257,38 @@ def test_compiled_submodule_is_refused_before_the_first_step(how):
     with pytest.raises(RuntimeError, match=rf"submodule {where} \(.*\) is compiled .*torch.compile\(model\)"):
         _fit(lm_for())
     assert _Counting.steps_run == 0
+
+
+def _gemma(model_type: str, shared: int) -> transformers.PreTrainedModel:
+    """A tiny Gemma 3n / Gemma 4 text model (3 layers); ``shared``: its last layers attend over the keys and values
+    an earlier layer stored in ``shared_kv_states`` (``num_kv_shared_layers``)."""
+    gemma3n = dict(laurel_rank=4, altup_num_inputs=2, activation_sparsity_pattern=[0.0] * 3, intermediate_size=[64] * 3)
+    cfg = transformers.AutoConfig.for_model(
+        model_type, vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, sliding_window=8, pad_token_id=0,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], num_kv_shared_layers=shared,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=96, tie_word_embeddings=False,
+        **(gemma3n if model_type == "gemma3n_text" else dict(intermediate_size=64)))
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+
+
+@pytest.mark.parametrize("model_type", ["gemma3n_text", "gemma4_text"])
+def test_keys_and_values_shared_across_layers_are_refused_in_the_first_forward(model_type):
+    """Gemma 3n / Gemma 4 with ``num_kv_shared_layers=1``: layer 0 stores its keys and values in the
+    ``shared_kv_states`` dict and layer 2 attends over them. A streamed block connects only its return values to
+    autograd, so layer 0's k/v projections lost layer 2's gradient (12% relative weight error, no error, before
+    engine/side_outputs.py). Now the read raises, before any update; Gemma 4 storing them with no layer reading
+    them (``num_kv_shared_layers=0``) still trains bitwise as plain Lightning."""
+    _Counting.steps_run = 0
+    with pytest.raises(BlockDiscoveryError, match=r"read a tensor that a Gemma.*TextDecoderLayer block stored into its "
+                                                  r"argument `shared_kv_states`.*num_kv_shared_layers=0"):
+        _fit(_Counting(_gemma(model_type, shared=1)))
+    assert _Counting.steps_run == 1  # raised in the first training_step, before any optimizer step
+    if model_type == "gemma4_text":
+        ours, ref = LM(_gemma(model_type, shared=0)), LM(_gemma(model_type, shared=0))
+        for lm, strategy in ((ours, "megatrain"), (ref, "auto")):
+            torch.manual_seed(0)
+            _fit(lm, strategy=strategy)
+        assert ours.losses == ref.losses
+        assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), ref.parameters()))

@@ -27,6 +27,8 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_flatten
 
+from .side_outputs import guard
+
 CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
@@ -74,7 +76,8 @@ def training_call(args: tuple, kwargs: dict, forward: Callable[..., Any]
 
     Empty dynamic caches stay in the arguments and ``forward`` is wrapped so that each run gets a
     fresh copy of them; other caches become ``None`` (``stripped``: something was removed, and
-    ``use_cache`` is then ``False``)."""
+    ``use_cache`` is then ``False``). The returned ``forward`` raises if the block stores tensors into a
+    mutable argument for later blocks (:func:`.side_outputs.guard`)."""
     kept: list[Any] = []
     stripped = False
 
@@ -97,7 +100,7 @@ def training_call(args: tuple, kwargs: dict, forward: Callable[..., Any]
         kwargs["use_cache"] = False
         stripped = True
     if not kept:
-        return args, kwargs, forward, stripped
+        return args, kwargs, guard(forward, args, kwargs), stripped
     ids = {id(c) for c in kept}
 
     def run(*a: Any, **kw: Any) -> Any:
@@ -107,7 +110,7 @@ def training_call(args: tuple, kwargs: dict, forward: Callable[..., Any]
 
     run.__wrapped__ = forward  # type: ignore[attr-defined]
     run._megatrain_caches = kept  # type: ignore[attr-defined]  # keeps the ids above valid
-    return args, kwargs, run, stripped
+    return args, kwargs, guard(run, args, kwargs), stripped
 
 
 def any_requires_grad(args: tuple, kwargs: dict) -> bool:
