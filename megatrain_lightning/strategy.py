@@ -67,7 +67,8 @@ from .parallel.faults import guarded
 from .parallel.groups import ProcessGroups
 from .parallel.launcher import MegaTrainLauncher
 from .parallel.node_share import NodeStore
-from .parallel.preflight import check_rendezvous, check_same_config, optimizer_fingerprint, run_fingerprint
+from .parallel.preflight import (check_rendezvous, check_same_batches, check_same_config, optimizer_fingerprint,
+                                 run_fingerprint)
 from .precision import MegaTrainPrecision, to_megatrain_precision
 from .store.nvme import IO_BLOCK_SIZE, NVME_PATH_FROM_ENV, NVMeConfig
 from .store.regions import Region
@@ -604,6 +605,16 @@ class MegaTrainStrategy(ParallelStrategy):
 
     def on_predict_start(self) -> None:
         self.flush()
+
+    def on_train_start(self) -> None:
+        """Data parallel: every rank must have as many training batches per epoch as the others (checked once,
+        before the first step; :func:`~.parallel.preflight.check_same_batches`)."""
+        if self.groups is not None:
+            trainer = self.lightning_module.trainer
+            batches = trainer.num_training_batches
+            if trainer.max_steps > 0:  # a run that ends within every rank's first epoch needs no equal epochs
+                batches = min(batches, trainer.max_steps * trainer.accumulate_grad_batches)
+            check_same_batches(self.groups.host, batches, guard=self.groups.guard)
 
     def on_train_end(self) -> None:
         self.flush()

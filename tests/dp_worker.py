@@ -114,6 +114,8 @@ def main() -> None:
                     "accumulate (one more micro-batch), lookahead (2), lr (twice)")
     ap.add_argument("--backbone-finetuning", action="store_true",
                     help="testing.BackboneLM (lr 1e-2) with BackboneFinetuning: the backbone unfrozen at epoch 1")
+    ap.add_argument("--unequal-batches", action="store_true",
+                    help="use_distributed_sampler=False, one epoch: local rank 1 gets twice the batches of rank 0")
     ap.add_argument("--shm-free", type=int, default=None, help="local rank 1 sees this many bytes free in /dev/shm")
     args = ap.parse_args()
     second = os.environ.get("LOCAL_RANK", "0") == "1"  # the launcher sets it for the rank it starts
@@ -150,8 +152,9 @@ def main() -> None:
                          + ([EditGrads(args.grad_edit)] if args.grad_edit else [])
                          + ([BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda epoch: 2.0)]
                             if args.backbone_finetuning else []),
-                         enable_progress_bar=False, enable_model_summary=False)
-    loader = T.make_data(n=args.n, batch_size=args.batch)
+                         enable_progress_bar=False, enable_model_summary=False,
+                         **(dict(use_distributed_sampler=False, max_epochs=1) if args.unequal_batches else {}))
+    loader = T.make_data(n=args.n * (1 + second) if args.unequal_batches else args.n, batch_size=args.batch)
     if args.resumable:
         loader = ResumableDataLoader(loader.dataset, batch_size=args.batch, shuffle=True, seed=0)
     elif args.devices * args.num_nodes == 1:  # the order Lightning's injected DistributedSampler gives W ranks

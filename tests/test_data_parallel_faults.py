@@ -309,6 +309,20 @@ def test_ranks_with_different_learning_rates_are_refused_before_the_first_step(t
     assert running_with(str(tmp_path)) == []
 
 
+def test_ranks_with_different_numbers_of_batches_are_refused_before_the_first_step(tmp_path):
+    """``use_distributed_sampler=False`` and rank 1 with twice rank 0's batches (one epoch): rank 0 ended its epoch
+    and waited at the end of fit for updates rank 1 publishes only in its next step, until ``timeout``, then blamed
+    the live rank 1 ("did not publish update 2"). Now both ranks stop before the first step with the counts."""
+    t0 = time.monotonic()
+    proc = launch(tmp_path, "--steps", "-1", "--n", "8", "--unequal-batches", "--timeout", "600", timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and time.monotonic() - t0 < 120
+    assert "different numbers of training batches per epoch (4 on rank 0; 8 on rank 1" in out, out[-4000:]
+    assert "[rank0]: megatrain_lightning.parallel.preflight.ConfigMismatchError" in out
+    assert not (tmp_path / "losses_0.pt").exists()
+    assert running_with(str(tmp_path)) == []
+
+
 # ---------------------------------------------------------------------------------------------- /dev/shm
 def test_check_shm_says_the_numbers_and_what_to_change(monkeypatch):
     real = os.statvfs

@@ -201,3 +201,28 @@ def check_same_config(group: Any, fingerprint: Mapping[str, str],
     diff = differences(box)
     if diff:
         raise ConfigMismatchError(mismatch_message(diff))
+
+
+def check_same_batches(group: Any, batches: float, guard: Callable[[str], ContextManager[None]] | None = None) -> None:
+    """Compare this rank's number of training batches per epoch (``trainer.num_training_batches``, ``inf`` for an
+    iterable without length; the strategy caps it at ``max_steps x accumulate_grad_batches``) with every other
+    rank's (a collective over ``group``, all ranks), before the first step.
+
+    A rank whose epoch ends first would wait at the end of ``fit`` for updates that the slabs' owners, still in
+    their epoch, only publish after its next step: a hang until ``timeout``, blamed on a live rank. Plain DDP
+    requires equal batch counts too (its collectives mismatch).
+
+    Raises:
+        ConfigMismatchError: on every rank, with each rank's count and what to change.
+    """
+    box: list[Any] = [None] * dist.get_world_size(group)
+    with (guard or (lambda what: contextlib.nullcontext()))("the check of the training batches per rank"):
+        dist.all_gather_object(box, float(batches), group=group)
+    if len(set(box)) > 1:
+        counts = "; ".join(f"{n:g} on rank {r}" for r, n in enumerate(box))
+        raise ConfigMismatchError(
+            f"megatrain: the ranks have different numbers of training batches per epoch ({counts}, counted up to "
+            "max_steps x accumulate_grad_batches); every rank must "
+            "run the same number of optimizer steps, as with DDP (a rank whose epoch ended would wait for the others' "
+            "updates until `timeout`). Keep Lightning's DistributedSampler (`use_distributed_sampler=True`, the "
+            "default) or give every rank a sampler of the same length, with the same `limit_train_batches`.")
