@@ -25,3 +25,23 @@ def keeps_graph() -> bool:
     """``retain_graph`` of the running backward (what torch's own AOT autograd reads)."""
     fn = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
     return bool(fn()) if fn is not None else False
+
+
+def local_grad(outputs: list, targets: list, grad_outputs: list, retain_graph: bool) -> tuple:
+    """``torch.autograd.grad(outputs, targets, grad_outputs, allow_unused=True, retain_graph=...)``: a block's
+    local backward after its recompute.
+
+    Raises:
+        RuntimeError: the block itself calls ``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)``, which
+            torch cannot differentiate under ``autograd.grad``: says so and what to use instead.
+    """
+    try:
+        return torch.autograd.grad(outputs, targets, grad_outputs, allow_unused=True, retain_graph=retain_graph)
+    except RuntimeError as err:
+        if "use_reentrant=True" not in str(err):
+            raise
+        raise RuntimeError(
+            "megatrain: a streamed block calls torch.utils.checkpoint.checkpoint(..., use_reentrant=True) in its "
+            "forward; the engine differentiates each block with torch.autograd.grad after recomputing it, which "
+            "reentrant checkpointing does not support. Pass use_reentrant=False there, or drop the checkpoint: "
+            "megatrain already recomputes every block (its `recompute` option).") from err

@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 from ..blocks import Block
 from ..store.host import HostStore
 from .accounting import ByteAccounting
-from .backward_state import keeps_graph, leaf_grad_use
+from .backward_state import keeps_graph, leaf_grad_use, local_grad
 from .block_graph import GraphHooks, release_leaves
 from .bound_params import BoundParams
 from .calls import SECOND_BACKWARD, BlockCall, ForwardRecord, KeptGraph, autocast_state, trainable_refs  # noqa: F401 - trainable_refs re-exported
@@ -346,8 +346,8 @@ class Recompute:
             in_targets = [t for t, need in zip(inputs, needs) if need]
             targets = in_targets + [leaves[id(r.param)] for r in leaf_refs]
             if pairs and targets:
-                grads = torch.autograd.grad([o for o, _ in pairs], targets, [g for _, g in pairs], allow_unused=True,
-                                            retain_graph=kept is not None and keep_graph)
+                grads = local_grad([o for o, _ in pairs], targets, [g for _, g in pairs],
+                                   retain_graph=kept is not None and keep_graph)
             else:
                 grads = (None,) * len(targets)
         finally:

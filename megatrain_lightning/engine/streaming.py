@@ -32,7 +32,7 @@ from ..store.budget import HostBudget
 from ..store.host import HostStore, build_store
 from ..store.regions import Region
 from ..store.shared import NodeShare, SlabOwnership
-from ..store.nvme import NVMeConfig, NVMeStore
+from ..store.nvme import NVMeConfig
 from ..blocks import Block, check_floating, disable_hf_checkpointing, discover_blocks
 from .accounting import ByteAccounting, StepStats
 from .block_groups import form_groups
@@ -123,8 +123,7 @@ class StreamingEngine:
         check_lookahead(lookahead)
         recompute_every = deprecated_recompute_every(recompute_every, checkpoint_every)
         self.long = LongSequences(root, loss_chunk_size, mlp_chunk_size, self.call_block, lambda: self.fetcher.param_dtype)
-        self.root = root
-        self.device = torch.device(device)
+        self.root, self.device = root, torch.device(device)
         host_threads = resolve_host_threads(host_threads, self.device)
         self.blocks: list[Block] = discover_blocks(root, block_classes, block_names)
         check_floating(self.blocks)
@@ -132,8 +131,7 @@ class StreamingEngine:
         ahead = (lookahead + 1) * max(map(len, groups)) - 1  # blocks fetched ahead of the one computing
         pin: bool | None = pin_memory if self.device.type == "cuda" else False  # None: try (CUDA default), fall back with a warning
         self.budget: HostBudget | None = None
-        min_window = 0
-        factory: Callable[[list[tuple[int, int]]], NVMeStore] | None = None
+        min_window, factory = 0, None  # factory: Callable[[layout], NVMeStore] for the NVMe tier
         if nvme is not None and nvme.kinds:
             self.budget, min_window, factory = nvme_window(self.blocks, nvme, self.device, ahead, pin, reserve_frozen)
             if Region.master in nvme.kinds:
@@ -320,7 +318,8 @@ class StreamingEngine:
 
     @contextlib.contextmanager
     def _bind(self, blk: Block, bufs: dict[int, torch.Tensor], leaves: dict[int, torch.Tensor] | None):
-        """Point the block's parameters at views of the device buffers (or at gradient leaves)."""
+        """Point the block's parameters at views of the device buffers (or at gradient leaves); in no-grad mode a trainable
+        one's view requires grad as in plain PyTorch (``F.linear`` on a non-contiguous input picks its kernel by it)."""
         saved = []
         try:
             for ref in blk.params:
@@ -328,6 +327,7 @@ class StreamingEngine:
                     t = leaves[id(ref.param)]
                 else:
                     t = self.store.slabs[ref.slab].view(bufs[ref.slab], ref.index)
+                    t = t if torch.is_grad_enabled() or not ref.param.requires_grad else t.detach().requires_grad_()
                 saved.append((ref.owner, ref.attr, ref.owner._parameters[ref.attr]))
                 ref.owner._parameters[ref.attr] = t
             yield
