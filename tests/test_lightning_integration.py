@@ -389,12 +389,12 @@ def test_parameter_used_outside_its_module_is_an_error():
         _trainer(strategy=MegaTrainStrategy(block_names=["net.layers.*"]), max_steps=1).fit(Outside(), make_data(n=4))
 
 
-class _TorchLayersLM(pl.LightningModule):
+class _TorchLayersLM(ContainerLM):
     """A decoder built from ``nn.TransformerEncoderLayer`` (its ``nn.MultiheadAttention`` projects a transposed,
-    non-contiguous input) with a causal mask."""
+    non-contiguous input) with a causal mask; ContainerLM's steps and optimizer."""
 
     def __init__(self, d=32):
-        super().__init__()
+        pl.LightningModule.__init__(self)
         torch.manual_seed(0)
         self.emb = nn.Embedding(VOCAB, d)
         self.layers = nn.ModuleList([nn.TransformerEncoderLayer(d, 4, 2 * d, dropout=0.0, batch_first=True,
@@ -408,17 +408,6 @@ class _TorchLayersLM(pl.LightningModule):
         for layer in self.layers:
             h = layer(h, mask, None, True)  # src, src_mask, src_key_padding_mask, is_causal
         return F.cross_entropy(self.head(h)[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
-
-    def training_step(self, batch, batch_idx):
-        loss = self._loss(batch[0])
-        self.losses.append(loss.item())
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        self.log("val_loss", self._loss(batch[0]))
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
 def test_torch_nn_transformer_layers_train_bitwise_like_plain_lightning():
