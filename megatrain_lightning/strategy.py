@@ -66,7 +66,7 @@ from .parallel.checkpoint_writers import CheckpointWriters
 from .parallel.faults import guarded
 from .parallel.groups import ProcessGroups
 from .parallel.launcher import MegaTrainLauncher
-from .parallel.node_share import NodeStore
+from .parallel.node_share import NodeStore, nvme_for_rank
 from .parallel.preflight import (check_rendezvous, check_same_batches, check_same_config, optimizer_fingerprint,
                                  run_fingerprint)
 from .precision import MegaTrainPrecision, to_megatrain_precision
@@ -408,11 +408,8 @@ class MegaTrainStrategy(ParallelStrategy):
             _refuse_placeholders(module)
             _refuse_compiled(module)
             _warn_low_precision_params(module)
-            if self.groups is not None and (self.nvme.kinds if self.nvme is not None else ()):
-                raise NotImplementedError(
-                    "megatrain: offload_params/offload_optimizer='nvme' runs in one process for now; with "
-                    f"devices={self.num_processes} x num_nodes={self.num_nodes} keep the state in host RAM "
-                    "(strategy='megatrain'), or train on one device (docs/architecture.md, 'Several GPUs and nodes').")
+            nvme = nvme_for_rank(self.nvme, self.groups) if self.groups is not None and self.nvme is not None \
+                else self.nvme  # data parallel: the optimizer's regions on each owner's disk
             if self.groups is not None:  # every rank the same model and options, before the store is built
                 check_same_config(self.groups.host, run_fingerprint(module, self, trainer), guard=self.groups.guard)
             self.engine = StreamingEngine(
@@ -430,7 +427,7 @@ class MegaTrainStrategy(ParallelStrategy):
                 block_names=self.block_names,
                 pin_memory=self.pin_memory,
                 cpu_zero_copy=self.cpu_zero_copy,
-                nvme=self.nvme,
+                nvme=nvme,
                 sources=weight_sources(module),
                 host_threads=self.host_threads,
                 reducer=self._grad_reducer(),

@@ -104,6 +104,8 @@ def main() -> None:
     ap.add_argument("--resume", default=None, help="fit(ckpt_path=RESUME)")
     ap.add_argument("--optimizer-in-backward", action="store_true")
     ap.add_argument("--nvme", default=None, help="offload_params/offload_optimizer='nvme' under this path")
+    ap.add_argument("--nvme-optimizer", default=None, help="offload_optimizer='nvme' only, under this path")
+    ap.add_argument("--host-memory-limit", default=None, help="the strategy's host_memory_limit (the node's)")
     ap.add_argument("--model-checkpoint", default=None,
                     help="ModelCheckpoint(dirpath=..., every_n_train_steps=1, save_last=True, save_top_k=2)")
     ap.add_argument("--kill-rank", type=int, default=None, help="this global rank SIGKILLs itself ...")
@@ -138,7 +140,9 @@ def main() -> None:
                                  lookahead=2 if "lookahead" in mismatch else 1,
                                  optimizer_in_backward=True if args.optimizer_in_backward else None,
                                  **({"offload_params": "nvme", "offload_optimizer": "nvme", "nvme_path": args.nvme}
-                                    if args.nvme else {}))
+                                    if args.nvme else {}),
+                                 **({"offload_optimizer": "nvme", "nvme_path": args.nvme_optimizer,
+                                     "host_memory_limit": args.host_memory_limit} if args.nvme_optimizer else {}))
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
                          precision=args.precision, max_steps=args.steps,
                          accumulate_grad_batches=args.accumulate + ("accumulate" in mismatch),
@@ -166,6 +170,14 @@ def main() -> None:
         trainer.save_checkpoint(args.save)
     rank = trainer.global_rank
     torch.save(lm.losses, out / f"losses_{rank}.pt")
+    eng = trainer.strategy.engine
+    if eng.store.nvme is not None:  # this rank's NVMe store: which slabs have regions on its disk, its budget
+        st = eng.store.nvme
+        (out / f"nvme_{rank}.json").write_text(json.dumps({
+            "dir": str(st.dir), "slabs": [i for i, (n, t) in enumerate(st.layout) if n or t],
+            "owned": [i for i in range(len(st.layout)) if eng.ownership is None or eng.ownership.owns(i)],
+            "host_memory_limit": eng.host_memory_limit, "peak_host_bytes": st.budget.peak,
+            "written_bytes": st.meter.snapshot()["nvme_write_bytes"]}))
     if trainer.local_rank == 0:  # each node's copy of the weights (its shared store)
         torch.save({k: v.detach().clone() for k, v in model.named_parameters()}, out / f"node_weights_{rank}.pt")
     if rank == 0:

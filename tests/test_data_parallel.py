@@ -213,20 +213,25 @@ def test_two_nodes_on_loopback(tmp_path):
         assert torch.equal(first[k], second[k]), k
 
 
-@pytest.mark.parametrize("first,then", [(2, 1), (1, 2)])
-def test_exact_resume_across_world_sizes(tmp_path, first, then):
+@pytest.mark.parametrize("first,then,tier", [(2, 1, "ram"), (1, 2, "ram"), (2, 2, "nvme_optimizer")])
+def test_exact_resume_across_world_sizes(tmp_path, first, then, tier):
     """A checkpoint written mid-epoch (step 5 of 8 per epoch) by ``first`` processes resumes in ``then`` processes
     (same global batch 4) and ends where an uninterrupted run ends: the same samples at every later step
     (ResumableDataLoader counts global samples), every later loss (mean over ranks) and every final weight
-    within 1e-5 relative (a different batch split rounds differently, so not bitwise)."""
+    within 1e-5 relative (a different batch split rounds differently, so not bitwise). ``nvme_optimizer``: the
+    interrupted run and the resumed one keep the AdamW states on NVMe (each rank writes and loads only its own
+    slabs' states), the uninterrupted one in RAM."""
     common = ["--arch", "llama", "--accumulate", "2", "--clip", "0.5", "--sched", "cosine", "--total-steps", "12",
               "--resumable"]
     def per_rank(world: int) -> list[str]:
         return ["--devices", str(world), "--batch", str(4 // world)]
     full, part, rest = tmp_path / "full", tmp_path / "part", tmp_path / "rest"
     ckpt = tmp_path / "ckpt"
+    disk = tmp_path / "nvme"
+    disk.mkdir()
+    tiered = ["--nvme-optimizer", str(disk), "--host-memory-limit", "64MiB"] if tier == "nvme_optimizer" else []
     check(launch(full, *common, *per_rank(first), "--steps", "12"))
-    check(launch(part, *common, *per_rank(first), "--steps", "5", "--save", str(ckpt)))
+    check(launch(part, *common, *per_rank(first), "--steps", "5", "--save", str(ckpt), *tiered))
     assert (ckpt / "model").is_dir()
     if first == 2:  # written together: each rank its own slabs' shards, rank 0 the index, checksums, metadata
         import transformers
@@ -240,8 +245,12 @@ def test_exact_resume_across_world_sizes(tmp_path, first, then):
         saved = torch.load(tmp_path / "part" / "weights.pt")
         for k, v in hf.named_parameters():
             assert torch.equal(v.detach(), saved[k]), k
-    check(launch(rest, *common, *per_rank(then), "--steps", "12", "--resume", str(ckpt)))
+    check(launch(rest, *common, *per_rank(then), "--steps", "12", "--resume", str(ckpt), *tiered))
     assert_resumed_like(rest, then, full, first, skip=5 * 2, n=14)
+    if tiered:  # each rank's store held its own slabs' states, and is gone
+        stores = [json.loads((rest / f"nvme_{r}.json").read_text()) for r in range(then)]
+        assert all(s["slabs"] == s["owned"] and s["written_bytes"] > 0 for s in stores), stores
+        assert not list(disk.iterdir())
 
 
 def assert_resumed_like(rest: Path, world: int, full: Path, full_world: int, skip: int, n: int) -> None:
@@ -257,15 +266,18 @@ def assert_resumed_like(rest: Path, world: int, full: Path, full_world: int, ski
         assert T.rel(wa[k], wb[k]) <= 1e-5, (k, T.rel(wa[k], wb[k]))
 
 
-def test_recipe_runs_on_two_processes(tmp_path, gpt2_dir):
+@pytest.mark.parametrize("tier", ["ram", "nvme_optimizer"])
+def test_recipe_runs_on_two_processes(tmp_path, gpt2_dir, tier):
     """``python recipes/finetune.py trainer.devices=2 ...``: Lightning's launcher re-runs the Hydra command for
     rank 1; the run trains, evaluates (val_loss synced over ranks), saves one checkpoint and rank 0 writes the
-    results."""
+    results. ``nvme_optimizer``: ``strategy=megatrain_nvme strategy.offload_params=cpu`` (AdamW states on NVMe)."""
     from test_recipe import tiny
 
     out = tmp_path / "run"
+    tiered = ["strategy=megatrain_nvme", "strategy.offload_params=cpu", f"strategy.nvme_path={tmp_path}",
+              "strategy.host_memory_limit=1GiB"] if tier == "nvme_optimizer" else []
     cmd = [sys.executable, str(WORKER.parent.parent / "recipes" / "finetune.py"), *tiny(gpt2_dir),
-           "trainer.devices=2", "trainer.accelerator=cpu", f"output_dir={out}", "data=legal"]
+           "trainer.devices=2", "trainer.accelerator=cpu", f"output_dir={out}", "data=legal", *tiered]
     env = {**os.environ, "MASTER_PORT": str(free_port()), "MASTER_ADDR": "127.0.0.1"}
     for k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
         env.pop(k, None)
@@ -274,6 +286,10 @@ def test_recipe_runs_on_two_processes(tmp_path, gpt2_dir):
     import json
     summary = json.loads((out / "summary.json").read_text())
     assert summary["run"]["steps"] == 2
+    if tier == "nvme_optimizer":
+        assert (summary["config"]["strategy"]["offload_params"], summary["config"]["strategy"]["offload_optimizer"]) \
+            == ("cpu", "nvme")
+        assert not list(tmp_path.glob("megatrain_store*"))  # each rank's store is removed at the end
     assert (out / "checkpoint" / "model" / "config.json").is_file()
     assert proc.stdout.count("HF checkpoint:") == 1  # rank 0 reports, once
 
@@ -296,11 +312,40 @@ def test_model_checkpoint_and_resume_from_last(tmp_path):
         assert torch.equal(wa[k], wb[k]), k
 
 
-def test_nvme_tier_with_several_processes_is_refused_clearly(tmp_path):
-    """Not built yet: refused at setup, before any weight is stored, saying what runs instead."""
+def test_optimizer_on_nvme_with_two_processes_trains_bitwise_like_the_ram_tier(tmp_path):
+    """``offload_optimizer="nvme"`` with 2 processes: the masters once in the node-shared RAM store, each rank's
+    accumulators and AdamW states of the slabs it owns in its own store directory, each rank's window within its
+    half of the node's ``host_memory_limit``. Losses and weights bitwise those of the RAM tier with 2 processes
+    (accumulation 2, norm clipping, cosine LR; as one process's NVMe tier is bitwise its RAM tier), and within
+    1e-5 of plain PyTorch on the global batch."""
+    ram, disk_run, disk = tmp_path / "ram", tmp_path / "nvme_run", tmp_path / "nvme"
+    disk.mkdir()
+    common = ["--devices", "2", "--batch", "2", "--steps", "8", "--accumulate", "2", "--clip", "0.5", "--sched", "cosine"]
+    check(launch(ram, *common))
+    check(launch(disk_run, *common, "--nvme-optimizer", str(disk), "--host-memory-limit", "8MiB"))
+    for r in range(2):
+        assert torch.load(ram / f"losses_{r}.pt") == torch.load(disk_run / f"losses_{r}.pt")
+    a, b = torch.load(ram / "weights.pt"), torch.load(disk_run / "weights.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    model, losses = reference("llama", 4, 8, 2, 0.5, "cosine")
+    assert_matches(disk_run, 2, model, losses, 1e-5)
+    stores = [json.loads((disk_run / f"nvme_{r}.json").read_text()) for r in range(2)]
+    assert [Path(s["dir"]).name for s in stores] == ["megatrain_store_rank0", "megatrain_store_rank1"]
+    for s in stores:  # only its own slabs on its disk, within its share of the budget
+        assert s["slabs"] == s["owned"] and s["slabs"], stores
+        assert s["host_memory_limit"] == 4 * 2**20 and 0 < s["peak_host_bytes"] <= s["host_memory_limit"], stores
+        assert s["written_bytes"] > 0, stores
+    assert not set(stores[0]["slabs"]) & set(stores[1]["slabs"])
+    assert not list(disk.iterdir())  # the files go at the end of the run
+
+
+def test_masters_on_nvme_with_several_processes_are_refused_clearly(tmp_path):
+    """``offload_params="nvme"`` is not built for several processes: refused at setup, before any weight is stored,
+    saying what runs instead (the optimizer on NVMe with the masters in shared memory)."""
     proc = launch(tmp_path, "--devices", "2", "--steps", "1", "--nvme", str(tmp_path))
     assert proc.returncode != 0
-    assert "NotImplementedError: megatrain: offload_params/offload_optimizer='nvme' runs in one process" in proc.stderr
+    assert "NotImplementedError: megatrain: offload_params='nvme' (fp32 masters on disk) runs in one process" in proc.stderr
+    assert "use offload_params='cpu' with offload_optimizer='nvme'" in proc.stderr
     assert not list(tmp_path.glob("megatrain_store*/*"))  # nothing written to the NVMe path
 
 

@@ -713,6 +713,18 @@ def test_dp_needs_network_bandwidth_for_several_nodes():
     assert math.isclose(p.times["host_memory"], p.moved["host_memory"] / (12 * 30e9), rel_tol=1e-9)
 
 
+def test_dp_plans_the_optimizer_on_nvme_and_refuses_masters_on_nvme_as_the_strategy_does():
+    """The strategy runs ``offload_optimizer="nvme"`` with several processes (masters in /dev/shm) and refuses
+    ``offload_params="nvme"`` there: the planner says the same (fits: no, with what to set)."""
+    m, hw = load_model("llama70b"), load_hardware("h200")
+    ok = plan(m, hw, devices=8, offload_optimizer="nvme", offload_grads="nvme")
+    assert ok.fits and ok.nvme_bytes > 0
+    one = plan(m, hw, offload_params="nvme", offload_optimizer="nvme", offload_grads="nvme")
+    assert not any("one process only" in r for r in one.reasons)
+    many = plan(m, hw, devices=2, offload_params="nvme", offload_optimizer="nvme", offload_grads="nvme")
+    assert not many.fits and any("set offload_params=cpu" in r for r in many.reasons), many.reasons
+
+
 def test_dp_cli_report(capsys):
     rc, out = _main(capsys, "model=llama70b", "hardware=h200", "trainer.devices=8", "trainer.num_nodes=2")
     assert rc == 0

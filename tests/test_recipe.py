@@ -501,15 +501,19 @@ def test_summary_rows_keep_metrics_measured_only_after():
 def test_refuses_bad_data_parallel_settings_before_the_build(tmp_path, no_build, monkeypatch):
     """trainer.devices=abc reached Lightning's TypeError after the model load, trainer.num_nodes was not a key of
     the trainer group (Hydra: "Key 'num_nodes' is not in struct"), and the NVMe tier with 2 processes was the
-    strategy's NotImplementedError after the model load: now each is one ConfigError naming the key, before it."""
+    strategy's NotImplementedError after the model load: now each is one ConfigError naming the key, before it
+    (the masters on NVMe; the optimizer alone on NVMe runs with several processes)."""
     refused(tmp_path, "trainer.devices=abc", key="trainer.devices", match="positive int .* got 'abc'")
     refused(tmp_path, "trainer.devices=0", key="trainer.devices")
     refused(tmp_path, "trainer.devices=[0,-1]", key="trainer.devices")
     refused(tmp_path, "trainer.num_nodes=0", key="trainer.num_nodes", match="positive int")
     monkeypatch.setenv("MEGATRAIN_NVME_PATH", str(tmp_path))
     refused(tmp_path, "strategy=megatrain_nvme", "trainer.devices=2", key="strategy",
-            match="NVMe tier runs in one process .* trainer.devices=2 x trainer.num_nodes=1")
+            match=r"offload_params=nvme\) run in one process .* trainer.devices=2 x trainer.num_nodes=1 start 2: with several "
+                  "processes add strategy.offload_params=cpu")
     refused(tmp_path, "strategy=megatrain_nvme", "trainer.num_nodes=2", key="strategy", match="start 2")
     cfg = cfg_for(tmp_path, "trainer.devices=auto", "trainer.num_nodes=2")  # what Lightning takes passes the checks
     check_values(OmegaConf.to_container(cfg, resolve=True))
     check_values(OmegaConf.to_container(cfg_for(tmp_path, "trainer.devices=[0,1]"), resolve=True))
+    check_values(OmegaConf.to_container(cfg_for(tmp_path, "strategy=megatrain_nvme", "strategy.offload_params=cpu",
+                                                "trainer.devices=2"), resolve=True))

@@ -198,8 +198,7 @@ def _save_together(final: Path, checkpoint: dict[str, Any], module: nn.Module, e
                 mine[part.name] = write_safetensors_part(tmp / part.name, items, prefix=prefix,
                                                          max_shard_bytes=max_shard_bytes)
             if has_opt:
-                owned = {n for n, p in module.named_parameters() if coop.writes(p)}
-                items = ((n, t) for n, t in engine.params.named_optimizer_state(module) if n.rsplit("/", 1)[0] in owned)
+                items = engine.params.named_optimizer_state(module, keep=coop.writes)
                 mine["optimizer"] = write_safetensors_part(tmp / "optimizer", items, prefix=prefix,
                                                            max_shard_bytes=max_shard_bytes)
     except Exception as err:  # every rank learns of it below

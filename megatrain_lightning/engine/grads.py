@@ -93,9 +93,10 @@ class GradientSink:
         # optimizer step in backward: per slab, the gradient batches still to come in this backward
         self.sends_left: dict[int, int] = {}
         self._hyper = None
-        # data parallel with a node-shared store: param.grad shows copy-on-write views (hook_grads.py)
+        # data parallel with a node-shared store: param.grad shows copy-on-write views (hook_grads.py); with the
+        # accumulators on NVMe param.grad stays None (attach), as in one process
         self.hook_views = HookGradViews(store, ownership) if ownership is not None and store.shared is not None \
-            else None
+            and Region.grad_accum not in store.nvme_kinds else None
 
     # ------------------------------------------------------------------ plan
     def plan(self, calls_refs: Sequence[Sequence[Any]]) -> None:

@@ -118,15 +118,19 @@ class ParamAccess:
             return t.detach()
         return read
 
-    def named_optimizer_state(self, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_optimizer_state(self, module: nn.Module, keep: Callable[[nn.Parameter], bool] | None = None
+                              ) -> Iterator[tuple[str, torch.Tensor]]:
         """``("<param name>/exp_avg" | "/exp_avg_sq" | "/step", tensor)`` for every parameter of
         ``module`` with AdamW state (fp32; ``step`` a 0-d tensor), in parameter order, reading through
-        a one-slab window on the NVMe tier."""
+        a one-slab window on the NVMe tier. ``keep``: only the parameters it accepts (data parallel: a
+        process writes the state of the slabs it owns, the only ones on its disk with ``offload_optimizer="nvme"``)."""
         opt = self._optimizer()
         if opt is None:
             return
         window = _OneSlabWindow(self.store)
         for name, p in module.named_parameters():
+            if keep is not None and not keep(p):
+                continue
             window.touch(p)
             st = opt.param_state(p)
             if st is None:

@@ -52,27 +52,28 @@ def nvme_window(blocks: Sequence[Block], nvme: NVMeConfig, device: torch.device,
     """
     slabs = slab_layout(blocks, reserve_frozen)
     layout = [(n, t) for _, n, t in slabs]
+    mine = nvme.own(layout)  # data parallel: only the slabs this process updates have regions on its disk
     staging = d2h_staging_bytes(layout, device)
     cpu = device.type == "cpu"
     # outside the arena: on CPU the compute buffers (compute_window_bytes, less its wire image: that is a
     # slot of the staging ring, in the arena), on CUDA the D2H staging buffers
     image = max((page_up(4 * n) for n, _ in layout), default=0)
     outside = compute_window_bytes(layout, blocks, lookahead) - image if cpu else staging
-    min_window = nvme.min_window(layout) + outside
+    min_window = nvme.min_window(mine) + outside
     ring = ring_bytes_bound([(n, len(e)) for e, n, _ in slabs]) if Region.master in nvme.kinds else 0
     if ring:  # wire images in flight: a CPU copy gives its slot back at once
         min_window += ring // RING_SLOTS if cpu else ring
     elif cpu:
         min_window += image
-    preflight_nvme(nvme.path, layout, nvme.host_memory_limit, min_window)
+    preflight_nvme(nvme.path, mine, nvme.host_memory_limit, min_window, nvme.store_dir, nvme.ranks_sharing)
     budget = HostBudget(nvme.host_memory_limit)
     budget.reserve(staging, what="D2H staging buffers")
     heap.bound_heap()  # freed buffers leave the process (the budget counts only live ones)
     # what the process holds for the tier, arena + what is outside it, is then at most host_memory_limit
-    arena = PinnedArena(nvme.window_bytes(layout, reserved=outside, staging=ring), pin=pin)
+    arena = PinnedArena(nvme.window_bytes(mine, reserved=outside, staging=ring), pin=pin)
 
     def factory(layout: list[tuple[int, int]]) -> NVMeStore:
-        return NVMeStore(nvme.path, layout, budget, io_threads=nvme.io_threads, io_block_size=nvme.io_block_size,
+        return NVMeStore(nvme.path, nvme.own(layout), budget, store_dir=nvme.store_dir, io_threads=nvme.io_threads, io_block_size=nvme.io_block_size,
                          read_ahead=nvme.read_ahead, direct_io=nvme.direct_io, keep_files=nvme.keep_files, arena=arena)
 
     return budget, min_window, factory

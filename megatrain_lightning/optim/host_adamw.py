@@ -438,6 +438,12 @@ class HostAdamW:
             return None
         slab = self.store.slabs[slab_index]
         copy = Region.exp_avg in self.store.nvme_kinds
+        own = self.ownership
+        if copy and own is not None and not own.owns(slab_index):
+            raise RuntimeError(
+                f"megatrain: the AdamW state of {slab.entries[entry].ref.fqn} is on the disk of local rank "
+                f"{own.owner[slab_index]} (offload_optimizer='nvme' with several processes: each keeps the state of "
+                "the blocks it updates). Read it on that rank, or from a directory checkpoint's optimizer/ folder.")
         with self.store.hold(slab_index, [Region.exp_avg, Region.exp_avg_sq]) as t:
             m, v = slab.view(t[Region.exp_avg], entry), slab.view(t[Region.exp_avg_sq], entry)
             return {"step": st, "exp_avg": m.clone() if copy else m, "exp_avg_sq": v.clone() if copy else v}
@@ -486,9 +492,11 @@ class HostAdamW:
         if tuple(exp_avg.shape) != tuple(e.shape) or tuple(exp_avg_sq.shape) != tuple(e.shape):
             raise ValueError(f"AdamW state of {e.ref.fqn} has shape {tuple(exp_avg.shape)}, parameter {tuple(e.shape)}.")
         self.pending.pop(si, None)
-        with slab.lock, self.store.hold(si, [Region.exp_avg, Region.exp_avg_sq], write=True) as t:
-            t[Region.exp_avg][e.offset : e.offset + e.numel].copy_(exp_avg.reshape(-1))
-            t[Region.exp_avg_sq][e.offset : e.offset + e.numel].copy_(exp_avg_sq.reshape(-1))
+        own = self.ownership
+        if own is None or own.owns(si) or Region.exp_avg not in self.store.nvme_kinds:  # else: on its owner's disk
+            with slab.lock, self.store.hold(si, [Region.exp_avg, Region.exp_avg_sq], write=True) as t:
+                t[Region.exp_avg][e.offset : e.offset + e.numel].copy_(exp_avg.reshape(-1))
+                t[Region.exp_avg_sq][e.offset : e.offset + e.numel].copy_(exp_avg_sq.reshape(-1))
         self.steps[si][ei] = step.detach().reshape(()).float().cpu().clone()
 
     def forget_param_state(self, param: torch.Tensor) -> None:

@@ -1,13 +1,15 @@
 """The node-shared host store of a data-parallel run (the engine's ``NodeShare``, ``store/shared.py``).
 
 Every local rank maps one file under ``/dev/shm`` that holds the node's fp32 masters, gradient accumulators
-and AdamW moments; local rank 0 creates it and writes the initial weights, the file is unlinked once every
+and AdamW moments (with ``offload_optimizer="nvme"`` the masters only: :func:`nvme_for_rank` gives each process
+its own store of its slabs' accumulators and moments); local rank 0 creates it and writes the initial weights, the file is unlinked once every
 local rank has mapped it, and the first node's weights are broadcast to the other nodes' copies (as
 ``DistributedDataParallel`` broadcasts rank 0's module state).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import uuid
 from typing import Callable, TypeVar
@@ -16,7 +18,9 @@ import torch
 import torch.distributed as dist
 
 from ..store.host import HostStore
-from ..store.shared import (SharedMemoryTooSmall, SharedRegions, SharedWireImages, SlabOwnership, balance, check_shm,
+from ..store.nvme import NVMeConfig
+from ..store.regions import Region
+from ..store.shared import (SharedMemoryTooSmall, SharedRegions, SharedWireImages, SlabOwnership, check_shm, owners,
                             shared_state_bytes)
 from .groups import ProcessGroups
 
@@ -117,7 +121,7 @@ class NodeStore:
                 for slab in store.slabs:
                     dist.broadcast(slab.master, src=0, group=g.leaders)
         self._barrier()
-        owner = balance([s.trainable_numel or s.numel for s in store.slabs], g.local_world_size)
+        owner = owners([(s.numel, s.trainable_numel) for s in store.slabs], g.local_world_size)
         assert store.shared is not None
 
         def all_reduce(t: torch.Tensor, op: str) -> None:
@@ -127,3 +131,26 @@ class NodeStore:
         return SlabOwnership(owner, g.local_rank, store.shared.counts, self.timeout_s,
                              global_rank_of=lambda r: g.node_rank * g.local_world_size + r,
                              all_reduce=all_reduce, sync=self._barrier, exited=lambda r: r in g.peers.dead())
+
+
+def nvme_for_rank(nvme: NVMeConfig, groups: ProcessGroups) -> NVMeConfig:
+    """This process's NVMe settings in a data-parallel run: its own store directory
+    (``megatrain_store_rank<global rank>`` under ``nvme_path``) holding the AdamW states and accumulators of the
+    slabs it owns, and ``host_memory_limit // local_world_size`` of the node's host budget for its window. The
+    masters stay in the node-shared RAM store (one copy per node).
+
+    Raises:
+        NotImplementedError: ``offload_params="nvme"`` (masters on disk): every rank reads every master each step
+            and would need the owners' writes ordered with its reads through the files; not built. The message
+            says what runs instead."""
+    if Region.master in nvme.kinds:
+        raise NotImplementedError(
+            "megatrain: offload_params='nvme' (fp32 masters on disk) runs in one process for now; with "
+            f"devices={groups.local_world_size} x num_nodes={groups.num_nodes} use offload_params='cpu' with "
+            "offload_optimizer='nvme' (masters once per node in shared memory, 4 bytes/param; gradient accumulators "
+            "and AdamW states, 12 bytes/param, on each owner's disk), keep everything in host RAM "
+            "(strategy='megatrain'), or train on one device (docs/architecture.md, 'Several GPUs and nodes').")
+    return dataclasses.replace(nvme, store_dir=f"megatrain_store_rank{groups.global_rank}",
+                               host_memory_limit=nvme.host_memory_limit // groups.local_world_size,
+                               share=(groups.local_rank, groups.local_world_size))
+

@@ -15,6 +15,7 @@ rank runs the same configuration.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 from typing import Any, Callable, ContextManager, Mapping
@@ -106,6 +107,17 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=repr).encode()).hexdigest()[:12]
 
 
+def _stable_repr(value: Any) -> str:
+    """``repr`` that is the same in every process: sets (whose order follows each process's string hash seed)
+    sorted, dataclasses field by field."""
+    if isinstance(value, (set, frozenset)):
+        return "{" + ", ".join(sorted(str(v) for v in value)) + "}"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        inner = ", ".join(f"{f.name}={_stable_repr(getattr(value, f.name))}" for f in dataclasses.fields(value))
+        return f"{type(value).__name__}({inner})"
+    return repr(value)
+
+
 def run_fingerprint(module: torch.nn.Module, strategy: Any, trainer: Any) -> dict[str, str]:
     """What must be equal on every rank, as short strings (key -> value).
 
@@ -134,7 +146,7 @@ def run_fingerprint(module: torch.nn.Module, strategy: Any, trainer: Any) -> dic
         "torch": torch.__version__,
     }
     for name in STRATEGY_OPTIONS:
-        fp[f"strategy.{name}"] = repr(getattr(strategy, name, None))
+        fp[f"strategy.{name}"] = _stable_repr(getattr(strategy, name, None))
     for name in TRAINER_SETTINGS:
         fp[f"trainer.{name}"] = repr(getattr(trainer, name, None))
     return fp

@@ -231,8 +231,9 @@ def format_parallel(p: Plan) -> list[str]:
                       f"within Linux's default tmpfs size (half of RAM: {gib(dflt)} GiB)")
                    + f"; in a container --shm-size={size}g or --ipc=host (Docker's default is 64 MiB)")
     if p.nvme:
-        out.append(f"  NVMe per node: one store {gib(p.nvme_bytes)} GiB; reads {gib(p.moved['nvme_read'])} GiB/step "
-                   f"(every rank reads the fp32 masters it streams)")
+        out.append(f"  NVMe per node: {gib(p.nvme_bytes)} GiB (each process stores the AdamW states and accumulators of "
+                   f"the blocks it owns); reads {gib(p.moved['nvme_read'])} GiB/step"
+                   + (" (every rank reads the fp32 masters it streams)" if s["offload_params"] == "nvme" else ""))
     out.append(f"  gradients per rank and step: G = {gib(G)} GiB ({s['grad_bytes']} B x every block read)")
     out.append(f"    intra-node, each block reduced to its owner (reduce-scatter-like): (R-1)/R x G = "
                f"{gib(p.moved['intra_node'])} GiB sent per rank: {p.times['intra_node']:.3f} s at {ib:g} GB/s ({link})"

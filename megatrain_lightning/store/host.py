@@ -300,12 +300,14 @@ def build_store(blocks: Sequence[Block], pin_memory: bool = False,
         nvme_kinds: regions kept on disk: ``{"master"}`` (``offload_params="nvme"``) and/or
             ``{"exp_avg", Region.exp_avg_sq, Region.grad_accum}`` (``offload_optimizer="nvme"``).
         shared: data parallel: ``layout -> SharedRegions`` mapping the node's shared file (``store/shared.py``);
-            every region of every slab is a view of it, and only the node's writer (local rank 0) copies the
-            weights in. RAM tier only.
+            every region in RAM of every slab is a view of it, and only the node's writer (local rank 0) copies
+            the weights in. The masters stay in RAM; with ``offload_optimizer="nvme"`` the file holds only them
+            (``layout`` then has trainable numel 0) and each process's NVMe store the regions of its own slabs.
         reserve_frozen: gradient and AdamW state for frozen parameters too (:func:`slab_layout`).
 
     Raises:
-        ValueError: a parameter is on the meta device and no source provides it.
+        ValueError: a parameter is on the meta device and no source provides it; ``shared`` with the masters on
+            NVMe.
 
     Returns:
         The store. Parameters keep their identity (the same ``nn.Parameter`` objects,
@@ -317,10 +319,13 @@ def build_store(blocks: Sequence[Block], pin_memory: bool = False,
     """
     layout = slab_layout(blocks, reserve_frozen)
     nvme_kinds = frozenset(nvme_kinds)
+    if shared is not None and Region.master in nvme_kinds and nvme_factory is not None:
+        raise ValueError("build_store: a shared (data-parallel) store keeps the masters in host RAM; "
+                         "offload_params='nvme' is not supported with it.")
+    optimizer_on_disk = nvme_factory is not None and Region.grad_accum in nvme_kinds
+    # the shared file holds what is in RAM: with the optimizer on disk, the masters only
+    regions = shared([(n, 0 if optimizer_on_disk else t) for _, n, t in layout]) if shared is not None else None
     nvme = nvme_factory([(n, t) for _, n, t in layout]) if nvme_factory is not None and nvme_kinds else None
-    regions = shared([(n, t) for _, n, t in layout]) if shared is not None else None
-    if regions is not None and nvme is not None:
-        raise ValueError("build_store: a shared (data-parallel) store keeps every region in host RAM; no NVMe tier.")
     store = HostStore([], nvme=nvme, nvme_kinds=nvme_kinds if nvme is not None else ())
     store.shared = regions
     on_disk = store.masters_on_disk
@@ -330,9 +335,10 @@ def build_store(blocks: Sequence[Block], pin_memory: bool = False,
                         total_numel=numel)
             if regions is not None:
                 slab.master = regions.region(slab.index, Region.master)
-                slab.grad_accum = regions.region(slab.index, Region.grad_accum)
-                slab.exp_avg = regions.region(slab.index, Region.exp_avg)
-                slab.exp_avg_sq = regions.region(slab.index, Region.exp_avg_sq)
+                if not optimizer_on_disk:
+                    slab.grad_accum = regions.region(slab.index, Region.grad_accum)
+                    slab.exp_avg = regions.region(slab.index, Region.exp_avg)
+                    slab.exp_avg_sq = regions.region(slab.index, Region.exp_avg_sq)
                 slab.has_grad = [False] * len(entries)
             elif not on_disk:
                 # pinned at its exact size (store/pinned.py), not rounded up to a power of two

@@ -53,6 +53,7 @@ import torch
 from .budget import HostBudget, HostMemoryBudgetError, fmt_bytes, parse_bytes
 from .pinned import PinnedArena
 from .regions import Region
+from .shared import owners
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +172,11 @@ class NVMeConfig:
         read_ahead: buffers read ahead at most at once.
         direct_io: ``"auto"``, ``True`` or ``False`` (see :class:`NVMeStore`).
         keep_files: keep the store's files after the run.
+        store_dir: the store's directory under ``path`` (one per process of a data-parallel run).
+        share: data parallel (``offload_optimizer="nvme"`` with the masters in the node-shared RAM store,
+            ``store/shared.py``): ``(local rank, local ranks)``; this process stores the regions of the slabs it
+            owns (``store.shared.owners``), the others take no disk and no window (:meth:`own`), and
+            ``host_memory_limit`` is its share of the node's. ``None``: one process, every slab.
     """
 
     path: str
@@ -181,6 +187,21 @@ class NVMeConfig:
     read_ahead: int = 4
     direct_io: bool | str = "auto"
     keep_files: bool = False
+    store_dir: str = STORE_DIR
+    share: tuple[int, int] | None = None
+
+    @property
+    def ranks_sharing(self) -> int:
+        """Processes of the node splitting its ``host_memory_limit`` (1: one process)."""
+        return self.share[1] if self.share is not None else 1
+
+    def own(self, layout: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        """``layout`` (per slab ``(numel, trainable numel)``) as this process stores it: with :attr:`share`, the
+        slabs another local rank owns become ``(0, 0)`` (no file bytes, no window buffers)."""
+        if self.share is None:
+            return list(layout)
+        rank, ranks = self.share
+        return [(n, t) if o == rank else (0, 0) for o, (n, t) in zip(owners(layout, ranks), layout)]
 
     @classmethod
     def from_options(cls, *, offload_params: str = "cpu", offload_optimizer: str = "cpu", nvme_path: str | None = None,
@@ -336,6 +357,8 @@ class NVMeStore:
         arena: the memory window buffers are carved from (the engine makes it in its preflight);
             default: one of ``min(budget.limit, every region's bytes)``.
         place_timeout_s: seconds a buffer may wait for a contiguous free range of the arena.
+        store_dir: the store's directory under ``nvme_path`` (default ``megatrain_store``; data parallel: one
+            per process).
 
     Raises:
         NVMeStoreLockedError: another live process holds the store directory.
@@ -347,8 +370,8 @@ class NVMeStore:
     def __init__(self, nvme_path: str | os.PathLike, layout: Sequence[tuple[int, int]], budget: HostBudget, *,
                  io_threads: int = 4, io_block_size: int = IO_BLOCK_SIZE, read_ahead: int = 4, direct_io: bool | str = "auto",
                  pin_memory: bool | None = False, keep_files: bool = False, arena: PinnedArena | None = None,
-                 place_timeout_s: float = 300.0):
-        self.dir = Path(nvme_path) / STORE_DIR
+                 place_timeout_s: float = 300.0, store_dir: str = STORE_DIR):
+        self.dir = Path(nvme_path) / store_dir
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock_fd = self._lock()
         self.layout = list(layout)
@@ -840,7 +863,7 @@ class NVMeStore:
 
 
 def preflight_nvme(nvme_path: str | os.PathLike, layout: Sequence[tuple[int, int]], host_memory_limit: int,
-                   min_window: int) -> dict[str, int]:
+                   min_window: int, store_dir: str = STORE_DIR, ranks_sharing: int = 1) -> dict[str, int]:
     """Check, before any allocation, that the NVMe tier can run.
 
     Args:
@@ -848,6 +871,9 @@ def preflight_nvme(nvme_path: str | os.PathLike, layout: Sequence[tuple[int, int
         layout: ``[(slab numel, trainable numel)]`` per block.
         host_memory_limit: bytes.
         min_window: bytes the host window needs at least (blocks in flight, see the strategy).
+        store_dir: the store's directory under ``nvme_path``.
+        ranks_sharing: processes of the node that split the node's ``host_memory_limit`` (``host_memory_limit``
+            is then this process's share; the error says so).
 
     Returns:
         ``{"disk_needed": ..., "disk_free": ..., "min_window": ...}`` (bytes).
@@ -868,7 +894,7 @@ def preflight_nvme(nvme_path: str | os.PathLike, layout: Sequence[tuple[int, int
     if not os.access(p, os.W_OK | os.X_OK):
         raise ValueError(f"nvme_path {p} is not writable by this user. Fix its permissions or choose another path.")
     need = store_bytes(layout)
-    existing = sum(f.stat().st_size for f in (p / STORE_DIR).glob("block_*.bin")) if (p / STORE_DIR).is_dir() else 0
+    existing = sum(f.stat().st_size for f in (p / store_dir).glob("block_*.bin")) if (p / store_dir).is_dir() else 0
     free = shutil.disk_usage(p).free + existing
     want = int(need * (1 + DISK_MARGIN)) + DISK_MARGIN_BYTES
     if free < want:
@@ -876,6 +902,14 @@ def preflight_nvme(nvme_path: str | os.PathLike, layout: Sequence[tuple[int, int
             f"nvme_path {p} has {fmt_bytes(free)} free; the NVMe store needs {fmt_bytes(need)} (16 bytes per trainable "
             f"parameter, 4 per frozen one) plus a margin of 5% + 1 GiB = {fmt_bytes(want)}. Free disk space or point "
             "nvme_path at a larger disk."
+        )
+    if host_memory_limit < min_window and ranks_sharing > 1:
+        raise ValueError(
+            f"host_memory_limit is the node's, split between its {ranks_sharing} processes: this process's share, "
+            f"{host_memory_limit} bytes ({fmt_bytes(host_memory_limit)}), is below the {min_window} bytes "
+            f"({fmt_bytes(min_window)}) its NVMe window needs for the blocks in flight (the largest block it updates: "
+            "gradients and AdamW states; its compute buffers on CPU). Raise host_memory_limit to at least "
+            f"{min_window * ranks_sharing} bytes, or lower lookahead or block_group."
         )
     if host_memory_limit < min_window:
         raise ValueError(

@@ -176,6 +176,13 @@ def balance(sizes: Sequence[int], ranks: int) -> list[int]:
     return owner
 
 
+def owners(layout: Sequence[tuple[int, int]], ranks: int) -> list[int]:
+    """Owner local rank of each slab of ``layout`` (per slab ``(numel, trainable numel)``): :func:`balance` by
+    trainable elements (frozen slabs by their elements). The one rule every part uses (the node's owners, and the
+    slabs a process keeps on its disk with ``offload_optimizer="nvme"``)."""
+    return balance([t or n for n, t in layout], ranks)
+
+
 class OwnerTimeout(RuntimeError):
     """A slab's owner did not publish its update in time (it died, or hangs)."""
 
