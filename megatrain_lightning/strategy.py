@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from pathlib import Path
 from datetime import timedelta
 from typing import Any, Callable, Generator, Mapping, Sequence
 
@@ -52,6 +53,7 @@ except ImportError:  # pragma: no cover - older Lightning
 from .checkpoint.hf_io import weight_sources
 from .checkpoint.peft_io import unsavable_adapters
 from .checkpoint.directory import load_checkpoint_dir, load_optimizer_dir, save_checkpoint_dir
+from .checkpoint.lightning_resume import load_lightning_optimizer, load_lightning_weights
 from .engine.chunked_loss import check_chunk_size
 from .engine.block_groups import check_block_group
 from .engine.recompute_policy import RecomputePolicy, check_recompute, deprecated_recompute_every
@@ -676,26 +678,38 @@ class MegaTrainStrategy(ParallelStrategy):
                             tokenizer=getattr(self.lightning_module, "tokenizer", None), coop=coop)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Verify a directory checkpoint, load its weights into the host store and return the metadata.
+        """Verify a directory checkpoint, load its weights into the host store and return the metadata; or read a
+        plain Lightning ``.ckpt`` file (another strategy's) with Lightning's own loader, whose weights and AdamW state
+        :meth:`load_model_state_dict` and :meth:`load_optimizer_state_dict` then copy into the store
+        (``checkpoint/lightning_resume.py``).
 
         Raises:
-            CheckpointError: not a megatrain checkpoint directory (a plain ``.ckpt`` file included:
-                convert a directory for ``load_from_checkpoint`` with ``python -m megatrain_lightning.export
-                CKPT --lightning-ckpt OUT.ckpt``), written for another model config, damaged (checksums, a
-                damaged megatrain.json), or with a part copied from another checkpoint.
+            CheckpointError: a directory that is not a megatrain checkpoint, written for another model config,
+                damaged (checksums, a damaged megatrain.json), or with a part copied from another checkpoint; a
+                ``.ckpt`` whose keys or shapes do not fit the module (raised when its weights are loaded).
         """
         if self.engine is None or self.lightning_module is None:
             raise RuntimeError("load_checkpoint called before the megatrain strategy was set up.")
         self.flush()
         if self.engine.optimizer is not None:
             self.engine.optimizer.pending.clear()
+        if Path(checkpoint_path).is_file():  # another strategy's .ckpt: Lightning's own loader (lightning_resume.py)
+            self._loaded_path, self._loaded_meta = None, None
+            self._loaded_file = str(checkpoint_path)
+            return self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._loaded_file = None
         meta = load_checkpoint_dir(checkpoint_path, self.lightning_module, self.engine)
         self._loaded_path = checkpoint_path
         self._loaded_meta = meta
         return meta
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Weights were already copied into the store by :meth:`load_checkpoint`."""
+        """A directory checkpoint's weights were already copied into the store by :meth:`load_checkpoint`; a plain
+        Lightning ``.ckpt``'s ``state_dict`` is copied now, one tensor at a time (``load_lightning_weights``)."""
+        if getattr(self, "_loaded_file", None) is not None and self.engine is not None:
+            self.flush()
+            load_lightning_weights(checkpoint, self.lightning_module, self.engine, strict=strict,
+                                   source=self._loaded_file)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Load the AdamW state and param groups of the checkpoint :meth:`load_checkpoint` read.
@@ -703,18 +717,22 @@ class MegaTrainStrategy(ParallelStrategy):
         A ``BaseFinetuning`` callback restores the param groups it added (``on_fit_start`` after its
         ``load_state_dict``); with ``restore_checkpoint_after_setup`` Lightning restores callbacks after
         ``on_fit_start``, so its hook runs again here, before the groups are matched (a no-op when not resuming)."""
-        if self.engine is None or self.engine.optimizer is None or getattr(self, "_loaded_path", None) is None:
+        loaded_file = getattr(self, "_loaded_file", None)
+        if self.engine is None or self.engine.optimizer is None or (getattr(self, "_loaded_path", None) is None
+                                                                  and loaded_file is None):
             return
         trainer = self.lightning_module.trainer
         for cb in trainer.callbacks:
             if isinstance(cb, BaseFinetuning):
                 cb.on_fit_start(trainer, self.lightning_module)
+        if loaded_file is not None:
+            load_lightning_optimizer(checkpoint, self.engine.optimizer, source=loaded_file)
+            return
         load_optimizer_dir(self._loaded_path, self.lightning_module, self.engine, self._loaded_meta)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         """Remove a checkpoint directory (``ModelCheckpoint(save_top_k=...)`` pruning)."""
         import shutil
-        from pathlib import Path
 
         p = Path(filepath)
         if not self.is_global_zero:

@@ -191,6 +191,29 @@ def test_window_evicts_and_round_trips_exactly(tmp_path, io_block_size):
     assert not (tmp_path / STORE_DIR).exists()
 
 
+def test_empty_regions_take_no_window_buffer(tmp_path):
+    """A slab without parameters (a tied model's head block) or without trainable ones: its regions are empty
+    tensors outside the window. Before, each was a 0-byte arena buffer at the offset the next buffer then took too,
+    and freeing either lost the other's record (KeyError at the end of ``megatrain_nvme`` runs of tied models)."""
+    layout = [(3000, 2000), (0, 0), (1024, 0), (3000, 2000)]
+    budget = HostBudget(4 * 12288)
+    st = NVMeStore(tmp_path, layout, budget, io_block_size=4096)
+    vals = {}
+    for _ in range(3):
+        for i in (1, 0, 1, 2, 1, 3):
+            with st.hold(i, ["master", "exp_avg"], write=True) as t:
+                assert t["master"].numel() == layout[i][0] and t["exp_avg"].numel() == layout[i][1]
+                if layout[i][0]:
+                    vals[i] = torch.randn(layout[i][0])
+                    t["master"].copy_(vals[i])
+        st.drop_clean()  # frees every window buffer: each one's arena record must be its own
+    assert st.arena.used == 0 and budget.used == 0
+    for i, v in vals.items():
+        with st.hold(i, ["master"]) as t:
+            assert torch.equal(t["master"], v)
+    st.close()
+
+
 class SkipOddBatches(LM):
     """``training_step`` returns ``None`` on odd batches: Lightning skips their backward and step."""
 

@@ -105,8 +105,8 @@ def read_info(path: Path) -> dict[str, Any]:
     if path.is_file():
         raise CheckpointError(
             f"{path} is a single file, not a checkpoint directory written by strategy='megatrain'. "
-            "Checkpoints of this strategy are directories (model/, optimizer/, trainer.pt). To start from the "
-            "weights of a plain Lightning .ckpt, load its 'state_dict' into your module before fitting."
+            "Checkpoints of this strategy are directories (model/, optimizer/, trainer.pt); "
+            "trainer.fit(ckpt_path=...) also resumes from a plain Lightning .ckpt file."
         )
     if not path.is_dir():
         raise CheckpointError(f"Checkpoint directory {path} does not exist.")

@@ -470,6 +470,38 @@ class HostAdamW:
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ids})
         return {"state": state, "param_groups": groups}
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a ``torch.optim.AdamW``/``Adam`` ``state_dict()`` (a plain Lightning checkpoint's
+        ``optimizer_states[0]``, or :meth:`state_dict`'s): parameters are numbered in param-group order, as torch
+        numbers them; each group's hyper-parameters replace the optimizer's (``params`` excepted), each parameter's
+        ``exp_avg``/``exp_avg_sq``/``step`` go into the store (either tier), and a parameter without saved state has
+        none afterwards, as ``torch.optim.Optimizer.load_state_dict`` leaves it.
+
+        Raises:
+            ValueError: another number of param groups, a group of another size (the messages torch gives), or a
+                state of another shape than its parameter's.
+        """
+        groups, saved = self.optimizer.param_groups, state_dict["param_groups"]
+        if len(groups) != len(saved):
+            raise ValueError(f"loaded state dict has {len(saved)} parameter groups, the optimizer {len(groups)}.")
+        for i, (g, s) in enumerate(zip(groups, saved)):
+            if len(g["params"]) != len(s["params"]):
+                raise ValueError(f"loaded state dict's parameter group {i} has {len(s['params'])} parameters, the "
+                                 f"optimizer's {len(g['params'])}.")
+        self.flush()
+        state = state_dict["state"]
+        for g, s in zip(groups, saved):
+            for k, v in s.items():
+                if k != "params":
+                    g[k] = v
+            for p, idx in zip(g["params"], s["params"]):
+                st = state.get(idx)
+                if st is None or "exp_avg" not in st:
+                    self.forget_param_state(p)
+                    continue
+                step = st["step"] if torch.is_tensor(st["step"]) else torch.tensor(float(st["step"]))
+                self.load_param_state(p, st["exp_avg"].float(), st["exp_avg_sq"].float(), step)
+
     # ------------------------------------------------------------------ per-parameter access
     def param_state(self, param: torch.Tensor) -> dict[str, torch.Tensor] | None:
         """AdamW state of ``param`` (views: ``exp_avg``, ``exp_avg_sq`` fp32 like the parameter,

@@ -730,12 +730,18 @@ class NVMeStore:
         Raises:
             NVMeIOError: a read failed now, or an earlier write-behind failed.
             HostMemoryBudgetError: the buffers never fit in ``host_memory_limit``.
+
+        An empty region (a slab without parameters or without trainable ones, or one another process stores)
+        is an empty tensor outside the window: a 0-byte buffer would share its arena offset with the next one.
         """
-        got = self._pin_all(i, tuple(kinds), write, set(fresh))
+        kinds = tuple(kinds)
+        got = self._pin_all(i, tuple(k for k in kinds if self._nbytes[i][k]), write, set(fresh))
+        pinned = list(got)
+        got.update({k: torch.zeros(0, dtype=torch.float32) for k in kinds if not self._nbytes[i][k]})
         try:
             yield got
         finally:
-            for k in got:
+            for k in pinned:
                 self._unpin(i, k, write)
 
     def _pin_all(self, i: int, kinds: tuple[str, ...], write: bool, fresh: set[str]) -> dict[str, torch.Tensor]:
