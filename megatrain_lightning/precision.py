@@ -336,7 +336,8 @@ def _looks_at_grads(module: Any) -> bool:
 
 
 def to_megatrain_precision(plugin: Precision | None) -> MegaTrainPrecision | None:
-    """Convert the generic plugin Lightning's connector builds from ``precision=`` into ours.
+    """Convert the generic plugin Lightning's connector builds from ``precision=`` (or a user's
+    ``MixedPrecision(..., scaler=GradScaler(...))``, whose loss-scaling settings are kept) into ours.
 
     Raises:
         UnsupportedPrecisionError: the plugin stands for a precision we do not support.
@@ -346,7 +347,12 @@ def to_megatrain_precision(plugin: Precision | None) -> MegaTrainPrecision | Non
     if type(plugin) is Precision:
         return MegaTrainPrecision("32-true")
     if type(plugin) is MixedPrecision:
-        return MegaTrainPrecision(plugin.precision, device_type=str(plugin.device))
+        scaler = getattr(plugin, "scaler", None)  # a user's GradScaler(init_scale=..., growth_interval=...): kept
+        kw = {} if scaler is None else dict(init_scale=scaler.get_scale() if scaler.is_enabled() else 2.0**16,
+                                            growth_factor=scaler.get_growth_factor(),
+                                            backoff_factor=scaler.get_backoff_factor(),
+                                            growth_interval=scaler.get_growth_interval())
+        return MegaTrainPrecision(plugin.precision, device_type=str(plugin.device), **kw)
     if type(plugin) is HalfPrecision and plugin.precision == "bf16-true":
         return MegaTrainPrecision("bf16-true")
     raise _unsupported(getattr(plugin, "precision", type(plugin).__name__))

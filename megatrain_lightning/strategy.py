@@ -68,7 +68,7 @@ from .parallel.checkpoint_writers import CheckpointWriters
 from .parallel.faults import guarded
 from .parallel.groups import ProcessGroups
 from .parallel.launcher import MegaTrainLauncher
-from .parallel.node_share import NodeStore, nvme_for_rank
+from .parallel.node_share import NodeStore, nvme_for_rank, weights_written
 from .parallel.preflight import (check_rendezvous, check_same_batches, check_same_config, optimizer_fingerprint,
                                  run_fingerprint)
 from .precision import MegaTrainPrecision, to_megatrain_precision
@@ -437,7 +437,9 @@ class MegaTrainStrategy(ParallelStrategy):
                                pin=self.pin_memory if self.root_device.type == "cuda" else False)
                 if self.groups else None,
             )
-        self.engine.install()
+        self.engine.install()  # weights materialized after an earlier fit are written back
+        if self.groups is not None:
+            weights_written(self.groups, self.engine.store)
         module._device = self.root_device  # the module is never moved as a whole
         if trainer.state.fn == TrainerFn.FITTING:
             unsavable = unsavable_adapters(module)
@@ -699,6 +701,8 @@ class MegaTrainStrategy(ParallelStrategy):
             return self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._loaded_file = None
         meta = load_checkpoint_dir(checkpoint_path, self.lightning_module, self.engine)
+        if self.groups is not None:
+            weights_written(self.groups, self.engine.store)
         self._loaded_path = checkpoint_path
         self._loaded_meta = meta
         return meta
@@ -710,6 +714,8 @@ class MegaTrainStrategy(ParallelStrategy):
             self.flush()
             load_lightning_weights(checkpoint, self.lightning_module, self.engine, strict=strict,
                                    source=self._loaded_file)
+            if self.groups is not None:
+                weights_written(self.groups, self.engine.store)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Load the AdamW state and param groups of the checkpoint :meth:`load_checkpoint` read.

@@ -105,6 +105,7 @@ def main() -> None:
     ap.add_argument("--optimizer-in-backward", action="store_true")
     ap.add_argument("--nvme", default=None, help="offload_params/offload_optimizer='nvme' under this path")
     ap.add_argument("--nvme-optimizer", default=None, help="offload_optimizer='nvme' only, under this path")
+    ap.add_argument("--nvme-params", default=None, help="offload_params='nvme' only, under this path")
     ap.add_argument("--host-memory-limit", default=None, help="the strategy's host_memory_limit (the node's)")
     ap.add_argument("--model-checkpoint", default=None,
                     help="ModelCheckpoint(dirpath=..., every_n_train_steps=1, save_last=True, save_top_k=2)")
@@ -139,10 +140,11 @@ def main() -> None:
     strategy = MegaTrainStrategy(offload_activations=args.offload_activations, timeout=args.timeout, recompute=args.recompute,
                                  lookahead=2 if "lookahead" in mismatch else 1,
                                  optimizer_in_backward=True if args.optimizer_in_backward else None,
-                                 **({"offload_params": "nvme", "offload_optimizer": "nvme", "nvme_path": args.nvme}
-                                    if args.nvme else {}),
+                                 **({"offload_params": "nvme", "offload_optimizer": "nvme", "nvme_path": args.nvme,
+                                     "host_memory_limit": args.host_memory_limit} if args.nvme else {}),
                                  **({"offload_optimizer": "nvme", "nvme_path": args.nvme_optimizer,
-                                     "host_memory_limit": args.host_memory_limit} if args.nvme_optimizer else {}))
+                                     "host_memory_limit": args.host_memory_limit} if args.nvme_optimizer else {}),
+                                 **({"offload_params": "nvme", "nvme_path": args.nvme_params} if args.nvme_params else {}))
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
                          precision=args.precision, max_steps=args.steps,
                          accumulate_grad_batches=args.accumulate + ("accumulate" in mismatch),

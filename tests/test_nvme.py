@@ -25,7 +25,7 @@ import megatrain_lightning  # noqa: F401  (registers strategy="megatrain_nvme")
 from megatrain_lightning import MegaTrainStrategy
 from megatrain_lightning.store import nvme as nvme_mod
 from megatrain_lightning.store.budget import HostBudget, HostMemoryBudgetError, parse_bytes
-from megatrain_lightning.store.nvme import STORE_DIR, NVMeIOError, NVMeStore, NVMeStoreLockedError
+from megatrain_lightning.store.nvme import STORE_DIR, NVMeIOError, NVMeStore, NVMeStoreLockedError, sweep_stale_stores
 from megatrain_lightning.testing import LM, make_data, make_model
 from test_checkpoint import loader
 
@@ -212,6 +212,33 @@ def test_empty_regions_take_no_window_buffer(tmp_path):
         with st.hold(i, ["master"]) as t:
             assert torch.equal(t["master"], v)
     st.close()
+
+
+def test_stores_a_killed_run_left_are_removed_and_live_or_kept_ones_are_not(tmp_path, caplog):
+    """A killed 2-process run leaves ``megatrain_store_rank1``; a later run with one process never opens it (its
+    store is ``megatrain_store``), so the disk space leaked: the sweep removes it with a warning, and leaves a
+    store a live process holds, a kept one and this run's own."""
+    import fcntl
+    from pathlib import Path
+
+    def store(name: str, owner: str) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "LOCK").write_text(owner)
+        (d / "block_00000.bin").write_bytes(b"x" * 4096)
+        return d
+
+    dead, kept, live, mine = (store("megatrain_store_rank1", "999999"), store("megatrain_store_rank2", "kept"),
+                              store("megatrain_store_rank3", str(os.getpid())), store("megatrain_store", "999998"))
+    fd = os.open(live / "LOCK", os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a live run holds it
+    try:
+        with caplog.at_level("WARNING"):
+            assert sweep_stale_stores(tmp_path, keep={"megatrain_store"}) == ["megatrain_store_rank1"]
+    finally:
+        os.close(fd)
+    assert not dead.exists() and "left by a run that did not finish (pid 999999; 1 files)" in caplog.text
+    assert all((d / "block_00000.bin").exists() for d in (kept, live, mine))
 
 
 class SkipOddBatches(LM):

@@ -713,16 +713,17 @@ def test_dp_needs_network_bandwidth_for_several_nodes():
     assert math.isclose(p.times["host_memory"], p.moved["host_memory"] / (12 * 30e9), rel_tol=1e-9)
 
 
-def test_dp_plans_the_optimizer_on_nvme_and_refuses_masters_on_nvme_as_the_strategy_does():
-    """The strategy runs ``offload_optimizer="nvme"`` with several processes (masters in /dev/shm) and refuses
-    ``offload_params="nvme"`` there: the planner says the same (fits: no, with what to set)."""
+def test_dp_refuses_the_nvme_tiers_the_strategy_does_not_run():
+    """The strategy runs the NVMe tier with several processes on one node (the optimizer on NVMe; the masters too
+    if the optimizer is) and refuses the masters on NVMe on several nodes or with the optimizer in RAM: the planner
+    says the same (fits: no, with what to set)."""
     m, hw = load_model("llama70b"), load_hardware("h200")
-    ok = plan(m, hw, devices=8, offload_optimizer="nvme", offload_grads="nvme")
-    assert ok.fits and ok.nvme_bytes > 0
-    one = plan(m, hw, offload_params="nvme", offload_optimizer="nvme", offload_grads="nvme")
-    assert not any("one process only" in r for r in one.reasons)
-    many = plan(m, hw, devices=2, offload_params="nvme", offload_optimizer="nvme", offload_grads="nvme")
-    assert not many.fits and any("set offload_params=cpu" in r for r in many.reasons), many.reasons
+    disk = dict(offload_optimizer="nvme", offload_grads="nvme")
+    assert plan(m, hw, devices=8, **disk).fits and plan(m, hw, devices=8, **disk).nvme_bytes > 0
+    assert plan(m, hw, devices=8, offload_params="nvme", **disk).fits
+    for bad in (dict(devices=8, num_nodes=2, offload_params="nvme", **disk), dict(devices=2, offload_params="nvme")):
+        p = plan(m, hw, **bad)
+        assert not p.fits and any("offload_params=cpu" in r for r in p.reasons), (bad, p.reasons)
 
 
 def test_dp_cli_report(capsys):

@@ -275,6 +275,24 @@ def test_fp16_mixed_trains_and_scaler_state_roundtrips():
     assert other.state_dict() == state == {"scale": 2.0**18, "growth_tracker": 2, "skipped_steps": 0}
 
 
+def test_a_users_grad_scaler_settings_are_kept():
+    """``plugins=[MixedPrecision("16-mixed", "cpu", scaler=GradScaler(init_scale=2**10, growth_interval=2))]``: the
+    strategy's own plugin takes the scaler's settings (they were dropped for the defaults, silently) and its scale
+    moves as plain Lightning's scaler does."""
+    def plugin():
+        return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2))
+
+    model = make_model("llama")
+    lm, trainer = fit(copy.deepcopy(model), 6, plugins=[plugin()])
+    ours = trainer.precision_plugin
+    assert isinstance(ours, MegaTrainPrecision) and ours.growth_interval == 2
+    plain = plugin()
+    ref, _ = fit(copy.deepcopy(model), 6, strategy="auto", plugins=[plain])
+    assert ours.scale == plain.scaler.get_scale() == 2.0**13  # grew after steps 2, 4 and 6
+    for a, b in zip(lm.losses, ref.losses):
+        assert abs(a - b) <= 1e-3 * abs(b)
+
+
 def test_scaler_state_is_in_lightning_checkpoint(tmp_path):
     plugin = MegaTrainPrecision("16-mixed", growth_interval=3)
     lm, trainer = fit(make_model("llama"), 4, plugins=[plugin])

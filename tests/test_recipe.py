@@ -502,18 +502,19 @@ def test_refuses_bad_data_parallel_settings_before_the_build(tmp_path, no_build,
     """trainer.devices=abc reached Lightning's TypeError after the model load, trainer.num_nodes was not a key of
     the trainer group (Hydra: "Key 'num_nodes' is not in struct"), and the NVMe tier with 2 processes was the
     strategy's NotImplementedError after the model load: now each is one ConfigError naming the key, before it
-    (the masters on NVMe; the optimizer alone on NVMe runs with several processes)."""
+    (the masters on NVMe with the optimizer in RAM, or on several nodes; the rest runs with several processes)."""
     refused(tmp_path, "trainer.devices=abc", key="trainer.devices", match="positive int .* got 'abc'")
     refused(tmp_path, "trainer.devices=0", key="trainer.devices")
     refused(tmp_path, "trainer.devices=[0,-1]", key="trainer.devices")
     refused(tmp_path, "trainer.num_nodes=0", key="trainer.num_nodes", match="positive int")
     monkeypatch.setenv("MEGATRAIN_NVME_PATH", str(tmp_path))
-    refused(tmp_path, "strategy=megatrain_nvme", "trainer.devices=2", key="strategy",
-            match=r"offload_params=nvme\) run in one process .* trainer.devices=2 x trainer.num_nodes=1 start 2: with several "
-                  "processes add strategy.offload_params=cpu")
+    refused(tmp_path, "strategy=megatrain_nvme", "strategy.offload_optimizer=cpu", "trainer.devices=2", key="strategy",
+            match=r"offload_params=nvme\) with several processes run on one node with strategy.offload_optimizer=nvme "
+                  r"for now, and trainer.devices=2 x trainer.num_nodes=1 start 2 with offload_optimizer=cpu: add "
+                  "strategy.offload_params=cpu")
     refused(tmp_path, "strategy=megatrain_nvme", "trainer.num_nodes=2", key="strategy", match="start 2")
     cfg = cfg_for(tmp_path, "trainer.devices=auto", "trainer.num_nodes=2")  # what Lightning takes passes the checks
     check_values(OmegaConf.to_container(cfg, resolve=True))
     check_values(OmegaConf.to_container(cfg_for(tmp_path, "trainer.devices=[0,1]"), resolve=True))
-    check_values(OmegaConf.to_container(cfg_for(tmp_path, "strategy=megatrain_nvme", "strategy.offload_params=cpu",
-                                                "trainer.devices=2"), resolve=True))
+    for nvme in (["strategy=megatrain_nvme"], ["strategy=megatrain_nvme", "strategy.offload_params=cpu"]):
+        check_values(OmegaConf.to_container(cfg_for(tmp_path, *nvme, "trainer.devices=2"), resolve=True))

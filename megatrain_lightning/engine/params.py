@@ -49,6 +49,9 @@ class ParamAccess:
 
     def write(self, p: torch.Tensor, value: torch.Tensor) -> None:
         """Set parameter ``p``'s master weights to ``value`` (same shape, any float dtype), in either tier.
+        Data parallel with the masters on disk, only the slab's owner writes: every rank must write the same
+        values (as a checkpoint load does), and the node's ranks then meet (``NodeStore.weights_written``) before
+        anyone reads them.
 
         Raises:
             KeyError: ``p`` is not a parameter of the streamed module.
@@ -59,6 +62,8 @@ class ParamAccess:
         if tuple(value.shape) != tuple(slab.entries[ei].shape):
             raise ValueError(f"{slab.entries[ei].ref.fqn}: value has shape {tuple(value.shape)}, "
                              f"parameter {tuple(slab.entries[ei].shape)}.")
+        if self.store.master_is_remote(si):
+            return  # data parallel, masters on disk: its owner writes the same value (every rank writes alike)
         opt = self._optimizer()
         if opt is not None:
             opt.pending.pop(si, None)

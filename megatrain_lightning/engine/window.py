@@ -9,6 +9,7 @@ also the check that pinning works (``ulimit -l`` does not limit CUDA's pinned me
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
@@ -17,7 +18,7 @@ from ..blocks import Block
 from ..store import heap
 from ..store.budget import HostBudget
 from ..store.host import slab_layout
-from ..store.nvme import NVMeConfig, NVMeStore, preflight_nvme
+from ..store.nvme import NVMeConfig, NVMeStore, preflight_nvme, sweep_stale_stores
 from ..store.pinned import PinnedArena, page_up
 from ..store.regions import Region
 from .accounting import compute_window_bytes
@@ -65,6 +66,8 @@ def nvme_window(blocks: Sequence[Block], nvme: NVMeConfig, device: torch.device,
         min_window += ring // RING_SLOTS if cpu else ring
     elif cpu:
         min_window += image
+    if Path(nvme.path).is_dir():  # stores a killed run left (another number of processes): their disk back first
+        sweep_stale_stores(nvme.path, {nvme.store_dir, *nvme.run_dirs})
     preflight_nvme(nvme.path, mine, nvme.host_memory_limit, min_window, nvme.store_dir, nvme.ranks_sharing)
     budget = HostBudget(nvme.host_memory_limit)
     budget.reserve(staging, what="D2H staging buffers")
@@ -73,7 +76,7 @@ def nvme_window(blocks: Sequence[Block], nvme: NVMeConfig, device: torch.device,
     arena = PinnedArena(nvme.window_bytes(mine, reserved=outside, staging=ring), pin=pin)
 
     def factory(layout: list[tuple[int, int]]) -> NVMeStore:
-        return NVMeStore(nvme.path, nvme.own(layout), budget, store_dir=nvme.store_dir, io_threads=nvme.io_threads, io_block_size=nvme.io_block_size,
+        return NVMeStore(nvme.path, nvme.own(layout), budget, store_dir=nvme.store_dir, remote=nvme.remote_files(layout), io_threads=nvme.io_threads, io_block_size=nvme.io_block_size,
                          read_ahead=nvme.read_ahead, direct_io=nvme.direct_io, keep_files=nvme.keep_files, arena=arena)
 
     return budget, min_window, factory

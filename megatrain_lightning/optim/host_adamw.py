@@ -243,6 +243,7 @@ class HostAdamW:
             t0 = time.perf_counter()
             if own is not None and not own.owns(slab_index):
                 own.wait(slab_index)  # its owner wrote the shared master and moments; count the steps
+                self.store.master_changed_elsewhere(slab_index)  # masters on disk: a copy held here is stale
                 self._count_steps(slab)
                 slab.updated()
                 slab.clear_grads()
@@ -250,6 +251,7 @@ class HostAdamW:
             slab.wait_reads()  # an H2D copy may still read the master
             self._update(slab, pend)
             if own is not None:
+                self.store.master_published(slab_index)  # masters on disk: written before the others read it
                 own.published(slab_index)
             slab.updated()
             slab.clear_grads()
@@ -441,8 +443,9 @@ class HostAdamW:
         own = self.ownership
         if copy and own is not None and not own.owns(slab_index):
             raise RuntimeError(
-                f"megatrain: the AdamW state of {slab.entries[entry].ref.fqn} is on the disk of local rank "
-                f"{own.owner[slab_index]} (offload_optimizer='nvme' with several processes: each keeps the state of "
+                f"megatrain: the AdamW state of {slab.entries[entry].ref.fqn} is on the disk of rank "
+                f"{own.global_rank_of(own.owner[slab_index])} (local rank {own.owner[slab_index]}; "
+                "offload_optimizer='nvme' with several processes: each keeps the state of "
                 "the blocks it updates). Read it on that rank, or from a directory checkpoint's optimizer/ folder.")
         with self.store.hold(slab_index, [Region.exp_avg, Region.exp_avg_sq]) as t:
             m, v = slab.view(t[Region.exp_avg], entry), slab.view(t[Region.exp_avg_sq], entry)

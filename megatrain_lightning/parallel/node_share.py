@@ -1,8 +1,8 @@
 """The node-shared host store of a data-parallel run (the engine's ``NodeShare``, ``store/shared.py``).
 
 Every local rank maps one file under ``/dev/shm`` that holds the node's fp32 masters, gradient accumulators
-and AdamW moments (with ``offload_optimizer="nvme"`` the masters only: :func:`nvme_for_rank` gives each process
-its own store of its slabs' accumulators and moments); local rank 0 creates it and writes the initial weights, the file is unlinked once every
+and AdamW moments (with the NVMe tier what stays in RAM: :func:`nvme_for_rank` gives each process its own store
+of its slabs' regions on disk); local rank 0 creates it and writes the initial weights, the file is unlinked once every
 local rank has mapped it, and the first node's weights are broadcast to the other nodes' copies (as
 ``DistributedDataParallel`` broadcasts rank 0's module state).
 """
@@ -113,9 +113,14 @@ class NodeStore:
         return obj
 
     def setup(self, store: HostStore) -> SlabOwnership:
-        """After the store is built: the writer's weights reach every rank (and node), then the owners."""
+        """After the store is built: the writer's weights reach every rank (and node), then the owners. Masters
+        on disk: each owner's are written before the others open its files."""
         g = self.groups
+        if store.nvme is not None:
+            store.nvme.wait_io()
         self._barrier()
+        if store.nvme is not None:
+            store.nvme.open_remote()
         if g.num_nodes > 1 and g.local_rank == 0:
             with g.guard("the broadcast of the initial weights to the other nodes"):
                 for slab in store.slabs:
@@ -136,21 +141,40 @@ class NodeStore:
 def nvme_for_rank(nvme: NVMeConfig, groups: ProcessGroups) -> NVMeConfig:
     """This process's NVMe settings in a data-parallel run: its own store directory
     (``megatrain_store_rank<global rank>`` under ``nvme_path``) holding the AdamW states and accumulators of the
-    slabs it owns, and ``host_memory_limit // local_world_size`` of the node's host budget for its window. The
-    masters stay in the node-shared RAM store (one copy per node).
+    slabs it owns (and their masters with ``offload_params="nvme"``; it reads the others' from their owners' store
+    directories, ``peer_dirs``), and ``host_memory_limit // local_world_size`` of the node's host budget for its
+    window. With ``offload_params="cpu"`` the masters stay in the node-shared RAM store (one copy per node).
 
     Raises:
-        NotImplementedError: ``offload_params="nvme"`` (masters on disk): every rank reads every master each step
-            and would need the owners' writes ordered with its reads through the files; not built. The message
-            says what runs instead."""
-    if Region.master in nvme.kinds:
+        NotImplementedError: ``offload_params="nvme"`` on several nodes (the initial weights' broadcast to the other
+            nodes is written for masters in RAM), or with ``offload_optimizer="cpu"``. The message says what runs
+            instead."""
+    if Region.master in nvme.kinds and (groups.num_nodes > 1 or Region.grad_accum not in nvme.kinds):
         raise NotImplementedError(
-            "megatrain: offload_params='nvme' (fp32 masters on disk) runs in one process for now; with "
-            f"devices={groups.local_world_size} x num_nodes={groups.num_nodes} use offload_params='cpu' with "
-            "offload_optimizer='nvme' (masters once per node in shared memory, 4 bytes/param; gradient accumulators "
-            "and AdamW states, 12 bytes/param, on each owner's disk), keep everything in host RAM "
+            "megatrain: offload_params='nvme' (fp32 masters on disk) with several processes runs on one node with "
+            f"offload_optimizer='nvme' for now; with devices={groups.local_world_size} x num_nodes={groups.num_nodes}"
+            f" and offload_optimizer={'nvme' if Region.grad_accum in nvme.kinds else 'cpu'!r} use offload_params='cpu' "
+            "with offload_optimizer='nvme' (masters once per node in shared memory, 4 bytes/param; gradient "
+            "accumulators and AdamW states, 12 bytes/param, on each owner's disk), keep everything in host RAM "
             "(strategy='megatrain'), or train on one device (docs/architecture.md, 'Several GPUs and nodes').")
+    first = groups.node_rank * groups.local_world_size
     return dataclasses.replace(nvme, store_dir=f"megatrain_store_rank{groups.global_rank}",
                                host_memory_limit=nvme.host_memory_limit // groups.local_world_size,
-                               share=(groups.local_rank, groups.local_world_size))
+                               share=(groups.local_rank, groups.local_world_size),
+                               peer_dirs=tuple(f"megatrain_store_rank{first + r}"
+                                               for r in range(groups.local_world_size)),
+                               run_dirs=tuple(f"megatrain_store_rank{r}" for r in range(groups.world_size)))
 
+
+def weights_written(groups: ProcessGroups, store: HostStore) -> None:
+    """After every rank wrote the same weights into the store (a checkpoint load, weights written back at a new
+    ``setup``), with the masters on disk: each owner's writes reach its files, the node's ranks meet, and copies
+    of other ranks' masters held in a window are dropped. Masters in RAM: nothing to do (a collective either
+    way: call it on every rank)."""
+    if store.nvme is None or not store.masters_on_disk:
+        return
+    store.nvme.wait_io()
+    with groups.guard("a barrier of the node's ranks after writing weights"):
+        dist.barrier(group=groups.node)
+    for i in range(len(store.slabs)):
+        store.master_changed_elsewhere(i)

@@ -349,10 +349,11 @@ def _plan_from_counts(name: str, counts: ParamCounts, hw: Hardware, s: dict[str,
              checkpoint_write_s=e["ckpt"] / (hw.nvme_drives * hw.nvme_write_gbps * 1e9),
              compute_bound_batch_size=bound, max_device_batch_size=max_dev, parallel=e["parallel"], source=source)
     p.reasons = shortfalls(p, cap["host"], cap["device"], cap["disk"], where="preset")
-    if s["offload_params"] == "nvme" and s.get("devices", 1) * s.get("num_nodes", 1) > 1:
-        p.reasons.append("the strategy keeps the fp32 masters on NVMe in one process only: with several processes "
-                         "set offload_params=cpu (masters once per node in /dev/shm; offload_optimizer=nvme and "
-                         "offload_grads=nvme still put the AdamW states and accumulators on each owner's disk)")
+    if s["offload_params"] == "nvme" and s.get("devices", 1) * s.get("num_nodes", 1) > 1 and \
+            (s.get("num_nodes", 1) > 1 or "cpu" in (s["offload_optimizer"], s["offload_grads"])):
+        p.reasons.append("the strategy keeps the fp32 masters on NVMe with several processes only on one node with "
+                         "the optimizer on NVMe (offload_optimizer=nvme offload_grads=nvme): set those, or "
+                         "offload_params=cpu (masters once per node in /dev/shm), or num_nodes=1")
     p.fits = not p.reasons
     p.headroom = {k: (have - need) / have for k, need, have in _needs(p, cap["host"], cap["device"], cap["disk"])}
     p.tight = [k for k, h in p.headroom.items() if 0 <= h < TIGHT_HEADROOM]

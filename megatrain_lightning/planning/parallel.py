@@ -11,9 +11,9 @@ The design planned (issue 12):
   precision, written by each slab's owner). Everything else it holds per process, R
   times: the NVMe windows and H2D staging ring, the pinned D2H
   staging buffers, offloaded activations, a CPU device's buffers, the 4 GiB process overhead.
-* **NVMe per node.** The state once per node: with ``offload_optimizer``/``offload_grads`` on NVMe each process
-  stores the accumulators and moments of the blocks it owns (the strategy's ``nvme_for_rank``). With the masters on
-  NVMe (planned here, refused by the strategy with several processes: the plan says "fits: NO") each rank streams every block's weights:
+* **NVMe per node.** The state once per node: each process stores what the blocks it owns keep on NVMe (the
+  strategy's ``nvme_for_rank``). With the masters on NVMe (one node, optimizer on NVMe; other combinations are
+  refused by the strategy and the plan says "fits: NO") each rank streams every block's weights:
   the owner's update is fused with its forward fetch as in one process, the R - 1 other ranks read the
   fp32 master again for their forward fetch, and every rank for its backward fetch (no shared read
   cache assumed): NVMe reads = one process's + (R - 1) x (4 N + 4 x backward fetch reads).

@@ -264,12 +264,14 @@ def check_values(cfg: Mapping[str, Any]) -> None:
     strategy = cfg.get("strategy") or {}
     world = (len(devices) if isinstance(devices, (list, tuple)) else devices if isinstance(devices, int) else 1) \
         * trainer.get("num_nodes", 1)
-    if world > 1 and strategy.get("offload_params") == "nvme":
-        raise ConfigError("strategy", f"masters on NVMe (offload_params=nvme) run in one process for now, and "
-                          f"trainer.devices={devices} x trainer.num_nodes={trainer.get('num_nodes', 1)} start {world}: "
-                          "with several processes add strategy.offload_params=cpu (the masters once per node in shared "
-                          "memory, the optimizer state still on NVMe), use strategy=megatrain (state in host RAM), or "
-                          "trainer.devices=1 trainer.num_nodes=1.")
+    nodes = trainer.get("num_nodes", 1)
+    if world > 1 and strategy.get("offload_params") == "nvme" and (nodes != 1 or strategy.get("offload_optimizer") != "nvme"):
+        raise ConfigError("strategy", f"masters on NVMe (offload_params=nvme) with several processes run on one node "
+                          f"with strategy.offload_optimizer=nvme for now, and trainer.devices={devices} x "
+                          f"trainer.num_nodes={nodes} start {world} with offload_optimizer="
+                          f"{strategy.get('offload_optimizer')}: add strategy.offload_params=cpu (the masters once per "
+                          "node in shared memory, the optimizer state still on NVMe), use strategy=megatrain (state in "
+                          "host RAM), or trainer.num_nodes=1.")
     try:
         check_precision(trainer.get("precision", "32-true"))
     except UnsupportedPrecisionError as e:

@@ -229,6 +229,23 @@ class HostStore:
             out.update(got)
             yield out
 
+    def master_is_remote(self, i: int) -> bool:
+        """Data parallel with the masters on disk: slab ``i``'s master is in another local rank's store (read
+        from its file, written only by it)."""
+        return self.nvme is not None and Region.master in self.nvme_kinds and self.nvme.is_remote(i)
+
+    def master_published(self, i: int) -> None:
+        """Owner, data parallel: before the other ranks are told of slab ``i``'s new master, it is on disk
+        (masters on NVMe: wait for its write-behind; in RAM: nothing to do)."""
+        if self.nvme is not None and Region.master in self.nvme_kinds:
+            self.nvme.wait_written(i, Region.master)
+
+    def master_changed_elsewhere(self, i: int) -> None:
+        """Another rank updated slab ``i``'s master (data parallel): a copy held in this process's NVMe window
+        is stale (masters in RAM: the shared pages already show it)."""
+        if self.master_is_remote(i):
+            self.nvme.invalidate(i, Region.master)
+
     def discard_grad_accum(self, i: int) -> None:
         """The accumulator of slab ``i`` was consumed: NVMe drops its window buffer unwritten."""
         if Region.grad_accum in self.nvme_kinds:
@@ -319,12 +336,14 @@ def build_store(blocks: Sequence[Block], pin_memory: bool = False,
     """
     layout = slab_layout(blocks, reserve_frozen)
     nvme_kinds = frozenset(nvme_kinds)
-    if shared is not None and Region.master in nvme_kinds and nvme_factory is not None:
-        raise ValueError("build_store: a shared (data-parallel) store keeps the masters in host RAM; "
-                         "offload_params='nvme' is not supported with it.")
     optimizer_on_disk = nvme_factory is not None and Region.grad_accum in nvme_kinds
-    # the shared file holds what is in RAM: with the optimizer on disk, the masters only
-    regions = shared([(n, 0 if optimizer_on_disk else t) for _, n, t in layout]) if shared is not None else None
+    masters_on_disk = nvme_factory is not None and Region.master in nvme_kinds
+    if shared is not None and masters_on_disk and not optimizer_on_disk:
+        raise ValueError("build_store: a shared (data-parallel) store with the masters on NVMe needs the optimizer "
+                         "state on NVMe too.")
+    # the shared file holds what is in RAM (with everything on disk, only the update counts)
+    regions = shared([(0 if masters_on_disk else n, 0 if optimizer_on_disk else t) for _, n, t in layout]) \
+        if shared is not None else None
     nvme = nvme_factory([(n, t) for _, n, t in layout]) if nvme_factory is not None and nvme_kinds else None
     store = HostStore([], nvme=nvme, nvme_kinds=nvme_kinds if nvme is not None else ())
     store.shared = regions
@@ -334,7 +353,8 @@ def build_store(blocks: Sequence[Block], pin_memory: bool = False,
             slab = Slab(index=blk.index, entries=entries, master=None, trainable_numel=trainable_numel,  # type: ignore[arg-type]
                         total_numel=numel)
             if regions is not None:
-                slab.master = regions.region(slab.index, Region.master)
+                if not masters_on_disk:
+                    slab.master = regions.region(slab.index, Region.master)
                 if not optimizer_on_disk:
                     slab.grad_accum = regions.region(slab.index, Region.grad_accum)
                     slab.exp_avg = regions.region(slab.index, Region.exp_avg)
@@ -344,10 +364,14 @@ def build_store(blocks: Sequence[Block], pin_memory: bool = False,
                 # pinned at its exact size (store/pinned.py), not rounded up to a power of two
                 slab.master = host_buffer(4 * numel, pin_memory)[: 4 * numel].view(torch.float32)
             store.slabs.append(slab)
-            with store.hold(slab.index, [Region.master], write=True, fresh=[Region.master]) as t:
-                master = t[Region.master]
+            # data parallel, masters on disk: each owner writes its own slabs' masters
+            with contextlib.nullcontext({}) if store.master_is_remote(slab.index) else \
+                    store.hold(slab.index, [Region.master], write=True, fresh=[Region.master]) as t:
+                master = t.get(Region.master)
                 for e in entries:
                     p = e.ref.param
+                    if master is None:
+                        break  # another rank's slab: it writes it
                     if p.is_meta:
                         if not sources or id(p) not in sources:
                             raise ValueError(
@@ -360,7 +384,7 @@ def build_store(blocks: Sequence[Block], pin_memory: bool = False,
                             raise ValueError(f"{e.ref.fqn}: source tensor has shape {tuple(value.shape)}, parameter {tuple(p.shape)}.")
                     else:
                         value = p.detach()
-                    if regions is None or regions.writer:
+                    if regions is None or regions.writer or on_disk:
                         master[e.offset : e.offset + e.numel].copy_(value.reshape(-1))
                     del value
             for i, e in enumerate(entries):

@@ -173,10 +173,14 @@ class NVMeConfig:
         direct_io: ``"auto"``, ``True`` or ``False`` (see :class:`NVMeStore`).
         keep_files: keep the store's files after the run.
         store_dir: the store's directory under ``path`` (one per process of a data-parallel run).
-        share: data parallel (``offload_optimizer="nvme"`` with the masters in the node-shared RAM store,
-            ``store/shared.py``): ``(local rank, local ranks)``; this process stores the regions of the slabs it
-            owns (``store.shared.owners``), the others take no disk and no window (:meth:`own`), and
-            ``host_memory_limit`` is its share of the node's. ``None``: one process, every slab.
+        share: data parallel: ``(local rank, local ranks)``; this process stores the regions of the slabs it
+            owns (``store.shared.owners``), and ``host_memory_limit`` is its share of the node's. The other slabs
+            take no disk and no window (:meth:`own`), except their masters when they are on disk
+            (``offload_params="nvme"``): those it reads from their owner's files (:meth:`remote_files`).
+            ``None``: one process, every slab.
+        peer_dirs: with ``share``, the store directory (under ``path``) of each local rank of the node.
+        run_dirs: the store directories of every process of this run (data parallel), which
+            :func:`sweep_stale_stores` leaves alone.
     """
 
     path: str
@@ -189,6 +193,8 @@ class NVMeConfig:
     keep_files: bool = False
     store_dir: str = STORE_DIR
     share: tuple[int, int] | None = None
+    peer_dirs: tuple[str, ...] = ()
+    run_dirs: tuple[str, ...] = ()
 
     @property
     def ranks_sharing(self) -> int:
@@ -201,7 +207,17 @@ class NVMeConfig:
         if self.share is None:
             return list(layout)
         rank, ranks = self.share
-        return [(n, t) if o == rank else (0, 0) for o, (n, t) in zip(owners(layout, ranks), layout)]
+        other = (lambda n: n) if Region.master in self.kinds else (lambda n: 0)
+        return [(n, t) if o == rank else (other(n), 0) for o, (n, t) in zip(owners(layout, ranks), layout)]
+
+    def remote_files(self, layout: Sequence[tuple[int, int]]) -> dict[int, Path]:
+        """With :attr:`share` and the masters on disk: slab index -> the block file of its owner (another local
+        rank), whose master region this process reads. Empty otherwise."""
+        if self.share is None or Region.master not in self.kinds:
+            return {}
+        rank, ranks = self.share
+        return {i: block_file(Path(self.path) / self.peer_dirs[o], i)
+                for i, o in enumerate(owners(layout, ranks)) if o != rank and layout[i][0]}  # an empty slab: no file
 
     @classmethod
     def from_options(cls, *, offload_params: str = "cpu", offload_optimizer: str = "cpu", nvme_path: str | None = None,
@@ -303,7 +319,7 @@ class _BackOff(Exception):
 
 
 class _Entry:
-    __slots__ = ("buf", "t", "nbytes", "pins", "dirty", "io", "io_kind", "last", "off")
+    __slots__ = ("buf", "t", "nbytes", "pins", "dirty", "io", "io_kind", "last", "off", "stale")
 
     def __init__(self, nbytes: int, off: int):
         self.off = off  # byte offset of its buffer in the store's arena
@@ -315,6 +331,51 @@ class _Entry:
         self.io: Future | None = None
         self.io_kind = ""
         self.last = 0
+        self.stale = False  # another process rewrote the file region: reload once no one uses the buffer
+
+
+def block_file(directory: Path, i: int) -> Path:
+    """The file of block ``i`` in a store directory."""
+    return directory / f"block_{i:05d}.bin"
+
+
+def sweep_stale_stores(nvme_path: str | os.PathLike, keep: Iterable[str]) -> list[str]:
+    """Remove the store directories (``megatrain_store*``) under ``nvme_path`` that a run which did not finish left
+    behind, other than ``keep`` (this run's own, which each process resets itself): a process killed with several
+    processes leaves ``megatrain_store_rank<r>``, which a later run with fewer processes never opens. A directory
+    whose ``LOCK`` a live process holds, or that a clean run kept (``keep_nvme_files=True``), is left alone.
+    Several processes may sweep at once (the lock decides). Returns the names removed; each is logged.
+
+    Raises:
+        nothing: a directory that cannot be read or removed is skipped."""
+    removed = []
+    for d in sorted(Path(nvme_path).glob(f"{STORE_DIR}*")):
+        if d.name in set(keep) or not d.is_dir():
+            continue
+        try:
+            fd = os.open(d / "LOCK", os.O_RDWR)  # no O_CREAT: a directory another sweeper emptied is skipped
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live run's
+            owner = os.pread(fd, 64, 0).decode(errors="replace").strip()
+            if owner == KEPT:
+                continue
+            files = list(d.glob("block_*.bin"))
+            with contextlib.suppress(OSError):
+                for f in files:
+                    f.unlink(missing_ok=True)
+                (d / "LOCK").unlink(missing_ok=True)
+                d.rmdir()
+            log.warning("megatrain: removed the NVMe store %s, left by a run that did not finish (pid %s; %d files).",
+                        d, owner or "?", len(files))
+            removed.append(d.name)
+        finally:
+            os.close(fd)
+    return removed
 
 
 def probe_odirect(directory: Path) -> bool:
@@ -359,6 +420,9 @@ class NVMeStore:
         place_timeout_s: seconds a buffer may wait for a contiguous free range of the arena.
         store_dir: the store's directory under ``nvme_path`` (default ``megatrain_store``; data parallel: one
             per process).
+        remote: data parallel with the masters on disk: slab index -> its owner's block file. Those slabs' master
+            regions are read from there (opened by :meth:`open_remote` once the owners made their files), never
+            written; their other regions are empty here.
 
     Raises:
         NVMeStoreLockedError: another live process holds the store directory.
@@ -370,8 +434,9 @@ class NVMeStore:
     def __init__(self, nvme_path: str | os.PathLike, layout: Sequence[tuple[int, int]], budget: HostBudget, *,
                  io_threads: int = 4, io_block_size: int = IO_BLOCK_SIZE, read_ahead: int = 4, direct_io: bool | str = "auto",
                  pin_memory: bool | None = False, keep_files: bool = False, arena: PinnedArena | None = None,
-                 place_timeout_s: float = 300.0, store_dir: str = STORE_DIR):
+                 place_timeout_s: float = 300.0, store_dir: str = STORE_DIR, remote: dict[int, Path] | None = None):
         self.dir = Path(nvme_path) / store_dir
+        self.remote = dict(remote or {})
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock_fd = self._lock()
         self.layout = list(layout)
@@ -469,9 +534,23 @@ class NVMeStore:
         return fd
 
     def path(self, i: int) -> Path:
-        return self.dir / f"block_{i:05d}.bin"
+        return block_file(self.dir, i)
+
+    def is_remote(self, i: int) -> bool:
+        """Slab ``i``'s master is another process's (data parallel): read from its file, never written here."""
+        return i in self.remote
+
+    def open_remote(self) -> None:
+        """Open the owners' files of :attr:`remote` read-only (after every owner created and wrote its files;
+        an open file stays readable after its owner's process removes it at exit)."""
+        for i, p in self.remote.items():
+            if self._fds[i] < 0:
+                self._fds[i] = os.open(p, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
+            self.valid[i][Region.master] = True
 
     def _create(self, i: int) -> int:
+        if i in self.remote or not sum(self._nbytes[i].values()):
+            return -1  # open_remote; or nothing to store (no file)
         flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if self.direct else 0)
         p = self.path(i)
         fd = os.open(p, flags, 0o600)
@@ -490,6 +569,9 @@ class NVMeStore:
         """Move one region between ``buf`` and its file, as requests of at most ``io_block_size``
         bytes run by the request threads (so one region alone still keeps ``io_threads`` requests
         in flight). Blocks until all are done; the first failure is raised as :class:`NVMeIOError`."""
+        if op == "write" and i in self.remote:
+            raise RuntimeError(f"megatrain NVMe store: block {i}'s master belongs to another process; only its "
+                               "owner writes it.")
         mv = memoryview(buf.numpy())
         n, step = len(mv), self.io_block_size
         with self.meter.measure(op, n):
@@ -668,6 +750,12 @@ class NVMeStore:
                     self._at[off] = key
                     e.io, e.io_kind, e.pins, e.last = Future(), "read", 1, next(self._clock)
                     load = True
+                elif e.stale:  # another process rewrote it: reload once the old buffer is free
+                    if e.pins == 0 and e.io is None:
+                        self._free(self.entries.pop(key))
+                    else:
+                        self.cond.wait(0.05)
+                    continue
                 else:
                     fut = e.io
                     if fut is not None and (e.io_kind == "read" or write):
@@ -695,7 +783,37 @@ class NVMeStore:
                 e.dirty = True
             if e.pins == 0 and e.dirty and e.io is None:
                 e.io, e.io_kind = self._io.submit(self._write_back, i, kind, e), "write"
+            elif e.pins == 0 and e.stale and e.io is None:
+                self._free(self.entries.pop((i, kind)))
             self.cond.notify_all()
+
+    def invalidate(self, i: int, kind: str) -> None:
+        """Another process rewrote block ``i``'s ``kind`` in its file (data parallel: the owner's update of a
+        :meth:`is_remote` master): the buffer held here, if any, is dropped now or, while in use or being read,
+        as soon as it is free; the next hold reads the file again."""
+        with self.cond:
+            e = self.entries.get((i, kind))
+            if e is None:
+                return
+            if e.pins == 0 and e.io is None:
+                self._free(self.entries.pop((i, kind)))
+            else:
+                e.stale = True
+            self.cond.notify_all()
+
+    def wait_written(self, i: int, kind: str) -> None:
+        """Block until block ``i``'s ``kind`` is on disk (its write-behind done): data parallel, before the owner
+        tells the others to read it.
+
+        Raises:
+            NVMeIOError: the write failed."""
+        with self.cond:
+            while True:
+                self.raise_error()
+                e = self.entries.get((i, kind))
+                if e is None or (not e.dirty and e.io is None):
+                    return
+                self.cond.wait(0.05)
 
     def _write_back(self, i: int, kind: str, e: _Entry) -> None:
         try:
