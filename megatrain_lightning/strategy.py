@@ -274,6 +274,7 @@ class MegaTrainStrategy(ParallelStrategy):
         self.mlp_chunk_size = check_chunk_size("mlp_chunk_size", mlp_chunk_size, allow_auto=False)
         self.engine: StreamingEngine | None = None
         self._orig_zero_grad: tuple[Any, Any] | None = None
+        self._state_dict_patched: Any = None  # the optimizer whose state_dict() reads the host AdamW state
 
     # ------------------------------------------------------------------ devices and processes
     @property
@@ -496,6 +497,29 @@ class MegaTrainStrategy(ParallelStrategy):
 
         self._orig_zero_grad = (opt, orig if had else None)
         opt.zero_grad = zero_grad  # type: ignore[method-assign]
+        self._patch_state_dict(opt, engine)
+
+    def _patch_state_dict(self, opt: Any, engine: StreamingEngine) -> None:
+        """``opt.state_dict()`` / ``opt.load_state_dict(sd)`` on the user's optimizer read and write the host
+        optimizer's AdamW state in ``torch.optim.AdamW`` format (``HostAdamW.state_dict(copy=True)``: 8 bytes/param
+        of host RAM while the dict lives; ``HostAdamW.load_state_dict``): the torch optimizer itself holds no state,
+        so user code saving it (``torch.save(opt.state_dict(), ...)``) got an empty state without a word. Kept
+        after fit (the store stays open for ``trainer.save_checkpoint``); :meth:`close` removes them."""
+        def state_dict() -> dict[str, Any]:
+            if engine.closed or engine.optimizer is None:
+                raise RuntimeError("megatrain: this optimizer's AdamW state lived in the strategy's host store, which "
+                                   "trainer.strategy.close() removed; save it (or a checkpoint) before closing.")
+            return engine.optimizer.state_dict(copy=True)
+
+        def load_state_dict(state: dict[str, Any]) -> None:
+            if engine.closed or engine.optimizer is None:
+                raise RuntimeError("megatrain: the strategy's host store was closed (trainer.strategy.close()); "
+                                   "load the optimizer state in a new run (fit(ckpt_path=...)).")
+            engine.optimizer.load_state_dict(state)
+
+        opt.state_dict = state_dict  # type: ignore[method-assign]
+        opt.load_state_dict = load_state_dict  # type: ignore[method-assign]
+        self._state_dict_patched = opt
 
     def _wrap_lightning_optimizers(self) -> None:
         """``self.optimizers()`` under manual optimization: Lightning's wrapper subclasses the optimizer's class, so
@@ -506,6 +530,8 @@ class MegaTrainStrategy(ParallelStrategy):
             for wrapper in self._lightning_optimizers:
                 if wrapper.optimizer is opt:
                     wrapper.zero_grad = opt.zero_grad  # type: ignore[method-assign]
+                    wrapper.state_dict = opt.state_dict  # type: ignore[method-assign]
+                    wrapper.load_state_dict = opt.load_state_dict  # type: ignore[method-assign]
 
     def _restore_zero_grad(self) -> None:
         if self._orig_zero_grad is not None:
@@ -801,6 +827,11 @@ class MegaTrainStrategy(ParallelStrategy):
                             "the module's parameters stay placeholders.")
             self.engine.close()
             self.engine = None
+        opt = getattr(self, "_state_dict_patched", None)
+        if opt is not None:  # the torch optimizer's own methods again
+            opt.__dict__.pop("state_dict", None)
+            opt.__dict__.pop("load_state_dict", None)
+            self._state_dict_patched = None
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

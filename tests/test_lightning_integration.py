@@ -140,6 +140,33 @@ def test_state_dict_is_store_views_and_save_pretrained(tmp_path):
         assert torch.equal(a, b), k
 
 
+def test_the_optimizers_state_dict_is_plain_lightnings():
+    """``trainer.optimizers[0].state_dict()`` after fit is the AdamW state plain Lightning's optimizer holds (the
+    torch optimizer holds none here: it returned an empty state without a word), bitwise; ``load_state_dict`` puts
+    a state back into the host store."""
+    model = make_model("llama")
+    plain, ours = LM(copy.deepcopy(model)), LM(copy.deepcopy(model))
+    kw = dict(accelerator="cpu", max_steps=4, enable_checkpointing=False, logger=False, enable_progress_bar=False,
+              enable_model_summary=False)
+    tp = pl.Trainer(strategy="auto", **kw)
+    tp.fit(plain, make_data())
+    to = pl.Trainer(strategy="megatrain", **kw)
+    to.fit(ours, make_data())
+    want, got = tp.optimizers[0].state_dict(), to.optimizers[0].state_dict()
+    assert got["param_groups"] == want["param_groups"]
+    assert sorted(got["state"]) == sorted(want["state"]) and len(got["state"]) == len(list(model.parameters()))
+    for i, st in want["state"].items():
+        for k, v in st.items():
+            assert torch.equal(got["state"][i][k], v), (i, k)
+    zero = {"state": {i: {k: torch.zeros_like(v) for k, v in st.items()} for i, st in want["state"].items()},
+            "param_groups": want["param_groups"]}
+    to.optimizers[0].load_state_dict(zero)
+    assert all(v.abs().sum() == 0 for st in to.optimizers[0].state_dict()["state"].values() for v in st.values())
+    to.optimizers[0].load_state_dict(want)
+    assert all(torch.equal(to.optimizers[0].state_dict()["state"][i]["exp_avg"], st["exp_avg"])
+               for i, st in want["state"].items())
+
+
 def test_kv_cache_in_config_does_not_corrupt_gradients():
     """use_cache=True (the default of most configs) must not leak into the recompute."""
     model = make_model("llama", use_cache=True)
