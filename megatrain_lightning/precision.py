@@ -326,6 +326,22 @@ class MegaTrainPrecision(Precision):
             self.growth_tracker = int(state_dict["growth_tracker"])
             self.skipped_steps = int(state_dict.get("skipped_steps", 0))
 
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Resuming from a plain Lightning ``.ckpt`` (another strategy's): its loss scale is under ``MixedPrecision``
+        in ``torch.amp.GradScaler.state_dict()`` format (``scale``, ``_growth_tracker``, ``growth_factor``,
+        ``backoff_factor``, ``growth_interval``); taken over as ``GradScaler.load_state_dict`` would, when the file
+        holds no state of ours (Lightning then calls :meth:`load_state_dict` only with ours). Without this the run
+        restarted from the initial scale without a word."""
+        if type(self).__qualname__ in checkpoint or not self.scaling:
+            return
+        st = checkpoint.get("MixedPrecision")
+        if isinstance(st, dict) and "scale" in st:
+            self.scale = float(st["scale"])
+            self.growth_tracker = int(st.get("_growth_tracker", 0))
+            self.growth_factor = float(st.get("growth_factor", self.growth_factor))
+            self.backoff_factor = float(st.get("backoff_factor", self.backoff_factor))
+            self.growth_interval = int(st.get("growth_interval", self.growth_interval))
+
 
 def _looks_at_grads(module: Any) -> bool:
     """Whether anything may read ``param.grad`` after a backward: manual optimization, or an ``on_after_backward``

@@ -481,8 +481,9 @@ class HostAdamW:
         none afterwards, as ``torch.optim.Optimizer.load_state_dict`` leaves it.
 
         Raises:
-            ValueError: another number of param groups, a group of another size (the messages torch gives), or a
-                state of another shape than its parameter's.
+            ValueError: another number of param groups, a group of another size (the messages torch gives), state
+                keys of another optimizer (SGD's ``momentum_buffer``...), or a state of another shape than its
+                parameter's.
         """
         groups, saved = self.optimizer.param_groups, state_dict["param_groups"]
         if len(groups) != len(saved):
@@ -491,8 +492,13 @@ class HostAdamW:
             if len(g["params"]) != len(s["params"]):
                 raise ValueError(f"loaded state dict's parameter group {i} has {len(s['params'])} parameters, the "
                                  f"optimizer's {len(g['params'])}.")
-        self.flush()
         state = state_dict["state"]
+        other = sorted({k for st in state.values() for k in st} - {"step", "exp_avg", "exp_avg_sq"})
+        if other:
+            raise ValueError(f"the saved optimizer state has {', '.join(other)}: not Adam/AdamW state (another "
+                             "optimizer's, e.g. SGD's momentum_buffer, or amsgrad's max_exp_avg_sq); resume with the "
+                             "optimizer that wrote it, or load only the weights.")
+        self.flush()
         for g, s in zip(groups, saved):
             for k, v in s.items():
                 if k != "params":
@@ -504,6 +510,9 @@ class HostAdamW:
                     continue
                 step = st["step"] if torch.is_tensor(st["step"]) else torch.tensor(float(st["step"]))
                 self.load_param_state(p, st["exp_avg"].float(), st["exp_avg_sq"].float(), step)
+        # as torch.optim.Optimizer.load_state_dict ends: the class sets its own group defaults again (AdamW keeps
+        # decoupled_weight_decay=True when an Adam state is loaded)
+        self.optimizer.__setstate__({"state": self.optimizer.state, "param_groups": self.optimizer.param_groups})
 
     # ------------------------------------------------------------------ per-parameter access
     def param_state(self, param: torch.Tensor) -> dict[str, torch.Tensor] | None:
