@@ -318,13 +318,14 @@ def build_store(blocks: Sequence[Block], pin_memory: bool = False,
             ``{"exp_avg", Region.exp_avg_sq, Region.grad_accum}`` (``offload_optimizer="nvme"``).
         shared: data parallel: ``layout -> SharedRegions`` mapping the node's shared file (``store/shared.py``);
             every region in RAM of every slab is a view of it, and only the node's writer (local rank 0) copies
-            the weights in. The masters stay in RAM; with ``offload_optimizer="nvme"`` the file holds only them
-            (``layout`` then has trainable numel 0) and each process's NVMe store the regions of its own slabs.
+            the weights in. With the NVMe tier the file holds what stays in RAM (the masters, or only the update
+            counts) and each process's NVMe store the regions of its own slabs; with the masters on disk each
+            owner writes its own slabs' masters.
         reserve_frozen: gradient and AdamW state for frozen parameters too (:func:`slab_layout`).
 
     Raises:
         ValueError: a parameter is on the meta device and no source provides it; ``shared`` with the masters on
-            NVMe.
+            NVMe but the optimizer state in RAM.
 
     Returns:
         The store. Parameters keep their identity (the same ``nn.Parameter`` objects,

@@ -203,7 +203,8 @@ class NVMeConfig:
 
     def own(self, layout: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
         """``layout`` (per slab ``(numel, trainable numel)``) as this process stores it: with :attr:`share`, the
-        slabs another local rank owns become ``(0, 0)`` (no file bytes, no window buffers)."""
+        slabs another local rank owns become ``(0, 0)`` (no file bytes, no window buffers), or ``(numel, 0)`` with
+        the masters on disk (their masters pass through this window, read from the owner's file)."""
         if self.share is None:
             return list(layout)
         rank, ranks = self.share
@@ -348,9 +349,9 @@ def sweep_stale_stores(nvme_path: str | os.PathLike, keep: Iterable[str]) -> lis
 
     Raises:
         nothing: a directory that cannot be read or removed is skipped."""
-    removed = []
+    removed, keep = [], set(keep)
     for d in sorted(Path(nvme_path).glob(f"{STORE_DIR}*")):
-        if d.name in set(keep) or not d.is_dir():
+        if d.name in keep or not d.is_dir():
             continue
         try:
             fd = os.open(d / "LOCK", os.O_RDWR)  # no O_CREAT: a directory another sweeper emptied is skipped
