@@ -50,6 +50,7 @@ try:  # Lightning >= 2.5: WeightAveraging / EMAWeightAveraging read the weights 
 except ImportError:  # pragma: no cover - older Lightning
     _WeightAveraging = None
 
+from .checkpoint.atomic import remove as remove_entry
 from .checkpoint.hf_io import weight_sources
 from .checkpoint.peft_io import unsavable_adapters
 from .checkpoint.directory import load_checkpoint_dir, load_optimizer_dir, save_checkpoint_dir
@@ -763,16 +764,10 @@ class MegaTrainStrategy(ParallelStrategy):
         load_optimizer_dir(self._loaded_path, self.lightning_module, self.engine, self._loaded_meta)
 
     def remove_checkpoint(self, filepath: Any) -> None:
-        """Remove a checkpoint directory (``ModelCheckpoint(save_top_k=...)`` pruning)."""
-        import shutil
-
-        p = Path(filepath)
-        if not self.is_global_zero:
-            return
-        if p.is_dir():
-            shutil.rmtree(p)
-        elif p.exists():
-            p.unlink()
+        """Remove a checkpoint directory, file or symlink (not the symlink's target: ``save_last="link"``), as
+        ``ModelCheckpoint(save_top_k=...)`` prunes."""
+        if self.is_global_zero:
+            remove_entry(Path(filepath))
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:

@@ -18,15 +18,18 @@ Layout of a checkpoint directory (docs/architecture.md, "Checkpoints and resume"
 
 What goes where is planned before anything is written (layout.py): a tensor of the module that no
 part would write is an error, not a silent drop. Writes go to a hidden temporary directory next to
-the target, every file is fsynced, and the directory is renamed into place (an existing
-checkpoint of the same name is moved aside first and removed after): a crash at any moment leaves
-either the old or the new checkpoint complete under the final name, never a half-written one.
+the target, every file is fsynced, and the directory is put into place atomically (atomic.py: an existing
+checkpoint, file or symlink of the same name is exchanged with it, then removed): a crash at any moment
+leaves either the old or the new checkpoint complete under the final name, never a half-written one; what
+a killed save left next to it is cleaned up by the next save of that name. A write that fails for lack of
+space raises an ``OSError`` (``ENOSPC``) naming the checkpoint, after removing what it wrote.
 Tensors are written one shard at a time from views of the host store, so saving never needs a
 second copy of the model.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from pathlib import Path
@@ -35,6 +38,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
+from .atomic import clean_stale, put_in_place
 from .errors import CheckpointError
 from .hf_io import SafetensorsSource, save_hf_model_dir, source_key, verify_checksums, write_safetensors_shards
 from .hf_write import finish_safetensors_parts, write_hf_config_files, write_safetensors_part
@@ -127,6 +131,7 @@ def save_checkpoint_dir(path: str | os.PathLike, checkpoint: dict[str, Any], mod
         _save_together(final, checkpoint, module, engine, layout, tokenizer, max_shard_bytes, coop)
         return
     final.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale(final)
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -141,9 +146,41 @@ def save_checkpoint_dir(path: str | os.PathLike, checkpoint: dict[str, Any], mod
             write_safetensors_shards(tmp / "optimizer", engine.params.named_optimizer_state(module),
                                      max_shard_bytes=max_shard_bytes)
         _finish(final, tmp, checkpoint, module, engine, layout, parts, has_opt)
-    except BaseException:
+    except BaseException as err:
+        full = disk_full_error(err, final, tmp)
         shutil.rmtree(tmp, ignore_errors=True)
+        if full is not None:
+            raise full from err
         raise
+
+
+def disk_full_error(err: BaseException, final: Path, tmp: Path) -> OSError | None:
+    """The error to raise when writing the checkpoint ``final`` (into ``tmp``) failed because its filesystem
+    is full, or ``None`` for any other failure. The libraries writing the files report a full disk each in
+    their own way (``OSError`` ENOSPC/EDQUOT, safetensors' ``SafetensorError`` "os error 28", ``torch.save``'s
+    ``RuntimeError`` "unexpected pos"), so the filesystem's free space (under 16 MiB, read before ``tmp`` is
+    removed) decides too.
+
+    Returns:
+        ``OSError(errno.ENOSPC, message)``: the message names the checkpoint, the bytes written before the
+        failure, the free bytes, and what to do.
+    """
+    text = f"{type(err).__name__}: {err}"
+    try:
+        free = shutil.disk_usage(final.parent).free
+        written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file()) if tmp.exists() else 0
+    except OSError:
+        return None
+    nospace = ((isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT))
+               or "No space left" in text or "os error 28" in text or free < 2**24)
+    if not nospace or isinstance(err, (KeyboardInterrupt, SystemExit)):
+        return None
+    mib = 2**20
+    return OSError(errno.ENOSPC, (
+        f"megatrain: the checkpoint {final} could not be written: its filesystem is full ({written / mib:,.1f} MiB "
+        f"written before the failure, {free / mib:,.1f} MiB free now). What was written has been removed; the "
+        f"previous checkpoint of that name, if any, is untouched. Free space on {final.parent}, or save elsewhere "
+        f"(ModelCheckpoint(dirpath=...), trainer.save_checkpoint(path)). ({text})"))
 
 
 def _finish(final: Path, tmp: Path, checkpoint: dict[str, Any], module: nn.Module, engine: Any, layout: Layout,
@@ -162,13 +199,7 @@ def _finish(final: Path, tmp: Path, checkpoint: dict[str, Any], module: nn.Modul
     params = {n: {"shape": list(p.shape), "requires_grad": p.requires_grad} for n, p in module.named_parameters()}
     write_info(tmp, has_optimizer=has_opt, params=params, tensors=layout.tensors, parts=parts + [TRAINER_FILE])
     _fsync_dir(tmp)
-    old = final.parent / f".{final.name}.old-{os.getpid()}"
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    _fsync_dir(final.parent)
-    if old.exists():
-        shutil.rmtree(old)
+    put_in_place(tmp, final)
 
 
 def _save_together(final: Path, checkpoint: dict[str, Any], module: nn.Module, engine: Any, layout: Layout,
@@ -182,6 +213,7 @@ def _save_together(final: Path, checkpoint: dict[str, Any], module: nn.Module, e
     tmp = final.parent / f".{final.name}.tmp-{token}"
     if coop.rank == 0:
         final.parent.mkdir(parents=True, exist_ok=True)
+        clean_stale(final)
         tmp.mkdir()
     coop.exchange(None)  # the directory exists before anyone writes into it
     has_opt = "optimizer_states" in checkpoint and engine.optimizer is not None
@@ -202,7 +234,8 @@ def _save_together(final: Path, checkpoint: dict[str, Any], module: nn.Module, e
                 mine["optimizer"] = write_safetensors_part(tmp / "optimizer", items, prefix=prefix,
                                                            max_shard_bytes=max_shard_bytes)
     except Exception as err:  # every rank learns of it below
-        mine = {"error": f"{type(err).__name__}: {err}"}
+        full = disk_full_error(err, final, tmp)
+        mine = {"error": str(full) if full is not None else f"{type(err).__name__}: {err}"}
     outcomes = coop.exchange(mine)
     failed = [(r, o["error"]) for r, o in enumerate(outcomes) if "error" in o]
     if failed:
@@ -229,8 +262,11 @@ def _save_together(final: Path, checkpoint: dict[str, Any], module: nn.Module, e
         if has_opt:
             finish_safetensors_parts(tmp / "optimizer", [o["optimizer"] for o in outcomes if "optimizer" in o])
         _finish(final, tmp, checkpoint, module, engine, layout, parts, has_opt)
-    except BaseException:
+    except BaseException as err:
+        full = disk_full_error(err, final, tmp)
         shutil.rmtree(tmp, ignore_errors=True)
+        if full is not None:
+            raise full from err
         raise
 
 
