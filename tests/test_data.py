@@ -213,13 +213,18 @@ def test_multi_turn_messages_train_every_assistant_turn(smol_tok):
     assert "Be terse." in smol_tok.decode(item["input_ids"])
 
 
-def test_instruction_truncation_and_drop(gpt2_tok):
+def test_instruction_truncation_and_drop_are_counted_and_reported(gpt2_tok, caplog):
+    """An example whose prompt fills seq_len is left out (no answer token to train), one whose answer runs past it
+    is cut; both are counted and said in a warning (they were silent: a run could lose half its data unseen)."""
     docs = [{"id": "long", "prompt": "Q?", "response": "word " * 100}, {"id": "huge", "prompt": "word " * 100, "response": "A"},
             {"id": "ok", "prompt": "Q?", "response": "A"}]
-    dm = DomainDataModule(gpt2_tok, documents=docs, shape="instruction", seq_len=32, val_fraction=0.0)
-    st = dm.stats()["train"]
-    assert st["truncated"] == 2 and st["dropped"] == 1 and st["sequences"] == 2
+    dm = DomainDataModule(gpt2_tok, documents=docs, shape="instruction", seq_len=32, val_fraction=0.0, max_seq_len=1024)
+    with caplog.at_level("WARNING"):
+        st = dm.stats()["train"]
+    assert st["truncated"] == 1 and st["dropped"] == 1 and st["sequences"] == 2
     assert max(len(dm.datasets["train"][i]["input_ids"]) for i in range(2)) == 32
+    assert "1 of 3 train examples are left out: the prompt alone fills seq_len=32 tokens" in caplog.text
+    assert "up to 1024 positions" in caplog.text and "1 of 3 train examples are cut at seq_len=32" in caplog.text
 
 
 # ---------------------------------------------------------------------------------------------- cache

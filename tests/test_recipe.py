@@ -7,11 +7,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
+import torch
 import transformers
 import yaml
 from hydra import compose, initialize_config_dir
@@ -21,7 +25,9 @@ import megatrain_lightning  # noqa: F401
 from megatrain_lightning.planning import PreflightError
 from megatrain_lightning.recipes_lib import run as step
 from megatrain_lightning.recipes_lib.checks import ConfigError, check_values
+from megatrain_lightning.recipes_lib.checkpoints import RecordRunIdentity, resolve_resume, run_identity
 from megatrain_lightning.recipes_lib.results import SUMMARY_KEYS
+from megatrain_lightning.testing import LM, make_data, make_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = str(ROOT / "conf")
@@ -304,6 +310,18 @@ def test_each_format_trains_two_steps(tmp_path, gpt2_dir, fmt):
     assert not (Path(out["checkpoint"]) / "optimizer").exists()  # checkpoint.save_optimizer=false (default)
 
 
+def test_examples_left_out_by_seq_len_are_reported(tmp_path, gpt2_dir, capsys, caplog):
+    """Regression: records whose prompt fills data.seq_len were dropped without a word (half the data here)."""
+    rows = [{"prompt": "word " * 60 if i % 2 else f"Q{i}?", "response": f"A{i}"} for i in range(16)]
+    src = write_jsonl(tmp_path / "half.jsonl", rows)
+    with caplog.at_level("WARNING"):
+        out = finetune(cfg_for(tmp_path, "data=instruction", f"data.source={src}", "eval.before=false", *tiny(gpt2_dir)))
+    n = out["run"]["examples_left_out"]
+    assert n > 0 and out["run"]["examples_cut"] == 0
+    assert re.search(rf"data: {n} of \d+ train examples are left out: the prompt alone fills seq_len=32", caplog.text)
+    assert re.search(rf"train examples left out \(no answer within seq_len\)\s+{n}\n", capsys.readouterr().out)
+
+
 def test_summary_files_and_loss_plot(tmp_path, gpt2_dir):
     group, src = _formats(tmp_path)["alpaca-jsonl"]
     cfg = cfg_for(tmp_path, f"data={group}", f"data.source={src}", *tiny(gpt2_dir), "plot=true", "logger=csv",
@@ -379,6 +397,31 @@ def test_resume_last_continues_the_step_count(tmp_path, gpt2_dir):
     second = finetune(cfg_for(tmp_path / "b", *common, "resume=last", "trainer.max_steps=4"))
     assert second["run"]["resumed_from"] == str(last)
     assert second["run"]["steps"] == 4 and [p["step"] for p in second["loss"]] == [3, 4]
+
+
+def test_resume_last_takes_the_newest_run_of_the_same_model_and_data(tmp_path, gpt2_dir, no_build):
+    """Regression: resume=last took the newest last.ckpt of any run, e.g. of an unrelated data set, and continued
+    its step count, optimizer state and data position silently. It now skips runs of other model/data and, when
+    only those exist, refuses naming the newest and what differs."""
+    group, src = _formats(tmp_path)["text-jsonl"]
+    common = [f"data={group}", "eval.before=false", *tiny(gpt2_dir), f"checkpoint.search_dir={tmp_path}"]
+    mine = cfg_for(tmp_path / "a", *common, f"data.source={src}", "resume=last")
+    ckpt = tmp_path / "a" / "run" / "checkpoints" / "last.ckpt"
+    t = pl.Trainer(strategy="megatrain", accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
+                   callbacks=[RecordRunIdentity(run_identity(mine))], enable_checkpointing=False)
+    t.fit(LM(make_model("llama")), make_data(n=4))
+    t.save_checkpoint(ckpt)
+    other_src = write_jsonl(tmp_path / "other.jsonl", [{"text": f"Another corpus, line {i}."} for i in range(16)])
+    msg = refused(tmp_path / "b", *common, f"data.source={other_src}", "resume=last", key="resume",
+                  match="none from a run of this model on this data")
+    assert f"the newest, {ckpt}, differs in data.source: '{src}' there, '{other_src}' here" in msg
+    newer = tmp_path / "c" / "run" / "checkpoints" / "last.ckpt"  # a newer run of the other data
+    shutil.copytree(ckpt, newer)
+    meta = torch.load(newer / "trainer.pt", weights_only=True)
+    meta["recipe"]["data"]["source"] = other_src
+    torch.save(meta, newer / "trainer.pt")
+    assert resolve_resume(mine) == ckpt and resolve_resume(cfg_for(tmp_path / "d", *common, f"data.source={other_src}",
+                                                                   "resume=last")) == newer
 
 
 # ---------------------------------------------------------------------------------------------- real model

@@ -128,6 +128,7 @@ class DomainDataModule(pl.LightningDataModule):
         self.seq_len, self.batch_size, self.val_fraction, self.seed = seq_len, batch_size, val_fraction, seed
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else None
         self.num_workers, self.max_documents, self.pin_memory = num_workers, max_documents, pin_memory
+        self.max_seq_len = max_seq_len
         self.use_chat_template = resolve_chat_template(tokenizer, use_chat_template) if shape == "instruction" else False
         self.probe, self.probe_options = probe, dict(probe_options or {})
         self.datasets: dict[str, Dataset] = {}
@@ -194,12 +195,27 @@ class DomainDataModule(pl.LightningDataModule):
             if self.cache_file is not None:
                 cache.save(self.cache_file, tensors, self._stats)
                 log.info("Wrote tokenized data cache %s", self.cache_file)
+        self._warn_lost()
         for split in SPLITS:
             if self.shape == "text" and f"{split}.rows" in tensors:
                 self.datasets[split] = PackedDataset(tensors[f"{split}.rows"])
             elif f"{split}.ids" in tensors:
                 self.datasets[split] = InstructionDataset(tensors[f"{split}.ids"], tensors[f"{split}.trained"],
                                                           tensors[f"{split}.offsets"])
+
+    def _warn_lost(self) -> None:
+        """Log a warning for every split whose instruction examples were dropped (no answer token within
+        ``seq_len``) or truncated, with the counts and what to change; the counts are in :meth:`stats`."""
+        for split, st in self._stats.items():
+            dropped, truncated, n = st.get("dropped", 0), st.get("truncated", 0), st.get("documents", 0)
+            if dropped:
+                log.warning("data: %d of %d %s examples are left out: the prompt alone fills seq_len=%d tokens (or "
+                            "there is no answer), so no answer token would be trained. Raise data.seq_len (the model "
+                            "takes up to %s positions) or shorten those prompts.", dropped, n, split, self.seq_len,
+                            self.max_seq_len if self.max_seq_len is not None else "max_position_embeddings")
+            if truncated:
+                log.warning("data: %d of %d %s examples are cut at seq_len=%d tokens (the end of their answer is not "
+                            "trained); raise data.seq_len to keep them whole.", truncated, n, split, self.seq_len)
 
     def prepare_data(self) -> None:
         """Build (and write the cache, if ``cache_dir`` is set)."""
