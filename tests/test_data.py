@@ -361,6 +361,22 @@ def test_user_jsonl_txt_and_fields(tmp_path):
         load_user_source(tmp_path / "bad.jsonl")
 
 
+def test_a_byte_order_mark_is_not_text_and_a_null_field_is_named(tmp_path):
+    """Regressions: a JSONL saved with a UTF-8 byte-order mark was refused as "not one JSON object per line"; a
+    field present with null was reported as missing, with advice to rename fields."""
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + json.dumps({"prompt": "Q?", "response": "A"}).encode() + b"\n")
+    assert load_user_source(tmp_path / "bom.jsonl", "instruction") == [{"id": "bom.jsonl:1", "prompt": "Q?", "response": "A"}]
+    (tmp_path / "bom.txt").write_bytes("\ufeffSome text.".encode())
+    assert load_user_source(tmp_path / "bom.txt")[0]["text"] == "Some text."
+    rows = [{"instruction": "Q?", "output": "A"}, {"instruction": None, "output": "B"}]
+    (tmp_path / "nulls.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=r"nulls.jsonl:2: field 'instruction' is null, not text; give it a string"):
+        load_user_source(tmp_path / "nulls.jsonl", "instruction")
+    (tmp_path / "num.jsonl").write_text(json.dumps({"prompt": "Q?", "response": 4}) + "\n")
+    with pytest.raises(ValueError, match=r"field 'response' is of type int, not text"):
+        load_user_source(tmp_path / "num.jsonl", "instruction")
+
+
 def test_record_formats_map_to_documents(tmp_path):
     """Alpaca (input joined, never dropped), OpenAI messages, ShareGPT conversations, prompt/response, .json lists."""
     rows = [

@@ -141,6 +141,9 @@ def test_refuses_bad_values_before_the_build_naming_the_key(tmp_path, no_build):
     refused(tmp_path, "trainer.accumulate_grad_batches=0", key="trainer.accumulate_grad_batches")
     refused(tmp_path, "data.seq_len=0", key="data.seq_len")
     refused(tmp_path, "data.batch_size=-1", key="data.batch_size")
+    refused(tmp_path, "data.seq_len=10000", key="data.seq_len", match="longer than the model's maximum of 8192 "
+                                                                     "positions .* use data.seq_len=8192 or less")
+    refused(tmp_path, "data.val_fraction=1.5", key="data.val_fraction", match=r"in \[0, 1\)")
     refused(tmp_path, "optim.warmup_steps=-2", key="optim.warmup_steps")
     refused(tmp_path, "checkpoint.every_n_steps=0", key="checkpoint.every_n_steps")
     refused(tmp_path, "sample.max_new_tokens=-1", key="sample.max_new_tokens")

@@ -281,6 +281,14 @@ def check_values(cfg: Mapping[str, Any]) -> None:
     for k in ("batch_size", "seq_len"):
         if k in data:
             _int(f"data.{k}", data[k], 1, "a positive int")
+    limit = (cfg.get("model") or {}).get("max_seq_len")
+    if isinstance(limit, int) and isinstance(data.get("seq_len"), int) and data["seq_len"] > limit:
+        raise ConfigError("data.seq_len", f"={data['seq_len']} is longer than the model's maximum of {limit} positions "
+                                          f"(model.max_seq_len); use data.seq_len={limit} or less.")
+    vf = data.get("val_fraction", 0.0)
+    if not isinstance(vf, (int, float)) or isinstance(vf, bool) or not 0.0 <= vf < 1.0:
+        raise ConfigError("data.val_fraction", f"must be a number in [0, 1) (the share of records held out for "
+                                               f"validation; 0: none), got {vf!r}.")
     _int("optim.warmup_steps", (cfg.get("optim") or {}).get("warmup_steps", 0), 0, "an int >= 0 (optimizer steps)")
     _int("checkpoint.every_n_steps", (cfg.get("checkpoint") or {}).get("every_n_steps"), 1,
          "a positive int (optimizer steps) or null (no periodic checkpoint)", extra=(None,))
