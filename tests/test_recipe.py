@@ -184,6 +184,29 @@ def test_refuses_wrong_field_names_with_the_override(tmp_path, no_build):
     assert "data.source_options.response_field=answer" in msg
 
 
+def test_refuses_bad_records_anywhere_in_the_source_before_the_build(tmp_path, no_build):
+    """Regression: preflight read the first 8 records only; a malformed record further on, an empty file, too few
+    records for the validation split or chat records without an answer failed after the model load (85 s for
+    SmolLM2-135M) with a traceback and exit 1."""
+    rows = [{"prompt": f"Q{i}?", "response": f"A{i}"} for i in range(30)]
+    src = write_jsonl(tmp_path / "late.jsonl", rows)
+    with open(src, "a") as f:
+        f.write("{not json\n")
+    refused(tmp_path, "data=instruction", f"data.source={src}", key="data.source", match=r"late.jsonl:31: not valid JSON")
+    src = write_jsonl(tmp_path / "missing.jsonl", rows[:20] + [{"prompt": "Q?"}] + rows[20:])
+    refused(tmp_path, "data=instruction", f"data.source={src}", key="data.source_options.response_field",
+            match=r"missing.jsonl:21")
+    (tmp_path / "empty.jsonl").write_text("")
+    refused(tmp_path, "data=instruction", f"data.source={tmp_path / 'empty.jsonl'}", key="data.source",
+            match="has no non-empty instruction documents")
+    src = write_jsonl(tmp_path / "few.jsonl", rows[:2])
+    refused(tmp_path, "data=instruction", f"data.source={src}", key="data.val_fraction",
+            match=r"No document fell into the validation split \(2 documents, val_fraction=0.05\)")
+    chat = [{"messages": [{"role": "user", "content": f"Hi {i}"}]} for i in range(20)]
+    src = write_jsonl(tmp_path / "noanswer.jsonl", chat)
+    refused(tmp_path, "data=instruction", f"data.source={src}", key="data.source", match="no record has an assistant turn")
+
+
 def test_refuses_text_group_on_instruction_records(tmp_path, no_build):
     src = write_jsonl(tmp_path / "qa.jsonl", PAIRS)
     msg = refused(tmp_path, "data=text", f"data.source={src}", key="data.shape")
@@ -323,6 +346,17 @@ def test_examples_left_out_by_seq_len_are_reported(tmp_path, gpt2_dir, capsys, c
     assert n > 0 and out["run"]["examples_cut"] == 0
     assert re.search(rf"data: {n} of \d+ train examples are left out: the prompt alone fills seq_len=32", caplog.text)
     assert re.search(rf"train examples left out \(no answer within seq_len\)\s+{n}\n", capsys.readouterr().out)
+
+
+def test_data_that_cannot_train_once_tokenized_is_one_error_naming_data(tmp_path, gpt2_dir):
+    """Every prompt fills data.seq_len: found only once tokenized (after the model is built), it is a ConfigError
+    (one `error:` line, exit 2), not a traceback from inside fit."""
+    src = write_jsonl(tmp_path / "long.jsonl", [{"prompt": "word " * 60, "response": f"A{i}"} for i in range(16)])
+    cfg = cfg_for(tmp_path, "data=instruction", f"data.source={src}", "eval.before=false", *tiny(gpt2_dir))
+    with pytest.raises(ConfigError, match=r"^data: The train split has no example with an answer token within "
+                                          r"seq_len=32 .*raise seq_len") as e:
+        finetune(cfg)
+    assert e.value.key == "data"
 
 
 def test_summary_files_and_loss_plot(tmp_path, gpt2_dir):

@@ -100,8 +100,20 @@ def build_model(cfg: DictConfig) -> tuple[torch.nn.Module, Any]:
 
 
 def build_data(cfg: DictConfig, tokenizer: Any) -> Any:
-    """The data module from ``cfg.data`` (its ``_target_``), capped at ``cfg.model.max_seq_len`` positions."""
-    return instantiate(cfg.data, tokenizer=tokenizer, max_seq_len=int(cfg.model.max_seq_len))
+    """The data module from ``cfg.data`` (its ``_target_``), capped at ``cfg.model.max_seq_len`` positions, built
+    here (read, tokenized, split, or loaded from the cache) so that data that cannot train is one error line.
+
+    Raises:
+        ConfigError: (key ``data``) the data module refused the data once tokenized (no full row of ``seq_len``
+            tokens, no example with an answer token within ``seq_len``...; the message says what to change).
+    """
+    dm = instantiate(cfg.data, tokenizer=tokenizer, max_seq_len=int(cfg.model.max_seq_len))
+    if hasattr(dm, "setup"):
+        try:
+            dm.setup("fit")
+        except ValueError as e:
+            raise ConfigError("data", str(e)) from None
+    return dm
 
 
 def build_module(cfg: DictConfig, model: torch.nn.Module, tokenizer: Any) -> CausalLMModule:
