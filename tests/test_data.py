@@ -213,13 +213,18 @@ def test_multi_turn_messages_train_every_assistant_turn(smol_tok):
     assert "Be terse." in smol_tok.decode(item["input_ids"])
 
 
-def test_instruction_truncation_and_drop(gpt2_tok):
+def test_instruction_truncation_and_drop_are_counted_and_reported(gpt2_tok, caplog):
+    """An example whose prompt fills seq_len is left out (no answer token to train), one whose answer runs past it
+    is cut; both are counted and said in a warning (they were silent: a run could lose half its data unseen)."""
     docs = [{"id": "long", "prompt": "Q?", "response": "word " * 100}, {"id": "huge", "prompt": "word " * 100, "response": "A"},
             {"id": "ok", "prompt": "Q?", "response": "A"}]
-    dm = DomainDataModule(gpt2_tok, documents=docs, shape="instruction", seq_len=32, val_fraction=0.0)
-    st = dm.stats()["train"]
-    assert st["truncated"] == 2 and st["dropped"] == 1 and st["sequences"] == 2
+    dm = DomainDataModule(gpt2_tok, documents=docs, shape="instruction", seq_len=32, val_fraction=0.0, max_seq_len=1024)
+    with caplog.at_level("WARNING"):
+        st = dm.stats()["train"]
+    assert st["truncated"] == 1 and st["dropped"] == 1 and st["sequences"] == 2
     assert max(len(dm.datasets["train"][i]["input_ids"]) for i in range(2)) == 32
+    assert "1 of 3 train examples are left out: the prompt alone fills seq_len=32 tokens" in caplog.text
+    assert "up to 1024 positions" in caplog.text and "1 of 3 train examples are cut at seq_len=32" in caplog.text
 
 
 # ---------------------------------------------------------------------------------------------- cache
@@ -354,6 +359,22 @@ def test_user_jsonl_txt_and_fields(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{not json\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
         load_user_source(tmp_path / "bad.jsonl")
+
+
+def test_a_byte_order_mark_is_not_text_and_a_null_field_is_named(tmp_path):
+    """Regressions: a JSONL saved with a UTF-8 byte-order mark was refused as "not one JSON object per line"; a
+    field present with null was reported as missing, with advice to rename fields."""
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + json.dumps({"prompt": "Q?", "response": "A"}).encode() + b"\n")
+    assert load_user_source(tmp_path / "bom.jsonl", "instruction") == [{"id": "bom.jsonl:1", "prompt": "Q?", "response": "A"}]
+    (tmp_path / "bom.txt").write_bytes("\ufeffSome text.".encode())
+    assert load_user_source(tmp_path / "bom.txt")[0]["text"] == "Some text."
+    rows = [{"instruction": "Q?", "output": "A"}, {"instruction": None, "output": "B"}]
+    (tmp_path / "nulls.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=r"nulls.jsonl:2: field 'instruction' is null, not text; give it a string"):
+        load_user_source(tmp_path / "nulls.jsonl", "instruction")
+    (tmp_path / "num.jsonl").write_text(json.dumps({"prompt": "Q?", "response": 4}) + "\n")
+    with pytest.raises(ValueError, match=r"field 'response' is of type int, not text"):
+        load_user_source(tmp_path / "num.jsonl", "instruction")
 
 
 def test_record_formats_map_to_documents(tmp_path):

@@ -7,11 +7,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
+import torch
 import transformers
 import yaml
 from hydra import compose, initialize_config_dir
@@ -21,7 +25,9 @@ import megatrain_lightning  # noqa: F401
 from megatrain_lightning.planning import PreflightError
 from megatrain_lightning.recipes_lib import run as step
 from megatrain_lightning.recipes_lib.checks import ConfigError, check_values
+from megatrain_lightning.recipes_lib.checkpoints import RecordRunIdentity, resolve_resume, run_identity
 from megatrain_lightning.recipes_lib.results import SUMMARY_KEYS
+from megatrain_lightning.testing import LM, make_data, make_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = str(ROOT / "conf")
@@ -135,6 +141,9 @@ def test_refuses_bad_values_before_the_build_naming_the_key(tmp_path, no_build):
     refused(tmp_path, "trainer.accumulate_grad_batches=0", key="trainer.accumulate_grad_batches")
     refused(tmp_path, "data.seq_len=0", key="data.seq_len")
     refused(tmp_path, "data.batch_size=-1", key="data.batch_size")
+    refused(tmp_path, "data.seq_len=10000", key="data.seq_len", match="longer than the model's maximum of 8192 "
+                                                                     "positions .* use data.seq_len=8192 or less")
+    refused(tmp_path, "data.val_fraction=1.5", key="data.val_fraction", match=r"in \[0, 1\)")
     refused(tmp_path, "optim.warmup_steps=-2", key="optim.warmup_steps")
     refused(tmp_path, "checkpoint.every_n_steps=0", key="checkpoint.every_n_steps")
     refused(tmp_path, "sample.max_new_tokens=-1", key="sample.max_new_tokens")
@@ -173,6 +182,29 @@ def test_refuses_wrong_field_names_with_the_override(tmp_path, no_build):
     msg = refused(tmp_path, "data=instruction", f"data.source={src}", "data.source_options.prompt_field=question",
                   key="data.source_options.response_field")
     assert "data.source_options.response_field=answer" in msg
+
+
+def test_refuses_bad_records_anywhere_in_the_source_before_the_build(tmp_path, no_build):
+    """Regression: preflight read the first 8 records only; a malformed record further on, an empty file, too few
+    records for the validation split or chat records without an answer failed after the model load (85 s for
+    SmolLM2-135M) with a traceback and exit 1."""
+    rows = [{"prompt": f"Q{i}?", "response": f"A{i}"} for i in range(30)]
+    src = write_jsonl(tmp_path / "late.jsonl", rows)
+    with open(src, "a") as f:
+        f.write("{not json\n")
+    refused(tmp_path, "data=instruction", f"data.source={src}", key="data.source", match=r"late.jsonl:31: not valid JSON")
+    src = write_jsonl(tmp_path / "missing.jsonl", rows[:20] + [{"prompt": "Q?"}] + rows[20:])
+    refused(tmp_path, "data=instruction", f"data.source={src}", key="data.source_options.response_field",
+            match=r"missing.jsonl:21")
+    (tmp_path / "empty.jsonl").write_text("")
+    refused(tmp_path, "data=instruction", f"data.source={tmp_path / 'empty.jsonl'}", key="data.source",
+            match="has no non-empty instruction documents")
+    src = write_jsonl(tmp_path / "few.jsonl", rows[:2])
+    refused(tmp_path, "data=instruction", f"data.source={src}", key="data.val_fraction",
+            match=r"No document fell into the validation split \(2 documents, val_fraction=0.05\)")
+    chat = [{"messages": [{"role": "user", "content": f"Hi {i}"}]} for i in range(20)]
+    src = write_jsonl(tmp_path / "noanswer.jsonl", chat)
+    refused(tmp_path, "data=instruction", f"data.source={src}", key="data.source", match="no record has an assistant turn")
 
 
 def test_refuses_text_group_on_instruction_records(tmp_path, no_build):
@@ -304,6 +336,29 @@ def test_each_format_trains_two_steps(tmp_path, gpt2_dir, fmt):
     assert not (Path(out["checkpoint"]) / "optimizer").exists()  # checkpoint.save_optimizer=false (default)
 
 
+def test_examples_left_out_by_seq_len_are_reported(tmp_path, gpt2_dir, capsys, caplog):
+    """Regression: records whose prompt fills data.seq_len were dropped without a word (half the data here)."""
+    rows = [{"prompt": "word " * 60 if i % 2 else f"Q{i}?", "response": f"A{i}"} for i in range(16)]
+    src = write_jsonl(tmp_path / "half.jsonl", rows)
+    with caplog.at_level("WARNING"):
+        out = finetune(cfg_for(tmp_path, "data=instruction", f"data.source={src}", "eval.before=false", *tiny(gpt2_dir)))
+    n = out["run"]["examples_left_out"]
+    assert n > 0 and out["run"]["examples_cut"] == 0
+    assert re.search(rf"data: {n} of \d+ train examples are left out: the prompt alone fills seq_len=32", caplog.text)
+    assert re.search(rf"train examples left out \(no answer within seq_len\)\s+{n}\n", capsys.readouterr().out)
+
+
+def test_data_that_cannot_train_once_tokenized_is_one_error_naming_data(tmp_path, gpt2_dir):
+    """Every prompt fills data.seq_len: found only once tokenized (after the model is built), it is a ConfigError
+    (one `error:` line, exit 2), not a traceback from inside fit."""
+    src = write_jsonl(tmp_path / "long.jsonl", [{"prompt": "word " * 60, "response": f"A{i}"} for i in range(16)])
+    cfg = cfg_for(tmp_path, "data=instruction", f"data.source={src}", "eval.before=false", *tiny(gpt2_dir))
+    with pytest.raises(ConfigError, match=r"^data: The train split has no example with an answer token within "
+                                          r"seq_len=32 .*raise seq_len") as e:
+        finetune(cfg)
+    assert e.value.key == "data"
+
+
 def test_summary_files_and_loss_plot(tmp_path, gpt2_dir):
     group, src = _formats(tmp_path)["alpaca-jsonl"]
     cfg = cfg_for(tmp_path, f"data={group}", f"data.source={src}", *tiny(gpt2_dir), "plot=true", "logger=csv",
@@ -379,6 +434,31 @@ def test_resume_last_continues_the_step_count(tmp_path, gpt2_dir):
     second = finetune(cfg_for(tmp_path / "b", *common, "resume=last", "trainer.max_steps=4"))
     assert second["run"]["resumed_from"] == str(last)
     assert second["run"]["steps"] == 4 and [p["step"] for p in second["loss"]] == [3, 4]
+
+
+def test_resume_last_takes_the_newest_run_of_the_same_model_and_data(tmp_path, gpt2_dir, no_build):
+    """Regression: resume=last took the newest last.ckpt of any run, e.g. of an unrelated data set, and continued
+    its step count, optimizer state and data position silently. It now skips runs of other model/data and, when
+    only those exist, refuses naming the newest and what differs."""
+    group, src = _formats(tmp_path)["text-jsonl"]
+    common = [f"data={group}", "eval.before=false", *tiny(gpt2_dir), f"checkpoint.search_dir={tmp_path}"]
+    mine = cfg_for(tmp_path / "a", *common, f"data.source={src}", "resume=last")
+    ckpt = tmp_path / "a" / "run" / "checkpoints" / "last.ckpt"
+    t = pl.Trainer(strategy="megatrain", accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
+                   callbacks=[RecordRunIdentity(run_identity(mine))], enable_checkpointing=False)
+    t.fit(LM(make_model("llama")), make_data(n=4))
+    t.save_checkpoint(ckpt)
+    other_src = write_jsonl(tmp_path / "other.jsonl", [{"text": f"Another corpus, line {i}."} for i in range(16)])
+    msg = refused(tmp_path / "b", *common, f"data.source={other_src}", "resume=last", key="resume",
+                  match="none from a run of this model on this data")
+    assert f"the newest, {ckpt}, differs in data.source: '{src}' there, '{other_src}' here" in msg
+    newer = tmp_path / "c" / "run" / "checkpoints" / "last.ckpt"  # a newer run of the other data
+    shutil.copytree(ckpt, newer)
+    meta = torch.load(newer / "trainer.pt", weights_only=True)
+    meta["recipe"]["data"]["source"] = other_src
+    torch.save(meta, newer / "trainer.pt")
+    assert resolve_resume(mine) == ckpt and resolve_resume(cfg_for(tmp_path / "d", *common, f"data.source={other_src}",
+                                                                   "resume=last")) == newer
 
 
 # ---------------------------------------------------------------------------------------------- real model

@@ -47,6 +47,30 @@ def _check_probe(probe: str | None, options: dict) -> None:
         raise ValueError(f"Unknown probe option(s) {sorted(unknown)} for probe {probe!r}; allowed: {sorted(allowed)}.")
 
 
+def split_corpus(raw: Iterable[dict], shape: str, val_fraction: float, seed: int,
+                 max_documents: int | None = None) -> tuple[list[dict], list[dict]]:
+    """The training and validation documents of a corpus as :class:`DomainDataModule` builds them: each document
+    checked for ``shape``, ids de-duplicated, subsampled to ``max_documents``, split by id hash
+    (:func:`~.corpus.split_documents`). Also run by the recipes' preflight on the whole source.
+
+    Raises:
+        ValueError: a document is malformed (:func:`~.corpus.check_document`), the corpus is empty, every document
+            fell into the validation split, or none did while ``val_fraction > 0`` (each says what to change).
+        TypeError: a document of the wrong type.
+    """
+    docs = dedupe_ids(check_document(d, shape, f"document {i}") for i, d in enumerate(raw))
+    if not docs:
+        raise ValueError("The corpus is empty: the source gave no documents.")
+    docs = subsample(docs, max_documents, seed)
+    train, val = split_documents(docs, val_fraction, seed)
+    if not train:
+        raise ValueError(f"All {len(docs)} documents fell into the validation split; lower val_fraction.")
+    if val_fraction > 0 and not val:
+        raise ValueError(f"No document fell into the validation split ({len(docs)} documents, val_fraction="
+                         f"{val_fraction}); add documents, raise val_fraction, or set it to 0.")
+    return train, val
+
+
 class DomainDataModule(pl.LightningDataModule):
     """Fine-tuning data for any of the three domains (or a user corpus), in one of two shapes.
 
@@ -128,6 +152,7 @@ class DomainDataModule(pl.LightningDataModule):
         self.seq_len, self.batch_size, self.val_fraction, self.seed = seq_len, batch_size, val_fraction, seed
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else None
         self.num_workers, self.max_documents, self.pin_memory = num_workers, max_documents, pin_memory
+        self.max_seq_len = max_seq_len
         self.use_chat_template = resolve_chat_template(tokenizer, use_chat_template) if shape == "instruction" else False
         self.probe, self.probe_options = probe, dict(probe_options or {})
         self.datasets: dict[str, Dataset] = {}
@@ -137,12 +162,6 @@ class DomainDataModule(pl.LightningDataModule):
         self._stats: dict[str, dict] = {}
 
     # ---- building -------------------------------------------------------------------------------------
-    def _load_documents(self) -> list[dict]:
-        raw = self._documents if self._documents is not None else self._source()  # type: ignore[misc]
-        docs = dedupe_ids(check_document(d, self.shape, f"document {i}") for i, d in enumerate(raw))
-        if not docs:
-            raise ValueError("The corpus is empty: the source gave no documents.")
-        return subsample(docs, self.max_documents, self.seed)
 
     def _encode_split(self, docs: list[dict], split: str) -> tuple[dict[str, torch.Tensor], dict]:
         if self.shape == "text":
@@ -155,7 +174,9 @@ class DomainDataModule(pl.LightningDataModule):
         t, st = encode_instructions(self.tokenizer, docs, self.seq_len, self.use_chat_template)
         if t["lengths"].numel() == 0:
             raise ValueError(f"The {split} split has no example with an answer token within seq_len={self.seq_len} "
-                             f"({len(docs)} documents, {st['dropped']} dropped); raise seq_len.")
+                             f"({len(docs)} documents, {st['dropped']} dropped: the prompt fills seq_len, or the "
+                             "record has no answer / assistant turn); raise seq_len, or check that the records have "
+                             "answers.")
         offsets = torch.cat([torch.zeros(1, dtype=torch.int64), t["lengths"].cumsum(0)])
         tensors = {f"{split}.ids": t["ids"], f"{split}.trained": t["trained"], f"{split}.offsets": offsets}
         stats = {"documents": len(docs), "tokens": int(t["lengths"].sum()), "sequences": t["lengths"].numel(),
@@ -165,13 +186,9 @@ class DomainDataModule(pl.LightningDataModule):
     def _build(self) -> None:
         if self.datasets:
             return
-        docs = self._load_documents()
-        train, val = split_documents(docs, self.val_fraction, self.seed)
-        if not train:
-            raise ValueError(f"All {len(docs)} documents fell into the validation split; lower val_fraction.")
-        if self.val_fraction > 0 and not val:
-            raise ValueError(f"No document fell into the validation split ({len(docs)} documents, val_fraction="
-                             f"{self.val_fraction}); add documents, raise val_fraction, or set it to 0.")
+        raw = self._documents if self._documents is not None else self._source()  # type: ignore[misc]
+        train, val = split_corpus(raw, self.shape, self.val_fraction, self.seed, self.max_documents)
+        docs = train + val
         self.documents = {"train": train, "val": val}
         loaded = None
         if self.cache_dir is not None:
@@ -194,12 +211,27 @@ class DomainDataModule(pl.LightningDataModule):
             if self.cache_file is not None:
                 cache.save(self.cache_file, tensors, self._stats)
                 log.info("Wrote tokenized data cache %s", self.cache_file)
+        self._warn_lost()
         for split in SPLITS:
             if self.shape == "text" and f"{split}.rows" in tensors:
                 self.datasets[split] = PackedDataset(tensors[f"{split}.rows"])
             elif f"{split}.ids" in tensors:
                 self.datasets[split] = InstructionDataset(tensors[f"{split}.ids"], tensors[f"{split}.trained"],
                                                           tensors[f"{split}.offsets"])
+
+    def _warn_lost(self) -> None:
+        """Log a warning for every split whose instruction examples were dropped (no answer token within
+        ``seq_len``) or truncated, with the counts and what to change; the counts are in :meth:`stats`."""
+        for split, st in self._stats.items():
+            dropped, truncated, n = st.get("dropped", 0), st.get("truncated", 0), st.get("documents", 0)
+            if dropped:
+                log.warning("data: %d of %d %s examples are left out: the prompt alone fills seq_len=%d tokens (or "
+                            "there is no answer), so no answer token would be trained. Raise data.seq_len (the model "
+                            "takes up to %s positions) or shorten those prompts.", dropped, n, split, self.seq_len,
+                            self.max_seq_len if self.max_seq_len is not None else "max_position_embeddings")
+            if truncated:
+                log.warning("data: %d of %d %s examples are cut at seq_len=%d tokens (the end of their answer is not "
+                            "trained); raise data.seq_len to keep them whole.", truncated, n, split, self.seq_len)
 
     def prepare_data(self) -> None:
         """Build (and write the cache, if ``cache_dir`` is set)."""

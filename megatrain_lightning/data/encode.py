@@ -83,7 +83,7 @@ def encode_instructions(tokenizer, docs: list[dict], seq_len: int, use_chat_temp
 
     Longer examples keep their first ``seq_len`` tokens (counted in ``stats["truncated"]``); an example with no
     trained token left (the prompt alone fills ``seq_len``, or no assistant turn) is dropped and counted in
-    ``stats["dropped"]``. Encoded chunk by chunk (int32/uint8 tensors, not Python lists of the corpus).
+    ``stats["dropped"]`` only. Encoded chunk by chunk (int32/uint8 tensors, not Python lists of the corpus).
 
     Returns:
         ``(tensors, stats)``: ``tensors = {"ids": int32 [total], "trained": uint8 [total], "lengths": int64 [N]}``
@@ -98,12 +98,13 @@ def encode_instructions(tokenizer, docs: list[dict], seq_len: int, use_chat_temp
         flat_ids: list[int] = []
         flat_trained: list[bool] = []
         for ids, trained in _encode_conversations(tokenizer, chunk, use_chat_template):
-            if len(ids) > seq_len:
-                truncated += 1
+            cut = len(ids) > seq_len
+            if cut:
                 ids, trained = ids[:seq_len], trained[:seq_len]
             if not any(trained):
                 dropped += 1
                 continue
+            truncated += cut
             flat_ids += ids
             flat_trained += trained
             lengths.append(len(ids))

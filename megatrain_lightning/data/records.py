@@ -144,6 +144,7 @@ class RecordMapper:
     def _pair(self, rec: dict, where: str) -> tuple[str, str]:
         p = self.prompt or next((n for n in PROMPT_AUTO if isinstance(rec.get(n), str)), None)
         if p is None or not isinstance(rec.get(p), str):
+            _refuse_non_text(rec, where, [self.prompt] if self.prompt else PROMPT_AUTO)
             wanted = f"{p!r} field" if p else "prompt field (looked for 'prompt', 'instruction', 'messages', 'conversations')"
             err = _missing(rec, where, "prompt_field", wanted, PROMPT_GUESSES)
             r = self.response or next((n for n in RESPONSE_AUTO if isinstance(rec.get(n), str)), None)
@@ -154,6 +155,16 @@ class RecordMapper:
             raise err
         r = self.response or next((n for n in RESPONSE_AUTO if isinstance(rec.get(n), str)), None)
         if r is None or not isinstance(rec.get(r), str):
+            _refuse_non_text(rec, where, [self.response] if self.response else RESPONSE_AUTO)
             wanted = f"{r!r} field" if r else "response field (looked for 'response', 'output', 'completion')"
             raise _missing(rec, where, "response_field", wanted, RESPONSE_GUESSES, taken=(p,))
         return rec[p], rec[r]
+
+
+def _refuse_non_text(rec: dict, where: str, names) -> None:
+    """Raise ValueError when one of ``names`` is in the record with a value that is not text (``null``, a number):
+    the field is there, so "no such field" would send the user to the wrong fix."""
+    for n in names:
+        if n in rec and not isinstance(rec[n], str):
+            what = "null" if rec[n] is None else f"of type {type(rec[n]).__name__}"
+            raise ValueError(f"{where}: field {n!r} is {what}, not text; give it a string value or remove the record.")

@@ -61,13 +61,13 @@ class _Decoder:
             if len(raw) > head:
                 raw = raw[: raw.rfind(b"\n", 0, head) + 1]
         try:
-            return raw.decode("utf-8")
+            return raw.decode("utf-8-sig")  # a byte-order mark (some Windows editors write one) is not text
         except UnicodeDecodeError as e:
             if self.errors == "strict":
                 raise ValueError(f"{path} is not valid UTF-8 (byte {e.start}: {e.reason}); convert it to UTF-8 or "
                                  "pass errors='replace' to decode with replacement characters.") from None
             self.replaced.append(path)
-            return raw.decode("utf-8", errors="replace")
+            return raw.decode("utf-8-sig", errors="replace")
 
 
 def _jsonl(path: Path, name: str, fields: RecordMapper, dec: _Decoder, head: int | None) -> Iterator[dict]:

@@ -4,18 +4,68 @@ Periodic checkpoints are Lightning's ``ModelCheckpoint`` writing the strategy's 
 AdamW state, loops, data position) into ``<output_dir>/checkpoints/``: ``last.ckpt`` every ``every_n_steps``
 optimizer steps and at the end of training (only the newest is kept: one checkpoint's disk space, 16 B/param).
 ``resume=last`` continues from the newest ``last.ckpt`` below ``checkpoint.search_dir`` (default: ``outputs/``
-of the working directory), ``resume=/path/to/checkpoint`` from that one; the step count, optimizer state, LR schedule and
-data position continue.
+of the working directory) written by a run of the same model on the same data, ``resume=/path/to/checkpoint`` from
+that one; the step count, optimizer state, LR schedule and data position continue.
+
+Every checkpoint the recipe writes records what identifies its run (:func:`run_identity`: the ``model`` group and
+the ``data`` settings that decide which examples and in which order; not steps, learning rate or batch size, which
+a resumed run may change) under the key ``"recipe"`` of Lightning's checkpoint dict (``trainer.pt``).
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from omegaconf import OmegaConf
 
 from .checks import ConfigError
 
 CHECKPOINT_MARK = "megatrain.json"  # every directory checkpoint has it
+IDENTITY_DATA_KEYS = ("_target_", "domain", "source", "shape", "source_options", "seq_len", "val_fraction", "seed",
+                      "max_documents", "use_chat_template")
+log = logging.getLogger(__name__)
+
+
+def run_identity(cfg: Any) -> dict[str, Any]:
+    """What makes two recipe runs the same training: ``{"model": the model group, "data": its
+    :data:`IDENTITY_DATA_KEYS`}`` as plain (JSON-able) values."""
+    plain = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
+    data = plain.get("data") or {}
+    return {"model": plain.get("model"), "data": {k: data[k] for k in IDENTITY_DATA_KEYS if k in data}}
+
+
+class RecordRunIdentity(pl.Callback):
+    """Writes :func:`run_identity` into every checkpoint Lightning saves (key ``"recipe"``)."""
+
+    def __init__(self, identity: dict[str, Any]) -> None:
+        self.identity = identity
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        checkpoint["recipe"] = self.identity
+
+
+def saved_identity(ckpt: Path) -> dict[str, Any] | None:
+    """The :func:`run_identity` a checkpoint directory records, or ``None`` (written outside the recipe or by a
+    version before the record, or its ``trainer.pt`` unreadable: the checkpoint's own load reports that)."""
+    try:
+        return torch.load(ckpt / "trainer.pt", weights_only=True, map_location="cpu").get("recipe")
+    except Exception:  # noqa: BLE001 - damaged files are reported by the checkpoint load, with the file named
+        return None
+
+
+def identity_differences(saved: dict[str, Any], mine: dict[str, Any]) -> list[str]:
+    """``"data.source: A there, B here"`` for every identity setting that differs (model group compared key by key)."""
+    out = []
+    for group in ("model", "data"):
+        a, b = saved.get(group) or {}, mine.get(group) or {}
+        for k in sorted(set(a) | set(b)):
+            if a.get(k) != b.get(k):
+                out.append(f"{group}.{k}: {a.get(k)!r} there, {b.get(k)!r} here")
+    return out
 
 
 def checkpoint_callback(cfg: Any) -> Any:
@@ -36,23 +86,41 @@ def _is_checkpoint(p: Path) -> bool:
 
 def resolve_resume(cfg: Any) -> Path | None:
     """The checkpoint directory ``resume`` names: ``None`` (a fresh run), ``"last"`` (the newest ``last.ckpt``
-    below ``checkpoint.search_dir``, by modification time; without one, below the parent of ``output_dir``), or a path.
+    below ``checkpoint.search_dir``, by modification time, among those of the same model and data
+    (:func:`run_identity`; one recording no identity counts as the same); without a search dir, below the parent
+    of ``output_dir``), or a path (used as given; a warning lists what differs from this run).
 
     Raises:
-        ConfigError: (key ``resume``) no such checkpoint.
+        ConfigError: (key ``resume``) no such checkpoint, or ``resume=last`` and every ``last.ckpt`` found is of
+            another model or data (the newest one and its differences are named).
     """
     r = cfg.get("resume")
     if r in (None, "", False):
         return None
+    mine = run_identity(cfg)
     if str(r) == "last":
         root = Path(str(cfg.checkpoint.get("search_dir") or Path(cfg.output_dir).parent))
         found = [p for p in root.glob("**/last.ckpt") if _is_checkpoint(p)] if root.is_dir() else []
         if not found:
             raise ConfigError("resume", f"resume=last found no last.ckpt checkpoint below {root} (checkpoint.search_dir); "
                                         "train with checkpoint.every_n_steps=N first, or give resume=/path/to/checkpoint.")
-        return max(found, key=lambda p: p.stat().st_mtime)
+        found.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+        for p in found:
+            saved = saved_identity(p)
+            if saved is None or not identity_differences(saved, mine):
+                return p
+        diff = identity_differences(saved_identity(found[0]) or {}, mine)
+        raise ConfigError("resume", f"resume=last found {len(found)} last.ckpt below {root}, none from a run of this "
+                                    f"model on this data; the newest, {found[0]}, differs in {'; '.join(diff)}. Give "
+                                    "resume=/path/to/checkpoint to continue from one of them anyway (e.g. to go on "
+                                    "training on new data), or start a fresh run (no resume).")
     p = Path(str(r)).expanduser()
     if not _is_checkpoint(p):
         raise ConfigError("resume", f"{p} is not a checkpoint directory (no {CHECKPOINT_MARK}); give one written by "
                                     "checkpoint.every_n_steps (…/checkpoints/last.ckpt) or resume=last.")
+    saved = saved_identity(p)
+    diff = identity_differences(saved, mine) if saved is not None else []
+    if diff:
+        log.warning("resume=%s is from a run with other settings (%s): its weights, AdamW state, step count and "
+                    "data position are continued with this run's data.", p, "; ".join(diff))
     return p

@@ -5,8 +5,9 @@
   :class:`~megatrain_lightning.recipes_lib.module.CausalLMModule`, ``data.*`` against
   :func:`~megatrain_lightning.data.make_datamodule` and the data module, ``data.probe.*`` against the probe,
   ``data.source_options.*`` against the source, ``model.*`` against its ``_target_``, and the recipe's own groups;
-* the data: the first records of ``data.source`` are read and mapped with the configured shape and field names;
-  the offline corpus of a domain is checked against ``data.shape``;
+* the data: every record of ``data.source`` (up to 1 GiB of files; beyond, the first records) is read and mapped
+  with the configured shape and field names, and split into training and validation records as the run will; the
+  offline corpus of a domain is checked against ``data.shape``;
 * values: the numeric settings (steps, batch size, sequence length, accumulation, warm-up, checkpoint interval)
   and every strategy option (the strategy is built: its constructor checks them);
 * paths and environment: the NVMe directory (``strategy.nvme_path`` / ``MEGATRAIN_NVME_PATH``), the logger's
@@ -147,12 +148,13 @@ def _check_data_keys(data: Mapping[str, Any]) -> None:
 
 
 def check_data(data: Mapping[str, Any]) -> list[dict]:
-    """Read the first records of the data source and map them as the run will; returns those documents
-    (``[]`` for an offline corpus or a Hugging Face dataset id).
+    """Read the data source (every record up to :data:`FULL_CHECK_BYTES`, see :func:`_check_whole_source`) and map
+    it as the run will; returns its first records (``[]`` for an offline corpus or a Hugging Face dataset id).
 
     Raises:
         ConfigError: a missing path (``data.source``), a field the records lack (the override that fixes it,
-            e.g. ``data.source_options.prompt_field=question``), a shape the source cannot give (``data.shape``).
+            e.g. ``data.source_options.prompt_field=question``), a shape the source cannot give (``data.shape``),
+            a malformed or empty source (``data.source``), a split with no record (``data.val_fraction``).
     """
     from ..data.records import FieldError
     from ..data.sources import OFFLINE
@@ -171,8 +173,13 @@ def check_data(data: Mapping[str, Any]) -> list[dict]:
                                             f"{shape} data (e.g. data=instruction data.source=/path/to/pairs.jsonl).")
         return []
     shape = shape or OFFLINE[domain][1]
+    options = dict(data.get("source_options") or {})
     try:
-        return peek_user_source(source, shape, **dict(data.get("source_options") or {}))
+        docs = peek_user_source(source, shape, **options)
+        _check_whole_source(data, source, shape, options)
+        return docs
+    except ConfigError:
+        raise
     except FileNotFoundError as e:
         raise ConfigError("data.source", str(e)) from None
     except FieldError as e:
@@ -185,6 +192,44 @@ def check_data(data: Mapping[str, Any]) -> list[dict]:
         raise ConfigError(key, f"{e}{fix}") from None
     except (ValueError, ImportError) as e:
         raise ConfigError("data.source", str(e)) from None
+
+
+FULL_CHECK_BYTES = 2**30  # local sources up to this size are read whole in preflight (records, splits)
+
+
+def _check_whole_source(data: Mapping[str, Any], source: str, shape: str, options: dict) -> None:
+    """Read every record of a local source of at most :data:`FULL_CHECK_BYTES` and split it as the data module will
+    (:func:`~megatrain_lightning.data.datamodule.split_corpus`), so that a malformed record anywhere, an empty source
+    or a split with no document is refused before the model loads. Larger sources: their first records only (the
+    rest is checked when the data module is built; a log line says so).
+
+    Raises:
+        the errors of ``load_user_source`` and ``split_corpus`` (ValueError, FieldError, TypeError).
+    """
+    from ..data.datamodule import split_corpus
+    from ..data.source_user import load_user_source
+
+    path = Path(str(source)).expanduser()
+    if not path.exists():  # a Hugging Face dataset id: read when the data module is built
+        return
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    size = sum(p.stat().st_size for p in files)
+    if size > FULL_CHECK_BYTES:
+        log.info("data.source %s holds %.1f GiB: preflight checked its first records; the rest is checked when the "
+                 "data is built, after the model loads.", source, size / 2**30)
+        return
+    docs = load_user_source(path, shape, **options)  # raises for a source with no record
+    if shape == "instruction" and all("messages" in d and not any(m["role"] == "assistant" for m in d["messages"])
+                                      for d in docs):
+        raise ValueError(f"{source}: no record has an assistant turn, so there is nothing to train on (chat records "
+                         "need the answer as a message with role 'assistant', ShareGPT's from='gpt').")
+    try:
+        split_corpus(docs, shape, float(data.get("val_fraction", 0.05)), int(data.get("seed", 0)),
+                     data.get("max_documents"))
+    except ValueError as e:
+        if "validation split" in str(e):
+            raise ConfigError("data.val_fraction", f"{e} ({source})") from None
+        raise
 
 
 def check_environment(cfg: Mapping[str, Any]) -> None:
@@ -281,6 +326,14 @@ def check_values(cfg: Mapping[str, Any]) -> None:
     for k in ("batch_size", "seq_len"):
         if k in data:
             _int(f"data.{k}", data[k], 1, "a positive int")
+    limit = (cfg.get("model") or {}).get("max_seq_len")
+    if isinstance(limit, int) and isinstance(data.get("seq_len"), int) and data["seq_len"] > limit:
+        raise ConfigError("data.seq_len", f"={data['seq_len']} is longer than the model's maximum of {limit} positions "
+                                          f"(model.max_seq_len); use data.seq_len={limit} or less.")
+    vf = data.get("val_fraction", 0.0)
+    if not isinstance(vf, (int, float)) or isinstance(vf, bool) or not 0.0 <= vf < 1.0:
+        raise ConfigError("data.val_fraction", f"must be a number in [0, 1) (the share of records held out for "
+                                               f"validation; 0: none), got {vf!r}.")
     _int("optim.warmup_steps", (cfg.get("optim") or {}).get("warmup_steps", 0), 0, "an int >= 0 (optimizer steps)")
     _int("checkpoint.every_n_steps", (cfg.get("checkpoint") or {}).get("every_n_steps"), 1,
          "a positive int (optimizer steps) or null (no periodic checkpoint)", extra=(None,))

@@ -37,6 +37,10 @@ def summary_rows(before: dict[str, float], after: dict[str, float], run: dict[st
         ("H2D per step", f"{run.get('h2d_bytes', 0) / 2**20:.1f} MiB"),
         ("D2H per step", f"{run.get('d2h_bytes', 0) / 2**20:.1f} MiB"),
     ]
+    for key, what in (("examples_left_out", "train examples left out (no answer within seq_len)"),
+                      ("examples_cut", "train examples cut at seq_len")):
+        if run.get(key):
+            extra.append((what, f"{run[key]}"))
     rows.extend((k, "", v) for k, v in extra)
     return rows
 

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from ..data.formatting import generation_prompt
 from ..planning import PreflightError, plan_for_run, preflight as plan_preflight
 from .checks import ConfigError, check_all
-from .checkpoints import checkpoint_callback, resolve_resume
+from .checkpoints import RecordRunIdentity, checkpoint_callback, resolve_resume, run_identity
 from .module import CausalLMModule
 from .report import format_table, peak_rss_bytes, summary_rows
 from .results import LossHistory, build_summary, write_results
@@ -100,8 +100,20 @@ def build_model(cfg: DictConfig) -> tuple[torch.nn.Module, Any]:
 
 
 def build_data(cfg: DictConfig, tokenizer: Any) -> Any:
-    """The data module from ``cfg.data`` (its ``_target_``), capped at ``cfg.model.max_seq_len`` positions."""
-    return instantiate(cfg.data, tokenizer=tokenizer, max_seq_len=int(cfg.model.max_seq_len))
+    """The data module from ``cfg.data`` (its ``_target_``), capped at ``cfg.model.max_seq_len`` positions, built
+    here (read, tokenized, split, or loaded from the cache) so that data that cannot train is one error line.
+
+    Raises:
+        ConfigError: (key ``data``) the data module refused the data once tokenized (no full row of ``seq_len``
+            tokens, no example with an answer token within ``seq_len``...; the message says what to change).
+    """
+    dm = instantiate(cfg.data, tokenizer=tokenizer, max_seq_len=int(cfg.model.max_seq_len))
+    if hasattr(dm, "setup"):
+        try:
+            dm.setup("fit")
+        except ValueError as e:
+            raise ConfigError("data", str(e)) from None
+    return dm
 
 
 def build_module(cfg: DictConfig, model: torch.nn.Module, tokenizer: Any) -> CausalLMModule:
@@ -167,7 +179,7 @@ def build_trainer(cfg: DictConfig) -> tuple[pl.Trainer, LossHistory]:
     if cfg.eval.max_batches is not None:
         kw["limit_val_batches"] = int(cfg.eval.max_batches)
     history = LossHistory()
-    callbacks: list[Any] = [history]
+    callbacks: list[Any] = [history, RecordRunIdentity(run_identity(cfg))]  # resume=last finds runs like this one
     ckpt_cb = checkpoint_callback(cfg)
     if ckpt_cb is not None:
         callbacks.append(ckpt_cb)
@@ -213,18 +225,21 @@ def evaluate(trainer: pl.Trainer, lm: CausalLMModule, dm: Any) -> dict[str, floa
 def fit(cfg: DictConfig, trainer: pl.Trainer, lm: CausalLMModule, dm: Any) -> dict[str, Any]:
     """``trainer.fit`` (from ``resume``'s checkpoint when set); returns the run statistics of the summary table:
     ``steps``, ``seconds``, ``tokens_per_s`` (loss-carrying tokens), ``peak_rss_bytes``, ``h2d_bytes``/``d2h_bytes``
-    (of the last step), ``resumed_from``."""
+    (of the last step), ``resumed_from``, and for instruction data ``examples_left_out`` / ``examples_cut`` (training
+    examples with no answer token within ``seq_len`` / cut at ``seq_len``: the data module warns of both)."""
     ckpt = resolve_resume(cfg)
     t0 = time.perf_counter()
     trainer.fit(lm, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
     seconds = time.perf_counter() - t0
+    data = dm.stats().get("train", {}) if hasattr(dm, "stats") else {}
     hist = trainer.strategy.engine.history
     last = hist[-1] if hist else {}
     # every rank's tokens (data parallel: each rank counted its own micro-batches)
     tokens = float(trainer.strategy.reduce(torch.tensor(float(lm.tokens_seen), dtype=torch.float64), reduce_op="sum"))
     return {"steps": trainer.global_step, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9),
             "peak_rss_bytes": peak_rss_bytes(), "h2d_bytes": last.get("megatrain/h2d_bytes", 0),
-            "d2h_bytes": last.get("megatrain/d2h_bytes", 0), "resumed_from": str(ckpt) if ckpt else None}
+            "d2h_bytes": last.get("megatrain/d2h_bytes", 0), "resumed_from": str(ckpt) if ckpt else None,
+            "examples_left_out": data.get("dropped"), "examples_cut": data.get("truncated")}
 
 
 # ---------------------------------------------------------------------------------------------- save, sample
