@@ -112,7 +112,6 @@ GRAD_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 TIERS = ("cpu", "nvme")
 PROCESS_OVERHEAD_GPU = 4 * GIB  # host, GPU preset: Python, torch, CUDA host side, data loader (assumption)
 PROCESS_OVERHEAD_CPU = int(0.4 * GIB)  # host, CPU preset: measured 402 MiB (bench/process_overhead.py), rounded up
-PROCESS_OVERHEAD = PROCESS_OVERHEAD_GPU  # the GPU figure (kept name; :func:`process_overhead` picks by preset)
 DEVICE_RESERVE = 2 * GIB        # device: CUDA context, workspaces, fragmentation (assumption)
 CKPT_METADATA = 16 * 2**20      # checkpoint metadata allowance
 D2H_INFLIGHT = 2                # packed gradient batches queued for the D2H worker at most (GradientSink max_inflight)
