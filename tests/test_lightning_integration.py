@@ -112,12 +112,12 @@ def test_grad_views_lr_monitor_and_stats_logged(tmp_path):
         assert key in metrics, key
     hist = trainer.strategy.engine.history
     n_params = sum(p.numel() for p in lm.parameters())
-    # every block crosses H2D in the forward and, but for the LM head (its graph is kept) and the embedding
-    # (its backward reads no weight), again for the recompute: > 4 bytes/param; every trainable parameter's
-    # fp32 gradient crosses D2H once, the embedding's as the rows its tokens read (engine/row_grads.py): one
-    # fp32 row of 32 and an int64 row id per token, 2 x 16 tokens per step
-    head, emb = lm.model.lm_head.weight.numel(), lm.model.model.embed_tokens.weight.numel()
-    assert all(h["megatrain/h2d_bytes"] >= 4 * (2 * n_params - head - emb) for h in hist[2:])
+    # a 32-true CPU run binds the fp32 masters (cpu_zero_copy, the default): nothing is copied host -> device
+    # (the copies' bytes are checked against the planner in tests/test_plan_recompute.py); every trainable
+    # parameter's fp32 gradient crosses D2H once, the embedding's as the rows its tokens read
+    # (engine/row_grads.py): one fp32 row of 32 and an int64 row id per token, 2 x 16 tokens per step
+    emb = lm.model.model.embed_tokens.weight.numel()
+    assert all(h["megatrain/h2d_bytes"] == 0 for h in hist) and all(h["megatrain/blocks_fetched"] > 0 for h in hist)
     assert all(h["megatrain/d2h_bytes"] == 4 * (n_params - emb) + 2 * 16 * (32 * 4 + 8) for h in hist)
 
 

@@ -744,3 +744,76 @@ def test_dp_cli_report(capsys):
 
     assert main(["model=llama8b", "trainer.devices=auto"]) == 2
     assert "error: trainer.devices must be a positive integer" in capsys.readouterr().err
+
+
+def test_process_overhead_is_measured_on_a_cpu_preset_and_assumed_on_a_gpu_preset():
+    """CPU preset: the process's own RSS measured by bench/process_overhead.py (402 MiB, planned 0.4 GiB);
+    GPU preset: 4 GiB (CUDA host side, assumption). The README's SmolLM2-135M run (32-true, batch 4 x 512 on
+    this machine) peaked at 2.92 GiB RSS (/usr/bin/time -v): the plan is a bound within 25% of it (was 7.22 GiB
+    with a flat 4 GiB, which would refuse runs that fit)."""
+    from megatrain_lightning.planning.terms import PROCESS_OVERHEAD_CPU, PROCESS_OVERHEAD_GPU
+
+    m = load_model("smollm2_135m")
+    cpu = plan(m, load_hardware("this_machine"), precision="32-true", batch_size=4, seq_len=512)
+    gpu = plan(m, load_hardware("h200"), precision="32-true", batch_size=4, seq_len=512)
+    assert cpu.host["process overhead"] == PROCESS_OVERHEAD_CPU < GIB // 2
+    assert gpu.host["process overhead"] == PROCESS_OVERHEAD_GPU == 4 * GIB
+    measured = 3_057_384 * 1024  # Maximum resident set size (kbytes) of the recipe run
+    assert measured <= cpu.host_bytes <= 1.25 * measured
+
+
+@pytest.mark.parametrize("override, field", [("hardware.host_ram_gib=-3", "host_ram_gib"),
+                                             ("hardware.hbm_gib=0", "hbm_gib"),
+                                             ("hardware.nvme_drives=0", "nvme_drives"),
+                                             ("hardware.h2d_gbps=-1", "h2d_gbps")])
+def test_impossible_hardware_sizes_are_an_error(capsys, override, field):
+    """A size or rate <= 0 is an ``error:`` naming the key, exit 2 -- also with preflight=true (it used to print
+    "fits: NO ... have -3.00 GiB" and then "preflight on this machine: ok")."""
+    from megatrain_lightning.plan import main
+
+    for extra in ([], ["preflight=true"]):
+        assert main(["model=smollm2_135m", "hardware=this_machine", override, *extra]) == 2
+        cap = capsys.readouterr()
+        assert f"error: hardware.{field} must be" in cap.err and "preflight" not in cap.out
+    with pytest.raises(ValueError, match="hardware.host_ram_gib must be a number > 0"):
+        Hardware.from_mapping({**load_hardware("h200").to_dict(), "host_ram_gib": -3})
+
+
+def test_seq_len_beyond_the_models_positions_is_a_warning(capsys):
+    """seq_len > max_position_embeddings (8,192 for SmolLM2-135M): planned (RoPE scaling can extend it) with a
+    ``warning:`` line naming max_position_embeddings; none at the limit."""
+    from megatrain_lightning.plan import main
+
+    m, hw = load_model("smollm2_135m"), load_hardware("this_machine")
+    assert plan(m, hw, seq_len=8192).warnings == []
+    p = plan(m, hw, seq_len=100_000)
+    assert len(p.warnings) == 1 and "max_position_embeddings=8,192" in p.warnings[0]
+    assert main(["model=smollm2_135m", "hardware=this_machine", "seq_len=100000"]) == 0
+    out = capsys.readouterr().out
+    assert "warning: seq_len=100,000 is beyond the model's max_position_embeddings=8,192" in out
+    assert main(["model=smollm2_135m", "hardware=h200,this_machine", "seq_len=100000"]) == 0
+    assert "warning: seq_len=100,000" in capsys.readouterr().out
+
+
+def test_block_group_beyond_the_layer_count_is_one_group_of_all_layers():
+    """block_group=100 on a 30-layer model: the strategy forms one group of the 30 layers (form_groups); the plan
+    says so, counts 30 layers in flight (not (lookahead + 1) x 30 = 60) and the device weights of 30 layers + one
+    more fetch (the largest block)."""
+    from megatrain_lightning.engine.block_groups import form_groups
+    from megatrain_lightning.planning.report import transfer_line
+
+    m, hw = load_model("smollm2_135m"), load_hardware("h200")
+    p = plan(m, hw, block_group=100)
+    c = p.counts
+    line = transfer_line(p)
+    assert "up to 30 decoder layers in flight (all 30 layers)" in line and "60" not in line
+    assert "block_group=100 is more than the model's 30 decoder layers" in line
+    weights = {k: v for k, v in p.device.items() if k.startswith("block weights")}
+    assert weights == {"block weights: all 30 layers + 1 fetch(es) (compute dtype)":
+                       (30 * max(c.layers) + c.largest_block) * 4}
+    assert p.transfer_bytes == plan(m, hw, block_group=30).transfer_bytes
+
+    class B:  # the engine's grouping of 30 same-class layers with block_group=100: one group
+        def __init__(self, i):
+            self.index, self.slabs, self.direct, self.module = i, [i], False, object()
+    assert form_groups([B(i) for i in range(30)], 100) == [tuple(range(30))]

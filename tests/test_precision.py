@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 import megatrain_lightning  # noqa: F401
-from megatrain_lightning import MegaTrainPrecision
+from megatrain_lightning import MegaTrainPrecision, MegaTrainStrategy
 from megatrain_lightning.engine.wire import WireLayout
 from megatrain_lightning.testing import LM, SEQ, learnable_data, make_data, make_model, rel
 
@@ -63,8 +63,11 @@ def _h2d_total(trainer):
 def test_bf16_mixed_follows_fp32_and_counts_h2d_exactly():
     model = make_model("llama")
     spy32, spy16 = FetchSpy(), FetchSpy()
-    fp32, t32 = fit(copy.deepcopy(model), 100, callbacks=[spy32])
-    bf16, t16 = fit(copy.deepcopy(model), 100, precision="bf16-mixed", callbacks=[spy16])
+    # cpu_zero_copy=False: every fetch is a copy, as on an accelerator (zero-copy binds what is already fp32: not
+    # copied, not counted in h2d_bytes)
+    fp32, t32 = fit(copy.deepcopy(model), 100, callbacks=[spy32], strategy=MegaTrainStrategy(cpu_zero_copy=False))
+    bf16, t16 = fit(copy.deepcopy(model), 100, precision="bf16-mixed", callbacks=[spy16],
+                    strategy=MegaTrainStrategy(cpu_zero_copy=False))
     assert isinstance(t16.strategy.precision_plugin, MegaTrainPrecision)
     assert t16.strategy.precision_plugin.precision == "bf16-mixed"
     assert all(math.isfinite(x) for x in bf16.losses)

@@ -409,7 +409,9 @@ def test_tensorboard_logger_gets_the_engine_statistics(tmp_path, gpt2_dir):
     assert engine <= set(scalars)
     for k in ("megatrain/h2d_bytes", "megatrain/d2h_bytes", "megatrain/blocks_fetched"):
         from_csv = {int(r["step"]): float(r[k]) for r in rows if r.get(k)}
-        assert scalars[k] == pytest.approx(from_csv) and all(v > 0 for v in from_csv.values())
+        # a 32-true run on a CPU binds the fp32 masters (cpu_zero_copy): no H2D copies, h2d_bytes 0
+        assert from_csv and scalars[k] == pytest.approx(from_csv) and all(
+            v == 0 if k == "megatrain/h2d_bytes" else v > 0 for v in from_csv.values())
 
 
 def test_without_matplotlib_the_plot_is_skipped_with_a_log_line(tmp_path, monkeypatch, caplog):

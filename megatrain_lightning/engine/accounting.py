@@ -24,7 +24,8 @@ class StepStats:
     """Per-optimizer-step accounting (reset after each step).
 
     Attributes:
-        h2d_bytes: bytes copied host -> device (weights and restored activations).
+        h2d_bytes: bytes copied host -> device (weights and restored activations); what a CPU device
+            binds or uses in place is not copied and not counted (``cpu_zero_copy``: 0 for ``32-true``).
         d2h_bytes: bytes copied device -> host (gradients and offloaded activations).
         wait_s: seconds the compute thread waited for weights or gradients (stall time).
         optimizer_s: seconds spent in AdamW updates (mostly on the H2D worker, overlapped).

@@ -69,7 +69,9 @@ class WeightFetcher:
 
         A slab travels as its wire layout says (:meth:`configure`): the fp32 master itself
         when it is all fp32, else its wire image (RAM tier: the cached shadow; NVMe tier: cast from
-        the window's master at this fetch). ``stats.h2d_bytes`` counts the bytes that travel."""
+        the window's master at this fetch). ``stats.h2d_bytes`` counts the bytes copied: none where the
+        transport binds the source itself (a CPU device with ``cpu_zero_copy`` and a source already in the
+        compute dtype, ``CPUTransport.to_device``), so it is 0 for a ``32-true`` CPU run by default."""
         out = {}
         for si in self._locked(blk):  # each slab's lock held from its update until its event is published
             slab = self.store.slabs[si]
@@ -87,7 +89,8 @@ class WeightFetcher:
             else:
                 src, buf, ev = self._from_window(si, layout)
             slab.read_by(ev)
-            self.acct.add(h2d_bytes=src.numel() * src.element_size())
+            if buf is not src:  # a copy was made (zero-copy binding hands back the source itself)
+                self.acct.add(h2d_bytes=src.numel() * src.element_size())
             out[si] = (buf, ev)
         self.acct.add(blocks_fetched=1)
         return out

@@ -83,7 +83,8 @@ class ActivationOffload:
 
     def _start(self, e: Offloaded) -> None:
         e.device, e.h2d = self.transport.restore_async(e.host, e.d2h)
-        self.acct.add(h2d_bytes=e.nbytes)
+        if e.device is not e.host:  # a CPU device uses the host copy in place: nothing copied
+            self.acct.add(h2d_bytes=e.nbytes)
         self._count(e.device, e.nbytes)
 
     def _count(self, t: torch.Tensor, nbytes: int) -> None:

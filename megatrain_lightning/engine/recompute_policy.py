@@ -239,12 +239,14 @@ class SavedOps:
         return n
 
     def restore(self, transport: Any) -> int:
-        """Bring offloaded outputs back (``transport.restore``) before the recompute; returns bytes."""
+        """Bring offloaded outputs back (``transport.restore``) before the recompute; returns the bytes
+        copied (0 for an output a CPU device uses in place)."""
         n = 0
         for w, host in self._offloaded:
             w.val = transport.restore(*host)
             w.version = w.val._version
-            n += w.val.numel() * w.val.element_size()
+            if w.val is not host[0]:
+                n += w.val.numel() * w.val.element_size()
         self._offloaded = []
         return n
 

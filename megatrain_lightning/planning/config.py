@@ -8,6 +8,7 @@ compute in TFLOP/s = 1e12 FLOP/s, optimizer throughput in G params/s = 1e9 param
 from __future__ import annotations
 
 import inspect
+import math
 import os
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
@@ -168,6 +169,32 @@ class Hardware:
     host_mem_gbps: float | None = None
     nvlink_gbps: float | None = None
     network_gbps: float | None = None
+
+    def __post_init__(self) -> None:
+        """Refuse sizes and rates no machine has: every number must be > 0 (``pcie_gen`` aside, which is
+        informative), ``nvme_drives`` an integer >= 1; ``hbm_gib``/``hbm_tbps`` and the three data parallel
+        fields may also be ``None``.
+
+        Raises:
+            ValueError: names the field as a Hydra key (``hardware.host_ram_gib``), the value and what to set.
+        """
+        nullable = {"hbm_gib", "hbm_tbps", "host_mem_gbps", "nvlink_gbps", "network_gbps"}
+        for f in fields(self):
+            if f.name in ("name", "pcie_gen"):
+                continue
+            v = getattr(self, f.name)
+            if v is None and f.name in nullable:
+                continue
+            if f.name == "nvme_drives":
+                ok = isinstance(v, int) and not isinstance(v, bool) and v >= 1
+                want = "an integer >= 1 (NVMe drives the store and the checkpoints are striped over)"
+            else:
+                ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+                want = "a number > 0" + (" or null" if f.name in nullable else "")
+            if not ok:
+                raise ValueError(f"hardware.{f.name} must be {want}, got {v!r} (preset {self.name!r}): set "
+                                 f"hardware.{f.name}=<value> or pick a preset with hardware=<name> "
+                                 f"(conf/hardware/*.yaml)")
 
     @property
     def is_gpu(self) -> bool:

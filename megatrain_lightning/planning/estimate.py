@@ -42,6 +42,9 @@ class Plan:
         max_device_batch_size: largest batch size whose device bytes fit (None: no GPU).
         fits, reasons: whether every tier fits, and one line per shortfall.
         headroom: per checked tier (``host``, ``device``, ``disk``), (capacity - need) / capacity.
+        warnings: settings the plan accepts but the model may not take, one sentence each (today: a
+            ``seq_len`` beyond the config's ``max_position_embeddings``; not a refusal: RoPE scaling can
+            extend a model's positions); printed as ``warning:`` lines above the fit.
         tight: the tiers that fit with under ``TIGHT_HEADROOM`` (5%) of headroom: the estimate's
             assumptions (runtime reserve, working-set factor, allocator fragmentation) are larger
             than that margin, so such a "fits" may not.
@@ -78,6 +81,7 @@ class Plan:
     reasons: list[str] = field(default_factory=list)
     headroom: dict[str, float] = field(default_factory=dict)
     tight: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
     parallel: dict[str, Any] | None = None
     source: Any = field(default=None, repr=False)
 
@@ -124,7 +128,7 @@ class Plan:
                                             "step_time_pessimistic_s", "dominating_pessimistic",
                                             "checkpoint_bytes", "checkpoint_write_s", "compute_bound_batch_size",
                                             "max_device_batch_size", "fits", "reasons", "headroom", "tight",
-                                            "parallel")}
+                                            "warnings", "parallel")}
         d.update(hardware=self.hardware.to_dict(), counts=self.counts.to_dict(), host_bytes=self.host_bytes,
                  device_bytes=self.device_bytes, disk_bytes=self.disk_bytes, transfer_bytes=self.transfer_bytes,
                  max_seq_len={"these options": max_seq_len(self),
@@ -357,7 +361,20 @@ def _plan_from_counts(name: str, counts: ParamCounts, hw: Hardware, s: dict[str,
     p.fits = not p.reasons
     p.headroom = {k: (have - need) / have for k, need, have in _needs(p, cap["host"], cap["device"], cap["disk"])}
     p.tight = [k for k, h in p.headroom.items() if 0 <= h < TIGHT_HEADROOM]
+    p.warnings = position_warnings(counts, s)
     return p
+
+
+def position_warnings(c: ParamCounts, s: dict[str, Any]) -> list[str]:
+    """A warning when ``seq_len`` exceeds the model config's ``max_position_embeddings`` (0: unknown, no
+    warning). Not a refusal: RoPE scaling (``rope_scaling`` in the config) lets a model run past it, but the
+    recipes refuse ``data.seq_len`` above the model's limit, and a model without it degrades there."""
+    mp, T = c.max_position_embeddings, s["seq_len"]
+    if not mp or T <= mp:
+        return []
+    return [f"seq_len={T:,} is beyond the model's max_position_embeddings={mp:,} (its config): the model was not "
+            f"trained on positions that far; use seq_len <= {mp:,}, or a config with RoPE scaling (rope_scaling) "
+            f"that extends it (the memory above is counted for seq_len={T:,} either way)"]
 
 
 def capacity(hw: Hardware) -> dict[str, int | None]:

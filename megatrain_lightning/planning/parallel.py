@@ -10,7 +10,7 @@ The design planned (issue 12):
   it on the RAM tier), whatever R, and so are the wire shadows (the bf16/fp16 wire images of mixed
   precision, written by each slab's owner). Everything else it holds per process, R
   times: the NVMe windows and H2D staging ring, the pinned D2H
-  staging buffers, offloaded activations, a CPU device's buffers, the 4 GiB process overhead.
+  staging buffers, offloaded activations, a CPU device's buffers, the process overhead (:func:`.terms.process_overhead`).
 * **NVMe per node.** The state once per node: each process stores what the blocks it owns keep on NVMe (the
   strategy's ``nvme_for_rank``). With the masters on NVMe (one node, optimizer on NVMe; other combinations are
   refused by the strategy and the plan says "fits: NO") each rank streams every block's weights:

@@ -7,7 +7,7 @@ from .activations import kept_bytes
 from .advice import block_group_advice, device_advice, host_advice, recompute_advice
 from .estimate import TERM_LABELS, Plan, gib, long_sequence_variants, max_seq_len
 from .parallel import host_mem_rate, intra_rate
-from .terms import group_size, layer_wire_bytes, zero_copy
+from .terms import group_size, layer_wire_bytes, layers_in_flight, zero_copy
 
 #: data parallel: the terms that are per node (the rest are per GPU)
 NODE_TERMS = ("nvme_read", "nvme_write", "host_adamw", "host_memory", "inter_node")
@@ -119,9 +119,15 @@ def transfer_line(p: Plan) -> str:
     s, c = p.settings, p.counts
     G = group_size(c, s)
     per = layer_wire_bytes(c, s)
-    line = (f"transfers: block_group={s.get('block_group', 1)}: {p.transfer_bytes / 2**20:,.1f} MiB per decoder-layer "
-            f"fetch ({G} x {per / 2**20:,.1f} MiB in the wire dtype); weights of up to {(s['lookahead'] + 1) * G} "
-            f"decoder layers in flight ((lookahead + 1) x {G})")
+    asked, flight = s.get("block_group", 1), layers_in_flight(c, s)
+    line = (f"transfers: block_group={asked}: {p.transfer_bytes / 2**20:,.1f} MiB per decoder-layer "
+            f"fetch ({G} x {per / 2**20:,.1f} MiB in the wire dtype); weights of up to {flight} "
+            f"decoder layers in flight ("
+            + (f"(lookahead + 1) x {G}" if flight == (s["lookahead"] + 1) * G else f"all {c.num_layers} layers")
+            + ")")
+    if asked > G:
+        line += (f"; block_group={asked} is more than the model's {c.num_layers} decoder layers: the strategy "
+                 f"fetches them as one group of {G} (as block_group={G})")
     if zero_copy(p.hardware, s):
         line += "; no copies here (CPU device, cpu_zero_copy: blocks bind the fp32 masters)"
     return line
@@ -197,6 +203,7 @@ def format_plan(p: Plan) -> str:
     elif m is not None:
         lines.append(f"device memory holds batch_size <= {m} at seq_len={s['seq_len']}")
     lines += [""] + format_activations(p) + [""] + format_longest(p) + [""]
+    lines += warning_lines(p)
     lines.append(_fits_line(p))
     for tip in (recompute_advice(p), block_group_advice(p)):
         if tip:
@@ -259,6 +266,11 @@ def format_parallel(p: Plan) -> list[str]:
     return out
 
 
+def warning_lines(p: Plan) -> list[str]:
+    """``warning: ...`` lines for settings the plan accepts but the model may not (:attr:`Plan.warnings`)."""
+    return [f"warning: {w}" for w in p.warnings]
+
+
 def _fits_line(p: Plan) -> str:
     if not p.fits:
         return "fits: NO: " + "; ".join(p.reasons)
@@ -298,6 +310,7 @@ def format_comparison(plans: list[Plan]) -> str:
             out.append(f"  {p.hardware.name}: " + "; ".join(p.reasons))
             if any(r.startswith("host RAM short") for r in p.reasons):
                 out += [f"    change: {a}" for a in host_advice(p, p.capacity["host"], None)[:-1]]  # type: ignore[arg-type]
+    out += [f"  {w}" for w in warning_lines(p0)]  # the model's limits: the same on every preset
     out.append("  compute-bound batch: the batch size from which compute dominates the step; (<= N): the largest "
                "batch device memory holds at this seq_len; max seq_len: at batch_size=1, these options")
     return "\n".join(out)

@@ -15,8 +15,9 @@ Memory tiers (docs/architecture.md, "Memory tiers"), N = unique parameters (tied
   the gradient wire dtype (``CUDATransport``'s ``n_staging``); masters, wire images and staging
   buffers are pinned at their exact size (``store/pinned.py``, 4 KiB pages); offloaded block inputs
   are still pinned through torch's caching host allocator, which rounds each up to a power of
-  two (listed as its own line); offloaded activations (:mod:`.activations`); a fixed 4 GiB
-  for the process (Python, CUDA host side, data loader) -- an assumption. A part moved to NVMe
+  two (listed as its own line); offloaded activations (:mod:`.activations`); the process's own
+  overhead (:func:`process_overhead`: Python, torch, Lightning, the data loader; 0.4 GiB measured on a
+  CPU preset, 4 GiB assumed on a GPU preset for the CUDA context's host side and libraries). A part moved to NVMe
   leaves a window of (blocks ahead + 2) blocks of it in RAM (read-ahead, the block in use,
   write-behind), where blocks ahead = (lookahead + 1) x block_group - 1 (:func:`blocks_ahead`, the
   ``ahead`` the engine passes to its NVMe window sizing, ``engine/streaming.py``); NVMe masters are cast at each fetch into a ring of 2 pinned H2D staging slots of the largest
@@ -49,8 +50,11 @@ Per optimizer step (one micro-batch of ``batch_size`` x ``seq_len`` tokens):
   backward and so is fetched once (the final norm before it is its own block, fetched
   twice: ``ParamCounts.head_refetched``; tied weights are fetched by both blocks that read
   them); the embedding's backward fetches nothing under every ``recompute`` mode (it keeps
-  its graph, which holds only the token indices). Checked against the engine's measured
-  ``megatrain/h2d_bytes`` (tests/test_plan_recompute.py);
+  its graph, which holds only the token indices). H2D counts bytes copied host -> device: on a CPU
+  device with ``cpu_zero_copy`` what already has the compute dtype is bound, not copied
+  (:func:`binds_in_place`: everything under ``32-true`` and ``bf16-true``, the all-fp32 slabs under the
+  mixed modes). Checked against the engine's measured ``megatrain/h2d_bytes``, which counts the same
+  copies (tests/test_plan_recompute.py, with and without ``cpu_zero_copy``);
   with ``recompute_every=K`` the recompute chains fetch (K-1)/K of the layers once more;
   offloaded activations come back in backward.
 * D2H = (params read by all blocks) x gradient bytes (fp32 by default, bf16 for
@@ -106,7 +110,8 @@ PRECISIONS: dict[str, tuple[int, int, int, int, int, str]] = {
 PRECISION_ALIASES = {"32": "32-true", 32: "32-true", "16": "16-mixed", 16: "16-mixed", "bf16": "bf16-mixed"}
 GRAD_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 TIERS = ("cpu", "nvme")
-PROCESS_OVERHEAD = 4 * GIB      # host: Python, torch, CUDA host side, data loader (assumption)
+PROCESS_OVERHEAD_GPU = 4 * GIB  # host, GPU preset: Python, torch, CUDA host side, data loader (assumption)
+PROCESS_OVERHEAD_CPU = int(0.4 * GIB)  # host, CPU preset: measured 402 MiB (bench/process_overhead.py), rounded up
 DEVICE_RESERVE = 2 * GIB        # device: CUDA context, workspaces, fragmentation (assumption)
 CKPT_METADATA = 16 * 2**20      # checkpoint metadata allowance
 D2H_INFLIGHT = 2                # packed gradient batches queued for the D2H worker at most (GradientSink max_inflight)
@@ -134,6 +139,25 @@ def group_size(c: ParamCounts, s: dict[str, Any]) -> int:
     """Decoder layers one fetch moves at most: ``block_group``, capped at the number of layers (the
     engine's ``max(map(len, groups))`` for a stack of one decoder-layer class, ``engine/block_groups.py``)."""
     return max(1, min(int(s.get("block_group", 1)), c.num_layers or 1))
+
+
+def layers_in_flight(c: ParamCounts, s: dict[str, Any]) -> int:
+    """Decoder layers whose weights the device may hold at once: ``(lookahead + 1) x`` :func:`group_size`,
+    but never more than the model has (``block_group`` >= the layer count makes one group of all of them,
+    ``engine/block_groups.py`` ``form_groups``; the other fetches in flight are then the embedding and the
+    head)."""
+    return min((s["lookahead"] + 1) * group_size(c, s), c.num_layers)
+
+
+def block_weights(c: ParamCounts, s: dict[str, Any]) -> int:
+    """Parameters of the weights in flight on the device: ``(lookahead + 1) x max(largest block, G x largest
+    layer)``, capped at all L layers plus ``lookahead`` largest blocks when ``(lookahead + 1) x G`` exceeds L
+    (:func:`layers_in_flight`)."""
+    la, G, layer = s["lookahead"], group_size(c, s), max(c.layers, default=0)
+    full = (la + 1) * max(c.largest_block, G * layer)
+    if (la + 1) * G > c.num_layers:
+        return min(full, c.num_layers * layer + la * c.largest_block)
+    return full
 
 
 def blocks_ahead(c: ParamCounts, s: dict[str, Any]) -> int:
@@ -168,6 +192,30 @@ def zero_copy(hw: Hardware, s: dict[str, Any]) -> bool:
     counted in the window, ``engine/streaming.py``)."""
     return (not hw.is_gpu and PRECISIONS[s["precision"]][0] == 4 and bool(s["cpu_zero_copy"])
             and s.get("offload_params", "cpu") == "cpu")
+
+
+def binds_in_place(hw: Hardware, s: dict[str, Any]) -> bool:
+    """Whether a fetch binds what would travel when it already has the compute dtype instead of copying it:
+    a CPU device with ``cpu_zero_copy`` and the masters in host RAM (``CPUTransport.to_device``). Then
+    ``32-true`` binds the fp32 masters, ``bf16-true`` the cached bf16 wire images, and the mixed modes the
+    slabs that travel all in fp32 (no castable weight: an untied embedding, a final norm); none of these
+    bytes is an H2D copy (the engine's ``megatrain/h2d_bytes`` counts copies only)."""
+    return not hw.is_gpu and bool(s["cpu_zero_copy"]) and s.get("offload_params", "cpu") == "cpu"
+
+
+def process_overhead(hw: Hardware) -> int:
+    """Host bytes of the training process apart from its training state and buffers (Python, torch,
+    Lightning, transformers, the data loader, thread stacks, the allocator's slack).
+
+    * CPU preset (``hbm_gib: null``): :data:`PROCESS_OVERHEAD_CPU`, measured: peak RSS of a 2-step
+      ``Trainer(strategy="megatrain", accelerator="cpu")`` fit of a 34k-parameter Llama after importing
+      torch + lightning + transformers, minus its state (16 B/param, 0.5 MiB) -- 402 MiB on the 2-core dev
+      box (torch 2.13 CPU build), ``PYTHONPATH=. python bench/process_overhead.py``; rounded up to 0.4 GiB
+      (410 MiB).
+    * GPU preset: :data:`PROCESS_OVERHEAD_GPU`, 4 GiB, an assumption (not measured): the above plus the
+      CUDA context's host side, the CUDA/cuBLAS/cuDNN libraries loaded into the process (a CUDA build of
+      torch maps several GiB of kernels), and pinned-memory pools outside the planner's own terms."""
+    return PROCESS_OVERHEAD_GPU if hw.is_gpu else PROCESS_OVERHEAD_CPU
 
 
 def shadow_bytes(params: int, castable: int, wire: int, precision: str) -> int:
@@ -236,8 +284,11 @@ def recompute_flops(c: ParamCounts, s: dict[str, Any]) -> dict[str, float]:
             "recompute chains (K > 1)": (K - 1) / K * (mix["block"] + mix["selective"]) / L * f_layers}
 
 
-def weights_label(lookahead: int, group: int) -> str:
-    """The device term of the weights in flight (``lookahead + 1`` fetches of ``group`` layers)."""
+def weights_label(lookahead: int, group: int, all_layers: int | None = None) -> str:
+    """The device term of the weights in flight (``lookahead + 1`` fetches of ``group`` layers; with
+    ``all_layers`` set, the capped case of :func:`block_weights`: every decoder layer + ``lookahead`` blocks)."""
+    if all_layers is not None:
+        return f"block weights: all {all_layers} layers + {lookahead} fetch(es) (compute dtype)"
     if group == 1:
         return f"block weights x{lookahead + 1} (compute dtype)"
     return f"block weights x{lookahead + 1} fetches x{group} layers (compute dtype)"
@@ -266,7 +317,8 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     act_dev, act_host = activation_bytes(c, s, gpu)
     device = {
         # lookahead + 1 fetches in flight, each one block or a group of G decoder layers
-        weights_label(la, G): 0 if no_copy else (la + 1) * max(big, G * max(c.layers, default=0)) * dev_param,
+        weights_label(la, G, L if (la + 1) * G > L and block_weights(c, s) < (la + 1) * max(big, G * max(c.layers,
+                      default=0)) else None): 0 if no_copy else block_weights(c, s) * dev_param,
         "wire image being decoded": big_wire if wire < dev_param else 0,
         "autocast weight casts (computing block)": max(c.castable_reads) * wire if wire < dev_param else 0,
         "block param grads": big * dev_param,
@@ -304,7 +356,7 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     host.update(act_host)
     if not gpu:
         host["device buffers (CPU device)"] = sum(device.values())
-    host["process overhead"] = PROCESS_OVERHEAD
+    host["process overhead"] = process_overhead(hw)
 
     ckpt = 12 * N + CKPT_METADATA
     disk = {"NVMe store": sum(nvme.values()), f"checkpoints x{s['keep_checkpoints']}": s["keep_checkpoints"] * ckpt}
@@ -323,6 +375,13 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     norm_wire = wire_bytes(c.head_refetched, 0, wire) if not bf16_true else 2 * c.head_refetched  # norms: not castable
     chain_wire = int(layer_wire * (K - 1) // K * chained)
     act_io = act_host.get("offloaded block inputs", 0) + act_host.get("offloaded op outputs / graphs", 0)
+    if binds_in_place(hw, s):  # CPU zero-copy: what already has the compute dtype is bound, not copied
+        copied = [0 if (wire == 4 or bf16_true or k == 0) else w for w, k in zip(wire_of, c.castable_reads)]
+        if copied[-1]:  # the head entry includes the final norm, its own all-fp32 block: bound, not copied
+            copied[-1] = wire_bytes(c.block_reads[-1] - c.head_refetched, c.castable_reads[-1], wire)
+        layer_wire = sum(copied[1:-1])
+        chain_wire = int(layer_wire * (K - 1) // K * chained)
+        norm_wire, wire_of = 0, copied
     h2d_f = sum(wire_of)
     h2d_b = layer_wire + norm_wire + chain_wire + (act_io if gpu else 0)  # CPU: an offloaded input is used in place
     if no_copy:                                # CPU device bound to the fp32 masters: nothing copied
