@@ -40,7 +40,8 @@ def finetune(cfg: DictConfig) -> dict:
     lm = step.build_module(cfg, model, tok)
     trainer, history = step.build_trainer(cfg)
     with step.closing_loggers(trainer):                     # a wandb run ends here, also on an error
-        before = timed("evaluate_before", step.evaluate, trainer, lm, dm) if cfg.eval.before else {}
+        resumed = step.resolve_resume(cfg)                  # resume: "before" is of the weights the run continues from
+        before = timed("evaluate_before", step.evaluate, trainer, lm, dm, resumed) if cfg.eval.before else {}
         run = timed("fit", step.fit, cfg, trainer, lm, dm)
         after = timed("evaluate_after", step.evaluate, trainer, lm, dm)
         ckpt = timed("save", step.save, cfg, trainer)

@@ -433,9 +433,11 @@ def test_resume_last_continues_the_step_count(tmp_path, gpt2_dir):
     first = finetune(cfg_for(tmp_path / "a", *common, "checkpoint.every_n_steps=2"))
     last = tmp_path / "a" / "run" / "checkpoints" / "last.ckpt"
     assert first["run"]["steps"] == 2 and (last / "optimizer").is_dir()
-    second = finetune(cfg_for(tmp_path / "b", *common, "resume=last", "trainer.max_steps=4"))
+    second = finetune(cfg_for(tmp_path / "b", *common, "resume=last", "trainer.max_steps=4", "eval.before=true"))
     assert second["run"]["resumed_from"] == str(last)
     assert second["run"]["steps"] == 4 and [p["step"] for p in second["loss"]] == [3, 4]
+    # "before" is of the weights the run continues from (it was the fresh model's), i.e. the first run's "after"
+    assert second["metrics"]["val_loss"]["before"] == first["metrics"]["val_loss"]["after"]
 
 
 def test_resume_last_takes_the_newest_run_of_the_same_model_and_data(tmp_path, gpt2_dir, no_build):

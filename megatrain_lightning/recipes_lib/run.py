@@ -211,10 +211,11 @@ def inference_weights(trainer: pl.Trainer) -> Iterator[Any]:
         eng.uninstall()
 
 
-def evaluate(trainer: pl.Trainer, lm: CausalLMModule, dm: Any) -> dict[str, float]:
+def evaluate(trainer: pl.Trainer, lm: CausalLMModule, dm: Any, weights: Path | None = None) -> dict[str, float]:
     """Validation loss/perplexity (streamed through the strategy; Lightning's progress bar) and the domain probe
-    (its own progress bar), as ``{"val_loss", "val_ppl", "probe/<key>"...}``."""
-    out = trainer.validate(lm, datamodule=dm, verbose=False)[0]
+    (its own progress bar), as ``{"val_loss", "val_ppl", "probe/<key>"...}``; of the module's weights, or with
+    ``weights`` of that checkpoint's (a resumed run's "before": the weights it continues from)."""
+    out = trainer.validate(lm, datamodule=dm, verbose=False, ckpt_path=str(weights) if weights else None)[0]
     metrics = {"val_loss": float(out["val_loss"]), "val_ppl": float(out["val_ppl"])}
     if getattr(dm, "probe", None) is not None:
         with inference_weights(trainer) as dev:
