@@ -166,8 +166,14 @@ def test_a_full_disk_names_the_checkpoint_and_keeps_the_previous_one(tmp_path, f
 
 
 def test_another_write_error_is_not_called_a_full_disk(tmp_path, fitted, monkeypatch):
+    """Also when the disk happens to be nearly full (the free-space rule is for torch.save's unexplained error)."""
     t, module = fitted
     monkeypatch.setattr(directory, "write_safetensors_shards", _raise(PermissionError(errno.EACCES, "denied")))
     with pytest.raises(PermissionError, match="denied"):
         t.save_checkpoint(tmp_path / "c")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(2**30, 2**30 - 4096, 4096))
+    monkeypatch.setattr(directory, "write_safetensors_shards", _raise(ValueError("a bug")))
+    with pytest.raises(ValueError, match="a bug"):
+        t.save_checkpoint(tmp_path / "c")
+    monkeypatch.undo()
     assert hidden(tmp_path) == [] and not (tmp_path / "c").exists()

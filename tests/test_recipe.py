@@ -202,6 +202,12 @@ def test_refuses_bad_records_anywhere_in_the_source_before_the_build(tmp_path, n
     src = write_jsonl(tmp_path / "few.jsonl", rows[:2])
     refused(tmp_path, "data=instruction", f"data.source={src}", key="data.val_fraction",
             match=r"No document fell into the validation split \(2 documents, val_fraction=0.05\)")
+    big = tmp_path / "with_logs"  # files the source does not read do not count toward the 1 GiB of the full check
+    big.mkdir()
+    write_jsonl(big / "a.jsonl", rows[:16] + [{"prompt": None, "response": "A"}])
+    with open(big / "huge.log", "wb") as f:
+        f.truncate(2**30 + 2**27)  # sparse
+    refused(tmp_path, "data=instruction", f"data.source={big}", key="data.source", match=r"a.jsonl:17: field 'prompt' is null")
     chat = [{"messages": [{"role": "user", "content": f"Hi {i}"}]} for i in range(20)]
     src = write_jsonl(tmp_path / "noanswer.jsonl", chat)
     refused(tmp_path, "data=instruction", f"data.source={src}", key="data.source", match="no record has an assistant turn")
@@ -440,7 +446,7 @@ def test_resume_last_continues_the_step_count(tmp_path, gpt2_dir):
     assert second["metrics"]["val_loss"]["before"] == first["metrics"]["val_loss"]["after"]
 
 
-def test_resume_last_takes_the_newest_run_of_the_same_model_and_data(tmp_path, gpt2_dir, no_build):
+def test_resume_last_takes_the_newest_run_of_the_same_model_and_data(tmp_path, gpt2_dir, no_build, monkeypatch):
     """Regression: resume=last took the newest last.ckpt of any run, e.g. of an unrelated data set, and continued
     its step count, optimizer state and data position silently. It now skips runs of other model/data and, when
     only those exist, refuses naming the newest and what differs."""
@@ -463,6 +469,14 @@ def test_resume_last_takes_the_newest_run_of_the_same_model_and_data(tmp_path, g
     torch.save(meta, newer / "trainer.pt")
     assert resolve_resume(mine) == ckpt and resolve_resume(cfg_for(tmp_path / "d", *common, f"data.source={other_src}",
                                                                    "resume=last")) == newer
+    # the same file by a relative path is the same data; the same relative path from elsewhere is not
+    monkeypatch.chdir(tmp_path)
+    assert resolve_resume(cfg_for(tmp_path / "e", *common, "data.source=text.jsonl", "resume=last")) == ckpt
+    (tmp_path / "sub").mkdir()
+    write_jsonl(tmp_path / "sub" / "text.jsonl", [{"text": f"Yet another corpus, line {i}."} for i in range(16)])
+    monkeypatch.chdir(tmp_path / "sub")
+    refused(tmp_path / "f", *common, "data.source=text.jsonl", "resume=last", key="resume",
+            match="none from a run of this model on this data")
 
 
 # ---------------------------------------------------------------------------------------------- real model

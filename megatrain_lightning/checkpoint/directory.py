@@ -158,8 +158,8 @@ def disk_full_error(err: BaseException, final: Path, tmp: Path) -> OSError | Non
     """The error to raise when writing the checkpoint ``final`` (into ``tmp``) failed because its filesystem
     is full, or ``None`` for any other failure. The libraries writing the files report a full disk each in
     their own way (``OSError`` ENOSPC/EDQUOT, safetensors' ``SafetensorError`` "os error 28", ``torch.save``'s
-    ``RuntimeError`` "unexpected pos"), so the filesystem's free space (under 16 MiB, read before ``tmp`` is
-    removed) decides too.
+    ``RuntimeError`` "unexpected pos", which names no cause: it counts as a full disk when the filesystem has
+    under 16 MiB free, read before ``tmp`` is removed).
 
     Returns:
         ``OSError(errno.ENOSPC, message)``: the message names the checkpoint, the bytes written before the
@@ -171,8 +171,9 @@ def disk_full_error(err: BaseException, final: Path, tmp: Path) -> OSError | Non
         written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file()) if tmp.exists() else 0
     except OSError:
         return None
+    zip_writer = isinstance(err, RuntimeError) and ("unexpected pos" in text or "PytorchStreamWriter" in text)
     nospace = ((isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT))
-               or "No space left" in text or "os error 28" in text or free < 2**24)
+               or "No space left" in text or "os error 28" in text or (zip_writer and free < 2**24))
     if not nospace or isinstance(err, (KeyboardInterrupt, SystemExit)):
         return None
     mib = 2**20

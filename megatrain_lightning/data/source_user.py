@@ -158,7 +158,19 @@ def _read_file(path: Path, name: str, fields: RecordMapper, dec: _Decoder, txt_m
     raise ValueError(f"{path}: unsupported file type {suffix!r}; use one of {READABLE} (or a directory of them).")
 
 
-def _directory_files(root: Path, shape: str) -> list[Path]:
+def source_files(path: str | Path, shape: str) -> list[Path]:
+    """The files a local source is read from: the file itself, or those of a directory that
+    :func:`load_user_source` reads for ``shape`` (nothing logged).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"Data source {p} does not exist.")
+    return [p] if p.is_file() else _directory_files(p, shape, quiet=True)
+
+
+def _directory_files(root: Path, shape: str, quiet: bool = False) -> list[Path]:
     readable = {".jsonl", ".json", ".parquet"} | ({".txt"} if shape == "text" else set())
     keep, skipped = [], []
     for p in sorted(root.rglob("*")):
@@ -169,7 +181,7 @@ def _directory_files(root: Path, shape: str) -> list[Path]:
             skipped.append(rel.as_posix())
         else:
             keep.append(p)
-    if skipped:
+    if skipped and not quiet:
         log.info("%s: read %d file(s) of types %s; skipped %d other file(s): %s", root, len(keep), sorted(readable),
                  len(skipped), ", ".join(skipped[:20]) + (" ..." if len(skipped) > 20 else ""))
     return keep

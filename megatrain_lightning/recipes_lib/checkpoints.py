@@ -30,12 +30,30 @@ IDENTITY_DATA_KEYS = ("_target_", "domain", "source", "shape", "source_options",
 log = logging.getLogger(__name__)
 
 
+def _absolute(value: Any) -> Any:
+    """A string naming an existing local path, as an absolute resolved path (``../pairs.jsonl`` from two working
+    directories names two files; the same file by two spellings is one); anything else unchanged."""
+    if isinstance(value, str) and value:
+        p = Path(value).expanduser()
+        if p.exists():
+            return str(p.resolve())
+    return value
+
+
 def run_identity(cfg: Any) -> dict[str, Any]:
     """What makes two recipe runs the same training: ``{"model": the model group, "data": its
-    :data:`IDENTITY_DATA_KEYS`}`` as plain (JSON-able) values."""
+    :data:`IDENTITY_DATA_KEYS`}`` as plain (JSON-able) values, local paths (``data.source``, ``model.weights``,
+    ``model.tokenizer``) made absolute."""
     plain = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
     data = plain.get("data") or {}
-    return {"model": plain.get("model"), "data": {k: data[k] for k in IDENTITY_DATA_KEYS if k in data}}
+    model = dict(plain.get("model") or {})
+    for k in ("weights", "tokenizer"):
+        if k in model:
+            model[k] = _absolute(model[k])
+    ident = {k: data[k] for k in IDENTITY_DATA_KEYS if k in data}
+    if "source" in ident:
+        ident["source"] = _absolute(ident["source"])
+    return {"model": model, "data": ident}
 
 
 class RecordRunIdentity(pl.Callback):

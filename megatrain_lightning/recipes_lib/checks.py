@@ -207,13 +207,12 @@ def _check_whole_source(data: Mapping[str, Any], source: str, shape: str, option
         the errors of ``load_user_source`` and ``split_corpus`` (ValueError, FieldError, TypeError).
     """
     from ..data.datamodule import split_corpus
-    from ..data.source_user import load_user_source
+    from ..data.source_user import load_user_source, source_files
 
     path = Path(str(source)).expanduser()
     if not path.exists():  # a Hugging Face dataset id: read when the data module is built
         return
-    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
-    size = sum(p.stat().st_size for p in files)
+    size = sum(p.stat().st_size for p in source_files(path, shape))  # the files the run reads, not the others
     if size > FULL_CHECK_BYTES:
         log.info("data.source %s holds %.1f GiB: preflight checked its first records; the rest is checked when the "
                  "data is built, after the model loads.", source, size / 2**30)
