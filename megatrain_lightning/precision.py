@@ -138,6 +138,7 @@ class MegaTrainPrecision(Precision):
         self.growth_tracker = 0
         self.skipped_steps = 0
         self.engine = None  # the strategy's engine, from attach_engine()
+        self.clip_in_place = False  # apply clipping at once (user code may read or edit param.grad after it)
         self._attached: list[tuple[str, torch.nn.Parameter, torch.Tensor | None]] = []  # param.grad as attached
 
     def attach_engine(self, engine: Any, device_type: str) -> None:
@@ -225,12 +226,16 @@ class MegaTrainPrecision(Precision):
     def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
         """Lightning's ``gradient_clip_algorithm="norm"``: the global norm over the host gradients,
         computed slab by slab as ``torch.nn.utils.clip_grad_norm_`` does; the scale is applied in
-        each slab's AdamW update (see ``HostAdamW.clip_grad_norm``)."""
+        each slab's AdamW update (see ``HostAdamW.clip_grad_norm``), or at once with ``clip_in_place``
+        (manual optimization or a ``configure_gradient_clipping`` override: code after the clip sees
+        and edits the clipped ``param.grad``, as in plain Lightning; ``HostAdamW.apply_grad_ops``)."""
         if self.engine is None or self.engine.optimizer is None:
             return super().clip_grad_by_norm(optimizer, clip_val)
         self._settle_grads()  # edits a configure_gradient_clipping override made before calling it
         self.engine.wait_grads()
         self.engine.optimizer.clip_grad_norm(float(clip_val))
+        if self.clip_in_place:
+            self.engine.optimizer.apply_grad_ops()
 
     def clip_grad_by_value(self, optimizer: Any, clip_val: int | float) -> None:
         """Lightning's ``gradient_clip_algorithm="value"``: every gradient clamped to ``[-clip_val, clip_val]``
@@ -239,6 +244,8 @@ class MegaTrainPrecision(Precision):
             return super().clip_grad_by_value(optimizer, clip_val)
         self._settle_grads()
         self.engine.optimizer.clip_grad_value(float(clip_val))
+        if self.clip_in_place:
+            self.engine.optimizer.apply_grad_ops()
 
     def _clip_gradients(self, model: Any, optimizer: Any, clip_val: Any = None,
                         gradient_clip_algorithm: Any = None) -> None:

@@ -40,7 +40,7 @@ from lightning.pytorch.callbacks import BaseFinetuning, Callback
 from lightning.pytorch.callbacks import StochasticWeightAveraging as _StochasticWeightAveraging
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -460,6 +460,15 @@ class MegaTrainStrategy(ParallelStrategy):
         plugin = self.precision_plugin
         assert isinstance(plugin, MegaTrainPrecision)
         plugin.attach_engine(self.engine, self.root_device.type)
+        # user code may run between the clip and the step (and read or edit param.grad): clip at once there
+        user_code_after_clip = (not module.automatic_optimization
+                                or is_overridden("configure_gradient_clipping", module))
+        plugin.clip_in_place = user_code_after_clip and self.engine.ownership is None
+        if user_code_after_clip and self.engine.ownership is not None:
+            rank_zero_warn("megatrain: with several processes gradient clipping is applied in the optimizer step: "
+                           "param.grad read or edited after clip_gradients (manual optimization, a "
+                           "configure_gradient_clipping override) shows the gradients before the clip, and edits "
+                           "made after it are clipped too (one process applies the clip at once, as plain Lightning).")
         self.setup_precision_plugin()
         self._wrap_lightning_optimizers()
 

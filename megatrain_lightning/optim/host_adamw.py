@@ -347,6 +347,31 @@ class HostAdamW:
         in the coming step's updates."""
         self.grad_ops.append(("clamp", float(clip_value)))
 
+    def apply_grad_ops(self) -> None:
+        """Apply the recorded clipping to the accumulated gradients now, in place, slab by slab (either tier; with
+        several processes each owner its own slabs), and forget it: what the coming updates would have applied
+        (the same ops on the same tensors, so the same numbers), one extra pass over the gradients. After it the
+        gradients read through ``param.grad`` are the clipped ones, later edits come after the clip and a second
+        clip measures the clipped gradients, as with torch's in-place ``clip_grad_norm_``/``clip_grad_value_``."""
+        ops, self.grad_ops = self.grad_ops, []
+        if not ops:
+            return
+        slabs = sorted({si for si, _ in self._grad_entries()})
+        own = self.ownership
+        for si in slabs:
+            if own is not None and not own.owns(si):
+                continue
+            slab = self.store.slabs[si]
+            with slab.lock, self.store.hold(si, [Region.grad_accum], write=True) as t:
+                grads = [slab.view(t[Region.grad_accum], i) for i, e in enumerate(slab.entries)
+                         if e.trainable and slab.has_grad[i]]
+                for op, val in ops:
+                    if op == "mul":
+                        torch._foreach_mul_(grads, val)
+                    else:
+                        torch._foreach_clamp_min_(grads, -val)
+                        torch._foreach_clamp_max_(grads, val)
+
     # ------------------------------------------------------------------ math
     def _flags(self, h: _GroupHyper) -> tuple[bool | None, bool | None]:
         """``(foreach, fused)`` passed to :func:`torch.optim.adam.adam`: the group's own flags (torch
