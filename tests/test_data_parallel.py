@@ -1,9 +1,12 @@
 """Data parallel (issue 12): several processes launched by Lightning's own launcher, gloo on this CPU.
 
 Reference (as DDP promises): W processes with micro-batch b train like one process with micro-batch W*b.
-The runs are real ``python tests/dp_worker.py`` processes; Lightning's subprocess script launcher starts
-the other ranks, exactly as for a user's ``python train.py``. The reference is plain PyTorch
-(:func:`megatrain_lightning.testing.reference_train`) on the global batch.
+The runs are real ``python tests/dp_worker.py`` processes. Tests of the entry points start rank 0 only and
+Lightning's subprocess script launcher starts the other ranks, exactly as for a user's ``python train.py``
+(``launch(..., spawn=True)``); the others start every rank at once with the variables ``torchrun`` sets
+(``LOCAL_RANK``, ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``; Lightning then spawns nothing), which runs
+the same training and halves the time the ranks spend importing one after the other. The reference is plain
+PyTorch (:func:`megatrain_lightning.testing.reference_train`) on the global batch.
 """
 
 from __future__ import annotations
@@ -30,14 +33,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(out: Path, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run the worker (rank 0; the launcher starts the others) and return the finished process."""
+def _arg(args: tuple, name: str, default: int) -> int:
+    return int(args[args.index(name) + 1]) if name in args else default
+
+
+def launch(out: Path, *args: str, env: dict | None = None, timeout: float = 300,
+           spawn: bool = False) -> subprocess.CompletedProcess:
+    """Run the worker on one node and return the finished run: with ``spawn`` (or one process) rank 0 only, and
+    Lightning's launcher starts the others; else every rank at once, as ``torchrun`` starts them. The result has
+    the first failing rank's return code (0 when all succeed) and every rank's output, rank by rank."""
     e = {**os.environ, "MASTER_PORT": str(free_port()), "MASTER_ADDR": "127.0.0.1", **(env or {})}
     for k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):  # a clean launch, whatever runs the tests
         if env is None or k not in env:
             e.pop(k, None)
-    return subprocess.run([sys.executable, str(WORKER), str(out), *args], env=e, capture_output=True, text=True,
-                          timeout=timeout)
+    cmd = [sys.executable, str(WORKER), str(out), *args]
+    devices = _arg(args, "--devices", 2)
+    if spawn or devices == 1 or _arg(args, "--num-nodes", 1) != 1 or (env and "LOCAL_RANK" in env):
+        return subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=timeout)
+    procs = [subprocess.Popen(cmd, env={**e, "LOCAL_RANK": str(r), "RANK": str(r), "NODE_RANK": "0",
+                                        "WORLD_SIZE": str(devices)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(devices)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout))
+    finally:
+        for p in procs:
+            p.kill()
+    codes = [p.returncode for p in procs]
+    return subprocess.CompletedProcess(cmd, next((c for c in codes if c), 0),
+                                       "".join(f"[rank {r}]\n{o}" for r, (o, _) in enumerate(outs)),
+                                       "".join(f"[rank {r}]\n{x}" for r, (_, x) in enumerate(outs)))
 
 
 def check(proc: subprocess.CompletedProcess) -> None:
@@ -94,7 +120,7 @@ def test_two_processes_match_one_with_the_global_batch(tmp_path, arch):
     12 steps; every loss (mean over ranks) and every final weight within 1e-5 relative. Mixtral: experts no
     token of a rank was routed to; GPT-2: frozen key biases; llama_tied: the embedding read by two blocks."""
     check(launch(tmp_path, "--arch", arch, "--devices", "2", "--batch", "2", "--steps", "12", "--accumulate", "2",
-                 "--clip", "0.5", "--sched", "cosine"))
+                 "--clip", "0.5", "--sched", "cosine", spawn=True))
     model, losses = reference(arch, 4, 12, 2, 0.5, "cosine")
     assert_matches(tmp_path, 2, model, losses, 1e-5)
     env = json.loads((tmp_path / "env.json").read_text())
@@ -349,7 +375,7 @@ def test_nvme_tier_with_two_processes_trains_bitwise_like_the_ram_tier(tmp_path)
 def test_masters_on_nvme_without_the_optimizer_on_nvme_are_refused_clearly(tmp_path):
     """``offload_params="nvme"`` with the optimizer in RAM is not built for several processes: refused at setup,
     before any weight is stored, saying what runs instead."""
-    proc = launch(tmp_path, "--devices", "2", "--steps", "1", "--nvme-params", str(tmp_path))
+    proc = launch(tmp_path, "--devices", "2", "--steps", "1", "--nvme-params", str(tmp_path), spawn=True)
     assert proc.returncode != 0
     assert "NotImplementedError: megatrain: offload_params='nvme' (fp32 masters on disk) with several processes " \
            "runs on one node with offload_optimizer='nvme' for now" in proc.stderr
@@ -359,7 +385,8 @@ def test_masters_on_nvme_without_the_optimizer_on_nvme_are_refused_clearly(tmp_p
 def test_save_checkpoint_on_rank_zero_only_says_to_call_it_on_every_rank(tmp_path):
     """``if trainer.is_global_zero: trainer.save_checkpoint(path)`` (plain DDP fails too, in Lightning's barrier,
     with gloo's "Connection closed by peer"): rank 0 stops with an error that names the mistake and the fix."""
-    proc = launch(tmp_path, "--devices", "2", "--steps", "1", "--save", str(tmp_path / "final"), "--save-on-rank0-only")
+    proc = launch(tmp_path, "--devices", "2", "--steps", "1", "--save", str(tmp_path / "final"), "--save-on-rank0-only",
+                  spawn=True)
     assert proc.returncode != 0
     assert "PeerFailure: megatrain: rank 1 stopped responding" in proc.stderr
     assert "trainer.save_checkpoint writes from every rank: call it on all ranks, not only under `if " \
