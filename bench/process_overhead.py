@@ -7,12 +7,14 @@ gradient, AdamW moments; kilobytes for this model). Run::
 
     PYTHONPATH=. python bench/process_overhead.py
 
-The planner's CPU figure (``planning/terms.py`` ``PROCESS_OVERHEAD_CPU``) comes from this script.
+Writes bench/results/process_overhead.json. The planner's CPU figure (``planning/terms.py`` ``PROCESS_OVERHEAD_CPU``) comes from this script.
 """
 
 from __future__ import annotations
 
+import json
 import resource
+from pathlib import Path
 
 
 def rss() -> int:
@@ -48,6 +50,11 @@ def main() -> None:
     print(f"params {n:,}; state 16 B/param = {state / mib:.2f} MiB; torch {torch.__version__}, "
           f"threads {torch.get_num_threads()}")
     print(f"process overhead (peak - state): {(peak() - state) / mib:.1f} MiB = {(peak() - state) / 2**30:.3f} GiB")
+    out = Path(__file__).with_name("results") / "process_overhead.json"
+    out.write_text(json.dumps({"bench": "process_overhead", "params": n, "state_bytes": state, "peak_rss_bytes": peak(),
+                               "overhead_bytes": peak() - state, "torch": torch.__version__,
+                               "threads": torch.get_num_threads()}, indent=1) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
