@@ -27,7 +27,14 @@ from megatrain_lightning.parallel.preflight import (RendezvousError, check_rende
                                                     optimizer_fingerprint, run_fingerprint)
 from megatrain_lightning.store.shared import OwnerTimeout, SharedMemoryTooSmall, SlabOwnership, check_shm
 from megatrain_lightning.strategy import MegaTrainStrategy
-from test_data_parallel import assert_resumed_like, check, launch
+from test_data_parallel import assert_resumed_like, check
+from test_data_parallel import launch as _launch
+
+
+def launch(*args, **kw):
+    """The worker started as ``python train.py`` is: rank 0 only, Lightning's launcher (with this project's watch on
+    its children) starting the others; the faults below are those of that path."""
+    return _launch(*args, spawn=True, **kw)
 
 TIMEOUT = 20  # the strategy's timeout= in the kill tests (seconds)
 
