@@ -33,16 +33,16 @@ def finetune(cfg: DictConfig) -> dict:
         timings[name] = time.perf_counter() - t0
         return out
 
-    timed("preflight", step.preflight, cfg)               # config keys, data fields, paths, memory: no model yet
+    resumed = timed("preflight", step.preflight, cfg)     # config keys, data, paths, memory, the checkpoint `resume` names
     pl.seed_everything(cfg.seed, workers=True)
     model, tok = timed("build_model", step.build_model, cfg)
     dm = step.build_data(cfg, tok)
     lm = step.build_module(cfg, model, tok)
     trainer, history = step.build_trainer(cfg)
     with step.closing_loggers(trainer):                     # a wandb run ends here, also on an error
-        resumed = step.resolve_resume(cfg)                  # resume: "before" is of the weights the run continues from
+        # resumed: "before" is of the weights the run continues from
         before = timed("evaluate_before", step.evaluate, trainer, lm, dm, resumed) if cfg.eval.before else {}
-        run = timed("fit", step.fit, cfg, trainer, lm, dm)
+        run = timed("fit", step.fit, cfg, trainer, lm, dm, resumed)
         after = timed("evaluate_after", step.evaluate, trainer, lm, dm)
         ckpt = timed("save", step.save, cfg, trainer)
         text = timed("sample", step.sample, cfg, trainer, lm, tok, dm)

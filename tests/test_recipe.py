@@ -432,15 +432,17 @@ def test_without_matplotlib_the_plot_is_skipped_with_a_log_line(tmp_path, monkey
     assert "matplotlib is not installed" in caplog.text and "no loss.png" in caplog.text
 
 
-def test_resume_last_continues_the_step_count(tmp_path, gpt2_dir):
+def test_resume_last_continues_the_step_count(tmp_path, gpt2_dir, monkeypatch):
     group, src = _formats(tmp_path)["text-jsonl"]
     common = [f"data={group}", f"data.source={src}", "eval.before=false", *tiny(gpt2_dir),
               f"checkpoint.search_dir={tmp_path}"]
     first = finetune(cfg_for(tmp_path / "a", *common, "checkpoint.every_n_steps=2"))
     last = tmp_path / "a" / "run" / "checkpoints" / "last.ckpt"
     assert first["run"]["steps"] == 2 and (last / "optimizer").is_dir()
+    resolved = []  # `resume` is resolved once (its choice and warning in preflight), not once per step
+    monkeypatch.setattr(step, "resolve_resume", lambda cfg: resolved.append(resolve_resume(cfg)) or resolved[-1])
     second = finetune(cfg_for(tmp_path / "b", *common, "resume=last", "trainer.max_steps=4", "eval.before=true"))
-    assert second["run"]["resumed_from"] == str(last)
+    assert resolved == [last] and second["run"]["resumed_from"] == str(last)
     assert second["run"]["steps"] == 4 and [p["step"] for p in second["loss"]] == [3, 4]
     # "before" is of the weights the run continues from (it was the fresh model's), i.e. the first run's "after"
     assert second["metrics"]["val_loss"]["before"] == first["metrics"]["val_loss"]["after"]
@@ -469,6 +471,15 @@ def test_resume_last_takes_the_newest_run_of_the_same_model_and_data(tmp_path, g
     torch.save(meta, newer / "trainer.pt")
     assert resolve_resume(mine) == ckpt and resolve_resume(cfg_for(tmp_path / "d", *common, f"data.source={other_src}",
                                                                    "resume=last")) == newer
+    # a run directory that already held a last.ckpt gets Lightning's last-v1.ckpt: found too (not other names)
+    versioned, other_name = tmp_path / "g" / "last-v1.ckpt", tmp_path / "g" / "last-old.ckpt"
+    shutil.copytree(ckpt, versioned)
+    os.utime(versioned)  # copytree copies the directory's time: make it the newest
+    assert resolve_resume(mine) == versioned
+    shutil.rmtree(versioned)
+    shutil.copytree(ckpt, other_name)
+    os.utime(other_name)  # newest, but no name ModelCheckpoint gives its "last"
+    assert resolve_resume(mine) == ckpt
     # the same file by a relative path is the same data; the same relative path from elsewhere is not
     monkeypatch.chdir(tmp_path)
     assert resolve_resume(cfg_for(tmp_path / "e", *common, "data.source=text.jsonl", "resume=last")) == ckpt

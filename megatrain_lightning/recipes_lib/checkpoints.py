@@ -15,6 +15,7 @@ a resumed run may change) under the key ``"recipe"`` of Lightning's checkpoint d
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from .checks import ConfigError
 CHECKPOINT_MARK = "megatrain.json"  # every directory checkpoint has it
 IDENTITY_DATA_KEYS = ("_target_", "domain", "source", "shape", "source_options", "seq_len", "val_fraction", "seed",
                       "max_documents", "use_chat_template")
+LAST_NAME = re.compile(r"last(-v\d+)?\.ckpt")  # ModelCheckpoint's CHECKPOINT_NAME_LAST, with its version counter
 log = logging.getLogger(__name__)
 
 
@@ -102,9 +104,17 @@ def _is_checkpoint(p: Path) -> bool:
     return p.is_dir() and (p / CHECKPOINT_MARK).is_file()
 
 
+def _last_checkpoints(root: Path) -> list[Path]:
+    """Every ``last.ckpt`` below ``root``, with the ``last-v1.ckpt``, ``last-v2.ckpt``... that Lightning's
+    ``ModelCheckpoint`` writes instead when a run directory already holds a ``last.ckpt`` of another run."""
+    if not root.is_dir():
+        return []
+    return [p for p in root.glob("**/last*.ckpt") if LAST_NAME.fullmatch(p.name) and _is_checkpoint(p)]
+
+
 def resolve_resume(cfg: Any) -> Path | None:
-    """The checkpoint directory ``resume`` names: ``None`` (a fresh run), ``"last"`` (the newest ``last.ckpt``
-    below ``checkpoint.search_dir``, by modification time, among those of the same model and data
+    """The checkpoint directory ``resume`` names: ``None`` (a fresh run), ``"last"`` (the newest ``last.ckpt`` or
+    ``last-vN.ckpt`` below ``checkpoint.search_dir``, by modification time, among those of the same model and data
     (:func:`run_identity`; one recording no identity counts as the same); without a search dir, below the parent
     of ``output_dir``), or a path (used as given; a warning lists what differs from this run).
 
@@ -118,7 +128,7 @@ def resolve_resume(cfg: Any) -> Path | None:
     mine = run_identity(cfg)
     if str(r) == "last":
         root = Path(str(cfg.checkpoint.get("search_dir") or Path(cfg.output_dir).parent))
-        found = [p for p in root.glob("**/last.ckpt") if _is_checkpoint(p)] if root.is_dir() else []
+        found = _last_checkpoints(root)
         if not found:
             raise ConfigError("resume", f"resume=last found no last.ckpt checkpoint below {root} (checkpoint.search_dir); "
                                         "train with checkpoint.every_n_steps=N first, or give resume=/path/to/checkpoint.")

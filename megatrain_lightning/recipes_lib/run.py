@@ -58,9 +58,11 @@ def run_preflight(cfg: DictConfig) -> None:
     plan_preflight(p, path=str(disk))
 
 
-def preflight(cfg: DictConfig) -> list[dict]:
-    """Everything that can be checked before the model is built, in seconds: config keys, the data's first
-    records, paths, packages, ``resume``, then (``cfg.preflight``) the memory plan. Returns the peeked documents.
+def preflight(cfg: DictConfig) -> Path | None:
+    """Everything that can be checked before the model is built, in seconds: config keys, the data's records,
+    paths, packages, ``resume``, then (``cfg.preflight``) the memory plan. Returns the checkpoint directory
+    ``resume`` names (:func:`~.checkpoints.resolve_resume`; ``None`` for a fresh run), resolved once here so that
+    its choice and its warning come before the model is loaded, and the later steps use that same checkpoint.
 
     Raises:
         ConfigError: naming the Hydra key to change (see :mod:`~megatrain_lightning.recipes_lib.checks`).
@@ -70,11 +72,11 @@ def preflight(cfg: DictConfig) -> list[dict]:
     if missing:
         raise ConfigError(missing[0], f"is required and has no value: add {missing[0]}=... to the command line.")
     plain = OmegaConf.to_container(cfg, resolve=True)
-    docs = check_all(plain)
-    resolve_resume(cfg)
+    check_all(plain)
+    resumed = resolve_resume(cfg)
     if cfg.preflight:
         run_preflight(cfg)
-    return docs
+    return resumed
 
 
 @contextlib.contextmanager
@@ -223,12 +225,12 @@ def evaluate(trainer: pl.Trainer, lm: CausalLMModule, dm: Any, weights: Path | N
     return metrics
 
 
-def fit(cfg: DictConfig, trainer: pl.Trainer, lm: CausalLMModule, dm: Any) -> dict[str, Any]:
-    """``trainer.fit`` (from ``resume``'s checkpoint when set); returns the run statistics of the summary table:
+def fit(cfg: DictConfig, trainer: pl.Trainer, lm: CausalLMModule, dm: Any, ckpt: Path | None = None) -> dict[str, Any]:
+    """``trainer.fit`` (from the checkpoint ``ckpt``, the one :func:`preflight` resolved ``resume`` to; ``None``: a
+    fresh run); returns the run statistics of the summary table:
     ``steps``, ``seconds``, ``tokens_per_s`` (loss-carrying tokens), ``peak_rss_bytes``, ``h2d_bytes``/``d2h_bytes``
     (of the last step), ``resumed_from``, and for instruction data ``examples_left_out`` / ``examples_cut`` (training
     examples with no answer token within ``seq_len`` / cut at ``seq_len``: the data module warns of both)."""
-    ckpt = resolve_resume(cfg)
     t0 = time.perf_counter()
     trainer.fit(lm, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
     seconds = time.perf_counter() - t0
