@@ -156,9 +156,11 @@ class MegaTrainStrategy(ParallelStrategy):
             states, master) into the backward, where the disk is otherwise idle, and the gradient
             accumulator never goes to disk. ``None`` (default): on with the NVMe tier. Used only on
             the last micro-batch of an accumulation window, in automatic optimization, without
-            gradient clipping or fp16 loss scaling (both need every gradient first) and when the
-            LightningModule does not override ``on_before_optimizer_step``,
-            ``configure_gradient_clipping`` or ``optimizer_step``; otherwise the deferred schedule runs.
+            gradient clipping or fp16 loss scaling (both need every gradient first) and when no user code
+            sees the step's gradients before the step: the LightningModule does not override
+            ``on_after_backward``, ``on_before_optimizer_step``, ``configure_gradient_clipping`` or
+            ``optimizer_step`` and no callback overrides ``on_after_backward`` or
+            ``on_before_optimizer_step``; otherwise the deferred schedule runs.
         unfreeze_during_fit: keep gradient and AdamW state in the store for the parameters frozen at setup as
             well, so that they can be unfrozen (``requires_grad_(True)``, ``optimizer.add_param_group``) while fit
             runs. Costs what training them costs (12 bytes per frozen element more once allocated: the
@@ -469,6 +471,14 @@ class MegaTrainStrategy(ParallelStrategy):
                            "param.grad read or edited after clip_gradients (manual optimization, a "
                            "configure_gradient_clipping override) shows the gradients before the clip, and edits "
                            "made after it are clipped too (one process applies the clip at once, as plain Lightning).")
+        if Region.grad_accum in self.engine.store.nvme_kinds and trainer.state.fn == TrainerFn.FITTING:
+            hooks = self._gradient_hooks(module, trainer)
+            if hooks:  # they would see param.grad None and their edits would be no-ops, silently
+                rank_zero_warn(f"megatrain: the gradient accumulators are on NVMe (offload_optimizer='nvme'), where "
+                               f"they are never all in memory, so param.grad is None in {', '.join(hooks)}: that code "
+                               "cannot read or change the gradients. Clip with Trainer(gradient_clip_val=...) (applied "
+                               "slab by slab), or keep the optimizer state in RAM (offload_optimizer='cpu') to see "
+                               "param.grad there.")
         self.setup_precision_plugin()
         self._wrap_lightning_optimizers()
 
@@ -613,13 +623,31 @@ class MegaTrainStrategy(ParallelStrategy):
         trainer = module.trainer
         plugin = self.precision_plugin
         if (not module.automatic_optimization or trainer.gradient_clip_val or getattr(plugin, "scaling", False)
-                or any(is_overridden(h, module) for h in ("on_before_optimizer_step", "configure_gradient_clipping",
-                                                           "optimizer_step"))):
+                or self._user_code_sees_step_gradients(module, trainer)):
             return False
         try:
             return not trainer.fit_loop.epoch_loop._should_accumulate()
         except AttributeError:  # another Lightning version: stay with the deferred schedule
             return False
+
+    @staticmethod
+    def _gradient_hooks(module: Any, trainer: Any) -> list[str]:
+        """The user hooks that read or edit the step's gradients before the optimizer step, as ``"Class.hook"``:
+        the module's ``on_after_backward`` / ``on_before_optimizer_step`` overrides and the callbacks' (e.g. a
+        gradient-norm logger or clipper)."""
+        hooks = ("on_after_backward", "on_before_optimizer_step")
+        found = [f"{type(module).__name__}.{h}" for h in hooks if is_overridden(h, module)]
+        return found + [f"{type(cb).__name__}.{h}" for cb in trainer.callbacks for h in hooks
+                        if is_overridden(h, cb, Callback)]
+
+    @classmethod
+    def _user_code_sees_step_gradients(cls, module: Any, trainer: Any) -> bool:
+        """Whether user code sees the step's complete gradients before the optimizer step (:meth:`_gradient_hooks`,
+        or a ``configure_gradient_clipping`` / ``optimizer_step`` override). An update applied in the backward
+        would run before that code, so its edits would be lost and its reads would see no gradients: the deferred
+        schedule runs instead."""
+        return (any(is_overridden(h, module) for h in ("configure_gradient_clipping", "optimizer_step"))
+                or bool(cls._gradient_hooks(module, trainer)))
 
     def flush(self) -> None:
         """Apply pending optimizer updates so parameters read directly are current."""
