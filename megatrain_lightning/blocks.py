@@ -54,6 +54,29 @@ class ParamRef:
     slab: int = -1
     index: int = -1
 
+    def registered(self) -> nn.Parameter:
+        """The parameter ``owner`` holds under ``attr``, which must still be :attr:`param`.
+
+        Raises:
+            RuntimeError: the module no longer registers that parameter under that name: it was removed,
+                renamed or replaced while the strategy streams the module (``torch.nn.utils.prune`` and Lightning's
+                ``ModelPruning`` rename ``weight`` to ``weight_orig``; ``module.weight = nn.Parameter(...)``
+                replaces it). The store was laid out from the module as it was at ``setup``.
+        """
+        cur = self.owner._parameters.get(self.attr)
+        if cur is self.param:
+            return cur
+        now = "removed" if cur is None else "replaced by another tensor or Parameter"
+        renamed = [k for k, v in self.owner._parameters.items() if v is self.param]
+        if renamed:
+            now = f"re-registered as {renamed[0]!r}"
+        raise RuntimeError(
+            f"megatrain: parameter {self.fqn} was {now} during fit (e.g. torch.nn.utils.prune or Lightning's "
+            "ModelPruning callback, which rename 'weight' to 'weight_orig', or an assignment of a new nn.Parameter). "
+            "The strategy lays out the host store from the module at setup and cannot follow parameters that change "
+            "while it trains: apply such changes before trainer.fit (then they are part of the layout), or between "
+            "two fit calls.")
+
 
 @dataclass
 class Block:

@@ -403,6 +403,7 @@ class MegaTrainStrategy(ParallelStrategy):
         module = self.lightning_module
         if trainer.state.fn == TrainerFn.FITTING:
             _refuse_callbacks_reading_masters_on_disk(trainer.callbacks, self.nvme is not None and Region.master in self.nvme.kinds)
+            _refuse_pruning(trainer.callbacks)
         reserve_frozen = _reserve_frozen(self.unfreeze_during_fit, trainer.callbacks)
         if self.engine is not None and (self.engine.closed or self.engine.root is not module
                                         or self.engine.trainable != [reserve_frozen or p.requires_grad
@@ -442,6 +443,11 @@ class MegaTrainStrategy(ParallelStrategy):
                 if self.groups else None,
             )
         self.engine.install()  # weights materialized after an earlier fit are written back
+        adopted = self.engine.adopt_replaced()  # e.g. another Trainer trained the module since this one ran
+        if adopted:
+            log.info("megatrain: %d parameter(s) (e.g. %s) were given new data since this Trainer last ran (another "
+                     "Trainer trained the module, or param.data = ... was assigned): their current values are used.",
+                     len(adopted), adopted[0])
         if self.groups is not None:
             weights_written(self.groups, self.engine.store)
         module._device = self.root_device  # the module is never moved as a whole
@@ -611,8 +617,27 @@ class MegaTrainStrategy(ParallelStrategy):
         """Lightning's training step; first decides whether this micro-batch's backward applies the
         AdamW updates (``optimizer_in_backward``)."""
         if self.engine is not None:
+            self._adopt_replaced_weights()
             self.engine.update_in_backward = self._update_in_backward_now()
         return super().training_step(*args, **kwargs)
+
+    def _adopt_replaced_weights(self) -> None:
+        """Before a training or evaluation step: parameters whose ``.data`` user code replaced
+        (``param.data = tensor`` in a hook) are taken into the store, as plain PyTorch would compute with them.
+
+        Raises:
+            RuntimeError: with several processes (each rank's masters are the node's shared copy, which one
+                rank's assignment must not change alone): write in place instead, on every rank.
+        """
+        if self.groups is not None:
+            found = self.engine.params.replaced()
+            if found:
+                name = self.engine.store.slabs[found[0][0]].entries[found[0][1]].ref.fqn
+                raise RuntimeError(f"megatrain: {len(found)} parameter(s) (e.g. {name}) were given new tensors "
+                                   "(param.data = ...) during fit; with several processes write the values in place "
+                                   "instead, on every rank (with torch.no_grad(): param.copy_(value)).")
+            return
+        self.engine.adopt_replaced()
 
     def _update_in_backward_now(self) -> bool:
         engine, module = self.engine, self.lightning_module
@@ -664,12 +689,18 @@ class MegaTrainStrategy(ParallelStrategy):
 
     def on_validation_start(self) -> None:
         self.flush()
+        if self.engine is not None:
+            self._adopt_replaced_weights()
 
     def on_test_start(self) -> None:
         self.flush()
+        if self.engine is not None:
+            self._adopt_replaced_weights()
 
     def on_predict_start(self) -> None:
         self.flush()
+        if self.engine is not None:
+            self._adopt_replaced_weights()
 
     def on_train_start(self) -> None:
         """Data parallel: every rank must have as many training batches per epoch as the others (checked once,
@@ -952,6 +983,26 @@ class _AfterWeightAveraging(Callback):
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._written(trainer)
+
+
+def _refuse_pruning(callbacks: Sequence[Callback]) -> None:
+    """Raise if Lightning's ``ModelPruning`` callback is in the Trainer: it prunes during fit with
+    ``torch.nn.utils.prune``, which re-registers each pruned ``weight`` as ``weight_orig`` (plus a mask buffer and a
+    forward pre-hook), a change of the module's parameters the store (laid out at setup) cannot follow; without this
+    check the first block call after the first pruning fails (``ParamRef.registered``), an epoch of training later.
+
+    Raises:
+        RuntimeError: naming the callback and what to do instead.
+    """
+    from lightning.pytorch.callbacks import ModelPruning
+
+    for cb in callbacks:
+        if isinstance(cb, ModelPruning):
+            raise RuntimeError(
+                "megatrain: the ModelPruning callback prunes during fit (torch.nn.utils.prune re-registers each pruned "
+                "'weight' as 'weight_orig' with a mask), which strategy='megatrain' cannot follow: its host store is "
+                "laid out from the module at setup. Prune before trainer.fit instead (torch.nn.utils.prune on the "
+                "model, then prune.remove to make it permanent), or between two fit calls, and remove ModelPruning.")
 
 
 def _refuse_callbacks_reading_masters_on_disk(callbacks: Sequence[Callback], masters_on_disk: bool) -> None:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..optim.host_adamw import HostAdamW
-from ..store.host import HostStore, placeholder
+from ..store.host import HostStore
 from ..store.regions import Region
 
 
@@ -72,6 +72,49 @@ class ParamAccess:
             slab.view(t[Region.master], ei).copy_(value)
             slab.updated()  # invalidates the bf16/fp16 wire image
 
+    def _is_store_data(self, slab, i: int, data: torch.Tensor) -> bool:
+        """Whether ``data`` is what the store made entry ``i``'s ``.data``: the master's view in the RAM slab, or
+        the store's placeholder when masters are on disk."""
+        if self.store.masters_on_disk:
+            return self.store.is_placeholder(data) and tuple(data.shape) == tuple(slab.entries[i].shape)
+        mv = slab.master_view(i)
+        return (data.data_ptr() == mv.data_ptr() and data.dtype == mv.dtype and data.device == mv.device
+                and data.shape == mv.shape and data.stride() == mv.stride())
+
+    def replaced(self) -> list[tuple[int, int]]:
+        """``(slab, entry)`` of every parameter whose ``.data`` is no longer the store's: user code assigned
+        ``param.data = tensor``, or another Trainer's engine built its own store from the module and pointed the
+        parameters there. Empty while :meth:`materialize`'d (:meth:`dematerialize` writes those back). Costs one
+        pointer comparison per parameter."""
+        if self.materialized:
+            return []
+        return [(slab.index, i) for slab in self.store.slabs for i, e in enumerate(slab.entries)
+                if not self._is_store_data(slab, i, e.ref.param.data)]
+
+    def adopt(self, found: list[tuple[int, int]]) -> list[str]:
+        """Write the current ``.data`` of each :meth:`replaced` parameter into its master (:meth:`write`: shape
+        checked, any float dtype) and point ``.data`` back at the store. Apply pending updates first (the caller
+        flushes: the value the user assigned comes after the step). Returns their names.
+
+        Raises:
+            ValueError: a replacement has another shape than the parameter (the store's layout is fixed).
+            RuntimeError: a replacement is another store's placeholder (no values to take).
+        """
+        names = []
+        for si, i in found:
+            slab = self.store.slabs[si]
+            e = slab.entries[i]
+            d = e.ref.param.data
+            if d.numel() > 1 and all(st == 0 for st in d.stride()) and d.untyped_storage().nbytes() <= 4:
+                raise RuntimeError(
+                    f"megatrain: parameter {e.ref.fqn} holds no weights: its .data is the placeholder of another "
+                    "Trainer's NVMe store (that run ended without enough host RAM to give the module its weights "
+                    "back). Continue with that Trainer, or load its checkpoint into the module before using this one.")
+            self.write(e.ref.param, e.ref.param.data)
+            e.ref.param.data = self.store.placeholder(e.shape) if self.store.masters_on_disk else slab.master_view(i)
+            names.append(e.ref.fqn)
+        return names
+
     def materialize(self) -> None:
         """Give every parameter a real fp32 tensor again (a copy read from the store) so the module
         works on its own; used when masters are on disk and a run is over (4 bytes/param of host
@@ -103,7 +146,7 @@ class ParamAccess:
         self.write_back_materialized()
         for slab in self.store.slabs:
             for e in slab.entries:
-                e.ref.param.data = placeholder(e.shape)
+                e.ref.param.data = self.store.placeholder(e.shape)
         self.materialized = False
 
     # ------------------------------------------------------------------ checkpoints

@@ -328,7 +328,7 @@ class StreamingEngine:
                 else:
                     t = self.store.slabs[ref.slab].view(bufs[ref.slab], ref.index)
                     t = t if torch.is_grad_enabled() or not ref.param.requires_grad else t.detach().requires_grad_()
-                saved.append((ref.owner, ref.attr, ref.owner._parameters[ref.attr]))
+                saved.append((ref.owner, ref.attr, ref.registered()))
                 ref.owner._parameters[ref.attr] = t
             yield
         finally:
@@ -474,10 +474,20 @@ class StreamingEngine:
 
     def weights_written(self) -> None:
         """Parameters were written through ``param.data`` (no version counter shows it): drop the prefetched
-        copies and re-encode every wire image at its next fetch."""
+        copies, re-encode every wire image at its next fetch, and take ``param.data = tensor`` assignments into the
+        store (:meth:`ParamAccess.replaced` / :meth:`ParamAccess.adopt`, after the pending updates)."""
         self.flush()
         self._drop_prefetched()
         self.fetcher.forget_images()
+        self.params.adopt(self.params.replaced())
+
+    def adopt_replaced(self) -> list[str]:
+        """:meth:`weights_written` if a parameter's ``.data`` was replaced (user code; another Trainer's engine);
+        returns their names (none: one pointer comparison per parameter, nothing else)."""
+        found = self.params.replaced()
+        if found:
+            self.weights_written()
+        return [self.store.slabs[si].entries[i].ref.fqn for si, i in found]
 
     def end_step(self) -> dict[str, float]:
         """Close the accounting window of one optimizer step; returns the logged metrics."""

@@ -166,6 +166,7 @@ class HostStore:
         self.slabs = list(slabs)
         self.nvme = nvme  # NVMeStore or None
         self.nvme_kinds = frozenset(nvme_kinds)
+        self._placeholder_base = torch.zeros(1, dtype=torch.float32)  # the 4 bytes every placeholder expands
         self._index: dict[int, tuple[int, int]] | None = None
         self.shared: "SharedRegions | None" = None  # data parallel: the node's shared file (store/shared.py)
 
@@ -190,6 +191,17 @@ class HostStore:
     @property
     def numel(self) -> int:
         return sum(s.numel for s in self.slabs)
+
+    def placeholder(self, shape: torch.Size) -> torch.Tensor:
+        """A 4-byte fp32 tensor of ``shape`` (stride 0): the ``.data`` of a parameter whose master is on disk.
+        This store's placeholders all expand one storage, so :meth:`is_placeholder` tells them from another
+        store's."""
+        return self._placeholder_base.expand(shape)
+
+    def is_placeholder(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is one of this store's placeholders."""
+        return t.data_ptr() == self._placeholder_base.data_ptr() and t.dtype == torch.float32 and all(
+            st == 0 for st in t.stride())
 
     @property
     def masters_on_disk(self) -> bool:
@@ -260,11 +272,6 @@ class HostStore:
         return max((s.trainable_numel if trainable else s.numel) for s in self.slabs) if self.slabs else 0
 
 
-def placeholder(shape: torch.Size) -> torch.Tensor:
-    """A 4-byte fp32 tensor of ``shape`` (stride 0): the ``.data`` of a parameter whose master is on disk."""
-    return torch.zeros(1, dtype=torch.float32).expand(shape)
-
-
 def slab_layout(blocks: Sequence[Block], reserve_frozen: bool = False) -> list[tuple[list[SlabEntry], int, int]]:
     """Per block: its slab entries (trainable first), slab numel and trainable numel (elements).
 
@@ -330,7 +337,7 @@ def build_store(blocks: Sequence[Block], pin_memory: bool = False,
     Returns:
         The store. Parameters keep their identity (the same ``nn.Parameter`` objects,
         so optimizers and schedulers that hold them keep working); their dtype becomes fp32.
-        With masters on disk their ``.data`` is a placeholder (see :func:`placeholder`).
+        With masters on disk their ``.data`` is a placeholder (see :meth:`HostStore.placeholder`).
 
     Peak extra memory while building: one slab (each block's original storage is
     released once its parameters point into the slab, if nothing else holds it).
@@ -390,7 +397,7 @@ def build_store(blocks: Sequence[Block], pin_memory: bool = False,
                     del value
             for i, e in enumerate(entries):
                 old = e.ref.param
-                data = placeholder(e.shape) if on_disk else slab.master_view(i)
+                data = store.placeholder(e.shape) if on_disk else slab.master_view(i)
                 if old.is_meta:
                     new = torch.nn.Parameter(data, requires_grad=old.requires_grad)
                     for b in blocks:
