@@ -168,6 +168,28 @@ def _own_params(mod: nn.Module) -> list[tuple[str, nn.Module]]:
                   if isinstance(c, (nn.ParameterDict, nn.ParameterList)) and any(True for _ in c.parameters())]
 
 
+def _own_param_names(mod: nn.Module) -> list[str]:
+    """Names (relative to ``mod``) of the parameters ``mod`` owns directly (:func:`_own_params`): its own
+    ``_parameters`` and those of its ``nn.ParameterDict`` / ``nn.ParameterList`` children, not its submodules'."""
+    return [".".join(x for x in (sub_name, n) if x)
+            for sub_name, sub in _own_params(mod) for n, _ in sub.named_parameters(recurse=False)]
+
+
+def _example_pattern(root: nn.Module, wanted: Sequence[str] = ()) -> str | None:
+    """A ``block_names`` pattern built from ``root``'s own paths: ``<path>.*`` of a repeated ``nn.ModuleList``
+    (at least two children), preferring one whose pattern ends with a pattern in ``wanted`` (the user's
+    ``"model.layers.*"`` on a LightningModule holding the model as ``self.model`` gives ``"model.model.layers.*"``),
+    then the longest list. ``None``: no such list."""
+    lists = [f"{name}.*" for name, mod in root.named_modules()
+             if name and isinstance(mod, nn.ModuleList) and len(mod) >= 2]
+    if not lists:
+        return None
+    suffixed = [p for p in lists if any(p.endswith("." + w) for w in wanted)]
+    if suffixed:
+        return suffixed[0]
+    return max(lists, key=lambda p: len(root.get_submodule(p[:-2])))
+
+
 def discover_blocks(
     root: nn.Module,
     block_classes: Sequence[str | type] | None = None,
@@ -216,22 +238,26 @@ def discover_blocks(
             f"Cannot find streamable blocks in {type(root).__name__}: no submodule declares "
             "`_no_split_modules` (Hugging Face models do). Pass "
             "`MegaTrainStrategy(block_classes=[YourLayerClass])` or "
-            "`block_names=['model.layers.*']` to name the repeated layers. "
+            f"`block_names=[{_example_pattern(root) or 'model.layers.*'!r}]` to name the repeated layers. "
             f"Module paths of {type(root).__name__}: {_module_listing(root)}."
         )
     if _own_params(root):
         raise BlockDiscoveryError(
-            f"{type(root).__name__} owns parameters directly "
-            f"({[n for _, m in _own_params(root) for n, _ in m.named_parameters()]}); move them into a submodule "
-            "so that they can be streamed with it."
+            f"{type(root).__name__} owns parameters directly ({_own_param_names(root)}): they belong to no "
+            "submodule, so there is no block to stream them with. Move each into a small nn.Module whose forward "
+            "returns it (class Prompt(nn.Module): __init__ sets self.weight = nn.Parameter(...); "
+            "forward(self) returns self.weight), assign that module as an attribute and read the parameter by "
+            "calling the module (self.prompt() instead of self.prompt); see README, \"Use it from your own code\"."
         )
     modules = [(name, mod) for name, mod in root.named_modules() if name]
     unmatched = [pat for pat in names if not any(fnmatch.fnmatchcase(n, pat) for n, _ in modules)]
     if unmatched:
+        example = _example_pattern(root, unmatched)
         raise BlockDiscoveryError(
             f"block_names {unmatched} match no module path of {type(root).__name__}. Module paths "
             f"(numeric indices shown as *): {_module_listing(root)}. Patterns are fnmatch patterns of "
-            "these paths, e.g. 'model.layers.*'."
+            "these paths, relative to the module given to the strategy (the LightningModule)"
+            + (f", e.g. {example!r}." if example else ".")
         )
     matched = [name for name, mod in modules if _matches(name, type(mod).__name__, classes, names)]
     matched_set = set(matched)

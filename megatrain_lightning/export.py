@@ -117,6 +117,24 @@ def _export_merged(ckpt_dir: Path, dst: Path, dt: Any, max_shard_bytes: int) -> 
     return index, src
 
 
+def _check_out_dir(dst: Path, src_dir: Path) -> None:
+    """Refuse an ``OUT_DIR`` that is not new or empty (before anything is written): files mixed into a directory
+    that holds others (an earlier export, the checkpoint itself) would make a model that loads stale tensors or
+    config, or damage the checkpoint."""
+    if not dst.exists():
+        return
+    if not dst.is_dir():
+        raise FileExistsError(f"OUT_DIR {dst} is a file: give the path of a new or empty directory.")
+    if dst.resolve() == src_dir.resolve():
+        raise ValueError(f"OUT_DIR {dst} is the source model directory: choose another directory.")
+    held = sorted(p.name for p in dst.iterdir())
+    if held:
+        raise FileExistsError(
+            f"OUT_DIR {dst} is not empty (it holds {held[:5]}{' ...' if len(held) > 5 else ''}): the export writes "
+            "a whole model directory and would mix its files with these. Give a new or empty directory (or remove "
+            "that one first); nothing was written.")
+
+
 def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "fp32", *,
            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, merge_adapter: bool = False,
            quiet: bool = False) -> dict[str, Any]:
@@ -124,7 +142,7 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str =
 
     Args:
         ckpt_dir: a megatrain checkpoint directory (with ``model/``) or a HF model directory.
-        out_dir: created if missing; must not already hold weights and must differ from the source.
+        out_dir: created if missing; must be new or an empty directory (so not the source either).
         dtype: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (floating tensors are cast; others keep their dtype).
         max_shard_bytes: shard size limit of the output, in bytes.
         merge_adapter: ``ckpt_dir`` is a checkpoint of a peft model: write its base model with the
@@ -140,10 +158,10 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str =
         FileNotFoundError: ``ckpt_dir`` does not exist, or has no safetensors weights.
         ValueError: ``ckpt_dir`` is a file (e.g. a ``.ckpt``) or not a checkpoint directory, an
             unknown ``dtype``, a checksum mismatch (the message names the file), ``out_dir`` is
-            the source directory, or a peft checkpoint without ``merge_adapter`` (or the reverse).
+            the source model directory, or a peft checkpoint without ``merge_adapter`` (or the reverse).
             A :class:`~megatrain_lightning.checkpoint.errors.CheckpointError` (a ``ValueError``) for
             a damaged peft checkpoint or one assembled from several checkpoints.
-        FileExistsError: ``out_dir`` already holds weights.
+        FileExistsError: ``out_dir`` is a file or a directory that is not empty (nothing is written).
         ImportError: ``merge_adapter`` without peft installed.
     """
     start = time.perf_counter()
@@ -151,11 +169,11 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str =
     ckpt = Path(ckpt_dir)
     dst = Path(out_dir)
     if ckpt.is_dir() and _peft_checkpoint(ckpt, merge_adapter):
+        _check_out_dir(dst, ckpt / BASE_DIR)
         index, src_dir = _export_merged(ckpt, dst, dt, max_shard_bytes)
     else:
         src_dir, need_sums = _model_dir(ckpt)
-        if dst.exists() and dst.resolve() == src_dir.resolve():
-            raise ValueError(f"OUT_DIR {dst} is the source model directory: choose another directory.")
+        _check_out_dir(dst, src_dir)
         if need_sums:
             verify_checksums(src_dir)
         elif not quiet:
@@ -186,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Export the model of a strategy='megatrain' checkpoint directory as a Hugging Face model "
                     "directory (safetensors) that AutoModelForCausalLM.from_pretrained loads.")
     parser.add_argument("ckpt_dir", metavar="CKPT_DIR", help="checkpoint directory (or HF model directory)")
-    parser.add_argument("out_dir", metavar="OUT_DIR", nargs="?", help="output directory (new or empty)")
+    parser.add_argument("out_dir", metavar="OUT_DIR", nargs="?", help="output directory (new or empty: a non-empty one is refused)")
     parser.add_argument("--dtype", default="fp32", help="fp32 (default), bf16 or fp16")
     parser.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES,
                         help="shard size limit in bytes (default 5 GiB)")
@@ -208,7 +226,14 @@ def main(argv: list[str] | None = None) -> int:
 
             res = convert_to_lightning_checkpoint(args.ckpt_dir, args.lightning_ckpt, optimizer=not args.no_optimizer)
             print(f"wrote {res['out_path']}: {res['tensors']} state_dict tensors ({res['bytes']} bytes)"
-                  + (" + AdamW state" if res["optimizer"] else ""))
+                  + (" + AdamW state" if res["optimizer"] else " (weights only)"))
+            if not res["optimizer"] and not args.no_optimizer:
+                print(f"warning: {args.ckpt_dir} holds no AdamW state (saved with weights_only=True, e.g. the "
+                      f"recipe's final checkpoint with checkpoint.save_optimizer=false), so {res['out_path']} holds "
+                      "the weights only: load_from_checkpoint works, but Trainer.fit(ckpt_path=...) cannot resume "
+                      "training from it. To resume, convert a checkpoint saved with the optimizer state "
+                      "(ModelCheckpoint without save_weights_only, trainer.save_checkpoint(path), or the recipe's "
+                      "checkpoints/last.ckpt).", file=sys.stderr)
     except (FileNotFoundError, FileExistsError, IsADirectoryError, ValueError, ImportError) as err:
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 2

@@ -118,6 +118,38 @@ def test_parameter_on_root_module():
         discover_blocks(Root(), block_names=["layer"])
 
 
+def test_parameter_on_lightning_module_names_only_its_own_and_says_how_to_wrap():
+    """Prompt tuning's ``self.prompt = nn.Parameter(...)`` on the LightningModule: the error lists the directly
+    owned parameters (also those of an ``nn.ParameterList`` / ``nn.ParameterDict`` child), not every parameter
+    of the model (before the fix: all of them, so users were told to move their whole model), and says how to
+    wrap them."""
+    lm = LM(make_model("llama"))
+    lm.prompt = nn.Parameter(torch.zeros(3, 32))
+    lm.extra = nn.ParameterList([nn.Parameter(torch.zeros(2))])
+    lm.named = nn.ParameterDict({"bias": nn.Parameter(torch.zeros(2))})
+    with pytest.raises(BlockDiscoveryError) as err:
+        discover_blocks(lm)
+    msg = str(err.value)
+    assert "owns parameters directly (['prompt', 'extra.0', 'named.bias'])" in msg
+    assert "embed_tokens" not in msg
+    assert "small nn.Module whose forward returns it" in msg and "self.prompt()" in msg
+
+
+def test_block_names_example_comes_from_the_module_paths():
+    """``block_names="model.layers.*"`` on a LightningModule holding the HF model as ``self.model``: paths are
+    relative to the LightningModule, and the example the error ends with is the real one (before the fix it
+    was the rejected ``'model.layers.*'``)."""
+    with pytest.raises(BlockDiscoveryError) as err:
+        discover_blocks(LM(make_model("llama")), block_names="model.layers.*")
+    msg = str(err.value)
+    assert "['model.layers.*'] match no module path" in msg
+    assert msg.endswith("relative to the module given to the strategy (the LightningModule), e.g. 'model.model.layers.*'.")
+    assert discover_blocks(LM(make_model("llama")), block_names="model.model.layers.*")  # the example works
+    # no _no_split_modules and no names: the suggested pattern is a path of this module too
+    with pytest.raises(BlockDiscoveryError, match=r"block_names=\['net.layers.\*'\]"):
+        discover_blocks(_M2())
+
+
 class _Layer(nn.Module):
     def __init__(self):
         super().__init__()

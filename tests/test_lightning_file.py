@@ -77,3 +77,52 @@ def test_convert_refuses_what_it_cannot_convert(tmp_path):
     (tmp_path / "c" / "trainer.pt").write_bytes(b"damaged")
     with pytest.raises(CheckpointError, match="trainer.pt does not belong"):
         convert_to_lightning_checkpoint(tmp_path / "c", tmp_path / "x.ckpt")
+
+
+def test_export_refuses_an_out_dir_that_is_not_empty(tmp_path, capsys):
+    """Regression: OUT_DIR is documented "new or empty", yet a non-empty directory (an earlier export, the
+    checkpoint itself) was written into, mixing files. It is refused (exit 2, nothing written); an empty or new
+    directory is taken, and the source model directory keeps its own refusal."""
+    from megatrain_lightning.export import main
+
+    lm = lm_for(make_model("llama"))
+    t = trainer(1)
+    t.fit(lm, loader())
+    t.save_checkpoint(tmp_path / "c")
+    ckpt = tmp_path / "c"
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "keep.txt").write_text("x")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    for out in (tmp_path / "other", ckpt):
+        capsys.readouterr()
+        assert main([str(ckpt), str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"OUT_DIR {out} is not empty" in err and "nothing was written" in err, err
+    assert main([str(ckpt), str(ckpt / "model")]) == 2
+    assert "is the source model directory" in capsys.readouterr().err
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written anywhere
+    (tmp_path / "empty").mkdir()
+    assert main([str(ckpt), str(tmp_path / "empty")]) == 0 and main([str(ckpt), str(tmp_path / "new")]) == 0
+
+
+def test_lightning_ckpt_of_a_weights_only_checkpoint_says_it_cannot_resume(tmp_path, capsys):
+    """Regression: --lightning-ckpt on a weights-only checkpoint said only "wrote x.ckpt"; a resume from the file
+    then failed in Lightning. The output now says the file holds the weights only and why it cannot resume."""
+    from megatrain_lightning.export import main
+
+    lm = lm_for(make_model("llama"))
+    t = trainer(1)
+    t.fit(lm, loader())
+    t.save_checkpoint(tmp_path / "w", weights_only=True)
+    t.save_checkpoint(tmp_path / "full")
+    capsys.readouterr()
+    assert main([str(tmp_path / "w"), "--lightning-ckpt", str(tmp_path / "w.ckpt")]) == 0
+    out = capsys.readouterr()
+    assert "(weights only)" in out.out and "holds no AdamW state" in out.err and "cannot resume" in out.err, out
+    assert "optimizer_states" not in torch.load(tmp_path / "w.ckpt", weights_only=True)
+    assert main([str(tmp_path / "full"), "--lightning-ckpt", str(tmp_path / "full.ckpt")]) == 0
+    out = capsys.readouterr()
+    assert "+ AdamW state" in out.out and "warning" not in out.err
+    assert main([str(tmp_path / "full"), "--lightning-ckpt", str(tmp_path / "n.ckpt"), "--no-optimizer"]) == 0
+    out = capsys.readouterr()
+    assert "(weights only)" in out.out and "warning" not in out.err  # asked for: no warning

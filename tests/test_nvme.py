@@ -154,7 +154,7 @@ def test_budget_and_sizes():
     assert parse_bytes("16GiB") == 16 * 2**30
     assert parse_bytes("1.5 GB") == 1_500_000_000
     assert parse_bytes(4096) == 4096
-    for bad in ("-1", "12 parsecs", 0, True):
+    for bad in ("-1", "12 parsecs", 0, True, float("inf"), float("nan"), "9" * 400 + "GiB"):
         with pytest.raises(ValueError):
             parse_bytes(bad)
     b = HostBudget(100)
@@ -337,6 +337,9 @@ def test_io_options_are_validated_with_their_names():
         MegaTrainStrategy(offload_params="nvme", nvme_path="/tmp", nvme_io_block_size="abc")
     with pytest.raises(ValueError, match="host_memory_limit: Not a memory size"):
         MegaTrainStrategy(offload_params="nvme", nvme_path="/tmp", host_memory_limit="lots")
+    for inf in (float("inf"), float("nan")):  # not "no limit": the default (unset) is half the RAM
+        with pytest.raises(ValueError, match="megatrain: host_memory_limit: A memory size must be a finite number"):
+            MegaTrainStrategy(offload_params="nvme", nvme_path="/tmp", host_memory_limit=inf)
     with pytest.raises(ValueError, match="nvme_io_threads must be an integer >= 1, got '4'"):
         MegaTrainStrategy(offload_params="nvme", nvme_path="/tmp", nvme_io_threads="4")
 

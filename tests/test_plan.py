@@ -796,6 +796,31 @@ def test_seq_len_beyond_the_models_positions_is_a_warning(capsys):
     assert "warning: seq_len=100,000" in capsys.readouterr().out
 
 
+def test_longest_seq_len_advice_beyond_the_models_positions_says_so(capsys):
+    """seq_len=100,000,000 for llama8b on an H200: the "change:" advice's longest seq_len (memory alone, 149,126)
+    is beyond max_position_embeddings=131,072; the advice says so and suggests the limit, which fits (before the
+    fix it suggested 149,126 without a word). The "set <option>" line marks its longest length the same way."""
+    m, hw = load_model("llama8b"), load_hardware("h200")
+    mp = plan(m, hw).counts.max_position_embeddings
+    longest = max_seq_len(plan(m, hw, seq_len=100_000_000))
+    assert longest > mp == 131_072 and plan(m, hw, seq_len=mp).fits
+    rc, out = _main(capsys, "model=llama8b", "hardware=h200", "seq_len=100000000")
+    assert rc == 0
+    assert (f"change: longest seq_len that fits at batch_size=1 with these options: {longest:,} (memory alone, beyond "
+            f"the model's max_position_embeddings=131,072: use seq_len=131,072, which fits, or a config with RoPE "
+            f"scaling (rope_scaling) that extends the positions)") in out
+    rc, out = _main(capsys, "model=llama8b", "hardware=h200", "seq_len=120000", "loss_chunk_size=null")
+    assert rc == 0
+    line = next(l for l in out.splitlines() if "change: set loss_chunk_size=" in l)
+    assert line.endswith(f"longest seq_len {longest:,}, beyond the model's max_position_embeddings=131,072)"), line
+    # within the limit: no remark
+    rc, out = _main(capsys, "model=smollm2_135m", "hardware=h200", "seq_len=8192", "loss_chunk_size=null",
+                    "mlp_chunk_size=null", "hardware.hbm_gib=3")
+    change = [l for l in out.splitlines() if "change:" in l]
+    assert re.search(r"change: longest seq_len that fits at batch_size=1 with these options: [0-9,]+$", change[0])
+    assert not any("max_position_embeddings" in l for l in change)
+
+
 def test_block_group_beyond_the_layer_count_is_one_group_of_all_layers():
     """block_group=100 on a 30-layer model: the strategy forms one group of the 30 layers (form_groups); the plan
     says so, counts 30 layers in flight (not (lookahead + 1) x 30 = 60) and the device weights of 30 layers + one

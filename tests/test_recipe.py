@@ -492,6 +492,53 @@ def test_resume_last_takes_the_newest_run_of_the_same_model_and_data(tmp_path, g
             match="none from a run of this model on this data")
 
 
+def test_resume_refuses_a_weights_only_checkpoint_and_its_advice_works(tmp_path, gpt2_dir):
+    """Regression: resume=<run>/checkpoint (the final save, weights only with checkpoint.save_optimizer=false)
+    passed preflight, loaded the model, evaluated, then fit died with Lightning's raw KeyError. It is refused in
+    preflight (key resume) saying what to do, and its model.weights= override starts a new run from those weights."""
+    group, src = _formats(tmp_path)["text-jsonl"]
+    common = [f"data={group}", f"data.source={src}", *tiny(gpt2_dir), f"checkpoint.search_dir={tmp_path}"]
+    first = finetune(cfg_for(tmp_path / "a", *common, "eval.before=false"))
+    ckpt = Path(first["checkpoint"])
+    assert json.loads((ckpt / "megatrain.json").read_text())["has_optimizer"] is False
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(step, "build_model", lambda cfg: pytest.fail("the model was built before resume was refused"))
+        msg = refused(tmp_path / "b", *common, f"resume={ckpt}", key="resume", match="no AdamW state")
+    assert "checkpoints/last.ckpt" in msg and "checkpoint.save_optimizer=true" in msg
+    weights = re.search(r"model\.weights=(\S+)", msg).group(1)
+    assert weights == str(ckpt / "model") and "model.gguf=null" in msg
+    again = finetune(cfg_for(tmp_path / "c", *common, f"model.weights={weights}", "trainer.max_steps=1"))
+    assert again["metrics"]["val_loss"]["before"] == pytest.approx(first["metrics"]["val_loss"]["after"], rel=1e-5)
+
+
+def test_loss_history_under_accumulation_is_the_module_loss_as_logged(tmp_path, gpt2_dir, monkeypatch):
+    """Regression: with trainer.accumulate_grad_batches=2 the history (summary.json, loss.png) recorded
+    Lightning's outputs["loss"], divided by 2. It now has one entry per optimizer step: the mean of the losses
+    training_step returned for its micro-batches, the train_loss that logs/metrics.csv holds for that step."""
+    import csv
+
+    from megatrain_lightning.recipes_lib.module import CausalLMModule
+
+    returned: dict[int, list[float]] = {}
+    original = CausalLMModule.training_step
+
+    def recording(self, batch, batch_idx):
+        loss = original(self, batch, batch_idx)
+        returned.setdefault(self.trainer.global_step + 1, []).append(float(loss))
+        return loss
+
+    monkeypatch.setattr(CausalLMModule, "training_step", recording)
+    group, src = _formats(tmp_path)["text-jsonl"]
+    out = finetune(cfg_for(tmp_path, f"data={group}", f"data.source={src}", "eval.before=false", *tiny(gpt2_dir),
+                           "trainer.accumulate_grad_batches=2", "logger=csv"))
+    assert [p["step"] for p in out["loss"]] == [1, 2] and all(len(v) == 2 for v in returned.values())
+    expected = [sum(returned[s]) / 2 for s in (1, 2)]
+    assert [p["loss"] for p in out["loss"]] == pytest.approx(expected, rel=1e-5)
+    rows = list(csv.DictReader(next((tmp_path / "run" / "logs").rglob("metrics.csv")).open()))
+    logged = {int(r["step"]) + 1: float(r["train_loss"]) for r in rows if r.get("train_loss")}
+    assert logged == pytest.approx({1: expected[0], 2: expected[1]}, rel=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------- real model
 def test_short_real_run_end_to_end(tmp_path, capsys):
     cfg = cfg_for(tmp_path, "data=legal", "trainer.max_steps=2", "trainer.limit_val_batches=2", "data.seq_len=64",

@@ -147,6 +147,9 @@ def test_retain_graph_and_autograd_grad(mode, tmp_path):
     (dict(recompute=None), "recompute=None"),
     (dict(recompute="auto", activation_memory_limit="lots"), "activation_memory_limit"),
     (dict(recompute="auto", activation_memory_limit=0), "activation_memory_limit"),
+    # inf/nan were a raw OverflowError/ValueError from int() that did not name the option
+    (dict(recompute="auto", activation_memory_limit=float("inf")), "megatrain: activation_memory_limit: .*finite"),
+    (dict(recompute="auto", activation_memory_limit=float("nan")), "megatrain: activation_memory_limit: .*finite"),
 ])
 def test_bad_values_are_refused_at_construction(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -107,21 +107,33 @@ def _activation_options(p: Plan) -> list[dict[str, Any]]:
 def seq_len_advice(p: Plan, host: int | None, device: int | None, keys: Mapping[str, str] | None = None) -> list[str]:
     """For a plan whose activations do not fit: the longest ``seq_len`` that fits at batch 1 with its
     options, and the first option set (:func:`_activation_options`) with which this ``seq_len`` fits,
-    with its numbers. ``host``/``device``: bytes available (None: the preset's)."""
+    with its numbers. ``host``/``device``: bytes available (None: the preset's).
+
+    The lengths count memory alone, as the longest-sequence table does; one beyond the model's
+    ``max_position_embeddings`` says so (as :func:`~.estimate.position_warnings`: not a refusal, RoPE scaling
+    can extend it) and the first line then suggests that limit, which fits too."""
     s = p.settings
     sk = key("seq_len", keys)
+    mp = p.counts.max_position_embeddings
+
+    def beyond(n: int) -> str:
+        return f", beyond the model's max_position_embeddings={mp:,}" if mp and n > mp else ""
+
     longest = max_seq_len(p, host, device)
     out = [f"longest {sk} that fits at batch_size=1 with these options: {longest:,}" if longest else
            f"no {sk} fits at batch_size=1 with these options (the memory that does not grow with the sequence "
            f"alone does not fit)"]
+    if longest and mp and longest > mp:
+        out[0] += (f" (memory alone{beyond(longest)}: use {sk}={mp:,}, which fits, or a config with RoPE scaling "
+                   f"(rope_scaling) that extends the positions)")
     for opts in _activation_options(p):
         q = replan(p, **opts)
         if fits_memory(q, host, device):
             setting = " ".join(f"{key(k, keys)}={_value(v)}" for k, v in opts.items())
             where = f"device then needs {gib(q.device_bytes)} GiB" if p.hardware.is_gpu else \
                 f"host then needs {gib(q.host_bytes)} GiB"
-            out.append(f"set {setting}: {sk}={s['seq_len']:,} then fits ({where}; longest {sk} "
-                       f"{max_seq_len(p, host, device, **opts):,})")
+            n = max_seq_len(p, host, device, **opts)
+            out.append(f"set {setting}: {sk}={s['seq_len']:,} then fits ({where}; longest {sk} {n:,}{beyond(n)})")
             break
     else:
         out.append(f"no activation option makes {sk}={s['seq_len']:,} fit here: reduce {sk}")

@@ -14,6 +14,7 @@ a resumed run may change) under the key ``"recipe"`` of Lightning's checkpoint d
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from pathlib import Path
@@ -104,6 +105,17 @@ def _is_checkpoint(p: Path) -> bool:
     return p.is_dir() and (p / CHECKPOINT_MARK).is_file()
 
 
+def _has_training_state(p: Path) -> bool:
+    """Whether the checkpoint directory ``p`` can be resumed: its ``megatrain.json`` records AdamW state
+    (``has_optimizer``; false for a weights-only save, ``trainer.save_checkpoint(weights_only=True)``, which also
+    leaves out the schedule and callbacks). An unreadable ``megatrain.json`` counts as resumable here: the
+    checkpoint's own load reports what is wrong with it, naming the file."""
+    try:
+        return json.loads((p / CHECKPOINT_MARK).read_text()).get("has_optimizer", True) is not False
+    except (OSError, ValueError, AttributeError):
+        return True
+
+
 def _last_checkpoints(root: Path) -> list[Path]:
     """Every ``last.ckpt`` below ``root``, with the ``last-v1.ckpt``, ``last-v2.ckpt``... that Lightning's
     ``ModelCheckpoint`` writes instead when a run directory already holds a ``last.ckpt`` of another run."""
@@ -119,7 +131,8 @@ def resolve_resume(cfg: Any) -> Path | None:
     of ``output_dir``), or a path (used as given; a warning lists what differs from this run).
 
     Raises:
-        ConfigError: (key ``resume``) no such checkpoint, or ``resume=last`` and every ``last.ckpt`` found is of
+        ConfigError: (key ``resume``) no such checkpoint, a checkpoint of the weights only (no AdamW state: the
+            recipe's final ``checkpoint/`` by default), or ``resume=last`` and every ``last.ckpt`` found is of
             another model or data (the newest one and its differences are named).
     """
     r = cfg.get("resume")
@@ -146,6 +159,14 @@ def resolve_resume(cfg: Any) -> Path | None:
     if not _is_checkpoint(p):
         raise ConfigError("resume", f"{p} is not a checkpoint directory (no {CHECKPOINT_MARK}); give one written by "
                                     "checkpoint.every_n_steps (…/checkpoints/last.ckpt) or resume=last.")
+    if not _has_training_state(p):
+        raise ConfigError("resume", f"{p} holds the model weights only, no AdamW state or training state (step "
+                                    "count, schedule, data position): it cannot be resumed (the recipe's final "
+                                    "checkpoint/ is written so with checkpoint.save_optimizer=false, the default). "
+                                    "Resume from the run's checkpoints/last.ckpt (written with checkpoint."
+                                    "every_n_steps=N), or save the final checkpoint with checkpoint.save_optimizer="
+                                    f"true; to start a new run from these weights, give model.weights={p / 'model'} "
+                                    "model.gguf=null and no resume.")
     saved = saved_identity(p)
     diff = identity_differences(saved, mine) if saved is not None else []
     if diff:

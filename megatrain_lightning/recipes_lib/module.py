@@ -43,15 +43,25 @@ class CausalLMModule(pl.LightningModule):
         self.warmup_steps, self.total_steps = warmup_steps, total_steps
         self.val_ppl = Perplexity(ignore_index=-100)
         self.tokens_seen = 0
+        self._step_losses: tuple[int, list[torch.Tensor]] = (-1, [])  # (global step, its micro-batch losses)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> Any:
         return self.model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
                           labels=batch["labels"], use_cache=False)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """The model's loss of ``batch``; logs ``train_loss``: the mean loss of the micro-batches of this optimizer
+        step so far, so that the value loggers write (at the step's last micro-batch) is the loss of the whole
+        step, with ``accumulate_grad_batches=N`` as without (Lightning divides the returned loss by N for the
+        backward only; the logged value is not divided)."""
         loss = self(batch).loss
         self.tokens_seen += int((batch["labels"] != -100).sum())
-        self.log("train_loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        step = self.trainer.global_step  # the optimizer steps done: the same for every micro-batch of a step
+        if self._step_losses[0] != step:
+            self._step_losses = (step, [])
+        self._step_losses[1].append(loss.detach())
+        self.log("train_loss", torch.stack(self._step_losses[1]).mean(), prog_bar=True,
+                 batch_size=batch["input_ids"].shape[0])
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:

@@ -25,25 +25,34 @@ SUMMARY_KEYS = ("metrics", "run", "timings", "loss", "sample", "checkpoint", "co
 
 
 class LossHistory(pl.Callback):
-    """Training loss of every optimizer step: ``steps`` is ``[{"step": global step after it, "loss": mean of its
-    micro-batch losses}]`` (floats; the loss the LightningModule returned from ``training_step``)."""
+    """Training loss of every optimizer step: ``steps`` is ``[{"step": global step after it, "loss": ...}]``, the
+    value of the logged metric ``metric`` when the step's last micro-batch ends, i.e. what the loggers write
+    (``logs/metrics.csv``'s ``train_loss``). :class:`~.module.CausalLMModule` logs there the mean of the step's
+    micro-batch losses, as the LightningModule computed them: with ``accumulate_grad_batches=N`` too. (The
+    ``outputs["loss"]`` of ``on_train_batch_end`` is not used: Lightning divides it by N.) A step for which the
+    module logged no ``metric`` is left out (one warning)."""
 
-    def __init__(self) -> None:
+    def __init__(self, metric: str = "train_loss") -> None:
+        self.metric = metric
         self.steps: list[dict[str, float]] = []
-        self._pending: list[float] = []
         self._last_step = 0
+        self._warned = False
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
         self._last_step = int(trainer.global_step)  # a resumed run starts past 0
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        if loss is not None:
-            self._pending.append(float(loss))
-        if trainer.global_step > self._last_step and self._pending:  # this batch completed an optimizer step
-            self._last_step = int(trainer.global_step)
-            self.steps.append({"step": self._last_step, "loss": sum(self._pending) / len(self._pending)})
-            self._pending = []
+        if trainer.global_step <= self._last_step:  # a micro-batch that did not complete an optimizer step
+            return
+        self._last_step = int(trainer.global_step)
+        value = trainer.callback_metrics.get(self.metric)
+        if value is None:
+            if not self._warned:
+                log.warning("The training loss history (summary.json, loss.png) is empty: the LightningModule logs "
+                            "no %r (self.log(%r, loss) in training_step).", self.metric, self.metric)
+                self._warned = True
+            return
+        self.steps.append({"step": self._last_step, "loss": float(value)})
 
 
 def _num(v: Any) -> Any:

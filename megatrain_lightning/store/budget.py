@@ -9,6 +9,7 @@ waits until another thread releases bytes; it never overshoots the limit (docs/a
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 import time
@@ -24,17 +25,22 @@ def parse_bytes(value: int | float | str) -> int:
     letters K, M, G, T) powers of 1000; case is ignored.
 
     Raises:
-        ValueError: not a positive size, or an unknown unit.
+        ValueError: not a positive, finite size (``inf`` and ``nan`` included: no option reads them as
+            "no limit"; leaving an option unset gives its default), or an unknown unit.
     """
     if isinstance(value, bool):
         raise ValueError(f"Not a memory size: {value!r}.")
     if isinstance(value, (int, float)):
-        n = int(value)
+        size = value
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
         if m is None or m.group(2).lower() not in _UNITS:
             raise ValueError(f"Not a memory size: {value!r}. Write it as bytes or with a unit, e.g. '16GiB' or '500MB'.")
-        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        size = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if isinstance(size, float) and not math.isfinite(size):
+        raise ValueError(f"A memory size must be a finite number of bytes, got {value!r}. Give a size such as "
+                         "'16GiB', or leave the option unset for its default.")
+    n = int(size)
     if n <= 0:
         raise ValueError(f"A memory size must be positive, got {value!r}.")
     return n

@@ -155,7 +155,7 @@ def _size(option: str, value: Any) -> int:
     try:
         return parse_bytes(value)
     except ValueError as err:
-        raise ValueError(f"{option}: {err}") from None
+        raise ValueError(f"megatrain: {option}: {err}") from None
 
 
 @dataclass
