@@ -60,6 +60,7 @@ from .engine.block_groups import check_block_group
 from .engine.recompute_policy import RecomputePolicy, check_recompute, deprecated_recompute_every
 from .engine.prefetch import check_lookahead
 from .engine import recorded_outputs
+from .engine.kv_cache import prefix_tuning_adapters
 from .engine.reduce import GradReducer
 from .engine.streaming import StreamingEngine
 from .engine.threads import check_host_threads
@@ -446,6 +447,13 @@ class MegaTrainStrategy(ParallelStrategy):
             weights_written(self.groups, self.engine.store)
         module._device = self.root_device  # the module is never moved as a whole
         if trainer.state.fn == TrainerFn.FITTING:
+            prefix = prefix_tuning_adapters(module)
+            if prefix:  # before any work: its first training forward would be refused (engine/kv_cache.py)
+                raise RuntimeError(f"megatrain: peft prefix tuning ({', '.join(prefix)}) cannot be trained with "
+                                   "strategy='megatrain': its virtual tokens enter every attention layer as a KV "
+                                   "cache, whose gradients the streamed blocks cannot carry. Use prompt tuning or "
+                                   "P-tuning (peft PromptTuningConfig / PromptEncoderConfig: virtual tokens as input "
+                                   "embeddings), or LoRA.")
             unsavable = unsavable_adapters(module)
             if unsavable:  # before the training that a final save_checkpoint would then refuse
                 log.warning("megatrain: peft adapter(s) %s train, but directory checkpoints cannot save them "
