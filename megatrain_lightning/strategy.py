@@ -60,6 +60,7 @@ from .engine.block_groups import check_block_group
 from .engine.recompute_policy import RecomputePolicy, check_recompute, deprecated_recompute_every
 from .engine.prefetch import check_lookahead
 from .engine import recorded_outputs
+from .engine.kv_cache import prefix_tuning_adapters
 from .engine.reduce import GradReducer
 from .engine.streaming import StreamingEngine
 from .engine.threads import check_host_threads
@@ -452,6 +453,13 @@ class MegaTrainStrategy(ParallelStrategy):
             weights_written(self.groups, self.engine.store)
         module._device = self.root_device  # the module is never moved as a whole
         if trainer.state.fn == TrainerFn.FITTING:
+            prefix = prefix_tuning_adapters(module)
+            if prefix:  # before any work: its first training forward would be refused (engine/kv_cache.py)
+                raise RuntimeError(f"megatrain: peft prefix tuning ({', '.join(prefix)}) cannot be trained with "
+                                   "strategy='megatrain': its virtual tokens enter every attention layer as a KV "
+                                   "cache, whose gradients the streamed blocks cannot carry. Use prompt tuning or "
+                                   "P-tuning (peft PromptTuningConfig / PromptEncoderConfig: virtual tokens as input "
+                                   "embeddings), or LoRA.")
             unsavable = unsavable_adapters(module)
             if unsavable:  # before the training that a final save_checkpoint would then refuse
                 log.warning("megatrain: peft adapter(s) %s train, but directory checkpoints cannot save them "
@@ -1091,19 +1099,23 @@ def _same_parameters(store: Any, module: torch.nn.Module) -> bool:
 
 def _warn_low_precision_params(module: torch.nn.Module) -> None:
     """Warn if parameters are 16-bit floats (a model loaded with ``torch_dtype=torch.bfloat16``): the store
-    keeps them as fp32 masters, so the run trains (and the module comes back) in fp32, where plain Lightning
-    would update the 16-bit weights themselves: the numbers differ."""
-    low: dict[torch.dtype, list[str]] = {}
+    keeps them as fp32 masters, so the run computes (and the module comes back) in fp32, where plain Lightning
+    would compute with, and for trainable ones update, the 16-bit weights themselves: the numbers differ. One
+    warning per dtype for trainable and one for frozen parameters (a 16-bit base under fp32 adapters)."""
+    low: dict[tuple[torch.dtype, bool], list[str]] = {}
     for name, p in module.named_parameters():
         if p.dtype in (torch.bfloat16, torch.float16):
-            low.setdefault(p.dtype, []).append(name)
-    for dtype, names in low.items():
+            low.setdefault((p.dtype, p.requires_grad), []).append(name)
+    for (dtype, trained), names in low.items():
+        what = ("they are trained in fp32 (plain Lightning would update the %s weights themselves, with other "
+                "numbers)" % str(dtype).replace("torch.", "") if trained else
+                "these frozen weights are computed with in fp32 instead of %s (e.g. a QLoRA-style 16-bit base under "
+                "fp32 adapters: the adapters' numbers differ from plain Lightning's)" % str(dtype).replace("torch.", ""))
         log.warning(
-            "megatrain: %d parameters are %s (e.g. %s): strategy='megatrain' keeps fp32 master weights, gradients and "
-            "AdamW state, so they are trained in fp32 and the module's parameters are fp32 afterwards (plain Lightning "
-            "would update the %s weights themselves, with other numbers). Load the model in float32 (no "
+            "megatrain: %d %s parameters are %s (e.g. %s): strategy='megatrain' keeps fp32 master weights, so %s, "
+            "and the module's parameters are fp32 afterwards (twice the memory of %s). Load the model in float32 (no "
             "torch_dtype=...) to silence this; for 16-bit compute use precision='bf16-mixed' or 'bf16-true'.",
-            len(names), dtype, names[0], dtype)
+            len(names), "trainable" if trained else "frozen", dtype, names[0], what, dtype)
 
 
 def _refuse_router_aux_loss(module: torch.nn.Module) -> None:

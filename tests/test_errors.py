@@ -324,3 +324,23 @@ def test_keys_and_values_shared_across_layers_are_refused_in_the_first_forward(m
             _fit(lm, strategy=strategy)
         assert ours.losses == ref.losses
         assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), ref.parameters()))
+
+
+def test_sixteen_bit_warning_tells_frozen_from_trained_parameters(caplog):
+    """A QLoRA-style bf16 base (frozen) under fp32 trainable weights: the warning said the frozen weights were
+    "trained in fp32" where plain Lightning "would update" them; neither side updates them (probe)."""
+    import logging
+
+    from megatrain_lightning.strategy import _warn_low_precision_params
+    from megatrain_lightning.testing import make_model
+
+    model = make_model("llama").to(torch.bfloat16)
+    model.model.layers[0].mlp.up_proj.weight.data = model.model.layers[0].mlp.up_proj.weight.data.float()
+    for n, p in model.named_parameters():
+        p.requires_grad_(n.startswith("model.layers.1."))
+    with caplog.at_level(logging.WARNING):
+        _warn_low_precision_params(model)
+    frozen = [r.getMessage() for r in caplog.records if "frozen" in r.getMessage()]
+    trained = [r.getMessage() for r in caplog.records if " trainable " in r.getMessage()]
+    assert len(frozen) == 1 and "computed with in fp32 instead of bfloat16" in frozen[0] and "updat" not in frozen[0]
+    assert len(trained) == 1 and "they are trained in fp32" in trained[0]

@@ -139,7 +139,7 @@ def test_tied_weights_with_updates_in_backward():
 
 def test_empty_kv_cache_is_fresh_for_every_block_run():
     """An empty DynamicCache passed to a block under grad mode stays in the call; each run (forward,
-    recompute) gets its own copy, and the user's object is never written. Any other cache is dropped."""
+    recompute) gets its own copy, and the user's object is never written. A cache holding positions is refused."""
     from transformers import DynamicCache, GPT2Config
 
     cfg = GPT2Config(n_layer=2)
@@ -159,7 +159,8 @@ def test_empty_kv_cache_is_fresh_for_every_block_run():
     assert torch.equal(first, x) and torch.equal(second, x) and first.is_contiguous()  # what plain PyTorch attends over
     assert user.get_seq_length() == 0 and seen[0].get_seq_length() == x.shape[-2]
 
+    # a cache holding positions is refused (dropping it changed the loss): tests/test_kv_cache_training.py
     full = DynamicCache(config=cfg)
     full.update(x, x, 0)
-    args, kwargs, forward, stripped = training_call((x,), {"cache": full, "use_cache": True}, block)
-    assert stripped and kwargs["cache"] is None and kwargs["use_cache"] is False and forward is block
+    with pytest.raises(RuntimeError, match="already holds 4 positions"):
+        training_call((x,), {"cache": full, "use_cache": True}, block)

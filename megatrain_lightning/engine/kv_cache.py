@@ -14,9 +14,13 @@ PyTorch, down to the memory layout of the keys: GPT-2's keys are a transposed vi
 ``c_attn`` output, the cache's copy is contiguous, and the CPU bmm in the attention backward sums in
 another order for the two layouts (measured: 2.6e-7 relative in ``h.0.attn.c_attn.weight`` after
 one step when the cache was dropped instead). The user's cache object is never written (after the
-forward it is still empty; nothing in a training step reads it). Any other cache (one holding past
-keys, a static or quantized cache, a model-specific subclass) is replaced by ``None`` and
-``use_cache`` by ``False``, as before.
+forward it is still empty; nothing in a training step reads it). Any other *empty* cache (a static or
+quantized cache, a model-specific subclass) is replaced by ``None`` and ``use_cache`` by ``False``, as
+before (the same arithmetic: there is nothing in it to attend over). A cache that already holds positions
+(peft prefix tuning's virtual tokens; the continuation of an earlier forward) is refused
+(:func:`past_length`): the block's autograd boundary carries tensors, not the cache's keys and values, so
+their gradients would be lost, and dropping them changes the loss (measured by a user probe: silently wrong
+weights, or a shape error when the attention mask counts them).
 """
 
 from __future__ import annotations
@@ -39,6 +43,30 @@ def is_cache(x: Any) -> bool:
     except Exception:  # pragma: no cover - transformers always installed with this package
         return False
     return isinstance(x, Cache)
+
+
+def past_length(cache: Any) -> int:
+    """Positions a transformers ``Cache`` already holds (``get_seq_length()``; 0 when empty or unknown)."""
+    try:
+        return int(cache.get_seq_length())
+    except Exception:  # noqa: BLE001 - a cache type without it (or not yet initialised) holds nothing we know of
+        return 0
+
+
+def refuse_past(n: int) -> None:
+    """Raise for a training forward given a KV cache holding ``n`` > 0 positions.
+
+    Raises:
+        RuntimeError: saying why and what to do instead.
+    """
+    raise RuntimeError(
+        f"megatrain: a training forward (grad enabled) was given a KV cache that already holds {n} positions "
+        "(past_key_values: e.g. peft prefix tuning's virtual tokens, or a forward continuing an earlier one). "
+        "strategy='megatrain' runs each block behind an autograd boundary (and again in backward) that carries "
+        "tensors, not a cache's keys and values: their gradients would be lost. Feed the whole sequence in one "
+        "forward; for prompt-based tuning use peft's prompt tuning or P-tuning (PromptTuningConfig, "
+        "PromptEncoderConfig), which train as in plain Lightning. Caches work in evaluation and generation "
+        "(no grad).")
 
 
 def _fresh_copyable(cache: Any) -> bool:
@@ -70,14 +98,21 @@ def fresh_copy(cache: Any) -> Any:
     return new
 
 
-def training_call(args: tuple, kwargs: dict, forward: Callable[..., Any]
+def training_call(args: tuple, kwargs: dict, forward: Callable[..., Any], block: Any = None
                   ) -> tuple[tuple, dict, Callable[..., Any], bool]:
     """Prepare a block call made under grad mode: ``(args, kwargs, forward, stripped)``.
 
     Empty dynamic caches stay in the arguments and ``forward`` is wrapped so that each run gets a
     fresh copy of them; other caches become ``None`` (``stripped``: something was removed, and
     ``use_cache`` is then ``False``). The returned ``forward`` raises if the block stores tensors into a
-    mutable argument for later blocks (:func:`.side_outputs.guard`)."""
+    mutable argument for later blocks (:func:`.side_outputs.guard`).
+
+    ``block`` identifies the calling block: a cache object reaching the same block in a second training forward
+    was kept empty by the first (its runs used copies), where plain PyTorch would have filled it: refused too.
+
+    Raises:
+        RuntimeError: a cache already holds positions (:func:`refuse_past`), or is passed again.
+    """
     kept: list[Any] = []
     stripped = False
 
@@ -85,6 +120,17 @@ def training_call(args: tuple, kwargs: dict, forward: Callable[..., Any]
         nonlocal stripped
         if not is_cache(x):
             return x
+        n = past_length(x)
+        if n > 0:
+            refuse_past(n)
+        seen = x.__dict__.setdefault("_megatrain_blocks", set())
+        if block is not None and block in seen:  # a later forward given the cache an earlier one returned
+            raise RuntimeError(
+                "megatrain: a training forward was given the KV cache (past_key_values) of an earlier training forward. "
+                "In plain PyTorch that cache would hold the earlier forward's keys and values; here it is empty (each "
+                "streamed block run works on a copy, and gradients could not flow through it anyway), so the second "
+                "forward would silently attend over nothing. Feed the whole sequence in one forward.")
+        seen.add(block)
         if _fresh_copyable(x):
             kept.append(x)
             return x
@@ -116,3 +162,14 @@ def training_call(args: tuple, kwargs: dict, forward: Callable[..., Any]
 def any_requires_grad(args: tuple, kwargs: dict) -> bool:
     """Whether any tensor among a call's arguments (nested containers included) requires grad."""
     return any(isinstance(x, torch.Tensor) and x.requires_grad for x in tree_flatten((args, kwargs))[0])
+
+
+def prefix_tuning_adapters(root: torch.nn.Module) -> list[str]:
+    """Names of the peft prefix-tuning adapters in ``root`` (their virtual tokens reach every attention layer as a
+    KV cache holding positions, which training forwards refuse: :func:`refuse_past`)."""
+    out: list[str] = []
+    for m in root.modules():
+        cfgs = getattr(m, "peft_config", None)
+        if isinstance(cfgs, dict):
+            out += [n for n, c in cfgs.items() if str(getattr(c, "peft_type", "")).split(".")[-1] == "PREFIX_TUNING"]
+    return list(dict.fromkeys(out))

@@ -268,7 +268,7 @@ class StreamingEngine:
         # evaluation: no autograd boundary, nothing saved, no backward fetch (read at each call: unfreezing in fit)
         def proxy(*args: Any, **kwargs: Any) -> Any:
             if torch.is_grad_enabled() and (any(r.param.requires_grad for r in blk.params) or any_requires_grad(args, kwargs)):
-                args, kwargs, forward, stripped = training_call(args, kwargs, orig)
+                args, kwargs, forward, stripped = training_call(args, kwargs, orig, blk.index)
                 if stripped and not self._warned_cache:
                     self._warned_cache = True
                     log.info("megatrain: KV cache disabled for training forwards (recompute would corrupt gradients).")
