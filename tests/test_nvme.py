@@ -522,3 +522,23 @@ def test_nvme_tier_mixed_precision_is_bitwise_equal_to_ram_tier(tmp_path, precis
     assert h2d(tr) == h2d(t_ram)
     assert max(h["megatrain/host_budget_peak_bytes"] for h in engine.history) <= LIMIT
     assert all(h["megatrain/cast_s"] > 0 for h in engine.history)
+
+
+def test_a_read_only_nvme_path_is_named_as_such(tmp_path, monkeypatch):
+    """Regression (probe): a directory on a read-only mount was reported as "not writable by this user. Fix its
+    permissions" (to root, whose permissions were not the cause)."""
+    from megatrain_lightning.store.nvme import preflight_nvme
+
+    real = os.statvfs
+
+    class ReadOnly:
+        def __init__(self, st):
+            self._st = st
+
+        def __getattr__(self, k):
+            return os.ST_RDONLY | self._st.f_flag if k == "f_flag" else getattr(self._st, k)
+
+    monkeypatch.setattr(os, "access", lambda p, mode: False)
+    monkeypatch.setattr(os, "statvfs", lambda p: ReadOnly(real(p)))
+    with pytest.raises(ValueError, match="is on a read-only filesystem \\(mounted ro\\)"):
+        preflight_nvme(tmp_path, [(16, 16)], 1 << 30, 1 << 20)

@@ -1017,6 +1017,9 @@ def preflight_nvme(nvme_path: str | os.PathLike, layout: Sequence[tuple[int, int
     if not p.is_dir():
         raise ValueError(f"nvme_path {p} is not a directory.")
     if not os.access(p, os.W_OK | os.X_OK):
+        if os.statvfs(p).f_flag & os.ST_RDONLY:
+            raise ValueError(f"nvme_path {p} is on a read-only filesystem (mounted ro): remount it read-write or "
+                             "choose another path.")
         raise ValueError(f"nvme_path {p} is not writable by this user. Fix its permissions or choose another path.")
     need = store_bytes(layout)
     existing = sum(f.stat().st_size for f in (p / store_dir).glob("block_*.bin")) if (p / store_dir).is_dir() else 0
