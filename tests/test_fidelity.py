@@ -163,4 +163,8 @@ def test_empty_kv_cache_is_fresh_for_every_block_run():
     full = DynamicCache(config=cfg)
     full.update(x, x, 0)
     with pytest.raises(RuntimeError, match="already holds 4 positions"):
-        training_call((x,), {"cache": full, "use_cache": True}, block)
+        training_call((x,), {"cache": full, "use_cache": True}, block, "b0", 0)  # in this block's slot (layer 0)
+    # positions in another layer's slot are this forward's (an earlier frozen block ran like evaluation and wrote
+    # them, as in plain PyTorch): dropped for this block, which has no past of its own
+    args, kwargs, forward, stripped = training_call((x,), {"cache": full, "use_cache": True}, block, "b1", 1)
+    assert stripped and kwargs["cache"] is None and kwargs["use_cache"] is False

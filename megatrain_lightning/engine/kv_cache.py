@@ -45,10 +45,20 @@ def is_cache(x: Any) -> bool:
     return isinstance(x, Cache)
 
 
-def past_length(cache: Any) -> int:
-    """Positions a transformers ``Cache`` already holds (``get_seq_length()``; 0 when empty or unknown)."""
+def layer_index(module: torch.nn.Module) -> int | None:
+    """The cache slot a block writes: the ``layer_idx`` of its first submodule that has one (transformers'
+    attention modules), or ``None``."""
+    return next((m.layer_idx for m in module.modules() if isinstance(getattr(m, "layer_idx", None), int)), None)
+
+
+def past_length(cache: Any, layer: int | None) -> int:
+    """Positions a transformers ``Cache`` already holds in slot ``layer`` (``get_seq_length(layer)``; 0 when empty,
+    unknown or ``layer`` is ``None``). Other slots may hold this forward's keys: blocks before this one that run
+    like evaluation (frozen, nothing needing a gradient) write the cache as in plain PyTorch."""
+    if layer is None:
+        return 0
     try:
-        return int(cache.get_seq_length())
+        return int(cache.get_seq_length(layer))
     except Exception:  # noqa: BLE001 - a cache type without it (or not yet initialised) holds nothing we know of
         return 0
 
@@ -98,8 +108,8 @@ def fresh_copy(cache: Any) -> Any:
     return new
 
 
-def training_call(args: tuple, kwargs: dict, forward: Callable[..., Any], block: Any = None
-                  ) -> tuple[tuple, dict, Callable[..., Any], bool]:
+def training_call(args: tuple, kwargs: dict, forward: Callable[..., Any], block: Any = None,
+                  layer: int | None = None) -> tuple[tuple, dict, Callable[..., Any], bool]:
     """Prepare a block call made under grad mode: ``(args, kwargs, forward, stripped)``.
 
     Empty dynamic caches stay in the arguments and ``forward`` is wrapped so that each run gets a
@@ -109,6 +119,7 @@ def training_call(args: tuple, kwargs: dict, forward: Callable[..., Any], block:
 
     ``block`` identifies the calling block: a cache object reaching the same block in a second training forward
     was kept empty by the first (its runs used copies), where plain PyTorch would have filled it: refused too.
+    ``layer`` is the block's cache slot (:func:`layer_index`): a cache holding positions there is refused.
 
     Raises:
         RuntimeError: a cache already holds positions (:func:`refuse_past`), or is passed again.
@@ -120,7 +131,7 @@ def training_call(args: tuple, kwargs: dict, forward: Callable[..., Any], block:
         nonlocal stripped
         if not is_cache(x):
             return x
-        n = past_length(x)
+        n = past_length(x, layer)
         if n > 0:
             refuse_past(n)
         seen = x.__dict__.setdefault("_megatrain_blocks", set())

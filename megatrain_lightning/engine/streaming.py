@@ -40,7 +40,7 @@ from .fetch import WeightFetcher
 from .forward_patch import ForwardPatches
 from .grads import GradientSink
 from .long_sequences import LongSequences
-from .kv_cache import any_requires_grad, training_call
+from .kv_cache import any_requires_grad, layer_index, training_call
 from .prefetch import Prefetcher, check_lookahead
 from .recompute import Recompute, trainable_refs
 from .recompute_policy import RecomputePolicy, deprecated_recompute_every
@@ -266,9 +266,11 @@ class StreamingEngine:
     def _make_proxy(self, blk: Block, orig: Callable[..., Any]) -> Callable[..., Any]:
         # a block with no trainable parameter whose inputs need no gradient (a frozen embedding) runs like
         # evaluation: no autograd boundary, nothing saved, no backward fetch (read at each call: unfreezing in fit)
+        layer = layer_index(blk.module)
+
         def proxy(*args: Any, **kwargs: Any) -> Any:
             if torch.is_grad_enabled() and (any(r.param.requires_grad for r in blk.params) or any_requires_grad(args, kwargs)):
-                args, kwargs, forward, stripped = training_call(args, kwargs, orig, blk.index)
+                args, kwargs, forward, stripped = training_call(args, kwargs, orig, blk.index, layer)
                 if stripped and not self._warned_cache:
                     self._warned_cache = True
                     log.info("megatrain: KV cache disabled for training forwards (recompute would corrupt gradients).")
