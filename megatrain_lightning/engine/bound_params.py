@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import contextlib
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
@@ -46,3 +47,31 @@ class BoundParams(torch.autograd.Function):
                         [g for g, u in zip(grads, use) if u == "accumulate"])
         return none + tuple(g.to(r.param.device) if g is not None and u == "capture" else None
                             for r, g, u in zip(refs, grads, use))
+
+
+@contextlib.contextmanager
+def bind_params(slabs: Any, blk: Any, bufs: dict[int, torch.Tensor], leaves: dict[int, torch.Tensor] | None
+                ) -> Iterator[None]:
+    """For the ``with`` body, point the block's parameters (``owner._parameters[attr]``) at views of the device
+    buffers ``bufs`` (per slab index, laid out as ``slabs[i]``) or at gradient ``leaves`` (by parameter id); in
+    no-grad mode a trainable one's view requires grad as in plain PyTorch (``F.linear`` on a non-contiguous input
+    picks its kernel by it). The registered parameters are put back afterwards.
+
+    Raises:
+        RuntimeError: a parameter is no longer registered as it was at setup (``ParamRef.registered``: pruning,
+            a replaced ``nn.Parameter``).
+    """
+    saved = []
+    try:
+        for ref in blk.params:
+            if leaves is not None and id(ref.param) in leaves:
+                t = leaves[id(ref.param)]
+            else:
+                t = slabs[ref.slab].view(bufs[ref.slab], ref.index)
+                t = t if torch.is_grad_enabled() or not ref.param.requires_grad else t.detach().requires_grad_()
+            saved.append((ref.owner, ref.attr, ref.registered()))
+            ref.owner._parameters[ref.attr] = t
+        yield
+    finally:
+        for owner, attr, p in reversed(saved):
+            owner._parameters[attr] = p

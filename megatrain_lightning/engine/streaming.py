@@ -18,7 +18,6 @@ them: "A training step"):
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from typing import Any, Callable, Sequence
@@ -40,6 +39,7 @@ from .fetch import WeightFetcher
 from .forward_patch import ForwardPatches
 from .grads import GradientSink
 from .long_sequences import LongSequences
+from .bound_params import bind_params
 from .kv_cache import any_requires_grad, layer_index, training_call
 from .prefetch import Prefetcher, check_lookahead
 from .recompute import Recompute, trainable_refs
@@ -318,24 +318,9 @@ class StreamingEngine:
         proxy.__wrapped__ = orig  # type: ignore[attr-defined]
         return proxy
 
-    @contextlib.contextmanager
     def _bind(self, blk: Block, bufs: dict[int, torch.Tensor], leaves: dict[int, torch.Tensor] | None):
-        """Point the block's parameters at views of the device buffers (or at gradient leaves); in no-grad mode a trainable
-        one's view requires grad as in plain PyTorch (``F.linear`` on a non-contiguous input picks its kernel by it)."""
-        saved = []
-        try:
-            for ref in blk.params:
-                if leaves is not None and id(ref.param) in leaves:
-                    t = leaves[id(ref.param)]
-                else:
-                    t = self.store.slabs[ref.slab].view(bufs[ref.slab], ref.index)
-                    t = t if torch.is_grad_enabled() or not ref.param.requires_grad else t.detach().requires_grad_()
-                saved.append((ref.owner, ref.attr, ref.registered()))
-                ref.owner._parameters[ref.attr] = t
-            yield
-        finally:
-            for owner, attr, p in reversed(saved):
-                owner._parameters[attr] = p
+        """:func:`.bound_params.bind_params` over this store's slabs (a context manager)."""
+        return bind_params(self.store.slabs, blk, bufs, leaves)
 
     def _plan_updates_in_backward(self) -> None:
         """At the start of a backward with ``update_in_backward``: snapshot the hyper-parameters and
