@@ -53,7 +53,9 @@ class CausalLMModule(pl.LightningModule):
         """The model's loss of ``batch``; logs ``train_loss``: the mean loss of the micro-batches of this optimizer
         step so far, so that the value loggers write (at the step's last micro-batch) is the loss of the whole
         step, with ``accumulate_grad_batches=N`` as without (Lightning divides the returned loss by N for the
-        backward only; the logged value is not divided)."""
+        backward only; the logged value is not divided). With several processes the logged value is the mean
+        over ranks (``sync_dist``: one all-reduce of a scalar per micro-batch), the loss of the global batch as
+        one process would log it, not rank 0's share."""
         loss = self(batch).loss
         self.tokens_seen += int((batch["labels"] != -100).sum())
         step = self.trainer.global_step  # the optimizer steps done: the same for every micro-batch of a step
@@ -61,7 +63,7 @@ class CausalLMModule(pl.LightningModule):
             self._step_losses = (step, [])
         self._step_losses[1].append(loss.detach())
         self.log("train_loss", torch.stack(self._step_losses[1]).mean(), prog_bar=True,
-                 batch_size=batch["input_ids"].shape[0])
+                 batch_size=batch["input_ids"].shape[0], sync_dist=True)
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
