@@ -485,6 +485,15 @@ class MegaTrainStrategy(ParallelStrategy):
                            "param.grad read or edited after clip_gradients (manual optimization, a "
                            "configure_gradient_clipping override) shows the gradients before the clip, and edits "
                            "made after it are clipped too (one process applies the clip at once, as plain Lightning).")
+        if self.optimizer_in_backward is True and trainer.state.fn == TrainerFn.FITTING:
+            why = [w for w, on in (("gradient_clip_val (the clip needs the global norm first)", trainer.gradient_clip_val),
+                                   ("manual optimization", not module.automatic_optimization),
+                                   ("fp16 loss scaling", getattr(plugin, "scaling", False)),
+                                   ("code that sees the step's gradients", self._user_code_sees_step_gradients(module, trainer)))
+                   if on]
+            if why:  # asked for explicitly: say why the deferred schedule runs instead
+                rank_zero_warn(f"megatrain: optimizer_in_backward=True is not used with {', '.join(why)}: the update "
+                               "runs in the optimizer step (same numbers; host memory holds the step's gradients).")
         if Region.grad_accum in self.engine.store.nvme_kinds and trainer.state.fn == TrainerFn.FITTING:
             hooks = self._gradient_hooks(module, trainer)
             if hooks:  # they would see param.grad None and their edits would be no-ops, silently
@@ -524,6 +533,8 @@ class MegaTrainStrategy(ParallelStrategy):
         plugin = self.precision_plugin
 
         def zero_grad(set_to_none: bool = True) -> None:
+            if not set_to_none:
+                warn_zero_grad_kept()
             orig(set_to_none=set_to_none)
             engine.zero_grad()
             if isinstance(plugin, MegaTrainPrecision):
@@ -1170,3 +1181,24 @@ def _refuse_unfrozen(module: torch.nn.Module, trainable: Sequence[bool], option_
                 "default None turns it on with a BaseFinetuning callback) to keep state for the frozen parameters too, "
                 "or train in two fits (fit with it frozen, then unfreeze, raise max_epochs/max_steps and call "
                 "trainer.fit again).")
+
+
+def warn_zero_grad_kept() -> None:
+    """Warn (once per process) that ``optimizer.zero_grad(set_to_none=False)`` acts as ``set_to_none=True``.
+
+    Gradients live in host accumulators, not in ``param.grad``, so there is no zero gradient to keep: a parameter
+    that gets no gradient in a step is not updated, where ``torch.optim.AdamW`` with a kept zero gradient would
+    still apply weight decay and decay its moments (momentum moves it). Every parameter that gets a gradient in
+    every step (the usual case) is updated exactly as in PyTorch."""
+    global _ZERO_GRAD_WARNED
+    if _ZERO_GRAD_WARNED:
+        return
+    _ZERO_GRAD_WARNED = True
+    rank_zero_warn("megatrain: optimizer.zero_grad(set_to_none=False) acts as set_to_none=True here (gradients live "
+                   "in host accumulators): a parameter that gets no gradient in a step is not updated, where "
+                   "torch's AdamW would still apply weight decay and momentum with a zero gradient. Parameters "
+                   "that get a gradient every step are unaffected; for the others use strategy='auto' or give them "
+                   "a gradient every step (e.g. add 0 * their output to the loss).", category=UserWarning)
+
+
+_ZERO_GRAD_WARNED = False

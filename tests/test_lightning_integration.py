@@ -893,3 +893,18 @@ def test_bf16_parameters_are_trained_as_fp32_masters_with_a_warning(caplog):
     assert all(p.dtype == torch.float32 for p in lm.parameters())
     _trainer(max_steps=2).fit(ref, make_data(n=4))
     assert_parity(lm.model, ref.model, lm.losses, ref.losses)
+
+
+def test_zero_grad_keeping_zero_gradients_warns(monkeypatch):
+    """``optimizer.zero_grad(set_to_none=False)`` cannot keep zero gradients (they live in host accumulators), so a
+    parameter without a gradient in a step is not updated where torch's AdamW would move it: said once, not silent."""
+    import megatrain_lightning.strategy as S
+
+    monkeypatch.setattr(S, "_ZERO_GRAD_WARNED", False)
+
+    class Kept(LM):
+        def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+            optimizer.zero_grad(set_to_none=False)
+
+    with pytest.warns(UserWarning, match=r"zero_grad\(set_to_none=False\) acts as set_to_none=True"):
+        _trainer(max_steps=2).fit(Kept(make_model("llama")), make_data())

@@ -267,3 +267,46 @@ def test_mlp_chunks_warn_when_the_mlp_draws_random_numbers(caplog, arch, overrid
     assert len(warned) == (1 if random else 0)
     if random:
         assert "Dropout(p=0.1)" in warned[0] and "mlp_chunk_size=None" in warned[0]
+
+
+@pytest.mark.parametrize("name", ["t5", "bart"])
+def test_encoder_decoder_models_keep_their_own_loss(name):
+    """T5 and BART compute their own ``CrossEntropyLoss`` on the full logits (``lm_logits.view(...)``, BART adds
+    ``final_logits_bias``) although transformers maps them to ``ForCausalLMLoss``: with labels longer than the loss
+    chunk they crashed at the first large batch ("'view' needs the values of logits that were not materialised").
+    Now left unchunked at install: they train, with plain Lightning's numbers."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if name == "t5":
+        model = tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1,
+                                                          num_decoder_layers=1, num_heads=4, decoder_start_token_id=0,
+                                                          pad_token_id=0, dropout_rate=0.0))
+    else:
+        model = tf.BartForConditionalGeneration(tf.BartConfig(vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1,
+                                                              encoder_attention_heads=4, decoder_attention_heads=4,
+                                                              encoder_ffn_dim=32, decoder_ffn_dim=32, dropout=0.0))
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randint(2, 64, (8, 12), generator=g),
+                                                                      torch.randint(2, 64, (8, 20), generator=g)), batch_size=2)
+
+    class Seq2Seq(pl.LightningModule):
+        def __init__(self, m):
+            super().__init__()
+            self.model, self.losses = m, []
+
+        def training_step(self, batch, i):
+            loss = self.model(input_ids=batch[0], labels=batch[1]).loss
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    runs = []
+    for strategy in ("auto", MegaTrainStrategy(loss_chunk_size=8)):  # 2 x 20 labels > 8: chunking would have run
+        lm = Seq2Seq(copy.deepcopy(model))
+        pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False).fit(lm, data)
+        runs.append(lm)
+    assert_parity(runs[1].model, runs[0].model, runs[1].losses, runs[0].losses)

@@ -109,3 +109,16 @@ def test_gradient_hooks_with_the_gradients_on_nvme_are_warned_about(tmp_path):
     with pytest.warns(UserWarning, match=r"param.grad is None in ScaleBeforeStep.on_before_optimizer_step"):
         _fit(MegaTrainStrategy(offload_params="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path)),
              LM(make_model("llama"), lr=1e-2), [ScaleBeforeStep()])
+
+
+def test_explicit_optimizer_in_backward_says_why_it_steps_aside():
+    """``optimizer_in_backward=True`` with ``gradient_clip_val`` (or code that sees the step's gradients) runs the
+    deferred schedule (same numbers): asked for explicitly, that is said at setup, not silent."""
+    rec = RecordSchedule()
+    with pytest.warns(UserWarning, match=r"optimizer_in_backward=True is not used with gradient_clip_val.*"
+                                         r"code that sees the step's gradients"):
+        pl.Trainer(strategy=MegaTrainStrategy(optimizer_in_backward=True), accelerator="cpu", max_steps=2, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                   gradient_clip_val=1.0, callbacks=[rec, ScaleBeforeStep()]).fit(LM(make_model("llama"), lr=1e-2),
+                                                                                  make_data(n=4, batch_size=2))
+    assert rec.in_backward == [False] * 2

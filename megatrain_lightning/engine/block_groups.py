@@ -26,8 +26,8 @@ from ..blocks import Block
 def check_block_group(size: object) -> int:
     """Return ``size`` when it is a valid ``block_group`` (an int >= 1); raise ``ValueError`` otherwise."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"block_group must be an int >= 1 (consecutive decoder layers fetched as one transfer), "
-                         f"got {size!r}.")
+        raise ValueError(f"megatrain: block_group must be an int >= 1 (consecutive decoder layers fetched as one "
+                         f"transfer), got {size!r}. Set strategy option / Hydra key strategy.block_group.")
     return size
 
 

@@ -158,6 +158,8 @@ class HeadLoss:
 
         if type(head).forward is not nn.Linear.forward:
             return f"its output embedding is a {type(head).__name__}, not a plain nn.Linear"
+        if getattr(getattr(m, "config", None), "is_encoder_decoder", False):  # T5, BART: their own CrossEntropyLoss
+            return "it is an encoder-decoder model, which computes its loss itself, not through loss_function"
         if id(head) not in by_module:
             return "its LM head is not a streamed block"
         try:

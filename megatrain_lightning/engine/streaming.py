@@ -42,7 +42,8 @@ from .long_sequences import LongSequences
 from .bound_params import bind_params
 from .kv_cache import any_requires_grad, layer_index, training_call
 from .prefetch import Prefetcher, check_lookahead
-from .recompute import Recompute, trainable_refs
+from .calls import trainable_refs
+from .recompute import Recompute
 from .recompute_policy import RecomputePolicy, deprecated_recompute_every
 from .reduce import GradReducer
 from .staging import StagingRing
