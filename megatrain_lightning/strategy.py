@@ -799,6 +799,11 @@ class MegaTrainStrategy(ParallelStrategy):
         :meth:`load_model_state_dict` and :meth:`load_optimizer_state_dict` then copy into the store
         (``checkpoint/lightning_resume.py``).
 
+        A directory checkpoint's tensors (parameters and persistent buffers) are loaded here, honouring
+        ``LightningModule.strict_loading``, so the dict returned (and the one ``on_load_checkpoint`` sees) has
+        ``state_dict == {}``: the weights are in the checkpoint's ``model/`` (and ``extra/``) and already in the
+        module; to fix up keys, convert the checkpoint or edit the weights in ``on_fit_start``.
+
         Raises:
             CheckpointError: a directory that is not a megatrain checkpoint, written for another model config,
                 damaged (checksums, a damaged megatrain.json), or with a part copied from another checkpoint; a
@@ -814,7 +819,8 @@ class MegaTrainStrategy(ParallelStrategy):
             self._loaded_file = str(checkpoint_path)
             return self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._loaded_file = None
-        meta = load_checkpoint_dir(checkpoint_path, self.lightning_module, self.engine)
+        meta = load_checkpoint_dir(checkpoint_path, self.lightning_module, self.engine,
+                                   strict=getattr(self.lightning_module, "strict_loading", True))
         if self.groups is not None:
             weights_written(self.groups, self.engine.store)
         self._loaded_path = checkpoint_path

@@ -67,6 +67,21 @@ class EditGrads(pl.Callback):
             self._edit(pl_module)
 
 
+class CountingLM(T.LM):
+    """``--counter-buffer``: a persistent buffer outside the HF model counting micro-batches (the same on every
+    rank) that scales the loss, so the weights after a resume differ unless the checkpoint restored it."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.register_buffer("seen", torch.zeros(()))
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        with torch.no_grad():
+            self.seen.add_(1.0)
+        return loss * (1.0 + 0.05 * self.seen)
+
+
 def fake_shm_free(nbytes: int) -> None:
     """``os.statvfs("/dev/shm")`` reports ``nbytes`` free (a small tmpfs, as in a default Docker container)."""
     real = os.statvfs
@@ -119,6 +134,7 @@ def main() -> None:
                     help="testing.BackboneLM (lr 1e-2) with BackboneFinetuning: the backbone unfrozen at epoch 1")
     ap.add_argument("--unequal-batches", action="store_true",
                     help="use_distributed_sampler=False, one epoch: local rank 1 gets twice the batches of rank 0")
+    ap.add_argument("--counter-buffer", action="store_true", help="CountingLM (a persistent buffer); buffer_<rank>.pt")
     ap.add_argument("--shm-free", type=int, default=None, help="local rank 1 sees this many bytes free in /dev/shm")
     args = ap.parse_args()
     second = os.environ.get("LOCAL_RANK", "0") == "1"  # the launcher sets it for the rank it starts
@@ -134,7 +150,7 @@ def main() -> None:
     model = T.make_model(args.arch, **over)
     T.freeze_key_biases(model)
     lm = (T.BackboneLM(model) if args.backbone_finetuning
-          else T.LM(model, lr=1e-3, sched=args.sched, total_steps=args.total_steps or args.steps))
+          else (CountingLM if args.counter_buffer else T.LM)(model, lr=1e-3, sched=args.sched, total_steps=args.total_steps or args.steps))
     if "lr" in mismatch:
         lm.lr *= 2
     strategy = MegaTrainStrategy(offload_activations=args.offload_activations, timeout=args.timeout, recompute=args.recompute,
@@ -172,6 +188,8 @@ def main() -> None:
         trainer.save_checkpoint(args.save)
     rank = trainer.global_rank
     torch.save(lm.losses, out / f"losses_{rank}.pt")
+    if args.counter_buffer:
+        torch.save(lm.seen.detach().cpu().clone(), out / f"buffer_{rank}.pt")
     eng = trainer.strategy.engine
     if eng.store.nvme is not None:  # this rank's NVMe store: which slabs have regions on its disk, its budget
         st = eng.store.nvme

@@ -279,6 +279,22 @@ def test_exact_resume_across_world_sizes(tmp_path, first, then, tier):
         assert not list(disk.iterdir())
 
 
+def test_persistent_buffer_outside_the_model_resumes_in_two_processes(tmp_path):
+    """A persistent buffer of the LightningModule (outside the HF model; it scales the loss) is written to
+    ``extra/`` by the processes writing together, ``model/`` stays a Hugging Face directory, and the resumed run
+    (both ranks) continues from the saved value: buffer, losses and weights as the uninterrupted run."""
+    common = ["--arch", "llama", "--accumulate", "2", "--resumable", "--counter-buffer", "--devices", "2",
+              "--batch", "2"]
+    full, part, rest, ckpt = tmp_path / "full", tmp_path / "part", tmp_path / "rest", tmp_path / "ckpt"
+    check(launch(full, *common, "--steps", "6"))
+    check(launch(part, *common, "--steps", "3", "--save", str(ckpt)))
+    assert (ckpt / "model" / "config.json").is_file() and (ckpt / "extra").is_dir()
+    check(launch(rest, *common, "--steps", "6", "--resume", str(ckpt)))
+    for r in range(2):
+        assert torch.load(rest / f"buffer_{r}.pt").item() == torch.load(full / f"buffer_{r}.pt").item() == 12.0
+    assert_resumed_like(rest, 2, full, 2, skip=3 * 2, n=6)
+
+
 def assert_resumed_like(rest: Path, world: int, full: Path, full_world: int, skip: int, n: int) -> None:
     """The resumed run (``rest``, ``world`` ranks) continued the uninterrupted one (``full``) after its first ``skip``
     micro-batches: ``n`` later losses (mean over ranks) and every final weight within 1e-5 relative."""

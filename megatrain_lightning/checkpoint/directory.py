@@ -6,6 +6,8 @@ Layout of a checkpoint directory (docs/architecture.md, "Checkpoints and resume"
       model/            a Hugging Face model directory (config.json, sharded safetensors, index,
                         checksums.json) that AutoModelForCausalLM.from_pretrained loads; for a
                         LightningModule without exactly one HF model: its state_dict tensors by name
+      extra/            with one HF (or peft) model: the LightningModule's state_dict tensors outside it
+                        (persistent buffers such as a loss's class weights, heads of its own), by name
       base_model/       instead of model/ for a peft model: the base model (HF directory), and
       adapter/          the adapter(s) in peft's format (see peft_io.py)
       optimizer/        exp_avg / exp_avg_sq / step of every parameter with AdamW state,
@@ -271,12 +273,14 @@ def _save_together(final: Path, checkpoint: dict[str, Any], module: nn.Module, e
         raise
 
 
-def check_compatible(path: Path, info: dict[str, Any], module: nn.Module) -> None:
-    """Raise ``CheckpointError`` naming the differences if the checkpoint was written for another model."""
+def check_compatible(path: Path, info: dict[str, Any], module: nn.Module, strict: bool = True) -> None:
+    """Raise ``CheckpointError`` naming the differences if the checkpoint was written for another model: with
+    ``strict`` (``LightningModule.strict_loading``), parameters missing on either side or of another shape; without,
+    only a parameter both hold with another shape (as ``nn.Module.load_state_dict(strict=False)``)."""
     saved = info["params"]
     current = {n: list(p.shape) for n, p in module.named_parameters()}
-    missing = sorted(set(current) - set(saved))
-    extra = sorted(set(saved) - set(current))
+    missing = sorted(set(current) - set(saved)) if strict else []
+    extra = sorted(set(saved) - set(current)) if strict else []
     shapes = sorted(n for n in set(current) & set(saved) if saved[n]["shape"] != current[n])
     if missing or extra or shapes:
         detail = "; ".join(
@@ -286,7 +290,9 @@ def check_compatible(path: Path, info: dict[str, Any], module: nn.Module) -> Non
                 f"shape differs: {[(n, saved[n]['shape'], current[n]) for n in shapes[:5]]}" if shapes else "",
             ) if s
         )
-        raise CheckpointError(f"Checkpoint {path} was written for another model config ({detail}).")
+        hint = (" Set `self.strict_loading = False` in the LightningModule to load the tensors both hold."
+                if strict and not shapes else "")
+        raise CheckpointError(f"Checkpoint {path} was written for another model config ({detail}).{hint}")
 
 
 def verified_info(path: str | os.PathLike) -> dict[str, Any]:
@@ -325,9 +331,20 @@ def _format1_keys(module: nn.Module) -> dict[str, tuple[str, str]]:
     return {n: ("model", source_key(hf, n[cut:])) for n in names}
 
 
-def load_checkpoint_dir(path: str | os.PathLike, module: nn.Module, engine: Any = None) -> dict[str, Any]:
-    """Verify a checkpoint directory, copy its weights into the module's (store) parameters one
-    tensor at a time, and return Lightning's metadata dict (without tensors of the model).
+def load_checkpoint_dir(path: str | os.PathLike, module: nn.Module, engine: Any = None,
+                        strict: bool = True) -> dict[str, Any]:
+    """Verify a checkpoint directory, copy its tensors into the module one at a time (parameters into the
+    engine's store, persistent buffers in place), and return Lightning's metadata dict.
+
+    The returned dict's ``state_dict`` is empty: the weights are already in the module (reading them into one dict
+    would need the whole model in memory, which streaming avoids), so ``LightningModule.on_load_checkpoint`` sees
+    ``checkpoint["state_dict"] == {}``; the weights are in ``model/`` (``extra/``: tensors outside the Hugging Face
+    model). To rename or edit weights, convert the checkpoint's safetensors, or edit the parameters in
+    ``on_fit_start`` (the loaded values are there by then).
+
+    Args:
+        strict: ``LightningModule.strict_loading``; ``False``: tensors the checkpoint lacks keep their current
+            values and tensors the module lacks are ignored (a shape that differs is still refused).
 
     Raises:
         CheckpointError: not a directory checkpoint, another model config, a damaged megatrain.json,
@@ -335,24 +352,34 @@ def load_checkpoint_dir(path: str | os.PathLike, module: nn.Module, engine: Any 
     """
     p = Path(path)
     info = read_info(p)
-    check_compatible(p, info, module)
+    check_compatible(p, info, module, strict=strict)
     _verify(p, info)
     try:
         meta = torch.load(p / TRAINER_FILE, weights_only=True)
     except Exception as err:  # truncated or corrupted metadata
         raise CheckpointError(f"Checkpoint {p}: {TRAINER_FILE} cannot be read ({err}).") from err
     keys = ({n: tuple(v) for n, v in info["tensors"].items()} if info["format"] >= 2 else _format1_keys(module))
+    params = {id(t) for t in module.parameters()}
     sources: dict[str, SafetensorsSource] = {}
+    done: set[int] = set()
     with torch.no_grad():
-        for name, param in module.named_parameters():
+        for name, t in module.state_dict(keep_vars=True).items():
+            if name not in keys or t is None or id(t) in done:  # not saved (strict=False, declared unsaved): kept
+                continue
+            done.add(id(t))
             part, key = keys[name]
             if part not in sources:
                 sources[part] = open_part(p, part)
             value = sources[part].get(key)
-            if engine is not None:
-                engine.write_param(param, value)  # either tier, one tensor at a time
+            if id(t) not in params:  # a persistent buffer: in place, wherever it lives
+                if tuple(value.shape) != tuple(t.shape):
+                    raise CheckpointError(f"Checkpoint {p}: buffer {name} has shape {tuple(value.shape)}, the "
+                                          f"module's {tuple(t.shape)}.")
+                t.copy_(value)
+            elif engine is not None:
+                engine.write_param(t, value)  # either tier, one tensor at a time
             else:
-                param.copy_(value)
+                t.copy_(value)
     meta["state_dict"] = {}
     if info["has_optimizer"]:  # absent otherwise, so Lightning's resume refuses a weights-only checkpoint by name
         meta["optimizer_states"] = [{}]

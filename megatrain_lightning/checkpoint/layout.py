@@ -7,6 +7,10 @@ The plan is made from the module before anything is written:
 * the same with a ``peft.PeftModel``: ``base_model/`` + ``adapter/`` (:mod:`.peft_io`);
 * anything else: ``model/`` holds the module's state_dict tensors under their own names.
 
+With one (peft or) Hugging Face model, the state_dict tensors of the LightningModule outside it (a persistent
+buffer such as ``nn.CrossEntropyLoss(weight=w)``'s, a head of its own) go to ``extra/`` (safetensors keyed by
+their LightningModule names), so ``model/`` stays a directory ``from_pretrained`` loads.
+
 Every ``module.state_dict()`` key is then mapped, by tensor identity, to the ``(part, key)`` it is
 written under (tied duplicates map to the written source). A key that maps to nothing would be
 silently lost, so planning raises instead; after writing, :func:`verify_written` checks that every
@@ -46,9 +50,12 @@ class Layout:
     peft_model: Any = None
 
 
-def hf_model_of(module: nn.Module) -> tuple[str, nn.Module] | None:
-    """``(prefix, model)`` of the single Hugging Face model (or peft model) holding every state_dict
-    tensor of ``module``; ``None`` if there is no such model."""
+EXTRA_DIR = "extra"  # the LightningModule's state_dict tensors outside its Hugging Face model
+
+
+def hf_model_of(module: nn.Module, whole: bool = True) -> tuple[str, nn.Module] | None:
+    """``(prefix, model)`` of the single Hugging Face model (or peft model) of ``module``; ``None`` if there is no
+    such model, or (``whole``, as format-1 checkpoints were laid out) if a state_dict tensor lies outside it."""
     from ..blocks import find_hf_models
 
     models = find_hf_models(module)
@@ -57,7 +64,7 @@ def hf_model_of(module: nn.Module) -> tuple[str, nn.Module] | None:
     hf = models[0]
     prefix = next(n for n, m in module.named_modules() if m is hf)
     inside = {id(t) for _, t in state_dict_entries(hf)}
-    if any(id(t) not in inside for t in module.state_dict(keep_vars=True).values()):
+    if whole and any(id(t) not in inside for t in module.state_dict(keep_vars=True).values()):
         return None
     return prefix, hf
 
@@ -78,16 +85,10 @@ def plan_layout(module: nn.Module) -> Layout:
         CheckpointError: a state_dict tensor would not be written by any part (e.g. a peft
             prompt-learning adapter, whose weights peft does not take from the state dict).
     """
-    found = hf_model_of(module)
+    found = hf_model_of(module, whole=False)
     peft_model, ignored = None, set()
     if found is None:
-        seen: set[int] = set()
-        entries = []
-        for k, t in module.state_dict(keep_vars=True).items():
-            if id(t) not in seen:
-                seen.add(id(t))
-                entries.append((k, t))
-        parts = [Part("model", "plain", entries)]
+        parts = [Part("model", "plain", _outside(module, set()))]
     elif is_peft_model(found[1]):
         peft_model = found[1]
         base, entries = base_model_entries(peft_model)
@@ -99,6 +100,11 @@ def plan_layout(module: nn.Module) -> Layout:
         hf = found[1]
         written, ignored = _hf_written(hf, list(state_dict_entries(hf)))
         parts = [Part("model", "hf", written, hf)]
+    if found is not None:
+        inside = {id(t) for _, t in state_dict_entries(found[1])}
+        extra = _outside(module, inside)
+        if extra:
+            parts.append(Part(EXTRA_DIR, "plain", extra))
 
     owners: dict[int, list[tuple[str, str]]] = {}
     for part in parts:
@@ -122,6 +128,17 @@ def plan_layout(module: nn.Module) -> Layout:
                "LoHa, LoKr and VeRA are supported. " if peft_model is not None else "")
             + "Nothing was written.")
     return Layout(parts, tensors, peft_model)
+
+
+def _outside(module: nn.Module, inside: set[int]) -> list[tuple[str, torch.Tensor]]:
+    """The state_dict entries of ``module`` whose tensor is not in ``inside`` (ids), each tensor once."""
+    seen = set(inside)
+    entries = []
+    for k, t in module.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            entries.append((k, t))
+    return entries
 
 
 def _peft_types(peft_model: Any) -> str:
