@@ -94,6 +94,39 @@ def test_auto_stays_within_a_quarter_of_none(caplog):
     assert max(kept[1:]) > block  # the budget is used: some blocks keep op outputs
 
 
+def test_auto_stays_within_its_limit_when_later_batches_are_longer(caplog):
+    """"auto" decides from its first (measured) forward; a later, longer micro-batch (dynamic padding, a batch-size
+    finder's small trial before the fit) scaled what it kept past the limit (5.5x, probe p2). Now each call's kept
+    bytes are checked against the limit, scaled by its input size: within the limit at every length, same numbers
+    as plain PyTorch, and the choice for the measured length unchanged."""
+    from megatrain_lightning.testing import VOCAB
+
+    g = torch.Generator().manual_seed(3)
+    lengths = [8, 8, 32, 32, 8, 8, 32, 32]  # micro-batches (accumulation 2): the first, measured, is the shortest
+    batches = [(torch.randint(0, VOCAB, (2, n), generator=g),) for n in lengths]
+    none = _fit("llama", steps=2, recompute="none")[-1]["megatrain/saved_activation_bytes"]  # SEQ=32 tokens
+    limit = int(0.3 * none)
+
+    def run(strategy):
+        model = make_model("llama")
+        lm = LM(copy.deepcopy(model))
+        trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=4, accumulate_grad_batches=ACC,
+                             gradient_clip_val=CLIP, enable_checkpointing=False, logger=False, enable_progress_bar=False,
+                             enable_model_summary=False)
+        trainer.fit(lm, torch.utils.data.DataLoader(batches, batch_size=None))
+        return lm, trainer
+
+    with caplog.at_level(logging.INFO, logger="megatrain_lightning.engine.recompute_policy"):
+        ours, trainer = run(MegaTrainStrategy(recompute="auto", activation_memory_limit=limit))
+    plain, _ = run("auto")
+    assert_parity(ours.model, plain.model, ours.losses, plain.losses)
+    kept = [h["megatrain/saved_activation_bytes"] for h in trainer.strategy.engine.history]
+    assert all(k <= limit for k in kept), (kept, limit)
+    chosen = [r.getMessage() for r in caplog.records if "recompute='auto' with" in r.getMessage()]
+    assert "none/selective/block: 0/0/" not in chosen[0], chosen  # the short batches do keep op outputs
+    assert any("the measured size" in r.getMessage() for r in caplog.records)
+
+
 def test_decide_fills_the_budget_by_flops_saved_per_byte():
     m = {0: dict(selective=100, none=300, flops=1000, flops_selective=100),
          1: dict(selective=100, none=300, flops=1000, flops_selective=100),

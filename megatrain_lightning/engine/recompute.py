@@ -60,7 +60,7 @@ class _BlockFunction(torch.autograd.Function):
             out = rc._run_kept(call, tensors)
         else:
             lookup = is_lookup(call.block.module)
-            call.saved_ops, measure, graph = rc.policy.start(call.block.index, call.fwd, lookup)
+            call.saved_ops, measure, graph = rc.policy.start(call.block.index, call.fwd, lookup, tensors[0].numel() if tensors else 0)
             if graph:  # "none" (or an embedding lookup): the call keeps its graph, without its weights
                 out = rc._run_kept(call, tensors, GraphHooks(rc.offload if rc.offload_activations else None))
             else:

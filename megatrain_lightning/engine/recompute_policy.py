@@ -396,29 +396,60 @@ class RecomputePolicy:
         self._measure: _Measure | None = None
         self._measured_fwd: Any = None
         self.meter = ActivationMeter()
+        # "auto": per measured block, its first input's elements and the bytes kept when its call started
+        self._size: dict[int, int] = {}
+        self._live_at: dict[int, int] = {}
+        self._budget = self._inputs = 0
+        self._warned_guard = False
 
-    def mode_for(self, block: int, fwd: Any, lookup: bool = False) -> str:
+    def mode_for(self, block: int, fwd: Any, lookup: bool = False, size: int = 0) -> str:
         """The policy of a call of block ``block`` in training forward ``fwd`` (any object identifying
         the forward); under ``"auto"`` the first forward runs ``"block"`` and measures. ``lookup``: the
-        block is an embedding lookup (:func:`is_lookup`): ``"none"`` under every mode."""
+        block is an embedding lookup (:func:`is_lookup`): ``"none"`` under every mode. ``size``: elements of
+        the call's first tensor input (the hidden states ``[B, T, D]``), which scale ``"auto"``'s measured bytes."""
         if lookup:
             return "none"
         if self.choice is not None:
-            return self.choice.get(block, self.mode if self.mode != "auto" else "block")
+            if self.mode != "auto":
+                return self.choice.get(block, self.mode)
+            return self._guarded(block, size)
         if self._measured_fwd is None:
             self._measured_fwd, self._measure = fwd, _Measure()
         elif fwd is not self._measured_fwd:
             self._decide()
-            return self.choice.get(block, "block")  # type: ignore[union-attr]
+            return self._guarded(block, size)
+        self._size.setdefault(block, size)
+        self._live_at.setdefault(block, self.meter.live)
         return "measure"
 
-    def start(self, block: int, fwd: Any, lookup: bool = False
+    def _guarded(self, block: int, size: int) -> str:
+        """``"auto"``'s choice for a call, or ``"block"`` when keeping its op outputs would take the bytes kept
+        beyond ``activation_memory_limit``: the measured bytes of this block's choice plus the inputs the rest of
+        the measured forward keeps, both scaled by this call's input size over the measured one (a longer batch
+        than the first, a batch-size finder's trial before the fit), counted on top of what is kept now (an
+        earlier forward whose backward has not run). For the measured shape and one forward at a time this never
+        changes the choice (the decision fits the limit)."""
+        choice = self.choice.get(block, "block")  # type: ignore[union-attr]
+        if choice == "block" or block not in self._size:
+            return choice
+        scale = size / self._size[block] if self._size[block] and size else 1.0
+        need = (self._kept[block] + self._inputs - self._live_at[block]) * scale
+        if self.meter.live + need <= self._budget:
+            return choice
+        if not self._warned_guard:
+            self._warned_guard = True
+            log.info("megatrain: recompute='auto': a forward %.2fx the measured size (or kept next to another "
+                     "forward's activations) would exceed activation_memory_limit %s; its blocks recompute whole "
+                     "('block') where needed.", scale, fmt_bytes(self._budget))
+        return "block"
+
+    def start(self, block: int, fwd: Any, lookup: bool = False, size: int = 0
               ) -> tuple[SavedOps | None, Callable[[dict], Any] | None, bool]:
         """What a call needs in its forward: (its :class:`SavedOps` (``"selective"``) or ``None``;
         when it only measures, ``context(bufs)`` -> the context its forward runs under (``bufs``: the
         block's device buffers), else ``None``; ``True`` when it keeps its graph (``"none"``,
-        :mod:`.block_graph`)). ``lookup``: as in :meth:`mode_for`."""
-        mode = self.mode_for(block, fwd, lookup)
+        :mod:`.block_graph`)). ``lookup``, ``size``: as in :meth:`mode_for`."""
+        mode = self.mode_for(block, fwd, lookup, size)
         if mode == "measure":
             measure = self._measure
             assert measure is not None
@@ -435,6 +466,8 @@ class RecomputePolicy:
                         "the limit, or keep fewer inputs on the device (offload_activations=True, recompute_every=K).",
                         fmt_bytes(budget), fmt_bytes(inputs))
         self.choice = decide(m, max(budget - inputs, 0))
+        self._budget, self._inputs = budget, inputs
+        self._kept = {b: (m[b][c] if c != "block" else 0) for b, c in self.choice.items()}
         counts = {k: sum(v == k for v in self.choice.values()) for k in ("none", "selective", "block")}
         kept = sum(m[b][c] for b, c in self.choice.items() if c != "block")
         log.info("megatrain: recompute='auto' with activation_memory_limit %s: %s (blocks none/selective/block: "
