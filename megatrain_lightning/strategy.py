@@ -73,6 +73,7 @@ from .parallel.launcher import MegaTrainLauncher
 from .parallel.node_share import NodeStore, nvme_for_rank, weights_written
 from .parallel.preflight import (check_rendezvous, check_same_batches, check_same_config, optimizer_fingerprint,
                                  run_fingerprint)
+from .placeholder_guard import guard as guard_placeholders, unguard as unguard_placeholders
 from .precision import MegaTrainPrecision, to_megatrain_precision
 from .store.nvme import IO_BLOCK_SIZE, NVME_PATH_FROM_ENV, NVMeConfig
 from .store.regions import Region
@@ -443,6 +444,7 @@ class MegaTrainStrategy(ParallelStrategy):
                                pin=self.pin_memory if self.root_device.type == "cuda" else False)
                 if self.groups else None,
             )
+        unguard_placeholders(self.lightning_module)  # a forward with the store's weights bound is fine again
         self.engine.install()  # weights materialized after an earlier fit are written back
         adopted = self.engine.adopt_replaced()  # e.g. another Trainer trained the module since this one ran
         if adopted:
@@ -895,6 +897,9 @@ class MegaTrainStrategy(ParallelStrategy):
         if nbytes <= self.engine.host_memory_limit:
             self.engine.params.materialize()
         else:
+            assert self.lightning_module is not None
+            guard_placeholders(self.lightning_module, self.engine.store.is_placeholder, nbytes / 2**30,
+                               str(self.engine.store.nvme.dir))
             log.warning(
                 "megatrain: the fp32 weights (%.2f GiB) exceed host_memory_limit, so after the run they stay in the "
                 "NVMe store %s and the module's parameters are placeholders; save them with "

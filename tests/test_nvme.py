@@ -350,6 +350,13 @@ def test_closed_store_weights_are_refused_and_the_same_process_is_named(tmp_path
     store the same process still holds is told to close the first."""
     lm, tr = fit(nvme_strategy(tmp_path), steps=2, model_kw={"num_hidden_layers": 24})  # 4 B/param > LIMIT
     assert not tr.strategy.engine.params.materialized
+    ids = make_data(n=2).dataset.tensors[0][:1]
+    # a forward on the placeholders computed with zeros (generate gave plausible tokens): refused, saying what to do
+    with pytest.raises(RuntimeError, match="exceed host_memory_limit.*placeholders.*save_checkpoint"):
+        lm.model.generate(ids, max_new_tokens=2)
+    with pytest.raises(RuntimeError, match="placeholders"):
+        lm.model(input_ids=ids)
+    tr.validate(lm, make_data(n=2), verbose=False)  # the strategy binds the store's weights: allowed
     with pytest.raises(NVMeStoreLockedError, match="still open in this process.*trainer.strategy.close"):
         fit(nvme_strategy(tmp_path), steps=1)
     with caplog.at_level(logging.WARNING, logger="megatrain_lightning.strategy"):

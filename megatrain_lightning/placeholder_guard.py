@@ -1,0 +1,48 @@
+"""After a run whose fp32 weights stay in the NVMe store (larger than ``host_memory_limit``), the module's
+parameters are placeholders (4 bytes expanded to each shape: reads give zeros). A forward of the module then
+(``model.generate(...)`` after ``fit``, a plain evaluation loop) would compute with zeros and return plausible
+tokens or losses without a word; :func:`guard` makes any such forward raise instead, naming what to do.
+
+Every module that owns parameters gets a forward pre-hook that checks its own parameters at each call (so a
+parameter given real values since, ``param.data = t``, passes); :func:`unguard` removes the hooks (the strategy's
+next setup, which takes the store's weights back into the module).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+from torch import nn
+
+_HOOKS: "weakref.WeakKeyDictionary[nn.Module, list[Any]]" = weakref.WeakKeyDictionary()
+
+
+def guard(root: nn.Module, is_placeholder: Callable[[Any], bool], gib: float, store_dir: str) -> None:
+    """Make a forward of any submodule of ``root`` whose own parameters are placeholders raise ``RuntimeError``.
+
+    Args:
+        root: the LightningModule (or model) left with placeholders.
+        is_placeholder: the store's ``HostStore.is_placeholder``.
+        gib: the fp32 weights' size, GiB (the ``host_memory_limit`` that brings them back after a run).
+        store_dir: the NVMe store's directory (named in the error).
+    """
+    unguard(root)
+    msg = (f"megatrain: the trained fp32 weights ({gib:.2f} GiB) exceed host_memory_limit, so after the run they are "
+           f"only in the NVMe store {store_dir} and the module's parameters are placeholders (zeros): this forward "
+           "would compute with them. Save the weights with trainer.save_checkpoint(dir) and load dir/model with "
+           "from_pretrained (or read one with trainer.strategy.engine.read_param(p)), or set host_memory_limit "
+           f">= {gib:.2f} GiB so the weights come back into the module after fit.")
+
+    def check(module: nn.Module, args: Any) -> None:
+        if any(is_placeholder(p) for p in module.parameters(recurse=False)):
+            raise RuntimeError(msg)
+
+    _HOOKS[root] = [m.register_forward_pre_hook(check) for m in root.modules()
+                    if next(m.parameters(recurse=False), None) is not None]
+
+
+def unguard(root: nn.Module) -> None:
+    """Remove :func:`guard`'s hooks from ``root`` (nothing if there are none)."""
+    for h in _HOOKS.pop(root, []):
+        h.remove()
