@@ -338,7 +338,7 @@ def check_values(cfg: Mapping[str, Any]) -> None:
          "a positive int (optimizer steps) or null (no periodic checkpoint)", extra=(None,))
     _int("eval.max_batches", (cfg.get("eval") or {}).get("max_batches"), 1, "a positive int (validation batches "
          "per evaluation) or null (trainer.limit_val_batches); to skip an evaluation set eval.before=false", extra=(None,))
-    _int("sample.max_new_tokens", (cfg.get("sample") or {}).get("max_new_tokens", 0), 0, "an int >= 0 (tokens)")
+    _int("sample.max_new_tokens", (cfg.get("sample") or {}).get("max_new_tokens", 0), 0, "an int >= 0 (tokens; 0: no sample)")
     if strategy.get("_target_"):
         kwargs = {k: v for k, v in strategy.items() if k not in HYDRA_SPECIAL}
         try:
