@@ -48,3 +48,50 @@ def test_checkpoint_is_saved_before_the_evaluation_after_fit(tmp_path, gpt2_dir,
     with pytest.raises(RuntimeError, match="evaluation failed"):
         finetune(cfg)
     assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint" / "model")
+
+
+# ---------------------------------------------------------------------------------------------- preflight: the model
+def _local_gpt2(path: Path, n_positions: int = 64) -> Path:
+    """A local model directory as preflight reads it: only its config.json (a 2-layer GPT-2, hidden 32)."""
+    transformers.GPT2Config(n_positions=n_positions, n_embd=32, n_layer=2, n_head=2).save_pretrained(path)
+    return path
+
+
+def test_local_model_dir_is_planned_and_checked_from_its_config_json(tmp_path, no_build, monkeypatch):
+    """Regression: model.weights=<dir> was planned as the preset's SmolLM2 (134.5M parameters) and its seq_len
+    limit taken from the preset (8192), so data.seq_len=128 on a model of 64 positions died inside fit."""
+    local = _local_gpt2(tmp_path / "gpt2")
+    over = [f"model.weights={local}", "model.gguf=null"]
+    msg = refused(tmp_path, *over, "data.seq_len=128", key="data.seq_len", match="maximum of 64 positions")
+    assert str(local / "config.json") in msg and "data.seq_len=64 or less" in msg
+    planned = []
+    real = step.plan_for_run
+    monkeypatch.setattr(step, "plan_for_run", lambda *a, **k: planned.append(real(*a, **k)) or planned[-1])
+    step.preflight(cfg_for(tmp_path, *over, "data.seq_len=64"))
+    model = transformers.GPT2LMHeadModel(transformers.AutoConfig.from_pretrained(local))
+    assert planned[0].counts.total == sum(p.numel() for p in model.parameters())
+
+
+def test_refuses_a_missing_local_weights_directory(tmp_path, no_build):
+    """Regression: a missing model.weights path was a Hydra traceback after preflight (exit 1, run dir left)."""
+    refused(tmp_path, f"model.weights={tmp_path}/nonexistent", "model.gguf=null", key="model.weights",
+            match="not an existing directory")
+    (tmp_path / "empty").mkdir()
+    refused(tmp_path, f"model.weights={tmp_path}/empty", "model.gguf=null", key="model.weights", match="no config.json")
+    # a hub id cannot be checked offline: left to the model load
+    from megatrain_lightning.recipes_lib.checks import local_model_config
+
+    assert local_model_config({"weights": "HuggingFaceTB/SmolLM2-135M", "gguf": None}) is None
+
+
+def test_refuses_bad_optim_and_model_values_naming_the_key(tmp_path, no_build):
+    """Regression: optim.lr=abc / -1 and model.max_seq_len=null passed preflight and failed after the model load."""
+    refused(tmp_path, "optim.lr=abc", key="optim.lr", match="number > 0")
+    refused(tmp_path, "optim.lr=-1", key="optim.lr")
+    refused(tmp_path, "optim.lr=0", key="optim.lr")
+    refused(tmp_path, "optim.weight_decay=-0.1", key="optim.weight_decay")
+    refused(tmp_path, "optim.betas=[0.9]", key="optim.betas", match=r"two numbers in \[0, 1\)")
+    refused(tmp_path, "optim.betas=[0.9,1.0]", key="optim.betas")
+    refused(tmp_path, "optim.betas=[0.9,abc]", key="optim.betas")
+    refused(tmp_path, "optim.warmup_steps=1.5", key="optim.warmup_steps")
+    refused(tmp_path, "model.max_seq_len=null", key="model.max_seq_len", match="positive int")

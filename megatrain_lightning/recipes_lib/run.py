@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..data.formatting import generation_prompt
 from ..planning import PreflightError, plan_for_run, preflight as plan_preflight
-from .checks import ConfigError, check_all
+from .checks import ConfigError, check_all, local_model_config
 from .checkpoints import RecordRunIdentity, checkpoint_callback, resolve_resume, run_identity
 from .module import CausalLMModule
 from .report import format_table, peak_rss_bytes, summary_rows
@@ -36,15 +36,21 @@ DEFAULT_PROMPTS = {
 
 # ---------------------------------------------------------------------------------------------- preflight
 def run_preflight(cfg: DictConfig) -> None:
-    """Plan this run on ``cfg.hardware`` and refuse to start when RAM, disk or device memory is short.
+    """Plan this run on ``cfg.hardware`` and refuse to start when RAM, disk or device memory is short. A local
+    model (``model.weights=<dir>``, no ``model.gguf``) is planned from its own ``config.json``, not from the
+    ``model.config`` of the preset it overrides.
 
     Raises:
         PreflightError: with the numbers and what to change (before anything is allocated).
     """
     devices = cfg.trainer.get("devices", 1)
     devices = len(devices) if OmegaConf.is_list(devices) else devices if isinstance(devices, int) else 1  # "auto": 1
+    model: Any = cfg.model
+    local = local_model_config(OmegaConf.to_container(cfg.model, resolve=True))
+    if local is not None:  # the planner reads a directory given as `config`
+        model = {**OmegaConf.to_container(cfg.model, resolve=True), "name": str(local[0]), "config": str(local[0])}
     try:
-        p = plan_for_run(cfg.model, cfg.hardware, cfg.strategy, batch_size=int(cfg.data.batch_size),
+        p = plan_for_run(model, cfg.hardware, cfg.strategy, batch_size=int(cfg.data.batch_size),
                          seq_len=int(cfg.data.seq_len), precision=str(cfg.trainer.precision), devices=devices,
                          num_nodes=int(cfg.trainer.get("num_nodes", 1) or 1))
     except PreflightError:
