@@ -95,3 +95,17 @@ def test_refuses_bad_optim_and_model_values_naming_the_key(tmp_path, no_build):
     refused(tmp_path, "optim.betas=[0.9,abc]", key="optim.betas")
     refused(tmp_path, "optim.warmup_steps=1.5", key="optim.warmup_steps")
     refused(tmp_path, "model.max_seq_len=null", key="model.max_seq_len", match="positive int")
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+def test_val_loss_is_the_token_mean_so_exp_of_it_is_val_ppl(tmp_path, gpt2_dir):
+    """Regression: val_loss was a mean of per-batch means weighted by sequences while val_ppl is per token, so
+    exp(val_loss) != val_ppl when batches hold different numbers of answer tokens (as here)."""
+    rows = [{"prompt": f"Q{i}?", "response": "word " * (1 + 7 * (i % 3))} for i in range(24)]
+    src = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    cfg = cfg_for(tmp_path, "data=instruction", f"data.source={src}", *tiny(gpt2_dir), "data.val_fraction=0.5",
+                  "eval.max_batches=4", "data.batch_size=1", "trainer.max_steps=1", "sample.max_new_tokens=0")
+    out = finetune(cfg)
+    for when in ("before", "after"):
+        m = {k: out["metrics"][k][when] for k in ("val_loss", "val_ppl")}
+        assert math.exp(m["val_loss"]) == pytest.approx(m["val_ppl"], rel=1e-5), (when, m)
