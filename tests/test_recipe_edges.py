@@ -109,3 +109,23 @@ def test_val_loss_is_the_token_mean_so_exp_of_it_is_val_ppl(tmp_path, gpt2_dir):
     for when in ("before", "after"):
         m = {k: out["metrics"][k][when] for k in ("val_loss", "val_ppl")}
         assert math.exp(m["val_loss"]) == pytest.approx(m["val_ppl"], rel=1e-5), (when, m)
+
+
+# ---------------------------------------------------------------------------------------------- data messages
+def test_data_errors_name_the_key_the_file_and_the_fix(tmp_path, no_build):
+    """Regression: a bad txt_mode was reported as data.source, duplicate ids named no file and no fix, and the
+    "no instruction documents" message listed .txt, which instruction data skips."""
+    text = write_jsonl(tmp_path / "corpus.jsonl", [{"text": f"Document {i}."} for i in range(16)])
+    refused(tmp_path, "data=text", f"data.source={text}", "data.source_options.txt_mode=para",
+            key="data.source_options.txt_mode", match="'file' or 'line'")
+    rows = [{"id": str(i % 8), "prompt": f"Q{i}?", "response": f"A{i}"} for i in range(16)]
+    dup = write_jsonl(tmp_path / "dup.jsonl", rows)
+    msg = refused(tmp_path, "data=instruction", f"data.source={dup}", key="data.source_options.id_field",
+                  match="two records have the id '0'")
+    assert "dup.jsonl" in msg and "data.source_options.id_field=null" in msg
+    step.preflight(cfg_for(tmp_path, "data=instruction", f"data.source={dup}", "data.source_options.id_field=null"))
+    (tmp_path / "txts").mkdir()
+    (tmp_path / "txts" / "a.txt").write_text("some text")
+    write_jsonl(tmp_path / "txts" / "b.jsonl", [{"prompt": "", "response": ""}])
+    msg = refused(tmp_path, "data=instruction", f"data.source={tmp_path / 'txts'}", key="data.source")
+    assert "no non-empty instruction documents" in msg and ".txt" not in msg.split("file types")[1]
