@@ -8,8 +8,11 @@
 * the data: every record of ``data.source`` (up to 1 GiB of files; beyond, the first records) is read and mapped
   with the configured shape and field names, and split into training and validation records as the run will; the
   offline corpus of a domain is checked against ``data.shape``;
-* values: the numeric settings (steps, batch size, sequence length, accumulation, warm-up, checkpoint interval)
-  and every strategy option (the strategy is built: its constructor checks them);
+* values: the numeric settings (steps, batch size, sequence length, accumulation, warm-up, checkpoint interval),
+  the AdamW settings (``optim.lr``, ``weight_decay``, ``betas``), ``model.max_seq_len``, and every strategy option
+  (the strategy is built: its constructor checks them);
+* the model: a ``model.weights`` written as a local path is a directory with a ``config.json``, read (no weights)
+  for the position limit of ``data.seq_len`` and, by the recipe's preflight, for the memory plan;
 * paths and environment: the NVMe directory (``strategy.nvme_path`` / ``MEGATRAIN_NVME_PATH``), the logger's
   package, ``resume``.
 
@@ -426,7 +429,8 @@ def check_values(cfg: Mapping[str, Any]) -> None:
          "a positive int (optimizer steps) or null (no periodic checkpoint)", extra=(None,))
     _int("eval.max_batches", (cfg.get("eval") or {}).get("max_batches"), 1, "a positive int (validation batches "
          "per evaluation) or null (trainer.limit_val_batches); to skip an evaluation set eval.before=false", extra=(None,))
-    _int("sample.max_new_tokens", (cfg.get("sample") or {}).get("max_new_tokens", 0), 0, "an int >= 0 (tokens; 0: no sample)")
+    _int("sample.max_new_tokens", (cfg.get("sample") or {}).get("max_new_tokens", 0), 0,
+         "an int >= 0 (tokens; 0: no sample)")
     if strategy.get("_target_"):
         kwargs = {k: v for k, v in strategy.items() if k not in HYDRA_SPECIAL}
         try:
