@@ -43,8 +43,8 @@ def finetune(cfg: DictConfig) -> dict:
         # resumed: "before" is of the weights the run continues from
         before = timed("evaluate_before", step.evaluate, trainer, lm, dm, resumed) if cfg.eval.before else {}
         run = timed("fit", step.fit, cfg, trainer, lm, dm, resumed)
+        ckpt = timed("save", step.save, cfg, trainer)       # first after fit: a later failure keeps the training
         after = timed("evaluate_after", step.evaluate, trainer, lm, dm)
-        ckpt = timed("save", step.save, cfg, trainer)
         text = timed("sample", step.sample, cfg, trainer, lm, tok, dm)
         return step.report(cfg, trainer, before, after, run, timings, history, text, ckpt)
 

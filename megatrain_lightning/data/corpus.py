@@ -126,7 +126,8 @@ def dedupe_ids(docs: Iterable[dict]) -> list[dict]:
     out, seen = [], set()
     for d in docs:
         if d["id"] in seen:
-            raise ValueError(f"Duplicate document id {d['id']!r}; ids must be unique.")
+            raise ValueError(f"Duplicate document id {d['id']!r}; ids must be unique (a user source: id_field=null, "
+                             "in the recipe data.source_options.id_field=null, numbers the records by file and line).")
         seen.add(d["id"])
         out.append(d)
     return out

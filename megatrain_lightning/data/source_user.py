@@ -48,7 +48,7 @@ class _Decoder:
 
     def __init__(self, errors: str):
         if errors not in ("replace", "strict"):
-            raise ValueError(f"errors must be 'replace' or 'strict', got {errors!r}.")
+            raise FieldError(f"errors must be 'replace' or 'strict', got {errors!r}.", "errors")
         self.errors, self.replaced = errors, []
 
     def read(self, path: Path, head: int | None = None) -> str:
@@ -218,16 +218,18 @@ USER_OPTIONS = ("text_field", "prompt_field", "response_field", "input_field", "
 
 
 def _streams(raw: str, shape: str, fields: RecordMapper, dec: _Decoder, txt_mode: str, hf_split: str,
-             head: int | None) -> Iterator[Iterable[dict]]:
+             head: int | None) -> Iterator[tuple[str, Iterable[dict]]]:
+    """``(name, documents)`` of each file of the source (name: relative to a directory given), or of the dataset."""
     path = Path(raw).expanduser()
     if path.is_dir():
         for f in _directory_files(path, shape):
-            yield _read_file(f, f.relative_to(path).as_posix(), fields, dec, txt_mode, head)
+            name = f.relative_to(path).as_posix()
+            yield name, _read_file(f, name, fields, dec, txt_mode, head)
     elif path.is_file():
-        yield _read_file(path, path.name, fields, dec, txt_mode, head)
+        yield path.name, _read_file(path, path.name, fields, dec, txt_mode, head)
     elif looks_like_hf_id(raw):
         records = _hf_records(raw, hf_split)
-        yield filter(None, (fields.document(r, f"{raw}:{hf_split}:{i}") for i, r in enumerate(records)))
+        yield raw, filter(None, (fields.document(r, f"{raw}:{hf_split}:{i}") for i, r in enumerate(records)))
     else:
         raise FileNotFoundError(f"Data source {raw!r} does not exist (resolved to {path.resolve()}); give an existing "
                                 f"{'/'.join(READABLE)} file, a directory of them, or a Hugging Face dataset id.")
@@ -236,7 +238,7 @@ def _streams(raw: str, shape: str, fields: RecordMapper, dec: _Decoder, txt_mode
 def _mapper(shape: str, txt_mode: str, **field_names: Any) -> RecordMapper:
     check_shape(shape)
     if txt_mode not in ("file", "line"):
-        raise ValueError(f"txt_mode must be 'file' or 'line', got {txt_mode!r}.")
+        raise FieldError(f"txt_mode must be 'file' or 'line', got {txt_mode!r}.", "txt_mode")
     return RecordMapper(shape, **field_names)
 
 
@@ -276,8 +278,9 @@ def load_user_source(
         ImportError: ``.parquet`` without pyarrow, or a dataset id without ``datasets``.
         RuntimeError: the Hugging Face dataset could not be loaded.
         FieldError: a record lacks the named field (a ValueError naming the option and a suggested value).
-        ValueError: empty corpus, bad JSON, invalid UTF-8 under ``errors="strict"``, an unsupported file type,
-            bad ``txt_mode``/``errors``.
+        FieldError: also a bad ``txt_mode``/``errors`` (its ``option``), and two records with one id
+            (``option="id_field"``, suggestion ``null``: the file and line as id; the message names the file).
+        ValueError: empty corpus, bad JSON, invalid UTF-8 under ``errors="strict"``, an unsupported file type.
     """
     fields = _mapper(shape, txt_mode, text_field=text_field, prompt_field=prompt_field, response_field=response_field,
                      input_field=input_field, messages_field=messages_field, conversations_field=conversations_field,
@@ -285,8 +288,15 @@ def load_user_source(
     dec = _Decoder(errors)
     raw = str(path_or_id)
     docs: list[dict] = []
-    for stream in _streams(raw, shape, fields, dec, txt_mode, hf_split, None):
+    seen: dict[str, str] = {}  # id -> the file that gave it first
+    for name, stream in _streams(raw, shape, fields, dec, txt_mode, hf_split, None):
         for doc in stream:
+            if doc["id"] in seen:
+                where = name if seen[doc["id"]] == name else f"{seen[doc['id']]} and {name}"
+                raise FieldError(f"{raw}: two records have the id {doc['id']!r} (field {id_field!r}, in {where}); ids "
+                                 f"must be unique. Set id_field=null to number the records by file and line instead, "
+                                 "or make the ids unique.", "id_field", "null")
+            seen[doc["id"]] = name
             docs.append(doc)
             if limit is not None and len(docs) >= limit:
                 break
@@ -296,8 +306,9 @@ def load_user_source(
         log.warning("%d file(s) were not valid UTF-8 and were decoded with U+FFFD replacement characters: %s",
                     len(dec.replaced), ", ".join(str(p) for p in dec.replaced[:20]))
     if not docs:
+        types = [t for t in READABLE if shape == "text" or t != ".txt"]  # .txt is skipped for instruction data
         raise ValueError(f"Data source {raw!r} has no non-empty {shape} documents; check the path, the file types "
-                         f"({', '.join(READABLE)}) and the field names.")
+                         f"({', '.join(types)}) and the field names.")
     return docs
 
 
@@ -321,7 +332,7 @@ def peek_user_source(path_or_id: str | Path, shape: str = "text", n: int = 8, **
         _hf_module(raw)
         return []
     docs: list[dict] = []
-    for stream in _streams(raw, shape, fields, _Decoder(errors), txt_mode, hf_split, PEEK_BYTES):
+    for _, stream in _streams(raw, shape, fields, _Decoder(errors), txt_mode, hf_split, PEEK_BYTES):
         for doc in stream:
             docs.append(check_document(doc, shape, doc["id"]))
             if len(docs) >= n:

@@ -8,8 +8,11 @@
 * the data: every record of ``data.source`` (up to 1 GiB of files; beyond, the first records) is read and mapped
   with the configured shape and field names, and split into training and validation records as the run will; the
   offline corpus of a domain is checked against ``data.shape``;
-* values: the numeric settings (steps, batch size, sequence length, accumulation, warm-up, checkpoint interval)
-  and every strategy option (the strategy is built: its constructor checks them);
+* values: the numeric settings (steps, batch size, sequence length, accumulation, warm-up, checkpoint interval),
+  the AdamW settings (``optim.lr``, ``weight_decay``, ``betas``), ``model.max_seq_len``, and every strategy option
+  (the strategy is built: its constructor checks them);
+* the model: a ``model.weights`` written as a local path is a directory with a ``config.json``, read (no weights)
+  for the position limit of ``data.seq_len`` and, by the recipe's preflight, for the memory plan;
 * paths and environment: the NVMe directory (``strategy.nvme_path`` / ``MEGATRAIN_NVME_PATH``), the logger's
   package, ``resume``.
 
@@ -23,6 +26,7 @@ import importlib
 import importlib.util
 import inspect
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
@@ -288,6 +292,96 @@ def _devices_ok(value: Any) -> bool:
     return False
 
 
+def _looks_local(weights: str) -> bool:
+    """Whether ``model.weights`` is written as a local path rather than a hub id (``org/name``): absolute, starting
+    with ``.`` or ``~``, or with a first component that exists here (``outputs/run/checkpoint/model``)."""
+    p = Path(weights).expanduser()
+    return p.is_absolute() or weights.startswith((".", "~")) or p.exists() or Path(p.parts[0]).exists()
+
+
+def local_model_config(model: Mapping[str, Any]) -> tuple[Path, Any] | None:
+    """``(directory, transformers config)`` of the local model the run loads (``model.weights`` a directory and
+    no ``model.gguf``, which would win), read from its ``config.json`` (no weights loaded, nothing downloaded);
+    ``None`` for a hub id, a GGUF or a random initialisation (``model.config``).
+
+    Raises:
+        ConfigError: (``model.weights``) written as a local path but no directory, no ``config.json`` in it, or a
+            ``config.json`` transformers cannot read.
+    """
+    weights = model.get("weights")
+    if not weights or model.get("gguf") or not isinstance(weights, str) or not _looks_local(weights):
+        return None
+    d = Path(weights).expanduser()
+    if not d.is_dir():
+        raise ConfigError("model.weights", f"{weights} is not an existing directory (a local Hugging Face model "
+                                           "directory: config.json + safetensors); fix the path, or give a hub id.")
+    if not (d / "config.json").is_file():
+        raise ConfigError("model.weights", f"{weights} has no config.json: it is not a Hugging Face model directory "
+                                           "(e.g. a run's <run>/checkpoint/model).")
+    from ..planning.config import load_hf_config
+
+    try:
+        return d, load_hf_config(d)
+    except (OSError, ValueError) as e:
+        raise ConfigError("model.weights", str(e)) from None
+
+
+def position_limit(hf_config: Any) -> int | None:
+    """The positions a transformers config allows (``max_position_embeddings``, GPT-2's ``n_positions``)."""
+    for name in ("max_position_embeddings", "n_positions", "n_ctx"):
+        v = getattr(hf_config, name, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def check_model(model: Mapping[str, Any], data: Mapping[str, Any]) -> None:
+    """``model.max_seq_len`` is a positive int, ``model.weights`` (a local path) is a model directory, and
+    ``data.seq_len`` is within ``model.max_seq_len`` and the positions of the local model's ``config.json``.
+
+    Raises:
+        ConfigError: naming ``model.max_seq_len``, ``model.weights`` or ``data.seq_len``, with the numbers.
+    """
+    _int("model.max_seq_len", model.get("max_seq_len"), 1, "a positive int (the recipe's sequence cap, tokens)")
+    limit, seq = model["max_seq_len"], data.get("seq_len")
+    if isinstance(seq, int) and seq > limit:
+        raise ConfigError("data.seq_len", f"={seq} is longer than the model's maximum of {limit} positions "
+                                          f"(model.max_seq_len); use data.seq_len={limit} or less.")
+    local = local_model_config(model)
+    positions = position_limit(local[1]) if local else None
+    if isinstance(seq, int) and positions is not None and seq > positions:
+        raise ConfigError("data.seq_len", f"={seq} is longer than the model's maximum of {positions} positions "
+                          f"({local[0] / 'config.json'}, model.weights); use data.seq_len={positions} or less.")
+
+
+def _float(key: str, value: Any, low: float, high: float | None, what: str, low_open: bool = False) -> None:
+    """Raise ``ConfigError(key, ...)`` unless ``value`` is a number in ``[low, high)`` (``(low, high)`` with
+    ``low_open``; no upper bound with ``high=None``)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        and (value > low if low_open else value >= low) and (high is None or value < high)
+    if not ok:
+        raise ConfigError(key, f"must be {what}; got {value!r}.")
+
+
+def check_optim(optim: Mapping[str, Any]) -> None:
+    """``optim.lr`` > 0, ``optim.weight_decay`` >= 0, ``optim.betas`` two numbers in [0, 1), ``optim.warmup_steps``
+    an int >= 0 (the AdamW settings of :class:`~.module.CausalLMModule`).
+
+    Raises:
+        ConfigError: the first bad value, naming its key.
+    """
+    if "lr" in optim:
+        _float("optim.lr", optim["lr"], 0.0, None, "a number > 0 (the peak learning rate, e.g. 1e-4)", low_open=True)
+    if "weight_decay" in optim:
+        _float("optim.weight_decay", optim["weight_decay"], 0.0, None, "a number >= 0 (AdamW's decoupled decay)")
+    betas = optim.get("betas", (0.9, 0.95))
+    if not isinstance(betas, (list, tuple)) or len(betas) != 2:
+        raise ConfigError("optim.betas", f"must be two numbers in [0, 1), e.g. optim.betas=[0.9,0.95]; got {betas!r}.")
+    for b in betas:
+        _float("optim.betas", b, 0.0, 1.0, "two numbers in [0, 1), e.g. optim.betas=[0.9,0.95]")
+    _int("optim.warmup_steps", optim.get("warmup_steps", 0), 0, "an int >= 0 (optimizer steps)")
+
+
 def check_values(cfg: Mapping[str, Any]) -> None:
     """The recipe's numeric settings have usable values, and the strategy group builds (its constructor checks
     every strategy option: ``recompute``, ``lookahead``, ``block_group``, chunk sizes, NVMe settings...).
@@ -325,20 +419,18 @@ def check_values(cfg: Mapping[str, Any]) -> None:
     for k in ("batch_size", "seq_len"):
         if k in data:
             _int(f"data.{k}", data[k], 1, "a positive int")
-    limit = (cfg.get("model") or {}).get("max_seq_len")
-    if isinstance(limit, int) and isinstance(data.get("seq_len"), int) and data["seq_len"] > limit:
-        raise ConfigError("data.seq_len", f"={data['seq_len']} is longer than the model's maximum of {limit} positions "
-                                          f"(model.max_seq_len); use data.seq_len={limit} or less.")
+    check_model(cfg.get("model") or {}, data)
     vf = data.get("val_fraction", 0.0)
     if not isinstance(vf, (int, float)) or isinstance(vf, bool) or not 0.0 <= vf < 1.0:
         raise ConfigError("data.val_fraction", f"must be a number in [0, 1) (the share of records held out for "
                                                f"validation; 0: none), got {vf!r}.")
-    _int("optim.warmup_steps", (cfg.get("optim") or {}).get("warmup_steps", 0), 0, "an int >= 0 (optimizer steps)")
+    check_optim(cfg.get("optim") or {})
     _int("checkpoint.every_n_steps", (cfg.get("checkpoint") or {}).get("every_n_steps"), 1,
          "a positive int (optimizer steps) or null (no periodic checkpoint)", extra=(None,))
     _int("eval.max_batches", (cfg.get("eval") or {}).get("max_batches"), 1, "a positive int (validation batches "
          "per evaluation) or null (trainer.limit_val_batches); to skip an evaluation set eval.before=false", extra=(None,))
-    _int("sample.max_new_tokens", (cfg.get("sample") or {}).get("max_new_tokens", 0), 0, "an int >= 0 (tokens)")
+    _int("sample.max_new_tokens", (cfg.get("sample") or {}).get("max_new_tokens", 0), 0,
+         "an int >= 0 (tokens; 0: no sample)")
     if strategy.get("_target_"):
         kwargs = {k: v for k, v in strategy.items() if k not in HYDRA_SPECIAL}
         try:

@@ -67,10 +67,18 @@ class CausalLMModule(pl.LightningModule):
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        """Updates ``val_ppl`` and logs ``val_loss`` weighted by the batch's label tokens (those that carry loss
+        after the shift), so that the epoch's ``val_loss`` is the mean token cross-entropy, the same mean as
+        ``val_ppl``: ``exp(val_loss) == val_ppl`` (weighted by sequences, a batch of short answers would count as
+        much as one of long ones). A batch with no label token counts with weight 0 (its loss, NaN, is logged as 0:
+        every rank still logs, so the ``sync_dist`` reduction runs on all of them)."""
         out = self(batch)
         # Perplexity expects preds [B, T, V] and target [B, T]; shift as the model's loss does
-        self.val_ppl.update(out.logits[:, :-1].float(), batch["labels"][:, 1:])
-        self.log("val_loss", out.loss, prog_bar=True, batch_size=batch["input_ids"].shape[0], sync_dist=True)
+        targets = batch["labels"][:, 1:]
+        self.val_ppl.update(out.logits[:, :-1].float(), targets)
+        tokens = int((targets != -100).sum())
+        loss = out.loss if tokens else torch.zeros_like(out.loss)
+        self.log("val_loss", loss, prog_bar=True, batch_size=tokens, sync_dist=True)
 
     def on_validation_epoch_end(self) -> None:
         self.log("val_ppl", self.val_ppl.compute(), prog_bar=True)

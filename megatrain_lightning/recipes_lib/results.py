@@ -3,9 +3,11 @@
 ``summary.json`` keys (:data:`SUMMARY_KEYS`): ``metrics`` (``{name: {"before", "after"}}``, every metric of the
 printed table; ``before`` is ``null`` with ``eval.before=false``), ``run`` (optimizer steps, train seconds,
 tokens/s, peak RSS bytes, H2D/D2H bytes per step), ``timings`` (seconds of each recipe step: preflight, build,
-evaluate_before, fit, evaluate_after, save, sample), ``loss`` (``[{"step", "loss"}]``, the training loss of every
-optimizer step, mean over its micro-batches), ``sample`` (``{"prompt", "completion"}``), ``checkpoint`` (the saved
-directory or ``null``), ``config`` (the composed config, resolved).
+evaluate_before, fit, save, evaluate_after, sample), ``loss`` (``[{"step", "loss"}]``, the training loss of every
+optimizer step, mean over its micro-batches), ``sample`` (``{"prompt", "completion"}``; ``{}`` with
+``sample.max_new_tokens=0``), ``checkpoint`` (the saved directory or ``null``), ``config`` (the composed config,
+resolved). A run with no validation (``data.val_fraction=0``, ``trainer.limit_val_batches=0``) has no
+``val_loss``/``val_ppl`` in ``metrics``.
 """
 
 from __future__ import annotations

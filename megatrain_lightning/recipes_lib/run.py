@@ -1,5 +1,6 @@
 """The steps of ``recipes/finetune.py``, each a function of the composed config: preflight, build, evaluate, fit,
-save, sample, report. The recipe file calls them in order; copy it to change one."""
+save, evaluate, sample, report. The recipe file calls them in order (the save right after fit, so that a failure
+in a later step keeps the trained weights); copy it to change one."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..data.formatting import generation_prompt
 from ..planning import PreflightError, plan_for_run, preflight as plan_preflight
-from .checks import ConfigError, check_all
+from .checks import ConfigError, check_all, local_model_config
 from .checkpoints import RecordRunIdentity, checkpoint_callback, resolve_resume, run_identity
 from .module import CausalLMModule
 from .report import format_table, peak_rss_bytes, summary_rows
@@ -35,15 +36,21 @@ DEFAULT_PROMPTS = {
 
 # ---------------------------------------------------------------------------------------------- preflight
 def run_preflight(cfg: DictConfig) -> None:
-    """Plan this run on ``cfg.hardware`` and refuse to start when RAM, disk or device memory is short.
+    """Plan this run on ``cfg.hardware`` and refuse to start when RAM, disk or device memory is short. A local
+    model (``model.weights=<dir>``, no ``model.gguf``) is planned from its own ``config.json``, not from the
+    ``model.config`` of the preset it overrides.
 
     Raises:
         PreflightError: with the numbers and what to change (before anything is allocated).
     """
     devices = cfg.trainer.get("devices", 1)
     devices = len(devices) if OmegaConf.is_list(devices) else devices if isinstance(devices, int) else 1  # "auto": 1
+    model: Any = cfg.model
+    local = local_model_config(OmegaConf.to_container(cfg.model, resolve=True))
+    if local is not None:  # the planner reads a directory given as `config`
+        model = {**OmegaConf.to_container(cfg.model, resolve=True), "name": str(local[0]), "config": str(local[0])}
     try:
-        p = plan_for_run(cfg.model, cfg.hardware, cfg.strategy, batch_size=int(cfg.data.batch_size),
+        p = plan_for_run(model, cfg.hardware, cfg.strategy, batch_size=int(cfg.data.batch_size),
                          seq_len=int(cfg.data.seq_len), precision=str(cfg.trainer.precision), devices=devices,
                          num_nodes=int(cfg.trainer.get("num_nodes", 1) or 1))
     except PreflightError:
@@ -216,9 +223,14 @@ def inference_weights(trainer: pl.Trainer) -> Iterator[Any]:
 def evaluate(trainer: pl.Trainer, lm: CausalLMModule, dm: Any, weights: Path | None = None) -> dict[str, float]:
     """Validation loss/perplexity (streamed through the strategy; Lightning's progress bar) and the domain probe
     (its own progress bar), as ``{"val_loss", "val_ppl", "probe/<key>"...}``; of the module's weights, or with
-    ``weights`` of that checkpoint's (a resumed run's "before": the weights it continues from)."""
-    out = trainer.validate(lm, datamodule=dm, verbose=False, ckpt_path=str(weights) if weights else None)[0]
-    metrics = {"val_loss": float(out["val_loss"]), "val_ppl": float(out["val_ppl"])}
+    ``weights`` of that checkpoint's (a resumed run's "before": the weights it continues from). Where Lightning
+    runs no validation (``data.val_fraction=0``: no held-out records; ``trainer.limit_val_batches=0``) there is no
+    ``val_loss``/``val_ppl``: the summary and the table leave them out (one log line says why)."""
+    outs = trainer.validate(lm, datamodule=dm, verbose=False, ckpt_path=str(weights) if weights else None)
+    out = outs[0] if outs else {}
+    metrics = {k: float(out[k]) for k in ("val_loss", "val_ppl") if k in out}
+    if not metrics:
+        log.info("No validation loss: no validation batch ran (data.val_fraction=0 or trainer.limit_val_batches=0).")
     if getattr(dm, "probe", None) is not None:
         with inference_weights(trainer) as dev:
             metrics.update({f"probe/{k}": float(v) for k, v in dm.run_probe(lm.model, device=dev).items()})
@@ -275,7 +287,10 @@ def sample_prompt(cfg: DictConfig, dm: Any) -> str:
 
 def sample(cfg: DictConfig, trainer: pl.Trainer, lm: CausalLMModule, tok: Any, dm: Any) -> dict[str, str]:
     """Greedy generation (KV cache, no recompute) on the trained weights, as ``{"prompt", "completion"}``; an
-    instruction-shaped run asks in its training format (the tokenizer's chat template, or the plain format)."""
+    instruction-shaped run asks in its training format (the tokenizer's chat template, or the plain format).
+    ``sample.max_new_tokens=0``: no sample, ``{}`` (the summary's ``sample`` is empty)."""
+    if int(cfg.sample.max_new_tokens) == 0:
+        return {}
     prompt = sample_prompt(cfg, dm)
     text, special = prompt, True
     if getattr(dm, "shape", "text") == "instruction":
@@ -302,5 +317,6 @@ def report(cfg: DictConfig, trainer: pl.Trainer, before: dict[str, float], after
     if ckpt:
         print(f"\nHF checkpoint: {ckpt / 'model'}")
     print(f"results: {', '.join(str(p) for p in paths.values())}")
-    print(f"\nsample ({text['prompt']!r}):\n{text['completion']}\n")
+    if text:
+        print(f"\nsample ({text['prompt']!r}):\n{text['completion']}\n")
     return summary
