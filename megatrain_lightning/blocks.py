@@ -131,6 +131,23 @@ def find_hf_models(root: nn.Module) -> list[nn.Module]:
     return found
 
 
+def output_embedding_blocks(root: nn.Module, blocks: Sequence["Block"]) -> set[int]:
+    """Indices of the blocks whose module is a model's output embedding (``get_output_embeddings()``: a causal
+    LM's ``lm_head``), the last block of a training forward: the engine keeps its graph (the logits the loss reads)
+    from the first forward on, before the forward order is known."""
+    heads = set()
+    for m in root.modules():
+        get = getattr(m, "get_output_embeddings", None)
+        if callable(get):
+            try:
+                head = get()
+            except Exception:  # noqa: BLE001 - a model without one (NotImplementedError, encoders): none
+                continue
+            if isinstance(head, nn.Module):
+                heads.add(id(head))
+    return {b.index for b in blocks if not b.direct and id(b.module) in heads}
+
+
 def disable_hf_checkpointing(root: nn.Module) -> list[str]:
     """Turn off Hugging Face gradient (activation) checkpointing on every model of ``root`` that has it
     on; returns their class names."""

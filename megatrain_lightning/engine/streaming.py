@@ -32,7 +32,7 @@ from ..store.host import HostStore, build_store
 from ..store.regions import Region
 from ..store.shared import NodeShare, SlabOwnership
 from ..store.nvme import NVMeConfig
-from ..blocks import Block, check_floating, disable_hf_checkpointing, discover_blocks
+from ..blocks import Block, check_floating, disable_hf_checkpointing, discover_blocks, output_embedding_blocks
 from .accounting import ByteAccounting, StepStats
 from .block_groups import form_groups
 from .fetch import WeightFetcher
@@ -169,6 +169,7 @@ class StreamingEngine:
                                      groups=groups)
         self.optimizer: HostAdamW | None = None
         self.order: list[int] = []  # block indices in forward call order (learned on the first forward)
+        self._heads = output_embedding_blocks(root, self.blocks)  # the last block before the order is known
         self._seq: list[int] = []  # the fetch sequence the prefetcher follows now
         self._cursor, self._phase = 0, "idle"
         self._bwd_seq: list[int] = []  # backward fetch sequence of the last training step
@@ -291,10 +292,10 @@ class StreamingEngine:
     def call_block(self, blk: Block, forward: Callable[..., Any], args: tuple, kwargs: dict,
                    keep: bool | None = None) -> Any:
         """Run ``forward(*args, **kwargs)`` as a grad-mode call of ``blk`` (its parameters bound, recomputed
-        in backward, gradients to the host); ``keep``: keep its graph instead (default: the last block of
-        the forward order, known from the first forward on; the chunked head + loss always keeps it)."""
+        in backward, gradients to the host); ``keep``: keep its graph instead (default: the last block of the
+        forward order; in the first forward, the output embedding; the chunked head + loss always keeps it)."""
         if keep is None:
-            keep = bool(self.order) and blk.index == self.order[-1]
+            keep = blk.index == self.order[-1] if blk.index in self.order else blk.index in self._heads
         return self.recompute.call(blk, forward, args, kwargs, keep=keep)
 
     def _make_direct_proxy(self, blk: Block, orig: Callable[..., Any]) -> Callable[..., Any]:
