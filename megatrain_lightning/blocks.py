@@ -254,8 +254,9 @@ def discover_blocks(
         raise BlockDiscoveryError(
             f"Cannot find streamable blocks in {type(root).__name__}: no submodule declares "
             "`_no_split_modules` (Hugging Face models do). Pass "
-            "`MegaTrainStrategy(block_classes=[YourLayerClass])` or "
-            f"`block_names=[{_example_pattern(root) or 'model.layers.*'!r}]` to name the repeated layers. "
+            "`MegaTrainStrategy(block_classes=[YourLayerClass])` (the class of the layer the model repeats or "
+            "reuses)" + (f" or `block_names=[{example!r}]`" if (example := _example_pattern(root)) else "")
+            + " to name the repeated layers. "
             f"Module paths of {type(root).__name__}: {_module_listing(root)}."
         )
     if _own_params(root):

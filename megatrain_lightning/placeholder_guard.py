@@ -6,6 +6,12 @@ tokens or losses without a word; :func:`guard` makes any such forward raise inst
 Every module that owns parameters gets a forward pre-hook that checks its own parameters at each call (so a
 parameter given real values since, ``param.data = t``, passes); :func:`unguard` removes the hooks (the strategy's
 next setup, which takes the store's weights back into the module).
+
+The module also keeps the strategy whose store holds its weights alive (:func:`holder_of`): a new Trainer assigned to
+the variable of the old one would otherwise let the old strategy be garbage-collected, and its store's files (the
+only copy of the trained weights) be deleted; the new strategy's setup takes the weights over from it instead.
+The reference is a cycle (module -> strategy -> module), collected with the module; copies and pickles of the
+module carry none.
 """
 
 from __future__ import annotations
@@ -16,9 +22,35 @@ from typing import Any, Callable
 from torch import nn
 
 _HOOKS: "weakref.WeakKeyDictionary[nn.Module, list[Any]]" = weakref.WeakKeyDictionary()
+_HOLDER = "_megatrain_weights_holder"  # attribute of the root module: a _Holder
 
 
-def guard(root: nn.Module, is_placeholder: Callable[[Any], bool], gib: float, store_dir: str) -> None:
+def _nothing() -> None:
+    return None
+
+
+class _Holder:
+    """The strategy holding a module's weights, as an attribute of the module that ``copy.deepcopy`` and pickling
+    turn into ``None`` (a copy of the module holds placeholders, not the store)."""
+
+    def __init__(self, strategy: Any):
+        self.strategy = strategy
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None
+
+    def __reduce__(self) -> tuple:
+        return (_nothing, ())
+
+
+def holder_of(root: nn.Module) -> Any:
+    """The strategy whose NVMe store holds ``root``'s weights (given to :func:`guard`), or ``None``."""
+    h = root.__dict__.get(_HOLDER)
+    return h.strategy if isinstance(h, _Holder) else None
+
+
+def guard(root: nn.Module, is_placeholder: Callable[[Any], bool], gib: float, store_dir: str,
+          holder: Any = None) -> None:
     """Make a forward of any submodule of ``root`` whose own parameters are placeholders raise ``RuntimeError``.
 
     Args:
@@ -26,8 +58,11 @@ def guard(root: nn.Module, is_placeholder: Callable[[Any], bool], gib: float, st
         is_placeholder: the store's ``HostStore.is_placeholder``.
         gib: the fp32 weights' size, GiB (the ``host_memory_limit`` that brings them back after a run).
         store_dir: the NVMe store's directory (named in the error).
+        holder: the strategy whose store holds the weights (kept alive by ``root``: :func:`holder_of`).
     """
     unguard(root)
+    if holder is not None:
+        root.__dict__[_HOLDER] = _Holder(holder)
     msg = (f"megatrain: the trained fp32 weights ({gib:.2f} GiB) exceed host_memory_limit, so after the run they are "
            f"only in the NVMe store {store_dir} and the module's parameters are placeholders (zeros): this forward "
            "would compute with them. Save the weights with trainer.save_checkpoint(dir) and load dir/model with "
@@ -43,6 +78,7 @@ def guard(root: nn.Module, is_placeholder: Callable[[Any], bool], gib: float, st
 
 
 def unguard(root: nn.Module) -> None:
-    """Remove :func:`guard`'s hooks from ``root`` (nothing if there are none)."""
+    """Remove :func:`guard`'s hooks and holder from ``root`` (nothing if there are none)."""
+    root.__dict__.pop(_HOLDER, None)
     for h in _HOOKS.pop(root, []):
         h.remove()

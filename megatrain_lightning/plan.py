@@ -64,9 +64,21 @@ def plan_from_config(cfg: Any) -> Plan:
 
     Raises:
         ValueError: see :func:`~megatrain_lightning.planning.estimate.plan` (a bad ``trainer.devices`` or
-            ``trainer.num_nodes`` is named).
+            ``trainer.num_nodes`` is named); a key that is no setting (``+batchsize=4``), with the closest one.
     """
+    unknown = sorted(set(cfg.keys()) - {*_SETTINGS, "model", "hardware", "trainer"})
+    if unknown:
+        import difflib
+
+        hints = [f"{k} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(k, _SETTINGS, 1)) else k
+                 for k in unknown]
+        raise ValueError(f"unknown setting(s) {', '.join(hints)}; the planner's settings: {', '.join(_SETTINGS)}, "
+                         "model, hardware, trainer.devices, trainer.num_nodes (python -m megatrain_lightning.plan --help).")
     trainer = cfg.get("trainer") or {}
+    unknown = sorted(set(trainer.keys()) - {"devices", "num_nodes"})
+    if unknown:
+        raise ValueError(f"unknown setting(s) {', '.join('trainer.' + k for k in unknown)}; the planner reads "
+                         "trainer.devices and trainer.num_nodes.")
     dp = {k: trainer[k] for k in ("devices", "num_nodes") if k in trainer}
     return plan(cfg.model, cfg.hardware, **{k: cfg[k] for k in _SETTINGS if k in cfg}, **dp)
 
@@ -93,6 +105,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    flags = [a for a in args if a.startswith("-")]
+    if flags:
+        print(f"error: {flags[0]}: the planner takes key=value overrides only (Hydra's own flags such as --cfg are "
+              "not supported); json=true prints every setting it used, --help lists them.", file=sys.stderr)
+        return 2
     try:
         return _run(args)
     except (ValueError, TypeError, OSError, HydraException, OmegaConfBaseException) as e:

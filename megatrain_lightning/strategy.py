@@ -73,7 +73,7 @@ from .parallel.launcher import MegaTrainLauncher
 from .parallel.node_share import NodeStore, nvme_for_rank, weights_written
 from .parallel.preflight import (check_rendezvous, check_same_batches, check_same_config, optimizer_fingerprint,
                                  run_fingerprint)
-from .placeholder_guard import guard as guard_placeholders, unguard as unguard_placeholders
+from .placeholder_guard import guard as guard_placeholders, holder_of, unguard as unguard_placeholders
 from .precision import MegaTrainPrecision, to_megatrain_precision
 from .store.nvme import IO_BLOCK_SIZE, NVME_PATH_FROM_ENV, NVMeConfig
 from .store.regions import Region
@@ -414,6 +414,9 @@ class MegaTrainStrategy(ParallelStrategy):
             self.engine.close()
             self.engine = None
         if self.engine is None:
+            prev = holder_of(module)
+            if prev is not None and prev is not self:
+                prev.hand_over_weights()  # another strategy's store holds them (a new Trainer for the same module)
             _refuse_placeholders(module)
             _refuse_compiled(module)
             _warn_low_precision_params(module)
@@ -899,13 +902,40 @@ class MegaTrainStrategy(ParallelStrategy):
         else:
             assert self.lightning_module is not None
             guard_placeholders(self.lightning_module, self.engine.store.is_placeholder, nbytes / 2**30,
-                               str(self.engine.store.nvme.dir))
+                               str(self.engine.store.nvme.dir), holder=self)
             log.warning(
                 "megatrain: the fp32 weights (%.2f GiB) exceed host_memory_limit, so after the run they stay in the "
                 "NVMe store %s and the module's parameters are placeholders; save them with "
                 "trainer.save_checkpoint(dir) or read one with trainer.strategy.engine.read_param(p). "
                 "trainer.strategy.close() (or the end of the process) removes the files.",
                 nbytes / 2**30, self.engine.store.nvme.dir)
+
+    def hand_over_weights(self) -> None:
+        """Bring the trained fp32 weights, which only this strategy's NVMe store holds (larger than its
+        ``host_memory_limit``), into the module's parameters, then :meth:`close`: called by another strategy's
+        setup for the same module (a new Trainer), so the weights are neither trained on as placeholders nor
+        deleted with this strategy when it is garbage-collected. Needs 4 bytes/param of host RAM.
+
+        Raises:
+            MemoryError: the weights do not fit in the host RAM available now (``MemAvailable``); nothing is
+                changed (the store stays open and the error names how to save them).
+        """
+        from .planning.preflight import mem_available_bytes
+
+        if self.engine is None or self.engine.closed:
+            return
+        nbytes = 4 * self.engine.store.numel
+        avail = mem_available_bytes()
+        if avail is not None and nbytes > 0.9 * avail:
+            raise MemoryError(
+                f"megatrain: the module's trained fp32 weights ({nbytes / 2**30:.2f} GiB) are only in the NVMe store "
+                f"{self.engine.store.nvme.dir} of the strategy of a previous Trainer, and they do not fit in the host "
+                f"RAM available ({avail / 2**30:.2f} GiB) to hand them to this one. Save them with that Trainer "
+                "(trainer.save_checkpoint(dir)) before making a new Trainer, and fit the new one with ckpt_path=dir; "
+                "the previous strategy stays open while the module lives: megatrain_lightning.placeholder_guard."
+                "holder_of(module).")
+        self.engine.params.materialize()
+        self.close()
 
     def close(self) -> None:
         """Close the engine: stop its threads and remove the NVMe store's files (unless kept).

@@ -193,7 +193,13 @@ def main() -> None:
     eng = trainer.strategy.engine
     if eng.store.nvme is not None:  # this rank's NVMe store: which slabs have regions on its disk, its budget
         st = eng.store.nvme
+        try:  # each rank holds only its blocks' AdamW state on its disk: refused with what to do instead
+            trainer.optimizers[0].state_dict()
+            state_dict_error = None
+        except RuntimeError as e:
+            state_dict_error = str(e)
         (out / f"nvme_{rank}.json").write_text(json.dumps({
+            "state_dict_error": state_dict_error,
             "dir": str(st.dir), "slabs": [i for i, (n, t) in enumerate(st.layout) if n or t],
             "owned": [i for i in range(len(st.layout)) if eng.ownership is None or eng.ownership.owns(i)],
             "host_memory_limit": eng.host_memory_limit, "peak_host_bytes": st.budget.peak,

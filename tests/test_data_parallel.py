@@ -384,6 +384,9 @@ def test_nvme_tier_with_two_processes_trains_bitwise_like_the_ram_tier(tmp_path)
             assert s["written_bytes"] > 0 and s["owned"], stores
             if flag == "--nvme-optimizer":  # only its own slabs on its disk
                 assert s["slabs"] == s["owned"], stores
+            # optimizer.state_dict() needs every rank's part: refused before any read, naming the directory checkpoint
+            assert "not available with several processes and offload_optimizer='nvme'" in s["state_dict_error"]
+            assert "optimizer/" in s["state_dict_error"]
         assert not set(stores[0]["owned"]) & set(stores[1]["owned"])
         assert not list(disk.iterdir()), flag  # the files go at the end of the run
 

@@ -172,6 +172,25 @@ class _M2(pl.LightningModule):
         self.net = _Net()
 
 
+class _Shared(pl.LightningModule):
+    """ALBERT-style: one layer reused at every depth (a list of one module: no repeated path to suggest)."""
+
+    def __init__(self):
+        super().__init__()
+        self.groups = nn.ModuleList([_Layer()])
+
+
+def test_a_model_without_repeated_paths_gets_no_made_up_pattern():
+    """The error suggested ``block_names=['model.layers.*']``, a path ALBERT does not have (found by a probe):
+    with no repeated path it suggests the layer class only."""
+    with pytest.raises(BlockDiscoveryError) as err:
+        discover_blocks(_Shared())
+    msg = str(err.value)
+    assert "block_classes=[YourLayerClass])` (the class of the layer the model repeats or reuses) to name" in msg
+    assert "model.layers" not in msg and "groups.* (_Layer)" in msg
+    assert discover_blocks(_Shared(), block_classes=["_Layer"])
+
+
 def test_unmatched_block_name_lists_the_module_paths():
     """A pattern that matches nothing is an error that shows the paths there are to match."""
     with pytest.raises(BlockDiscoveryError) as err:

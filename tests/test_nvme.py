@@ -367,6 +367,46 @@ def test_closed_store_weights_are_refused_and_the_same_process_is_named(tmp_path
                    enable_progress_bar=False, enable_model_summary=False).fit(lm, make_data(n=2))
 
 
+def test_a_new_trainer_for_the_same_module_takes_the_weights_over(tmp_path):
+    """fit, then a new Trainer assigned to the same variable fits the same module again (notebook style): the
+    weights, larger than host_memory_limit, were only in the first strategy's store. The second fit continues from
+    them, as plain Lightning's second Trainer does (fresh AdamW each), and the first store's files are gone.
+    Before, the second fit refused the placeholders and the garbage-collected first strategy deleted the only copy
+    of the trained weights without a word (found by a probe)."""
+    import copy
+    import gc
+
+    from megatrain_lightning.placeholder_guard import holder_of
+
+    init = LM(make_model("llama", num_hidden_layers=24), total_steps=STEPS, sched="cosine")
+
+    def two_fits(strategy):
+        lm = copy.deepcopy(init)
+        for _ in range(2):
+            torch.manual_seed(0)
+            tr = pl.Trainer(strategy=strategy(), accelerator="cpu", devices=1, max_steps=2, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+            tr.fit(lm, make_data(n=4))
+            if isinstance(tr.strategy, MegaTrainStrategy):
+                assert not tr.strategy.engine.params.materialized  # 4 B/param > LIMIT: placeholders after fit
+            del tr
+            gc.collect()  # the first Trainer is unreferenced now: its store must not take the weights with it
+        return lm
+
+    plain = two_fits(lambda: "auto")
+    ours = two_fits(lambda: nvme_strategy(tmp_path))
+    assert ours.losses == pytest.approx(plain.losses, rel=1e-5) and len(ours.losses) == 4
+    stores = [p for p in tmp_path.iterdir() if p.name.startswith(STORE_DIR)]
+    assert len(stores) <= 1  # the second strategy's store (still held by the module); the first one's is removed
+    holder = holder_of(ours)
+    assert holder is not None and holder.engine is not None
+    for n, p in ours.named_parameters():
+        q = dict(plain.named_parameters())[n]
+        assert torch.allclose(holder.engine.read_param(p), q.detach(), rtol=1e-5, atol=1e-7), n
+    holder.close()
+    assert not any(p.name.startswith(STORE_DIR) and any(p.iterdir()) for p in tmp_path.iterdir())
+
+
 def test_weights_edited_after_fit_are_what_save_checkpoint_writes(tmp_path):
     from safetensors.torch import load_file
 

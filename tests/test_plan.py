@@ -334,6 +334,21 @@ def test_cli_bad_settings_are_one_error_line_with_exit_2(capsys):
         assert err.startswith("error: ") and want in err and "Traceback" not in err, (args, err)
 
 
+def test_cli_unknown_keys_and_hydra_flags_are_refused(capsys):
+    """A misspelt setting added with ``+`` was planned with the default silently (``+batchsize=4``: batch 1), and
+    ``--cfg job`` gave Hydra's lexer error: both are one ``error:`` line naming the fix (found by a probe)."""
+    from megatrain_lightning.plan import main
+
+    for args, want in ((["+batchsize=4"], "batchsize (did you mean batch_size?)"),
+                       (["+trainer.device=2"], "trainer.device"),
+                       (["--cfg", "job"], "--cfg: the planner takes key=value overrides only")):
+        assert main(args) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and want in err and "Traceback" not in err, (args, err)
+    assert main(["batch_size=4", "json=true"]) == 0
+    assert '"batch_size": 4' in capsys.readouterr().out
+
+
 def test_plan_from_a_built_module():
     """The same code at setup(): a model already built (here tiny, on the CPU) plans like its config."""
     cfg = dict(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3,

@@ -467,3 +467,15 @@ def test_recompute_boundary_gives_plain_autograd_gradients(recompute_every):
             assert torch.equal(p.grad, q.grad), name
     finally:
         eng.close()
+
+
+def test_a_per_rank_nvme_path_is_told_to_use_one_shared_path():
+    """DeepSpeed-style per-rank folders (``nvme_path=DIR/r{LOCAL_RANK}``) differ across ranks: the refusal says that
+    one shared path gets a folder per rank by itself (found by a probe); other differences do not get the hint."""
+    from megatrain_lightning.parallel.preflight import differences, mismatch_message
+
+    diff = differences([{"strategy.nvme": "/d/r0", "torch": "2"}, {"strategy.nvme": "/d/r1", "torch": "2"}])
+    msg = mismatch_message(diff)
+    assert "strategy.nvme: /d/r0 on rank 0; /d/r1 on rank 1" in msg
+    assert "give every rank the same nvme_path" in msg and "megatrain_store_rank<r>" in msg
+    assert "nvme_path" not in mismatch_message(differences([{"torch": "1"}, {"torch": "2"}]))

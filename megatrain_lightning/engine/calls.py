@@ -53,7 +53,7 @@ class BlockCall:
     freed: bool = False
     saved_ops: Any = None  # recompute_policy.SavedOps: op outputs kept ("selective"/"none")
     kept_bytes: Any = None  # releases this call's bytes in the activation meter
-    buffers: Any = None  # block_buffers.BufferSnapshot: buffers its forward changed, as the forward found them
+    state: Any = None  # block_state.BlockState: modules' training flags and changed buffers, as the forward found them
 
 
 @dataclass(eq=False)

@@ -308,9 +308,12 @@ class GradientSink:
         if Region.grad_accum in self.store.nvme_kinds:
             return
         flats = self.hook_views.open() if self.hook_views is not None else None
+        opt = self._optimizer()
+        stale = opt.pending if opt is not None else {}  # a previous step's gradients, kept for its pending update
         for slab in self.store.slabs:
             for i, e in enumerate(slab.entries):
-                has = slab.grad_accum is not None and not slab.grad_accum_empty and slab.has_grad[i]
+                has = (slab.grad_accum is not None and not slab.grad_accum_empty and slab.has_grad[i]
+                       and slab.index not in stale)
                 if not has:
                     e.ref.param.grad = None
                 else:
@@ -346,10 +349,11 @@ class GradientSink:
         if bad:
             raise RuntimeError(
                 f"megatrain: parameters {bad} got a gradient outside the streamed blocks: they were used "
-                "outside the forward of the module that owns them, where the engine does not bind them, so "
-                "their gradient would be lost. Use each parameter only inside its own module's forward (call "
-                "the module instead of reading its weight, e.g. self.net(x) rather than self.net.pos), or "
-                "move the computation that uses it into that module's forward."
+                "outside the forward of the streamed block (or module) that owns them, where the engine does not "
+                "bind them, so their gradient would be lost: their weight was read directly (self.net.pos instead "
+                "of calling self.net), or a submodule of a block was called from outside that block's forward "
+                "(e.g. self.pre = self.blocks[2].fc, then self.pre(h)). Use each parameter only inside the forward "
+                "of the block that owns it, or move the computation that uses it into that forward."
             )
 
     def detach(self) -> None:

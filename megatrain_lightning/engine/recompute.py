@@ -3,9 +3,8 @@
 Under grad mode every block call goes through :class:`_BlockFunction`: its forward runs the block
 without a graph and keeps only what the backward needs to rebuild the block's inputs (the inputs of
 every ``recompute_every``-th call, links to the previous call's outputs otherwise, optionally
-offloaded to host memory) plus the RNG and autocast state and the buffers its forward changed
-(:mod:`.block_buffers`); its backward fetches the block again, recomputes its forward under the replayed
-state and differentiates it locally. The last block of a training forward keeps its graph instead (no
+offloaded to host memory), the RNG and autocast state and the module state (:mod:`.block_state`); its
+backward fetches the block again, recomputes its forward under the replayed state and differentiates it locally. The last block of a training forward keeps its graph instead (no
 recompute). Each training forward has its own record of calls, so several forwards, ``retain_graph=True``
 and ``torch.autograd.grad`` behave as on a plain model (docs/architecture.md, "A training step"). Weights
 reach the device and gradients the host through the block runner (``acquire`` + ``bind``) and gradient sink.
@@ -25,7 +24,7 @@ from ..blocks import Block
 from ..store.host import HostStore
 from .accounting import ByteAccounting
 from .backward_state import keeps_graph, leaf_grad_use, local_grad
-from .block_buffers import snapshot as snapshot_buffers
+from .block_state import snapshot as snapshot_state
 from .block_graph import GraphHooks, release_leaves
 from .bound_params import BoundParams
 from .calls import SECOND_BACKWARD, BlockCall, ForwardRecord, KeptGraph, autocast_state, trainable_refs
@@ -55,7 +54,7 @@ class _BlockFunction(torch.autograd.Function):
         if dev.type == "cuda":
             call.rng_dev = torch.cuda.get_rng_state(dev)
         call.autocast = autocast_state(dev.type)
-        before = snapshot_buffers(call.block.module)
+        before = snapshot_state(call.block.module)
         if call.keep:
             out = rc._run_kept(call, tensors)
         else:
@@ -72,7 +71,7 @@ class _BlockFunction(torch.autograd.Function):
         ctx.call = call
         if call.graph is None:
             rc._save_inputs(call, tensors)
-            call.buffers = before if before is not None and before.changed() else None
+            call.state = before.forward_done()
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
         return outs
 
@@ -370,12 +369,13 @@ class Recompute:
     # ------------------------------------------------------------------ activations
     @contextlib.contextmanager
     def _replay(self, call: BlockCall):
-        """Run under the RNG, autocast state and buffer values the block's forward saw (dropout, mixed precision;
-        its buffer updates, e.g. BatchNorm's statistics, are not made twice)."""
+        """Run under the RNG, autocast state, module ``training`` flags and buffer values the block's forward saw
+        (dropout, mixed precision, a mode switched before backward; its buffer updates, e.g. BatchNorm's
+        statistics, are not made twice)."""
         dev = self.device
         enabled, dtype, cache = call.autocast  # type: ignore[misc]
-        buffers = call.buffers.replayed() if call.buffers is not None else contextlib.nullcontext()
-        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else [], device_type="cuda"), buffers:
+        state = call.state.replayed() if call.state is not None else contextlib.nullcontext()
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else [], device_type="cuda"), state:
             torch.set_rng_state(call.rng_cpu)  # type: ignore[arg-type]
             if call.rng_dev is not None:
                 torch.cuda.set_rng_state(call.rng_dev, dev)

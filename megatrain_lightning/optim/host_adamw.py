@@ -298,13 +298,18 @@ class HostAdamW:
 
     # ------------------------------------------------------------------ clipping
     def _grad_entries(self) -> list[tuple[int, int]]:
-        """(slab, entry) of every optimizer parameter holding a gradient, in param-group order."""
+        """(slab, entry) of every optimizer parameter holding a gradient of this step, in param-group order.
+
+        A slab whose previous update is still pending (it was not fetched since: a layer skipped by layer drop or
+        early exit) holds that step's gradients until the update runs: they are not this step's, as ``param.grad``
+        is ``None`` in plain PyTorch for a parameter that got none since ``zero_grad``."""
         out = []
         for g in self.optimizer.param_groups:
             for p in g["params"]:
                 si, ei = self._where[id(p)]
                 slab = self.store.slabs[si]
-                if slab.entries[ei].trainable and not slab.grad_accum_empty and slab.has_grad[ei]:
+                if (slab.entries[ei].trainable and not slab.grad_accum_empty and slab.has_grad[ei]
+                        and si not in self.pending):
                     out.append((si, ei))
         return out
 
@@ -482,7 +487,19 @@ class HostAdamW:
 
         With ``copy=True`` the tensors are copies (8 bytes/param of host RAM while the dict lives);
         with ``copy=False`` they are views of the live state (no memory, but they change with training).
+
+        Raises:
+            RuntimeError: several processes with ``offload_optimizer="nvme"``: each rank holds only the AdamW state
+                of the blocks it updates, on its own disk (raised before anything is read).
         """
+        own = self.ownership
+        if own is not None and Region.exp_avg in self.store.nvme_kinds and not all(map(own.owns, range(len(self.store.slabs)))):
+            raise RuntimeError(
+                "megatrain: optimizer.state_dict() is not available with several processes and "
+                "offload_optimizer='nvme': each rank keeps only the AdamW state of the blocks it updates, on its own "
+                "disk. Save a directory checkpoint (trainer.save_checkpoint(dir), on every rank): its optimizer/ "
+                "folder holds the whole state in torch.optim.AdamW format; or keep the optimizer state in RAM "
+                "(offload_optimizer='cpu').")
         self.flush()
         state: dict[int, dict[str, torch.Tensor]] = {}
         groups = []

@@ -195,7 +195,9 @@ def mismatch_message(diff: Mapping[str, Mapping[str, list[int]]]) -> str:
         lines.append(f"  {key}: " + "; ".join(parts))
     return ("megatrain: the ranks of this run were started with different configurations; every rank must run the "
             "same script with the same model and options (same command line, Hydra overrides and files on every "
-            "node). Differing:\n" + "\n".join(lines))
+            "node). Differing:\n" + "\n".join(lines)
+            + ("\nstrategy.nvme: give every rank the same nvme_path; each rank keeps its files in its own "
+               "<nvme_path>/megatrain_store_rank<r> (README, \"Several GPUs and nodes\")." if "strategy.nvme" in diff else ""))
 
 
 def check_same_config(group: Any, fingerprint: Mapping[str, str],
@@ -235,6 +237,6 @@ def check_same_batches(group: Any, batches: float, guard: Callable[[str], Contex
         raise ConfigMismatchError(
             f"megatrain: the ranks have different numbers of training batches per epoch ({counts}, counted up to "
             "max_steps x accumulate_grad_batches); every rank must "
-            "run the same number of optimizer steps, as with DDP (a rank whose epoch ended would wait for the others' "
-            "updates until `timeout`). Keep Lightning's DistributedSampler (`use_distributed_sampler=True`, the "
+            "run the same number of micro-batches (gradients are averaged across ranks after each micro-batch's "
+            "backward, as with DDP: a rank whose epoch ended would wait for the others until `timeout`). Keep Lightning's DistributedSampler (`use_distributed_sampler=True`, the "
             "default) or give every rank a sampler of the same length, with the same `limit_train_batches`.")
