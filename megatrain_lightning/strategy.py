@@ -920,7 +920,7 @@ class MegaTrainStrategy(ParallelStrategy):
             MemoryError: the weights do not fit in the host RAM available now (``MemAvailable``); nothing is
                 changed (the store stays open and the error names how to save them).
         """
-        from .planning.preflight import mem_available_bytes
+        from .store.budget import mem_available_bytes
 
         if self.engine is None or self.engine.closed:
             return

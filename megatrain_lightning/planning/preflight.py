@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..store.budget import mem_available_bytes
 from .advice import RECIPE_KEYS, activation_share, device_advice, host_advice, seq_len_advice
 from .estimate import Plan, gib, max_seq_len, plan, shortfalls
 
@@ -24,17 +25,6 @@ class PreflightError(ValueError):
     def __init__(self, message: str, shortfalls: list[str]) -> None:
         super().__init__(message)
         self.shortfalls = shortfalls
-
-
-def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
-    """``MemAvailable`` in bytes, or None where ``/proc/meminfo`` is unreadable (not Linux)."""
-    try:
-        for line in Path(meminfo).read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024  # the file reports kB (KiB)
-    except OSError:
-        return None
-    return None
 
 
 def device_free_bytes() -> int | None:

@@ -13,6 +13,7 @@ import math
 import re
 import threading
 import time
+from pathlib import Path
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -122,3 +123,15 @@ class HostBudget:
             self.used -= n
             assert self.used >= 0, "host budget released more than it reserved"
             self.cond.notify_all()
+
+
+def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes (what the kernel can hand out without swapping), or ``None``
+    where the file is unreadable (not Linux)."""
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # the file reports kB (KiB)
+    except OSError:
+        return None
+    return None
