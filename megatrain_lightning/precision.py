@@ -103,6 +103,9 @@ class MegaTrainPrecision(Precision):
         init_scale, growth_factor, backoff_factor, growth_interval: dynamic loss scaling for
             ``"16-mixed"`` (defaults of ``torch.amp.GradScaler``).
         device_type: ``"cpu"`` or ``"cuda"`` for autocast; set by the strategy from its device.
+        loss_scaling: ``False``: ``"16-mixed"`` without loss scaling (a ``GradScaler(enabled=False)`` given to
+            Lightning's ``MixedPrecision``); the current scale is :attr:`scale` (Lightning's plugin has a
+            ``scaler`` object instead: ``scale``, ``growth_tracker`` and ``skipped_steps`` are plain attributes here).
 
     Raises:
         UnsupportedPrecisionError: any other precision or grad dtype.
@@ -117,6 +120,7 @@ class MegaTrainPrecision(Precision):
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
         device_type: str = "cpu",
+        loss_scaling: bool = True,
     ) -> None:
         self.precision = check_precision(precision)  # type: ignore[assignment]
         half = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "bf16-true": torch.bfloat16}
@@ -130,7 +134,7 @@ class MegaTrainPrecision(Precision):
             raise UnsupportedPrecisionError(f"grad_dtype must be one of {sorted(_GRAD_DTYPES)}, got {grad_dtype!r}.")
         self.grad_dtype = _GRAD_DTYPES[grad_dtype]
         self.device_type = device_type
-        self.scaling = self.precision == "16-mixed"
+        self.scaling = self.precision == "16-mixed" and loss_scaling
         self.scale = float(init_scale)
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
@@ -162,9 +166,28 @@ class MegaTrainPrecision(Precision):
 
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        """Autocast around training/validation/test/predict steps for the mixed modes."""
+        """Autocast around training/validation/test/predict steps for the mixed modes; under ``"bf16-true"``
+        bf16 as torch's default dtype (tensors the step creates are bf16), as Lightning's ``HalfPrecision``."""
+        if self.precision == "bf16-true":
+            default = torch.get_default_dtype()
+            torch.set_default_dtype(torch.bfloat16)
+            try:
+                yield
+            finally:
+                torch.set_default_dtype(default)
+            return
         with self.autocast_context():
             yield
+
+    def convert_input(self, data: Any) -> Any:
+        """``"bf16-true"``: the batch's floating-point tensors cast to bf16 (Lightning's ``HalfPrecision`` does the
+        same); other modes: unchanged."""
+        if self.precision != "bf16-true":
+            return data
+        from lightning.fabric.utilities.apply_func import apply_to_collection
+
+        return apply_to_collection(data, torch.Tensor,
+                                   lambda t: t.to(torch.bfloat16) if torch.is_floating_point(t) else t)
 
     # ------------------------------------------------------------------ loss scaling
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
@@ -325,13 +348,18 @@ class MegaTrainPrecision(Precision):
     def state_dict(self) -> dict[str, Any]:
         if not self.scaling:
             return {}
-        return {"scale": self.scale, "growth_tracker": self.growth_tracker, "skipped_steps": self.skipped_steps}
+        return {"scale": self.scale, "growth_tracker": self.growth_tracker, "skipped_steps": self.skipped_steps,
+                "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
+                "growth_interval": self.growth_interval}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaling and state_dict:
             self.scale = float(state_dict["scale"])
             self.growth_tracker = int(state_dict["growth_tracker"])
             self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+            self.growth_factor = float(state_dict.get("growth_factor", self.growth_factor))
+            self.backoff_factor = float(state_dict.get("backoff_factor", self.backoff_factor))
+            self.growth_interval = int(state_dict.get("growth_interval", self.growth_interval))
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Resuming from a plain Lightning ``.ckpt`` (another strategy's): its loss scale is under ``MixedPrecision``
@@ -371,11 +399,13 @@ def to_megatrain_precision(plugin: Precision | None) -> MegaTrainPrecision | Non
         return MegaTrainPrecision("32-true")
     if type(plugin) is MixedPrecision:
         scaler = getattr(plugin, "scaler", None)  # a user's GradScaler(init_scale=..., growth_interval=...): kept
-        kw = {} if scaler is None else dict(init_scale=scaler.get_scale() if scaler.is_enabled() else 2.0**16,
-                                            growth_factor=scaler.get_growth_factor(),
-                                            backoff_factor=scaler.get_backoff_factor(),
-                                            growth_interval=scaler.get_growth_interval())
-        return MegaTrainPrecision(plugin.precision, device_type=str(plugin.device), **kw)
+        enabled = scaler is not None and scaler.is_enabled()
+        kw = {} if not enabled else dict(init_scale=scaler.get_scale(), growth_factor=scaler.get_growth_factor(),
+                                         backoff_factor=scaler.get_backoff_factor(),
+                                         growth_interval=scaler.get_growth_interval())
+        # GradScaler(enabled=False): fp16 autocast without loss scaling, as Lightning runs it
+        return MegaTrainPrecision(plugin.precision, device_type=str(plugin.device),
+                                  loss_scaling=scaler is None or enabled, **kw)
     if type(plugin) is HalfPrecision and plugin.precision == "bf16-true":
         return MegaTrainPrecision("bf16-true")
     raise _unsupported(getattr(plugin, "precision", type(plugin).__name__))

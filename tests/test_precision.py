@@ -275,7 +275,8 @@ def test_fp16_mixed_trains_and_scaler_state_roundtrips():
     state = plugin.state_dict()
     other = MegaTrainPrecision("16-mixed")
     other.load_state_dict(state)
-    assert other.state_dict() == state == {"scale": 2.0**18, "growth_tracker": 2, "skipped_steps": 0}
+    assert other.state_dict() == state == {"scale": 2.0**18, "growth_tracker": 2, "skipped_steps": 0,
+                                           "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 5}
 
 
 def test_a_users_grad_scaler_settings_are_kept():
@@ -327,3 +328,80 @@ def test_recompute_runs_under_the_forward_precision():
     for n, p in ref.named_parameters():
         assert p.grad.dtype == grads["model." + n].dtype == torch.float32
         assert torch.equal(grads["model." + n], p.grad), n
+
+
+class _Features(pl.LightningModule):
+    """Float features through two Linear blocks; ``training_step`` records the batch's dtype and torch's default dtype
+    and adds a tensor it creates itself (it must have the default dtype, as under Lightning's ``bf16-true``)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.seen: list[tuple[torch.dtype, torch.dtype]] = []
+
+    def training_step(self, batch, i):
+        x, y = batch
+        self.seen.append((x.dtype, torch.get_default_dtype()))
+        h = x + torch.ones(8) * 0.1
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return torch.nn.functional.mse_loss(h.float(), y.float())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def test_bf16_true_casts_the_batch_and_sets_the_default_dtype_as_lightning():
+    """``precision="bf16-true"`` with a float batch: Lightning casts it to bf16 and makes bf16 the default dtype in
+    the step; the strategy did neither, and the first block failed with "mat1 and mat2 must have the same dtype"
+    (found by a probe). Masters stay fp32 here (unlike Lightning's), so the numbers are not compared."""
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 8, generator=g),
+                                                                      torch.randn(16, 8, generator=g)), batch_size=4)
+    seen = {}
+    for strategy in ("auto", MegaTrainStrategy(block_names=["layers.*"])):
+        lm = _Features()
+        pl.Trainer(strategy=strategy, accelerator="cpu", precision="bf16-true", max_steps=3, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(lm, data)
+        seen[str(strategy)] = lm.seen
+        assert torch.get_default_dtype() == torch.float32  # restored after each step
+    plain, ours = seen.values()
+    assert ours == plain == [(torch.bfloat16, torch.bfloat16)] * 3
+
+
+def test_a_disabled_grad_scaler_is_fp16_autocast_without_loss_scaling():
+    """``MixedPrecision("16-mixed", scaler=GradScaler(enabled=False))``: Lightning runs fp16 autocast without loss
+    scaling; the strategy failed while the Trainer was built (``'GradScaler' object has no attribute
+    '_growth_factor'``; found by a probe)."""
+    def plugin():
+        return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", enabled=False))
+
+    model = make_model("llama")
+    lm, trainer = fit(copy.deepcopy(model), 4, plugins=[plugin()])
+    ours = trainer.precision_plugin
+    assert isinstance(ours, MegaTrainPrecision) and not ours.scaling and ours.state_dict() == {}
+    ref, _ = fit(copy.deepcopy(model), 4, strategy="auto", plugins=[plugin()])
+    for a, b in zip(lm.losses, ref.losses):
+        assert abs(a - b) <= 1e-3 * abs(b)
+
+
+def test_the_exported_lightning_file_keeps_the_fp16_loss_scale(tmp_path):
+    """``python -m megatrain_lightning.export DIR --lightning-ckpt F`` wrote the loss scale only in our plugin's format;
+    ``strategy="auto"`` resuming from F restarted from its own initial scale (found by a probe). F now also holds it
+    in ``torch.amp.GradScaler.state_dict()`` format under ``MixedPrecision``, which Lightning's plugin loads."""
+    from megatrain_lightning.checkpoint.lightning_file import convert_to_lightning_checkpoint
+
+    plugin = MegaTrainPrecision("16-mixed", init_scale=2.0**10, growth_interval=3)
+    lm, trainer = fit(make_model("llama"), 4, plugins=[plugin])
+    assert plugin.scale == 2.0**11 and plugin.growth_tracker == 1
+    trainer.save_checkpoint(tmp_path / "dir")
+    convert_to_lightning_checkpoint(tmp_path / "dir", tmp_path / "f.ckpt")
+    ck = torch.load(tmp_path / "f.ckpt", weights_only=True)
+    assert ck["MixedPrecision"] == {"scale": 2.0**11, "growth_factor": 2.0, "backoff_factor": 0.5,
+                                    "growth_interval": 3, "_growth_tracker": 1}
+    plain = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=8.0))
+    t2 = pl.Trainer(strategy="auto", accelerator="cpu", max_steps=4, plugins=[plain], enable_checkpointing=False,
+                    logger=False, enable_progress_bar=False, enable_model_summary=False)
+    t2.fit(LM(make_model("llama"), lr=3e-3), learnable_data(), ckpt_path=tmp_path / "f.ckpt")
+    assert plain.scaler.get_scale() == 2.0**11 and plain.scaler.get_growth_interval() == 3

@@ -89,6 +89,14 @@ def convert_to_lightning_checkpoint(ckpt_dir: str | os.PathLike, out_path: str |
     meta = torch.load(root / TRAINER_FILE, weights_only=True)
     groups = meta.pop("megatrain_param_groups", None)
     meta["state_dict"] = _state_dict(root, info)
+    ours = meta.get("MegaTrainPrecision")
+    if isinstance(ours, dict) and "scale" in ours and "MixedPrecision" not in meta:
+        # 16-mixed: the loss scale also in torch.amp.GradScaler.state_dict() format, which Lightning's MixedPrecision
+        # plugin loads when another strategy resumes from this file (defaults: GradScaler's, for older checkpoints)
+        meta["MixedPrecision"] = {"scale": float(ours["scale"]), "growth_factor": float(ours.get("growth_factor", 2.0)),
+                                  "backoff_factor": float(ours.get("backoff_factor", 0.5)),
+                                  "growth_interval": int(ours.get("growth_interval", 2000)),
+                                  "_growth_tracker": int(ours["growth_tracker"])}
     with_opt = optimizer and info["has_optimizer"] and groups is not None
     if with_opt:
         meta["optimizer_states"] = [_optimizer_state(root, groups)]
