@@ -148,19 +148,34 @@ def output_embedding_blocks(root: nn.Module, blocks: Sequence["Block"]) -> set[i
     return {b.index for b in blocks if not b.direct and id(b.module) in heads}
 
 
-def disable_hf_checkpointing(root: nn.Module) -> list[str]:
-    """Turn off Hugging Face gradient (activation) checkpointing on every model of ``root`` that has it
-    on; returns their class names."""
-    names = []
-    for m in find_hf_models(root):
-        flag = "is_activation_checkpointing" if hasattr(type(m), "is_activation_checkpointing") else "is_gradient_checkpointing"
-        if getattr(m, flag, False):
-            names.append(type(m).__name__)
-            if hasattr(m, "activation_checkpointing_disable"):
-                m.activation_checkpointing_disable()
-            else:
-                m.gradient_checkpointing_disable()
-    return names
+class HFCheckpointing:
+    """Hugging Face gradient (activation) checkpointing turned off for a run, and back on as it was afterwards.
+
+    Args:
+        root: the module the strategy streams; every Hugging Face model under it with checkpointing on is listed in
+            :attr:`names`, and each submodule's ``gradient_checkpointing`` flag (with its checkpoint function) is
+            recorded and set to ``False`` (the strategy's ``recompute`` option decides what each block keeps).
+    """
+
+    def __init__(self, root: nn.Module):
+        self.names: list[str] = []
+        self._saved: list[tuple[nn.Module, bool, object]] = []
+        for m in find_hf_models(root):
+            flag = "is_activation_checkpointing" if hasattr(type(m), "is_activation_checkpointing") else "is_gradient_checkpointing"
+            if getattr(m, flag, False):
+                self.names.append(type(m).__name__)
+                for sub in m.modules():
+                    if getattr(sub, "gradient_checkpointing", False) is True:
+                        self._saved.append((sub, True, getattr(sub, "_gradient_checkpointing_func", None)))
+                        sub.gradient_checkpointing = False
+
+    def restore(self) -> None:
+        """Turn checkpointing back on where it was on (same flags, same checkpoint functions); idempotent."""
+        for sub, on, fn in self._saved:
+            sub.gradient_checkpointing = on
+            if fn is not None:
+                sub._gradient_checkpointing_func = fn
+        self._saved = []
 
 
 def _module_listing(root: nn.Module, limit: int = 60) -> str:

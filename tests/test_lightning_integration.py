@@ -186,19 +186,24 @@ def test_kv_cache_in_config_does_not_corrupt_gradients():
     assert_parity(lm.model, ref, lm.losses, ref_losses)
 
 
-def test_hf_gradient_checkpointing_is_disabled_with_warning(caplog):
+def test_hf_gradient_checkpointing_is_off_during_the_run_and_back_on_after(caplog):
+    """HF checkpointing is off while the strategy runs (its ``recompute`` decides), with a warning, and back on as
+    the user set it after fit (it stayed off: a later plain training of the model lost its memory saving; found by a
+    probe)."""
     model = make_model("llama")
     ref = copy.deepcopy(model)
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable()
-    else:
-        model.gradient_checkpointing_enable()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    flags = [(n, m.gradient_checkpointing, getattr(m, "_gradient_checkpointing_func", None))
+             for n, m in model.named_modules() if hasattr(m, "gradient_checkpointing")]
     lm = LM(model)
     with caplog.at_level(logging.WARNING, logger="megatrain_lightning"):
         _trainer(max_steps=5).fit(lm, make_data(n=10))
-    assert any("checkpointing" in r.getMessage() for r in caplog.records)
+    assert any("gradient checkpointing enabled; it is off during the run" in r.getMessage() for r in caplog.records)
     ref_losses = reference_train(ref, make_data(n=10), 5)
     assert_parity(lm.model, ref, lm.losses, ref_losses)
+    assert model.is_gradient_checkpointing
+    assert flags == [(n, m.gradient_checkpointing, getattr(m, "_gradient_checkpointing_func", None))
+                     for n, m in model.named_modules() if hasattr(m, "gradient_checkpointing")]
 
 
 def test_lightning_ckpt_roundtrip_resumes_like_plain_lightning(tmp_path):

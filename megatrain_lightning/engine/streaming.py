@@ -32,7 +32,7 @@ from ..store.host import HostStore, build_store
 from ..store.regions import Region
 from ..store.shared import NodeShare, SlabOwnership
 from ..store.nvme import NVMeConfig
-from ..blocks import Block, check_floating, disable_hf_checkpointing, discover_blocks, output_embedding_blocks
+from ..blocks import Block, HFCheckpointing, check_floating, discover_blocks, output_embedding_blocks
 from .accounting import ByteAccounting, StepStats
 from .block_groups import form_groups
 from .fetch import WeightFetcher
@@ -186,17 +186,16 @@ class StreamingEngine:
 
     # ------------------------------------------------------------------ install
     def install(self) -> None:
-        """Replace each block's ``forward`` by the streaming proxy and move buffers to the device.
-
-        Hugging Face gradient checkpointing, if enabled, is disabled with a warning (the engine
-        already recomputes every block).
-        """
+        """Replace each block's ``forward`` by the streaming proxy and move buffers to the device (Hugging Face
+        gradient checkpointing off, with a warning, until :meth:`uninstall`)."""
         if self.installed:
             return
         self.params.dematerialize()
-        for name in disable_hf_checkpointing(self.root):
-            log.warning("megatrain: %s had gradient checkpointing enabled; disabling it (the strategy already "
-                        "recomputes each block in backward).", name)
+        self.hf_checkpointing = HFCheckpointing(self.root)
+        for name in self.hf_checkpointing.names:
+            log.warning("megatrain: %s has gradient checkpointing enabled; it is off during the run (the strategy's "
+                        "recompute option decides what each block keeps: 'block', the default, recomputes each "
+                        "block as HF checkpointing does) and back on after it.", name)
         for blk in self.blocks:
             orig = blk.module.forward
             self._proxies.patch(blk.module, self._make_direct_proxy(blk, orig) if blk.direct else self._make_proxy(blk, orig))
@@ -211,6 +210,7 @@ class StreamingEngine:
         self.flush()
         self.long.uninstall()
         self._proxies.restore()
+        self.hf_checkpointing.restore()
         self._drop_prefetched()
         self.buffers_to(torch.device("cpu"))
         self.installed = False
