@@ -64,7 +64,7 @@ from .engine.kv_cache import prefix_tuning_adapters
 from .engine.reduce import GradReducer
 from .engine.streaming import StreamingEngine
 from .engine.threads import check_host_threads
-from .strategy_options import check_switches, warn_unused_activation_limit
+from .strategy_options import check_switches, check_timeout, warn_unused_activation_limit
 from .optim.host_adamw import UnsupportedOptimizerError, validate_optimizer
 from .parallel.checkpoint_writers import CheckpointWriters
 from .parallel.faults import guarded
@@ -254,7 +254,7 @@ class MegaTrainStrategy(ParallelStrategy):
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
-        self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
+        self._timeout = check_timeout(timeout)
         self.groups: ProcessGroups | None = None
         self.lookahead = check_lookahead(lookahead)
         self.block_group = check_block_group(block_group)

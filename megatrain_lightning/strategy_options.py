@@ -8,6 +8,7 @@ The numeric and named options are checked by the modules that own them (``lookah
 from __future__ import annotations
 
 import warnings
+from datetime import timedelta
 from typing import Any
 
 
@@ -33,3 +34,19 @@ def warn_unused_activation_limit(recompute: str, activation_memory_limit: Any) -
     if activation_memory_limit is not None and recompute != "auto":
         warnings.warn(f"megatrain: activation_memory_limit has no effect with recompute={recompute!r}; only "
                       "recompute='auto' chooses per block from that budget.", UserWarning, stacklevel=3)
+
+
+def check_timeout(timeout: Any) -> timedelta | None:
+    """The strategy's ``timeout`` as a ``timedelta``: seconds (int/float > 0), a positive ``timedelta`` or ``None``.
+
+    Raises:
+        ValueError: anything else (zero or negative: every collective would fail at once), naming the Hydra key.
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        timeout = timedelta(seconds=timeout)
+    if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
+        raise ValueError(f"megatrain: timeout must be a number of seconds > 0, a positive datetime.timedelta or None, "
+                         f"got {timeout!r}. Set strategy option / Hydra key strategy.timeout.")
+    return timeout

@@ -479,3 +479,18 @@ def test_a_per_rank_nvme_path_is_told_to_use_one_shared_path():
     assert "strategy.nvme: /d/r0 on rank 0; /d/r1 on rank 1" in msg
     assert "give every rank the same nvme_path" in msg and "megatrain_store_rank<r>" in msg
     assert "nvme_path" not in mismatch_message(differences([{"torch": "1"}, {"torch": "2"}]))
+
+
+def test_a_timeout_that_is_not_positive_is_refused_at_construction():
+    """``timeout=-5`` was accepted and every collective would have failed at once (found by a probe)."""
+    from datetime import timedelta
+
+    from megatrain_lightning import MegaTrainStrategy
+
+    for bad in (-5, 0, "30", timedelta(seconds=-1)):
+        with pytest.raises(ValueError, match="timeout must be a number of seconds > 0"):
+            MegaTrainStrategy(timeout=bad)
+    from megatrain_lightning.strategy_options import check_timeout
+
+    assert check_timeout(2.5) == timedelta(seconds=2.5) and check_timeout(None) is None
+    MegaTrainStrategy(timeout=2.5)
