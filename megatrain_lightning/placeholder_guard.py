@@ -5,7 +5,8 @@ tokens or losses without a word; :func:`guard` makes any such forward raise inst
 
 Every module that owns parameters gets a forward pre-hook that checks its own parameters at each call (so a
 parameter given real values since, ``param.data = t``, passes); :func:`unguard` removes the hooks (the strategy's
-next setup, which takes the store's weights back into the module).
+next setup, which takes the store's weights back into the module). ``copy.deepcopy`` and ``torch.save`` of such a
+module raise too (a copy would hold real zero tensors, unguarded).
 
 The module also keeps the strategy whose store holds its weights alive (:func:`holder_of`): a new Trainer assigned to
 the variable of the old one would otherwise let the old strategy be garbage-collected, and its store's files (the
@@ -63,18 +64,42 @@ def guard(root: nn.Module, is_placeholder: Callable[[Any], bool], gib: float, st
     unguard(root)
     if holder is not None:
         root.__dict__[_HOLDER] = _Holder(holder)
-    msg = (f"megatrain: the trained fp32 weights ({gib:.2f} GiB) exceed host_memory_limit, so after the run they are "
-           f"only in the NVMe store {store_dir} and the module's parameters are placeholders (zeros): this forward "
-           "would compute with them. Save the weights with trainer.save_checkpoint(dir) and load dir/model with "
-           "from_pretrained (or read one with trainer.strategy.engine.read_param(p)), or set host_memory_limit "
-           f">= {gib:.2f} GiB so the weights come back into the module after fit.")
-
-    def check(module: nn.Module, args: Any) -> None:
-        if any(is_placeholder(p) for p in module.parameters(recurse=False)):
-            raise RuntimeError(msg)
-
+    size = format_gib(gib)
+    where = (f"the trained fp32 weights ({size}) exceed host_memory_limit, so after the run they are only in the NVMe "
+             f"store {store_dir} and the module's parameters are placeholders (zeros)")
+    fix = ("Save the weights with trainer.save_checkpoint(dir) and load dir/model with from_pretrained (or read one "
+           f"with trainer.strategy.engine.read_param(p)), or set host_memory_limit >= {size} so the weights come back "
+           "into the module after fit.")
+    check = _Check(is_placeholder, f"megatrain: {where}: this forward would compute with them. {fix}",
+                   f"megatrain: {where}: a copy or pickle of the module would hold zeros. {fix}")
     _HOOKS[root] = [m.register_forward_pre_hook(check) for m in root.modules()
                     if next(m.parameters(recurse=False), None) is not None]
+
+
+def format_gib(gib: float) -> str:
+    """``"1.25 GiB"``, or MiB / KiB below 0.01 GiB (a small model's size did read "0.00 GiB")."""
+    if gib >= 0.01:
+        return f"{gib:.2f} GiB"
+    return f"{gib * 1024:.2f} MiB" if gib * 1024 >= 0.01 else f"{gib * 2**20:.1f} KiB"
+
+
+class _Check:
+    """The forward pre-hook :func:`guard` registers: raises ``RuntimeError(forward_msg)`` when the module's own
+    parameters are placeholders. ``copy.deepcopy`` and pickling of the module (which copy its hooks) raise
+    ``RuntimeError(copy_msg)``: they would turn the placeholders into real zero tensors that nothing guards."""
+
+    def __init__(self, is_placeholder: Callable[[Any], bool], forward_msg: str, copy_msg: str):
+        self.is_placeholder, self.forward_msg, self.copy_msg = is_placeholder, forward_msg, copy_msg
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if any(self.is_placeholder(p) for p in module.parameters(recurse=False)):
+            raise RuntimeError(self.forward_msg)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise RuntimeError(self.copy_msg)
+
+    def __reduce__(self) -> Any:
+        raise RuntimeError(self.copy_msg)
 
 
 def unguard(root: nn.Module) -> None:

@@ -117,6 +117,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def _check_override(arg: str, key: str) -> None:
+    """Refuse before composing what the planner would otherwise ignore or send round in a circle: a recipe key under
+    ``strategy.`` (the planner's settings are top-level) and an added model field outside ``model.config``.
+
+    Raises:
+        ValueError: naming the key and the spelling the planner reads.
+    """
+    if key.startswith("strategy."):
+        raise ValueError(f"{key}: the planner's settings are top-level: {key.split('.', 1)[1]}={arg.partition('=')[2]} "
+                         "(strategy.* is the recipe's spelling).")
+    if arg.startswith("+") and key.startswith("model.") and not key.startswith("model.config."):
+        raise ValueError(f"{key}: the planner reads the model's shape from model.config.<field> "
+                         "(e.g. model.config.num_hidden_layers=2) or a local Hugging Face folder (model=<dir>).")
+
+
 def _run(args: list[str]) -> int:
     flags = {"preflight": False, "json": False, "max_seq_len": False}
     rest: list[str] = []
@@ -132,6 +147,7 @@ def _run(args: list[str]) -> int:
         elif key == "hardware":
             hardware = presets("hardware") if val == "all" else [h.strip() for h in val.split(",")]
         else:
+            _check_override(a, key)
             rest.append(a)
 
     def one(model: str | None, hw: str | None) -> Plan:

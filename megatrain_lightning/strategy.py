@@ -73,7 +73,7 @@ from .parallel.launcher import MegaTrainLauncher
 from .parallel.node_share import NodeStore, nvme_for_rank, weights_written
 from .parallel.preflight import (check_rendezvous, check_same_batches, check_same_config, optimizer_fingerprint,
                                  run_fingerprint)
-from .placeholder_guard import guard as guard_placeholders, holder_of, unguard as unguard_placeholders
+from .placeholder_guard import format_gib, guard as guard_placeholders, holder_of, unguard as unguard_placeholders
 from .precision import MegaTrainPrecision, to_megatrain_precision
 from .store.nvme import IO_BLOCK_SIZE, NVME_PATH_FROM_ENV, NVMeConfig
 from .store.regions import Region
@@ -904,11 +904,11 @@ class MegaTrainStrategy(ParallelStrategy):
             guard_placeholders(self.lightning_module, self.engine.store.is_placeholder, nbytes / 2**30,
                                str(self.engine.store.nvme.dir), holder=self)
             log.warning(
-                "megatrain: the fp32 weights (%.2f GiB) exceed host_memory_limit, so after the run they stay in the "
+                "megatrain: the fp32 weights (%s) exceed host_memory_limit, so after the run they stay in the "
                 "NVMe store %s and the module's parameters are placeholders; save them with "
                 "trainer.save_checkpoint(dir) or read one with trainer.strategy.engine.read_param(p). "
                 "trainer.strategy.close() (or the end of the process) removes the files.",
-                nbytes / 2**30, self.engine.store.nvme.dir)
+                format_gib(nbytes / 2**30), self.engine.store.nvme.dir)
 
     def hand_over_weights(self) -> None:
         """Bring the trained fp32 weights, which only this strategy's NVMe store holds (larger than its
@@ -928,7 +928,7 @@ class MegaTrainStrategy(ParallelStrategy):
         avail = mem_available_bytes()
         if avail is not None and nbytes > 0.9 * avail:
             raise MemoryError(
-                f"megatrain: the module's trained fp32 weights ({nbytes / 2**30:.2f} GiB) are only in the NVMe store "
+                f"megatrain: the module's trained fp32 weights ({format_gib(nbytes / 2**30)}) are only in the NVMe store "
                 f"{self.engine.store.nvme.dir} of the strategy of a previous Trainer, and they do not fit in the host "
                 f"RAM available ({avail / 2**30:.2f} GiB) to hand them to this one. Save them with that Trainer "
                 "(trainer.save_checkpoint(dir)) before making a new Trainer, and fit the new one with ckpt_path=dir; "

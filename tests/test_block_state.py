@@ -101,7 +101,12 @@ class SwitchNet(Net):
     """``training_step`` switches modes around its forward: ``"eval_forward"`` runs the forward under ``eval()``
     and goes back to ``train()`` before returning the loss (a step without dropout); ``"eval_before_backward"``
     runs it in training mode and calls ``eval()`` before returning (backward then runs with eval flags);
-    ``"bn_eval"`` sets only the BatchNorm layers to eval for the forward (frozen statistics), then back."""
+    ``"bn_eval"`` sets only the BatchNorm layers to eval for the forward (frozen statistics), then back;
+    ``"eval_then_train"`` adds the losses of an eval-mode and a train-mode forward (one backward). Without the
+    clones of the running statistics between the two, plain PyTorch's backward of the first forward reads the
+    statistics the second updated in place (BatchNorm's kernel does not bump their version counter, so autograd does
+    not notice), the gradient of another function than the loss computed; the strategy's recompute reads what the
+    forward read, with or without the clones."""
 
     def __init__(self, switch: str):
         super().__init__()
@@ -112,6 +117,13 @@ class SwitchNet(Net):
     def training_step(self, batch, i):
         x, y = batch
         bns = [m for m in self.modules() if isinstance(m, nn.BatchNorm1d)]
+        if self.switch == "eval_then_train":  # two forwards, one backward: the second updates what the first read
+            self.eval()
+            first = nn.functional.cross_entropy(self(x), y)
+            for m in bns:  # new tensors for the update: plain autograd's saved statistics stay those the first read
+                m.running_mean, m.running_var = m.running_mean.clone(), m.running_var.clone()
+            self.train()
+            return first + nn.functional.cross_entropy(self(x), y)
         if self.switch == "eval_forward":
             self.eval()
         elif self.switch == "bn_eval":
@@ -129,7 +141,7 @@ class SwitchNet(Net):
 
 
 @pytest.mark.parametrize("kw", [{}, {"recompute": "selective"}, {"recompute_every": 2}], ids=["block", "selective", "recompute_every"])
-@pytest.mark.parametrize("switch", ["eval_forward", "eval_before_backward", "bn_eval"])
+@pytest.mark.parametrize("switch", ["eval_forward", "eval_before_backward", "bn_eval", "eval_then_train"])
 def test_mode_switched_between_forward_and_backward(switch, kw):
     """The recompute runs with the ``training`` flags the forward saw, not the backward-time ones (fails before:
     other dropout masks and BatchNorm statistics in the recompute, weights 13-20% off plain Lightning's)."""

@@ -341,12 +341,18 @@ def test_cli_unknown_keys_and_hydra_flags_are_refused(capsys):
 
     for args, want in ((["+batchsize=4"], "batchsize (did you mean batch_size?)"),
                        (["+trainer.device=2"], "trainer.device"),
-                       (["--cfg", "job"], "--cfg: the planner takes key=value overrides only")):
+                       (["--cfg", "job"], "--cfg: the planner takes key=value overrides only"),
+                       (["+model.hidden_size=64"], "model.hidden_size: the planner reads the model's shape from "
+                                                   "model.config.<field>"),
+                       (["strategy.recompute=none"], "strategy.recompute: the planner's settings are top-level: "
+                                                     "recompute=none")):
         assert main(args) == 2, args
         err = capsys.readouterr().err
         assert err.startswith("error: ") and want in err and "Traceback" not in err, (args, err)
     assert main(["batch_size=4", "json=true"]) == 0
     assert '"batch_size": 4' in capsys.readouterr().out
+    assert main(["model.config.num_hidden_layers=2", "json=true"]) == 0  # the spelling the error names works
+    capsys.readouterr()
 
 
 def test_plan_from_a_built_module():

@@ -1,4 +1,4 @@
-"""What a block's forward saw of its modules: their ``training`` flags, and the buffers the forward changed
+"""What a block's forward saw of its modules: their ``training`` flags, and the values of its buffers
 (BatchNorm's ``running_mean``/``running_var``/``num_batches_tracked``), replayed when the block is recomputed.
 
 A recomputed block runs its forward twice per step (the forward, then its recompute in backward). Two kinds of
@@ -11,12 +11,14 @@ module state can differ between the two runs:
   plain PyTorch's, which differentiates the forward it ran. The flags of every submodule are recorded at the
   forward and set for the recompute (then put back).
 * buffers: a buffer the forward updates in training mode would be updated twice where plain PyTorch updates it
-  once, and the recompute would see the updated value where the forward saw the old one. For a call whose
-  forward changed a buffer, a copy of the values the forward started from is kept; the recompute runs on a fresh
-  copy of them and the forward's results are put back afterwards, so the module keeps exactly one update.
+  once, and the recompute would see the updated value where the forward saw the old one (also when another
+  forward updated it after this one: an eval-mode forward, then a train-mode one, then one backward). A copy of
+  the buffer values the forward started from is kept; the recompute runs on a fresh copy of them and the current
+  values are put back afterwards, so the module keeps exactly the forwards' updates.
 
 Decoder layers of Hugging Face models hold no buffers (rotary tables live on the model): for them a snapshot is
 one walk over the block's submodules (about ten for a decoder layer) and one flag per submodule, nothing cloned.
+A block with buffers (BatchNorm) has them cloned at every training-mode block call (2 x channels values each).
 """
 
 from __future__ import annotations
@@ -38,14 +40,7 @@ class BlockState:
     def __init__(self, modules: list[nn.Module]):
         self._modes = [(m, m.training) for m in modules]
         entries = [(m, n, b) for m in modules for n, b in m.named_buffers(recurse=False) if b is not None]
-        self._buffers = [(m, n, b, b._version, b.clone()) for m, n, b in entries]
-
-    def forward_done(self) -> "BlockState":
-        """Call after the forward: drops the buffer copies if the forward changed no buffer (neither updated
-        one in place nor assigned a new tensor to one); returns ``self``."""
-        if not any(getattr(m, n) is not b or b._version != v for m, n, b, v, _ in self._buffers):
-            self._buffers = []
-        return self
+        self._buffers = [(m, n, b.clone()) for m, n, b in entries]
 
     @contextlib.contextmanager
     def replayed(self) -> Iterator[None]:
@@ -56,13 +51,13 @@ class BlockState:
         for m, was in self._modes:
             if m.training != was:
                 m.training = was  # this module only: its children have their own entries
-        current = [getattr(m, n) for m, n, *_ in self._buffers]
-        for m, n, _, _, before in self._buffers:
+        current = [getattr(m, n) for m, n, _ in self._buffers]
+        for m, n, before in self._buffers:
             setattr(m, n, before.clone())
         try:
             yield
         finally:
-            for (m, n, *_), cur in zip(self._buffers, current):
+            for (m, n, _), cur in zip(self._buffers, current):
                 setattr(m, n, cur)
             for m, now in flags:
                 m.training = now
@@ -70,5 +65,7 @@ class BlockState:
 
 def snapshot(module: nn.Module) -> BlockState:
     """The ``training`` flags of ``module`` and its submodules, and a copy of their buffers, before a block
-    call's forward; call :meth:`BlockState.forward_done` after it."""
+    call's forward. The copies are kept until the call's backward even when its forward changed no buffer: a later
+    forward before that backward may (an eval-mode forward reads BatchNorm's running statistics, a train-mode one
+    then updates them in place), and the recompute must read what its forward read."""
     return BlockState(list(module.modules()))

@@ -71,7 +71,7 @@ class _BlockFunction(torch.autograd.Function):
         ctx.call = call
         if call.graph is None:
             rc._save_inputs(call, tensors)
-            call.state = before.forward_done()
+            call.state = before
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
         return outs
 
