@@ -72,7 +72,8 @@ class ParamRef:
             now = f"re-registered as {renamed[0]!r}"
         raise RuntimeError(
             f"megatrain: parameter {self.fqn} was {now} during fit (e.g. torch.nn.utils.prune or Lightning's "
-            "ModelPruning callback, which rename 'weight' to 'weight_orig', or an assignment of a new nn.Parameter). "
+            "ModelPruning callback, which rename 'weight' to 'weight_orig', an assignment of a new nn.Parameter, or "
+            "torch.func.functional_call with other weights, which streamed blocks do not support). "
             "The strategy lays out the host store from the module at setup and cannot follow parameters that change "
             "while it trains: apply such changes before trainer.fit (then they are part of the layout), or between "
             "two fit calls.")
@@ -159,20 +160,20 @@ class HFCheckpointing:
 
     def __init__(self, root: nn.Module):
         self.names: list[str] = []
-        self._saved: list[tuple[nn.Module, bool, object]] = []
+        self._saved: list[tuple[nn.Module, object]] = []  # (submodule, its checkpoint function)
         for m in find_hf_models(root):
             flag = "is_activation_checkpointing" if hasattr(type(m), "is_activation_checkpointing") else "is_gradient_checkpointing"
             if getattr(m, flag, False):
                 self.names.append(type(m).__name__)
                 for sub in m.modules():
                     if getattr(sub, "gradient_checkpointing", False) is True:
-                        self._saved.append((sub, True, getattr(sub, "_gradient_checkpointing_func", None)))
+                        self._saved.append((sub, getattr(sub, "_gradient_checkpointing_func", None)))
                         sub.gradient_checkpointing = False
 
     def restore(self) -> None:
         """Turn checkpointing back on where it was on (same flags, same checkpoint functions); idempotent."""
-        for sub, on, fn in self._saved:
-            sub.gradient_checkpointing = on
+        for sub, fn in self._saved:
+            sub.gradient_checkpointing = True
             if fn is not None:
                 sub._gradient_checkpointing_func = fn
         self._saved = []

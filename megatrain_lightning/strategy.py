@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections import defaultdict
 from pathlib import Path
 from datetime import timedelta
 from typing import Any, Callable, Generator, Mapping, Sequence
@@ -54,12 +55,15 @@ from .checkpoint.atomic import remove as remove_entry
 from .checkpoint.hf_io import weight_sources
 from .checkpoint.peft_io import unsavable_adapters
 from .checkpoint.directory import load_checkpoint_dir, load_optimizer_dir, save_checkpoint_dir
+from .checkpoint.errors import CheckpointError
 from .checkpoint.lightning_resume import load_lightning_optimizer, load_lightning_weights
 from .engine.chunked_loss import check_chunk_size
 from .engine.block_groups import check_block_group
 from .engine.recompute_policy import RecomputePolicy, check_recompute, deprecated_recompute_every
 from .engine.prefetch import check_lookahead
 from .engine import recorded_outputs
+from .module_checks import check_module
+from .optim.state_view import HostStateView
 from .engine.kv_cache import prefix_tuning_adapters
 from .engine.reduce import GradReducer
 from .engine.streaming import StreamingEngine
@@ -418,8 +422,7 @@ class MegaTrainStrategy(ParallelStrategy):
             if prev is not None and prev is not self:
                 prev.hand_over_weights()  # another strategy's store holds them (a new Trainer for the same module)
             _refuse_placeholders(module)
-            _refuse_compiled(module)
-            _warn_low_precision_params(module)
+            check_module(module)  # compiled submodules, fp64 or aliased parameters refused; 16-bit ones warned
             nvme = nvme_for_rank(self.nvme, self.groups) if self.groups is not None and self.nvme is not None \
                 else self.nvme  # data parallel: the optimizer's regions on each owner's disk
             if self.groups is not None:  # every rank the same model and options, before the store is built
@@ -473,7 +476,7 @@ class MegaTrainStrategy(ParallelStrategy):
                             ", ".join(unsavable))
             if not recorded_outputs.supported():
                 _refuse_router_aux_loss(module)
-            self.setup_optimizers(trainer)
+            super().setup_optimizers(trainer)
             self._take_over_optimizer()
             if not any(isinstance(cb, _FlushForCallbacks) for cb in trainer.callbacks):
                 trainer.callbacks.insert(0, _FlushForCallbacks())
@@ -517,6 +520,26 @@ class MegaTrainStrategy(ParallelStrategy):
         return GradReducer(g.grads, g.node_grads, g.cross_grads, g.node_rank, g.local_world_size, g.device_side_reduce,
                            guard=g.guard)
 
+    def setup_optimizers(self, trainer: Any) -> None:
+        """Lightning's (``configure_optimizers`` again); during fit, where a callback calls
+        ``trainer.strategy.setup_optimizers(trainer)`` to change optimizers mid-training (Lightning's way), the host
+        optimizer then steps the new one: the old one's pending updates are applied first, and the new one starts
+        with empty AdamW state as a new ``torch.optim.AdamW`` does.
+
+        Raises:
+            UnsupportedOptimizerError: the new optimizers are not exactly one AdamW/Adam.
+        """
+        super().setup_optimizers(trainer)
+        if self._orig_zero_grad is not None and self.engine is not None and not self.engine.closed \
+                and trainer.state.fn == TrainerFn.FITTING:
+            self._restore_zero_grad()
+            old = self._state_dict_patched
+            if old is not None:
+                old.__dict__.pop("state_dict", None)
+                old.__dict__.pop("load_state_dict", None)
+            self._take_over_optimizer()
+            self._wrap_lightning_optimizers()
+
     def _take_over_optimizer(self) -> None:
         if len(self.optimizers) != 1:
             raise UnsupportedOptimizerError(
@@ -548,6 +571,16 @@ class MegaTrainStrategy(ParallelStrategy):
         self._orig_zero_grad = (opt, orig if had else None)
         opt.zero_grad = zero_grad  # type: ignore[method-assign]
         self._patch_state_dict(opt, engine)
+
+        def forget(param: torch.Tensor | None) -> None:
+            host = engine.optimizer
+            if host is None or engine.closed:
+                return
+            host.flush()
+            for p in ([param] if param is not None else [p for g in opt.param_groups for p in g["params"]]):
+                host.forget_param_state(p)
+
+        opt.state = HostStateView(forget)  # type: ignore[assignment]
 
     def _patch_state_dict(self, opt: Any, engine: StreamingEngine) -> None:
         """``opt.state_dict()`` / ``opt.load_state_dict(sd)`` on the user's optimizer read and write the host
@@ -591,6 +624,8 @@ class MegaTrainStrategy(ParallelStrategy):
             else:
                 opt.zero_grad = orig
             self._orig_zero_grad = None
+            if isinstance(opt.state, HostStateView):
+                opt.state = defaultdict(dict)  # torch's own, empty: the state is read through state_dict()
         for wrapper in self._lightning_optimizers:
             wrapper.__dict__.pop("zero_grad", None)
 
@@ -706,8 +741,10 @@ class MegaTrainStrategy(ParallelStrategy):
     def weights_written(self) -> None:
         """Call after writing parameters through ``param.data`` (or another tensor with a version counter of its
         own): the engine then drops prefetched copies and re-encodes the cached 16-bit wire images of the mixed
-        precisions at their next fetch. Writes with ``param.copy_`` / ``param.detach().copy_`` under
-        ``torch.no_grad()`` are seen without it. Applies pending updates first."""
+        precisions at their next fetch. Writes with ``param.copy_`` / ``param.mul_`` under ``torch.no_grad()`` are
+        seen without it (their version counter moves). A write between an optimizer step and the next forward needs
+        :meth:`flush` *before* it (the step's update may still be pending; a write under it is refused at its
+        next fetch with a RuntimeError)."""
         if self.engine is not None:
             self.engine.weights_written()
 
@@ -782,13 +819,22 @@ class MegaTrainStrategy(ParallelStrategy):
 
         Raises:
             CheckpointError: a tensor of the module would not be written (e.g. a peft prompt-learning
-                adapter), found before anything is written.
+                adapter), found before anything is written; or the checkpoint holds Lightning's
+                ``WeightAveraging`` average in place of the module's weights.
         """
         if storage_options is not None:
             raise TypeError("strategy='megatrain' writes directory checkpoints and takes no storage_options.")
         if self.engine is None or self.lightning_module is None:
             raise RuntimeError("save_checkpoint called before the megatrain strategy was set up, or after "
                                "trainer.strategy.close().")
+        if "current_model_state" in checkpoint:  # Lightning's WeightAveraging put its average in state_dict
+            raise CheckpointError(
+                "megatrain: the checkpoint's state_dict holds averaged weights (Lightning's WeightAveraging / "
+                "EMAWeightAveraging moved the module's own weights to 'current_model_state'); the directory "
+                "checkpoint writes the weights from the host store and would save the module's weights, not the "
+                "average, and could not be resumed. Drop the averaging callback or the checkpointing (ModelCheckpoint, "
+                "Tuner) for this run; the average is in the module after fit (WeightAveraging copies it in at "
+                "on_train_end): save it then with save_pretrained or torch.save(module.state_dict(), path).")
         self.flush()
         self.engine.params.write_back_materialized()  # weights edited after fit (NVMe tier) are what gets saved
         coop = None
@@ -1117,27 +1163,6 @@ def _refuse_placeholders(module: torch.nn.Module) -> None:
             )
 
 
-def _refuse_compiled(module: torch.nn.Module) -> None:
-    """Raise if a submodule was compiled: ``torch.compile(m)`` (an ``OptimizedModule``) or ``m.compile()``.
-
-    The engine replaces each block's forward to stream its weights; a compiled module traces into that
-    code, where Dynamo fails with an internal error in the first step (whole model) or graph-breaks and
-    falls back to eager after its recompile limit (one block). (``torch.compile`` of the LightningModule
-    itself is refused by Lightning before this.)
-
-    Raises:
-        RuntimeError: naming the compiled submodule and what to change.
-    """
-    for name, m in module.named_modules():
-        # nn.Module.compile() keeps the class and stores the compiled call here (torch has no public query)
-        if isinstance(m, torch._dynamo.eval_frame.OptimizedModule) or getattr(m, "_compiled_call_impl", None):
-            raise RuntimeError(
-                f"megatrain: submodule {name or '(the LightningModule)'} ({type(m).__name__}) is compiled "
-                "(torch.compile(...) or .compile()), which strategy='megatrain' does not support: the engine "
-                "streams each block's weights through its own forward code, which Dynamo cannot trace. Pass the "
-                "uncompiled module (self.model = model instead of torch.compile(model); no model.compile() call).")
-
-
 def _same_parameters(store: Any, module: torch.nn.Module) -> bool:
     """Whether every parameter of ``module`` is one the store was built from, with the shape it had (a
     ``resize_token_embeddings`` or a replaced submodule between two ``fit`` calls makes new parameters: the store
@@ -1147,27 +1172,6 @@ def _same_parameters(store: Any, module: torch.nn.Module) -> bool:
         if where is None or tuple(store.slabs[where[0]].entries[where[1]].shape) != tuple(p.shape):
             return False
     return True
-
-
-def _warn_low_precision_params(module: torch.nn.Module) -> None:
-    """Warn if parameters are 16-bit floats (a model loaded with ``torch_dtype=torch.bfloat16``): the store
-    keeps them as fp32 masters, so the run computes (and the module comes back) in fp32, where plain Lightning
-    would compute with, and for trainable ones update, the 16-bit weights themselves: the numbers differ. One
-    warning per dtype for trainable and one for frozen parameters (a 16-bit base under fp32 adapters)."""
-    low: dict[tuple[torch.dtype, bool], list[str]] = {}
-    for name, p in module.named_parameters():
-        if p.dtype in (torch.bfloat16, torch.float16):
-            low.setdefault((p.dtype, p.requires_grad), []).append(name)
-    for (dtype, trained), names in low.items():
-        what = ("they are trained in fp32 (plain Lightning would update the %s weights themselves, with other "
-                "numbers)" % str(dtype).replace("torch.", "") if trained else
-                "these frozen weights are computed with in fp32 instead of %s (e.g. a QLoRA-style 16-bit base under "
-                "fp32 adapters: the adapters' numbers differ from plain Lightning's)" % str(dtype).replace("torch.", ""))
-        log.warning(
-            "megatrain: %d %s parameters are %s (e.g. %s): strategy='megatrain' keeps fp32 master weights, so %s, "
-            "and the module's parameters are fp32 afterwards (twice the memory of %s). Load the model in float32 (no "
-            "torch_dtype=...) to silence this; for 16-bit compute use precision='bf16-mixed' or 'bf16-true'.",
-            len(names), "trainable" if trained else "frozen", dtype, names[0], what, dtype)
 
 
 def _refuse_router_aux_loss(module: torch.nn.Module) -> None:

@@ -350,7 +350,7 @@ def test_sixteen_bit_warning_tells_frozen_from_trained_parameters(caplog):
     "trained in fp32" where plain Lightning "would update" them; neither side updates them (probe)."""
     import logging
 
-    from megatrain_lightning.strategy import _warn_low_precision_params
+    from megatrain_lightning.module_checks import warn_low_precision
     from megatrain_lightning.testing import make_model
 
     model = make_model("llama").to(torch.bfloat16)
@@ -358,7 +358,7 @@ def test_sixteen_bit_warning_tells_frozen_from_trained_parameters(caplog):
     for n, p in model.named_parameters():
         p.requires_grad_(n.startswith("model.layers.1."))
     with caplog.at_level(logging.WARNING):
-        _warn_low_precision_params(model)
+        warn_low_precision(model)
     frozen = [r.getMessage() for r in caplog.records if "frozen" in r.getMessage()]
     trained = [r.getMessage() for r in caplog.records if " trainable " in r.getMessage()]
     assert len(frozen) == 1 and "computed with in fp32 instead of bfloat16" in frozen[0] and "updat" not in frozen[0]

@@ -153,7 +153,12 @@ class GraphHooks:
 
     def _weight(self, x: InBuffer) -> torch.Tensor:
         if self._bufs is None:
-            raise RuntimeError("megatrain: a streamed block's weights were read outside its backward.")
+            raise RuntimeError(
+                "megatrain: a streamed block's weights were read outside its backward: a tensor computed inside the "
+                "block reached the loss by another path than the block call's outputs (a forward hook on a module "
+                "inside the block that keeps its output, a tensor stored on self or in a list during the forward), "
+                "and its graph reads weights the block released after its forward. Return such tensors from the "
+                "block, or register the hook on the block itself (its outputs are tracked).")
         buf = self._bufs[x.slab]
         return buf.as_strided(x.size, x.stride, buf.storage_offset() + x.offset)
 

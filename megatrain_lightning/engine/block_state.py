@@ -1,7 +1,7 @@
 """What a block's forward saw of its modules: their ``training`` flags, and the values of its buffers
 (BatchNorm's ``running_mean``/``running_var``/``num_batches_tracked``), replayed when the block is recomputed.
 
-A recomputed block runs its forward twice per step (the forward, then its recompute in backward). Two kinds of
+A recomputed block runs its forward twice per step (the forward, then its recompute in backward). Three kinds of
 module state can differ between the two runs:
 
 * ``training`` flags: a ``training_step`` that switches modes between a block's forward and its backward
@@ -16,6 +16,14 @@ module state can differ between the two runs:
   the buffer values the forward started from is kept; the recompute runs on a fresh copy of them and the current
   values are put back afterwards, so the module keeps exactly the forwards' updates.
 
+* module hooks: a forward hook, pre-hook or backward hook on a submodule of the block that the user registers or
+  removes between the forward and its backward (an intervention context manager, activation steering, a hook
+  removed right after the forward) would otherwise be in or out of the recompute as it is at backward time,
+  where plain PyTorch's graph has what the forward ran. The hook dictionaries of every submodule are recorded at
+  the forward (a shallow copy where not empty) and installed for the recompute. The hooks run again there, as
+  in ``torch.utils.checkpoint``: a hook whose output depends on state it changes (a call counter) sees another
+  call.
+
 Decoder layers of Hugging Face models hold no buffers (rotary tables live on the model): for them a snapshot is
 one walk over the block's submodules (about ten for a decoder layer) and one flag per submodule, nothing cloned.
 A block with buffers (BatchNorm) has them cloned at every training-mode block call (2 x channels values each).
@@ -24,10 +32,24 @@ A block with buffers (BatchNorm) has them cloned at every training-mode block ca
 from __future__ import annotations
 
 import contextlib
+import logging
+from collections import OrderedDict
 from typing import Iterator
 
 import torch
 from torch import nn
+
+
+log = logging.getLogger(__name__)
+
+# nn.Module's hook dictionaries (torch/nn/modules/module.py), all keyed by the hook handle's id
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _hooks_of(m: nn.Module) -> tuple[tuple[str, OrderedDict], ...]:
+    d = m.__dict__
+    return tuple((name, OrderedDict(d[name])) for name in _HOOK_DICTS if d.get(name))
 
 
 class BlockState:
@@ -41,12 +63,14 @@ class BlockState:
         self._modes = [(m, m.training) for m in modules]
         entries = [(m, n, b) for m in modules for n, b in m.named_buffers(recurse=False) if b is not None]
         self._buffers = [(m, n, b.clone()) for m, n, b in entries]
+        self._hooks = [(m, _hooks_of(m), m.__dict__.get("_is_full_backward_hook")) for m in modules]
 
     @contextlib.contextmanager
     def replayed(self) -> Iterator[None]:
         """Within the context every submodule has the ``training`` flag the forward saw and the buffers hold
-        (copies of) the values the forward started from; on exit the flags are the current ones again and each
-        buffer is the tensor it was on entry, so what the recompute wrote into them is dropped."""
+        (copies of) the values the forward started from, and each submodule's hooks are the ones it had then; on exit
+        the flags and hooks are the current ones again and each buffer is the tensor it was on entry, so what the
+        recompute wrote into them is dropped."""
         flags = [(m, m.training) for m, _ in self._modes]
         for m, was in self._modes:
             if m.training != was:
@@ -54,18 +78,61 @@ class BlockState:
         current = [getattr(m, n) for m, n, _ in self._buffers]
         for m, n, before in self._buffers:
             setattr(m, n, before.clone())
+        live = [(m, [(name, m.__dict__.get(name)) for name in _HOOK_DICTS], m.__dict__.get("_is_full_backward_hook"))
+                for m, _, _ in self._hooks]
+        for m, saved, full in self._hooks:
+            as_saved = dict(saved)
+            for name in _HOOK_DICTS:
+                if name in m.__dict__:
+                    m.__dict__[name] = OrderedDict(as_saved.get(name, ()))
+            m.__dict__["_is_full_backward_hook"] = full
         try:
             yield
         finally:
+            for m, dicts, full in live:
+                for name, d in dicts:
+                    if d is not None:
+                        m.__dict__[name] = d
+                m.__dict__["_is_full_backward_hook"] = full
             for (m, n, _), cur in zip(self._buffers, current):
                 setattr(m, n, cur)
             for m, now in flags:
                 m.training = now
 
 
-def snapshot(module: nn.Module) -> BlockState:
-    """The ``training`` flags of ``module`` and its submodules, and a copy of their buffers, before a block
-    call's forward. The copies are kept until the call's backward even when its forward changed no buffer: a later
-    forward before that backward may (an eval-mode forward reads BatchNorm's running statistics, a train-mode one
-    then updates them in place), and the recompute must read what its forward read."""
-    return BlockState(list(module.modules()))
+def snapshot(module: nn.Module, name: str = "", warned: set[str] | None = None) -> BlockState:
+    """The ``training`` flags of ``module`` and its submodules, a copy of their buffers and of their hook
+    dictionaries, before a block call's forward. The copies are kept until the call's backward even when its
+    forward changed no buffer: a later forward before that backward may (an eval-mode forward reads BatchNorm's
+    running statistics, a train-mode one then updates them in place), and the recompute must read what its forward
+    read. ``name``: the block's path, for the one warning about user forward hooks inside it
+    (:func:`warn_inner_forward_hooks`); ``warned``: the block paths already warned about (one set per engine)."""
+    modules = list(module.modules())
+    state = BlockState(modules)
+    if warned is not None and name not in warned:
+        warn_inner_forward_hooks(name, module, modules[1:], warned)
+    return state
+
+
+# library code whose hooks inside a block are known to be handled (transformers' output recorder: recorded_outputs)
+_KNOWN = ("transformers.", "torch.", "megatrain_lightning.", "peft.", "accelerate.")
+
+
+def warn_inner_forward_hooks(name: str, block: nn.Module, inner: list[nn.Module], warned: set[str]) -> None:
+    """Warn (and add ``name`` to ``warned``) if a submodule inside the block (not the block itself) has a forward hook or
+    pre-hook from user code: the block's forward runs without autograd history (it is recomputed in backward), so
+    a tensor such a hook keeps (activation capture) has no gradient: a loss computed from it trains nothing,
+    where plain PyTorch would differentiate it. The hook also runs again in the recompute. A hook on the block
+    itself sees the block call's outputs, which have their history."""
+    paths = {id(m): n for n, m in block.named_modules()}
+    users = [paths.get(id(m), "?") for m in inner
+             if any(not (getattr(h, "__module__", None) or type(h).__module__ or "").startswith(_KNOWN)
+                    for d in (m._forward_hooks, m._forward_pre_hooks) for h in d.values())]
+    if users:
+        warned.add(name)
+        log.warning(
+            "megatrain: forward hooks on %s inside streamed block %s run in a forward without autograd history "
+            "(the block is recomputed in backward, where the hooks run again): a tensor they keep has no gradient, "
+            "so a loss term computed from it trains nothing (plain PyTorch would train it). Register the hook on "
+            "the block itself (its outputs keep their history), or keep such hooks for logging only.",
+            ", ".join(users[:3]) + (" ..." if len(users) > 3 else ""), name or type(block).__name__)

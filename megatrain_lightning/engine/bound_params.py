@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from .backward_state import leaf_grad_use
+from .param_hooks import skip_none_calls
 
 if TYPE_CHECKING:
     from .recompute import Recompute
@@ -39,6 +40,7 @@ class BoundParams(torch.autograd.Function):
                 "streamed models are differentiated once."
             )
         none = (None, None, None, None)
+        skip_none_calls([r.param for r in refs])  # torch calls their hooks after this backward, with None or not
         if leaf_grad_use(rc.dummy) == "accumulate":
             rc.grads.send(refs, list(grads))
             return none + (None,) * len(refs)

@@ -3,9 +3,10 @@ and the last block's kept graph (docs/architecture.md, "A training step")."""
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -117,6 +118,11 @@ SECOND_BACKWARD = ("Trying to backward through the graph a second time (or direc
                     "have already been freed). Saved intermediate values of the graph are freed when you call "
                     ".backward() or autograd.grad(). Specify retain_graph=True if you need to backward through the "
                     "graph a second time")
+# a graph kept with retain_graph=True, used again after the weights it read were updated (plain PyTorch raises its
+# in-place modification error there)
+STEPPED_SINCE = ("one of the variables needed for gradient computation has been modified by an inplace operation: "
+                 "this graph, kept with retain_graph=True, is backpropagated again after the optimizer updated the "
+                 "weights it read. Run every backward of a graph before optimizer.step()")
 
 
 def trainable_refs(blk: Block) -> list:
@@ -128,3 +134,18 @@ def trainable_refs(blk: Block) -> list:
             seen.add(id(ref.param))
             refs.append(ref)
     return refs
+
+
+@contextlib.contextmanager
+def replayed(call: BlockCall, dev: torch.device) -> Iterator[None]:
+    """Run under the RNG, autocast state, module ``training`` flags, buffer values and hooks the block call's
+    forward saw (dropout, mixed precision, a mode switched before backward; its buffer updates, e.g. BatchNorm's
+    statistics, are not made twice). ``dev``: the compute device (its RNG is replayed when it is a GPU)."""
+    enabled, dtype, cache = call.autocast  # type: ignore[misc]
+    state = call.state.replayed() if call.state is not None else contextlib.nullcontext()
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else [], device_type="cuda"), state:
+        torch.set_rng_state(call.rng_cpu)  # type: ignore[arg-type]
+        if call.rng_dev is not None:
+            torch.cuda.set_rng_state(call.rng_dev, dev)
+        with torch.autocast(dev.type, dtype=dtype, enabled=enabled, cache_enabled=cache):
+            yield

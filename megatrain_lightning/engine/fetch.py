@@ -189,7 +189,8 @@ class WeightFetcher:
     def _shadow(self, slab) -> torch.Tensor:
         """Host wire image of the master slab (:class:`WireLayout`: bf16/fp16 for castable weights, fp32
         for the rest under mixed precision; all bf16 under ``bf16-true``), refreshed when the master
-        changed (an optimizer update, or its version counter moved: state-dict load).
+        changed (an optimizer update, its version counter moved: state-dict load, or a parameter's did: an
+        in-place write through the ``nn.Parameter``, which has a version counter of its own).
 
         One cast per slab per optimizer step, made by the H2D worker right after the slab's update,
         instead of one cast per fetch (each block is fetched twice per step)."""
@@ -197,7 +198,7 @@ class WeightFetcher:
         if self.images is not None:
             return self._shared_shadow(slab, layout)
         with slab.lock:
-            v = (slab.updates, slab.master._version)
+            v = _written(slab)
             shadow, version = self.shadows.get(slab.index, (None, None))
             if shadow is None:  # pinned exactly (store/pinned.py), not rounded up to a power of two
                 raw, pinned = try_host_buffer(layout.nbytes, self.pin_memory, "wire images")
@@ -221,7 +222,7 @@ class WeightFetcher:
         raw = images.images[slab.index]
         shadow = raw.view(layout.dtype) if layout.dtype is not None else raw
         with slab.lock:
-            v = (slab.updates, slab.master._version)
+            v = _written(slab)
             if self.shadows.get(slab.index, (None, None))[1] != v:
                 if own.owns(slab.index):
                     self.transport.last_read_done(slab.last_read)  # an async H2D may still read the image
@@ -234,3 +235,10 @@ class WeightFetcher:
                     images.wait_newer(slab.index, rank, lambda: own.exited(rank))
                 self.shadows[slab.index] = (shadow, v)
             return shadow
+
+
+def _written(slab) -> tuple[int, int, int]:
+    """What the slab's wire image is valid for: the optimizer updates applied to its masters, the masters' version
+    counter and the sum of its parameters' own counters (``p.mul_(0.9)`` under ``no_grad`` moves only that of
+    ``p``, which shares the masters' memory)."""
+    return slab.updates, slab.master._version, sum(e.ref.param._version for e in slab.entries)

@@ -28,6 +28,7 @@ from .accounting import ByteAccounting
 from .shared_grads import SharedGradSums
 from .threads import worker_initializer
 from .hook_grads import HookGradViews
+from .param_hooks import run_grad_hooks
 from .reduce import GradReducer
 from .row_grads import RowGrad, to_wire
 from .transport import GradCopy
@@ -129,6 +130,7 @@ class GradientSink:
         ``None``) for the D2H worker. ``reserved``: bytes already counted for them (before autograd
         allocated them), exchanged here for the bytes of their wire copies. A sparse COO gradient (an
         embedding's, :mod:`.row_grads`) crosses as its rows and row ids; with a reducer it is made dense."""
+        grads = run_grad_hooks([r.param for r in refs], grads)  # the user's param.register_hook hooks
         by_slab: dict[int, list[tuple[int, list[torch.Tensor]]]] = {}
         red = self.reducer
         wire = self.wire_dtype

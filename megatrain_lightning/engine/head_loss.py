@@ -178,6 +178,12 @@ class HeadLoss:
             labels = sig.bind_partial(*args, **kwargs).arguments.get("labels")
             if labels is None or not torch.is_grad_enabled() or labels.numel() <= chunk:
                 return orig(*args, **kwargs)
+            if head._backward_hooks or head._backward_pre_hooks:  # they would never run: the head's backward is chunked
+                raise RuntimeError(
+                    f"megatrain: the LM head of {type(m).__name__} has backward hooks (register_full_backward_hook / "
+                    f"register_full_backward_pre_hook), which do not run when the head and loss are computed over "
+                    f"chunks of {chunk} tokens (strategy option loss_chunk_size, Hydra key strategy.loss_chunk_size): "
+                    "set loss_chunk_size=None to compute full logits and keep the hooks.")
             pending = _Pending(chunk)
             had_head, head_fwd = "forward" in head.__dict__, head.__dict__.get("forward")
             had_loss, loss_fn = "_loss_function" in m.__dict__, m.__dict__.get("_loss_function")

@@ -25,9 +25,11 @@ from ..store.host import HostStore
 from .accounting import ByteAccounting
 from .backward_state import keeps_graph, leaf_grad_use, local_grad
 from .block_state import snapshot as snapshot_state
+from .opaque_values import check_inputs, check_outputs
+from .param_hooks import skip_none_calls
 from .block_graph import GraphHooks, release_leaves
 from .bound_params import BoundParams
-from .calls import SECOND_BACKWARD, BlockCall, ForwardRecord, KeptGraph, autocast_state, trainable_refs
+from .calls import SECOND_BACKWARD, STEPPED_SINCE, BlockCall, replayed, ForwardRecord, KeptGraph, autocast_state, trainable_refs
 from .grads import GradientSink
 from .chunked_mlp import plain_chunks
 from .offload import ActivationOffload, next_offloaded
@@ -54,7 +56,6 @@ class _BlockFunction(torch.autograd.Function):
         if dev.type == "cuda":
             call.rng_dev = torch.cuda.get_rng_state(dev)
         call.autocast = autocast_state(dev.type)
-        before = snapshot_state(call.block.module)
         if call.keep:
             out = rc._run_kept(call, tensors)
         else:
@@ -62,16 +63,17 @@ class _BlockFunction(torch.autograd.Function):
             call.saved_ops, measure, graph = rc.policy.start(call.block.index, call.fwd, lookup, tensors[0].numel() if tensors else 0)
             if graph:  # "none" (or an embedding lookup): the call keeps its graph, without its weights
                 out = rc._run_kept(call, tensors, GraphHooks(rc.offload if rc.offload_activations else None))
-            else:
+            else:  # recomputed in backward: from the module state (flags, buffers) this forward starts from
+                call.state = snapshot_state(call.block.module, call.block.name, rc.hook_warnings)
                 out = rc._run_block(call, tensors, leaves=None, backward=False, measure=measure)
         out_flat, call.out_spec = tree_flatten(out)
         call.out_pos = [i for i, x in enumerate(out_flat) if isinstance(x, torch.Tensor)]
         call.out_flat = [None if isinstance(x, torch.Tensor) else x for x in out_flat]
+        check_outputs(call.block.name, call.out_flat)
         outs = tuple(out_flat[i] for i in call.out_pos)
         ctx.call = call
         if call.graph is None:
             rc._save_inputs(call, tensors)
-            call.state = before
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
         return outs
 
@@ -93,6 +95,7 @@ class _BlockFunction(torch.autograd.Function):
         keep_graph = keeps_graph()
         call.fwd.backward_started = True
         grad_inputs, grad_params = rc._backward_call(call, needs, grad_outs, kind, keep_graph)
+        skip_none_calls([r.param for r in call.refs])  # torch calls their hooks next, with None
         return (None, None, *grad_inputs, *grad_params)
 
 
@@ -134,19 +137,25 @@ class Recompute:
         self.fwd = ForwardRecord()  # grad-mode block calls of the current forward, in order
         self.kept_open: set[KeptGraph] = set()  # last-block graphs whose backward has not run
         self.dummy = torch.empty(0, device=device, requires_grad=True)  # marker leaf of every call
+        self.hook_warnings: set[str] = set()  # blocks warned about forward hooks inside them (block_state)
 
     def call(self, blk: Block, forward: Callable[..., Any], args: tuple, kwargs: dict, keep: bool) -> Any:
         """Run one grad-mode call of ``blk`` (``forward``: the block's own forward) through the
         autograd boundary; ``keep``: the last block of the forward (keeps its graph). Returns what
         ``forward`` returns, its tensors connected to autograd."""
+        if torch._C._are_functorch_transforms_active():
+            raise RuntimeError(f"megatrain: streamed block {blk.name} was called under a torch.func transform (grad, "
+                               "vmap, jacrev...), which the strategy's block calls do not support; use "
+                               "torch.autograd.grad, or strategy='auto'.")
         flat, spec = tree_flatten((args, kwargs))
         pos = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
         refs = trainable_refs(blk)
         fwd = self.forward_for(blk)
         keys = recorded_keys()  # e.g. router logits for the load-balancing loss: outputs of the call too
         forward = recording(forward, keys) if keys else forward
-        call = BlockCall(self, blk, forward, [None if i in pos else x for i, x in enumerate(flat)], spec, pos,
-                         fwd=fwd, refs=refs, keep=keep and bool(fwd.calls))
+        rest = [None if i in pos else x for i, x in enumerate(flat)]
+        check_inputs(blk.name, rest)  # a tensor hidden in an object would get no gradient
+        call = BlockCall(self, blk, forward, rest, spec, pos, fwd=fwd, refs=refs, keep=keep and bool(fwd.calls))
         outs = _BlockFunction.apply(call, self.dummy, *[flat[i] for i in pos], *[r.param for r in refs])
         # the next call may rebuild its inputs from this call's outputs, unless this call keeps its graph
         call.fwd.last_outs = None if call.graph is not None else (call.pos, [weakref.ref(o) for o in outs])
@@ -181,8 +190,10 @@ class Recompute:
         return fwd
 
     def _grad_leaves(self, refs: Sequence, bufs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """One autograd leaf per parameter of ``refs`` (a view of its device buffer), keyed by ``id(param)``."""
-        return {id(r.param): self.store.slabs[r.slab].view(bufs[r.slab], r.index).detach().requires_grad_(True)
+        """One autograd leaf per parameter of ``refs`` (a view of its device buffer, with its own version counter as
+        a separate parameter has: an in-place write to one does not invalidate what autograd saved of another),
+        keyed by ``id(param)``."""
+        return {id(r.param): self.store.slabs[r.slab].view(bufs[r.slab], r.index).data.requires_grad_(True)
                 for r in refs}
 
     def _run_kept(self, call: BlockCall, tensors: Sequence[torch.Tensor], hooks: GraphHooks | None = None) -> Any:
@@ -337,13 +348,15 @@ class Recompute:
                 ctx = saved.recompute(keep_graph) if saved is not None else contextlib.nullcontext()
                 plain = plain_chunks() if saved is not None else contextlib.nullcontext()  # SAC keeps/recomputes
                 t1 = time.perf_counter()
-                with self._replay(call), torch.enable_grad(), self._bind(call.block, bufs, leaves), ctx, plain:
+                with replayed(call, self.device), torch.enable_grad(), self._bind(call.block, bufs, leaves), ctx, plain:
                     out = call.forward(*args, **kwargs)
                 self.acct.add(recompute_s=time.perf_counter() - t1)
                 out_flat = tree_flatten(out)[0]
                 outs = [out_flat[i] for i in call.out_pos]
             pairs = [(o, g) for o, g in zip(outs, grad_outs) if g is not None and o.requires_grad]
             in_targets = [t for t, need in zip(inputs, needs) if need]
+            if any(id(r.param) not in leaves for r in leaf_refs):
+                raise RuntimeError(STEPPED_SINCE + f" (megatrain: streamed block {call.block.name}).")
             targets = in_targets + [leaves[id(r.param)] for r in leaf_refs]
             if pairs and targets:
                 grads = local_grad([o for o, _ in pairs], targets, [g for _, g in pairs],
@@ -367,21 +380,6 @@ class Recompute:
         return [next(it) if need else None for need in needs], out_params
 
     # ------------------------------------------------------------------ activations
-    @contextlib.contextmanager
-    def _replay(self, call: BlockCall):
-        """Run under the RNG, autocast state, module ``training`` flags and buffer values the block's forward saw
-        (dropout, mixed precision, a mode switched before backward; its buffer updates, e.g. BatchNorm's
-        statistics, are not made twice)."""
-        dev = self.device
-        enabled, dtype, cache = call.autocast  # type: ignore[misc]
-        state = call.state.replayed() if call.state is not None else contextlib.nullcontext()
-        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else [], device_type="cuda"), state:
-            torch.set_rng_state(call.rng_cpu)  # type: ignore[arg-type]
-            if call.rng_dev is not None:
-                torch.cuda.set_rng_state(call.rng_dev, dev)
-            with torch.autocast(dev.type, dtype=dtype, enabled=enabled, cache_enabled=cache):
-                yield
-
     def _save_inputs(self, call: BlockCall, tensors: Sequence[torch.Tensor]) -> None:
         """Keep what backward needs to rebuild this call's inputs.
 
@@ -456,7 +454,7 @@ class Recompute:
                 raise RuntimeError(SECOND_BACKWARD + f" (megatrain: block {c.block.name} is recomputed from freed inputs).")
             inputs = [t.detach() for t in self._load_inputs(c)]
             t0 = time.perf_counter()
-            with torch.no_grad(), self._replay(c):
+            with torch.no_grad(), replayed(c, self.device):
                 out = self._run_block(c, inputs, leaves=None, backward=True)
             self.acct.add(recompute_s=time.perf_counter() - t0)
             flat = tree_flatten(out)[0]

@@ -73,6 +73,21 @@ class _Pending:
     grad_ops: list[tuple[str, Any]]  # ("mul", 0-dim tensor) | ("clamp", float), applied in order
 
 
+WRITTEN_WHILE_PENDING = (
+    "megatrain: a parameter ({name}, or another of its block) was written in place after optimizer.step() while "
+    "that step's update was still deferred (overlap_optimizer=True applies each block's update when the next "
+    "forward fetches it): plain PyTorch would have written the updated weights, this run wrote the old ones. Call "
+    "trainer.strategy.flush() before writing weights in hooks that run after the step (on_train_batch_end, "
+    "on_train_batch_start, an optimizer_step override after optimizer.step()), or set overlap_optimizer=False.")
+
+
+def _param_versions(slab: Any) -> int:
+    """Sum of the version counters of the slab's parameters: the module's ``nn.Parameter`` objects share the masters'
+    memory with counters of their own, so an in-place write through them (``p.mul_``, ``p.copy_`` under ``no_grad``)
+    moves this sum and an optimizer update (on the masters) does not."""
+    return sum(e.ref.param._version for e in slab.entries)
+
+
 def validate_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     """Check that ``optimizer`` is one we can take over; return ``True`` for decoupled weight decay (AdamW).
 
@@ -136,6 +151,7 @@ class HostAdamW:
         self._map_groups()
         self.steps: list[list[torch.Tensor | None]] = [[None] * len(s.entries) for s in store.slabs]
         self.pending: dict[int, _Pending] = {}
+        self._versions: dict[int, int] = {}  # slab -> its parameters' version counters when its update was deferred
         self.grad_ops: list[tuple[str, Any]] = []  # clipping recorded for the coming step
         self.updates_in_backward = 0  # slab updates applied during backward (optimizer_in_backward)
         self.optimizer_seconds = 0.0
@@ -176,7 +192,7 @@ class HostAdamW:
             if isinstance(lr, torch.Tensor):
                 lr = lr.detach().clone()
             beta1, beta2 = g["betas"]
-            decoupled = self.decoupled or bool(g.get("decoupled_weight_decay", False))
+            decoupled = bool(g.get("decoupled_weight_decay", self.decoupled))  # torch reads each group's own flag
             out.append(_GroupHyper(lr, float(beta1), float(beta2), float(g["eps"]), float(g["weight_decay"]), decoupled,
                                    foreach=g.get("foreach"), fused=g.get("fused")))
         return out
@@ -200,6 +216,7 @@ class HostAdamW:
             if slab.grad_accum_empty:
                 continue
             self.pending[slab.index] = hyper
+            self._versions[slab.index] = _param_versions(slab)
             n += 1
         if not self.overlap:
             self.flush()
@@ -240,6 +257,8 @@ class HostAdamW:
             pend = self.pending.pop(slab_index, None)
             if pend is None:
                 return
+            if self._versions.pop(slab_index, None) not in (None, _param_versions(slab)):
+                raise RuntimeError(WRITTEN_WHILE_PENDING.format(name=slab.entries[0].ref.fqn))
             t0 = time.perf_counter()
             if own is not None and not own.owns(slab_index):
                 own.wait(slab_index)  # its owner wrote the shared master and moments; count the steps

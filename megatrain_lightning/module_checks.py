@@ -1,0 +1,119 @@
+"""Checks of the user's module before the strategy builds its store (setup; nothing is moved yet).
+
+Refused, with what to change: compiled submodules (the engine streams weights through each block's own forward,
+which Dynamo cannot trace), float64 parameters (the store keeps fp32 master weights: an fp64 model would be
+trained in fp32 without a word), and distinct parameters that share memory (each parameter gets its own slot in
+the store, so an alias made through ``.data`` or a view would stop being one). Warned: 16-bit parameters
+(trained as fp32 masters).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def check_module(module: torch.nn.Module) -> None:
+    """Run every check of this module on ``module`` (the LightningModule).
+
+    Raises:
+        RuntimeError: a compiled submodule or compiled ``forward``; float64 parameters; two parameters sharing
+            memory. Each message names the submodule or parameters and what to change.
+    """
+    refuse_compiled(module)
+    refuse_float64(module)
+    refuse_aliased(module)
+    warn_low_precision(module)
+
+
+def refuse_compiled(module: torch.nn.Module) -> None:
+    """Raise if a submodule was compiled: ``torch.compile(m)`` (an ``OptimizedModule``), ``m.compile()``, or
+    ``m.forward = torch.compile(m.forward)``.
+
+    The engine replaces each block's forward to stream its weights; a compiled module traces into that
+    code, where Dynamo fails with an internal error in the first step (whole model) or graph-breaks and
+    falls back to eager after its recompile limit (one block). (``torch.compile`` of the LightningModule
+    itself is refused by Lightning before this.)
+
+    Raises:
+        RuntimeError: naming the compiled submodule and what to change.
+    """
+    for name, m in module.named_modules():
+        # nn.Module.compile() keeps the class and stores the compiled call here (torch has no public query)
+        compiled_forward = hasattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable")
+        if isinstance(m, torch._dynamo.eval_frame.OptimizedModule) or getattr(m, "_compiled_call_impl", None) \
+                or compiled_forward:
+            how = "its forward is torch.compile(...)'d" if compiled_forward else "torch.compile(...) or .compile()"
+            raise RuntimeError(
+                f"megatrain: submodule {name or '(the LightningModule)'} ({type(m).__name__}) is compiled "
+                f"({how}), which strategy='megatrain' does not support: the engine streams each block's weights "
+                "through its own forward code, which Dynamo cannot trace. Pass the uncompiled module (self.model = "
+                "model instead of torch.compile(model); no model.compile() or m.forward = torch.compile(m.forward)).")
+
+
+def refuse_float64(module: torch.nn.Module) -> None:
+    """Raise if any parameter is float64: the store keeps fp32 master weights (and AdamW states), so an fp64 model
+    would be trained, and handed back, in fp32 with other numbers than plain Lightning's fp64 training.
+
+    Raises:
+        RuntimeError: with the count and one name.
+    """
+    names = [n for n, p in module.named_parameters() if p.dtype == torch.float64]
+    if names:
+        raise RuntimeError(
+            f"megatrain: {len(names)} parameters are float64 (e.g. {names[0]}); strategy='megatrain' keeps fp32 "
+            "master weights and would train them in fp32. Convert the model with model.float() (and float64 inputs "
+            "with .float(); a model built under torch.set_default_dtype(torch.float64) is float64), or train in "
+            "float64 with strategy='auto'.")
+
+
+def refuse_aliased(module: torch.nn.Module) -> None:
+    """Raise if two distinct parameters overlap in memory (``b = nn.Parameter(a.data[:n])``, or a weight tied as
+    ``nn.Parameter(other.weight.data)`` instead of the same ``nn.Parameter`` object). Plain PyTorch keeps such
+    parameters coupled (an update of one is seen by the other); the store gives each its own slot. Parameters
+    tied as one object (``b.weight = a.weight``) are one parameter and fine.
+
+    Raises:
+        RuntimeError: naming the two parameters.
+    """
+    spans: dict[int, list[tuple[int, int, str]]] = {}
+    for name, p in module.named_parameters():  # one entry per parameter object
+        if p.device.type == "meta" or p.numel() == 0:
+            continue
+        size = p.element_size()
+        start = p.storage_offset() * size
+        extent = (sum((n - 1) * st for n, st in zip(p.shape, p.stride())) + 1) * size
+        spans.setdefault(p.untyped_storage().data_ptr(), []).append((start, start + extent, name))
+    for items in spans.values():
+        items.sort()
+        for (s0, e0, n0), (s1, e1, n1) in zip(items, items[1:]):
+            if s1 < e0:
+                raise RuntimeError(
+                    f"megatrain: parameters {n0} and {n1} share memory (one was made from the other's .data or a "
+                    "view of it); strategy='megatrain' stores each parameter on its own, so they would stop being "
+                    "tied. Tie them as one parameter object (module_b.weight = module_a.weight), or give each its "
+                    "own copy (nn.Parameter(w.detach().clone())).")
+
+
+def warn_low_precision(module: torch.nn.Module) -> None:
+    """Warn if parameters are 16-bit floats (a model loaded with ``torch_dtype=torch.bfloat16``): the store
+    keeps them as fp32 masters, so the run computes (and the module comes back) in fp32, where plain Lightning
+    would compute with, and for trainable ones update, the 16-bit weights themselves: the numbers differ. One
+    warning per dtype for trainable and one for frozen parameters (a 16-bit base under fp32 adapters)."""
+    low: dict[tuple[torch.dtype, bool], list[str]] = {}
+    for name, p in module.named_parameters():
+        if p.dtype in (torch.bfloat16, torch.float16):
+            low.setdefault((p.dtype, p.requires_grad), []).append(name)
+    for (dtype, trained), names in low.items():
+        what = ("they are trained in fp32 (plain Lightning would update the %s weights themselves, with other "
+                "numbers)" % str(dtype).replace("torch.", "") if trained else
+                "these frozen weights are computed with in fp32 instead of %s (e.g. a QLoRA-style 16-bit base under "
+                "fp32 adapters: the adapters' numbers differ from plain Lightning's)" % str(dtype).replace("torch.", ""))
+        log.warning(
+            "megatrain: %d %s parameters are %s (e.g. %s): strategy='megatrain' keeps fp32 master weights, so %s, "
+            "and the module's parameters are fp32 afterwards (twice the memory of %s). Load the model in float32 (no "
+            "torch_dtype=...) to silence this; for 16-bit compute use precision='bf16-mixed' or 'bf16-true'.",
+            len(names), "trainable" if trained else "frozen", dtype, names[0], what, dtype)

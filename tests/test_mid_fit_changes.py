@@ -1,0 +1,137 @@
+"""Changes users make to weights and optimizers during fit (probe J, session 21).
+
+Reference: the same LightningModule and callbacks under plain Lightning (``strategy="auto"``), same seed. Before the
+fixes: an in-place weight write in ``on_train_batch_end`` hit the weights before the step's deferred update (weights
+19% off, no error); under ``bf16-mixed`` a write in a validation hook was not seen by the cached 16-bit copies (19%
+off); ``trainer.strategy.setup_optimizers(trainer)`` mid-fit was ignored (old lr and moments kept: 56% off);
+``optimizer.state.clear()`` did nothing (65% off) and ``optimizer.state[p]`` gave a bare ``KeyError``; a param group's
+``decoupled_weight_decay=False`` lost to the optimizer's default (weights 6x off); ``EMAWeightAveraging`` checkpoints
+saved the raw weights instead of the average and could not be resumed.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from megatrain_lightning import MegaTrainStrategy
+from megatrain_lightning.testing import LM, assert_parity, make_data, make_model
+
+
+def _fit(lm, strategy, callbacks=(), steps=None, epochs=None, precision="32-true", val=False, **kw):
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", max_steps=steps or -1, max_epochs=epochs,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=list(callbacks), precision=precision,
+                         num_sanity_val_steps=0, **kw)
+    trainer.fit(lm, make_data(n=16), make_data(n=4, seed=5) if val else None)
+    return lm
+
+
+class Scale(Callback):
+    """Scales every weight by 0.9 in place after each optimizer step, optionally after ``flush()``."""
+
+    def __init__(self, flush: bool):
+        self.flush = flush
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        if self.flush and not isinstance(trainer.strategy, pl.strategies.SingleDeviceStrategy):
+            trainer.strategy.flush()
+        with torch.no_grad():
+            for p in pl_module.parameters():
+                p.mul_(0.9)
+
+
+def test_write_after_the_step_needs_flush_and_is_refused_without_it():
+    ref = _fit(LM(make_model("llama"), lr=1e-2), "auto", [Scale(False)], steps=4)
+    ours = _fit(LM(make_model("llama"), lr=1e-2), "megatrain", [Scale(True)], steps=4)
+    assert_parity(ours, ref, ours.losses, ref.losses)
+    with pytest.raises(RuntimeError, match=r"written in place after optimizer.step\(\).*trainer.strategy.flush\(\)"):
+        _fit(LM(make_model("llama"), lr=1e-2), "megatrain", [Scale(False)], steps=4)
+
+
+class HalveAtValidationEnd(Callback):
+    def on_validation_epoch_end(self, trainer, pl_module):
+        with torch.no_grad():
+            for p in pl_module.parameters():
+                p.mul_(0.5)
+
+
+class ValLM(LM):
+    def __init__(self):
+        super().__init__(make_model("llama"), lr=1e-2)
+        self.val_losses: list[float] = []
+
+    def validation_step(self, batch, batch_idx):
+        loss = super().validation_step(batch, batch_idx)
+        self.val_losses.append(loss.item())
+        return loss
+
+
+def test_bf16_write_in_a_validation_hook_reaches_the_16_bit_copies():
+    ref = _fit(ValLM(), "auto", [HalveAtValidationEnd()], epochs=2, precision="bf16-mixed", val=True)
+    ours = _fit(ValLM(), "megatrain", [HalveAtValidationEnd()], epochs=2, precision="bf16-mixed", val=True)
+    assert ours.val_losses == ref.val_losses
+    assert_parity(ours, ref, ours.losses, ref.losses)
+
+
+class NewOptimizerAtEpoch1(Callback):
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == 1:
+            pl_module.lr = 2e-3
+            trainer.strategy.setup_optimizers(trainer)
+
+
+class ClearStateAtEpoch1(Callback):
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == 1:
+            trainer.optimizers[0].state.clear()
+
+
+@pytest.mark.parametrize("callback", [NewOptimizerAtEpoch1, ClearStateAtEpoch1])
+def test_new_optimizer_or_cleared_state_mid_fit_as_plain_lightning(callback):
+    ref = _fit(LM(make_model("llama"), lr=1e-2), "auto", [callback()], epochs=2)
+    ours = _fit(LM(make_model("llama"), lr=1e-2), "megatrain", [callback()], epochs=2)
+    assert_parity(ours, ref, ours.losses, ref.losses)
+
+
+class ReadState(Callback):
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        trainer.optimizers[0].state[next(pl_module.parameters())]["exp_avg"]
+
+
+def test_reading_optimizer_state_names_state_dict():
+    with pytest.raises(KeyError, match=r"optimizer.state is empty.*optimizer.state_dict\(\)"):
+        _fit(LM(make_model("llama")), "megatrain", [ReadState()], steps=1)
+
+
+class CoupledDecayLM(LM):
+    """Adam with decoupled decay by default, and one group (the decoder layers) with L2 decay instead."""
+
+    def configure_optimizers(self):
+        layers = [p for n, p in self.named_parameters() if ".layers." in n]
+        rest = [p for n, p in self.named_parameters() if ".layers." not in n]
+        return torch.optim.Adam([{"params": rest}, {"params": layers, "decoupled_weight_decay": False}],
+                                lr=self.lr, weight_decay=0.1, decoupled_weight_decay=True)
+
+
+def test_param_group_decoupled_weight_decay_flag_wins_over_the_default():
+    ref = _fit(CoupledDecayLM(make_model("llama"), lr=1e-2), "auto", steps=4)
+    ours = _fit(CoupledDecayLM(make_model("llama"), lr=1e-2), "megatrain", steps=4)
+    assert_parity(ours, ref, ours.losses, ref.losses)
+
+
+def test_weight_averaging_checkpoint_is_refused_before_writing(tmp_path):
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    from megatrain_lightning.checkpoint.errors import CheckpointError
+
+    lm = LM(make_model("llama"))
+    trainer = pl.Trainer(strategy=MegaTrainStrategy(), accelerator="cpu", max_steps=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[EMAWeightAveraging()])
+    trainer.fit(lm, make_data(n=8))
+    with pytest.raises(CheckpointError, match="averaged weights.*WeightAveraging"):
+        trainer.save_checkpoint(tmp_path / "ema")
+    assert not (tmp_path / "ema").exists()
