@@ -150,3 +150,18 @@ def test_compiled_forward_attribute_is_refused():
     net.forward = torch.compile(net.forward, backend="eager")
     with pytest.raises(RuntimeError, match=r"its forward is torch.compile"):
         _fit(net, _streamed(), steps=1)
+
+
+class InPlaceInput(Block):
+    def forward(self, x):
+        x += 1.0  # plain PyTorch allows it: x is the caller's non-leaf activation
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("recompute", ["block", "none"])
+def test_in_place_write_to_a_block_input_is_explained(recompute):
+    net = Net()
+    net.layers = nn.ModuleList(InPlaceInput() for _ in range(3))
+    _fit(copy.deepcopy(net), "auto", steps=1)
+    with pytest.raises(RuntimeError, match=r"streamed block layers.\d modifies one of its tensor inputs in place"):
+        _fit(net, _streamed(recompute=recompute), steps=1)

@@ -6,13 +6,14 @@ classes (Hugging Face ``ModelOutput`` among them). A tensor inside any other obj
 a ``SimpleNamespace``, an instance of the user's own class) is not an input or output of the boundary: no
 gradient would flow through it, and what it computes would be trained wrongly without an error. Such calls are
 refused here with what to change. Only the object's own attributes are looked at (one level), which covers the
-usual state containers.
+usual state containers. :func:`inplace_input_hint` explains torch's error for a block that modifies an input in place.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -65,3 +66,24 @@ def check_outputs(block: str, values: Iterable[Any]) -> None:
     found = _hidden(values, lambda t: t.is_floating_point())
     if found:
         raise RuntimeError(_advice(block, "returned", found))
+
+
+@contextlib.contextmanager
+def inplace_input_hint(block: str) -> Iterator[None]:
+    """Re-raise torch's "a leaf Variable that requires grad is being used in an in-place operation" from a block
+    call (its forward, or its recompute in backward) with what it means here: the strategy passes each block's
+    tensor inputs as autograd leaves (plain PyTorch passes the caller's non-leaf activation), so an in-place
+    operation on an input inside the block (``x += 1``) is refused by torch.
+
+    Raises:
+        RuntimeError: naming the block and the rewrite.
+    """
+    try:
+        yield
+    except RuntimeError as e:
+        if "leaf Variable that requires grad is being used in an in-place operation" not in str(e):
+            raise
+        raise RuntimeError(
+            f"megatrain: streamed block {block} modifies one of its tensor inputs in place (e.g. `x += 1` or "
+            "`x.add_(...)` on an argument): the strategy passes a block's inputs as autograd leaves, which torch does "
+            "not let be modified in place. Write it out of place inside the block (`x = x + 1`).") from e

@@ -25,7 +25,7 @@ from ..store.host import HostStore
 from .accounting import ByteAccounting
 from .backward_state import keeps_graph, leaf_grad_use, local_grad
 from .block_state import snapshot as snapshot_state
-from .opaque_values import check_inputs, check_outputs
+from .opaque_values import check_inputs, check_outputs, inplace_input_hint
 from .param_hooks import skip_none_calls
 from .block_graph import GraphHooks, release_leaves
 from .bound_params import BoundParams
@@ -94,7 +94,8 @@ class _BlockFunction(torch.autograd.Function):
         kind = "all" if leaf_grad_use(rc.dummy) == "accumulate" else "select"
         keep_graph = keeps_graph()
         call.fwd.backward_started = True
-        grad_inputs, grad_params = rc._backward_call(call, needs, grad_outs, kind, keep_graph)
+        with inplace_input_hint(call.block.name):
+            grad_inputs, grad_params = rc._backward_call(call, needs, grad_outs, kind, keep_graph)
         skip_none_calls([r.param for r in call.refs])  # torch calls their hooks next, with None
         return (None, None, *grad_inputs, *grad_params)
 
@@ -156,7 +157,8 @@ class Recompute:
         rest = [None if i in pos else x for i, x in enumerate(flat)]
         check_inputs(blk.name, rest)  # a tensor hidden in an object would get no gradient
         call = BlockCall(self, blk, forward, rest, spec, pos, fwd=fwd, refs=refs, keep=keep and bool(fwd.calls))
-        outs = _BlockFunction.apply(call, self.dummy, *[flat[i] for i in pos], *[r.param for r in refs])
+        with inplace_input_hint(blk.name):
+            outs = _BlockFunction.apply(call, self.dummy, *[flat[i] for i in pos], *[r.param for r in refs])
         # the next call may rebuild its inputs from this call's outputs, unless this call keeps its graph
         call.fwd.last_outs = None if call.graph is not None else (call.pos, [weakref.ref(o) for o in outs])
         out_flat = list(call.out_flat)
