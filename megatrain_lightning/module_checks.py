@@ -79,23 +79,38 @@ def refuse_aliased(module: torch.nn.Module) -> None:
     Raises:
         RuntimeError: naming the two parameters.
     """
-    spans: dict[int, list[tuple[int, int, str]]] = {}
+    spans: dict[int, list[tuple[int, int, str, torch.Tensor]]] = {}
     for name, p in module.named_parameters():  # one entry per parameter object
         if p.device.type == "meta" or p.numel() == 0:
             continue
         size = p.element_size()
         start = p.storage_offset() * size
         extent = (sum((n - 1) * st for n, st in zip(p.shape, p.stride())) + 1) * size
-        spans.setdefault(p.untyped_storage().data_ptr(), []).append((start, start + extent, name))
+        spans.setdefault(p.untyped_storage().data_ptr(), []).append((start, start + extent, name, p))
     for items in spans.values():
-        items.sort()
-        for (s0, e0, n0), (s1, e1, n1) in zip(items, items[1:]):
-            if s1 < e0:
-                raise RuntimeError(
+        items.sort(key=lambda x: x[:2])
+        for i, (s0, e0, n0, p0) in enumerate(items):
+            for s1, e1, n1, p1 in items[i + 1:]:
+                if s1 >= e0:
+                    break
+                if _share_elements(p0, p1):
+                    raise RuntimeError(
                     f"megatrain: parameters {n0} and {n1} share memory (one was made from the other's .data or a "
                     "view of it); strategy='megatrain' stores each parameter on its own, so they would stop being "
                     "tied. Tie them as one parameter object (module_b.weight = module_a.weight), or give each its "
                     "own copy (nn.Parameter(w.detach().clone())).")
+
+
+def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors whose byte ranges in one storage overlap share an element (interleaved views such as
+    ``w[:, 0::2]`` and ``w[:, 1::2]`` do not): marks ``a``'s elements in a counter over the storage's elements and
+    looks for them under ``b``. Different element sizes count as shared."""
+    if a.element_size() != b.element_size():
+        return True
+    n = a.untyped_storage().nbytes() // a.element_size()
+    marks = torch.zeros(n, dtype=torch.int8)
+    marks.as_strided(a.shape, a.stride(), a.storage_offset()).fill_(1)
+    return bool(marks.as_strided(b.shape, b.stride(), b.storage_offset()).any())
 
 
 def warn_low_precision(module: torch.nn.Module) -> None:

@@ -478,6 +478,14 @@ class MegaTrainStrategy(ParallelStrategy):
                 _refuse_router_aux_loss(module)
             super().setup_optimizers(trainer)
             self._take_over_optimizer()
+            if _WeightAveraging is not None and trainer.checkpoint_callbacks \
+                    and any(isinstance(cb, _WeightAveraging) for cb in trainer.callbacks):
+                raise CheckpointError(
+                    "megatrain: a WeightAveraging / EMAWeightAveraging callback and checkpointing (ModelCheckpoint; "
+                    "Trainer(enable_checkpointing=True) is the default) are both in this Trainer: its checkpoints' "
+                    "state_dict would be the average, which the directory checkpoint cannot hold. Pass "
+                    "enable_checkpointing=False (the average is in the module after fit: save it with "
+                    "save_pretrained), or drop the averaging callback.")
             if not any(isinstance(cb, _FlushForCallbacks) for cb in trainer.callbacks):
                 trainer.callbacks.insert(0, _FlushForCallbacks())
                 trainer.callbacks.append(_AfterWeightAveraging())
@@ -746,6 +754,13 @@ class MegaTrainStrategy(ParallelStrategy):
         :meth:`flush` *before* it (the step's update may still be pending; a write under it is refused at its
         next fetch with a RuntimeError)."""
         if self.engine is not None:
+            opt = self.engine.optimizer
+            if opt is not None and opt.has_pending():
+                raise RuntimeError(
+                    "megatrain: weights_written() was called while optimizer updates were still deferred "
+                    "(overlap_optimizer=True applies each block's update when the next forward fetches it): the "
+                    "write just made hit the weights from before that update, and the update would land on top of "
+                    "it. Call trainer.strategy.flush() before writing the weights, then weights_written() after.")
             self.engine.weights_written()
 
     def on_validation_start(self) -> None:
@@ -1031,6 +1046,8 @@ class _FlushForCallbacks(Callback):
       ``EMAWeightAveraging``) is in the Trainer: it averages the weights there after each optimizer step
       (without the flush it averaged weights one step old: final weights 2% off plain Lightning's);
     * at ``on_train_end``, before ``WeightAveraging`` copies its average into the parameters;
+    * at ``on_validation_start`` (also mid-epoch, ``val_check_interval``): a callback's or the module's own
+      ``on_validation_start`` runs before the strategy's and may swap weights in (an EMA of its own);
     * at the start (end) of every training batch, when a ``BaseFinetuning`` subclass overrides
       ``on_train_batch_start`` (``on_train_batch_end``), where it may unfreeze: its ``filter_on_optimizer`` tells
       parameters already in the optimizer by their values, and a trained parameter whose last update was still
@@ -1057,6 +1074,9 @@ class _FlushForCallbacks(Callback):
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         trainer.strategy.flush()
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        trainer.strategy.flush()  # before the other callbacks' and the module's hooks, which may read or write weights
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         trainer.strategy.flush()

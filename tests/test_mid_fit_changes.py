@@ -135,3 +135,52 @@ def test_weight_averaging_checkpoint_is_refused_before_writing(tmp_path):
     with pytest.raises(CheckpointError, match="averaged weights.*WeightAveraging"):
         trainer.save_checkpoint(tmp_path / "ema")
     assert not (tmp_path / "ema").exists()
+
+
+class DataScale(Callback):
+    """Scales every weight by 0.9 through ``param.data`` (no version counter moves) and says so."""
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        for p in pl_module.parameters():
+            p.data.mul_(0.9)
+        trainer.strategy.weights_written()
+
+
+def test_weights_written_with_an_update_still_pending_is_refused():
+    with pytest.raises(RuntimeError, match=r"weights_written\(\) was called while optimizer updates were still"):
+        _fit(LM(make_model("llama"), lr=1e-2), "megatrain", [DataScale()], steps=2)
+
+
+class SwapAtValidationStart(Callback):
+    """Swaps a snapshot of the weights in at ``on_validation_start`` and back at ``on_validation_end``."""
+
+    def on_validation_start(self, trainer, pl_module):
+        self.saved = [p.detach().clone() for p in pl_module.parameters()]
+        with torch.no_grad():
+            for p in pl_module.parameters():
+                p.mul_(0.5)
+
+    def on_validation_end(self, trainer, pl_module):
+        with torch.no_grad():
+            for p, s in zip(pl_module.parameters(), self.saved):
+                p.copy_(s)
+
+
+def test_weights_written_in_on_validation_start_mid_epoch_as_plain_lightning():
+    ref = _fit(ValLM(), "auto", [SwapAtValidationStart()], epochs=2, val=True, val_check_interval=0.5)
+    ours = _fit(ValLM(), "megatrain", [SwapAtValidationStart()], epochs=2, val=True, val_check_interval=0.5)
+    assert ours.val_losses == pytest.approx(ref.val_losses, rel=1e-6) and len(ref.val_losses) == 8
+    assert_parity(ours, ref, ours.losses, ref.losses)
+
+
+def test_weight_averaging_with_checkpointing_is_refused_at_setup():
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    from megatrain_lightning.checkpoint.errors import CheckpointError
+
+    lm = LM(make_model("llama"))
+    trainer = pl.Trainer(strategy="megatrain", accelerator="cpu", max_steps=2, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[EMAWeightAveraging()])
+    with pytest.raises(CheckpointError, match="enable_checkpointing=False"):
+        trainer.fit(lm, make_data(n=8))
+    assert lm.losses == []  # refused before the first step

@@ -151,3 +151,33 @@ class FuncGradLM(LM):
 def test_torch_func_transform_is_refused_clearly():
     with pytest.raises(RuntimeError, match="under a torch.func transform"):
         _fit(FuncGradLM(make_model("llama")), "megatrain", steps=1)
+
+
+class GlobalHookLM(LM):
+    """A global module forward hook (``register_module_forward_hook``) active for the forward only, as a context
+    manager would leave it: it scales every Linear output by 0.9."""
+
+    def training_step(self, batch, batch_idx):
+        hook = lambda m, i, o: o * 0.9 if isinstance(m, torch.nn.Linear) else None  # noqa: E731
+        handle = torch.nn.modules.module.register_module_forward_hook(hook)
+        try:
+            loss = self.model(**batch_inputs(batch)).loss
+        finally:
+            handle.remove()
+        self.losses.append(loss.item())
+        return loss
+
+
+def test_global_module_hooks_of_the_forward_are_replayed():
+    ref = _fit(GlobalHookLM(make_model("llama"), lr=1e-2), "auto")
+    ours = _fit(GlobalHookLM(make_model("llama"), lr=1e-2), "megatrain")
+    assert_parity(ours, ref, ours.losses, ref.losses)
+
+
+def test_hooks_inside_a_chunked_mlp_are_warned(caplog):
+    lm = LM(make_model("llama"))
+    lm.model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: o)
+    with caplog.at_level(logging.WARNING):
+        _fit(lm, MegaTrainStrategy(mlp_chunk_size=4), steps=2)
+    msgs = [r.getMessage() for r in caplog.records if "inside a chunked MLP" in r.getMessage()]
+    assert len(msgs) == 1 and "down_proj" in msgs[0]

@@ -16,8 +16,9 @@ module state can differ between the two runs:
   the buffer values the forward started from is kept; the recompute runs on a fresh copy of them and the current
   values are put back afterwards, so the module keeps exactly the forwards' updates.
 
-* module hooks: a forward hook, pre-hook or backward hook on a submodule of the block that the user registers or
-  removes between the forward and its backward (an intervention context manager, activation steering, a hook
+* module hooks: a forward hook, pre-hook or backward hook on a submodule of the block (or one of torch's global
+  module hooks, ``register_module_forward_hook``) that the user registers or removes between the forward and its
+  backward (an intervention context manager, activation steering, a hook
   removed right after the forward) would otherwise be in or out of the recompute as it is at backward time,
   where plain PyTorch's graph has what the forward ran. The hook dictionaries of every submodule are recorded at
   the forward (a shallow copy where not empty) and installed for the recompute. The hooks run again there, as
@@ -38,6 +39,7 @@ from typing import Iterator
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _torch_module
 
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,12 @@ log = logging.getLogger(__name__)
 # nn.Module's hook dictionaries (torch/nn/modules/module.py), all keyed by the hook handle's id
 _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
                "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
+
+
+# torch's global module hooks (register_module_forward_hook...): module-level dictionaries of torch.nn.modules.module,
+# looked up by name at every module call
+_GLOBAL_DICTS = ("_global_forward_hooks", "_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called",
+                 "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks")
 
 
 def _hooks_of(m: nn.Module) -> tuple[tuple[str, OrderedDict], ...]:
@@ -64,6 +72,9 @@ class BlockState:
         entries = [(m, n, b) for m in modules for n, b in m.named_buffers(recurse=False) if b is not None]
         self._buffers = [(m, n, b.clone()) for m, n, b in entries]
         self._hooks = [(m, _hooks_of(m), m.__dict__.get("_is_full_backward_hook")) for m in modules]
+        g = vars(_torch_module)
+        self._global = {n: OrderedDict(g[n]) for n in _GLOBAL_DICTS if g.get(n)}
+        self._global_full = g.get("_global_is_full_backward_hook")
 
     @contextlib.contextmanager
     def replayed(self) -> Iterator[None]:
@@ -86,9 +97,17 @@ class BlockState:
                 if name in m.__dict__:
                     m.__dict__[name] = OrderedDict(as_saved.get(name, ()))
             m.__dict__["_is_full_backward_hook"] = full
+        g = vars(_torch_module)
+        live_global = {n: g[n] for n in _GLOBAL_DICTS if n in g}
+        live_full = g.get("_global_is_full_backward_hook")
+        for n in live_global:
+            g[n] = OrderedDict(self._global.get(n, ()))
+        g["_global_is_full_backward_hook"] = self._global_full
         try:
             yield
         finally:
+            g.update(live_global)
+            g["_global_is_full_backward_hook"] = live_full
             for m, dicts, full in live:
                 for name, d in dicts:
                     if d is not None:
@@ -118,6 +137,14 @@ def snapshot(module: nn.Module, name: str = "", warned: set[str] | None = None) 
 _KNOWN = ("transformers.", "torch.", "megatrain_lightning.", "peft.", "accelerate.")
 
 
+def has_user_hooks(m: nn.Module, backward: bool = False) -> bool:
+    """Whether ``m`` has a forward hook or pre-hook (``backward``: or a backward hook) registered by code other than
+    the libraries whose hooks are known to be handled (:data:`_KNOWN`: transformers' output recorder...)."""
+    dicts = (m._forward_hooks, m._forward_pre_hooks) + ((m._backward_hooks, m._backward_pre_hooks) if backward else ())
+    return any(not (getattr(h, "__module__", None) or type(h).__module__ or "").startswith(_KNOWN)
+               for d in dicts for h in d.values())
+
+
 def warn_inner_forward_hooks(name: str, block: nn.Module, inner: list[nn.Module], warned: set[str]) -> None:
     """Warn (and add ``name`` to ``warned``) if a submodule inside the block (not the block itself) has a forward hook or
     pre-hook from user code: the block's forward runs without autograd history (it is recomputed in backward), so
@@ -125,9 +152,7 @@ def warn_inner_forward_hooks(name: str, block: nn.Module, inner: list[nn.Module]
     where plain PyTorch would differentiate it. The hook also runs again in the recompute. A hook on the block
     itself sees the block call's outputs, which have their history."""
     paths = {id(m): n for n, m in block.named_modules()}
-    users = [paths.get(id(m), "?") for m in inner
-             if any(not (getattr(h, "__module__", None) or type(h).__module__ or "").startswith(_KNOWN)
-                    for d in (m._forward_hooks, m._forward_pre_hooks) for h in d.values())]
+    users = [paths.get(id(m), "?") for m in inner if has_user_hooks(m)]
     if users:
         warned.add(name)
         log.warning(

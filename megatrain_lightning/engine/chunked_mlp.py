@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..blocks import Block
+from .block_state import has_user_hooks
 from .forward_patch import ForwardPatches
 from .recorded_outputs import over_chunks
 
@@ -139,6 +140,7 @@ class ChunkedMLP:
     def __init__(self, chunk: int | None):
         self.chunk = chunk
         self.installed = ForwardPatches()
+        self.hooks_warned: list[bool] = []  # one warning per run about hooks inside chunked MLPs
 
     def install(self, blocks: list[Block]) -> None:
         """Wrap the MLP of every block of ``blocks`` that has one."""
@@ -150,7 +152,7 @@ class ChunkedMLP:
             mlp = None if blk.direct else find_mlp(blk.module)
             if mlp is None or id(mlp) in streamed:  # an MLP streamed as its own block keeps its proxy
                 continue
-            self.installed.patch(mlp, self._wrap(mlp, mlp.forward, self.chunk))
+            self.installed.patch(mlp, self._wrap(mlp, mlp.forward, self.chunk, self.hooks_warned))
             random = _random_parts(mlp)
             if random and not warned:
                 warned = True
@@ -164,10 +166,18 @@ class ChunkedMLP:
         self.installed.restore()
 
     @staticmethod
-    def _wrap(mlp: nn.Module, orig: Callable[..., Any], chunk: int) -> Callable[..., Any]:
+    def _wrap(mlp: nn.Module, orig: Callable[..., Any], chunk: int, warned: list[bool]) -> Callable[..., Any]:
         def forward(x: Any, *args: Any, **kwargs: Any) -> Any:
             if args or kwargs or not torch.is_tensor(x) or x.dim() < 3 or x.shape[1] <= chunk:
                 return orig(x, *args, **kwargs)
+            if not warned:
+                hooked = [n for n, m in mlp.named_modules() if n and has_user_hooks(m, backward=True)]
+                if hooked:  # they see chunk-sized slices: a hook that is not per-token gives other numbers
+                    warned.append(True)
+                    log.warning("megatrain: mlp_chunk_size=%d: hooks on %s inside a chunked MLP run once per chunk "
+                                "of %d tokens, on slices; a hook that is not per-token (a norm over the sequence) "
+                                "gives other numbers than plain PyTorch. Hook the MLP itself, or set "
+                                "mlp_chunk_size=None.", chunk, ", ".join(hooked[:3]), chunk)
             return chunked_call(orig, x, chunk, mlp)
 
         forward.__wrapped__ = orig  # type: ignore[attr-defined]
