@@ -1,5 +1,6 @@
-"""What a block's forward saw of its modules: their ``training`` flags, and the values of its buffers
-(BatchNorm's ``running_mean``/``running_var``/``num_batches_tracked``), replayed when the block is recomputed.
+"""What a block's forward saw of its modules: their ``training`` flags, the values of its buffers
+(BatchNorm's ``running_mean``/``running_var``/``num_batches_tracked``) and the module hooks, replayed when the block
+is recomputed.
 
 A recomputed block runs its forward twice per step (the forward, then its recompute in backward). Three kinds of
 module state can differ between the two runs:
@@ -57,6 +58,9 @@ _GLOBAL_DICTS = ("_global_forward_hooks", "_global_forward_hooks_with_kwargs", "
 
 def _hooks_of(m: nn.Module) -> tuple[tuple[str, OrderedDict], ...]:
     d = m.__dict__
+    if not (d.get("_forward_hooks") or d.get("_forward_pre_hooks") or d.get("_backward_hooks")
+            or d.get("_backward_pre_hooks")):  # the usual case (the other dictionaries only qualify these)
+        return ()
     return tuple((name, OrderedDict(d[name])) for name in _HOOK_DICTS if d.get(name))
 
 
@@ -89,25 +93,29 @@ class BlockState:
         current = [getattr(m, n) for m, n, _ in self._buffers]
         for m, n, before in self._buffers:
             setattr(m, n, before.clone())
+        swap = [(m, saved, full) for m, saved, full in self._hooks if saved or _hooks_of(m)]  # usually none
         live = [(m, [(name, m.__dict__.get(name)) for name in _HOOK_DICTS], m.__dict__.get("_is_full_backward_hook"))
-                for m, _, _ in self._hooks]
-        for m, saved, full in self._hooks:
+                for m, _, _ in swap]
+        for m, saved, full in swap:
             as_saved = dict(saved)
             for name in _HOOK_DICTS:
                 if name in m.__dict__:
                     m.__dict__[name] = OrderedDict(as_saved.get(name, ()))
             m.__dict__["_is_full_backward_hook"] = full
         g = vars(_torch_module)
-        live_global = {n: g[n] for n in _GLOBAL_DICTS if n in g}
+        swap_global = bool(self._global) or any(g.get(n) for n in _GLOBAL_DICTS)  # usually neither
+        live_global = {n: g[n] for n in _GLOBAL_DICTS if n in g} if swap_global else {}
         live_full = g.get("_global_is_full_backward_hook")
         for n in live_global:
             g[n] = OrderedDict(self._global.get(n, ()))
-        g["_global_is_full_backward_hook"] = self._global_full
+        if swap_global:
+            g["_global_is_full_backward_hook"] = self._global_full
         try:
             yield
         finally:
-            g.update(live_global)
-            g["_global_is_full_backward_hook"] = live_full
+            if swap_global:
+                g.update(live_global)
+                g["_global_is_full_backward_hook"] = live_full
             for m, dicts, full in live:
                 for name, d in dicts:
                     if d is not None:
@@ -140,6 +148,8 @@ _KNOWN = ("transformers.", "torch.", "megatrain_lightning.", "peft.", "accelerat
 def has_user_hooks(m: nn.Module, backward: bool = False) -> bool:
     """Whether ``m`` has a forward hook or pre-hook (``backward``: or a backward hook) registered by code other than
     the libraries whose hooks are known to be handled (:data:`_KNOWN`: transformers' output recorder...)."""
+    if not (m._forward_hooks or m._forward_pre_hooks or (backward and (m._backward_hooks or m._backward_pre_hooks))):
+        return False
     dicts = (m._forward_hooks, m._forward_pre_hooks) + ((m._backward_hooks, m._backward_pre_hooks) if backward else ())
     return any(not (getattr(h, "__module__", None) or type(h).__module__ or "").startswith(_KNOWN)
                for d in dicts for h in d.values())
@@ -151,9 +161,10 @@ def warn_inner_forward_hooks(name: str, block: nn.Module, inner: list[nn.Module]
     a tensor such a hook keeps (activation capture) has no gradient: a loss computed from it trains nothing,
     where plain PyTorch would differentiate it. The hook also runs again in the recompute. A hook on the block
     itself sees the block call's outputs, which have their history."""
-    paths = {id(m): n for n, m in block.named_modules()}
-    users = [paths.get(id(m), "?") for m in inner if has_user_hooks(m)]
-    if users:
+    hooked = [m for m in inner if has_user_hooks(m)]
+    if hooked:
+        paths = {id(m): n for n, m in block.named_modules()}
+        users = [paths.get(id(m), "?") for m in hooked]
         warned.add(name)
         log.warning(
             "megatrain: forward hooks on %s inside streamed block %s run in a forward without autograd history "

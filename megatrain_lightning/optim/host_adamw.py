@@ -151,7 +151,8 @@ class HostAdamW:
         self._map_groups()
         self.steps: list[list[torch.Tensor | None]] = [[None] * len(s.entries) for s in store.slabs]
         self.pending: dict[int, _Pending] = {}
-        self._versions: dict[int, int] = {}  # slab -> its parameters' version counters when its update was deferred
+        # slab -> (the deferred update, its parameters' version counters when it was deferred)
+        self._versions: dict[int, tuple[_Pending, int]] = {}
         self.grad_ops: list[tuple[str, Any]] = []  # clipping recorded for the coming step
         self.updates_in_backward = 0  # slab updates applied during backward (optimizer_in_backward)
         self.optimizer_seconds = 0.0
@@ -216,7 +217,7 @@ class HostAdamW:
             if slab.grad_accum_empty:
                 continue
             self.pending[slab.index] = hyper
-            self._versions[slab.index] = _param_versions(slab)
+            self._versions[slab.index] = (hyper, _param_versions(slab))
             n += 1
         if not self.overlap:
             self.flush()
@@ -257,7 +258,8 @@ class HostAdamW:
             pend = self.pending.pop(slab_index, None)
             if pend is None:
                 return
-            if self._versions.pop(slab_index, None) not in (None, _param_versions(slab)):
+            deferred = self._versions.pop(slab_index, None)
+            if deferred is not None and deferred[0] is pend and deferred[1] != _param_versions(slab):
                 raise RuntimeError(WRITTEN_WHILE_PENDING.format(name=slab.entries[0].ref.fqn))
             t0 = time.perf_counter()
             if own is not None and not own.owns(slab_index):
