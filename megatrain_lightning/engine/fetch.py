@@ -241,4 +241,4 @@ def _written(slab) -> tuple[int, int, int]:
     """What the slab's wire image is valid for: the optimizer updates applied to its masters, the masters' version
     counter and the sum of its parameters' own counters (``p.mul_(0.9)`` under ``no_grad`` moves only that of
     ``p``, which shares the masters' memory)."""
-    return slab.updates, slab.master._version, sum(e.ref.param._version for e in slab.entries)
+    return slab.updates, slab.master._version, slab.param_versions()

@@ -81,13 +81,6 @@ WRITTEN_WHILE_PENDING = (
     "on_train_batch_start, an optimizer_step override after optimizer.step()), or set overlap_optimizer=False.")
 
 
-def _param_versions(slab: Any) -> int:
-    """Sum of the version counters of the slab's parameters: the module's ``nn.Parameter`` objects share the masters'
-    memory with counters of their own, so an in-place write through them (``p.mul_``, ``p.copy_`` under ``no_grad``)
-    moves this sum and an optimizer update (on the masters) does not."""
-    return sum(e.ref.param._version for e in slab.entries)
-
-
 def validate_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     """Check that ``optimizer`` is one we can take over; return ``True`` for decoupled weight decay (AdamW).
 
@@ -217,7 +210,7 @@ class HostAdamW:
             if slab.grad_accum_empty:
                 continue
             self.pending[slab.index] = hyper
-            self._versions[slab.index] = (hyper, _param_versions(slab))
+            self._versions[slab.index] = (hyper, slab.param_versions())
             n += 1
         if not self.overlap:
             self.flush()
@@ -259,7 +252,7 @@ class HostAdamW:
             if pend is None:
                 return
             deferred = self._versions.pop(slab_index, None)
-            if deferred is not None and deferred[0] is pend and deferred[1] != _param_versions(slab):
+            if deferred is not None and deferred[0] is pend and deferred[1] != slab.param_versions():
                 raise RuntimeError(WRITTEN_WHILE_PENDING.format(name=slab.entries[0].ref.fqn))
             t0 = time.perf_counter()
             if own is not None and not own.owns(slab_index):

@@ -99,6 +99,12 @@ class Slab:
     def numel(self) -> int:
         return self.total_numel
 
+    def param_versions(self) -> int:
+        """Sum of the version counters of the module's parameters in this slab. They share the masters' memory but
+        each has a counter of its own: an in-place write through one (``p.mul_`` under ``no_grad``) moves this sum,
+        an optimizer update on the masters does not."""
+        return sum(e.ref.param._version for e in self.entries)
+
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """Entry ``i``'s view (its parameter's shape) of a flat slab region (master, grad_accum, exp_avg...)."""
         e = self.entries[i]
