@@ -36,13 +36,15 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection, _sync_ddp_if_available
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.callbacks import BaseFinetuning, Callback
 from lightning.pytorch.callbacks import StochasticWeightAveraging as _StochasticWeightAveraging
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
@@ -56,6 +58,7 @@ from .checkpoint.hf_io import weight_sources
 from .checkpoint.peft_io import unsavable_adapters
 from .checkpoint.directory import load_checkpoint_dir, load_optimizer_dir, save_checkpoint_dir
 from .checkpoint.errors import CheckpointError
+from .checkpoint.location import is_local, local_path
 from .checkpoint.lightning_resume import load_lightning_optimizer, load_lightning_weights
 from .engine.chunked_loss import check_chunk_size
 from .engine.block_groups import check_block_group
@@ -120,7 +123,9 @@ class MegaTrainStrategy(ParallelStrategy):
             ops and dropout), ``"none"`` (keep every op output: nothing costly is recomputed) or
             ``"auto"`` (per block, within ``activation_memory_limit``; the choice is logged once).
         activation_memory_limit: bytes (or ``"4GiB"``) of device memory that ``recompute="auto"`` lets the
-            kept activations take (block inputs included); default: half the free device memory.
+            kept activations take (block inputs included; the last block's graph, e.g. the LM head's logits,
+            kept from its forward to the backward that follows at once, is not counted: leave room for it);
+            default: half the free device memory.
         overlap_optimizer: apply each block's AdamW update just before its next prefetch (default)
             instead of all at once in ``optimizer.step()``. Both give identical results.
         block_classes: class names/classes of the repeated blocks; default: every Hugging Face
@@ -284,6 +289,7 @@ class MegaTrainStrategy(ParallelStrategy):
         self.engine: StreamingEngine | None = None
         self._orig_zero_grad: tuple[Any, Any] | None = None
         self._state_dict_patched: Any = None  # the optimizer whose state_dict() reads the host AdamW state
+        self._deferred_save: tuple[Any, bool] | None = None  # (filepath, weights_only) asked for mid-backward
 
     # ------------------------------------------------------------------ devices and processes
     @property
@@ -407,6 +413,12 @@ class MegaTrainStrategy(ParallelStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
+        if type(self.checkpoint_io) is not TorchCheckpointIO:  # before any work: it would never be called
+            raise CheckpointError(
+                f"megatrain: the checkpoint plugin {type(self.checkpoint_io).__name__} (Trainer(plugins=[...])) would "
+                "not be used: strategy='megatrain' writes its directory checkpoints itself (safetensors shards, "
+                "atomic rename). Remove the plugin; to upload or post-process checkpoints, do it from a callback's "
+                "on_save_checkpoint or after the run.")
         if trainer.state.fn == TrainerFn.FITTING:
             _refuse_callbacks_reading_masters_on_disk(trainer.callbacks, self.nvme is not None and Region.master in self.nvme.kinds)
             _refuse_pruning(trainer.callbacks)
@@ -486,6 +498,9 @@ class MegaTrainStrategy(ParallelStrategy):
                     "state_dict would be the average, which the directory checkpoint cannot hold. Pass "
                     "enable_checkpointing=False (the average is in the module after fit: save it with "
                     "save_pretrained), or drop the averaging callback.")
+            for cb in trainer.checkpoint_callbacks:  # before training, not at the first save
+                if getattr(cb, "dirpath", None) is not None:
+                    local_path(cb.dirpath)
             if not any(isinstance(cb, _FlushForCallbacks) for cb in trainer.callbacks):
                 trainer.callbacks.insert(0, _FlushForCallbacks())
                 trainer.callbacks.append(_AfterWeightAveraging())
@@ -842,6 +857,9 @@ class MegaTrainStrategy(ParallelStrategy):
         if self.engine is None or self.lightning_module is None:
             raise RuntimeError("save_checkpoint called before the megatrain strategy was set up, or after "
                                "trainer.strategy.close().")
+        filepath = local_path(filepath)
+        if self.engine.grads.step_partly_applied() and self._defer_save(checkpoint, filepath):
+            return
         if "current_model_state" in checkpoint:  # Lightning's WeightAveraging put its average in state_dict
             raise CheckpointError(
                 "megatrain: the checkpoint's state_dict holds averaged weights (Lightning's WeightAveraging / "
@@ -858,6 +876,38 @@ class MegaTrainStrategy(ParallelStrategy):
             coop = CheckpointWriters(self.groups, self.engine.store, self.engine.ownership)
         save_checkpoint_dir(filepath, checkpoint, self.lightning_module, self.engine,
                             tokenizer=getattr(self.lightning_module, "tokenizer", None), coop=coop)
+
+    def _defer_save(self, checkpoint: dict[str, Any], filepath: Any) -> bool:
+        """A save requested while a backward applies the AdamW updates as it goes (``optimizer_in_backward``) and
+        has updated only part of the model (a module backward hook, or a signal handler such as Lightning's SLURM
+        auto-requeue running in the middle of the backward): the weights are half at the next step, so a checkpoint
+        now would be resumed with that step applied twice to part of the model (probe N: weights 40% off). During
+        fit the save is deferred to the end of this optimizer step (the first callback's ``on_train_batch_end``,
+        where ``ModelCheckpoint`` saves too: one step later, consistent) and ``True`` returned.
+
+        Raises:
+            CheckpointError: not during fit (the step was interrupted mid-backward, e.g. an emergency save after
+                an error): the model is partly updated and no consistent checkpoint can be made from it.
+        """
+        trainer = self.lightning_module.trainer
+        if trainer is None or trainer.state.status != TrainerStatus.RUNNING or not trainer.training:
+            raise CheckpointError(
+                "megatrain: the last optimizer step stopped in the middle of its backward after optimizer_in_backward "
+                "had updated part of the model, so the weights mix two steps and no consistent checkpoint can be "
+                "written. Resume from the last checkpoint (set optimizer_in_backward=False to keep every update until "
+                "the backward ends).")
+        self._deferred_save = (filepath, "optimizer_states" not in checkpoint)
+        rank_zero_warn(f"megatrain: save_checkpoint({str(filepath)!r}) was called in the middle of a backward that "
+                       "applies the optimizer updates as it goes (optimizer_in_backward): part of the model is already "
+                       "at the next step. It is written at the end of this optimizer step instead (one step later); "
+                       "if the step does not finish, nothing is written.")
+        return True
+
+    def save_deferred(self, trainer: Any) -> None:
+        """Write the checkpoint :meth:`_defer_save` put off, now that the optimizer step is complete."""
+        if self._deferred_save is not None:
+            (filepath, weights_only), self._deferred_save = self._deferred_save, None
+            trainer.save_checkpoint(filepath, weights_only=weights_only)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Verify a directory checkpoint, load its weights into the host store and return the metadata; or read a
@@ -880,6 +930,11 @@ class MegaTrainStrategy(ParallelStrategy):
         self.flush()
         if self.engine.optimizer is not None:
             self.engine.optimizer.pending.clear()
+        if not is_local(checkpoint_path) and get_filesystem(checkpoint_path).isfile(checkpoint_path):
+            self._loaded_path, self._loaded_meta = None, None  # a remote .ckpt file: Lightning's loader (fsspec)
+            self._loaded_file = str(checkpoint_path)
+            return self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
+        checkpoint_path = local_path(checkpoint_path)
         if Path(checkpoint_path).is_file():  # another strategy's .ckpt: Lightning's own loader (lightning_resume.py)
             self._loaded_path, self._loaded_meta = None, None
             self._loaded_file = str(checkpoint_path)
@@ -1065,6 +1120,7 @@ class _FlushForCallbacks(Callback):
             trainer.strategy.flush()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        trainer.strategy.save_deferred(trainer)  # a save asked for mid-backward (optimizer_in_backward)
         if trainer.global_step == self._flushed_step:  # no optimizer step since (a micro-batch of accumulation)
             return
         if any((_WeightAveraging is not None and isinstance(cb, _WeightAveraging))

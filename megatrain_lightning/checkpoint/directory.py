@@ -45,7 +45,7 @@ from .errors import CheckpointError
 from .hf_io import SafetensorsSource, save_hf_model_dir, source_key, verify_checksums, write_safetensors_shards
 from .hf_write import finish_safetensors_parts, write_hf_config_files, write_safetensors_part
 from .layout import Layout, hf_model_of, open_part, plan_layout, verify_written
-from .metadata import TRAINER_FILE, read_info, verify_parts, write_info
+from .metadata import INFO_FILE, TRAINER_FILE, read_info, verify_parts, write_info
 from .peft_io import write_adapters
 from .plain import to_plain
 
@@ -129,6 +129,7 @@ def save_checkpoint_dir(path: str | os.PathLike, checkpoint: dict[str, Any], mod
     """
     layout = plan_layout(module)
     final = Path(path)
+    _refuse_other_directory(final)
     if coop is not None:
         _save_together(final, checkpoint, module, engine, layout, tokenizer, max_shard_bytes, coop)
         return
@@ -154,6 +155,21 @@ def save_checkpoint_dir(path: str | os.PathLike, checkpoint: dict[str, Any], mod
         if full is not None:
             raise full from err
         raise
+
+
+def _refuse_other_directory(final: Path) -> None:
+    """Raise before anything is written when ``final`` is a directory with files that is not a checkpoint (no
+    ``megatrain.json``): a checkpoint replaces the entry at its path whole, so the directory's files (a project
+    folder, ``trainer.default_root_dir``) would be deleted; plain Lightning writes its file next to them.
+
+    Raises:
+        CheckpointError: naming the directory and a path to save to instead.
+    """
+    if final.is_dir() and not final.is_symlink() and any(final.iterdir()) and not (final / INFO_FILE).is_file():
+        raise CheckpointError(
+            f"megatrain: {final} is a directory with files in it that is not a checkpoint (no {INFO_FILE}); a "
+            "checkpoint of strategy='megatrain' is itself a directory that replaces whatever is at its path, so "
+            f"saving there would delete those files. Save to a new path instead, e.g. {final / 'last.ckpt'}.")
 
 
 def disk_full_error(err: BaseException, final: Path, tmp: Path) -> OSError | None:
@@ -195,6 +211,8 @@ def _finish(final: Path, tmp: Path, checkpoint: dict[str, Any], module: nn.Modul
     meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     if has_opt:
         meta["megatrain_param_groups"] = engine.optimizer.param_groups_meta(module)
+    elif "optimizer_states" in checkpoint:  # saved with no optimizer (after trainer.validate): as plain Lightning,
+        meta["optimizer_states"] = []  # an empty list, so fit from it starts a fresh optimizer (not "weights only")
     meta = to_plain(meta, where="checkpoint")
     torch.save(meta, tmp / TRAINER_FILE)
     _fsync_file(tmp / TRAINER_FILE)

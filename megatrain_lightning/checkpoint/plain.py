@@ -2,8 +2,12 @@
 
 Lightning's checkpoint dict may hold numpy arrays and scalars (RNG states, metrics),
 OmegaConf configs and ``AttributeDict`` hyper-parameters, enums, paths and config objects:
-none of these load without unpickling arbitrary classes. They are converted to tensors,
-Python scalars, dicts, lists and strings. Anything else raises, except inside
+none of these load without unpickling arbitrary classes. Types torch's weights_only loader
+restores as they are stay so (``OrderedDict``, ``set``, ``torch.dtype``, ``torch.device``,
+``torch.Size``, tuples: a callback's state comes back as plain Lightning gives it back); numpy
+scalars become Python numbers and OmegaConf containers dicts/lists; numpy arrays become tensors,
+enums their values, paths and frozensets strings and lists, with a warning naming where (outside
+hyper-parameters: code reading them back gets another type). Anything else raises, except inside
 hyper-parameters (informational on resume), where an object with ``to_dict()`` becomes that
 dict and any other object becomes ``{"__repr__": repr(obj)}``.
 """
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections import OrderedDict
 from pathlib import PurePath
 from typing import Any
 
@@ -19,6 +24,13 @@ import torch
 
 log = logging.getLogger(__name__)
 _LENIENT = ("hyper_parameters", "datamodule_hyper_parameters")
+
+
+def _changed(where: str, obj: Any, lenient: bool, into: str) -> None:
+    """Warn that the value at ``where`` is stored as another type (not inside hyper-parameters)."""
+    if not lenient:
+        log.warning("megatrain: checkpoint metadata at %s is a %s, stored as %s (it is read back so on resume: "
+                    "torch.load(weights_only=True) cannot restore that type)", where, type(obj).__name__, into)
 
 
 class MetadataError(TypeError):
@@ -31,18 +43,21 @@ def to_plain(obj: Any, where: str = "checkpoint", lenient: bool = False) -> Any:
     Raises:
         MetadataError: an unsupported object outside hyper-parameters (``where`` names its path).
     """
-    if obj is None or isinstance(obj, (bool, int, float, str)):
+    if obj is None or isinstance(obj, (bool, int, float, str, torch.dtype, torch.device, torch.Size)):
         return obj
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu()
-    if isinstance(obj, (torch.dtype, torch.device, PurePath)):
+    if isinstance(obj, PurePath):
+        _changed(where, obj, lenient, "a str")
         return str(obj)
     if isinstance(obj, enum.Enum):
-        return to_plain(obj.value, where, lenient)
+        _changed(where, obj, lenient, "its value")
+        return to_plain(obj.value, where, True)
     try:
         import numpy as np
 
         if isinstance(obj, np.ndarray):
+            _changed(where, obj, lenient, "a torch.Tensor" if obj.dtype != object else "a list")
             return torch.from_numpy(obj.copy()) if obj.dtype != object else [to_plain(x, where, lenient) for x in obj]
         if isinstance(obj, np.generic):
             return obj.item()
@@ -56,13 +71,16 @@ def to_plain(obj: Any, where: str = "checkpoint", lenient: bool = False) -> Any:
     except ImportError:  # pragma: no cover
         pass
     if isinstance(obj, dict):
-        return {
-            (k if isinstance(k, (str, int)) else str(k)): to_plain(v, f"{where}.{k}", lenient or k in _LENIENT)
-            for k, v in obj.items()
-        }
+        items = [((k if isinstance(k, (str, int)) else str(k)), to_plain(v, f"{where}.{k}", lenient or k in _LENIENT))
+                 for k, v in obj.items()]
+        return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
     if isinstance(obj, tuple):
         return tuple(to_plain(x, f"{where}[{i}]", lenient) for i, x in enumerate(obj))
-    if isinstance(obj, (list, set, frozenset)):
+    if isinstance(obj, set):
+        return {to_plain(x, f"{where}[{i}]", lenient) for i, x in enumerate(obj)}
+    if isinstance(obj, frozenset):
+        _changed(where, obj, lenient, "a list")
+    if isinstance(obj, (list, frozenset)):
         return [to_plain(x, f"{where}[{i}]", lenient) for i, x in enumerate(obj)]
     if lenient:
         if hasattr(obj, "to_dict"):

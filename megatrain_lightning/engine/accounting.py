@@ -58,7 +58,9 @@ class StepStats:
             ``compute_s``; with ``recompute="selective"``/``"none"`` kept op outputs are not recomputed).
         saved_activation_bytes: most bytes of activations kept on the device at once between forward
             and backward (saved block inputs that need gradients, plus op outputs the recompute
-            policy keeps; offloaded ones excluded).
+            policy keeps; offloaded ones excluded). Not counted: the graph the last block of a forward
+            keeps until its backward right after (the LM head's logits, ``[B, T, V]``, when the loss is
+            not chunked or the user computes it from ``out.logits``).
     """
 
     h2d_bytes: int = 0

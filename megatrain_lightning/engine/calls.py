@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
+from torch.utils._pytree import tree_unflatten
 
 from ..blocks import Block
 
@@ -55,6 +56,20 @@ class BlockCall:
     saved_ops: Any = None  # recompute_policy.SavedOps: op outputs kept ("selective"/"none")
     kept_bytes: Any = None  # releases this call's bytes in the activation meter
     state: Any = None  # block_state.BlockState: modules' training flags and changed buffers, as the forward found them
+
+    def arguments(self, tensors: "list[torch.Tensor]") -> tuple[tuple, dict]:
+        """The call's ``(args, kwargs)`` with ``tensors`` (the engine's detached inputs, in ``tensor_pos``
+        order) in place of the caller's. An input that requires grad (an autograd leaf the engine takes its
+        gradient from) is passed as a view of itself, so that inside the block it is not a leaf, as the
+        caller's activation is not one in plain PyTorch: autocast caches its cast of a float32 leaf that
+        requires grad (meant for weights) and reuses it at every use, so the input gradients of the uses
+        (q/k/v projections of one hidden state) would be summed in bf16/fp16 where plain PyTorch sums
+        them in float32 (measured: T5 encoder gradients 6e-3 relative off under bf16-mixed)."""
+        flat = list(self.flat)
+        with torch.enable_grad():  # the view is part of the graph the call's gradients are taken through
+            for i, t in zip(self.tensor_pos, tensors):
+                flat[i] = t.view_as(t) if t.requires_grad and t.is_leaf else t
+        return tree_unflatten(flat, self.spec)
 
 
 @dataclass(eq=False)

@@ -161,6 +161,12 @@ class ChunkedMLP:
                             "distribution, not the same numbers). Set mlp_chunk_size=None for exact parity.",
                             self.chunk, blk.name, ", ".join(random))
 
+        if not self.installed:
+            types = sorted({type(b.module).__name__ for b in blocks if not b.direct})
+            log.warning("megatrain: mlp_chunk_size=%d has no effect: no streamed block (%s) has an MLP child named %s "
+                        "(the per-token MLP it runs in chunks). Set mlp_chunk_size=None, or use a model whose layers "
+                        "name their MLP so.", self.chunk, ", ".join(types[:4]) or "none", " / ".join(MLP_NAMES))
+
     def uninstall(self) -> None:
         """Restore every wrapped MLP's own ``forward``."""
         self.installed.restore()

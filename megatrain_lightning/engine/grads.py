@@ -114,6 +114,13 @@ class GradientSink:
             for si in {r.slab for r in refs}:
                 self.sends_left[si] = self.sends_left.get(si, 0) + 1
 
+    def step_partly_applied(self) -> bool:
+        """A backward that applies the AdamW updates as it goes (:meth:`plan`) has updated some slabs and not
+        yet others: the weights and optimizer state are then half at the next step (a checkpoint taken now would
+        mix two steps)."""
+        left = self.sends_left.values()
+        return any(n == 0 for n in left) and any(n > 0 for n in left)
+
     def grad_bytes(self, refs: Sequence) -> int:
         """Bytes of the gradients of ``refs`` as autograd makes them (the bound parameters' dtype)."""
         return sum(self.store.slabs[r.slab].entries[r.index].numel for r in refs) * self.param_dtype.itemsize

@@ -94,7 +94,7 @@ class LazyLogits(torch.Tensor):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         me = args[0] if args and isinstance(args[0], LazyLogits) else None
-        if me is not None and name == "detach":
+        if me is not None and name in ("detach", "contiguous"):  # same values (OPT calls lm_head(...).contiguous())
             return me
         operands = list(args[1:]) + list(kwargs.values())
         scalar = all(isinstance(a, (int, float, torch.dtype)) or (torch.is_tensor(a) and a.dim() == 0

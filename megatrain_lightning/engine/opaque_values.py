@@ -70,9 +70,9 @@ def check_outputs(block: str, values: Iterable[Any]) -> None:
 
 @contextlib.contextmanager
 def inplace_input_hint(block: str) -> Iterator[None]:
-    """Re-raise torch's "a leaf Variable that requires grad is being used in an in-place operation" from a block
-    call (its forward, or its recompute in backward) with what it means here: the strategy passes each block's
-    tensor inputs as autograd leaves (plain PyTorch passes the caller's non-leaf activation), so an in-place
+    """Re-raise torch's "a (view of a) leaf Variable that requires grad is being used in an in-place operation" from a
+    block call (its forward, or its recompute in backward) with what it means here: the strategy passes each block's
+    tensor inputs as views of autograd leaves (plain PyTorch passes the caller's activation), so an in-place
     operation on an input inside the block (``x += 1``) is refused by torch.
 
     Raises:
@@ -85,5 +85,5 @@ def inplace_input_hint(block: str) -> Iterator[None]:
             raise
         raise RuntimeError(
             f"megatrain: streamed block {block} modifies one of its tensor inputs in place (e.g. `x += 1` or "
-            "`x.add_(...)` on an argument): the strategy passes a block's inputs as autograd leaves, which torch does "
-            "not let be modified in place. Write it out of place inside the block (`x = x + 1`).") from e
+            "`x.add_(...)` on an argument): the strategy passes a block's inputs as views of autograd leaves, which "
+            "torch does not let be modified in place. Write it out of place inside the block (`x = x + 1`).") from e

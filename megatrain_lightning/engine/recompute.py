@@ -60,7 +60,7 @@ class _BlockFunction(torch.autograd.Function):
             out = rc._run_kept(call, tensors)
         else:
             lookup = is_lookup(call.block.module)
-            call.saved_ops, measure, graph = rc.policy.start(call.block.index, call.fwd, lookup, tensors[0].numel() if tensors else 0)
+            call.saved_ops, measure, graph = rc.policy.start(call.block.index, call.fwd, lookup, tuple(tensors[0].shape) if tensors else ())
             if graph:  # "none" (or an embedding lookup): the call keeps its graph, without its weights
                 out = rc._run_kept(call, tensors, GraphHooks(rc.offload if rc.offload_activations else None))
             else:  # recomputed in backward: from the module state (flags, buffers) this forward starts from
@@ -210,10 +210,7 @@ class Recompute:
         bufs = self._acquire(blk, backward=False, training=True)
         leaves = self._grad_leaves(call.refs, bufs)
         inputs = [t.detach().requires_grad_(t.requires_grad) if t.is_floating_point() else t for t in tensors]
-        flat = list(call.flat)
-        for i, t in zip(call.tensor_pos, inputs):
-            flat[i] = t
-        args, kwargs = tree_unflatten(flat, call.spec)
+        args, kwargs = call.arguments(inputs)
         binding, casts = leaves, []
         if hooks is not None and call.autocast is not None and call.autocast[0]:
             binding, casts = self._autocast_copies(blk, bufs, leaves, call.autocast[1])
@@ -282,10 +279,7 @@ class Recompute:
         ops = None if backward else (lambda bufs: saved.forward()) if saved is not None else measure
         if ops is not None:
             tensors = [t.detach().requires_grad_(t.requires_grad) if t.is_floating_point() else t for t in tensors]
-        flat = list(call.flat)
-        for i, t in zip(call.tensor_pos, tensors):
-            flat[i] = t
-        args, kwargs = tree_unflatten(flat, call.spec)
+        args, kwargs = call.arguments(tensors)
         bufs = self._acquire(call.block, backward=backward, training=not backward)
         t0 = time.perf_counter()
         try:
@@ -342,10 +336,7 @@ class Recompute:
         self.acct.track(pre)  # the parameter gradients autograd is about to allocate
         try:
             if kept is None:
-                flat = list(call.flat)
-                for i, t in zip(call.tensor_pos, inputs):
-                    flat[i] = t
-                args, kwargs = tree_unflatten(flat, call.spec)
+                args, kwargs = call.arguments(inputs)
                 saved = call.saved_ops
                 ctx = saved.recompute(keep_graph) if saved is not None else contextlib.nullcontext()
                 plain = plain_chunks() if saved is not None else contextlib.nullcontext()  # SAC keeps/recomputes

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import os
 import threading
 import warnings
@@ -43,23 +44,18 @@ import torch
 from torch.utils._pytree import tree_flatten
 from torch.utils import checkpoint as _torch_checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-from torch.utils.flop_counter import flop_registry
 
 from ..store.budget import fmt_bytes, parse_bytes
 from .block_graph import ParamLocator
+from .op_kinds import cheap, expensive, flops, storage_bytes, written_args
 
 log = logging.getLogger(__name__)
 
 RECOMPUTE_MODES = ("block", "selective", "none", "auto")
 """Allowed values of the ``recompute`` option."""
 
-_aten = torch.ops.aten
-# forward ops whose FLOPs torch counts (matmuls, convolutions, attention), plus CPU flash attention
-_EXPENSIVE = {k: v for k, v in flop_registry.items() if "backward" not in str(k)}
-_EXPENSIVE[_aten._scaled_dot_product_flash_attention_for_cpu] = flop_registry[_aten._scaled_dot_product_flash_attention]
 # torch's marker of a cache entry to recompute (what a PREFER_RECOMPUTE op gets in the cache)
 _RECOMPUTE = _torch_checkpoint._RECOMPUTE
-_CASTS = {_aten._to_copy, _aten.to, _aten.clone, _aten.copy_, _aten.lift_fresh}
 
 
 def is_lookup(module: torch.nn.Module) -> bool:
@@ -115,65 +111,6 @@ def _check_recompute_every(k: object) -> int:
     return k
 
 
-@functools.lru_cache(maxsize=None)
-def _cheap_op(func: Any) -> bool:
-    """Ops never kept: views (free to redo), casts and copies (a cast weight would keep a copy of the
-    weights) and in-place ops (their output is their input)."""
-    return func.is_view or func.overloadpacket in _CASTS or func._schema.is_mutable
-
-
-@functools.lru_cache(maxsize=None)
-def _dropout_index(func: Any) -> int | None:
-    return next((i for i, a in enumerate(func._schema.arguments) if a.name == "dropout_p"), None)
-
-
-def _dropout_p(func: Any, args: tuple, kwargs: dict) -> float:
-    """The ``dropout_p`` argument of an op that has one (attention), else 0."""
-    i = _dropout_index(func)
-    if i is None:
-        return 0.0
-    return float(kwargs.get("dropout_p", args[i] if i < len(args) else 0.0) or 0.0)
-
-
-def _cheap(func: Any, args: tuple, kwargs: dict) -> bool:
-    """Ops never kept: :func:`_cheap_op`, and random ops (recomputed under the replayed RNG state, so no
-    kept op consumes random numbers). An op tagged random only for its dropout (attention) is random
-    only with ``dropout_p > 0``: attention without dropout is kept (its recompute is the costliest one)."""
-    if _cheap_op(func):
-        return True
-    if torch.Tag.nondeterministic_seeded not in func.tags:
-        return False
-    return _dropout_index(func) is None or _dropout_p(func, args, kwargs) > 0.0
-
-
-def _expensive(func: Any, args: tuple, kwargs: dict) -> bool:
-    return func.overloadpacket in _EXPENSIVE and _dropout_p(func, args, kwargs) == 0.0
-
-
-def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
-    """Forward FLOPs of one op: torch's formula for matmuls/attention (``torch.utils.flop_counter``),
-    otherwise one per output element (elementwise estimate)."""
-    f = _EXPENSIVE.get(func.overloadpacket)
-    if f is not None:
-        try:
-            return int(f(*args, **kwargs, out_val=out))
-        except Exception:  # noqa: BLE001 - an estimate; a formula that does not fit counts elements
-            pass
-    return sum(t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
-
-
-def _storage_bytes(out: Any, seen: set) -> int:
-    """Bytes of the tensors in ``out`` whose storage was not counted yet (``seen``: data pointers)."""
-    n = 0
-    for t in tree_flatten(out)[0]:
-        if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            key = t.untyped_storage().data_ptr()
-            if key not in seen:
-                seen.add(key)
-                n += t.numel() * t.element_size()
-    return n
-
-
 class SavedOps:
     """The op outputs one ``"selective"`` block call keeps, with torch's two SAC modes.
 
@@ -186,11 +123,34 @@ class SavedOps:
         self.nbytes = 0
         self._fwd, self._cached = create_selective_checkpoint_contexts(self._policy)
         self._offloaded: list[tuple[Any, tuple]] = []
+        self._kept_storages: set[int] = set()  # storages of the outputs kept so far in this forward
 
     def _policy(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if _cheap(func, args, kwargs) or (self.mode == "selective" and not _expensive(func, args, kwargs)):
+        written = written_args(func)
+        if written and self._kept_storages:
+            self._recompute_written(written, args, kwargs)
+        if cheap(func, args, kwargs) or (self.mode == "selective" and not expensive(func, args, kwargs)):
             return CheckpointPolicy.PREFER_RECOMPUTE
+        for t in tree_flatten(ctx.op_output)[0]:
+            if isinstance(t, torch.Tensor):
+                self._kept_storages.add(t.untyped_storage().data_ptr())
         return CheckpointPolicy.MUST_SAVE
+
+    def _recompute_written(self, written: tuple[tuple[int, str], ...], args: tuple, kwargs: dict) -> None:
+        """An op wrote into tensors (in place, ``out=``): a kept output sharing one of their storages is
+        recomputed instead (its cached value is no longer what the op produced). Torch's version check
+        (:meth:`forward`) misses a write through an alias with its own version counter: a 4-D ``q @ k.T``
+        runs ``bmm`` then ``_unsafe_view``, and ``scores /= c`` on the result changes the kept ``bmm``
+        output (Falcon's eager attention)."""
+        hit = set()
+        for i, name in written:
+            for t in tree_flatten(kwargs.get(name, args[i] if i < len(args) else None))[0]:
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self._kept_storages:
+                    hit.add(t.untyped_storage().data_ptr())
+        if hit:
+            for entries, i, ws in list(self._entries()):
+                if any(w.val.untyped_storage().data_ptr() in hit for w in ws):
+                    entries[i] = _RECOMPUTE
 
     def _entries(self) -> Iterator[tuple[dict, int, list]]:
         # torch's cache: op -> {index: pytree of _VersionWrapper(val, version) or a marker}
@@ -208,12 +168,15 @@ class SavedOps:
     def forward(self) -> Iterator[None]:
         """Context of the call's forward (autograd on): keeps the outputs the policy selects. An output
         modified in place later in the block (Mixtral's routing weights) is recomputed instead."""
-        with self._fwd:
-            yield
+        try:
+            with self._fwd:
+                yield
+        finally:
+            self._kept_storages = set()
         for entries, i, ws in list(self._entries()):
             if any(w.val._version != w.version for w in ws):
                 entries[i] = _RECOMPUTE
-        self.nbytes = _storage_bytes([w.val for w in self._wrappers()], set())
+        self.nbytes = storage_bytes([w.val for w in self._wrappers()], set())
 
     @contextlib.contextmanager
     def recompute(self, keep_graph: bool) -> Iterator[None]:
@@ -266,8 +229,12 @@ class _Measure:
         self.blocks: dict[int, dict[str, float]] = {}
 
     @contextlib.contextmanager
-    def context(self, block: int, bufs: dict[int, torch.Tensor]) -> Iterator[None]:
-        row = self.blocks.setdefault(block, dict(selective=0, none=0, flops=0, flops_selective=0))
+    def context(self, block: int, seq: int, bufs: dict[int, torch.Tensor]) -> Iterator[None]:
+        """Measure one call of ``block`` whose input has ``seq`` tokens (``[B, seq, D]``): its row also counts,
+        as ``selective_sq``/``none_sq``, the bytes of ``[..., seq, seq]`` tensors (eager attention's scores and
+        probabilities), which grow with the square of the sequence length (:func:`growth`)."""
+        row = self.blocks.setdefault(block, dict(selective=0, none=0, flops=0, flops_selective=0, selective_sq=0,
+                                                 none_sq=0))
         seen_s: set = set()
         seen_n: set = set()
         alive: list = []  # outputs held for the call, so freed storage is not reused under a counted address
@@ -275,11 +242,14 @@ class _Measure:
 
         def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
             out = ctx.op_output
-            f = _flops(func, args, kwargs, out)
+            f = flops(func, args, kwargs, out)
             row["flops"] += f
-            if not _cheap(func, args, kwargs) and _expensive(func, args, kwargs):
+            if not cheap(func, args, kwargs) and expensive(func, args, kwargs):
                 alive.append(out)
-                row["selective"] += _storage_bytes(out, seen_s)
+                for t in tree_flatten(out)[0]:
+                    n = storage_bytes(t, seen_s)
+                    row["selective"] += n
+                    row["selective_sq"] += n if _square(t, seq) else 0
             else:
                 row["flops_selective"] += f
             return CheckpointPolicy.PREFER_RECOMPUTE
@@ -291,11 +261,31 @@ class _Measure:
                     seen_n.add(ptr)
                     alive.append(t)
                     row["none"] += t.untyped_storage().nbytes()
+                    row["none_sq"] += t.untyped_storage().nbytes() if _square(t, seq) else 0
             return t
 
         with create_selective_checkpoint_contexts(policy)[0], \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
+
+
+def _square(t: Any, seq: int) -> bool:
+    """``t`` is a ``[..., seq, seq]`` tensor (attention scores or probabilities of eager attention)."""
+    return isinstance(t, torch.Tensor) and seq > 0 and t.dim() >= 2 and t.shape[-1] == seq and t.shape[-2] == seq
+
+
+def growth(shape: tuple[int, ...], measured: tuple[int, ...]) -> tuple[float, float]:
+    """How a block call's kept activations grow from its measured input shape ``measured`` to ``shape``
+    (``[B, T, D]``): ``(linear, square)``, the factors of tensors proportional to B x T (hidden states, MLP
+    intermediates, SDPA's outputs) and to B x T^2 (eager attention's ``[B, H, T, T]`` scores and probabilities,
+    :func:`_square`). An input of another rank, or an empty one, grows linearly with its elements."""
+    n, n0 = math.prod(shape), math.prod(measured)
+    if not n or not n0:
+        return 1.0, 1.0
+    lin = n / n0
+    if len(shape) >= 3 and len(shape) == len(measured):
+        return lin, lin * shape[1] / measured[1]
+    return lin, lin
 
 
 def _weight_cast(t: torch.Tensor, locator: ParamLocator) -> bool:
@@ -396,17 +386,17 @@ class RecomputePolicy:
         self._measure: _Measure | None = None
         self._measured_fwd: Any = None
         self.meter = ActivationMeter()
-        # "auto": per measured block, its first input's elements and the bytes kept when its call started
-        self._size: dict[int, int] = {}
+        # "auto": per measured block, its first input's shape and the bytes kept when its call started
+        self._size: dict[int, tuple[int, ...]] = {}
         self._live_at: dict[int, int] = {}
         self._budget = self._inputs = 0
         self._warned_guard = False
 
-    def mode_for(self, block: int, fwd: Any, lookup: bool = False, size: int = 0) -> str:
+    def mode_for(self, block: int, fwd: Any, lookup: bool = False, size: tuple[int, ...] = ()) -> str:
         """The policy of a call of block ``block`` in training forward ``fwd`` (any object identifying
         the forward); under ``"auto"`` the first forward runs ``"block"`` and measures. ``lookup``: the
-        block is an embedding lookup (:func:`is_lookup`): ``"none"`` under every mode. ``size``: elements of
-        the call's first tensor input (the hidden states ``[B, T, D]``), which scale ``"auto"``'s measured bytes."""
+        block is an embedding lookup (:func:`is_lookup`): ``"none"`` under every mode. ``size``: shape of
+        the call's first tensor input (the hidden states ``[B, T, D]``), which scales ``"auto"``'s measured bytes."""
         if lookup:
             return "none"
         if self.choice is not None:
@@ -422,18 +412,19 @@ class RecomputePolicy:
         self._live_at.setdefault(block, self.meter.live)
         return "measure"
 
-    def _guarded(self, block: int, size: int) -> str:
+    def _guarded(self, block: int, size: tuple[int, ...]) -> str:
         """``"auto"``'s choice for a call, or ``"block"`` when keeping its op outputs would take the bytes kept
         beyond ``activation_memory_limit``: the measured bytes of this block's choice plus the inputs the rest of
-        the measured forward keeps, both scaled by this call's input size over the measured one (a longer batch
-        than the first, a batch-size finder's trial before the fit), counted on top of what is kept now (an
-        earlier forward whose backward has not run). For the measured shape and one forward at a time this never
+        the measured forward keeps, scaled from the measured input shape to this call's (:func:`growth`: a longer
+        batch than the first, a batch-size finder's trial before the fit; eager attention's scores by the square
+        of the length), counted on top of what is kept now (an earlier forward whose backward has not run). For the measured shape and one forward at a time this never
         changes the choice (the decision fits the limit)."""
         choice = self.choice.get(block, "block")  # type: ignore[union-attr]
         if choice == "block" or block not in self._size:
             return choice
-        scale = size / self._size[block] if self._size[block] and size else 1.0
-        need = (self._kept[block] + self._inputs - self._live_at[block]) * scale
+        scale, square = growth(size, self._size[block])
+        kept, kept_sq = self._kept[block]
+        need = (kept - kept_sq + self._inputs - self._live_at[block]) * scale + kept_sq * square
         if self.meter.live + need <= self._budget:
             return choice
         if not self._warned_guard:
@@ -443,7 +434,7 @@ class RecomputePolicy:
                      "('block') where needed.", scale, fmt_bytes(self._budget))
         return "block"
 
-    def start(self, block: int, fwd: Any, lookup: bool = False, size: int = 0
+    def start(self, block: int, fwd: Any, lookup: bool = False, size: tuple[int, ...] = ()
               ) -> tuple[SavedOps | None, Callable[[dict], Any] | None, bool]:
         """What a call needs in its forward: (its :class:`SavedOps` (``"selective"``) or ``None``;
         when it only measures, ``context(bufs)`` -> the context its forward runs under (``bufs``: the
@@ -453,7 +444,7 @@ class RecomputePolicy:
         if mode == "measure":
             measure = self._measure
             assert measure is not None
-            return None, functools.partial(measure.context, block), False
+            return None, functools.partial(measure.context, block, size[1] if len(size) >= 3 else 0), False
         return (SavedOps(mode) if mode == "selective" else None), None, mode == "none"
 
     def _decide(self) -> None:
@@ -467,7 +458,7 @@ class RecomputePolicy:
                         fmt_bytes(budget), fmt_bytes(inputs))
         self.choice = decide(m, max(budget - inputs, 0))
         self._budget, self._inputs = budget, inputs
-        self._kept = {b: (m[b][c] if c != "block" else 0) for b, c in self.choice.items()}
+        self._kept = {b: (m[b][c], m[b][c + "_sq"]) if c != "block" else (0, 0) for b, c in self.choice.items()}
         counts = {k: sum(v == k for v in self.choice.values()) for k in ("none", "selective", "block")}
         kept = sum(m[b][c] for b, c in self.choice.items() if c != "block")
         log.info("megatrain: recompute='auto' with activation_memory_limit %s: %s (blocks none/selective/block: "

@@ -1,0 +1,38 @@
+"""Where a directory checkpoint may be written: the local filesystem.
+
+Plain Lightning writes its one-file checkpoints through fsspec (``s3://``, ``gs://``, ``memory://``...). A directory
+checkpoint is written shard by shard into a temporary directory and moved into place with an atomic rename, which
+only a local (POSIX) filesystem offers; a URL used to be taken as a relative local path (``memory://x`` became the
+folder ``./memory:/x``) without a word. :func:`local_path` turns ``file://`` URLs into paths and refuses other
+protocols, naming what to do.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import fsspec
+
+from .errors import CheckpointError
+
+
+def is_local(path: Any) -> bool:
+    """``path`` (a path or URL) is on the local filesystem: no protocol, or ``file://``."""
+    return fsspec.utils.get_protocol(str(path)) == "file"
+
+
+def local_path(path: Any) -> Path:
+    """The local path of a checkpoint location (``file://`` stripped).
+
+    Raises:
+        CheckpointError: ``path`` is a URL of another filesystem.
+    """
+    if not is_local(path):
+        raise CheckpointError(
+            f"megatrain: {path} is on a remote filesystem ({fsspec.utils.get_protocol(str(path))}://); directory "
+            "checkpoints of strategy='megatrain' are written to a local disk (an atomic rename puts each one in "
+            "place). Save to a local path (ModelCheckpoint(dirpath=...), Trainer(default_root_dir=...)) and copy "
+            "the directory to remote storage afterwards.")
+    s = str(path)
+    return Path(s[len("file://"):] if s.startswith("file://") else s)
