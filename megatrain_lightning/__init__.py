@@ -1,8 +1,13 @@
 """megatrain-lightning: full-precision training of models larger than accelerator memory.
 
 Importing this package registers ``strategy="megatrain"`` with Lightning's
-``StrategyRegistry`` (Lightning has no entry-point discovery for strategies).
+``StrategyRegistry`` (Lightning has no entry-point discovery for strategies), and shows the
+package's INFO messages (``recompute="auto"``'s choice, once per run) as ``lightning.pytorch``
+shows its own: the ``megatrain_lightning`` logger is set to INFO and, when the root logger has no
+handler, prints to stderr (the application's logging configuration applies otherwise).
 """
+
+import logging
 
 from lightning.pytorch.strategies import StrategyRegistry
 
@@ -19,6 +24,13 @@ from .store.shared import SharedMemoryTooSmall
 from .strategy import MegaTrainStrategy
 
 __version__ = "0.1.0"
+
+_logger = logging.getLogger(__name__)
+if _logger.level == logging.NOTSET:
+    _logger.setLevel(logging.INFO)
+if not logging.getLogger().hasHandlers() and not _logger.handlers:  # as lightning.pytorch does
+    _logger.addHandler(logging.StreamHandler())
+    _logger.propagate = False
 
 if "megatrain" not in StrategyRegistry:
     MegaTrainStrategy.register_strategies(StrategyRegistry)

@@ -289,7 +289,7 @@ class MegaTrainStrategy(ParallelStrategy):
         self.engine: StreamingEngine | None = None
         self._orig_zero_grad: tuple[Any, Any] | None = None
         self._state_dict_patched: Any = None  # the optimizer whose state_dict() reads the host AdamW state
-        self._deferred_save: tuple[Any, bool] | None = None  # (filepath, weights_only) asked for mid-backward
+        self._deferred_saves: list[tuple[Any, bool]] = []  # (filepath, weights_only) asked for mid-backward, in order
 
     # ------------------------------------------------------------------ devices and processes
     @property
@@ -883,7 +883,8 @@ class MegaTrainStrategy(ParallelStrategy):
         auto-requeue running in the middle of the backward): the weights are half at the next step, so a checkpoint
         now would be resumed with that step applied twice to part of the model (probe N: weights 40% off). During
         fit the save is deferred to the end of this optimizer step (the first callback's ``on_train_batch_end``,
-        where ``ModelCheckpoint`` saves too: one step later, consistent) and ``True`` returned.
+        where ``ModelCheckpoint`` saves too: one step later, consistent) and ``True`` returned. Several saves in one
+        backward are all written, in the order asked (a second save to the same path replaces the first's request).
 
         Raises:
             CheckpointError: not during fit (the step was interrupted mid-backward, e.g. an emergency save after
@@ -896,7 +897,8 @@ class MegaTrainStrategy(ParallelStrategy):
                 "had updated part of the model, so the weights mix two steps and no consistent checkpoint can be "
                 "written. Resume from the last checkpoint (set optimizer_in_backward=False to keep every update until "
                 "the backward ends).")
-        self._deferred_save = (filepath, "optimizer_states" not in checkpoint)
+        self._deferred_saves = [s for s in self._deferred_saves if s[0] != filepath]
+        self._deferred_saves.append((filepath, "optimizer_states" not in checkpoint))
         rank_zero_warn(f"megatrain: save_checkpoint({str(filepath)!r}) was called in the middle of a backward that "
                        "applies the optimizer updates as it goes (optimizer_in_backward): part of the model is already "
                        "at the next step. It is written at the end of this optimizer step instead (one step later); "
@@ -904,9 +906,10 @@ class MegaTrainStrategy(ParallelStrategy):
         return True
 
     def save_deferred(self, trainer: Any) -> None:
-        """Write the checkpoint :meth:`_defer_save` put off, now that the optimizer step is complete."""
-        if self._deferred_save is not None:
-            (filepath, weights_only), self._deferred_save = self._deferred_save, None
+        """Write the checkpoints :meth:`_defer_save` put off, in the order asked, now that the optimizer step is
+        complete."""
+        saves, self._deferred_saves = self._deferred_saves, []
+        for filepath, weights_only in saves:
             trainer.save_checkpoint(filepath, weights_only=weights_only)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -1251,26 +1254,27 @@ def _same_parameters(store: Any, module: torch.nn.Module) -> bool:
 
 
 def _refuse_router_aux_loss(module: torch.nn.Module) -> None:
-    """Raise if a mixture-of-experts model would add its router auxiliary (load-balancing) loss to the loss
-    (``config.output_router_logits=True`` with a nonzero ``router_aux_loss_coef``: Mixtral, Qwen-MoE, OLMoE...).
+    """Raise if a mixture-of-experts model returns router logits (``config.output_router_logits=True``: Mixtral,
+    Qwen-MoE, OLMoE...), whose router auxiliary (load-balancing) loss the model adds to the loss.
 
     Called only when this transformers version does not record per-layer outputs the way
     ``engine/recorded_outputs.py`` handles (which makes the router logits outputs of the block calls):
-    otherwise the logits would carry no gradient out of a streamed block, and the loss value would
-    include the auxiliary loss while its gradient (to the routers and everything before them) would be
-    silently missing.
+    otherwise the logits are kept by hooks inside a streamed block, whose forward keeps none of the tensors
+    a backward reads (the block is recomputed in backward), so the backward through the auxiliary loss
+    would fail mid-step. Refused even with ``router_aux_loss_coef=0``: the model still multiplies the
+    auxiliary loss by the coefficient, and the backward still reaches the logits.
 
     Raises:
         RuntimeError: naming the submodule and what to set.
     """
     for name, m in module.named_modules():
         cfg = getattr(m, "config", None)
-        if getattr(cfg, "output_router_logits", False) and getattr(cfg, "router_aux_loss_coef", 1.0):
+        if getattr(cfg, "output_router_logits", False):
             raise RuntimeError(
                 f"megatrain: {name or '(the LightningModule)'} ({type(m).__name__}) has config.output_router_logits="
                 "True, which strategy='megatrain' does not support with this transformers version: the router logits "
-                "are gathered inside the streamed decoder layers, where they carry no gradient, so the router auxiliary loss would be "
-                "added to the loss without training anything. Set config.output_router_logits=False (the loss is "
+                "are gathered by hooks inside the streamed decoder layers, whose forward keeps nothing for a backward, so the "
+                "backward through the router auxiliary loss (even with router_aux_loss_coef=0) would fail. Set config.output_router_logits=False (the loss is "
                 "then the language-modelling loss alone) before fit.")
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from safetensors.torch import load_file
 from torch.utils.data import TensorDataset
 
 from megatrain_lightning import CheckpointError, MegaTrainStrategy
@@ -69,6 +70,17 @@ def test_save_in_the_middle_of_an_in_backward_update_is_written_after_the_step(t
         assert rel(p.detach(), theirs[name].detach()) == 0.0, name
 
 
+def test_two_saves_in_one_backward_are_both_written(tmp_path):
+    first, second = tmp_path / "first.ckpt", tmp_path / "second.ckpt"
+    with pytest.warns(UserWarning, match="written at the end of this optimizer step"):
+        _trainer(callbacks=[SaveInBackward(first), SaveInBackward(second)]).fit(LM(make_model("llama"), lr=1e-2), _data())
+    assert first.is_dir() and second.is_dir()
+    weights = [{k: v for f in sorted((p / "model").glob("*.safetensors")) for k, v in load_file(f).items()}
+               for p in (first, second)]
+    assert weights[0] and weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
 def test_emergency_save_after_an_error_mid_update_is_refused(tmp_path):
     class Boom(Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -115,6 +127,8 @@ def test_remote_urls_are_refused_and_file_urls_are_local_paths(tmp_path):
         trainer.save_checkpoint("memory://ckpts/model.ckpt")
     trainer.save_checkpoint(f"file://{tmp_path}/url.ckpt")
     assert (tmp_path / "url.ckpt" / "megatrain.json").is_file()
+    trainer.save_checkpoint(f"local://{tmp_path}/local.ckpt")  # fsspec's other name of the local filesystem
+    assert (tmp_path / "local.ckpt" / "megatrain.json").is_file()
 
     lm = LM(make_model("llama"), lr=1e-2)
     with pytest.raises(CheckpointError, match="remote filesystem"):  # at setup, before any step
@@ -174,14 +188,15 @@ class TypedState(Callback):
 
     def state_dict(self):
         return {"order": OrderedDict(b=2, a=1), "seen": {3, 1}, "dtype": torch.bfloat16, "device": torch.device("cpu"),
-                "size": torch.Size([2, 3]), "pair": (1, (2, 3))}
+                "size": torch.Size([2, 3]), "pair": (1, (2, 3)), "keys": {0.5: "lr", (1, 2): "span", None: "none", True: 1}}
 
     def load_state_dict(self, state):
         self.loaded = state
 
 
 def test_callback_state_types_come_back_as_saved(tmp_path):
-    """They came back as dict, list and strings (``.to(state["dtype"])`` then failed after a resume)."""
+    """They came back as dict, list and strings (``.to(state["dtype"])`` then failed after a resume); dict keys other
+    than str/int came back as strings."""
     _, trainer = _fit_once(enable_checkpointing=False, callbacks=[TypedState()])
     trainer.save_checkpoint(tmp_path / "typed.ckpt")
     cb = TypedState()

@@ -117,12 +117,16 @@ def assert_matches(out: Path, world: int, ref_model: torch.nn.Module, ref_losses
 @pytest.mark.parametrize("arch", ["llama", "mixtral", "gpt2", "llama_tied"])
 def test_two_processes_match_one_with_the_global_batch(tmp_path, arch):
     """2 ranks x micro-batch 2 = plain PyTorch with micro-batch 4: accumulation 2, norm clipping, cosine LR,
-    12 steps; every loss (mean over ranks) and every final weight within 1e-5 relative. Mixtral: experts no
-    token of a rank was routed to; GPT-2: frozen key biases; llama_tied: the embedding read by two blocks."""
+    12 steps; every loss (mean over ranks) and every final weight within 1e-5 relative (GPT-2: 3e-5). Mixtral:
+    experts no token of a rank was routed to; GPT-2: frozen key biases; llama_tied: the embedding read by two blocks.
+
+    GPT-2's LayerNorm biases start at zero and stay small, so float32 summation order (two ranks' gradients summed
+    by all-reduce vs one batch of 4) moves them by more relative to their size: 1.39e-5 on this machine's CPU with
+    the pre-grad-mode engine too (7c581e9), while the other weights and every loss stay within 1e-5."""
     check(launch(tmp_path, "--arch", arch, "--devices", "2", "--batch", "2", "--steps", "12", "--accumulate", "2",
                  "--clip", "0.5", "--sched", "cosine", spawn=True))
     model, losses = reference(arch, 4, 12, 2, 0.5, "cosine")
-    assert_matches(tmp_path, 2, model, losses, 1e-5)
+    assert_matches(tmp_path, 2, model, losses, 3e-5 if arch == "gpt2" else 1e-5)
     env = json.loads((tmp_path / "env.json").read_text())
     assert env["world_size"] == 2 and env["sampler"] == "DistributedSampler" and env["shared_store"]
     assert env["cluster_environment"] == "LightningEnvironment"  # python train.py: Lightning's launcher spawned rank 1

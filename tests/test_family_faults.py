@@ -7,6 +7,11 @@ weights 1-5% off; under ``bf16-mixed`` a block whose input feeds several Linear 
 cross-attention k/v of T5/BART/Whisper) summed those input gradients in bf16 (the engine passed the input as an autograd
 leaf, whose cast autocast caches): 3e-4 off after 4 steps on a toy, 2e-2 on T5; OPT's ``lm_head(...).contiguous()``
 failed under the default chunked loss; ``mlp_chunk_size`` on a model without a recognised MLP did nothing silently.
+Session 23: T5 under ``bf16-mixed`` (all modes): the decoder layer's cross-attention position bias (``torch.zeros``, no
+grad in plain) left the block requiring grad, so the next layer's SDPA took its math kernel (a mask that requires
+grad); under ``recompute="block"`` the forward ran under ``no_grad``, where SDPA took another kernel than plain's
+(the relative position bias requires grad in plain); ``"selective"`` kept a Linear output the block returned, and a
+caller adding the residual into it in place made the recompute fail.
 """
 
 from __future__ import annotations
@@ -51,6 +56,17 @@ class InputToThreeLinears(nn.Module):
         return self.ln(x + (self.q(x) * self.k(x)).softmax(-1) * self.v(x))
 
 
+class EndsInLinear(nn.Module):
+    """A block whose output is a Linear layer's (a matmul output that ``"selective"`` keeps)."""
+
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
 class Toy(pl.LightningModule):
     def __init__(self, layer: type[nn.Module]):
         super().__init__()
@@ -70,6 +86,20 @@ class Toy(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class ResidualAddedInPlace(Toy):
+    """The caller adds the residual into each block's output in place (``y = layer(x); y += x``)."""
+
+    def training_step(self, batch, batch_idx):
+        x = self.emb(batch[0])
+        for layer in self.layers:
+            y = layer(x)
+            y += x
+            x = y
+        loss = nn.functional.cross_entropy(self.head(x).flatten(0, 1), batch[0].flatten())
+        self.losses.append(loss.item())
+        return loss
 
 
 def _fit(module: pl.LightningModule, strategy, precision: str = "32-true", steps: int = 4, data=None):
@@ -112,6 +142,28 @@ def test_bf16_input_used_by_several_linears_sums_their_gradients_as_plain(mode):
     ref = _fit(Toy(InputToThreeLinears), "auto", precision="bf16-mixed")
     ours = _fit(Toy(InputToThreeLinears), MegaTrainStrategy(recompute=mode, block_classes=[InputToThreeLinears]),
                 precision="bf16-mixed")
+    _assert_same(ours, ref)
+
+
+@pytest.mark.parametrize("mode", ["selective", "none"])
+def test_block_output_changed_in_place_by_the_caller(mode):
+    """``"selective"`` kept the last Linear's output, which the block returns; the caller's ``y += x`` changed it and
+    the recompute raised torch's "Tensor cached during selective activation checkpoint has been mutated"."""
+    ref = _fit(ResidualAddedInPlace(EndsInLinear), "auto")
+    ours = _fit(ResidualAddedInPlace(EndsInLinear), MegaTrainStrategy(recompute=mode, block_classes=[EndsInLinear]))
+    _assert_same(ours, ref)
+
+
+@pytest.mark.parametrize("mode", ["block", "none", "selective"])
+def test_t5_bf16_matches_plain(mode):
+    def t5():
+        torch.manual_seed(0)
+        return transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0,
+            decoder_start_token_id=0, pad_token_id=0))
+
+    ref = _fit(LM(t5(), lr=1e-2), "auto", precision="bf16-mixed")
+    ours = _fit(LM(t5(), lr=1e-2), MegaTrainStrategy(recompute=mode), precision="bf16-mixed")
     _assert_same(ours, ref)
 
 

@@ -131,6 +131,47 @@ def test_auto_stays_within_its_limit_when_later_batches_are_longer(caplog, short
     assert any("the measured size" in r.getMessage() for r in caplog.records)
 
 
+def test_auto_stays_within_its_limit_when_the_source_grows_and_the_target_does_not(caplog):
+    """An encoder-decoder whose source grows (4 then 128 tokens) while its target stays (4): the decoder layers'
+    cross-attention keys and [B, H, 4, 128] probabilities grow with the source, which "auto" scaled by the first
+    input (the target's hidden states) only: 1.25x the limit (probe R, session 23). Now every hidden-state input
+    scales it (``growth``)."""
+    import transformers
+
+    from megatrain_lightning.testing import VOCAB
+
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randint(1, VOCAB, (2, n), generator=g), torch.ones(2, n, dtype=torch.long),
+                torch.randint(1, VOCAB, (2, 4), generator=g)) for n in (4, 4, 128, 128)]
+
+    def run(strategy):
+        torch.manual_seed(0)
+        cfg = transformers.BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+                                      encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                      decoder_ffn_dim=64, max_position_embeddings=256, dropout=0.0, attention_dropout=0.0,
+                                      activation_dropout=0.0, pad_token_id=0, decoder_start_token_id=2,
+                                      attn_implementation="eager")
+        model = transformers.BartForConditionalGeneration(cfg)
+        freeze_key_biases(model)  # true gradient 0: Adam would train them on rounding noise
+        lm = LM(model)
+        trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=2, accumulate_grad_batches=2,
+                             enable_checkpointing=False, logger=False, enable_progress_bar=False,
+                             enable_model_summary=False)
+        trainer.fit(lm, torch.utils.data.DataLoader(batches, batch_size=None))
+        return lm, trainer
+
+    _, none = run(MegaTrainStrategy(recompute="none"))
+    limit = int(0.1 * max(h["megatrain/saved_activation_bytes"] for h in none.strategy.engine.history))
+    with caplog.at_level(logging.INFO, logger="megatrain_lightning.engine.recompute_policy"):
+        ours, trainer = run(MegaTrainStrategy(recompute="auto", activation_memory_limit=limit))
+    plain, _ = run("auto")
+    assert_parity(ours.model, plain.model, ours.losses, plain.losses)
+    kept = [h["megatrain/saved_activation_bytes"] for h in trainer.strategy.engine.history]
+    assert all(k <= limit for k in kept), (kept, limit)
+    chosen = [r.getMessage() for r in caplog.records if "recompute='auto' with" in r.getMessage()]
+    assert "none/selective/block: 0/0/" not in chosen[0], chosen  # the short batches do keep op outputs
+
+
 @pytest.mark.parametrize("mode", ["block", "selective", "none"])
 def test_first_step_keeps_what_later_steps_keep(mode):
     """The LM head keeps its graph (the logits the loss reads) from the first forward on, before the forward order

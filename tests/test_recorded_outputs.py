@@ -83,7 +83,9 @@ def test_attention_weights_in_the_loss_train_like_plain_pytorch():
 
 def test_without_the_recorder_the_aux_loss_is_refused(monkeypatch):
     """If transformers stops providing its output collector (a future version), the load-balancing loss would
-    silently train nothing again: refused at setup, naming the option; with a zero coefficient it trains."""
+    silently train nothing again (or, with the block forward recorded in grad mode, fail mid-backward): refused at
+    setup, naming the option, even with a zero coefficient (the model still multiplies the aux loss by it); with
+    output_router_logits=False it trains."""
     monkeypatch.setattr(recorded_outputs, "_active_collector", None)
     lm = LM(make_model("mixtral", output_router_logits=True, router_aux_loss_coef=0.02))
     trainer = pl.Trainer(strategy="megatrain", accelerator="cpu", devices=1, max_steps=1, logger=False,
@@ -92,6 +94,12 @@ def test_without_the_recorder_the_aux_loss_is_refused(monkeypatch):
         trainer.fit(lm, make_data(n=4))
     assert lm.losses == []
     lm = LM(make_model("mixtral", output_router_logits=True, router_aux_loss_coef=0.0))
+    trainer = pl.Trainer(strategy="megatrain", accelerator="cpu", devices=1, max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(RuntimeError, match="output_router_logits"):
+        trainer.fit(lm, make_data(n=4))
+    assert lm.losses == []
+    lm = LM(make_model("mixtral", output_router_logits=False, router_aux_loss_coef=0.02))
     trainer = pl.Trainer(strategy="megatrain", accelerator="cpu", devices=1, max_steps=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(lm, make_data(n=4))

@@ -106,11 +106,14 @@ class CaptureLM(LM):
 
 
 def test_a_forward_hook_inside_a_block_is_warned(caplog):
-    """What such a hook keeps has no gradient (the block is recomputed in backward): said once, not silent."""
-    with caplog.at_level(logging.WARNING):
+    """What such a hook keeps cannot be differentiated (the block is recomputed in backward): warned once at the
+    forward, and a backward through a loss on it raises naming what to do (it trained nothing, silently but for the
+    warning, while the forward ran under no_grad)."""
+    with caplog.at_level(logging.WARNING), pytest.raises(RuntimeError, match="not one of the block's outputs.*hook "
+                                                                             "the block itself"):
         _fit(CaptureLM(), "megatrain", steps=1)
     msgs = [r.getMessage() for r in caplog.records if "forward hooks on mlp inside streamed block" in r.getMessage()]
-    assert len(msgs) == 1 and "model.model.layers.1" in msgs[0] and "trains nothing" in msgs[0]
+    assert len(msgs) == 1 and "model.model.layers.1" in msgs[0] and "cannot be differentiated" in msgs[0]
 
 
 def test_lm_head_backward_hook_with_the_chunked_loss_is_refused():

@@ -3,7 +3,7 @@
 Plain Lightning writes its one-file checkpoints through fsspec (``s3://``, ``gs://``, ``memory://``...). A directory
 checkpoint is written shard by shard into a temporary directory and moved into place with an atomic rename, which
 only a local (POSIX) filesystem offers; a URL used to be taken as a relative local path (``memory://x`` became the
-folder ``./memory:/x``) without a word. :func:`local_path` turns ``file://`` URLs into paths and refuses other
+folder ``./memory:/x``) without a word. :func:`local_path` turns ``file://`` and ``local://`` URLs into paths and refuses other
 protocols, naming what to do.
 """
 
@@ -17,13 +17,16 @@ import fsspec
 from .errors import CheckpointError
 
 
+_LOCAL = ("file", "local")  # fsspec's two names of its LocalFileSystem
+
+
 def is_local(path: Any) -> bool:
-    """``path`` (a path or URL) is on the local filesystem: no protocol, or ``file://``."""
-    return fsspec.utils.get_protocol(str(path)) == "file"
+    """``path`` (a path or URL) is on the local filesystem: no protocol, ``file://`` or ``local://``."""
+    return fsspec.utils.get_protocol(str(path)) in _LOCAL
 
 
 def local_path(path: Any) -> Path:
-    """The local path of a checkpoint location (``file://`` stripped).
+    """The local path of a checkpoint location (``file://`` or ``local://`` stripped).
 
     Raises:
         CheckpointError: ``path`` is a URL of another filesystem.
@@ -35,4 +38,7 @@ def local_path(path: Any) -> Path:
             "place). Save to a local path (ModelCheckpoint(dirpath=...), Trainer(default_root_dir=...)) and copy "
             "the directory to remote storage afterwards.")
     s = str(path)
-    return Path(s[len("file://"):] if s.startswith("file://") else s)
+    for protocol in _LOCAL:
+        if s.startswith(protocol + "://"):
+            return Path(s[len(protocol) + 3:])
+    return Path(s)

@@ -4,9 +4,9 @@ Lightning's checkpoint dict may hold numpy arrays and scalars (RNG states, metri
 OmegaConf configs and ``AttributeDict`` hyper-parameters, enums, paths and config objects:
 none of these load without unpickling arbitrary classes. Types torch's weights_only loader
 restores as they are stay so (``OrderedDict``, ``set``, ``torch.dtype``, ``torch.device``,
-``torch.Size``, tuples: a callback's state comes back as plain Lightning gives it back); numpy
+``torch.Size``, tuples, dict keys of those types: a callback's state comes back as plain Lightning gives it back); numpy
 scalars become Python numbers and OmegaConf containers dicts/lists; numpy arrays become tensors,
-enums their values, paths and frozensets strings and lists, with a warning naming where (outside
+enums their values, paths and frozensets strings and lists, other dict keys strings, with a warning naming where (outside
 hyper-parameters: code reading them back gets another type). Anything else raises, except inside
 hyper-parameters (informational on resume), where an object with ``to_dict()`` becomes that
 dict and any other object becomes ``{"__repr__": repr(obj)}``.
@@ -35,6 +35,18 @@ def _changed(where: str, obj: Any, lenient: bool, into: str) -> None:
 
 class MetadataError(TypeError):
     """A value in the checkpoint metadata cannot be stored without pickle."""
+
+
+def _key(key: Any, where: str, lenient: bool) -> Any:
+    """A dict key as :func:`to_plain` converts a value (numbers, bools, ``None``, tuples, dtypes stay), when the
+    result can still be a key; else its ``str``, with a warning (keys used to become strings silently)."""
+    try:
+        plain = to_plain(key, f"{where} key {key!r}", lenient)
+        hash(plain)
+        return plain
+    except (MetadataError, TypeError):
+        _changed(f"{where} key {key!r}", key, lenient, "a str")
+        return str(key)
 
 
 def to_plain(obj: Any, where: str = "checkpoint", lenient: bool = False) -> Any:
@@ -71,8 +83,7 @@ def to_plain(obj: Any, where: str = "checkpoint", lenient: bool = False) -> Any:
     except ImportError:  # pragma: no cover
         pass
     if isinstance(obj, dict):
-        items = [((k if isinstance(k, (str, int)) else str(k)), to_plain(v, f"{where}.{k}", lenient or k in _LENIENT))
-                 for k, v in obj.items()]
+        items = [(_key(k, where, lenient), to_plain(v, f"{where}.{k}", lenient or k in _LENIENT)) for k, v in obj.items()]
         return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
     if isinstance(obj, tuple):
         return tuple(to_plain(x, f"{where}[{i}]", lenient) for i, x in enumerate(obj))

@@ -38,7 +38,6 @@ import logging
 from collections import OrderedDict
 from typing import Iterator
 
-import torch
 from torch import nn
 from torch.nn.modules import module as _torch_module
 
@@ -157,18 +156,19 @@ def has_user_hooks(m: nn.Module, backward: bool = False) -> bool:
 
 def warn_inner_forward_hooks(name: str, block: nn.Module, inner: list[nn.Module], warned: set[str]) -> None:
     """Warn (and add ``name`` to ``warned``) if a submodule inside the block (not the block itself) has a forward hook or
-    pre-hook from user code: the block's forward runs without autograd history (it is recomputed in backward), so
-    a tensor such a hook keeps (activation capture) has no gradient: a loss computed from it trains nothing,
-    where plain PyTorch would differentiate it. The hook also runs again in the recompute. A hook on the block
-    itself sees the block call's outputs, which have their history."""
+    pre-hook from user code: the block's forward keeps no autograd history (it is recomputed in backward), so
+    a tensor such a hook keeps (activation capture) cannot be differentiated: a backward through a loss computed from
+    it raises (engine/recompute.py), where plain PyTorch would differentiate it. The hook also runs again in the
+    recompute. A hook on the block itself sees the block call's outputs, which have their history."""
     hooked = [m for m in inner if has_user_hooks(m)]
     if hooked:
         paths = {id(m): n for n, m in block.named_modules()}
         users = [paths.get(id(m), "?") for m in hooked]
         warned.add(name)
         log.warning(
-            "megatrain: forward hooks on %s inside streamed block %s run in a forward without autograd history "
-            "(the block is recomputed in backward, where the hooks run again): a tensor they keep has no gradient, "
-            "so a loss term computed from it trains nothing (plain PyTorch would train it). Register the hook on "
-            "the block itself (its outputs keep their history), or keep such hooks for logging only.",
+            "megatrain: forward hooks on %s inside streamed block %s run in a forward that keeps no autograd history "
+            "(the block is recomputed in backward, where the hooks run again): a tensor they keep cannot be "
+            "differentiated, so a backward through a loss term computed from it raises (plain PyTorch would train "
+            "it). Register the hook on the block itself (its outputs keep their history), or keep such hooks for "
+            "logging only (detach what they keep).",
             ", ".join(users[:3]) + (" ..." if len(users) > 3 else ""), name or type(block).__name__)

@@ -56,6 +56,8 @@ class BlockCall:
     saved_ops: Any = None  # recompute_policy.SavedOps: op outputs kept ("selective"/"none")
     kept_bytes: Any = None  # releases this call's bytes in the activation meter
     state: Any = None  # block_state.BlockState: modules' training flags and changed buffers, as the forward found them
+    input_grad: list[bool] = field(default_factory=list)  # which tensor inputs required grad in the forward
+    out_grad: list[bool] | None = None  # which tensor outputs required grad in the forward's grad-mode run
 
     def arguments(self, tensors: "list[torch.Tensor]") -> tuple[tuple, dict]:
         """The call's ``(args, kwargs)`` with ``tensors`` (the engine's detached inputs, in ``tensor_pos``

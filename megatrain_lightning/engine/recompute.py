@@ -1,7 +1,7 @@
 """The autograd boundary of a streamed block: what a training forward keeps, and its backward.
 
 Under grad mode every block call goes through :class:`_BlockFunction`: its forward runs the block
-without a graph and keeps only what the backward needs to rebuild the block's inputs (the inputs of
+in grad mode keeping no saved tensors (:mod:`.forward_grad`) and keeps only what the backward needs to rebuild the block's inputs (the inputs of
 every ``recompute_every``-th call, links to the previous call's outputs otherwise, optionally
 offloaded to host memory), the RNG and autocast state and the module state (:mod:`.block_state`); its
 backward fetches the block again, recomputes its forward under the replayed state and differentiates it locally. The last block of a training forward keeps its graph instead (no
@@ -30,16 +30,17 @@ from .param_hooks import skip_none_calls
 from .block_graph import GraphHooks, release_leaves
 from .bound_params import BoundParams
 from .calls import SECOND_BACKWARD, STEPPED_SINCE, BlockCall, replayed, ForwardRecord, KeptGraph, autocast_state, trainable_refs
+from .forward_grad import differentiable, refuse_func_transforms, saving_nothing
 from .grads import GradientSink
 from .chunked_mlp import plain_chunks
 from .offload import ActivationOffload, next_offloaded
-from .recompute_policy import RecomputePolicy, is_lookup
+from .recompute_policy import RecomputePolicy, hidden_shapes, is_lookup
 from .recorded_outputs import hand_over, recorded_keys, recording
 from .row_grads import dense, lookup_context
 
 
 class _BlockFunction(torch.autograd.Function):
-    """Autograd boundary of one block: forward without a graph, backward by recompute (the kept
+    """Autograd boundary of one block: forward keeping no saved tensors, backward by recompute (the kept
     last block: backward through its kept graph).
 
     Inputs: the call record, the engine's marker leaf, the call's tensor arguments, then the block's
@@ -52,6 +53,7 @@ class _BlockFunction(torch.autograd.Function):
         rc = call.rc
         dev = rc.device
         tensors = inputs[: len(call.tensor_pos)]
+        call.input_grad = [t.requires_grad for t in tensors]
         call.rng_cpu = torch.get_rng_state()
         if dev.type == "cuda":
             call.rng_dev = torch.cuda.get_rng_state(dev)
@@ -60,12 +62,12 @@ class _BlockFunction(torch.autograd.Function):
             out = rc._run_kept(call, tensors)
         else:
             lookup = is_lookup(call.block.module)
-            call.saved_ops, measure, graph = rc.policy.start(call.block.index, call.fwd, lookup, tuple(tensors[0].shape) if tensors else ())
+            call.saved_ops, measure, graph = rc.policy.start(call.block.index, call.fwd, lookup, hidden_shapes(tensors))
             if graph:  # "none" (or an embedding lookup): the call keeps its graph, without its weights
                 out = rc._run_kept(call, tensors, GraphHooks(rc.offload if rc.offload_activations else None))
             else:  # recomputed in backward: from the module state (flags, buffers) this forward starts from
                 call.state = snapshot_state(call.block.module, call.block.name, rc.hook_warnings)
-                out = rc._run_block(call, tensors, leaves=None, backward=False, measure=measure)
+                out = rc._run_block(call, tensors, backward=False, measure=measure)
         out_flat, call.out_spec = tree_flatten(out)
         call.out_pos = [i for i, x in enumerate(out_flat) if isinstance(x, torch.Tensor)]
         call.out_flat = [None if isinstance(x, torch.Tensor) else x for x in out_flat]
@@ -74,7 +76,7 @@ class _BlockFunction(torch.autograd.Function):
         ctx.call = call
         if call.graph is None:
             rc._save_inputs(call, tensors)
-        ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
+        ctx.mark_non_differentiable(*[o for o, d in zip(outs, differentiable(call, outs)) if not d])
         return outs
 
     @staticmethod
@@ -144,10 +146,7 @@ class Recompute:
         """Run one grad-mode call of ``blk`` (``forward``: the block's own forward) through the
         autograd boundary; ``keep``: the last block of the forward (keeps its graph). Returns what
         ``forward`` returns, its tensors connected to autograd."""
-        if torch._C._are_functorch_transforms_active():
-            raise RuntimeError(f"megatrain: streamed block {blk.name} was called under a torch.func transform (grad, "
-                               "vmap, jacrev...), which the strategy's block calls do not support; use "
-                               "torch.autograd.grad, or strategy='auto'.")
+        refuse_func_transforms(blk.name)
         flat, spec = tree_flatten((args, kwargs))
         pos = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
         refs = trainable_refs(blk)
@@ -228,6 +227,7 @@ class Recompute:
             self.acct.add(compute_s=time.perf_counter() - t0)
         out_flat, spec = tree_flatten(out)
         outs = [x for x in out_flat if isinstance(x, torch.Tensor)]
+        call.out_grad = [o.requires_grad for o in outs]
         if hooks is not None:
             release_leaves(leaves)
             self.acct.release(bufs)  # the graph holds no weights
@@ -270,26 +270,36 @@ class Recompute:
         for kept in list(self.kept_open):
             kept.close()
 
-    def _run_block(self, call: BlockCall, tensors: Sequence[torch.Tensor], leaves: dict[int, torch.Tensor] | None,
-                   backward: bool, measure: Any = None):
-        """Forward of a call (no graph kept). A call that keeps op outputs (``call.saved_ops``) or measures
-        them (``measure(bufs)``: the context of "auto"'s measurement) runs with autograd and gradient
-        leaves, as its recompute will, so both see the same ops."""
+    def _run_block(self, call: BlockCall, tensors: Sequence[torch.Tensor], backward: bool, measure: Any = None):
+        """Forward of a call without keeping its graph: in the training forward (``backward=False``) or to
+        rebuild a later call's input in backward (a recompute chain, ``backward=True``).
+
+        It runs in grad mode (:mod:`.forward_grad`) on leaves for its inputs (requiring grad as the caller's did)
+        and trainable parameters, keeping none of what its backward reads unless the call keeps op outputs
+        (``call.saved_ops``) or "auto" measures them (``measure(bufs)``). Records ``call.out_grad``.
+
+        Returns:
+            the block's output, its tensors detached."""
         saved = call.saved_ops
         ops = None if backward else (lambda bufs: saved.forward()) if saved is not None else measure
-        if ops is not None:
-            tensors = [t.detach().requires_grad_(t.requires_grad) if t.is_floating_point() else t for t in tensors]
+        grads = call.input_grad
+        tensors = [t.detach().requires_grad_(g) if t.is_floating_point() else t for t, g in zip(tensors, grads)]
         args, kwargs = call.arguments(tensors)
         bufs = self._acquire(call.block, backward=backward, training=not backward)
         t0 = time.perf_counter()
         try:
-            if ops is not None:
-                leaves = self._grad_leaves(call.refs, bufs)
-            with self._bind(call.block, bufs, leaves), torch.set_grad_enabled(ops is not None or torch.is_grad_enabled()), \
-                    ops(bufs) if ops is not None else contextlib.nullcontext(), \
+            leaves = self._grad_leaves(call.refs, bufs)
+            with self._bind(call.block, bufs, leaves), torch.enable_grad(), \
+                    ops(bufs) if ops is not None else saving_nothing(), \
                     plain_chunks() if ops is not None else contextlib.nullcontext():
                 out = call.forward(*args, **kwargs)
-            return out if ops is None else tree_map_only(torch.Tensor, torch.Tensor.detach, out)
+            release_leaves(leaves)  # a tensor kept from inside the call (a hook's) must not hold the weights
+            if not backward:
+                outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+                call.out_grad = [t.requires_grad for t in outs]
+                if saved is not None:
+                    saved.recompute_returned(outs)
+            return tree_map_only(torch.Tensor, torch.Tensor.detach, out)
         finally:
             self.acct.add(compute_s=time.perf_counter() - t0)
             self.acct.release(bufs)
@@ -447,8 +457,8 @@ class Recompute:
                 raise RuntimeError(SECOND_BACKWARD + f" (megatrain: block {c.block.name} is recomputed from freed inputs).")
             inputs = [t.detach() for t in self._load_inputs(c)]
             t0 = time.perf_counter()
-            with torch.no_grad(), replayed(c, self.device):
-                out = self._run_block(c, inputs, leaves=None, backward=True)
+            with replayed(c, self.device):
+                out = self._run_block(c, inputs, backward=True)
             self.acct.add(recompute_s=time.perf_counter() - t0)
             flat = tree_flatten(out)[0]
             fwd.recomputed[q] = [flat[i] for i in c.out_pos]
@@ -488,4 +498,3 @@ class Recompute:
             seq.append(calls[p].block.index)
             cached.discard(p - 1)
         return seq
-

@@ -178,6 +178,19 @@ class SavedOps:
                 entries[i] = _RECOMPUTE
         self.nbytes = storage_bytes([w.val for w in self._wrappers()], set())
 
+    def recompute_returned(self, outputs: list[torch.Tensor]) -> None:
+        """After the forward: kept op outputs that the block returns (a block ending in a Linear) are recomputed
+        instead. The caller owns those tensors and may change them in place, as plain PyTorch allows when no
+        backward reads them (``y = block(x); y += x``): the kept copy would then no longer be what the op
+        produced (torch's SAC raised "Tensor cached during selective activation checkpoint has been mutated")."""
+        mine = {t.untyped_storage().data_ptr() for t in outputs}
+        hit = False
+        for entries, i, ws in list(self._entries()):
+            if any(w.val.untyped_storage().data_ptr() in mine for w in ws):
+                entries[i], hit = _RECOMPUTE, True
+        if hit:
+            self.nbytes = storage_bytes([w.val for w in self._wrappers()], set())
+
     @contextlib.contextmanager
     def recompute(self, keep_graph: bool) -> Iterator[None]:
         """Context of the call's recompute in backward: kept outputs are returned instead of computed.
@@ -229,10 +242,11 @@ class _Measure:
         self.blocks: dict[int, dict[str, float]] = {}
 
     @contextlib.contextmanager
-    def context(self, block: int, seq: int, bufs: dict[int, torch.Tensor]) -> Iterator[None]:
-        """Measure one call of ``block`` whose input has ``seq`` tokens (``[B, seq, D]``): its row also counts,
-        as ``selective_sq``/``none_sq``, the bytes of ``[..., seq, seq]`` tensors (eager attention's scores and
-        probabilities), which grow with the square of the sequence length (:func:`growth`)."""
+    def context(self, block: int, seqs: frozenset[int], bufs: dict[int, torch.Tensor]) -> Iterator[None]:
+        """Measure one call of ``block`` whose hidden-state inputs have the sequence lengths ``seqs`` (``[B, T, D]``:
+        a decoder layer's own and its encoder's): its row also counts, as ``selective_sq``/``none_sq``, the bytes of
+        ``[..., Tq, Tk]`` tensors with both lengths in ``seqs`` (eager attention's scores and probabilities, self- or
+        cross-attention), which grow with the product of two lengths (:func:`growth`)."""
         row = self.blocks.setdefault(block, dict(selective=0, none=0, flops=0, flops_selective=0, selective_sq=0,
                                                  none_sq=0))
         seen_s: set = set()
@@ -249,7 +263,7 @@ class _Measure:
                 for t in tree_flatten(out)[0]:
                     n = storage_bytes(t, seen_s)
                     row["selective"] += n
-                    row["selective_sq"] += n if _square(t, seq) else 0
+                    row["selective_sq"] += n if _square(t, seqs) else 0
             else:
                 row["flops_selective"] += f
             return CheckpointPolicy.PREFER_RECOMPUTE
@@ -261,7 +275,7 @@ class _Measure:
                     seen_n.add(ptr)
                     alive.append(t)
                     row["none"] += t.untyped_storage().nbytes()
-                    row["none_sq"] += t.untyped_storage().nbytes() if _square(t, seq) else 0
+                    row["none_sq"] += t.untyped_storage().nbytes() if _square(t, seqs) else 0
             return t
 
         with create_selective_checkpoint_contexts(policy)[0], \
@@ -269,23 +283,41 @@ class _Measure:
             yield
 
 
-def _square(t: Any, seq: int) -> bool:
-    """``t`` is a ``[..., seq, seq]`` tensor (attention scores or probabilities of eager attention)."""
-    return isinstance(t, torch.Tensor) and seq > 0 and t.dim() >= 2 and t.shape[-1] == seq and t.shape[-2] == seq
+def _square(t: Any, seqs: frozenset[int]) -> bool:
+    """``t`` is a ``[..., Tq, Tk]`` tensor with both lengths among the block's input lengths ``seqs`` (attention
+    scores or probabilities of eager attention)."""
+    return isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] in seqs and t.shape[-2] in seqs
 
 
-def growth(shape: tuple[int, ...], measured: tuple[int, ...]) -> tuple[float, float]:
-    """How a block call's kept activations grow from its measured input shape ``measured`` to ``shape``
-    (``[B, T, D]``): ``(linear, square)``, the factors of tensors proportional to B x T (hidden states, MLP
-    intermediates, SDPA's outputs) and to B x T^2 (eager attention's ``[B, H, T, T]`` scores and probabilities,
-    :func:`_square`). An input of another rank, or an empty one, grows linearly with its elements."""
-    n, n0 = math.prod(shape), math.prod(measured)
-    if not n or not n0:
-        return 1.0, 1.0
-    lin = n / n0
-    if len(shape) >= 3 and len(shape) == len(measured):
-        return lin, lin * shape[1] / measured[1]
-    return lin, lin
+def hidden_shapes(tensors: Any) -> tuple[tuple[int, ...], ...]:
+    """The shapes ``[B, T, D]`` of a block call's floating-point inputs that require grad and have 3 dimensions (its
+    hidden states; a decoder layer's encoder states too), in order; else the first input's shape alone. What
+    ``"auto"`` scales its measured bytes by (:func:`growth`)."""
+    shapes = tuple(tuple(t.shape) for t in tensors if t.is_floating_point() and t.requires_grad and t.dim() == 3)
+    return shapes or ((tuple(tensors[0].shape),) if len(tensors) else ())
+
+
+def _seqs(shapes: tuple[tuple[int, ...], ...]) -> frozenset[int]:
+    return frozenset(s[1] for s in shapes if len(s) >= 3 and s[1] > 0)
+
+
+def growth(shapes: tuple[tuple[int, ...], ...], measured: tuple[tuple[int, ...], ...]) -> tuple[float, float]:
+    """How a block call's kept activations grow from its measured input shapes ``measured`` to ``shapes``
+    (:func:`hidden_shapes`, ``[B, T, D]`` each): ``(linear, square)``, the factors of tensors proportional to B x T
+    (hidden states, MLP intermediates, SDPA's outputs, a cross-attention's keys over the encoder's length) and to
+    B x Tq x Tk (eager attention's ``[B, H, Tq, Tk]`` scores and probabilities, :func:`_square`). With several inputs,
+    ``linear`` is the largest growth of one input's elements and ``square`` that times the largest growth of a
+    length: an upper bound of both (a decoder layer whose target stays and whose source grows 32x: 32x and 32x, where
+    the first input alone said 1x; measured 1.25x over the limit before). Inputs of another number or rank, or
+    empty ones: their total elements, for both."""
+    pairs = list(zip(shapes, measured))
+    if len(shapes) != len(measured) or not pairs or any(len(a) != len(b) or not math.prod(a) or not math.prod(b)
+                                                         for a, b in pairs):
+        n, n0 = sum(math.prod(s) for s in shapes), sum(math.prod(s) for s in measured)
+        return (n / n0, n / n0) if n and n0 else (1.0, 1.0)
+    lin = max(math.prod(a) / math.prod(b) for a, b in pairs)
+    seq = max((a[1] / b[1] for a, b in pairs if len(a) >= 3 and b[1]), default=1.0)
+    return lin, lin * seq
 
 
 def _weight_cast(t: torch.Tensor, locator: ParamLocator) -> bool:
@@ -386,17 +418,17 @@ class RecomputePolicy:
         self._measure: _Measure | None = None
         self._measured_fwd: Any = None
         self.meter = ActivationMeter()
-        # "auto": per measured block, its first input's shape and the bytes kept when its call started
-        self._size: dict[int, tuple[int, ...]] = {}
+        # "auto": per measured block, its hidden-state input shapes and the bytes kept when its call started
+        self._size: dict[int, tuple[tuple[int, ...], ...]] = {}
         self._live_at: dict[int, int] = {}
         self._budget = self._inputs = 0
         self._warned_guard = False
 
-    def mode_for(self, block: int, fwd: Any, lookup: bool = False, size: tuple[int, ...] = ()) -> str:
+    def mode_for(self, block: int, fwd: Any, lookup: bool = False, size: tuple[tuple[int, ...], ...] = ()) -> str:
         """The policy of a call of block ``block`` in training forward ``fwd`` (any object identifying
         the forward); under ``"auto"`` the first forward runs ``"block"`` and measures. ``lookup``: the
-        block is an embedding lookup (:func:`is_lookup`): ``"none"`` under every mode. ``size``: shape of
-        the call's first tensor input (the hidden states ``[B, T, D]``), which scales ``"auto"``'s measured bytes."""
+        block is an embedding lookup (:func:`is_lookup`): ``"none"`` under every mode. ``size``: shapes of
+        the call's hidden-state inputs (:func:`hidden_shapes`), which scale ``"auto"``'s measured bytes."""
         if lookup:
             return "none"
         if self.choice is not None:
@@ -412,7 +444,7 @@ class RecomputePolicy:
         self._live_at.setdefault(block, self.meter.live)
         return "measure"
 
-    def _guarded(self, block: int, size: tuple[int, ...]) -> str:
+    def _guarded(self, block: int, size: tuple[tuple[int, ...], ...]) -> str:
         """``"auto"``'s choice for a call, or ``"block"`` when keeping its op outputs would take the bytes kept
         beyond ``activation_memory_limit``: the measured bytes of this block's choice plus the inputs the rest of
         the measured forward keeps, scaled from the measured input shape to this call's (:func:`growth`: a longer
@@ -434,7 +466,7 @@ class RecomputePolicy:
                      "('block') where needed.", scale, fmt_bytes(self._budget))
         return "block"
 
-    def start(self, block: int, fwd: Any, lookup: bool = False, size: tuple[int, ...] = ()
+    def start(self, block: int, fwd: Any, lookup: bool = False, size: tuple[tuple[int, ...], ...] = ()
               ) -> tuple[SavedOps | None, Callable[[dict], Any] | None, bool]:
         """What a call needs in its forward: (its :class:`SavedOps` (``"selective"``) or ``None``;
         when it only measures, ``context(bufs)`` -> the context its forward runs under (``bufs``: the
@@ -444,7 +476,7 @@ class RecomputePolicy:
         if mode == "measure":
             measure = self._measure
             assert measure is not None
-            return None, functools.partial(measure.context, block, size[1] if len(size) >= 3 else 0), False
+            return None, functools.partial(measure.context, block, _seqs(size)), False
         return (SavedOps(mode) if mode == "selective" else None), None, mode == "none"
 
     def _decide(self) -> None:
