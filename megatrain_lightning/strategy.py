@@ -1259,7 +1259,7 @@ def _refuse_router_aux_loss(module: torch.nn.Module) -> None:
 
     Called only when this transformers version does not record per-layer outputs the way
     ``engine/recorded_outputs.py`` handles (which makes the router logits outputs of the block calls):
-    otherwise the logits are kept by hooks inside a streamed block, whose forward keeps none of the tensors
+    otherwise the logits are kept by hooks inside a streamed block, whose forward keeps none of the tensors past its return
     a backward reads (the block is recomputed in backward), so the backward through the auxiliary loss
     would fail mid-step. Refused even with ``router_aux_loss_coef=0``: the model still multiplies the
     auxiliary loss by the coefficient, and the backward still reaches the logits.

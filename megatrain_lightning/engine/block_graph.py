@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 from .offload import ActivationOffload, Offloaded
 
@@ -76,6 +77,21 @@ class ParamLocator:
             if lo <= p < hi and t.dtype == dtype and t.device == device:
                 return InBuffer(si, (p - lo) // t.element_size(), tuple(t.size()), tuple(t.stride()))
         return None
+
+
+def own_outputs(out: Any, bufs: dict[int, torch.Tensor]) -> Any:
+    """``out`` (a block call's output pytree) with each tensor that shares storage with one of the block's weight
+    buffers ``bufs`` (a module returning its parameter or a view of it: a soft prompt's ``return self.p``) cloned,
+    under grad mode (the clone keeps the graph to the leaf and saves nothing), so releasing the gradient leaves
+    (:func:`release_leaves`) and the buffers leaves the values intact (they were zeros: probe S)."""
+    ptrs = {b.untyped_storage().data_ptr() for b in bufs.values()}
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in ptrs:
+            return t
+        with torch.enable_grad():
+            return t.clone()
+    return tree_map_only(torch.Tensor, own, out) if ptrs else out
 
 
 def release_leaves(leaves: dict[int, torch.Tensor]) -> None:

@@ -156,7 +156,7 @@ def has_user_hooks(m: nn.Module, backward: bool = False) -> bool:
 
 def warn_inner_forward_hooks(name: str, block: nn.Module, inner: list[nn.Module], warned: set[str]) -> None:
     """Warn (and add ``name`` to ``warned``) if a submodule inside the block (not the block itself) has a forward hook or
-    pre-hook from user code: the block's forward keeps no autograd history (it is recomputed in backward), so
+    pre-hook from user code: the block's forward keeps no autograd history past its return (it is recomputed in backward), so
     a tensor such a hook keeps (activation capture) cannot be differentiated: a backward through a loss computed from
     it raises (engine/recompute.py), where plain PyTorch would differentiate it. The hook also runs again in the
     recompute. A hook on the block itself sees the block call's outputs, which have their history."""
@@ -166,7 +166,7 @@ def warn_inner_forward_hooks(name: str, block: nn.Module, inner: list[nn.Module]
         users = [paths.get(id(m), "?") for m in hooked]
         warned.add(name)
         log.warning(
-            "megatrain: forward hooks on %s inside streamed block %s run in a forward that keeps no autograd history "
+            "megatrain: forward hooks on %s inside streamed block %s run in a forward that keeps no autograd history past its return "
             "(the block is recomputed in backward, where the hooks run again): a tensor they keep cannot be "
             "differentiated, so a backward through a loss term computed from it raises (plain PyTorch would train "
             "it). Register the hook on the block itself (its outputs keep their history), or keep such hooks for "

@@ -1,7 +1,7 @@
 """The autograd boundary of a streamed block: what a training forward keeps, and its backward.
 
 Under grad mode every block call goes through :class:`_BlockFunction`: its forward runs the block
-in grad mode keeping no saved tensors (:mod:`.forward_grad`) and keeps only what the backward needs to rebuild the block's inputs (the inputs of
+in grad mode keeping no saved tensors past its return (:mod:`.forward_grad`) and keeps only what the backward needs to rebuild the block's inputs (the inputs of
 every ``recompute_every``-th call, links to the previous call's outputs otherwise, optionally
 offloaded to host memory), the RNG and autocast state and the module state (:mod:`.block_state`); its
 backward fetches the block again, recomputes its forward under the replayed state and differentiates it locally. The last block of a training forward keeps its graph instead (no
@@ -27,10 +27,10 @@ from .backward_state import keeps_graph, leaf_grad_use, local_grad
 from .block_state import snapshot as snapshot_state
 from .opaque_values import check_inputs, check_outputs, inplace_input_hint
 from .param_hooks import skip_none_calls
-from .block_graph import GraphHooks, release_leaves
+from .block_graph import GraphHooks, own_outputs, release_leaves
 from .bound_params import BoundParams
 from .calls import SECOND_BACKWARD, STEPPED_SINCE, BlockCall, replayed, ForwardRecord, KeptGraph, autocast_state, trainable_refs
-from .forward_grad import differentiable, refuse_func_transforms, saving_nothing
+from .forward_grad import ForeignLeafCheck, differentiable, refuse_func_transforms, saving_for_the_call
 from .grads import GradientSink
 from .chunked_mlp import plain_chunks
 from .offload import ActivationOffload, next_offloaded
@@ -40,7 +40,7 @@ from .row_grads import dense, lookup_context
 
 
 class _BlockFunction(torch.autograd.Function):
-    """Autograd boundary of one block: forward keeping no saved tensors, backward by recompute (the kept
+    """Autograd boundary of one block: forward keeping no saved tensors past its return, backward by recompute (the kept
     last block: backward through its kept graph).
 
     Inputs: the call record, the engine's marker leaf, the call's tensor arguments, then the block's
@@ -110,8 +110,7 @@ class Recompute:
         store: the host store (slab layout: views of a block's buffer per parameter).
         acct: live-byte accounting and statistics.
         grads: the gradient sink (parameter gradients of a backward go there).
-        transport: the device transport (``offload``/``restore_async`` of saved activations, through
-            :class:`~.offload.ActivationOffload`: restored one call ahead of backward).
+        transport: the device transport (``offload``/``restore_async`` of saved activations: :class:`~.offload.ActivationOffload`).
         acquire: ``acquire(block, backward, training)`` -> slab index -> device buffer (the
             engine's prefetch schedule); released with ``acct.release``.
         bind: ``bind(block, bufs, leaves)``: context manager pointing the block's parameters at views
@@ -120,8 +119,7 @@ class Recompute:
         recompute_every: K: only every K-th call keeps its inputs; the others recompute them.
         offload_activations: kept inputs that need gradients go to host memory.
         policy: what a call keeps besides its inputs (:class:`RecomputePolicy`; default ``"block"``).
-        castable: ``castable(param_ref)``: autocast casts this parameter at every use (``"none"`` under
-            autocast binds its cast instead: :mod:`.block_graph`).
+        castable: ``castable(param_ref)``: autocast casts it at every use (``"none"`` binds its cast: :mod:`.block_graph`).
     """
 
     def __init__(self, *, device: torch.device, store: HostStore, acct: ByteAccounting, grads: GradientSink,
@@ -141,6 +139,7 @@ class Recompute:
         self.kept_open: set[KeptGraph] = set()  # last-block graphs whose backward has not run
         self.dummy = torch.empty(0, device=device, requires_grad=True)  # marker leaf of every call
         self.hook_warnings: set[str] = set()  # blocks warned about forward hooks inside them (block_state)
+        self.leaf_check = ForeignLeafCheck(store)
 
     def call(self, blk: Block, forward: Callable[..., Any], args: tuple, kwargs: dict, keep: bool) -> Any:
         """Run one grad-mode call of ``blk`` (``forward``: the block's own forward) through the
@@ -219,7 +218,7 @@ class Recompute:
             with torch.enable_grad(), self._bind(blk, bufs, binding), rows, \
                     hooks.capture(bufs, casts) if hooks else contextlib.nullcontext(), \
                     plain_chunks() if hooks else contextlib.nullcontext():
-                out = call.forward(*args, **kwargs)
+                out = own_outputs(call.forward(*args, **kwargs), bufs)
         except BaseException:
             self.acct.release(bufs)
             raise
@@ -228,6 +227,7 @@ class Recompute:
         out_flat, spec = tree_flatten(out)
         outs = [x for x in out_flat if isinstance(x, torch.Tensor)]
         call.out_grad = [o.requires_grad for o in outs]
+        self.leaf_check(blk, outs, [*inputs, *leaves.values()])
         if hooks is not None:
             release_leaves(leaves)
             self.acct.release(bufs)  # the graph holds no weights
@@ -267,8 +267,7 @@ class Recompute:
 
     def close_kept(self) -> None:
         """Release every kept last-block graph whose backward has not run (the step is over)."""
-        for kept in list(self.kept_open):
-            kept.close()
+        list(map(KeptGraph.close, list(self.kept_open)))
 
     def _run_block(self, call: BlockCall, tensors: Sequence[torch.Tensor], backward: bool, measure: Any = None):
         """Forward of a call without keeping its graph: in the training forward (``backward=False``) or to
@@ -282,21 +281,21 @@ class Recompute:
             the block's output, its tensors detached."""
         saved = call.saved_ops
         ops = None if backward else (lambda bufs: saved.forward()) if saved is not None else measure
-        grads = call.input_grad
-        tensors = [t.detach().requires_grad_(g) if t.is_floating_point() else t for t, g in zip(tensors, grads)]
+        tensors = [t.detach().requires_grad_(g) if t.is_floating_point() else t for t, g in zip(tensors, call.input_grad)]
         args, kwargs = call.arguments(tensors)
         bufs = self._acquire(call.block, backward=backward, training=not backward)
         t0 = time.perf_counter()
         try:
             leaves = self._grad_leaves(call.refs, bufs)
-            with self._bind(call.block, bufs, leaves), torch.enable_grad(), \
-                    ops(bufs) if ops is not None else saving_nothing(), \
+            with self._bind(call.block, bufs, leaves), torch.enable_grad(), saving_for_the_call(), \
+                    ops(bufs) if ops is not None else contextlib.nullcontext(), \
                     plain_chunks() if ops is not None else contextlib.nullcontext():
-                out = call.forward(*args, **kwargs)
+                out = own_outputs(call.forward(*args, **kwargs), bufs)
             release_leaves(leaves)  # a tensor kept from inside the call (a hook's) must not hold the weights
             if not backward:
                 outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
                 call.out_grad = [t.requires_grad for t in outs]
+                self.leaf_check(call.block, outs, [*tensors, *leaves.values()])
                 if saved is not None:
                     saved.recompute_returned(outs)
             return tree_map_only(torch.Tensor, torch.Tensor.detach, out)
