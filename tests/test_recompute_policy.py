@@ -118,16 +118,7 @@ def test_auto_stays_within_its_limit_when_later_batches_are_longer(caplog, short
         trainer.fit(lm, torch.utils.data.DataLoader(batches, batch_size=None))
         return lm, trainer
 
-    _, none = run(MegaTrainStrategy(recompute="none"))
-    limit = int(share * max(h["megatrain/saved_activation_bytes"] for h in none.strategy.engine.history))
-    with caplog.at_level(logging.INFO, logger="megatrain_lightning.engine.recompute_policy"):
-        ours, trainer = run(MegaTrainStrategy(recompute="auto", activation_memory_limit=limit))
-    plain, _ = run("auto")
-    assert_parity(ours.model, plain.model, ours.losses, plain.losses)
-    kept = [h["megatrain/saved_activation_bytes"] for h in trainer.strategy.engine.history]
-    assert all(k <= limit for k in kept), (kept, limit)
-    chosen = [r.getMessage() for r in caplog.records if "recompute='auto' with" in r.getMessage()]
-    assert "none/selective/block: 0/0/" not in chosen[0], chosen  # the short batches do keep op outputs
+    _assert_auto_within(run, share, caplog)
     assert any("the measured size" in r.getMessage() for r in caplog.records)
 
 
@@ -160,16 +151,7 @@ def test_auto_stays_within_its_limit_when_the_source_grows_and_the_target_does_n
         trainer.fit(lm, torch.utils.data.DataLoader(batches, batch_size=None))
         return lm, trainer
 
-    _, none = run(MegaTrainStrategy(recompute="none"))
-    limit = int(0.1 * max(h["megatrain/saved_activation_bytes"] for h in none.strategy.engine.history))
-    with caplog.at_level(logging.INFO, logger="megatrain_lightning.engine.recompute_policy"):
-        ours, trainer = run(MegaTrainStrategy(recompute="auto", activation_memory_limit=limit))
-    plain, _ = run("auto")
-    assert_parity(ours.model, plain.model, ours.losses, plain.losses)
-    kept = [h["megatrain/saved_activation_bytes"] for h in trainer.strategy.engine.history]
-    assert all(k <= limit for k in kept), (kept, limit)
-    chosen = [r.getMessage() for r in caplog.records if "recompute='auto' with" in r.getMessage()]
-    assert "none/selective/block: 0/0/" not in chosen[0], chosen  # the short batches do keep op outputs
+    _assert_auto_within(run, 0.1, caplog)
 
 
 @pytest.mark.parametrize("mode", ["block", "selective", "none"])
@@ -437,3 +419,18 @@ def test_auto_measures_what_none_keeps(precision, caplog):
     line = next(r.getMessage() for r in caplog.records if "recompute='auto'" in r.getMessage())
     assert "selective" not in line.split("(blocks")[0] and ":block" not in line, line
     assert kept["auto"][1:] == kept["none"][1:], kept  # step 0 of "auto" measures under "block"
+
+
+def _assert_auto_within(run, share: float, caplog) -> None:
+    """``run(strategy) -> (lm, trainer)``: "auto" with a limit of ``share`` x what "none" keeps stays within it every
+    step, matches plain PyTorch, and keeps op outputs on some calls (the short batches)."""
+    _, none = run(MegaTrainStrategy(recompute="none"))
+    limit = int(share * max(h["megatrain/saved_activation_bytes"] for h in none.strategy.engine.history))
+    with caplog.at_level(logging.INFO, logger="megatrain_lightning.engine.recompute_policy"):
+        ours, trainer = run(MegaTrainStrategy(recompute="auto", activation_memory_limit=limit))
+    plain, _ = run("auto")
+    assert_parity(ours.model, plain.model, ours.losses, plain.losses)
+    kept = [h["megatrain/saved_activation_bytes"] for h in trainer.strategy.engine.history]
+    assert all(k <= limit for k in kept), (kept, limit)
+    chosen = [r.getMessage() for r in caplog.records if "recompute='auto' with" in r.getMessage()]
+    assert "none/selective/block: 0/0/" not in chosen[0], chosen  # the short batches do keep op outputs

@@ -87,20 +87,15 @@ def test_without_the_recorder_the_aux_loss_is_refused(monkeypatch):
     setup, naming the option, even with a zero coefficient (the model still multiplies the aux loss by it); with
     output_router_logits=False it trains."""
     monkeypatch.setattr(recorded_outputs, "_active_collector", None)
-    lm = LM(make_model("mixtral", output_router_logits=True, router_aux_loss_coef=0.02))
-    trainer = pl.Trainer(strategy="megatrain", accelerator="cpu", devices=1, max_steps=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    with pytest.raises(RuntimeError, match="output_router_logits"):
-        trainer.fit(lm, make_data(n=4))
-    assert lm.losses == []
-    lm = LM(make_model("mixtral", output_router_logits=True, router_aux_loss_coef=0.0))
-    trainer = pl.Trainer(strategy="megatrain", accelerator="cpu", devices=1, max_steps=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    with pytest.raises(RuntimeError, match="output_router_logits"):
-        trainer.fit(lm, make_data(n=4))
-    assert lm.losses == []
-    lm = LM(make_model("mixtral", output_router_logits=False, router_aux_loss_coef=0.02))
-    trainer = pl.Trainer(strategy="megatrain", accelerator="cpu", devices=1, max_steps=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(lm, make_data(n=4))
-    assert len(lm.losses) == 1
+
+    def fit(logits: bool, coef: float) -> LM:
+        lm = LM(make_model("mixtral", output_router_logits=logits, router_aux_loss_coef=coef))
+        pl.Trainer(strategy="megatrain", accelerator="cpu", devices=1, max_steps=1, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
+                   ).fit(lm, make_data(n=4))
+        return lm
+
+    for coef in (0.02, 0.0):
+        with pytest.raises(RuntimeError, match="output_router_logits"):
+            fit(True, coef)
+    assert len(fit(False, 0.02).losses) == 1
