@@ -267,15 +267,16 @@ class Recompute:
 
     def close_kept(self) -> None:
         """Release every kept last-block graph whose backward has not run (the step is over)."""
-        list(map(KeptGraph.close, list(self.kept_open)))
+        for kept in list(self.kept_open):
+            kept.close()
 
     def _run_block(self, call: BlockCall, tensors: Sequence[torch.Tensor], backward: bool, measure: Any = None):
         """Forward of a call without keeping its graph: in the training forward (``backward=False``) or to
         rebuild a later call's input in backward (a recompute chain, ``backward=True``).
 
         It runs in grad mode (:mod:`.forward_grad`) on leaves for its inputs (requiring grad as the caller's did)
-        and trainable parameters, keeping none of what its backward reads unless the call keeps op outputs
-        (``call.saved_ops``) or "auto" measures them (``measure(bufs)``). Records ``call.out_grad``.
+        and trainable parameters, keeping what its backward reads only until it returns; a call that keeps op outputs
+        (``call.saved_ops``) or that "auto" measures (``measure(bufs)``) runs under that context too. Sets ``out_grad``.
 
         Returns:
             the block's output, its tensors detached."""
