@@ -102,6 +102,28 @@ class ForwardRecord:
             raise RuntimeError("megatrain: the graph of this forward was freed before its backward.")
         return c
 
+    def backward_sequence(self) -> list[int]:
+        """Block fetch order of the coming backward of this forward (recompute chains included), for prefetching:
+        from the last call back, each call's block after the chain that rebuilds its linked inputs; a kept graph whose
+        backward needs no weights fetches nothing."""
+        seq: list[int] = []
+        cached: set[int] = set()
+        calls = self.live_calls()
+        for p in range(len(calls) - 1, -1, -1):
+            g = calls[p].graph
+            if g is not None and g.hooks is not None and not g.hooks.needs_weights:
+                continue  # its backward fetches nothing
+            if calls[p].links and (p - 1) not in cached:
+                chain = [p - 1]
+                while calls[chain[-1]].links and (chain[-1] - 1) not in cached:
+                    chain.append(chain[-1] - 1)
+                for q in reversed(chain):
+                    seq.append(calls[q].block.index)
+                    cached.add(q)
+            seq.append(calls[p].block.index)
+            cached.discard(p - 1)
+        return seq
+
     def live(self) -> list[BlockCall]:
         return [c for c in (r() for r in self.calls + self.kept) if c is not None]
 

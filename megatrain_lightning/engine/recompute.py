@@ -478,23 +478,3 @@ class Recompute:
         if call.graph is not None:
             call.graph.close()
             call.graph = None
-
-    def backward_sequence(self) -> list[int]:
-        """Block fetch order of the coming backward (recompute chains included), for prefetching."""
-        seq: list[int] = []
-        cached: set[int] = set()
-        calls = self.fwd.live_calls()
-        for p in range(len(calls) - 1, -1, -1):
-            g = calls[p].graph
-            if g is not None and g.hooks is not None and not g.hooks.needs_weights:
-                continue  # its backward fetches nothing
-            if calls[p].links and (p - 1) not in cached:
-                chain = [p - 1]
-                while calls[chain[-1]].links and (chain[-1] - 1) not in cached:
-                    chain.append(chain[-1] - 1)
-                for q in reversed(chain):
-                    seq.append(calls[q].block.index)
-                    cached.add(q)
-            seq.append(calls[p].block.index)
-            cached.discard(p - 1)
-        return seq

@@ -364,7 +364,7 @@ class StreamingEngine:
         self.grads.new_backward()
         self._plan_updates_in_backward()
         self.recompute.fwd.last_outs = None  # the forward is over
-        self._seq, self._cursor = self.recompute.backward_sequence(), 0
+        self._seq, self._cursor = self.recompute.fwd.backward_sequence(), 0
         seq = self._seq  # the next forward's guess: from the 2nd forward on the last block keeps its graph
         self._bwd_seq = seq[1:] if seq[:1] == self.order[-1:] else seq
 
