@@ -125,11 +125,35 @@ class SteerLM(LM):
 def test_a_parameter_from_outside_the_block_read_inside_it_is_refused(recompute):
     """Its gradient was lost silently (2.9e-2 off plain after 6 steps): refused in the first training forward,
     naming the block and the parameter; the same hook on the block itself trains as plain PyTorch."""
+    refusing = MegaTrainStrategy(recompute=recompute)
     with pytest.raises(RuntimeError, match="streamed block model.model.layers.0 used parameter steer\\.(weight|bias).*register "
                                            "the hook on the block itself"):
-        _fit(SteerLM(inner=True), MegaTrainStrategy(recompute=recompute), steps=2, n=4)
+        _fit(SteerLM(inner=True), refusing, steps=2, n=4)
+    assert refusing.engine.acct.live == 0  # the refused block's device buffers are not counted as live
     torch.manual_seed(7)
     ours = _fit(SteerLM(inner=False), MegaTrainStrategy(recompute=recompute), steps=3, n=6)
     torch.manual_seed(7)
     plain = _fit(SteerLM(inner=False), "auto", steps=3, n=6)
     _assert_same(ours, plain, 1e-6)
+
+
+class _HookLater(pl.Callback):
+    """Registers a steering hook on layer 0's MLP (inside the streamed block) after the first training step."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 0:
+            steer = pl_module.steer
+            pl_module.model.model.layers[0].mlp.register_forward_hook(lambda m, a, out: out + steer(out))
+
+
+def test_a_parameter_from_outside_the_block_read_by_a_hook_added_mid_fit_is_refused():
+    """The check ran at a block's first training call only: a hook added by a callback after step 0 trained without
+    the steering gradient silently. Registering any hook makes every block be checked again at its next call."""
+    lm = SteerLM(inner=False)
+    lm.model.model.layers[0]._forward_hooks.clear()  # start with no steering hook at all
+    trainer = pl.Trainer(strategy=MegaTrainStrategy(), accelerator="cpu", devices=1, max_steps=3, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[_HookLater()])
+    with pytest.raises(RuntimeError, match="streamed block model.model.layers.0 used parameter steer\\.(weight|bias)"):
+        trainer.fit(lm, make_data(n=6))
+    assert len(lm.losses) == 1  # the first step trained; the second (first with the hook) was refused

@@ -12,6 +12,7 @@ import contextlib
 from typing import Any, Iterator, Sequence
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from .calls import BlockCall
 
@@ -81,8 +82,10 @@ class ForeignLeafCheck:
     grad and is neither an argument of the call nor one of the block's parameters: a parameter of a module outside
     the block read by a forward hook inside it, or through an attribute or closure. The block's backward
     differentiates its arguments and parameters only, so that tensor's gradient would be lost silently (probe S:
-    a steering vector read in a hook on an inner MLP trained 6.5e-2 off plain PyTorch). Checked once per block (a
-    walk of the call's autograd graph): a hook added after a block's first training call is not seen.
+    a steering vector read in a hook on an inner MLP trained 6.5e-2 off plain PyTorch). Checked at the first training
+    call of each block (a walk of the call's autograd graph), and again at the next call of every block after any hook
+    was registered anywhere (PyTorch numbers every hook handle it makes: ``torch.utils.hooks.RemovableHandle.next_id``),
+    so a hook added mid-fit (by a callback) is seen at its first use.
 
     Args:
         store: the host store (``index``: ``id(param)`` -> (slab, entry); ``slabs[s].entries[e].ref.fqn``), to
@@ -92,6 +95,7 @@ class ForeignLeafCheck:
     def __init__(self, store: Any):
         self.store = store
         self.checked: set[int] = set()
+        self.hooks_seen = RemovableHandle.next_id  # hook handles made so far (any module, tensor or global hook)
 
     def __call__(self, block: Any, outs: Sequence[torch.Tensor], own: Sequence[torch.Tensor]) -> None:
         """Check ``outs`` (the call's tensor outputs, still attached to the call's graph) of ``block`` (a
@@ -99,6 +103,9 @@ class ForeignLeafCheck:
 
         Raises:
             RuntimeError: naming the block and the tensor (its parameter name when the store holds it)."""
+        if RemovableHandle.next_id != self.hooks_seen:  # a hook was registered since: check every block again
+            self.hooks_seen = RemovableHandle.next_id
+            self.checked.clear()
         if block.index in self.checked:
             return
         self.checked.add(block.index)

@@ -219,15 +219,15 @@ class Recompute:
                     hooks.capture(bufs, casts) if hooks else contextlib.nullcontext(), \
                     plain_chunks() if hooks else contextlib.nullcontext():
                 out = own_outputs(call.forward(*args, **kwargs), bufs)
-        except BaseException:
+            out_flat, spec = tree_flatten(out)
+            outs = [x for x in out_flat if isinstance(x, torch.Tensor)]
+            call.out_grad = [o.requires_grad for o in outs]
+            self.leaf_check(blk, outs, [*inputs, *leaves.values()])
+        except BaseException:  # a refusal leaves no buffer counted as live
             self.acct.release(bufs)
             raise
         finally:
             self.acct.add(compute_s=time.perf_counter() - t0)
-        out_flat, spec = tree_flatten(out)
-        outs = [x for x in out_flat if isinstance(x, torch.Tensor)]
-        call.out_grad = [o.requires_grad for o in outs]
-        self.leaf_check(blk, outs, [*inputs, *leaves.values()])
         if hooks is not None:
             release_leaves(leaves)
             self.acct.release(bufs)  # the graph holds no weights
