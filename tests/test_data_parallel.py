@@ -175,12 +175,18 @@ def test_offload_activations_two_processes(tmp_path):
     assert_matches(tmp_path, 2, model, losses, 1e-5)
 
 
-@pytest.mark.parametrize("recompute", ["selective", "none"])
+@pytest.mark.parametrize("recompute", ["selective", "none", "auto"])
 def test_recompute_policies_two_processes(tmp_path, recompute):
     """As above with each recompute policy that keeps more than the block inputs (llama_tied: the tied
-    embedding, whose backward under "none" fetches no weight)."""
-    check(launch(tmp_path, "--arch", "llama_tied", "--devices", "2", "--batch", "2", "--steps", "12", "--accumulate",
-                 "2", "--clip", "0.5", "--sched", "cosine", "--recompute", recompute))
+    embedding, whose backward under "none" fetches no weight). ``"auto"`` logs its choice once, from global rank 0
+    (each rank logged its own identical line)."""
+    proc = launch(tmp_path, "--arch", "llama_tied", "--devices", "2", "--batch", "2", "--steps", "12", "--accumulate",
+                  "2", "--clip", "0.5", "--sched", "cosine", "--recompute", recompute)
+    check(proc)
+    if recompute == "auto":
+        ranks = (proc.stdout + proc.stderr).split("[rank ")
+        said = [r[0] for r in ranks if "recompute='auto' with activation_memory_limit" in r]
+        assert said == ["0"], said
     model, losses = reference("llama_tied", 4, 12, 2, 0.5, "cosine")
     assert_matches(tmp_path, 2, model, losses, 1e-5)
 

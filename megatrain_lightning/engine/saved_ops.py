@@ -1,0 +1,150 @@
+"""The op outputs a ``"selective"`` block call keeps for its backward (``recompute="selective"``,
+:mod:`.recompute_policy`).
+
+``"selective"`` saving is PyTorch's selective activation checkpointing: ``create_selective_checkpoint_contexts`` and
+a policy function returning ``CheckpointPolicy``; the caching mode runs around the block's forward,
+the cached mode around its recompute in backward (``engine/recompute.py``). Both run with autograd on
+and the same leaves, so both see the same op sequence (the cache is matched op by op).
+
+Beyond the public API this reads torch's SAC cache (the caching mode's ``storage``: op -> index ->
+pytree of ``_VersionWrapper(val, version)``, and the ``_RECOMPUTE`` marker) to count the kept bytes,
+move them to host memory with ``offload_activations``, keep them for ``retain_graph=True`` and turn an
+output modified in place back into a recompute; checked against torch 2.13
+(tests/test_recompute_policy.py fails if that layout changes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch.utils._pytree import tree_flatten
+from torch.utils import checkpoint as _torch_checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from .op_kinds import cheap, expensive, storage_bytes, written_args
+
+# torch's marker of a cache entry to recompute (what a PREFER_RECOMPUTE op gets in the cache)
+_RECOMPUTE = _torch_checkpoint._RECOMPUTE
+
+
+class SavedOps:
+    """The op outputs one ``"selective"`` block call keeps, with torch's two SAC modes.
+
+    ``forward()`` wraps the call's forward (caching mode), ``recompute(keep_graph)`` its recompute in
+    backward (cached mode). ``nbytes``: bytes kept (unique storages). Not thread-safe (compute thread).
+    """
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.nbytes = 0
+        self._fwd, self._cached = create_selective_checkpoint_contexts(self._policy)
+        self._offloaded: list[tuple[Any, tuple]] = []
+        self._kept_storages: set[int] = set()  # storages of the outputs kept so far in this forward
+
+    def _policy(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        written = written_args(func)
+        if written and self._kept_storages:
+            self._recompute_written(written, args, kwargs)
+        if cheap(func, args, kwargs) or (self.mode == "selective" and not expensive(func, args, kwargs)):
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        for t in tree_flatten(ctx.op_output)[0]:
+            if isinstance(t, torch.Tensor):
+                self._kept_storages.add(t.untyped_storage().data_ptr())
+        return CheckpointPolicy.MUST_SAVE
+
+    def _recompute_written(self, written: tuple[tuple[int, str], ...], args: tuple, kwargs: dict) -> None:
+        """An op wrote into tensors (in place, ``out=``): a kept output sharing one of their storages is
+        recomputed instead (its cached value is no longer what the op produced). Torch's version check
+        (:meth:`forward`) misses a write through an alias with its own version counter: a 4-D ``q @ k.T``
+        runs ``bmm`` then ``_unsafe_view``, and ``scores /= c`` on the result changes the kept ``bmm``
+        output (Falcon's eager attention)."""
+        hit = set()
+        for i, name in written:
+            for t in tree_flatten(kwargs.get(name, args[i] if i < len(args) else None))[0]:
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self._kept_storages:
+                    hit.add(t.untyped_storage().data_ptr())
+        if hit:
+            for entries, i, ws in list(self._entries()):
+                if any(w.val.untyped_storage().data_ptr() in hit for w in ws):
+                    entries[i] = _RECOMPUTE
+
+    def _entries(self) -> Iterator[tuple[dict, int, list]]:
+        # torch's cache: op -> {index: pytree of _VersionWrapper(val, version) or a marker}
+        for entries in self._fwd.storage.values():
+            for i, entry in entries.items():
+                ws = [w for w in tree_flatten(entry)[0] if isinstance(getattr(w, "val", None), torch.Tensor)]
+                if ws:
+                    yield entries, i, ws
+
+    def _wrappers(self) -> Iterator[Any]:
+        for _, _, ws in self._entries():
+            yield from ws
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        """Context of the call's forward (autograd on): keeps the outputs the policy selects. An output
+        modified in place later in the block (Mixtral's routing weights) is recomputed instead."""
+        try:
+            with self._fwd:
+                yield
+        finally:
+            self._kept_storages = set()
+        for entries, i, ws in list(self._entries()):
+            if any(w.val._version != w.version for w in ws):
+                entries[i] = _RECOMPUTE
+        self.nbytes = storage_bytes([w.val for w in self._wrappers()], set())
+
+    def recompute_returned(self, outputs: list[torch.Tensor]) -> None:
+        """After the forward: kept op outputs that the block returns (a block ending in a Linear) are recomputed
+        instead. The caller owns those tensors and may change them in place, as plain PyTorch allows when no
+        backward reads them (``y = block(x); y += x``): the kept copy would then no longer be what the op
+        produced (torch's SAC raised "Tensor cached during selective activation checkpoint has been mutated")."""
+        mine = {t.untyped_storage().data_ptr() for t in outputs}
+        hit = False
+        for entries, i, ws in list(self._entries()):
+            if any(w.val.untyped_storage().data_ptr() in mine for w in ws):
+                entries[i], hit = _RECOMPUTE, True
+        if hit:
+            self.nbytes = storage_bytes([w.val for w in self._wrappers()], set())
+
+    @contextlib.contextmanager
+    def recompute(self, keep_graph: bool) -> Iterator[None]:
+        """Context of the call's recompute in backward: kept outputs are returned instead of computed.
+        ``keep_graph`` (``retain_graph=True``): the cache stays usable for a further backward."""
+        storage = self._fwd.storage
+        snapshot = {k: dict(v) for k, v in storage.items()} if keep_graph else None
+        try:
+            with self._cached:
+                yield
+        finally:
+            if snapshot is not None:
+                storage.clear()
+                storage.update(snapshot)
+
+    def offload(self, transport: Any) -> int:
+        """Move the kept outputs to host memory (``transport.offload``); returns the bytes moved."""
+        n = 0
+        for w in self._wrappers():
+            n += w.val.numel() * w.val.element_size()
+            self._offloaded.append((w, transport.offload(w.val)))
+            w.val = None
+        return n
+
+    def restore(self, transport: Any) -> int:
+        """Bring offloaded outputs back (``transport.restore``) before the recompute; returns the bytes
+        copied (0 for an output a CPU device uses in place)."""
+        n = 0
+        for w, host in self._offloaded:
+            w.val = transport.restore(*host)
+            w.version = w.val._version
+            if w.val is not host[0]:
+                n += w.val.numel() * w.val.element_size()
+        self._offloaded = []
+        return n
+
+    def free(self) -> None:
+        """Drop every kept output (the call's backward ran without ``retain_graph``)."""
+        self._fwd.storage.clear()
+        self._offloaded = []
