@@ -206,8 +206,48 @@ def saved_bytes(model, checkpointing):
     return n[0]
 
 
-def run_baseline(checkpointing=True):
+class CopyTraffic:
+    """The host memory traffic of ``cpu_zero_copy=False`` without the engine: per step, on two worker threads with one
+    intra-op thread each (the engine's H2D and D2H workers, engine/threads.py), each decoder layer's weights copied twice
+    (forward, recompute in backward) and the embedding table and LM head once each (the tied SmolLM2 table: twice),
+    then each layer's and the head's gradient copied into an fp32 accumulator: the bytes the engine's h2d_bytes /
+    d2h_bytes report for that row. Run next to the plain + HF checkpointing step, it measures what the copies alone
+    cost on this machine (the floor of the copy-mode ratio): row "copy_floor"."""
+
+    def __init__(self, model):
+        import concurrent.futures
+        layers = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
+        emb, head = model.get_input_embeddings().weight.numel(), model.get_output_embeddings().weight.numel()
+        self.h2d = [n for n in layers for _ in (0, 1)] + [emb, head]
+        self.d2h = layers + [head]
+        self.src = torch.empty(sum(layers) + emb + head)  # distinct sources, as the master slabs are
+        self.dst = [torch.empty(max(self.h2d)) for _ in range(2)]  # one destination per worker
+        # two workers of one intra-op thread each, as the engine's H2D and D2H workers
+        self.pool = concurrent.futures.ThreadPoolExecutor(2, initializer=lambda: torch.set_num_threads(1))
+        self.futs = []
+
+    def bytes(self):
+        return 4 * sum(self.h2d), 4 * sum(self.d2h)
+
+    def _run(self, chunks, dst):
+        off = 0
+        for n in chunks:
+            if off + n > self.src.numel():
+                off = 0
+            dst[:n].copy_(self.src[off : off + n])
+            off += n
+
+    def start(self):
+        self.futs = [self.pool.submit(self._run, self.h2d, self.dst[0]), self.pool.submit(self._run, self.d2h, self.dst[1])]
+
+    def wait(self):
+        for f in self.futs:
+            f.result()
+
+
+def run_baseline(checkpointing=True, copies=False):
     model = make_model().to(dev)
+    traffic = CopyTraffic(model) if copies else None
     if checkpointing:
         # transformers >= 5.20 names it activation_checkpointing_enable (gradient_checkpointing_enable is the older alias)
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
@@ -221,10 +261,14 @@ def run_baseline(checkpointing=True):
         ids = ids_all[i * args.batch : (i + 1) * args.batch].to(dev)
         sync()
         t0, o0 = time.perf_counter(), other_cpu_s()
+        if traffic is not None:
+            traffic.start()
         opt.zero_grad(set_to_none=True)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
+        if traffic is not None:
+            traffic.wait()
         sync()
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
@@ -297,6 +341,8 @@ ALL = {"baseline": (f"baseline (HF checkpointing, {args.adamw} AdamW)", True),
        "plain": ("plain PyTorch, no checkpointing", False),
        "block": ("megatrain", {}),
        "copy": ("megatrain cpu_zero_copy=False", {"cpu_zero_copy": False}),
+       # the copies of cpu_zero_copy=False alone, on a worker thread next to the baseline step (CopyTraffic)
+       "copy_floor": ("baseline + copy-mode copies (floor)", "copies"),
        "selective": ("megatrain recompute=selective", {"recompute": "selective"}),
        "none": ("megatrain recompute=none", {"recompute": "none"}),
        "auto": ("megatrain recompute=auto", {"recompute": "auto"}),
@@ -310,7 +356,7 @@ if args.child:  # one row, for a parent run with --isolate
     wanted = [args.configs]
 else:
     wanted = [k for k in ALL if k != "auto25" and not k.endswith("_g4")] if args.configs == "all" else ["baseline"] + [c for c in args.configs.split(",") if c != "baseline"]
-for k in ("copy", "copy_g4"):
+for k in ("copy", "copy_g4", "copy_floor"):
     if cuda and k in wanted:
         wanted.remove(k)  # CUDA always copies
 configs = [(key, *ALL[key]) for key in wanted]
@@ -343,8 +389,8 @@ for rnd in range(args.rounds):
             kw = {**kw, "activation_memory_limit": max(1, limit)}
         if args.isolate:
             times, other, peak, hist, kept = run_isolated(key, kw)
-        elif isinstance(kw, bool):
-            times, other, peak, kept = run_baseline(checkpointing=kw)
+        elif isinstance(kw, bool) or kw == "copies":
+            times, other, peak, kept = run_baseline(checkpointing=kw is not False, copies=kw == "copies")
             hist = []
         else:
             times, other, peak, hist = run_megatrain(**kw)
@@ -401,6 +447,12 @@ if "none" in by and "plain" in by:
     checks.append(("none / plain without checkpointing", by["none"]["ratio_plain"], 1.05, per_round("none", "plain")))
 if "copy" in by:
     checks.append(("block, cpu_zero_copy=False / baseline", by["copy"]["ratio"], 1.05, per_round("copy", "baseline")))
+floor = None
+if "copy_floor" in by:  # no target: what the copies alone cost here, and how much of the copy row's cost is not them
+    floor = {"floor_ratio": by["copy_floor"]["ratio"], "per_round": per_round("copy_floor", "baseline")}
+    if "copy" in by:
+        floor["copy_over_floor"] = by["copy"]["median_s"] / by["copy_floor"]["median_s"]
+        floor["copy_over_floor_per_round"] = per_round("copy", "copy_floor")
 if "auto25" in by and "block" in by:
     a25 = by["auto25"]
     limit = a25["strategy_kwargs"]["activation_memory_limit"]
@@ -439,6 +491,12 @@ if ratio is not None:
 for what, r, target, rounds in checks:
     spread = f" (per round: {', '.join(f'{x:.3f}' for x in rounds)})" if len(rounds) > 1 else ""
     print(f"ratio {what} = {r:.3f} (target <= {target}): {'PASS' if r <= target else 'FAIL'}{spread}")
+if floor is not None:
+    spread = f" (per round: {', '.join(f'{x:.3f}' for x in floor['per_round'])})" if args.rounds > 1 else ""
+    print(f"ratio baseline + copy-mode copies (floor of the copy row) / baseline = {floor['floor_ratio']:.3f}{spread}")
+    if "copy_over_floor" in floor:
+        spread = f" (per round: {', '.join(f'{x:.3f}' for x in floor['copy_over_floor_per_round'])})" if args.rounds > 1 else ""
+        print(f"ratio megatrain cpu_zero_copy=False / its floor = {floor['copy_over_floor']:.3f}{spread}")
 # block groups (no target on CPU: the GPU is where a fetch's fixed cost shows): each grouped row / its single-block peer
 groups = {g: by[g]["median_s"] / by[p]["median_s"] for g, p in (("block_g4", "block"), ("copy_g4", "copy"), ("none_g4", "none"))
           if g in by and p in by}
@@ -452,5 +510,5 @@ with open(args.out, "w") as f:
                "threads": torch.get_num_threads(),
                "n_params": n_params, "target_ratio": TARGET, "ratio": ratio, "pass": passed,
                "issue14_checks": [{"what": w, "ratio": r, "target": t, "pass": r <= t, "per_round": pr} for w, r, t, pr in checks],
-               "block_group_ratios": groups, "other_cpu_s_total": busy, "reliable": reliable, "rows": rows}, f, indent=1)
+               "block_group_ratios": groups, "copy_floor": floor, "other_cpu_s_total": busy, "reliable": reliable, "rows": rows}, f, indent=1)
 print(f"wrote {args.out}")

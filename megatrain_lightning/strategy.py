@@ -82,6 +82,7 @@ from .parallel.preflight import (check_rendezvous, check_same_batches, check_sam
                                  run_fingerprint)
 from .placeholder_guard import format_gib, guard as guard_placeholders, holder_of, unguard as unguard_placeholders
 from .precision import MegaTrainPrecision, to_megatrain_precision
+from .store.host import is_nvme_placeholder
 from .store.nvme import IO_BLOCK_SIZE, NVME_PATH_FROM_ENV, NVMeConfig
 from .store.regions import Region
 
@@ -421,6 +422,7 @@ class MegaTrainStrategy(ParallelStrategy):
                 "on_save_checkpoint or after the run.")
         if trainer.state.fn == TrainerFn.FITTING:
             _refuse_callbacks_reading_masters_on_disk(trainer.callbacks, self.nvme is not None and Region.master in self.nvme.kinds)
+            _warn_save_hooks_see_no_weights(module, trainer.callbacks, self.nvme is not None and Region.master in self.nvme.kinds)
             _refuse_pruning(trainer.callbacks)
         reserve_frozen = _reserve_frozen(self.unfreeze_during_fit, trainer.callbacks)
         if self.engine is not None and (self.engine.closed or self.engine.root is not module
@@ -711,6 +713,15 @@ class MegaTrainStrategy(ParallelStrategy):
             RuntimeError: with several processes (each rank's masters are the node's shared copy, which one
                 rank's assignment must not change alone): write in place instead, on every rank.
         """
+        written = self.engine.params.placeholder_writes()
+        if written:
+            more = f" and {len(written) - 1} more" if len(written) > 1 else ""
+            raise RuntimeError(
+                f"megatrain: parameter {written[0]}{more} was written in place during fit (nn.init, fill_ or zero_ in a "
+                "hook), but its weights are on NVMe (offload_params='nvme') and outside a block's compute the module's "
+                "parameters are placeholders: the write did not reach the weights. Make the edit inside "
+                "`with trainer.strategy.summon_full_params(module):` (reads and writes there see the real weights), "
+                "or assign param.data = new_tensor.")
         if self.groups is not None:
             found = self.engine.params.replaced()
             if found:
@@ -777,6 +788,65 @@ class MegaTrainStrategy(ParallelStrategy):
                     "write just made hit the weights from before that update, and the update would land on top of "
                     "it. Call trainer.strategy.flush() before writing the weights, then weights_written() after.")
             self.engine.weights_written()
+
+    @contextlib.contextmanager
+    def summon_full_params(self, module: torch.nn.Module | None = None, writeback: bool = True
+                           ) -> Generator[None, None, None]:
+        """Inside this context the parameters of ``module`` (default: the whole LightningModule) hold their current
+        fp32 weights, to read or edit from a hook or callback, as ``FullyShardedDataParallel.summon_full_params``
+        does for FSDP. In the RAM tier they always do (they are views of the host masters); with the weights on NVMe
+        (``offload_params="nvme"``) they are placeholders (NaN) outside it, so a weight norm read there is NaN and a
+        write there (``nn.init``, ``fill_``) is refused at the next step.
+
+        Pending optimizer updates are applied first. On exit with ``writeback=True`` (the default) the values the
+        parameters hold then (in-place edits, or ``param.data = tensor`` of the same shape) are written into the
+        store and the prefetched copies dropped; pass ``writeback=False`` to only read (with NVMe: no disk writes).
+        With several processes every rank must enter it and write the same values.
+
+        Example (a weight-norm callback on the NVMe tier)::
+
+            with trainer.strategy.summon_full_params(pl_module.model.lm_head, writeback=False):
+                norm = pl_module.model.lm_head.weight.norm()
+
+        Raises:
+            ValueError: with the weights on NVMe, the requested parameters' fp32 bytes exceed ``host_memory_limit``
+                (checked before anything is read): pass a submodule.
+        """
+        if self.engine is None:
+            yield
+            return
+        module = module if module is not None else self.lightning_module
+        params = list(module.parameters())
+        engine = self.engine
+        if engine.store.masters_on_disk and engine.host_memory_limit is not None:
+            need = sum(p.numel() * 4 for p in params if id(p) in engine.store.index)
+            if need > engine.host_memory_limit:
+                raise ValueError(
+                    f"megatrain: summon_full_params would read {format_gib(need / 2**30)} of fp32 weights from NVMe into "
+                    f"host RAM, more than host_memory_limit ({format_gib(engine.host_memory_limit / 2**30)}). Pass the "
+                    "submodule you need (e.g. pl_module.model.lm_head), or raise host_memory_limit.")
+        engine.flush()
+        summoned = engine.params.summon(params)
+        try:
+            yield
+        finally:
+            engine.params.unsummon(summoned, writeback)
+            if writeback:
+                engine.weights_written()
+
+    def on_exception(self, exception: BaseException) -> None:
+        """With the weights on NVMe, an in-place write into a placeholder parameter that torch itself refuses
+        (``copy_``, ``mul_``, ``nn.init.normal_``, ``load_state_dict`` on a stride-0 tensor: "more than one element of
+        the written-to tensor refers to a single memory location") gets a note saying why and what to do (Python >=
+        3.11 ``add_note``; the exception is not changed otherwise)."""
+        super().on_exception(exception)
+        if self.engine is None or not self.engine.store.masters_on_disk or not hasattr(exception, "add_note"):
+            return
+        if "refers to a single memory location" in str(exception):
+            exception.add_note(
+                "megatrain: with offload_params='nvme' the module's parameters are placeholders outside a block's "
+                "compute (their weights are on NVMe), so they cannot be written in place. Make the edit inside "
+                "`with trainer.strategy.summon_full_params(module):`, or assign param.data = new_tensor.")
 
     def on_validation_start(self) -> None:
         self.flush()
@@ -1190,6 +1260,23 @@ def _refuse_pruning(callbacks: Sequence[Callback]) -> None:
                 "model, then prune.remove to make it permanent), or between two fit calls, and remove ModelPruning.")
 
 
+def _warn_save_hooks_see_no_weights(module: Any, callbacks: Sequence[Callback], masters_on_disk: bool) -> None:
+    """Warn (once, at setup) when the LightningModule or a callback overrides ``on_save_checkpoint`` while the weights
+    are on NVMe: the hook's ``checkpoint["state_dict"]`` is then empty (the strategy writes the weights into the
+    checkpoint directory's ``model/`` one slab at a time; a dict of them would need the whole model in host RAM).
+    Probe T: a hook counting the keys saw 0 instead of 30, without a word."""
+    if not masters_on_disk:
+        return
+    who = [type(module).__name__] if is_overridden("on_save_checkpoint", module) else []
+    who += [type(cb).__name__ for cb in callbacks if is_overridden("on_save_checkpoint", cb, Callback)]
+    if who:
+        rank_zero_warn(
+            f"megatrain: {', '.join(who)} override(s) on_save_checkpoint; with offload_params='nvme' the hook's "
+            "checkpoint['state_dict'] is empty: the weights are written to the checkpoint directory's model/ "
+            "(safetensors) one slab at a time. Read weights there after the save, or in a hook inside "
+            "`with trainer.strategy.summon_full_params(submodule, writeback=False):`.")
+
+
 def _refuse_callbacks_reading_masters_on_disk(callbacks: Sequence[Callback], masters_on_disk: bool) -> None:
     """Raise if a callback would read (or write) parameter values through ``param.data`` while the masters are on
     NVMe (``offload_params="nvme"``: those tensors are placeholders, the weights are in the store's files).
@@ -1225,15 +1312,14 @@ def _refuse_callbacks_reading_masters_on_disk(callbacks: Sequence[Callback], mas
 
 
 def _refuse_placeholders(module: torch.nn.Module) -> None:
-    """Raise if the module's parameters are NVMe placeholders (stride-0 views of one 4-byte value) that
+    """Raise if the module's parameters are NVMe placeholders (stride-0 views of one 4-byte NaN) that
     a new engine would take for weights: building a store from them would train or evaluate zeros.
 
     Raises:
         RuntimeError: with what happened and what to do.
     """
     for name, p in module.named_parameters():
-        if p.numel() > 1 and p.device.type == "cpu" and all(st == 0 for st in p.stride()) \
-                and p.untyped_storage().nbytes() == 4:
+        if is_nvme_placeholder(p):
             raise RuntimeError(
                 f"megatrain: parameter {name} holds no weights (an NVMe placeholder: its weights are in the NVMe store "
                 "of another strategy, or were, if that store was closed). Use the Trainer whose strategy holds them, "

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..optim.host_adamw import HostAdamW
-from ..store.host import HostStore
+from ..store.host import HostStore, is_nvme_placeholder
 from ..store.regions import Region
 
 
@@ -105,13 +105,13 @@ class ParamAccess:
             slab = self.store.slabs[si]
             e = slab.entries[i]
             d = e.ref.param.data
-            if d.numel() > 1 and all(st == 0 for st in d.stride()) and d.untyped_storage().nbytes() <= 4:
+            if is_nvme_placeholder(d):
                 raise RuntimeError(
                     f"megatrain: parameter {e.ref.fqn} holds no weights: its .data is the placeholder of another "
                     "Trainer's NVMe store (that run ended without enough host RAM to give the module its weights "
                     "back). Continue with that Trainer, or load its checkpoint into the module before using this one.")
             self.write(e.ref.param, e.ref.param.data)
-            e.ref.param.data = self.store.placeholder(e.shape) if self.store.masters_on_disk else slab.master_view(i)
+            e.ref.param.data = self.store.placeholder(si, i) if self.store.masters_on_disk else slab.master_view(i)
             names.append(e.ref.fqn)
         return names
 
@@ -145,9 +145,45 @@ class ParamAccess:
             return
         self.write_back_materialized()
         for slab in self.store.slabs:
-            for e in slab.entries:
-                e.ref.param.data = self.store.placeholder(e.shape)
+            for i, e in enumerate(slab.entries):
+                e.ref.param.data = self.store.placeholder(slab.index, i)
         self.materialized = False
+
+    def placeholder_writes(self) -> list[str]:
+        """Names of the parameters written in place while their masters were on disk (the write went into the
+        placeholder, not the weights: :meth:`HostStore.placeholder_writes`); empty in the RAM tier."""
+        if not self.store.masters_on_disk or self.materialized:
+            return []
+        return [self.store.slabs[si].entries[i].ref.fqn for si, i in self.store.placeholder_writes()]
+
+    def summon(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
+        """Masters on disk: give each streamed parameter of ``params`` a real fp32 copy of its master as ``.data``
+        (pending updates applied; read through the NVMe window, which keeps none of it). Returns those parameters,
+        for :meth:`unsummon`; the others (RAM tier, not streamed) keep their ``.data``."""
+        if not self.store.masters_on_disk or self.materialized:
+            return []
+        done = []
+        try:
+            for p in params:
+                if id(p) in self.store.index and self.store.is_placeholder(p.data):
+                    p.data = self.read(p).clone()
+                    done.append(p)
+        except BaseException:
+            self.unsummon(done, writeback=False)
+            raise
+        return done
+
+    def unsummon(self, summoned: list[nn.Parameter], writeback: bool) -> None:
+        """Undo :meth:`summon`: with ``writeback`` write each parameter's current ``.data`` (an in-place edit or a
+        new tensor of the same shape) into its master first; then point ``.data`` back at its placeholder."""
+        try:
+            if writeback:
+                for p in summoned:
+                    self.write(p, p.data)
+        finally:
+            for p in summoned:
+                si, i = self.store.locate(p)
+                p.data = self.store.placeholder(si, i)
 
     # ------------------------------------------------------------------ checkpoints
     def reader(self) -> Callable[[torch.Tensor], torch.Tensor]:

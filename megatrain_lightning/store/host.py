@@ -12,7 +12,7 @@ module (``state_dict()``, ``save_pretrained()``) and nothing is stored twice.
 With the NVMe tier (:mod:`megatrain_lightning.store.nvme`) some regions of every
 slab (``master``, and/or ``exp_avg``/``exp_avg_sq``/``grad_accum``) live in per-block files
 instead; :meth:`HostStore.hold` gives the same access to both tiers. Parameters whose
-masters are on disk keep a 4-byte placeholder ``.data`` of the right shape (stride 0)
+masters are on disk keep a 4-byte placeholder ``.data`` of the right shape (stride 0, NaN)
 while the engine owns them.
 
 Bytes per parameter on the host (fp32): master 4, gradient accumulator 4
@@ -161,6 +161,16 @@ class Slab:
         return self.grad_accum
 
 
+_SLOT_STORAGES: set[int] = set()  # storages of every store's placeholder values (grow-only: a few per run)
+
+
+def is_nvme_placeholder(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a placeholder of any :class:`HostStore` (:meth:`HostStore.placeholder`), this process's
+    stores closed since included: a parameter that holds no weights."""
+    return (t.dtype == torch.float32 and t.device.type == "cpu" and all(st == 0 for st in t.stride())
+            and t.untyped_storage().data_ptr() in _SLOT_STORAGES)
+
+
 class HostStore:
     """All slabs of a model plus byte accounting.
 
@@ -172,7 +182,7 @@ class HostStore:
         self.slabs = list(slabs)
         self.nvme = nvme  # NVMeStore or None
         self.nvme_kinds = frozenset(nvme_kinds)
-        self._placeholder_base = torch.zeros(1, dtype=torch.float32)  # the 4 bytes every placeholder expands
+        self._placeholder_slots: dict[int, torch.Tensor] = {}  # slab index -> one NaN per entry (placeholder)
         self._index: dict[int, tuple[int, int]] | None = None
         self.shared: "SharedRegions | None" = None  # data parallel: the node's shared file (store/shared.py)
 
@@ -198,16 +208,33 @@ class HostStore:
     def numel(self) -> int:
         return sum(s.numel for s in self.slabs)
 
-    def placeholder(self, shape: torch.Size) -> torch.Tensor:
-        """A 4-byte fp32 tensor of ``shape`` (stride 0): the ``.data`` of a parameter whose master is on disk.
-        This store's placeholders all expand one storage, so :meth:`is_placeholder` tells them from another
-        store's."""
-        return self._placeholder_base.expand(shape)
+    def placeholder(self, si: int, i: int) -> torch.Tensor:
+        """The ``.data`` of entry ``i`` of slab ``si`` while its master is on disk: one fp32 NaN of its own
+        expanded to the parameter's shape (stride 0, 4 bytes). User code that reads it outside a block's compute
+        (a weight norm in a callback) gets NaN rather than plausible zeros; a write into it (``nn.init.zeros_``,
+        ``fill_`` in a hook) changes that one value, which :meth:`placeholder_writes` reports by parameter."""
+        slots = self._placeholder_slots.get(si)
+        if slots is None:
+            slots = self._placeholder_slots[si] = torch.full((len(self.slabs[si].entries),), float("nan"))
+            _SLOT_STORAGES.add(slots.untyped_storage().data_ptr())
+        return slots[i].expand(self.slabs[si].entries[i].shape)
 
     def is_placeholder(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is one of this store's placeholders."""
-        return t.data_ptr() == self._placeholder_base.data_ptr() and t.dtype == torch.float32 and all(
-            st == 0 for st in t.stride())
+        ptr = t.untyped_storage().data_ptr()
+        return is_nvme_placeholder(t) and any(ptr == s.untyped_storage().data_ptr()
+                                              for s in self._placeholder_slots.values())
+
+    def placeholder_writes(self) -> list[tuple[int, int]]:
+        """``(slab, entry)`` of every placeholder written since the last call (its value is no longer NaN: an
+        in-place write that did not reach the master on disk), each reset to NaN. One ``isnan`` per slab."""
+        found = []
+        for si, slots in self._placeholder_slots.items():
+            bad = ~torch.isnan(slots)
+            if bool(bad.any()):
+                found += [(si, int(i)) for i in bad.nonzero().flatten()]
+                slots.fill_(float("nan"))
+        return found
 
     @property
     def masters_on_disk(self) -> bool:
@@ -403,7 +430,7 @@ def build_store(blocks: Sequence[Block], pin_memory: bool = False,
                     del value
             for i, e in enumerate(entries):
                 old = e.ref.param
-                data = store.placeholder(e.shape) if on_disk else slab.master_view(i)
+                data = store.placeholder(slab.index, i) if on_disk else slab.master_view(i)
                 if old.is_meta:
                     new = torch.nn.Parameter(data, requires_grad=old.requires_grad)
                     for b in blocks:
