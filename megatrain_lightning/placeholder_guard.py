@@ -1,6 +1,6 @@
 """After a run whose fp32 weights stay in the NVMe store (larger than ``host_memory_limit``), the module's
-parameters are placeholders (4 bytes expanded to each shape: reads give zeros). A forward of the module then
-(``model.generate(...)`` after ``fit``, a plain evaluation loop) would compute with zeros and return plausible
+parameters are placeholders (4 bytes expanded to each shape: reads give NaN; before, zeros). A forward of the module then
+(``model.generate(...)`` after ``fit``, a plain evaluation loop) would compute with them and return garbage
 tokens or losses without a word; :func:`guard` makes any such forward raise instead, naming what to do.
 
 Every module that owns parameters gets a forward pre-hook that checks its own parameters at each call (so a
@@ -66,12 +66,12 @@ def guard(root: nn.Module, is_placeholder: Callable[[Any], bool], gib: float, st
         root.__dict__[_HOLDER] = _Holder(holder)
     size = format_gib(gib)
     where = (f"the trained fp32 weights ({size}) exceed host_memory_limit, so after the run they are only in the NVMe "
-             f"store {store_dir} and the module's parameters are placeholders (zeros)")
+             f"store {store_dir} and the module's parameters are placeholders (NaN)")
     fix = ("Save the weights with trainer.save_checkpoint(dir) and load dir/model with from_pretrained (or read one "
            f"with trainer.strategy.engine.read_param(p)), or set host_memory_limit >= {size} so the weights come back "
            "into the module after fit.")
     check = _Check(is_placeholder, f"megatrain: {where}: this forward would compute with them. {fix}",
-                   f"megatrain: {where}: a copy or pickle of the module would hold zeros. {fix}")
+                   f"megatrain: {where}: a copy or pickle of the module would hold placeholders (NaN). {fix}")
     _HOOKS[root] = [m.register_forward_pre_hook(check) for m in root.modules()
                     if next(m.parameters(recurse=False), None) is not None]
 

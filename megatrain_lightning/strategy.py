@@ -1313,7 +1313,7 @@ def _refuse_callbacks_reading_masters_on_disk(callbacks: Sequence[Callback], mas
 
 def _refuse_placeholders(module: torch.nn.Module) -> None:
     """Raise if the module's parameters are NVMe placeholders (stride-0 views of one 4-byte NaN) that
-    a new engine would take for weights: building a store from them would train or evaluate zeros.
+    a new engine would take for weights: building a store from them would train or evaluate NaN.
 
     Raises:
         RuntimeError: with what happened and what to do.

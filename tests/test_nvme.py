@@ -361,9 +361,9 @@ def test_closed_store_weights_are_refused_and_the_same_process_is_named(tmp_path
     # a copy or pickle would have turned the placeholders into real, unguarded zeros (found by a probe)
     import copy
 
-    with pytest.raises(RuntimeError, match="a copy or pickle of the module would hold zeros.*save_checkpoint"):
+    with pytest.raises(RuntimeError, match="a copy or pickle of the module would hold placeholders.*save_checkpoint"):
         copy.deepcopy(lm.model)
-    with pytest.raises(RuntimeError, match="a copy or pickle of the module would hold zeros"):
+    with pytest.raises(RuntimeError, match="a copy or pickle of the module would hold placeholders"):
         torch.save(lm.model, tmp_path / "model.pt")
     tr.validate(lm, make_data(n=2), verbose=False)  # the strategy binds the store's weights: allowed
     with pytest.raises(NVMeStoreLockedError, match="still open in this process.*trainer.strategy.close"):

@@ -183,6 +183,7 @@ class HostStore:
         self.nvme = nvme  # NVMeStore or None
         self.nvme_kinds = frozenset(nvme_kinds)
         self._placeholder_slots: dict[int, torch.Tensor] = {}  # slab index -> one NaN per entry (placeholder)
+        self._slot_storages: set[int] = set()  # their storages' addresses
         self._index: dict[int, tuple[int, int]] | None = None
         self.shared: "SharedRegions | None" = None  # data parallel: the node's shared file (store/shared.py)
 
@@ -217,13 +218,12 @@ class HostStore:
         if slots is None:
             slots = self._placeholder_slots[si] = torch.full((len(self.slabs[si].entries),), float("nan"))
             _SLOT_STORAGES.add(slots.untyped_storage().data_ptr())
+            self._slot_storages.add(slots.untyped_storage().data_ptr())
         return slots[i].expand(self.slabs[si].entries[i].shape)
 
     def is_placeholder(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is one of this store's placeholders."""
-        ptr = t.untyped_storage().data_ptr()
-        return is_nvme_placeholder(t) and any(ptr == s.untyped_storage().data_ptr()
-                                              for s in self._placeholder_slots.values())
+        return is_nvme_placeholder(t) and t.untyped_storage().data_ptr() in self._slot_storages
 
     def placeholder_writes(self) -> list[tuple[int, int]]:
         """``(slab, entry)`` of every placeholder written since the last call (its value is no longer NaN: an
