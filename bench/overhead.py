@@ -8,7 +8,9 @@ SmolLM2-135M-shaped Llama (random init, fp32, batch 1 x 512 tokens), for
   * megatrain: the same model through lightning.Trainer(strategy=MegaTrainStrategy()),
                with each recompute policy (block, selective, none, auto) and, on CPU, once with
                cpu_zero_copy=False (copies every block as the CUDA path does), its
-               configure_optimizers returning the same torch.optim.AdamW(fused=True).
+               configure_optimizers returning the same torch.optim.AdamW(fused=True);
+  * copy_floor (CPU): the baseline step while two worker threads make the copies the
+               cpu_zero_copy=False row makes (CopyTraffic): what those copies alone cost here.
 Each row reports the activations kept between forward and backward per token: the engine's
 saved_activation_bytes, and for plain PyTorch what autograd saves inside the decoder layers
 (torch.autograd.graph.saved_tensors_hooks over one extra forward; parameters excluded; with HF
@@ -94,7 +96,7 @@ p.add_argument("--adamw", default="fused", choices=["fused", "default"],
 p.add_argument("--tries", type=int, default=3,
                help="at most TRIES x --steps measured steps per row while other processes disturb them (1: no retry)")
 p.add_argument("--configs", default="all",
-               help="comma-separated rows: baseline,plain,block,copy,selective,none,auto,auto25 (baseline always runs; "
+               help="comma-separated rows: baseline,plain,block,copy,copy_floor,selective,none,auto,auto25 (baseline always runs; "
                     "auto25 needs none before it)")
 p.add_argument("--rounds", type=int, default=1,
                help="run the rows ROUNDS times, interleaved (row 1..n, then again); medians pool every round's steps, "
