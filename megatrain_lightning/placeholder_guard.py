@@ -22,6 +22,8 @@ from typing import Any, Callable
 
 from torch import nn
 
+from .store.host import is_nvme_placeholder
+
 _HOOKS: "weakref.WeakKeyDictionary[nn.Module, list[Any]]" = weakref.WeakKeyDictionary()
 _HOLDER = "_megatrain_weights_holder"  # attribute of the root module: a _Holder
 
@@ -100,6 +102,28 @@ class _Check:
 
     def __reduce__(self) -> Any:
         raise RuntimeError(self.copy_msg)
+
+
+_STATE_DICT_HOOKS: "weakref.WeakKeyDictionary[nn.Module, list[Any]]" = weakref.WeakKeyDictionary()
+
+
+def guard_state_dict(root: nn.Module, message: str) -> None:
+    """Make ``state_dict()`` (values: ``keep_vars=False``) of any submodule of ``root`` whose own parameters are NVMe
+    placeholders raise ``RuntimeError(message)``, before anything is copied: ``save_pretrained`` or
+    ``torch.save(model.state_dict())`` from a callback during fit (or after a run whose weights stayed on NVMe) wrote
+    an all-NaN model without a word (fresh-user probe U). ``state_dict(keep_vars=True)`` (the parameters themselves,
+    which the checkpoint code maps by identity) is not refused. Installed once per module (a pre-hook per module
+    owning parameters); the check is by value, so parameters holding real weights (inside
+    ``summon_full_params``, after the weights came back) pass."""
+    if root in _STATE_DICT_HOOKS:
+        return
+
+    def pre(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if not keep_vars and any(is_nvme_placeholder(p) for p in module.parameters(recurse=False)):
+            raise RuntimeError(message)
+
+    _STATE_DICT_HOOKS[root] = [m.register_state_dict_pre_hook(pre) for m in root.modules()
+                               if next(m.parameters(recurse=False), None) is not None]
 
 
 def unguard(root: nn.Module) -> None:

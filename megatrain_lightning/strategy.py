@@ -80,7 +80,8 @@ from .parallel.launcher import MegaTrainLauncher
 from .parallel.node_share import NodeStore, nvme_for_rank, weights_written
 from .parallel.preflight import (check_rendezvous, check_same_batches, check_same_config, optimizer_fingerprint,
                                  run_fingerprint)
-from .placeholder_guard import format_gib, guard as guard_placeholders, holder_of, unguard as unguard_placeholders
+from .placeholder_guard import (format_gib, guard as guard_placeholders, guard_state_dict, holder_of,
+                                unguard as unguard_placeholders)
 from .precision import MegaTrainPrecision, to_megatrain_precision
 from .store.host import is_nvme_placeholder
 from .store.nvme import IO_BLOCK_SIZE, NVME_PATH_FROM_ENV, NVMeConfig
@@ -465,6 +466,13 @@ class MegaTrainStrategy(ParallelStrategy):
                 if self.groups else None,
             )
         unguard_placeholders(self.lightning_module)  # a forward with the store's weights bound is fine again
+        if self.engine.store.masters_on_disk:
+            guard_state_dict(self.lightning_module, (
+                "megatrain: state_dict() (or save_pretrained) of a module whose parameters are NVMe placeholders "
+                "(offload_params='nvme': the weights are in the NVMe store, the parameters hold NaN) would save NaN. "
+                "Save with trainer.save_checkpoint(dir) (dir/model loads with from_pretrained), or, from a hook, "
+                "inside `with trainer.strategy.summon_full_params(module, writeback=False):`; after fit the "
+                "weights come back into the module when host_memory_limit holds 4 bytes per parameter."))
         self.engine.install()  # weights materialized after an earlier fit are written back
         adopted = self.engine.adopt_replaced()  # e.g. another Trainer trained the module since this one ran
         if adopted:
@@ -717,8 +725,8 @@ class MegaTrainStrategy(ParallelStrategy):
         if written:
             more = f" and {len(written) - 1} more" if len(written) > 1 else ""
             raise RuntimeError(
-                f"megatrain: parameter {written[0]}{more} was written in place during fit (nn.init, fill_ or zero_ in a "
-                "hook), but its weights are on NVMe (offload_params='nvme') and outside a block's compute the module's "
+                f"megatrain: parameter {written[0]}{more} was written in place during this run (nn.init, fill_ or zero_ in "
+                "a hook), but its weights are on NVMe (offload_params='nvme') and outside a block's compute the module's "
                 "parameters are placeholders: the write did not reach the weights. Make the edit inside "
                 "`with trainer.strategy.summon_full_params(module):` (reads and writes there see the real weights), "
                 "or assign param.data = new_tensor.")
@@ -801,6 +809,9 @@ class MegaTrainStrategy(ParallelStrategy):
         Pending optimizer updates are applied first. On exit with ``writeback=True`` (the default) the values the
         parameters hold then (in-place edits, or ``param.data = tensor`` of the same shape) are written into the
         store and the prefetched copies dropped; pass ``writeback=False`` to only read (with NVMe: no disk writes).
+        Do not edit weights under ``writeback=False``: as with FSDP, what happens to such an edit is not defined (the
+        NVMe tier drops it, the RAM tier keeps it: its parameters are the weights). Contexts nest: an inner one
+        leaves the parameters of an enclosing one as they are, and each writes back its own on exit.
         With several processes every rank must enter it and write the same values.
 
         Example (a weight-norm callback on the NVMe tier)::

@@ -82,7 +82,7 @@ def test_a_write_into_a_placeholder_is_refused_at_the_next_step(tmp_path, op):
                 nn.init.zeros_(w) if op == "zeros_" else w.fill_(0.01)
 
     lm = Writes(make_model("llama"))
-    with pytest.raises(RuntimeError, match="parameter model.lm_head.weight was written in place.*summon_full_params"):
+    with pytest.raises(RuntimeError, match="parameter model.lm_head.weight was written in place during this run.*summon_full_params"):
         _fit(lm, _nvme(tmp_path))
     assert lm.losses == []
 
@@ -170,3 +170,72 @@ def test_an_on_save_checkpoint_override_is_told_the_state_dict_is_empty(tmp_path
         _fit(LM(make_model("llama")), _nvme(tmp_path / "b"), steps=1,
              callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "ckpt2"), every_n_train_steps=1)])
     assert not [w for w in got if "on_save_checkpoint" in str(w.message)]
+
+
+class SaveAtEnd(pl.Callback):
+    """``save_pretrained`` of the model in ``on_train_end``: directly, or inside ``summon_full_params`` (read only)."""
+
+    def __init__(self, out, inside: bool):
+        self.out, self.inside, self.error = out, inside, None
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        model = pl_module.model
+        try:
+            if self.inside and isinstance(trainer.strategy, MegaTrainStrategy):
+                with trainer.strategy.summon_full_params(model, writeback=False):
+                    model.save_pretrained(self.out)
+            else:
+                model.save_pretrained(self.out)
+        except RuntimeError as e:
+            self.error = str(e)
+
+
+def test_save_pretrained_of_placeholders_is_refused_and_works_inside_summon(tmp_path):
+    """``save_pretrained`` from a callback wrote an all-NaN model (probe U: 143808 of 143808 values): refused, naming
+    save_checkpoint and summon_full_params; inside summon_full_params it writes plain Lightning's trained weights."""
+    from safetensors.torch import load_file
+
+    direct, inside, plain = SaveAtEnd(tmp_path / "d", False), SaveAtEnd(tmp_path / "i", True), SaveAtEnd(tmp_path / "p", False)
+    _fit(LM(make_model("llama")), _nvme(tmp_path / "n1"), callbacks=[direct])
+    assert direct.error is not None and "would save NaN" in direct.error and "save_checkpoint" in direct.error
+    assert not (tmp_path / "d" / "model.safetensors").exists()
+    _fit(LM(make_model("llama")), _nvme(tmp_path / "n2"), callbacks=[inside])
+    _fit(LM(make_model("llama")), "auto", callbacks=[plain])
+    ours, ref = load_file(tmp_path / "i" / "model.safetensors"), load_file(tmp_path / "p" / "model.safetensors")
+    assert ours.keys() == ref.keys()
+    for k in ref:
+        torch.testing.assert_close(ours[k], ref[k], rtol=1e-6, atol=0, msg=k)
+
+
+class Nested(pl.Callback):
+    """At step 1's end: an outer ``summon_full_params`` on the whole module, an inner one on the LM head (edits it);
+    after the inner one ends, the outer one reads an MLP weight's norm and halves it."""
+
+    def __init__(self):
+        self.norm = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx != 1:
+            return
+        model = pl_module.model
+        up = model.model.layers[0].mlp.up_proj.weight
+        with trainer.strategy.summon_full_params(pl_module) if isinstance(trainer.strategy, MegaTrainStrategy) \
+                else torch.no_grad():
+            with trainer.strategy.summon_full_params(model.lm_head) if isinstance(trainer.strategy, MegaTrainStrategy) \
+                    else torch.no_grad():
+                with torch.no_grad():
+                    model.lm_head.weight.mul_(0.5)
+            self.norm = float(up.norm())
+            with torch.no_grad():
+                up.mul_(0.5)
+
+
+def test_nested_summon_full_params_keeps_the_outer_weights(tmp_path):
+    """The inner context's exit took the outer one's parameters back to placeholders (probe U: the outer read gave
+    NaN, its edit raised): now both edits train as in plain Lightning."""
+    ours, ref = LM(make_model("llama")), LM(make_model("llama"))
+    a, b = Nested(), Nested()
+    _fit(ours, _nvme(tmp_path), callbacks=[a])
+    _fit(ref, "auto", callbacks=[b])
+    assert a.norm == pytest.approx(b.norm, rel=1e-6, abs=0) and a.norm == a.norm
+    assert_parity(ours.model, ref.model, ours.losses, ref.losses, tol=1e-6)

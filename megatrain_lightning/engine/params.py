@@ -30,6 +30,7 @@ class ParamAccess:
         self.store = store
         self._optimizer = optimizer
         self.materialized = False
+        self.summoned: set[int] = set()  # id(param) of the parameters :meth:`summon` gave real weights (nesting)
 
     def read(self, p: torch.Tensor) -> torch.Tensor:
         """The current fp32 value of parameter ``p`` (pending updates applied): a view of the RAM
@@ -84,12 +85,13 @@ class ParamAccess:
     def replaced(self) -> list[tuple[int, int]]:
         """``(slab, entry)`` of every parameter whose ``.data`` is no longer the store's: user code assigned
         ``param.data = tensor``, or another Trainer's engine built its own store from the module and pointed the
-        parameters there. Empty while :meth:`materialize`'d (:meth:`dematerialize` writes those back). Costs one
+        parameters there. Parameters inside an open :meth:`summon` are not (an enclosing ``summon_full_params``
+        writes them back when it ends). Empty while :meth:`materialize`'d (:meth:`dematerialize` writes those back). Costs one
         pointer comparison per parameter."""
         if self.materialized:
             return []
         return [(slab.index, i) for slab in self.store.slabs for i, e in enumerate(slab.entries)
-                if not self._is_store_data(slab, i, e.ref.param.data)]
+                if id(e.ref.param) not in self.summoned and not self._is_store_data(slab, i, e.ref.param.data)]
 
     def adopt(self, found: list[tuple[int, int]]) -> list[str]:
         """Write the current ``.data`` of each :meth:`replaced` parameter into its master (:meth:`write`: shape
@@ -159,7 +161,7 @@ class ParamAccess:
     def summon(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
         """Masters on disk: give each streamed parameter of ``params`` a real fp32 copy of its master as ``.data``
         (pending updates applied; read through the NVMe window, which keeps none of it). Returns those parameters,
-        for :meth:`unsummon`; the others (RAM tier, not streamed) keep their ``.data``."""
+        for :meth:`unsummon`; the others (RAM tier, not streamed, already given them by an enclosing call) keep their ``.data``."""
         if not self.store.masters_on_disk or self.materialized:
             return []
         done = []
@@ -168,6 +170,7 @@ class ParamAccess:
                 if id(p) in self.store.index and self.store.is_placeholder(p.data):
                     p.data = self.read(p).clone()
                     done.append(p)
+                    self.summoned.add(id(p))
         except BaseException:
             self.unsummon(done, writeback=False)
             raise
@@ -184,6 +187,7 @@ class ParamAccess:
             for p in summoned:
                 si, i = self.store.locate(p)
                 p.data = self.store.placeholder(si, i)
+                self.summoned.discard(id(p))
 
     # ------------------------------------------------------------------ checkpoints
     def reader(self) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -228,7 +228,7 @@ class NVMeConfig:
         ``None`` when everything stays in host RAM. The one place that holds each option's default.
 
         Args:
-            nvme_path: directory on a fast local disk, or :data:`NVME_PATH_FROM_ENV` to read it from the
+            nvme_path: directory on a fast local disk (``~`` expanded), or :data:`NVME_PATH_FROM_ENV` to read it from the
                 environment variable ``MEGATRAIN_NVME_PATH`` (``strategy="megatrain_nvme"``).
             host_memory_limit: bytes or a ``"16GiB"``-style string; default half the physical RAM.
             io_block_size: bytes or ``"16MiB"``-style, a multiple of 4096.
@@ -280,7 +280,7 @@ class NVMeConfig:
         if block % ALIGN:
             raise ValueError(f"nvme_io_block_size must be a multiple of {ALIGN} bytes (O_DIRECT alignment), got {block}; "
                              "for example '16MiB'.")
-        return cls(path=str(nvme_path), kinds=frozenset(kinds), host_memory_limit=limit, io_threads=io_threads,
+        return cls(path=os.path.expanduser(str(nvme_path)), kinds=frozenset(kinds), host_memory_limit=limit, io_threads=io_threads,
                    io_block_size=block, read_ahead=read_ahead, direct_io=direct_io, keep_files=keep_files)
 
     def min_window(self, layout: Sequence[tuple[int, int]]) -> int:
