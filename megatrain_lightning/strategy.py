@@ -812,7 +812,10 @@ class MegaTrainStrategy(ParallelStrategy):
         Do not edit weights under ``writeback=False``: as with FSDP, what happens to such an edit is not defined (the
         NVMe tier drops it, the RAM tier keeps it: its parameters are the weights). Contexts nest: an inner one
         leaves the parameters of an enclosing one as they are, and each writes back its own on exit.
-        With several processes every rank must enter it and write the same values.
+        With several processes every rank must enter it (it meets the others on entry and exit) and compute the same
+        edit: each rank edits a copy of its own, as each rank of DDP edits its own replica, and the node's shared
+        weights get the result once (an in-place ``mul_`` on every rank straight into the shared weights would be
+        applied once per rank).
 
         Example (a weight-norm callback on the NVMe tier)::
 
@@ -837,11 +840,23 @@ class MegaTrainStrategy(ParallelStrategy):
                     f"host RAM, more than host_memory_limit ({format_gib(engine.host_memory_limit / 2**30)}). Pass the "
                     "submodule you need (e.g. pl_module.model.lm_head), or raise host_memory_limit.")
         engine.flush()
-        summoned = engine.params.summon(params)
+        private = self.groups is not None  # each rank edits its own copy; the result is written once per value
+        summoned = engine.params.summon(params, private)
+        if private:
+            self.barrier("summon_full_params: every rank has read the weights")
+        failed = True
         try:
             yield
+            failed = False
         finally:
+            if private and not failed:
+                self.barrier("summon_full_params: every rank is done with its copy")
             engine.params.unsummon(summoned, writeback)
+            if private and not failed:
+                if writeback and engine.store.masters_on_disk:  # owners' writes reach their files; window copies dropped
+                    weights_written(self.groups, engine.store)
+                else:
+                    self.barrier("summon_full_params: the weights are written")
             if writeback:
                 engine.weights_written()
 

@@ -40,6 +40,21 @@ class KillInBackward(pl.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class SummonEdit(pl.Callback):
+    """``--summon-edit``: in ``on_fit_start`` every rank halves the LM head's weights and adds 0.01 (a read-modify-write)
+    inside ``trainer.strategy.summon_full_params`` (:func:`summon_edit`)."""
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        with trainer.strategy.summon_full_params(pl_module.model.lm_head):
+            summon_edit(pl_module.model)
+
+
+def summon_edit(model: torch.nn.Module) -> None:
+    """The edit of :class:`SummonEdit` (the reference applies it to its model too)."""
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.5).add_(0.01)
+
+
 class EditGrads(pl.Callback):
     """``--grad-edit MODE``: every gradient times 0.5 in a hook. ``inplace``: in ``on_before_optimizer_step``, with
     ``p.grad.mul_`` (every other parameter through ``p.grad.data``, which autograd's version counter does not see);
@@ -118,6 +133,7 @@ def main() -> None:
                     help="a callback scales every gradient by 0.5 (see EditGrads)")
     ap.add_argument("--resume", default=None, help="fit(ckpt_path=RESUME)")
     ap.add_argument("--optimizer-in-backward", action="store_true")
+    ap.add_argument("--summon-edit", action="store_true", help="SummonEdit: an edit inside summon_full_params")
     ap.add_argument("--nvme", default=None, help="offload_params/offload_optimizer='nvme' under this path")
     ap.add_argument("--nvme-optimizer", default=None, help="offload_optimizer='nvme' only, under this path")
     ap.add_argument("--nvme-params", default=None, help="offload_params='nvme' only, under this path")
@@ -172,6 +188,7 @@ def main() -> None:
                          + ([KillInBackward(args.kill_rank, args.kill_at_step, out, args.hang)]
                             if args.kill_rank is not None else [])
                          + ([EditGrads(args.grad_edit)] if args.grad_edit else [])
+                         + ([SummonEdit()] if args.summon_edit else [])
                          + ([BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda epoch: 2.0)]
                             if args.backbone_finetuning else []),
                          enable_progress_bar=False, enable_model_summary=False,

@@ -158,19 +158,23 @@ class ParamAccess:
             return []
         return [self.store.slabs[si].entries[i].ref.fqn for si, i in self.store.placeholder_writes()]
 
-    def summon(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
-        """Masters on disk: give each streamed parameter of ``params`` a real fp32 copy of its master as ``.data``
-        (pending updates applied; read through the NVMe window, which keeps none of it). Returns those parameters,
-        for :meth:`unsummon`; the others (RAM tier, not streamed, already given them by an enclosing call) keep their ``.data``."""
-        if not self.store.masters_on_disk or self.materialized:
+    def summon(self, params: list[nn.Parameter], private: bool = False) -> list[nn.Parameter]:
+        """Give each streamed parameter of ``params`` a real fp32 copy of its master as ``.data`` (pending updates
+        applied; on NVMe read through the window, which keeps none of it): with the masters on disk, or with
+        ``private`` (data parallel: the RAM tier's masters are the node's shared copy, which an edit made on every
+        rank would change once per rank). Returns those parameters, for :meth:`unsummon`; the others (RAM tier
+        without ``private``, not streamed, already given one by an enclosing call) keep their ``.data``."""
+        if self.materialized or not (self.store.masters_on_disk or private):
             return []
         done = []
         try:
             for p in params:
-                if id(p) in self.store.index and self.store.is_placeholder(p.data):
-                    p.data = self.read(p).clone()
-                    done.append(p)
-                    self.summoned.add(id(p))
+                loc = self.store.index.get(id(p))
+                if loc is None or id(p) in self.summoned or not self._is_store_data(self.store.slabs[loc[0]], loc[1], p.data):
+                    continue
+                p.data = self.read(p).clone()
+                done.append(p)
+                self.summoned.add(id(p))
         except BaseException:
             self.unsummon(done, writeback=False)
             raise
@@ -178,7 +182,8 @@ class ParamAccess:
 
     def unsummon(self, summoned: list[nn.Parameter], writeback: bool) -> None:
         """Undo :meth:`summon`: with ``writeback`` write each parameter's current ``.data`` (an in-place edit or a
-        new tensor of the same shape) into its master first; then point ``.data`` back at its placeholder."""
+        new tensor of the same shape) into its master first; then point ``.data`` back at the store (its
+        placeholder, or its master view)."""
         try:
             if writeback:
                 for p in summoned:
@@ -186,7 +191,8 @@ class ParamAccess:
         finally:
             for p in summoned:
                 si, i = self.store.locate(p)
-                p.data = self.store.placeholder(si, i)
+                slab = self.store.slabs[si]
+                p.data = self.store.placeholder(si, i) if self.store.masters_on_disk else slab.master_view(i)
                 self.summoned.discard(id(p))
 
     # ------------------------------------------------------------------ checkpoints
