@@ -721,15 +721,7 @@ class MegaTrainStrategy(ParallelStrategy):
             RuntimeError: with several processes (each rank's masters are the node's shared copy, which one
                 rank's assignment must not change alone): write in place instead, on every rank.
         """
-        written = self.engine.params.placeholder_writes()
-        if written:
-            more = f" and {len(written) - 1} more" if len(written) > 1 else ""
-            raise RuntimeError(
-                f"megatrain: parameter {written[0]}{more} was written in place during this run (nn.init, fill_ or zero_ in "
-                "a hook), but its weights are on NVMe (offload_params='nvme') and outside a block's compute the module's "
-                "parameters are placeholders: the write did not reach the weights. Make the edit inside "
-                "`with trainer.strategy.summon_full_params(module):` (reads and writes there see the real weights), "
-                "or assign param.data = new_tensor.")
+        self._refuse_placeholder_writes()
         if self.groups is not None:
             found = self.engine.params.replaced()
             if found:
@@ -804,16 +796,21 @@ class MegaTrainStrategy(ParallelStrategy):
         fp32 weights, to read or edit from a hook or callback, as ``FullyShardedDataParallel.summon_full_params``
         does for FSDP. In the RAM tier they always do (they are views of the host masters); with the weights on NVMe
         (``offload_params="nvme"``) they are placeholders (NaN) outside it, so a weight norm read there is NaN and a
-        write there (``nn.init``, ``fill_``) is refused at the next step.
+        write there (``nn.init``, ``fill_``) is refused at the next step or at the end of the run.
 
         Pending optimizer updates are applied first. On exit with ``writeback=True`` (the default) the values the
         parameters hold then (in-place edits, or ``param.data = tensor`` of the same shape) are written into the
         store and the prefetched copies dropped; pass ``writeback=False`` to only read (with NVMe: no disk writes).
         Do not edit weights under ``writeback=False``: as with FSDP, what happens to such an edit is not defined (the
         NVMe tier drops it, the RAM tier keeps it: its parameters are the weights). Contexts nest: an inner one
-        leaves the parameters of an enclosing one as they are, and each writes back its own on exit.
-        With several processes every rank must enter it (it meets the others on entry and exit) and compute the same
-        edit: each rank edits a copy of its own, as each rank of DDP edits its own replica, and the node's shared
+        leaves the parameters of an enclosing one as they are, and each writes back its own on exit. If the block
+        raises, nothing is written back. Use it from hooks outside the model's forward and backward
+        (``on_fit_start``, ``on_train_batch_start``/``_end``, ``on_before_optimizer_step``, validation hooks), not
+        inside a block's forward (there the block's parameters are bound to the device copies it computes with).
+        A write into a one-element placeholder by arithmetic (``mul_``, ``add_``) leaves its NaN a NaN and is not
+        detected: edit such parameters inside this context too.
+        With several processes and ``writeback=True`` every rank must enter it (it meets the others on entry and
+        exit) and compute the same edit: each rank edits a copy of its own, as each rank of DDP edits its own replica, and the node's shared
         weights get the result once (an in-place ``mul_`` on every rank straight into the shared weights would be
         applied once per rank).
 
@@ -840,7 +837,8 @@ class MegaTrainStrategy(ParallelStrategy):
                     f"host RAM, more than host_memory_limit ({format_gib(engine.host_memory_limit / 2**30)}). Pass the "
                     "submodule you need (e.g. pl_module.model.lm_head), or raise host_memory_limit.")
         engine.flush()
-        private = self.groups is not None  # each rank edits its own copy; the result is written once per value
+        # several processes, writing back: each rank edits its own copy; the result is written once per value
+        private = self.groups is not None and writeback
         summoned = engine.params.summon(params, private)
         if private:
             self.barrier("summon_full_params: every rank has read the weights")
@@ -849,16 +847,18 @@ class MegaTrainStrategy(ParallelStrategy):
             yield
             failed = False
         finally:
-            if private and not failed:
-                self.barrier("summon_full_params: every rank is done with its copy")
-            engine.params.unsummon(summoned, writeback)
-            if private and not failed:
-                if writeback and engine.store.masters_on_disk:  # owners' writes reach their files; window copies dropped
-                    weights_written(self.groups, engine.store)
-                else:
-                    self.barrier("summon_full_params: the weights are written")
-            if writeback:
-                engine.weights_written()
+            try:
+                if private and not failed:
+                    self.barrier("summon_full_params: every rank is done with its copy")
+                engine.params.unsummon(summoned, writeback and not failed)  # a half-made edit is not written
+                if private and not failed:
+                    if engine.store.masters_on_disk:  # owners' writes reach their files; window copies dropped
+                        weights_written(self.groups, engine.store)
+                    else:
+                        self.barrier("summon_full_params: the weights are written")
+            finally:
+                if writeback:
+                    engine.weights_written()
 
     def on_exception(self, exception: BaseException) -> None:
         """With the weights on NVMe, an in-place write into a placeholder parameter that torch itself refuses
@@ -899,8 +899,38 @@ class MegaTrainStrategy(ParallelStrategy):
                 batches = min(batches, trainer.max_steps * trainer.accumulate_grad_batches)
             check_same_batches(self.groups.host, batches, guard=self.groups.guard)
 
+    def _refuse_placeholder_writes(self) -> None:
+        """Raise if user code wrote into NVMe placeholder parameters since the last check (before every training
+        step and evaluation loop, and at the end of each; :meth:`HostStore.placeholder_writes`).
+
+        Raises:
+            RuntimeError: naming the parameter and :meth:`summon_full_params`."""
+        if self.engine is None or self.engine.closed:
+            return
+        written = self.engine.params.placeholder_writes()
+        if written:
+            more = f" and {len(written) - 1} more" if len(written) > 1 else ""
+            raise RuntimeError(
+                f"megatrain: parameter {written[0]}{more} was written in place during this run (nn.init, fill_ or zero_ in "
+                "a hook), but its weights are on NVMe (offload_params='nvme') and outside a block's compute the module's "
+                "parameters are placeholders: the write did not reach the weights. Make the edit inside "
+                "`with trainer.strategy.summon_full_params(module):` (reads and writes there see the real weights), "
+                "or assign param.data = new_tensor.")
+
     def on_train_end(self) -> None:
+        """Lightning calls it after the callbacks' and the module's ``on_train_end``: a write into a placeholder in
+        the last step's hooks or there is refused too (else it was lost, and blamed on the next run)."""
+        self._refuse_placeholder_writes()
         self.flush()
+
+    def on_validation_end(self) -> None:
+        self._refuse_placeholder_writes()
+
+    def on_test_end(self) -> None:
+        self._refuse_placeholder_writes()
+
+    def on_predict_end(self) -> None:
+        self._refuse_placeholder_writes()
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Refuse a parameter unfrozen since setup (Lightning calls this after the callbacks' and the
@@ -1294,7 +1324,8 @@ def _warn_save_hooks_see_no_weights(module: Any, callbacks: Sequence[Callback], 
     if not masters_on_disk:
         return
     who = [type(module).__name__] if is_overridden("on_save_checkpoint", module) else []
-    who += [type(cb).__name__ for cb in callbacks if is_overridden("on_save_checkpoint", cb, Callback)]
+    who += [type(cb).__name__ for cb in callbacks if is_overridden("on_save_checkpoint", cb, Callback)
+            and not type(cb).__module__.startswith("megatrain_lightning.")]  # the recipes' run record adds metadata only
     if who:
         rank_zero_warn(
             f"megatrain: {', '.join(who)} override(s) on_save_checkpoint; with offload_params='nvme' the hook's "

@@ -239,3 +239,19 @@ def test_nested_summon_full_params_keeps_the_outer_weights(tmp_path):
     _fit(ref, "auto", callbacks=[b])
     assert a.norm == pytest.approx(b.norm, rel=1e-6, abs=0) and a.norm == a.norm
     assert_parity(ours.model, ref.model, ours.losses, ref.losses, tol=1e-6)
+
+
+def test_a_write_into_a_placeholder_in_on_train_end_is_refused_then(tmp_path):
+    """The checks ran before each step only: a write in the run's last hooks was lost, and the next run refused its
+    own first step for it (review). Now the end of the run refuses it."""
+
+    class LateWrite(LM):
+        def on_train_end(self) -> None:
+            with torch.no_grad():
+                self.model.lm_head.weight.fill_(0.01)
+
+    lm = LateWrite(make_model("llama"))
+    strategy = _nvme(tmp_path)
+    with pytest.raises(RuntimeError, match="parameter model.lm_head.weight was written in place during this run"):
+        _fit(lm, strategy, steps=2)
+    assert len(lm.losses) == 2

@@ -123,6 +123,7 @@ class ParamAccess:
         memory). :meth:`dematerialize` writes them back and restores the placeholders."""
         if not self.store.masters_on_disk or self.materialized:
             return
+        self.store.placeholder_writes()  # their values start NaN again when the placeholders come back
         nvme = self.store.nvme
         nvme.drop_clean()  # the copies replace the window, not add to it
         for slab in self.store.slabs:
