@@ -162,6 +162,7 @@ class Slab:
 
 
 _SLOT_STORAGES: set[int] = set()  # storages of every store's placeholder values (grow-only: a few per run)
+_SLOT_TENSORS: list[torch.Tensor] = []  # ...kept alive (4 bytes per parameter), so no other tensor gets their address
 
 
 def is_nvme_placeholder(t: torch.Tensor) -> bool:
@@ -218,6 +219,7 @@ class HostStore:
         if slots is None:
             slots = self._placeholder_slots[si] = torch.full((len(self.slabs[si].entries),), float("nan"))
             _SLOT_STORAGES.add(slots.untyped_storage().data_ptr())
+            _SLOT_TENSORS.append(slots)
             self._slot_storages.add(slots.untyped_storage().data_ptr())
         return slots[i].expand(self.slabs[si].entries[i].shape)
 
