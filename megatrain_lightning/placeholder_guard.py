@@ -17,8 +17,10 @@ module carry none.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from torch import nn
 
@@ -105,6 +107,20 @@ class _Check:
 
 
 _STATE_DICT_HOOKS: "weakref.WeakKeyDictionary[nn.Module, list[Any]]" = weakref.WeakKeyDictionary()
+_KEYS_ONLY = threading.local()  # depth of keys_only() contexts on this thread
+
+
+@contextlib.contextmanager
+def keys_only() -> Iterator[None]:
+    """Let ``state_dict()`` of guarded modules run on this thread (:func:`guard_state_dict`): for the checkpoint
+    writer, which takes the values from the store and calls library code that lists a module's keys through
+    ``state_dict()`` (peft's ``ModulesToSaveWrapper.adapter_state_dict``: every save of a LoRA run with
+    ``modules_to_save`` on the NVMe tier failed, fresh-user probe W)."""
+    _KEYS_ONLY.depth = getattr(_KEYS_ONLY, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _KEYS_ONLY.depth -= 1
 
 
 def guard_state_dict(root: nn.Module, message: str) -> None:
@@ -119,7 +135,8 @@ def guard_state_dict(root: nn.Module, message: str) -> None:
         return
 
     def pre(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        if not keep_vars and any(is_nvme_placeholder(p) for p in module.parameters(recurse=False)):
+        if not keep_vars and not getattr(_KEYS_ONLY, "depth", 0) \
+                and any(is_nvme_placeholder(p) for p in module.parameters(recurse=False)):
             raise RuntimeError(message)
 
     _STATE_DICT_HOOKS[root] = [m.register_state_dict_pre_hook(pre) for m in root.modules()

@@ -80,7 +80,7 @@ from .parallel.launcher import MegaTrainLauncher
 from .parallel.node_share import NodeStore, nvme_for_rank, weights_written
 from .parallel.preflight import (check_rendezvous, check_same_batches, check_same_config, optimizer_fingerprint,
                                  run_fingerprint)
-from .placeholder_guard import (format_gib, guard as guard_placeholders, guard_state_dict, holder_of,
+from .placeholder_guard import (format_gib, guard as guard_placeholders, guard_state_dict, holder_of, keys_only,
                                 unguard as unguard_placeholders)
 from .precision import MegaTrainPrecision, to_megatrain_precision
 from .store.host import is_nvme_placeholder
@@ -472,7 +472,8 @@ class MegaTrainStrategy(ParallelStrategy):
                 "(offload_params='nvme': the weights are in the NVMe store, the parameters hold NaN) would save NaN. "
                 "Save with trainer.save_checkpoint(dir) (dir/model loads with from_pretrained), or, from a hook, "
                 "inside `with trainer.strategy.summon_full_params(module, writeback=False):`; after fit the "
-                "weights come back into the module when host_memory_limit holds 4 bytes per parameter."))
+                "weights come back into the module when host_memory_limit holds 4 bytes per parameter (otherwise save before "
+                "trainer.strategy.close(), which deletes the store and the weights only it holds)."))
         self.engine.install()  # weights materialized after an earlier fit are written back
         adopted = self.engine.adopt_replaced()  # e.g. another Trainer trained the module since this one ran
         if adopted:
@@ -1000,8 +1001,15 @@ class MegaTrainStrategy(ParallelStrategy):
         if self.groups is not None:  # each rank writes its own slabs; Trainer.save_checkpoint's barrier follows
             assert self.engine.ownership is not None
             coop = CheckpointWriters(self.groups, self.engine.store, self.engine.ownership)
-        save_checkpoint_dir(filepath, checkpoint, self.lightning_module, self.engine,
-                            tokenizer=getattr(self.lightning_module, "tokenizer", None), coop=coop)
+        tokenizer = getattr(self.lightning_module, "tokenizer", None)
+        if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
+            rank_zero_warn(f"megatrain: the module's `tokenizer` attribute ({type(tokenizer).__name__}) has no "
+                           "save_pretrained: it is not written into the checkpoint's model/ folder (a Hugging Face "
+                           "tokenizer there would be).")
+            tokenizer = None
+        with keys_only():  # the writer reads values from the store; peft lists some keys through state_dict()
+            save_checkpoint_dir(filepath, checkpoint, self.lightning_module, self.engine, tokenizer=tokenizer,
+                                coop=coop)
 
     def _defer_save(self, checkpoint: dict[str, Any], filepath: Any) -> bool:
         """A save requested while a backward applies the AdamW updates as it goes (``optimizer_in_backward``) and

@@ -179,6 +179,61 @@ def test_lora_checkpoint_from_the_nvme_tier_loads_back_with_peft(tmp_path):
     assert_same_state(peft.PeftModel.from_pretrained(base, tmp_path / "c" / "adapter"), ram.model)  # tiers are bitwise equal
 
 
+class SaveAtStep(pl.Callback):
+    """``trainer.save_checkpoint(path)`` at the end of the batch that reaches ``step`` (during fit)."""
+
+    def __init__(self, step: int, path):
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
+def test_lora_modules_to_save_checkpoint_during_fit_on_the_nvme_tier(tmp_path):
+    """peft lists a ``modules_to_save`` copy's keys through its ``state_dict()``, which the placeholder guard refused
+    on the NVMe tier: every save during fit failed (fresh-user probe W). The files equal the RAM tier's."""
+    from megatrain_lightning import MegaTrainStrategy
+
+    arch, kw = VARIANTS["lora_modules_to_save"]
+    (tmp_path / "nvme").mkdir()
+    for name, strategy in (("ram", MegaTrainStrategy()),
+                           ("nvme", MegaTrainStrategy(offload_params="nvme", offload_optimizer="nvme",
+                                                      nvme_path=str(tmp_path / "nvme")))):
+        t = pl.Trainer(strategy=strategy, accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
+                       enable_progress_bar=False, enable_model_summary=False,
+                       callbacks=[SaveAtStep(2, tmp_path / f"ckpt_{name}")])
+        t.fit(LM(lora(arch, **kw)), data())
+        strategy.close()
+    loaded = {}
+    for name in ("ram", "nvme"):
+        base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"ckpt_{name}" / "base_model")
+        loaded[name] = peft.PeftModel.from_pretrained(base, tmp_path / f"ckpt_{name}" / "adapter")
+    assert any("modules_to_save" in k for k in loaded["nvme"].state_dict())
+    assert_same_state(loaded["nvme"], loaded["ram"])
+    for k, v in loaded["nvme"].state_dict().items():
+        assert torch.isfinite(v).all(), k
+
+
+class TokenizerName(LM):
+    """A module whose ``tokenizer`` attribute is a hub id (a string), not a Hugging Face tokenizer object."""
+
+    def __init__(self):
+        super().__init__(make_model("llama"))
+        self.tokenizer = "HuggingFaceTB/SmolLM2-135M"
+
+
+def test_a_tokenizer_attribute_without_save_pretrained_is_not_saved(tmp_path):
+    """Every save raised AttributeError ('str' object has no attribute 'save_pretrained') and stopped fit (probe W);
+    now the checkpoint is written, with a warning that the tokenizer is not in it."""
+    t = pl.Trainer(strategy="megatrain", accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False, callbacks=[SaveAtStep(1, tmp_path / "c")])
+    with pytest.warns(UserWarning, match="tokenizer.*has no save_pretrained"):
+        t.fit(TokenizerName(), data())
+    assert (tmp_path / "c" / "model" / "config.json").is_file()
+    assert not (tmp_path / "c" / "model" / "tokenizer_config.json").exists()
+
+
 def test_prompt_learning_adapter_is_refused_before_anything_is_written(tmp_path):
     """peft builds prompt-tuning weights outside the state dict: saving them is refused, not dropped."""
     from megatrain_lightning.checkpoint.directory import CheckpointError, save_checkpoint_dir

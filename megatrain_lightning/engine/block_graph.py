@@ -6,7 +6,10 @@ but it need not recompute anything either: its forward runs with autograd under
 ``torch.autograd.graph.saved_tensors_hooks`` whose pack hook replaces each saved tensor that lies in
 one of the block's device buffers (a weight, or a view of one such as ``weight.t()``) by its place in
 that buffer (:class:`InBuffer`: slab, element offset, size, stride); every other saved tensor is kept
-as autograd would keep it (or, with ``offload_activations``, copied to host memory). In backward the
+as autograd would keep it (or, with ``offload_activations``, copied to host memory). Autograd does not
+check the version of tensors saved through hooks, so the hooks do (:class:`Kept`): a saved tensor modified
+in place between the forward and the backward (the token ids of an embedding lookup, an attention mask
+reused as a buffer) raises autograd's own error instead of differentiating the modified values. In backward the
 engine fetches the block again and the unpack hook rebuilds each weight as the same view of the
 fetched buffer, so autograd differentiates the forward's own graph: nothing runs twice, and the
 bytes kept are what plain PyTorch keeps for that block, weights excluded (``saved_activation_bytes``).
@@ -56,6 +59,20 @@ class CastOf:
     offset: int
     size: tuple[int, ...]
     stride: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Kept:
+    """A saved tensor kept by reference (``tensor``) and its version counter when autograd saved it
+    (``version``): compared when the backward reads it, as autograd compares the tensors it saves itself."""
+
+    tensor: torch.Tensor
+    version: int
+
+
+# autograd's own message for this error, so users find the usual advice
+MODIFIED_INPLACE = ("one of the variables needed for gradient computation has been modified by an inplace operation: "
+                    "[{kind} {shape}] is at version {now}; expected version {then} instead.")
 
 
 class ParamLocator:
@@ -108,6 +125,8 @@ class GraphHooks:
     Args:
         offload: with ``offload_activations``, moves saved activations to host memory (``None``: kept
             on the device).
+        name: the block's name, for the error raised when a tensor its graph saved was modified in place
+            before the backward (``RuntimeError``, autograd's message plus the block).
 
     ``capture(bufs)`` wraps the forward; ``nbytes`` is then the device bytes kept (unique storages),
     ``offloaded`` the host copies and ``needs_weights`` whether the backward reads any weight (an
@@ -115,8 +134,9 @@ class GraphHooks:
     ``bind(bufs)`` / ``unbind()`` bracket the backward with the buffers fetched for it. Compute thread only.
     """
 
-    def __init__(self, offload: ActivationOffload | None = None):
+    def __init__(self, offload: ActivationOffload | None = None, name: str = ""):
         self.offload = offload
+        self.name = name
         self.nbytes = 0
         self.needs_weights = False
         self.offloaded: dict[int, Offloaded] = {}
@@ -162,7 +182,7 @@ class GraphHooks:
                 if ptr not in storages:
                     storages.add(ptr)
                     self.nbytes += t.untyped_storage().nbytes()
-            return t
+            return Kept(t, t._version)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
             yield
@@ -190,6 +210,16 @@ class GraphHooks:
         if isinstance(x, Offloaded):
             assert self.offload is not None
             return self.offload.take(x, keep=True)
+        if isinstance(x, Kept):
+            t = x.tensor
+            if t._version != x.version:
+                raise RuntimeError(
+                    MODIFIED_INPLACE.format(kind=t.type(), shape=list(t.shape), now=t._version, then=x.version)
+                    + f" (megatrain: a tensor saved by block {self.name} for its backward, which keeps its graph: an "
+                    "input of the block such as token ids or an attention mask, or a tensor computed in it, was "
+                    "modified in place after the block's forward. Make that operation out of place, or clone the "
+                    "tensor before modifying it.)")
+            return t
         return x
 
     def bind(self, bufs: dict[int, torch.Tensor]) -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
-from torch.utils._pytree import tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..blocks import Block
 
@@ -58,6 +58,7 @@ class BlockCall:
     state: Any = None  # block_state.BlockState: modules' training flags and changed buffers, as the forward found them
     input_grad: list[bool] = field(default_factory=list)  # which tensor inputs required grad in the forward
     out_grad: list[bool] | None = None  # which tensor outputs required grad in the forward's grad-mode run
+    out_meta: list[tuple] = field(default_factory=list)  # (shape, dtype) of each tensor output of the forward
 
     def arguments(self, tensors: "list[torch.Tensor]") -> tuple[tuple, dict]:
         """The call's ``(args, kwargs)`` with ``tensors`` (the engine's detached inputs, in ``tensor_pos``
@@ -72,6 +73,34 @@ class BlockCall:
             for i, t in zip(self.tensor_pos, tensors):
                 flat[i] = t.view_as(t) if t.requires_grad and t.is_leaf else t
         return tree_unflatten(flat, self.spec)
+
+    @contextlib.contextmanager
+    def recomputing(self) -> Iterator[None]:
+        """Context of this call's forward run again for its backward: an exception raised in it (often in a
+        user's hook that reads state set for another call) gets a note (Python >= 3.11) saying it came from the
+        recompute and what makes a recompute differ from its forward."""
+        try:
+            yield
+        except Exception as e:
+            if hasattr(e, "add_note"):
+                e.add_note(RECOMPUTE_NOTE.format(name=self.block.name))
+            raise
+
+    def recomputed_outputs(self, out: Any) -> list[torch.Tensor]:
+        """The tensor outputs of this call's recompute (``out``: what the block returned), after checking that
+        each has the shape and dtype the forward's had, as ``torch.utils.checkpoint`` checks its recompute.
+
+        Raises:
+            RuntimeError: a count, shape or dtype differs (the forward read state that changed since)."""
+        flat = tree_flatten(out)[0]
+        outs = [flat[i] if i < len(flat) else None for i in self.out_pos]
+        got = [(tuple(o.shape), o.dtype) if isinstance(o, torch.Tensor) else None for o in outs]
+        if len(flat) != len(self.out_flat) or (self.out_meta and got != self.out_meta):
+            raise RuntimeError(
+                f"megatrain: block {self.block.name} recomputed for its backward returned outputs of other shapes or "
+                f"dtypes than its forward did (forward: {self.out_meta}; recompute: {got}). "
+                + RECOMPUTE_NOTE.format(name=self.block.name))
+        return outs  # type: ignore[return-value]
 
 
 @dataclass(eq=False)
@@ -151,6 +180,14 @@ class KeptGraph:
             self.hooks.free()
         self.rc.acct.release(self.bufs)
 
+
+RECOMPUTE_NOTE = (
+    "megatrain: block {name}'s forward ran again for its backward (a recompute: recompute='block', 'selective' or "
+    "'auto'), from its saved inputs, random state and module flags, but with the Python state its modules read now. "
+    "If a hook or a module inside the block reads an attribute that training_step changes between two calls of the "
+    "model before one backward (a mask or a steering vector set per call), the recompute sees the latest value, as "
+    "under torch.utils.checkpoint. Pass such state as an argument of the model call, or use recompute='none' (the "
+    "block keeps its graph: nothing runs twice).")
 
 # PyTorch's own message for this error, so users find the usual advice
 SECOND_BACKWARD = ("Trying to backward through the graph a second time (or directly access saved tensors after they "

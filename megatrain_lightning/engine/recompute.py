@@ -64,7 +64,8 @@ class _BlockFunction(torch.autograd.Function):
             lookup = is_lookup(call.block.module)
             call.saved_ops, measure, graph = rc.policy.start(call.block.index, call.fwd, lookup, hidden_shapes(tensors))
             if graph:  # "none" (or an embedding lookup): the call keeps its graph, without its weights
-                out = rc._run_kept(call, tensors, GraphHooks(rc.offload if rc.offload_activations else None))
+                out = rc._run_kept(call, tensors, GraphHooks(rc.offload if rc.offload_activations else None,
+                                                                call.block.name))
             else:  # recomputed in backward: from the module state (flags, buffers) this forward starts from
                 call.state = snapshot_state(call.block.module, call.block.name, rc.hook_warnings)
                 out = rc._run_block(call, tensors, backward=False, measure=measure)
@@ -73,6 +74,7 @@ class _BlockFunction(torch.autograd.Function):
         call.out_flat = [None if isinstance(x, torch.Tensor) else x for x in out_flat]
         check_outputs(call.block.name, call.out_flat)
         outs = tuple(out_flat[i] for i in call.out_pos)
+        call.out_meta = [(tuple(o.shape), o.dtype) for o in outs]
         ctx.call = call
         if call.graph is None:
             rc._save_inputs(call, tensors)
@@ -351,11 +353,11 @@ class Recompute:
                 ctx = saved.recompute(keep_graph) if saved is not None else contextlib.nullcontext()
                 plain = plain_chunks() if saved is not None else contextlib.nullcontext()  # SAC keeps/recomputes
                 t1 = time.perf_counter()
-                with replayed(call, self.device), torch.enable_grad(), self._bind(call.block, bufs, leaves), ctx, plain:
+                with call.recomputing(), replayed(call, self.device), torch.enable_grad(), \
+                        self._bind(call.block, bufs, leaves), ctx, plain:
                     out = call.forward(*args, **kwargs)
                 self.acct.add(recompute_s=time.perf_counter() - t1)
-                out_flat = tree_flatten(out)[0]
-                outs = [out_flat[i] for i in call.out_pos]
+                outs = call.recomputed_outputs(out)
             pairs = [(o, g) for o, g in zip(outs, grad_outs) if g is not None and o.requires_grad]
             in_targets = [t for t, need in zip(inputs, needs) if need]
             if any(id(r.param) not in leaves for r in leaf_refs):
@@ -457,11 +459,10 @@ class Recompute:
                 raise RuntimeError(SECOND_BACKWARD + f" (megatrain: block {c.block.name} is recomputed from freed inputs).")
             inputs = [t.detach() for t in self._load_inputs(c)]
             t0 = time.perf_counter()
-            with replayed(c, self.device):
+            with c.recomputing(), replayed(c, self.device):
                 out = self._run_block(c, inputs, backward=True)
             self.acct.add(recompute_s=time.perf_counter() - t0)
-            flat = tree_flatten(out)[0]
-            fwd.recomputed[q] = [flat[i] for i in c.out_pos]
+            fwd.recomputed[q] = c.recomputed_outputs(out)
 
     def _done_backward(self, call: BlockCall, keep_graph: bool) -> None:
         """After a call's backward: drop the recomputed input it consumed; unless the graph is retained

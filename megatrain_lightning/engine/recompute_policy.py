@@ -367,7 +367,8 @@ class RecomputePolicy:
         self._kept = {b: (m[b][c], m[b][c + "_sq"]) if c != "block" else (0, 0) for b, c in self.choice.items()}
         counts = {k: sum(v == k for v in self.choice.values()) for k in ("none", "selective", "block")}
         kept = sum(m[b][c] for b, c in self.choice.items() if c != "block")
-        _log_once("megatrain: recompute='auto' with activation_memory_limit %s: %s (blocks none/selective/block: "
+        _log_once("megatrain: recompute='auto' with activation_memory_limit %s, from the next forward on (the first "
+                 "training forward measured each block and recomputed it whole): %s (blocks none/selective/block: "
                  "%d/%d/%d; per forward: block inputs %s, op outputs %s)", fmt_bytes(budget),
                  ", ".join(f"{b}:{c}" for b, c in sorted(self.choice.items())), counts["none"], counts["selective"],
                  counts["block"], fmt_bytes(inputs), fmt_bytes(kept))
