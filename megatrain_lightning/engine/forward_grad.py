@@ -43,26 +43,38 @@ def saving_for_the_call() -> Iterator[None]:
     backward through a tensor kept from inside the call then raises, naming what to do. The call holds its own
     activations until it returns, as its recompute in backward does (``mlp_chunk_size`` chunks keep only their
     inputs either way: each is checkpointed)."""
-    boxes: list[list] = []
-
-    def pack(t: torch.Tensor) -> list:
-        box = [t]
-        boxes.append(box)
-        return box
-
+    boxes = SavedBoxes()
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+        with torch.autograd.graph.saved_tensors_hooks(boxes.pack, SavedBoxes.unpack):
             yield
     finally:
-        for box in boxes:
-            box[0] = None
         boxes.clear()
 
 
-def _unpack(box: list) -> torch.Tensor:
-    if box[0] is None:
-        _never_unpacked(None)
-    return box[0]
+class SavedBoxes:
+    """Saved tensors of a block call's forward, each packed in a one-element list (a box) that :meth:`clear` empties
+    when the call returns: a graph node of that forward that outlives it (one that something still references)
+    then holds an empty box, not the tensor. Use ``pack``/``unpack`` as ``saved_tensors_hooks``; a backward that
+    unpacks an emptied box raises naming what to do."""
+
+    def __init__(self):
+        self._boxes: list[list] = []
+
+    def pack(self, t: torch.Tensor) -> list:
+        box = [t]
+        self._boxes.append(box)
+        return box
+
+    @staticmethod
+    def unpack(box: list) -> torch.Tensor:
+        if box[0] is None:
+            _never_unpacked(None)
+        return box[0]
+
+    def clear(self) -> None:
+        for box in self._boxes:
+            box[0] = None
+        self._boxes.clear()
 
 
 def refuse_func_transforms(name: str) -> None:
