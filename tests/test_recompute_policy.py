@@ -166,22 +166,37 @@ def test_first_step_keeps_what_later_steps_keep(mode):
     assert fetched[0] == fetched[1], fetched
 
 
+def _live_tensor_bytes() -> int:
+    """Bytes of the distinct storages of every plain tensor the garbage collector tracks (fake and meta tensors that
+    other tests left alive have no data and are skipped)."""
+    gc.collect()
+    seen, total = set(), 0
+    for o in gc.get_objects():
+        if type(o) not in (torch.Tensor, torch.nn.Parameter) or o.device.type == "meta":
+            continue
+        try:
+            st = o.untyped_storage()
+            ptr = st.data_ptr()
+        except RuntimeError:
+            continue
+        if ptr not in seen:
+            seen.add(ptr)
+            total += st.nbytes()
+    return total
+
+
 class _LiveTensorBytes(pl.Callback):
-    """Bytes of every tensor the garbage collector tracks, at the end of each training batch (after the step)."""
+    """Live tensor bytes at the end of each training batch (after the step), less those at the start of fit."""
 
     def __init__(self):
+        self.start = 0
         self.bytes: list[int] = []
 
+    def on_train_start(self, *args):
+        self.start = _live_tensor_bytes()
+
     def on_train_batch_end(self, *args):
-        gc.collect()
-        seen, total = set(), 0
-        for o in gc.get_objects():
-            if isinstance(o, torch.Tensor) and o.device.type != "meta":
-                ptr = o.untyped_storage().data_ptr()
-                if ptr not in seen:
-                    seen.add(ptr)
-                    total += o.untyped_storage().nbytes()
-        self.bytes.append(total)
+        self.bytes.append(_live_tensor_bytes() - self.start)
 
 
 def test_auto_keeps_nothing_of_its_measured_forward_after_the_step():
