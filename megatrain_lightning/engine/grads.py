@@ -121,6 +121,16 @@ class GradientSink:
         left = self.sends_left.values()
         return any(n == 0 for n in left) and any(n > 0 for n in left)
 
+    def updates_started(self) -> bool:
+        """This optimizer step's backward has queued or applied the update of at least one slab (:meth:`plan`):
+        until the step completes, stopping it leaves weights and optimizer state that mix two steps."""
+        return any(n == 0 for n in self.sends_left.values())
+
+    def close_plan(self) -> None:
+        """The optimizer step is over (complete, or stopped by an exception): no update of it is still to come
+        from a backward."""
+        self.sends_left = {}
+
     def grad_bytes(self, refs: Sequence) -> int:
         """Bytes of the gradients of ``refs`` as autograd makes them (the bound parameters' dtype)."""
         return sum(self.store.slabs[r.slab].entries[r.index].numel for r in refs) * self.param_dtype.itemsize
