@@ -53,6 +53,7 @@ try:  # Lightning >= 2.5: WeightAveraging / EMAWeightAveraging read the weights 
 except ImportError:  # pragma: no cover - older Lightning
     _WeightAveraging = None
 
+from .checkpoint.atomic import check_name_length
 from .checkpoint.atomic import remove as remove_entry
 from .checkpoint.hf_io import weight_sources
 from .checkpoint.peft_io import unsavable_adapters
@@ -978,6 +979,8 @@ class MegaTrainStrategy(ParallelStrategy):
             CheckpointError: a tensor of the module would not be written (e.g. a peft prompt-learning
                 adapter), found before anything is written; or the checkpoint holds Lightning's
                 ``WeightAveraging`` average in place of the module's weights.
+            OSError: ``ENAMETOOLONG``: a name in ``filepath`` is longer than its filesystem accepts (255 bytes on
+                Linux; e.g. a long ``ModelCheckpoint(filename=...)``), before anything is written.
         """
         if storage_options is not None:
             raise TypeError("strategy='megatrain' writes directory checkpoints and takes no storage_options.")
@@ -985,6 +988,7 @@ class MegaTrainStrategy(ParallelStrategy):
             raise RuntimeError("save_checkpoint called before the megatrain strategy was set up, or after "
                                "trainer.strategy.close().")
         filepath = local_path(filepath)
+        check_name_length(Path(filepath))
         if self.engine.grads.step_partly_applied() and self._defer_save(checkpoint, filepath):
             return
         if "current_model_state" in checkpoint:  # Lightning's WeightAveraging put its average in state_dict
