@@ -55,6 +55,7 @@ try:  # Lightning >= 2.5: WeightAveraging / EMAWeightAveraging read the weights 
 except ImportError:  # pragma: no cover - older Lightning
     _WeightAveraging = None
 
+from .checkpoint.atomic import check_name_length
 from .checkpoint.atomic import remove as remove_entry
 from .checkpoint.hf_io import weight_sources
 from .checkpoint.peft_io import unsavable_adapters
@@ -1046,6 +1047,8 @@ class MegaTrainStrategy(ParallelStrategy):
             CheckpointError: a tensor of the module would not be written (e.g. a peft prompt-learning
                 adapter), found before anything is written; or the checkpoint holds Lightning's
                 ``WeightAveraging`` average in place of the module's weights.
+            OSError: ``ENAMETOOLONG``: a name in ``filepath`` is longer than its filesystem accepts (255 bytes on
+                Linux; e.g. a long ``ModelCheckpoint(filename=...)``), before anything is written.
         """
         if storage_options is not None:
             raise TypeError("strategy='megatrain' writes directory checkpoints and takes no storage_options.")
@@ -1054,6 +1057,7 @@ class MegaTrainStrategy(ParallelStrategy):
                                "trainer.strategy.close().")
         filepath = local_path(filepath)
         self.engine.check_consistent("saving a checkpoint", CheckpointError)
+        check_name_length(Path(filepath))
         if self.engine.grads.step_partly_applied() and self._defer_save(checkpoint, filepath):
             return
         if "current_model_state" in checkpoint:  # Lightning's WeightAveraging put its average in state_dict

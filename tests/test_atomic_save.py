@@ -111,26 +111,6 @@ def test_exchange_swaps_a_directory_and_a_file():
         assert a.read_text() == "file" and b.is_dir()
 
 
-def test_what_killed_saves_left_is_cleaned_and_a_moved_aside_checkpoint_restored(tmp_path, fitted):
-    """A killed save leaves ``.c.tmp-<pid>`` (half written) and, with the two-rename fallback, ``.c.old-<pid>``
-    (the complete previous checkpoint) with no ``c``: the next save into the directory restores ``c`` from
-    ``.old`` before anything else and removes the half-written one; a live process's entries are left alone."""
-    t, module = fitted
-    t.save_checkpoint(tmp_path / "c")
-    dead = dead_pid()
-    shutil.copytree(tmp_path / "c", tmp_path / f".c.tmp-{dead}")
-    (tmp_path / f".c.tmp-{dead}" / "megatrain.json").unlink()  # half written
-    shutil.copytree(tmp_path / "c", tmp_path / f".c.tmp-{dead}-0a1b2c3d")  # a data-parallel save's temporary
-    os.rename(tmp_path / "c", tmp_path / f".c.old-{dead}")
-    (tmp_path / ".c.tmp-1").mkdir()  # pid 1 runs: another save in progress
-    done = atomic.clean_stale(tmp_path / "c")
-    assert sorted(p.name for p in done) == sorted([f".c.old-{dead}", f".c.tmp-{dead}", f".c.tmp-{dead}-0a1b2c3d"])
-    assert verified_info(tmp_path / "c") and hidden(tmp_path) == [".c.tmp-1"]
-    shutil.copytree(tmp_path / "c", tmp_path / f".c.tmp-{dead}")
-    t.save_checkpoint(tmp_path / "c")  # a save cleans up too
-    assert hidden(tmp_path) == [".c.tmp-1"]
-
-
 Usage = namedtuple("Usage", "total used free")
 
 
@@ -177,3 +157,131 @@ def test_another_write_error_is_not_called_a_full_disk(tmp_path, fitted, monkeyp
         t.save_checkpoint(tmp_path / "c")
     monkeypatch.undo()
     assert hidden(tmp_path) == [] and not (tmp_path / "c").exists()
+
+
+def sized_stem(size: int, char: str = "a") -> str:
+    """A ``ModelCheckpoint(filename=...)`` whose saved entry (``<filename>.ckpt``) is ``size`` bytes long in UTF-8,
+    filled with ``char`` (padded with ASCII where ``char``'s bytes do not divide the room)."""
+    room = size - len(".ckpt")
+    n = room // len(char.encode())
+    stem = char * n + "a" * (room - n * len(char.encode()))
+    assert len((stem + ".ckpt").encode()) == size
+    return stem
+
+
+NAMES = [(240, "a"), (245, "a"), (250, "a"), (255, "a"), (255, "é"), (254, "日")]
+
+
+@pytest.mark.parametrize("size,char", NAMES, ids=[f"{s}-bytes-{c}" for s, c in NAMES])
+def test_every_name_plain_lightning_saves_is_saved_and_resumes(tmp_path, size, char):
+    """``ModelCheckpoint`` names up to the filesystem's 255 bytes (also multi-byte UTF-8): plain Lightning saves
+    them, and so does megatrain (its hidden temporary names stay short whatever the checkpoint's name); the
+    checkpoint resumes and nothing hidden is left beside it."""
+    stem = sized_stem(size, char)
+    module = LM(make_model("llama"))
+    cb = ModelCheckpoint(dirpath=tmp_path / "mt", filename=stem, every_n_train_steps=2, enable_version_counter=False)
+    trainer(2, enable_checkpointing=True, callbacks=[cb]).fit(module, loader())
+    saved = tmp_path / "mt" / f"{stem}.ckpt"
+    assert len(os.fsencode(saved.name)) == size and verified_info(saved)
+    assert os.listdir(tmp_path / "mt") == [saved.name]
+    again = LM(make_model("llama", seed=3))
+    trainer(2).fit(again, loader(), ckpt_path=saved)  # loads the weights of step 2, trains no more
+    assert max(rel(a, b) for a, b in zip(again.model.parameters(), module.model.parameters())) == 0
+
+    cb = ModelCheckpoint(dirpath=tmp_path / "auto", filename=stem, every_n_train_steps=2, enable_version_counter=False)
+    trainer(2, strategy="auto", enable_checkpointing=True, callbacks=[cb]).fit(LM(make_model("llama")), loader())
+    assert (tmp_path / "auto" / saved.name).is_file()  # the reference: plain Lightning saves this name
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
+def test_a_longest_name_is_replaced_in_place(tmp_path, fitted, monkeypatch, exchange):
+    """Saving again over a 255-byte name: also with the two-rename fallback, whose moved-aside name stays short."""
+    t, module = fitted
+    final = tmp_path / ("b" * 250 + ".ckpt")
+    t.save_checkpoint(final)
+    (final / "marker").write_text("old")
+    if not exchange:
+        monkeypatch.setattr(atomic, "exchange", lambda a, b: False)
+    t.save_checkpoint(final)
+    assert not (final / "marker").exists() and verified_info(final)
+    assert os.listdir(tmp_path) == [final.name]
+
+
+@pytest.mark.parametrize("name", ["c", "x" * 250 + ".ckpt", "é" * 125 + ".ckpt"], ids=["short", "255-bytes",
+                                                                                        "255-bytes-utf8"])
+def test_what_killed_saves_of_any_name_left_is_cleaned(tmp_path, fitted, name):
+    """The hidden entries of a killed save (half-written temporaries, one per process or data-parallel token; a
+    complete checkpoint moved aside by the two-rename fallback) are recognised for names of every length: the
+    moved-aside one is put back under the name, the others removed; a live process's entries are left alone."""
+    t, module = fitted
+    final = tmp_path / name
+    t.save_checkpoint(final)
+    dead = dead_pid()
+    half = atomic.temporary_path(final, str(dead))
+    shutil.copytree(final, half)
+    (half / "megatrain.json").unlink()
+    shutil.copytree(final, atomic.temporary_path(final, f"{dead}-0a1b2c3d"))
+    os.rename(final, atomic.aside_path(final, dead))
+    live = atomic.temporary_path(final, "1")  # pid 1 runs: another save in progress
+    live.mkdir()
+    assert all(len(os.fsencode(p.name)) <= 110 for p in (half, live, atomic.aside_path(final, dead)))
+    done = atomic.clean_stale(final)
+    assert sorted(p.name for p in done) == sorted(
+        [half.name, atomic.temporary_path(final, f"{dead}-0a1b2c3d").name, atomic.aside_path(final, dead).name])
+    assert verified_info(final) and hidden(tmp_path) == [live.name]
+    shutil.copytree(final, half)
+    t.save_checkpoint(final)  # a save cleans up too
+    assert hidden(tmp_path) == [live.name]
+
+
+def test_entries_named_after_the_whole_name_are_cleaned_too(tmp_path, fitted):
+    """``.<name>.tmp-<pid>`` and ``.<name>.old-<pid>`` next to a checkpoint are handled as the shorter hidden names
+    are; an entry of another checkpoint whose name starts the same is left alone."""
+    t, module = fitted
+    t.save_checkpoint(tmp_path / "c")
+    dead = dead_pid()
+    shutil.copytree(tmp_path / "c", tmp_path / f".c.tmp-{dead}")
+    shutil.copytree(tmp_path / "c", tmp_path / f".c.tmp-{dead}-0a1b2c3d")
+    os.rename(tmp_path / "c", tmp_path / f".c.old-{dead}")
+    (tmp_path / f".c.old-{dead}.x.tmp-{dead}").mkdir()  # a temporary of the checkpoint "c.old-<dead>.x"
+    done = atomic.clean_stale(tmp_path / "c")
+    assert sorted(p.name for p in done) == sorted([f".c.old-{dead}", f".c.tmp-{dead}", f".c.tmp-{dead}-0a1b2c3d"])
+    assert verified_info(tmp_path / "c") and hidden(tmp_path) == [f".c.old-{dead}.x.tmp-{dead}"]
+
+
+@pytest.mark.parametrize("name", ["a" * 251 + ".ckpt", "é" * 126 + "a.ckpt"], ids=["256-bytes", "258-bytes-utf8"])
+def test_a_name_longer_than_the_filesystem_allows_is_refused_clearly(tmp_path, name):
+    """A name over NAME_MAX (255 bytes on Linux) cannot be saved by any strategy (plain Lightning also fails, with
+    ``OSError(ENAMETOOLONG)``); megatrain says so before writing anything: the name's byte length, the limit, and
+    to pass a shorter ``filename=``. Nothing is left in the checkpoint directory."""
+    stem = name[:-len(".ckpt")]
+    module = LM(make_model("llama"))
+    d = tmp_path / "mt"
+    cb = ModelCheckpoint(dirpath=d, filename=stem, every_n_train_steps=2, enable_version_counter=False)
+    with pytest.raises(OSError) as e:
+        trainer(2, enable_checkpointing=True, callbacks=[cb]).fit(module, loader())
+    size = len(name.encode())
+    assert e.value.errno == errno.ENAMETOOLONG
+    for part in (f"is {size} bytes long", "at most 255 bytes (NAME_MAX)", "Nothing was written", "`filename=`"):
+        assert part in str(e.value)
+    assert not d.exists() or os.listdir(d) == []
+
+    cb = ModelCheckpoint(dirpath=tmp_path / "auto", filename=stem, every_n_train_steps=2, enable_version_counter=False)
+    with pytest.raises(OSError) as e:  # the reference fails too
+        trainer(2, strategy="auto", enable_checkpointing=True, callbacks=[cb]).fit(LM(make_model("llama")), loader())
+    assert e.value.errno == errno.ENAMETOOLONG
+
+
+def test_converting_to_a_longest_file_name(tmp_path, fitted):
+    """``convert_to_lightning_checkpoint`` writes a 255-byte file name; a longer one is refused before anything
+    is read or written."""
+    from megatrain_lightning.checkpoint.lightning_file import convert_to_lightning_checkpoint
+
+    t, module = fitted
+    t.save_checkpoint(tmp_path / "c")
+    out = tmp_path / "out" / ("é" * 125 + ".ckpt")
+    convert_to_lightning_checkpoint(tmp_path / "c", out)
+    assert torch.load(out, weights_only=True)["global_step"] == 2 and os.listdir(out.parent) == [out.name]
+    with pytest.raises(OSError, match=r"is 256 bytes long .* at most 255 bytes \(NAME_MAX\)") as e:
+        convert_to_lightning_checkpoint(tmp_path / "c", out.with_name("a" + out.name))
+    assert e.value.errno == errno.ENAMETOOLONG and os.listdir(out.parent) == [out.name]

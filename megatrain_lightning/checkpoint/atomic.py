@@ -1,20 +1,24 @@
 """Moving a finished checkpoint directory into place atomically, and cleaning up after killed saves.
 
-A checkpoint is written into a hidden sibling ``.<name>.tmp-<token>`` (``<token>`` starts with the writing
-process's id) and then put under its final name. When nothing is there yet, ``rename(2)`` does it atomically.
+A checkpoint is written into a hidden sibling ``.<head>~<hash>~tmp-<token>`` (:func:`temporary_path`: ``<head>``
+is the final name's first 64 bytes at most, ``<hash>`` 16 hex digits of the sha256 of the whole name,
+``<token>`` starts with the writing process's id) and then put under its final name; the hidden names stay
+under 110 bytes whatever the final name's length, so every name the filesystem allows (``NAME_MAX``, 255 bytes
+on Linux; :func:`check_name_length`) can be saved. When nothing is there yet, ``rename(2)`` does it atomically.
 When a checkpoint (or a file, or a symlink: ``ModelCheckpoint(save_last="link")``) already has that name,
 ``rename(2)`` cannot replace a non-empty directory, so the two entries are swapped with Linux's
 ``renameat2(RENAME_EXCHANGE)`` (ext4, xfs, btrfs, tmpfs; Linux >= 3.15, glibc >= 2.28) and the old one, now
 under the hidden name, is removed: at every moment the final name holds the old or the new checkpoint,
 complete. Where the exchange is not supported (e.g. NFS, another OS), the old entry is renamed aside to
-``.<name>.old-<pid>`` first, which leaves a window of two renames with no checkpoint under the final name;
-:func:`clean_stale` puts such an entry back on the next save into that directory.
+``.<head>~<hash>~old-<pid>`` (:func:`aside_path`) first, which leaves a window of two renames with no checkpoint
+under the final name; :func:`clean_stale` puts such an entry back on the next save into that directory.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import hashlib
 import os
 import re
 import shutil
@@ -22,6 +26,82 @@ from pathlib import Path
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
+NAME_MAX = 255  # bytes per name on Linux filesystems; used where the filesystem does not say
+_HEAD_BYTES = 64  # bytes of the final name kept at the start of a hidden entry's name
+_HASH_HEX = 16  # hex digits of the final name's sha256 in a hidden entry's name
+
+
+def name_max(directory: Path) -> int:
+    """The longest name, in bytes, the filesystem of ``directory`` (or of its nearest existing parent) accepts:
+    ``pathconf(PC_NAME_MAX)``, or :data:`NAME_MAX` where the system does not say."""
+    d = Path(os.path.abspath(directory))
+    while not os.path.exists(d) and d != d.parent:
+        d = d.parent
+    try:
+        limit = os.pathconf(d, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return NAME_MAX
+    return limit if limit and limit > 0 else NAME_MAX
+
+
+def check_name_length(path: Path, what: str = "checkpoint", shorter: str | None = None) -> None:
+    """Raise before anything is written when a name in ``path`` (its last entry or a folder above it that does
+    not exist yet) is longer, in bytes (UTF-8: an accented letter counts 2, most CJK characters 3), than its
+    filesystem accepts.
+
+    Args:
+        path: the entry about to be written.
+        what: what is written there, for the message.
+        shorter: how to choose a shorter name, for the message (default: ``ModelCheckpoint(filename=...)`` or
+            the path given to ``trainer.save_checkpoint``).
+
+    Raises:
+        OSError: ``errno.ENAMETOOLONG``; the message names the entry, its length in bytes, the limit and what
+            to do.
+    """
+    path = Path(path)
+    limit = name_max(path.parent)
+    todo = [path] + [p for p in path.parents if not os.path.exists(p)]
+    for entry in todo:
+        size = len(os.fsencode(entry.name))
+        if size <= limit:
+            continue
+        kind = "its name" if entry == path else f"the folder name {entry.name!r} in its path"
+        hint = shorter or ("pass a shorter `filename=` (or `dirpath=`) to ModelCheckpoint (the name it saves is the "
+                           "filename with its metric values filled in, plus '.ckpt'), or a shorter path to "
+                           "trainer.save_checkpoint")
+        raise OSError(errno.ENAMETOOLONG, (
+            f"megatrain: cannot write the {what} {path}: {kind} is {size} bytes long (UTF-8) and the filesystem "
+            f"accepts names of at most {limit} bytes (NAME_MAX). Nothing was written; {hint}."))
+
+
+def _hidden_stem(final: Path) -> str:
+    """``.<head>~<hash>``: how every hidden entry made for ``final`` starts (``<head>`` ends on a whole UTF-8
+    character)."""
+    raw = os.fsencode(final.name)
+    cut = min(len(raw), _HEAD_BYTES)
+    while 0 < cut < len(raw) and (raw[cut] & 0xC0) == 0x80:  # not inside a multi-byte character
+        cut -= 1
+    return f".{os.fsdecode(raw[:cut])}~{hashlib.sha256(raw).hexdigest()[:_HASH_HEX]}"
+
+
+def temporary_path(final: Path, token: str | None = None) -> Path:
+    """The hidden sibling a save of ``final`` writes into: ``.<head>~<hash>~tmp-<token>``, at most 103 bytes
+    with a token of up to 16 characters.
+
+    Args:
+        token: digits of the writing process's id, optionally followed by ``-`` and hex digits (default: the
+            process id); :func:`clean_stale` reads the process id from it.
+    """
+    final = Path(final)
+    return final.parent / f"{_hidden_stem(final)}~tmp-{token if token is not None else os.getpid()}"
+
+
+def aside_path(final: Path, pid: int | None = None) -> Path:
+    """Where :func:`put_in_place` moves the old entry of ``final`` without ``RENAME_EXCHANGE``:
+    ``.<head>~<hash>~old-<pid>`` (``pid``: the moving process's id, by default this one's)."""
+    final = Path(final)
+    return final.parent / f"{_hidden_stem(final)}~old-{pid if pid is not None else os.getpid()}"
 
 
 def _renameat2() -> object | None:
@@ -76,7 +156,7 @@ def put_in_place(tmp: Path, final: Path) -> None:
     elif exchange(tmp, final):  # tmp now holds the old entry
         remove(tmp)
     else:
-        old = final.parent / f".{final.name}.old-{os.getpid()}"
+        old = aside_path(final)
         if os.path.lexists(old):
             remove(old)
         os.rename(final, old)
@@ -101,22 +181,26 @@ def _alive(pid: int) -> bool:
 
 
 def clean_stale(final: Path) -> list[Path]:
-    """Deal with what killed saves of ``final`` left next to it: a ``.<name>.tmp-<pid>...`` directory (half
-    written) is removed; a ``.<name>.old-<pid>`` (a complete checkpoint moved aside by the two-rename fallback)
-    is renamed back to ``final`` when ``final`` is missing, else removed. Entries of a process that still
+    """Deal with what killed saves of ``final`` left next to it: a temporary directory (:func:`temporary_path`,
+    half written) is removed; an entry moved aside (:func:`aside_path`: a complete checkpoint moved aside by the
+    two-rename fallback) is renamed back to ``final`` when ``final`` is missing, else removed. Entries named
+    ``.<name>.tmp-<pid>...`` and ``.<name>.old-<pid>`` are treated the same way. Entries of a process that still
     runs are left alone (another save in progress). Returns the entries removed or restored.
 
     Raises:
         OSError: an entry could not be removed or renamed.
     """
-    pattern = re.compile(r"^\." + re.escape(final.name) + r"\.(tmp|old)-(\d+)")
+    final = Path(final)
+    token = r"(\d+)(?:-[0-9a-f]+)?"
+    patterns = (re.compile(re.escape(_hidden_stem(final)) + r"~(tmp|old)-" + token),
+                re.compile(re.escape(f".{final.name}") + r"\.(tmp|old)-" + token))
     done = []
     try:
         siblings = sorted(final.parent.iterdir())
     except FileNotFoundError:
         return done
     for p in siblings:
-        m = pattern.match(p.name)
+        m = next((m for m in (pat.fullmatch(p.name) for pat in patterns) if m is not None), None)
         if m is None or int(m.group(2)) == os.getpid() or _alive(int(m.group(2))):
             continue
         if m.group(1) == "old" and not os.path.lexists(final):

@@ -20,10 +20,12 @@ Layout of a checkpoint directory (docs/architecture.md, "Checkpoints and resume"
 
 What goes where is planned before anything is written (layout.py): a tensor of the module that no
 part would write is an error, not a silent drop. Writes go to a hidden temporary directory next to
-the target, every file is fsynced, and the directory is put into place atomically (atomic.py: an existing
-checkpoint, file or symlink of the same name is exchanged with it, then removed): a crash at any moment
-leaves either the old or the new checkpoint complete under the final name, never a half-written one; what
-a killed save left next to it is cleaned up by the next save of that name. A write that fails for lack of
+the target (a name under 110 bytes, whatever the target's), every file is fsynced, and the directory is put
+into place atomically (atomic.py: an existing checkpoint, file or symlink of the same name is exchanged with
+it, then removed): a crash at any moment leaves either the old or the new checkpoint complete under the final
+name, never a half-written one; what a killed save left next to it is cleaned up by the next save of that
+name. A name longer than the filesystem accepts (255 bytes on Linux) raises ``OSError`` (``ENAMETOOLONG``)
+naming its length and the limit, before anything is written. A write that fails for lack of
 space raises an ``OSError`` (``ENOSPC``) naming the checkpoint, after removing what it wrote.
 Tensors are written one shard at a time from views of the host store, so saving never needs a
 second copy of the model.
@@ -40,7 +42,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
-from .atomic import clean_stale, put_in_place
+from .atomic import check_name_length, clean_stale, put_in_place, temporary_path
 from .errors import CheckpointError
 from .hf_io import SafetensorsSource, save_hf_model_dir, source_key, verify_checksums, write_safetensors_shards
 from .hf_write import finish_safetensors_parts, write_hf_config_files, write_safetensors_part
@@ -125,17 +127,19 @@ def save_checkpoint_dir(path: str | os.PathLike, checkpoint: dict[str, Any], mod
         CheckpointError: a tensor of the module would not be written (before anything is written),
             the written files lack a planned tensor, or the metadata cannot be made loadable without pickle.
         ValueError: the Hugging Face model holds packed quantized tensors (nothing written).
-        OSError: the disk is full or not writable (the previous checkpoint is untouched).
+        OSError: the disk is full or not writable (the previous checkpoint is untouched); ``ENAMETOOLONG``: a
+            name in ``path`` is longer than its filesystem accepts (255 bytes on Linux), before anything is written.
     """
-    layout = plan_layout(module)
     final = Path(path)
+    check_name_length(final)
+    layout = plan_layout(module)
     _refuse_other_directory(final)
     if coop is not None:
         _save_together(final, checkpoint, module, engine, layout, tokenizer, max_shard_bytes, coop)
         return
     final.parent.mkdir(parents=True, exist_ok=True)
     clean_stale(final)
-    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
+    tmp = temporary_path(final)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
@@ -231,7 +235,7 @@ def _save_together(final: Path, checkpoint: dict[str, Any], module: nn.Module, e
     completes each part (``finish_safetensors_parts``, the model's config and tokenizer, peft adapters), then
     finishes as one process does. The files are those one process writes (the shards split differently)."""
     token = coop.exchange(f"{os.getpid()}-{os.urandom(4).hex()}" if coop.rank == 0 else None)[0]
-    tmp = final.parent / f".{final.name}.tmp-{token}"
+    tmp = temporary_path(final, token)
     if coop.rank == 0:
         final.parent.mkdir(parents=True, exist_ok=True)
         clean_stale(final)

@@ -61,9 +61,10 @@ def _write_cache(entry: Path, model, tok) -> None:
     """Write ``model`` (fp32, dense: no ``quantization_config``) and ``tok`` as a Hugging Face directory at
     ``entry``: into a private directory beside it, then renamed into place, so a reader sees a complete entry or
     none. Failing to write (disk full, read-only cache) only logs a warning: the model is already loaded."""
+    from .atomic import temporary_path
     from .hf_write import save_hf_model_dir
 
-    tmp = entry.with_name(f".{entry.name}.tmp-{os.getpid()}")
+    tmp = temporary_path(entry)
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         save_hf_model_dir(tmp, model, tokenizer=tok)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .atomic import check_name_length, temporary_path
 from .directory import verified_info
 from .errors import CheckpointError
 from .hf_source import SafetensorsSource
@@ -78,8 +79,11 @@ def convert_to_lightning_checkpoint(ckpt_dir: str | os.PathLike, out_path: str |
             written by a version without the key map (format 1: resume it with strategy="megatrain"
             and save it again).
         IsADirectoryError: ``out_path`` is a directory.
+        OSError: ``ENAMETOOLONG``: a name in ``out_path`` is longer than its filesystem accepts (255 bytes on
+            Linux), before anything is read or written.
     """
     root, out = Path(ckpt_dir), Path(out_path)
+    check_name_length(out, what="Lightning checkpoint file", shorter="choose a shorter output path")
     info = verified_info(root)
     if info["format"] < 2:
         raise CheckpointError(f"Checkpoint {root} (format 1) does not record the LightningModule's state_dict keys: "
@@ -101,7 +105,7 @@ def convert_to_lightning_checkpoint(ckpt_dir: str | os.PathLike, out_path: str |
     if with_opt:
         meta["optimizer_states"] = [_optimizer_state(root, groups)]
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp = temporary_path(out)
     try:
         torch.save(meta, tmp)
         with open(tmp, "rb") as f:
