@@ -182,19 +182,25 @@ class GradientSink:
             reserved -= take
             self._take_slot()  # a staging buffer is free once a slot is
             self.acct.track(nbytes - take)
-            if red is not None and red.device_side:  # NCCL: reduced on the D2H stream before the copy
-                own = self.ownership
-                assert own is not None
-                n_flags, owner, mine = tensors[-1].numel(), own.owner[si], own.owns(si)
-                copy = self.transport.stage_grads(
-                    tensors, wire, reduce=lambda flat: red.reduce_device(flat, n_flags, owner, mine))
-            else:
-                copy = self.transport.stage_grads(tensors, wire)  # queued now, overlaps the adds
+            try:
+                if red is not None and red.device_side:  # NCCL: reduced on the D2H stream before the copy
+                    own = self.ownership
+                    assert own is not None
+                    n_flags, owner, mine = tensors[-1].numel(), own.owner[si], own.owns(si)
+                    copy = self.transport.stage_grads(
+                        tensors, wire, reduce=lambda flat: red.reduce_device(flat, n_flags, owner, mine))
+                else:
+                    copy = self.transport.stage_grads(tensors, wire)  # queued now, overlaps the adds
+            except BaseException:  # nothing queued for the worker: its slot and bytes are given back here
+                self.acct.track(-nbytes)
+                self._give_slot()
+                raise
             idx = [i for i, _ in items]
             parts = [len(ts) for _, ts in items]
             moved = nbytes
-            if red is not None and red.device_side and not self.ownership.owns(si):  # type: ignore[union-attr]
-                moved = tensors[-1].numel() * wire.itemsize  # only the presence flags cross
+            if red is not None and red.device_side:  # reduced in fp32 (reduce.py)
+                own_it = self.ownership.owns(si)  # type: ignore[union-attr]
+                moved = (sum(t.numel() for t in tensors) if own_it else tensors[-1].numel()) * 4  # non-owner: flags
             self.acct.add(d2h_bytes=moved)
             self._futures.append(self._pool.submit(self._accumulate, si, idx, copy, nbytes, si in final, parts))
         for si in final - set(by_slab):  # its last batch had no gradient: the update still runs, in order

@@ -18,6 +18,12 @@ Per batch, with N local ranks per node and M nodes (the slab's owner is local ra
    holds the same global sum, bitwise (the owners apply the same update to their node's copy);
 4. the owner divides by W.
 
+The sums are fp32 on both backends, whatever the wire dtype (bf16 or fp16 under ``bf16-true`` / ``16-true`` or a
+half gradient dtype): gloo reduces the host copies cast to fp32, NCCL a fp32 copy of the packed device tensor, which
+the owner then copies to the host in fp32 (a half sum would round every partial sum: W ranks' bf16 gradients
+summed in bf16 lose up to ``log2(W)`` more bits than the one rounding of the mean). Both backends run the same
+arithmetic: the same summands in fp32, then the same division.
+
 This is reduce-scatter at the granularity of slabs: each rank receives (and, on CUDA, copies D2H) only the slabs
 it owns. Every rank sends the same batches in the same order (the backward visits the blocks in the same order on
 every rank, and a batch lists every trainable parameter of the block call whether or not it got a gradient), so
@@ -99,12 +105,19 @@ class GradReducer:
         if mine:
             grads.div_(self.world_size)
 
-    def reduce_device(self, flat: torch.Tensor, n_flags: int, owner: int, mine: bool) -> int | None:
-        """NCCL: average the packed batch ``flat`` (gradients, then ``n_flags`` presence flags) onto the owner, in
-        place, with the D2H stream current. Returns how many trailing elements the copy to the host needs:
-        ``None`` (all) on the owner, ``n_flags`` elsewhere."""
-        self._reduce(flat[: flat.numel() - n_flags], flat[flat.numel() - n_flags :], owner, mine)
-        return None if mine else n_flags
+    def reduce_device(self, flat: torch.Tensor, n_flags: int, owner: int,
+                      mine: bool) -> tuple[torch.Tensor, int | None]:
+        """NCCL: average the packed batch ``flat`` (``[n]``, the wire dtype: gradients, then ``n_flags`` presence
+        flags) onto the owner, with the D2H stream current (any device: gloo runs it on CPU tensors).
+
+        Returns:
+            ``(out, keep)``: ``out`` is ``[n]`` fp32 (``flat`` itself when it is fp32, else a fp32 copy made on
+            the current stream) holding, on the owner, the mean gradients and everywhere the summed flags;
+            ``keep`` is how many trailing elements of ``out`` the copy to the host needs: ``None`` (all) on the
+            owner, ``n_flags`` elsewhere."""
+        out = flat if flat.dtype == torch.float32 else flat.float()
+        self._reduce(out[: out.numel() - n_flags], out[out.numel() - n_flags :], owner, mine)
+        return out, None if mine else n_flags
 
     def reduce_host(self, tensors: Sequence[torch.Tensor], owner: int, mine: bool) -> list[torch.Tensor]:
         """gloo: average the host tensors of a batch (as made by :meth:`pack`) onto the owner. Returns new fp32

@@ -315,8 +315,12 @@ class CUDATransport:
         ``reduce`` (data parallel, NCCL): called on the packed tensor with the D2H stream current, after
         that stream waited for the compute stream and before the copy; an NCCL collective issued there
         runs on NCCL's stream ordered after the D2H stream's work, and the copy waits for it, while the
-        compute stream goes on with the next block (``engine/reduce.py``). It returns how many trailing
-        elements to copy (``None``: all): a rank that does not own the slab copies only the presence flags.
+        compute stream goes on with the next block (``engine/reduce.py``). It returns ``(out, keep)``: the
+        tensor to copy (the reduced batch, fp32, ``[n]``: the host views then have its dtype) and how many
+        trailing elements to copy (``None``: all): a rank that does not own the slab copies only the presence flags.
+
+        If packing, the reduce or queueing the copy raises, the staging buffer is given back before the
+        error propagates (a later batch can still take it).
 
         The packed tensor is ``record_stream``-ed on the D2H stream: its device memory returns to the
         allocator as soon as the copy ends, before the host add.
@@ -334,19 +338,25 @@ class CUDATransport:
         except queue.Empty:
             raise RuntimeError(f"megatrain: more gradient batches in flight than the {self.n_staging} pinned "
                                "D2H staging buffers (the gradient sink bounds them: report this).") from None
-        host = (staging.view(wire) if wire.itemsize <= 4 else staging)[: flat.numel()]
-        with torch.cuda.device(self.device), torch.cuda.stream(self.d2h_stream):
-            self.d2h_stream.wait_event(ev_compute)
-            flat.record_stream(self.d2h_stream)
-            keep = reduce(flat) if reduce is not None else None
-            start = torch.cuda.Event(enable_timing=True, blocking=True)
-            start.record(self.d2h_stream)
-            if keep is None:
-                host.copy_(flat, non_blocking=True)
-            else:  # only the tail (another rank owns the gradients)
-                host[flat.numel() - keep :].copy_(flat[flat.numel() - keep :], non_blocking=True)
-            done = torch.cuda.Event(enable_timing=True, blocking=True)
-            done.record(self.d2h_stream)
+        try:
+            with torch.cuda.device(self.device), torch.cuda.stream(self.d2h_stream):
+                self.d2h_stream.wait_event(ev_compute)
+                flat.record_stream(self.d2h_stream)
+                src, keep = reduce(flat) if reduce is not None else (flat, None)
+                host = (staging.view(src.dtype) if src.dtype.itemsize <= 4 else staging)[: src.numel()]
+                start = torch.cuda.Event(enable_timing=True, blocking=True)
+                start.record(self.d2h_stream)
+                if keep is None:
+                    host.copy_(src, non_blocking=True)
+                else:  # only the tail (another rank owns the gradients)
+                    host[src.numel() - keep :].copy_(src[src.numel() - keep :], non_blocking=True)
+                done = torch.cuda.Event(enable_timing=True, blocking=True)
+                done.record(self.d2h_stream)
+        except BaseException:
+            # free for the next batch: a copy into it queued before the error is ordered before the next
+            # batch's copy on the D2H stream
+            self._staging.put(staging)
+            raise
         out, off = [], 0
         for g in grads:
             out.append(host[off : off + g.numel()].view(g.shape))

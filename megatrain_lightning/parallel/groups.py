@@ -12,6 +12,12 @@ starts the processes and ``MegaTrainStrategy.setup_distributed`` initialises the
 * ``node``: the ranks of this node, gloo: the node-shared store's barriers and the owners' partial clipping
   norms and inf checks (``store/shared.py``);
 * ``leaders``: local rank 0 of every node, gloo: the first node's initial weights to the other nodes' copies.
+
+Every subgroup is created as one group of a partition of the world (a rank is a member of exactly one group of
+each partition, and every rank creates every group, in the same order): ``leaders`` is therefore created with the
+other local ranks' cross-node gloo groups. On CUDA the default group is bound to the device (``device_id``), and
+torch then creates NCCL communicators by splitting the default one (``ncclCommSplit``, a collective over all
+ranks): see :meth:`ProcessGroups.create`.
 """
 
 from __future__ import annotations
@@ -85,29 +91,31 @@ class ProcessGroups:
                 "Trainer(devices=..., num_nodes=...) says (torchrun --nproc_per_node=devices --nnodes=num_nodes; "
                 "SLURM --ntasks-per-node=devices --nodes=num_nodes).")
         backend = str(dist.get_backend())
+        # With a default group bound to a device (device_id), torch 2.13's _new_process_group_helper
+        # (torch/distributed/distributed_c10d.py, called by new_group through _new_group_with_tag) splits the
+        # default NCCL communicator for a new group on a rank that is a member of an NCCL group (ncclCommSplit with
+        # the group's color) and on every rank that is NOT a member of the group, whatever its backend
+        # (perform_nocolor_split), but not on a member of a gloo group. ncclCommSplit is a collective over all
+        # ranks, matched by call order: the ranks must split the same number of times between two NCCL groups, or
+        # the next NCCL group's split pairs calls of different groups and every rank waits forever. Creating each
+        # subgroup as one group of a partition of the world keeps the counts equal: per gloo partition of P groups
+        # each rank splits P - 1 times (all without a color), per NCCL group every rank splits once.
+        ranks_of_node = [[k * local_world_size + i for i in range(local_world_size)] for k in range(num_nodes)]
+        ranks_of_local = [[k * local_world_size + r for k in range(num_nodes)] for r in range(local_world_size)]
+
+        def partition(parts: list[list[int]], mine: int, group_backend: str) -> Any:
+            """Create every group of ``parts`` (a partition of the ranks) in order; return the ``mine``-th."""
+            made = [dist.new_group(ranks=ranks, backend=group_backend, timeout=timeout) for ranks in parts]
+            return made[mine]
+
         grads = dist.new_group(backend=backend, timeout=timeout)
         host = dist.new_group(backend="gloo", timeout=timeout)
-        node = leaders = None
-        for k in range(num_nodes):  # every rank creates every group, in the same order
-            g = dist.new_group(ranks=[k * local_world_size + i for i in range(local_world_size)], backend="gloo",
-                               timeout=timeout)
-            if k == node_rank:
-                node = g
-        g = dist.new_group(ranks=[k * local_world_size for k in range(num_nodes)], backend="gloo", timeout=timeout)
-        if local_rank == 0:
-            leaders = g
-        node_grads = cross_grads = None
-        for k in range(num_nodes):
-            g = dist.new_group(ranks=[k * local_world_size + i for i in range(local_world_size)], backend=backend,
-                               timeout=timeout)
-            if k == node_rank:
-                node_grads = g
-        if num_nodes > 1:
-            for r in range(local_world_size):
-                g = dist.new_group(ranks=[k * local_world_size + r for k in range(num_nodes)], backend=backend,
-                                   timeout=timeout)
-                if r == local_rank:
-                    cross_grads = g
+        node = partition(ranks_of_node, node_rank, "gloo")
+        # local rank 0's group is ``leaders``; the other local ranks' groups balance the splits (unused)
+        cross_host = partition(ranks_of_local, local_rank, "gloo")
+        leaders = cross_host if local_rank == 0 else None
+        node_grads = partition(ranks_of_node, node_rank, backend)
+        cross_grads = partition(ranks_of_local, local_rank, backend) if num_nodes > 1 else None
         peers = Peers.gather(host)
         return cls(dist.get_rank(), world, local_rank, local_world_size, node_rank, num_nodes, backend, grads, host,
                    node, leaders, node_grads, cross_grads, peers, timeout.total_seconds() if timeout else None)
