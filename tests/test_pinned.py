@@ -404,3 +404,48 @@ def test_wire_shadows_honour_pin_memory(driver, pin, registered):
     assert len(driver.registered) == registered
     if registered:
         assert list(driver.registered.values()) == [-(-2 * slab.numel // PAGE) * PAGE]
+
+
+class _FailsAfter(FakeDriver):
+    """Pins the first ``n`` buffers, then refuses (the host runs out of lockable memory)."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.left = n
+
+    def register(self, ptr: int, n: int) -> None:
+        if self.left == 0:
+            raise HostPinningError("out of memory")
+        self.left -= 1
+        super().register(ptr, n)
+
+
+@pytest.mark.parametrize("pin", [None, True, False])
+def test_ram_tier_masters_fall_back_to_pageable_memory_under_the_default(monkeypatch, caplog, pin):
+    """RAM tier on CUDA: the master slabs are pinned while the driver can; with ``pin_memory=None`` the slab it
+    refuses and every later one are pageable, after one warning, and hold the same weights; ``True`` raises;
+    ``False`` never pins."""
+    from megatrain_lightning.store.host import build_store
+
+    d = _FailsAfter(2)
+    monkeypatch.setattr(pinned, "REGISTER", d.register)
+    monkeypatch.setattr(pinned, "UNREGISTER", d.unregister)
+    model = make_model("llama", **AWKWARD)
+    want = {k: v.detach().clone() for k, v in model.named_parameters()}
+    blocks = discover_blocks(LM(model))
+    if pin is True:
+        with pytest.raises(HostPinningError, match="out of memory"):
+            build_store(blocks, pin_memory=True)
+        return
+    with caplog.at_level(logging.WARNING, logger="megatrain_lightning.store.pinned"):
+        store = build_store(blocks, pin_memory=pin)
+    masters = [s.master for s in store.slabs if s.master is not None and s.master.numel()]
+    pinned_ptrs = set(d.registered)
+    is_pinned = [m.untyped_storage().data_ptr() in pinned_ptrs for m in masters]
+    if pin is None:
+        assert is_pinned[:2] == [True, True] and not any(is_pinned[2:]) and len(masters) > 3
+        assert caplog.text.count("Using pageable memory for the master weights") == 1
+    else:
+        assert not any(is_pinned) and not d.registered
+    for k, p in model.named_parameters():
+        assert torch.equal(p.detach(), want[k]), k

@@ -147,7 +147,7 @@ class StreamingEngine:
             self.budget, min_window, factory = nvme_window(self.blocks, nvme, self.device, ahead, pin, reserve_frozen)
             if Region.master in nvme.kinds:
                 cpu_zero_copy = False  # compute buffers are copies, counted in the budget
-        self.store: HostStore = build_store(self.blocks, pin_memory=pin is not False and not (nvme and Region.master in nvme.kinds),
+        self.store: HostStore = build_store(self.blocks, pin_memory=pin if not (nvme and Region.master in nvme.kinds) else False,
                                             sources=sources, nvme_factory=factory, nvme_kinds=nvme.kinds if nvme else (),
                                             shared=node.regions if node is not None else None, reserve_frozen=reserve_frozen)
         self.ownership: SlabOwnership | None = node.setup(self.store) if node is not None else None

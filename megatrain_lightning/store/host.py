@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 import torch
 
 from ..blocks import Block, ParamRef
-from .pinned import host_buffer
+from .pinned import try_host_buffer
 from .regions import Region
 
 if TYPE_CHECKING:
@@ -336,7 +336,7 @@ def slab_layout(blocks: Sequence[Block], reserve_frozen: bool = False) -> list[t
     return out
 
 
-def build_store(blocks: Sequence[Block], pin_memory: bool = False,
+def build_store(blocks: Sequence[Block], pin_memory: bool | None = False,
                 sources: dict[int, Callable[[], torch.Tensor]] | None = None,
                 nvme_factory: Callable[[list[tuple[int, int]]], object] | None = None,
                 nvme_kinds: Iterable[str] = (),
@@ -347,7 +347,9 @@ def build_store(blocks: Sequence[Block], pin_memory: bool = False,
     Args:
         blocks: output of :func:`~megatrain_lightning.blocks.discover_blocks`.
         pin_memory: allocate the masters in page-locked memory (CUDA runs: H2D copies
-            then run asynchronously at full link speed).
+            then run asynchronously at full link speed): ``True`` pins or raises, ``None`` pins while the driver
+            can and, once a slab cannot be pinned, logs one warning and makes it and the rest pageable
+            (:func:`~.pinned.try_host_buffer`), ``False`` never pins.
         sources: ``id(param) -> loader`` for parameters on the ``meta`` device (a model from
             :func:`~megatrain_lightning.checkpoint.hf_io.meta_model_from_pretrained`): each loader
             returns that one tensor (CPU, any float dtype), read straight into the slab, so the
@@ -368,6 +370,7 @@ def build_store(blocks: Sequence[Block], pin_memory: bool = False,
     Raises:
         ValueError: a parameter is on the meta device and no source provides it; ``shared`` with the masters on
             NVMe but the optimizer state in RAM.
+        HostPinningError: ``pin_memory=True`` and a master slab cannot be page-locked.
 
     Returns:
         The store. Parameters keep their identity (the same ``nn.Parameter`` objects,
@@ -405,7 +408,10 @@ def build_store(blocks: Sequence[Block], pin_memory: bool = False,
                 slab.has_grad = [False] * len(entries)
             elif not on_disk:
                 # pinned at its exact size (store/pinned.py), not rounded up to a power of two
-                slab.master = host_buffer(4 * numel, pin_memory)[: 4 * numel].view(torch.float32)
+                buf, pinned = try_host_buffer(4 * numel, pin_memory, "the master weights")
+                if pin_memory is None and not pinned:
+                    pin_memory = False  # warned once: the remaining slabs are pageable too
+                slab.master = buf[: 4 * numel].view(torch.float32)
             store.slabs.append(slab)
             # data parallel, masters on disk: each owner writes its own slabs' masters
             with contextlib.nullcontext({}) if store.master_is_remote(slab.index) else \
