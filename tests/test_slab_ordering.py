@@ -9,6 +9,7 @@ pause in the middle of every copy, and record when each copy and each write of a
 from __future__ import annotations
 
 import copy
+import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -237,3 +238,79 @@ def test_a_failed_copy_releases_the_slab_lock(async_transport, monkeypatch):
     t.join()
     assert got == [True]
     eng.close()
+
+
+class GatedTransport(AsyncCPUTransport):
+    """Copies each on their own thread (no order between them); a copy from a storage in ``held`` waits for
+    ``gate``. ``when_done`` runs its callback on a completion thread once the event is set, as
+    ``CUDATransport`` does; ``settle`` waits for the callbacks."""
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        self._stream = ThreadPoolExecutor(8, thread_name_prefix="test-h2d-copies")
+        self.held: set[int] = set()
+        self.gate = threading.Event()
+        self._done: "queue.Queue" = queue.Queue()
+        threading.Thread(target=self._run_done, daemon=True).start()
+
+    def to_device(self, host, dtype=torch.float32, layout=None):
+        buf, ev = torch.empty(host.shape, dtype=dtype), _Done()
+        self.events.append(ev)
+        wait = host.untyped_storage().data_ptr() in self.held
+
+        def copy() -> None:
+            if wait:
+                self.gate.wait()
+            buf.copy_(host)
+            ev.flag.set()
+
+        self._stream.submit(copy)
+        return buf, ev
+
+    def when_done(self, event, fn) -> None:
+        if event is None:
+            fn()
+        else:
+            self._done.put((event, fn))
+
+    def _run_done(self) -> None:
+        while True:
+            event, fn = self._done.get()
+            event.synchronize()
+            fn()
+            self._done.task_done()
+
+    def settle(self) -> None:
+        self._done.join()
+
+
+def test_dropping_a_finished_prefetch_does_not_wait_for_its_copy(monkeypatch):
+    """A prefetch whose fetch has returned but whose copy is still running is dropped by the schedule: the
+    caller goes on at once (its bytes come back when the copy is done), and drop() then finds them returned."""
+    made: list[GatedTransport] = []
+    monkeypatch.setattr(streaming, "make_transport", lambda device, *a, **k: made.append(GatedTransport(device)) or made[-1])
+    eng = StreamingEngine(make_model("llama", num_hidden_layers=3), torch.device("cpu"), lookahead=1)
+    tr = made[0]
+    try:
+        order = [b.index for b in eng.blocks if eng.store.slabs[b.index].numel > 0]
+        stuck = eng.blocks[order[1]]
+        tr.held = {eng.store.slabs[si].master.untyped_storage().data_ptr() for si in stuck.slabs}
+        eng.acct.release(eng.prefetcher.get(eng.blocks[order[0]], order, 0))  # prefetches order[1]: its copy waits
+        (fetch,) = eng.prefetcher._inflight.values()
+        for f in fetch.values():
+            f.result(timeout=10)  # the fetch returned (the copy is queued, not done)
+        assert not tr.gate.is_set()
+        got: list = []
+        t = threading.Thread(target=lambda: got.append(eng.prefetcher.get(eng.blocks[order[2]], [order[2]], 0)),
+                             daemon=True)
+        t.start()  # off the schedule: order[1]'s prefetch is dropped
+        t.join(10)
+        assert not t.is_alive(), "dropping the finished prefetch waited for its copy"
+        eng.acct.release(got[0])
+        assert eng.acct.live > 0  # the dropped block's bytes: its copy is still running
+        tr.gate.set()
+        eng.prefetcher.drop()
+        assert eng.acct.live == 0
+    finally:
+        tr.gate.set()
+        eng.close()

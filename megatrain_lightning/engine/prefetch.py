@@ -222,18 +222,25 @@ class Prefetcher:
             self._discard(fut)
 
     def _discard(self, fut: Future) -> None:
-        """Drop a prefetch the schedule no longer wants (released when its fetch ends: on the H2D worker,
-        or here if it already has; :meth:`drop` waits for those still running)."""
+        """Drop a prefetch the schedule no longer wants (released once its fetch and copies end, without
+        waiting here: :meth:`_release_discarded`; :meth:`drop` waits for those still running)."""
         with self._discard_lock:
             self._discarded[id(fut)] = fut
         fut.add_done_callback(self._release_discarded)
 
     def _release_discarded(self, f: Future) -> None:
+        """A dropped prefetch's fetch ended: its bytes are given back once its copies are done, by the
+        transport's completion thread (``when_done``), so neither the compute thread (which dropped it after it
+        finished) nor the H2D worker (which finished it after the drop) waits for the copy."""
         with self._discard_lock:
             if self._discarded.pop(id(f), None) is None:
                 return  # drop() took it over
-        if f.exception() is None:
-            self._release(f.result())
+        if f.exception() is not None:
+            return
+        for buf, ev in f.result().values():
+            nbytes = buf.numel() * buf.element_size()
+            # the buffer stays referenced until its copy is done, as when it was waited for here
+            self.transport.when_done(ev, lambda buf=buf, nbytes=nbytes: self.acct.track(-nbytes))
 
     def drop(self) -> None:
         """Wait for and discard the copies in flight, the dropped prefetches still running and the group
