@@ -310,3 +310,35 @@ def test_encoder_decoder_models_keep_their_own_loss(name):
                    enable_progress_bar=False, enable_model_summary=False).fit(lm, data)
         runs.append(lm)
     assert_parity(runs[1].model, runs[0].model, runs[1].losses, runs[0].losses)
+
+
+def test_causal_lm_loss_off_the_cpu_reads_no_label_on_the_host(monkeypatch):
+    """The path a non-CPU device takes (``drop_ignored=False``: ignored tokens through the head, the count of the
+    mean a tensor) reads no value on the host (``nonzero``, ``item``, ``tolist`` or a tensor's truth value would
+    make the host wait for the device) and gives transformers' loss and gradients, ignored tokens' exactly zero."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    torch.manual_seed(1)
+    h = torch.randn(2, 9, 8, requires_grad=True)
+    w = torch.randn(20, 8, requires_grad=True)
+    labels = torch.randint(0, 20, (2, 9))
+    labels[1, 3:] = -100
+    labels[0, 0] = -100
+    want = ForCausalLMLoss(torch.nn.functional.linear(h, w), labels, vocab_size=20)
+    wh, ww = torch.autograd.grad(want, (h, w))
+    ignored = (F.pad(labels, (0, 1), value=-100)[..., 1:] == -100).reshape(-1)
+
+    def host_read(*args, **kwargs):
+        raise AssertionError("a value read on the host")
+
+    for drop in (True, False):
+        with monkeypatch.context() as m:
+            if not drop:
+                for name in ("nonzero", "item", "tolist", "__bool__"):
+                    m.setattr(torch.Tensor, name, host_read)
+                m.setattr(torch, "nonzero", host_read)
+            got = causal_lm_loss(h, w, None, labels, chunk=4, drop_ignored=drop)
+            gh, gw = torch.autograd.grad(got, (h, w))
+        assert torch.allclose(got, want, rtol=1e-6), drop
+        assert torch.allclose(gh, wh, rtol=1e-5, atol=1e-7) and torch.allclose(gw, ww, rtol=1e-5, atol=1e-7), drop
+        assert torch.equal(gh.reshape(-1, 8)[ignored], torch.zeros(int(ignored.sum()), 8)), drop

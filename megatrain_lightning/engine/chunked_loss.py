@@ -151,13 +151,16 @@ def chunked_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, bias: to
 def causal_lm_loss(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor | None,
                    chunk: int, transform: Transform = (), ignore_index: int = -100,
                    num_items_in_batch: torch.Tensor | int | None = None,
-                   shift_labels: torch.Tensor | None = None) -> torch.Tensor:
+                   shift_labels: torch.Tensor | None = None, drop_ignored: bool | None = None) -> torch.Tensor:
     """transformers' ``ForCausalLMLoss`` on ``transform(linear(h))``, chunked over tokens.
 
     Labels are shifted by one as Hugging Face does (``labels[..., 1:]``, the last position ignored)
-    unless ``shift_labels`` is given; tokens whose label is ``ignore_index`` are dropped before the
-    head (their loss and gradient are exactly zero); the mean is over the remaining tokens, or the
-    sum divided by ``num_items_in_batch`` when given (gradient accumulation across devices/batches).
+    unless ``shift_labels`` is given; tokens whose label is ``ignore_index`` contribute exactly zero
+    loss and gradient; the mean is over the other tokens, or the sum divided by ``num_items_in_batch``
+    when given (gradient accumulation across devices/batches). With ``drop_ignored`` (default: on a CPU
+    device) the ignored tokens are dropped before the head (no logits computed for them); else they go
+    through it, because the number of tokens kept would have to reach the host first (``nonzero``: the
+    host waits for the device at every micro-batch), and the count of the mean stays a device tensor.
 
     Args:
         h: ``[B, T, H]`` hidden states; ``labels`` / ``shift_labels``: ``[B, T]`` int64.
@@ -176,12 +179,16 @@ def causal_lm_loss(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         raise ValueError(f"megatrain: labels of shape {tuple(shift_labels.shape)} do not match the hidden states "
                          f"{tuple(h.shape[:-1])} given to the LM head (logits_to_keep with labels?).")
     flat_t = shift_labels.reshape(-1).to(h.device)
-    keep = (flat_t != ignore_index).nonzero().squeeze(1)
     flat_h = h.reshape(-1, h.shape[-1])
-    total = chunked_linear_cross_entropy(flat_h.index_select(0, keep), weight, bias, flat_t.index_select(0, keep),
-                                         chunk, transform, ignore_index)
+    if drop_ignored if drop_ignored is not None else h.device.type == "cpu":  # no device to wait for
+        keep = (flat_t != ignore_index).nonzero().squeeze(1)
+        flat_h, flat_t = flat_h.index_select(0, keep), flat_t.index_select(0, keep)
+        count: torch.Tensor | int = keep.numel()
+    else:
+        count = (flat_t != ignore_index).sum()
+    total = chunked_linear_cross_entropy(flat_h, weight, bias, flat_t, chunk, transform, ignore_index)
     if num_items_in_batch is None:
-        return total / keep.numel()  # nll_loss "mean": sum / number of targets (0/0 = nan, as there)
+        return total / count  # nll_loss "mean": sum / number of targets (0/0 = nan, as there)
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(total.device)
     return total / num_items_in_batch
