@@ -494,3 +494,53 @@ def test_a_timeout_that_is_not_positive_is_refused_at_construction():
 
     assert check_timeout(2.5) == timedelta(seconds=2.5) and check_timeout(None) is None
     MegaTrainStrategy(timeout=2.5)
+
+
+def test_workers_intra_op_threads_leave_later_threads_alone():
+    """The engine's workers run with ``host_threads``; the compute thread and threads started after them keep the
+    process's setting (torch.set_num_threads in a thread also sets the count later threads start with)."""
+    import threading
+
+    from megatrain_lightning.engine.streaming import StreamingEngine
+    from megatrain_lightning.testing import make_model
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        eng = StreamingEngine(make_model("llama", num_hidden_layers=1), torch.device("cpu"), host_threads=1)
+        try:
+            assert eng.grads._pool.submit(torch.get_num_threads).result() == 1
+            assert eng.prefetcher._pool.submit(torch.get_num_threads).result() == 1
+            later: list[int] = []
+            t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+            t.start()
+            t.join()
+            assert later == [2] and torch.get_num_threads() == 2
+        finally:
+            eng.close()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_worker_on_a_cuda_run_makes_the_device_current_first(monkeypatch):
+    """The current CUDA device is per thread (``cuda:0`` in a new one): a worker of the rank on ``cuda:1`` sets it
+    before any work, then its intra-op threads."""
+    import threading
+
+    from megatrain_lightning.engine.threads import start_worker
+
+    calls: list = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("device", threading.current_thread().name, d)))
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: calls.append(("threads", threading.current_thread().name, n)))
+    pool = start_worker("test-worker", 3, torch.device("cuda", 1))
+    try:
+        name = pool.submit(lambda: threading.current_thread().name).result()
+    finally:
+        pool.shutdown()
+    main = threading.current_thread().name
+    assert name.startswith("test-worker")
+    assert calls == [("device", name, torch.device("cuda", 1)), ("threads", name, 3), ("threads", main, calls[-1][2])]
+    cpu = start_worker("test-cpu", None, torch.device("cpu"))
+    cpu.submit(lambda: None).result()
+    cpu.shutdown()
+    assert len(calls) == 3  # a CPU worker with torch's setting: nothing set

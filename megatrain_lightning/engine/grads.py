@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
 import torch
@@ -26,7 +26,7 @@ from ..store.regions import Region
 from ..store.shared import SlabOwnership
 from .accounting import ByteAccounting
 from .shared_grads import SharedGradSums
-from .threads import worker_initializer
+from .threads import start_worker
 from .hook_grads import HookGradViews
 from .param_hooks import run_grad_hooks
 from .reduce import GradReducer
@@ -83,8 +83,7 @@ class GradientSink:
         if staging is not None and max_inflight > staging:
             raise ValueError(f"max_inflight={max_inflight} gradient batches need as many D2H staging buffers; "
                              f"the transport has {staging}.")
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="megatrain-d2h",
-                                        initializer=worker_initializer(host_threads))
+        self._pool = start_worker("megatrain-d2h", host_threads, getattr(transport, "device", None))
         self._slots = threading.BoundedSemaphore(max_inflight)
         self._queued = 0  # batches (and in-backward updates) submitted and not yet done
         self._queued_lock = threading.Lock()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
 import torch
@@ -23,7 +23,7 @@ from ..store.host import HostStore
 from ..store.regions import Region
 from .accounting import ByteAccounting
 from .block_groups import GroupSchedule
-from .threads import worker_initializer
+from .threads import start_worker
 
 
 def check_lookahead(lookahead: object) -> int:
@@ -70,8 +70,7 @@ class Prefetcher:
         self._optimizer = optimizer
         self._spare = read_ahead_bytes
         self._depth = read_ahead_depth
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="megatrain-h2d",
-                                        initializer=worker_initializer(host_threads))
+        self._pool = start_worker("megatrain-h2d", host_threads, getattr(transport, "device", None))
         groups = groups if groups is not None else [(b.index,) for b in blocks]
         self.schedule = GroupSchedule(groups)
         # elements a block's fetch brings to the device (the slabs it reads, tied ones included)

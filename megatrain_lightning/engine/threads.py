@@ -15,12 +15,20 @@ bench/recompute_policy.py``): torch's setting (2 per worker) stepped in 1.06-1.0
 thread per worker in 1.00 x.
 
 With PyTorch's OpenMP backend (its default on Linux) ``torch.set_num_threads`` called in a thread
-sets that thread's team size only; the workers call it once when they start, so the compute thread
-keeps its own setting.
+sets that thread's team size, but also torch's process-wide count, which every thread started later
+takes as its own when it first runs a parallel op. :func:`start_worker` therefore starts the worker at
+once and then sets the process-wide count back to the starting thread's: the compute thread and the
+threads started later keep their setting, the worker keeps its own.
+
+A worker on a CUDA run also makes the run's device current on itself first (the current device is
+per thread and starts at ``cuda:0``): what it creates without an explicit device (events, pinned
+registrations, streams) then belongs to that device, not to another rank's GPU 0.
 """
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -54,13 +62,38 @@ def check_host_threads(host_threads: object) -> None:
         )
 
 
-def worker_initializer(threads: int | None) -> Callable[[], None] | None:
-    """``ThreadPoolExecutor(initializer=...)`` for a host worker: sets its intra-op threads to
-    ``threads`` when it starts (``None``: no initializer, torch's setting)."""
-    if threads is None:
+def worker_initializer(threads: int | None, device: torch.device | None = None) -> Callable[[], None] | None:
+    """``ThreadPoolExecutor(initializer=...)`` for a host worker: makes ``device`` current when it is a CUDA
+    device (``torch.cuda.set_device``), then sets the worker's intra-op threads to ``threads``; ``None`` when
+    there is nothing to do (no CUDA device, ``threads=None``: torch's setting)."""
+    cuda = device is not None and torch.device(device).type == "cuda"
+    if threads is None and not cuda:
         return None
 
     def init() -> None:
-        torch.set_num_threads(threads)
+        if cuda:
+            torch.cuda.set_device(device)
+        if threads is not None:
+            torch.set_num_threads(threads)
+            # torch reads its process-wide count once per thread, at the thread's first parallel op or query:
+            # done now, while it is ``threads``, so that start_worker's restore cannot reach this thread
+            torch.get_num_threads()
 
     return init
+
+
+_START_LOCK = threading.Lock()
+
+
+def start_worker(name: str, threads: int | None, device: torch.device | None = None) -> ThreadPoolExecutor:
+    """A one-thread ``ThreadPoolExecutor`` (thread names ``name``) whose thread is started now, with
+    :func:`worker_initializer`'s setup; afterwards the process-wide intra-op thread count is the calling
+    thread's again (module docstring), so only the worker runs with ``threads``."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix=name, initializer=worker_initializer(threads, device))
+    if threads is None:
+        return pool
+    with _START_LOCK:
+        mine = torch.get_num_threads()
+        pool.submit(lambda: None).result()  # the thread exists and ran its initializer
+        torch.set_num_threads(mine)
+    return pool
