@@ -485,3 +485,59 @@ def _assert_auto_within(run, share: float, caplog) -> None:
     assert all(k <= limit for k in kept), (kept, limit)
     chosen = [r.getMessage() for r in caplog.records if "recompute='auto' with" in r.getMessage()]
     assert "none/selective/block: 0/0/" not in chosen[0], chosen  # the short batches do keep op outputs
+
+
+def test_selective_offloaded_outputs_are_restored_one_call_ahead(monkeypatch):
+    """``recompute="selective"`` with ``offload_activations``: the kept op outputs of a block call start their
+    way back to the device during the backward of the call after it (a gradient batch is sent between the start
+    of their copy and the compute's wait on it), not at their own call's backward; training is unchanged."""
+    import megatrain_lightning.engine.streaming as streaming
+    from megatrain_lightning.engine.saved_ops import SavedOps
+    from megatrain_lightning.engine.transport import CPUTransport
+
+    events: list[tuple[str, int]] = []
+    saved_hosts: set[int] = set()
+    alive: list[torch.Tensor] = []  # the host copies stay referenced: their ids name them for the whole test
+
+    class Recording(CPUTransport):
+        def restore_async(self, host, event):
+            events.append(("start", id(host)))
+            return super().restore_async(host, event)
+
+        def restore(self, host, event):  # started and waited for at once
+            events.append(("start", id(host)))
+            events.append(("ready", id(host)))
+            return super().restore(host, event)
+
+        def ready(self, buf, event):
+            events.append(("ready", id(buf)))
+            super().ready(buf, event)
+
+        def stage_grads(self, grads, wire=torch.float32, reduce=None):
+            events.append(("send", 0))
+            return super().stage_grads(grads, wire, reduce)
+
+    made = streaming.make_transport
+
+    def make(device, *args, **kwargs):
+        tr = made(device, *args, **kwargs)
+        tr.__class__ = Recording
+        return tr
+
+    offload = SavedOps.offload
+
+    def recorded_offload(self, transport):
+        n = offload(self, transport)
+        alive.extend(host for _, (host, _) in self._offloaded)
+        saved_hosts.update(id(host) for _, (host, _) in self._offloaded)
+        return n
+
+    monkeypatch.setattr(streaming, "make_transport", make)
+    monkeypatch.setattr(SavedOps, "offload", recorded_offload)
+    _fit("llama", steps=2, recompute="selective", offload_activations=True)
+    starts = {h: i for i, (k, h) in enumerate(events) if k == "start" and h in saved_hosts}
+    assert saved_hosts and set(starts) == saved_hosts  # every offloaded output was brought back
+    for h, i in starts.items():
+        j = next(j for j in range(i + 1, len(events)) if events[j] == ("ready", h))
+        # the first call of each backward is the last block, whose graph is kept: it starts the next call's
+        assert any(k == "send" for k, _ in events[i:j]), "restored at its own call's backward"

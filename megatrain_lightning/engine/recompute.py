@@ -33,7 +33,7 @@ from .calls import SECOND_BACKWARD, STEPPED_SINCE, BlockCall, replayed, ForwardR
 from .forward_grad import ForeignLeafCheck, differentiable, refuse_func_transforms, saving_for_the_call
 from .grads import GradientSink
 from .chunked_mlp import plain_chunks
-from .offload import ActivationOffload, next_offloaded
+from .offload import ActivationOffload, next_offloaded, next_saved_ops
 from .recompute_policy import RecomputePolicy, hidden_shapes, is_lookup
 from .recorded_outputs import hand_over, recorded_keys, recording
 from .row_grads import dense, lookup_context
@@ -325,8 +325,10 @@ class Recompute:
             if call.keep:
                 self._enter_backward()
                 self.offload.prefetch(next_offloaded(call.fwd.calls, len(call.fwd.calls)))  # the first call's inputs
+                self._prefetch_saved_ops(call.fwd.calls, len(call.fwd.calls))
             else:
                 self.offload.prefetch(next_offloaded(call.fwd.calls, call.pos))
+                self._prefetch_saved_ops(call.fwd.calls, call.pos)
                 if kept.hooks.needs_weights:  # an embedding's backward reads no weight: no fetch
                     bufs = self._acquire(call.block, backward=True)
                     kept.hooks.bind(bufs)
@@ -341,6 +343,7 @@ class Recompute:
                 inputs.append(t)
             if call.saved_ops is not None:
                 self.acct.add(h2d_bytes=call.saved_ops.restore(self.transport))
+            self._prefetch_saved_ops(call.fwd.calls, call.pos)  # the next call's, one call ahead
             bufs = self._acquire(call.block, backward=True)
             t0 = time.perf_counter()
             leaves = self._grad_leaves(refs, bufs)
@@ -423,6 +426,13 @@ class Recompute:
         elif call.saved_ops is not None:
             kept += call.saved_ops.nbytes
         call.kept_bytes = self.policy.meter.add(call, kept)
+
+    def _prefetch_saved_ops(self, calls: list, below: int) -> None:
+        """Start restoring the offloaded op outputs of the next call backward restores (``"selective"`` with
+        ``offload_activations``), so their H2D copy overlaps the backward before it."""
+        saved = next_saved_ops(calls, below) if self.offload_activations else None
+        if saved is not None:
+            self.acct.add(h2d_bytes=saved.prefetch(self.transport))
 
     def _load_inputs(self, call: BlockCall, final: bool = False) -> list[torch.Tensor]:
         """The call's tensor inputs, recomputing linked ones from the segment start if needed.

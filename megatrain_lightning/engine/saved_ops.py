@@ -41,6 +41,7 @@ class SavedOps:
         self.nbytes = 0
         self._fwd, self._cached = create_selective_checkpoint_contexts(self._policy)
         self._offloaded: list[tuple[Any, tuple]] = []
+        self._restoring: list[tuple] | None = None  # per offloaded output: (device copy, its event), once started
         self._kept_storages: set[int] = set()  # storages of the outputs kept so far in this forward
 
     def _policy(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -132,19 +133,35 @@ class SavedOps:
             w.val = None
         return n
 
+    @property
+    def offloaded(self) -> bool:
+        """Kept outputs are in host memory, waiting for :meth:`restore`."""
+        return bool(self._offloaded)
+
+    def prefetch(self, transport: Any) -> int:
+        """Start bringing the offloaded outputs back (``transport.restore_async``: CUDA, an H2D copy on the H2D
+        stream after the D2H copy's event), one block call ahead of :meth:`restore`, so the copy overlaps the
+        backward before it. Returns the bytes whose copy started (0 if already started, or for an output a CPU
+        device uses in place)."""
+        if self._restoring is not None or not self._offloaded:
+            return 0
+        self._restoring = [transport.restore_async(*host) for _, host in self._offloaded]
+        return sum(dev.numel() * dev.element_size() for (dev, _), (_, host) in zip(self._restoring, self._offloaded)
+                   if dev is not host[0])
+
     def restore(self, transport: Any) -> int:
-        """Bring offloaded outputs back (``transport.restore``) before the recompute; returns the bytes
-        copied (0 for an output a CPU device uses in place)."""
-        n = 0
-        for w, host in self._offloaded:
-            w.val = transport.restore(*host)
+        """The offloaded outputs, back for the recompute: the compute stream waits for their copies
+        (``transport.ready``), started here if :meth:`prefetch` did not. Returns the bytes whose copy started
+        here (0 when prefetched)."""
+        n = self.prefetch(transport)
+        for (w, _), (dev, ev) in zip(self._offloaded, self._restoring or []):
+            transport.ready(dev, ev)
+            w.val = dev
             w.version = w.val._version
-            if w.val is not host[0]:
-                n += w.val.numel() * w.val.element_size()
-        self._offloaded = []
+        self._offloaded, self._restoring = [], None
         return n
 
     def free(self) -> None:
         """Drop every kept output (the call's backward ran without ``retain_graph``)."""
         self._fwd.storage.clear()
-        self._offloaded = []
+        self._offloaded, self._restoring = [], None
