@@ -208,6 +208,9 @@ class MegaTrainStrategy(ParallelStrategy):
             (when the strategy is built).
         NotImplementedError: several processes with ``offload_params``/``offload_optimizer="nvme"`` (at setup).
         ValueError: ``loss_chunk_size`` / ``mlp_chunk_size`` not a positive int (or ``"auto"`` / ``None``).
+        ValueError: a ``meta``-device parameter that no weights source provides, or whose checkpoint tensor has
+            another shape, e.g. ``resize_token_embeddings`` on a ``meta_model_from_pretrained`` model (at setup;
+            the message says to resize a materialised model before ``fit``).
         UnsupportedOptimizerError: ``configure_optimizers`` returned anything but one AdamW/Adam.
         BlockDiscoveryError: the model has no discoverable blocks.
         ValueError: ``recompute`` is not one of "block", "selective", "none", "auto", or

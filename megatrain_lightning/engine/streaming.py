@@ -103,7 +103,8 @@ class StreamingEngine:
     Raises:
         BlockDiscoveryError: no blocks found (see ``discover_blocks``).
         ValueError: ``lookahead < 0``, ``block_group < 1``, ``host_threads < 1``, a chunk size that is not a
-            positive int, or an unsupported device type.
+            positive int, or an unsupported device type; a ``meta`` parameter without a source, or whose source
+            tensor has another shape (resized before fit; ``store.host.build_store``).
         HostPinningError: ``pin_memory=True`` and the NVMe window could not be page-locked.
     """
 
