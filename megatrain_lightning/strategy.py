@@ -515,9 +515,6 @@ class MegaTrainStrategy(ParallelStrategy):
             if not any(isinstance(cb, _FlushForCallbacks) for cb in trainer.callbacks):
                 trainer.callbacks.insert(0, _FlushForCallbacks())
                 trainer.callbacks.append(_AfterWeightAveraging())
-            from .data.resume_alignment import ResumedEpochAlignment  # the data package imports this module's users
-            if not any(isinstance(cb, ResumedEpochAlignment) for cb in trainer.callbacks):
-                trainer.callbacks.insert(0, ResumedEpochAlignment())  # a resumed loader's epoch ends with its samples
         plugin = self.precision_plugin
         assert isinstance(plugin, MegaTrainPrecision)
         plugin.attach_engine(self.engine, self.root_device.type)

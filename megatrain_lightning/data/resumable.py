@@ -215,8 +215,8 @@ class ResumableDataLoader(DataLoader):
             f"ResumableDataLoader: resumed after {start} of {self._position.n} samples with {changed}: Lightning's "
             f"restored batch counter ({batches} batches of the old size) plus the {left} batches left is not the "
             f"{len(self)} batches of an epoch now, so the epoch would end with samples untrained or run past them. "
-            "Add megatrain_lightning.data.ResumedEpochAlignment() to Trainer(callbacks=...) (strategy='megatrain' "
-            "adds it), or resume with the saved batch size and world size.")
+            "Add megatrain_lightning.data.ResumedEpochAlignment() to Trainer(callbacks=...) (the recipes add it), "
+            "or resume with the saved batch size and world size.")
 
     def state_dict(self) -> dict[str, int]:
         """``{"epoch", "samples", "batches", "batch_size", "world_size"}`` (and ``"accumulate_grad_batches"`` once

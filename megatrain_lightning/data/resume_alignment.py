@@ -30,8 +30,7 @@ _FIELDS = ("ready", "started", "processed", "completed")
 class ResumedEpochAlignment(Callback):
     """Sets Lightning's batch counter of a resumed epoch from the :class:`ResumableDataLoader`'s sample position.
 
-    ``strategy="megatrain"`` adds one to every fitting Trainer; with another strategy pass it in
-    ``Trainer(callbacks=[...])`` (without it, a resume whose counter does not fit raises RuntimeError at the first
+    The recipes add one to their Trainer; elsewhere pass it in ``Trainer(callbacks=[...])`` (without it, a resume whose counter does not fit raises RuntimeError at the first
     batch, see :meth:`ResumableDataLoader.load_state_dict`). It also records ``accumulate_grad_batches`` in the
     loader's state. A no-op for fresh runs, other loaders, and resumes with an unchanged configuration.
 
