@@ -18,6 +18,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from ..data.formatting import generation_prompt
+from ..data.resume_alignment import ResumedEpochAlignment
 from ..planning import PreflightError, plan_for_run, preflight as plan_preflight
 from .checks import ConfigError, check_all, local_model_config
 from .checkpoints import RecordRunIdentity, checkpoint_callback, resolve_resume, run_identity
@@ -188,7 +189,9 @@ def build_trainer(cfg: DictConfig) -> tuple[pl.Trainer, LossHistory]:
     if cfg.eval.max_batches is not None:
         kw["limit_val_batches"] = int(cfg.eval.max_batches)
     history = LossHistory()
-    callbacks: list[Any] = [history, RecordRunIdentity(run_identity(cfg))]  # resume=last finds runs like this one
+    # resume=last finds runs like this one; a resume with another batch size, accumulation or world size trains
+    # every remaining sample of the epoch once (ResumedEpochAlignment)
+    callbacks: list[Any] = [history, RecordRunIdentity(run_identity(cfg)), ResumedEpochAlignment()]
     ckpt_cb = checkpoint_callback(cfg)
     if ckpt_cb is not None:
         callbacks.append(ckpt_cb)
