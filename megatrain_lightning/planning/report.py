@@ -166,10 +166,10 @@ GLOSSARY = {
 
 
 def glossary_lines(p: Plan) -> list[str]:
-    """Definitions of the planner's own terms that appear in this plan's memory tiers (:data:`GLOSSARY`)."""
-    labels = " ".join([*p.host, *p.device, *p.nvme])
-    used = [v for k, v in GLOSSARY.items() if k in labels and k != "wire"]
-    return (["terms: " + GLOSSARY["wire"]] + [f"  {v}" for v in used]) if used else []
+    """Definitions of the planner's own terms: the wire dtype (the ``transfers`` line of every plan), and those
+    of :data:`GLOSSARY` that name a line of this plan's memory tiers."""
+    labels = " ".join(k for tier in (p.host, p.device, p.nvme) for k, v in tier.items() if v)
+    return ["terms: " + GLOSSARY["wire"]] + [f"  {v}" for k, v in GLOSSARY.items() if k != "wire" and k in labels]
 
 
 def format_plan(p: Plan) -> str:
