@@ -7,7 +7,9 @@
     python recipes/finetune.py model=llama100b data=legal         # preflight says what this needs
 
 Configuration: conf/finetune.yaml and its groups (model, data, strategy, trainer, hardware). Results land in the
-run directory (outputs/DATE/TIME/): summary.json, summary.md, loss.png, logs/, checkpoint/.
+run directory (outputs/DATE/TIME/): summary.json, summary.md, loss.png, logs/, checkpoint/. The console: one line per
+log message, a progress bar (or, where none is visible, a line per optimizer step), and two known-harmless
+third-party notices filtered with warnings.filterwarnings / a logging filter (megatrain_lightning/recipes_lib/console.py).
 """
 
 from __future__ import annotations
@@ -85,9 +87,10 @@ def refuse_misspelt_override(args: list[str]) -> None:
             with initialize_config_dir(config_dir=conf, version_base="1.3"):
                 cfg = compose(config_name="finetune", overrides=overrides)
             break
-        except ConfigCompositionException as e:
-            if "is not in struct" not in str(e.__cause__) or not str(e).startswith("Could not override '"):
-                return  # Hydra says what is wrong
+        except Exception as e:  # noqa: BLE001 - every other composition error: Hydra's main reports it
+            if not isinstance(e, ConfigCompositionException) or "is not in struct" not in str(e.__cause__) \
+                    or not str(e).startswith("Could not override '"):
+                return
             key = str(e).split("'")[1]
             at = next((i for i, o in enumerate(overrides) if o.split("=", 1)[0] == key), None)
             if at is None:
