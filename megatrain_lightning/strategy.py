@@ -472,6 +472,20 @@ class MegaTrainStrategy(ParallelStrategy):
                                pin=self.pin_memory if self.root_device.type == "cuda" else False)
                 if self.groups else None,
             )
+            if self.is_global_zero:  # once per engine: what is in force, to confirm from the log
+                disk = self.engine.store.nvme_kinds
+                where = lambda *ks: "NVMe" if any(k in disk for k in ks) else "host RAM"  # noqa: E731
+                log.info("megatrain: strategy=MegaTrainStrategy, tier %s: fp32 masters in %s, AdamW state in %s, "
+                         "gradient accumulators in %s%s; device %s, precision=%s, lookahead=%s, block_group=%s, "
+                         "recompute=%s, recompute_every=%s, loss_chunk_size=%s, mlp_chunk_size=%s, "
+                         "offload_activations=%s, cpu_zero_copy=%s, optimizer_in_backward=%s, processes=%d",
+                         "NVMe" if disk else "RAM", where(Region.master), where(Region.exp_avg, Region.exp_avg_sq),
+                         where(Region.grad_accum),
+                         f" (host_memory_limit {self.nvme.host_memory_limit / 2**30:.1f} GiB, {self.nvme.path})"
+                         if disk and self.nvme is not None else "", self.root_device,
+                         getattr(self.precision_plugin, "precision", "?"), self.lookahead, self.block_group,
+                         self.recompute, self.recompute_every, self.loss_chunk_size, self.mlp_chunk_size,
+                         self.offload_activations, self.cpu_zero_copy, self.optimizer_in_backward, self.world_size)
         unguard_placeholders(self.lightning_module)  # a forward with the store's weights bound is fine again
         if self.engine.store.masters_on_disk:
             guard_state_dict(self.lightning_module, (
