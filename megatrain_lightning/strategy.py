@@ -697,7 +697,7 @@ class MegaTrainStrategy(ParallelStrategy):
         through Lightning.
 
         A step that an exception stops after its backward applied part of the updates (``optimizer_in_backward``)
-        is reported to the engine (:meth:`StreamingEngine.step_stopped`), which then refuses training and saving;
+        is reported to the engine (`engine/stopped_step.py`), which then refuses training and saving;
         Ctrl-C waits for the step instead (:meth:`_ctrl_c_after_step`)."""
         try:
             with self._ctrl_c_after_step():
@@ -705,11 +705,12 @@ class MegaTrainStrategy(ParallelStrategy):
         except BaseException as err:
             if self.engine is not None:
                 step = self.lightning_module.trainer.global_step + 1
-                self.engine.step_stopped(f"{step} (global_step {step - 1} -> {step}, stopped by {type(err).__name__})")
+                self.engine.stopped.stopped(f"{step} (global_step {step - 1} -> {step}, stopped by {type(err).__name__})")
             self._deferred_saves = []  # asked for in the stopped backward: never written
             self._interrupt_pending = False
             raise
         if self.engine is not None:
+            self.engine.stopped.completed()
             metrics = self.engine.end_step()
             if self.log_stats:
                 self._log_stats(metrics)
@@ -722,7 +723,7 @@ class MegaTrainStrategy(ParallelStrategy):
         the next point where Lightning can stop cleanly (the next batch's start, validation, or the end of fit:
         :meth:`_raise_pending_interrupt`), so that the model is the complete step, as consistent as plain Lightning's
         stop mid-backward (which keeps the step before). A second Ctrl-C stops at once (the step is then left half
-        applied and :meth:`StreamingEngine.check_consistent` refuses going on). At other moments Ctrl-C acts as
+        applied and `engine/stopped_step.py` refuses going on). At other moments Ctrl-C acts as
         always. Only from the main thread, and only where ``SIGINT`` has Python's default handler (a handler of the
         user's own is left alone)."""
         if (self.engine is None or threading.current_thread() is not threading.main_thread()
@@ -789,7 +790,7 @@ class MegaTrainStrategy(ParallelStrategy):
         """Lightning's training step; first decides whether this micro-batch's backward applies the
         AdamW updates (``optimizer_in_backward``)."""
         if self.engine is not None:
-            self.engine.check_consistent("training")
+            self.engine.stopped.check("training")
             self._adopt_replaced_weights()
             self.engine.update_in_backward = self._update_in_backward_now()
         return super().training_step(*args, **kwargs)
@@ -969,7 +970,7 @@ class MegaTrainStrategy(ParallelStrategy):
         """Before a validation, test or prediction loop: the weights are consistent, the pending updates applied,
         and parameters whose ``.data`` user code replaced taken into the store."""
         if self.engine is not None:
-            self.engine.check_consistent(what)
+            self.engine.stopped.check(what)
         self.flush()
         if self.engine is not None:
             self._adopt_replaced_weights()
@@ -1073,7 +1074,7 @@ class MegaTrainStrategy(ParallelStrategy):
             raise RuntimeError("save_checkpoint called before the megatrain strategy was set up, or after "
                                "trainer.strategy.close().")
         filepath = local_path(filepath)
-        self.engine.check_consistent("saving a checkpoint", CheckpointError)
+        self.engine.stopped.check("saving a checkpoint", CheckpointError)
         check_name_length(Path(filepath))
         if self.engine.grads.step_partly_applied() and self._defer_save(checkpoint, filepath):
             return
@@ -1171,7 +1172,7 @@ class MegaTrainStrategy(ParallelStrategy):
                                    strict=getattr(self.lightning_module, "strict_loading", True))
         if self.groups is not None:
             weights_written(self.groups, self.engine.store)
-        self.engine.weights_restored()
+        self.engine.stopped.restored()
         self._loaded_path = checkpoint_path
         self._loaded_meta = meta
         return meta
@@ -1183,7 +1184,7 @@ class MegaTrainStrategy(ParallelStrategy):
             self.flush()
             load_lightning_weights(checkpoint, self.lightning_module, self.engine, strict=strict,
                                    source=self._loaded_file)
-            self.engine.weights_restored()
+            self.engine.stopped.restored()
             if self.groups is not None:
                 weights_written(self.groups, self.engine.store)
 
