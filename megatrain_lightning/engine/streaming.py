@@ -32,7 +32,7 @@ from ..store.host import HostStore, build_store
 from ..store.regions import Region
 from ..store.shared import NodeShare, SlabOwnership
 from ..store.nvme import NVMeConfig
-from ..blocks import Block, HFCheckpointing, check_floating, discover_blocks, output_embedding_blocks
+from ..blocks import Block, HFRunSettings, check_floating, discover_blocks, output_embedding_blocks
 from .accounting import ByteAccounting, StepStats
 from .block_groups import form_groups
 from .fetch import WeightFetcher
@@ -193,8 +193,8 @@ class StreamingEngine:
         if self.installed:
             return
         self.params.dematerialize()
-        self.hf_checkpointing = HFCheckpointing(self.root)
-        for name in self.hf_checkpointing.names:
+        self.hf_settings = HFRunSettings(self.root)
+        for name in self.hf_settings.names:
             log.warning("megatrain: %s has gradient checkpointing enabled; it is off during the run (the strategy's "
                         "recompute option decides what each block keeps: 'block', the default, recomputes each "
                         "block as HF checkpointing does) and back on after it.", name)
@@ -212,7 +212,7 @@ class StreamingEngine:
         self.flush()
         self.long.uninstall()
         self._proxies.restore()
-        self.hf_checkpointing.restore()
+        self.hf_settings.restore()
         self._drop_prefetched()
         self.buffers_to(torch.device("cpu"))
         self.installed = False
