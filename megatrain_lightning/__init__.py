@@ -4,7 +4,9 @@ Importing this package registers ``strategy="megatrain"`` with Lightning's
 ``StrategyRegistry`` (Lightning has no entry-point discovery for strategies), and shows the
 package's INFO messages (``recompute="auto"``'s choice, once per run) as ``lightning.pytorch``
 shows its own: the ``megatrain_lightning`` logger is set to INFO and, when the root logger has no
-handler, prints to stderr (the application's logging configuration applies otherwise).
+handler, prints to stderr (the application's logging configuration applies otherwise). In a rank started by the
+strategy's launcher it also starts the watch that ends the rank once the process that started it is gone
+(``parallel/lifetime.py``).
 """
 
 import logging
@@ -16,6 +18,7 @@ from .checkpoint.errors import CheckpointError
 from .engine.streaming import StreamingEngine
 from .optim.host_adamw import HostAdamW, UnsupportedOptimizerError
 from .parallel.faults import PeerFailure
+from .parallel.lifetime import follow_parent_from_env
 from .parallel.preflight import ConfigMismatchError, RendezvousError
 from .precision import MegaTrainPrecision, UnsupportedPrecisionError
 from .store.nvme import NVMeIOError
@@ -31,6 +34,8 @@ if _logger.level == logging.NOTSET:
 if not logging.getLogger().hasHandlers() and not _logger.handlers:  # as lightning.pytorch does
     _logger.addHandler(logging.StreamHandler())
     _logger.propagate = False
+
+follow_parent_from_env()  # a rank started by MegaTrainLauncher: ends when its local rank 0 is gone
 
 if "megatrain" not in StrategyRegistry:
     MegaTrainStrategy.register_strategies(StrategyRegistry)

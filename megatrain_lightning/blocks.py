@@ -23,11 +23,14 @@ order; later blocks that use them read that slab too.
 from __future__ import annotations
 
 import fnmatch
+import logging
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 
 class BlockDiscoveryError(ValueError):
@@ -149,18 +152,27 @@ def output_embedding_blocks(root: nn.Module, blocks: Sequence["Block"]) -> set[i
     return {b.index for b in blocks if not b.direct and id(b.module) in heads}
 
 
-class HFCheckpointing:
-    """Hugging Face gradient (activation) checkpointing turned off for a run, and back on as it was afterwards.
+class HFRunSettings:
+    """Hugging Face model features that would undo block streaming, off for a run and back on as they were afterwards.
+
+    * Gradient (activation) checkpointing: the strategy's ``recompute`` option decides what each block keeps; each
+      submodule's ``gradient_checkpointing`` flag (with its checkpoint function) is recorded and set to ``False``.
+    * Hub kernels (``use_kernels``, on by default in transformers 5 when the ``kernels`` package is installed): every
+      ``model.train()`` / ``model.eval()`` that changes the kernels' mode re-runs ``kernels.kernelize``, which pops
+      the instance ``forward`` of each kernel-decorated module (``LlamaRMSNorm`` ...) -- the streaming proxy of a
+      block such as the final norm would vanish mid-run. ``use_kernels`` is set to ``False`` (PyTorch forwards,
+      ``PreTrainedModel.reset_kernels``) before the proxies are installed and turned back on, in the same mode,
+      after they are removed.
 
     Args:
-        root: the module the strategy streams; every Hugging Face model under it with checkpointing on is listed in
-            :attr:`names`, and each submodule's ``gradient_checkpointing`` flag (with its checkpoint function) is
-            recorded and set to ``False`` (the strategy's ``recompute`` option decides what each block keeps).
+        root: the module the strategy streams; every Hugging Face model under it (:func:`find_hf_models`) is handled.
+            Those that had checkpointing on are listed in :attr:`names` (the engine warns about each).
     """
 
     def __init__(self, root: nn.Module):
         self.names: list[str] = []
         self._saved: list[tuple[nn.Module, object]] = []  # (submodule, its checkpoint function)
+        self._kernels: list[tuple[nn.Module, object]] = []  # (HF model, its kernels mode)
         for m in find_hf_models(root):
             flag = "is_activation_checkpointing" if hasattr(type(m), "is_activation_checkpointing") else "is_gradient_checkpointing"
             if getattr(m, flag, False):
@@ -169,14 +181,26 @@ class HFCheckpointing:
                     if getattr(sub, "gradient_checkpointing", False) is True:
                         self._saved.append((sub, getattr(sub, "_gradient_checkpointing_func", None)))
                         sub.gradient_checkpointing = False
+            if getattr(m, "use_kernels", False) is True:
+                self._kernels.append((m, getattr(m, "_kernels_mode", None)))
+                m.use_kernels = False
 
     def restore(self) -> None:
-        """Turn checkpointing back on where it was on (same flags, same checkpoint functions); idempotent."""
+        """Turn checkpointing and hub kernels back on where they were on (same flags, checkpoint functions and
+        kernels mode); idempotent. A model whose kernels cannot be loaded again keeps its PyTorch forwards (a
+        warning says so)."""
         for sub, fn in self._saved:
             sub.gradient_checkpointing = True
             if fn is not None:
                 sub._gradient_checkpointing_func = fn
         self._saved = []
+        for m, mode in self._kernels:
+            try:
+                m.set_use_kernels(True, mode=mode)
+            except Exception as err:  # a hub kernel that no longer loads: the PyTorch forward is the same maths
+                log.warning("megatrain: hub kernels of %s could not be turned back on after the run (%s); it keeps "
+                            "its PyTorch forwards.", type(m).__name__, err)
+        self._kernels = []
 
 
 def _module_listing(root: nn.Module, limit: int = 60) -> str:

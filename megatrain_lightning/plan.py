@@ -43,7 +43,7 @@ from typing import Any, Sequence
 from .planning import (CONF_DIR, GIB, PRECISIONS, Hardware, ParamCounts, Plan, PreflightError, compose,
                        count_module, count_params, format_comparison, format_plan, load_hardware, load_model,
                        mem_available_bytes, plan, preflight, presets, replan)
-from .planning.config import is_model_path, load_hf_config
+from .planning.config import is_model_path, load_hf_config, mark_overridden_sources
 from .planning.estimate import max_seq_len
 from .planning.report import format_longest_table, longest_rows
 
@@ -155,7 +155,9 @@ def _run(args: list[str]) -> int:
         path = model if model is not None and is_model_path(model) else None
         if model is not None and path is None:
             over.append(f"model={model}")
-        return plan_from_config(_compose(over, path))
+        cfg = _compose(over, path)
+        mark_overridden_sources(cfg, over)  # the plan's assumptions name a figure set on the command line as such
+        return plan_from_config(cfg)
 
     if flags["max_seq_len"]:
         plans = [one(m, h) for m in models for h in (hardware or [None])]

@@ -208,6 +208,9 @@ class MegaTrainStrategy(ParallelStrategy):
             (when the strategy is built).
         NotImplementedError: several processes with ``offload_params``/``offload_optimizer="nvme"`` (at setup).
         ValueError: ``loss_chunk_size`` / ``mlp_chunk_size`` not a positive int (or ``"auto"`` / ``None``).
+        ValueError: a ``meta``-device parameter that no weights source provides, or whose checkpoint tensor has
+            another shape, e.g. ``resize_token_embeddings`` on a ``meta_model_from_pretrained`` model (at setup;
+            the message says to resize a materialised model before ``fit``).
         UnsupportedOptimizerError: ``configure_optimizers`` returned anything but one AdamW/Adam.
         BlockDiscoveryError: the model has no discoverable blocks.
         ValueError: ``recompute`` is not one of "block", "selective", "none", "auto", or
@@ -469,6 +472,20 @@ class MegaTrainStrategy(ParallelStrategy):
                                pin=self.pin_memory if self.root_device.type == "cuda" else False)
                 if self.groups else None,
             )
+            if self.is_global_zero:  # once per engine: what is in force, to confirm from the log
+                disk = self.engine.store.nvme_kinds
+                where = lambda *ks: "NVMe" if any(k in disk for k in ks) else "host RAM"  # noqa: E731
+                log.info("megatrain: strategy=MegaTrainStrategy, tier %s: fp32 masters in %s, AdamW state in %s, "
+                         "gradient accumulators in %s%s; device %s, precision=%s, lookahead=%s, block_group=%s, "
+                         "recompute=%s, recompute_every=%s, loss_chunk_size=%s, mlp_chunk_size=%s, "
+                         "offload_activations=%s, cpu_zero_copy=%s, optimizer_in_backward=%s, processes=%d",
+                         "NVMe" if disk else "RAM", where(Region.master), where(Region.exp_avg, Region.exp_avg_sq),
+                         where(Region.grad_accum),
+                         f" (host_memory_limit {self.nvme.host_memory_limit / 2**30:.1f} GiB, {self.nvme.path})"
+                         if disk and self.nvme is not None else "", self.root_device,
+                         getattr(self.precision_plugin, "precision", "?"), self.lookahead, self.block_group,
+                         self.recompute, self.recompute_every, self.loss_chunk_size, self.mlp_chunk_size,
+                         self.offload_activations, self.cpu_zero_copy, self.optimizer_in_backward, self.world_size)
         unguard_placeholders(self.lightning_module)  # a forward with the store's weights bound is fine again
         if self.engine.store.masters_on_disk:
             guard_state_dict(self.lightning_module, (
@@ -680,7 +697,7 @@ class MegaTrainStrategy(ParallelStrategy):
         through Lightning.
 
         A step that an exception stops after its backward applied part of the updates (``optimizer_in_backward``)
-        is reported to the engine (:meth:`StreamingEngine.step_stopped`), which then refuses training and saving;
+        is reported to the engine (`engine/stopped_step.py`), which then refuses training and saving;
         Ctrl-C waits for the step instead (:meth:`_ctrl_c_after_step`)."""
         try:
             with self._ctrl_c_after_step():
@@ -688,11 +705,12 @@ class MegaTrainStrategy(ParallelStrategy):
         except BaseException as err:
             if self.engine is not None:
                 step = self.lightning_module.trainer.global_step + 1
-                self.engine.step_stopped(f"{step} (global_step {step - 1} -> {step}, stopped by {type(err).__name__})")
+                self.engine.stopped.stopped(f"{step} (global_step {step - 1} -> {step}, stopped by {type(err).__name__})")
             self._deferred_saves = []  # asked for in the stopped backward: never written
             self._interrupt_pending = False
             raise
         if self.engine is not None:
+            self.engine.stopped.completed()
             metrics = self.engine.end_step()
             if self.log_stats:
                 self._log_stats(metrics)
@@ -705,7 +723,7 @@ class MegaTrainStrategy(ParallelStrategy):
         the next point where Lightning can stop cleanly (the next batch's start, validation, or the end of fit:
         :meth:`_raise_pending_interrupt`), so that the model is the complete step, as consistent as plain Lightning's
         stop mid-backward (which keeps the step before). A second Ctrl-C stops at once (the step is then left half
-        applied and :meth:`StreamingEngine.check_consistent` refuses going on). At other moments Ctrl-C acts as
+        applied and `engine/stopped_step.py` refuses going on). At other moments Ctrl-C acts as
         always. Only from the main thread, and only where ``SIGINT`` has Python's default handler (a handler of the
         user's own is left alone)."""
         if (self.engine is None or threading.current_thread() is not threading.main_thread()
@@ -772,7 +790,7 @@ class MegaTrainStrategy(ParallelStrategy):
         """Lightning's training step; first decides whether this micro-batch's backward applies the
         AdamW updates (``optimizer_in_backward``)."""
         if self.engine is not None:
-            self.engine.check_consistent("training")
+            self.engine.stopped.check("training")
             self._adopt_replaced_weights()
             self.engine.update_in_backward = self._update_in_backward_now()
         return super().training_step(*args, **kwargs)
@@ -952,7 +970,7 @@ class MegaTrainStrategy(ParallelStrategy):
         """Before a validation, test or prediction loop: the weights are consistent, the pending updates applied,
         and parameters whose ``.data`` user code replaced taken into the store."""
         if self.engine is not None:
-            self.engine.check_consistent(what)
+            self.engine.stopped.check(what)
         self.flush()
         if self.engine is not None:
             self._adopt_replaced_weights()
@@ -1056,7 +1074,7 @@ class MegaTrainStrategy(ParallelStrategy):
             raise RuntimeError("save_checkpoint called before the megatrain strategy was set up, or after "
                                "trainer.strategy.close().")
         filepath = local_path(filepath)
-        self.engine.check_consistent("saving a checkpoint", CheckpointError)
+        self.engine.stopped.check("saving a checkpoint", CheckpointError)
         check_name_length(Path(filepath))
         if self.engine.grads.step_partly_applied() and self._defer_save(checkpoint, filepath):
             return
@@ -1154,7 +1172,7 @@ class MegaTrainStrategy(ParallelStrategy):
                                    strict=getattr(self.lightning_module, "strict_loading", True))
         if self.groups is not None:
             weights_written(self.groups, self.engine.store)
-        self.engine.weights_restored()
+        self.engine.stopped.restored()
         self._loaded_path = checkpoint_path
         self._loaded_meta = meta
         return meta
@@ -1166,7 +1184,7 @@ class MegaTrainStrategy(ParallelStrategy):
             self.flush()
             load_lightning_weights(checkpoint, self.lightning_module, self.engine, strict=strict,
                                    source=self._loaded_file)
-            self.engine.weights_restored()
+            self.engine.stopped.restored()
             if self.groups is not None:
                 weights_written(self.groups, self.engine.store)
 

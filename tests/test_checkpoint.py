@@ -233,6 +233,36 @@ def test_streaming_load_from_pretrained_trains_like_from_pretrained(tmp_path, ar
     assert_parity(lm.model, ref, lm.losses, ref_losses)
 
 
+def test_resizing_a_meta_model_is_refused_with_what_to_do(tmp_path):
+    """``resize_token_embeddings`` on a ``meta_model_from_pretrained`` model gives embedding and head parameters
+    the checkpoint has no weights for: setup refuses with the two shapes and the fix (resize a materialised model,
+    or stream the resized model saved with ``save_pretrained``); that fix trains."""
+    from megatrain_lightning.checkpoint.hf_io import meta_model_from_pretrained
+    from megatrain_lightning.testing import make_data
+
+    make_model("llama").save_pretrained(tmp_path / "hf")
+    meta = meta_model_from_pretrained(tmp_path / "hf", attn_implementation="eager")
+    meta.resize_token_embeddings(VOCAB + 4, mean_resizing=False)
+    fit = dict(strategy="megatrain", accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+               enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError) as e:
+        pl.Trainer(**fit).fit(LM(meta), make_data(n=4))
+    msg = str(e.value)
+    assert f"source tensor has shape ({VOCAB}, " in msg and f"parameter ({VOCAB + 4}, " in msg, msg
+    assert "cannot be resized before fit" in msg
+    assert "transformers.AutoModelForCausalLM.from_pretrained(path)" in msg
+    assert "model.resize_token_embeddings(n), then fit it" in msg
+    assert "save that resized model (save_pretrained) and stream it with meta_model_from_pretrained" in msg
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager")
+    model.resize_token_embeddings(VOCAB + 4, mean_resizing=False)
+    model.save_pretrained(tmp_path / "resized")
+    streamed = meta_model_from_pretrained(tmp_path / "resized", attn_implementation="eager")
+    lm = LM(streamed)
+    pl.Trainer(**fit).fit(lm, make_data(n=4))
+    assert lm.model.get_input_embeddings().weight.shape[0] == VOCAB + 4 and len(lm.losses) == 1
+
+
 # ----------------------------------------------------------------------------- what model/ and the export hold
 
 

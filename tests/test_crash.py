@@ -15,6 +15,7 @@ import pytest
 
 import megatrain_lightning  # noqa: F401
 from crash_common import TOTAL, lm, loader
+from megatrain_lightning.parallel.lifetime import dies_with_this_process
 from megatrain_lightning.testing import assert_parity
 
 
@@ -36,7 +37,8 @@ def test_sigkill_then_resume_exactly(tmp_path, uninterrupted, mode, hang_at, exp
     root = str(Path(megatrain_lightning.__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "kill_worker.py"), str(tmp_path), mode,
-                             str(hang_at)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                             str(hang_at)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            preexec_fn=dies_with_this_process())
     deadline = time.time() + 240
     while not (tmp_path / "HANGING").exists():
         assert proc.poll() is None, proc.stderr.read().decode()[-3000:]

@@ -572,5 +572,6 @@ def test_fit_with_megatrain_strategy_on_instruction_batches(smol_tok, tiny_lm, t
     lm = LM(copy.deepcopy(tiny_lm).train())
     trainer.fit(lm, datamodule=dm)
     assert trainer.global_step == 3 and math.isfinite(float(trainer.callback_metrics["val_loss"]))
-    assert trainer.train_dataloader.state_dict() == {"epoch": 0, "batches": 3, "samples": 12}
+    assert trainer.train_dataloader.state_dict() == {"epoch": 0, "batches": 3, "samples": 12, "batch_size": 4,
+                                                     "world_size": 1}
     assert dm.run_probe(lm.model)["items"] == 2  # inputs go to the trainer's root device

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from megatrain_lightning import testing as T
+from megatrain_lightning.parallel.lifetime import dies_with_this_process, parent_env
 
 WORKER = Path(__file__).with_name("dp_worker.py")
 
@@ -49,10 +50,12 @@ def launch(out: Path, *args: str, env: dict | None = None, timeout: float = 300,
     cmd = [sys.executable, str(WORKER), str(out), *args]
     devices = _arg(args, "--devices", 2)
     if spawn or devices == 1 or _arg(args, "--num-nodes", 1) != 1 or (env and "LOCAL_RANK" in env):
-        return subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=timeout,
+                              preexec_fn=dies_with_this_process())
     procs = [subprocess.Popen(cmd, env={**e, "LOCAL_RANK": str(r), "RANK": str(r), "NODE_RANK": "0",
                                         "WORLD_SIZE": str(devices)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(devices)]
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              preexec_fn=dies_with_this_process()) for r in range(devices)]
     outs = []
     try:
         for p in procs:
@@ -257,7 +260,8 @@ def test_two_nodes_on_loopback(tmp_path):
         for k in ("LOCAL_RANK", "WORLD_SIZE", "RANK"):
             env.pop(k, None)
         procs.append(subprocess.Popen([sys.executable, str(WORKER), str(tmp_path), *args], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      preexec_fn=dies_with_this_process()))
     for p in procs:
         out, err = p.communicate(timeout=400)
         assert p.returncode == 0, out[-2000:] + err[-5000:]
@@ -352,7 +356,8 @@ def test_recipe_runs_on_two_processes(tmp_path, gpt2_dir, tier):
     env = {**os.environ, "MASTER_PORT": str(free_port()), "MASTER_ADDR": "127.0.0.1"}
     for k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
         env.pop(k, None)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=tmp_path)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=tmp_path,
+                          preexec_fn=dies_with_this_process())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     import json
     summary = json.loads((out / "summary.json").read_text())
@@ -471,7 +476,8 @@ def test_torchrun_launch(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
                            str(WORKER), str(tmp_path), "--devices", "2", "--batch", "2", "--steps", "12",
                            "--accumulate", "2", "--clip", "0.5", "--sched", "cosine"],
-                          env=env, capture_output=True, text=True, timeout=300)
+                          env={**env, **parent_env(5.0)},  # torchrun's workers follow torchrun
+                          capture_output=True, text=True, timeout=300, preexec_fn=dies_with_this_process())
     check(proc)
     assert json.loads((tmp_path / "env.json").read_text())["cluster_environment"] == "TorchElasticEnvironment"
     model, losses = reference("llama", 4, 12, 2, 0.5, "cosine")
@@ -491,7 +497,8 @@ def test_slurm_environment(tmp_path):
                "SLURM_NODEID": "0", "SLURM_JOB_ID": job, "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "localhost"}
         procs.append(subprocess.Popen([sys.executable, str(WORKER), str(tmp_path), "--devices", "2", "--batch", "2",
                                        "--steps", "12", "--accumulate", "2", "--clip", "0.5", "--sched", "cosine"],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      preexec_fn=dies_with_this_process()))
     for p in procs:
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, out[-2000:] + err[-4000:]

@@ -23,11 +23,12 @@ from megatrain_lightning import testing as T
 
 from megatrain_lightning.parallel.faults import PeerFailure, Peers
 from megatrain_lightning.parallel.launcher import ChildWatch, how_it_ended, stop_children
+from megatrain_lightning.parallel.lifetime import ENV, dies_with_this_process, parent_env
 from megatrain_lightning.parallel.preflight import (RendezvousError, check_rendezvous, differences, mismatch_message,
                                                     optimizer_fingerprint, run_fingerprint)
 from megatrain_lightning.store.shared import OwnerTimeout, SharedMemoryTooSmall, SlabOwnership, check_shm
 from megatrain_lightning.strategy import MegaTrainStrategy
-from test_data_parallel import assert_resumed_like, check
+from test_data_parallel import WORKER, assert_resumed_like, check, free_port
 from test_data_parallel import launch as _launch
 
 
@@ -127,7 +128,7 @@ def test_a_hanging_rank_stops_the_run_within_twice_the_timeout(tmp_path):
 def test_stop_children_kills_what_is_left_after_the_grace_period():
     """The launcher's path when local rank 0 raises: children still running after the grace period are killed."""
     quick = subprocess.Popen([sys.executable, "-c", "pass"])
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], preexec_fn=dies_with_this_process())
     stop_children([quick, sleeper], grace_s=0.5)
     assert quick.wait(10) == 0 and sleeper.wait(10) == -signal.SIGKILL
 
@@ -136,7 +137,7 @@ def test_child_watch_names_the_dead_rank_and_stops_the_others(capfd):
     """Lightning's launcher path: a child (local rank 1) dies; the watch says which rank and how, kills the other
     child (local rank 2, asleep) and, after the grace period, the main process (here a stand-in)."""
     dying = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], preexec_fn=dies_with_this_process())
     killed = []
     watch = ChildWatch([dying, sleeper], first_rank=4, poll_s=0.05, grace_s=0.2, kill_main=lambda: killed.append(1))
     watch.start()
@@ -163,10 +164,101 @@ def test_child_watch_leaves_main_alone_when_it_stops_by_itself():
     assert how_it_ended(3) == "exited with code 3"
 
 
+def gone(pid: int) -> bool:
+    """The process ``pid`` has ended (absent, or a zombie nobody reaped yet)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state in ("Z", "X")
+
+
+def wait_gone(pid: int, within_s: float) -> float | None:
+    """Seconds until ``pid`` ended, or ``None`` if it still runs after ``within_s`` seconds."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < within_s:
+        if gone(pid):
+            return time.monotonic() - t0
+        time.sleep(0.1)
+    return None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's")
+def test_a_child_started_with_dies_with_this_process_ends_with_its_parent():
+    """An intermediate process starts a sleeper with ``preexec_fn=dies_with_this_process()`` (as the tests start
+    their workers) and is SIGKILLed: the sleeper is gone within seconds."""
+    code = ("import subprocess, sys, time\n"
+            "from megatrain_lightning.parallel.lifetime import dies_with_this_process\n"
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'],"
+            " preexec_fn=dies_with_this_process())\n"
+            "print(p.pid, flush=True)\n"
+            "time.sleep(120)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              preexec_fn=dies_with_this_process())
+    child = int(parent.stdout.readline())
+    try:
+        assert not gone(child)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        assert wait_gone(child, 5) is not None, "the child outlived its SIGKILLed parent"
+    finally:
+        if not gone(child):
+            os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's")
+def test_a_rank_whose_local_rank_0_was_sigkilled_is_killed_after_the_grace_period(tmp_path):
+    """``python train.py`` with 2 devices: rank 1 (started by the strategy's launcher) hangs in step 1; local rank 0,
+    waiting for it, is SIGKILLed (as by the OOM killer). Rank 1 does not stay behind: 5 s (the launcher's grace
+    period) after rank 0 is gone it is killed, and says so."""
+    e = {**os.environ, "MASTER_PORT": str(free_port()), "MASTER_ADDR": "127.0.0.1"}
+    for k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", ENV):
+        e.pop(k, None)
+    log = tmp_path / "stderr.txt"  # both ranks write to it (rank 1 inherits rank 0's stderr)
+    with open(log, "w") as f:
+        rank0 = subprocess.Popen([sys.executable, str(WORKER), str(tmp_path), "--steps", "6", "--kill-rank", "1",
+                                  "--kill-at-step", "1", "--hang", "--timeout", "300"],
+                                 env=e, stdout=subprocess.DEVNULL, stderr=f, preexec_fn=dies_with_this_process())
+    marker, deadline = tmp_path / "killed_1", time.monotonic() + 240
+    rank1 = None
+    try:
+        while not marker.exists() or not marker.read_text():
+            assert rank0.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, "rank 1 never reached its hang"
+            time.sleep(0.2)
+        rank1 = int(marker.read_text())
+        assert not gone(rank1)
+        rank0.send_signal(signal.SIGKILL)
+        rank0.wait()
+        took = wait_gone(rank1, 5 + 10)
+        assert took is not None, "rank 1 outlived local rank 0"
+        err = log.read_text()
+        assert f"megatrain: the process that started this one (pid {rank0.pid}) has ended and this one " \
+               f"(pid {rank1}) did not stop within 5 s; killing it." in err, err[-4000:]
+    finally:
+        rank0.kill()
+        if rank1 is not None and not gone(rank1):
+            os.kill(rank1, signal.SIGKILL)
+    assert running_with(str(tmp_path)) == []
+
+
+def test_a_rank_whose_parent_ended_before_it_imported_the_package_exits():
+    """The launcher's environment entry names a process that has already ended: importing the package exits at
+    once (code 1, saying why) instead of training without it."""
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    proc = subprocess.run([sys.executable, "-c", "import megatrain_lightning; print('trained')"],
+                          env={**os.environ, ENV: f"{ended.pid}:5"}, capture_output=True, text=True, timeout=120,
+                          preexec_fn=dies_with_this_process())
+    assert proc.returncode == 1 and "trained" not in proc.stdout, proc.stderr[-3000:]
+    assert f"megatrain: the process that started this one (pid {ended.pid}) has already ended; exiting." in proc.stderr
+    assert parent_env(5.0) == {ENV: f"{os.getpid()}:5"}
+
+
 def test_peers_name_a_dead_process_of_this_host():
     """Two live processes and one that ended (a zombie until reaped, then gone): only that one is dead, and a
     transport error becomes a PeerFailure naming it."""
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], preexec_fn=dies_with_this_process())
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     peers = Peers.local(3, 0, [os.getpid(), live.pid, gone.pid])
     while gone.poll() is None:

@@ -110,7 +110,8 @@ def test_resume_across_world_sizes_is_exact(shuffle, world_from, world_to, taken
     assert global_steps(writers, iters, limit=taken) == reference(n, 0, shuffle, g, 2)[:taken]
     states = [dl.state_dict() for dl in writers]
     assert all(s == states[0] for s in states)  # global terms: every rank writes the same state
-    assert states[0] == {"epoch": 0, "batches": taken, "samples": min(n, taken * g)}
+    assert states[0] == {"epoch": 0, "batches": taken, "samples": min(n, taken * g), "batch_size": g // world_from,
+                         "world_size": world_from}
 
     readers = rank_loaders(n, g // world_to, world_to, shuffle)
     for dl in readers:
@@ -120,7 +121,8 @@ def test_resume_across_world_sizes_is_exact(shuffle, world_from, world_to, taken
     # the uninterrupted run from that position, then the next epoch from its start
     if taken < 4:
         assert rest == reference(n, 0, shuffle, g, 2, start=taken * g) and rest
-        assert readers[0].state_dict() == {"epoch": 0, "batches": 4, "samples": n}
+        assert readers[0].state_dict() == {"epoch": 0, "batches": 4, "samples": n, "batch_size": g // world_to,
+                                           "world_size": world_to}
     else:
         assert rest == reference(n, 1, shuffle, g, 2)  # the written epoch was complete
     following = global_steps(readers)
@@ -132,6 +134,10 @@ def test_resume_in_a_different_global_batch_continues_from_the_sample_position()
     global_steps(writers, [iter(dl) for dl in writers], limit=2)  # 12 samples consumed
     reader = ResumableDataLoader(dataset(23), batch_size=4, shuffle=True, seed=SEED)
     reader.load_state_dict(writers[0].state_dict())
+    with pytest.raises(RuntimeError, match="batch_size per process 3 -> 4, world size 2 -> 1"):
+        next(iter(reader))  # the restored batch counter (2 steps of 6) is not in steps of 4: set it first
+    reader.load_state_dict(writers[0].state_dict())
+    reader.resume_at(len(reader) - reader.resume_point()[1])
     assert [b[0].tolist() for b in reader] == reference(23, 0, True, 4, 1, start=12)
 
 

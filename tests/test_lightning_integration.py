@@ -206,6 +206,25 @@ def test_hf_gradient_checkpointing_is_off_during_the_run_and_back_on_after(caplo
                      for n, m in model.named_modules() if hasattr(m, "gradient_checkpointing")]
 
 
+def test_a_from_pretrained_model_with_hub_kernels_trains_with_validation_like_plain(tmp_path):
+    """transformers 5 turns hub kernels on for ``from_pretrained`` models when ``kernels`` is installed, and each
+    ``train()``/``eval()`` switch re-runs ``kernelize``, which pops instance ``forward``s -- the blocks' streaming
+    proxies among them. Kernels are off during the run (training and validation match plain PyTorch) and back on
+    after it."""
+    pytest.importorskip("kernels")
+    import transformers
+
+    make_model("llama").save_pretrained(tmp_path / "m")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m", use_kernels=False)
+    assert model.use_kernels, "from_pretrained no longer turns hub kernels on: this test checks nothing"
+    model.train()  # from_pretrained returns it in eval mode; validation's eval() then changes the kernels' mode
+    lm = LM(model)
+    _trainer(max_steps=4, val_check_interval=2, limit_val_batches=1).fit(lm, make_data(n=8), make_data(n=2))
+    assert_parity(lm.model, ref, lm.losses, reference_train(ref, make_data(n=8), 4))
+    assert model.use_kernels and "forward" not in model.model.norm.__dict__
+
+
 def test_lightning_ckpt_roundtrip_resumes_like_plain_lightning(tmp_path):
     """A directory checkpoint round-trips the host weights and AdamW state. Reference: the same
     save/resume with plain Lightning (strategy="auto") and its .ckpt file."""

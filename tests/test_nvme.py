@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import megatrain_lightning  # noqa: F401  (registers strategy="megatrain_nvme")
 from megatrain_lightning import MegaTrainStrategy
+from megatrain_lightning.parallel.lifetime import dies_with_this_process
 from megatrain_lightning.store import nvme as nvme_mod
 from megatrain_lightning.store.budget import HostBudget, HostMemoryBudgetError, parse_bytes
 from megatrain_lightning.store.nvme import STORE_DIR, NVMeIOError, NVMeStore, NVMeStoreLockedError, sweep_stale_stores
@@ -476,7 +477,8 @@ def test_a_dropped_trainer_does_not_block_the_next_run_on_its_store(tmp_path):
 
 
 def test_second_live_run_is_refused_and_killed_run_is_reset(tmp_path, caplog):
-    p = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                         preexec_fn=dies_with_this_process())
     try:
         assert p.stdout.readline().strip() == "ready"
         with pytest.raises(NVMeStoreLockedError, match=f"in use by another live run \\(pid {p.pid}\\)"):

@@ -468,7 +468,7 @@ def test_tight_headroom_is_flagged():
     assert "fits: yes, but TIGHT: device 3.0% headroom" in text and "TIGHT: 3.0% headroom" in text
     assert "yes*" in format_comparison([tight])
     roomy = plan(load_model("llama8b"), _hw_with("h200", hbm_gib=p.device_bytes / 0.9 / GIB))
-    assert roomy.fits and roomy.tight == [] and "fits: yes\n" in format_plan(roomy) + "\n"
+    assert roomy.fits and roomy.tight == [] and "fits: yes (on the hardware assumptions at the top: h200)\n" in format_plan(roomy) + "\n"
 
 
 def test_host_short_plan_suggests_the_nvme_tier_with_numbers():
@@ -864,3 +864,36 @@ def test_block_group_beyond_the_layer_count_is_one_group_of_all_layers():
         def __init__(self, i):
             self.index, self.slabs, self.direct, self.module = i, [i], False, object()
     assert form_groups([B(i) for i in range(30)], 100) == [tuple(range(30))]
+
+
+@pytest.mark.parametrize("preset, ram, adam, source", [
+    ("h200", "2,048.0 GiB", "12 G params/s", "assumed"),
+    ("this_machine", "23.5 GiB", "1.5 G params/s", "measured"),
+])
+def test_plan_starts_with_the_hardware_assumptions_and_their_sources(capsys, preset, ram, adam, source):
+    from megatrain_lightning.plan import main
+
+    assert main([f"hardware={preset}", "model=smollm2_135m", "hardware.nvme_drives=2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"hardware assumptions ({preset}: "), lines[0]
+    head = {ln.split()[0] + (" " + ln.split()[1] if ln.split()[0] in ("device", "host") else ""): ln
+            for ln in lines[1:7]}
+    assert set(head) == {"device memory", "compute", "host link", "host RAM", "NVMe", "host AdamW"}, head
+    assert ram in head["host RAM"] and adam in head["host AdamW"] and source in head["host AdamW"]
+    assert "set on the command line (hardware.nvme_drives=2)" in head["NVMe"] and head["NVMe"].split()[1] == "2"
+    if preset == "h200":  # one GPU planned with the whole 8-GPU server's RAM and drives: said, with the source
+        assert "8-GPU" in lines[0] and "datasheet" in head["host RAM"] and "whole 8-GPU server" in head["host RAM"]
+    else:
+        assert "re-measure" in lines[0] and "measured" in head["host RAM"]
+    assert lines[7] == "" and lines[8].startswith(f"megatrain plan: smollm2_135m on {preset}")
+    fits = next(ln for ln in lines if ln.startswith("fits: "))
+    assert f"on the hardware assumptions at the top: {preset}" in fits
+
+
+def test_plan_defines_its_own_terms_where_they_appear():
+    text = format_plan(plan(load_model("llama8b"), load_hardware("h200")))  # bf16-mixed: a wire shadow in host RAM
+    assert "wire shadow (castable 2 B, rest 4 B)" in text and "\n  wire shadow: the host-RAM copy" in text
+    assert "terms: wire dtype: " in text and "wire image being decoded: " in text
+    fp32 = format_plan(plan(load_model("smollm2_135m"), load_hardware("this_machine"), precision="32-true"))
+    assert "terms: wire dtype: " in fp32 and "wire shadow:" not in fp32  # fp32: no shadow, no image to decode
+    assert "wire image being decoded:" not in fp32

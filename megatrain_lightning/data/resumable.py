@@ -141,6 +141,9 @@ class ResumableDataLoader(DataLoader):
         self._start_batches = 0  # global steps of the epoch taken before it (from a loaded state)
         self._yielded = 0
         self._resume: tuple[int, int, int] | None = None  # (epoch, samples, batches) from a checkpoint
+        self._saved: dict[str, int] = {}  # the loaded state, for the settings it was written with
+        self._aligned = False  # the fit loop's batch counter was set from the loaded state (ResumedEpochAlignment)
+        self.accumulate_grad_batches: int | None = None  # the Trainer's, recorded in the state when known
 
     def _steps(self, start: int) -> int:
         world, _ = self._position.world()
@@ -152,6 +155,9 @@ class ResumableDataLoader(DataLoader):
         if self._resume is not None:
             epoch, start, batches = self._resume
             self._resume = None
+            if not self._aligned:
+                self._check_counter(start, batches)
+            self._aligned = False
             if start > 0 and self._steps(start) == 0:  # that epoch was complete
                 epoch, start, batches = epoch + 1, 0, 0
         else:
@@ -170,26 +176,85 @@ class ResumableDataLoader(DataLoader):
         """Batches of a whole epoch on this rank (= global steps per epoch)."""
         return self._steps(0)
 
+    def resume_point(self) -> tuple[int, int] | None:
+        """For a loaded state not yet iterated: ``(samples, steps)``, the samples of the epoch's order consumed and
+        the global steps of this loader's configuration (batch size, world size) left of that epoch from there
+        (``0``: the epoch is complete and the next iteration starts the following one). ``None`` otherwise."""
+        if self._resume is None:
+            return None
+        _, samples, _ = self._resume
+        return samples, self._steps(samples)
+
+    def resume_at(self, batches: int, next_epoch: bool = False) -> None:
+        """Set the global steps of the resumed epoch counted as taken (Lightning's batch counter of the epoch) to
+        ``batches``; with ``next_epoch`` the loaded epoch is treated as complete. Called once the fit loop's counter
+        was set to match (:class:`~megatrain_lightning.data.ResumedEpochAlignment`); disables the check that the
+        first iteration after :meth:`load_state_dict` makes.
+
+        Raises:
+            RuntimeError: no loaded state is pending."""
+        if self._resume is None:
+            raise RuntimeError("resume_at needs a state loaded by load_state_dict and not yet iterated.")
+        epoch, samples, _ = self._resume
+        self._resume = (epoch + 1, 0, 0) if next_epoch else (epoch, samples, int(batches))
+        self._aligned = True
+
+    def _check_counter(self, start: int, batches: int) -> None:
+        """Raise if Lightning's batch counter restored with the state (``batches``, global steps of the saved
+        configuration) plus the steps left from sample ``start`` is not one epoch of this configuration: the epoch
+        would end early (samples never trained) or late."""
+        left = self._steps(start)
+        if start == 0 or left == 0 or batches + left == len(self):
+            return
+        world, _ = self._position.world()
+        was = (self._saved.get("batch_size"), self._saved.get("world_size"))
+        changed = (f"batch_size per process {was[0]} -> {self._position.batch_size}, world size {was[1]} -> {world}"
+                   if None not in was else f"the global batch (now batch_size {self._position.batch_size} x world "
+                   f"size {world})")
+        raise RuntimeError(
+            f"ResumableDataLoader: resumed after {start} of {self._position.n} samples with {changed}: Lightning's "
+            f"restored batch counter ({batches} batches of the old size) plus the {left} batches left is not the "
+            f"{len(self)} batches of an epoch now, so the epoch would end with samples untrained or run past them. "
+            "Add megatrain_lightning.data.ResumedEpochAlignment() to Trainer(callbacks=...) (the recipes add it), "
+            "or resume with the saved batch size and world size.")
+
     def state_dict(self) -> dict[str, int]:
-        """``{"epoch", "samples", "batches"}``, the same on every rank: the epoch being iterated, the samples of
-        its order consumed by the global steps yielded (all ranks together), and the global steps of it taken
-        (informational; ``samples`` decides the resume position). A state loaded but not yet iterated is
-        returned as loaded."""
+        """``{"epoch", "samples", "batches", "batch_size", "world_size"}`` (and ``"accumulate_grad_batches"`` once
+        :class:`~megatrain_lightning.data.ResumedEpochAlignment` recorded the Trainer's), the same on every rank: the
+        epoch being iterated, the samples of its order consumed by the global steps yielded (all ranks together),
+        the global steps of it counted as taken (Lightning's batch counter of the epoch; ``samples`` decides the
+        resume position), and the configuration that wrote it. A state loaded but not yet iterated is returned
+        with its position as loaded."""
+        world, _ = self._position.world()
+        if self._resume is not None and not self._aligned:  # as loaded: its counter is in the saved configuration
+            epoch, samples, batches = self._resume
+            return {"epoch": epoch, "batches": batches, "samples": samples,
+                    **{k: v for k, v in self._saved.items() if k not in ("epoch", "batches", "samples")}}
         if self._resume is not None:
             epoch, samples, batches = self._resume
-            return {"epoch": epoch, "batches": batches, "samples": samples}
-        world, _ = self._position.world()
-        samples = consumed(self._position.n, self._start, self._yielded, self._position.batch_size, world)
-        return {"epoch": self._epoch, "batches": self._start_batches + self._yielded, "samples": samples}
+        else:
+            epoch, batches = self._epoch, self._start_batches + self._yielded
+            samples = consumed(self._position.n, self._start, self._yielded, self._position.batch_size, world)
+        out = {"epoch": epoch, "batches": batches, "samples": samples, "batch_size": self._position.batch_size,
+               "world_size": world}
+        if self.accumulate_grad_batches is not None:
+            out["accumulate_grad_batches"] = self.accumulate_grad_batches
+        return out
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Resume: the next iteration continues epoch ``state["epoch"]`` after its first ``state["samples"]``
         samples (or starts the following epoch if no global step of it is left), at this loader's world size
         and batch size. A state without ``samples`` (written by one process before sharding existed:
-        ``{"epoch", "batches"}``) is read as ``batches`` global steps of this loader's global batch."""
+        ``{"epoch", "batches"}``) is read as ``batches`` global steps of this loader's global batch.
+
+        When the batch size or world size differs from the state's, Lightning's restored batch counter (in steps of
+        the saved configuration) no longer matches this loader's epoch: :class:`~megatrain_lightning.data.
+        ResumedEpochAlignment` resets it; without it the first iteration raises RuntimeError naming the change."""
         epoch, batches = int(state["epoch"]), int(state.get("batches", 0))
         if "samples" in state:
             samples = int(state["samples"])
         else:
             samples = batches * self._position.batch_size * self._position.world()[0]
         self._resume = (epoch, min(max(samples, 0), self._position.n), batches)
+        self._saved = {k: int(v) for k, v in state.items()}
+        self._aligned = False

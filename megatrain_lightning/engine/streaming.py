@@ -32,7 +32,7 @@ from ..store.host import HostStore, build_store
 from ..store.regions import Region
 from ..store.shared import NodeShare, SlabOwnership
 from ..store.nvme import NVMeConfig
-from ..blocks import Block, HFCheckpointing, check_floating, discover_blocks, output_embedding_blocks
+from ..blocks import Block, HFRunSettings, check_floating, discover_blocks, output_embedding_blocks
 from .accounting import ByteAccounting, StepStats
 from .block_groups import form_groups
 from .fetch import WeightFetcher
@@ -51,19 +51,10 @@ from .window import nvme_window
 from .shared_grads import SharedGradSums
 from .params import ParamAccess
 from .threads import resolve_host_threads
+from .stopped_step import StoppedStep
 from .transport import make_transport
 
 log = logging.getLogger(__name__)
-
-MIXED_STEP = (
-    "megatrain: optimizer step {step} stopped after its backward had already applied part of the updates "
-    "(optimizer_in_backward), so the weights and optimizer state mix two steps: {action} is refused on them (it "
-    "would continue from, or save, weights no training run ever had). Load the last checkpoint to go on "
-    "(trainer.fit(model, ckpt_path=...) restores a consistent state). To have any exception leave a consistent "
-    "model, set optimizer_in_backward=False: every update then runs in the optimizer step (on the NVMe tier the "
-    "gradient accumulators are then written to NVMe and read back: 8 bytes more I/O per trainable parameter and "
-    "step). Ctrl-C is safe either way: it stops the run once the step is complete.")
-
 
 class StreamingEngine:
     """Streams a model's blocks through the compute device and owns their host state.
@@ -103,7 +94,7 @@ class StreamingEngine:
     Raises:
         BlockDiscoveryError: no blocks found (see ``discover_blocks``).
         ValueError: ``lookahead < 0``, ``block_group < 1``, ``host_threads < 1``, a chunk size that is not a
-            positive int, or an unsupported device type.
+            positive int, or an unsupported device type; a ``meta`` parameter without a source or of another shape.
         HostPinningError: ``pin_memory=True`` and the NVMe window could not be page-locked.
     """
 
@@ -169,6 +160,7 @@ class StreamingEngine:
         self.grads = GradientSink(self.store, self.acct, self.transport, lambda: self.optimizer, shared,
                                   max_inflight=2, host_threads=host_threads, reducer=reducer,
                                   ownership=self.ownership)
+        self.stopped = StoppedStep(self.grads)  # a step stopped after part of its in-backward updates
         self.fetcher = WeightFetcher(self.blocks, self.store, self.transport, self.acct, lambda: self.optimizer,
                                      self.device, pin_memory=pin, ring=StagingRing.for_store(self.store, self.transport),
                                      shared_images=node and node.wire_images, ownership=self.ownership)
@@ -190,7 +182,6 @@ class StreamingEngine:
                                    castable=lambda r: self.fetcher.autocast_castable[r.slab][r.index])
         self._proxies = ForwardPatches()  # each block's forward -> its streaming proxy
         self.update_in_backward = False  # set per micro-batch by the strategy (optimizer_in_backward, grads.py)
-        self.mixed_step: str | None = None  # the optimizer step a stop left half applied (step_stopped)
         self._plan_due = False
         self._warned_cache = False
         self.installed = False
@@ -202,8 +193,8 @@ class StreamingEngine:
         if self.installed:
             return
         self.params.dematerialize()
-        self.hf_checkpointing = HFCheckpointing(self.root)
-        for name in self.hf_checkpointing.names:
+        self.hf_settings = HFRunSettings(self.root)
+        for name in self.hf_settings.names:
             log.warning("megatrain: %s has gradient checkpointing enabled; it is off during the run (the strategy's "
                         "recompute option decides what each block keeps: 'block', the default, recomputes each "
                         "block as HF checkpointing does) and back on after it.", name)
@@ -221,7 +212,7 @@ class StreamingEngine:
         self.flush()
         self.long.uninstall()
         self._proxies.restore()
-        self.hf_checkpointing.restore()
+        self.hf_settings.restore()
         self._drop_prefetched()
         self.buffers_to(torch.device("cpu"))
         self.installed = False
@@ -229,9 +220,7 @@ class StreamingEngine:
     def buffers_to(self, device: torch.device) -> None:
         """Move module buffers (rotary ``inv_freq``, masks; never parameters) to ``device``."""
         for m in self.root.modules():
-            for k, b in m._buffers.items():
-                if b is not None and b.device != device:
-                    m._buffers[k] = b.to(device)
+            m._buffers.update({k: b.to(device) for k, b in m._buffers.items() if b is not None and b.device != device})
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer, overlap: bool = True) -> HostAdamW:
         """Take over ``optimizer`` (AdamW/Adam); see :class:`HostAdamW`."""
@@ -489,36 +478,8 @@ class StreamingEngine:
             self.weights_written()
         return [self.store.slabs[si].entries[i].ref.fqn for si, i in found]
 
-    # ------------------------------------------------------------------ a step that stops
-    def step_stopped(self, step: str) -> None:
-        """The optimizer step ``step`` (a description for messages, e.g. ``"3 (global_step 2 -> 3)"``) was stopped
-        by an exception. If its backward had already queued or applied the update of some slabs
-        (``update_in_backward``), those slabs are at the next step and the others are not: the weights and optimizer
-        state mix two steps, and :meth:`check_consistent` refuses to go on from them until a checkpoint is loaded
-        (:meth:`weights_restored`). Undoing the applied updates would need a copy of every updated slab's master and
-        moments until the step ends (12-16 bytes per parameter of host RAM or NVMe traffic), more than running the
-        update in the optimizer step costs (docs/architecture.md, "Host optimizer")."""
-        if self.grads.updates_started():
-            self.mixed_step = step
-        self.grads.close_plan()
-
-    def check_consistent(self, action: str, error: type[Exception] = RuntimeError) -> None:
-        """Refuse ``action`` (e.g. ``"training"``, ``"saving a checkpoint"``) on weights a stopped step left half
-        updated (:meth:`step_stopped`).
-
-        Raises:
-            error: the message names the step, why and what to do.
-        """
-        if self.mixed_step is not None:
-            raise error(MIXED_STEP.format(step=self.mixed_step, action=action))
-
-    def weights_restored(self) -> None:
-        """Every weight and optimizer state was just loaded from a checkpoint: consistent again."""
-        self.mixed_step = None
-
     def end_step(self) -> dict[str, float]:
         """Close the accounting window of one optimizer step; returns the logged metrics."""
-        self.grads.close_plan()  # the step is complete: its in-backward updates are all in
         self.recompute.close_kept()  # the step's backward is over (or was skipped)
         if self.optimizer is not None:
             self.acct.set(optimizer_s=self.optimizer.take_seconds())

@@ -8,12 +8,17 @@ info log line; local rank 0 then often dies before it can say why. Here the watc
 (they may wait in a collective for the dead one), gives local rank 0 ``grace_s`` seconds to stop with its own
 error (a :class:`~.faults.PeerFailure` from its next collective), and only then SIGKILLs it. Conversely, when
 local rank 0 fails with an exception, the children still running after ``grace_s`` seconds are SIGKILLed, so
-no rank is left behind waiting for it. The rendezvous settings are checked before this launcher is made
-(:func:`~.preflight.check_rendezvous`, called when the strategy picks its launcher).
+no rank is left behind waiting for it. The children also end when local rank 0 ends without a word (SIGKILL,
+the OOM killer): each follows it (:mod:`.lifetime`) and, ``grace_s`` seconds after it is gone, is SIGKILLed if
+it has not stopped with its own error; so that this does not cut a child short, local rank 0 waits at its exit
+(not after an uncaught exception) until its children have ended (they may still be writing after ``fit``). The
+rendezvous settings are checked before this launcher is made (:func:`~.preflight.check_rendezvous`, called when
+the strategy picks its launcher).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
@@ -24,6 +29,8 @@ from typing import Any, Callable, Sequence
 
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+
+from .lifetime import ENV, parent_env
 
 
 def how_it_ended(returncode: int) -> str:
@@ -94,6 +101,17 @@ def stop_children(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
     kill_all(procs)
 
 
+def wait_for_children(procs: Sequence[subprocess.Popen]) -> None:
+    """At local rank 0's exit: wait until every process of ``procs`` has ended (they follow this process, and
+    may still be writing after ``fit``). Not after an uncaught exception (``sys.last_value`` set): then the
+    children, perhaps waiting for this process in a collective, stop on the closed connection or when their
+    parent watch kills them."""
+    if getattr(sys, "last_value", None) is not None:
+        return
+    for p in procs:
+        p.wait()
+
+
 class MegaTrainLauncher(_SubprocessScriptLauncher):
     """``_SubprocessScriptLauncher`` with :class:`ChildWatch` instead of Lightning's observer (module docstring).
 
@@ -117,6 +135,7 @@ class MegaTrainLauncher(_SubprocessScriptLauncher):
         watch = None
         if not env.creates_processes_externally:
             self._call_children_scripts()
+            atexit.register(wait_for_children, list(self.procs))
             watch = ChildWatch(self.procs, env.node_rank() * self.num_processes, grace_s=self.grace_s)
             watch.start()
         _set_num_threads_if_needed(num_processes=self.num_processes)
@@ -128,3 +147,16 @@ class MegaTrainLauncher(_SubprocessScriptLauncher):
             stop_children(self.procs, self.grace_s)
             raise
         return out
+
+    def _call_children_scripts(self) -> None:
+        """Lightning's start of local ranks 1..N-1, with :func:`~.lifetime.parent_env` in their environment (they
+        follow this process and end ``grace_s`` seconds after it)."""
+        before = os.environ.get(ENV)
+        os.environ.update(parent_env(self.grace_s))
+        try:
+            super()._call_children_scripts()
+        finally:
+            if before is None:
+                os.environ.pop(ENV, None)
+            else:
+                os.environ[ENV] = before

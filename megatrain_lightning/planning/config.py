@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -150,6 +150,10 @@ class Hardware:
       no NVLink/Infinity Fabric, the intra-node reduce runs over PCIe at ``d2h_gbps``.
     * ``network_gbps``: inter-node bandwidth of one node (all its NICs together), per direction,
       GB/s (400 Gb/s = 50 GB/s); ``None``: unknown, a plan with ``num_nodes`` > 1 raises.
+
+    ``sources`` (optional, not compared): where the figures come from, printed at the top of every plan
+    (:data:`SOURCE_FIELDS` names its keys: ``scope`` (what the preset describes), ``device``, ``compute``,
+    ``link``, ``host_ram``, ``nvme``, ``host_adam``; each "datasheet", "measured" or "assumed" with a note).
     """
 
     name: str
@@ -169,6 +173,7 @@ class Hardware:
     host_mem_gbps: float | None = None
     nvlink_gbps: float | None = None
     network_gbps: float | None = None
+    sources: Mapping[str, str] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         """Refuse sizes and rates no machine has: every number must be > 0 (``pcie_gen`` aside, which is
@@ -180,7 +185,7 @@ class Hardware:
         """
         nullable = {"hbm_gib", "hbm_tbps", "host_mem_gbps", "nvlink_gbps", "network_gbps"}
         for f in fields(self):
-            if f.name in ("name", "pcie_gen"):
+            if f.name in ("name", "pcie_gen", "sources"):
                 continue
             v = getattr(self, f.name)
             if v is None and f.name in nullable:
@@ -217,6 +222,31 @@ class Hardware:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+#: ``Hardware.sources`` key of each field (what a ``hardware.<field>=`` override makes "set on the command line")
+SOURCE_FIELDS = {"hbm_gib": "device", "hbm_tbps": "device", "bf16_tflops": "compute", "fp32_tflops": "compute",
+                 "h2d_gbps": "link", "d2h_gbps": "link", "host_ram_gib": "host_ram", "nvme_drives": "nvme",
+                 "nvme_capacity_gib": "nvme", "nvme_read_gbps": "nvme", "nvme_write_gbps": "nvme",
+                 "host_adam_gparams_per_s": "host_adam"}
+
+
+def mark_overridden_sources(cfg: Any, overrides: Sequence[str]) -> None:
+    """Set ``cfg.hardware.sources[<key>]`` to "set on the command line (hardware.<field>=<value>)" for each
+    ``hardware.<field>=`` override of :data:`SOURCE_FIELDS`, so that the plan's assumptions say where the
+    figure in force comes from (a composed ``DictConfig``, changed in place)."""
+    from omegaconf import OmegaConf, open_dict
+
+    for o in overrides:
+        key, _, value = o.lstrip("+~").partition("=")
+        name = key.removeprefix("hardware.")
+        if key.startswith("hardware.") and name in SOURCE_FIELDS and cfg.get("hardware") is not None:
+            with open_dict(cfg):
+                if cfg.hardware.get("sources") is None:
+                    cfg.hardware.sources = OmegaConf.create({})
+                src = cfg.hardware.sources.get(SOURCE_FIELDS[name])
+                cfg.hardware.sources[SOURCE_FIELDS[name]] = (f"set on the command line ({key}={value})"
+                                                            + (f"; preset: {src}" if src else ""))
 
 
 def as_plain_dict(d: Any) -> dict[str, Any]:

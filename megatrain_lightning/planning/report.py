@@ -5,6 +5,7 @@ from __future__ import annotations
 from .activations import per_token_terms
 from .activations import kept_bytes
 from .advice import block_group_advice, device_advice, host_advice, recompute_advice
+from .config import Hardware
 from .estimate import TERM_LABELS, Plan, gib, long_sequence_variants, max_seq_len
 from .parallel import host_mem_rate, intra_rate
 from .terms import group_size, layer_wire_bytes, layers_in_flight, zero_copy
@@ -133,11 +134,50 @@ def transfer_line(p: Plan) -> str:
     return line
 
 
+def assumption_lines(hw: Hardware) -> list[str]:
+    """The hardware figures a plan rests on, each with its source (``Hardware.sources``: datasheet, measured,
+    assumed, or set on the command line), first in every plan."""
+    src = dict(hw.sources or {})
+    why = lambda k: src.get(k, "source not given in the preset")  # noqa: E731
+    nvme = (f"{hw.nvme_drives} x {hw.nvme_capacity_gib:,.0f} GiB, {hw.nvme_read_gbps:g} / {hw.nvme_write_gbps:g} GB/s "
+            "read / write per drive")
+    rows = [
+        ("device memory", f"{hw.hbm_gib:,.1f} GiB" if hw.is_gpu else "none (CPU: the device is host RAM)", "device"),
+        ("compute", f"{hw.bf16_tflops:g} TFLOP/s bf16, {hw.fp32_tflops:g} fp32", "compute"),
+        ("host link", f"{hw.h2d_gbps:g} / {hw.d2h_gbps:g} GB/s H2D / D2H", "link"),
+        ("host RAM", f"{hw.host_ram_gib:,.1f} GiB", "host_ram"),
+        ("NVMe", nvme, "nvme"),
+        ("host AdamW", f"{hw.host_adam_gparams_per_s:g} G params/s", "host_adam"),
+    ]
+    out = [f"hardware assumptions ({hw.name}: {src.get('scope', 'conf/hardware/' + hw.name + '.yaml')}; "
+           "override any figure with hardware.<field>=...):"]
+    out += [f"  {label:<14} {value:<52} {why(key)}" for label, value, key in rows]
+    return out
+
+
+GLOSSARY = {
+    "wire": "wire dtype: the dtype a block's weights cross the host->device link in (bf16/fp16 for the weights "
+            "autocast casts under mixed precision, else fp32)",
+    "wire shadow": "wire shadow: the host-RAM copy of the weights in the wire dtype, cast once after each "
+                   "update so that every fetch copies it as is",
+    "wire image being decoded": "wire image being decoded: the device copy of one fetch in the wire dtype, while it "
+                                "is upcast to the compute dtype",
+}
+
+
+def glossary_lines(p: Plan) -> list[str]:
+    """Definitions of the planner's own terms: the wire dtype (the ``transfers`` line of every plan), and those
+    of :data:`GLOSSARY` that name a line of this plan's memory tiers."""
+    labels = " ".join(k for tier in (p.host, p.device, p.nvme) for k, v in tier.items() if v)
+    return ["terms: " + GLOSSARY["wire"]] + [f"  {v}" for k, v in GLOSSARY.items() if k != "wire" and k in labels]
+
+
 def format_plan(p: Plan) -> str:
-    """The full single-preset report."""
+    """The full single-preset report: the hardware assumptions first (:func:`assumption_lines`)."""
     c, s, hw = p.counts, p.settings, p.hardware
     layers = f"{c.num_layers} layers x {c.layers[0]:,}" if len(set(c.layers)) == 1 else f"{c.num_layers} layers, {c.layer_total:,}"
-    lines = [
+    lines = assumption_lines(hw) + [
+        "",
         f"megatrain plan: {p.model} on {hw.name}",
         f"settings: precision={s['precision']} batch_size={s['batch_size']} seq_len={s['seq_len']} "
         f"({p.tokens:,} tokens/step) lookahead={s['lookahead']} block_group={s.get('block_group', 1)} "
@@ -158,6 +198,7 @@ def format_plan(p: Plan) -> str:
     if p.nvme:
         lines += _tier("NVMe store", p.nvme, p.nvme_bytes, None)
     lines += _tier("disk (NVMe store + checkpoints)", p.disk, p.disk_bytes, p.capacity["disk"])
+    lines += glossary_lines(p)
     lines += ["", f"per optimizer step                {'amount':>16} {'rate':>24} {'seconds':>10}"]
     amounts = {
         "compute": f"{p.flops / 1e12:,.1f} TFLOP",
@@ -279,10 +320,11 @@ def warning_lines(p: Plan) -> list[str]:
 def _fits_line(p: Plan) -> str:
     if not p.fits:
         return "fits: NO: " + "; ".join(p.reasons)
+    where = f" (on the hardware assumptions at the top: {p.hardware.name})"
     if p.tight:
         return "fits: yes, but TIGHT: " + ", ".join(f"{k} {p.headroom[k]:.1%} headroom" for k in p.tight) + \
-            " (< 5%: the reserve and working-set assumptions are larger than that margin)"
-    return "fits: yes"
+            " (< 5%: the reserve and working-set assumptions are larger than that margin)" + where
+    return "fits: yes" + where
 
 
 def format_comparison(plans: list[Plan]) -> str:
@@ -296,7 +338,10 @@ def format_comparison(plans: list[Plan]) -> str:
     cols = (f"{'hardware':<13} {'host GiB need/have':>20} {'device GiB need/have':>21} {'fits':>6} "
             f"{'bound s':>9} {'dominating':<12} {'pessim. s':>10} {'compute-bound batch (device holds)':>35} "
             f"{'max seq_len':>12}")
-    out = [head, "", cols, "-" * len(cols)]
+    out = []
+    for p in plans:  # the figures each row rests on, first
+        out += assumption_lines(p.hardware)
+    out += ["", head, "", cols, "-" * len(cols)]
     for p in plans:
         dev = f"{gib(p.device_bytes)}/{gib(p.capacity['device'])}" if p.hardware.is_gpu else "(in host)"
         b, m = p.compute_bound_batch_size, p.max_device_batch_size

@@ -23,19 +23,23 @@ def format_table(rows: Sequence[tuple[str, str, str]], header: tuple[str, str, s
 def summary_rows(before: dict[str, float], after: dict[str, float], run: dict[str, Any]) -> list[tuple[str, str, str]]:
     """Rows: every metric measured before or after (perplexities, probes; an empty cell where it was not, e.g.
     the "before" column with ``eval.before=false``), then run statistics (``run`` keys: tokens_per_s,
-    peak_rss_bytes, h2d_bytes, d2h_bytes, steps, seconds)."""
+    peak_rss_bytes, h2d_bytes, d2h_bytes, steps, seconds; ``device`` ``"cpu"`` names the H2D/D2H bytes as what they
+    are without an accelerator: weight and gradient copies within host memory)."""
     rows = []
     cell = lambda d, k: f"{d[k]:.4f}" if k in d else ""  # noqa: E731
     for k in sorted(set(before) | set(after)):
         rows.append((k, cell(before, k), cell(after, k)))
     gib = 2**30
+    h2d, d2h = "H2D per step", "D2H per step"
+    if run.get("device") == "cpu":  # no accelerator: the "transfers" are copies within host memory
+        h2d, d2h = "weight copies per step (host, no GPU)", "gradient copies per step (host, no GPU)"
     extra = [
         ("optimizer steps", f"{run.get('steps', 0)}"),
         ("train seconds", f"{run.get('seconds', float('nan')):.1f}"),
         ("train tokens/s", f"{run.get('tokens_per_s', float('nan')):.0f}"),
         ("peak RSS", f"{run.get('peak_rss_bytes', 0) / gib:.2f} GiB"),
-        ("H2D per step", f"{run.get('h2d_bytes', 0) / 2**20:.1f} MiB"),
-        ("D2H per step", f"{run.get('d2h_bytes', 0) / 2**20:.1f} MiB"),
+        (h2d, f"{run.get('h2d_bytes', 0) / 2**20:.1f} MiB"),
+        (d2h, f"{run.get('d2h_bytes', 0) / 2**20:.1f} MiB"),
     ]
     for key, what in (("examples_left_out", "train examples left out (no answer within seq_len)"),
                       ("examples_cut", "train examples cut at seq_len")):

@@ -18,8 +18,10 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from ..data.formatting import generation_prompt
+from ..data.resume_alignment import ResumedEpochAlignment
 from ..planning import PreflightError, plan_for_run, preflight as plan_preflight
 from .checks import ConfigError, check_all, local_model_config
+from .console import RecipeProgressBar, StepLog
 from .checkpoints import RecordRunIdentity, checkpoint_callback, resolve_resume, run_identity
 from .module import CausalLMModule
 from .report import format_table, peak_rss_bytes, summary_rows
@@ -188,7 +190,11 @@ def build_trainer(cfg: DictConfig) -> tuple[pl.Trainer, LossHistory]:
     if cfg.eval.max_batches is not None:
         kw["limit_val_batches"] = int(cfg.eval.max_batches)
     history = LossHistory()
-    callbacks: list[Any] = [history, RecordRunIdentity(run_identity(cfg))]  # resume=last finds runs like this one
+    # resume=last finds runs like this one; a resume with another batch size, accumulation or world size trains
+    # every remaining sample of the epoch once (ResumedEpochAlignment)
+    callbacks: list[Any] = [history, RecordRunIdentity(run_identity(cfg)), ResumedEpochAlignment(), StepLog()]
+    if kw.get("enable_progress_bar", True):  # Lightning's bar, with the epoch total only where max_epochs bounds the run
+        callbacks.append(RecipeProgressBar())
     ckpt_cb = checkpoint_callback(cfg)
     if ckpt_cb is not None:
         callbacks.append(ckpt_cb)
@@ -232,8 +238,11 @@ def evaluate(trainer: pl.Trainer, lm: CausalLMModule, dm: Any, weights: Path | N
     if not metrics:
         log.info("No validation loss: no validation batch ran (data.val_fraction=0 or trainer.limit_val_batches=0).")
     if getattr(dm, "probe", None) is not None:
+        t0 = time.perf_counter()
+        log.info("probe %s: running...", dm.probe)  # its tqdm bar shows only on a terminal
         with inference_weights(trainer) as dev:
             metrics.update({f"probe/{k}": float(v) for k, v in dm.run_probe(lm.model, device=dev).items()})
+        log.info("probe %s: done in %.1f s", dm.probe, time.perf_counter() - t0)
     return metrics
 
 
@@ -253,7 +262,8 @@ def fit(cfg: DictConfig, trainer: pl.Trainer, lm: CausalLMModule, dm: Any, ckpt:
     tokens = float(trainer.strategy.reduce(torch.tensor(float(lm.tokens_seen), dtype=torch.float64), reduce_op="sum"))
     return {"steps": trainer.global_step, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9),
             "peak_rss_bytes": peak_rss_bytes(), "h2d_bytes": last.get("megatrain/h2d_bytes", 0),
-            "d2h_bytes": last.get("megatrain/d2h_bytes", 0), "resumed_from": str(ckpt) if ckpt else None,
+            "d2h_bytes": last.get("megatrain/d2h_bytes", 0), "device": trainer.strategy.root_device.type,
+            "resumed_from": str(ckpt) if ckpt else None,
             "examples_left_out": data.get("dropped"), "examples_cut": data.get("truncated")}
 
 
@@ -314,6 +324,7 @@ def report(cfg: DictConfig, trainer: pl.Trainer, before: dict[str, float], after
         return summary
     paths = write_results(Path(cfg.output_dir), summary, plot=bool(cfg.plot))
     print("\n" + format_table(summary_rows(before or {}, after, run)))
+    print("wall time per phase: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()))
     if ckpt:
         print(f"\nHF checkpoint: {ckpt / 'model'}")
     print(f"results: {', '.join(str(p) for p in paths.values())}")

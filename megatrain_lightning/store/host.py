@@ -368,8 +368,9 @@ def build_store(blocks: Sequence[Block], pin_memory: bool | None = False,
         reserve_frozen: gradient and AdamW state for frozen parameters too (:func:`slab_layout`).
 
     Raises:
-        ValueError: a parameter is on the meta device and no source provides it; ``shared`` with the masters on
-            NVMe but the optimizer state in RAM.
+        ValueError: a parameter is on the meta device and no source provides it, or its source tensor has another
+            shape (a meta-device model resized before fit: the message says to resize a materialised model);
+            ``shared`` with the masters on NVMe but the optimizer state in RAM.
         HostPinningError: ``pin_memory=True`` and a master slab cannot be page-locked.
 
     Returns:
@@ -430,7 +431,16 @@ def build_store(blocks: Sequence[Block], pin_memory: bool | None = False,
                             )
                         value = sources[id(p)]()
                         if tuple(value.shape) != tuple(p.shape):
-                            raise ValueError(f"{e.ref.fqn}: source tensor has shape {tuple(value.shape)}, parameter {tuple(p.shape)}.")
+                            raise ValueError(
+                                f"{e.ref.fqn}: source tensor has shape {tuple(value.shape)}, parameter "
+                                f"{tuple(p.shape)}. The parameter is on the meta device and its weights come from "
+                                "the checkpoint as saved, so it cannot be resized before fit (resize_token_embeddings "
+                                "on a model from meta_model_from_pretrained makes parameters with no weights). "
+                                "Resize a materialised model instead: load the weights "
+                                "(transformers.AutoModelForCausalLM.from_pretrained(path)), call "
+                                "model.resize_token_embeddings(n), then fit it; or save that resized model "
+                                "(save_pretrained) and stream it with meta_model_from_pretrained."
+                            )
                     else:
                         value = p.detach()
                     if regions is None or regions.writer or on_disk:

@@ -1,0 +1,154 @@
+"""What the recipe prints while it runs: one line per log message, third-party notices that do not concern the
+user filtered out, a progress bar with a right total, and a line per optimizer step where no bar is visible.
+
+* :func:`tidy_console` (called by ``recipes/finetune.py``'s entry point once Hydra has set up logging):
+  ``lightning`` (the package) always adds its own console handler to the ``lightning`` logger, so under Hydra,
+  whose root handler prints every record too, each Lightning message would appear twice; the handler is removed
+  when the root logger has handlers. Filtered, and only these: torch's ``FutureWarning`` that
+  ``isinstance(treespec, LeafSpec)`` is deprecated (raised from Lightning's own ``_pytree.py``; nothing the user
+  can change) and Lightning's "Tip" advertising litlogger, logged at every ``Trainer`` construction.
+* :class:`RecipeProgressBar`: Lightning's Rich bar without the ``Epoch 0/-2`` of a run that ``max_steps`` drives
+  (the epoch total is shown only when ``max_epochs`` bounds the run), with the batches left to ``max_steps`` as
+  the training total, and without the logger's version (``v_num``).
+* :class:`StepLog`: where no progress bar is visible (the bar is disabled, or stdout is not a terminal: a log
+  file, ``| tee``), one INFO line per optimizer step (loss, seconds per step) and per validation batch, so that
+  a long phase is never silent.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+import warnings
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+
+log = logging.getLogger(__name__)
+
+#: (message regex, category) of the third-party warnings the recipe filters (``warnings.filterwarnings``)
+FILTERED_WARNINGS = ((r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),)
+#: the start of Lightning INFO messages the recipe filters (logger ``lightning.pytorch.utilities.rank_zero``)
+FILTERED_LOG_PREFIXES = ("💡 Tip:",)
+
+
+class _DropPrefixes(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith(FILTERED_LOG_PREFIXES)
+
+
+def tidy_console() -> None:
+    """One line per log message, and the notices of :data:`FILTERED_WARNINGS` / :data:`FILTERED_LOG_PREFIXES`
+    filtered (see the module docstring). Idempotent; changes nothing when the root logger has no handler (then
+    Lightning's own handler is the only one that prints its messages)."""
+    for message, category in FILTERED_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _DropPrefixes) for f in rank_zero.filters):
+        rank_zero.addFilter(_DropPrefixes())
+    if logging.getLogger().hasHandlers():
+        own = logging.getLogger("lightning")
+        for h in list(own.handlers):
+            if type(h) is logging.StreamHandler:  # lightning/__init__.py's console handler, not a file handler
+                own.removeHandler(h)
+
+
+def bar_visible(trainer: pl.Trainer) -> bool:
+    """Whether a progress bar shows live progress: the trainer has one and stdout is a terminal."""
+    return trainer.progress_bar_callback is not None and sys.stdout.isatty()
+
+
+def _left_in_epoch(trainer: pl.Trainer) -> int | None:
+    """Training batches left before ``max_steps`` (``None``: the run is not bounded by steps)."""
+    if trainer.max_steps is None or trainer.max_steps < 0:
+        return None
+    return max(0, (trainer.max_steps - trainer.global_step) * trainer.accumulate_grad_batches)
+
+
+def _description(trainer: pl.Trainer, epoch: int) -> str:
+    max_epochs = trainer.max_epochs
+    return f"Epoch {epoch}/{max_epochs - 1}" if max_epochs is not None and max_epochs > 0 else f"Epoch {epoch}"
+
+
+if _RICH_AVAILABLE:
+    class RecipeProgressBar(RichProgressBar):
+        """Lightning's Rich progress bar with the totals of :mod:`this module <.console>`."""
+
+        _left: int | None = None
+
+        def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+            self._left = _left_in_epoch(trainer)
+            super().on_train_epoch_start(trainer, pl_module)
+
+        @property
+        def total_train_batches(self) -> int | float:
+            total = super().total_train_batches
+            return total if self._left is None else min(total, self._left)
+
+        def _get_train_description(self, current_epoch: int) -> str:
+            d = _description(self.trainer, current_epoch)
+            return f"{d:{len(self.validation_description)}}" if len(self.validation_description) > len(d) else d
+
+        def get_metrics(self, trainer: pl.Trainer, pl_module: Any) -> dict[str, Any]:
+            items = super().get_metrics(trainer, pl_module)
+            items.pop("v_num", None)
+            return items
+else:  # pragma: no cover - rich comes with lightning's extras
+    class RecipeProgressBar(TQDMProgressBar):  # type: ignore[no-redef]
+        """Lightning's TQDM progress bar with the totals of :mod:`this module <.console>`."""
+
+        _left: int | None = None
+
+        def on_train_epoch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+            self._left = _left_in_epoch(trainer)
+            super().on_train_epoch_start(trainer, *args)
+
+        @property
+        def total_train_batches(self) -> int | float:
+            total = super().total_train_batches
+            return total if self._left is None else min(total, self._left)
+
+        def get_metrics(self, trainer: pl.Trainer, pl_module: Any) -> dict[str, Any]:
+            items = super().get_metrics(trainer, pl_module)
+            items.pop("v_num", None)
+            return items
+
+
+class StepLog(pl.Callback):
+    """Where no progress bar is visible (:func:`bar_visible`): one INFO line per optimizer step, ``step 3/20: loss
+    2.3456, 61.2 s/step`` (the logged ``metric``, as :class:`~.results.LossHistory` reads it), and per validation
+    batch, ``validation batch 2/8 (14.0 s)``."""
+
+    def __init__(self, metric: str = "train_loss") -> None:
+        self.metric = metric
+        self._last_step = 0
+        self._t = self._val_t = 0.0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._last_step, self._t = int(trainer.global_step), time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step <= self._last_step or bar_visible(trainer) or not trainer.is_global_zero:
+            return
+        now = time.perf_counter()
+        per = (now - self._t) / (trainer.global_step - self._last_step)
+        self._last_step, self._t = int(trainer.global_step), now
+        loss = trainer.callback_metrics.get(self.metric)
+        total = f"/{trainer.max_steps}" if trainer.max_steps and trainer.max_steps > 0 else ""
+        log.info("step %d%s: loss %s, %.1f s/step", trainer.global_step, total,
+                 "-" if loss is None else f"{float(loss):.4f}", per)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._val_t = time.perf_counter()
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
+                                dataloader_idx: int = 0) -> None:
+        if trainer.sanity_checking or bar_visible(trainer) or not trainer.is_global_zero:
+            return
+        totals = trainer.num_val_batches
+        total = totals[dataloader_idx] if isinstance(totals, list) and len(totals) > dataloader_idx else "?"
+        total = int(total) if isinstance(total, (int, float)) and total != float("inf") else total
+        log.info("validation batch %d/%s (%.1f s)", batch_idx + 1, total, time.perf_counter() - self._val_t)
