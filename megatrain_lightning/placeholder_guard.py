@@ -115,7 +115,7 @@ def keys_only() -> Iterator[None]:
     """Let ``state_dict()`` of guarded modules run on this thread (:func:`guard_state_dict`): for the checkpoint
     writer, which takes the values from the store and calls library code that lists a module's keys through
     ``state_dict()`` (peft's ``ModulesToSaveWrapper.adapter_state_dict``: every save of a LoRA run with
-    ``modules_to_save`` on the NVMe tier failed, fresh-user probe W)."""
+    ``modules_to_save`` on the NVMe tier needs it)."""
     _KEYS_ONLY.depth = getattr(_KEYS_ONLY, "depth", 0) + 1
     try:
         yield
@@ -127,7 +127,7 @@ def guard_state_dict(root: nn.Module, message: str) -> None:
     """Make ``state_dict()`` (values: ``keep_vars=False``) of any submodule of ``root`` whose own parameters are NVMe
     placeholders raise ``RuntimeError(message)``, before anything is copied: ``save_pretrained`` or
     ``torch.save(model.state_dict())`` from a callback during fit (or after a run whose weights stayed on NVMe) wrote
-    an all-NaN model without a word (fresh-user probe U). ``state_dict(keep_vars=True)`` (the parameters themselves,
+    an all-NaN model without a word. ``state_dict(keep_vars=True)`` (the parameters themselves,
     which the checkpoint code maps by identity) is not refused. Installed once per module (a pre-hook per module
     owning parameters); the check is by value, so parameters holding real weights (inside
     ``summon_full_params``, after the weights came back) pass."""

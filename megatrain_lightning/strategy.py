@@ -104,11 +104,11 @@ class MegaTrainStrategy(ParallelStrategy):
         lookahead: fetches copied ahead of the one computing (1 = double buffering).
         block_group: consecutive decoder layers fetched as one transfer unit (one H2D worker task and
             one wait for the group instead of one per layer: for small blocks, whose fixed cost per
-            fetch is not hidden behind their compute; docs/architecture.md, "Block groups"). The device
+            fetch is not hidden behind their compute; docs/internals/streaming.md, "Block groups"). The device
             then holds up to ``(lookahead + 1) x block_group`` decoder layers' weights. Default 1.
         recompute_every: keep the input of every K-th block call only and recompute the others
             in backward (saved activations / K, at most one extra forward of K-1 blocks per segment).
-            Default 1: every block input is kept (see docs/architecture.md for the measurement).
+            Default 1: every block input is kept (measured: docs/benchmarks.md, "Recompute segments").
         checkpoint_every: the former name of ``recompute_every`` (it collided with Lightning's model
             checkpoints); still accepted for one release, with a ``DeprecationWarning``.
         offload_activations: keep saved block inputs in host memory (device footprint flat in depth);
@@ -186,7 +186,7 @@ class MegaTrainStrategy(ParallelStrategy):
         host_threads: intra-op CPU threads of the engine's two host workers (the host AdamW, gradient
             adds into the fp32 accumulators, casts to the wire dtype). ``None`` (default): on CUDA
             ``torch.get_num_threads() - 1``, which leaves a core for the thread launching GPU kernels
-            (derived, not measured: docs/architecture.md, "Engine layout"); on CPU 1 (the compute
+            (derived, not measured: docs/architecture.md, "Threads, streams and locks"); on CPU 1 (the compute
             kernels use every core; measured: engine/threads.py).
         process_group_backend: ``torch.distributed`` backend of a run with several processes (default: NCCL
             on CUDA, gloo on CPU, as ``DDPStrategy``).
@@ -1106,7 +1106,7 @@ class MegaTrainStrategy(ParallelStrategy):
         """A save requested while a backward applies the AdamW updates as it goes (``optimizer_in_backward``) and
         has updated only part of the model (a module backward hook, or a signal handler such as Lightning's SLURM
         auto-requeue running in the middle of the backward): the weights are half at the next step, so a checkpoint
-        now would be resumed with that step applied twice to part of the model (probe N: weights 40% off). During
+        now would be resumed with that step applied twice to part of the model (weights 40% off). During
         fit the save is deferred to the end of this optimizer step (the first callback's ``on_train_batch_end``,
         where ``ModelCheckpoint`` saves too: one step later, consistent) and ``True`` returned. Several saves in one
         backward are all written, in the order asked (a second save to the same path replaces the first's request).
@@ -1421,7 +1421,7 @@ def _warn_save_hooks_see_no_weights(module: Any, callbacks: Sequence[Callback], 
     """Warn (once, at setup) when the LightningModule or a callback overrides ``on_save_checkpoint`` while the weights
     are on NVMe: the hook's ``checkpoint["state_dict"]`` is then empty (the strategy writes the weights into the
     checkpoint directory's ``model/`` one slab at a time; a dict of them would need the whole model in host RAM).
-    Probe T: a hook counting the keys saw 0 instead of 30, without a word."""
+    Without the warning a hook counting the keys sees 0 instead of 30, without a word."""
     if not masters_on_disk:
         return
     who = [type(module).__name__] if is_overridden("on_save_checkpoint", module) else []

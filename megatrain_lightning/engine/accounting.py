@@ -3,7 +3,7 @@
 The engine counts the bytes of the compute buffers (block weights on the device, their gradients
 before they reach the host) it has alive at once. On CPU with the NVMe tier those buffers are host
 memory, so the same counts are reserved in the :class:`~megatrain_lightning.store.budget.HostBudget`
-that bounds everything the tier holds (docs/architecture.md, "NVMe tier": window).
+that bounds everything the tier holds (docs/internals/nvme.md, "Window, read-ahead, write-behind").
 """
 
 from __future__ import annotations

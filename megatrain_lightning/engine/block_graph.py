@@ -100,7 +100,7 @@ def own_outputs(out: Any, bufs: dict[int, torch.Tensor]) -> Any:
     """``out`` (a block call's output pytree) with each tensor that shares storage with one of the block's weight
     buffers ``bufs`` (a module returning its parameter or a view of it: a soft prompt's ``return self.p``) cloned,
     under grad mode (the clone keeps the graph to the leaf and saves nothing), so releasing the gradient leaves
-    (:func:`release_leaves`) and the buffers leaves the values intact (they were zeros: probe S)."""
+    (:func:`release_leaves`) and the buffers leaves the values intact (uncloned, they would read zeros)."""
     ptrs = {b.untyped_storage().data_ptr() for b in bufs.values()}
 
     def own(t: torch.Tensor) -> torch.Tensor:

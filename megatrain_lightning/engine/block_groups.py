@@ -1,7 +1,7 @@
 """Block groups: several consecutive blocks fetched as one transfer unit.
 
 A fetch has a fixed cost besides its bytes: a task handed to the H2D worker thread, its wake-up, an
-event per copy and the compute thread's wait (docs/architecture.md, "Per-block cost"). Where blocks are
+event per copy and the compute thread's wait (docs/internals/streaming.md, "Per-block cost"). Where blocks are
 small (SmolLM2-135M: 14 MB per decoder layer) that cost is not hidden behind the block's compute.
 With ``block_group=G`` the H2D worker fetches ``G`` consecutive decoder layers in one task; each
 member's part completes its own future (the first member computes while the worker copies the next),

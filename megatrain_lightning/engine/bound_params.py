@@ -1,5 +1,5 @@
-"""A container's own parameters on the device for the span of its ``forward`` (docs/architecture.md,
-"A training step": a container that owns parameters used directly in its forward)."""
+"""A container's own parameters on the device for the span of its ``forward`` (docs/internals/block-calls.md,
+"Block discovery": a container that owns parameters used directly in its forward)."""
 
 from __future__ import annotations
 

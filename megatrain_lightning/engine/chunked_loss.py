@@ -7,8 +7,7 @@ each chunk's logits, its loss, and frees them; the backward recomputes each chun
 the gradient of that chunk's loss with respect to them (autograd, so every dtype step is the one
 the full computation takes) and multiplies it into the gradients of ``h``, ``weight`` and ``bias``.
 The per-token values are the full computation's; only the sums over tokens (the loss, the weight
-and bias gradients) are taken chunk by chunk, in another order (docs/architecture.md, "Long
-sequences").
+and bias gradients) are taken chunk by chunk, in another order (docs/internals/long-sequences.md).
 
 ``transform`` is a list of element-wise operations applied to the raw head output before the loss
 (Gemma 2's final-logit soft-capping ``logits / c``, ``tanh``, ``* c``): recorded from the model's

@@ -39,7 +39,7 @@ def _never_unpacked(_saved: Any) -> torch.Tensor:
 def saving_for_the_call() -> Iterator[None]:
     """Autograd records the graph and keeps the tensors its backward reads only while the call runs (a
     ``torch.autograd.grad`` inside the block's forward, as gradient features or fast weights take, works as in
-    plain PyTorch: probe S), and drops them when it returns: the forward of a call recomputed in backward. A
+    plain PyTorch), and drops them when it returns: the forward of a call recomputed in backward. A
     backward through a tensor kept from inside the call then raises, naming what to do. The call holds its own
     activations until it returns, as its recompute in backward does (``mlp_chunk_size`` chunks keep only their
     inputs either way: each is checkpointed)."""
@@ -93,8 +93,8 @@ class ForeignLeafCheck:
     """Refuses, at the first training call of each block, a forward whose outputs depend on a tensor that requires
     grad and is neither an argument of the call nor one of the block's parameters: a parameter of a module outside
     the block read by a forward hook inside it, or through an attribute or closure. The block's backward
-    differentiates its arguments and parameters only, so that tensor's gradient would be lost silently (probe S:
-    a steering vector read in a hook on an inner MLP trained 6.5e-2 off plain PyTorch). Checked at the first training
+    differentiates its arguments and parameters only, so that tensor's gradient would be lost silently (a
+    steering vector read in a hook on an inner MLP would train 6.5e-2 off plain PyTorch). Checked at the first training
     call of each block (a walk of the call's autograd graph), and again at the next call of every block after any hook
     was registered anywhere (PyTorch numbers every hook handle it makes: ``torch.utils.hooks.RemovableHandle.next_id``),
     so a hook added mid-fit (by a callback) is seen at its first use.

@@ -8,7 +8,7 @@ of batch k+1 thus runs while the worker adds batch k (stats ``d2h_busy_s``, ``d2
 ``grad_add_s``, ``d2h_queue_peak``). ``param.grad`` is a view of that accumulator while
 Lightning's hooks and clipping run (:meth:`GradientSink.attach`). With the optimizer step in
 backward, the D2H worker also applies a slab's AdamW update right after its last gradient of the
-step (docs/architecture.md, "NVMe tier": optimizer step in backward).
+step (docs/internals/nvme.md, "Optimizer step in backward").
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class GradientSink:
             host accumulators, at most; :meth:`send` waits for the D2H worker beyond it. Each queued
             batch keeps its packed gradients on the device until the worker copies them, so this bounds
             the device memory of gradients whatever the depth, when the host add is slower than a
-            block's backward (the normal case for large layers; issue 17). On budgeted CPU runs it also
+            block's backward (the normal case for large layers). On budgeted CPU runs it also
             prevents a deadlock: unbounded, the queued gradients could take the whole budget while the
             worker itself waits for budget to accumulate or update them. Each batch in flight holds
             one staging buffer from its copy until its add ends: with two, batch k+1 copies while

@@ -7,8 +7,8 @@ which appends its keys and values and attends over what it returns: a fresh cont
 the recompute in backward), so it must not see the keys its own forward appended: the recompute
 would attend over them twice and the gradients would silently be wrong.
 
-What we do (docs/architecture.md, "KV cache" and "Fidelity"): an *empty* ``DynamicCache`` (or an
-``EncoderDecoderCache`` of two) is kept, and every run of the block (forward, recompute, kept last
+What we do (docs/internals/block-calls.md, "KV cache"; docs/internals/fidelity.md): an *empty*
+``DynamicCache`` (or an ``EncoderDecoderCache`` of two) is kept, and every run of the block (forward, recompute, kept last
 block) gets its own fresh copy of it. The block then computes exactly what it computes in plain
 PyTorch, down to the memory layout of the keys: GPT-2's keys are a transposed view of the fused
 ``c_attn`` output, the cache's copy is contiguous, and the CPU bmm in the attention backward sums in

@@ -1,5 +1,4 @@
-"""The long-sequence options of the engine, validated and installed together (docs/architecture.md,
-"Long sequences"):
+"""The long-sequence options of the engine, validated and installed together (docs/internals/long-sequences.md):
 
 * ``loss_chunk_size``: the LM head and the cross-entropy over chunks of tokens (:mod:`.head_loss`,
   :mod:`.chunked_loss`);

@@ -155,7 +155,7 @@ class _Measure:
 
         # boxed as every grad-mode forward's saved tensors are (forward_grad.SavedBoxes): these hooks are the innermost,
         # so the outer ones never see the tensors, and a graph node of this forward that outlives it held every
-        # measured activation for the whole run (1 GiB more resident than "selective" at 2048 tokens: probe X)
+        # measured activation for the whole run (1 GiB more resident than "selective" at 2048 tokens)
         boxes = SavedBoxes()
         try:
             with create_selective_checkpoint_contexts(policy)[0], \

@@ -2,7 +2,7 @@
 
 With masters on NVMe there is no resident wire image (it would be resident for every block); the
 H2D worker casts the window's fp32 master into a staging slot at each fetch and the device copy
-reads the slot (docs/architecture.md, "NVMe tier", "Masters to the device"). A slot is a buffer of
+reads the slot (docs/internals/nvme.md, "Masters to the device"). A slot is a buffer of
 the window's pinned arena (so it is counted in ``host_memory_limit`` and the copy runs at pinned
 speed); it goes back when the copy's event completes, not when the worker issues the copy, so the
 worker casts the next block while this one is on the link. At most ``slots`` (default 2) are in

@@ -1,7 +1,7 @@
 """Whether the weights and optimizer state are one step's: a step stopped after part of its in-backward updates is
 remembered, and training, evaluation and saving are refused on it until a checkpoint is loaded.
 
-docs/architecture.md, "Host optimizer" (*A step that stops*): with ``optimizer_in_backward`` slab j is updated during
+docs/internals/optimizer.md, "A step that stops": with ``optimizer_in_backward`` slab j is updated during
 the backward, so an exception after the first update and before the step completes leaves some slabs at the next
 step. Undoing those updates would need a copy of every updated slab's master, moments and accumulator until the step
 ends (16 bytes per trainable parameter of host RAM or NVMe traffic), more than running the update in the optimizer

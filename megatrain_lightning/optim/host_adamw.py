@@ -17,7 +17,7 @@ and with neither set, torch's own default for CPU tensors, the for-loop, so that
 the plain ``torch.optim.AdamW`` loop. With neither flag set on a CUDA run the host uses the fused CPU
 kernel instead: the user's optimizer would run CUDA kernels there, which no host kernel reproduces bit
 for bit, and the fused kernel is the fastest (measured here: fused 1.9 G params/s, for-loop 0.72,
-foreach 0.02 on 2 threads; docs/architecture.md, "Host optimizer"). Pass ``fused=True`` to get the fused
+foreach 0.02 on 2 threads; docs/internals/fidelity.md, "Costs"). Pass ``fused=True`` to get the fused
 kernel on CPU as well.
 
 Schedule (docs/architecture.md, "Host optimizer"): :meth:`step` snapshots the

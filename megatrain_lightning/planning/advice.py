@@ -19,7 +19,7 @@ from .terms import blocks_ahead, group_size, layer_wire_bytes
 #: smaller than this is suggested to be grouped with its neighbours. An engineering choice, NOT a
 #: measurement: at the presets' ~55 GB/s H2D, 64 MiB takes ~1.2 ms, so a fixed cost of some tens of
 #: microseconds per fetch (worker wake-up, event record/wait, the compute thread's wait; "Per-block
-#: cost" in docs/architecture.md) would be a few percent of it. GPU profiling must confirm or replace it
+#: cost" in docs/internals/streaming.md) would be a few percent of it. GPU profiling must confirm or replace it
 #: (no measured source yet).
 TRANSFER_TARGET_BYTES = 64 * 2**20
 MIB = 2**20

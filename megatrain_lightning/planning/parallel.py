@@ -1,9 +1,9 @@
 """Data parallel across devices and nodes: per-node host RAM and ``/dev/shm``, gradient traffic, and
-the step-time bound of N GPUs sharing one host (docs/architecture.md, "Planner and preflight"; issue 12).
+the step-time bound of N GPUs sharing one host (docs/internals/planner.md, "Data parallel").
 
 R = ``trainer.devices`` (processes, one per GPU, per node), M = ``trainer.num_nodes``, W = R x M ranks.
 ``batch_size`` is per process (as Lightning's): a step trains W x ``batch_size`` x ``seq_len`` tokens.
-The design planned (issue 12):
+The terms:
 
 * **Host RAM per node.** The training state is held once per node in shared memory (``/dev/shm``):
   fp32 master 4 B/param + fp32 gradient accumulator 4 + AdamW exp_avg 4 + exp_avg_sq 4 (the parts of

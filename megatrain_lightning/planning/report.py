@@ -232,7 +232,7 @@ def format_plan(p: Plan) -> str:
         f"checkpoint: {gib(p.checkpoint_bytes)} GiB (fp32 weights + 2 AdamW moments, 12 B/param), "
         f"write {p.checkpoint_write_s:,.1f} s at {hw.nvme_drives} x {hw.nvme_write_gbps:g} GB/s",
     ]
-    if p.nvme:  # what a stopped step leaves (docs/architecture.md, "Host optimizer": a step that stops)
+    if p.nvme:  # what a stopped step leaves (docs/internals/optimizer.md, "A step that stops")
         lines.append(f"stopped step: with optimizer_in_backward (the NVMe tier's default) Ctrl-C stops once the step "
                      f"is complete, and another exception inside a backward leaves the model refused until a checkpoint "
                      f"is loaded; optimizer_in_backward=False leaves every stop consistent for "

@@ -3,8 +3,8 @@
 Every host buffer the NVMe tier holds (cached master weights, ``exp_avg``, ``exp_avg_sq`` and
 gradient accumulators, and on CPU the compute buffers of the blocks in flight) is reserved
 here before it is allocated and released after it is freed. A reservation that does not fit
-waits until another thread releases bytes; it never overshoots the limit (docs/architecture.md,
-"NVMe tier", "Window").
+waits until another thread releases bytes; it never overshoots the limit (docs/internals/nvme.md,
+"Window, read-ahead, write-behind").
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ ALIGN = 4096  # bytes: O_DIRECT alignment of offsets, lengths and buffers
 KINDS = (Region.master, Region.exp_avg, Region.exp_avg_sq, Region.grad_accum)
 STORE_DIR = "megatrain_store"
 KEPT = "kept"  # what LOCK holds after a clean close with keep_files (instead of the owner's pid)
-IO_BLOCK_SIZE = 16 * 2**20  # bytes per request; measured: "Requests" under "NVMe tier" in docs/architecture.md
+IO_BLOCK_SIZE = 16 * 2**20  # bytes per request; measured: docs/benchmarks.md, "NVMe tier" (request size)
 DISK_MARGIN = 0.05  # preflight: free disk must exceed the store's size by 5% + 1 GiB
 DISK_MARGIN_BYTES = 2**30
 

@@ -2,7 +2,7 @@
 
 Why not ``torch.empty(..., pin_memory=True)``: PyTorch's caching host allocator rounds every
 pinned allocation up to a power of two and keeps freed blocks cached per size class, so a
-2.10 GB region pins 4 GiB and a freed buffer stays pinned (docs/architecture.md, "NVMe tier",
+2.10 GB region pins 4 GiB and a freed buffer stays pinned (docs/internals/nvme.md,
 "Pinned memory"). Here memory is an anonymous ``mmap`` of exactly the bytes wanted (rounded to
 the 4 KiB page; page aligned, so ``O_DIRECT`` can use it) that is registered with the CUDA
 driver (``cudaHostRegister``) on CUDA runs and unregistered when its last tensor view dies.

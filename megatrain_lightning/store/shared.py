@@ -6,7 +6,7 @@ allocated once per node in a file under ``/dev/shm`` (``torch.from_file(..., sha
 mapping) that every local rank maps; the file is unlinked as soon as every local rank has mapped it, so nothing
 is left behind whatever way the processes end.
 
-Work is split by slab (ZeRO-1 style inside the node, as issue 12 asks): each slab has one *owner* local rank
+Work is split by slab (ZeRO-1 style inside the node): each slab has one *owner* local rank
 (:func:`balance`, by bytes) that adds the slab's reduced gradients into the shared accumulator and applies its
 AdamW update. The others keep the same Python-side bookkeeping (which parameters have a gradient, AdamW step
 counts: every rank sees the same reduced presence flags) but skip the tensor work, and before reading a slab's
