@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .config import GIB, SUGGESTED_CHUNK
-from .estimate import TERM_LABELS, Plan, fits_memory, gib, max_seq_len, replan
-from .terms import blocks_ahead, group_size, layer_wire_bytes
+from .estimate import Plan, fits_memory, gib, max_seq_len, replan
+from .terms import blocks_ahead, group_size, layer_wire_bytes, term_label
 
 #: The planner's bytes-per-transfer threshold for suggesting a ``block_group``: a decoder-layer fetch
 #: smaller than this is suggested to be grouped with its neighbours. An engineering choice, NOT a
@@ -54,7 +54,7 @@ def host_advice(p: Plan, have: int, keys: Mapping[str, str] | None = None) -> li
         if q.host_bytes <= have:
             out.append(f"{key('offload_optimizer', keys)}=nvme: AdamW moments and gradient accumulators "
                        f"({gib(12 * p.counts.total)} GiB) go to NVMe; host then needs {gib(q.host_bytes)} GiB, disk "
-                       f"{gib(q.disk_bytes)} GiB; step bound {q.step_time_s:,.1f} s ({TERM_LABELS[q.dominating]})")
+                       f"{gib(q.disk_bytes)} GiB; step {q.step_time_s:,.1f} s ({term_label(q.dominating)})")
     if "nvme" not in (s["offload_params"], s["offload_optimizer"], s["offload_grads"]) or not out:
         q = replan(p, offload_params="nvme", offload_optimizer="nvme", offload_grads="nvme")
         if q.host_bytes <= have:
@@ -63,7 +63,7 @@ def host_advice(p: Plan, have: int, keys: Mapping[str, str] | None = None) -> li
                        f"and moments ({gib(q.nvme_bytes)} GiB) go to NVMe; host then needs {gib(q.host_bytes)} GiB "
                        f"(a window of {blocks_ahead(q.counts, s) + 2} blocks), disk {gib(q.disk_bytes)} GiB "
                        f"({'the preset has ' + gib(disk) + ' GiB: SHORT' if q.disk_bytes > disk else 'fits'}), and "
-                       f"the step is bounded by {TERM_LABELS[q.dominating]} at {q.step_time_s:,.1f} s "
+                       f"the step is bound by {term_label(q.dominating)} at {q.step_time_s:,.1f} s "
                        f"(was {p.step_time_s:,.1f} s)")
         else:
             out.append(f"even with every state on NVMe (strategy=megatrain_nvme) the host needs {gib(q.host_bytes)} GiB "
@@ -176,8 +176,8 @@ def recompute_advice(p: Plan, keys: Mapping[str, str] | None = None) -> str | No
     return (f"tip: {key('recompute', keys)}=selective also fits (device {gib(q.device_bytes)} GiB, was "
             f"{gib(p.device_bytes)} GiB): it keeps the matmul and attention outputs and skips their recompute, "
             f"{(p.flops - q.flops) / 1e12:,.1f} TFLOP less per step (" +
-            (f"step bound {q.step_time_s:,.3f} s, was {p.step_time_s:,.3f} s)" if q.step_time_s < p.step_time_s else
-             f"the step bound stays {p.step_time_s:,.3f} s, set by {TERM_LABELS[p.dominating]})"))
+            (f"step {q.step_time_s:,.3f} s, was {p.step_time_s:,.3f} s)" if q.step_time_s < p.step_time_s else
+             f"the step stays {p.step_time_s:,.3f} s, set by {term_label(p.dominating)})"))
 
 
 def block_group_advice(p: Plan, keys: Mapping[str, str] | None = None) -> str | None:

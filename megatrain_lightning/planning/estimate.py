@@ -1,5 +1,5 @@
-"""The planner: :func:`plan` returns a :class:`Plan` (bytes per memory tier, bytes moved and
-a lower bound on time per optimizer step, checkpoint size, compute-bound batch size, fit).
+"""The planner: :func:`plan` returns a :class:`Plan` (bytes per memory tier, bytes moved, the time per
+optimizer step by phase (:mod:`.phases`) and its lower bound, checkpoint size, compute-bound batch size, fit).
 
 The formulas, their units and sources are in :mod:`.terms`; this module runs them for one
 configuration, finds the batch sizes where compute dominates and where device memory runs
@@ -33,8 +33,18 @@ class Plan:
         flops: compute per step (FLOP); ``flops_parts`` its terms (6 x N_matmul x tokens, attention,
             the recompute of the ``recompute`` mode, K > 1 chains: :func:`.terms.recompute_flops`).
         times: seconds per term (``compute``, ``h2d``, ``d2h``, ``nvme_read``, ``nvme_write``,
-            ``host_adamw``); ``step_time_s`` their max, named by ``dominating``;
-            ``step_time_pessimistic_s`` / ``dominating_pessimistic`` the half-duplex variant.
+            ``host_adamw``, ``grad_add``; data parallel adds ``host_memory``, ``intra_node``, ``inter_node``).
+        phases: ``{"forward": (seconds, bound), "backward": (seconds, bound)}`` (:mod:`.phases`): each phase
+            takes its longest chain of terms (one worker's work in series), ``bound`` that chain's key
+            (``"compute"``, ``"h2d+host_adamw"``...; :func:`.terms.term_label` names it).
+        step_time_s: the sum of the phases, for the plan's schedule (``settings["optimizer_in_backward"]``,
+            :func:`.terms.update_in_backward`); ``dominating`` the bound of the longer phase.
+        exposed: seconds of each bounding chain not hidden behind compute (sum: step time - compute time).
+        step_time_lower_bound_s, dominating_lower_bound: the largest term, the step if every term overlapped.
+        step_time_pessimistic_s, dominating_pessimistic: the phase model with the backward's H2D copies at
+            half bandwidth while D2H copies run.
+        other_schedule: the other AdamW schedule (``optimizer_in_backward``: its value, ``step_time_s``,
+            ``phases``, ``dominating``), so that a plan says which is faster.
         checkpoint_bytes, checkpoint_write_s: one directory checkpoint and its write time at
             ``nvme_drives x nvme_write_gbps``.
         compute_bound_batch_size: smallest batch size (sequences of ``seq_len``) at which
@@ -83,6 +93,11 @@ class Plan:
     tight: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     parallel: dict[str, Any] | None = None
+    phases: dict[str, tuple[float, str]] = field(default_factory=dict)
+    exposed: dict[str, float] = field(default_factory=dict)
+    step_time_lower_bound_s: float = 0.0
+    dominating_lower_bound: str = "compute"
+    other_schedule: dict[str, Any] | None = None
     source: Any = field(default=None, repr=False)
 
     @property
@@ -126,7 +141,8 @@ class Plan:
         d = {k: getattr(self, k) for k in ("model", "settings", "host", "device", "nvme", "disk", "capacity",
                                             "moved", "flops", "flops_parts", "times", "step_time_s", "dominating",
                                             "step_time_pessimistic_s", "dominating_pessimistic",
-                                            "checkpoint_bytes", "checkpoint_write_s", "compute_bound_batch_size",
+                                            "phases", "exposed", "step_time_lower_bound_s",
+                                            "dominating_lower_bound", "other_schedule", "checkpoint_bytes", "checkpoint_write_s", "compute_bound_batch_size",
                                             "max_device_batch_size", "fits", "reasons", "headroom", "tight",
                                             "warnings", "parallel")}
         d.update(hardware=self.hardware.to_dict(), counts=self.counts.to_dict(), host_bytes=self.host_bytes,
@@ -160,26 +176,29 @@ def _model_name_and_config(model_cfg: Any) -> tuple[str, Any]:
 
 
 def _crossover(c: ParamCounts, hw: Hardware, s: dict[str, Any], e1: dict[str, Any]) -> tuple[int | None, int | None]:
-    """Batch size where compute >= every other term, and the largest batch the device holds.
+    """Batch size from which compute bounds both phases (nothing exposed, :mod:`.phases`), and the largest
+    batch the device holds.
 
-    The time terms are affine in the batch size at fixed ``seq_len``: two evaluations give them.
+    Every chain's time is affine in the batch size at fixed ``seq_len``: two evaluations give it.
     Device bytes are searched (binary search; a chunk-capped term stops growing at its chunk).
     """
+    from .phases import chains
+
     e2 = _estimate(c, hw, {**s, "batch_size": s["batch_size"] + 1})
     b0 = s["batch_size"]
-    comp = e2["times"]["compute"] - e1["times"]["compute"]  # seconds per extra sequence
+    r1, r2 = chains(e1), chains(e2)
     need = 1.0
-    for k, t1 in e1["times"].items():
-        if k == "compute":
-            continue
-        slope = e2["times"][k] - t1
-        fixed = t1 - slope * b0
-        if fixed <= 0:
-            continue
-        if comp <= slope:
-            need = math.inf
-            break
-        need = max(need, fixed / (comp - slope))
+    for ph, row in r1.items():
+        comp = r2[ph][0][1] - row[0][1]  # compute seconds per extra sequence
+        for (_, t1), (_, t2) in zip(row[1:], r2[ph][1:]):
+            slope = t2 - t1
+            fixed = t1 - slope * b0
+            if fixed <= 0:
+                continue
+            if comp <= slope:
+                need = math.inf
+                break
+            need = max(need, fixed / (comp - slope))
     bound = None if math.isinf(need) else max(1, math.ceil(need - 1e-9))
     max_dev = None
     if hw.is_gpu:  # device bytes grow with the batch, piecewise (chunk caps, the larger phase): search
@@ -207,7 +226,7 @@ def plan(model_cfg: Any, hw: Hardware | Mapping[str, Any], *, batch_size: int = 
          pinned_round: bool = True, cpu_zero_copy: bool = True, loss_chunk_size: int | str | None = "default",
          mlp_chunk_size: int | str | None = "default", devices: int = 1, num_nodes: int = 1,
          recompute: str = "block", activation_memory_limit: int | str | None = None,
-         block_group: int = 1) -> Plan:
+         block_group: int = 1, optimizer_in_backward: bool | None = None) -> Plan:
     """Plan one training configuration on one hardware preset (see the module docstring).
 
     Args:
@@ -251,6 +270,10 @@ def plan(model_cfg: Any, hw: Hardware | Mapping[str, Any], *, batch_size: int = 
         activation_memory_limit: ``"auto"``'s budget for kept activations (bytes or ``"4GiB"``);
             ``None``: half the device memory the plan leaves free (``"auto"`` then reports its mix:
             ``settings["recompute_mix"]``, ``settings["activation_budget"]``).
+        optimizer_in_backward: the AdamW schedule (the strategy option): ``True`` updates each slab in the
+            backward on the D2H worker, ``False`` defers it to the H2D worker before the slab's next forward
+            fetch, ``None`` the strategy's default (in backward when any state is on NVMe). It sets which
+            phase holds the host AdamW and the NVMe update I/O (:mod:`.phases`).
 
     Raises:
         ValueError: a ``recompute`` that is not a policy or a bad ``activation_memory_limit``, a
@@ -268,7 +291,8 @@ def plan(model_cfg: Any, hw: Hardware | Mapping[str, Any], *, batch_size: int = 
                  grad_dtype=grad_dtype, keep_checkpoints=keep_checkpoints, pinned_round=pinned_round,
                  cpu_zero_copy=cpu_zero_copy, loss_chunk_size=loss_chunk_size, mlp_chunk_size=mlp_chunk_size,
                  devices=devices, num_nodes=num_nodes, recompute=recompute,
-                 activation_memory_limit=activation_memory_limit, block_group=block_group)
+                 activation_memory_limit=activation_memory_limit, block_group=block_group,
+                 optimizer_in_backward=optimizer_in_backward)
     return _plan_from_counts(name, counts, hw, s, model_cfg if not isinstance(model_cfg, (str, bytes)) else cfg)
 
 
@@ -277,7 +301,8 @@ def settings(*, batch_size: int, seq_len: int, precision: str, offload_params: s
              grad_dtype: str | None, keep_checkpoints: int, pinned_round: bool, cpu_zero_copy: bool,
              loss_chunk_size: int | str | None, mlp_chunk_size: int | str | None, devices: int = 1,
              num_nodes: int = 1, recompute: str = "block",
-             activation_memory_limit: int | str | None = None, block_group: int = 1) -> dict[str, Any]:
+             activation_memory_limit: int | str | None = None, block_group: int = 1,
+             optimizer_in_backward: bool | str | None = None) -> dict[str, Any]:
     """Validated settings of a plan (the arguments of :func:`plan`); ``grad_dtype`` becomes ``grad_bytes``.
 
     Raises:
@@ -289,6 +314,10 @@ def settings(*, batch_size: int, seq_len: int, precision: str, offload_params: s
 
     recompute, limit = check_recompute(recompute, activation_memory_limit)
     block_group = check_group(block_group)
+    in_bwd = {"true": True, "false": False, "null": None, "none": None}.get(str(optimizer_in_backward).lower(), "?")
+    if in_bwd == "?":
+        raise ValueError(f"optimizer_in_backward must be true, false or null (the strategy's default), "
+                         f"got {optimizer_in_backward!r}")
 
     devices = positive_count(devices, "trainer.devices")
     num_nodes = positive_count(num_nodes, "trainer.num_nodes")
@@ -314,7 +343,7 @@ def settings(*, batch_size: int, seq_len: int, precision: str, offload_params: s
                 mlp_chunk_size=resolve_chunk(mlp_chunk_size, "mlp_chunk_size"),
                 grad_bytes=GRAD_BYTES[grad_dtype] if grad_dtype else PRECISIONS[precision][2],
                 devices=devices, num_nodes=num_nodes, recompute=recompute, activation_memory_limit=limit,
-                block_group=block_group)
+                block_group=block_group, optimizer_in_backward=in_bwd)
 
 
 def check_group(value: Any) -> int:
@@ -340,18 +369,27 @@ def _plan_from_counts(name: str, counts: ParamCounts, hw: Hardware, s: dict[str,
     from .config import loss_chunk_tokens
 
     s = {**s, "loss_chunk_size": loss_chunk_tokens(s["loss_chunk_size"], counts.vocab_size)}
+    from .phases import phase_model
+    from .terms import update_in_backward
+
     e = _estimate(counts, hw, s)
     s = e["settings"]  # with "auto"'s budget and mix
     dom = max(e["times"], key=e["times"].get)
-    dom_p = max(e["pess"], key=e["pess"].get)
+    ph, pess = phase_model(e), phase_model(e, pessimistic=True)
+    flip = not update_in_backward(s)
+    alt = phase_model(_estimate(counts, hw, {**s, "optimizer_in_backward": flip}))
     bound, max_dev = _crossover(counts, hw, s, e)
     cap = capacity(hw)
     p = Plan(model=name, hardware=hw, counts=counts, settings=s, host=e["host"], device=e["device"],
              nvme=e["nvme"], disk=e["disk"], capacity=cap, moved=e["moved"], flops=e["flops"],
-             flops_parts=e["flops_parts"], times=e["times"], step_time_s=e["times"][dom], dominating=dom,
-             step_time_pessimistic_s=e["pess"][dom_p], dominating_pessimistic=dom_p, checkpoint_bytes=e["ckpt"],
+             flops_parts=e["flops_parts"], times=e["times"], step_time_s=ph["step_time_s"],
+             dominating=ph["dominating"], step_time_pessimistic_s=pess["step_time_s"],
+             dominating_pessimistic=pess["dominating"], checkpoint_bytes=e["ckpt"],
              checkpoint_write_s=e["ckpt"] / (hw.nvme_drives * hw.nvme_write_gbps * 1e9),
-             compute_bound_batch_size=bound, max_device_batch_size=max_dev, parallel=e["parallel"], source=source)
+             compute_bound_batch_size=bound, max_device_batch_size=max_dev, parallel=e["parallel"],
+             phases=ph["phases"], exposed=ph["exposed"], step_time_lower_bound_s=e["times"][dom],
+             dominating_lower_bound=dom, other_schedule=dict(optimizer_in_backward=flip, **{
+                 k: alt[k] for k in ("step_time_s", "phases", "dominating")}), source=source)
     p.reasons = shortfalls(p, cap["host"], cap["device"], cap["disk"], where="preset")
     if s["offload_params"] == "nvme" and s.get("devices", 1) * s.get("num_nodes", 1) > 1 and \
             (s.get("num_nodes", 1) > 1 or "cpu" in (s["offload_optimizer"], s["offload_grads"])):

@@ -99,7 +99,8 @@ def intra_rate(hw: Any) -> tuple[float, str]:
 
 
 def scale_out(hw: Any, s: dict[str, Any], e: dict[str, Any], *, n_params: int, grads: int, largest_grads: int,
-              accum_reads: int, act_io: int, master_fetch: int, shadow: int) -> dict[str, Any]:
+              accum_reads: int, act_io: int, master_fetch: int, shadow: int,
+              master_fetch_forward: int = 0) -> dict[str, Any]:
     """One process's estimate ``e`` (:func:`.terms._estimate`) for R x M ranks: per-node tiers, per-rank
     links, per-node shared resources and the collectives (see the module docstring).
 
@@ -114,13 +115,15 @@ def scale_out(hw: Any, s: dict[str, Any], e: dict[str, Any], *, n_params: int, g
         accum_reads: gradient elements accumulated per step (every block read).
         act_io: offloaded activation bytes one rank writes (and reads back) per step.
         master_fetch: NVMe bytes one extra rank reads to stream the fp32 masters (0 on the RAM tier).
+        master_fetch_forward: the part of ``master_fetch`` read in the forward (its forward fetch).
         shadow: bytes of the wire shadows one AdamW pass writes (the cast after the update).
 
     Returns:
         A new estimate: ``host`` per node (shared lines suffixed ``(shared, /dev/shm)``, per-process
         lines multiplied by R), ``moved`` with per-rank ``d2h`` and the keys ``intra_node`` (bytes
         each rank sends), ``inter_node`` (bytes each node sends), ``host_memory`` (host DRAM bytes
-        per node), ``times``/``pess`` with ``host_memory``, ``intra_node``, ``inter_node``, and
+        per node; ``host_memory_forward`` the forward's part), ``times`` with ``host_memory``, ``intra_node``,
+        ``inter_node`` and ``grad_add`` (the node's gradient adds, which its ranks share), and
         ``parallel``: ``devices``, ``num_nodes``, ``world_size``, ``shm_bytes`` (shared state per node),
         ``per_process_bytes`` and ``per_process`` (its breakdown), ``grads`` (G), ``host_traffic``
         (the host DRAM bytes per node by cause), ``shm_default_bytes`` (half the preset's RAM).
@@ -128,6 +131,8 @@ def scale_out(hw: Any, s: dict[str, Any], e: dict[str, Any], *, n_params: int, g
     Raises:
         ValueError: ``num_nodes`` > 1 on a preset without ``network_gbps`` (names the key).
     """
+    from .terms import GRAD_ADD_BYTES, update_in_backward
+
     R, M = s["devices"], s["num_nodes"]
     if M > 1 and not hw.network_gbps:
         raise ValueError(f"hardware {hw.name!r} has no network_gbps: set the inter-node bandwidth per node "
@@ -141,6 +146,8 @@ def scale_out(hw: Any, s: dict[str, Any], e: dict[str, Any], *, n_params: int, g
     moved = dict(e["moved"])
     moved["d2h"] = max(-(-grads // R), largest_grads) + act_io  # own blocks' reduced gradients + own activations
     moved["nvme_read"] += (R - 1) * master_fetch
+    moved["nvme_read_forward"] += (R - 1) * master_fetch_forward
+    moved["grad_add"] = accum_reads * GRAD_ADD_BYTES[s["grad_bytes"]]  # dense gradients, each added once per node
     moved["intra_node"] = (R - 1) * grads // R
     moved["inter_node"] = 2 * (M - 1) * grads // M
     host_traffic = {
@@ -151,6 +158,10 @@ def scale_out(hw: Any, s: dict[str, Any], e: dict[str, Any], *, n_params: int, g
         "NVMe reads + writes": moved["nvme_read"] + moved["nvme_write"],
     }
     moved["host_memory"] = sum(host_traffic.values())
+    in_bwd = update_in_backward(s)
+    moved["host_memory_forward"] = (R * moved["h2d_forward"] + R * act_io + moved["nvme_read_forward"]
+                                    + moved["nvme_write_forward"]
+                                    + (0 if in_bwd else host_traffic["AdamW (28 B/param) + wire-shadow cast"]))
     ib, _ = intra_rate(hw)
     times = dict(e["times"])
     if not hw.is_gpu:  # a CPU "device": the R ranks compute on the same cores, the node's rate is shared
@@ -161,12 +172,10 @@ def scale_out(hw: Any, s: dict[str, Any], e: dict[str, Any], *, n_params: int, g
         host_memory=moved["host_memory"] / (host_mem_rate(hw) * gb),
         intra_node=moved["intra_node"] / (ib * gb),
         inter_node=moved["inter_node"] / (hw.network_gbps * gb) if M > 1 else 0.0,
+        grad_add=moved["grad_add"] / (host_mem_rate(hw) * gb),
     )
-    pess = {k: v for k, v in times.items() if k not in ("h2d", "d2h")}
-    h2d_f, h2d_b = moved["h2d_forward"], moved["h2d_backward"]
-    pess["link_duplex"] = h2d_f / (hw.h2d_gbps * gb) + max(2 * h2d_b / (hw.h2d_gbps * gb), times["d2h"])
     per_process = sum(own.values())
     parallel = dict(devices=R, num_nodes=M, world_size=R * M, shm_bytes=sum(shared.values()),
                     per_process_bytes=per_process, per_process=own, grads=grads, host_traffic=host_traffic,
                     shm_default_bytes=int(TMPFS_DEFAULT_FRACTION * hw.host_ram_gib * 2**30))
-    return {**e, "host": host, "moved": moved, "times": times, "pess": pess, "parallel": parallel}
+    return {**e, "host": host, "moved": moved, "times": times, "parallel": parallel}

@@ -106,7 +106,7 @@ def plan_for_run(model: Any, hardware: Any, strategy: Mapping[str, Any], *, batc
     ``cfg.strategy``; DictConfigs or mappings), reading every strategy option the planner models
     (``lookahead``, ``block_group``, ``recompute_every``, ``offload_activations``, ``offload_params``,
     ``offload_optimizer`` -- which moves the gradient accumulators too, ``loss_chunk_size``,
-    ``mlp_chunk_size``, ``recompute``, ``activation_memory_limit``); options the composed config does not set take ``MegaTrainStrategy``'s defaults.
+    ``mlp_chunk_size``, ``recompute``, ``activation_memory_limit``, ``optimizer_in_backward``); options the composed config does not set take ``MegaTrainStrategy``'s defaults.
     ``devices``/``num_nodes`` (``trainer.devices``/``trainer.num_nodes``, integers) plan the host per node
     (:mod:`.parallel`). Pass it to :func:`preflight`."""
     from .config import as_plain_dict, strategy_default
@@ -128,4 +128,5 @@ def plan_for_run(model: Any, hardware: Any, strategy: Mapping[str, Any], *, batc
                 offload_grads=str(opt("offload_optimizer", "cpu")),
                 loss_chunk_size=opt("loss_chunk_size", None), mlp_chunk_size=opt("mlp_chunk_size", None),
                 devices=devices, num_nodes=num_nodes, recompute=str(opt("recompute", "block")),
-                activation_memory_limit=opt("activation_memory_limit", None))
+                activation_memory_limit=opt("activation_memory_limit", None),
+                optimizer_in_backward=opt("optimizer_in_backward", None))

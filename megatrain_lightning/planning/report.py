@@ -8,10 +8,10 @@ from .advice import block_group_advice, device_advice, host_advice, recompute_ad
 from .config import Hardware
 from .estimate import TERM_LABELS, Plan, gib, long_sequence_variants, max_seq_len
 from .parallel import host_mem_rate, intra_rate
-from .terms import group_size, layer_wire_bytes, layers_in_flight, zero_copy
+from .terms import group_size, layer_wire_bytes, layers_in_flight, term_label, update_in_backward, zero_copy
 
 #: data parallel: the terms that are per node (the rest are per GPU)
-NODE_TERMS = ("nvme_read", "nvme_write", "host_adamw", "host_memory", "inter_node")
+NODE_TERMS = ("nvme_read", "nvme_write", "host_adamw", "grad_add", "host_memory", "inter_node")
 
 
 def _num(x: float) -> str:
@@ -28,6 +28,7 @@ def _rate(p: Plan, key: str) -> str:
         "nvme_read": f"{hw.nvme_drives} x {hw.nvme_read_gbps:g} GB/s",
         "nvme_write": f"{hw.nvme_drives} x {hw.nvme_write_gbps:g} GB/s",
         "host_adamw": f"{hw.host_adam_gparams_per_s:g} G params/s",
+        "grad_add": f"{host_mem_rate(hw):g} GB/s host memory",
         "host_memory": f"{host_mem_rate(hw):g} GB/s",
         "intra_node": "{:g} GB/s {}".format(*intra_rate(hw)),
         "inter_node": f"{hw.network_gbps or 0:g} GB/s network",
@@ -207,13 +208,14 @@ def format_plan(p: Plan) -> str:
         "nvme_read": f"{gib(p.moved['nvme_read'])} GiB",
         "nvme_write": f"{gib(p.moved['nvme_write'])} GiB",
         "host_adamw": f"{c.total / 1e9:,.2f} G params",
+        "grad_add": f"{gib(p.moved['grad_add'])} GiB",
         **{k: f"{gib(p.moved[k])} GiB" for k in ("host_memory", "intra_node", "inter_node") if k in p.moved},
     }
     unit = "GPU" if hw.is_gpu else "rank"
     if p.parallel:
         lines[-1] += f"   (data parallel: [{unit}] per rank, [node] per node)"
     for k, t in p.times.items():
-        mark = "  <- dominates" if k == p.dominating else ""
+        mark = "  <- bounds the step" if k in p.dominating.split("+") else ""
         node = k in NODE_TERMS or k == "compute" and not hw.is_gpu  # a CPU device's ranks share its cores
         label = TERM_LABELS[k] + ((" [node]" if node else f" [{unit}]") if p.parallel else "")
         lines.append(f"  {label:<31} {amounts[k]:>16} {_rate(p, k):>24} {t:>10.3f}{mark}")
@@ -221,14 +223,7 @@ def format_plan(p: Plan) -> str:
     lines.append("  (compute TFLOP = " + ", ".join(parts) + f"; N_matmul = {c.matmul_params:,})")
     if p.parallel:
         lines += [""] + format_parallel(p)
-    lines += [
-        "",
-        f"lower bound: {p.step_time_s:,.3f} s/step, dominated by {TERM_LABELS[p.dominating]} "
-        f"({_num(p.tokens / p.step_time_s)} tokens/s at most"
-        + (f" per {'GPU' if hw.is_gpu else 'rank'}, {_num(p.node_tokens / p.step_time_s)} per node, {_num(p.cluster_tokens / p.step_time_s)} "
-           f"for the {p.settings['num_nodes']} node(s))" if p.parallel else ")"),
-        f"pessimistic (H2D at half bandwidth while D2H runs): {p.step_time_pessimistic_s:,.3f} s/step, "
-        f"dominated by {TERM_LABELS[p.dominating_pessimistic]}",
+    lines += [""] + step_time_lines(p) + [
         f"checkpoint: {gib(p.checkpoint_bytes)} GiB (fp32 weights + 2 AdamW moments, 12 B/param), "
         f"write {p.checkpoint_write_s:,.1f} s at {hw.nvme_drives} x {hw.nvme_write_gbps:g} GB/s",
     ]
@@ -259,6 +254,42 @@ def format_plan(p: Plan) -> str:
     if any(r.startswith("host RAM short") for r in p.reasons):
         lines += ["  change: " + a for a in host_advice(p, p.capacity["host"], None)]  # type: ignore[arg-type]
     return "\n".join(lines)
+
+
+def schedule_words(in_backward: bool) -> str:
+    """The AdamW schedule in words, with the strategy option that selects it."""
+    return ("optimizer_in_backward=True (each slab updated in backward, on the D2H worker)" if in_backward else
+            "optimizer_in_backward=False (each slab's update deferred to the H2D worker, before its next fetch)")
+
+
+def _phases_text(phases: dict[str, tuple[float, str]]) -> str:
+    return ", ".join(f"{ph} {t:,.3f} s ({term_label(k)})" for ph, (t, k) in phases.items())
+
+
+def step_time_lines(p: Plan) -> list[str]:
+    """The step time by phase with the bound of each, the seconds exposed beyond compute per resource, the
+    other AdamW schedule's step time, the all-overlapping lower bound and the pessimistic variant."""
+    hw, t = p.hardware, p.step_time_s
+    unit = "GPU" if hw.is_gpu else "rank"
+    rate = (f"{_num(p.tokens / t)} tokens/s"
+            + (f" per {unit}, {_num(p.node_tokens / t)} per node, {_num(p.cluster_tokens / t)} "
+               f"for the {p.settings['num_nodes']} node(s)" if p.parallel else ""))
+    exposed = ", ".join(f"{term_label(k)} {v:,.3f} s" for k, v in sorted(p.exposed.items(), key=lambda kv: -kv[1]))
+    comp = p.times["compute"]
+    out = [f"step time: {t:,.3f} s/step ({rate}), bound by {term_label(p.dominating)}; phases in series, "
+           f"each as long as its longest chain: {_phases_text(p.phases)}",
+           f"  exposed beyond compute ({comp:,.3f} s): " + (exposed or "none (compute-bound)")]
+    in_bwd = update_in_backward(p.settings)
+    o = p.other_schedule
+    if o:
+        faster = "faster" if o["step_time_s"] < t - 1e-9 else "not faster"
+        out.append(f"  schedule: {schedule_words(in_bwd)}; with optimizer_in_backward={o['optimizer_in_backward']}: "
+                   f"{o['step_time_s']:,.3f} s/step ({faster}; {_phases_text(o['phases'])})")
+    out += [f"lower bound: {p.step_time_lower_bound_s:,.3f} s/step, dominated by "
+            f"{term_label(p.dominating_lower_bound)} (if every term overlapped every other)",
+            f"pessimistic (backward H2D at half bandwidth while D2H runs): {p.step_time_pessimistic_s:,.3f} s/step, "
+            f"bound by {term_label(p.dominating_pessimistic)}"]
+    return out
 
 
 def format_parallel(p: Plan) -> list[str]:
@@ -304,11 +335,10 @@ def format_parallel(p: Plan) -> list[str]:
         out.append(f"  wire shadows: {R} x {gib(shadow)} GiB, one per process; one shared copy per node would need "
                    f"{gib((R - 1) * shadow)} GiB less (host RAM per node {gib(p.host_bytes - (R - 1) * shadow)} GiB)")
     ranked = sorted(p.times.items(), key=lambda kv: -kv[1])
-    top = [k for k, _ in ranked[1:4]]
-    out.append(f"  binds: {TERM_LABELS[ranked[0][0]]} {ranked[0][1]:.3f} s/step; then "
-               + ", ".join(f"{TERM_LABELS[k]} {p.times[k]:.3f} s" for k in top)
-               + ("" if "compute" in top or ranked[0][0] == "compute" else
-                  f"; compute per {unit} {p.times['compute']:.3f} s"))
+    top = [k for k, _ in ranked[:4]]
+    out.append(f"  binds: {term_label(p.dominating)} {p.step_time_s:.3f} s/step (the longer phase's bound); "
+               "largest terms: " + ", ".join(f"{TERM_LABELS[k]} {p.times[k]:.3f} s" for k in top)
+               + ("" if "compute" in top else f"; compute per {unit} {p.times['compute']:.3f} s"))
     return out
 
 
@@ -328,7 +358,8 @@ def _fits_line(p: Plan) -> str:
 
 
 def format_comparison(plans: list[Plan]) -> str:
-    """One row per hardware preset: needs vs capacity, fit, step-time bound and dominating term."""
+    """One row per hardware preset: needs vs capacity, fit, step time (phase model), what bounds it, the
+    all-overlapping lower bound and the pessimistic step."""
     p0 = plans[0]
     s = p0.settings
     head = (f"megatrain plan: {p0.model}, precision={s['precision']} batch_size={s['batch_size']} seq_len={s['seq_len']} "
@@ -336,7 +367,7 @@ def format_comparison(plans: list[Plan]) -> str:
             + (f" devices={s['devices']} num_nodes={s['num_nodes']} (host per node; bound per step of every rank)"
                if p0.parallel else ""))
     cols = (f"{'hardware':<13} {'host GiB need/have':>20} {'device GiB need/have':>21} {'fits':>6} "
-            f"{'bound s':>9} {'dominating':<12} {'pessim. s':>10} {'compute-bound batch (device holds)':>35} "
+            f"{'step s':>9} {'bound by':<34} {'lower s':>8} {'pessim. s':>10} {'compute-bound batch (device holds)':>35} "
             f"{'max seq_len':>12}")
     out = []
     for p in plans:  # the figures each row rests on, first
@@ -350,7 +381,7 @@ def format_comparison(plans: list[Plan]) -> str:
             bb += f" (<= {m}{', too big' if b is not None and b > m else ''})"
         fit = ("yes*" if p.tight else "yes") if p.fits else "NO"
         out.append(f"{p.hardware.name:<13} {gib(p.host_bytes) + '/' + gib(p.capacity['host']):>20} {dev:>21} "
-                   f"{fit:>6} {p.step_time_s:>9.2f} {TERM_LABELS[p.dominating]:<12} "
+                   f"{fit:>6} {p.step_time_s:>9.2f} {term_label(p.dominating):<34} {p.step_time_lower_bound_s:>8.2f} "
                    f"{p.step_time_pessimistic_s:>10.2f} {bb:>35} {max_seq_len(p):>12,}")
     if any(p.tight for p in plans):
         out.append("  yes* = fits with under 5% headroom in a tier: " + "; ".join(
@@ -361,7 +392,9 @@ def format_comparison(plans: list[Plan]) -> str:
             if any(r.startswith("host RAM short") for r in p.reasons):
                 out += [f"    change: {a}" for a in host_advice(p, p.capacity["host"], None)[:-1]]  # type: ignore[arg-type]
     out += [f"  {w}" for w in warning_lines(p0)]  # the model's limits: the same on every preset
-    out.append("  compute-bound batch: the batch size from which compute dominates the step; (<= N): the largest "
+    out.append("  step s: forward + backward, each as long as its longest chain; bound by: the longer phase's; lower s: "
+               "the largest term (every term overlapping)")
+    out.append("  compute-bound batch: the batch size from which compute bounds both phases; (<= N): the largest "
                "batch device memory holds at this seq_len; max seq_len: at batch_size=1, these options")
     return "\n".join(out)
 

@@ -97,7 +97,7 @@ from typing import Any
 from .config import GIB, Hardware
 from .activations import activation_bytes
 from .counts import ParamCounts
-from .parallel import scale_out
+from .parallel import host_mem_rate, scale_out
 
 #: precision -> (wire bytes, device param bytes, default grad bytes, saved residual bytes,
 #: matmul activation bytes, compute rate key). Mirrors ``MegaTrainPrecision``.
@@ -117,10 +117,32 @@ CKPT_METADATA = 16 * 2**20      # checkpoint metadata allowance
 D2H_INFLIGHT = 2                # packed gradient batches queued for the D2H worker at most (GradientSink max_inflight)
 D2H_STAGING = 2                 # pinned D2H staging buffers (CUDATransport n_staging)
 
-TERM_LABELS = {"compute": "compute", "h2d": "H2D link", "d2h": "D2H link", "nvme_read": "NVMe read",
-               "nvme_write": "NVMe write", "host_adamw": "host AdamW",
-               "link_duplex": "H2D+D2H (H2D halved while D2H runs)", "host_memory": "host memory",
-               "intra_node": "intra-node reduce", "inter_node": "inter-node all-reduce"}
+TERM_LABELS = {"compute": "compute", "h2d": "H2D copies", "d2h": "D2H copies", "nvme_read": "NVMe reads",
+               "nvme_write": "NVMe writes", "host_adamw": "host AdamW", "grad_add": "host gradient adds",
+               "host_memory": "host memory", "intra_node": "intra-node reduce", "inter_node": "inter-node all-reduce"}
+#: host DRAM bytes per gradient element of the D2H worker's add into the fp32 accumulator, by gradient wire
+#: bytes: fp32 reads the gradient (4) and the accumulator (4) and writes the accumulator (4); a 2-byte gradient
+#: is read (2) and cast to a fp32 temporary first (torch casts a CPU operand of another dtype before the
+#: kernel: written 4, read 4), then added (8)
+GRAD_ADD_BYTES = {4: 12, 2: 18}
+
+
+def term_label(key: str) -> str:
+    """The label of a term (``"h2d"``) or of a chain of terms one worker runs one after the other
+    (``"h2d+host_adamw"`` -> ``"H2D copies + host AdamW"``, :mod:`.phases`)."""
+    return " + ".join(TERM_LABELS[k] for k in key.split("+"))
+
+
+def update_in_backward(s: dict[str, Any]) -> bool:
+    """Whether the AdamW update of each slab runs in the backward, on the D2H worker after the slab's last
+    gradient add (``optimizer_in_backward``); else the deferred schedule updates slab j on the H2D worker
+    before its next copy, in the next forward. ``None`` is the strategy's default: on when any state is on
+    NVMe (``MegaTrainStrategy._update_in_backward_now``; the strategy also falls back to the deferred schedule
+    with gradient clipping, fp16 loss scaling, manual optimization or hooks that read the step's gradients)."""
+    v = s.get("optimizer_in_backward")
+    if v is None:
+        return "nvme" in (s.get("offload_params"), s.get("offload_optimizer"), s.get("offload_grads"))
+    return bool(v)
 
 
 def _pow2_waste(nbytes: int) -> int:
@@ -390,18 +412,27 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     # is smaller than the table (engine/row_grads.py ``use_row_grads``)
     table = c.vocab_size * c.hidden_size if c.embedding >= c.vocab_size * c.hidden_size else 0
     d2h = (reads - table) * grad_b + min(table * grad_b, B * T * (c.hidden_size * grad_b + 8)) + act_io
-    nv_r = nv_w = 0
+    # NVMe bytes by phase (forward, backward): the update writes where it runs (deferred: on the H2D worker
+    # before the forward fetch; optimizer_in_backward: on the D2H worker after the last gradient add)
+    in_bwd = update_in_backward(s)
+    upd = 1 if in_bwd else 0                # index of the phase holding the update
+    nv_r, nv_w = [0, 0], [0, 0]
     if s["offload_params"] == "nvme":
-        nv_r += 4 * N + 4 * (reads_b + chain)  # the backward fetch reads the fp32 master again and casts it
-        nv_w += 4 * N
+        nv_r[0] += 4 * N                    # forward fetch (fused with the deferred update)
+        nv_r[1] += 4 * (reads_b + chain)    # the backward fetch reads the fp32 master again and casts it
+        nv_w[upd] += 4 * N
     if s["offload_optimizer"] == "nvme":
-        nv_r += 8 * N
-        nv_w += 8 * N
-    if s["offload_grads"] == "nvme":
-        nv_r += 4 * N
-        nv_w += 4 * N
-    moved = {"h2d": h2d_f + h2d_b, "h2d_forward": h2d_f, "h2d_backward": h2d_b, "d2h": d2h,
-             "nvme_read": nv_r, "nvme_write": nv_w}
+        nv_r[upd] += 8 * N
+        nv_w[upd] += 8 * N
+    if s["offload_grads"] == "nvme" and not in_bwd:  # in backward the last add and the update share one
+        nv_w[1] += 4 * N                    # hold: the accumulator is neither written nor read back
+        nv_r[0] += 4 * N
+    # gradient elements the D2H worker adds into the accumulators (the embedding's rows, as on the link)
+    rows = table * grad_b <= B * T * (c.hidden_size * grad_b + 8)
+    grad_elems = reads - table + (table if rows else B * T * c.hidden_size)
+    moved = {"h2d": h2d_f + h2d_b, "h2d_forward": h2d_f, "h2d_backward": h2d_b, "d2h": d2h, "d2h_forward": act_io,
+             "nvme_read": sum(nv_r), "nvme_write": sum(nv_w), "nvme_read_forward": nv_r[0],
+             "nvme_write_forward": nv_w[0], "grad_add": grad_elems * GRAD_ADD_BYTES[grad_b]}
 
     # ---- compute (Kaplan et al. 2020 + the recompute forward, by recompute mode)
     tokens = B * T
@@ -415,24 +446,24 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
         "recompute chains (K > 1)": rec["recompute chains (K > 1)"] * tokens,
     }
     flops = sum(flops_parts.values())
+    flops_forward = 2.0 * c.matmul_params * tokens + f_attn * tokens  # Kaplan: backward = 2 x forward
 
     gb = 1e9
     times = {
         "compute": flops / (getattr(hw, rate_key) * 1e12),
         "h2d": moved["h2d"] / (hw.h2d_gbps * gb),
         "d2h": d2h / (hw.d2h_gbps * gb),
-        "nvme_read": nv_r / (hw.nvme_drives * hw.nvme_read_gbps * gb),
-        "nvme_write": nv_w / (hw.nvme_drives * hw.nvme_write_gbps * gb),
+        "nvme_read": moved["nvme_read"] / (hw.nvme_drives * hw.nvme_read_gbps * gb),
+        "nvme_write": moved["nvme_write"] / (hw.nvme_drives * hw.nvme_write_gbps * gb),
         "host_adamw": N / (hw.host_adam_gparams_per_s * gb),
+        "grad_add": moved["grad_add"] / (host_mem_rate(hw) * gb),
     }
-    pess = dict(times)
-    pess["link_duplex"] = h2d_f / (hw.h2d_gbps * gb) + max(2 * h2d_b / (hw.h2d_gbps * gb), d2h / (hw.d2h_gbps * gb))
-    del pess["h2d"], pess["d2h"]
     e = dict(host=host, device=device, nvme=nvme, disk=disk, moved=moved, flops=flops, flops_parts=flops_parts,
-             times=times, pess=pess, ckpt=ckpt, parallel=None, settings=s)
+             flops_forward=flops_forward, times=times, ckpt=ckpt, parallel=None, settings=s)
     if s.get("devices", 1) * s.get("num_nodes", 1) == 1:
         return e
-    master_fetch = 4 * N + 4 * (reads_b + chain) if s["offload_params"] == "nvme" else 0
+    on_nvme = s["offload_params"] == "nvme"
     return scale_out(hw, s, e, n_params=N, grads=reads * grad_b, largest_grads=max(c.block_reads) * grad_b,
-                     accum_reads=reads, act_io=act_io, master_fetch=master_fetch,
+                     accum_reads=reads, act_io=act_io, master_fetch=4 * N + 4 * (reads_b + chain) if on_nvme else 0,
+                     master_fetch_forward=4 * N if on_nvme else 0,
                      shadow=shadow_total if s["offload_params"] == "cpu" else 0)

@@ -1,0 +1,115 @@
+"""The step time by phase: what each schedule leaves exposed beyond compute, and which resource bounds the step.
+
+A step is a forward, then a backward. Inside a phase the compute thread, the H2D worker, the D2H worker,
+the NVMe I/O pool and the collectives run at once, each worker's own work one item after another
+(docs/architecture.md, "Threads, streams and locks"); work of one phase does not overlap the other. So a
+phase takes the longest of its *chains* (the terms one worker runs in series), and the step the sum of the
+two phases:
+
+============  =============================================  ===============================================
+chain         forward                                        backward
+============  =============================================  ===============================================
+compute       forward FLOPs (2 x N_matmul + attention)       2 x the forward's + the recompute's
+H2D worker    forward copies [+ host AdamW, deferred]        backward copies (recompute fetches, offloaded
+                                                             activations)
+D2H worker    offloaded activations                          gradient copies + host gradient adds
+                                                             [+ host AdamW, ``optimizer_in_backward``]
+NVMe          reads + writes of the phase (deferred: the     the backward fetch's master reads, the
+              update's; in backward: the masters' forward    accumulators written (deferred) or the
+              fetch only)                                    update's reads and writes (in backward)
+host memory   data parallel: the phase's host DRAM bytes     the same
+collectives   --                                             intra-node reduce, inter-node all-reduce
+============  =============================================  ===============================================
+
+The H2D and D2H copies run on their own streams while the worker waits, and the NVMe reads run ahead of
+the fetch that needs them; the model still puts each worker's terms in series and the two NVMe
+directions on the same drives in series (conservative). Each term of :func:`.terms._estimate`'s ``times``
+is split between the phases (:func:`forward_share`), so the step is at least the largest term (every
+term overlapping: ``step_time_lower_bound_s``) and at most the sum of all terms.
+
+``exposed``: the seconds a phase takes beyond its compute, given to the chain that bounds it; their sum
+is the step time minus the compute time. ``pessimistic``: the backward's H2D copies at half bandwidth
+while D2H copies run (measured on PCIe: H2D drops to about half while D2H runs).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .terms import update_in_backward
+
+PHASES = ("forward", "backward")
+#: per phase, the chains of terms one worker runs in series (the first is compute)
+CHAINS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "forward": (("compute",), ("h2d", "host_adamw"), ("d2h",), ("nvme_read", "nvme_write"), ("host_memory",)),
+    "backward": (("compute",), ("h2d",), ("d2h", "grad_add", "host_adamw"), ("nvme_read", "nvme_write"),
+                 ("intra_node",), ("inter_node",), ("host_memory",)),
+}
+
+
+def _frac(a: float, b: float) -> float:
+    return a / b if b else 0.0
+
+
+def forward_share(e: dict[str, Any]) -> dict[str, float]:
+    """The fraction of each term of ``e["times"]`` that runs in the forward (the rest runs in the backward)."""
+    m = e["moved"]
+    return {
+        "compute": _frac(e["flops_forward"], e["flops"]),
+        "h2d": _frac(m["h2d_forward"], m["h2d"]),
+        "d2h": _frac(m["d2h_forward"], m["d2h"]),
+        "nvme_read": _frac(m["nvme_read_forward"], m["nvme_read"]),
+        "nvme_write": _frac(m["nvme_write_forward"], m["nvme_write"]),
+        "host_adamw": 0.0 if update_in_backward(e["settings"]) else 1.0,
+        "grad_add": 0.0,
+        "host_memory": _frac(m.get("host_memory_forward", 0), m.get("host_memory", 0)),
+        "intra_node": 0.0,
+        "inter_node": 0.0,
+    }
+
+
+def phase_parts(e: dict[str, Any], pessimistic: bool = False) -> dict[str, dict[str, float]]:
+    """Seconds of each term in each phase."""
+    share = forward_share(e)
+    out = {ph: {k: t * (share[k] if ph == "forward" else 1.0 - share[k]) for k, t in e["times"].items()}
+           for ph in PHASES}
+    if pessimistic and out["backward"].get("d2h", 0) > 0:
+        out["backward"]["h2d"] *= 2
+    return out
+
+
+def chains(e: dict[str, Any], pessimistic: bool = False) -> dict[str, list[tuple[str, float]]]:
+    """Per phase, each chain of :data:`CHAINS` (same order, compute first) as (key, seconds); the key joins
+    the chain's terms that take time with ``+`` (``"h2d+host_adamw"``)."""
+    parts = phase_parts(e, pessimistic)
+    out = {}
+    for ph in PHASES:
+        row = []
+        for chain in CHAINS[ph]:
+            on = [k for k in chain if parts[ph].get(k, 0) > 0]
+            row.append(("+".join(on) or chain[0], sum(parts[ph].get(k, 0.0) for k in chain)))
+        out[ph] = row
+    return out
+
+
+def phase_model(e: dict[str, Any], pessimistic: bool = False) -> dict[str, Any]:
+    """The step of estimate ``e`` by phase.
+
+    Returns:
+        ``phases``: phase -> (seconds, key of the chain that bounds it; ``"compute"`` when compute is at
+        least every other chain); ``step_time_s``: their sum; ``dominating``: the bound of the longer phase;
+        ``exposed``: chain key -> seconds beyond compute (only chains that bound a phase);
+        ``compute``: phase -> compute seconds.
+    """
+    phases, exposed, compute = {}, {}, {}
+    for ph, row in chains(e, pessimistic).items():
+        comp = row[0][1]
+        key, t = max(row[1:], key=lambda kv: kv[1], default=("compute", 0.0))
+        if t <= comp:
+            key, t = "compute", comp
+        else:
+            exposed[key] = exposed.get(key, 0.0) + t - comp
+        phases[ph], compute[ph] = (t, key), comp
+    longer = max(PHASES, key=lambda ph: phases[ph][0])
+    return dict(phases=phases, step_time_s=sum(t for t, _ in phases.values()), dominating=phases[longer][1],
+                exposed=exposed, compute=compute)
