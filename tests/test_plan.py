@@ -110,7 +110,11 @@ def test_bytes_equal_meta_model_params_times_bytes_per_param(name):
     # everything on NVMe: the moved parts are there and RAM keeps only windows (no wire image is cached there)
     r = replan(p, offload_params="nvme", offload_optimizer="nvme", offload_grads="nvme")
     assert r.nvme_bytes == (4 + 4 + 8) * n
-    assert r.moved["nvme_write"] == (4 + 8 + 4) * n
+    # optimizer_in_backward (the NVMe tier's default): master + both moments written, the accumulator never
+    # (docs/internals/nvme.md: 12 instead of 16 bytes/param); the deferred schedule writes it and reads it back
+    assert r.moved["nvme_write"] == (4 + 8) * n
+    assert replan(r, optimizer_in_backward=False).moved["nvme_write"] == (4 + 8 + 4) * n
+    assert replan(r, optimizer_in_backward=False).moved["nvme_read"] == r.moved["nvme_read"] + 4 * n
     big = r.counts.largest_block
     assert "fp32 master weights" not in r.host and "AdamW exp_avg + exp_avg_sq" not in r.host
     assert r.host["master window"] == 3 * big * 4     # lookahead + 2 blocks
@@ -234,7 +238,8 @@ def test_overrides_reach_the_plan():
 
 def test_step_bound_and_compute_crossover():
     p = plan(load_model("llama70b"), load_hardware("h200"))
-    assert p.step_time_s == max(p.times.values()) == p.times[p.dominating]
+    assert p.step_time_lower_bound_s == max(p.times.values()) == p.times[p.dominating_lower_bound]
+    assert p.step_time_lower_bound_s <= p.step_time_s <= sum(p.times.values())
     assert p.step_time_pessimistic_s >= p.step_time_s
     # Kaplan 6N + attention, plus the recompute="block" forward of every decoder layer (2 N_layers + attention)
     parts, c = p.flops_parts, p.counts
@@ -243,10 +248,17 @@ def test_step_bound_and_compute_crossover():
     assert parts["attention (forward + backward)"] == 3 * f_attn * 2048
     assert math.isclose(parts["recompute (recompute=block: block layers)"], (2 * c.layer_total + f_attn) * 2048)
     assert math.isclose(p.flops, sum(parts.values()))
-    b = p.compute_bound_batch_size
-    assert b and b > 1
-    assert replan(p, batch_size=b).dominating == "compute"
-    assert replan(p, batch_size=b - 1).dominating != "compute"
+    # compute-bound batch: from there nothing is exposed beyond compute in either phase
+    for q in (p, replan(p, optimizer_in_backward=True)):
+        b = q.compute_bound_batch_size
+        assert b and b > 1
+        at, below = replan(q, batch_size=b), replan(q, batch_size=b - 1)
+        assert at.exposed == {} and at.dominating == "compute" and math.isclose(at.step_time_s, at.times["compute"])
+        assert below.exposed and below.step_time_s > below.times["compute"]
+    # the deferred update keeps the forward's H2D worker busy for the whole host AdamW: llama70b is compute-bound
+    # only from batch 30 (forward: 2.70 s of copies + 5.88 s of AdamW over ~0.29 s of compute per sequence), more
+    # than the device holds; updated in backward from batch 16
+    assert p.compute_bound_batch_size == 30 and replan(p, optimizer_in_backward=True).compute_bound_batch_size == 16
     m = p.max_device_batch_size
     assert replan(p, batch_size=m).device_bytes <= p.capacity["device"] < replan(p, batch_size=m + 1).device_bytes
     # the comparison's compute-bound column says when the device cannot hold that batch
@@ -689,11 +701,21 @@ def test_dp_shared_host_terms_and_binding_resource():
     h2d = one_gpu.moved["h2d"]
     assert eight.moved["host_memory"] - one_gpu.moved["host_memory"] == 7 * h2d   # the rest is per node
     assert math.isclose(eight.times["host_memory"], eight.moved["host_memory"] / 368e9, rel_tol=1e-9)
-    assert one_gpu.dominating == "compute" and eight.dominating == "host_memory"
-    assert eight.step_time_s == max(eight.times.values())
+    # the backward is compute-bound (12 sequences) on both; the forward is bound by the H2D worker (copies + the
+    # deferred AdamW) on one GPU per node, by host memory with 8: 8 x the forward copies + AdamW 28 B/param + the
+    # wire-shadow cast over 368 GB/s
+    assert one_gpu.dominating == eight.dominating == "compute"
+    assert one_gpu.phases["forward"][1] == "h2d+host_adamw" and eight.phases["forward"][1] == "host_memory"
+    fwd = 8 * one_gpu.moved["h2d_forward"] + 28 * n + eight.host["wire shadow (castable 2 B, rest 4 B) (shared, /dev/shm)"]
+    assert math.isclose(eight.phases["forward"][0], fwd / 368e9, rel_tol=1e-9)
+    assert eight.exposed == {"host_memory": eight.phases["forward"][0] - one_gpu.phases["forward"][0]
+                             + one_gpu.exposed["h2d+host_adamw"]}
+    assert eight.step_time_lower_bound_s == max(eight.times.values()) == eight.times["host_memory"]
+    assert math.isclose(eight.step_time_s, eight.phases["forward"][0] + eight.phases["backward"][0])
     assert eight.node_tokens == 8 * 12 * 2048 and eight.cluster_tokens == 2 * eight.node_tokens
     slow = plan(m, _hw_with("h200", network_gbps=12.5), batch_size=12, devices=8, num_nodes=4)  # 100 Gb/s
-    assert slow.dominating == "inter_node" and math.isclose(slow.step_time_s, 1.5 * 4 * n / 12.5e9, rel_tol=1e-9)
+    assert slow.dominating == "inter_node" and math.isclose(slow.phases["backward"][0], 1.5 * 4 * n / 12.5e9, rel_tol=1e-9)
+    assert math.isclose(slow.step_time_s, eight.phases["forward"][0] + 1.5 * 4 * n / 12.5e9, rel_tol=1e-9)
     # a CPU "device": the ranks share the cores, so the node's compute does not scale
     cpu1 = plan(load_model("smollm2_135m"), load_hardware("this_machine"))
     cpu2 = plan(load_model("smollm2_135m"), load_hardware("this_machine"), devices=2)
@@ -708,7 +730,8 @@ def test_dp_nvme_store_once_reads_per_rank():
     one, four = plan(m, hw, **nv), plan(m, hw, devices=4, **nv)
     n, _ = _meta_unique_params(m)
     assert four.nvme == one.nvme and four.disk == one.disk and four.parallel["shm_bytes"] == 0
-    masters = one.moved["nvme_read"] - 8 * n - 4 * n          # moments and gradients read once per node
+    # optimizer_in_backward (the NVMe default): moments read once per node, accumulators never read
+    masters = one.moved["nvme_read"] - 8 * n
     assert four.moved["nvme_read"] == one.moved["nvme_read"] + 3 * masters
     assert four.moved["nvme_write"] == one.moved["nvme_write"]
     assert four.host_bytes == 4 * one.host_bytes              # windows, staging, overhead: per process
