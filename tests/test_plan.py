@@ -900,15 +900,18 @@ def test_plan_starts_with_the_hardware_assumptions_and_their_sources(capsys, pre
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith(f"hardware assumptions ({preset}: "), lines[0]
     head = {ln.split()[0] + (" " + ln.split()[1] if ln.split()[0] in ("device", "host") else ""): ln
-            for ln in lines[1:7]}
-    assert set(head) == {"device memory", "compute", "host link", "host RAM", "NVMe", "host AdamW"}, head
+            for ln in lines[1:8]}
+    assert set(head) == {"device memory", "compute", "host link", "host RAM", "NVMe", "host AdamW", "host memory"}, head
+    # the gradient adds' rate: the preset's host_mem_gbps (368 GB/s on h200, 34 measured here)
+    assert ("368 GB/s" if preset == "h200" else "34 GB/s") in head["host memory"]
+    assert "hardware.host_mem_gbps" in head["host memory"]
     assert ram in head["host RAM"] and adam in head["host AdamW"] and source in head["host AdamW"]
     assert "set on the command line (hardware.nvme_drives=2)" in head["NVMe"] and head["NVMe"].split()[1] == "2"
     if preset == "h200":  # one GPU planned with the whole 8-GPU server's RAM and drives: said, with the source
         assert "8-GPU" in lines[0] and "datasheet" in head["host RAM"] and "whole 8-GPU server" in head["host RAM"]
     else:
         assert "re-measure" in lines[0] and "measured" in head["host RAM"]
-    assert lines[7] == "" and lines[8].startswith(f"megatrain plan: smollm2_135m on {preset}")
+    assert lines[8] == "" and lines[9].startswith(f"megatrain plan: smollm2_135m on {preset}")
     fits = next(ln for ln in lines if ln.startswith("fits: "))
     assert f"on the hardware assumptions at the top: {preset}" in fits
 

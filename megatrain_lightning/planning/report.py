@@ -149,7 +149,12 @@ def assumption_lines(hw: Hardware) -> list[str]:
         ("host RAM", f"{hw.host_ram_gib:,.1f} GiB", "host_ram"),
         ("NVMe", nvme, "nvme"),
         ("host AdamW", f"{hw.host_adam_gparams_per_s:g} G params/s", "host_adam"),
+        ("host memory", f"{host_mem_rate(hw):g} GB/s (gradient adds: 12 B per fp32 gradient, 18 per 2-byte)",
+         "host_mem"),
     ]
+    if "host_mem" not in src:
+        src["host_mem"] = ("hardware.host_mem_gbps" if hw.host_mem_gbps is not None else
+                           "assumed: no host_mem_gbps, derived from the host AdamW rate x 30 B/param")
     out = [f"hardware assumptions ({hw.name}: {src.get('scope', 'conf/hardware/' + hw.name + '.yaml')}; "
            "override any figure with hardware.<field>=...):"]
     out += [f"  {label:<14} {value:<52} {why(key)}" for label, value, key in rows]
@@ -282,7 +287,8 @@ def step_time_lines(p: Plan) -> list[str]:
     in_bwd = update_in_backward(p.settings)
     o = p.other_schedule
     if o:
-        faster = "faster" if o["step_time_s"] < t - 1e-9 else "not faster"
+        d = o["step_time_s"] - t
+        faster = "faster" if d < -1e-9 else "slower" if d > 1e-9 else "the same"
         out.append(f"  schedule: {schedule_words(in_bwd)}; with optimizer_in_backward={o['optimizer_in_backward']}: "
                    f"{o['step_time_s']:,.3f} s/step ({faster}; {_phases_text(o['phases'])})")
     out += [f"lower bound: {p.step_time_lower_bound_s:,.3f} s/step, dominated by "
