@@ -23,8 +23,8 @@ Default checks, in priority order:
                     (``to_device``, ``restore_async``), on the D2H stream before every D2H copy (``stage_grads``,
                     ``offload``) and on the compute stream before the compute stream waits for a copy or produces
                     gradients and activations for one (dry run: ``time.sleep`` of 2 ms in the same wrappers). On
-                    CUDA every run is under ``torch.cuda.set_sync_debug_mode("warn")``: the synchronizing calls are
-                    counted per source line. PASS: fp32 runs within 1e-5 relative of plain PyTorch (every loss,
+                    CUDA every run is under ``torch.cuda.set_sync_debug_mode("warn")``: the synchronizing calls that
+                    reach Python's warnings are counted per source line (reported, not gated). PASS: fp32 runs within 1e-5 relative of plain PyTorch (every loss,
                     every weight), the bf16-mixed run with delays within 1e-5 of the one without (bitwise
                     reported), and the delays really queued.
 * ``nccl_group``:   a one-rank process group (NCCL bound to cuda:0; dry run: gloo) on a free TCP port of 127.0.0.1,
@@ -213,7 +213,9 @@ class StreamDelays:
             time.sleep(self.cpu_s)
             return
         s = {"h2d": getattr(transport, "h2d_stream", None), "d2h": getattr(transport, "d2h_stream", None),
-             "compute": None}[stream] or torch.cuda.current_stream(transport.device)
+             "compute": None}[stream]
+        if s is None:  # the compute stream: the calling thread's current stream
+            s = torch.cuda.current_stream(transport.device)
         with torch.cuda.device(transport.device), torch.cuda.stream(s):
             torch.cuda._sleep(self.compute_cycles if stream == "compute" else self.copy_cycles)
 
@@ -597,6 +599,7 @@ def check_phases(a) -> dict:
             trace_path += ".gz"
         trace = {"path": trace_path, "bytes": os.path.getsize(trace_path), "raw_bytes": size}
     nums = {"n_params": n_params, "build_s": round(build_s, 1), "trace": trace,
+            "tf32": bool(torch.backends.cuda.matmul.allow_tf32) if dev == "cuda" else None,
             **{f"{r['precision']}_{r['batch']}x{r['seq']}": {k: r[k] for k in ("step_s", "TFLOPS", "optimizer_s")}
                | {"planner_s": r["planner"].get("step_s")} for r in rows}}
     ok = len(rows) == 2 * len(shapes) and all(r["step_s"] > 0 for r in rows)
