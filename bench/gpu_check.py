@@ -5,9 +5,11 @@ torch and Lightning are imported once. Every check ends in one JSON row ``{"chec
 as the check ends, and ``gpu_check.json`` (every row so far) is rewritten then: a run stopped at its limit keeps
 what it measured. Both go to ``$OUT`` when it is set, else to the results folder (``bench/results/`` on a GPU,
 ``${TMPDIR:-/tmp}/gpu_check_dryrun`` for ``--cpu-dry-run``). A check that raises is a FAIL row with the tail of its
-traceback, and the run goes on. Every check has its own time limit (seconds, ``LIMITS_S``) inside the global
-budget (``GPU_CHECK_BUDGET_S``, default 420 s, counted from ``GPU_CHECK_START``, the wrapper's start, so the
-imports count); a check is a SKIP row when less than ``NEED_S`` of it is left. Past its limit a check gets a
+traceback, and the run goes on. ``gpu_check.jsonl`` holds this run's rows; ``gpu_check.json`` also keeps the
+rows an earlier run of the same mode wrote for checks this run did not select. Every check has its own time limit
+(seconds, ``LIMITS_S``; x 2 in the dry run) inside the global budget (``GPU_CHECK_BUDGET_S``, default 420 s,
+counted from ``GPU_CHECK_START``, the wrapper's start, so the imports count); a check is a SKIP row when less than
+``NEED_S`` seconds are left. Past its limit a check gets a
 ``TimeoutError`` (SIGALRM); one that does not return to Python within ``HANG_GRACE_S`` more (blocked in CUDA or
 NCCL) is written FAIL with every thread's stack, the remaining checks SKIP, and the process exits.
 
@@ -44,12 +46,11 @@ Default checks, in priority order:
 * ``nvme``:         the NVMe tier: llama 8 layers, 10 steps (dry run: 4 layers, 2 steps), RAM tier vs ``offload_params="nvme",
                     offload_optimizer="nvme"`` under a ``host_memory_limit`` of 600,000 bytes that forces eviction,
                     without and with accumulation 3 + norm clipping. PASS: losses and weights bitwise equal.
-* ``depth``:        device peak of one step of the StreamingEngine vs depth (bench/memory_depth.py's shape: Llama
-                    hidden 256, batch 2 x 256, fp32) at 4, 16, 40 and 80 layers with ``offload_activations`` and at
-                    4 and 80 without (dry run: hidden 64, batch 2 x 32, 2 and 6 layers). CUDA:
-                    ``torch.cuda.max_memory_allocated`` around the step. PASS: with offload the peak grows < 10%
-                    from the shallowest to the deepest model. CPU: the engine's own peak of block buffers,
-                    reported without a verdict (activations are not "device" memory there).
+* ``depth``:        device peak of one step of the StreamingEngine vs depth, bench/memory_depth.py's ``run``
+                    (imported) and shape (Llama hidden 256, batch 2 x 256, fp32) at 4, 16, 40 and 80 layers with
+                    ``offload_activations`` and at 4 and 80 without (dry run: hidden 64, batch 2 x 32, 2, 4 and 8
+                    layers, its CPU meter: the profiler's allocation events less the offloaded copies). PASS: with
+                    offload the peak grows < 10% from the shallowest to the deepest model.
 
 Further checks, by name only (bench/gpu_check_extra.py): pytest, parity, precision, memory, overlap, d2h,
 overhead, recompute, pinned, long, scaling, peer.
@@ -516,6 +517,7 @@ def check_phases(a) -> dict:
     from torch.utils.data import DataLoader
 
     dev = device(a)
+    torch.use_deterministic_algorithms(False)  # stream_parity's setting: the fastest kernels here (TF32 stays off)
     t0 = time.perf_counter()
     cfg, base, shapes = _phase_model(a)
     n_params = sum(p.numel() for p in base.parameters())
@@ -648,65 +650,37 @@ def check_nvme(a) -> dict:
 
 def check_depth(a) -> dict:
     import torch
-    import transformers
-    from megatrain_lightning.engine.streaming import StreamingEngine
+
+    import memory_depth
 
     dev = torch.device(device(a))
     cuda = dev.type == "cuda"
     if a.cpu_dry_run:
-        H, inter, B, T, V = 64, 176, 2, 32, 256
-        runs = [(2, True), (6, True), (2, False), (6, False)]
+        shape = dict(hidden=64, intermediate=176, heads=4, kv_heads=2, vocab=256, batch=2, seq=32)
+        runs = [(2, True), (4, True), (8, True), (2, False), (8, False)]
     else:
-        H, inter, B, T, V = 256, 688, 2, 256, 4096
+        shape = dict(memory_depth.SHAPE)
         runs = [(4, True), (16, True), (40, True), (80, True), (4, False), (80, False)]
+    check = None if cuda else memory_depth.self_check()
     rows = []
     for layers, offload in runs:
-        gc.collect()
-        cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=inter, num_hidden_layers=layers,
-                                       num_attention_heads=8 if H >= 256 else 4, num_key_value_heads=4 if H >= 256 else 2,
-                                       max_position_embeddings=T, tie_word_embeddings=False, use_cache=False)
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
-        eng = StreamingEngine(model, dev, offload_activations=offload)
-        eng.install()
-        eng.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
-        ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(1)).to(dev)
-
-        def step():
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            del loss
-            eng.attach_grads()
-            eng.step()
-
-        for _ in range(2):  # host accumulators, then the AdamW state, are allocated in these
-            step()
-            eng.end_step()
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        step()
-        if cuda:
-            torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated()
-        eng.end_step()
-        if not cuda:
-            peak = eng.history[-1]["megatrain/peak_device_bytes"]
-        rows.append({"layers": layers, "offload": offload, "peak_MiB": round(peak / 2**20, 2),
-                     "saved_inputs_MiB": round(layers * B * T * H * 4 / 2**20, 2)})
-        print(f"  layers {layers:3d} offload {offload!s:5s}: peak {rows[-1]['peak_MiB']:.2f} MiB", flush=True)
-        eng.close()
-        del model, eng
+        gc.collect()  # the previous engine's reference cycles still hold its buffers
+        r = memory_depth.run(layers, offload, dev, shape=shape)
+        rows.append({k: r[k] for k in ("layers", "offload", "raw_peak_bytes", "offloaded_host_bytes",
+                                       "device_peak_bytes", "saved_inputs_bytes", "engine_peak_device_bytes")})
+        print(f"  layers {layers:3d} offload {offload!s:5s}: device peak {r['device_peak_bytes'] / 2**20:.2f} MiB",
+              flush=True)
     off = [r for r in rows if r["offload"]]
-    growth = off[-1]["peak_MiB"] / off[0]["peak_MiB"] - 1
     keep = [r for r in rows if not r["offload"]]
-    nums = {"meter": "torch.cuda.max_memory_allocated" if cuda else "engine peak of block buffers (CPU)",
-            "growth_offload": round(growth, 4), "target": 0.10, "layers": [r["layers"] for r in off],
-            **{f"L{r['layers']}_{'offload' if r['offload'] else 'keep'}_MiB": r["peak_MiB"] for r in rows}}
+    growth = off[-1]["device_peak_bytes"] / off[0]["device_peak_bytes"] - 1
+    mib = lambda r: round(r["device_peak_bytes"] / 2**20, 3)  # noqa: E731
+    nums = {"meter": "torch.cuda.max_memory_allocated" if cuda else "torch.profiler CPU allocation events",
+            "meter_self_check_ok": None if check is None else check["ok"], "shape": shape,
+            "growth_offload": round(growth, 4), "target": memory_depth.TARGET,
+            **{f"L{r['layers']}_{'offload' if r['offload'] else 'keep'}_MiB": mib(r) for r in rows}}
     if len(keep) == 2:
-        nums["growth_keep"] = round(keep[1]["peak_MiB"] / keep[0]["peak_MiB"] - 1, 4)
-    # the CPU meter counts the engine's block buffers only (activations are not "device" memory there): no verdict
-    ok = growth < 0.10 or not cuda
+        nums["growth_keep"] = round(keep[1]["device_peak_bytes"] / keep[0]["device_peak_bytes"] - 1, 4)
+    ok = growth < memory_depth.TARGET and (check is None or check["ok"])
     return {"result": "PASS" if ok else "FAIL", "numbers": nums, "details": rows}
 
 
