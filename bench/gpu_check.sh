@@ -16,11 +16,15 @@ cd "$(dirname "$0")/.."
 
 DRY=""
 RESULTS=bench/results
-if [ "${1:-}" = "--cpu-dry-run" ]; then
-    DRY="--cpu-dry-run"
-    RESULTS=${TMPDIR:-/tmp}/gpu_check_dryrun
-    shift
-fi
+ARGS=()
+for arg in "$@"; do
+    if [ "$arg" = "--cpu-dry-run" ]; then
+        DRY="--cpu-dry-run"
+        RESULTS=${TMPDIR:-/tmp}/gpu_check_dryrun
+    else
+        ARGS+=("$arg")
+    fi
+done
 BUDGET=${GPU_CHECK_BUDGET_S:-420}
 DEST=${OUT:-$RESULTS}
 mkdir -p "$RESULTS" "$DEST"
@@ -67,7 +71,7 @@ main() {
         python3 bench/gpu_check.py $DRY --results "$RESULTS" "$@"
 }
 
-main "$@" 2>&1 | tee "$LOG"
+main ${ARGS[@]+"${ARGS[@]}"} 2>&1 | tee "$LOG"
 rc=${PIPESTATUS[0]}
 if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ] && [ "$OUT" != "$RESULTS" ]; then
     # result files of the further checks (their scripts write into the results folder)

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _run(tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
     e = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-         **env}
+         "GPU_CHECK_START": "", "GPU_CHECK_BUDGET_S": "420", **env}
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--cpu-dry-run",
                         "--results", str(tmp_path / "results"), *args],
                        cwd=ROOT, env=e, capture_output=True, text=True, timeout=120)
