@@ -1,123 +1,161 @@
-"""CUDA acceptance checks for strategy="megatrain" (driven by bench/gpu_check.sh).
+"""CUDA acceptance checks of strategy="megatrain", run in sequence in one Python process (bench/gpu_check.sh).
 
-One sub-command per check; each writes ``<parts>/<check>.json`` (result PASS/FAIL/SKIP and its
-key numbers) and ``summary`` gathers them into a table and bench/results/gpu_check.json.
+torch and Lightning are imported once. Every check ends in one JSON row ``{"check", "result": PASS | FAIL | SKIP,
+"seconds", "limit_s", "elapsed_s", "numbers", ...}`` appended to ``gpu_check.jsonl`` (flushed and fsync-ed) as soon
+as the check ends, and ``gpu_check.json`` (every row so far) is rewritten then: a run stopped at its limit keeps
+what it measured. Both go to ``$OUT`` when it is set, else to the results folder (``bench/results/`` on a GPU,
+``${TMPDIR:-/tmp}/gpu_check_dryrun`` for ``--cpu-dry-run``). A check that raises is a FAIL row with the tail of its
+traceback, and the run goes on. ``gpu_check.jsonl`` holds this run's rows; ``gpu_check.json`` also keeps the
+rows an earlier run of the same mode wrote for checks this run did not select. Every check has its own time limit
+(seconds, ``LIMITS_S``; x 2 in the dry run) inside the global budget (``GPU_CHECK_BUDGET_S``, default 420 s,
+counted from ``GPU_CHECK_START``, the wrapper's start, so the imports count); a check is a SKIP row when less than
+``NEED_S`` seconds are left. Past its limit a check gets a
+``TimeoutError`` (SIGALRM); one that does not return to Python within ``HANG_GRACE_S`` more (blocked in CUDA or
+NCCL) is written FAIL with every thread's stack, the remaining checks SKIP, and the process exits.
 
-* ``env``:      torch / CUDA / device name, transformers and lightning versions.
-* ``pytest``:   the CPU test suite (``python -m pytest tests -x -q``) still passes.
-* ``parity``:   llama, llama_tied, mixtral, gemma2, gpt2 (tiny configs of megatrain_lightning/testing.py),
-                20 steps of Trainer(strategy="megatrain", accelerator="gpu") against the plain-PyTorch
-                reference loop (megatrain_lightning.testing.reference_train) on CUDA (TF32 off, eager
-                attention, attention key biases frozen as in tests/test_parity.py), plus llama_tied with
-                offload_activations=True and with recompute_every=2. PASS: max relative loss and weight
-                error <= 1e-5 and the engine really ran on the requested device.
-* ``precision``: mixed precision on CUDA (the wire images converted on the H2D stream): for llama,
-                llama_tied and gpt2 (use_cache=False) under bf16-mixed and 16-mixed, the parameter gradients
-                of one step through the strategy against a plain autocast step of the same fp32 model on the
-                GPU (16-mixed: loss x 2**16, gradients x 2**-16, as GradScaler), and 10 steps of 16-mixed
-                llama (loss scaling: finite losses, no skipped step, scale still 2**16). PASS: every
-                gradient within 1e-5 relative (bitwise reported) and the 16-mixed run clean.
-* ``memory``:   bench/memory_depth.py --device cuda (device peak flat in depth with offload); its own verdict.
-* ``overlap``:  Llama 24 layers, hidden 1024, batch 4 x 512, fp32, 6 steps through the strategy with
-                (lookahead, overlap_optimizer) = (1, True), (0, True), (1, False), (0, False). Step time is
-                measured with torch.cuda.synchronize() at every batch end (the engine's wait_s/compute_s
-                are host-side times: on CUDA they miss stalls of the compute stream on copy events).
-                Reports median step, achieved H2D GB/s (h2d_bytes / step), wait_s fraction, peak device
-                memory against the model's fp32 size, the raw pinned H2D link speed, and the speedups
-                lookahead 1 over 0 and overlap_optimizer True over False.
-                PASS: lookahead=1 is faster and waits less than lookahead=0, overlap_optimizer=True is not
-                slower than False (5% noise allowed).
-* ``d2h``:      overlapped gradient copies (issue 17, item 2): Llama 6 layers, hidden 2048, MLP 8192, batch
-                1 x 128 tokens, fp32 (host adds of a layer's 268 MB of gradients take longer than its backward),
-                5 steps as configured (2 gradient batches in flight: the copy of batch k+1 runs while the D2H
-                worker adds batch k) and with 1 in flight (copy and add serialized, the former behaviour).
-                From the step statistics: d2h_busy_s (copies running), d2h_copy_wait_s (the worker waiting for
-                a copy), grad_add_s, d2h_queue_peak; hidden = 1 - copy_wait / busy.
-                PASS: statistics present, queue peak <= 2, and where the adds dominate (grad_add_s > d2h_busy_s)
-                at least half the copy time hidden and less copy wait than with 1 in flight.
-* ``overhead``: bench/overhead.py --device cuda (megatrain / HF-checkpointing step-time ratio); its own verdict.
-* ``long``:     long sequences (issue 15; issue 17 item 5) on CUDA: llama, gemma2 and llama_tied 10 steps with
-                loss_chunk_size=5 + mlp_chunk_size=4 against the plain reference on the GPU (1e-5); llama_tied 6 layers
-                with offload_activations: no activation restore misses after the first step (the H2D copy of the
-                next call's inputs was started one call ahead on the H2D stream) and at most 2 calls' inputs
-                restored at once; the bench/long_context.py shape (vocab 128,256, hidden 512, 4 layers) at 8k and
-                32k tokens: device peak of a step with the chunked head + loss (+ mlp_chunk_size 2048) against the
-                full logits at 8k. PASS: parity, no misses, and the chunked 32k peak below one 16k logits tensor.
-* ``recompute``: bench/recompute_policy.py --device cuda: recompute="block"/"selective"/"none"/"auto" against
-                plain PyTorch + HF checkpointing + fused AdamW and plain PyTorch without checkpointing, same
-                model and batch on the same GPU, for the SmolLM2-135M shape at batch 1 x 512 and (time
-                allowing) the 0.9B shape at batch 8 x 1024; step time, ratios, kept bytes per token, device
-                peak; at the small shape also block_group=4 (recompute block and none) against single blocks.
-                PASS: every row ran; the issue-14 ratio targets are reported, not gated (first
-                GPU measurement).
-* ``nvme``:     the NVMe tier on CUDA (pinned window buffers, H2D straight from them): llama 8 layers, 20 steps,
-                RAM tier vs offload_params=offload_optimizer="nvme" under a host budget that forces eviction,
-                without and with accumulation 3 + norm clipping. PASS: losses and weights bitwise equal.
-* ``pinned``:   pinned memory inside host_memory_limit (issue 17, items 3, 4, 6): llama with regions of awkward
-                sizes (vocabulary 32003, MLP width 688, 4 layers; dry run: 1021 / 70 / 5), 6 steps of the NVMe
-                tier (masters and optimizer on disk) under bf16-mixed (wire images through the H2D staging
-                ring) and 32-true (copies straight from the window), each against the RAM tier. Pinned bytes
-                are measured, not taken from the budget: the window's arena (one cudaHostRegister-ed mapping,
-                ``arena.buf.is_pinned()``), the 2 exactly pinned D2H staging buffers, and the growth of torch's
-                caching host allocator (``torch.cuda.host_memory_stats``) over the run. Also reports
-                ``ulimit -l`` (not a limit for CUDA's pinned memory) and the ring's peak slots in flight.
-                PASS: losses and weights bitwise equal to the RAM tier, the arena pinned, pinned total <=
-                host_memory_limit, the ring used with at most 2 slots out.
+Default checks, in priority order:
 
-* ``scaling``:  bench/scaling.py --accelerator gpu --devices 2 --process-group-backend gloo: data parallel
-                (issue 12) on CUDA, 1 process then 2 processes; with one GPU the 2 ranks share it (gloo: NCCL
-                refuses two ranks on one GPU), which exercises the CUDA data-parallel path (pinned node-shared
-                store in /dev/shm, per-rank D2H of gradients, gloo reduce on the host) but is no scaling
-                measurement. The model shrinks when /dev/shm has under 4 GiB free (docker's default is 64 MiB:
-                then the 2-process run must fail with SharedMemoryTooSmall, which is reported). PASS: both runs
-                finished, 2 ranks on gloo, the shared state file holds 16 B/param (+-3%).
+* ``env``:          torch / CUDA / device name, transformers and Lightning versions.
+* ``stream_parity``: the tiny ``llama_tied`` model (megatrain_lightning.testing) trained through the strategy
+                    against plain PyTorch on the same device (megatrain_lightning.testing.reference_train; TF32 off,
+                    eager attention, deterministic cuBLAS), 10 steps (dry run 3), with ``recompute="block"``,
+                    ``recompute="none"`` + ``offload_activations``, ``recompute="selective"`` +
+                    ``offload_activations``, and ``bf16-mixed``. Each configuration runs twice: plain, and with
+                    delays queued by ``torch.cuda._sleep`` on the H2D stream before every H2D copy
+                    (``to_device``, ``restore_async``), on the D2H stream before every D2H copy (``stage_grads``,
+                    ``offload``) and on the compute stream before the compute stream waits for a copy or produces
+                    gradients and activations for one (dry run: ``time.sleep`` of 2 ms in the same wrappers). On
+                    CUDA every run is under ``torch.cuda.set_sync_debug_mode("warn")``: the synchronizing calls that
+                    reach Python's warnings are counted per source line (reported, not gated). PASS: fp32 runs within 1e-5 relative of plain PyTorch (every loss,
+                    every weight), the bf16-mixed run with delays within 1e-5 of the one without (bitwise
+                    reported), and the delays really queued.
+* ``nccl_group``:   a one-rank process group (NCCL bound to cuda:0; dry run: gloo) on a free TCP port of 127.0.0.1,
+                    ``ProcessGroups.create`` on it, and one gradient batch (fp32 wire, then bf16) through the
+                    transport's ``stage_grads`` with the engine's ``GradReducer`` as its reduce, called from a
+                    thread that is not the main one while the compute stream is delayed by ``torch.cuda._sleep``
+                    before it writes the gradients (dry run: the host reduce on the gloo group, as a CPU device
+                    does). PASS: done within its limit, the reduced batch bitwise the gradients (the mean over one
+                    rank) and the presence flags right.
+* ``phases``:       phase timing of a Llama 16 layers x hidden 2048 (0.9B parameters; dry run: 2 x 64) in fp32
+                    and bf16-mixed at batch 1 x 512 and 8 x 1024 tokens (dry run: 1 x 16, 2 x 32): per step the
+                    forward and backward seconds (host clock, CUDA synchronized at the phase boundaries), the
+                    engine's ``optimizer_s``, ``grad_add_s``, ``d2h_busy_s``, model TFLOPS (6 x params x tokens / step
+                    seconds) and the planner's step-time estimate for the same shape on the h200 preset
+                    (dry run: this_machine); one step under ``torch.profiler`` saved as ``phases_trace.json``
+                    (gzipped when over 8 MB; CPU activity only in the dry run). PASS: every step ran.
+* ``nvme``:         the NVMe tier: llama 8 layers, 10 steps (dry run: 4 layers, 2 steps), RAM tier vs ``offload_params="nvme",
+                    offload_optimizer="nvme"`` under a ``host_memory_limit`` of 600,000 bytes that forces eviction,
+                    without and with accumulation 3 + norm clipping. PASS: losses and weights bitwise equal.
+* ``depth``:        device peak of one step of the StreamingEngine vs depth, bench/memory_depth.py's ``run``
+                    (imported) and shape (Llama hidden 256, batch 2 x 256, fp32) at 4, 16, 40 and 80 layers with
+                    ``offload_activations`` and at 4 and 80 without (dry run: hidden 64, batch 2 x 32, 2, 4 and 8
+                    layers, its CPU meter: the profiler's allocation events less the offloaded copies). PASS: with
+                    offload the peak grows < 10% from the shallowest to the deepest model.
 
-* ``peer``:     bench/peer.py (issue 14, "peer benchmark"): ours fp32 and bf16-mixed (RAM tier), plain PyTorch +
-                HF checkpointing + fused AdamW, one existing offload trainer (DeepSpeed ZeRO-3 CPU offload if its
-                CPU Adam loads, else torchao's CPUOffloadOptimizer) and ours on the NVMe tier, same model and batch:
-                the 0.9B shape, --steps 3 --warmup 1, under a --time-budget of this check's limit less 100 s (no
-                row starts after it; the NVMe row, slowest, runs last; peer.json is rewritten after every row);
-                ``PEER_SHAPES=0p9b,max`` adds the largest Llama whose fp32 state fits 0.6 x host RAM (then give it
-                time: gpu_check.sh allows 540 s). Step time, tokens/s, model TFLOPS, the engine's H2D/D2H GB/s
-                against the raw pinned-copy bandwidth, device peak. Also records what an offline DeepSpeed build
-                needs on the image (g++, ninja, Python.h) and whether torchao/deepspeed import. PASS: our rows ran
-                and no row crashed (plain may not fit; the offload row may be skipped, with its reason).
+Further checks, by name only (bench/gpu_check_extra.py): pytest, parity, precision, memory, overlap, d2h,
+overhead, recompute, pinned, long, scaling, peer.
 
-``--cpu-dry-run``: every check on the CPU with tiny sizes, to exercise this script without a GPU
-(timings, and the memory/overlap/overhead verdicts, mean nothing at those sizes).
+Usage: ``python bench/gpu_check.py [--cpu-dry-run] [CHECK ...]`` (normally through bench/gpu_check.sh).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import faulthandler
 import gc
+import gzip
+import io
 import json
 import os
-import statistics
-import subprocess
+import signal
+import socket
 import sys
+import tempfile
+import threading
 import time
 import traceback
+from contextlib import contextmanager
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CHECKS = ["pytest", "parity", "precision", "memory", "overlap", "d2h", "overhead", "recompute", "nvme", "pinned", "long",
-          "scaling", "peer"]
-TOL = 1e-5
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: gpu_check_extra
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts: deterministic cuBLAS
 
+DEFAULT = ["env", "stream_parity", "nccl_group", "phases", "nvme", "depth"]
+#: seconds each default check may take on the H200 (and on 2 CPU cores in the dry run)
+LIMITS_S = {"env": 15, "stream_parity": 100, "nccl_group": 45, "phases": 120, "nvme": 50, "depth": 50}
+DRY_RUN_SCALE = 2  # the dry run's limits: these x 2 (2 CPU cores, often shared with other work)
+#: seconds of its limit a check needs left to be started (else SKIP)
+NEED_S = {"env": 5, "stream_parity": 60, "nccl_group": 20, "phases": 60, "nvme": 30, "depth": 25}
+HANG_GRACE_S = 20  # seconds past its limit before a check that ignores SIGALRM is declared hung
+END_MARGIN_S = 8  # seconds of the budget kept for writing the last rows and exiting
+TOL = 1e-5
 
-def sh(cmd: list[str]) -> tuple[int, list[str]]:
-    """Run ``cmd`` in the repo root, echoing its output; returns (rc, lines)."""
-    print("$", " ".join(cmd), flush=True)
-    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    for line in p.stdout:  # type: ignore[union-attr]
-        print(line, end="", flush=True)
-        lines.append(line)
-    return p.wait(), lines
+
+# ---------------------------------------------------------------- rows
+class Rows:
+    """The rows of this run: each appended to ``<out>/gpu_check.jsonl`` (flush + fsync) as it ends, and
+    ``<out>/gpu_check.json`` rewritten after each (this run's rows, plus the rows an earlier run of the same
+    mode wrote for checks this run does not select)."""
+
+    def __init__(self, out: str, mode: str, budget_s: float, start: float):
+        self.out, self.mode, self.budget_s, self.start = out, mode, budget_s, start
+        os.makedirs(out, exist_ok=True)
+        self.jsonl = os.path.join(out, "gpu_check.jsonl")
+        self.json = os.path.join(out, "gpu_check.json")
+        self.rows: list[dict] = []
+        self.lock = threading.Lock()
+        self.earlier: list[dict] = []
+        try:
+            with open(self.json) as f:
+                old = json.load(f)
+            if old.get("mode") == mode:
+                self.earlier = old.get("rows", [])
+        except (OSError, ValueError):
+            pass
+        open(self.jsonl, "w").close()
+
+    def write(self, row: dict) -> None:
+        with self.lock:
+            row = {"check": row.pop("check"), **row, "elapsed_s": round(time.time() - self.start, 1)}
+            line = json.dumps(row, default=str)
+            with open(self.jsonl, "a") as f:
+                f.write(line + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            self.rows.append(json.loads(line))
+            names = {r["check"] for r in self.rows}
+            doc = {"mode": self.mode, "budget_s": self.budget_s, "elapsed_s": row["elapsed_s"],
+                   "rows": [r for r in self.earlier if r["check"] not in names] + self.rows}
+            tmp = self.json + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(doc, f, indent=1, default=str)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.json)
+            print(f"[{row['check']}] {row['result']} in {row.get('seconds', 0):.1f}s "
+                  f"({row['elapsed_s']:.0f}s of {self.budget_s:.0f}s)", flush=True)
 
 
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k}: {_fmt(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, list):
+        return "[" + ", ".join(_fmt(x) for x in v) + "]"
+    return str(v)
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'check':14s} {'result':6s} {'sec':>6s}  key numbers"]
+    for r in rows:
+        nums = r.get("numbers") or {k: r[k] for k in ("why", "error") if k in r}
+        lines.append(f"{r['check']:14s} {r['result']:6s} {r.get('seconds', 0):6.1f}  {_fmt(nums)[:400]}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- helpers
 def device(a) -> str:
     return "cpu" if a.cpu_dry_run else "cuda"
 
@@ -129,14 +167,109 @@ def sync(dev: str) -> None:
         torch.cuda.synchronize()
 
 
-def trainer(dev: str, steps: int, callbacks=(), **strategy_kwargs):
+def make_trainer(dev: str, steps: int, precision: str = "32-true", callbacks=(), **strategy_kwargs):
     import lightning.pytorch as pl
 
     from megatrain_lightning import MegaTrainStrategy
 
     return pl.Trainer(strategy=MegaTrainStrategy(**strategy_kwargs), accelerator="gpu" if dev == "cuda" else "cpu",
-                      devices=1, max_steps=steps, enable_checkpointing=False, logger=False, enable_progress_bar=False,
-                      enable_model_summary=False, callbacks=list(callbacks))
+                      devices=1, max_steps=steps, precision=precision, enable_checkpointing=False, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks))
+
+
+def deterministic() -> None:
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+class StreamDelays:
+    """Delays queued on the transport's streams before its copies, to widen any race between them.
+
+    While active, the methods of :class:`CUDATransport` / :class:`CPUTransport` (engine/transport.py) that issue
+    copies are wrapped: before ``to_device`` and ``restore_async`` the H2D stream sleeps ``copy_cycles`` GPU clock
+    cycles (``torch.cuda._sleep``); before ``stage_grads`` the compute stream sleeps ``compute_cycles`` (the
+    gradients are packed after it) and the D2H stream ``copy_cycles``; before ``offload`` the compute and D2H
+    streams sleep; before ``ready`` (the compute stream waits for an H2D copy) the compute stream sleeps. On CPU
+    each delay is a ``time.sleep`` of ``cpu_s`` seconds in the same place.
+
+    Attributes:
+        counts: delays queued per stream (``h2d``, ``d2h``, ``compute``).
+    """
+
+    def __init__(self, copy_cycles: int = 2_000_000, compute_cycles: int = 5_000_000, cpu_s: float = 0.002):
+        self.copy_cycles, self.compute_cycles, self.cpu_s = copy_cycles, compute_cycles, cpu_s
+        self.counts = {"h2d": 0, "d2h": 0, "compute": 0}
+        self._saved: list = []
+        self._lock = threading.Lock()
+
+    def delay(self, transport, stream: str) -> None:
+        import torch
+
+        with self._lock:
+            self.counts[stream] += 1
+        if transport.device.type != "cuda":
+            time.sleep(self.cpu_s)
+            return
+        s = {"h2d": getattr(transport, "h2d_stream", None), "d2h": getattr(transport, "d2h_stream", None),
+             "compute": None}[stream]
+        if s is None:  # the compute stream: the calling thread's current stream
+            s = torch.cuda.current_stream(transport.device)
+        with torch.cuda.device(transport.device), torch.cuda.stream(s):
+            torch.cuda._sleep(self.compute_cycles if stream == "compute" else self.copy_cycles)
+
+    def __enter__(self) -> "StreamDelays":
+        from megatrain_lightning.engine import transport as tmod
+
+        plan = {"to_device": ("h2d",), "restore_async": ("h2d",), "stage_grads": ("compute", "d2h"),
+                "offload": ("compute", "d2h"), "ready": ("compute",)}
+        for cls in (tmod.CUDATransport, tmod.CPUTransport):
+            for name, streams in plan.items():
+                orig = cls.__dict__[name]
+
+                def wrapped(self_, *args, _orig=orig, _streams=streams, **kw):
+                    for s in _streams:
+                        self.delay(self_, s)
+                    return _orig(self_, *args, **kw)
+
+                self._saved.append((cls, name, orig))
+                setattr(cls, name, wrapped)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for cls, name, orig in reversed(self._saved):
+            setattr(cls, name, orig)
+        self._saved.clear()
+
+
+@contextmanager
+def sync_warnings(dev: str):
+    """On CUDA: ``torch.cuda.set_sync_debug_mode("warn")`` inside, and the synchronizing calls it reports counted
+    per source line (``{"total": n, "by_line": {"file:line": n}}``, yielded, filled on exit). On CPU: ``None``."""
+    import warnings
+
+    import torch
+
+    if dev != "cuda":
+        yield None
+        return
+    out: dict = {"total": 0, "by_line": {}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield out
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    for w in caught:
+        if "synchroniz" not in str(w.message):
+            continue
+        key = f"{os.path.relpath(w.filename, ROOT) if w.filename.startswith(ROOT) else w.filename}:{w.lineno}"
+        out["total"] += 1
+        out["by_line"][key] = out["by_line"].get(key, 0) + 1
+    out["by_line"] = dict(sorted(out["by_line"].items(), key=lambda kv: -kv[1])[:8])
 
 
 # ---------------------------------------------------------------- checks
@@ -148,238 +281,358 @@ def check_env(a) -> dict:
     cuda = torch.cuda.is_available()
     env = {"torch": torch.__version__, "cuda_available": cuda, "torch_cuda": torch.version.cuda,
            "device_name": torch.cuda.get_device_name(0) if cuda else None, "transformers": transformers.__version__,
-           "lightning": lightning.__version__, "cpu_threads": torch.get_num_threads()}
-    print(json.dumps(env, indent=1))
-    ok = cuda or a.cpu_dry_run
-    return {"result": "PASS" if ok else "FAIL", "numbers": env}
+           "lightning": lightning.__version__, "cpu_threads": torch.get_num_threads(),
+           "import_s": round(a.import_s, 1)}
+    return {"result": "PASS" if cuda or a.cpu_dry_run else "FAIL", "numbers": env}
 
 
-def check_pytest(a) -> dict:
-    # the engine tests only (the data/recipe tests need packages the offline GPU image lacks); on CPU there,
-    # they check the engine under that image's torch/transformers versions
-    target = ["tests/test_errors.py"] if a.cpu_dry_run else ["tests/test_parity.py", "tests/test_precision.py"]
-    # pyproject's addopts already has -q; a second -q would drop the "N passed" line
-    rc, lines = sh([sys.executable, "-m", "pytest", *target, "-x", "-p", "no:cacheprovider"])
-    last = next((ln.strip() for ln in reversed(lines) if " in " in ln and ("passed" in ln or "failed" in ln or "error" in ln)), "")
-    return {"result": "PASS" if rc == 0 else "FAIL", "numbers": {"rc": rc, "pytest": last}}
+PARITY_CONFIGS = {
+    "block": ("32-true", {"recompute": "block"}),
+    "none_offload": ("32-true", {"recompute": "none", "offload_activations": True}),
+    "selective_offload": ("32-true", {"recompute": "selective", "offload_activations": True}),
+    "bf16": ("bf16-mixed", {}),
+}
 
 
-class OnDevice:
-    """A DataLoader whose batches are moved to ``dev`` (for the reference loop)."""
-
-    def __init__(self, loader, dev):
-        self.loader, self.dev = loader, dev
-
-    def __iter__(self):
-        for batch in self.loader:
-            yield [t.to(self.dev) for t in batch]
-
-
-def check_parity(a) -> dict:
+def _train(dev: str, steps: int, precision: str, kw: dict, delays: bool):
+    """One strategy run of the tiny llama_tied model; returns (LM, delay counts or None, sync warnings or None)."""
     import torch
-    from megatrain_lightning.testing import LM, freeze_key_biases, make_data, make_model, reference_train, rel
+    from megatrain_lightning.testing import LM, freeze_key_biases, make_data, make_model
+
+    model = make_model("llama_tied")
+    freeze_key_biases(model)
+    lm = LM(model, total_steps=steps)
+    torch.manual_seed(0)
+    tr = make_trainer(dev, steps, precision, **kw)
+    d = StreamDelays() if delays else None
+    with sync_warnings(dev) as sw:
+        if d is not None:
+            with d:
+                tr.fit(lm, make_data(n=2 * steps))
+        else:
+            tr.fit(lm, make_data(n=2 * steps))
+        sync(dev)
+    ran_on = tr.strategy.engine.device.type
+    tr.strategy.engine.close()
+    if ran_on != dev:
+        raise RuntimeError(f"the engine ran on {ran_on}, not {dev}")
+    return lm, (d.counts if d else None), sw
+
+
+def _errors(lm, losses_ref: list[float], params_ref: dict) -> tuple[float, float, bool]:
+    """(max relative loss error, max relative weight error, bitwise) of ``lm`` against the reference."""
+    import torch
+    from megatrain_lightning.testing import rel
+
+    if len(lm.losses) != len(losses_ref):
+        return float("inf"), float("inf"), False
+    loss_err = max(abs(x - y) / abs(y) for x, y in zip(lm.losses, losses_ref))
+    w_err, bitwise = 0.0, lm.losses == losses_ref
+    for k, p in lm.model.named_parameters():
+        q = params_ref[k]
+        w_err = max(w_err, rel(p.detach().float().cpu(), q.float()))
+        bitwise = bitwise and torch.equal(p.detach().cpu(), q)
+    return loss_err, w_err, bitwise
+
+
+def check_stream_parity(a) -> dict:
+    import torch
+    from megatrain_lightning.testing import freeze_key_biases, make_data, make_model, reference_train
+
+    from gpu_check_extra import OnDevice
 
     dev = device(a)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    # both runs use the deterministic kernels where torch has them (index_add_ of the MoE, scatter-adds):
-    # atomics would add run-to-run noise that is not the strategy's
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    steps = 5 if a.cpu_dry_run else 20
-    runs = [(arch, {}) for arch in ("llama", "llama_tied", "mixtral", "gemma2", "gpt2")]
-    runs += [("llama_tied", {"offload_activations": True}), ("llama_tied", {"recompute_every": 2})]
-    runs += [("llama_tied", {"recompute": "selective"}), ("mixtral", {"recompute": "none"}),
-             ("gpt2", {"recompute": "selective", "offload_activations": True}),
-             ("llama_tied", {"recompute": "none", "offload_activations": True})]
-    rows = []
-    for arch, kw in runs:
-        name = arch + "".join(f" {k}={v}" for k, v in kw.items())
+    deterministic()
+    steps = 3 if a.cpu_dry_run else 10
+    names = a.parity_configs.split(",") if a.parity_configs else list(PARITY_CONFIGS)
+    ref = make_model("llama_tied")
+    freeze_key_biases(ref)
+    ref.to(dev)
+    torch.manual_seed(0)
+    ref_losses = reference_train(ref, OnDevice(make_data(n=2 * steps), dev), steps)
+    ref_params = {k: p.detach().cpu().clone() for k, p in ref.named_parameters()}
+    del ref
+    rows, sync_total = [], 0
+    for name in names:
+        precision, kw = PARITY_CONFIGS[name]
         t0 = time.perf_counter()
-        model = make_model(arch)
-        freeze_key_biases(model)
-        ref = copy.deepcopy(model)
-        lm = LM(model, total_steps=steps)
-        torch.manual_seed(0)
-        tr = trainer(dev, steps, **kw)
-        tr.fit(lm, make_data(n=2 * steps))
-        eng = tr.strategy.engine
-        ran_on = eng.device.type
-        peak = max(h["megatrain/peak_device_bytes"] for h in eng.history)
-        eng.close()
-        torch.manual_seed(0)
-        ref.to(dev)
-        ref_losses = reference_train(ref, OnDevice(make_data(n=2 * steps), dev), steps)
-        loss_err = max(abs(x - y) / abs(y) for x, y in zip(lm.losses, ref_losses)) if len(lm.losses) == len(ref_losses) else float("inf")
-        refp = dict(ref.named_parameters())
-        w_err, w_worst = 0.0, ""
-        for k, p in lm.model.named_parameters():
-            r = rel(p.detach().cpu(), refp[k].detach().cpu())
-            if r > w_err:
-                w_err, w_worst = r, k
-        ok = loss_err <= TOL and w_err <= TOL and ran_on == dev and len(lm.losses) == steps
-        rows.append({"run": name, "loss_rel_err": loss_err, "weight_rel_err": w_err, "worst_param": w_worst,
-                     "engine_device": ran_on, "peak_device_bytes": peak, "steps": len(lm.losses), "pass": ok,
-                     "seconds": time.perf_counter() - t0})
-        print(f"  {name:36s} loss {loss_err:.2e} weight {w_err:.2e} ({w_worst}) on {ran_on}: {'ok' if ok else 'FAIL'}", flush=True)
-        del model, ref, lm, tr, eng
+        plain, _, sw_plain = _train(dev, steps, precision, kw, delays=False)
+        delayed, counts, sw_delayed = _train(dev, steps, precision, kw, delays=True)
+        row = {"config": name, "precision": precision, **kw, "delays": counts}
+        if precision == "32-true":
+            lp, wp, _ = _errors(plain, ref_losses, ref_params)
+            ld, wd, _ = _errors(delayed, ref_losses, ref_params)
+            row.update(loss_rel_err=max(lp, ld), weight_rel_err=max(wp, wd), against="plain PyTorch")
+        else:  # against the same strategy run without delays
+            plain_params = {k: p.detach().cpu().clone() for k, p in plain.model.named_parameters()}
+            ld, wd, bitwise = _errors(delayed, plain.losses, plain_params)
+            lr_, wr, _ = _errors(plain, ref_losses, ref_params)
+            row.update(loss_rel_err=ld, weight_rel_err=wd, bitwise=bitwise, against="the run without delays",
+                       loss_rel_err_vs_fp32_pytorch=lr_, weight_rel_err_vs_fp32_pytorch=wr)
+        for tag, sw in (("plain", sw_plain), ("delayed", sw_delayed)):
+            if sw is not None:
+                row[f"sync_warnings_{tag}"] = sw
+                sync_total += sw["total"]
+        row["pass"] = (row["loss_rel_err"] <= TOL and row["weight_rel_err"] <= TOL and len(delayed.losses) == steps
+                       and counts["h2d"] > 0 and counts["d2h"] > 0 and counts["compute"] > 0)
+        row["seconds"] = round(time.perf_counter() - t0, 1)
+        rows.append(row)
+        print(f"  {name:18s} loss {row['loss_rel_err']:.2e} weight {row['weight_rel_err']:.2e} delays {counts} "
+              f"{'ok' if row['pass'] else 'FAIL'}", flush=True)
+        del plain, delayed
         gc.collect()
-    nums = {"max_loss_rel_err": max(r["loss_rel_err"] for r in rows), "max_weight_rel_err": max(r["weight_rel_err"] for r in rows),
-            "runs_passed": f"{sum(r['pass'] for r in rows)}/{len(rows)}", "steps": steps}
-    return {"result": "PASS" if all(r["pass"] for r in rows) else "FAIL", "numbers": nums, "details": rows}
+    nums = {"configs_passed": f"{sum(r['pass'] for r in rows)}/{len(rows)}",
+            "max_loss_rel_err": max(r["loss_rel_err"] for r in rows),
+            "max_weight_rel_err": max(r["weight_rel_err"] for r in rows), "steps": steps,
+            "sync_warnings": sync_total if dev == "cuda" else None}
+    return {"result": "PASS" if rows and all(r["pass"] for r in rows) else "FAIL", "numbers": nums, "details": rows}
 
 
-def check_precision(a) -> dict:
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_nccl_group(a) -> dict:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from megatrain_lightning.engine.reduce import GradReducer
+    from megatrain_lightning.engine.transport import make_transport
+    from megatrain_lightning.parallel.groups import ProcessGroups
+
+    dev = torch.device(device(a), 0) if not a.cpu_dry_run else torch.device("cpu")
+    cuda = dev.type == "cuda"
+    backend = "nccl" if cuda else "gloo"
+    port = _free_port()
+    kw = {"device_id": dev} if cuda else {}
+    t0 = time.perf_counter()
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60), **kw)
+    try:
+        groups = ProcessGroups.create(0, 1, 0, 1, timeout=timedelta(seconds=30))
+        red = GradReducer(groups.grads, groups.node_grads, groups.cross_grads, 0, 1,
+                          device_side=groups.device_side_reduce, guard=groups.guard)
+        init_s = time.perf_counter() - t0
+        g = torch.Generator().manual_seed(3)
+        shapes = [torch.Size([64, 48]), torch.Size([300]), torch.Size([16, 8])]
+        src = [torch.randn(s, generator=g).to(dev) for s in shapes]
+        tr = make_transport(dev, staging_numel=sum(s.numel() for s in shapes) + len(shapes))
+        runs = []
+        for wire in (torch.float32, torch.bfloat16):
+            # the gradients: a NaN-filled buffer, then (compute stream delayed) overwritten with the values; a copy
+            # or reduce not ordered after the compute stream reads NaN
+            grads = []
+            for s in src[:2]:
+                buf = torch.full_like(s, float("nan"))
+                if cuda:
+                    torch.cuda._sleep(20_000_000)  # ~10 ms of the compute stream before the values land
+                else:
+                    time.sleep(0.01)
+                buf.copy_(s)
+                grads.append(buf)
+            grads.append(None)  # no gradient on this rank: zeros + presence flag 0
+            packed = red.pack(grads, shapes, dev, torch.float32)
+            n_flags = packed[-1].numel()
+            got: dict = {}
+
+            def reduce_batch(packed=packed, wire=wire, n_flags=n_flags, got=got):
+                th0 = time.perf_counter()
+                try:
+                    if red.device_side:
+                        copy_ = tr.stage_grads(packed, wire, reduce=lambda flat: red.reduce_device(flat, n_flags, 0, True))
+                        host = copy_.wait()
+                    else:  # a CPU device: copy (conversion) first, the reduce on the host tensors
+                        copy_ = tr.stage_grads(packed, wire)
+                        host = red.reduce_host(copy_.wait(), 0, True)
+                    got["host"] = [h.clone() for h in host]
+                    got["busy_s"] = copy_.busy_s
+                    copy_.release()
+                except BaseException as e:  # noqa: BLE001 - reported by the main thread
+                    got["error"] = "".join(traceback.format_exception(e))[-1500:]
+                got["thread_s"] = time.perf_counter() - th0
+                got["thread"] = threading.current_thread().name
+
+            th = threading.Thread(target=reduce_batch, name="gpu-check-reduce", daemon=True)
+            th.start()
+            th.join(timeout=30)
+            if th.is_alive():
+                raise TimeoutError("the reduce thread did not finish within 30 s (a collective hangs)")
+            if "error" in got:
+                raise RuntimeError("reduce thread: " + got["error"])
+            sync(dev.type)
+            want = [t.to(wire).float().cpu() for t in packed]
+            bitwise = all(torch.equal(h.float().cpu(), w) for h, w in zip(got["host"], want))
+            flags = GradReducer.present(got["host"])
+            runs.append({"wire": str(wire).removeprefix("torch."), "bitwise": bitwise, "present": flags,
+                         "flags_ok": flags == [True, True, False], "thread": got["thread"],
+                         "thread_s": round(got["thread_s"], 4), "d2h_busy_s": got["busy_s"]})
+            print(f"  {runs[-1]}", flush=True)
+        ok = all(r["bitwise"] and r["flags_ok"] for r in runs)
+        nums = {"backend": groups.backend, "device_side_reduce": red.device_side, "world_size": groups.world_size,
+                "init_s": round(init_s, 2), "port": port, "runs": runs}
+        return {"result": "PASS" if ok else "FAIL", "numbers": nums,
+                "note": "stage_grads driven directly (no Trainer fit)"}
+    finally:
+        dist.destroy_process_group()
+
+
+def _phase_model(a):
+    import torch
+    import transformers
+
+    if a.cpu_dry_run:
+        size = dict(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4)
+        shapes = [(1, 16), (2, 32)]
+    else:
+        size = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+                    num_attention_heads=16)
+        shapes = [(1, 512), (8, 1024)]
+    cfg = transformers.LlamaConfig(**size, num_key_value_heads=size["num_attention_heads"],
+                                   max_position_embeddings=max(t for _, t in shapes), tie_word_embeddings=False,
+                                   use_cache=False)
+    torch.manual_seed(0)
+    return cfg, transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa"), shapes
+
+
+def _planner_estimate(cfg, hw_name: str, batch: int, seq: int, precision: str) -> dict:
+    try:
+        from megatrain_lightning.planning import load_hardware, plan
+
+        p = plan(cfg, load_hardware(hw_name), batch_size=batch, seq_len=seq, precision=precision)
+        return {"step_s": round(p.step_time_s, 4), "dominating": p.dominating,
+                "terms_s": {k: round(v, 4) for k, v in p.times.items()}, "hardware": hw_name}
+    except Exception as e:  # noqa: BLE001 - the estimate is reported, not required
+        return {"step_s": None, "why": f"{type(e).__name__}: {e}"[:200]}
+
+
+def check_phases(a) -> dict:
+    import statistics
+
     import lightning.pytorch as pl
     import torch
-    from megatrain_lightning.testing import LM, make_data, make_model, rel
-
-    from megatrain_lightning import MegaTrainPrecision, MegaTrainStrategy
+    from megatrain_lightning.testing import LM
+    from torch.utils.data import DataLoader
 
     dev = device(a)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    half = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
-    rows = []
-    for precision in ("bf16-mixed", "16-mixed"):
-        for arch in ("llama", "llama_tied", "gpt2"):
-            model = make_model(arch, use_cache=False)
-            ref = copy.deepcopy(model).to(dev)
-            grads: dict = {}
+    torch.use_deterministic_algorithms(False)  # stream_parity's setting: the fastest kernels here (TF32 stays off)
+    t0 = time.perf_counter()
+    cfg, base, shapes = _phase_model(a)
+    n_params = sum(p.numel() for p in base.parameters())
+    build_s = time.perf_counter() - t0
+    warm, measured = 1, 2
+    per_shape = warm + measured
+    g = torch.Generator().manual_seed(1)
+    trace_path = os.path.join(a.out, "phases_trace.json")
 
-            class Grab(LM):
-                def on_before_optimizer_step(self, optimizer):
-                    grads.update({n.removeprefix("model."): p.grad.detach().cpu().clone() for n, p in self.named_parameters()})
+    class Phases(pl.Callback):
+        """Host times (s) of batch start, before backward, after backward and batch end; CUDA synchronized at each."""
 
-            torch.manual_seed(0)
-            tr = pl.Trainer(strategy=MegaTrainStrategy(), accelerator="gpu" if dev == "cuda" else "cpu", devices=1,
-                            max_steps=1, plugins=[MegaTrainPrecision(precision, device_type=dev)], logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-            tr.fit(Grab(model), make_data())
-            tr.strategy.close()
-            (ids,) = next(iter(make_data()))
-            ids = ids.to(dev)
-            scale = 2.0**16 if precision == "16-mixed" else 1.0
-            with torch.autocast(dev, dtype=half[precision]):
-                loss = ref(input_ids=ids, labels=ids).loss
-            (loss * scale).backward()
-            errs = {n: rel(grads[n], (p.grad * (1 / scale)).cpu()) for n, p in ref.named_parameters()}
-            worst = max(errs, key=errs.get)
-            bitwise = all(torch.equal(grads[n], (p.grad * (1 / scale)).cpu()) for n, p in ref.named_parameters())
-            ok = errs[worst] <= TOL
-            rows.append({"precision": precision, "arch": arch, "grad_rel_err": errs[worst], "worst_param": worst,
-                         "bitwise": bitwise, "pass": ok})
-            print(f"  {precision} {arch:10s} one-step gradients: max rel err {errs[worst]:.2e} ({worst}), "
-                  f"bitwise {bitwise}: {'ok' if ok else 'FAIL'}", flush=True)
-    plugin = MegaTrainPrecision("16-mixed", device_type=dev)
-    lm = LM(make_model("llama", use_cache=False), lr=3e-3)
-    torch.manual_seed(0)
-    pl.Trainer(strategy=MegaTrainStrategy(), accelerator="gpu" if dev == "cuda" else "cpu", devices=1, max_steps=10,
-               plugins=[plugin], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-               enable_model_summary=False).fit(lm, make_data(n=20))
-    import math
+        def __init__(self, profile_step: int | None):
+            self.t: list[dict] = []
+            self.profile_step, self.prof = profile_step, None
 
-    fp16_ok = all(math.isfinite(x) for x in lm.losses) and plugin.skipped_steps == 0 and plugin.scale == 2.0**16
-    print(f"  16-mixed 10 steps: losses {lm.losses[0]:.4f} -> {lm.losses[-1]:.4f}, skipped {plugin.skipped_steps}, "
-          f"scale {plugin.scale}: {'ok' if fp16_ok else 'FAIL'}", flush=True)
-    nums = {"max_grad_rel_err": max(r["grad_rel_err"] for r in rows), "bitwise": f"{sum(r['bitwise'] for r in rows)}/{len(rows)}",
-            "fp16_run_ok": fp16_ok}
-    return {"result": "PASS" if all(r["pass"] for r in rows) and fp16_ok else "FAIL", "numbers": nums, "details": rows}
+        def _now(self):
+            sync(dev)
+            return time.perf_counter()
 
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == self.profile_step:
+                acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if dev == "cuda" else [])
+                self.prof = torch.profiler.profile(activities=acts)
+                self.prof.__enter__()
+            self.t.append({"start": self._now()})
 
-def _bench(script: str, a, dry_args: list[str]) -> tuple[int, dict | None]:
-    tag = "dryrun" if a.cpu_dry_run else "cuda"
-    out = os.path.join(a.results, f"{script}_{tag}.json")
-    if os.path.exists(out):
-        os.remove(out)
-    args = ["--device", device(a), "--out", out] + (dry_args if a.cpu_dry_run else [])
-    rc, _ = sh([sys.executable, os.path.join(ROOT, "bench", script + ".py"), *args])
-    if not os.path.exists(out):
-        return rc, None
-    with open(out) as f:
-        return rc, json.load(f)
+        def on_before_backward(self, trainer, pl_module, loss):
+            self.t[-1]["fwd_end"] = self._now()
 
+        def on_after_backward(self, trainer, pl_module):
+            self.t[-1]["bwd_end"] = self._now()
 
-def check_memory(a) -> dict:
-    rc, res = _bench("memory_depth", a, ["--warmup", "1"])
-    if res is None:
-        return {"result": "FAIL", "numbers": {"rc": rc, "error": "no result JSON"}}
-    mib = lambda r: round(r.get("device_peak_bytes", 0) / 2**20, 2)  # noqa: E731
-    peaks = {f"L{r['layers']}_{'offload' if r['offload'] else 'keep'}_MiB": mib(r) for r in res.get("rows", [])}
-    nums = {"growth_4_to_32_offload": res.get("growth_4_to_32_offload"), "target": res.get("target_growth"), **peaks}
-    return {"result": "PASS" if rc == 0 and res.get("pass") else "FAIL", "numbers": nums}
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.t[-1]["end"] = self._now()
+            if self.prof is not None:
+                self.prof.__exit__(None, None, None)
+                self.prof.export_chrome_trace(trace_path)
+                self.prof = None
 
-
-def check_overhead(a) -> dict:
-    rc, res = _bench("overhead", a, ["--steps", "2", "--warmup", "1", "--seq", "32", "--layers", "2"])
-    if res is None:
-        return {"result": "FAIL", "numbers": {"rc": rc, "error": "no result JSON"}}
-    med = {r["name"]: r.get("median_s") for r in res.get("rows", [])}
-    nums = {"ratio": res.get("ratio"), "target": res.get("target_ratio"), "median_s": med}
-    return {"result": "PASS" if rc == 0 and res.get("pass") else "FAIL", "numbers": nums}
-
-
-SHAPES = {"smollm2_135m_b1": ["--batch", "1", "--seq", "512",  # small blocks (14 MB): block groups next to single blocks
-                               "--configs", "baseline,plain,block,selective,none,auto,auto25,block_g4,none_g4"],
-          "llama_0p9b_b8": ["--layers", "16", "--hidden", "2048", "--intermediate", "5632", "--heads", "16",
-                            "--kv-heads", "16", "--vocab", "32000", "--batch", "8", "--seq", "1024",
-                            "--configs", "baseline,plain,block,selective,none"]}  # the 0.9B model builds slowly
-
-
-def check_recompute(a) -> dict:
-    dry = ["--layers", "2", "--seq", "32", "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv-heads", "2",
-           "--vocab", "256"]
-    nums, ok = {}, True
-    for name, shape in SHAPES.items():
-        tag = "dryrun" if a.cpu_dry_run else "cuda"
-        out = os.path.join(a.results, f"recompute_policy_{name}_{tag}.json")
-        if os.path.exists(out):
-            os.remove(out)
-        configs = shape[shape.index("--configs"):][:2] if "--configs" in shape else []
-        args = ["--device", device(a), "--out", out, "--steps", "3", "--warmup", "1"] + (dry + configs if a.cpu_dry_run else shape)
-        rc, _ = sh([sys.executable, os.path.join(ROOT, "bench", "recompute_policy.py"), *args])
-        if not os.path.exists(out):
-            nums[name] = {"rc": rc, "error": "no result JSON"}
-            ok = False
-            break  # out of time: the next shape would not finish either
-        with open(out) as f:
-            res = json.load(f)
-        nums[name] = {"rows": {r["row"]: {k: r[k] for k in ("step_s", "ratio_ckpt", "ratio_plain", "saved_bytes_per_token")}
-                               for r in res.get("table", [])},
-                      "block_group_ratios": res.get("block_group_ratios"),
-                      "peak_GiB": {r["name"]: round((r.get("peak_device_bytes") or 0) / 2**30, 2) for r in res["rows"]},
-                      "targets": res.get("issue14_checks")}
-        ok = ok and rc == 0
-        if a.cpu_dry_run:
-            break  # one shape exercises the logic
-    return {"result": "PASS" if ok else "FAIL", "numbers": nums}
+    rows, trace = [], None
+    for precision in ("32-true", "bf16-mixed"):
+        profile = precision == "bf16-mixed"  # one extra step of the last shape, profiled, not timed
+        batches = [(torch.randint(0, cfg.vocab_size, (b, s), generator=g),) for b, s in shapes for _ in range(per_shape)]
+        if profile:
+            batches.append(batches[-1])
+        model = copy.deepcopy(base)
+        cb = Phases(len(batches) - 1 if profile else None)
+        tr = make_trainer(dev, len(batches), precision, callbacks=[cb])
+        tr.fit(LM(model), DataLoader(batches, batch_size=None))
+        hist = tr.strategy.engine.history
+        tr.strategy.engine.close()
+        for i, (b, s) in enumerate(shapes):
+            idx = range(i * per_shape + warm, (i + 1) * per_shape)
+            med = lambda xs: statistics.median(xs)  # noqa: E731
+            step = med([cb.t[j]["end"] - cb.t[j]["start"] for j in idx])
+            stat = lambda k: med([hist[j].get("megatrain/" + k, 0.0) for j in idx])  # noqa: E731
+            tokens = b * s
+            est = _planner_estimate(cfg, "this_machine" if a.cpu_dry_run else "h200", b, s, precision)
+            row = {"precision": precision, "batch": b, "seq": s, "tokens": tokens, "step_s": round(step, 4),
+                   "forward_s": round(med([cb.t[j]["fwd_end"] - cb.t[j]["start"] for j in idx]), 4),
+                   "backward_s": round(med([cb.t[j]["bwd_end"] - cb.t[j]["fwd_end"] for j in idx]), 4),
+                   "optimizer_s": round(stat("optimizer_s"), 4), "grad_add_s": round(stat("grad_add_s"), 4),
+                   "d2h_busy_s": round(stat("d2h_busy_s"), 4), "wait_s": round(stat("wait_s"), 4),
+                   "peak_device_GiB": round(max(hist[j]["megatrain/peak_device_bytes"] for j in idx) / 2**30, 3),
+                   "TFLOPS": float(f"{6 * n_params * tokens / step / 1e12:.4g}"), "planner": est}
+            if est.get("step_s"):
+                row["planner_over_measured"] = round(est["step_s"] / step, 3)
+            rows.append(row)
+            print(f"  {precision:10s} {b} x {s}: step {row['step_s']:.3f}s fwd {row['forward_s']:.3f}s "
+                  f"bwd {row['backward_s']:.3f}s optim {row['optimizer_s']:.3f}s add {row['grad_add_s']:.3f}s "
+                  f"d2h {row['d2h_busy_s']:.3f}s {row['TFLOPS']:.2f} TFLOPS, planner {est.get('step_s')}s", flush=True)
+        del model, tr, hist
+        gc.collect()
+    if os.path.exists(trace_path):
+        size = os.path.getsize(trace_path)
+        if size > 8 * 2**20:
+            with open(trace_path, "rb") as f, gzip.open(trace_path + ".gz", "wb", compresslevel=6) as z:
+                z.write(f.read())
+            os.remove(trace_path)
+            trace_path += ".gz"
+        trace = {"path": trace_path, "bytes": os.path.getsize(trace_path), "raw_bytes": size}
+    nums = {"n_params": n_params, "build_s": round(build_s, 1), "trace": trace,
+            "tf32": bool(torch.backends.cuda.matmul.allow_tf32) if dev == "cuda" else None,
+            **{f"{r['precision']}_{r['batch']}x{r['seq']}": {k: r[k] for k in ("step_s", "TFLOPS", "optimizer_s")}
+               | {"planner_s": r["planner"].get("step_s")} for r in rows}}
+    ok = len(rows) == 2 * len(shapes) and all(r["step_s"] > 0 for r in rows)
+    return {"result": "PASS" if ok else "FAIL", "numbers": nums, "details": rows}
 
 
 def check_nvme(a) -> dict:
-    import tempfile
-
     import torch
     from megatrain_lightning.testing import LM, make_data, make_model
 
+    import lightning.pytorch as pl
     from megatrain_lightning import MegaTrainStrategy
 
     dev = device(a)
-    torch.backends.cuda.matmul.allow_tf32 = False
+    deterministic()
+    steps, layers = (2, 4) if a.cpu_dry_run else (10, 8)
     rows = []
     for acc, clip in ((1, None), (3, 0.5)):
         out = []
         for tier in ("ram", "nvme"):
-            lm = LM(make_model("llama", num_hidden_layers=8), total_steps=20)
+            lm = LM(make_model("llama", num_hidden_layers=layers), total_steps=steps)
             kw = dict(offload_params="nvme", offload_optimizer="nvme", nvme_path=tempfile.mkdtemp(),
                       host_memory_limit=600_000) if tier == "nvme" else {}
-            torch.manual_seed(0)
             extra = {"accumulate_grad_batches": acc} if acc > 1 else {}
             if clip:
                 extra["gradient_clip_val"] = clip
-            import lightning.pytorch as pl
-
+            torch.manual_seed(0)
             tr = pl.Trainer(strategy=MegaTrainStrategy(**kw), accelerator="gpu" if dev == "cuda" else "cpu", devices=1,
-                            max_steps=20, enable_checkpointing=False, logger=False, enable_progress_bar=False,
+                            max_steps=steps, enable_checkpointing=False, logger=False, enable_progress_bar=False,
                             enable_model_summary=False, **extra)
-            tr.fit(lm, make_data(n=40 * acc))
+            tr.fit(lm, make_data(n=2 * steps * acc))
             hist = tr.strategy.engine.history
             out.append((lm, hist, tr.strategy.engine.store.nvme.direct if tier == "nvme" else None))
             tr.strategy.close()
@@ -389,447 +642,158 @@ def check_nvme(a) -> dict:
         rows.append({"accumulate": acc, "clip": clip, "losses_equal": same_l, "weights_equal": same_w,
                      "o_direct": direct, "read_bytes_last_step": hist[-1].get("megatrain/nvme_read_bytes"),
                      "budget_peak": max(h.get("megatrain/host_budget_peak_bytes", 0) for h in hist)})
-        print(f"  nvme accumulate={acc} clip={clip}: losses equal {same_l}, weights equal {same_w}, O_DIRECT {direct}", flush=True)
+        print(f"  nvme accumulate={acc} clip={clip}: losses equal {same_l}, weights equal {same_w}, O_DIRECT {direct}",
+              flush=True)
     ok = all(r["losses_equal"] and r["weights_equal"] for r in rows)
-    return {"result": "PASS" if ok else "FAIL", "numbers": {"runs": rows}}
+    return {"result": "PASS" if ok else "FAIL", "numbers": {"steps": steps, "layers": layers, "runs": rows}}
 
 
-def _host_cached_bytes(dev: str) -> int:
-    """Bytes torch's caching host allocator holds (pinned blocks, cached ones included); 0 without CUDA."""
+def check_depth(a) -> dict:
     import torch
 
-    if dev != "cuda":
-        return 0
-    st = torch.cuda.host_memory_stats()  # key names differ across torch versions: reserved, else owned blocks
-    return int(st.get("reserved_bytes.current", st.get("allocated_bytes.current", 0)) or 0)
+    import memory_depth
 
-
-def check_pinned(a) -> dict:
-    import resource
-    import tempfile
-
-    import lightning.pytorch as pl
-    import torch
-    from megatrain_lightning.engine.window import d2h_staging_bytes
-    from megatrain_lightning.testing import LM, make_data, make_model
-
-    from megatrain_lightning import MegaTrainStrategy
-
-    dev = device(a)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    shape = (dict(num_hidden_layers=5, vocab_size=1021, intermediate_size=70) if a.cpu_dry_run else
-             dict(num_hidden_layers=4, vocab_size=32003, intermediate_size=688, hidden_size=256,
-                  num_attention_heads=4, num_key_value_heads=2))
-    limit = 2_500_000 if a.cpu_dry_run else 400 * 10**6
-    memlock = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    dev = torch.device(device(a))
+    cuda = dev.type == "cuda"
+    if a.cpu_dry_run:
+        shape = dict(hidden=64, intermediate=176, heads=4, kv_heads=2, vocab=256, batch=2, seq=32)
+        runs = [(2, True), (4, True), (8, True), (2, False), (8, False)]
+    else:
+        shape = dict(memory_depth.SHAPE)
+        runs = [(4, True), (16, True), (40, True), (80, True), (4, False), (80, False)]
+    check = None if cuda else memory_depth.self_check()
     rows = []
-    for precision in ("bf16-mixed", "32-true"):
-        out = []
-        for tier in ("ram", "nvme"):
-            kw = dict(offload_params="nvme", offload_optimizer="nvme", nvme_path=tempfile.mkdtemp(),
-                      host_memory_limit=limit) if tier == "nvme" else {}
-            lm = LM(make_model("llama", **shape), total_steps=6)
-            torch.manual_seed(0)
-            cached0 = _host_cached_bytes(dev)
-            tr = pl.Trainer(strategy=MegaTrainStrategy(**kw), accelerator="gpu" if dev == "cuda" else "cpu", devices=1,
-                            max_steps=6, precision=precision, enable_checkpointing=False, logger=False,
-                            enable_progress_bar=False, enable_model_summary=False)
-            tr.fit(lm, make_data(n=12))
-            eng = tr.strategy.engine
-            row = None
-            if tier == "nvme":
-                arena, ring = eng.store.nvme.arena, eng.fetcher.ring
-                layout = [(sl.numel, sl.trainable_numel) for sl in eng.store.slabs]
-                staging = d2h_staging_bytes(layout, torch.device(dev))  # the transport's 2 D2H buffers, pinned exactly
-                cached = _host_cached_bytes(dev) - cached0
-                pinned_total = (arena.capacity if arena.pinned else 0) + staging + max(cached, 0)
-                row = {"precision": precision, "limit": limit, "arena_bytes": arena.capacity, "arena_pinned": arena.pinned,
-                       "arena_is_pinned": bool(arena.buf.is_pinned()) if dev == "cuda" else None,
-                       "arena_peak_used": arena.peak, "d2h_staging_bytes": staging, "host_allocator_growth": cached,
-                       "pinned_total": pinned_total, "ring_slots_used": len(ring.acquired),
-                       "ring_peak_inflight": ring.peak_inflight,
-                       "budget_peak": max(h.get("megatrain/host_budget_peak_bytes", 0) for h in eng.history),
-                       "wait_s_median": statistics.median(h.get("megatrain/wait_s", 0) for h in eng.history),
-                       "cast_s_median": statistics.median(h.get("megatrain/cast_s", 0) for h in eng.history)}
-            out.append((lm, row))
-            tr.strategy.close()
-        (a_lm, _), (b_lm, row) = out
-        row["losses_equal"] = a_lm.losses == b_lm.losses
-        row["weights_equal"] = all(torch.equal(p.detach().cpu(), q.detach().cpu())
-                                   for p, q in zip(a_lm.parameters(), b_lm.parameters()))
-        rows.append(row)
-        print(f"  pinned {precision}: {row}", flush=True)
-
-    def ok(r):
-        ring_ok = (r["ring_slots_used"] > 0 and r["ring_peak_inflight"] <= 2) if r["precision"] != "32-true" else True
-        pinned_ok = r["arena_pinned"] and r["arena_is_pinned"] if dev == "cuda" else True
-        return r["losses_equal"] and r["weights_equal"] and r["pinned_total"] <= r["limit"] and ring_ok and pinned_ok
-
-    nums = {"memlock_soft_limit": None if memlock == resource.RLIM_INFINITY else memlock, "runs": rows}
-    os.makedirs(a.results, exist_ok=True)
-    with open(os.path.join(a.results, f"pinned_{'dryrun' if a.cpu_dry_run else 'cuda'}.json"), "w") as f:
-        json.dump(nums, f, indent=1, default=str)
-    return {"result": "PASS" if all(ok(r) for r in rows) else "FAIL", "numbers": nums}
-
-
-def check_long(a) -> dict:
-    import torch
-    import transformers
-
-    from megatrain_lightning.engine.streaming import StreamingEngine
-    from megatrain_lightning.testing import LM, freeze_key_biases, make_data, make_model, reference_train, rel
-
-    dev = device(a)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    steps, rows = (3 if a.cpu_dry_run else 10), []
-    runs = [("llama", {"loss_chunk_size": 5, "mlp_chunk_size": 4}), ("gemma2", {"loss_chunk_size": 5, "mlp_chunk_size": 4}),
-            ("llama_tied", {"loss_chunk_size": 5}), ("llama_tied", {"offload_activations": True})]
-    for arch, kw in runs:
-        model = make_model(arch, **({"num_hidden_layers": 6} if "offload_activations" in kw else {}))
-        freeze_key_biases(model)
-        ref = copy.deepcopy(model)
-        lm = LM(model, total_steps=steps)
-        tr = trainer(dev, steps, **kw)
-        tr.fit(lm, make_data(n=2 * steps))
-        hist = tr.strategy.engine.history
-        tr.strategy.engine.close()
-        ref.to(dev)
-        ref_losses = reference_train(ref, OnDevice(make_data(n=2 * steps), dev), steps)
-        loss_err = max(abs(x - y) / abs(y) for x, y in zip(lm.losses, ref_losses))
-        refp = dict(ref.named_parameters())
-        w_err = max(rel(p.detach().cpu(), refp[k].detach().cpu()) for k, p in lm.model.named_parameters())
-        misses = sum(h["megatrain/activation_restore_misses"] for h in hist[1:])
-        restored = max(h["megatrain/activation_restored_peak_bytes"] for h in hist)
-        ok = loss_err <= TOL and w_err <= TOL and (misses == 0 and restored <= 2 * 2 * 16 * 32 * 4
-                                                   if "offload_activations" in kw else True)
-        rows.append({"run": arch + "".join(f" {k}={v}" for k, v in kw.items()), "loss_rel_err": loss_err,
-                     "weight_rel_err": w_err, "restore_misses_after_step_1": misses, "restored_peak_bytes": restored,
-                     "pass": ok})
-        print(f"  {rows[-1]['run']:44s} loss {loss_err:.2e} weight {w_err:.2e} misses {misses} restored {restored:.0f} B: "
-              f"{'ok' if ok else 'FAIL'}", flush=True)
-        del model, ref, lm, tr
-        gc.collect()
-    V, seqs = (128256, (8192, 32768)) if not a.cpu_dry_run else (1024, (64, 256))
-    peaks = {}
-    for mode, seq in [("chunked", seqs[0]), ("chunked", seqs[1]), ("full", seqs[0])]:
-        cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=512, intermediate_size=1792, num_hidden_layers=4,
-                                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=seq,
-                                       tie_word_embeddings=False, use_cache=False)
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-        chunk = ("auto" if not a.cpu_dry_run else 32) if mode == "chunked" else None
-        eng = StreamingEngine(model, torch.device(dev), loss_chunk_size=chunk,
-                              mlp_chunk_size=2048 if mode == "chunked" else None)
-        eng.install()
-        eng.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-5))
-        ids = torch.randint(0, V, (1, seq), device=dev)
-        t0 = time.perf_counter()
-        for _ in range(2):
-            model(input_ids=ids, labels=ids).loss.backward()
-            eng.attach_grads()
-            eng.step()
-            eng.end_step()
-        sync(dev)
-        peaks[f"{mode}_{seq}"] = {"peak_device_bytes": eng.history[-1]["megatrain/peak_device_bytes"],
-                                  "two_steps_s": time.perf_counter() - t0}
-        print(f"  {mode} {seq}: device peak {peaks[f'{mode}_{seq}']['peak_device_bytes'] / 2**30:.2f} GiB", flush=True)
-        eng.close()
-        del model, eng
-        gc.collect()
-    below = peaks[f"chunked_{seqs[1]}"]["peak_device_bytes"] < seqs[1] // 2 * V * 4
-    ok = all(r["pass"] for r in rows) and (below or a.cpu_dry_run)  # dry run: the memory verdict means nothing
-    return {"result": "PASS" if ok else "FAIL", "numbers": {"runs_passed": f"{sum(r['pass'] for r in rows)}/{len(rows)}",
-            "max_loss_rel_err": max(r["loss_rel_err"] for r in rows), "max_weight_rel_err": max(r["weight_rel_err"] for r in rows),
-            **{k + "_gib": v["peak_device_bytes"] / 2**30 for k, v in peaks.items()}, "chunked_long_below_one_half_logits": below},
-            "details": {"runs": rows, "peaks": peaks}}
-
-
-def _link_gbps(dev: str) -> float | None:
-    """Raw pinned host -> device copy speed (256 MiB, best of 5)."""
-    import torch
-
-    if dev != "cuda":
-        return None
-    src = torch.empty(64 * 2**20, dtype=torch.float32, pin_memory=True)
-    dst = torch.empty_like(src, device="cuda")
-    best = float("inf")
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return src.numel() * 4 / best / 1e9
-
-
-def check_overlap(a) -> dict:
-    import lightning.pytorch as pl
-    import torch
-    import transformers
-    from megatrain_lightning.testing import LM
-    from torch.utils.data import DataLoader, TensorDataset
-
-    dev = device(a)
-    if a.cpu_dry_run:
-        size = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
-        batch, seq, steps, warm = 2, 32, 4, 1
-    else:
-        size = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16)
-        batch, seq, steps, warm = 4, 512, 6, 2
-    cfg = transformers.LlamaConfig(**size, num_key_value_heads=size["num_attention_heads"], max_position_embeddings=seq,
-                                   tie_word_embeddings=False, use_cache=False)
-    ids = torch.randint(0, cfg.vocab_size, (batch * steps, seq), generator=torch.Generator().manual_seed(1))
-
-    class Timer(pl.Callback):
-        def __init__(self):
-            self.t: list[float] = []
-
-        def on_train_batch_end(self, *args):
-            sync(dev)
-            self.t.append(time.perf_counter())
-
-    configs = [("lookahead=1", dict(lookahead=1)), ("lookahead=0", dict(lookahead=0)),
-               ("lookahead=1 overlap_optimizer=False", dict(lookahead=1, overlap_optimizer=False)),
-               ("lookahead=0 overlap_optimizer=False", dict(lookahead=0, overlap_optimizer=False))]
-    rows, n_params = {}, 0
-    med = statistics.median
-    for name, kw in configs:
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-        n_params = sum(p.numel() for p in model.parameters())
-        lm, timer = LM(model), Timer()
-        tr = trainer(dev, steps, callbacks=[timer], **kw)
-        tr.fit(lm, DataLoader(TensorDataset(ids), batch_size=batch))
-        hist = tr.strategy.engine.history
-        tr.strategy.engine.close()
-        # step i (i >= 1) = batch end i-1 -> batch end i; history[i] accounts the same step
-        step = [timer.t[i] - timer.t[i - 1] for i in range(warm, len(timer.t))]
-        h = hist[warm : len(timer.t)]
-        g = lambda k: [x["megatrain/" + k] for x in h]  # noqa: E731
-        rows[name] = {
-            "median_step_s": med(step),
-            "h2d_GBps": med([b / s / 1e9 for b, s in zip(g("h2d_bytes"), step)]),
-            "d2h_GBps": med([b / s / 1e9 for b, s in zip(g("d2h_bytes"), step)]),
-            "wait_frac": med([w / s for w, s in zip(g("wait_s"), step)]),
-            "wait_s": med(g("wait_s")), "optimizer_s": med(g("optimizer_s")), "compute_s": med(g("compute_s")),
-            "prefetch_misses": med(g("prefetch_misses")), "blocks_fetched": med(g("blocks_fetched")),
-            "peak_device_GiB": max(g("peak_device_bytes")) / 2**30, "step_s": step,
-        }
-        r = rows[name]
-        print(f"  {name:36s} step {r['median_step_s']:.3f}s h2d {r['h2d_GBps']:.1f} GB/s wait {100 * r['wait_frac']:.1f}% "
-              f"optim {r['optimizer_s']:.3f}s misses {r['prefetch_misses']:.0f}/{r['blocks_fetched']:.0f} "
-              f"peak {r['peak_device_GiB']:.2f} GiB", flush=True)
-        del model, lm, tr, hist
-        gc.collect()
-    la1, la0 = rows["lookahead=1"], rows["lookahead=0"]
-    nums = {
-        "median_step_s": la1["median_step_s"], "h2d_GBps": la1["h2d_GBps"], "wait_frac": la1["wait_frac"],
-        "speedup_lookahead_1_over_0": la0["median_step_s"] / la1["median_step_s"],
-        "speedup_lookahead_1_over_0_no_opt_overlap": rows["lookahead=0 overlap_optimizer=False"]["median_step_s"]
-        / rows["lookahead=1 overlap_optimizer=False"]["median_step_s"],
-        "wait_frac_lookahead_0": la0["wait_frac"],
-        "speedup_overlap_optimizer": rows["lookahead=1 overlap_optimizer=False"]["median_step_s"] / la1["median_step_s"],
-        "h2d_link_GBps": _link_gbps(dev), "model_fp32_GiB": 4 * n_params / 2**30, "peak_device_GiB": la1["peak_device_GiB"],
-        "n_params": n_params,
-    }
-    ok = (nums["speedup_lookahead_1_over_0"] > 1.0 and la1["wait_s"] < la0["wait_s"]
-          and nums["speedup_overlap_optimizer"] >= 0.95)
+    for layers, offload in runs:
+        gc.collect()  # the previous engine's reference cycles still hold its buffers
+        r = memory_depth.run(layers, offload, dev, shape=shape)
+        rows.append({k: r[k] for k in ("layers", "offload", "raw_peak_bytes", "offloaded_host_bytes",
+                                       "device_peak_bytes", "saved_inputs_bytes", "engine_peak_device_bytes")})
+        print(f"  layers {layers:3d} offload {offload!s:5s}: device peak {r['device_peak_bytes'] / 2**20:.2f} MiB",
+              flush=True)
+    off = [r for r in rows if r["offload"]]
+    keep = [r for r in rows if not r["offload"]]
+    growth = off[-1]["device_peak_bytes"] / off[0]["device_peak_bytes"] - 1
+    mib = lambda r: round(r["device_peak_bytes"] / 2**20, 3)  # noqa: E731
+    nums = {"meter": "torch.cuda.max_memory_allocated" if cuda else "torch.profiler CPU allocation events",
+            "meter_self_check_ok": None if check is None else check["ok"], "shape": shape,
+            "growth_offload": round(growth, 4), "target": memory_depth.TARGET,
+            **{f"L{r['layers']}_{'offload' if r['offload'] else 'keep'}_MiB": mib(r) for r in rows}}
+    if len(keep) == 2:
+        nums["growth_keep"] = round(keep[1]["device_peak_bytes"] / keep[0]["device_peak_bytes"] - 1, 4)
+    ok = growth < memory_depth.TARGET and (check is None or check["ok"])
     return {"result": "PASS" if ok else "FAIL", "numbers": nums, "details": rows}
 
 
-def check_d2h(a) -> dict:
-    import torch
-    import transformers
-    import megatrain_lightning.engine.streaming as streaming
-    from megatrain_lightning.testing import LM
-    from torch.utils.data import DataLoader, TensorDataset
+# ---------------------------------------------------------------- runner
+def _extra():
+    import gpu_check_extra
 
-    dev = device(a)
-    if a.cpu_dry_run:
-        size = dict(vocab_size=256, hidden_size=64, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4)
-        seq, steps, warm = 32, 3, 1
+    return gpu_check_extra
+
+
+def limit_of(name: str, dry: bool = False) -> float:
+    """Seconds check ``name`` may take (``dry``: in the dry run)."""
+    if name in LIMITS_S:
+        s = LIMITS_S[name]
+    elif name == "peer" and "max" in os.environ.get("PEER_SHAPES", ""):
+        s = 400
     else:
-        size = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=6, num_attention_heads=16)
-        seq, steps, warm = 128, 5, 1
-    cfg = transformers.LlamaConfig(**size, num_key_value_heads=size["num_attention_heads"], max_position_embeddings=seq,
-                                   tie_word_embeddings=False, use_cache=False)
-    ids = torch.randint(0, cfg.vocab_size, (steps, seq), generator=torch.Generator().manual_seed(1))
-    sink = streaming.GradientSink
-    rows = {}
-    for inflight in (2, 1):
-        # the engine builds its sink with max_inflight=2; 1 in flight serializes copy and add (the former behaviour)
-        streaming.GradientSink = lambda *args, **kw: sink(*args, **{**kw, "max_inflight": inflight})  # noqa: E731
-        try:
-            torch.manual_seed(0)
-            model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-            tr = trainer(dev, steps)
-            tr.fit(LM(model), DataLoader(TensorDataset(ids), batch_size=1))
-            hist = tr.strategy.engine.history[warm:]
-            tr.strategy.engine.close()
-        finally:
-            streaming.GradientSink = sink
-        tot = {k: sum(h["megatrain/" + k] for h in hist) for k in ("d2h_busy_s", "d2h_copy_wait_s", "grad_add_s")}
-        r = {**{k: v / len(hist) for k, v in tot.items()}, "d2h_queue_peak": max(h["megatrain/d2h_queue_peak"] for h in hist),
-             "d2h_GB_per_step": sum(h["megatrain/d2h_bytes"] for h in hist) / len(hist) / 1e9,
-             "hidden_frac": 1 - tot["d2h_copy_wait_s"] / tot["d2h_busy_s"] if tot["d2h_busy_s"] > 0 else None}
-        rows[f"inflight={inflight}"] = r
-        print(f"  in flight {inflight}: busy {r['d2h_busy_s']:.3f}s copy wait {r['d2h_copy_wait_s']:.3f}s "
-              f"add {r['grad_add_s']:.3f}s peak {r['d2h_queue_peak']:.0f} hidden {_fmt(r['hidden_frac'])}", flush=True)
-        del model, tr, hist
-        gc.collect()
-    two, one = rows["inflight=2"], rows["inflight=1"]
-    add_bound = two["grad_add_s"] > two["d2h_busy_s"]
-    ok = two["grad_add_s"] > 0 and two["d2h_queue_peak"] <= 2 and one["d2h_queue_peak"] <= 1
-    if not a.cpu_dry_run:  # CPU "copies" are conversions on the compute thread: nothing to hide
-        ok = ok and two["d2h_busy_s"] > 0 and add_bound and (two["hidden_frac"] or 0) >= 0.5 \
-            and two["d2h_copy_wait_s"] < one["d2h_copy_wait_s"]
-    nums = {"hidden_frac": two["hidden_frac"], "hidden_frac_inflight_1": one["hidden_frac"], "add_bound": add_bound,
-            "d2h_busy_s": two["d2h_busy_s"], "d2h_copy_wait_s": two["d2h_copy_wait_s"], "grad_add_s": two["grad_add_s"],
-            "d2h_copy_wait_s_inflight_1": one["d2h_copy_wait_s"], "d2h_queue_peak": two["d2h_queue_peak"]}
-    return {"result": "PASS" if ok else "FAIL", "numbers": nums, "details": rows}
+        s = _extra().LIMITS_S[name]
+    return s * DRY_RUN_SCALE if dry else s
 
 
-def check_scaling(a) -> dict:
-    st = os.statvfs("/dev/shm")
-    shm_free = st.f_bavail * st.f_frsize
-    small = ["--layers", "2", "--hidden", "128", "--intermediate", "256", "--heads", "4", "--kv-heads", "4", "--vocab", "1024"]
-    if a.cpu_dry_run:
-        shape = small + ["--seq", "32", "--steps", "2", "--warmup", "1", "--accelerator", "cpu", "--sweep", "--share-device"]
-    elif shm_free < 4 * 2**30:  # the default shape's state is 0.94 GB
-        shape = ["--layers", "4", "--hidden", "256", "--intermediate", "704", "--heads", "4", "--kv-heads", "4",
-                 "--vocab", "8000", "--seq", "512", "--accelerator", "gpu"]
-    else:
-        shape = ["--seq", "512", "--accelerator", "gpu"]
-    out = os.path.join(a.results, "scaling_" + ("dryrun" if a.cpu_dry_run else "gpu") + ".json")
-    if os.path.exists(out):
-        os.remove(out)
-    rc, _ = sh([sys.executable, os.path.join(ROOT, "bench", "scaling.py"), "--devices", "2", "--process-group-backend",
-                "gloo", "--no-baseline", "--out", out, *shape])
-    nums = {"rc": rc, "shm_free_GiB": round(shm_free / 2**30, 2)}
-    if not os.path.exists(out):
-        return {"result": "FAIL", "numbers": {**nums, "error": "no result JSON (see the log)"}}
-    with open(out) as f:
-        rows = json.load(f)["rows"]
-    for r in rows:
-        k = r["processes"]
-        nums[f"tokens_per_s_{k}"] = round(r["tokens_per_s"], 1)
-        nums[f"pss_sum_GiB_{k}"] = round(r["train_pss_sum_bytes"] / 2**30, 3)
-        nums[f"shm_B_per_param_{k}"] = round(r["shm_bytes_per_param"], 2)
-    two = [r for r in rows if r["processes"] == 2]
-    nums["efficiency_2"] = round(two[0]["efficiency"], 3) if two else None
-    nums["shared_device"] = bool(two and two[0]["shared_device"])
-    ok = rc == 0 and len(two) == 1 and two[0]["backend"] == "gloo" and abs(two[0]["shm_bytes_per_param"] - 16) <= 0.5
-    return {"result": "PASS" if ok else "FAIL", "numbers": nums,
-            "details": [{k: v for k, v in r.items() if k != "timeline"} for r in rows]}
+def run_one(name: str, a, rows: Rows, remaining: "list[str]") -> bool:
+    """Run one check under its limit; write its row. False: the process must stop (the check hung)."""
+    left = a.budget_s - (time.time() - a.start) - END_MARGIN_S
+    limit = min(limit_of(name, a.cpu_dry_run), left)
+    need = NEED_S.get(name, min(30, limit_of(name)))
+    if left < need:
+        rows.write({"check": name, "result": "SKIP", "seconds": 0, "limit_s": limit_of(name, a.cpu_dry_run),
+                    "why": f"{left:.0f} s of the {a.budget_s:.0f} s budget left, the check needs {need} s"})
+        return True
+    print(f"\n== {name} (limit {limit:.0f} s, {time.time() - a.start:.0f} s elapsed)", flush=True)
+    fn = globals().get("check_" + name) or getattr(_extra(), "check_" + name)
+    os.environ["GPU_CHECK_LIMIT_S"] = str(int(limit))
+    finished = threading.Event()
+    t0 = time.perf_counter()
 
+    def watchdog():
+        if finished.wait(limit + HANG_GRACE_S):
+            return
+        buf = io.StringIO()
+        with tempfile.TemporaryFile("w+") as f:
+            faulthandler.dump_traceback(f, all_threads=True)
+            f.seek(0)
+            buf.write(f.read())
+        sys.stderr.write(buf.getvalue())
+        rows.write({"check": name, "result": "FAIL", "seconds": round(time.perf_counter() - t0, 1), "limit_s": limit,
+                    "error": f"hung: still running {HANG_GRACE_S} s past its {limit:.0f} s limit",
+                    "traceback": buf.getvalue()[-3000:]})
+        for rest in remaining:
+            rows.write({"check": rest, "result": "SKIP", "seconds": 0, "limit_s": limit_of(rest, a.cpu_dry_run),
+                        "why": f"{name} hung; the process exits"})
+        print(table(rows.rows), flush=True)
+        os._exit(3)
 
-def _toolchain() -> dict:
-    """What DeepSpeed's JIT build of its CPU Adam op needs on this image, and which offload packages import."""
-    import importlib.util
-    import shutil
-    import sysconfig
+    def alarm(signum, frame):
+        raise TimeoutError(f"{name} ran past its limit of {limit:.0f} s")
 
-    inc = sysconfig.get_paths().get("include") or ""
-    return {"gxx": shutil.which("g++") or shutil.which("c++"), "ninja": shutil.which("ninja"),
-            "python_h": os.path.exists(os.path.join(inc, "Python.h")), "nvcc": shutil.which("nvcc"),
-            "torchao": importlib.util.find_spec("torchao") is not None,
-            "deepspeed": importlib.util.find_spec("deepspeed") is not None}
-
-
-def check_peer(a) -> dict:
-    tool = _toolchain()
-    if a.cpu_dry_run:
-        out = os.path.join(a.results, "peer_cpu_dry_run.json")
-        args = ["--cpu-dry-run"]
-    else:
-        out = os.path.join(a.results, "peer.json")
-        limit = float(os.environ.get("GPU_CHECK_LIMIT_S", "240"))
-        args = ["--shapes", os.environ.get("PEER_SHAPES", "0p9b"), "--steps", "3", "--warmup", "1",
-                "--rows", "fp32,bf16,plain,offload,nvme", "--time-budget", str(max(30.0, limit - 100))]
-    if os.path.exists(out):
-        os.remove(out)
-    rc, _ = sh([sys.executable, os.path.join(ROOT, "bench", "peer.py"), *args, "--out", out])
-    nums = {"rc": rc, "toolchain": tool}
-    if not os.path.exists(out):
-        return {"result": "FAIL", "numbers": {**nums, "error": "no result JSON (see the log)"}}
-    with open(out) as f:
-        res = json.load(f)
-    nums["raw_pinned_GBps"] = {k: round(v, 1) for k, v in (res.get("raw_pinned") or {}).items() if k.endswith("GBps")}
-    for name, shape in res.get("shapes", {}).items():
-        nums[name] = {r["row"]: (r["status"] if "step_s" not in r else
-                                 {"step_s": round(r["step_s"], 3), "TFLOPS": round(r["model_TFLOPS"], 1),
-                                  "h2d_GBps": None if r.get("h2d_GBps") is None else round(r["h2d_GBps"], 1),
-                                  "peak_GiB": None if r.get("peak_device_bytes") is None else round(r["peak_device_bytes"] / 2**30, 2)})
-                      for r in shape.get("rows", [])}
-        off = next((r for r in shape.get("rows", []) if r["row"] == "offload"), None)
-        if off is not None:
-            nums[name + "_offload"] = {"ran": off.get("trainer"), "why_not": off.get("why_not")}
-    return {"result": "PASS" if rc == 0 and res.get("pass") else "FAIL", "numbers": nums}
-
-
-# ---------------------------------------------------------------- summary
-def _fmt(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.3g}"
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{k}: {_fmt(x)}" for k, x in v.items()) + "}"
-    return str(v)
-
-
-def summary(a) -> int:
-    parts = {}
-    for name in (a.checks.split() if a.checks else ["env", *CHECKS]):
-        path = os.path.join(a.parts, name + ".json")
-        if os.path.exists(path):
-            with open(path) as f:
-                parts[name] = json.load(f)
-            continue
-        rc_path = os.path.join(a.parts, name + ".rc")
-        rc, sec = (open(rc_path).read().split() + ["?", "0"])[:2] if os.path.exists(rc_path) else ("?", "0")
-        why = {"124": "timed out", "137": "killed (timeout -k)", "?": "did not run"}.get(rc, "crashed")
-        parts[name] = {"result": "FAIL", "seconds": float(sec), "numbers": {"rc": rc, "error": why + ", see the log"}}
-    print(f"\n{'check':9s} {'result':6s} {'sec':>5s}  key numbers")
-    for name, p in parts.items():
-        nums = {k: v for k, v in p.get("numbers", {}).items() if k not in ("step_s",)}
-        print(f"{name:9s} {p['result']:6s} {p.get('seconds', 0):5.0f}  {_fmt(nums)}")
-    mode = "cpu-dry-run" if a.cpu_dry_run else "cuda"
-    os.makedirs(a.results, exist_ok=True)
-    path = os.path.join(a.results, "gpu_check.json")
-    earlier = {}
-    if a.checks and os.path.exists(path):  # a partial run (selected checks) updates the earlier results
-        with open(path) as f:
-            old = json.load(f)
-        earlier = old.get("checks", {}) if old.get("mode") == mode else {}
-    out = {"mode": mode, "total_s": a.total_s, "checks": {**earlier, **parts}}
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {path}")
-    return 1 if any(p["result"] == "FAIL" for p in parts.values()) else 0
+    threading.Thread(target=watchdog, name="gpu-check-watchdog", daemon=True).start()
+    signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, max(limit, 1.0))
+    try:
+        res = fn(a)
+    except BaseException as e:  # noqa: BLE001 - a failed check is a result; KeyboardInterrupt too
+        tb = traceback.format_exc()
+        sys.stderr.write(tb)
+        res = {"result": "FAIL", "error": f"{type(e).__name__}: {e}"[:300], "traceback": tb[-3000:]}
+        if isinstance(e, KeyboardInterrupt):
+            raise
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        finished.set()
+    rows.write({"check": name, **res, "seconds": round(time.perf_counter() - t0, 1), "limit_s": limit})
+    gc.collect()
+    return True
 
 
 def main() -> int:
+    t_import0 = time.time()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("check", choices=["env", *CHECKS, "summary"])
-    p.add_argument("--cpu-dry-run", action="store_true")
-    p.add_argument("--parts", required=True, help="folder of per-check result files")
-    p.add_argument("--checks", default="", help="summary: the checks this run selected (others kept from the last run)")
-    p.add_argument("--results", default=os.path.join(ROOT, "bench", "results"))
-    p.add_argument("--total-s", type=float, default=None)
+    p.add_argument("checks", nargs="*", help=f"checks to run, in order (default: {' '.join(DEFAULT)})")
+    p.add_argument("--cpu-dry-run", action="store_true", help="every check on the CPU with tiny sizes")
+    p.add_argument("--results", default=None, help="results folder (default: bench/results, dry run: "
+                   "${TMPDIR:-/tmp}/gpu_check_dryrun)")
+    p.add_argument("--parity-configs", default="", help=f"stream_parity: comma-separated subset of {','.join(PARITY_CONFIGS)}")
     a = p.parse_args()
-    if a.check == "summary":
-        return summary(a)
-    t0 = time.perf_counter()
-    try:
-        res = globals()["check_" + a.check](a)
-    except Exception as e:  # noqa: BLE001 - a failed check is a result
-        traceback.print_exc()
-        res = {"result": "FAIL", "numbers": {"error": f"{type(e).__name__}: {e}"[:300]}}
-    res["seconds"] = time.perf_counter() - t0
-    with open(os.path.join(a.parts, a.check + ".json"), "w") as f:
-        json.dump(res, f, indent=1, default=str)
-    print(f"[{a.check}] {res['result']} in {res['seconds']:.0f}s", flush=True)
-    return 0 if res["result"] != "FAIL" else 1
+    a.checks = a.checks or DEFAULT
+    known = set(DEFAULT) | set(_extra().LIMITS_S)
+    bad = [c for c in a.checks if c not in known]
+    if bad:
+        p.error(f"unknown check(s) {bad}; known: {sorted(known)}")
+    if a.results is None:
+        a.results = (os.path.join(os.environ.get("TMPDIR", "/tmp"), "gpu_check_dryrun") if a.cpu_dry_run
+                     else os.path.join(ROOT, "bench", "results"))
+    os.makedirs(a.results, exist_ok=True)
+    a.out = os.environ.get("OUT") or a.results
+    a.start = float(os.environ.get("GPU_CHECK_START") or t_import0)
+    a.budget_s = float(os.environ.get("GPU_CHECK_BUDGET_S", "420"))
+    import lightning  # noqa: F401 - once, here: counted in the env row
+    import torch
+
+    import megatrain_lightning  # noqa: F401
+    import transformers  # noqa: F401
+
+    a.import_s = time.time() - t_import0
+    if a.cpu_dry_run:
+        torch.set_num_threads(min(2, torch.get_num_threads()))
+    rows = Rows(a.out, "cpu-dry-run" if a.cpu_dry_run else "cuda", a.budget_s, a.start)
+    print(f"imports {a.import_s:.1f} s; rows to {rows.jsonl}", flush=True)
+    for i, name in enumerate(a.checks):
+        run_one(name, a, rows, a.checks[i + 1 :])
+    print("\n" + table(rows.rows), flush=True)
+    print(f"wrote {rows.jsonl} and {rows.json}; total {time.time() - a.start:.0f} s", flush=True)
+    return 1 if any(r["result"] == "FAIL" for r in rows.rows) else 0
 
 
 if __name__ == "__main__":

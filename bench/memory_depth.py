@@ -35,6 +35,7 @@ Target: device peak grows < 10% from 4 to 32 layers with offload_activations=Tru
 Run:
     python bench/memory_depth.py                  # CPU, ~1 minute
     python bench/memory_depth.py --device cuda
+bench/gpu_check.py's ``depth`` check imports this module and calls :func:`run` (deeper models).
 Writes bench/results/memory_depth.json.
 """
 
@@ -56,17 +57,8 @@ DEPTHS = (4, 8, 16, 32)
 B, T, H = 2, 256, 256
 MiB = 2**20
 
-p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-p.add_argument("--warmup", type=int, default=2, help="warm-up steps; at least 2 are run (see the docstring)")
-p.add_argument("--async-workers", action="store_true", help="cpu: keep the engine's worker threads (meter misses their allocations)")
-p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "memory_depth.json"))
-args = p.parse_args()
-warmup = max(2, args.warmup)  # fewer would put the host AdamW state allocation into the measured step (CPU meter)
-
-torch.set_num_threads(2)
-dev = torch.device(args.device)
-cuda = dev.type == "cuda"
+#: the model and batch of the sweep: Llama hidden 256, intermediate 688, 8 heads, 4 kv heads, vocab 4096, batch 2 x 256
+SHAPE = dict(hidden=H, intermediate=688, heads=8, kv_heads=4, vocab=4096, batch=B, seq=T)
 
 
 def profiled_peak(fn):
@@ -81,7 +73,9 @@ def profiled_peak(fn):
     return peak, cur
 
 
-def meter(fn):
+def meter(fn, dev):
+    """Peak bytes allocated by ``fn()``: CUDA's peak statistics on a CUDA ``dev``, else :func:`profiled_peak`."""
+    cuda = dev.type == "cuda"
     if not cuda:
         return profiled_peak(fn)[0]
     torch.cuda.synchronize(dev)
@@ -120,14 +114,22 @@ def self_check():
     return {"peak_bytes": peak, "net_bytes": net, "ok": ok}
 
 
-def run(layers, offload):
-    cfg = transformers.LlamaConfig(vocab_size=4096, hidden_size=H, intermediate_size=688, num_hidden_layers=layers,
-                                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=T,
+def run(layers, offload, dev, warmup=2, async_workers=False, shape=None):
+    """One row of the sweep: the peak memory (bytes) of one training step of a ``layers``-deep Llama on ``dev``
+    after ``max(2, warmup)`` warm-up steps. ``shape``: :data:`SHAPE`'s keys (default :data:`SHAPE`);
+    ``async_workers``: on CPU keep the engine's worker threads (the meter then misses their allocations)."""
+    sh = {**SHAPE, **(shape or {})}
+    B, T, H = sh["batch"], sh["seq"], sh["hidden"]
+    cuda = dev.type == "cuda"
+    warmup = max(2, warmup)  # fewer would put the host AdamW state allocation into the measured step (CPU meter)
+    cfg = transformers.LlamaConfig(vocab_size=sh["vocab"], hidden_size=H, intermediate_size=sh["intermediate"],
+                                   num_hidden_layers=layers, num_attention_heads=sh["heads"],
+                                   num_key_value_heads=sh["kv_heads"], max_position_embeddings=T,
                                    tie_word_embeddings=False, use_cache=False)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     engine = StreamingEngine(model, dev, offload_activations=offload)
-    if not cuda and not args.async_workers:
+    if not cuda and not async_workers:
         for part in (engine.prefetcher, engine.grads):  # run the H2D/D2H work inline on the compute thread
             part._pool.shutdown()
             part._pool = Inline()
@@ -154,7 +156,7 @@ def run(layers, offload):
         step()
         engine.end_step()
     offloaded[0] = 0
-    raw = meter(step)
+    raw = meter(step, dev)
     engine.end_step()  # outside the meter: on CUDA it resets the peak statistics
     host = offloaded[0] if not cuda else 0
     row = {"layers": layers, "offload": offload, "raw_peak_bytes": raw, "offloaded_host_bytes": offloaded[0],
@@ -166,39 +168,55 @@ def run(layers, offload):
     return row
 
 
-check = None if cuda else self_check()
-rows = []
-for offload in (False, True):
-    for L in DEPTHS:
-        gc.collect()  # the previous engine's reference cycles still hold its buffers
-        rows.append(run(L, offload))
-        r = rows[-1]
-        print(f"  layers {L:2d} offload {offload!s:5s}: raw peak {r['raw_peak_bytes'] / MiB:8.2f} MiB", flush=True)
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--warmup", type=int, default=2, help="warm-up steps; at least 2 are run (see the docstring)")
+    p.add_argument("--async-workers", action="store_true", help="cpu: keep the engine's worker threads (meter misses their allocations)")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "memory_depth.json"))
+    args = p.parse_args()
+    warmup = max(2, args.warmup)  # fewer would put the host AdamW state allocation into the measured step (CPU meter)
 
-for r in rows:
-    ref = next(x for x in rows if x["offload"] == r["offload"] and x["layers"] == DEPTHS[0])
-    r["growth_vs_4"] = r["device_peak_bytes"] / ref["device_peak_bytes"] - 1
-    r["delta_peak_vs_4_bytes"] = r["device_peak_bytes"] - ref["device_peak_bytes"]
-    r["delta_saved_inputs_vs_4_bytes"] = r["saved_inputs_bytes"] - ref["saved_inputs_bytes"]
+    torch.set_num_threads(2)
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    check = None if cuda else self_check()
+    rows = []
+    for offload in (False, True):
+        for L in DEPTHS:
+            gc.collect()  # the previous engine's reference cycles still hold its buffers
+            rows.append(run(L, offload, dev, warmup, args.async_workers))
+            r = rows[-1]
+            print(f"  layers {L:2d} offload {offload!s:5s}: raw peak {r['raw_peak_bytes'] / MiB:8.2f} MiB", flush=True)
 
-growth = next(r["growth_vs_4"] for r in rows if r["offload"] and r["layers"] == DEPTHS[-1])
-passed = growth < TARGET
-meter_name = "torch.cuda.max_memory_allocated" if cuda else "torch.profiler CPU allocation events" + (" (async workers)" if args.async_workers else "")
-print(f"\nmemory vs depth: Llama h{H} i688 8h/4kv v4096 untied, batch {B} x {T}, fp32, {args.device}, meter: {meter_name}")
-print(f"{'layers':>6s} {'offload':>7s} {'raw peak':>9s} {'offl host':>9s} {'device':>8s} {'growth':>7s} {'L*B*T*H*4':>9s} "
-      f"{'d peak':>8s} {'d saved':>8s}   (MiB; growth and d = vs {DEPTHS[0]} layers)")
-for r in rows:
-    print(f"{r['layers']:6d} {str(r['offload']):>7s} {r['raw_peak_bytes'] / MiB:9.2f} {r['offloaded_host_bytes'] / MiB:9.2f} "
-          f"{r['device_peak_bytes'] / MiB:8.2f} {100 * r['growth_vs_4']:6.1f}% "
-          + (f"{r['saved_inputs_bytes'] / MiB:9.2f} " if not r["offload"] else f"{'-':>9s} ")
-          + f"{r['delta_peak_vs_4_bytes'] / MiB:8.2f} "
-          + (f"{r['delta_saved_inputs_vs_4_bytes'] / MiB:8.2f}" if not r["offload"] else f"{'-':>8s}"))
-print(f"offload_activations=True: device peak growth {DEPTHS[0]} -> {DEPTHS[-1]} layers = {100 * growth:.1f}% "
-      f"(target < {100 * TARGET:.0f}%): {'PASS' if passed else 'FAIL'}")
+    for r in rows:
+        ref = next(x for x in rows if x["offload"] == r["offload"] and x["layers"] == DEPTHS[0])
+        r["growth_vs_4"] = r["device_peak_bytes"] / ref["device_peak_bytes"] - 1
+        r["delta_peak_vs_4_bytes"] = r["device_peak_bytes"] - ref["device_peak_bytes"]
+        r["delta_saved_inputs_vs_4_bytes"] = r["saved_inputs_bytes"] - ref["saved_inputs_bytes"]
 
-os.makedirs(os.path.dirname(args.out), exist_ok=True)
-with open(args.out, "w") as f:
-    json.dump({"bench": "memory_depth", "args": vars(args), "warmup_steps": warmup, "torch": torch.__version__, "transformers": transformers.__version__,
-               "meter": meter_name, "meter_self_check": check, "batch": B, "seq": T, "hidden": H, "target_growth": TARGET,
-               "growth_4_to_32_offload": growth, "pass": passed, "rows": rows}, f, indent=1)
-print(f"wrote {args.out}")
+    growth = next(r["growth_vs_4"] for r in rows if r["offload"] and r["layers"] == DEPTHS[-1])
+    passed = growth < TARGET
+    meter_name = "torch.cuda.max_memory_allocated" if cuda else "torch.profiler CPU allocation events" + (" (async workers)" if args.async_workers else "")
+    print(f"\nmemory vs depth: Llama h{H} i688 8h/4kv v4096 untied, batch {B} x {T}, fp32, {args.device}, meter: {meter_name}")
+    print(f"{'layers':>6s} {'offload':>7s} {'raw peak':>9s} {'offl host':>9s} {'device':>8s} {'growth':>7s} {'L*B*T*H*4':>9s} "
+          f"{'d peak':>8s} {'d saved':>8s}   (MiB; growth and d = vs {DEPTHS[0]} layers)")
+    for r in rows:
+        print(f"{r['layers']:6d} {str(r['offload']):>7s} {r['raw_peak_bytes'] / MiB:9.2f} {r['offloaded_host_bytes'] / MiB:9.2f} "
+              f"{r['device_peak_bytes'] / MiB:8.2f} {100 * r['growth_vs_4']:6.1f}% "
+              + (f"{r['saved_inputs_bytes'] / MiB:9.2f} " if not r["offload"] else f"{'-':>9s} ")
+              + f"{r['delta_peak_vs_4_bytes'] / MiB:8.2f} "
+              + (f"{r['delta_saved_inputs_vs_4_bytes'] / MiB:8.2f}" if not r["offload"] else f"{'-':>8s}"))
+    print(f"offload_activations=True: device peak growth {DEPTHS[0]} -> {DEPTHS[-1]} layers = {100 * growth:.1f}% "
+          f"(target < {100 * TARGET:.0f}%): {'PASS' if passed else 'FAIL'}")
+
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"bench": "memory_depth", "args": vars(args), "warmup_steps": warmup, "torch": torch.__version__, "transformers": transformers.__version__,
+                   "meter": meter_name, "meter_self_check": check, "batch": B, "seq": T, "hidden": H, "target_growth": TARGET,
+                   "growth_4_to_32_offload": growth, "pass": passed, "rows": rows}, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
