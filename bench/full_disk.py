@@ -5,7 +5,7 @@ Mounts a small tmpfs (needs root: ``mount -t tmpfs``), trains a tiny Llama for 2
 free space from 0 to one checkpoint's size (``--step`` bytes apart) fills the disk to leave that much and saves
 ``last.ckpt`` again. Per row: the exception (or "saved"), whether the previous checkpoint still verifies
 (``verified_info``: every file against its checksum), and what else is in the directory. The promise checked
-(README "Checkpoints are directories"): a failed save raises ``OSError`` ENOSPC naming the checkpoint, leaves
+(docs/guide/checkpoints.md, "How a save is written"): a failed save raises ``OSError`` ENOSPC naming the checkpoint, leaves
 nothing beside it and the previous checkpoint loadable. Run as root::
 
     PYTHONPATH=. python bench/full_disk.py [--tier ram|nvme] [--size-mib 20] [--step 98304]

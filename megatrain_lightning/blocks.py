@@ -305,7 +305,7 @@ def discover_blocks(
             "submodule, so there is no block to stream them with. Move each into a small nn.Module whose forward "
             "returns it (class Prompt(nn.Module): __init__ sets self.weight = nn.Parameter(...); "
             "forward(self) returns self.weight), assign that module as an attribute and read the parameter by "
-            "calling the module (self.prompt() instead of self.prompt); see README, \"Use it from your own code\"."
+            "calling the module (self.prompt() instead of self.prompt); see docs/guide/models-and-hooks.md, \"What a block's forward may do\"."
         )
     modules = [(name, mod) for name, mod in root.named_modules() if name]
     unmatched = [pat for pat in names if not any(fnmatch.fnmatchcase(n, pat) for n, _ in modules)]

@@ -119,7 +119,7 @@ class MegaTrainStrategy(ParallelStrategy):
             to the order of the sum over tokens. ``"auto"`` (default): 256 MiB of fp32 logits per chunk
             (523 tokens of a 128,256-token vocabulary); calls with at most that many tokens, without labels or
             under ``no_grad`` (validation, predict, generation) compute real logits as usual. ``None``: off.
-            See README, "Long sequences".
+            See docs/guide/long-sequences.md.
         mlp_chunk_size: tokens per chunk of each block's MLP (forward and recompute; each chunk
             checkpointed, so backward holds one chunk's MLP intermediates). ``None`` (default): off.
         recompute: what each block's backward recomputes (docs/architecture.md, "Recompute policy"):
@@ -1340,7 +1340,7 @@ class _FlushForCallbacks(Callback):
       ``BaseFinetuning`` itself unfreezes in ``on_train_epoch_start``, after the epoch-end flush.
 
     Other callbacks that read weights in ``on_train_batch_end`` (a hand-written EMA) call
-    ``trainer.strategy.flush()`` first (README, "Lightning features"); flushing for every callback that
+    ``trainer.strategy.flush()`` first (docs/guide/models-and-hooks.md, "Reading and writing weights in hooks"); flushing for every callback that
     overrides the hook (progress bars, loggers) would give up the optimizer overlap on every step."""
 
     _flushed_step = -1

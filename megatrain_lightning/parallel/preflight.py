@@ -197,7 +197,7 @@ def mismatch_message(diff: Mapping[str, Mapping[str, list[int]]]) -> str:
             "same script with the same model and options (same command line, Hydra overrides and files on every "
             "node). Differing:\n" + "\n".join(lines)
             + ("\nstrategy.nvme: give every rank the same nvme_path; each rank keeps its files in its own "
-               "<nvme_path>/megatrain_store_rank<r> (README, \"Several GPUs and nodes\")." if "strategy.nvme" in diff else ""))
+               "<nvme_path>/megatrain_store_rank<r> (docs/guide/distributed.md, \"With the NVMe tier\")." if "strategy.nvme" in diff else ""))
 
 
 def check_same_config(group: Any, fingerprint: Mapping[str, str],
