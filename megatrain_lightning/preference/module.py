@@ -1,0 +1,247 @@
+"""``DPOModule``: preference fine-tuning (DPO, IPO, SimPO) of a Hugging Face causal LM as a LightningModule.
+
+Batches are those of :func:`.data.collate_pairs`. Each training step runs the chosen and the rejected
+sequences of the batch as one concatenated forward (``[2B, T]``: chosen rows first), takes the
+log-probabilities of the response tokens (the prompt and padding masked by ``labels == -100``), and computes
+the loss of :mod:`.losses` against the reference model's log-probabilities of the same tokens. The reference,
+chosen by ``reference``, never doubles the host state of training:
+
+* ``"precompute"``: at the start of ``fit`` one no-grad pass of the starting weights over the training set
+  (streamed like any evaluation), its log-probs cached on disk keyed by model, data and settings; then training
+  needs no reference weights. A resumed run loads (or recomputes from the starting weights) the same cache.
+* ``"adapter"``: for a peft model, the same weights with the adapter disabled (no copy).
+* ``"copy"``: a frozen copy of the starting model held by this module (its weights stream like the policy's;
+  4 bytes per parameter of host RAM and no gradient or optimizer state).
+* ``None``: no reference (SimPO).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+
+from .losses import LOSS_TYPES, needs_reference, preference_loss
+
+log = logging.getLogger(__name__)
+
+REFERENCES = ("precompute", "adapter", "copy")
+
+
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed log-probabilities of the label tokens of each sequence, and their counts.
+
+    Args:
+        logits: ``[N, T, V]`` (any float dtype; reduced in float32).
+        labels: ``[N, T]`` int64, ``-100`` where no token is scored; shifted by one as a causal LM's loss is
+            (the logits at ``t`` score the label at ``t + 1``).
+
+    Returns:
+        (sums ``[N]`` float32, counts ``[N]`` int64)."""
+    labels = labels[:, 1:]
+    mask = labels != -100
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    picked = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return (picked * mask).sum(-1), mask.sum(-1)
+
+
+def _concat(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask, labels)`` ``[2B, T]``: the chosen rows, then the rejected rows."""
+    return tuple(torch.cat([batch[f"chosen_{k}"], batch[f"rejected_{k}"]]) for k in ("input_ids", "attention_mask",
+                                                                                       "labels"))
+
+
+class DPOModule(pl.LightningModule):
+    """Preference fine-tuning of ``model`` (any ``transformers`` causal LM, or a peft model around one).
+
+    Args:
+        model: the policy, at its starting weights.
+        loss_type: ``"sigmoid"`` (DPO), ``"ipo"`` or ``"simpo"`` (:mod:`.losses`).
+        beta: the loss's beta (> 0): DPO's KL weight, IPO's tau, SimPO's reward scale.
+        gamma: SimPO's target reward margin (TRL's ``simpo_gamma``); only ``"simpo"`` reads it.
+        reference: ``"precompute"``, ``"adapter"``, ``"copy"`` or ``None``; default: ``"precompute"`` for the
+            losses that need a reference, ``None`` for ``"simpo"``.
+        lr, betas, weight_decay: ``torch.optim.AdamW``'s (override ``configure_optimizers`` for another).
+        cache_dir: directory of the ``"precompute"`` cache (default ``~/.cache/megatrain_lightning/reference_logps``).
+
+    Logged per step (and with a ``val_`` prefix in validation): ``train_loss``, ``rewards/chosen``,
+    ``rewards/rejected``, ``rewards/accuracies`` (share of pairs whose chosen reward is higher),
+    ``rewards/margins`` (chosen - rejected), ``logps/chosen``, ``logps/rejected``.
+
+    Raises:
+        ValueError: an unknown ``loss_type`` or ``reference``, ``beta <= 0``, a reference for ``"simpo"`` or none for
+            the others, or ``"adapter"`` for a model without a peft adapter (at construction)."""
+
+    def __init__(self, model: torch.nn.Module, loss_type: str = "sigmoid", beta: float = 0.1, gamma: float = 0.5,
+                 reference: str | None = "default", lr: float = 1e-6, betas: tuple[float, float] = (0.9, 0.999),
+                 weight_decay: float = 0.0, cache_dir: str | os.PathLike | None = None) -> None:
+        super().__init__()
+        if loss_type not in LOSS_TYPES:
+            raise ValueError(f"megatrain: loss_type must be one of {LOSS_TYPES}, got {loss_type!r}.")
+        if not beta > 0:
+            raise ValueError(f"megatrain: beta must be > 0, got {beta!r}.")
+        if reference == "default":
+            reference = "precompute" if needs_reference(loss_type) else None
+        if reference is not None and reference not in REFERENCES:
+            raise ValueError(f"megatrain: reference must be one of {REFERENCES} or None, got {reference!r}.")
+        if needs_reference(loss_type) and reference is None:
+            raise ValueError(f"megatrain: loss_type={loss_type!r} compares against a reference model: set reference "
+                             f"to one of {REFERENCES} (or use loss_type='simpo', which needs none).")
+        if not needs_reference(loss_type) and reference is not None:
+            raise ValueError(f"megatrain: loss_type='simpo' uses no reference model; reference={reference!r} does not "
+                             "apply: leave it unset (None).")
+        if reference == "adapter" and not (hasattr(model, "disable_adapter") and getattr(model, "peft_config", None)):
+            raise ValueError("megatrain: reference='adapter' takes the model with its adapter disabled as the "
+                             "reference, but this model has no peft adapter: wrap it with peft.get_peft_model, or "
+                             "use reference='precompute' or 'copy'.")
+        self.model = model
+        self.loss_type, self.beta, self.gamma, self.reference = loss_type, float(beta), float(gamma), reference
+        self.lr, self.betas, self.weight_decay = lr, tuple(betas), weight_decay
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else (
+            Path.home() / ".cache" / "megatrain_lightning" / "reference_logps")
+        self.reference_model = copy.deepcopy(model).requires_grad_(False).eval() if reference == "copy" else None
+        self.reference_logps: torch.Tensor | None = None  # "precompute": [N, 4] (chosen sum, count, rejected sum, count)
+
+    def train(self, mode: bool = True) -> "DPOModule":
+        """As ``nn.Module.train``; the ``"copy"`` reference stays in eval mode (no dropout), as TRL's."""
+        super().train(mode)
+        if self.reference_model is not None:
+            self.reference_model.eval()
+        return self
+
+    # ---------------------------------------------------------------- log-probabilities
+    def _logps(self, model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
+               labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        return sequence_logps(logits, labels)
+
+    def _reference(self, batch: dict[str, torch.Tensor], ids: torch.Tensor, mask: torch.Tensor,
+                   labels: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Summed reference log-probs ``[B]`` of the chosen and the rejected responses."""
+        if self.reference is None:
+            return None, None
+        if self.reference == "precompute":
+            if self.reference_logps is None:
+                raise RuntimeError("megatrain: the reference log-probs are computed at the start of fit; "
+                                   "DPOModule's training and validation steps run only inside Trainer.fit.")
+            rows = self.reference_logps[batch["index"].cpu()]  # float64: fp32 sums and token counts, exact
+            return rows[:, 0].float().to(ids.device), rows[:, 2].float().to(ids.device)
+        with torch.no_grad():
+            if self.reference == "adapter":
+                with self.model.disable_adapter():
+                    sums, _ = self._logps(self.model, ids, mask, labels)
+            else:
+                sums, _ = self._logps(self.reference_model, ids, mask, labels)
+        return sums.chunk(2)
+
+    def _step(self, batch: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+        ids, mask, labels = _concat(batch)
+        ref_c, ref_r = self._reference(batch, ids, mask, labels)
+        sums, counts = self._logps(self.model, ids, mask, labels)
+        (pol_c, pol_r), (n_c, n_r) = sums.chunk(2), counts.chunk(2)
+        losses, chosen, rejected = preference_loss(self.loss_type, pol_c, pol_r, ref_c, ref_r, n_c, n_r, self.beta,
+                                                   self.gamma)
+        loss = losses.mean()
+        n = ids.shape[0] // 2
+        metrics = {"loss": loss.detach(), "rewards/chosen": chosen.detach().mean(),
+                   "rewards/rejected": rejected.detach().mean(),
+                   "rewards/accuracies": (chosen > rejected).float().mean(),
+                   "rewards/margins": (chosen - rejected).detach().mean(),
+                   "logps/chosen": pol_c.detach().mean(), "logps/rejected": pol_r.detach().mean()}
+        for name, value in metrics.items():
+            key = f"{prefix}_loss" if name == "loss" else (name if prefix == "train" else f"{prefix}_{name}")
+            self.log(key, value, batch_size=n, prog_bar=name in ("loss", "rewards/accuracies"), sync_dist=True)
+        return loss
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """The mean loss over the batch's pairs (Lightning divides it by ``accumulate_grad_batches``)."""
+        return self._step(batch, "train")
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._step(batch, "val")
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=self.lr,
+                                 betas=self.betas, weight_decay=self.weight_decay)
+
+    # ---------------------------------------------------------------- the precomputed reference
+    def on_fit_start(self) -> None:
+        """``"precompute"``: load the cache for this model, data and settings, or compute it now. Lightning calls
+        this hook after the strategy's setup and before a checkpoint's weights are restored, so the pass always
+        sees the starting weights, in a resumed run as well."""
+        if self.reference != "precompute":
+            return
+        loader = self._train_loader()
+        key = self._cache_key(loader.dataset)
+        path = self.cache_dir / f"{key}.pt"
+        if path.exists():
+            self.reference_logps = torch.load(path, weights_only=True)
+            log.info("megatrain: reference log-probs loaded from %s", path)
+            return
+        self.reference_logps = self._precompute(loader)
+        if self.trainer.global_rank == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp-{os.getpid()}")
+            torch.save(self.reference_logps, tmp)
+            os.replace(tmp, path)
+            log.info("megatrain: reference log-probs of %d pairs cached in %s", len(self.reference_logps), path)
+
+    def _train_loader(self) -> DataLoader:
+        """The DataLoader ``fit`` trains on (its dataset's items carry an ``index``: :class:`.data.PreferenceDataset`).
+
+        Raises:
+            TypeError: the training data is not one DataLoader over an indexable dataset."""
+        # Lightning keeps fit's data source on the fit loop (a DataLoader, a LightningDataModule or this module)
+        loader = self.trainer.fit_loop._data_source.dataloader()
+        if not isinstance(loader, DataLoader) or not hasattr(loader.dataset, "__getitem__"):
+            raise TypeError("megatrain: reference='precompute' needs the training data as one DataLoader over an "
+                            f"indexable dataset of preference pairs with an 'index' (PreferenceDataset); got "
+                            f"{type(loader).__name__}. Use reference='copy' for other data.")
+        return loader
+
+    def _cache_key(self, dataset: Any) -> str:
+        """SHA-256 of what the reference log-probs depend on: the model's config and source, a digest of its input
+        embeddings where they are readable, the token ids of every pair, and the precision."""
+        h = hashlib.sha256()
+        config = getattr(self.model, "config", None)
+        h.update(config.to_json_string().encode() if hasattr(config, "to_json_string") else repr(config).encode())
+        h.update(str(getattr(config, "_name_or_path", "")).encode())
+        emb = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
+        if emb is not None and emb.weight.device.type != "meta":
+            try:
+                h.update(emb.weight.detach().double().sum().item().hex().encode())
+            except Exception:  # a placeholder of the NVMe tier: the other parts still key the cache
+                pass
+        for i in range(len(dataset)):
+            item = dataset[i]
+            h.update(json.dumps([int(item["index"]), item["prompt"], item["chosen"], item["rejected"]]).encode())
+        h.update(str(self.trainer.precision).encode())
+        return h.hexdigest()[:32]
+
+    def _precompute(self, loader: DataLoader) -> torch.Tensor:
+        """One no-grad pass in dataset order: ``[N, 4]`` float64 (chosen sum, chosen count, rejected sum, count)."""
+        out = torch.zeros(len(loader.dataset), 4, dtype=torch.float64)
+        ordered = DataLoader(loader.dataset, batch_size=loader.batch_size or 1, shuffle=False,
+                             collate_fn=loader.collate_fn)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for batch in ordered:
+                    batch = {k: v.to(self.device) for k, v in batch.items()}
+                    ids, mask, labels = _concat(batch)
+                    sums, counts = self._logps(self.model, ids, mask, labels)
+                    c_sum, r_sum = sums.double().cpu().chunk(2)
+                    c_n, r_n = counts.double().cpu().chunk(2)
+                    out[batch["index"].cpu()] = torch.stack([c_sum, c_n, r_sum, r_n], dim=1)
+        finally:
+            self.model.train(was_training)
+        return out

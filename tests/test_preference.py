@@ -1,0 +1,284 @@
+"""Preference fine-tuning (DPO, IPO, SimPO) through ``strategy="megatrain"`` against a plain PyTorch DPO loop.
+
+The reference loop is written here from the papers' formulas: the policy and a frozen deep copy of the starting
+model (eval mode) score the response tokens with ``cross_entropy``; ``torch.optim.AdamW``, accumulation 2 and
+norm clipping as Lightning runs them."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning.pytorch as pl
+import peft
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+
+import megatrain_lightning  # noqa: F401  (registers the strategy)
+from megatrain_lightning.data import ResumableDataLoader
+from megatrain_lightning.preference import (DPOModule, PreferenceDataError, PreferenceDataset, collate_pairs,
+                                            encode_pair)
+from megatrain_lightning.testing import VOCAB, freeze_key_biases, make_model, rel
+
+LR, BETA, GAMMA, ACC, CLIP, STEPS = 1e-3, 0.1, 0.5, 2, 1.0, 10
+
+
+class Pairs(Dataset):
+    """Random token pairs: prompts of 2-5 tokens, responses of 1-6 (already encoded, with an ``index``)."""
+
+    def __init__(self, n: int = 8, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        draw = lambda lo, hi: torch.randint(1, VOCAB, (int(torch.randint(lo, hi, (1,), generator=g)),),  # noqa: E731
+                                            generator=g).tolist()
+        self.items = [{"prompt": draw(2, 6), "chosen": draw(1, 7), "rejected": draw(1, 7)} for _ in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"index": i, **self.items[i]}
+
+
+def loader(n: int = 8) -> DataLoader:
+    """Batches of 2 pairs in order; the recipes' ``ResumableDataLoader``, so that a resume continues mid-epoch."""
+    return ResumableDataLoader(Pairs(n), batch_size=2, shuffle=False, collate_fn=collate_pairs)
+
+
+def plain_logps(model, ids, mask, labels) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed response log-probs as TRL takes them (``selective_log_softmax``: log_softmax, then the label's
+    entry), and the response lengths."""
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+    target = labels[:, 1:]
+    keep = target != -100
+    picked = torch.log_softmax(logits, -1).gather(-1, target.masked_fill(~keep, 0)[..., None])[..., 0]
+    return (picked * keep).sum(-1), keep.sum(-1)
+
+
+def plain_dpo(model, data, loss_type: str, steps: int = STEPS) -> tuple[list[float], list[float]]:
+    """Train ``model`` in place with plain PyTorch; returns every micro-batch's loss and reward margin."""
+    ref = copy.deepcopy(model).requires_grad_(False).eval()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, betas=(0.9, 0.999),
+                            weight_decay=0.0)
+    losses, margins, done, micro, it = [], [], 0, 0, iter(data)
+    model.train()
+    while done < steps:
+        try:
+            b = next(it)
+        except StopIteration:
+            it = iter(data)
+            b = next(it)
+        ids = torch.cat([b["chosen_input_ids"], b["rejected_input_ids"]])
+        mask = torch.cat([b["chosen_attention_mask"], b["rejected_attention_mask"]])
+        labels = torch.cat([b["chosen_labels"], b["rejected_labels"]])
+        (pc, pr), (nc, nr) = (t.chunk(2) for t in plain_logps(model, ids, mask, labels))
+        with torch.no_grad():
+            rc, rr = plain_logps(ref, ids, mask, labels)[0].chunk(2)
+        if loss_type == "sigmoid":  # Rafailov et al. 2023, eq. 7
+            c, r = BETA * (pc - rc), BETA * (pr - rr)
+            loss = -F.logsigmoid(c - r).mean()
+        elif loss_type == "ipo":  # Azar et al. 2023, eq. 17, per-token log-ratios as TRL
+            c, r = BETA * (pc - rc), BETA * (pr - rr)
+            loss = (((pc - rc) / nc - (pr - rr) / nr - 1 / (2 * BETA)) ** 2).mean()
+        else:  # SimPO, Meng et al. 2024, eq. 6
+            c, r = BETA * pc / nc, BETA * pr / nr
+            loss = -F.logsigmoid(c - r - GAMMA).mean()
+        losses.append(loss.item())
+        margins.append((c - r).mean().item())
+        (loss / ACC).backward()
+        micro += 1
+        if micro == ACC:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            opt.step()
+            opt.zero_grad()
+            micro, done = 0, done + 1
+    return losses, margins
+
+
+class Record(pl.Callback):
+    def __init__(self) -> None:
+        self.losses, self.margins = [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]) * ACC)  # Lightning returns the loss divided for accumulation
+        self.margins.append(float(trainer.callback_metrics["rewards/margins"]))
+
+
+def megatrain_dpo(model, data, loss_type: str, reference, tmp_path, steps: int = STEPS, **trainer_kw):
+    module = DPOModule(model, loss_type=loss_type, beta=BETA, gamma=GAMMA, reference=reference, lr=LR,
+                       cache_dir=tmp_path / "cache")
+    rec = Record()
+    kw = dict(strategy="megatrain", accelerator="cpu", devices=1, max_steps=steps, logger=False,
+              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+              accumulate_grad_batches=ACC, gradient_clip_val=CLIP, callbacks=[rec])
+    kw.update(trainer_kw)
+    trainer = pl.Trainer(**kw)
+    trainer.fit(module, data)
+    return module, rec
+
+
+def assert_close(got: list[float], want: list[float], what: str, tol: float = 1e-6, scale: float = 0.0) -> None:
+    """Each value within ``tol`` relative of the plain one, or ``tol * scale`` absolute (a reward margin is a
+    difference of rewards of size ``scale``: cancellation leaves it a larger relative error)."""
+    assert len(got) == len(want), (what, len(got), len(want))
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert abs(a - b) <= tol * max(abs(b), scale), f"{what} {i}: {a} vs plain {b}"
+
+
+def assert_weights(model, plain, tol: float = 1e-6, per_tensor: float | None = 1e-4) -> None:
+    """All weights within ``tol`` relative (as one vector), and each tensor within ``per_tensor``: a small bias
+    vector carries the summation-order differences of a block-wise backward as a larger relative error (GPT-2's
+    ``c_fc.bias`` up to 1.3e-5 after 10 steps), while a tensor left out of an update is off by 1e-2 or more."""
+    got, want = dict(model.named_parameters()), dict(plain.named_parameters())
+    assert got.keys() == want.keys()
+    flat = lambda d: torch.cat([d[k].detach().reshape(-1) for k in sorted(d)])  # noqa: E731
+    assert rel(flat(got), flat(want)) <= tol, f"relative weight error {rel(flat(got), flat(want)):.3e}"
+    for k in want:
+        r = rel(got[k].detach(), want[k].detach())
+        assert r <= (tol if per_tensor is None else per_tensor), f"{k}: relative weight error {r:.3e}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "simpo"])
+def test_each_loss_matches_a_plain_pytorch_loop(tmp_path, arch, loss_type):
+    model = make_model(arch)
+    freeze_key_biases(model)  # their true gradient is zero: rounding noise, amplified by Adam, cannot be compared
+    plain = copy.deepcopy(model)
+    want_losses, want_margins = plain_dpo(plain, loader(), loss_type)
+    reference = None if loss_type == "simpo" else "precompute"
+    _, rec = megatrain_dpo(model, loader(), loss_type, reference, tmp_path)
+    assert_close(rec.losses, want_losses, "loss")
+    assert_close(rec.margins, want_margins, "reward margin", scale=1.0)  # rewards: beta x |log p| of about 1-3
+    assert_weights(model, plain)
+
+
+def test_copy_reference_matches_plain_and_precompute(tmp_path):
+    model = make_model("llama")
+    plain = copy.deepcopy(model)
+    want_losses, _ = plain_dpo(plain, loader(), "sigmoid", steps=4)
+    _, rec = megatrain_dpo(model, loader(), "sigmoid", "copy", tmp_path, steps=4)
+    assert_close(rec.losses, want_losses, "loss")
+    assert_weights(model, plain)
+
+
+def lora_model():
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    model = peft.get_peft_model(make_model("llama"), config)
+    torch.manual_seed(3)
+    for n, p in model.named_parameters():  # non-zero B: the adapter changes the outputs from the first step
+        if "lora_B" in n:
+            p.data.normal_(0, 0.02)
+    return model
+
+
+def test_adapter_reference_is_the_model_without_its_adapter(tmp_path):
+    """``"adapter"`` scores with the adapter disabled; ``"copy"`` of the base model gives the same reference, so
+    training a peft model with either gives the same numbers."""
+    base = lora_model()
+    with_copy = copy.deepcopy(base)
+    _, rec_adapter = megatrain_dpo(base, loader(), "sigmoid", "adapter", tmp_path, steps=3)
+    # the copy reference must be the model without its adapter: copy that, train the adapted one
+    module = DPOModule(with_copy, loss_type="sigmoid", beta=BETA, reference="copy", lr=LR)
+    with torch.no_grad():
+        merged = copy.deepcopy(with_copy)
+        for n, p in merged.named_parameters():
+            if "lora_B" in n:
+                p.zero_()
+    module.reference_model = merged.requires_grad_(False).eval()
+    rec = Record()
+    pl.Trainer(strategy="megatrain", accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+               enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=ACC,
+               gradient_clip_val=CLIP, callbacks=[rec]).fit(module, loader())
+    assert_close(rec_adapter.losses, rec.losses, "loss")
+    assert_weights(base, with_copy)
+
+
+def test_precompute_cache_is_reused_and_keyed_by_the_data(tmp_path):
+    model = make_model("llama")
+    megatrain_dpo(copy.deepcopy(model), loader(), "sigmoid", "precompute", tmp_path, steps=1)
+    files = sorted((tmp_path / "cache").glob("*.pt"))
+    assert len(files) == 1
+    stamp = files[0].stat().st_mtime_ns
+    megatrain_dpo(copy.deepcopy(model), loader(), "sigmoid", "precompute", tmp_path, steps=1)
+    assert files[0].stat().st_mtime_ns == stamp  # loaded, not written again
+    megatrain_dpo(copy.deepcopy(model), loader(6), "sigmoid", "precompute", tmp_path, steps=1)
+    assert len(list((tmp_path / "cache").glob("*.pt"))) == 2  # other data: another key
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    """Save after 3 steps (mid-epoch), resume to 6: the same losses and weights as 6 steps in one run (the
+    precomputed reference is loaded again from the starting weights' cache)."""
+    model = make_model("llama")
+    whole = copy.deepcopy(model)
+    _, full = megatrain_dpo(whole, loader(), "sigmoid", "precompute", tmp_path, steps=6)
+    first_model = copy.deepcopy(model)
+    first = DPOModule(first_model, loss_type="sigmoid", beta=BETA, reference="precompute", lr=LR,
+                      cache_dir=tmp_path / "cache")
+    rec1, rec2 = Record(), Record()
+    kw = dict(strategy="megatrain", accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=ACC, gradient_clip_val=CLIP)
+    t1 = pl.Trainer(max_steps=3, callbacks=[rec1], **kw)
+    t1.fit(first, loader())
+    t1.save_checkpoint(tmp_path / "ckpt")
+    resumed = copy.deepcopy(model)
+    second = DPOModule(resumed, loss_type="sigmoid", beta=BETA, reference="precompute", lr=LR,
+                       cache_dir=tmp_path / "cache")
+    pl.Trainer(max_steps=6, callbacks=[rec2], **kw).fit(second, loader(), ckpt_path=tmp_path / "ckpt")
+    assert rec1.losses + rec2.losses == full.losses
+    assert_weights(resumed, whole, tol=0.0, per_tensor=None)
+
+
+def test_nvme_tier_matches_plain(tmp_path):
+    model = make_model("llama")
+    plain = copy.deepcopy(model)
+    want_losses, _ = plain_dpo(plain, loader(), "sigmoid", steps=3)
+    from megatrain_lightning import MegaTrainStrategy
+    (tmp_path / "nvme").mkdir()
+    strategy = MegaTrainStrategy(offload_params="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path / "nvme"))
+    _, rec = megatrain_dpo(model, loader(), "sigmoid", "precompute", tmp_path, steps=3, strategy=strategy)
+    assert_close(rec.losses, want_losses, "loss")
+    assert_weights(model, plain)
+
+
+# ----------------------------------------------------------------------------------- bad input, before any work
+
+
+class Tok:
+    """A whitespace tokenizer with the parts of the Hugging Face interface the encoder uses."""
+    eos_token_id = 2
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": ([1] if add_special_tokens else []) + [3 + len(w) for w in text.split()]}
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"prompt": "a b", "chosen": "c"}, "needs the fields"),
+    ({"prompt": "a b", "chosen": " ", "rejected": "d"}, "'chosen' response is empty"),
+    ({"prompt": "a b c d e f g h", "chosen": "c", "rejected": "d"}, "no response token fits"),
+    ({"prompt": 3, "chosen": "c", "rejected": "d"}, "must be a string or a list"),
+])
+def test_bad_records_are_refused_naming_the_record(record, message):
+    with pytest.raises(PreferenceDataError, match=message) as err:
+        PreferenceDataset([{"prompt": "x", "chosen": "y", "rejected": "z"}, record], Tok(), max_length=6)
+    assert "record 1" in str(err.value)
+
+
+def test_encoding_masks_the_prompt_and_ends_responses_with_eos():
+    item = encode_pair({"prompt": "aa b", "chosen": "ccc", "rejected": "d ee"}, Tok(), max_length=16)
+    assert item == {"prompt": [1, 5, 4], "chosen": [6, 2], "rejected": [4, 5, 2]}
+    batch = collate_pairs([{"index": 0, **item}])
+    assert batch["chosen_labels"].tolist() == [[-100, -100, -100, 6, 2, -100]]
+    assert batch["rejected_input_ids"].tolist() == [[1, 5, 4, 4, 5, 2]]
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(loss_type="kto"), "loss_type must be one of"),
+    (dict(beta=0.0), "beta must be > 0"),
+    (dict(loss_type="simpo", reference="copy"), "uses no reference model"),
+    (dict(reference=None), "compares against a reference model"),
+    (dict(reference="adapter"), "has no peft adapter"),
+    (dict(reference="frozen"), "reference must be one of"),
+])
+def test_bad_options_are_refused_at_construction(kw, message):
+    with pytest.raises(ValueError, match=message):
+        DPOModule(make_model("llama"), **kw)
