@@ -39,15 +39,15 @@ def _arg(args: tuple, name: str, default: int) -> int:
 
 
 def launch(out: Path, *args: str, env: dict | None = None, timeout: float = 300,
-           spawn: bool = False) -> subprocess.CompletedProcess:
-    """Run the worker on one node and return the finished run: with ``spawn`` (or one process) rank 0 only, and
+           spawn: bool = False, worker: Path = WORKER) -> subprocess.CompletedProcess:
+    """Run ``worker`` on one node and return the finished run: with ``spawn`` (or one process) rank 0 only, and
     Lightning's launcher starts the others; else every rank at once, as ``torchrun`` starts them. The result has
     the first failing rank's return code (0 when all succeed) and every rank's output, rank by rank."""
     e = {**os.environ, "MASTER_PORT": str(free_port()), "MASTER_ADDR": "127.0.0.1", **(env or {})}
     for k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):  # a clean launch, whatever runs the tests
         if env is None or k not in env:
             e.pop(k, None)
-    cmd = [sys.executable, str(WORKER), str(out), *args]
+    cmd = [sys.executable, str(worker), str(out), *args]
     devices = _arg(args, "--devices", 2)
     if spawn or devices == 1 or _arg(args, "--num-nodes", 1) != 1 or (env and "LOCAL_RANK" in env):
         return subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=timeout,

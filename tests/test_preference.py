@@ -7,6 +7,7 @@ norm clipping as Lightning runs them."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import lightning.pytorch as pl
 import peft
@@ -282,3 +283,17 @@ def test_encoding_masks_the_prompt_and_ends_responses_with_eos():
 def test_bad_options_are_refused_at_construction(kw, message):
     with pytest.raises(ValueError, match=message):
         DPOModule(make_model("llama"), **kw)
+
+
+def test_two_process_data_parallel_equals_one_process_on_the_global_batch(tmp_path):
+    """2 ranks (gloo) with 1 pair each per micro-batch train like one process with 2 pairs per micro-batch (the
+    pair losses are averaged, as DDP averages gradients)."""
+    from test_data_parallel import check, launch
+
+    check(launch(tmp_path, "--devices", "2", timeout=600, worker=Path(__file__).with_name("dpo_worker.py")))
+    model = make_model("llama")
+    freeze_key_biases(model)
+    plain_dpo(model, DataLoader(Pairs(), batch_size=2, shuffle=False, collate_fn=collate_pairs), "sigmoid", steps=4)
+    got = torch.load(tmp_path / "weights.pt")
+    for k, v in model.state_dict().items():
+        assert rel(got[k], v) <= 1e-5, k
