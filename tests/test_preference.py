@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import megatrain_lightning  # noqa: F401  (registers the strategy)
 from megatrain_lightning.data import ResumableDataLoader
-from megatrain_lightning.preference import (DPOModule, PreferenceDataError, PreferenceDataset, collate_pairs,
+from megatrain_lightning.preference import (DPOModule, chunked_sequence_logps, PreferenceDataError, PreferenceDataset, collate_pairs,
                                             encode_pair)
 from megatrain_lightning.testing import VOCAB, freeze_key_biases, make_model, rel
 
@@ -153,6 +153,29 @@ def test_each_loss_matches_a_plain_pytorch_loop(tmp_path, arch, loss_type):
     assert_weights(model, plain)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_chunked_log_probs_match_plain_with_full_logits(tmp_path, arch):
+    """``logps_chunk_size=3``: the head and log-softmax over chunks of 3 positions, never the full logits."""
+    model = make_model(arch)
+    freeze_key_biases(model)
+    plain = copy.deepcopy(model)
+    want_losses, want_margins = plain_dpo(plain, loader(), "sigmoid", steps=4)
+    module = DPOModule(model, loss_type="sigmoid", beta=BETA, reference="copy", lr=LR, logps_chunk_size=3)
+    rec = Record()
+    pl.Trainer(strategy="megatrain", accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
+               enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=ACC,
+               gradient_clip_val=CLIP, callbacks=[rec]).fit(module, loader())
+    assert_close(rec.losses, want_losses, "loss")
+    assert_close(rec.margins, want_margins, "reward margin", scale=1.0)
+    assert_weights(model, plain)
+
+
+def test_chunked_log_probs_refuse_soft_capped_logits():
+    with pytest.raises(ValueError, match="soft-caps or scales its logits"):
+        chunked_sequence_logps(make_model("gemma2"), torch.ones(1, 4, dtype=torch.long), torch.ones(1, 4),
+                               torch.ones(1, 4, dtype=torch.long), 2)
+
+
 def test_copy_reference_matches_plain_and_precompute(tmp_path):
     model = make_model("llama")
     plain = copy.deepcopy(model)
@@ -279,6 +302,7 @@ def test_encoding_masks_the_prompt_and_ends_responses_with_eos():
     (dict(reference=None), "compares against a reference model"),
     (dict(reference="adapter"), "has no peft adapter"),
     (dict(reference="frozen"), "reference must be one of"),
+    (dict(logps_chunk_size=0), "logps_chunk_size must be a positive int"),
 ])
 def test_bad_options_are_refused_at_construction(kw, message):
     with pytest.raises(ValueError, match=message):

@@ -27,6 +27,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
 from .losses import LOSS_TYPES, needs_reference, preference_loss
@@ -53,6 +54,45 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     return (picked * mask).sum(-1), mask.sum(-1)
 
 
+def chunked_sequence_logps(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor,
+                           chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sequence_logps` without the full logits: the decoder's hidden states go through the LM head
+    ``chunk`` positions at a time, each chunk's log-softmax under ``torch.utils.checkpoint`` (non-reentrant), so
+    forward and backward hold one chunk's ``[N, chunk, V]`` logits at a time.
+
+    Args:
+        model: a Hugging Face causal LM (or a peft model around one) whose logits are its output embedding applied
+            to the decoder's last hidden state (no soft-capping or logit scaling).
+        ids, mask, labels: ``[N, T]`` int64 (see :func:`sequence_logps`).
+        chunk: positions per chunk (>= 1).
+
+    Raises:
+        ValueError: the model post-processes its logits (``final_logit_softcapping``, ``logit_scale``), which the
+            chunks would miss, or has no ``base_model_prefix`` decoder."""
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = hf.config
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None) not in (None, 1.0):
+        raise ValueError(f"megatrain: logps_chunk_size: {type(hf).__name__} soft-caps or scales its logits, which "
+                         "chunked log-probs do not apply; set logps_chunk_size=None.")
+    decoder = getattr(hf, hf.base_model_prefix, None)
+    if decoder is None:
+        raise ValueError(f"megatrain: logps_chunk_size: {type(hf).__name__} has no decoder at "
+                         f"'{hf.base_model_prefix}'; set logps_chunk_size=None.")
+    head = hf.get_output_embeddings()
+    hidden = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state[:, :-1]
+    target = labels[:, 1:]
+    keep = target != -100
+
+    def piece(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        logp = torch.log_softmax(head(h).float(), dim=-1)
+        return logp.gather(-1, t.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+
+    parts = [checkpoint(piece, hidden[:, s: s + chunk], target[:, s: s + chunk], use_reentrant=False)
+             for s in range(0, hidden.shape[1], chunk)]
+    picked = torch.cat(parts, dim=1)
+    return (picked * keep).sum(-1), keep.sum(-1)
+
+
 def _concat(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(input_ids, attention_mask, labels)`` ``[2B, T]``: the chosen rows, then the rejected rows."""
     return tuple(torch.cat([batch[f"chosen_{k}"], batch[f"rejected_{k}"]]) for k in ("input_ids", "attention_mask",
@@ -71,6 +111,9 @@ class DPOModule(pl.LightningModule):
             losses that need a reference, ``None`` for ``"simpo"``.
         lr, betas, weight_decay: ``torch.optim.AdamW``'s (override ``configure_optimizers`` for another).
         cache_dir: directory of the ``"precompute"`` cache (default ``~/.cache/megatrain_lightning/reference_logps``).
+        logps_chunk_size: positions per chunk of the LM head + log-softmax (:func:`chunked_sequence_logps`): the
+            ``[2B, T, V]`` fp32 logits are never materialised, for long sequences or large vocabularies. ``None``
+            (default): one full-logits forward.
 
     Logged per step (and with a ``val_`` prefix in validation): ``train_loss``, ``rewards/chosen``,
     ``rewards/rejected``, ``rewards/accuracies`` (share of pairs whose chosen reward is higher),
@@ -82,12 +125,16 @@ class DPOModule(pl.LightningModule):
 
     def __init__(self, model: torch.nn.Module, loss_type: str = "sigmoid", beta: float = 0.1, gamma: float = 0.5,
                  reference: str | None = "default", lr: float = 1e-6, betas: tuple[float, float] = (0.9, 0.999),
-                 weight_decay: float = 0.0, cache_dir: str | os.PathLike | None = None) -> None:
+                 weight_decay: float = 0.0, cache_dir: str | os.PathLike | None = None,
+                 logps_chunk_size: int | None = None) -> None:
         super().__init__()
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"megatrain: loss_type must be one of {LOSS_TYPES}, got {loss_type!r}.")
         if not beta > 0:
             raise ValueError(f"megatrain: beta must be > 0, got {beta!r}.")
+        if logps_chunk_size is not None and (isinstance(logps_chunk_size, bool) or not isinstance(logps_chunk_size, int)
+                                             or logps_chunk_size < 1):
+            raise ValueError(f"megatrain: logps_chunk_size must be a positive int or None, got {logps_chunk_size!r}.")
         if reference == "default":
             reference = "precompute" if needs_reference(loss_type) else None
         if reference is not None and reference not in REFERENCES:
@@ -105,6 +152,7 @@ class DPOModule(pl.LightningModule):
         self.model = model
         self.loss_type, self.beta, self.gamma, self.reference = loss_type, float(beta), float(gamma), reference
         self.lr, self.betas, self.weight_decay = lr, tuple(betas), weight_decay
+        self.logps_chunk_size = logps_chunk_size
         self.cache_dir = Path(cache_dir) if cache_dir is not None else (
             Path.home() / ".cache" / "megatrain_lightning" / "reference_logps")
         self.reference_model = copy.deepcopy(model).requires_grad_(False).eval() if reference == "copy" else None
@@ -120,6 +168,8 @@ class DPOModule(pl.LightningModule):
     # ---------------------------------------------------------------- log-probabilities
     def _logps(self, model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
                labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.logps_chunk_size is not None:
+            return chunked_sequence_logps(model, ids, mask, labels, self.logps_chunk_size)
         logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
         return sequence_logps(logits, labels)
 
