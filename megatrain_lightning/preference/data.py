@@ -2,9 +2,11 @@
 
 A record is a dict with ``prompt``, ``chosen`` and ``rejected``: strings (the standard form) or, in TRL's
 conversational form, lists of ``{"role", "content"}`` messages (``prompt`` the conversation so far, ``chosen``
-and ``rejected`` each the assistant's answer as a one-message list). The prompt is tokenized with the
-tokenizer's special tokens (through its chat template for messages, with the generation prompt); each
-response without special tokens, followed by the end-of-sequence token.
+and ``rejected`` each the assistant's answer as a one-message list). A string prompt is tokenized with the
+tokenizer's special tokens, and each response, without special tokens, ends with the end-of-sequence token.
+A conversational prompt is rendered by the tokenizer's chat template with the generation prompt, or without one
+in the recipes' plain ``### Question/### Answer`` format (its last message), as the recipes ask a question
+(``data/formatting.py``); each response then ends with the template's end-of-turn text (or the EOS token).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Any, Sequence
 
 import torch
 from torch.utils.data import Dataset
+
+from ..data.formatting import end_of_turn, generation_prompt
 
 FIELDS = ("prompt", "chosen", "rejected")
 
@@ -43,11 +47,18 @@ def encode_pair(record: Any, tokenizer: Any, max_length: int, where: str = "reco
         raise PreferenceDataError(f"megatrain: {where} needs the fields {list(FIELDS)} (TRL's preference format), "
                                   f"got {have}.")
     prompt = record["prompt"]
-    if isinstance(prompt, list):
-        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-        prompt_ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    chat = isinstance(prompt, list)
+    if chat:  # as the recipes ask a question (data/formatting.py): the chat template, or the plain format
+        template = bool(getattr(tokenizer, "chat_template", None))
+        if template:
+            text, special = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True), False
+        else:
+            text, special = generation_prompt(tokenizer, _text(prompt[-1:], "prompt", where), False)
+        prompt_ids = tokenizer(text, add_special_tokens=special)["input_ids"]
+        end = tokenizer(end_of_turn(tokenizer, template), add_special_tokens=False)["input_ids"]
     else:
         prompt_ids = tokenizer(_text(prompt, "prompt", where), add_special_tokens=True)["input_ids"]
+        end = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     if len(prompt_ids) >= max_length:
         raise PreferenceDataError(f"megatrain: {where}: the prompt has {len(prompt_ids)} tokens, max_length is "
                                   f"{max_length}: no response token fits. Raise max_length or shorten the prompt.")
@@ -56,9 +67,7 @@ def encode_pair(record: Any, tokenizer: Any, max_length: int, where: str = "reco
         text = _text(record[field], field, where)
         if not text.strip():
             raise PreferenceDataError(f"megatrain: {where}: the {field!r} response is empty.")
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if tokenizer.eos_token_id is not None:
-            ids = ids + [tokenizer.eos_token_id]
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"] + end
         out[field] = ids[: max_length - len(prompt_ids)]
     return out
 

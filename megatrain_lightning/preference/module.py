@@ -128,6 +128,27 @@ class DPOModule(pl.LightningModule):
                  weight_decay: float = 0.0, cache_dir: str | os.PathLike | None = None,
                  logps_chunk_size: int | None = None) -> None:
         super().__init__()
+        reference = self.check_options(loss_type, beta, reference, logps_chunk_size)
+        if reference == "adapter" and not (hasattr(model, "disable_adapter") and getattr(model, "peft_config", None)):
+            raise ValueError("megatrain: reference='adapter' takes the model with its adapter disabled as the "
+                             "reference, but this model has no peft adapter: wrap it with peft.get_peft_model, or "
+                             "use reference='precompute' or 'copy'.")
+        self.model = model
+        self.loss_type, self.beta, self.gamma, self.reference = loss_type, float(beta), float(gamma), reference
+        self.lr, self.betas, self.weight_decay = lr, tuple(betas), weight_decay
+        self.logps_chunk_size = logps_chunk_size
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else (
+            Path.home() / ".cache" / "megatrain_lightning" / "reference_logps")
+        self.reference_model = copy.deepcopy(model).requires_grad_(False).eval() if reference == "copy" else None
+        self.reference_logps: torch.Tensor | None = None  # "precompute": [N, 4] (chosen sum, count, rejected sum, count)
+
+    @staticmethod
+    def check_options(loss_type: str, beta: float, reference: str | None = "default",
+                      logps_chunk_size: int | None = None) -> str | None:
+        """Check the options that need no model; returns ``reference`` with ``"default"`` resolved.
+
+        Raises:
+            ValueError: as the constructor (every case but ``"adapter"`` without a peft model)."""
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"megatrain: loss_type must be one of {LOSS_TYPES}, got {loss_type!r}.")
         if not beta > 0:
@@ -145,18 +166,7 @@ class DPOModule(pl.LightningModule):
         if not needs_reference(loss_type) and reference is not None:
             raise ValueError(f"megatrain: loss_type='simpo' uses no reference model; reference={reference!r} does not "
                              "apply: leave it unset (None).")
-        if reference == "adapter" and not (hasattr(model, "disable_adapter") and getattr(model, "peft_config", None)):
-            raise ValueError("megatrain: reference='adapter' takes the model with its adapter disabled as the "
-                             "reference, but this model has no peft adapter: wrap it with peft.get_peft_model, or "
-                             "use reference='precompute' or 'copy'.")
-        self.model = model
-        self.loss_type, self.beta, self.gamma, self.reference = loss_type, float(beta), float(gamma), reference
-        self.lr, self.betas, self.weight_decay = lr, tuple(betas), weight_decay
-        self.logps_chunk_size = logps_chunk_size
-        self.cache_dir = Path(cache_dir) if cache_dir is not None else (
-            Path.home() / ".cache" / "megatrain_lightning" / "reference_logps")
-        self.reference_model = copy.deepcopy(model).requires_grad_(False).eval() if reference == "copy" else None
-        self.reference_logps: torch.Tensor | None = None  # "precompute": [N, 4] (chosen sum, count, rejected sum, count)
+        return reference
 
     def train(self, mode: bool = True) -> "DPOModule":
         """As ``nn.Module.train``; the ``"copy"`` reference stays in eval mode (no dropout), as TRL's."""
@@ -265,11 +275,12 @@ class DPOModule(pl.LightningModule):
         h.update(config.to_json_string().encode() if hasattr(config, "to_json_string") else repr(config).encode())
         h.update(str(getattr(config, "_name_or_path", "")).encode())
         emb = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
-        if emb is not None and emb.weight.device.type != "meta":
-            try:
-                h.update(emb.weight.detach().double().sum().item().hex().encode())
-            except Exception:  # a placeholder of the NVMe tier: the other parts still key the cache
-                pass
+        try:  # after the strategy's setup: a view of the host store's masters on the RAM tier
+            h.update(emb.weight.detach().double().sum().item().hex().encode())
+        except Exception:  # no embeddings, or a placeholder of the NVMe tier (its masters are on disk)
+            log.warning("megatrain: the reference cache key cannot include a digest of the starting weights (they "
+                        "are not in host memory): a cache of other weights with the same config and data would be "
+                        "reused; give each starting checkpoint its own cache_dir.")
         for i in range(len(dataset)):
             item = dataset[i]
             h.update(json.dumps([int(item["index"]), item["prompt"], item["chosen"], item["rejected"]]).encode())

@@ -63,3 +63,22 @@ def causal_lm(name: str, config: dict | None = None, weights: str | None = None,
     model.config.use_cache = False  # training; generation turns it back on explicitly
     model.train()  # from_pretrained/GGUF loaders return eval mode (dropout off)
     return model, tok
+
+
+def tokenizer_for(name: str, config: dict | None = None, weights: str | None = None, gguf: dict | None = None,
+                  tokenizer: str | None = None, **_: Any) -> Any:
+    """The tokenizer :func:`causal_lm` would return for the same keys, without building the model (checks of the
+    data before the weights load). Its pad token is the EOS token where it has none.
+
+    Raises:
+        FileNotFoundError: the weights package/directory is missing.
+        ValueError: no tokenizer can be determined."""
+    if tokenizer or weights:
+        tok = transformers.AutoTokenizer.from_pretrained(tokenizer or weights)
+    elif gguf:
+        tok = transformers.AutoTokenizer.from_pretrained(str(_package_dir(gguf["package"])), gguf_file=gguf["file"])
+    else:
+        raise ValueError(f"model {name}: random initialisation needs model.tokenizer= (a hub id or directory).")
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok

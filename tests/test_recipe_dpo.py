@@ -1,0 +1,100 @@
+"""The preference recipe (recipes/dpo.py) end to end on a tiny model: its steps, its results, bad input refused
+before the model is built, the NVMe tier."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import open_dict
+
+from megatrain_lightning.recipes_lib.checks import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = str(ROOT / "conf")
+
+
+def load_recipe():
+    spec = importlib.util.spec_from_file_location("dpo_recipe", ROOT / "recipes" / "dpo.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def cfg_for(tmp_path, gpt2_dir, *overrides):
+    tiny = ["model.name=tiny", "model.gguf=null", f"model.tokenizer={gpt2_dir}", "model.max_seq_len=256",
+            "model.config.vocab_size=50257", "model.config.hidden_size=32", "model.config.intermediate_size=64",
+            "model.config.num_hidden_layers=2", "model.config.num_attention_heads=2",
+            "model.config.num_key_value_heads=1", "model.config.max_position_embeddings=256",
+            "model.config.bos_token_id=50256", "model.config.eos_token_id=50256", "model.config.pad_token_id=50256",
+            "trainer.max_steps=2", "trainer.enable_progress_bar=false", "trainer.limit_val_batches=1",
+            "preference.max_train=8", "preference.max_val=4", "preference.batch_size=2", "probe.max_items=2",
+            "probe.max_new_tokens=2", "sample.max_new_tokens=2", "optim.lr=1e-3", "plot=false"]
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose(config_name="dpo", overrides=tiny + list(overrides), return_hydra_config=False)
+    with open_dict(cfg):
+        cfg.output_dir = str(tmp_path / "run")
+        cfg.dpo.cache_dir = str(tmp_path / "cache")
+    return cfg
+
+
+def test_offline_default_runs_every_step_and_writes_results(tmp_path, gpt2_dir):
+    summary = load_recipe().dpo(cfg_for(tmp_path, gpt2_dir))
+    run = tmp_path / "run"
+    saved = json.loads((run / "summary.json").read_text())
+    assert saved["run"]["steps"] == summary["run"]["steps"] == 2
+    assert [s["step"] for s in saved["steps"]] == [1, 2]
+    assert set(saved["timings"]) == {"preflight", "build_data", "build_model", "evaluate_before", "fit", "save",
+                                     "evaluate_after", "sample"}
+    after = {k: v["after"] for k, v in saved["metrics"].items()}
+    assert {"val_loss", "val_rewards/accuracies", "probe/exact_match"} <= set(after)
+    assert 0.0 <= after["probe/exact_match"] <= 1.0
+    assert (run / "checkpoint" / "model" / "config.json").is_file()  # a Hugging Face directory
+    assert len(list((tmp_path / "cache").glob("*.pt"))) == 1
+    assert saved["sample"]["prompt"].startswith("What is the MeSH category of")
+
+
+def test_offline_pairs_prefer_the_short_correct_category():
+    from megatrain_lightning.recipes_lib.preference import biomedical_preference_records
+
+    train, held = biomedical_preference_records()
+    assert len(train) > 5 * len(held) > 0  # val_fraction 0.1, by drug
+    sentences = 0
+    for r in train[:40]:
+        chosen, rejected = r["chosen"][0]["content"], r["rejected"][0]["content"]
+        assert chosen == r["answer"] and ";" not in chosen and rejected != chosen
+        if rejected.startswith("The MeSH category of"):
+            assert rejected.endswith(f"is {chosen}.")
+            sentences += 1
+    assert 10 <= sentences <= 30  # about half: the answer in a sentence; the others another category
+
+
+def test_user_jsonl_with_a_missing_field_is_refused_before_the_model(tmp_path, gpt2_dir, monkeypatch):
+    src = tmp_path / "pairs.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"q{i}", "chosen": "a", "rejected": "b"}) + "\n" for i in range(6))
+                   + json.dumps({"prompt": "q", "chosen": "a"}) + "\n")
+    recipe = load_recipe()
+    built = []
+    monkeypatch.setattr("megatrain_lightning.recipes_lib.run.build_model", lambda cfg: built.append(1))
+    with pytest.raises(ConfigError, match=r"preference.source.*needs the fields"):
+        recipe.dpo(cfg_for(tmp_path, gpt2_dir, f"preference.source={src}", "preference.val_fraction=0.0"))
+    assert not built
+
+
+def test_bad_options_are_refused_before_the_model(tmp_path, gpt2_dir):
+    with pytest.raises(ConfigError, match="uses no reference model"):
+        load_recipe().dpo(cfg_for(tmp_path, gpt2_dir, "dpo.loss_type=simpo"))
+
+
+def test_user_jsonl_trains_on_the_nvme_tier(tmp_path, gpt2_dir):
+    src = tmp_path / "pairs.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"question {i}?", "chosen": f"yes {i}", "rejected": "no"}) + "\n"
+                           for i in range(12)))
+    (tmp_path / "nvme").mkdir()
+    summary = load_recipe().dpo(cfg_for(tmp_path, gpt2_dir, f"preference.source={src}", "strategy=megatrain_nvme",
+                                        f"strategy.nvme_path={tmp_path / 'nvme'}", "preference.val_fraction=0.25"))
+    assert summary["run"]["steps"] == 2
+    assert "probe/exact_match" not in summary["metrics"]  # user data: no answers to probe
