@@ -296,7 +296,10 @@ class DPOModule(pl.LightningModule):
         self.model.eval()
         try:
             with torch.no_grad():
-                for batch in ordered:
+                every = max(1, len(ordered) // 10)
+                for i, batch in enumerate(ordered):
+                    if i % every == 0:
+                        log.info("megatrain: reference log-probs, batch %d/%d", i + 1, len(ordered))
                     batch = {k: v.to(self.device) for k, v in batch.items()}
                     ids, mask, labels = _concat(batch)
                     sums, counts = self._logps(self.model, ids, mask, labels)

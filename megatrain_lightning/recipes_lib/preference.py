@@ -189,6 +189,7 @@ def evaluate(cfg: DictConfig, trainer: pl.Trainer, module: DPOModule, data: Pref
                             if k in ("val_loss", "val_rewards/accuracies", "val_rewards/margins")})
     if cfg.probe.enabled and data.probe_items:
         t0 = time.perf_counter()
+        log.info("probe: %d held-out questions, greedy answers...", min(len(data.probe_items), int(cfg.probe.max_items)))
         with inference_weights(trainer) as dev:
             out = biomedical_probe(module.model, tokenizer, data.probe_items, device=dev,
                                    max_items=int(cfg.probe.max_items), batch_size=int(cfg.probe.batch_size),
