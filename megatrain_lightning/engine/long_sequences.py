@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..blocks import Block
-from .chunked_loss import check_chunk_size
+from ..config import check_chunk_size
 from .chunked_mlp import ChunkedMLP
 from .head_loss import HeadLoss
 

@@ -33,6 +33,8 @@ from typing import Callable
 
 import torch
 
+from ..config import check_host_threads
+
 
 def resolve_host_threads(host_threads: int | None, device: torch.device) -> int | None:
     """The workers' intra-op thread count: ``host_threads`` if given, else on CUDA
@@ -47,19 +49,6 @@ def resolve_host_threads(host_threads: int | None, device: torch.device) -> int 
     if torch.device(device).type == "cuda":
         return max(1, torch.get_num_threads() - 1)
     return 1
-
-
-def check_host_threads(host_threads: object) -> None:
-    """Raise ``ValueError`` unless ``host_threads`` is ``None`` or an integer >= 1 (checked when the
-    strategy is built, before any work starts)."""
-    if host_threads is None:
-        return
-    if isinstance(host_threads, bool) or not isinstance(host_threads, int) or host_threads < 1:
-        raise ValueError(
-            f"host_threads must be a whole number of CPU threads >= 1 or None (default: on CUDA one less "
-            f"than torch.get_num_threads()), got {host_threads!r}. Set MegaTrainStrategy(host_threads=...) "
-            "or the Hydra key strategy.host_threads."
-        )
 
 
 def worker_initializer(threads: int | None, device: torch.device | None = None) -> Callable[[], None] | None:

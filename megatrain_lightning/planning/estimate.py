@@ -308,7 +308,7 @@ def settings(*, batch_size: int, seq_len: int, precision: str, offload_params: s
     Raises:
         ValueError: see :func:`plan`.
     """
-    from ..engine.recompute_policy import check_recompute
+    from ..config import check_recompute
     from .config import resolve_chunk
     from .parallel import positive_count
 
@@ -354,7 +354,7 @@ def check_group(value: Any) -> int:
         ValueError: a bool, float, word, zero or negative value; the message names ``block_group``
             (planner key) and ``strategy.block_group`` (recipe key).
     """
-    from ..engine.block_groups import check_block_group
+    from ..config import check_block_group
 
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value.strip())
