@@ -11,13 +11,15 @@ This module imports only ``store/`` (the NVMe tier's settings, byte sizes): the 
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any, Sequence
 
 from .store.budget import parse_bytes
-from .store.nvme import IO_BLOCK_SIZE, NVMeConfig
+from .store.nvme import ALIGN, IO_BLOCK_SIZE, NVME_PATH_FROM_ENV, NVMeConfig
+from .store.regions import Region
 
 RECOMPUTE_MODES = ("block", "selective", "none", "auto")
 """Allowed values of the ``recompute`` option."""
@@ -31,7 +33,7 @@ class MegaTrainConfig:
         ValueError: ``host_threads`` is not ``None`` or an integer >= 1; a switch is not a bool; ``timeout`` not
             positive; ``lookahead`` not an int >= 0; ``block_group`` or ``recompute_every`` not an int >= 1;
             ``recompute`` not one of :data:`RECOMPUTE_MODES` or ``activation_memory_limit`` not a positive size;
-            bad NVMe settings (:meth:`NVMeConfig.from_options`); ``loss_chunk_size`` / ``mlp_chunk_size`` not a
+            bad NVMe settings (:meth:`_nvme_settings`); ``loss_chunk_size`` / ``mlp_chunk_size`` not a
             positive int (or ``"auto"`` / ``None``).
         TypeError: ``recompute_every`` and ``checkpoint_every`` both given, with different values.
     """
@@ -167,13 +169,66 @@ class MegaTrainConfig:
         given_limit = self.activation_memory_limit
         self.recompute, self.activation_memory_limit = check_recompute(self.recompute, given_limit)
         warn_unused_activation_limit(self.recompute, given_limit, stacklevel=5)
-        self.nvme = NVMeConfig.from_options(
-            offload_params=self.offload_params, offload_optimizer=self.offload_optimizer, nvme_path=self.nvme_path,
-            host_memory_limit=self.host_memory_limit, io_threads=self.nvme_io_threads,
-            io_block_size=self.nvme_io_block_size, read_ahead=self.nvme_read_ahead, direct_io=self.direct_io,
-            keep_files=self.keep_nvme_files)
+        self.nvme = self._nvme_settings()
         check_chunk_size("loss_chunk_size", self.loss_chunk_size, allow_auto=True)
         check_chunk_size("mlp_chunk_size", self.mlp_chunk_size, allow_auto=False)
+
+    def _nvme_settings(self) -> NVMeConfig | None:
+        """Check the NVMe options and build the tier's settings; ``None`` when everything stays in host RAM.
+        ``nvme_path`` has ``~`` expanded, or with :data:`~.store.nvme.NVME_PATH_FROM_ENV`
+        (``strategy="megatrain_nvme"``) is read from the environment variable ``MEGATRAIN_NVME_PATH``.
+
+        Raises:
+            ValueError: an unknown tier, ``nvme`` without ``nvme_path`` (or with ``MEGATRAIN_NVME_PATH``
+                unset for ``strategy="megatrain_nvme"``), a bad ``host_memory_limit``, or bad I/O settings;
+                each message names the option.
+
+        Warns:
+            UserWarning: ``nvme_path`` or ``host_memory_limit`` given while nothing is offloaded to NVMe.
+        """
+        for name, v in (("offload_params", self.offload_params), ("offload_optimizer", self.offload_optimizer)):
+            if v not in ("cpu", "nvme"):
+                raise ValueError(f"{name} must be 'cpu' or 'nvme', got {v!r}.")
+        kinds = set()
+        if self.offload_params == "nvme":
+            kinds.add(Region.master)
+        if self.offload_optimizer == "nvme":
+            kinds |= {"exp_avg", Region.exp_avg_sq, Region.grad_accum}
+        for name, v, low in (("nvme_io_threads", self.nvme_io_threads, 1), ("nvme_read_ahead", self.nvme_read_ahead, 0)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {v!r}.")
+        if self.direct_io not in ("auto", True, False):
+            raise ValueError(f"direct_io must be 'auto', True or False, got {self.direct_io!r}.")
+        if not kinds:
+            given = [k for k in ("nvme_path", "host_memory_limit") if getattr(self, k) is not None]
+            if given:
+                warnings.warn(f"megatrain: {' and '.join(given)} given but nothing is offloaded to NVMe, so "
+                              f"{'it has' if len(given) == 1 else 'they have'} no effect: everything stays in host RAM. "
+                              "Set offload_params='nvme' and/or offload_optimizer='nvme' (or use "
+                              "strategy='megatrain_nvme') to use the NVMe tier.", UserWarning, stacklevel=5)
+            return None
+        path = self.nvme_path
+        if path == NVME_PATH_FROM_ENV:
+            path = os.environ.get("MEGATRAIN_NVME_PATH")
+            if not path:
+                raise ValueError(
+                    "strategy='megatrain_nvme' reads the store directory from the environment variable "
+                    "MEGATRAIN_NVME_PATH, which is not set. Set it to a directory on a fast local disk "
+                    "(export MEGATRAIN_NVME_PATH=/mnt/nvme), or pass MegaTrainStrategy(offload_params='nvme', "
+                    "offload_optimizer='nvme', nvme_path=...)."
+                )
+        if not path:
+            raise ValueError("offload_params/offload_optimizer='nvme' needs nvme_path= (a directory on a fast local disk).")
+        limit = self.host_memory_limit
+        if limit is None:
+            limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+        limit, block = _size("host_memory_limit", limit), _size("nvme_io_block_size", self.nvme_io_block_size)
+        if block % ALIGN:
+            raise ValueError(f"nvme_io_block_size must be a multiple of {ALIGN} bytes (O_DIRECT alignment), got {block}; "
+                             "for example '16MiB'.")
+        return NVMeConfig(path=os.path.expanduser(str(path)), kinds=frozenset(kinds), host_memory_limit=limit,
+                          io_threads=self.nvme_io_threads, io_block_size=block, read_ahead=self.nvme_read_ahead,
+                          direct_io=self.direct_io, keep_files=self.keep_nvme_files)
 
     @classmethod
     def defaults(cls) -> dict[str, Any]:
@@ -186,6 +241,14 @@ def optimizer_in_backward_on(option: bool | None, nvme_tier: bool) -> bool:
     The strategy and the planner both decide by it (the strategy then also falls back to the deferred schedule
     with gradient clipping, fp16 loss scaling, manual optimization or hooks that read the step's gradients)."""
     return option if option is not None else nvme_tier
+
+
+def _size(option: str, value: Any) -> int:
+    """``parse_bytes`` with the option's name in the error."""
+    try:
+        return parse_bytes(value)
+    except ValueError as err:
+        raise ValueError(f"megatrain: {option}: {err}") from None
 
 
 def check_switches(optional: tuple[str, ...] = (), **switches: Any) -> None:
