@@ -113,6 +113,7 @@ class MegaTrainStrategy(ParallelStrategy):
     """
 
     strategy_name = "megatrain"
+    config_class = MegaTrainConfig  # what ``**options`` are (Hydra recipes check their keys against it)
 
     lookahead = _option("lookahead")
     block_group = _option("block_group")
@@ -567,15 +568,9 @@ class MegaTrainStrategy(ParallelStrategy):
 
     def summon_full_params(self, module: torch.nn.Module | None = None, writeback: bool = True
                            ) -> contextlib.AbstractContextManager[None]:
-        """A context in which the parameters of ``module`` (default: the whole LightningModule) hold their current
-        fp32 weights, to read or edit from a hook or callback, as ``FullyShardedDataParallel.summon_full_params``
-        does for FSDP (:func:`~megatrain_lightning.parallel.summon.summon_full_params`: ``writeback``, nesting,
-        several processes, an example).
-
-        Raises:
-            ValueError: with the weights on NVMe, the requested parameters' fp32 bytes exceed ``host_memory_limit``
-                (checked before anything is read): pass a submodule.
-        """
+        """The parameters of ``module`` (default: the whole LightningModule) hold their current fp32 weights inside
+        this context, as FSDP's ``summon_full_params``
+        (:func:`~megatrain_lightning.parallel.summon.summon_full_params`: ``writeback``, errors, an example)."""
         return summon_full_params(self.engine, module if module is not None else self.lightning_module, writeback,
                                   self.groups, self.barrier)
 
@@ -676,8 +671,8 @@ class MegaTrainStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Write a directory checkpoint (:meth:`StrategyCheckpoints.save <.checkpoint.strategy_io.StrategyCheckpoints.save>`:
-        deferred to the end of the step when asked for mid-backward)."""
+        """Write a directory checkpoint, or defer it to the end of the step when asked for mid-backward
+        (:meth:`~.checkpoint.strategy_io.StrategyCheckpoints.save`)."""
         self.checkpoints.save(checkpoint, filepath, storage_options)
 
     def save_deferred(self, trainer: Any) -> None:
@@ -686,7 +681,7 @@ class MegaTrainStrategy(ParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a directory checkpoint into the host store, or read a plain Lightning ``.ckpt``
-        (:meth:`StrategyCheckpoints.load <.checkpoint.strategy_io.StrategyCheckpoints.load>`)."""
+        (:meth:`~.checkpoint.strategy_io.StrategyCheckpoints.load`)."""
         return self.checkpoints.load(checkpoint_path, weights_only)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -27,15 +27,9 @@ from .location import is_local, local_path
 
 
 class StrategyCheckpoints:
-    """Checkpoint save/load of a ``MegaTrainStrategy`` (``strategy``: its ``engine``, ``lightning_module``,
-    ``flush()``, ``checkpoint_io`` and ``is_global_zero`` are read when a hook runs).
-
-    Args:
-        strategy: the strategy whose hooks delegate here.
-        writers: returns the data-parallel ``CheckpointWriters`` (each rank writes its own slabs), or ``None`` in
-            one process.
-        share_written: tells the other ranks of the node that the shared weights were written (no-op in one
-            process).
+    """Checkpoint save/load of ``strategy`` (its ``engine``, ``lightning_module``, ``flush()``, ``checkpoint_io``
+    and ``is_global_zero`` are read when a hook runs). ``writers()``: the data-parallel ``CheckpointWriters`` (each
+    rank writes its own slabs) or ``None``; ``share_written()``: the node's other ranks see the weights written.
 
     Attributes:
         deferred: ``(filepath, weights_only)`` of the saves asked for mid-backward, in order (:meth:`defer`).

@@ -33,17 +33,12 @@ from typing import Callable
 
 import torch
 
-from ..config import check_host_threads
-
 
 def resolve_host_threads(host_threads: int | None, device: torch.device) -> int | None:
     """The workers' intra-op thread count: ``host_threads`` if given, else on CUDA
-    ``max(1, torch.get_num_threads() - 1)`` and on CPU 1 (module docstring).
-
-    Raises:
-        ValueError: ``host_threads`` is not ``None`` or an integer >= 1.
+    ``max(1, torch.get_num_threads() - 1)`` and on CPU 1 (module docstring); ``host_threads`` is checked by
+    :class:`~megatrain_lightning.config.MegaTrainConfig`.
     """
-    check_host_threads(host_threads)
     if host_threads is not None:
         return host_threads
     if torch.device(device).type == "cuda":
