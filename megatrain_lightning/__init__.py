@@ -24,7 +24,6 @@ from .precision import MegaTrainPrecision, UnsupportedPrecisionError
 from .store.nvme import NVMeIOError
 from .store.pinned import HostPinningError
 from .store.shared import SharedMemoryTooSmall
-from .config import MegaTrainConfig
 from .strategy import MegaTrainStrategy
 
 __version__ = "0.1.0"
@@ -47,7 +46,6 @@ __all__ = [
     "ConfigMismatchError",
     "HostAdamW",
     "HostPinningError",
-    "MegaTrainConfig",
     "MegaTrainPrecision",
     "MegaTrainStrategy",
     "NVMeIOError",
