@@ -28,6 +28,16 @@ from megatrain_lightning import CheckpointError, MegaTrainStrategy
 from megatrain_lightning.data.resumable import ResumableDataLoader
 from megatrain_lightning.testing import LM, SEQ, VOCAB, make_model
 
+
+@pytest.fixture(autouse=True)
+def python_sigint_handler():
+    """Ctrl-C as a fresh ``python`` process has it (``KeyboardInterrupt``), whatever an earlier test left installed;
+    restored after."""
+    before = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
 STEPS = 4
 AT = 2  # the batch whose step is stopped
 WHERE = ("forward", "backward_first", "backward_mid", "backward_last", "step")
