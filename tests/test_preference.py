@@ -176,7 +176,7 @@ def test_chunked_log_probs_refuse_soft_capped_logits():
                                torch.ones(1, 4, dtype=torch.long), 2)
 
 
-def test_copy_reference_matches_plain_and_precompute(tmp_path):
+def test_copy_reference_matches_plain(tmp_path):
     model = make_model("llama")
     plain = copy.deepcopy(model)
     want_losses, _ = plain_dpo(plain, loader(), "sigmoid", steps=4)
