@@ -24,6 +24,7 @@ from .precision import MegaTrainPrecision, UnsupportedPrecisionError
 from .store.nvme import NVMeIOError
 from .store.pinned import HostPinningError
 from .store.shared import SharedMemoryTooSmall
+from .config import MegaTrainConfig
 from .strategy import MegaTrainStrategy
 
 __version__ = "0.1.0"
@@ -46,6 +47,7 @@ __all__ = [
     "ConfigMismatchError",
     "HostAdamW",
     "HostPinningError",
+    "MegaTrainConfig",
     "MegaTrainPrecision",
     "MegaTrainStrategy",
     "NVMeIOError",

@@ -12,7 +12,7 @@ import megatrain_lightning
 
 PKG = Path(megatrain_lightning.__file__).parent
 LAYER = {"blocks": 0, "store": 1, "optim": 2, "engine": 3, "checkpoint": 4, "precision": 4, "strategy": 5,
-         "strategy_options": 5, "parallel": 5, "recipes_lib": 6, "export": 6, "plan": 6, "planning": 6, "data": 6, "testing": 7}
+         "parallel": 5, "recipes_lib": 6, "export": 6, "plan": 6, "planning": 6, "data": 6, "testing": 7}
 
 
 def _layer(module: str) -> int | None:

@@ -31,7 +31,7 @@ from megatrain_lightning.engine.window import nvme_window
 from megatrain_lightning.store import nvme as nvme_mod
 from megatrain_lightning.store import pinned
 from megatrain_lightning.store.host import slab_layout
-from megatrain_lightning.store.nvme import NVMeConfig
+from megatrain_lightning.config import MegaTrainConfig
 from megatrain_lightning.store.pinned import PAGE, HostPinningError, PinnedArena, host_buffer, try_host_buffer
 from megatrain_lightning.testing import LM, make_model
 from test_nvme import assert_bitwise, fit
@@ -166,8 +166,8 @@ def test_preflight_pins_instead_of_reading_ulimit(tmp_path, monkeypatch, driver)
     cuda = torch.device("cuda")  # nothing of CUDA runs in nvme_window: its pinning goes through REGISTER
     blocks = _blocks()
     layout = [(n, t) for _, n, t in slab_layout(blocks)]
-    cfg = NVMeConfig.from_options(offload_params="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path),
-                                  host_memory_limit="8MiB")
+    cfg = MegaTrainConfig(offload_params="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path),
+                          host_memory_limit="8MiB").nvme
     budget, min_window, _ = nvme_window(blocks, cfg, cuda, 1, pin=True)
     staging = 2 * (-(-4 * max(t for _, t in layout) // PAGE) * PAGE)
     assert budget.used == staging  # the D2H staging buffers are counted in the limit
@@ -180,8 +180,8 @@ def test_preflight_pins_instead_of_reading_ulimit(tmp_path, monkeypatch, driver)
     nvme_window(blocks, cfg, cuda, 1, pin=None)  # default: pageable with a warning, not refused
     # too small a limit is still refused by the budget check, before anything is pinned
     driver.fail, driver.registered = False, {}
-    small = NVMeConfig.from_options(offload_params="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path),
-                                    host_memory_limit=min_window - 1)
+    small = MegaTrainConfig(offload_params="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path),
+                            host_memory_limit=min_window - 1).nvme
     with pytest.raises(ValueError, match="host_memory_limit"):
         nvme_window(blocks, small, cuda, 1, pin=True)
     assert driver.registered == {}
@@ -191,8 +191,8 @@ def test_preflight_pins_instead_of_reading_ulimit(tmp_path, monkeypatch, driver)
 def _tight_limit() -> int:
     blocks = _blocks()
     layout = [(n, t) for _, n, t in slab_layout(blocks)]
-    cfg = NVMeConfig.from_options(offload_params="nvme", offload_optimizer="nvme", nvme_path="/tmp",
-                                  host_memory_limit=2**30)
+    cfg = MegaTrainConfig(offload_params="nvme", offload_optimizer="nvme", nvme_path="/tmp",
+                          host_memory_limit=2**30).nvme
     return cfg.min_window(layout) + compute_window_bytes(layout, blocks, 1) + 3 * PAGE
 
 

@@ -298,7 +298,6 @@ def _backward_matmul_flops(mode: str, mlp_chunk_size: int | None) -> int:
     recompute policy serves from its cache excluded: those never reach a mode below torch's)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from megatrain_lightning.engine.recompute_policy import RecomputePolicy
     from megatrain_lightning.engine.streaming import StreamingEngine
 
     class CountMatmuls(TorchDispatchMode):
@@ -316,8 +315,7 @@ def _backward_matmul_flops(mode: str, mlp_chunk_size: int | None) -> int:
 
     torch.manual_seed(0)
     model = make_model("llama")
-    eng = StreamingEngine(model, torch.device("cpu"), recompute_policy=RecomputePolicy(mode, torch.device("cpu")),
-                          mlp_chunk_size=mlp_chunk_size, loss_chunk_size=None)
+    eng = StreamingEngine(model, torch.device("cpu"), recompute=mode, mlp_chunk_size=mlp_chunk_size, loss_chunk_size=None)
     eng.install()
     eng.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
     ids = torch.randint(0, model.config.vocab_size, (2, 16))

@@ -490,7 +490,7 @@ def test_a_timeout_that_is_not_positive_is_refused_at_construction():
     for bad in (-5, 0, "30", timedelta(seconds=-1)):
         with pytest.raises(ValueError, match="timeout must be a number of seconds > 0"):
             MegaTrainStrategy(timeout=bad)
-    from megatrain_lightning.strategy_options import check_timeout
+    from megatrain_lightning.config import check_timeout
 
     assert check_timeout(2.5) == timedelta(seconds=2.5) and check_timeout(None) is None
     MegaTrainStrategy(timeout=2.5)

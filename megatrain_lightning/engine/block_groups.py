@@ -21,14 +21,7 @@ from __future__ import annotations
 from typing import Iterator, Sequence
 
 from ..blocks import Block
-
-
-def check_block_group(size: object) -> int:
-    """Return ``size`` when it is a valid ``block_group`` (an int >= 1); raise ``ValueError`` otherwise."""
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"megatrain: block_group must be an int >= 1 (consecutive decoder layers fetched as one "
-                         f"transfer), got {size!r}. Set strategy option / Hydra key strategy.block_group.")
-    return size
+from ..config import check_block_group
 
 
 def form_groups(blocks: Sequence[Block], size: int) -> list[tuple[int, ...]]:

@@ -16,10 +16,12 @@ own forward by :mod:`.head_loss`, replayed on each chunk, so soft-capped models 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from ..config import check_chunk_size
 
 DEFAULT_LOSS_CHUNK_BYTES = 256 * 2**20
 """Bytes of fp32 logits per chunk when ``loss_chunk_size="auto"`` (256 MiB: 523 tokens of a
@@ -27,22 +29,6 @@ DEFAULT_LOSS_CHUNK_BYTES = 256 * 2**20
 such tensors (raw logits, their fp32 copy, the log-softmax the loss keeps, the gradient)."""
 
 Transform = Sequence[Callable[[torch.Tensor], torch.Tensor]]
-
-
-def check_chunk_size(name: str, value: Any, allow_auto: bool) -> int | str | None:
-    """Validate a chunk-size option: a positive ``int`` of tokens, ``None`` (off) or, where
-    ``allow_auto``, ``"auto"``. Returns it unchanged.
-
-    Raises:
-        ValueError: anything else (``0``, negative, a float, ``True``, another string), naming the
-            option and what to pass instead."""
-    ok = value is None or (allow_auto and value == "auto") or (
-        isinstance(value, int) and not isinstance(value, bool) and value > 0)
-    if not ok:
-        extra = ', "auto"' if allow_auto else ""
-        raise ValueError(f"megatrain: {name} must be a positive int (tokens per chunk){extra} or None (no "
-                         f"chunking); got {value!r}. Set strategy option / Hydra key strategy.{name}.")
-    return value
 
 
 def auto_loss_chunk(vocab_size: int, chunk_bytes: int = DEFAULT_LOSS_CHUNK_BYTES) -> int:

@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from ..blocks import Block
-from .chunked_loss import check_chunk_size
 from .chunked_mlp import ChunkedMLP
 from .head_loss import HeadLoss
 
@@ -25,19 +24,15 @@ class LongSequences:
 
     Args:
         root: the streamed module.
-        loss_chunk_size: tokens per loss chunk, ``"auto"`` (256 MiB of fp32 logits per chunk) or ``None``.
+        loss_chunk_size: tokens per loss chunk, ``"auto"`` (256 MiB of fp32 logits per chunk) or ``None``
+            (checked by :class:`~megatrain_lightning.config.MegaTrainConfig`, as ``mlp_chunk_size``).
         mlp_chunk_size: tokens per MLP chunk, or ``None``.
         call_block: the engine's grad-mode block call (``call_block(block, forward, args, kwargs)``).
         param_dtype: the dtype of the weights while a block computes.
-
-    Raises:
-        ValueError: a chunk size that is not a positive int (or ``"auto"`` / ``None``), at construction.
     """
 
     def __init__(self, root: nn.Module, loss_chunk_size: int | str | None,
                  mlp_chunk_size: int | None, call_block: Callable[..., Any], param_dtype: Callable[[], torch.dtype]):
-        check_chunk_size("loss_chunk_size", loss_chunk_size, allow_auto=True)
-        check_chunk_size("mlp_chunk_size", mlp_chunk_size, allow_auto=False)
         self.head_loss = HeadLoss(root, loss_chunk_size, call_block, param_dtype)
         self.mlp = ChunkedMLP(mlp_chunk_size)
 

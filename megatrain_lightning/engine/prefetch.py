@@ -26,17 +26,6 @@ from .block_groups import GroupSchedule
 from .threads import start_worker
 
 
-def check_lookahead(lookahead: object) -> int:
-    """Return ``lookahead`` when it is an int >= 0 (fetches prefetched ahead; 1 = double buffering).
-
-    Raises:
-        ValueError: anything else (a negative number, a float, a string, ``True``), naming the option."""
-    if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
-        raise ValueError(f"megatrain: lookahead must be an int >= 0 (fetches prefetched ahead of the one computing; "
-                         f"1 = double buffering), got {lookahead!r}. Set strategy option / Hydra key strategy.lookahead.")
-    return lookahead
-
-
 class Prefetcher:
     """Block copies in flight on the H2D worker, in schedule order.
 

@@ -27,7 +27,6 @@ import logging
 import math
 import os
 import threading
-import warnings
 import weakref
 from typing import Any, Callable, Iterator
 
@@ -35,7 +34,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from ..store.budget import fmt_bytes, parse_bytes
+from ..config import check_recompute
+from ..store.budget import fmt_bytes
 from .block_graph import ParamLocator
 from .forward_grad import SavedBoxes
 from .op_kinds import cheap, expensive, flops, storage_bytes
@@ -51,60 +51,12 @@ def _log_once(msg: str, *args: Any) -> None:
         or torch.distributed.get_rank() == 0
     log.log(logging.INFO if rank0 else logging.DEBUG, msg, *args)
 
-RECOMPUTE_MODES = ("block", "selective", "none", "auto")
-"""Allowed values of the ``recompute`` option."""
-
 def is_lookup(module: torch.nn.Module) -> bool:
     """``module`` is an embedding lookup whose autograd graph saves only its integer indices (any
     ``nn.Embedding``, a subclass scaling its output by a constant too, as Gemma's; not one with
     ``max_norm``, whose forward renormalises the weight in place): such a block keeps its graph under
     every ``recompute`` mode (module docstring)."""
     return isinstance(module, torch.nn.Embedding) and module.max_norm is None
-
-
-def check_recompute(mode: Any, activation_memory_limit: int | str | None = None) -> tuple[str, int | None]:
-    """Validate the ``recompute`` and ``activation_memory_limit`` options.
-
-    Returns:
-        (mode, limit in bytes or ``None``: "auto" then takes half the free device memory).
-    Raises:
-        ValueError: ``mode`` not one of :data:`RECOMPUTE_MODES`, or the limit not a positive size.
-    """
-    if mode not in RECOMPUTE_MODES:
-        raise ValueError(f"megatrain: recompute={mode!r} is not a recompute policy; use one of "
-                         f"{', '.join(repr(m) for m in RECOMPUTE_MODES)} (strategy option / Hydra key strategy.recompute).")
-    limit = None
-    if activation_memory_limit is not None:
-        try:
-            limit = parse_bytes(activation_memory_limit)
-        except ValueError as e:
-            raise ValueError(f"megatrain: activation_memory_limit: {e}") from None
-    return mode, limit
-
-
-def deprecated_recompute_every(recompute_every: int, checkpoint_every: int | None) -> int:
-    """``recompute_every`` (checked: an int >= 1, block calls per recompute segment), or the value given
-    under its former name ``checkpoint_every`` (which collided with Lightning's model checkpoints), with a
-    ``DeprecationWarning``; kept for one release.
-
-    Raises:
-        TypeError: both names given with different values.
-        ValueError: the value is not an int >= 1."""
-    if checkpoint_every is None:
-        return _check_recompute_every(recompute_every)
-    warnings.warn("megatrain: checkpoint_every was renamed recompute_every (it sets recompute segments, not model "
-                  "checkpoints); the old name will be removed in the next release.", DeprecationWarning, stacklevel=3)
-    if recompute_every not in (1, checkpoint_every):
-        raise TypeError(f"recompute_every={recompute_every} and checkpoint_every={checkpoint_every} both given; "
-                        "pass only recompute_every.")
-    return _check_recompute_every(checkpoint_every)
-
-
-def _check_recompute_every(k: object) -> int:
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"megatrain: recompute_every must be an int >= 1 (block calls per recompute segment), "
-                         f"got {k!r}. Set strategy option / Hydra key strategy.recompute_every.")
-    return k
 
 
 class _Measure:
@@ -288,7 +240,8 @@ class RecomputePolicy:
     """The recompute policy of the engine's block calls (module docstring).
 
     Args:
-        mode: one of :data:`RECOMPUTE_MODES` (checked by :func:`check_recompute`).
+        mode: one of :data:`~megatrain_lightning.config.RECOMPUTE_MODES` (checked by
+            :func:`~megatrain_lightning.config.check_recompute`).
         device: the compute device (``"auto"``'s default budget).
         activation_memory_limit: bytes ``"auto"`` lets the kept op outputs take (``None``: half the
             free device memory when it decides). Block inputs count in it; ``"auto"`` gives op outputs

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from ..config import MegaTrainConfig
 from ..optim.host_adamw import HostAdamW
 from ..store import heap
 from ..store.budget import HostBudget
@@ -41,10 +42,10 @@ from .grads import GradientSink
 from .long_sequences import LongSequences
 from .bound_params import bind_params
 from .kv_cache import any_requires_grad, layer_index, training_call
-from .prefetch import Prefetcher, check_lookahead
+from .prefetch import Prefetcher
 from .calls import trainable_refs
 from .recompute import Recompute
-from .recompute_policy import RecomputePolicy, deprecated_recompute_every
+from .recompute_policy import RecomputePolicy
 from .reduce import GradReducer
 from .staging import StagingRing
 from .window import nvme_window
@@ -62,34 +63,17 @@ class StreamingEngine:
     Args:
         root: the module to stream (the ``LightningModule``).
         device: compute device (``cpu`` or ``cuda:N``).
-        lookahead: fetches prefetched ahead of the one computing (1 = double buffering).
-        block_group: consecutive decoder layers fetched as one transfer unit (:mod:`.block_groups`;
-            ``lookahead`` then counts groups); 1: one block per fetch.
-        recompute_every: K, blocks per recompute segment: only every K-th block call's input is kept,
-            the others' are recomputed from it in backward (saved activations / K, at most K-1 extra forwards).
-        checkpoint_every: the former name of ``recompute_every`` (``DeprecationWarning``).
-        offload_activations: keep the saved block inputs in host memory (device footprint flat in depth;
-            one D2H and one H2D of the hidden states per block).
-        recompute_policy: what a block call keeps besides its inputs (``recompute="block"`` /
-            ``"selective"`` / ``"none"`` / ``"auto"``: :class:`RecomputePolicy`); default ``"block"``.
-        block_classes / block_names: override block discovery, see
-            :func:`~megatrain_lightning.blocks.discover_blocks`.
-        pin_memory: page-lock host memory on CUDA: the RAM tier's masters and wire images, the NVMe window's
-            arena. ``None`` (default): pin, and where pinning the window or a wire image fails use pageable memory
-            with a warning; ``True``: pin or raise ``HostPinningError``; ``False``: never (slower H2D). Ignored on CPU.
-        cpu_zero_copy: on CPU, bind blocks to the fp32 master slabs instead of copying them (only when
-            the compute dtype is fp32; see MegaTrainStrategy). Off when masters are on disk.
-        nvme: the NVMe tier's settings (:class:`~megatrain_lightning.store.nvme.NVMeConfig`), or ``None`` (all in
-            host RAM). Preflight (disk, path, budget, pinning the window's arena) runs before any weight is read.
+        config: the options (:class:`~megatrain_lightning.config.MegaTrainConfig`: lookahead, block groups,
+            recompute, chunk sizes, pinning, host threads...); ``None``: one built from ``options``.
+        nvme: the NVMe tier's settings (:class:`~megatrain_lightning.store.nvme.NVMeConfig`); ``None``: the
+            config's (``None`` there: all in host RAM). Preflight (disk, path, budget, pinning the window's arena)
+            runs before any weight is read.
         sources: ``id(param) -> loader`` for parameters on the ``meta`` device (``meta_model_from_pretrained``:
             see ``checkpoint.hf_io.weight_sources``); each loader is called once while the host store is built.
-        host_threads: intra-op CPU threads of the H2D and D2H workers (host AdamW, casts, gradient
-            adds); ``None``: on CUDA ``torch.get_num_threads() - 1``, on CPU 1 (:mod:`.threads`).
-        loss_chunk_size / mlp_chunk_size: tokens per chunk of the LM head + loss (``"auto"``, default:
-            256 MiB of fp32 logits) and of each block's MLP; ``None``: off (:mod:`.long_sequences`).
         reducer / node: data parallel (``None``: one process): averages each gradient batch over the ranks
             (:class:`~.reduce.GradReducer`); the node-shared store and slab owners (``store/shared.py``).
         reserve_frozen: gradient and AdamW state for frozen parameters too, to unfreeze in fit (``slab_layout``).
+        options: ``MegaTrainConfig`` fields, when ``config`` is not given (e.g. ``lookahead=2``).
 
     Raises:
         BlockDiscoveryError: no blocks found (see ``discover_blocks``).
@@ -102,35 +86,28 @@ class StreamingEngine:
         self,
         root: nn.Module,
         device: torch.device,
+        config: MegaTrainConfig | None = None,
         *,
-        lookahead: int = 1,
-        recompute_every: int = 1,
-        checkpoint_every: int | None = None,
-        offload_activations: bool = False,
-        recompute_policy: RecomputePolicy | None = None,
-        block_classes: Sequence[str | type] | None = None,
-        block_names: Sequence[str] | None = None,
-        pin_memory: bool | None = None,
-        cpu_zero_copy: bool = True,
         nvme: NVMeConfig | None = None,
         sources: dict[int, Callable[[], torch.Tensor]] | None = None,
-        host_threads: int | None = None,
-        loss_chunk_size: int | str | None = "auto",
-        mlp_chunk_size: int | None = None,
         reducer: GradReducer | None = None,
         node: NodeShare | None = None,
-        block_group: int = 1,
         reserve_frozen: bool = False,
+        **options: Any,
     ):
-        check_lookahead(lookahead)
-        recompute_every = deprecated_recompute_every(recompute_every, checkpoint_every)
+        if config is not None and options:
+            raise TypeError(f"StreamingEngine: pass either config or options ({', '.join(options)}), not both.")
+        config = config if config is not None else MegaTrainConfig(**options)
+        nvme = nvme if nvme is not None else config.nvme
+        cpu_zero_copy, pin_memory = config.cpu_zero_copy, config.pin_memory
+        loss_chunk_size, mlp_chunk_size = config.loss_chunk_size, config.mlp_chunk_size
         self.long = LongSequences(root, loss_chunk_size, mlp_chunk_size, self.call_block, lambda: self.fetcher.param_dtype)
         self.root, self.device = root, torch.device(device)
-        host_threads = resolve_host_threads(host_threads, self.device)
-        self.blocks: list[Block] = discover_blocks(root, block_classes, block_names)
+        host_threads = resolve_host_threads(config.host_threads, self.device)
+        self.blocks: list[Block] = discover_blocks(root, config.block_classes, config.block_names)
         check_floating(self.blocks)
-        groups = form_groups(self.blocks, block_group)
-        ahead = (lookahead + 1) * max(map(len, groups)) - 1  # blocks fetched ahead of the one computing
+        groups = form_groups(self.blocks, config.block_group)
+        ahead = (config.lookahead + 1) * max(map(len, groups)) - 1  # blocks fetched ahead of the one computing
         pin: bool | None = pin_memory if self.device.type == "cuda" else False  # None: try (CUDA default), fall back with a warning
         self.budget: HostBudget | None = None
         min_window, factory = 0, None  # factory: Callable[[layout], NVMeStore] for the NVMe tier
@@ -166,7 +143,7 @@ class StreamingEngine:
                                      shared_images=node and node.wire_images, ownership=self.ownership)
         nvme_on = self.store.nvme is not None
         self.prefetcher = Prefetcher(self.blocks, self.store, self.transport, self.acct, lambda blk: self.fetcher.fetch(blk),
-                                     lookahead, lambda: self.optimizer, read_ahead_bytes=self.budget.limit - min_window if nvme_on else None,
+                                     config.lookahead, lambda: self.optimizer, read_ahead_bytes=self.budget.limit - min_window if nvme_on else None,
                                      read_ahead_depth=nvme.read_ahead if nvme_on else 0, host_threads=host_threads,
                                      groups=groups)
         self.optimizer: HostAdamW | None = None
@@ -177,8 +154,9 @@ class StreamingEngine:
         self._bwd_seq: list[int] = []  # backward fetch sequence of the last training step
         self.recompute = Recompute(device=self.device, store=self.store, acct=self.acct, grads=self.grads,
                                    transport=self.transport, acquire=self.acquire, bind=self._bind,
-                                   enter_backward=self._enter_backward, recompute_every=recompute_every,
-                                   offload_activations=offload_activations, policy=recompute_policy,
+                                   enter_backward=self._enter_backward, recompute_every=config.recompute_every,
+                                   offload_activations=config.offload_activations,
+                                   policy=RecomputePolicy(config.recompute, self.device, config.activation_memory_limit),
                                    castable=lambda r: self.fetcher.autocast_castable[r.slab][r.index])
         self._proxies = ForwardPatches()  # each block's forward -> its streaming proxy
         self.update_in_backward = False  # set per micro-batch by the strategy (optimizer_in_backward, grads.py)

@@ -36,30 +36,14 @@ import torch
 
 def resolve_host_threads(host_threads: int | None, device: torch.device) -> int | None:
     """The workers' intra-op thread count: ``host_threads`` if given, else on CUDA
-    ``max(1, torch.get_num_threads() - 1)`` and on CPU 1 (module docstring).
-
-    Raises:
-        ValueError: ``host_threads`` is not ``None`` or an integer >= 1.
+    ``max(1, torch.get_num_threads() - 1)`` and on CPU 1 (module docstring); ``host_threads`` is checked by
+    :class:`~megatrain_lightning.config.MegaTrainConfig`.
     """
-    check_host_threads(host_threads)
     if host_threads is not None:
         return host_threads
     if torch.device(device).type == "cuda":
         return max(1, torch.get_num_threads() - 1)
     return 1
-
-
-def check_host_threads(host_threads: object) -> None:
-    """Raise ``ValueError`` unless ``host_threads`` is ``None`` or an integer >= 1 (checked when the
-    strategy is built, before any work starts)."""
-    if host_threads is None:
-        return
-    if isinstance(host_threads, bool) or not isinstance(host_threads, int) or host_threads < 1:
-        raise ValueError(
-            f"host_threads must be a whole number of CPU threads >= 1 or None (default: on CUDA one less "
-            f"than torch.get_num_threads()), got {host_threads!r}. Set MegaTrainStrategy(host_threads=...) "
-            "or the Hydra key strategy.host_threads."
-        )
 
 
 def worker_initializer(threads: int | None, device: torch.device | None = None) -> Callable[[], None] | None:

@@ -243,6 +243,13 @@ class HostAdamW:
     def has_pending(self) -> bool:
         return bool(self.pending)
 
+    def drop_pending(self) -> None:
+        """Forget every pending update without applying it (a checkpoint's state replaces the weights and moments
+        it was computed from), each under its slab's lock, as :meth:`apply_pending` takes it."""
+        for si in list(self.pending):
+            with self.store.slabs[si].lock:
+                self.pending.pop(si, None)
+
     def apply_pending(self, slab_index: int) -> None:
         """Apply the recorded update of one slab (thread-safe; a no-op if none is pending)."""
         slab = self.store.slabs[slab_index]

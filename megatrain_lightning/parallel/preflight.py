@@ -146,7 +146,7 @@ def run_fingerprint(module: torch.nn.Module, strategy: Any, trainer: Any) -> dic
         "torch": torch.__version__,
     }
     for name in STRATEGY_OPTIONS:
-        fp[f"strategy.{name}"] = _stable_repr(getattr(strategy, name, None))
+        fp[f"strategy.{name}"] = _stable_repr(getattr(strategy.config, name))
     for name in TRAINER_SETTINGS:
         fp[f"trainer.{name}"] = repr(getattr(trainer, name, None))
     return fp

@@ -7,7 +7,6 @@ compute in TFLOP/s = 1e12 FLOP/s, optimizer throughput in G params/s = 1e9 param
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 from dataclasses import MISSING, asdict, dataclass, field, fields
@@ -49,12 +48,11 @@ SUGGESTED_CHUNK = {"loss_chunk_size": 1024, "mlp_chunk_size": 4096}
 
 
 def strategy_default(name: str) -> Any:
-    """``MegaTrainStrategy``'s default for keyword ``name``, or ``None`` when it has no such option
-    (a run then has the behaviour the option would turn on: off)."""
-    from ..strategy import MegaTrainStrategy
+    """``MegaTrainStrategy``'s default for option ``name`` (:class:`~megatrain_lightning.config.MegaTrainConfig`),
+    or ``None`` when it has no such option (a run then has the behaviour the option would turn on: off)."""
+    from ..config import MegaTrainConfig
 
-    param = inspect.signature(MegaTrainStrategy.__init__).parameters.get(name)
-    return None if param is None or param.default is inspect.Parameter.empty else param.default
+    return MegaTrainConfig.defaults().get(name)
 
 
 def loss_chunk_tokens(value: int | str | None, vocab_size: int) -> int | None:

@@ -219,15 +219,9 @@ def _crossover(c: ParamCounts, hw: Hardware, s: dict[str, Any], e1: dict[str, An
     return bound, max_dev
 
 
-def plan(model_cfg: Any, hw: Hardware | Mapping[str, Any], *, batch_size: int = 1, seq_len: int = 2048,
-         precision: str = "bf16-mixed", offload_params: str = "cpu", offload_optimizer: str = "cpu",
-         offload_grads: str = "cpu", offload_activations: bool = False, lookahead: int = 1,
-         recompute_every: int = 1, grad_dtype: str | None = None, keep_checkpoints: int = 2,
-         pinned_round: bool = True, cpu_zero_copy: bool = True, loss_chunk_size: int | str | None = "default",
-         mlp_chunk_size: int | str | None = "default", devices: int = 1, num_nodes: int = 1,
-         recompute: str = "block", activation_memory_limit: int | str | None = None,
-         block_group: int = 1, optimizer_in_backward: bool | None = None) -> Plan:
-    """Plan one training configuration on one hardware preset (see the module docstring).
+def plan(model_cfg: Any, hw: Hardware | Mapping[str, Any], **options: Any) -> Plan:
+    """Plan one training configuration on one hardware preset (see the module docstring); every option but
+    ``model_cfg`` and ``hw`` is a keyword, with :func:`settings`' default.
 
     Args:
         model_cfg: a ``conf/model/*.yaml`` mapping (``name``, ``config``...), AutoConfig kwargs
@@ -238,42 +232,29 @@ def plan(model_cfg: Any, hw: Hardware | Mapping[str, Any], *, batch_size: int = 
         precision: ``32-true``, ``bf16-mixed``, ``16-mixed`` or ``bf16-true`` (Lightning's aliases
             ``32``, ``16``, ``bf16`` are accepted).
         offload_params, offload_optimizer, offload_grads: ``"cpu"`` (host RAM) or ``"nvme"``.
-        offload_activations: saved block inputs in host RAM instead of device memory.
-        lookahead: fetches prefetched ahead of the computing one (>= 0).
-        block_group: consecutive decoder layers fetched as one transfer unit (>= 1; the strategy option,
-            Hydra key ``strategy.block_group``, ``engine/block_groups.py``): the device holds the weights of
-            ``lookahead + 1`` fetches of up to ``block_group`` layers, the NVMe tier's RAM window
-            ``(lookahead + 1) x block_group + 1`` blocks; :attr:`Plan.transfer_bytes` is one fetch's size.
-        recompute_every: K, keep every K-th block input and recompute the rest (>= 1).
+        offload_activations, lookahead, recompute_every, cpu_zero_copy: the strategy options
+            (:class:`~megatrain_lightning.config.MegaTrainConfig`).
+        block_group: the strategy option: the device holds the weights of ``lookahead + 1`` fetches of up to
+            ``block_group`` layers, the NVMe tier's RAM window ``(lookahead + 1) x block_group + 1`` blocks;
+            :attr:`Plan.transfer_bytes` is one fetch's size.
         grad_dtype: ``fp32``/``bf16``/``fp16`` gradients on the D2H link (default fp32, bf16 for
             ``bf16-true``).
         keep_checkpoints: directory checkpoints on disk at the peak of a save.
-        cpu_zero_copy: without an accelerator and with fp32 compute, blocks bind the fp32 masters
-            (``MegaTrainStrategy(cpu_zero_copy=True)``, its default): no weight copies, no H2D.
         pinned_round: count torch's power-of-two rounding of the offloaded block inputs' pinned
             buffers (GPU presets; masters, wire images and staging are pinned exactly: ``store/pinned.py``).
             torch's caching host allocator (``ATen/core/CachingHostAllocator.h``) rounds every
             pinned allocation up to a power of two unless
             ``PYTORCH_CUDA_ALLOC_CONF=pinned_max_round_threshold_mb:<MB>`` (torch >= 2.9) says otherwise.
-        loss_chunk_size: tokens per chunk of the chunked LM head + loss (its logits and their
-            gradient exist for one chunk at a time); ``None`` = off (all logits at once);
-            ``"default"`` = ``MegaTrainStrategy``'s default (off where the strategy has no such option).
-        mlp_chunk_size: tokens per chunk of the chunked MLP (its intermediate activations exist for
-            one chunk); ``None`` = off; ``"default"`` as above.
+        loss_chunk_size, mlp_chunk_size: the strategy options; ``"default"``: ``MegaTrainStrategy``'s default.
         devices, num_nodes: data parallel, as ``Trainer(devices=, num_nodes=)`` (Hydra keys
             ``trainer.devices``, ``trainer.num_nodes``): processes per node and nodes; ``batch_size`` is
             per process. Above 1, host RAM, NVMe and the shared-host terms are per node
             (:mod:`.parallel`).
-        recompute: ``"block"``, ``"selective"``, ``"none"`` or ``"auto"`` (the strategy option; Hydra key
-            ``strategy.recompute``): what each layer keeps for its backward (:mod:`.activations`) and
-            what its backward recomputes (FLOPs, :mod:`.terms`).
-        activation_memory_limit: ``"auto"``'s budget for kept activations (bytes or ``"4GiB"``);
-            ``None``: half the device memory the plan leaves free (``"auto"`` then reports its mix:
-            ``settings["recompute_mix"]``, ``settings["activation_budget"]``).
-        optimizer_in_backward: the AdamW schedule (the strategy option): ``True`` updates each slab in the
-            backward on the D2H worker, ``False`` defers it to the H2D worker before the slab's next forward
-            fetch, ``None`` the strategy's default (in backward when any state is on NVMe). It sets which
-            phase holds the host AdamW and the NVMe update I/O (:mod:`.phases`).
+        recompute, activation_memory_limit, optimizer_in_backward: the strategy options. ``recompute`` sets what
+            each layer keeps for its backward (:mod:`.activations`) and what its backward recomputes (FLOPs,
+            :mod:`.terms`); without ``activation_memory_limit``, ``"auto"``'s budget is half the device memory the
+            plan leaves free (``settings["recompute_mix"]``, ``settings["activation_budget"]``);
+            ``optimizer_in_backward`` sets which phase holds the host AdamW and the NVMe update I/O (:mod:`.phases`).
 
     Raises:
         ValueError: a ``recompute`` that is not a policy or a bad ``activation_memory_limit``, a
@@ -285,30 +266,23 @@ def plan(model_cfg: Any, hw: Hardware | Mapping[str, Any], *, batch_size: int = 
     hw = Hardware.from_mapping(hw)
     name, cfg = _model_name_and_config(model_cfg)
     counts = count_params(cfg)
-    s = settings(batch_size=batch_size, seq_len=seq_len, precision=precision, offload_params=offload_params,
-                 offload_optimizer=offload_optimizer, offload_grads=offload_grads,
-                 offload_activations=offload_activations, lookahead=lookahead, recompute_every=recompute_every,
-                 grad_dtype=grad_dtype, keep_checkpoints=keep_checkpoints, pinned_round=pinned_round,
-                 cpu_zero_copy=cpu_zero_copy, loss_chunk_size=loss_chunk_size, mlp_chunk_size=mlp_chunk_size,
-                 devices=devices, num_nodes=num_nodes, recompute=recompute,
-                 activation_memory_limit=activation_memory_limit, block_group=block_group,
-                 optimizer_in_backward=optimizer_in_backward)
+    s = settings(**options)
     return _plan_from_counts(name, counts, hw, s, model_cfg if not isinstance(model_cfg, (str, bytes)) else cfg)
 
 
-def settings(*, batch_size: int, seq_len: int, precision: str, offload_params: str, offload_optimizer: str,
-             offload_grads: str, offload_activations: bool, lookahead: int, recompute_every: int,
-             grad_dtype: str | None, keep_checkpoints: int, pinned_round: bool, cpu_zero_copy: bool,
-             loss_chunk_size: int | str | None, mlp_chunk_size: int | str | None, devices: int = 1,
-             num_nodes: int = 1, recompute: str = "block",
-             activation_memory_limit: int | str | None = None, block_group: int = 1,
+def settings(*, batch_size: int = 1, seq_len: int = 2048, precision: str = "bf16-mixed", offload_params: str = "cpu",
+             offload_optimizer: str = "cpu", offload_grads: str = "cpu", offload_activations: bool = False,
+             lookahead: int = 1, recompute_every: int = 1, grad_dtype: str | None = None, keep_checkpoints: int = 2,
+             pinned_round: bool = True, cpu_zero_copy: bool = True, loss_chunk_size: int | str | None = "default",
+             mlp_chunk_size: int | str | None = "default", devices: int = 1, num_nodes: int = 1,
+             recompute: str = "block", activation_memory_limit: int | str | None = None, block_group: int = 1,
              optimizer_in_backward: bool | str | None = None) -> dict[str, Any]:
     """Validated settings of a plan (the arguments of :func:`plan`); ``grad_dtype`` becomes ``grad_bytes``.
 
     Raises:
         ValueError: see :func:`plan`.
     """
-    from ..engine.recompute_policy import check_recompute
+    from ..config import check_recompute
     from .config import resolve_chunk
     from .parallel import positive_count
 
@@ -354,7 +328,7 @@ def check_group(value: Any) -> int:
         ValueError: a bool, float, word, zero or negative value; the message names ``block_group``
             (planner key) and ``strategy.block_group`` (recipe key).
     """
-    from ..engine.block_groups import check_block_group
+    from ..config import check_block_group
 
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value.strip())

@@ -106,27 +106,22 @@ def plan_for_run(model: Any, hardware: Any, strategy: Mapping[str, Any], *, batc
     ``cfg.strategy``; DictConfigs or mappings), reading every strategy option the planner models
     (``lookahead``, ``block_group``, ``recompute_every``, ``offload_activations``, ``offload_params``,
     ``offload_optimizer`` -- which moves the gradient accumulators too, ``loss_chunk_size``,
-    ``mlp_chunk_size``, ``recompute``, ``activation_memory_limit``, ``optimizer_in_backward``); options the composed config does not set take ``MegaTrainStrategy``'s defaults.
+    ``mlp_chunk_size``, ``recompute``, ``activation_memory_limit``, ``optimizer_in_backward``); options the composed
+    config does not set take ``MegaTrainConfig``'s defaults.
     ``devices``/``num_nodes`` (``trainer.devices``/``trainer.num_nodes``, integers) plan the host per node
     (:mod:`.parallel`). Pass it to :func:`preflight`."""
     from .config import as_plain_dict, strategy_default
 
     st = as_plain_dict(strategy) if strategy is not None else {}
 
-    def opt(name: str, fallback: Any) -> Any:
-        if name in st:
-            return st[name]
-        d = strategy_default(name)
-        return fallback if d is None and fallback is not None else d
+    def opt(name: str) -> Any:
+        return st[name] if name in st else strategy_default(name)
 
     return plan(as_plain_dict(model), as_plain_dict(hardware), batch_size=int(batch_size), seq_len=int(seq_len),
-                precision=str(precision), lookahead=int(opt("lookahead", 1)), block_group=opt("block_group", 1),
-                recompute_every=int(opt("recompute_every", 1)),
-                offload_activations=bool(opt("offload_activations", False)),
-                offload_params=str(opt("offload_params", "cpu")),
-                offload_optimizer=str(opt("offload_optimizer", "cpu")),
-                offload_grads=str(opt("offload_optimizer", "cpu")),
-                loss_chunk_size=opt("loss_chunk_size", None), mlp_chunk_size=opt("mlp_chunk_size", None),
-                devices=devices, num_nodes=num_nodes, recompute=str(opt("recompute", "block")),
-                activation_memory_limit=opt("activation_memory_limit", None),
-                optimizer_in_backward=opt("optimizer_in_backward", None))
+                precision=str(precision), lookahead=int(opt("lookahead")), block_group=opt("block_group"),
+                recompute_every=int(opt("recompute_every")), offload_activations=bool(opt("offload_activations")),
+                offload_params=str(opt("offload_params")), offload_optimizer=str(opt("offload_optimizer")),
+                offload_grads=str(opt("offload_optimizer")), loss_chunk_size=opt("loss_chunk_size"),
+                mlp_chunk_size=opt("mlp_chunk_size"), devices=devices, num_nodes=num_nodes,
+                recompute=str(opt("recompute")), activation_memory_limit=opt("activation_memory_limit"),
+                optimizer_in_backward=opt("optimizer_in_backward"))

@@ -136,13 +136,13 @@ def term_label(key: str) -> str:
 def update_in_backward(s: dict[str, Any]) -> bool:
     """Whether the AdamW update of each slab runs in the backward, on the D2H worker after the slab's last
     gradient add (``optimizer_in_backward``); else the deferred schedule updates slab j on the H2D worker
-    before its next copy, in the next forward. ``None`` is the strategy's default: on when any state is on
-    NVMe (``MegaTrainStrategy._update_in_backward_now``; the strategy also falls back to the deferred schedule
-    with gradient clipping, fp16 loss scaling, manual optimization or hooks that read the step's gradients)."""
+    before its next copy, in the next forward; ``None`` is decided by the strategy's rule
+    (:func:`~megatrain_lightning.config.optimizer_in_backward_on`: on when any state is on NVMe)."""
+    from ..config import optimizer_in_backward_on
+
     v = s.get("optimizer_in_backward")
-    if v is None:
-        return "nvme" in (s.get("offload_params"), s.get("offload_optimizer"), s.get("offload_grads"))
-    return bool(v)
+    nvme = "nvme" in (s.get("offload_params"), s.get("offload_optimizer"), s.get("offload_grads"))
+    return bool(optimizer_in_backward_on(v, nvme))
 
 
 def _pow2_waste(nbytes: int) -> int:

@@ -1,6 +1,6 @@
 """Checks of a composed recipe config that run before anything is built: seconds, not a model load.
 
-* every key is one something will take: ``strategy.*`` against ``MegaTrainStrategy.__init__`` (or whatever
+* every key is one something will take: ``strategy.*`` against ``MegaTrainStrategy``'s options (or whatever
   ``strategy._target_`` names), ``trainer.*`` against ``lightning.pytorch.Trainer``, ``optim.*`` against
   :class:`~megatrain_lightning.recipes_lib.module.CausalLMModule`, ``data.*`` against
   :func:`~megatrain_lightning.data.make_datamodule` and the data module, ``data.probe.*`` against the probe,
@@ -118,6 +118,9 @@ def _check_target(group: str, node: Mapping[str, Any]) -> None:
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"{group}._target_", f"{target!r} cannot be imported ({e}).") from None
     names, var_kw = accepted(fn)
+    options = getattr(fn, "config_class", None)  # MegaTrainStrategy: its **options are MegaTrainConfig's fields
+    if options is not None:
+        names, var_kw = names | set(options.defaults()), False
     if not var_kw:
         _unknown(f"{group}.", node.keys(), names, str(target).rpartition(".")[2])
 

@@ -41,16 +41,15 @@ import os
 import shutil
 import threading
 import time
-import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from .budget import HostBudget, HostMemoryBudgetError, fmt_bytes, parse_bytes
+from .budget import HostBudget, HostMemoryBudgetError, fmt_bytes
 from .pinned import PinnedArena
 from .regions import Region
 from .shared import owners
@@ -150,17 +149,9 @@ class IOMeter:
 NVME_PATH_FROM_ENV = "$MEGATRAIN_NVME_PATH"  # nvme_path value meaning: read MEGATRAIN_NVME_PATH
 
 
-def _size(option: str, value: Any) -> int:
-    """``parse_bytes`` with the option's name in the error."""
-    try:
-        return parse_bytes(value)
-    except ValueError as err:
-        raise ValueError(f"megatrain: {option}: {err}") from None
-
-
 @dataclass
 class NVMeConfig:
-    """Settings of the NVMe tier (built by the strategy from its options).
+    """Settings of the NVMe tier (built from the strategy's options by ``MegaTrainConfig``, which checks them).
 
     Attributes:
         path: ``nvme_path``: directory on the fast disk.
@@ -219,69 +210,6 @@ class NVMeConfig:
         rank, ranks = self.share
         return {i: block_file(Path(self.path) / self.peer_dirs[o], i)
                 for i, o in enumerate(owners(layout, ranks)) if o != rank and layout[i][0]}  # an empty slab: no file
-
-    @classmethod
-    def from_options(cls, *, offload_params: str = "cpu", offload_optimizer: str = "cpu", nvme_path: str | None = None,
-                     host_memory_limit: Any = None, io_threads: int = 4, io_block_size: int | str = IO_BLOCK_SIZE,
-                     read_ahead: int = 4, direct_io: Any = "auto", keep_files: bool = False) -> "NVMeConfig | None":
-        """Validate the strategy's NVMe options (before any work) and build the tier's settings;
-        ``None`` when everything stays in host RAM. The one place that holds each option's default.
-
-        Args:
-            nvme_path: directory on a fast local disk (``~`` expanded), or :data:`NVME_PATH_FROM_ENV` to read it from the
-                environment variable ``MEGATRAIN_NVME_PATH`` (``strategy="megatrain_nvme"``).
-            host_memory_limit: bytes or a ``"16GiB"``-style string; default half the physical RAM.
-            io_block_size: bytes or ``"16MiB"``-style, a multiple of 4096.
-            Others: see :class:`NVMeConfig`.
-
-        Raises:
-            ValueError: an unknown tier, ``nvme`` without ``nvme_path`` (or with ``MEGATRAIN_NVME_PATH``
-                unset for ``strategy="megatrain_nvme"``), a bad ``host_memory_limit``, or bad I/O settings;
-                each message names the option.
-
-        Warns:
-            UserWarning: ``nvme_path`` or ``host_memory_limit`` given while nothing is offloaded to NVMe.
-        """
-        for name, v in (("offload_params", offload_params), ("offload_optimizer", offload_optimizer)):
-            if v not in ("cpu", "nvme"):
-                raise ValueError(f"{name} must be 'cpu' or 'nvme', got {v!r}.")
-        kinds = set()
-        if offload_params == "nvme":
-            kinds.add(Region.master)
-        if offload_optimizer == "nvme":
-            kinds |= {"exp_avg", Region.exp_avg_sq, Region.grad_accum}
-        for name, v, low in (("nvme_io_threads", io_threads, 1), ("nvme_read_ahead", read_ahead, 0)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {v!r}.")
-        if direct_io not in ("auto", True, False):
-            raise ValueError(f"direct_io must be 'auto', True or False, got {direct_io!r}.")
-        if not kinds:
-            given = [k for k, v in (("nvme_path", nvme_path), ("host_memory_limit", host_memory_limit)) if v is not None]
-            if given:
-                warnings.warn(f"megatrain: {' and '.join(given)} given but nothing is offloaded to NVMe, so "
-                              f"{'it has' if len(given) == 1 else 'they have'} no effect: everything stays in host RAM. "
-                              "Set offload_params='nvme' and/or offload_optimizer='nvme' (or use "
-                              "strategy='megatrain_nvme') to use the NVMe tier.", UserWarning, stacklevel=3)
-            return None
-        if nvme_path == NVME_PATH_FROM_ENV:
-            nvme_path = os.environ.get("MEGATRAIN_NVME_PATH")
-            if not nvme_path:
-                raise ValueError(
-                    "strategy='megatrain_nvme' reads the store directory from the environment variable "
-                    "MEGATRAIN_NVME_PATH, which is not set. Set it to a directory on a fast local disk "
-                    "(export MEGATRAIN_NVME_PATH=/mnt/nvme), or pass MegaTrainStrategy(offload_params='nvme', "
-                    "offload_optimizer='nvme', nvme_path=...)."
-                )
-        if not nvme_path:
-            raise ValueError("offload_params/offload_optimizer='nvme' needs nvme_path= (a directory on a fast local disk).")
-        if host_memory_limit is None:
-            host_memory_limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
-        limit, block = _size("host_memory_limit", host_memory_limit), _size("nvme_io_block_size", io_block_size)
-        if block % ALIGN:
-            raise ValueError(f"nvme_io_block_size must be a multiple of {ALIGN} bytes (O_DIRECT alignment), got {block}; "
-                             "for example '16MiB'.")
-        return cls(path=os.path.expanduser(str(nvme_path)), kinds=frozenset(kinds), host_memory_limit=limit, io_threads=io_threads,
-                   io_block_size=block, read_ahead=read_ahead, direct_io=direct_io, keep_files=keep_files)
 
     def min_window(self, layout: Sequence[tuple[int, int]]) -> int:
         """Bytes the store's own regions need in the host window at least: the largest slab's update

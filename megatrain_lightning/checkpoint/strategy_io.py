@@ -1,0 +1,197 @@
+"""The strategy's checkpoint hooks: save, load and the saves deferred to the end of an optimizer step.
+
+``MegaTrainStrategy.save_checkpoint``/``load_checkpoint``/``load_model_state_dict``/``load_optimizer_state_dict``/
+``remove_checkpoint``/``save_deferred`` hand their work to :class:`StrategyCheckpoints`, as Lightning's FSDP and
+DeepSpeed strategies hand theirs to their engines. A directory checkpoint is written and read by
+:mod:`.directory`; a plain Lightning ``.ckpt`` (another strategy's) is read with Lightning's own loader and copied
+into the store by :mod:`.lightning_resume`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.pytorch.callbacks import BaseFinetuning
+from lightning.pytorch.trainer.states import TrainerStatus
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from ..placeholder_guard import keys_only
+from .atomic import check_name_length
+from .atomic import remove as remove_entry
+from .directory import load_checkpoint_dir, load_optimizer_dir, save_checkpoint_dir
+from .errors import CheckpointError
+from .lightning_resume import load_lightning_optimizer, load_lightning_weights
+from .location import is_local, local_path
+
+
+class StrategyCheckpoints:
+    """Checkpoint save/load of ``strategy`` (its ``engine``, ``lightning_module``, ``flush()``, ``checkpoint_io``
+    and ``is_global_zero`` are read when a hook runs). ``writers()``: the data-parallel ``CheckpointWriters`` (each
+    rank writes its own slabs) or ``None``; ``share_written()``: the node's other ranks see the weights written.
+
+    Attributes:
+        deferred: ``(filepath, weights_only)`` of the saves asked for mid-backward, in order (:meth:`defer`).
+        loaded_path / loaded_meta: the directory checkpoint :meth:`load` read, and its metadata.
+        loaded_file: the plain ``.ckpt`` file :meth:`load` read (Lightning's loader), or ``None``.
+    """
+
+    def __init__(self, strategy: Any, writers: Callable[[], Any], share_written: Callable[[], None]) -> None:
+        self.strategy = strategy
+        self.writers = writers
+        self.share_written = share_written
+        self.deferred: list[tuple[Any, bool]] = []
+        self.loaded_path: str | None = None
+        self.loaded_meta: dict[str, Any] | None = None
+        self.loaded_file: str | None = None
+
+    def save(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Write a directory checkpoint (see :mod:`megatrain_lightning.checkpoint.directory`).
+
+        ``storage_options`` is not supported (there is no CheckpointIO for directories).
+
+        Raises:
+            CheckpointError: a tensor of the module would not be written (e.g. a peft prompt-learning
+                adapter), found before anything is written; or the checkpoint holds Lightning's
+                ``WeightAveraging`` average in place of the module's weights.
+            OSError: ``ENAMETOOLONG``: a name in ``filepath`` is longer than its filesystem accepts (255 bytes on
+                Linux; e.g. a long ``ModelCheckpoint(filename=...)``), before anything is written.
+        """
+        st = self.strategy
+        if storage_options is not None:
+            raise TypeError("strategy='megatrain' writes directory checkpoints and takes no storage_options.")
+        if st.engine is None or st.lightning_module is None:
+            raise RuntimeError("save_checkpoint called before the megatrain strategy was set up, or after "
+                               "trainer.strategy.close().")
+        filepath = local_path(filepath)
+        st.engine.stopped.check("saving a checkpoint", CheckpointError)
+        check_name_length(Path(filepath))
+        if st.engine.grads.step_partly_applied() and self.defer(checkpoint, filepath):
+            return
+        if "current_model_state" in checkpoint:  # Lightning's WeightAveraging put its average in state_dict
+            raise CheckpointError(
+                "megatrain: the checkpoint's state_dict holds averaged weights (Lightning's WeightAveraging / "
+                "EMAWeightAveraging moved the module's own weights to 'current_model_state'); the directory "
+                "checkpoint writes the weights from the host store and would save the module's weights, not the "
+                "average, and could not be resumed. Drop the averaging callback or the checkpointing (ModelCheckpoint, "
+                "Tuner) for this run; the average is in the module after fit (WeightAveraging copies it in at "
+                "on_train_end): save it then with save_pretrained or torch.save(module.state_dict(), path).")
+        st.flush()
+        st.engine.params.write_back_materialized()  # weights edited after fit (NVMe tier) are what gets saved
+        coop = self.writers()  # several processes: each rank writes its own slabs; Trainer's barrier follows
+        tokenizer = getattr(st.lightning_module, "tokenizer", None)
+        if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
+            rank_zero_warn(f"megatrain: the module's `tokenizer` attribute ({type(tokenizer).__name__}) has no "
+                           "save_pretrained: it is not written into the checkpoint's model/ folder (a Hugging Face "
+                           "tokenizer there would be).")
+            tokenizer = None
+        with keys_only():  # the writer reads values from the store; peft lists some keys through state_dict()
+            save_checkpoint_dir(filepath, checkpoint, st.lightning_module, st.engine, tokenizer=tokenizer, coop=coop)
+
+    def defer(self, checkpoint: dict[str, Any], filepath: Any) -> bool:
+        """A save requested while a backward applies the AdamW updates as it goes (``optimizer_in_backward``) and
+        has updated only part of the model (a module backward hook, or a signal handler such as Lightning's SLURM
+        auto-requeue running in the middle of the backward): the weights are half at the next step, so a checkpoint
+        now would be resumed with that step applied twice to part of the model (weights 40% off). During
+        fit the save is deferred to the end of this optimizer step (the first callback's ``on_train_batch_end``,
+        where ``ModelCheckpoint`` saves too: one step later, consistent) and ``True`` returned. Several saves in one
+        backward are all written, in the order asked (a second save to the same path replaces the first's request).
+
+        Raises:
+            CheckpointError: not during fit (the step was interrupted mid-backward, e.g. an emergency save after
+                an error): the model is partly updated and no consistent checkpoint can be made from it.
+        """
+        trainer = self.strategy.lightning_module.trainer
+        if trainer is None or trainer.state.status != TrainerStatus.RUNNING or not trainer.training:
+            raise CheckpointError(
+                "megatrain: the last optimizer step stopped in the middle of its backward after optimizer_in_backward "
+                "had updated part of the model, so the weights mix two steps and no consistent checkpoint can be "
+                "written. Resume from the last checkpoint (set optimizer_in_backward=False to keep every update until "
+                "the backward ends).")
+        self.deferred = [s for s in self.deferred if s[0] != filepath]
+        self.deferred.append((filepath, "optimizer_states" not in checkpoint))
+        rank_zero_warn(f"megatrain: save_checkpoint({str(filepath)!r}) was called in the middle of a backward that "
+                       "applies the optimizer updates as it goes (optimizer_in_backward): part of the model is already "
+                       "at the next step. It is written at the end of this optimizer step instead (one step later); "
+                       "if the step does not finish, nothing is written.")
+        return True
+
+    def save_deferred(self, trainer: Any) -> None:
+        """Write the checkpoints :meth:`defer` put off, in the order asked, now that the optimizer step is
+        complete."""
+        saves, self.deferred = self.deferred, []
+        for filepath, weights_only in saves:
+            trainer.save_checkpoint(filepath, weights_only=weights_only)
+
+    def load(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Verify a directory checkpoint, load its weights into the host store and return the metadata; or read a
+        plain Lightning ``.ckpt`` file (another strategy's) with Lightning's own loader, whose weights and AdamW state
+        :meth:`load_model_state_dict` and :meth:`load_optimizer_state_dict` then copy into the store
+        (``checkpoint/lightning_resume.py``).
+
+        A directory checkpoint's tensors (parameters and persistent buffers) are loaded here, honouring
+        ``LightningModule.strict_loading``, so the dict returned (and the one ``on_load_checkpoint`` sees) has
+        ``state_dict == {}``: the weights are in the checkpoint's ``model/`` (and ``extra/``) and already in the
+        module; to fix up keys, convert the checkpoint or edit the weights in ``on_fit_start``.
+
+        Raises:
+            CheckpointError: a directory that is not a megatrain checkpoint, written for another model config,
+                damaged (checksums, a damaged megatrain.json), or with a part copied from another checkpoint; a
+                ``.ckpt`` whose keys or shapes do not fit the module (raised when its weights are loaded).
+        """
+        st = self.strategy
+        if st.engine is None or st.lightning_module is None:
+            raise RuntimeError("load_checkpoint called before the megatrain strategy was set up.")
+        st.flush()
+        if st.engine.optimizer is not None:
+            st.engine.optimizer.drop_pending()
+        remote_file = not is_local(checkpoint_path) and get_filesystem(checkpoint_path).isfile(checkpoint_path)
+        if not remote_file:
+            checkpoint_path = local_path(checkpoint_path)
+        if remote_file or Path(checkpoint_path).is_file():  # another strategy's .ckpt: Lightning's own loader
+            self.loaded_path, self.loaded_meta = None, None
+            self.loaded_file = str(checkpoint_path)
+            return st.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self.loaded_file = None
+        meta = load_checkpoint_dir(checkpoint_path, st.lightning_module, st.engine,
+                                   strict=getattr(st.lightning_module, "strict_loading", True))
+        self.share_written()
+        st.engine.stopped.restored()
+        self.loaded_path = checkpoint_path
+        self.loaded_meta = meta
+        return meta
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """A directory checkpoint's weights were already copied into the store by :meth:`load`; a plain
+        Lightning ``.ckpt``'s ``state_dict`` is copied now, one tensor at a time (``load_lightning_weights``)."""
+        st = self.strategy
+        if self.loaded_file is not None and st.engine is not None:
+            st.flush()
+            load_lightning_weights(checkpoint, st.lightning_module, st.engine, strict=strict, source=self.loaded_file)
+            st.engine.stopped.restored()
+            self.share_written()
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Load the AdamW state and param groups of the checkpoint :meth:`load` read.
+
+        A ``BaseFinetuning`` callback restores the param groups it added (``on_fit_start`` after its
+        ``load_state_dict``); with ``restore_checkpoint_after_setup`` Lightning restores callbacks after
+        ``on_fit_start``, so its hook runs again here, before the groups are matched (a no-op when not resuming)."""
+        st = self.strategy
+        if st.engine is None or st.engine.optimizer is None or (self.loaded_path is None and self.loaded_file is None):
+            return
+        trainer = st.lightning_module.trainer
+        for cb in trainer.callbacks:
+            if isinstance(cb, BaseFinetuning):
+                cb.on_fit_start(trainer, st.lightning_module)
+        if self.loaded_file is not None:
+            load_lightning_optimizer(checkpoint, st.engine.optimizer, source=self.loaded_file)
+            return
+        load_optimizer_dir(self.loaded_path, st.lightning_module, st.engine, self.loaded_meta)
+
+    def remove(self, filepath: Any) -> None:
+        """Remove a checkpoint directory, file or symlink (not the symlink's target: ``save_last="link"``), as
+        ``ModelCheckpoint(save_top_k=...)`` prunes."""
+        if self.strategy.is_global_zero:
+            remove_entry(Path(filepath))

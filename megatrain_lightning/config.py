@@ -1,0 +1,385 @@
+"""``MegaTrainConfig``: every option of ``MegaTrainStrategy``, with its one default, its unit and its check.
+
+``MegaTrainStrategy(**options)`` builds one (``MegaTrainStrategy(config=MegaTrainConfig(...))`` passes it
+whole); the strategy and the engine read their options from it, the Hydra recipes
+(``conf/strategy/*.yaml``) and the planner take their keys and defaults from it (``tests/test_config.py``
+fails when they drift). Every check runs when the config is built, before any work; each error names the
+option and its Hydra key ``strategy.<option>``.
+
+This module imports only ``store/`` (the NVMe tier's settings, byte sizes): the engine imports it.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field, fields
+from datetime import timedelta
+from typing import Any, Sequence
+
+from .store.budget import parse_bytes
+from .store.nvme import ALIGN, IO_BLOCK_SIZE, NVME_PATH_FROM_ENV, NVMeConfig
+from .store.regions import Region
+
+RECOMPUTE_MODES = ("block", "selective", "none", "auto")
+"""Allowed values of the ``recompute`` option."""
+
+
+@dataclass
+class MegaTrainConfig:
+    """The options of ``MegaTrainStrategy``, checked when built (each field: default, unit, what it does).
+
+    Raises:
+        ValueError: ``host_threads`` is not ``None`` or an integer >= 1; a switch is not a bool; ``timeout`` not
+            positive; ``lookahead`` not an int >= 0; ``block_group`` or ``recompute_every`` not an int >= 1;
+            ``recompute`` not one of :data:`RECOMPUTE_MODES` or ``activation_memory_limit`` not a positive size;
+            bad NVMe settings (:meth:`_nvme_settings`); ``loss_chunk_size`` / ``mlp_chunk_size`` not a
+            positive int (or ``"auto"`` / ``None``).
+        TypeError: ``recompute_every`` and ``checkpoint_every`` both given, with different values.
+    """
+
+    lookahead: int = 1
+    """Fetches copied ahead of the one computing (1 = double buffering)."""
+    block_group: int = 1
+    """Consecutive decoder layers fetched as one transfer unit (one H2D worker task and one wait for the group
+    instead of one per layer: for small blocks, whose fixed cost per fetch is not hidden behind their compute;
+    docs/internals/streaming.md, "Block groups"). The device then holds up to ``(lookahead + 1) x block_group``
+    decoder layers' weights."""
+    recompute_every: int = 1
+    """Block calls per recompute segment: keep the input of every K-th block call only and recompute the others
+    in backward (saved activations / K, at most one extra forward of K-1 blocks per segment). 1: every block input
+    is kept (measured: docs/benchmarks.md, "Recompute segments")."""
+    checkpoint_every: int | None = None
+    """The former name of ``recompute_every`` (it collided with Lightning's model checkpoints); still accepted for
+    one release, with a ``DeprecationWarning``, and folded into ``recompute_every`` (then ``None``)."""
+    offload_activations: bool = False
+    """Keep saved block inputs in host memory (device footprint flat in depth); in backward each block call's
+    inputs are copied back one call ahead (prefetched)."""
+    recompute: str = "block"
+    """What each block's backward recomputes (docs/architecture.md, "Recompute policy"): ``"block"`` (keep the
+    block's inputs, recompute the whole block), ``"selective"`` (also keep the outputs of matmuls and attention;
+    recompute norms, activations, elementwise ops and dropout), ``"none"`` (keep every op output: nothing costly
+    is recomputed) or ``"auto"`` (per block, within ``activation_memory_limit``; the choice is logged once)."""
+    activation_memory_limit: int | str | None = None
+    """Bytes (or ``"4GiB"``) of device memory that ``recompute="auto"`` lets the kept activations take (block
+    inputs included; the last block's graph, e.g. the LM head's logits, kept from its forward to the backward that
+    follows at once, is not counted: leave room for it). ``None``: half the free device memory. Held in bytes once
+    checked; given with another ``recompute`` mode it has no effect (a warning says so)."""
+    overlap_optimizer: bool = True
+    """Apply each block's AdamW update just before its next prefetch instead of all at once in
+    ``optimizer.step()``. Both give identical results."""
+    block_classes: Sequence[str | type] | None = None
+    """Class names/classes of the repeated blocks. ``None``: every Hugging Face model's ``_no_split_modules``."""
+    block_names: Sequence[str] | None = None
+    """``fnmatch`` patterns of module paths that are blocks, e.g. ``["net.layers.*"]``."""
+    pin_memory: bool | None = None
+    """Page-lock host memory on CUDA (the masters and wire images of the RAM tier, the NVMe window, exactly what
+    ``host_memory_limit`` counts). ``None``: pin, and where pinning the window or a wire image fails use pageable
+    memory with a warning; ``True``: a failure is an error (``HostPinningError``, naming host memory and this
+    option); ``False``: never pin (H2D copies then run at pageable speed). ``ulimit -l`` does not limit CUDA's
+    pinned memory and is not checked."""
+    cpu_zero_copy: bool = True
+    """On CPU, compute on the fp32 master slabs instead of a copy of them (on a CPU device the copy would only
+    move host memory to host memory; the prefetch schedule, deferred updates and accounting run the same either
+    way, and ``False`` makes the CPU path copy exactly as the CUDA path does). Mixed precision always streams
+    converted copies."""
+    log_stats: bool = True
+    """Log per-step accounting (``megatrain/h2d_bytes`` ...) like ``self.log(..., on_step=True)``: to every
+    logger of the Trainer at its ``log_every_n_steps``, and into ``trainer.callback_metrics``."""
+    offload_params: str = "cpu"
+    """Where fp32 master weights live: ``"cpu"`` (host RAM) or ``"nvme"`` (per-block files under ``nvme_path``,
+    read through a host window)."""
+    offload_optimizer: str = "cpu"
+    """Where ``exp_avg``, ``exp_avg_sq`` and the gradient accumulators live: ``"cpu"`` or ``"nvme"``."""
+    nvme_path: str | None = None
+    """Directory on a fast local disk for the NVMe tier (the store is ``<nvme_path>/megatrain_store``).
+    ``strategy="megatrain_nvme"`` reads it from the environment variable ``MEGATRAIN_NVME_PATH``."""
+    host_memory_limit: int | str | None = None
+    """Bytes (or ``"16GiB"``-style strings) the NVMe tier's host window may use, on CPU including the compute
+    buffers (strict: never exceeded). ``None``: half of the machine's physical RAM. Ignored when nothing is on
+    NVMe."""
+    nvme_io_threads: int = 4
+    """Threads issuing NVMe read/write requests, one each at a time: the queue depth (measured in
+    bench/nvme.py)."""
+    nvme_io_block_size: int | str = IO_BLOCK_SIZE
+    """Bytes per NVMe request, a multiple of 4096 (or ``"16MiB"``-style); each region is split into requests of
+    this size that run concurrently (16 MiB, measured in bench/nvme_requests.py)."""
+    nvme_read_ahead: int = 4
+    """Buffers read ahead at most at once."""
+    direct_io: bool | str = "auto"
+    """``"auto"`` (``O_DIRECT`` where the filesystem allows it), ``True`` or ``False``."""
+    keep_nvme_files: bool = False
+    """Keep the store's files when the engine closes (``False``: removed)."""
+    optimizer_in_backward: bool | None = None
+    """Apply each block's AdamW update during backward, as soon as its gradients of the step are complete,
+    instead of deferring it to the next forward. Same arithmetic, bitwise the same results; it moves the update's
+    reads and writes (AdamW states, master) into the backward, where the disk is otherwise idle, and the gradient
+    accumulator never goes to disk. ``None``: on with the NVMe tier (:func:`optimizer_in_backward_on`). Used only
+    on the last micro-batch of an accumulation window, in automatic optimization, without gradient clipping or
+    fp16 loss scaling (both need every gradient first) and when no user code sees the step's gradients before
+    the step: the LightningModule does not override ``on_after_backward``, ``on_before_optimizer_step``,
+    ``configure_gradient_clipping`` or ``optimizer_step`` and no callback overrides ``on_after_backward`` or
+    ``on_before_optimizer_step``; otherwise the deferred schedule runs."""
+    unfreeze_during_fit: bool | None = None
+    """Keep gradient and AdamW state in the store for the parameters frozen at setup as well, so that they can
+    be unfrozen (``requires_grad_(True)``, ``optimizer.add_param_group``) while fit runs. Costs what training them
+    costs (12 bytes per frozen element more once allocated: the accumulator at the first backward, the moments at
+    the first step), from the start. ``None``: on when a Lightning ``BaseFinetuning`` callback
+    (``BackboneFinetuning`` or a subclass) is in the Trainer. ``False``: unfreezing during fit raises (the store
+    has no room for the gradient)."""
+    host_threads: int | None = None
+    """Intra-op CPU threads of the engine's two host workers (the host AdamW, gradient adds into the fp32
+    accumulators, casts to the wire dtype). ``None``: on CUDA ``torch.get_num_threads() - 1``, which leaves a core
+    for the thread launching GPU kernels (derived, not measured: docs/architecture.md, "Threads, streams and
+    locks"); on CPU 1 (the compute kernels use every core; measured: engine/threads.py)."""
+    loss_chunk_size: int | str | None = "auto"
+    """Tokens per chunk of the chunked LM head + cross-entropy in training calls
+    ``model(input_ids=..., labels=...)`` of a Hugging Face causal LM: the full logits are never materialised, each
+    chunk's are recomputed in backward; the loss equals the full computation's up to the order of the sum over
+    tokens. ``"auto"``: 256 MiB of fp32 logits per chunk (523 tokens of a 128,256-token vocabulary); calls with
+    at most that many tokens, without labels or under ``no_grad`` (validation, predict, generation) compute real
+    logits as usual. ``None``: off. See docs/guide/long-sequences.md."""
+    mlp_chunk_size: int | None = None
+    """Tokens per chunk of each block's MLP (forward and recompute; each chunk checkpointed, so backward holds
+    one chunk's MLP intermediates). ``None``: off."""
+    process_group_backend: str | None = None
+    """``torch.distributed`` backend of a run with several processes (``None``: NCCL on CUDA, gloo on CPU, as
+    ``DDPStrategy``)."""
+    timeout: timedelta | float | None = timedelta(minutes=30)
+    """How long a collective waits for the other ranks before it fails (30 minutes, as ``DDPStrategy``; a
+    ``timedelta`` or seconds, held as a ``timedelta`` once checked; also the rendezvous's wait for every rank to
+    start): a rank that hangs makes the others stop after at most about twice this long instead of hanging; one
+    that died stops them at once, with a ``PeerFailure`` naming it (``parallel/faults.py``)."""
+    nvme: NVMeConfig | None = field(init=False, repr=False, compare=False)
+    """The NVMe tier's settings built from the ``offload_*``/``nvme_*``/``host_memory_limit``/``direct_io``/
+    ``keep_nvme_files`` options, or ``None`` when everything stays in host RAM (not an option)."""
+
+    def __post_init__(self) -> None:
+        check_host_threads(self.host_threads)
+        check_switches(("pin_memory", "optimizer_in_backward", "unfreeze_during_fit"),
+                       offload_activations=self.offload_activations, overlap_optimizer=self.overlap_optimizer,
+                       pin_memory=self.pin_memory, cpu_zero_copy=self.cpu_zero_copy, log_stats=self.log_stats,
+                       keep_nvme_files=self.keep_nvme_files, optimizer_in_backward=self.optimizer_in_backward,
+                       unfreeze_during_fit=self.unfreeze_during_fit)
+        self.timeout = check_timeout(self.timeout)
+        check_lookahead(self.lookahead)
+        check_block_group(self.block_group)
+        self.recompute_every = deprecated_recompute_every(self.recompute_every, self.checkpoint_every, stacklevel=5)
+        self.checkpoint_every = None
+        given_limit = self.activation_memory_limit
+        self.recompute, self.activation_memory_limit = check_recompute(self.recompute, given_limit)
+        warn_unused_activation_limit(self.recompute, given_limit, stacklevel=5)
+        self.nvme = self._nvme_settings()
+        check_chunk_size("loss_chunk_size", self.loss_chunk_size, allow_auto=True)
+        check_chunk_size("mlp_chunk_size", self.mlp_chunk_size, allow_auto=False)
+
+    def _nvme_settings(self) -> NVMeConfig | None:
+        """Check the NVMe options and build the tier's settings; ``None`` when everything stays in host RAM.
+        ``nvme_path`` has ``~`` expanded, or with :data:`~.store.nvme.NVME_PATH_FROM_ENV`
+        (``strategy="megatrain_nvme"``) is read from the environment variable ``MEGATRAIN_NVME_PATH``.
+
+        Raises:
+            ValueError: an unknown tier, ``nvme`` without ``nvme_path`` (or with ``MEGATRAIN_NVME_PATH``
+                unset for ``strategy="megatrain_nvme"``), a bad ``host_memory_limit``, or bad I/O settings;
+                each message names the option.
+
+        Warns:
+            UserWarning: ``nvme_path`` or ``host_memory_limit`` given while nothing is offloaded to NVMe.
+        """
+        for name, v in (("offload_params", self.offload_params), ("offload_optimizer", self.offload_optimizer)):
+            if v not in ("cpu", "nvme"):
+                raise ValueError(f"{name} must be 'cpu' or 'nvme', got {v!r}.")
+        kinds = set()
+        if self.offload_params == "nvme":
+            kinds.add(Region.master)
+        if self.offload_optimizer == "nvme":
+            kinds |= {"exp_avg", Region.exp_avg_sq, Region.grad_accum}
+        for name, v, low in (("nvme_io_threads", self.nvme_io_threads, 1), ("nvme_read_ahead", self.nvme_read_ahead, 0)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {v!r}.")
+        if self.direct_io not in ("auto", True, False):
+            raise ValueError(f"direct_io must be 'auto', True or False, got {self.direct_io!r}.")
+        if not kinds:
+            given = [k for k in ("nvme_path", "host_memory_limit") if getattr(self, k) is not None]
+            if given:
+                warnings.warn(f"megatrain: {' and '.join(given)} given but nothing is offloaded to NVMe, so "
+                              f"{'it has' if len(given) == 1 else 'they have'} no effect: everything stays in host RAM. "
+                              "Set offload_params='nvme' and/or offload_optimizer='nvme' (or use "
+                              "strategy='megatrain_nvme') to use the NVMe tier.", UserWarning, stacklevel=5)
+            return None
+        path = self.nvme_path
+        if path == NVME_PATH_FROM_ENV:
+            path = os.environ.get("MEGATRAIN_NVME_PATH")
+            if not path:
+                raise ValueError(
+                    "strategy='megatrain_nvme' reads the store directory from the environment variable "
+                    "MEGATRAIN_NVME_PATH, which is not set. Set it to a directory on a fast local disk "
+                    "(export MEGATRAIN_NVME_PATH=/mnt/nvme), or pass MegaTrainStrategy(offload_params='nvme', "
+                    "offload_optimizer='nvme', nvme_path=...)."
+                )
+        if not path:
+            raise ValueError("offload_params/offload_optimizer='nvme' needs nvme_path= (a directory on a fast local disk).")
+        limit = self.host_memory_limit
+        if limit is None:
+            limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+        limit, block = _size("host_memory_limit", limit), _size("nvme_io_block_size", self.nvme_io_block_size)
+        if block % ALIGN:
+            raise ValueError(f"nvme_io_block_size must be a multiple of {ALIGN} bytes (O_DIRECT alignment), got {block}; "
+                             "for example '16MiB'.")
+        return NVMeConfig(path=os.path.expanduser(str(path)), kinds=frozenset(kinds), host_memory_limit=limit,
+                          io_threads=self.nvme_io_threads, io_block_size=block, read_ahead=self.nvme_read_ahead,
+                          direct_io=self.direct_io, keep_files=self.keep_nvme_files)
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """Every option's default, by name (the Hydra recipes and the planner are tested against it)."""
+        return {f.name: f.default for f in fields(cls) if f.init}
+
+
+def optimizer_in_backward_on(option: bool | None, nvme_tier: bool) -> bool:
+    """``optimizer_in_backward`` resolved: the option, or with ``None`` whether any state is on NVMe (``nvme_tier``).
+    The strategy and the planner both decide by it (the strategy then also falls back to the deferred schedule
+    with gradient clipping, fp16 loss scaling, manual optimization or hooks that read the step's gradients)."""
+    return option if option is not None else nvme_tier
+
+
+def _size(option: str, value: Any) -> int:
+    """``parse_bytes`` with the option's name in the error."""
+    try:
+        return parse_bytes(value)
+    except ValueError as err:
+        raise ValueError(f"megatrain: {option}: {err}") from None
+
+
+def check_switches(optional: tuple[str, ...] = (), **switches: Any) -> None:
+    """Each switch is ``True`` or ``False`` (those named in ``optional`` may also be ``None``: automatic).
+
+    A string such as ``"false"`` is truthy in Python and would silently mean the opposite, so it is refused.
+
+    Raises:
+        ValueError: the first switch that is not a bool, naming its option and Hydra key.
+    """
+    for name, value in switches.items():
+        if isinstance(value, bool) or (value is None and name in optional):
+            continue
+        allowed = "True, False or None (automatic)" if name in optional else "True or False"
+        raise ValueError(f"megatrain: {name} must be {allowed}, got {value!r}. Set strategy option / Hydra key "
+                         f"strategy.{name} (true/false{'/null' if name in optional else ''}).")
+
+
+def warn_unused_activation_limit(recompute: str, activation_memory_limit: Any, stacklevel: int = 3) -> None:
+    """Warn when ``activation_memory_limit`` is given with a ``recompute`` mode other than ``"auto"`` (only
+    ``"auto"`` reads it)."""
+    if activation_memory_limit is not None and recompute != "auto":
+        warnings.warn(f"megatrain: activation_memory_limit has no effect with recompute={recompute!r}; only "
+                      "recompute='auto' chooses per block from that budget.", UserWarning, stacklevel=stacklevel)
+
+
+def check_timeout(timeout: Any) -> timedelta | None:
+    """The strategy's ``timeout`` as a ``timedelta``: seconds (int/float > 0), a positive ``timedelta`` or ``None``.
+
+    Raises:
+        ValueError: anything else (zero or negative: every collective would fail at once), naming the Hydra key.
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        timeout = timedelta(seconds=timeout)
+    if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
+        raise ValueError(f"megatrain: timeout must be a number of seconds > 0, a positive datetime.timedelta or None, "
+                         f"got {timeout!r}. Set strategy option / Hydra key strategy.timeout.")
+    return timeout
+
+
+def check_lookahead(lookahead: object) -> int:
+    """Return ``lookahead`` when it is an int >= 0 (fetches prefetched ahead; 1 = double buffering).
+
+    Raises:
+        ValueError: anything else (a negative number, a float, a string, ``True``), naming the option."""
+    if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
+        raise ValueError(f"megatrain: lookahead must be an int >= 0 (fetches prefetched ahead of the one computing; "
+                         f"1 = double buffering), got {lookahead!r}. Set strategy option / Hydra key strategy.lookahead.")
+    return lookahead
+
+
+def check_block_group(size: object) -> int:
+    """Return ``size`` when it is a valid ``block_group`` (an int >= 1); raise ``ValueError`` otherwise."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"megatrain: block_group must be an int >= 1 (consecutive decoder layers fetched as one "
+                         f"transfer), got {size!r}. Set strategy option / Hydra key strategy.block_group.")
+    return size
+
+
+def check_chunk_size(name: str, value: Any, allow_auto: bool) -> int | str | None:
+    """Validate a chunk-size option: a positive ``int`` of tokens, ``None`` (off) or, where
+    ``allow_auto``, ``"auto"``. Returns it unchanged.
+
+    Raises:
+        ValueError: anything else (``0``, negative, a float, ``True``, another string), naming the
+            option and what to pass instead."""
+    ok = value is None or (allow_auto and value == "auto") or (
+        isinstance(value, int) and not isinstance(value, bool) and value > 0)
+    if not ok:
+        extra = ', "auto"' if allow_auto else ""
+        raise ValueError(f"megatrain: {name} must be a positive int (tokens per chunk){extra} or None (no "
+                         f"chunking); got {value!r}. Set strategy option / Hydra key strategy.{name}.")
+    return value
+
+
+def check_host_threads(host_threads: object) -> None:
+    """Raise ``ValueError`` unless ``host_threads`` is ``None`` or an integer >= 1 (checked when the
+    strategy is built, before any work starts)."""
+    if host_threads is None:
+        return
+    if isinstance(host_threads, bool) or not isinstance(host_threads, int) or host_threads < 1:
+        raise ValueError(
+            f"host_threads must be a whole number of CPU threads >= 1 or None (default: on CUDA one less "
+            f"than torch.get_num_threads()), got {host_threads!r}. Set MegaTrainStrategy(host_threads=...) "
+            "or the Hydra key strategy.host_threads."
+        )
+
+
+def check_recompute(mode: Any, activation_memory_limit: int | str | None = None) -> tuple[str, int | None]:
+    """Validate the ``recompute`` and ``activation_memory_limit`` options.
+
+    Returns:
+        (mode, limit in bytes or ``None``: "auto" then takes half the free device memory).
+    Raises:
+        ValueError: ``mode`` not one of :data:`RECOMPUTE_MODES`, or the limit not a positive size.
+    """
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"megatrain: recompute={mode!r} is not a recompute policy; use one of "
+                         f"{', '.join(repr(m) for m in RECOMPUTE_MODES)} (strategy option / Hydra key strategy.recompute).")
+    limit = None
+    if activation_memory_limit is not None:
+        try:
+            limit = parse_bytes(activation_memory_limit)
+        except ValueError as e:
+            raise ValueError(f"megatrain: activation_memory_limit: {e}") from None
+    return mode, limit
+
+
+def deprecated_recompute_every(recompute_every: int, checkpoint_every: int | None, stacklevel: int = 3) -> int:
+    """``recompute_every`` (checked: an int >= 1, block calls per recompute segment), or the value given
+    under its former name ``checkpoint_every`` (which collided with Lightning's model checkpoints), with a
+    ``DeprecationWarning``; kept for one release.
+
+    Raises:
+        TypeError: both names given with different values.
+        ValueError: the value is not an int >= 1."""
+    if checkpoint_every is None:
+        return _check_recompute_every(recompute_every)
+    warnings.warn("megatrain: checkpoint_every was renamed recompute_every (it sets recompute segments, not model "
+                  "checkpoints); the old name will be removed in the next release.", DeprecationWarning,
+                  stacklevel=stacklevel)
+    if recompute_every not in (1, checkpoint_every):
+        raise TypeError(f"recompute_every={recompute_every} and checkpoint_every={checkpoint_every} both given; "
+                        "pass only recompute_every.")
+    return _check_recompute_every(checkpoint_every)
+
+
+def _check_recompute_every(k: object) -> int:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"megatrain: recompute_every must be an int >= 1 (block calls per recompute segment), "
+                         f"got {k!r}. Set strategy option / Hydra key strategy.recompute_every.")
+    return k
