@@ -154,19 +154,18 @@ class StreamingEngine:
         self.acct = ByteAccounting(reserve=self.store.nvme.reserve if budget_device else None,
                                    unreserve=self.budget.release if budget_device else None,
                                    on_release=self.transport.released)
-        self.params = ParamAccess(self.store, lambda: self.optimizer)
+        self.params = ParamAccess(self.store)
         # gradients of a parameter read by several blocks are summed per backward, as autograd does
         shared = SharedGradSums.for_blocks(self.blocks, enabled=Region.grad_accum not in self.store.nvme_kinds)
-        self.grads = GradientSink(self.store, self.acct, self.transport, lambda: self.optimizer, shared,
+        self.grads = GradientSink(self.store, self.acct, self.transport, shared,
                                   max_inflight=2, host_threads=host_threads, reducer=reducer,
                                   ownership=self.ownership)
         self.stopped = StoppedStep(self.grads)  # a step stopped after part of its in-backward updates
-        self.fetcher = WeightFetcher(self.blocks, self.store, self.transport, self.acct, lambda: self.optimizer,
-                                     self.device, pin_memory=pin, ring=StagingRing.for_store(self.store, self.transport),
-                                     shared_images=node and node.wire_images, ownership=self.ownership)
+        self.fetcher = WeightFetcher(self.blocks, self.store, self.transport, self.acct, self.device, pin_memory=pin,
+                                     ring=StagingRing.for_store(self.store, self.transport), shared_images=node and node.wire_images, ownership=self.ownership)
         nvme_on = self.store.nvme is not None
         self.prefetcher = Prefetcher(self.blocks, self.store, self.transport, self.acct, lambda blk: self.fetcher.fetch(blk),
-                                     lookahead, lambda: self.optimizer, read_ahead_bytes=self.budget.limit - min_window if nvme_on else None,
+                                     lookahead, read_ahead_bytes=self.budget.limit - min_window if nvme_on else None,
                                      read_ahead_depth=nvme.read_ahead if nvme_on else 0, host_threads=host_threads,
                                      groups=groups)
         self.optimizer: HostAdamW | None = None
@@ -230,6 +229,8 @@ class StreamingEngine:
         self.flush()
         self.optimizer = HostAdamW(self.store, optimizer, overlap=overlap, transport=self.transport,
                                    ownership=self.ownership)
+        for part in (self.params, self.grads, self.fetcher, self.prefetcher):
+            part.optimizer = self.optimizer
         return self.optimizer
 
     # ------------------------------------------------------------------ direct parameter access
