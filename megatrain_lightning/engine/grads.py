@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
