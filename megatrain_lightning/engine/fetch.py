@@ -63,10 +63,6 @@ class WeightFetcher:
         # slab index -> (its wire image, (slab.updates, master._version) when written): RAM tier only
         self.shadows: dict[int, tuple[torch.Tensor, tuple[int, int]]] = {}
 
-    def attach_optimizer(self, optimizer: HostAdamW) -> None:
-        """Use ``optimizer`` (the engine's host AdamW) from now on."""
-        self.optimizer = optimizer
-
     def fetch(self, blk: Block) -> dict[int, tuple[torch.Tensor, Any]]:
         """H2D worker: apply pending optimizer updates of the block's slabs, then copy them.
 

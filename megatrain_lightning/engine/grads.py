@@ -75,7 +75,7 @@ class GradientSink:
         self.shared = shared
         self.acct = acct
         self.transport = transport
-        self.optimizer: HostAdamW | None = None  # the host optimizer: applies updates in backward
+        self.optimizer: HostAdamW | None = None  # set by StreamingEngine.attach_optimizer
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1 gradient batch, got {max_inflight}.")
         staging = getattr(transport, "n_staging", None)
@@ -96,10 +96,6 @@ class GradientSink:
         # accumulators on NVMe param.grad stays None (attach), as in one process
         self.hook_views = HookGradViews(store, ownership) if ownership is not None and store.shared is not None \
             and Region.grad_accum not in store.nvme_kinds else None
-
-    def attach_optimizer(self, optimizer: HostAdamW) -> None:
-        """Use ``optimizer`` (the engine's host AdamW) from now on."""
-        self.optimizer = optimizer
 
     # ------------------------------------------------------------------ plan
     def plan(self, calls_refs: Sequence[Sequence[Any]]) -> None:

@@ -30,10 +30,6 @@ class ParamAccess:
         self.materialized = False
         self.summoned: set[int] = set()  # id(param) of the parameters :meth:`summon` gave real weights (nesting)
 
-    def attach_optimizer(self, optimizer: HostAdamW) -> None:
-        """Use ``optimizer`` (the engine's host AdamW) from now on."""
-        self.optimizer = optimizer
-
     def read(self, p: torch.Tensor) -> torch.Tensor:
         """The current fp32 value of parameter ``p`` (pending updates applied): a view of the RAM
         slab, or a copy read through the NVMe window when masters are on disk.

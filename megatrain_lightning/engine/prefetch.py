@@ -81,10 +81,6 @@ class Prefetcher:
         self._discarded: dict[int, Future] = {}  # dropped prefetches still running (drop() waits for them)
         self._discard_lock = threading.Lock()
 
-    def attach_optimizer(self, optimizer: HostAdamW) -> None:
-        """Use ``optimizer`` (the engine's host AdamW) from now on."""
-        self.optimizer = optimizer
-
     def get(self, blk: Block, seq: Sequence[int], pos: int | None, backward: bool = False,
             updates_in_backward: bool = False, held: int = 0) -> dict[int, torch.Tensor]:
         """The block's slabs on the device, waiting for its copy if needed; starts the next

@@ -231,7 +231,7 @@ class StreamingEngine:
         self.optimizer = HostAdamW(self.store, optimizer, overlap=overlap, transport=self.transport,
                                    ownership=self.ownership)
         for part in (self.params, self.grads, self.fetcher, self.prefetcher):
-            part.attach_optimizer(self.optimizer)
+            part.optimizer = self.optimizer
         return self.optimizer
 
     # ------------------------------------------------------------------ direct parameter access

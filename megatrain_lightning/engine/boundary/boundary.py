@@ -18,7 +18,7 @@ import time
 from typing import Any, Callable, Sequence
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from ...blocks import Block
 from ...store.host import HostStore
@@ -163,75 +163,58 @@ class Boundary:
         recompute needs. Returns its tensor outputs, detached."""
         call.record(tensors, self.device)
         if call.keep:
-            out = self._run(call, tensors)
+            out = self._run_kept(call, tensors)
         else:
             saved_ops, measure, graph = self.policy.start(call.block.index, call.fwd, is_lookup(call.block.module),
                                                           hidden_shapes(tensors))
             if graph:  # "none" (or an embedding lookup): the call keeps its graph, without its weights
-                out = self._run(call, tensors, hooks=GraphHooks(self.offload if self.offload_activations else None,
-                                                                 call.block.name))
+                out = self._run_kept(call, tensors, GraphHooks(self.offload if self.offload_activations else None,
+                                                                call.block.name))
             else:  # recomputed in backward: from the module state (flags, buffers) this forward starts from
                 call.recomputed_with(saved_ops, snapshot_state(call.block.module, call.block.name,
                                                                self.guards.hook_warnings))
-                out = self._run(call, tensors, measure=measure)
+                out = self._run_block(call, tensors, backward=False, measure=measure)
         outs = call.record_outputs(out)
         if call.graph is None:
             self._save_inputs(call, tensors)
         return outs
 
-    def _run(self, call: BlockCall, tensors: Sequence[torch.Tensor], backward: bool = False, measure: Any = None,
-             hooks: GraphHooks | None = None) -> Any:
-        """Run ``call``'s block in grad mode on leaves for its inputs (requiring grad as the caller's did) and its
-        trainable parameters: in the training forward, or (``backward``) to rebuild a later call's input in
-        backward (a recompute chain).
+    def _run_kept(self, call: BlockCall, tensors: Sequence[torch.Tensor], hooks: GraphHooks | None = None) -> Any:
+        """Run a training call with autograd and keep its graph for its backward (no recompute).
 
-        The last block of a training forward (``call.keep``) keeps its graph for its backward, which comes right
-        after the loss: its weights stay on the device until then (no second fetch, no second B x T x V logits
-        matmul). With ``hooks`` (``recompute="none"``, :mod:`.kept`) the graph keeps every saved tensor but the
-        block's weights: the buffers are released now and fetched again for the backward; an embedding's gradient
-        then goes to the host as the rows its tokens read (:mod:`..row_grads`). Any other call keeps what its
-        backward reads only until it returns (:mod:`.forward`); one that keeps op outputs (``call.saved_ops``) or
-        that "auto" measures (``measure(bufs)``) runs under that context too. Sets ``out_grad``.
-
-        Returns:
-            the block's output, its tensors detached."""
-        blk, graph, saved = call.block, call.keep or hooks is not None, call.saved_ops
-        ops = None if backward else (lambda bufs: saved.forward()) if saved is not None else measure
-        tensors = [t.detach().requires_grad_(g) if t.is_floating_point() else t for t, g in zip(tensors, call.input_grad)]
-        args, kwargs = call.arguments(tensors)
-        with self.runner.weights(blk, backward=backward, training=not backward, hold=call.keep) as bufs:
+        Without ``hooks``: the last block of a training forward, whose backward comes right after the loss:
+        its weights stay on the device until then (no second fetch, no second B x T x V logits matmul).
+        With ``hooks`` (``recompute="none"``, :mod:`.kept`): the graph keeps every saved tensor
+        but the block's weights; the buffers are released now and fetched again for the backward. An
+        embedding's gradient then goes to the host as the rows its tokens read (:mod:`..row_grads`)."""
+        blk = call.block
+        inputs = [t.detach().requires_grad_(t.requires_grad) if t.is_floating_point() else t for t in tensors]
+        args, kwargs = call.arguments(inputs)
+        with self.runner.weights(blk, training=True, hold=hooks is None) as bufs:
             leaves = self.runner.leaves(call.refs, bufs)
             binding, casts = leaves, []
-            if hooks is not None and call.autocast[0]:  # type: ignore[index]
-                binding, casts = self._autocast_copies(blk, bufs, leaves, call.autocast[1])  # type: ignore[index]
-            if graph:
-                keeps = lookup_context(blk.module, tensors, self.grads.wire_dtype, not hooks or self.grads.reducer is not None)
-                around = hooks.capture(bufs, casts) if hooks else contextlib.nullcontext()
-            else:
-                keeps = saving_for_the_call()
-                around = ops(bufs) if ops is not None else contextlib.nullcontext()
-            chunks = plain_chunks() if hooks or ops is not None else contextlib.nullcontext()
-            with torch.enable_grad(), self.runner.bind(blk, bufs, binding), keeps, around, chunks:
+            if hooks is not None and call.autocast is not None and call.autocast[0]:
+                binding, casts = self._autocast_copies(blk, bufs, leaves, call.autocast[1])
+            rows = lookup_context(blk.module, inputs, self.grads.wire_dtype, not hooks or self.grads.reducer is not None)
+            with torch.enable_grad(), self.runner.bind(blk, bufs, binding), rows, \
+                    hooks.capture(bufs, casts) if hooks else contextlib.nullcontext(), \
+                    plain_chunks() if hooks else contextlib.nullcontext():
                 out = own_outputs(call.forward(*args, **kwargs), bufs)
-            if not call.keep:
-                release_leaves(leaves)  # nothing kept from the call (a hook's tensor, its graph) holds the weights
-            if not backward:
-                flat = tree_flatten(out)[0]
-                outs = [t for t in flat if isinstance(t, torch.Tensor)]
-                call.ran(outs)
-                self.guards.forward(blk, flat, outs, [*tensors, *leaves.values()])
-                if saved is not None:
-                    saved.recompute_returned(outs)
-            if call.keep:
-                kept = KeptGraph(bufs, leaves, tensors, outs, on_close=self._closed)  # type: ignore[arg-type]
+            out_flat, spec = tree_flatten(out)
+            outs = [x for x in out_flat if isinstance(x, torch.Tensor)]
+            call.ran(outs)
+            self.guards.forward(blk, out_flat, outs, [*inputs, *leaves.values()])
+            if hooks is not None:
+                release_leaves(leaves)  # the graph holds no weights: the buffers are released now
+                kept = KeptGraph({}, leaves, inputs, outs, hooks=hooks)
+            else:
+                kept = KeptGraph(bufs, leaves, inputs, outs, on_close=self._closed)  # type: ignore[arg-type]
                 self.kept_open.add(kept)
-            elif hooks is not None:
-                kept = KeptGraph({}, leaves, tensors, outs, hooks=hooks)
-        if graph:
-            call.keep_graph(kept)
+        call.keep_graph(kept)
         if hooks is not None:
             call.metered(self.policy.meter.add(call, hooks.nbytes))
-        return tree_map_only(torch.Tensor, torch.Tensor.detach, out)
+        # the caller gets detached outputs: autograd connects them to this call's node
+        return tree_unflatten([x.detach() if isinstance(x, torch.Tensor) else x for x in out_flat], spec)
 
     def _autocast_copies(self, blk: Block, bufs: dict[int, torch.Tensor], leaves: dict[int, torch.Tensor],
                          dtype: torch.dtype) -> tuple[dict[int, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -252,6 +235,36 @@ class Boundary:
                     binding[id(ref.param)] = copy = src.to(dtype)
                 casts.append((src, copy))
         return binding, casts
+
+    def _run_block(self, call: BlockCall, tensors: Sequence[torch.Tensor], backward: bool, measure: Any = None):
+        """Forward of a call without keeping its graph: in the training forward (``backward=False``) or to
+        rebuild a later call's input in backward (a recompute chain, ``backward=True``).
+
+        It runs in grad mode (:mod:`.forward`) on leaves for its inputs (requiring grad as the caller's did)
+        and trainable parameters, keeping what its backward reads only until it returns; a call that keeps op outputs
+        (``call.saved_ops``) or that "auto" measures (``measure(bufs)``) runs under that context too. Sets ``out_grad``.
+
+        Returns:
+            the block's output, its tensors detached."""
+        saved = call.saved_ops
+        ops = None if backward else (lambda bufs: saved.forward()) if saved is not None else measure
+        tensors = [t.detach().requires_grad_(g) if t.is_floating_point() else t for t, g in zip(tensors, call.input_grad)]
+        args, kwargs = call.arguments(tensors)
+        with self.runner.weights(call.block, backward=backward, training=not backward) as bufs:
+            leaves = self.runner.leaves(call.refs, bufs)
+            with self.runner.bind(call.block, bufs, leaves), torch.enable_grad(), saving_for_the_call(), \
+                    ops(bufs) if ops is not None else contextlib.nullcontext(), \
+                    plain_chunks() if ops is not None else contextlib.nullcontext():
+                out = own_outputs(call.forward(*args, **kwargs), bufs)
+            release_leaves(leaves)  # a tensor kept from inside the call (a hook's) must not hold the weights
+            if not backward:
+                flat = tree_flatten(out)[0]
+                outs = [t for t in flat if isinstance(t, torch.Tensor)]
+                call.ran(outs)
+                self.guards.forward(call.block, flat, outs, [*tensors, *leaves.values()])
+                if saved is not None:
+                    saved.recompute_returned(outs)
+            return tree_map_only(torch.Tensor, torch.Tensor.detach, out)
 
     def _save_inputs(self, call: BlockCall, tensors: Sequence[torch.Tensor]) -> None:
         """Keep what backward needs to rebuild this call's inputs (:meth:`BlockCall.save_inputs`): a call that starts a
@@ -380,6 +393,6 @@ class Boundary:
             inputs = [t.detach() for t in self._inputs(c)]
             t0 = time.perf_counter()
             with self.guards.recompute(c), c.replayed(self.device):
-                out = self._run(c, inputs, backward=True)
+                out = self._run_block(c, inputs, backward=True)
             self.acct.add(recompute_s=time.perf_counter() - t0)
             fwd.keep_recomputed(q, self.guards.recomputed(c, out))

@@ -72,6 +72,30 @@ def _advice(block: str, where: str, found: list[str]) -> str:
             "them), or register the class with torch.utils._pytree.register_dataclass / register_pytree_node.")
 
 
+def check_inputs(block: str, values: Iterable[Any]) -> None:
+    """Refuse a block call whose non-tensor arguments (``values``: the leaves of its flattened ``(args, kwargs)``
+    that are not tensors) hold a tensor that requires a gradient.
+
+    Raises:
+        RuntimeError: naming the block and the attributes.
+    """
+    found = _hidden(values, lambda t: t.requires_grad)
+    if found:
+        raise RuntimeError(_advice(block, "was called with", found))
+
+
+def check_outputs(block: str, values: Iterable[Any]) -> None:
+    """Refuse a block call whose result holds a floating-point tensor inside an object the pytree does not open
+    (``values``: the non-tensor leaves of the flattened result); in a training forward its history is cut.
+
+    Raises:
+        RuntimeError: naming the block and the attributes.
+    """
+    found = _hidden(values, lambda t: t.is_floating_point())
+    if found:
+        raise RuntimeError(_advice(block, "returned", found))
+
+
 def _in_place_edit(block: str, e: RuntimeError) -> None:
     """Re-raise torch's "a (view of a) leaf Variable that requires grad is being used in an in-place operation" from a
     block call (its forward, or its recompute in backward) with what it means here: the strategy passes each block's
@@ -86,6 +110,18 @@ def _in_place_edit(block: str, e: RuntimeError) -> None:
             f"megatrain: streamed block {block} modifies one of its tensor inputs in place (e.g. `x += 1` or "
             "`x.add_(...)` on an argument): the strategy passes a block's inputs as views of autograd leaves, which "
             "torch does not let be modified in place. Write it out of place inside the block (`x = x + 1`).") from e
+
+
+def refuse_func_transforms(name: str) -> None:
+    """Raise if streamed block ``name`` is called under a ``torch.func`` transform (grad, vmap, jacrev...):
+    its autograd boundary (a ``torch.autograd.Function`` with host-side state) does not compose with them.
+
+    Raises:
+        RuntimeError: naming the alternatives."""
+    if torch._C._are_functorch_transforms_active():
+        raise RuntimeError(f"megatrain: streamed block {name} was called under a torch.func transform (grad, "
+                           "vmap, jacrev...), which the strategy's block calls do not support; use "
+                           "torch.autograd.grad, or strategy='auto'.")
 
 
 def check_container_backward() -> None:
@@ -177,13 +213,8 @@ class CallGuards:
         Raises:
             RuntimeError: under a ``torch.func`` transform; a tensor that requires grad hidden in an argument
                 object; the block modifies a tensor input in place."""
-        if torch._C._are_functorch_transforms_active():  # a Function with host-side state does not compose with them
-            raise RuntimeError(f"megatrain: streamed block {name} was called under a torch.func transform (grad, "
-                               "vmap, jacrev...), which the strategy's block calls do not support; use "
-                               "torch.autograd.grad, or strategy='auto'.")
-        found = _hidden(rest, lambda t: t.requires_grad)  # a tensor hidden in an object would get no gradient
-        if found:
-            raise RuntimeError(_advice(name, "was called with", found))
+        refuse_func_transforms(name)
+        check_inputs(name, rest)  # a tensor hidden in an object would get no gradient
         try:
             yield
         except RuntimeError as e:
@@ -199,9 +230,7 @@ class CallGuards:
             RuntimeError: a leaf outside the call reached ``outs`` (:class:`ForeignLeafCheck`); a floating-point
                 tensor hidden in a result object."""
         self.leaf_check(block, outs, own)
-        found = _hidden(flat, lambda t: t.is_floating_point())  # its history would be cut
-        if found:
-            raise RuntimeError(_advice(block.name, "returned", found))
+        check_outputs(block.name, [x for x in flat if not isinstance(x, torch.Tensor)])
 
     @contextlib.contextmanager
     def backward(self, call: Any, leaf_refs: Sequence) -> Iterator[None]:
