@@ -25,7 +25,7 @@ applies the first AdamW update during its forward and so allocates exp_avg/exp_a
           schedule: a prefetch still allocates when the previous block is acquired).
           Pass --async-workers to keep the threads and see the meter go wrong.
 On CPU the offloaded copies of block inputs are host memory, indistinguishable from the
-"device" for the profiler; their bytes are counted (wrapping engine.recompute.offload.offload) and
+"device" for the profiler; their bytes are counted (wrapping engine.boundary.offload.offload) and
 subtracted: "device" = raw peak - offloaded bytes (the peak is at the loss, when every
 offloaded copy is alive). On CUDA they are pinned host memory and "device" = raw peak.
 
@@ -136,13 +136,13 @@ def run(layers, offload, dev, warmup=2, async_workers=False, shape=None):
     engine.install()
     engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
     offloaded = [0]
-    orig_offload = engine.recompute.offload.offload
+    orig_offload = engine.boundary.offload.offload
 
     def counting_offload(t):
         offloaded[0] += t.numel() * t.element_size()
         return orig_offload(t)
 
-    engine.recompute.offload.offload = counting_offload
+    engine.boundary.offload.offload = counting_offload
     ids = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(1)).to(dev)
 
     def step():

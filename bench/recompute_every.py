@@ -32,7 +32,7 @@ def run(k: int, steps: int = 4):
     for i in range(steps):
         t0 = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
-        kept = sum(t.numel() * t.element_size() for c in eng.recompute.fwd.live_calls() for t in c.saved
+        kept = sum(t.numel() * t.element_size() for c in eng.boundary.fwd.live_calls() for t in c.saved
                    if t is not None and t.requires_grad)
         loss.backward()
         eng.attach_grads()

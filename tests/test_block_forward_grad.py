@@ -1,5 +1,5 @@
 """A streamed block's training forward runs in grad mode keeping its saved tensors only while the call runs
-(``engine/forward_grad.py``): what plain PyTorch lets a block's forward do must give plain PyTorch's numbers.
+(``engine/boundary/forward.py``): what plain PyTorch lets a block's forward do must give plain PyTorch's numbers.
 
 Fresh-user probe S found two regressions of the first grad-mode forward (which saved nothing at all): a module
 returning its own parameter (the README's soft-prompt advice) returned zeros, and a ``torch.autograd.grad``

@@ -421,7 +421,7 @@ def test_container_parameters_train_like_plain_lightning(tmp_path, options, trai
     assert_parity(lm, ref, lm.losses, ref.losses, tol=1e-6)
     assert not torch.equal(lm.net.pos.detach(), ContainerLM().net.pos.detach())  # it trained
     eng = trainer.strategy.engine
-    assert not eng.recompute.kept_open and eng.acct.live == 0  # the container's buffer and gradient bytes came back
+    assert not eng.boundary.kept_open and eng.acct.live == 0  # the container's buffer and gradient bytes came back
     # evaluation (no_grad) binds the container's parameters too
     (ours,) = trainer.validate(lm, val)
     (theirs,) = plain.validate(ref, val)

@@ -260,7 +260,7 @@ def test_skipped_backward_releases_the_head_buffers_in_the_budget(tmp_path):
     tr.fit(lm, make_data(n=12))
     eng = tr.strategy.engine
     assert len(lm.losses) == 6  # 6 batches of 2, 3 of them without backward
-    assert not eng.recompute.kept_open and eng.acct.live == 0
+    assert not eng.boundary.kept_open and eng.acct.live == 0
     assert eng.budget.used == eng.store.nvme.resident_bytes()  # only window buffers stay counted
 
 

@@ -202,14 +202,14 @@ def test_recompute_every_k_keeps_one_input_per_segment(k):
     eng.install()
     (ids,) = next(iter(make_data()))
     loss = model(input_ids=ids, labels=ids).loss
-    calls = eng.recompute.fwd.live_calls()
+    calls = eng.boundary.fwd.live_calls()
     # the LM head keeps its graph from the first forward on (the output embedding: no recompute, no saved input)
-    assert len(calls) == 5 and len(eng.recompute.kept_open) == 1
+    assert len(calls) == 5 and len(eng.boundary.kept_open) == 1
     linked = [c.pos for c in calls if c.links]
     # the embedding (call 0) keeps its graph, so segments of K calls start at the first layer (call 1)
     assert linked == [p for p in range(1, 5) if (p - 1) % k != 0]
     loss.backward()
-    assert not eng.recompute.fwd.recomputed  # every recomputed input was consumed
+    assert not eng.boundary.fwd.recomputed  # every recomputed input was consumed
     eng.close()
 
 

@@ -394,7 +394,7 @@ def test_wire_shadows_honour_pin_memory(driver, pin, registered):
 
     blocks = _blocks()
     store = build_store(blocks)
-    fetcher = WeightFetcher(blocks, store, CPUTransport(torch.device("cpu")), ByteAccounting(), lambda: None,
+    fetcher = WeightFetcher(blocks, store, CPUTransport(torch.device("cpu")), ByteAccounting(),
                             torch.device("cuda"), pin_memory=pin)
     fetcher.configure(torch.bfloat16, torch.bfloat16)  # bf16-true: every slab travels as a bf16 image
     blk = blocks[1]  # a decoder layer

@@ -158,7 +158,7 @@ def warn_inner_forward_hooks(name: str, block: nn.Module, inner: list[nn.Module]
     """Warn (and add ``name`` to ``warned``) if a submodule inside the block (not the block itself) has a forward hook or
     pre-hook from user code: the block's forward keeps no autograd history past its return (it is recomputed in backward), so
     a tensor such a hook keeps (activation capture) cannot be differentiated: a backward through a loss computed from
-    it raises (engine/recompute.py), where plain PyTorch would differentiate it. The hook also runs again in the
+    it raises (engine/boundary/forward.py), where plain PyTorch would differentiate it. The hook also runs again in the
     recompute. A hook on the block itself sees the block call's outputs, which have their history."""
     hooked = [m for m in inner if has_user_hooks(m)]
     if hooked:

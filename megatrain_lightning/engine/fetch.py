@@ -33,7 +33,6 @@ class WeightFetcher:
         store: the host store of the masters.
         transport: the device transport (``to_device``, ``last_read_done``).
         acct: live-byte accounting (a fetched buffer counts until the compute thread releases it).
-        optimizer: returns the attached host optimizer (its pending update of a slab is applied first).
         device: the compute device.
         pin_memory: page-lock the RAM tier's wire images (``True``/``False``; ``None``: on CUDA, with a
             warning and pageable memory when pinning fails).
@@ -45,14 +44,14 @@ class WeightFetcher:
     """
 
     def __init__(self, blocks: list[Block], store: HostStore, transport: Any, acct: ByteAccounting,
-                 optimizer: Callable[[], HostAdamW | None], device: torch.device, pin_memory: bool | None = None,
+                 device: torch.device, pin_memory: bool | None = None,
                  ring: StagingRing | None = None,
                  shared_images: Callable[[list[int]], SharedWireImages] | None = None,
                  ownership: SlabOwnership | None = None):
         self.blocks, self.store, self.transport, self.acct = blocks, store, transport, acct
         self._shared_images, self.ownership = shared_images, ownership
         self.images: SharedWireImages | None = None
-        self._optimizer = optimizer
+        self.optimizer: HostAdamW | None = None  # its pending update of a slab is applied first
         self.device = device
         self.pin_memory = pin_memory if device.type == "cuda" else False
         self.ring = ring
@@ -76,7 +75,7 @@ class WeightFetcher:
         for si in self._locked(blk):  # each slab's lock held from its update until its event is published
             slab = self.store.slabs[si]
             layout = self.wire_layouts[si]
-            opt = self._optimizer()
+            opt = self.optimizer
             if opt is not None:
                 opt.apply_pending(si)
             if not self.store.masters_on_disk:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -42,7 +42,6 @@ class GradientSink:
         acct: live-byte accounting (gradients in flight count until they are in the accumulator).
         transport: the device transport (``stage_grads``; CUDA: ``n_staging`` pinned staging buffers,
             at least ``max_inflight``).
-        optimizer: returns the attached host optimizer, or ``None``.
         shared: per-backward sums of parameters read by several blocks (tied embeddings), added into
             the accumulator once per backward as autograd does (docs/architecture.md, "Fidelity").
         max_inflight: gradient batches (one block's gradients of one slab) sent but not yet in the
@@ -67,7 +66,7 @@ class GradientSink:
     """
 
     def __init__(self, store: HostStore, acct: ByteAccounting, transport: Any,
-                 optimizer: Callable[[], HostAdamW | None], shared: SharedGradSums, max_inflight: int = 2,
+                 shared: SharedGradSums, max_inflight: int = 2,
                  host_threads: int | None = None, reducer: GradReducer | None = None,
                  ownership: SlabOwnership | None = None):
         self.store = store
@@ -76,7 +75,7 @@ class GradientSink:
         self.shared = shared
         self.acct = acct
         self.transport = transport
-        self._optimizer = optimizer
+        self.optimizer: HostAdamW | None = None  # set by StreamingEngine.attach_optimizer
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1 gradient batch, got {max_inflight}.")
         staging = getattr(transport, "n_staging", None)
@@ -105,7 +104,7 @@ class GradientSink:
         element of ``calls_refs``, the trainable parameter references of each block call, holding
         parameters of the slab). ``calls_refs`` empty: no update in this backward."""
         self.sends_left = {}
-        opt = self._optimizer()
+        opt = self.optimizer
         if not calls_refs or opt is None:
             return
         self._hyper = opt.snapshot()
@@ -222,7 +221,7 @@ class GradientSink:
     def _update_now(self, si: int, slot: bool = False) -> None:
         """D2H worker: the slab's gradients of this step are complete: apply its AdamW update now."""
         try:
-            opt = self._optimizer()
+            opt = self.optimizer
             assert opt is not None and self._hyper is not None
             self.shared.close_slab(self.store.slabs[si])
             opt.apply_now(si, self._hyper)
@@ -332,7 +331,7 @@ class GradientSink:
         if Region.grad_accum in self.store.nvme_kinds:
             return
         flats = self.hook_views.open() if self.hook_views is not None else None
-        opt = self._optimizer()
+        opt = self.optimizer
         stale = opt.pending if opt is not None else {}  # a previous step's gradients, kept for its pending update
         for slab in self.store.slabs:
             for i, e in enumerate(slab.entries):
@@ -391,7 +390,7 @@ class GradientSink:
     def zero(self) -> None:
         """``optimizer.zero_grad()``: forget gradients no step consumed."""
         self.wait()
-        opt = self._optimizer()
+        opt = self.optimizer
         if opt is not None:
             opt.discard_grads()
         else:

@@ -7,7 +7,7 @@ A call that keeps its inputs keeps those that need gradients as :class:`Offloade
 first), so when a call's inputs are taken the engine starts the H2D copy of the next call's
 (:meth:`ActivationOffload.prefetch`), which then overlaps this call's recompute and backward. The op
 outputs a ``"selective"`` call keeps, offloaded too, are brought back the same way, one call ahead
-(:func:`next_saved_ops`, :meth:`~.saved_ops.SavedOps.prefetch`). On
+(``ForwardRecord.next_saved_ops``, :meth:`~.saved_ops.SavedOps.prefetch`). On
 CUDA the copy runs on the H2D stream after the D2H copy's event, records its own event, and the
 compute stream waits on it when the input is taken (``record_stream`` tells the caching allocator
 the buffer is used there). The CPU path runs the same bookkeeping (its "copy" is the host tensor).
@@ -101,22 +101,3 @@ class ActivationOffload:
         with self._lock:
             self._alive -= nbytes
 
-
-def next_offloaded(calls: list, below: int) -> list[Offloaded]:
-    """The offloaded inputs of the last call before position ``below`` that has any (the next one
-    backward will take), or ``[]``. ``calls``: the forward's calls (weak references), in order."""
-    for p in range(min(below, len(calls)) - 1, -1, -1):
-        c = calls[p]()
-        if c is not None and c.offloaded and not c.freed:
-            return list(c.offloaded.values())
-    return []
-
-
-def next_saved_ops(calls: list, below: int) -> Any:
-    """The :class:`~.saved_ops.SavedOps` with offloaded outputs of the last call before position ``below`` that
-    has them (the next one backward restores), or ``None``. ``calls``: the forward's calls (weak references)."""
-    for p in range(min(below, len(calls)) - 1, -1, -1):
-        c = calls[p]()
-        if c is not None and not c.freed and c.saved_ops is not None and c.saved_ops.offloaded:
-            return c.saved_ops
-    return None

@@ -22,13 +22,11 @@ class ParamAccess:
 
     Args:
         store: the host store holding the masters.
-        optimizer: returns the attached host optimizer (``None`` before one is attached); its pending
-            update of a slab is applied before a read and dropped before a write.
     """
 
-    def __init__(self, store: HostStore, optimizer: Callable[[], HostAdamW | None]):
+    def __init__(self, store: HostStore):
         self.store = store
-        self._optimizer = optimizer
+        self.optimizer: HostAdamW | None = None  # its pending update of a slab: applied before a read, dropped before a write
         self.materialized = False
         self.summoned: set[int] = set()  # id(param) of the parameters :meth:`summon` gave real weights (nesting)
 
@@ -40,7 +38,7 @@ class ParamAccess:
             KeyError: ``p`` is not a parameter of the streamed module.
         """
         si, ei = self.store.locate(p)
-        opt = self._optimizer()
+        opt = self.optimizer
         if opt is not None:
             opt.apply_pending(si)
         slab = self.store.slabs[si]
@@ -65,7 +63,7 @@ class ParamAccess:
                              f"parameter {tuple(slab.entries[ei].shape)}.")
         if self.store.master_is_remote(si):
             return  # data parallel, masters on disk: its owner writes the same value (every rank writes alike)
-        opt = self._optimizer()
+        opt = self.optimizer
         if opt is not None:
             opt.pending.pop(si, None)
         with slab.lock, self.store.hold(si, [Region.master], write=True) as t, torch.no_grad():
@@ -219,7 +217,7 @@ class ParamAccess:
         ``module`` with AdamW state (fp32; ``step`` a 0-d tensor), in parameter order, reading through
         a one-slab window on the NVMe tier. ``keep``: only the parameters it accepts (data parallel: a
         process writes the state of the slabs it owns, the only ones on its disk with ``offload_optimizer="nvme"``)."""
-        opt = self._optimizer()
+        opt = self.optimizer
         if opt is None:
             return
         window = _OneSlabWindow(self.store)

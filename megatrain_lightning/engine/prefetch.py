@@ -38,7 +38,6 @@ class Prefetcher:
             slab index -> ``(device buffer, event)``.
         lookahead: fetches started ahead of the one computing (1 = double buffering); further fetches
             start while they fit the elements of ``lookahead + 1`` largest fetches (:meth:`wanted`).
-        optimizer: returns the attached host optimizer (its pending updates tell what to read ahead).
         read_ahead_bytes: NVMe tier: bytes the read-ahead may use beside the blocks in flight
             (``host_memory_limit`` - the minimum window), or ``None`` without the NVMe tier.
         read_ahead_depth: NVMe tier: fetches beyond the lookahead whose regions are read ahead.
@@ -50,13 +49,13 @@ class Prefetcher:
 
     def __init__(self, blocks: Sequence[Block], store: HostStore, transport: Any, acct: ByteAccounting,
                  fetch: Callable[[Block], dict[int, tuple[torch.Tensor, Any]]], lookahead: int,
-                 optimizer: Callable[[], HostAdamW | None], read_ahead_bytes: int | None = None,
+                 read_ahead_bytes: int | None = None,
                  read_ahead_depth: int = 0, host_threads: int | None = None,
                  groups: Sequence[tuple[int, ...]] | None = None):
         self.blocks, self.store, self.transport, self.acct = blocks, store, transport, acct
         self._fetch = fetch
         self.lookahead = lookahead
-        self._optimizer = optimizer
+        self.optimizer: HostAdamW | None = None  # its pending updates tell what to read ahead
         self._spare = read_ahead_bytes
         self._depth = read_ahead_depth
         self._pool = start_worker("megatrain-h2d", host_threads, getattr(transport, "device", None))
@@ -177,7 +176,7 @@ class Prefetcher:
         spare = self._spare
         assert nvme is not None and spare is not None
         wanted: list[tuple[int, str]] = []
-        opt = self._optimizer()
+        opt = self.optimizer
         pending = opt.pending if opt is not None else {}
         for bi in upcoming:
             for si in self.blocks[bi].slabs:

@@ -6,7 +6,7 @@
 * ``"selective"``: also keep the outputs of the expensive operations (matrix multiplies, attention:
   the forward ops of ``torch.utils.flop_counter``'s registry); backward recomputes only the cheap
   ones (norms, activations, elementwise, casts, dropout under the replayed RNG state).
-* ``"none"``: keep the block's own autograd graph, without its weights (``engine/block_graph.py``);
+* ``"none"``: keep the block's own autograd graph, without its weights (``engine/boundary/kept.py``);
   backward differentiates that graph and recomputes nothing.
 * ``"auto"``: per block, the cheapest of the three in recompute FLOPs whose kept bytes fit
   ``activation_memory_limit`` (decided once, after the first training forward measured them).
@@ -36,8 +36,8 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from ..config import check_recompute
 from ..store.budget import fmt_bytes
-from .block_graph import ParamLocator
-from .forward_grad import SavedBoxes
+from .boundary.forward import SavedBoxes
+from .boundary.kept import ParamLocator
 from .op_kinds import cheap, expensive, flops, storage_bytes
 from .saved_ops import SavedOps
 
@@ -63,7 +63,7 @@ class _Measure:
     """Per block, over one training forward: bytes each policy would keep and FLOPs it would recompute.
 
     ``"selective"``: the outputs of the expensive ops (SAC policy, as :class:`SavedOps` keeps them);
-    ``"none"``: what autograd saves, the block's weights excluded (as :mod:`.block_graph` keeps it)."""
+    ``"none"``: what autograd saves, the block's weights excluded (as :mod:`.boundary.kept` keeps it)."""
 
     def __init__(self):
         self.blocks: dict[int, dict[str, float]] = {}
@@ -105,7 +105,7 @@ class _Measure:
                     row["none_sq"] += t.untyped_storage().nbytes() if _square(t, seqs) else 0
             return boxes.pack(t)
 
-        # boxed as every grad-mode forward's saved tensors are (forward_grad.SavedBoxes): these hooks are the innermost,
+        # boxed as every grad-mode forward's saved tensors are (boundary.forward.SavedBoxes): these hooks are the innermost,
         # so the outer ones never see the tensors, and a graph node of this forward that outlives it held every
         # measured activation for the whole run (1 GiB more resident than "selective" at 2048 tokens)
         boxes = SavedBoxes()
@@ -159,7 +159,7 @@ def growth(shapes: tuple[tuple[int, ...], ...], measured: tuple[tuple[int, ...],
 
 def _weight_cast(t: torch.Tensor, locator: ParamLocator) -> bool:
     """``t`` is (a view of) autocast's cast of a trainable weight in the block's buffers: ``"none"`` keeps
-    the weight's place instead (:mod:`.block_graph`), not the copy. A frozen weight's cast has no autograd
+    the weight's place instead (:mod:`.boundary.kept`), not the copy. A frozen weight's cast has no autograd
     history and is counted (an overestimate)."""
     base = t._base if t._base is not None else t
     fn = base.grad_fn
@@ -309,7 +309,7 @@ class RecomputePolicy:
         """What a call needs in its forward: (its :class:`SavedOps` (``"selective"``) or ``None``;
         when it only measures, ``context(bufs)`` -> the context its forward runs under (``bufs``: the
         block's device buffers), else ``None``; ``True`` when it keeps its graph (``"none"``,
-        :mod:`.block_graph`)). ``lookup``, ``size``: as in :meth:`mode_for`."""
+        :mod:`.boundary.kept`)). ``lookup``, ``size``: as in :meth:`mode_for`."""
         mode = self.mode_for(block, fwd, lookup, size)
         if mode == "measure":
             measure = self._measure

@@ -3,7 +3,7 @@
 
 ``"selective"`` saving is PyTorch's selective activation checkpointing: ``create_selective_checkpoint_contexts`` and
 a policy function returning ``CheckpointPolicy``; the caching mode runs around the block's forward,
-the cached mode around its recompute in backward (``engine/recompute.py``). Both run with autograd on
+the cached mode around its recompute in backward (``engine/boundary/``). Both run with autograd on
 and the same leaves, so both see the same op sequence (the cache is matched op by op).
 
 Beyond the public API this reads torch's SAC cache (the caching mode's ``storage``: op -> index ->

@@ -1,6 +1,6 @@
 """Tensors a block hands to later blocks outside its return values: refused, not silently cut off.
 
-A streamed block call runs its forward without a graph and is recomputed in backward (recompute.py);
+A streamed block call runs its forward without a graph and is recomputed in backward (boundary/);
 only its return values, and the tensors Hugging Face's output recorder collects (recorded_outputs.py),
 are connected to autograd. A block that stores a tensor into a mutable argument (a dict or list it was
 given) for a later block to read hands that block a constant: the gradient through it is lost, with no

@@ -8,7 +8,8 @@ them: "A training step"):
 * ``accounting.py``: live bytes of compute buffers and gradients, per-step statistics;
 * ``fetch.py``: one block's weights to the device (pending update, wire cast, H2D copy);
 * ``prefetch.py``: copies started ``lookahead`` fetches ahead, NVMe read-ahead;
-* ``recompute.py``: the autograd boundary of a block call (saved inputs, recompute, backward);
+* ``boundary/``: the autograd boundary of a block call (saved inputs, recompute, backward, guards) and the
+  block runner (acquire -> bind -> run -> release);
 * ``grads.py``: parameter gradients to the fp32 host accumulators (D2H), the update-in-backward plan;
   ``hook_grads.py``: ``param.grad`` of a node-shared accumulator (data parallel);
 * ``params.py``: direct reads and writes of masters; ``shared_grads.py``: sums of tied parameters' gradients;
@@ -19,7 +20,6 @@ them: "A training step"):
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Callable
 
 import torch
@@ -40,11 +40,11 @@ from .fetch import WeightFetcher
 from .forward_patch import ForwardPatches
 from .grads import GradientSink
 from .long_sequences import LongSequences
-from .bound_params import bind_params
 from .kv_cache import any_requires_grad, layer_index, training_call
 from .prefetch import Prefetcher
-from .calls import trainable_refs
-from .recompute import Recompute
+from .boundary.boundary import Boundary
+from .boundary.records import trainable_refs
+from .boundary.runner import BlockRunner
 from .recompute_policy import RecomputePolicy
 from .reduce import GradReducer
 from .staging import StagingRing
@@ -131,19 +131,18 @@ class StreamingEngine:
         self.acct = ByteAccounting(reserve=self.store.nvme.reserve if budget_device else None,
                                    unreserve=self.budget.release if budget_device else None,
                                    on_release=self.transport.released)
-        self.params = ParamAccess(self.store, lambda: self.optimizer)
+        self.params = ParamAccess(self.store)
         # gradients of a parameter read by several blocks are summed per backward, as autograd does
         shared = SharedGradSums.for_blocks(self.blocks, enabled=Region.grad_accum not in self.store.nvme_kinds)
-        self.grads = GradientSink(self.store, self.acct, self.transport, lambda: self.optimizer, shared,
+        self.grads = GradientSink(self.store, self.acct, self.transport, shared,
                                   max_inflight=2, host_threads=host_threads, reducer=reducer,
                                   ownership=self.ownership)
         self.stopped = StoppedStep(self.grads)  # a step stopped after part of its in-backward updates
-        self.fetcher = WeightFetcher(self.blocks, self.store, self.transport, self.acct, lambda: self.optimizer,
-                                     self.device, pin_memory=pin, ring=StagingRing.for_store(self.store, self.transport),
-                                     shared_images=node and node.wire_images, ownership=self.ownership)
+        self.fetcher = WeightFetcher(self.blocks, self.store, self.transport, self.acct, self.device, pin_memory=pin,
+                                     ring=StagingRing.for_store(self.store, self.transport), shared_images=node and node.wire_images, ownership=self.ownership)
         nvme_on = self.store.nvme is not None
         self.prefetcher = Prefetcher(self.blocks, self.store, self.transport, self.acct, lambda blk: self.fetcher.fetch(blk),
-                                     config.lookahead, lambda: self.optimizer, read_ahead_bytes=self.budget.limit - min_window if nvme_on else None,
+                                     config.lookahead, read_ahead_bytes=self.budget.limit - min_window if nvme_on else None,
                                      read_ahead_depth=nvme.read_ahead if nvme_on else 0, host_threads=host_threads,
                                      groups=groups)
         self.optimizer: HostAdamW | None = None
@@ -152,12 +151,12 @@ class StreamingEngine:
         self._seq: list[int] = []  # the fetch sequence the prefetcher follows now
         self._cursor, self._phase = 0, "idle"
         self._bwd_seq: list[int] = []  # backward fetch sequence of the last training step
-        self.recompute = Recompute(device=self.device, store=self.store, acct=self.acct, grads=self.grads,
-                                   transport=self.transport, acquire=self.acquire, bind=self._bind,
-                                   enter_backward=self._enter_backward, recompute_every=config.recompute_every,
-                                   offload_activations=config.offload_activations,
-                                   policy=RecomputePolicy(config.recompute, self.device, config.activation_memory_limit),
-                                   castable=lambda r: self.fetcher.autocast_castable[r.slab][r.index])
+        self.runner = BlockRunner(self.store.slabs, self.acct, self.acquire)
+        self.boundary = Boundary(device=self.device, store=self.store, acct=self.acct, grads=self.grads,
+                                 transport=self.transport, runner=self.runner, enter_backward=self._enter_backward,
+                                 recompute_every=config.recompute_every, offload_activations=config.offload_activations,
+                                 policy=RecomputePolicy(config.recompute, self.device, config.activation_memory_limit),
+                                 castable=lambda r: self.fetcher.autocast_castable[r.slab][r.index])
         self._proxies = ForwardPatches()  # each block's forward -> its streaming proxy
         self.update_in_backward = False  # set per micro-batch by the strategy (optimizer_in_backward, grads.py)
         self._plan_due = False
@@ -208,6 +207,8 @@ class StreamingEngine:
         self.flush()
         self.optimizer = HostAdamW(self.store, optimizer, overlap=overlap, transport=self.transport,
                                    ownership=self.ownership)
+        for part in (self.params, self.grads, self.fetcher, self.prefetcher):
+            part.optimizer = self.optimizer
         return self.optimizer
 
     # ------------------------------------------------------------------ direct parameter access
@@ -255,14 +256,9 @@ class StreamingEngine:
                     self._warned_cache = True
                     log.info("megatrain: KV cache disabled for training forwards (recompute would corrupt gradients).")
                 return self.call_block(blk, forward, args, kwargs)
-            bufs = self.acquire(blk, backward=False, training=torch.is_grad_enabled())
-            t0 = time.perf_counter()
-            try:
-                with self._bind(blk, bufs, None):
+            with self.runner.weights(blk, training=torch.is_grad_enabled()) as bufs:
+                with self.runner.bind(blk, bufs, None):
                     return orig(*args, **kwargs)
-            finally:
-                self.acct.add(compute_s=time.perf_counter() - t0)
-                self.acct.release(bufs)
 
         proxy.__wrapped__ = orig  # type: ignore[attr-defined]
         return proxy
@@ -274,33 +270,26 @@ class StreamingEngine:
         forward order; in the first forward, the output embedding; the chunked head + loss always keeps it)."""
         if keep is None:
             keep = blk.index == self.order[-1] if blk.index in self.order else blk.index in self._heads
-        return self.recompute.call(blk, forward, args, kwargs, keep=keep)
+        return self.boundary.call(blk, forward, args, kwargs, keep=keep)
 
     def _make_direct_proxy(self, blk: Block, orig: Callable[..., Any]) -> Callable[..., Any]:
         """Proxy of a container whose own parameters form a direct block: its ``forward`` uses them
         outside any block call, so they are bound for the whole call (its child blocks stream inside
         it as usual). Under grad mode the trainable ones are autograd-tracked device views, so autograd
-        tracks them without recompute (``Recompute.bound_params``). Their buffer's bytes leave the accounting when the container's
+        tracks them without recompute (``Boundary.bound_params``). Their buffer's bytes leave the accounting when the container's
         forward returns, although the graph may keep the views until backward (small: a container's
         own parameters; the NVMe minimum window counts them)."""
 
         def proxy(*args: Any, **kwargs: Any) -> Any:
             grad = torch.is_grad_enabled()
             refs = trainable_refs(blk) if grad else []
-            bufs = self.acquire(blk, backward=False, training=grad)
-            try:
-                leaves = self.recompute.bound_params(blk, refs, bufs) if refs else None
-                with self._bind(blk, bufs, leaves):
+            with self.runner.weights(blk, training=grad, timed=False) as bufs:
+                leaves = self.boundary.bound_params(blk, refs, bufs) if refs else None
+                with self.runner.bind(blk, bufs, leaves):
                     return orig(*args, **kwargs)
-            finally:
-                self.acct.release(bufs)
 
         proxy.__wrapped__ = orig  # type: ignore[attr-defined]
         return proxy
-
-    def _bind(self, blk: Block, bufs: dict[int, torch.Tensor], leaves: dict[int, torch.Tensor] | None):
-        """:func:`.bound_params.bind_params` over this store's slabs (a context manager)."""
-        return bind_params(self.store.slabs, blk, bufs, leaves)
 
     def _plan_updates_in_backward(self) -> None:
         """At the start of a backward with ``update_in_backward``: snapshot the hyper-parameters and
@@ -311,8 +300,8 @@ class StreamingEngine:
         if not self._plan_due:
             return
         self._plan_due = False
-        eager = self.update_in_backward and self.optimizer is not None and not self.recompute.fwd.shares_step
-        self.grads.plan(self.recompute.plan_refs() if eager else [])
+        eager = self.update_in_backward and self.optimizer is not None and not self.boundary.fwd.shares_step
+        self.grads.plan(self.boundary.plan_refs() if eager else [])
 
     # ------------------------------------------------------------------ weights
     def _locate(self, blk: Block, backward: bool, training: bool) -> int | None:
@@ -341,8 +330,7 @@ class StreamingEngine:
         self._phase = "backward"
         self.grads.new_backward()
         self._plan_updates_in_backward()
-        self.recompute.fwd.last_outs = None  # the forward is over
-        self._seq, self._cursor = self.recompute.fwd.backward_sequence(), 0
+        self._seq, self._cursor = self.boundary.end_forward(), 0
         seq = self._seq  # the next forward's guess: from the 2nd forward on the last block keeps its graph
         self._bwd_seq = seq[1:] if seq[:1] == self.order[-1:] else seq
 
@@ -358,7 +346,7 @@ class StreamingEngine:
             slab index -> device buffer (fp32/compute dtype, shape ``[slab numel]``).
         """
         pos = self._locate(blk, backward, training)
-        held = sum(b.numel() for k in list(self.recompute.kept_open) for b in k.bufs.values())  # kept last block
+        held = self.boundary.held_numel()  # kept last block
         return self.prefetcher.get(blk, self._seq, pos, backward=self._phase == "backward",
                                    updates_in_backward=bool(self.grads.sends_left), held=held)
 
@@ -458,7 +446,7 @@ class StreamingEngine:
 
     def end_step(self) -> dict[str, float]:
         """Close the accounting window of one optimizer step; returns the logged metrics."""
-        self.recompute.close_kept()  # the step's backward is over (or was skipped)
+        self.boundary.close_kept()  # the step's backward is over (or was skipped)
         if self.optimizer is not None:
             self.acct.set(optimizer_s=self.optimizer.take_seconds())
         peak = self.transport.peak_bytes()

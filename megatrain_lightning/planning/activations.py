@@ -58,12 +58,12 @@ changes what each decoder layer keeps between its forward and its backward, per 
   ``SavedOps``): the q, k, v, o projections (q + 2kv + H) a, gate/up/down (2I + H) a (x
   ``experts_per_token`` for a mixture of experts), the SDPA output qa and its log-sum-exp, 4 B per
   head: :func:`selective_per_token`. The layer phase is still the recomputed graph.
-* ``"none"``: its whole autograd graph, weights excluded (``engine/block_graph.py``): the
+* ``"none"``: its whole autograd graph, weights excluded (``engine/boundary/kept.py``): the
   :func:`layer_saved_per_token` sum (its first norm's fp32 input is the block input, so no separate
   input is kept; under ``bf16-true`` it is the input's fp32 cast), kept for every layer, plus the
   final norm's graph ((4 + r)H + 4) and the embedding's int64 indices (8 B); under autocast not the
   bf16/fp16 casts of the weights (the engine names them and casts the fetched weight again in
-  backward, ``engine/block_graph.py``). The layer phase is then the activation gradients only, x (``WORKING_SET_FACTOR`` - 1).
+  backward, ``engine/boundary/kept.py``). The layer phase is then the activation gradients only, x (``WORKING_SET_FACTOR`` - 1).
 * ``"auto"``: a mix, per layer one of the three (``estimate.py`` chooses it with the engine's own
   :func:`~megatrain_lightning.engine.recompute_policy.decide`).
 

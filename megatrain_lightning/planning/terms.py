@@ -387,7 +387,7 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     from .activations import layer_mix
     mix = layer_mix(c, s)
     # the embedding keeps its graph under every mode, and its backward reads no weight: the engine
-    # fetches nothing for it (engine/recompute_policy.py ``is_lookup``, engine/recompute.py ``needs_weights``)
+    # fetches nothing for it (engine/recompute_policy.py ``is_lookup``, engine/boundary/kept.py ``needs_weights``)
     reads = c.reads_per_pass
     # the last block (the LM head) keeps its graph: fetched once; the final norm before it is fetched again
     reads_b = reads - c.head_reads + c.head_refetched - c.embedding

@@ -1,12 +1,18 @@
 """What the running backward does: whether a leaf's gradient is accumulated, captured or not computed,
 and whether the graph is retained. Read from torch's autograd engine, so a block's backward (an
 ``autograd.Function``) behaves like ordinary autograd under ``backward()``, ``backward(inputs=...)``,
-``torch.autograd.grad`` and ``retain_graph=True``."""
+``torch.autograd.grad`` and ``retain_graph=True``. :class:`BoundParams`: a container's own parameters on the
+device for the span of its ``forward`` (docs/internals/block-calls.md, "Block discovery")."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.autograd.graph import get_gradient_edge
+
+from ..param_hooks import skip_none_calls
+from .guards import check_container_backward
 
 
 def leaf_grad_use(leaf: torch.Tensor) -> str | None:
@@ -45,3 +51,35 @@ def local_grad(outputs: list, targets: list, grad_outputs: list, retain_graph: b
             "forward; the engine differentiates each block with torch.autograd.grad after recomputing it, which "
             "reentrant checkpointing does not support. Pass use_reentrant=False there, or drop the checkpoint: "
             "megatrain already recomputes every block (its `recompute` option).") from err
+
+
+class BoundParams(torch.autograd.Function):
+    """A container's own parameters on the device for the span of its ``forward`` (a direct block:
+    they are used outside any block call, so there is nothing to recompute and ordinary autograd
+    tracks them).
+
+    Inputs: the gradient sink (``send(refs, grads)``), the parameters' references, their device views (the
+    fetched buffer), the engine's marker leaf, then the host parameters. Outputs: the device views, as tensors
+    autograd tracks. Backward: ``loss.backward()`` sends their gradients to the host accumulators;
+    ``torch.autograd.grad`` / ``backward(inputs=...)`` returns them for the parameters listed."""
+
+    @staticmethod
+    def forward(ctx, grads: Any, refs: list, views: list, dummy: torch.Tensor,
+                *params: torch.Tensor):  # type: ignore[override]
+        ctx.grads, ctx.refs, ctx.dummy = grads, refs, dummy
+        return tuple(views)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        sink, refs = ctx.grads, ctx.refs
+        check_container_backward()
+        none = (None, None, None, None)
+        skip_none_calls([r.param for r in refs])  # torch calls their hooks after this backward, with None or not
+        if leaf_grad_use(ctx.dummy) == "accumulate":
+            sink.send(refs, list(grads))
+            return none + (None,) * len(refs)
+        use = [leaf_grad_use(r.param) for r in refs]
+        sink.send([r for r, u in zip(refs, use) if u == "accumulate"],
+                  [g for g, u in zip(grads, use) if u == "accumulate"])
+        return none + tuple(g.to(r.param.device) if g is not None and u == "capture" else None
+                            for r, g, u in zip(refs, grads, use))

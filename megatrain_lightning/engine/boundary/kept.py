@@ -1,4 +1,5 @@
-"""``recompute="none"``: a block call keeps its own autograd graph, without the block's weights.
+"""Graphs a block call keeps from its forward to its backward (:class:`KeptGraph`): the last block's, with the
+device buffers it computed with, and a ``recompute="none"`` call's, without the block's weights (below).
 
 Plain PyTorch keeps, from a forward to its backward, every tensor autograd saves: activations and the
 weights themselves. A streamed block cannot keep its weights on the device (that is the whole model),
@@ -30,12 +31,12 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils._pytree import tree_map_only
 
-from .offload import ActivationOffload, Offloaded
+from ..offload import ActivationOffload, Offloaded
 
 
 @dataclass(frozen=True)
@@ -238,3 +239,29 @@ class GraphHooks:
         """The graph was freed: drop the host copies too."""
         self.unbind()
         self.offloaded = {}
+
+
+class KeptGraph:
+    """A block call's autograd graph, kept from its forward to its backward: the last block's (with the
+    device buffers ``bufs`` it computed with) or a ``recompute="none"`` call's (``hooks``: without its weights,
+    :class:`GraphHooks`); the gradient ``leaves`` (by parameter id), its detached ``inputs`` and its ``outs``.
+    ``close`` (idempotent) drops them and calls ``on_close(self)`` (its owner returns the buffers' bytes): after
+    a backward that does not retain the graph, when the call is garbage-collected (its graph dropped unused),
+    or at the end of the step."""
+
+    def __init__(self, bufs: dict[int, torch.Tensor], leaves: dict[int, torch.Tensor], inputs: list,
+                 outs: list[torch.Tensor], hooks: GraphHooks | None = None,
+                 on_close: Callable[["KeptGraph"], None] | None = None):
+        self.bufs, self.leaves, self.inputs, self.outs = bufs, leaves, inputs, outs
+        self.hooks, self.on_close = hooks, on_close
+        self.open = True
+
+    def close(self) -> None:
+        if not self.open:
+            return
+        self.open = False
+        self.leaves, self.inputs, self.outs = {}, [], []
+        if self.hooks is not None:
+            self.hooks.free()
+        if self.on_close is not None:
+            self.on_close(self)

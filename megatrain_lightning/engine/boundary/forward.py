@@ -1,0 +1,65 @@
+"""Grad mode in a streamed block's forward without keeping what its backward reads.
+
+A streamed block's forward runs in grad mode (``torch.enable_grad``) on leaves standing for its inputs and
+parameters, so each output carries the ``requires_grad`` plain PyTorch would give it and ops that branch on
+grad mode (SDPA's kernel choice, autocast's cast cache) behave as in plain PyTorch; the saved-tensors hooks here
+keep the tensors the backward would read only while the call runs, because the block is recomputed in backward
+(MegaTrain, arXiv 2604.05091, per-block recompute).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+
+def _never_unpacked(_saved: Any) -> torch.Tensor:
+    raise RuntimeError(
+        "megatrain: a backward reached a tensor computed inside a streamed block's forward that is not one of the "
+        "block's outputs (kept by a forward hook on a module inside the block, or stored on an attribute): a streamed "
+        "block's forward keeps nothing for a backward once it returns (the block is recomputed in backward). Compute the loss term from "
+        "the block's outputs (hook the block itself), or detach the kept tensor if it is only logged.")
+
+
+@contextlib.contextmanager
+def saving_for_the_call() -> Iterator[None]:
+    """Autograd records the graph and keeps the tensors its backward reads only while the call runs (a
+    ``torch.autograd.grad`` inside the block's forward, as gradient features or fast weights take, works as in
+    plain PyTorch), and drops them when it returns: the forward of a call recomputed in backward. A
+    backward through a tensor kept from inside the call then raises, naming what to do. The call holds its own
+    activations until it returns, as its recompute in backward does (``mlp_chunk_size`` chunks keep only their
+    inputs either way: each is checkpointed)."""
+    boxes = SavedBoxes()
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(boxes.pack, SavedBoxes.unpack):
+            yield
+    finally:
+        boxes.clear()
+
+
+class SavedBoxes:
+    """Saved tensors of a block call's forward, each packed in a one-element list (a box) that :meth:`clear` empties
+    when the call returns: a graph node of that forward that outlives it (one that something still references)
+    then holds an empty box, not the tensor. Use ``pack``/``unpack`` as ``saved_tensors_hooks``; a backward that
+    unpacks an emptied box raises naming what to do."""
+
+    def __init__(self):
+        self._boxes: list[list] = []
+
+    def pack(self, t: torch.Tensor) -> list:
+        box = [t]
+        self._boxes.append(box)
+        return box
+
+    @staticmethod
+    def unpack(box: list) -> torch.Tensor:
+        if box[0] is None:
+            _never_unpacked(None)
+        return box[0]
+
+    def clear(self) -> None:
+        for box in self._boxes:
+            box[0] = None
+        self._boxes.clear()
