@@ -421,7 +421,7 @@ class MegaTrainStrategy(ParallelStrategy):
             if self.engine is not None:
                 step = self.lightning_module.trainer.global_step + 1
                 self.engine.stopped.stopped(f"{step} (global_step {step - 1} -> {step}, stopped by {type(err).__name__})")
-            self.checkpoints.deferred = []  # asked for in the stopped backward: never written
+            self.checkpoints.drop_deferred()  # asked for in the stopped backward: never written
             self._interrupt_pending = False
             raise
         if self.engine is not None:
@@ -507,7 +507,7 @@ class MegaTrainStrategy(ParallelStrategy):
         if self.engine is not None:
             self.engine.stopped.check("training")
             self._adopt_replaced_weights()
-            self.engine.update_in_backward = self._update_in_backward_now()
+            self.engine.set_update_in_backward(self._update_in_backward_now())
         return super().training_step(*args, **kwargs)
 
     def _adopt_replaced_weights(self) -> None:

@@ -52,9 +52,7 @@ def test_no_import_climbs_a_layer():
     assert not upward, upward
 
 
-def test_engine_files_are_small_and_docs_stay_in_the_repo():
-    sizes = {f.name: f.read_text().count("\n") for f in (PKG / "engine").glob("*.py")}
-    assert max(sizes.values()) <= 500, sizes
+def test_docs_stay_in_the_repo():
     cites = [str(f) for f in PKG.rglob("*.py") if "DESIGN.md" in f.read_text()]
     assert not cites, cites
 

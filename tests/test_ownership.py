@@ -22,6 +22,12 @@ PKG = ROOT / "megatrain_lightning"
 
 # (file, target as written): objects of torch, Lightning or transformers that the package changes on purpose
 EXTERNAL = {
+    ("megatrain_lightning/data/resume_alignment.py", "trainer.fit_loop.max_batches"):
+        "Lightning's fit loop: a resumed epoch ends where the uninterrupted run's did, then is restored",
+    ("megatrain_lightning/data/resume_alignment.py", "fit_loop._data_fetcher.length"):
+        "Lightning's data fetcher: the same shortened epoch, as its loop reads it",
+    ("megatrain_lightning/optim/host_adamw.py", "self.optimizer._opt_called"):
+        "torch's LR schedulers check this flag; the user's optimizer's own step never runs",
 }
 
 TORCH_ATTRS = {"data", "grad", "forward", "requires_grad", "__wrapped__", "training"}

@@ -117,6 +117,10 @@ class StrategyCheckpoints:
                        "if the step does not finish, nothing is written.")
         return True
 
+    def drop_deferred(self) -> None:
+        """Forget the saves :meth:`defer` put off (asked for in a step that was stopped: never written)."""
+        self.deferred = []
+
     def save_deferred(self, trainer: Any) -> None:
         """Write the checkpoints :meth:`defer` put off, in the order asked, now that the optimizer step is
         complete."""

@@ -98,6 +98,11 @@ class GradientSink:
             and Region.grad_accum not in store.nvme_kinds else None
 
     # ------------------------------------------------------------------ plan
+    def configure(self, wire: torch.dtype, param: torch.dtype) -> None:
+        """Dtypes of gradients on the D2H link (``wire``; accumulated in fp32 on the host) and of the bound
+        parameters autograd produces them in (``param``)."""
+        self.wire_dtype, self.param_dtype = wire, param
+
     def plan(self, calls_refs: Sequence[Sequence[Any]]) -> None:
         """Start of a backward that applies the AdamW updates as it goes: snapshot the optimizer's
         hyper-parameters and count, per slab, the gradient batches the backward will send (one per

@@ -262,6 +262,11 @@ class RecomputePolicy:
         self._budget = self._inputs = 0
         self._warned_guard = False
 
+
+    def report_to(self, on_change: Callable[[int], None]) -> None:
+        """Call ``on_change(live_bytes)`` after every activation the meter counts (:class:`ActivationMeter`)."""
+        self.meter.on_change = on_change
+
     def mode_for(self, block: int, fwd: Any, lookup: bool = False, size: tuple[tuple[int, ...], ...] = ()) -> str:
         """The policy of a call of block ``block`` in training forward ``fwd`` (any object identifying
         the forward); under ``"auto"`` the first forward runs ``"block"`` and measures. ``lookup``: the

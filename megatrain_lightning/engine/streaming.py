@@ -158,7 +158,7 @@ class StreamingEngine:
                                  policy=RecomputePolicy(config.recompute, self.device, config.activation_memory_limit),
                                  castable=lambda r: self.fetcher.autocast_castable[r.slab][r.index])
         self._proxies = ForwardPatches()  # each block's forward -> its streaming proxy
-        self.update_in_backward = False  # set per micro-batch by the strategy (optimizer_in_backward, grads.py)
+        self.update_in_backward = False  # per micro-batch (set_update_in_backward; optimizer_in_backward, grads.py)
         self._plan_due = False
         self._warned_cache = False
         self.installed = False
@@ -199,10 +199,15 @@ class StreamingEngine:
         for m in self.root.modules():
             m._buffers.update({k: b.to(device) for k, b in m._buffers.items() if b is not None and b.device != device})
 
+    def set_update_in_backward(self, on: bool) -> None:
+        """Whether the next backward applies each slab's update as its gradients complete (``optimizer_in_backward``;
+        decided per micro-batch by the strategy)."""
+        self.update_in_backward = on
+
     def attach_optimizer(self, optimizer: torch.optim.Optimizer, overlap: bool = True) -> HostAdamW:
         """Take over ``optimizer`` (AdamW/Adam); see :class:`HostAdamW`."""
         if self.optimizer is not None and self.optimizer.optimizer is optimizer:
-            self.optimizer.overlap = overlap
+            self.optimizer.set_overlap(overlap)
             return self.optimizer
         self.flush()
         self.optimizer = HostAdamW(self.store, optimizer, overlap=overlap, transport=self.transport,
@@ -357,7 +362,7 @@ class StreamingEngine:
         if (wire, param, grad_wire) != (f.wire_dtype, f.param_dtype, self.grads.wire_dtype):
             self._drop_prefetched()
         f.configure(wire, param)
-        self.grads.wire_dtype, self.grads.param_dtype = grad_wire, param
+        self.grads.configure(grad_wire, param)
 
     @property
     def wire_layouts(self) -> list:

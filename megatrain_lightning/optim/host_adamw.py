@@ -153,6 +153,10 @@ class HostAdamW:
         self.transport = transport
 
     # ------------------------------------------------------------------ schedule
+    def set_overlap(self, overlap: bool) -> None:
+        """``True``: defer each slab's update to just before its next H2D copy (``overlap_optimizer``)."""
+        self.overlap = overlap
+
     def _map_groups(self) -> None:
         """Map each (slab, entry) to its param group in the optimizer's current ``param_groups``, again
         whenever their members changed since the last call (``add_param_group`` during fit, as Lightning's
