@@ -2,8 +2,8 @@
 
 From a model config alone (the real model built on the meta device, no memory) and a
 hardware preset: the bytes in each memory tier (host RAM, device, NVMe, disk), the bytes
-moved per optimizer step (H2D, D2H, NVMe), a lower bound on the step time with its
-dominating term, the checkpoint size and write time, the batch size at which compute
+moved per optimizer step (H2D, D2H, NVMe), the step time by phase and its fastest estimate
+(every term overlapping) with the term it rests on, the checkpoint size and write time, the batch size at which compute
 dominates, the activation memory per token and the longest sequence that fits.
 ``preflight`` refuses a run that does not fit, with the numbers and what to change.
 Formulas, units and sources: :mod:`megatrain_lightning.planning.terms` and

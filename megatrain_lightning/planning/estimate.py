@@ -1,5 +1,5 @@
 """The planner: :func:`plan` returns a :class:`Plan` (bytes per memory tier, bytes moved, the time per
-optimizer step by phase (:mod:`.phases`) and its lower bound, checkpoint size, compute-bound batch size, fit).
+optimizer step by phase (:mod:`.phases`) and its fastest estimate, checkpoint size, compute-bound batch size, fit).
 
 The formulas, their units and sources are in :mod:`.terms`; this module runs them for one
 configuration, finds the batch sizes where compute dominates and where device memory runs
@@ -40,7 +40,9 @@ class Plan:
         step_time_s: the sum of the phases, for the plan's schedule (``settings["optimizer_in_backward"]``,
             :func:`.terms.update_in_backward`); ``dominating`` the bound of the longer phase.
         exposed: seconds of each bounding chain not hidden behind compute (sum: step time - compute time).
-        step_time_lower_bound_s, dominating_lower_bound: the largest term, the step if every term overlapped.
+        step_time_fastest_s, dominating_fastest: the fastest estimate (seconds) and its term: the largest term, the
+            step if every term overlapped every other. An estimate at the preset's rates, not a lower bound: a
+            machine faster than the rate of ``dominating_fastest`` steps faster.
         step_time_pessimistic_s, dominating_pessimistic: the phase model with the backward's H2D copies at
             half bandwidth while D2H copies run.
         other_schedule: the other AdamW schedule (``optimizer_in_backward``: its value, ``step_time_s``,
@@ -95,8 +97,8 @@ class Plan:
     parallel: dict[str, Any] | None = None
     phases: dict[str, tuple[float, str]] = field(default_factory=dict)
     exposed: dict[str, float] = field(default_factory=dict)
-    step_time_lower_bound_s: float = 0.0
-    dominating_lower_bound: str = "compute"
+    step_time_fastest_s: float = 0.0
+    dominating_fastest: str = "compute"
     other_schedule: dict[str, Any] | None = None
     source: Any = field(default=None, repr=False)
 
@@ -141,8 +143,8 @@ class Plan:
         d = {k: getattr(self, k) for k in ("model", "settings", "host", "device", "nvme", "disk", "capacity",
                                             "moved", "flops", "flops_parts", "times", "step_time_s", "dominating",
                                             "step_time_pessimistic_s", "dominating_pessimistic",
-                                            "phases", "exposed", "step_time_lower_bound_s",
-                                            "dominating_lower_bound", "other_schedule", "checkpoint_bytes", "checkpoint_write_s", "compute_bound_batch_size",
+                                            "phases", "exposed", "step_time_fastest_s",
+                                            "dominating_fastest", "other_schedule", "checkpoint_bytes", "checkpoint_write_s", "compute_bound_batch_size",
                                             "max_device_batch_size", "fits", "reasons", "headroom", "tight",
                                             "warnings", "parallel")}
         d.update(hardware=self.hardware.to_dict(), counts=self.counts.to_dict(), host_bytes=self.host_bytes,
@@ -361,8 +363,8 @@ def _plan_from_counts(name: str, counts: ParamCounts, hw: Hardware, s: dict[str,
              dominating_pessimistic=pess["dominating"], checkpoint_bytes=e["ckpt"],
              checkpoint_write_s=e["ckpt"] / (hw.nvme_drives * hw.nvme_write_gbps * 1e9),
              compute_bound_batch_size=bound, max_device_batch_size=max_dev, parallel=e["parallel"],
-             phases=ph["phases"], exposed=ph["exposed"], step_time_lower_bound_s=e["times"][dom],
-             dominating_lower_bound=dom, other_schedule=dict(optimizer_in_backward=flip, **{
+             phases=ph["phases"], exposed=ph["exposed"], step_time_fastest_s=e["times"][dom],
+             dominating_fastest=dom, other_schedule=dict(optimizer_in_backward=flip, **{
                  k: alt[k] for k in ("step_time_s", "phases", "dominating")}), source=source)
     p.reasons = shortfalls(p, cap["host"], cap["device"], cap["disk"], where="preset")
     if s["offload_params"] == "nvme" and s.get("devices", 1) * s.get("num_nodes", 1) > 1 and \

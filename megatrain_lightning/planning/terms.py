@@ -1,4 +1,4 @@
-"""The planner's arithmetic: bytes per memory tier, bytes moved and a lower bound on time per optimizer step.
+"""The planner's arithmetic: bytes per memory tier, bytes moved and the seconds of each term per optimizer step.
 
 Every number follows from the parameter counts of the real model (:mod:`.counts`, meta
 device), the settings, and one :class:`~.config.Hardware` preset. Units: bytes, seconds,
@@ -77,10 +77,11 @@ Per optimizer step (one micro-batch of ``batch_size`` x ``seq_len`` tokens):
   folded into the presets' memory-bandwidth assumption, measured separately at 4.5 G
   params/s on the 2-core dev box).
 
-Lower bound on step time = max(compute at peak dense TFLOP/s (bf16 for 2-byte wire modes, fp32
+Fastest estimate of the step time = max(compute at peak dense TFLOP/s (bf16 for 2-byte wire modes, fp32
 non-tensor for ``32-true``), H2D / h2d bandwidth, D2H / d2h bandwidth, NVMe reads / (drives x
 read bandwidth), NVMe writes / (drives x write bandwidth), host AdamW): every stream is assumed
-to overlap perfectly with the others. PCIe is full duplex, but H2D was measured to drop to
+to overlap perfectly with the others. It is an estimate at the preset's rates, not a lower bound: a
+machine whose rate for the largest term is higher than the preset's steps faster. PCIe is full duplex, but H2D was measured to drop to
 about half its bandwidth while D2H runs; D2H only runs during backward, so the *pessimistic*
 variant charges the forward H2D at full bandwidth and the backward H2D at half bandwidth
 while the D2H proceeds alongside: link = H2D_fwd / bw + max(2 x H2D_bwd / bw, D2H / d2h_bw).
