@@ -101,7 +101,8 @@ def preflight(p: Plan, *, host_ram_bytes: int | None = None, disk_free_bytes: in
 
 
 def plan_for_run(model: Any, hardware: Any, strategy: Mapping[str, Any], *, batch_size: int, seq_len: int,
-                 precision: str, devices: int = 1, num_nodes: int = 1) -> Plan:
+                 precision: str, devices: int = 1, num_nodes: int = 1,
+                 gradient_clip_val: float | None = None) -> Plan:
     """The plan of a recipe run from its composed config sections (``cfg.model``, ``cfg.hardware``,
     ``cfg.strategy``; DictConfigs or mappings), reading every strategy option the planner models
     (``lookahead``, ``block_group``, ``recompute_every``, ``offload_activations``, ``offload_params``,
@@ -109,7 +110,11 @@ def plan_for_run(model: Any, hardware: Any, strategy: Mapping[str, Any], *, batc
     ``mlp_chunk_size``, ``recompute``, ``activation_memory_limit``, ``optimizer_in_backward``); options the composed
     config does not set take ``MegaTrainConfig``'s defaults.
     ``devices``/``num_nodes`` (``trainer.devices``/``trainer.num_nodes``, integers) plan the host per node
-    (:mod:`.parallel`). Pass it to :func:`preflight`."""
+    (:mod:`.parallel`). ``gradient_clip_val`` (``trainer.gradient_clip_val``; ``None`` or 0: no clipping) and
+    ``precision="16-mixed"`` (loss scaling) need every gradient of the step before any update, so the strategy
+    runs the deferred AdamW schedule whatever ``optimizer_in_backward`` says (``MegaTrainStrategy``
+    ``_update_in_backward_now``): the plan then does too (its NVMe traffic: the accumulators written and read
+    back, 16 instead of 12 B/param written). Pass it to :func:`preflight`."""
     from .config import as_plain_dict, strategy_default
 
     st = as_plain_dict(strategy) if strategy is not None else {}
@@ -117,6 +122,9 @@ def plan_for_run(model: Any, hardware: Any, strategy: Mapping[str, Any], *, batc
     def opt(name: str) -> Any:
         return st[name] if name in st else strategy_default(name)
 
+    in_bwd = opt("optimizer_in_backward")
+    if gradient_clip_val or str(precision) in ("16-mixed", "16"):  # the strategy's fallback to the deferred schedule
+        in_bwd = False
     return plan(as_plain_dict(model), as_plain_dict(hardware), batch_size=int(batch_size), seq_len=int(seq_len),
                 precision=str(precision), lookahead=int(opt("lookahead")), block_group=opt("block_group"),
                 recompute_every=int(opt("recompute_every")), offload_activations=bool(opt("offload_activations")),
@@ -124,4 +132,4 @@ def plan_for_run(model: Any, hardware: Any, strategy: Mapping[str, Any], *, batc
                 offload_grads=str(opt("offload_optimizer")), loss_chunk_size=opt("loss_chunk_size"),
                 mlp_chunk_size=opt("mlp_chunk_size"), devices=devices, num_nodes=num_nodes,
                 recompute=str(opt("recompute")), activation_memory_limit=opt("activation_memory_limit"),
-                optimizer_in_backward=opt("optimizer_in_backward"))
+                optimizer_in_backward=in_bwd)
