@@ -296,7 +296,7 @@ def test_preflight_message_with_given_numbers():
         preflight(p, host_ram_bytes=512 * GIB, disk_free_bytes=10_000 * GIB, device_bytes=40 * GIB)
     msg = str(ei.value)
     assert f"need {gib(p.host_bytes)} GiB, have 512.0 GiB" in msg
-    assert "strategy=megatrain_nvme, host_memory_limit=460GiB" in msg
+    assert re.search(r"use the NVMe tier: strategy=megatrain_nvme strategy.host_memory_limit=\d+GiB", msg), msg
     assert f"device memory short: need {gib(p.device_bytes)} GiB, have 40.0 GiB" in msg
     assert "longest data.seq_len that fits" in msg and "set strategy." in msg
     assert len(ei.value.shortfalls) == 2
@@ -489,11 +489,15 @@ def test_host_short_plan_suggests_the_nvme_tier_with_numbers():
     nv = replan(p, offload_params="nvme", offload_optimizer="nvme", offload_grads="nvme")
     assert nv.host_bytes < p.capacity["host"]
     text = format_plan(p)
-    assert f"use the NVMe tier (strategy=megatrain_nvme, host_memory_limit={int(p.capacity['host'] * 0.9 / GIB)}GiB)" in text
-    assert f"host then needs {gib(nv.host_bytes)} GiB" in text and f"disk {gib(nv.disk_bytes)} GiB (fits)" in text
-    opt = replan(p, offload_optimizer="nvme", offload_grads="nvme")
-    assert "offload_optimizer=nvme: AdamW moments and gradient accumulators" in text
-    assert f"host then needs {gib(opt.host_bytes)} GiB" in text
+    m = re.search(r"use the NVMe tier: offload_params=nvme offload_optimizer=nvme offload_grads=nvme "
+                  r"host_memory_limit=(\d+)GiB: .* the host then uses about ([\d,.]+) GiB \(the NVMe window up to "
+                  r"host_memory_limit=\1GiB", text)
+    assert m and f"disk {gib(nv.disk_bytes)} GiB (fits)" in text, text[-3000:]
+    limit, rss = int(m.group(1)) * GIB, float(m.group(2).replace(",", "")) * GIB
+    # the limit to set holds the engine's minimum window and the whole host use stays within the RAM
+    assert replan(nv, host_memory_limit=limit).fits and limit >= nv.nvme_window["min_window"]
+    assert limit <= rss <= p.capacity["host"]
+    assert "set offload_optimizer=nvme offload_grads=nvme host_memory_limit=" in text
     assert "use the NVMe tier" in format_comparison([p])
 
 

@@ -11,12 +11,14 @@ given. Units: bytes in, GiB (2**30 B) in messages.
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
 from ..store.budget import mem_available_bytes
-from .advice import RECIPE_KEYS, activation_share, device_advice, host_advice, seq_len_advice
+from .advice import RECIPE_KEYS, activation_share, device_advice, host_advice, key, seq_len_advice
 from .estimate import Plan, gib, max_seq_len, plan, shortfalls
+from .window import limit_check, physical_ram_bytes
 
 
 class PreflightError(ValueError):
@@ -75,6 +77,14 @@ def preflight(p: Plan, *, host_ram_bytes: int | None = None, disk_free_bytes: in
     disk = disk_free_bytes if disk_free_bytes is not None else shutil.disk_usage(path).free
     dev = device_bytes if device_bytes is not None else (device_free_bytes() if p.hardware.is_gpu else None)
     lines = shortfalls(p, host, dev, disk, where="measured here" if host_ram_bytes is None else "given")
+    # the NVMe tier's host_memory_limit, as the engine will check it on this machine (its default: half the RAM)
+    ram = physical_ram_bytes() if host_ram_bytes is None else host_ram_bytes
+    _, _, refusal, warning = limit_check(p.source, p.settings, p.hardware.is_gpu, p.settings.get("host_memory_limit"),
+                                         ram, "this machine" if host_ram_bytes is None else "the given host")
+    if warning:
+        warnings.warn(f"megatrain preflight: {warning}", UserWarning, stacklevel=2)
+    if refusal:
+        lines.append(refusal)
     if lines:
         s = p.settings
         msg = [f"megatrain preflight refused {p.model} (planned for {p.hardware.name}; precision={s['precision']}, "
@@ -83,7 +93,10 @@ def preflight(p: Plan, *, host_ram_bytes: int | None = None, disk_free_bytes: in
                f"recompute={s.get('recompute', 'block')}):"]
         for line in lines:
             msg.append(f"  - {line}")
-            if line.startswith("host"):
+            if "host_memory_limit" in line:
+                advice = [f"change: {key('host_memory_limit', keys)}=<at least the minimum above>, or "
+                          f"{key('lookahead', keys)}=0 / {key('block_group', keys)}=1 (fewer blocks in flight)"]
+            elif line.startswith("host"):
                 top = sorted(p.host.items(), key=lambda kv: -kv[1])[:4]
                 msg.append("      needed for: " + ", ".join(f"{k} {gib(v)} GiB" for k, v in top))
                 advice = []
@@ -132,4 +145,4 @@ def plan_for_run(model: Any, hardware: Any, strategy: Mapping[str, Any], *, batc
                 offload_grads=str(opt("offload_optimizer")), loss_chunk_size=opt("loss_chunk_size"),
                 mlp_chunk_size=opt("mlp_chunk_size"), devices=devices, num_nodes=num_nodes,
                 recompute=str(opt("recompute")), activation_memory_limit=opt("activation_memory_limit"),
-                optimizer_in_backward=in_bwd)
+                optimizer_in_backward=in_bwd, host_memory_limit=opt("host_memory_limit"))
