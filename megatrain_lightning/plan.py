@@ -2,8 +2,8 @@
 
 From a model config alone (the real model built on the meta device, no memory) and a
 hardware preset: the bytes in each memory tier (host RAM, device, NVMe, disk), the bytes
-moved per optimizer step (H2D, D2H, NVMe), a lower bound on the step time with its
-dominating term, the checkpoint size and write time, the batch size at which compute
+moved per optimizer step (H2D, D2H, NVMe), the step time by phase and its fastest estimate
+(every term overlapping) with the term it rests on, the checkpoint size and write time, the batch size at which compute
 dominates, the activation memory per token and the longest sequence that fits.
 ``preflight`` refuses a run that does not fit, with the numbers and what to change.
 Formulas, units and sources: :mod:`megatrain_lightning.planning.terms` and
@@ -56,7 +56,8 @@ __all__ = [
 _SETTINGS = ("batch_size", "seq_len", "precision", "offload_params", "offload_optimizer", "offload_grads",
              "offload_activations", "lookahead", "block_group", "recompute_every", "grad_dtype", "keep_checkpoints", "pinned_round",
              "optimizer_in_backward",
-             "cpu_zero_copy", "loss_chunk_size", "mlp_chunk_size", "recompute", "activation_memory_limit")
+             "cpu_zero_copy", "loss_chunk_size", "mlp_chunk_size", "recompute", "activation_memory_limit",
+             "host_memory_limit")
 
 
 def plan_from_config(cfg: Any) -> Plan:
@@ -175,11 +176,17 @@ def _run(args: list[str]) -> int:
     p = one(models[0], hardware[0] if hardware else None)
     print(json.dumps(p.to_dict(), indent=1, default=str) if flags["json"] else format_plan(p))
     if flags["preflight"]:
+        import warnings
+
         try:
-            have = preflight(p, keys=None)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                have = preflight(p, keys=None)
         except PreflightError as e:
             print(f"\n{e}")
             return 2
+        for w in caught:
+            print(f"warning: {w.message}")
         print("\npreflight on this machine: ok (" + ", ".join(
             f"{k} need {n / GIB:,.1f} GiB have {'-' if h is None else f'{h / GIB:,.1f}'}" for k, (n, h) in have.items()) + ")")
     return 0

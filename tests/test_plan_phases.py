@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from megatrain_lightning.planning import format_plan, load_hardware, load_model, plan, replan
+from megatrain_lightning.planning import format_comparison, format_plan, load_hardware, load_model, plan, replan
 from megatrain_lightning.planning.phases import chains
-from megatrain_lightning.planning.terms import _estimate
+from megatrain_lightning.planning.terms import _estimate, term_label
 
 GB = 1e9
 
@@ -101,7 +101,7 @@ def test_nvme_io_lands_in_the_phase_of_the_update():
 ])
 def test_step_is_between_the_largest_term_and_the_sum_of_the_terms(model, hw, kw):
     p = plan(load_model(model), load_hardware(hw), **kw)
-    assert p.step_time_lower_bound_s == max(p.times.values()) <= p.step_time_s * (1 + 1e-12)
+    assert p.step_time_fastest_s == max(p.times.values()) <= p.step_time_s * (1 + 1e-12)
     assert p.step_time_s <= sum(p.times.values()) * (1 + 1e-12)
     assert p.step_time_s == pytest.approx(sum(t for t, _ in p.phases.values()), rel=1e-12)
     assert sum(p.exposed.values()) == pytest.approx(p.step_time_s - p.times["compute"], rel=1e-9, abs=1e-12)
@@ -132,7 +132,8 @@ def test_report_prints_the_phases_the_exposed_seconds_and_the_other_schedule():
     assert f"H2D copies + host AdamW {p.exposed['h2d+host_adamw']:,.3f} s" in lines[i + 1]
     assert lines[i + 2].startswith("  schedule: optimizer_in_backward=False")
     assert f"with optimizer_in_backward=True: {q.step_time_s:,.3f} s/step" in lines[i + 2]
-    assert lines[i + 3].startswith(f"lower bound: {p.step_time_lower_bound_s:,.3f} s/step, dominated by H2D copies")
+    assert lines[i + 3].startswith(f"fastest estimate (every term overlapping): {p.step_time_fastest_s:,.3f} s/step, "
+                                   "the H2D copies term")
     assert lines[i + 4].startswith("pessimistic (backward H2D at half bandwidth while D2H runs): ")
     assert "exposed beyond compute (" in format_plan(plan(load_model("smollm2_135m"), load_hardware("this_machine")))
     assert "none (compute-bound)" in format_plan(plan(load_model("smollm2_135m"), load_hardware("this_machine")))
@@ -146,3 +147,25 @@ def test_cli_and_bad_value(capsys):
     assert "schedule: optimizer_in_backward=True" in out and "with optimizer_in_backward=False: " in out
     with pytest.raises(ValueError, match="optimizer_in_backward must be true, false or null"):
         plan(load_model("smollm2_135m"), load_hardware("h200"), optimizer_in_backward="sometimes")
+
+
+def test_the_report_calls_the_largest_term_an_estimate_and_names_its_resource():
+    """The largest term (every term overlapping) is printed as the fastest estimate with the resource and rate it
+    rests on, never as a lower bound: measured steps beat it where the real rate is higher than the preset's."""
+    for p in (plan(load_model("llama70b"), load_hardware("h200")),
+              plan(load_model("llama8b"), load_hardware("h200"), offload_params="nvme", offload_optimizer="nvme",
+                   offload_grads="nvme"),
+              plan(load_model("smollm2_135m"), load_hardware("h200"))):
+        text = format_plan(p)
+        assert "lower bound:" not in text and "lower s" not in format_comparison([p])
+        k = p.dominating_fastest
+        line = next(ln for ln in text.splitlines() if ln.startswith("fastest estimate (every term overlapping): "))
+        assert f"{p.step_time_fastest_s:,.3f} s/step, the {term_label(k)} term at " in line
+        assert "not a lower bound" in line
+        rate = {"host_adamw": f"{p.hardware.host_adam_gparams_per_s:g} G params/s",
+                "h2d": f"{p.hardware.h2d_gbps:g} GB/s", "d2h": f"{p.hardware.d2h_gbps:g} GB/s",
+                "nvme_read": f"{p.hardware.nvme_drives} x {p.hardware.nvme_read_gbps:g} GB/s",
+                "nvme_write": f"{p.hardware.nvme_drives} x {p.hardware.nvme_write_gbps:g} GB/s"}.get(k)
+        assert rate is None or f"term at {rate}" in line, (k, line)
+        assert "fastest s" in format_comparison([p])
+

@@ -273,6 +273,24 @@ def test_preflight_refuses_llama100b_on_nvme_for_disk(tmp_path, monkeypatch, no_
     assert not (tmp_path / "run").exists()
 
 
+def test_preflight_refuses_a_host_memory_limit_below_the_nvme_window_before_the_build(tmp_path, monkeypatch,
+                                                                                       gpt2_dir, no_build):
+    """``strategy.host_memory_limit`` below the window the engine needs was ignored by preflight: the run built the
+    model, evaluated it, then failed when fit set up the NVMe tier. Now it is refused first, with the engine's
+    numbers (the minimum it names is the limit the engine takes: a run at it passes preflight)."""
+    monkeypatch.setenv("MEGATRAIN_NVME_PATH", str(tmp_path))
+    cfg = cfg_for(tmp_path, *tiny(gpt2_dir), "strategy=megatrain_nvme", "strategy.host_memory_limit=1MiB")
+    with pytest.raises(PreflightError, match=r"host_memory_limit=1048576 bytes \(1.00 MiB\) is below the (\d+) bytes"):
+        finetune(cfg)
+    assert not (tmp_path / "run").exists()
+    try:
+        step.preflight(cfg)
+    except PreflightError as e:
+        minimum = int(str(e).split("Raise host_memory_limit to at least ")[1].split()[0])
+    ok = cfg_for(tmp_path, *tiny(gpt2_dir), "strategy=megatrain_nvme", f"strategy.host_memory_limit={minimum}")
+    step.preflight(ok)
+
+
 def test_command_line_refusal_is_one_line_exit_2_and_no_run_directory(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, str(ROOT / "recipes" / "finetune.py"), "+strategy.lookahaed=2",

@@ -31,6 +31,37 @@ def d2h_staging_bytes(layout: Sequence[tuple[int, int]], device: torch.device) -
     return 2 * page_up(4 * max((t for _, t in layout), default=0)) if device.type == "cuda" else 0
 
 
+def window_sizes(blocks: Sequence[Block], nvme: NVMeConfig, device: torch.device | str, lookahead: int,
+                 reserve_frozen: bool = False) -> tuple[int, int, int]:
+    """The NVMe tier's host window sizes (bytes) for these blocks: ``(min_window, outside, ring)``.
+
+    ``min_window`` is what ``host_memory_limit`` must hold at least (:func:`~..store.nvme.preflight_nvme` refuses
+    less): the store's own regions of the largest slab (:meth:`NVMeConfig.min_window`), what shares the budget
+    outside the arena (``outside``: on CPU the compute buffers, :func:`compute_window_bytes`, less its wire image;
+    on CUDA the D2H staging buffers) and the H2D staging ring (``ring``: wire images in flight, with the masters on
+    NVMe; a CPU copy gives its slot back at once). Reads only the blocks' shapes: a model on the meta device
+    gives the same numbers (the planner's preflight, before the model is built).
+
+    Args:
+        blocks: the model's blocks; nvme: the tier's settings (``kinds``; ``share`` for data parallel);
+        device: the compute device; lookahead: blocks fetched ahead of the one computing (the engine's ``ahead``);
+        reserve_frozen: state for frozen parameters too (``store.host.slab_layout``)."""
+    device = torch.device(device)
+    slabs = slab_layout(blocks, reserve_frozen)
+    layout = [(n, t) for _, n, t in slabs]
+    mine = nvme.own(layout)
+    cpu = device.type == "cpu"
+    image = max((page_up(4 * n) for n, _ in layout), default=0)
+    outside = compute_window_bytes(layout, blocks, lookahead) - image if cpu else d2h_staging_bytes(layout, device)
+    min_window = nvme.min_window(mine) + outside
+    ring = ring_bytes_bound([(n, len(e)) for e, n, _ in slabs]) if Region.master in nvme.kinds else 0
+    if ring:
+        min_window += ring // RING_SLOTS if cpu else ring
+    elif cpu:
+        min_window += image
+    return min_window, outside, ring
+
+
 def nvme_window(blocks: Sequence[Block], nvme: NVMeConfig, device: torch.device, lookahead: int,
                 pin: bool | None, reserve_frozen: bool = False) -> tuple[HostBudget, int, Callable[[list[tuple[int, int]]], NVMeStore]]:
     """Check the NVMe tier can run, then make its budget and pinned arena.
@@ -55,17 +86,7 @@ def nvme_window(blocks: Sequence[Block], nvme: NVMeConfig, device: torch.device,
     layout = [(n, t) for _, n, t in slabs]
     mine = nvme.own(layout)  # data parallel: only the slabs this process updates have regions on its disk
     staging = d2h_staging_bytes(layout, device)
-    cpu = device.type == "cpu"
-    # outside the arena: on CPU the compute buffers (compute_window_bytes, less its wire image: that is a
-    # slot of the staging ring, in the arena), on CUDA the D2H staging buffers
-    image = max((page_up(4 * n) for n, _ in layout), default=0)
-    outside = compute_window_bytes(layout, blocks, lookahead) - image if cpu else staging
-    min_window = nvme.min_window(mine) + outside
-    ring = ring_bytes_bound([(n, len(e)) for e, n, _ in slabs]) if Region.master in nvme.kinds else 0
-    if ring:  # wire images in flight: a CPU copy gives its slot back at once
-        min_window += ring // RING_SLOTS if cpu else ring
-    elif cpu:
-        min_window += image
+    min_window, outside, ring = window_sizes(blocks, nvme, device, lookahead, reserve_frozen)
     if Path(nvme.path).is_dir():  # stores a killed run left (another number of processes): their disk back first
         sweep_stale_stores(nvme.path, {nvme.store_dir, *nvme.run_dirs})
     preflight_nvme(nvme.path, mine, nvme.host_memory_limit, min_window, nvme.store_dir, nvme.ranks_sharing)

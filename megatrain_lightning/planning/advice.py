@@ -42,33 +42,74 @@ def _value(v: Any) -> str:
     return "true" if v is True else "false" if v is False else "null" if v is None else str(v)
 
 
+#: host RAM terms of a plan that the NVMe tier's ``host_memory_limit`` bounds (the window's buffers, the staging
+#: buffers in its budget, and on a CPU device the compute buffers: ``engine/window.py``)
+WINDOW_TERMS = ("window", "staging", "device buffers (CPU device)")
+
+
+def nvme_limit(q: Plan, have: int) -> tuple[int, int, int]:
+    """For a plan ``q`` with state on NVMe and ``have`` bytes of host RAM: ``(host_memory_limit to set, host RSS it
+    gives, bytes outside the window)``.
+
+    The limit is whole GiB: what 90% of ``have`` leaves beside the host terms the limit does not bound (activations,
+    the process, pinned inputs...), but never below the engine's minimum window (:attr:`~.estimate.Plan.nvme_window`)
+    or the window the plan counts. The RSS is those other terms plus what the window can fill: the limit, or every
+    region on disk plus the window's buffers when that is less (the engine's arena is never larger,
+    ``NVMeConfig.window_bytes``)."""
+    inside = sum(v for k, v in q.host.items() if any(t in k for t in WINDOW_TERMS))
+    other = q.host_bytes - inside
+    floor_ = max(inside, (q.nvme_window or {}).get("min_window", 0))
+    limit = max(-(-floor_ // GIB), (int(have * 0.9) - other) // GIB) * GIB
+    return limit, other + min(limit, inside + q.nvme_bytes), other
+
+
+def nvme_override(keys: Mapping[str, str] | None, limit: int, params: bool) -> str:
+    """The complete override that puts the state on NVMe with ``host_memory_limit=limit`` (bytes, whole GiB):
+    the recipe's Hydra keys (``conf/strategy/megatrain_nvme.yaml``, whose ``nvme_path`` is ``MEGATRAIN_NVME_PATH``;
+    ``params=False`` keeps the masters in RAM) or the planner's command line (``keys=None``)."""
+    lim = f"{limit // GIB}GiB"
+    if keys is None:
+        return ("offload_params=nvme " if params else "") + f"offload_optimizer=nvme offload_grads=nvme host_memory_limit={lim}"
+    return "strategy=megatrain_nvme " + ("" if params else "strategy.offload_params=cpu ") + \
+        f"strategy.host_memory_limit={lim}"
+
+
 def host_advice(p: Plan, have: int, keys: Mapping[str, str] | None = None) -> list[str]:
-    """Ways to fit host RAM ``have`` (bytes): AdamW moments on NVMe, then every state on NVMe
-    (``strategy=megatrain_nvme`` with a ``host_memory_limit``), each with the host, disk and
-    step-time numbers it gives; else a bigger machine."""
+    """Ways to fit host RAM ``have`` (bytes): AdamW moments on NVMe, then every state on NVMe, each as a complete
+    override (:func:`nvme_override`) with the ``host_memory_limit`` to set and the host RSS it gives
+    (:func:`nvme_limit`), the disk and the step time; else a bigger machine."""
     s = p.settings
-    limit = max(1, int(have * 0.9 / GIB))
     out = []
+    where = "" if keys is None else " (the store's directory: MEGATRAIN_NVME_PATH or strategy.nvme_path=)"
+
+    def host_words(q: Plan) -> str:
+        limit, rss, other = nvme_limit(q, have)
+        mw = (q.nvme_window or {}).get("min_window", 0)
+        return (f"the host then uses about {gib(rss)} GiB (the NVMe window up to host_memory_limit={limit // GIB}GiB, "
+                f"at least {gib(mw)} GiB for this model, + {gib(other)} GiB besides)")
+
     if s["offload_optimizer"] == "cpu":
         q = replan(p, offload_optimizer="nvme", offload_grads="nvme")
-        if q.host_bytes <= have:
-            out.append(f"{key('offload_optimizer', keys)}=nvme: AdamW moments and gradient accumulators "
-                       f"({gib(12 * p.counts.total)} GiB) go to NVMe; host then needs {gib(q.host_bytes)} GiB, disk "
+        limit, rss, _ = nvme_limit(q, have)
+        if rss <= have:
+            out.append(f"set {nvme_override(keys, limit, params=False)}{where}: AdamW moments and gradient "
+                       f"accumulators ({gib(12 * p.counts.total)} GiB) go to NVMe; {host_words(q)}, disk "
                        f"{gib(q.disk_bytes)} GiB; step {q.step_time_s:,.1f} s ({term_label(q.dominating)})")
     if "nvme" not in (s["offload_params"], s["offload_optimizer"], s["offload_grads"]) or not out:
         q = replan(p, offload_params="nvme", offload_optimizer="nvme", offload_grads="nvme")
-        if q.host_bytes <= have:
+        limit, rss, _ = nvme_limit(q, have)
+        if rss <= have:
             disk = q.capacity["disk"] or 0
-            out.append(f"use the NVMe tier (strategy=megatrain_nvme, host_memory_limit={limit}GiB): masters, gradients "
-                       f"and moments ({gib(q.nvme_bytes)} GiB) go to NVMe; host then needs {gib(q.host_bytes)} GiB "
-                       f"(a window of {blocks_ahead(q.counts, s) + 2} blocks), disk {gib(q.disk_bytes)} GiB "
+            out.append(f"use the NVMe tier: {nvme_override(keys, limit, params=True)}{where}: masters, gradients "
+                       f"and moments ({gib(q.nvme_bytes)} GiB) go to NVMe; {host_words(q)} (a window of "
+                       f"{blocks_ahead(q.counts, s) + 2} blocks), disk {gib(q.disk_bytes)} GiB "
                        f"({'the preset has ' + gib(disk) + ' GiB: SHORT' if q.disk_bytes > disk else 'fits'}), and "
                        f"the step is bound by {term_label(q.dominating)} at {q.step_time_s:,.1f} s "
                        f"(was {p.step_time_s:,.1f} s)")
         else:
-            out.append(f"even with every state on NVMe (strategy=megatrain_nvme) the host needs {gib(q.host_bytes)} GiB "
-                       f"(a window of {blocks_ahead(q.counts, s) + 2} blocks, the activations and the process): use a "
-                       f"machine with more RAM")
+            out.append(f"even with every state on NVMe ({nvme_override(keys, limit, params=True)}) the host needs "
+                       f"{gib(rss)} GiB (a window of {blocks_ahead(q.counts, s) + 2} blocks, the activations and the "
+                       f"process): use a machine with more RAM")
     R = s.get("devices", 1)
     if R > 1:  # data parallel: each process holds its own buffers (planning/parallel.py)
         fit = next((r for r in range(R - 1, 0, -1) if replan(p, devices=r).host_bytes <= have), None)

@@ -1,5 +1,5 @@
 """The planner: :func:`plan` returns a :class:`Plan` (bytes per memory tier, bytes moved, the time per
-optimizer step by phase (:mod:`.phases`) and its lower bound, checkpoint size, compute-bound batch size, fit).
+optimizer step by phase (:mod:`.phases`) and its fastest estimate, checkpoint size, compute-bound batch size, fit).
 
 The formulas, their units and sources are in :mod:`.terms`; this module runs them for one
 configuration, finds the batch sizes where compute dominates and where device memory runs
@@ -40,9 +40,15 @@ class Plan:
         step_time_s: the sum of the phases, for the plan's schedule (``settings["optimizer_in_backward"]``,
             :func:`.terms.update_in_backward`); ``dominating`` the bound of the longer phase.
         exposed: seconds of each bounding chain not hidden behind compute (sum: step time - compute time).
-        step_time_lower_bound_s, dominating_lower_bound: the largest term, the step if every term overlapped.
+        step_time_fastest_s, dominating_fastest: the fastest estimate (seconds) and its term: the largest term, the
+            step if every term overlapped every other. An estimate at the preset's rates, not a lower bound: a
+            machine faster than the rate of ``dominating_fastest`` steps faster.
         step_time_pessimistic_s, dominating_pessimistic: the phase model with the backward's H2D copies at
             half bandwidth while D2H copies run.
+        nvme_window: with state on NVMe, ``{"limit": bytes, "min_window": bytes}``: the ``host_memory_limit`` the run
+            uses (given, else half the preset's RAM, the strategy's default) and the engine's minimum host window per
+            process for this model (:mod:`.window`); a limit below it is in ``reasons`` with the engine's message.
+            ``None`` without NVMe.
         other_schedule: the other AdamW schedule (``optimizer_in_backward``: its value, ``step_time_s``,
             ``phases``, ``dominating``), so that a plan says which is faster.
         checkpoint_bytes, checkpoint_write_s: one directory checkpoint and its write time at
@@ -95,9 +101,10 @@ class Plan:
     parallel: dict[str, Any] | None = None
     phases: dict[str, tuple[float, str]] = field(default_factory=dict)
     exposed: dict[str, float] = field(default_factory=dict)
-    step_time_lower_bound_s: float = 0.0
-    dominating_lower_bound: str = "compute"
+    step_time_fastest_s: float = 0.0
+    dominating_fastest: str = "compute"
     other_schedule: dict[str, Any] | None = None
+    nvme_window: dict[str, int] | None = None
     source: Any = field(default=None, repr=False)
 
     @property
@@ -141,10 +148,10 @@ class Plan:
         d = {k: getattr(self, k) for k in ("model", "settings", "host", "device", "nvme", "disk", "capacity",
                                             "moved", "flops", "flops_parts", "times", "step_time_s", "dominating",
                                             "step_time_pessimistic_s", "dominating_pessimistic",
-                                            "phases", "exposed", "step_time_lower_bound_s",
-                                            "dominating_lower_bound", "other_schedule", "checkpoint_bytes", "checkpoint_write_s", "compute_bound_batch_size",
+                                            "phases", "exposed", "step_time_fastest_s",
+                                            "dominating_fastest", "other_schedule", "checkpoint_bytes", "checkpoint_write_s", "compute_bound_batch_size",
                                             "max_device_batch_size", "fits", "reasons", "headroom", "tight",
-                                            "warnings", "parallel")}
+                                            "warnings", "parallel", "nvme_window")}
         d.update(hardware=self.hardware.to_dict(), counts=self.counts.to_dict(), host_bytes=self.host_bytes,
                  device_bytes=self.device_bytes, disk_bytes=self.disk_bytes, transfer_bytes=self.transfer_bytes,
                  max_seq_len={"these options": max_seq_len(self),
@@ -250,6 +257,9 @@ def plan(model_cfg: Any, hw: Hardware | Mapping[str, Any], **options: Any) -> Pl
             ``trainer.devices``, ``trainer.num_nodes``): processes per node and nodes; ``batch_size`` is
             per process. Above 1, host RAM, NVMe and the shared-host terms are per node
             (:mod:`.parallel`).
+        host_memory_limit: the strategy option (bytes or ``"3GiB"``, parsed as the strategy parses it; ``None``: half
+            the RAM): with state on NVMe, a limit below the engine's minimum window is a shortfall with the engine's
+            message, one above the RAM a warning (:mod:`.window`).
         recompute, activation_memory_limit, optimizer_in_backward: the strategy options. ``recompute`` sets what
             each layer keeps for its backward (:mod:`.activations`) and what its backward recomputes (FLOPs,
             :mod:`.terms`); without ``activation_memory_limit``, ``"auto"``'s budget is half the device memory the
@@ -276,7 +286,8 @@ def settings(*, batch_size: int = 1, seq_len: int = 2048, precision: str = "bf16
              pinned_round: bool = True, cpu_zero_copy: bool = True, loss_chunk_size: int | str | None = "default",
              mlp_chunk_size: int | str | None = "default", devices: int = 1, num_nodes: int = 1,
              recompute: str = "block", activation_memory_limit: int | str | None = None, block_group: int = 1,
-             optimizer_in_backward: bool | str | None = None) -> dict[str, Any]:
+             optimizer_in_backward: bool | str | None = None,
+             host_memory_limit: int | str | None = None) -> dict[str, Any]:
     """Validated settings of a plan (the arguments of :func:`plan`); ``grad_dtype`` becomes ``grad_bytes``.
 
     Raises:
@@ -286,7 +297,10 @@ def settings(*, batch_size: int = 1, seq_len: int = 2048, precision: str = "bf16
     from .config import resolve_chunk
     from .parallel import positive_count
 
+    from .window import parse_limit
+
     recompute, limit = check_recompute(recompute, activation_memory_limit)
+    host_limit = parse_limit(host_memory_limit)
     block_group = check_group(block_group)
     in_bwd = {"true": True, "false": False, "null": None, "none": None}.get(str(optimizer_in_backward).lower(), "?")
     if in_bwd == "?":
@@ -317,7 +331,7 @@ def settings(*, batch_size: int = 1, seq_len: int = 2048, precision: str = "bf16
                 mlp_chunk_size=resolve_chunk(mlp_chunk_size, "mlp_chunk_size"),
                 grad_bytes=GRAD_BYTES[grad_dtype] if grad_dtype else PRECISIONS[precision][2],
                 devices=devices, num_nodes=num_nodes, recompute=recompute, activation_memory_limit=limit,
-                block_group=block_group, optimizer_in_backward=in_bwd)
+                block_group=block_group, optimizer_in_backward=in_bwd, host_memory_limit=host_limit)
 
 
 def check_group(value: Any) -> int:
@@ -361,8 +375,8 @@ def _plan_from_counts(name: str, counts: ParamCounts, hw: Hardware, s: dict[str,
              dominating_pessimistic=pess["dominating"], checkpoint_bytes=e["ckpt"],
              checkpoint_write_s=e["ckpt"] / (hw.nvme_drives * hw.nvme_write_gbps * 1e9),
              compute_bound_batch_size=bound, max_device_batch_size=max_dev, parallel=e["parallel"],
-             phases=ph["phases"], exposed=ph["exposed"], step_time_lower_bound_s=e["times"][dom],
-             dominating_lower_bound=dom, other_schedule=dict(optimizer_in_backward=flip, **{
+             phases=ph["phases"], exposed=ph["exposed"], step_time_fastest_s=e["times"][dom],
+             dominating_fastest=dom, other_schedule=dict(optimizer_in_backward=flip, **{
                  k: alt[k] for k in ("step_time_s", "phases", "dominating")}), source=source)
     p.reasons = shortfalls(p, cap["host"], cap["device"], cap["disk"], where="preset")
     if s["offload_params"] == "nvme" and s.get("devices", 1) * s.get("num_nodes", 1) > 1 and \
@@ -370,10 +384,18 @@ def _plan_from_counts(name: str, counts: ParamCounts, hw: Hardware, s: dict[str,
         p.reasons.append("the strategy keeps the fp32 masters on NVMe with several processes only on one node with "
                          "the optimizer on NVMe (offload_optimizer=nvme offload_grads=nvme): set those, or "
                          "offload_params=cpu (masters once per node in /dev/shm), or num_nodes=1")
+    from .window import limit_check
+
+    used, mw, refusal, warning = limit_check(source, s, hw.is_gpu, s.get("host_memory_limit"), cap["host"],
+                                             f"the preset {hw.name}")
+    if mw is not None:
+        p.nvme_window = {"limit": used, "min_window": mw}
+    if refusal:
+        p.reasons.append(refusal)
     p.fits = not p.reasons
     p.headroom = {k: (have - need) / have for k, need, have in _needs(p, cap["host"], cap["device"], cap["disk"])}
     p.tight = [k for k, h in p.headroom.items() if 0 <= h < TIGHT_HEADROOM]
-    p.warnings = position_warnings(counts, s)
+    p.warnings = position_warnings(counts, s) + ([warning] if warning else [])
     return p
 
 

@@ -36,7 +36,7 @@ The terms:
 Without an accelerator (``hardware.hbm_gib: null``) the R ranks compute on the node's CPU cores:
 the compute term is R x one process's (the preset's rate is the node's).
 
-Step-time lower bound = max(compute, per-GPU H2D, per-GPU D2H, NVMe read, NVMe write (per node),
+Fastest step-time estimate = max(compute, per-GPU H2D, per-GPU D2H, NVMe read, NVMe write (per node),
 host AdamW (per node), host memory (per node), intra-node reduce, inter-node all-reduce); every
 stream is assumed to overlap with the others, and each GPU to have its own host link (where two GPUs
 share a PCIe switch uplink, halve ``hardware.h2d_gbps``). With no NVLink (``hardware.nvlink_gbps:

@@ -24,8 +24,9 @@ collectives   --                                             intra-node reduce, 
 The H2D and D2H copies run on their own streams while the worker waits, and the NVMe reads run ahead of
 the fetch that needs them; the model still puts each worker's terms in series and the two NVMe
 directions on the same drives in series (conservative). Each term of :func:`.terms._estimate`'s ``times``
-is split between the phases (:func:`forward_share`), so the step is at least the largest term (every
-term overlapping: ``step_time_lower_bound_s``) and at most the sum of all terms.
+is split between the phases (:func:`forward_share`), so the step lies between the largest term (every
+term overlapping: ``step_time_fastest_s``, the fastest estimate) and the sum of all terms, at the preset's rates
+(an estimate, not a bound on a real machine, whose rates may be higher).
 
 ``exposed``: the seconds a phase takes beyond its compute, given to the chain that bounds it; their sum
 is the step time minus the compute time. ``pessimistic``: the backward's H2D copies at half bandwidth

@@ -11,12 +11,14 @@ given. Units: bytes in, GiB (2**30 B) in messages.
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
 from ..store.budget import mem_available_bytes
-from .advice import RECIPE_KEYS, activation_share, device_advice, host_advice, seq_len_advice
+from .advice import RECIPE_KEYS, activation_share, device_advice, host_advice, key, seq_len_advice
 from .estimate import Plan, gib, max_seq_len, plan, shortfalls
+from .window import limit_check, physical_ram_bytes
 
 
 class PreflightError(ValueError):
@@ -75,6 +77,14 @@ def preflight(p: Plan, *, host_ram_bytes: int | None = None, disk_free_bytes: in
     disk = disk_free_bytes if disk_free_bytes is not None else shutil.disk_usage(path).free
     dev = device_bytes if device_bytes is not None else (device_free_bytes() if p.hardware.is_gpu else None)
     lines = shortfalls(p, host, dev, disk, where="measured here" if host_ram_bytes is None else "given")
+    # the NVMe tier's host_memory_limit, as the engine will check it on this machine (its default: half the RAM)
+    ram = physical_ram_bytes() if host_ram_bytes is None else host_ram_bytes
+    _, _, refusal, warning = limit_check(p.source, p.settings, p.hardware.is_gpu, p.settings.get("host_memory_limit"),
+                                         ram, "this machine" if host_ram_bytes is None else "the given host")
+    if warning:
+        warnings.warn(f"megatrain preflight: {warning}", UserWarning, stacklevel=2)
+    if refusal:
+        lines.append(refusal)
     if lines:
         s = p.settings
         msg = [f"megatrain preflight refused {p.model} (planned for {p.hardware.name}; precision={s['precision']}, "
@@ -83,7 +93,10 @@ def preflight(p: Plan, *, host_ram_bytes: int | None = None, disk_free_bytes: in
                f"recompute={s.get('recompute', 'block')}):"]
         for line in lines:
             msg.append(f"  - {line}")
-            if line.startswith("host"):
+            if "host_memory_limit" in line:
+                advice = [f"change: {key('host_memory_limit', keys)}=<at least the minimum above>, or "
+                          f"{key('lookahead', keys)}=0 / {key('block_group', keys)}=1 (fewer blocks in flight)"]
+            elif line.startswith("host"):
                 top = sorted(p.host.items(), key=lambda kv: -kv[1])[:4]
                 msg.append("      needed for: " + ", ".join(f"{k} {gib(v)} GiB" for k, v in top))
                 advice = []
@@ -101,7 +114,8 @@ def preflight(p: Plan, *, host_ram_bytes: int | None = None, disk_free_bytes: in
 
 
 def plan_for_run(model: Any, hardware: Any, strategy: Mapping[str, Any], *, batch_size: int, seq_len: int,
-                 precision: str, devices: int = 1, num_nodes: int = 1) -> Plan:
+                 precision: str, devices: int = 1, num_nodes: int = 1,
+                 gradient_clip_val: float | None = None) -> Plan:
     """The plan of a recipe run from its composed config sections (``cfg.model``, ``cfg.hardware``,
     ``cfg.strategy``; DictConfigs or mappings), reading every strategy option the planner models
     (``lookahead``, ``block_group``, ``recompute_every``, ``offload_activations``, ``offload_params``,
@@ -109,7 +123,11 @@ def plan_for_run(model: Any, hardware: Any, strategy: Mapping[str, Any], *, batc
     ``mlp_chunk_size``, ``recompute``, ``activation_memory_limit``, ``optimizer_in_backward``); options the composed
     config does not set take ``MegaTrainConfig``'s defaults.
     ``devices``/``num_nodes`` (``trainer.devices``/``trainer.num_nodes``, integers) plan the host per node
-    (:mod:`.parallel`). Pass it to :func:`preflight`."""
+    (:mod:`.parallel`). ``gradient_clip_val`` (``trainer.gradient_clip_val``; ``None`` or 0: no clipping) and
+    ``precision="16-mixed"`` (loss scaling) need every gradient of the step before any update, so the strategy
+    runs the deferred AdamW schedule whatever ``optimizer_in_backward`` says (``MegaTrainStrategy``
+    ``_update_in_backward_now``): the plan then does too (its NVMe traffic: the accumulators written and read
+    back, 16 instead of 12 B/param written). Pass it to :func:`preflight`."""
     from .config import as_plain_dict, strategy_default
 
     st = as_plain_dict(strategy) if strategy is not None else {}
@@ -117,6 +135,9 @@ def plan_for_run(model: Any, hardware: Any, strategy: Mapping[str, Any], *, batc
     def opt(name: str) -> Any:
         return st[name] if name in st else strategy_default(name)
 
+    in_bwd = opt("optimizer_in_backward")
+    if gradient_clip_val or str(precision) in ("16-mixed", "16"):  # the strategy's fallback to the deferred schedule
+        in_bwd = False
     return plan(as_plain_dict(model), as_plain_dict(hardware), batch_size=int(batch_size), seq_len=int(seq_len),
                 precision=str(precision), lookahead=int(opt("lookahead")), block_group=opt("block_group"),
                 recompute_every=int(opt("recompute_every")), offload_activations=bool(opt("offload_activations")),
@@ -124,4 +145,4 @@ def plan_for_run(model: Any, hardware: Any, strategy: Mapping[str, Any], *, batc
                 offload_grads=str(opt("offload_optimizer")), loss_chunk_size=opt("loss_chunk_size"),
                 mlp_chunk_size=opt("mlp_chunk_size"), devices=devices, num_nodes=num_nodes,
                 recompute=str(opt("recompute")), activation_memory_limit=opt("activation_memory_limit"),
-                optimizer_in_backward=opt("optimizer_in_backward"))
+                optimizer_in_backward=in_bwd, host_memory_limit=opt("host_memory_limit"))

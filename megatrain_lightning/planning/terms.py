@@ -1,4 +1,4 @@
-"""The planner's arithmetic: bytes per memory tier, bytes moved and a lower bound on time per optimizer step.
+"""The planner's arithmetic: bytes per memory tier, bytes moved and the seconds of each term per optimizer step.
 
 Every number follows from the parameter counts of the real model (:mod:`.counts`, meta
 device), the settings, and one :class:`~.config.Hardware` preset. Units: bytes, seconds,
@@ -63,7 +63,16 @@ Per optimizer step (one micro-batch of ``batch_size`` x ``seq_len`` tokens):
   when that is less than its V x H table (engine/row_grads.py; data parallel: dense).
 * NVMe (when offloaded): moments read 8 B/param + written 8; masters read 4 (the update is
   fused with the forward fetch) + 4 again for the backward fetch (cast to the wire image on the
-  host), written 4; gradient accumulators written 4 + read 4.
+  host), written 4; gradient accumulators, under the deferred schedule only, written 4 + read 4.
+  Written per step: 12 B/param under ``optimizer_in_backward`` (the NVMe tier's default), 16 deferred.
+  Source: the engine writes a region back only when a ``hold(..., write=True)`` ends
+  (``store/nvme.py`` ``_unpin`` -> ``_write_back``): the update holds master, ``exp_avg`` and
+  ``exp_avg_sq`` for writing and the accumulator for reading (``optim/host_adamw.py`` ``_update``);
+  the D2H worker's add holds the accumulator with ``write=not final`` (``engine/grads.py``
+  ``_accumulate``), so the last add of a step that updates in backward never marks it for write-back, and
+  the update then drops it unwritten (``discard_grad_accum``). Checked against the engine's measured
+  ``megatrain/nvme_write_bytes`` (tests/test_plan_nvme_io.py). Each region is padded to 4 KiB on disk
+  (``store/nvme.py`` ``align_up``), not counted here (a few KiB per block).
 * compute FLOPs ~ 6 x N_matmul x tokens + 6 x L x T x d_attn x tokens: forward + backward
   (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", table 1: C_forward ~ 2N +
   2 n_layer n_ctx d_attn, backward = 2 x forward), plus the recompute, by ``recompute`` mode
@@ -77,10 +86,11 @@ Per optimizer step (one micro-batch of ``batch_size`` x ``seq_len`` tokens):
   folded into the presets' memory-bandwidth assumption, measured separately at 4.5 G
   params/s on the 2-core dev box).
 
-Lower bound on step time = max(compute at peak dense TFLOP/s (bf16 for 2-byte wire modes, fp32
+Fastest estimate of the step time = max(compute at peak dense TFLOP/s (bf16 for 2-byte wire modes, fp32
 non-tensor for ``32-true``), H2D / h2d bandwidth, D2H / d2h bandwidth, NVMe reads / (drives x
 read bandwidth), NVMe writes / (drives x write bandwidth), host AdamW): every stream is assumed
-to overlap perfectly with the others. PCIe is full duplex, but H2D was measured to drop to
+to overlap perfectly with the others. It is an estimate at the preset's rates, not a lower bound: a
+machine whose rate for the largest term is higher than the preset's steps faster. PCIe is full duplex, but H2D was measured to drop to
 about half its bandwidth while D2H runs; D2H only runs during backward, so the *pessimistic*
 variant charges the forward H2D at full bandwidth and the backward H2D at half bandwidth
 while the D2H proceeds alongside: link = H2D_fwd / bw + max(2 x H2D_bwd / bw, D2H / d2h_bw).
@@ -424,9 +434,11 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     if s["offload_optimizer"] == "nvme":
         nv_r[upd] += 8 * N
         nv_w[upd] += 8 * N
+    # written: what the update holds with write=True (master, exp_avg, exp_avg_sq: optim/host_adamw.py ``_update``,
+    # written back when unpinned, store/nvme.py ``_unpin``): 12 B/param in backward
     if s["offload_grads"] == "nvme" and not in_bwd:  # in backward the last add and the update share one
         nv_w[1] += 4 * N                    # hold: the accumulator is neither written nor read back
-        nv_r[0] += 4 * N
+        nv_r[0] += 4 * N                    # (engine/grads.py ``_accumulate``: write=not final); deferred: 16 B/param
     # gradient elements the D2H worker adds into the accumulators (the embedding's rows, as on the link)
     rows = table * grad_b <= B * T * (c.hidden_size * grad_b + 8)
     grad_elems = reads - table + (table if rows else B * T * c.hidden_size)

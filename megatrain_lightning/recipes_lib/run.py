@@ -54,7 +54,8 @@ def run_preflight(cfg: DictConfig) -> None:
     try:
         p = plan_for_run(model, cfg.hardware, cfg.strategy, batch_size=int(cfg.data.batch_size),
                          seq_len=int(cfg.data.seq_len), precision=str(cfg.trainer.precision), devices=devices,
-                         num_nodes=int(cfg.trainer.get("num_nodes", 1) or 1))
+                         num_nodes=int(cfg.trainer.get("num_nodes", 1) or 1),
+                         gradient_clip_val=cfg.trainer.get("gradient_clip_val"))
     except PreflightError:
         raise
     except (ValueError, TypeError) as e:  # a setting the planner cannot take (precision=fp16, ...)

@@ -959,8 +959,19 @@ def preflight_nvme(nvme_path: str | os.PathLike, layout: Sequence[tuple[int, int
             f"parameter, 4 per frozen one) plus a margin of 5% + 1 GiB = {fmt_bytes(want)}. Free disk space or point "
             "nvme_path at a larger disk."
         )
+    refusal = window_refusal(host_memory_limit, min_window, ranks_sharing)
+    if refusal:
+        raise ValueError(refusal)
+    return {"disk_needed": need, "disk_free": free, "min_window": min_window}
+
+
+def window_refusal(host_memory_limit: int, min_window: int, ranks_sharing: int = 1) -> str | None:
+    """Why ``host_memory_limit`` (bytes; with ``ranks_sharing`` > 1 this process's share of the node's) is below
+    ``min_window`` (bytes, the engine's ``engine/window.py`` ``window_sizes``), with what to set; ``None`` when it
+    is not. The engine's :func:`preflight_nvme` raises it, the planner's preflight reports it before the model is
+    built."""
     if host_memory_limit < min_window and ranks_sharing > 1:
-        raise ValueError(
+        return (
             f"host_memory_limit is the node's, split between its {ranks_sharing} processes: this process's share, "
             f"{host_memory_limit} bytes ({fmt_bytes(host_memory_limit)}), is below the {min_window} bytes "
             f"({fmt_bytes(min_window)}) its NVMe window needs for the blocks in flight (the largest block it updates: "
@@ -968,10 +979,10 @@ def preflight_nvme(nvme_path: str | os.PathLike, layout: Sequence[tuple[int, int
             f"{min_window * ranks_sharing} bytes, or lower lookahead or block_group."
         )
     if host_memory_limit < min_window:
-        raise ValueError(
+        return (
             f"host_memory_limit={host_memory_limit} bytes ({fmt_bytes(host_memory_limit)}) is below the {min_window} bytes "
             f"({fmt_bytes(min_window)}) the NVMe tier needs for the blocks in flight (the largest block's weights, "
             "gradients and AdamW states, and its compute buffers). Raise host_memory_limit to at least "
             f"{min_window} bytes (2x that lets read-ahead work), or lower lookahead or block_group."
         )
-    return {"disk_needed": need, "disk_free": free, "min_window": min_window}
+    return None
