@@ -386,8 +386,10 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
             n_saved = math.ceil(L / K) + 1
             host["pinned pow2 rounding (offloaded inputs)"] = n_saved * _pow2_waste(act_host["offloaded block inputs"] // n_saved)
     host.update(act_host)
-    if not gpu:
-        host["device buffers (CPU device)"] = sum(device.values())
+    if not gpu:  # the device is the CPU: its buffers and activations are host RAM
+        acts = sum(act_dev.values())
+        host["device buffers (CPU device): weights, gradients"] = sum(device.values()) - acts
+        host["activations (CPU device)"] = acts
     host["process overhead"] = process_overhead(hw)
 
     ckpt = 12 * N + CKPT_METADATA
