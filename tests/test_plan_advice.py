@@ -102,3 +102,18 @@ def test_cpu_plan_separates_activations_from_the_engine_buffers():
     assert p.host["activations (CPU device)"] == acts
     assert p.host["device buffers (CPU device): weights, gradients"] == p.device_bytes - acts
     assert "megatrain/peak_device_bytes on a CPU device" in format_plan(p)
+
+
+def test_unchunked_head_keeps_its_logits_until_backward():
+    """Without a chunked loss the engine keeps the head's output, the logits, until the head's backward: the head
+    phase is 12 B + the logits' own bytes per vocabulary entry and token (16 in fp32, measured on a CPU); a chunked
+    loss never materialises them (12 B per entry for one chunk)."""
+    from megatrain_lightning.testing import make_model
+
+    m = make_model("llama", attn="sdpa", vocab_size=4096, hidden_size=64, intermediate_size=128)
+    key = "computing block activations (LM head: logits + grad)"
+    full = plan(m, load_hardware("this_machine"), precision="32-true", seq_len=2048, loss_chunk_size=None)
+    assert full.device[key] >= 2048 * 4096 * 16
+    chunked = plan(m, load_hardware("this_machine"), precision="32-true", seq_len=2048, loss_chunk_size=512)
+    head = chunked.device.get(key, 0)
+    assert head < 520 * 4096 * 13
