@@ -117,3 +117,34 @@ def test_unchunked_head_keeps_its_logits_until_backward():
     chunked = plan(m, load_hardware("this_machine"), precision="32-true", seq_len=2048, loss_chunk_size=512)
     head = chunked.device.get(key, 0)
     assert head < 520 * 4096 * 13
+
+
+def test_mlp_chunks_cost_one_more_mlp_forward():
+    """mlp_chunk_size shorter than the sequence: each chunk's checkpoint runs the MLP forward once more in the
+    block's backward (engine/chunked_mlp.py), 2 x 3 x H x I FLOP per token and layer, in the step time too."""
+    hw = load_hardware("this_machine")
+    m = load_model("smollm2_135m")
+    off = plan(m, hw, seq_len=8192, mlp_chunk_size=None)
+    on = plan(m, hw, seq_len=8192, mlp_chunk_size=1024)
+    c = off.counts
+    extra = 2 * 3 * c.hidden_size * c.intermediate_size * c.num_layers * 8192
+    assert on.flops - off.flops == pytest.approx(extra, rel=1e-9)
+    assert on.step_time_s > off.step_time_s
+    assert plan(m, hw, seq_len=1024, mlp_chunk_size=1024).flops == plan(m, hw, seq_len=1024, mlp_chunk_size=None).flops
+
+
+def test_mlp_chunks_claim_no_saving_on_a_cpu_device():
+    """On a CPU device chunked MLPs were measured to add host RSS: the plan counts the MLP uncapped there and does
+    not suggest mlp_chunk_size; on a GPU preset the cap stays."""
+    m = load_model("smollm2_135m")
+    cpu = load_hardware("this_machine")
+    off = plan(m, cpu, seq_len=8192, mlp_chunk_size=None, loss_chunk_size=1024)
+    on = plan(m, cpu, seq_len=8192, mlp_chunk_size=1024, loss_chunk_size=1024)
+    assert on.host_bytes == off.host_bytes
+    big = replan(off, seq_len=200_000)
+    with pytest.raises(PreflightError) as ei:
+        preflight(big, host_ram_bytes=20 * GIB, disk_free_bytes=1000 * GIB)
+    assert "mlp_chunk_size" not in str(ei.value)
+    gpu = load_hardware("h200")
+    assert plan(m, gpu, seq_len=65536, mlp_chunk_size=1024).device_bytes < \
+        plan(m, gpu, seq_len=65536, mlp_chunk_size=None).device_bytes

@@ -49,7 +49,10 @@ Options that cap a term at a chunk of tokens (the term is per token x min(tokens
   chunk's logits recomputed and freed in backward: the logits term holds C tokens, not all;
 * ``mlp_chunk_size`` = M: each layer's MLP over chunks of M tokens (in forward and in the
   recompute): the MLP's input casts and intermediate hold M tokens (``recompute="block"`` only: with
-  the other modes the chunks run without a checkpoint, ``chunked_mlp.plain_chunks``, so no cap).
+  the other modes the chunks run without a checkpoint, ``chunked_mlp.plain_chunks``, so no cap). On a
+  GPU preset only: on a CPU device (no accelerator) the chunks were measured to add host RSS rather than
+  save it (a 4k-vocabulary Llama at 1 x 8192: 1.60 GiB peak without, 1.73-1.77 GiB with 1024-token
+  chunks), so the plan counts the MLP uncapped there and does not suggest the option.
 
 The ``recompute`` option (``engine/recompute_policy.py``; docs/architecture.md, "Recompute policy")
 changes what each decoder layer keeps between its forward and its backward, per token:
@@ -210,8 +213,9 @@ def per_token_terms(c: ParamCounts, s: dict[str, Any], gpu: bool = True) -> dict
                                       None, "device"),
         "recompute chain inputs (K > 1)": ((K - 1) * H * r if recomputes else 0, None, "device"),
         "layer: norms + attention": (ws * (lay["attention"] + lay["mlp norm"]), None, "layer"),
-        "layer: MLP input + intermediate": (ws * lay["mlp"], s["mlp_chunk_size"] if mix["block"] == c.num_layers else None,
-                                            "layer"),
+        # the cap is a GPU's: on a CPU device chunks were measured to add host RSS, not save it (module docstring)
+        "layer: MLP input + intermediate": (ws * lay["mlp"], s["mlp_chunk_size"] if mix["block"] == c.num_layers and gpu
+                                            else None, "layer"),
         "head: final norm + input": (head["final norm + input"], None, "head"),
         "head: logits, log-probs, grads (fp32)": (head["logits"], s["loss_chunk_size"], "head"),
         # a chunked loss (more labels than loss_chunk_size, engine/head_loss.py) never materialises the logits

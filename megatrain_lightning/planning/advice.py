@@ -129,7 +129,7 @@ def _activation_options(p: Plan) -> list[dict[str, Any]]:
                                            "selective": ("block",)}.get(s.get("recompute", "block"), ())]
     if s["loss_chunk_size"] is None:
         single.append({"loss_chunk_size": SUGGESTED_CHUNK["loss_chunk_size"]})
-    if s["mlp_chunk_size"] is None:
+    if s["mlp_chunk_size"] is None and p.hardware.is_gpu:  # no saving on a CPU device (planning/activations.py)
         single.append({"mlp_chunk_size": SUGGESTED_CHUNK["mlp_chunk_size"]})
     if not s["offload_activations"] and p.hardware.is_gpu:  # on a CPU device the inputs are host RAM already
         single.append({"offload_activations": True})
