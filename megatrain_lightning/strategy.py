@@ -55,6 +55,7 @@ from .parallel.checkpoint_writers import CheckpointWriters
 from .parallel.faults import guarded
 from .parallel.groups import ProcessGroups
 from .parallel.launcher import MegaTrainLauncher
+from .store.allocator import bound_retention
 from .parallel.node_share import NodeStore, nvme_for_rank, weights_written
 from .parallel.preflight import (check_rendezvous, check_same_batches, check_same_config, optimizer_fingerprint,
                                  run_fingerprint)
@@ -199,6 +200,10 @@ class MegaTrainStrategy(ParallelStrategy):
                           if self.distributed else None)
 
     def setup_environment(self) -> None:
+        """Lightning's, after bounding what glibc's ``malloc`` keeps of the host memory a step frees
+        (``store/allocator.py``: ``M_MMAP_THRESHOLD`` 8 MiB, ``M_ARENA_MAX`` 2; ``MEGATRAIN_MALLOC_TUNING=0`` turns it
+        off), then the process group when distributed."""
+        bound_retention()
         super().setup_environment()
         if self.distributed:
             self.setup_distributed()

@@ -107,7 +107,7 @@ def test_preflight_refuses_recompute_none_that_does_not_fit_and_names_the_option
     assert f"device memory short: need {gib(p.device_bytes)} GiB, have {gib(p.capacity['device'])} GiB" in msg
     assert "recompute=none):" in msg and "kept op outputs / graphs (recompute=none)" in msg
     fix = replan(p, recompute="selective")
-    assert fix.fits and (f"set strategy.recompute=selective: data.seq_len=8,192 then fits (device then needs "
+    assert fix.fits and (f"set strategy.recompute=selective: data.batch_size=1 data.seq_len=8192 then fits (device then needs "
                          f"{gib(fix.device_bytes)} GiB") in msg
     # the same run with the strategy's default ("block") passes
     ok = plan_for_run(load_model("llama8b"), load_hardware("h100"), {}, batch_size=1, seq_len=8192,

@@ -37,9 +37,11 @@ during that layer's backward (an assumption). Besides that working set:
   the head's input (Ha under autocast, else rH), the int64 labels (8 B), and the logits: HF's
   loss upcasts them to fp32 and runs ``cross_entropy`` (``log_softmax`` + ``nll_loss``), so
   the backward's peak holds the saved fp32 log-probabilities, their gradient and the logits'
-  gradient, V x 12 B per token (forward: V x (a + 4 + 4), not more); the issue's estimate
-  "vocab x seq x 4 B x ~2" is the first two of these. The head phase and a layer's phase do
-  not overlap: the larger counts.
+  gradient, V x 12 B per token (forward: V x (a + 4 + 4), not more), and, when the loss is not
+  chunked, the logits themselves, V x a B per token: the head block's output, which the engine keeps
+  until its backward. Measured: peak RSS of the head and HF's loss alone, forward and backward, on a
+  CPU at 2,048 and 4,096 tokens of a 4,096-entry vocabulary: 16.0 B per entry and token in fp32,
+  12-14 under bf16 autocast. The head phase and a layer's phase do not overlap: the larger counts.
 
 Options that cap a term at a chunk of tokens (the term is per token x min(tokens, chunk)):
 
@@ -47,7 +49,10 @@ Options that cap a term at a chunk of tokens (the term is per token x min(tokens
   chunk's logits recomputed and freed in backward: the logits term holds C tokens, not all;
 * ``mlp_chunk_size`` = M: each layer's MLP over chunks of M tokens (in forward and in the
   recompute): the MLP's input casts and intermediate hold M tokens (``recompute="block"`` only: with
-  the other modes the chunks run without a checkpoint, ``chunked_mlp.plain_chunks``, so no cap).
+  the other modes the chunks run without a checkpoint, ``chunked_mlp.plain_chunks``, so no cap). On a
+  GPU preset only: on a CPU device (no accelerator) the chunks were measured to add host RSS rather than
+  save it (a 4k-vocabulary Llama at 1 x 8192: 1.60 GiB peak without, 1.73-1.77 GiB with 1024-token
+  chunks), so the plan counts the MLP uncapped there and does not suggest the option.
 
 The ``recompute`` option (``engine/recompute_policy.py``; docs/architecture.md, "Recompute policy")
 changes what each decoder layer keeps between its forward and its backward, per token:
@@ -169,12 +174,14 @@ def kept_bytes(c: ParamCounts, s: dict[str, Any]) -> int:
 
 def head_per_token(c: ParamCounts, s: dict[str, Any]) -> dict[str, float]:
     """LM head phase bytes per token: ``"final norm + input"`` and ``"logits"`` (the backward's peak,
-    12 B per vocabulary entry: what ``loss_chunk_size`` caps); ``"logits saved"`` is the part autograd
+    12 B per vocabulary entry: what ``loss_chunk_size`` caps), ``"logits output"`` the logits themselves in the
+    matmul dtype (a B per entry), which the engine keeps as the head block's output until its backward when the
+    loss is not chunked; ``"logits saved"`` is the part autograd
     saves in the forward (4 B per entry + the int64 label)."""
     r, a, mixed = _dtypes(s)
     H, V = c.hidden_size, c.vocab_size
     return {"final norm + input": (4 + r) * H + 4 + (H * a if mixed else H * r),
-            "logits": 12 * V + 8, "logits saved": 4 * V + 8}
+            "logits": 12 * V + 8, "logits output": a * V, "logits saved": 4 * V + 8}
 
 
 def per_token_terms(c: ParamCounts, s: dict[str, Any], gpu: bool = True) -> dict[str, tuple[float, int | None, str]]:
@@ -206,10 +213,15 @@ def per_token_terms(c: ParamCounts, s: dict[str, Any], gpu: bool = True) -> dict
                                       None, "device"),
         "recompute chain inputs (K > 1)": ((K - 1) * H * r if recomputes else 0, None, "device"),
         "layer: norms + attention": (ws * (lay["attention"] + lay["mlp norm"]), None, "layer"),
-        "layer: MLP input + intermediate": (ws * lay["mlp"], s["mlp_chunk_size"] if mix["block"] == c.num_layers else None,
-                                            "layer"),
+        # the cap is a GPU's: on a CPU device chunks were measured to add host RSS, not save it (module docstring)
+        "layer: MLP input + intermediate": (ws * lay["mlp"], s["mlp_chunk_size"] if mix["block"] == c.num_layers and gpu
+                                            else None, "layer"),
         "head: final norm + input": (head["final norm + input"], None, "head"),
         "head: logits, log-probs, grads (fp32)": (head["logits"], s["loss_chunk_size"], "head"),
+        # a chunked loss (more labels than loss_chunk_size, engine/head_loss.py) never materialises the logits
+        "head: logits output (kept until the head's backward)": (
+            0 if s["loss_chunk_size"] is not None and s["batch_size"] * s["seq_len"] > s["loss_chunk_size"]
+            else head["logits output"], None, "head"),
         "offloaded block inputs": (saved if off else 0, None, "host"),
         "offloaded op outputs / graphs": (ops if off else 0, None, "host"),
     }

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .config import GIB, SUGGESTED_CHUNK
-from .estimate import Plan, fits_memory, gib, max_seq_len, replan
+from .estimate import Plan, fits_memory, gib, max_batch_size, max_seq_len, replan
 from .terms import blocks_ahead, group_size, layer_wire_bytes, term_label
 
 #: The planner's bytes-per-transfer threshold for suggesting a ``block_group``: a decoder-layer fetch
@@ -129,7 +129,7 @@ def _activation_options(p: Plan) -> list[dict[str, Any]]:
                                            "selective": ("block",)}.get(s.get("recompute", "block"), ())]
     if s["loss_chunk_size"] is None:
         single.append({"loss_chunk_size": SUGGESTED_CHUNK["loss_chunk_size"]})
-    if s["mlp_chunk_size"] is None:
+    if s["mlp_chunk_size"] is None and p.hardware.is_gpu:  # no saving on a CPU device (planning/activations.py)
         single.append({"mlp_chunk_size": SUGGESTED_CHUNK["mlp_chunk_size"]})
     if not s["offload_activations"] and p.hardware.is_gpu:  # on a CPU device the inputs are host RAM already
         single.append({"offload_activations": True})
@@ -146,39 +146,71 @@ def _activation_options(p: Plan) -> list[dict[str, Any]]:
 
 
 def seq_len_advice(p: Plan, host: int | None, device: int | None, keys: Mapping[str, str] | None = None) -> list[str]:
-    """For a plan whose activations do not fit: the longest ``seq_len`` that fits at batch 1 with its
-    options, and the first option set (:func:`_activation_options`) with which this ``seq_len`` fits,
-    with its numbers. ``host``/``device``: bytes available (None: the preset's).
+    """For a plan whose activations do not fit: each change that makes it fit, as a complete override with its
+    numbers (``host``/``device``: bytes available; None: the preset's):
+
+    * the longest ``seq_len`` that fits at the plan's ``batch_size`` with these options;
+    * with ``batch_size`` > 1, the largest ``batch_size`` that fits at this ``seq_len``;
+    * the first option set (:func:`_activation_options`) with which this batch and ``seq_len`` fit, and the
+      longest ``seq_len`` at this batch with it.
 
     The lengths count memory alone, as the longest-sequence table does; one beyond the model's
     ``max_position_embeddings`` says so (as :func:`~.estimate.position_warnings`: not a refusal, RoPE scaling
-    can extend it) and the first line then suggests that limit, which fits too."""
+    can extend it) and the suggestion is then that limit, when it is shorter than the plan's ``seq_len``."""
     s = p.settings
-    sk = key("seq_len", keys)
+    B, T = s["batch_size"], s["seq_len"]
+    sk, bk = key("seq_len", keys), key("batch_size", keys)
     mp = p.counts.max_position_embeddings
+    at = f"{bk}={B}"
 
     def beyond(n: int) -> str:
         return f", beyond the model's max_position_embeddings={mp:,}" if mp and n > mp else ""
 
-    longest = max_seq_len(p, host, device)
-    out = [f"longest {sk} that fits at batch_size=1 with these options: {longest:,}" if longest else
-           f"no {sk} fits at batch_size=1 with these options (the memory that does not grow with the sequence "
-           f"alone does not fit)"]
-    if longest and mp and longest > mp:
-        out[0] += (f" (memory alone{beyond(longest)}: use {sk}={mp:,}, which fits, or a config with RoPE scaling "
-                   f"(rope_scaling) that extends the positions)")
+    out = []
+    longest = max_seq_len(p, host, device, batch_size=B)
+    if not longest:
+        out.append(f"no {sk} fits at {at} with these options (the memory that does not grow with the sequence "
+                   f"alone does not fit)")
+    elif longest < T:
+        if mp and longest > mp:
+            out.append(f"set {sk}={mp}: the model's max_position_embeddings, which fits at {at} (memory alone would "
+                       f"allow {longest:,}{beyond(longest)}; a config with RoPE scaling (rope_scaling) extends the "
+                       f"positions)")
+        else:
+            out.append(f"set {sk}={longest}: the longest {sk} that fits at {at} with these options")
+    if B > 1:
+        b = max_batch_size(p, host, device)
+        if b:
+            out.append(f"set {bk}={b}: the largest {bk} that fits at {sk}={T} with these options")
+    found = False
     for opts in _activation_options(p):
+        if found and set(opts) != {"recompute"}:
+            break  # after the first that fits, only the other recompute mode (more recompute, less memory)
         q = replan(p, **opts)
         if fits_memory(q, host, device):
             setting = " ".join(f"{key(k, keys)}={_value(v)}" for k, v in opts.items())
             where = f"device then needs {gib(q.device_bytes)} GiB" if p.hardware.is_gpu else \
                 f"host then needs {gib(q.host_bytes)} GiB"
-            n = max_seq_len(p, host, device, **opts)
-            out.append(f"set {setting}: {sk}={s['seq_len']:,} then fits ({where}; longest {sk} {n:,}{beyond(n)})")
-            break
-    else:
-        out.append(f"no activation option makes {sk}={s['seq_len']:,} fit here: reduce {sk}")
+            n = max_seq_len(p, host, device, batch_size=B, **opts)
+            out.append(f"{'or set' if found else 'set'} {setting}: {at} {sk}={T} then fits ({where}; the longest {sk} "
+                       f"at {at} with it: {n:,}{beyond(n)}; {q.step_time_s:,.3g} s/step, was {p.step_time_s:,.3g})")
+            second, found = found, True
+            if set(opts) != {"recompute"} or second:
+                break
+    if not found:
+        out.append(f"no activation option makes {at} {sk}={T} fit here")
     return out
+
+
+def host_short_advice(p: Plan, host: int, keys: Mapping[str, str] | None = None) -> list[str]:
+    """What to change when host RAM ``host`` (bytes) is short: on a CPU device whose activations (host RAM
+    there) are a tenth of the need or more, the sequence, batch and activation options first
+    (:func:`seq_len_advice`, e.g. ``recompute=block`` for a ``recompute=none`` run), then the NVMe tier and a
+    larger machine (:func:`host_advice`). Each line a complete override with its numbers."""
+    out = []
+    if not p.hardware.is_gpu and activation_share(p) > 0.1:
+        out += seq_len_advice(p, host, None, keys)
+    return out + host_advice(p, host, keys)
 
 
 def device_advice(p: Plan, device: int | None, host: int | None = None,
@@ -190,10 +222,6 @@ def device_advice(p: Plan, device: int | None, host: int | None = None,
     if host is not None and p.host_bytes > host:  # host RAM short: its own advice; judge the device alone here
         host = 1 << 62
     out += ["change: " + a for a in seq_len_advice(p, host, device, keys)]
-    if s["batch_size"] > 1:
-        m = p.max_device_batch_size
-        out.append(f"change: reduce {key('batch_size', keys)} (<= {m} fits at {key('seq_len', keys)}={s['seq_len']})"
-                   if m else f"change: reduce {key('batch_size', keys)}")
     if s["lookahead"] > 1:
         out.append(f"change: {key('lookahead', keys)}=1 (one fetch prefetched instead of {s['lookahead']})")
     if group_size(p.counts, s) > 1:

@@ -431,14 +431,15 @@ def fits_memory(p: Plan, host: int | None = None, device: int | None = None) -> 
 
 
 def max_seq_len(p: Plan, host: int | None = None, device: int | None = None, limit: int = 1 << 24,
-                **changes: Any) -> int:
-    """Longest ``seq_len`` at ``batch_size=1`` whose host RAM and device memory fit (binary search:
-    every memory term grows with the sequence length).
+                batch_size: int = 1, **changes: Any) -> int:
+    """Longest ``seq_len`` at ``batch_size`` (sequences; default 1) whose host RAM and device memory fit
+    (binary search: every memory term grows with the sequence length).
 
     Args:
         p: the plan whose model, hardware and settings are used.
         host, device: bytes available (default: the preset's capacities).
         limit: the largest length tried (tokens; 16M).
+        batch_size: sequences per step the answer is for.
         changes: settings changed for this answer (``loss_chunk_size=1024``, ``offload_activations=True``).
 
     Returns:
@@ -446,7 +447,7 @@ def max_seq_len(p: Plan, host: int | None = None, device: int | None = None, lim
         exceed a tier).
     """
     s = dict(p.settings)
-    s.update(changes, batch_size=1)
+    s.update(changes, batch_size=int(batch_size))
 
     def ok(t: int) -> bool:
         q = _plan_memory(p, {**s, "seq_len": t})
@@ -457,6 +458,29 @@ def max_seq_len(p: Plan, host: int | None = None, device: int | None = None, lim
     lo, hi = 1, limit
     if ok(hi):
         return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def max_batch_size(p: Plan, host: int | None = None, device: int | None = None, limit: int = 1 << 20,
+                   **changes: Any) -> int:
+    """Largest ``batch_size`` (sequences of the plan's ``seq_len``) whose host RAM and device memory fit
+    (binary search: every memory term grows with the batch); 0 when not even one sequence fits.
+    ``host``/``device``: bytes available (default: the preset's); ``changes`` as :func:`max_seq_len`."""
+    s = {**p.settings, **changes}
+
+    def ok(b: int) -> bool:
+        return fits_memory(_plan_memory(p, {**s, "batch_size": b}), host, device)
+
+    if not ok(1):
+        return 0
+    lo, hi = 1, 2
+    while ok(hi):
+        if hi >= limit:
+            return hi
+        lo, hi = hi, hi * 2
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)

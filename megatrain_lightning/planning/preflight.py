@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..store.budget import mem_available_bytes
-from .advice import RECIPE_KEYS, activation_share, device_advice, host_advice, key, seq_len_advice
-from .estimate import Plan, gib, max_seq_len, plan, shortfalls
+from .advice import RECIPE_KEYS, device_advice, host_short_advice, key
+from .config import GIB
+from .estimate import Plan, gib, plan, shortfalls
 from .window import limit_check, physical_ram_bytes
 
 
@@ -79,7 +80,7 @@ def preflight(p: Plan, *, host_ram_bytes: int | None = None, disk_free_bytes: in
     lines = shortfalls(p, host, dev, disk, where="measured here" if host_ram_bytes is None else "given")
     # the NVMe tier's host_memory_limit, as the engine will check it on this machine (its default: half the RAM)
     ram = physical_ram_bytes() if host_ram_bytes is None else host_ram_bytes
-    _, _, refusal, warning = limit_check(p.source, p.settings, p.hardware.is_gpu, p.settings.get("host_memory_limit"),
+    _, mw, refusal, warning = limit_check(p.source, p.settings, p.hardware.is_gpu, p.settings.get("host_memory_limit"),
                                          ram, "this machine" if host_ram_bytes is None else "the given host")
     if warning:
         warnings.warn(f"megatrain preflight: {warning}", UserWarning, stacklevel=2)
@@ -94,16 +95,16 @@ def preflight(p: Plan, *, host_ram_bytes: int | None = None, disk_free_bytes: in
         for line in lines:
             msg.append(f"  - {line}")
             if "host_memory_limit" in line:
-                advice = [f"change: {key('host_memory_limit', keys)}=<at least the minimum above>, or "
-                          f"{key('lookahead', keys)}=0 / {key('block_group', keys)}=1 (fewer blocks in flight)"]
+                least = -(-int(mw or 0) * int(s.get("devices", 1)) // GIB)  # whole GiB, every process's window
+                advice = [f"change: set {key('host_memory_limit', keys)}={least}GiB (the engine's minimum window, "
+                          f"rounded up to whole GiB)"]
+                if s["lookahead"] > 0 or s.get("block_group", 1) > 1:
+                    advice.append(f"change: or set {key('lookahead', keys)}=0 {key('block_group', keys)}=1 "
+                                  f"(fewer blocks in flight: a smaller minimum window)")
             elif line.startswith("host"):
                 top = sorted(p.host.items(), key=lambda kv: -kv[1])[:4]
                 msg.append("      needed for: " + ", ".join(f"{k} {gib(v)} GiB" for k, v in top))
-                advice = []
-                if not p.hardware.is_gpu and activation_share(p) > 0.1 and max_seq_len(p, host, None):
-                    # CPU device: activations are host RAM, and a shorter sequence would fit
-                    advice += ["change: " + a for a in seq_len_advice(p, host, None, keys)]
-                advice += ["change: " + a for a in host_advice(p, host, keys)]  # type: ignore[arg-type]
+                advice = ["change: " + a for a in host_short_advice(p, host, keys)]
             elif line.startswith("device"):
                 advice = device_advice(p, dev, host, keys)
             else:

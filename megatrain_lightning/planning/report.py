@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .activations import per_token_terms
 from .activations import kept_bytes
-from .advice import block_group_advice, device_advice, host_advice, recompute_advice
+from .advice import block_group_advice, device_advice, host_short_advice, recompute_advice
 from .config import Hardware
 from .estimate import TERM_LABELS, Plan, gib, long_sequence_variants, max_seq_len
 from .parallel import host_mem_rate, intra_rate
@@ -201,6 +201,10 @@ def format_plan(p: Plan) -> str:
     lines += _tier("host RAM", p.host, p.host_bytes, p.capacity["host"])
     dev_title = "device" if hw.is_gpu else "device buffers (CPU: counted in host RAM)"
     lines += _tier(dev_title, p.device, p.device_bytes, p.capacity["device"])
+    if not hw.is_gpu:
+        lines.append("    (the engine's megatrain/peak_device_bytes on a CPU device is its budget meter of block weight and "
+                     "gradient buffers at fp32 size, bound masters included: not these activations, wire images or "
+                     "autocast casts; compare host RSS with the host RAM total)")
     if p.nvme:
         lines += _tier("NVMe store", p.nvme, p.nvme_bytes, None)
     lines += _tier("disk (NVMe store + checkpoints)", p.disk, p.disk_bytes, p.capacity["disk"])
@@ -257,7 +261,7 @@ def format_plan(p: Plan) -> str:
     if any(r.startswith("device memory short") for r in p.reasons):
         lines += ["  " + a for a in device_advice(p, p.capacity["device"], p.capacity["host"], None)]
     if any(r.startswith("host RAM short") for r in p.reasons):
-        lines += ["  change: " + a for a in host_advice(p, p.capacity["host"], None)]  # type: ignore[arg-type]
+        lines += ["  change: " + a for a in host_short_advice(p, p.capacity["host"], None)]  # type: ignore[arg-type]
     return "\n".join(lines)
 
 
@@ -413,7 +417,7 @@ def format_comparison(plans: list[Plan]) -> str:
         if not p.fits:
             out.append(f"  {p.hardware.name}: " + "; ".join(p.reasons))
             if any(r.startswith("host RAM short") for r in p.reasons):
-                out += [f"    change: {a}" for a in host_advice(p, p.capacity["host"], None)[:-1]]  # type: ignore[arg-type]
+                out += [f"    change: {a}" for a in host_short_advice(p, p.capacity["host"], None)[:-1]]  # type: ignore[arg-type]
     out += [f"  {w}" for w in warning_lines(p0)]  # the model's limits: the same on every preset
     out.append("  step s: forward + backward, each as long as its longest chain; bound by: the longer phase's; fastest s: "
                "the largest term, the fastest estimate (every term overlapping; an estimate at the preset's rates, not "

@@ -80,8 +80,10 @@ Per optimizer step (one micro-batch of ``batch_size`` x ``seq_len`` tokens):
   2 x N_layers + 2 x L x T x d_attn per token (the LM head keeps its graph and the embedding is a
   lookup: neither is recomputed), ``"selective"`` only the cheap ops (norms, activations,
   elementwise: counted 0), ``"none"`` nothing; ``"auto"`` per layer as its mix; plus
-  (K-1)/K x one more layer forward with K > 1 for the layers that recompute. N_matmul excludes
-  the input-embedding lookup (no FLOPs) unless it is tied to the LM head.
+  (K-1)/K x one more layer forward with K > 1 for the layers that recompute; plus, with
+  ``mlp_chunk_size`` shorter than the sequence, one more MLP forward per ``"block"`` layer (each chunk's
+  checkpoint re-runs it in backward, ``engine/chunked_mlp.py``): 2 x 3 x H x I per token and layer.
+  N_matmul excludes the input-embedding lookup (no FLOPs) unless it is tied to the LM head.
 * host AdamW: N / ``host_adam_gparams_per_s`` (torch's fused CPU kernel; the shadow cast is
   folded into the presets' memory-bandwidth assumption, measured separately at 4.5 G
   params/s on the 2-core dev box).
@@ -312,8 +314,15 @@ def recompute_flops(c: ParamCounts, s: dict[str, Any]) -> dict[str, float]:
     L, T, K = c.num_layers, s["seq_len"], s["recompute_every"]
     mix = layer_mix(c, s)
     f_layers = 2 * c.layer_active + 2 * L * T * c.num_heads * c.head_dim
+    # mlp_chunk_size: in a block's recompute each chunk runs under a checkpoint, whose backward runs the chunk's
+    # MLP forward once more (engine/chunked_mlp.py): 2 x the MLP's matmul params (gate, up, down: 3 H I per
+    # expert a token passes through) per token and "block" layer, when a sequence is longer than one chunk
+    M = s.get("mlp_chunk_size")
+    mlp = 2 * 3 * c.hidden_size * c.intermediate_size * max(1, c.experts_per_token) * mix["block"] \
+        if M is not None and T > M else 0
     return {"recompute (block layers)": mix["block"] / L * f_layers,
-            "recompute chains (K > 1)": (K - 1) / K * (mix["block"] + mix["selective"]) / L * f_layers}
+            "recompute chains (K > 1)": (K - 1) / K * (mix["block"] + mix["selective"]) / L * f_layers,
+            "MLP chunks' second forward (mlp_chunk_size)": float(mlp)}
 
 
 def weights_label(lookahead: int, group: int, all_layers: int | None = None) -> str:
@@ -386,8 +395,10 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
             n_saved = math.ceil(L / K) + 1
             host["pinned pow2 rounding (offloaded inputs)"] = n_saved * _pow2_waste(act_host["offloaded block inputs"] // n_saved)
     host.update(act_host)
-    if not gpu:
-        host["device buffers (CPU device)"] = sum(device.values())
+    if not gpu:  # the device is the CPU: its buffers and activations are host RAM
+        acts = sum(act_dev.values())
+        host["device buffers (CPU device): weights, gradients"] = sum(device.values()) - acts
+        host["activations (CPU device)"] = acts
     host["process overhead"] = process_overhead(hw)
 
     ckpt = 12 * N + CKPT_METADATA
@@ -456,6 +467,7 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
         "attention (forward + backward)": 3.0 * f_attn * tokens,
         f"recompute (recompute={s.get('recompute', 'block')}: block layers)": rec["recompute (block layers)"] * tokens,
         "recompute chains (K > 1)": rec["recompute chains (K > 1)"] * tokens,
+        "MLP chunks' second forward (mlp_chunk_size)": rec["MLP chunks' second forward (mlp_chunk_size)"] * tokens,
     }
     flops = sum(flops_parts.values())
     flops_forward = 2.0 * c.matmul_params * tokens + f_attn * tokens  # Kaplan: backward = 2 x forward

@@ -1,0 +1,74 @@
+"""The strategy bounds what glibc's malloc keeps of freed host memory (store/allocator.py): an 8 MiB buffer freed
+after a larger one is given back to the kernel, where glibc's dynamic threshold would keep it resident."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from megatrain_lightning.store.allocator import glibc
+
+pytestmark = pytest.mark.skipif(glibc() is None, reason="glibc only")
+
+_PROBE = textwrap.dedent("""
+    import ctypes, sys
+    from megatrain_lightning.store.allocator import bound_retention
+
+    def rss():
+        return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmRSS"))
+
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    if sys.argv[1] == "fit":
+        import lightning.pytorch as pl
+        from megatrain_lightning import MegaTrainStrategy
+        from megatrain_lightning.testing import LM, learnable_data, make_model
+        pl.Trainer(strategy=MegaTrainStrategy(), accelerator="cpu", devices=1, max_steps=1, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(
+            LM(make_model("llama")), learnable_data(n=2, seq=16, batch_size=2))
+    from megatrain_lightning.store import allocator
+    print("applied", allocator._applied if sys.argv[1] == "fit" else bound_retention())  # fit: what the strategy set
+    big = libc.malloc(24 << 20)          # mmap'd; its free raises glibc's dynamic threshold to 24 MiB
+    ctypes.memset(big, 1, 24 << 20)
+    libc.free(big)
+    base = rss()
+    held = [libc.malloc(10 << 20) for _ in range(3)]   # below 24 MiB: from the heap unless the threshold is fixed
+    for p in held:
+        ctypes.memset(p, 1, 10 << 20)
+    for p in reversed(held):
+        libc.free(p)
+    print("kept", rss() - base)
+""")
+
+
+def _probe(mode: str, **env: str) -> tuple[str, int]:
+    e = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    e.update(env, PYTHONPATH=os.pathsep.join([os.getcwd(), e.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", _PROBE, mode], env=e, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    applied = next(l for l in lines if l.startswith("applied"))
+    return applied, int(next(l for l in lines if l.startswith("kept")).split()[1])
+
+
+def test_freed_buffers_go_back_to_the_kernel():
+    applied, kept = _probe("alone")
+    assert "'M_MMAP_THRESHOLD': 8388608" in applied and "'M_ARENA_MAX': 2" in applied
+    assert kept < 4 << 20, kept
+    # glibc's defaults (turned off): the same frees stay resident
+    applied, kept = _probe("alone", MEGATRAIN_MALLOC_TUNING="0")
+    assert applied == "applied {}" and kept >= 20 << 20, kept
+    # glibc's own variables win: nothing is set over them
+    applied, _ = _probe("alone", MALLOC_ARENA_MAX="4")
+    assert "M_ARENA_MAX" not in applied and "M_MMAP_THRESHOLD" in applied
+
+
+def test_the_strategy_sets_it_up():
+    """A fit sets the thresholds in its process (``MegaTrainStrategy.setup_environment``)."""
+    applied, kept = _probe("fit")
+    assert "'M_MMAP_THRESHOLD': 8388608" in applied and kept < 4 << 20, (applied, kept)
