@@ -1,0 +1,202 @@
+"""``Fabric(strategy="megatrain")`` against ``Fabric(strategy="auto")``: a LitGPT-shaped loop (accumulation with
+``no_backward_sync``, ``clip_gradients``, a cosine schedule) gives the same losses, weights and AdamW state; a save
+at step 5 + load + 5 steps equals 10 steps; checkpoints move between the Fabric and Trainer strategies; what Fabric
+allows and the engine cannot do is refused at setup."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+
+import megatrain_lightning  # noqa: F401  (registers the strategies)
+from megatrain_lightning.fabric import MegaTrainFabricStrategy
+from megatrain_lightning.optim.host_adamw import UnsupportedOptimizerError
+from megatrain_lightning.precision import UnsupportedPrecisionError
+from megatrain_lightning.testing import batch_inputs, make_data, make_model
+
+STEPS, ACC = 10, 2
+
+
+def _batches(n: int) -> list:
+    it, out = iter(make_data(n=64)), []
+    while len(out) < n:
+        try:
+            out.append(next(it))
+        except StopIteration:
+            it = iter(make_data(n=64))
+    return out
+
+
+def _fabric(strategy: str, precision: str = "32-true") -> Fabric:
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=1, precision=precision)
+    fabric.launch()
+    return fabric
+
+
+def _setup(fabric: Fabric, arch: str = "llama", model=None):
+    fabric.seed_everything(0)
+    model = model if model is not None else make_model(arch)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS)
+    model, opt = fabric.setup(model, opt)
+    return model, opt, sched
+
+
+def _loop(fabric, model, opt, sched, batches, first: int, last: int, loss_fn=None):
+    """Optimizer steps ``first`` .. ``last - 1`` of LitGPT's full fine-tuning loop shape."""
+    losses, norms = [], []
+    for i in range(first * ACC, last * ACC):
+        accumulating = (i + 1) % ACC != 0
+        with fabric.no_backward_sync(model, enabled=accumulating):
+            loss = loss_fn(model, batches[i]) if loss_fn else model(**batch_inputs(batches[i])).loss
+            fabric.backward(loss / ACC)
+        losses.append(loss.item())
+        if not accumulating:
+            norms.append(fabric.clip_gradients(model, opt, max_norm=0.5).item())
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+    return losses, norms
+
+
+def _weights(fabric, model) -> dict[str, torch.Tensor]:
+    if isinstance(fabric.strategy, MegaTrainFabricStrategy):
+        fabric.strategy.flush()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _adam(opt) -> dict:
+    return {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+            for i, s in opt.state_dict()["state"].items()}
+
+
+def _run(strategy: str, precision: str = "32-true", arch: str = "llama"):
+    fabric = _fabric(strategy, precision)
+    model, opt, sched = _setup(fabric, arch)
+    losses, norms = _loop(fabric, model, opt, sched, _batches(STEPS * ACC), 0, STEPS)
+    return losses, norms, _weights(fabric, model), _adam(opt), fabric
+
+
+def _assert_same(a, b, exact: bool = True, tol: float = 0.0):
+    check = torch.equal if exact else (lambda x, y: torch.allclose(x, y, rtol=tol, atol=tol))
+    assert a[0] == b[0] if exact else torch.allclose(torch.tensor(a[0]), torch.tensor(b[0]), rtol=tol, atol=tol)
+    assert a[1] == pytest.approx(b[1], rel=tol, abs=tol)
+    assert a[2].keys() == b[2].keys()
+    bad = [k for k in a[2] if not check(a[2][k], b[2][k])]
+    assert not bad, bad[:5]
+    for i in a[3]:
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert check(a[3][i][k], b[3][i][k]), (i, k)
+
+
+def test_fp32_loop_is_bitwise_fabric_auto():
+    ref = _run("auto")
+    got = _run("megatrain")
+    assert isinstance(got[4].strategy, MegaTrainFabricStrategy)
+    _assert_same(got, ref)
+
+
+def test_bf16_mixed_matches_fabric_bf16_mixed():
+    ref = _run("auto", "bf16-mixed")
+    got = _run("megatrain", "bf16-mixed")
+    _assert_same(got, ref)
+
+
+def test_save_at_step_5_load_and_5_more_equals_10(tmp_path):
+    batches = _batches(STEPS * ACC)
+    full = _run("megatrain")
+    fabric = _fabric("megatrain")
+    model, opt, sched = _setup(fabric)
+    first, _ = _loop(fabric, model, opt, sched, batches, 0, 5)
+    fabric.save(tmp_path / "ckpt", {"model": model, "optimizer": opt, "scheduler": sched, "step": 5})
+    assert (tmp_path / "ckpt" / "model" / "config.json").exists() and (tmp_path / "ckpt" / "optimizer").is_dir()
+
+    fabric2 = _fabric("megatrain")
+    fabric2.seed_everything(0)
+    model2 = make_model("llama", seed=123)  # other initial weights: the checkpoint's must win
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3, weight_decay=0.01)
+    sched2 = torch.optim.lr_scheduler.CosineAnnealingLR(opt2, T_max=STEPS)
+    model2, opt2 = fabric2.setup(model2, opt2)
+    state = {"model": model2, "optimizer": opt2, "scheduler": sched2, "step": 0}
+    rest = fabric2.load(tmp_path / "ckpt", state)
+    assert state["step"] == 5 and rest == {}
+    second, _ = _loop(fabric2, model2, opt2, sched2, batches, 5, STEPS)
+    assert first + second == full[0]
+    w = _weights(fabric2, model2)
+    assert all(torch.equal(w[k], full[2][k]) for k in w)
+    adam = _adam(opt2)
+    assert all(torch.equal(adam[i]["exp_avg_sq"], full[3][i]["exp_avg_sq"]) for i in adam)
+
+
+def test_refusals_at_setup(tmp_path):
+    fabric = _fabric("megatrain")
+    model = make_model("llama")
+    a = torch.optim.AdamW(model.parameters())
+    b = torch.optim.AdamW(model.parameters())
+    with pytest.raises(UnsupportedOptimizerError, match="exactly one optimizer"):
+        fabric.setup(model, a, b)
+    with pytest.raises(UnsupportedOptimizerError, match="AdamW"):
+        fabric.setup(make_model("llama"), torch.optim.SGD(model.parameters(), lr=0.1))
+    fabric = _fabric("megatrain")
+    m = fabric.setup_module(make_model("llama"))
+    with pytest.raises(NotImplementedError, match="streams one model"):
+        fabric.setup_module(make_model("llama"))
+    opt = fabric.setup_optimizers(torch.optim.AdamW(m.parameters()))
+    with pytest.raises(ValueError, match="filter"):
+        fabric.save(tmp_path / "c", {"model": m, "optimizer": opt}, filter={"model": lambda k, v: True})
+    with pytest.raises(ValueError, match="does not train"):
+        fabric.save(tmp_path / "c", {"model": m, "other": torch.nn.Linear(2, 2)})
+
+
+def test_unsupported_precision_is_refused():
+    with pytest.raises(UnsupportedPrecisionError, match="16-true"):
+        Fabric(strategy="megatrain", accelerator="cpu", devices=1, precision="16-true")
+
+
+def _trainer(max_steps: int):
+    import lightning.pytorch as pl
+
+    return pl.Trainer(strategy="megatrain", accelerator="cpu", devices=1, max_steps=max_steps, accumulate_grad_batches=ACC,
+                      gradient_clip_val=0.5, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False)
+
+
+def _lm(seed: int = 0):
+    from megatrain_lightning.testing import LM
+
+    return LM(make_model("llama", seed=seed), lr=1e-3, sched="cosine", total_steps=STEPS,
+              opt_kwargs={"weight_decay": 0.01})
+
+
+def test_checkpoints_move_between_the_trainer_and_fabric(tmp_path):
+    """Trainer (a LightningModule holding the HF model) 5 steps -> fabric.load into the HF model itself -> 5 steps; and
+    Fabric 5 steps -> Trainer fit(ckpt_path=) 5 steps: both equal 10 uninterrupted steps."""
+    from torch.utils.data import DataLoader
+
+    batches = _batches(STEPS * ACC)
+    full = _run("megatrain")
+
+    lm = _lm()
+    trainer = _trainer(5)
+    trainer.fit(lm, DataLoader(batches[: 5 * ACC], batch_size=None))
+    trainer.save_checkpoint(tmp_path / "from_trainer")
+    fabric = _fabric("megatrain")
+    model, opt, sched = _setup(fabric, model=make_model("llama", seed=123))
+    fabric.load(tmp_path / "from_trainer", {"model": model, "optimizer": opt, "scheduler": sched})
+    second, _ = _loop(fabric, model, opt, sched, batches, 5, STEPS)
+    assert lm.losses + second == full[0]
+    w = _weights(fabric, model)
+    assert all(torch.equal(w[k], full[2][k]) for k in w)
+
+    fabric = _fabric("megatrain")
+    model, opt, sched = _setup(fabric)
+    _loop(fabric, model, opt, sched, batches, 0, 5)
+    fabric.save(tmp_path / "from_fabric", {"model": model, "optimizer": opt, "scheduler": sched, "step": 5})
+    lm = _lm(seed=123)
+    trainer = _trainer(5)  # Fabric has no Lightning loops: the Trainer counts its steps from 0
+    trainer.fit(lm, DataLoader(batches[5 * ACC:], batch_size=None), ckpt_path=tmp_path / "from_fabric")
+    assert lm.losses == full[0][5 * ACC:]
+    trainer.strategy.flush()
+    w = {k.removeprefix("model."): v for k, v in lm.state_dict().items()}
+    assert all(torch.equal(w[k], full[2][k]) for k in full[2])
