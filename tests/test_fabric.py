@@ -200,3 +200,59 @@ def test_checkpoints_move_between_the_trainer_and_fabric(tmp_path):
     trainer.strategy.flush()
     w = {k.removeprefix("model."): v for k, v in lm.state_dict().items()}
     assert all(torch.equal(w[k], full[2][k]) for k in full[2])
+
+
+def test_two_processes_gloo_match_fabric_ddp(tmp_path):
+    """``Fabric(strategy="megatrain", devices=2)`` (gloo, Lightning's launcher starting rank 1) against Fabric's DDP:
+    the same losses on every rank and the same final weights, within 1e-5 relative (DDP sums the two micro-batches
+    of a rank before its all-reduce; megatrain averages each micro-batch's gradients as they are made)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    worker = Path(__file__).with_name("fabric_worker.py")
+    for i, strategy in enumerate(("megatrain", "ddp")):
+        env["MASTER_PORT"] = str(port + i)
+        proc = subprocess.run([sys.executable, str(worker), str(tmp_path), strategy], env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    got, ref = torch.load(tmp_path / "megatrain.pt"), torch.load(tmp_path / "ddp.pt")
+    torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-5, atol=0)
+    for k, v in ref["weights"].items():
+        err = ((got["weights"][k].double() - v.double()).norm() / v.double().norm().clamp_min(1e-30)).item()
+        assert err <= 1e-5, (k, err)
+
+
+def _litgpt_run(strategy: str):
+    litgpt = pytest.importorskip("litgpt")
+    cfg = litgpt.Config(block_size=64, vocab_size=96, padded_vocab_size=96, n_layer=2, n_head=4, n_embd=32,
+                        n_query_groups=2, intermediate_size=64, mlp_class_name="LLaMAMLP", norm_class_name="RMSNorm",
+                        bias=False, parallel_residual=False, rotary_percentage=1.0)
+    fabric = _fabric(strategy)
+    fabric.seed_everything(0)
+    with fabric.init_module(empty_init=False):
+        model = litgpt.GPT(cfg)
+    model, opt, sched = _setup(fabric, model=model)
+
+    def loss_fn(model, batch):
+        ids = batch[0]
+        logits = model(ids)
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+    losses, norms = _loop(fabric, model, opt, sched, _batches(STEPS * ACC), 0, STEPS, loss_fn)
+    return losses, norms, _weights(fabric, model), _adam(opt), fabric
+
+
+def test_litgpt_gpt_is_bitwise_fabric_auto():
+    """LitGPT's GPT (its ``Block`` discovered without options) in the LitGPT loop shape: bitwise Fabric's "auto"."""
+    ref = _litgpt_run("auto")
+    got = _litgpt_run("megatrain")
+    assert len(got[4].strategy.engine.blocks) >= 2 + 2  # the two Blocks, the embedding, the head (norm)
+    _assert_same(got, ref)
