@@ -39,8 +39,8 @@ from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
-from lightning.fabric.utilities.init import _EmptyInit
 
+from .checkpoint.hf_meta import params_on_meta
 from .config import MegaTrainConfig
 from .optim.host_adamw import UnsupportedOptimizerError
 from .precision import MegaTrainFabricPrecision, to_megatrain_fabric_precision
@@ -61,6 +61,8 @@ class MegaTrainFabricStrategy(MegaTrainBase, ParallelStrategy):
         UnsupportedPrecisionError: ``Fabric(precision=...)`` other than 32-true, bf16-mixed, 16-mixed, bf16-true.
         UnsupportedOptimizerError: at setup, anything but exactly one ``torch.optim.AdamW``/``Adam`` for the module
             (several optimizers, an optimizer set up before the module or for another module).
+        RuntimeError: at ``fabric.setup(model, optimizer)``, an optimizer holding the meta-device parameters of
+            ``init_module(empty_init=True)`` (set up the module first, then create the optimizer).
         NotImplementedError: at setup, several modules (the engine streams one), ``fabric.setup_module`` a second
             time with another module, or ``clip_gradients`` with ``norm_type`` other than a number.
         BlockDiscoveryError, ConfigMismatchError, SharedMemoryTooSmall, RendezvousError, PeerFailure: as the
@@ -106,11 +108,11 @@ class MegaTrainFabricStrategy(MegaTrainBase, ParallelStrategy):
 
     def module_init_context(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
         """``fabric.init_module()``: the module is created on the CPU (the host store is built from it at setup), in
-        fp32 whatever the precision (the masters are fp32); ``empty_init=True`` skips the initialisation kernels
-        (``torch.empty``), for weights that a checkpoint then overwrites."""
-        stack = contextlib.ExitStack()
-        stack.enter_context(_EmptyInit(enabled=bool(empty_init)))
-        return stack
+        fp32 whatever the precision (the masters are fp32). ``empty_init=True`` (for weights a checkpoint then
+        overwrites: ``fabric.load`` after ``fabric.setup``) creates the parameters on the ``meta`` device (buffers on
+        the CPU), so the model is never in RAM: the store (RAM or NVMe tier) is built one tensor at a time with
+        zeros, which the load then overwrites one tensor at a time."""
+        return params_on_meta() if empty_init else contextlib.nullcontext()
 
     def module_to_device(self, module: torch.nn.Module) -> None:
         """Only buffers move to the device (once the engine exists); parameters stay in the host store."""
@@ -129,6 +131,12 @@ class MegaTrainFabricStrategy(MegaTrainBase, ParallelStrategy):
             raise UnsupportedOptimizerError(
                 f"megatrain steps exactly one optimizer on the host; fabric.setup got {len(optimizers)}. Pass a "
                 "single torch.optim.AdamW (use param groups for different learning rates or weight decay).")
+        if any(p.is_meta for g in optimizers[0].param_groups for p in g["params"]):
+            raise RuntimeError(
+                "megatrain: the optimizer holds meta-device parameters (the model was created under "
+                "fabric.init_module(empty_init=True)); setup replaces them by parameters in the host store. Set up "
+                "the model first (model = fabric.setup_module(model)), then create the optimizer from "
+                "model.parameters() and call optimizer = fabric.setup_optimizers(optimizer).")
         module = self.setup_module(module)
         return module, [self.setup_optimizer(optimizers[0])], scheduler
 
@@ -147,7 +155,7 @@ class MegaTrainFabricStrategy(MegaTrainBase, ParallelStrategy):
                 "or train the second with another Fabric.")
         self.lightning_module = module
         cfg = self.config
-        self._build_engine(module, bool(cfg.unfreeze_during_fit))
+        self._build_engine(module, bool(cfg.unfreeze_during_fit), zeros_for_meta=True)
         self.engine.buffers_to(self.root_device)
         plugin = self.precision
         plugin.attach_engine(self.engine, self.root_device.type)

@@ -191,7 +191,8 @@ class MegaTrainBase:
         return tensor
 
     # ------------------------------------------------------------------ engine
-    def _build_engine(self, module: torch.nn.Module, reserve_frozen: bool, trainer: Any = None) -> None:
+    def _build_engine(self, module: torch.nn.Module, reserve_frozen: bool, trainer: Any = None,
+                      zeros_for_meta: bool = False) -> None:
         """Build (or keep) the engine over ``module``: its host store, block proxies and NVMe guards; the weights
         current (written back after an earlier run, replaced ``.data`` taken in, shared with the node's ranks).
 
@@ -199,6 +200,8 @@ class MegaTrainBase:
             module: the module trained (every parameter is put in the host store).
             reserve_frozen: keep gradient and AdamW room for frozen parameters too (they may be unfrozen later).
             trainer: the Trainer, whose settings every rank must share (``None`` under Fabric).
+            zeros_for_meta: ``meta``-device parameters that no weights source provides start as zeros in the store
+                (``fabric.init_module(empty_init=True)``: a checkpoint load fills them); otherwise they are refused.
 
         Raises:
             RuntimeError, TypeError, ValueError: :func:`~.setup_guards.check_new_store` refusals (NVMe placeholders,
@@ -222,7 +225,15 @@ class MegaTrainBase:
                 check_same_config(self.groups.host, run_fingerprint(module, self, trainer), guard=self.groups.guard)
             node = NodeStore(self.groups, cfg.timeout.total_seconds() if cfg.timeout else 1800.0,
                              pin=cfg.pin_memory if self.root_device.type == "cuda" else False) if self.groups else None
-            self.engine = StreamingEngine(module, self.root_device, cfg, nvme=nvme, sources=weight_sources(module),
+            sources = weight_sources(module)
+            if zeros_for_meta:
+                missing = [p for p in module.parameters() if p.is_meta and id(p) not in sources]
+                sources.update({id(p): (lambda shape=p.shape: torch.zeros(shape)) for p in missing})
+                if missing and self.is_global_zero:
+                    log.warning("megatrain: %d parameter(s) were created without weights (init_module(empty_init="
+                                "True)) and start as zeros in the host store; load a checkpoint before training "
+                                "(fabric.load(path, state)).", len(missing))
+            self.engine = StreamingEngine(module, self.root_device, cfg, nvme=nvme, sources=sources,
                                           reducer=self._grad_reducer(), node=node, reserve_frozen=reserve_frozen)
             if self.is_global_zero:  # once per engine: what is in force, to confirm from the log
                 self._log_tier()
