@@ -281,3 +281,27 @@ def test_nvme_tier_is_bitwise_fabric_auto(tmp_path):
         saved.update(load_file(f))
     bad = [k for k, v in ref[2].items() if k in saved and not torch.equal(saved[k], v)]
     assert not bad and len(saved) >= len(ref[2]) - 1, bad[:5]  # a tied or unsaved key aside
+
+
+def test_load_raw_and_another_strategys_file_checkpoint(tmp_path):
+    """``fabric.load_raw`` of plain ``state_dict()`` files, and ``fabric.load`` of Fabric "auto"'s one-file checkpoint,
+    go into the host store: the weights and AdamW state are the saved ones."""
+    ref = _run("auto")
+    fabric = _fabric("auto")
+    model, opt, sched = _setup(fabric)
+    _loop(fabric, model, opt, sched, _batches(STEPS * ACC), 0, 2)
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    fabric.save(tmp_path / "auto.ckpt", {"model": model, "optimizer": opt, "step": 2})
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    for how in ("raw", "file"):
+        fabric = _fabric("megatrain")
+        m, o, _ = _setup(fabric, model=make_model("llama", seed=7))
+        if how == "raw":
+            fabric.load_raw(tmp_path / "model.pt", m)
+            fabric.load_raw(tmp_path / "opt.pt", o)
+        else:
+            assert fabric.load(tmp_path / "auto.ckpt", {"model": m, "optimizer": o}) == {"step": 2}
+        w = _weights(fabric, m)
+        assert all(torch.equal(w[k], saved[k]) for k in saved)
+        assert len(_adam(o)) == len(ref[3])

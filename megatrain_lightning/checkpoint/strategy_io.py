@@ -254,6 +254,7 @@ class StrategyCheckpoints:
         """``fabric.load(path, state)``: restore the module set up, its optimizer and the other entries of
         ``state`` in place from a directory checkpoint of either strategy, or from a one-file checkpoint (another
         Fabric strategy's ``fabric.save``: the module's and optimizer's entries are copied into the host store).
+        ``state`` may also be the module or its optimizer alone (``fabric.load_raw``: a plain ``state_dict()`` file).
         Entries of other names: objects with ``load_state_dict`` get theirs, plain values are replaced in ``state``;
         an LR scheduler missing by name takes the Trainer's ``lr_schedulers`` entry of its rank. ``precision``:
         the precision plugin (its loss scale is restored). Returns what ``state`` did not ask for.
@@ -264,6 +265,19 @@ class StrategyCheckpoints:
             CheckpointError: as :meth:`load`; the optimizer is asked for and the checkpoint has no AdamW state.
         """
         st = self.strategy
+        if isinstance(state, (nn.Module, Optimizer)):  # fabric.load_raw: a plain state dict in one file
+            role = self._role(state)
+            raw = st.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+            if role == "module":
+                st.flush()
+                load_lightning_weights({"state_dict": raw}, st.lightning_module, st.engine, strict=strict,
+                                       source=str(path))
+                st.engine.stopped.restored()
+                self.share_written()
+            elif role == "optimizer":
+                st.flush()
+                load_lightning_optimizer({"optimizer_states": [raw]}, st.engine.optimizer, source=str(path))
+            return {}
         if isinstance(state, Mapping) is False or not state:
             raise ValueError("megatrain: fabric.load(path, state) needs the state to restore, e.g. "
                              "{'model': model, 'optimizer': optimizer}: a directory checkpoint's tensors go straight "
