@@ -2,7 +2,8 @@
 ``fabric.launch()`` re-runs this script for local rank 1 (Lightning's subprocess script launcher), as for a user's
 ``python train.py``. Each rank trains on its own micro-batches (rank r takes batch ``world * i + r``) with the
 LitGPT loop shape (accumulation 2 with ``no_backward_sync``, norm clipping, cosine schedule); rank 0 writes
-``OUT/<STRATEGY>.pt``: every rank's losses and the final weights."""
+``OUT/<STRATEGY>.pt``: every rank's losses and the final weights; with ``megatrain`` the ranks also write
+``OUT/megatrain_ckpt`` together (``fabric.save``)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ def main(out: Path, strategy: str) -> None:
             sched.step()
     if hasattr(fabric.strategy, "flush"):
         fabric.strategy.flush()
+    if strategy == "megatrain":  # every rank writes its own slabs of the one directory checkpoint
+        fabric.save(out / "megatrain_ckpt", {"model": model, "optimizer": opt, "scheduler": sched, "step": STEPS})
     every = fabric.all_gather(torch.stack(losses))
     if fabric.global_rank == 0:
         torch.save({"losses": every, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}},

@@ -233,6 +233,13 @@ def test_two_processes_gloo_match_fabric_ddp(tmp_path):
     for k, v in ref["weights"].items():
         err = ((got["weights"][k].double() - v.double()).norm() / v.double().norm().clamp_min(1e-30)).item()
         assert err <= 1e-5, (k, err)
+    from safetensors.torch import load_file
+
+    saved = {}
+    for f in (tmp_path / "megatrain_ckpt" / "model").glob("*.safetensors"):
+        saved.update(load_file(f))
+    assert saved.keys() <= got["weights"].keys() and len(saved) >= len(got["weights"]) - 1
+    assert all(torch.equal(saved[k], got["weights"][k]) for k in saved)  # the ranks' slabs, written together
 
 
 def _litgpt_run(strategy: str):
@@ -305,3 +312,24 @@ def test_load_raw_and_another_strategys_file_checkpoint(tmp_path):
         w = _weights(fabric, m)
         assert all(torch.equal(w[k], saved[k]) for k in saved)
         assert len(_adam(o)) == len(ref[3])
+
+
+def test_fp16_mixed_with_loss_scaling_matches_fabric():
+    """``16-mixed`` (a ``GradScaler``: Fabric turns the string into bf16 on the CPU, so the plugin is passed): the
+    scale applied in ``fabric.backward``, unscaled once per step by the first of ``clip_gradients`` and ``step``,
+    the scaler's schedule, and the same numbers as Fabric's own plugin."""
+    from lightning.fabric.plugins.precision import MixedPrecision
+
+    def run(strategy):
+        plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**14))
+        fabric = Fabric(strategy=strategy, accelerator="cpu", devices=1, plugins=[plugin])
+        fabric.launch()
+        model, opt, sched = _setup(fabric)
+        losses, norms = _loop(fabric, model, opt, sched, _batches(6 * ACC), 0, 6)
+        scale = (fabric.strategy.precision.scale if isinstance(fabric.strategy, MegaTrainFabricStrategy)
+                 else plugin.scaler.get_scale())
+        return losses, norms, _weights(fabric, model), _adam(opt), scale
+
+    ref, got = run("auto"), run("megatrain")
+    assert got[4] == ref[4]
+    _assert_same(got[:4], ref[:4])
