@@ -25,8 +25,8 @@ format are the Trainer strategy's (:mod:`megatrain_lightning.strategy_base` hold
 What a Fabric loop sees: after each ``fabric.backward`` a parameter's ``.grad`` is a view of its fp32 host
 accumulator (the sum so far); ``optimizer.zero_grad()`` sets them to ``None`` and the accumulated gradients are
 dropped; ``optimizer.step()`` schedules the host AdamW update of each block, applied just before the block is next
-fetched (``strategy.flush()`` applies them at once; ``fabric.save`` and evaluation under ``torch.no_grad`` flush
-first).
+fetched (``fabric.strategy.flush()`` applies them at once; ``fabric.save``, ``model.state_dict()`` and a forward
+see the updated weights).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from .checkpoint.hf_meta import params_on_meta
 from .config import MegaTrainConfig
 from .optim.host_adamw import UnsupportedOptimizerError
 from .precision import MegaTrainFabricPrecision, to_megatrain_fabric_precision
+from .setup_guards import refuse_checkpoint_plugin
 from .strategy_base import MegaTrainBase
 
 
@@ -86,6 +87,7 @@ class MegaTrainFabricStrategy(MegaTrainBase, ParallelStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision)
         self.lightning_module: torch.nn.Module | None = None  # the module set up (any nn.Module)
+        self._state_dict_hook: Any = None  # the module's state_dict pre-hook that applies pending updates
         self._backward_sync_control = _EveryBackwardReduces()
 
     # ------------------------------------------------------------------ precision and placement
@@ -146,6 +148,7 @@ class MegaTrainFabricStrategy(MegaTrainBase, ParallelStrategy):
 
         Raises:
             NotImplementedError: another module was set up with this strategy (the engine streams one model).
+            CheckpointError: a checkpoint plugin (``Fabric(plugins=[...])``) that would never be used.
         """
         if self.lightning_module is not None and self.lightning_module is not module and self.engine is not None \
                 and not self.engine.closed:
@@ -153,7 +156,10 @@ class MegaTrainFabricStrategy(MegaTrainBase, ParallelStrategy):
                 f"megatrain: Fabric(strategy='megatrain') streams one model; {type(self.lightning_module).__name__} is "
                 f"already set up and {type(module).__name__} was passed too. Put both in one nn.Module (one forward), "
                 "or train the second with another Fabric.")
+        refuse_checkpoint_plugin(self.checkpoint_io)
         self.lightning_module = module
+        if self._state_dict_hook is None:  # model.state_dict() in the loop sees the last step's weights
+            self._state_dict_hook = module.register_state_dict_pre_hook(lambda *_: self.flush())
         cfg = self.config
         self._build_engine(module, bool(cfg.unfreeze_during_fit), zeros_for_meta=True)
         self.engine.buffers_to(self.root_device)
@@ -257,6 +263,9 @@ class MegaTrainFabricStrategy(MegaTrainBase, ParallelStrategy):
         :meth:`close`)."""
         self._release_engine()
         self.takeover.restore(())
+        if self._state_dict_hook is not None:
+            self._state_dict_hook.remove()
+            self._state_dict_hook = None
         super().teardown()
 
 

@@ -511,13 +511,7 @@ def to_megatrain_fabric_precision(plugin: Any) -> MegaTrainFabricPrecision | Non
         return MegaTrainFabricPrecision(plugin.precision, _GRAD_NAMES[plugin.grad_dtype], plugin.scale,
                                         plugin.growth_factor, plugin.backoff_factor, plugin.growth_interval,
                                         plugin.device_type, plugin.scaling or plugin.precision != "16-mixed")
-    if type(plugin) is FabricPrecision:
-        return MegaTrainFabricPrecision("32-true")
-    if type(plugin) is FabricMixedPrecision:
-        return _from_mixed(plugin, MegaTrainFabricPrecision)
-    if type(plugin) is FabricHalfPrecision and plugin.precision == "bf16-true":
-        return MegaTrainFabricPrecision("bf16-true")
-    raise _unsupported(getattr(plugin, "precision", type(plugin).__name__))
+    return _convert(plugin, MegaTrainFabricPrecision, FabricPrecision, FabricMixedPrecision, FabricHalfPrecision)
 
 
 def to_megatrain_precision(plugin: Precision | None) -> MegaTrainPrecision | None:
@@ -529,10 +523,20 @@ def to_megatrain_precision(plugin: Precision | None) -> MegaTrainPrecision | Non
     """
     if plugin is None or isinstance(plugin, MegaTrainPrecision):
         return plugin
-    if type(plugin) is Precision:
-        return MegaTrainPrecision("32-true")
-    if type(plugin) is MixedPrecision:
-        return _from_mixed(plugin, MegaTrainPrecision)
-    if type(plugin) is HalfPrecision and plugin.precision == "bf16-true":
-        return MegaTrainPrecision("bf16-true")
+    return _convert(plugin, MegaTrainPrecision, Precision, MixedPrecision, HalfPrecision)
+
+
+def _convert(plugin: Any, cls: type[MegaTrainPrecision], generic: type, mixed: type, half: type) -> MegaTrainPrecision:
+    """``cls`` for one of Lightning's (or Fabric's) generic plugins: ``generic`` (32-true), ``mixed``
+    (:func:`_from_mixed`), ``half`` with bf16-true.
+
+    Raises:
+        UnsupportedPrecisionError: any other plugin or precision.
+    """
+    if type(plugin) is generic:
+        return cls("32-true")
+    if type(plugin) is mixed:
+        return _from_mixed(plugin, cls)
+    if type(plugin) is half and plugin.precision == "bf16-true":
+        return cls("bf16-true")
     raise _unsupported(getattr(plugin, "precision", type(plugin).__name__))

@@ -61,8 +61,7 @@ def _loop(fabric, model, opt, sched, batches, first: int, last: int, loss_fn=Non
 
 
 def _weights(fabric, model) -> dict[str, torch.Tensor]:
-    if isinstance(fabric.strategy, MegaTrainFabricStrategy):
-        fabric.strategy.flush()
+    """The weights after the loop, read with ``model.state_dict()`` (which applies the pending updates)."""
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -152,6 +151,18 @@ def test_refusals_at_setup(tmp_path):
         fabric.save(tmp_path / "c", {"model": m, "optimizer": opt}, filter={"model": lambda k, v: True})
     with pytest.raises(ValueError, match="does not train"):
         fabric.save(tmp_path / "c", {"model": m, "other": torch.nn.Linear(2, 2)})
+
+    from lightning.fabric.plugins import TorchCheckpointIO
+
+    from megatrain_lightning import CheckpointError
+
+    class Uploading(TorchCheckpointIO):
+        pass
+
+    fabric = Fabric(strategy="megatrain", accelerator="cpu", devices=1, plugins=[Uploading()])
+    fabric.launch()
+    with pytest.raises(CheckpointError, match="Uploading.*would not be used"):
+        fabric.setup_module(make_model("llama"))
 
 
 def test_unsupported_precision_is_refused():
