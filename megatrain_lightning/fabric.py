@@ -128,6 +128,8 @@ class MegaTrainFabricStrategy(MegaTrainBase, ParallelStrategy):
 
         Raises:
             UnsupportedOptimizerError: not exactly one optimizer.
+            RuntimeError: the optimizer holds the meta-device parameters of ``init_module(empty_init=True)`` (setup
+                replaces them: set up the module first, then create the optimizer).
         """
         if len(optimizers) != 1:
             raise UnsupportedOptimizerError(

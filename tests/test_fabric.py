@@ -122,6 +122,8 @@ def test_save_at_step_5_load_and_5_more_equals_10(tmp_path):
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3, weight_decay=0.01)
     sched2 = torch.optim.lr_scheduler.CosineAnnealingLR(opt2, T_max=STEPS)
     opt2 = fabric2.setup_optimizers(opt2)
+    with pytest.raises(KeyError, match="'epoch' that does not exist"):  # Fabric's strict loading
+        fabric2.load(tmp_path / "ckpt", {"model": model2, "epoch": 0})
     state = {"model": model2, "optimizer": opt2, "scheduler": sched2, "step": 0}
     rest = fabric2.load(tmp_path / "ckpt", state)
     assert state["step"] == 5 and rest == {}
