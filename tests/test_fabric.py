@@ -253,6 +253,15 @@ def test_two_processes_gloo_match_fabric_ddp(tmp_path):
         saved.update(load_file(f))
     assert saved.keys() <= got["weights"].keys() and len(saved) >= len(got["weights"]) - 1
     assert all(torch.equal(saved[k], got["weights"][k]) for k in saved)  # the ranks' slabs, written together
+    fabric = _fabric("megatrain")  # and it resumes in one process: weights, AdamW state, scheduler, step
+    model = fabric.setup_module(make_model("llama", seed=5))
+    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01))
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=6)
+    state = {"model": model, "optimizer": opt, "scheduler": sched, "step": 0}
+    fabric.load(tmp_path / "megatrain_ckpt", state)
+    assert state["step"] == 6 and sched.last_epoch == 6 and len(_adam(opt)) == len(list(model.parameters()))
+    w = _weights(fabric, model)
+    assert all(torch.equal(w[k], got["weights"][k]) for k in w)
 
 
 def _litgpt_run(strategy: str):
