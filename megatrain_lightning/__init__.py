@@ -1,7 +1,8 @@
 """megatrain-lightning: full-precision training of models larger than accelerator memory.
 
-Importing this package registers ``strategy="megatrain"`` with Lightning's
-``StrategyRegistry`` (Lightning has no entry-point discovery for strategies), and shows the
+Importing this package registers ``strategy="megatrain"`` (and ``"megatrain_nvme"``) with Lightning's
+``StrategyRegistry`` (``Trainer``) and Fabric's ``STRATEGY_REGISTRY`` (``Fabric``; Lightning has no entry-point
+discovery for strategies), and shows the
 package's INFO messages (``recompute="auto"``'s choice, once per run) as ``lightning.pytorch``
 shows its own: the ``megatrain_lightning`` logger is set to INFO and, when the root logger has no
 handler, prints to stderr (the application's logging configuration applies otherwise). In a rank started by the
@@ -11,6 +12,7 @@ strategy's launcher it also starts the watch that ends the rank once the process
 
 import logging
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
 from .blocks import BlockDiscoveryError, discover_blocks
@@ -26,6 +28,7 @@ from .store.pinned import HostPinningError
 from .store.shared import SharedMemoryTooSmall
 from .config import MegaTrainConfig
 from .strategy import MegaTrainStrategy
+from .fabric import MegaTrainFabricStrategy
 
 __version__ = "0.1.0"
 
@@ -40,6 +43,8 @@ follow_parent_from_env()  # a rank started by MegaTrainLauncher: ends when its l
 
 if "megatrain" not in StrategyRegistry:
     MegaTrainStrategy.register_strategies(StrategyRegistry)
+if "megatrain" not in FABRIC_STRATEGY_REGISTRY:
+    MegaTrainFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
 __all__ = [
     "BlockDiscoveryError",
@@ -48,6 +53,7 @@ __all__ = [
     "HostAdamW",
     "HostPinningError",
     "MegaTrainConfig",
+    "MegaTrainFabricStrategy",
     "MegaTrainPrecision",
     "MegaTrainStrategy",
     "NVMeIOError",

@@ -119,15 +119,32 @@ def _matches(name: str, cls_name: str, block_classes: Sequence[str | type], bloc
     return any(fnmatch.fnmatchcase(name, pat) for pat in block_names)
 
 
+KNOWN_BLOCKS = (("litgpt.model", "Block"),)
+"""``(module, class name)`` of the decoder layers of libraries whose models declare no ``_no_split_modules``
+(LitGPT's ``GPT`` repeats ``litgpt.model.Block``): discovered without ``block_classes``."""
+
+
+def known_block_classes(root: nn.Module) -> list[type]:
+    """The classes of :data:`KNOWN_BLOCKS` that some submodule of ``root`` is an instance of (exactly, by module
+    and name), in module order."""
+    found: list[type] = []
+    for _, mod in root.named_modules():
+        cls = type(mod)
+        if (cls.__module__, cls.__name__) in KNOWN_BLOCKS and cls not in found:
+            found.append(cls)
+    return found
+
+
 def find_hf_models(root: nn.Module) -> list[nn.Module]:
     """Return the outermost submodules of ``root`` that declare ``_no_split_modules``.
 
-    For a ``LightningModule`` holding ``self.model = AutoModelForCausalLM...`` this is ``[self.model]``.
+    For a ``LightningModule`` holding ``self.model = AutoModelForCausalLM...`` this is ``[self.model]``; for the
+    Hugging Face model itself (a Fabric loop's module) ``[root]``.
     """
     found: list[nn.Module] = []
     prefixes: list[str] = []
     for name, mod in root.named_modules():
-        if any(name.startswith(p + ".") or name == p for p in prefixes):
+        if any(p == "" or name.startswith(p + ".") or name == p for p in prefixes):
             continue
         if getattr(mod, "_no_split_modules", None):
             found.append(mod)
@@ -271,7 +288,8 @@ def discover_blocks(
         root: the module to stream (a ``LightningModule`` or a Hugging Face model).
         block_classes: class names or classes of the repeated blocks (one name or class alone is
             taken as a list of one). Default: the union of ``_no_split_modules`` of every Hugging
-            Face model inside ``root``.
+            Face model inside ``root``; without one, the classes of :data:`KNOWN_BLOCKS` found in ``root``
+            (LitGPT's ``Block``).
         block_names: ``fnmatch`` patterns of module paths that are blocks (``"model.layers.*"``),
             like FSDP's wrap policy (one pattern alone is taken as a list of one); used together
             with ``block_classes``.
@@ -290,6 +308,8 @@ def discover_blocks(
     if not classes and not names:
         for m in find_hf_models(root):
             classes.extend(m._no_split_modules)
+    if not classes and not names:
+        classes = known_block_classes(root)
     if not classes and not names:
         raise BlockDiscoveryError(
             f"Cannot find streamable blocks in {type(root).__name__}: no submodule declares "

@@ -53,6 +53,11 @@ import contextlib
 from typing import Any, Callable, Generator
 
 import torch
+from lightning.fabric.plugins.precision import HalfPrecision as FabricHalfPrecision
+from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision
+from lightning.fabric.plugins.precision import Precision as FabricPrecision
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -61,6 +66,7 @@ _ALIASES = {"32": "32-true", 32: "32-true", "32-true": "32-true", "bf16-mixed": 
             "16-mixed": "16-mixed", "16": "16-mixed", 16: "16-mixed", "bf16-true": "bf16-true"}
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 _GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_GRAD_NAMES = {v: k for k, v in _GRAD_DTYPES.items()}
 
 
 class UnsupportedPrecisionError(ValueError):
@@ -184,8 +190,6 @@ class MegaTrainPrecision(Precision):
         same); other modes: unchanged."""
         if self.precision != "bf16-true":
             return data
-        from lightning.fabric.utilities.apply_func import apply_to_collection
-
         return apply_to_collection(data, torch.Tensor,
                                    lambda t: t.to(torch.bfloat16) if torch.is_floating_point(t) else t)
 
@@ -335,14 +339,18 @@ class MegaTrainPrecision(Precision):
         self._attached = [(n, p, p.grad) for n, p in model.named_parameters()]
         self._after_closure(model, optimizer)
         self._settle_grads()  # a configure_gradient_clipping override may edit them after clipping
+        self._finish_step(found_inf)
+        return closure_result
+
+    def _finish_step(self, found_inf: bool) -> None:
+        """The host AdamW step, or a skipped one on inf/NaN gradients (16-mixed), then the loss scale's update."""
         self._attached = []
         if found_inf:
-            engine.skip_step()
+            self.engine.skip_step()
         else:
-            engine.step()
+            self.engine.step()
         if self.scaling:
             self._update_scale(found_inf)
-        return closure_result
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -378,12 +386,132 @@ class MegaTrainPrecision(Precision):
             self.growth_interval = int(st.get("growth_interval", self.growth_interval))
 
 
+class MegaTrainFabricPrecision(MegaTrainPrecision):
+    """The precision plugin of ``Fabric(strategy="megatrain")``: :class:`MegaTrainPrecision`'s dtypes, autocast and
+    loss scaling with Fabric's calls (``fabric.backward``, ``fabric.clip_gradients``, ``optimizer.step()``).
+
+    A Fabric loop is user code from end to end (as the Trainer's manual optimization): after every
+    ``fabric.backward`` each parameter's ``.grad`` is a view of its fp32 host accumulator (the gradients summed so
+    far; ``None`` where none arrived), edits of it reach the step, and ``optimizer.zero_grad()`` (which sets every
+    ``.grad`` to ``None``) drops them. Inputs and outputs of the module are cast as Fabric's own plugins cast them:
+    under the mixed modes and ``"bf16-true"`` floating-point inputs go to the 16-bit dtype and floating-point outputs
+    back to torch's default dtype (fp32).
+
+    Args: as :class:`MegaTrainPrecision`.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._found_inf: bool | None = None  # 16-mixed: unscaled in this step (clip_gradients or the step), inf seen
+
+    def convert_input(self, data: Any) -> Any:
+        if self.autocast_dtype is None:
+            return super().convert_input(data)
+        return apply_to_collection(data, function=_convert_fp_tensor, dtype=torch.Tensor, dst_type=self.autocast_dtype)
+
+    def convert_output(self, data: Any) -> Any:
+        if self.precision == "32-true":
+            return data
+        return apply_to_collection(data, function=_convert_fp_tensor, dtype=torch.Tensor,
+                                   dst_type=torch.get_default_dtype())
+
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
+        """Edits of the ``.grad`` shown since the last backward into the accumulators; ``.grad`` hidden."""
+        self._settle_grads()
+        self._detach_grads()
+        return tensor
+
+    def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        """``tensor.backward(*args, **kwargs)``; under ``"16-mixed"`` of ``tensor`` times the loss scale."""
+        if self.scaling:
+            tensor = tensor * self.scale
+        tensor.backward(*args, **kwargs)
+
+    def post_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
+        """``param.grad`` = the host accumulators (waits for this backward's gradient copies); not with the NVMe
+        gradient tier (``None`` there)."""
+        engine = self.engine
+        if engine is not None and not engine.update_in_backward:
+            engine.attach_grads()
+            self._attached = [(n, p, p.grad) for n, p in engine.root.named_parameters()]
+        return tensor
+
+    def unscale_gradients(self, optimizer: Any) -> None:
+        """``"16-mixed"``: divide the accumulated gradients by the loss scale, once per step (the first of
+        ``fabric.clip_gradients`` and ``optimizer.step()``); other modes: nothing."""
+        if not self.scaling or self._found_inf is not None or self.engine is None:
+            return
+        self._settle_grads()
+        self.engine.wait_grads()
+        self._found_inf = self._unscale_and_check(optimizer)
+
+    def clip_norm(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
+        """``fabric.clip_gradients(max_norm=...)``: the total norm of the host gradients (0-dim fp32, before
+        clipping), as ``torch.nn.utils.clip_grad_norm_`` computes it; the clip applied at once (``.grad`` read after
+        it shows the clipped gradients) in one process, in the step's updates with several (``clip_in_place``).
+
+        Raises:
+            RuntimeError: ``error_if_nonfinite`` and the norm is inf/NaN.
+        """
+        self._settle_grads()
+        self.engine.wait_grads()
+        total = self.engine.optimizer.clip_grad_norm(float(max_norm), float(norm_type), error_if_nonfinite)
+        if self.clip_in_place:
+            self.engine.optimizer.apply_grad_ops()
+        return total
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """``optimizer.step(closure=None)``: the closure (if any), unscaling (16-mixed), then the host AdamW step (or
+        a skipped step on inf/NaN). Returns the closure's result."""
+        engine = self.engine
+        if engine is None:
+            raise RuntimeError("MegaTrainFabricPrecision is only usable with Fabric(strategy='megatrain').")
+        closure = kwargs.pop("closure", None)
+        result = closure() if closure is not None else None
+        self._settle_grads()
+        engine.wait_grads()
+        self.unscale_gradients(optimizer)
+        found_inf, self._found_inf = bool(self._found_inf), None
+        self._finish_step(found_inf)
+        return result
+
+
 def _looks_at_grads(module: Any) -> bool:
     """Whether anything may read ``param.grad`` after a backward: manual optimization, or an ``on_after_backward``
     of the module or of a callback."""
     if not module.automatic_optimization or is_overridden("on_after_backward", module):
         return True
     return any(is_overridden("on_after_backward", cb, Callback) for cb in module.trainer.callbacks)
+
+
+def _from_mixed(plugin: Any, cls: type[MegaTrainPrecision]) -> MegaTrainPrecision:
+    """``cls`` for a Lightning or Fabric ``MixedPrecision``: a user's ``GradScaler(init_scale=..., growth_interval=...)``
+    keeps its settings; ``GradScaler(enabled=False)`` gives fp16 autocast without loss scaling, as Lightning runs it
+    (bf16-mixed has no scaler)."""
+    scaler = getattr(plugin, "scaler", None)
+    enabled = scaler is not None and scaler.is_enabled()
+    kw = {} if not enabled else dict(init_scale=scaler.get_scale(), growth_factor=scaler.get_growth_factor(),
+                                     backoff_factor=scaler.get_backoff_factor(),
+                                     growth_interval=scaler.get_growth_interval())
+    return cls(plugin.precision, device_type=str(plugin.device), loss_scaling=scaler is None or enabled, **kw)
+
+
+def to_megatrain_fabric_precision(plugin: Any) -> MegaTrainFabricPrecision | None:
+    """Convert the generic plugin Fabric's connector builds from ``Fabric(precision=...)`` (``Precision``,
+    ``MixedPrecision`` with its ``GradScaler`` settings, ``HalfPrecision("bf16-true")``) into ours; a
+    :class:`MegaTrainPrecision` given by the user keeps its settings.
+
+    Raises:
+        UnsupportedPrecisionError: the plugin stands for a precision we do not support (``"16-true"``,
+            ``"64-true"``, Transformer Engine, bitsandbytes...).
+    """
+    if plugin is None or isinstance(plugin, MegaTrainFabricPrecision):
+        return plugin
+    if isinstance(plugin, MegaTrainPrecision):
+        return MegaTrainFabricPrecision(plugin.precision, _GRAD_NAMES[plugin.grad_dtype], plugin.scale,
+                                        plugin.growth_factor, plugin.backoff_factor, plugin.growth_interval,
+                                        plugin.device_type, plugin.scaling or plugin.precision != "16-mixed")
+    return _convert(plugin, MegaTrainFabricPrecision, FabricPrecision, FabricMixedPrecision, FabricHalfPrecision)
 
 
 def to_megatrain_precision(plugin: Precision | None) -> MegaTrainPrecision | None:
@@ -395,17 +523,20 @@ def to_megatrain_precision(plugin: Precision | None) -> MegaTrainPrecision | Non
     """
     if plugin is None or isinstance(plugin, MegaTrainPrecision):
         return plugin
-    if type(plugin) is Precision:
-        return MegaTrainPrecision("32-true")
-    if type(plugin) is MixedPrecision:
-        scaler = getattr(plugin, "scaler", None)  # a user's GradScaler(init_scale=..., growth_interval=...): kept
-        enabled = scaler is not None and scaler.is_enabled()
-        kw = {} if not enabled else dict(init_scale=scaler.get_scale(), growth_factor=scaler.get_growth_factor(),
-                                         backoff_factor=scaler.get_backoff_factor(),
-                                         growth_interval=scaler.get_growth_interval())
-        # GradScaler(enabled=False): fp16 autocast without loss scaling, as Lightning runs it
-        return MegaTrainPrecision(plugin.precision, device_type=str(plugin.device),
-                                  loss_scaling=scaler is None or enabled, **kw)
-    if type(plugin) is HalfPrecision and plugin.precision == "bf16-true":
-        return MegaTrainPrecision("bf16-true")
+    return _convert(plugin, MegaTrainPrecision, Precision, MixedPrecision, HalfPrecision)
+
+
+def _convert(plugin: Any, cls: type[MegaTrainPrecision], generic: type, mixed: type, half: type) -> MegaTrainPrecision:
+    """``cls`` for one of Lightning's (or Fabric's) generic plugins: ``generic`` (32-true), ``mixed``
+    (:func:`_from_mixed`), ``half`` with bf16-true.
+
+    Raises:
+        UnsupportedPrecisionError: any other plugin or precision.
+    """
+    if type(plugin) is generic:
+        return cls("32-true")
+    if type(plugin) is mixed:
+        return _from_mixed(plugin, cls)
+    if type(plugin) is half and plugin.precision == "bf16-true":
+        return cls("bf16-true")
     raise _unsupported(getattr(plugin, "precision", type(plugin).__name__))

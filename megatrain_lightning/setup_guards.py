@@ -44,12 +44,7 @@ def check_setup(strategy: Any, trainer: Any) -> None:
     module = strategy.lightning_module
     nvme = strategy.config.nvme
     fitting = trainer.state.fn == TrainerFn.FITTING
-    if type(strategy.checkpoint_io) is not TorchCheckpointIO:  # before any work: it would never be called
-        raise CheckpointError(
-            f"megatrain: the checkpoint plugin {type(strategy.checkpoint_io).__name__} (Trainer(plugins=[...])) would "
-            "not be used: strategy='megatrain' writes its directory checkpoints itself (safetensors shards, "
-            "atomic rename). Remove the plugin; to upload or post-process checkpoints, do it from a callback's "
-            "on_save_checkpoint or after the run.")
+    refuse_checkpoint_plugin(strategy.checkpoint_io)  # before any work: it would never be called
     if fitting:
         masters_on_disk = nvme is not None and Region.master in nvme.kinds
         refuse_callbacks_reading_masters_on_disk(trainer.callbacks, masters_on_disk)
@@ -103,6 +98,21 @@ def check_setup(strategy: Any, trainer: Any) -> None:
                            "cannot read or change the gradients. Clip with Trainer(gradient_clip_val=...) (applied "
                            "slab by slab), or keep the optimizer state in RAM (offload_optimizer='cpu') to see "
                            "param.grad there.")
+
+
+def refuse_checkpoint_plugin(checkpoint_io: Any) -> None:
+    """Raise if a checkpoint plugin other than Lightning's default is set (``Trainer(plugins=[...])`` or
+    ``Fabric(plugins=[...])``): the directory checkpoints are written by the strategy itself, so it would never be
+    called.
+
+    Raises:
+        CheckpointError: naming the plugin and what to do instead.
+    """
+    if type(checkpoint_io) is not TorchCheckpointIO:
+        raise CheckpointError(
+            f"megatrain: the checkpoint plugin {type(checkpoint_io).__name__} (plugins=[...]) would not be used: "
+            "strategy='megatrain' writes its directory checkpoints itself (safetensors shards, atomic rename). "
+            "Remove the plugin; to upload or post-process checkpoints, do it after the save.")
 
 
 def check_new_store(module: torch.nn.Module) -> None:

@@ -26,57 +26,30 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import signal
 import threading
 from typing import Any, Callable, Generator, Mapping
 
 import torch
-import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection, _sync_ddp_if_available
-from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from .callbacks import add_flush_callbacks
-from .checkpoint.hf_io import weight_sources
-from .checkpoint.strategy_io import StrategyCheckpoints
 from .config import MegaTrainConfig, optimizer_in_backward_on
-from .engine.reduce import GradReducer
-from .engine.streaming import StreamingEngine
-from .optim.host_adamw import UnsupportedOptimizerError, validate_optimizer
-from .optim.takeover import OptimizerTakeover
-from .parallel.checkpoint_writers import CheckpointWriters
-from .parallel.faults import guarded
-from .parallel.groups import ProcessGroups
-from .parallel.launcher import MegaTrainLauncher
-from .store.allocator import bound_retention
-from .parallel.node_share import NodeStore, nvme_for_rank, weights_written
-from .parallel.preflight import (check_rendezvous, check_same_batches, check_same_config, optimizer_fingerprint,
-                                 run_fingerprint)
-from .parallel.summon import summon_full_params
-from .placeholder_guard import format_gib, guard as guard_placeholders, guard_state_dict, holder_of
-from .placeholder_guard import unguard as unguard_placeholders
+from .optim.host_adamw import UnsupportedOptimizerError
+from .parallel.preflight import check_same_batches
 from .precision import MegaTrainPrecision, to_megatrain_precision
-from .setup_guards import (check_new_store, check_setup, refuse_placeholder_writes, refuse_unfrozen,
-                           user_code_after_clip, user_code_sees_step_gradients)
-from .store.nvme import NVME_PATH_FROM_ENV
-from .store.regions import Region
+from .setup_guards import (check_setup, refuse_placeholder_writes, refuse_unfrozen, user_code_after_clip,
+                           user_code_sees_step_gradients)
+from .strategy_base import MegaTrainBase
 
 log = logging.getLogger(__name__)
 
 
-def _option(name: str) -> property:
-    """``strategy.<name>``: the option as :attr:`MegaTrainStrategy.config` holds it (read-only)."""
-    return property(lambda self: getattr(self.config, name), doc=f"``config.{name}`` (read-only).")
-
-
-class MegaTrainStrategy(ParallelStrategy):
+class MegaTrainStrategy(MegaTrainBase, ParallelStrategy):
     """Train a model larger than accelerator memory by streaming it block by block.
 
     fp32 master weights, fp32 gradient accumulators and AdamW ``exp_avg``/``exp_avg_sq`` live
@@ -114,21 +87,6 @@ class MegaTrainStrategy(ParallelStrategy):
     """
 
     strategy_name = "megatrain"
-    config_class = MegaTrainConfig  # what ``**options`` are (Hydra recipes check their keys against it)
-
-    lookahead = _option("lookahead")
-    block_group = _option("block_group")
-    recompute_every = _option("recompute_every")
-    recompute = _option("recompute")
-    activation_memory_limit = _option("activation_memory_limit")
-    offload_activations = _option("offload_activations")
-    loss_chunk_size = _option("loss_chunk_size")
-    mlp_chunk_size = _option("mlp_chunk_size")
-    host_threads = _option("host_threads")
-    optimizer_in_backward = _option("optimizer_in_backward")
-    unfreeze_during_fit = _option("unfreeze_during_fit")
-    nvme = _option("nvme")
-
     def __init__(
         self,
         accelerator: Any = None,
@@ -140,120 +98,11 @@ class MegaTrainStrategy(ParallelStrategy):
         cluster_environment: Any = None,
         **options: Any,
     ) -> None:
-        if config is not None and options:
-            raise TypeError(f"MegaTrainStrategy: pass either config or options ({', '.join(options)}), not both.")
-        self.config = config if config is not None else MegaTrainConfig(**options)
+        self._init_megatrain(config, options)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
-        self._num_nodes = 1
-        self._process_group_backend = self.config.process_group_backend
-        self.groups: ProcessGroups | None = None
-        self.engine: StreamingEngine | None = None
-        self.takeover = OptimizerTakeover()
-        self.checkpoints = StrategyCheckpoints(self, self._checkpoint_writers, self._share_written)
         self._interrupt_pending = False  # Ctrl-C arrived during in-backward updates: raised once the step is complete
         self._warned_log = False
-
-    # ------------------------------------------------------------------ devices and processes
-    @property
-    def root_device(self) -> torch.device:
-        """This process's device: ``parallel_devices[local_rank]`` (CPU before the Trainer sets them)."""
-        if self.parallel_devices:
-            return torch.device(self.parallel_devices[self.local_rank])
-        return torch.device("cpu")
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        """Processes per node (``Trainer(devices=N)``)."""
-        return len(self.parallel_devices) if self.parallel_devices is not None else 1
-
-    @property
-    def is_distributed(self) -> bool:
-        """More than one process in the run (Lightning's accelerator connector reads it for custom strategies:
-        it decides the ``DistributedSampler`` injection)."""
-        return self.num_processes * self.num_nodes > 1
-
-    distributed = is_distributed
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any] | None:
-        """What Lightning's ``DistributedSampler`` injection needs (``None`` in a single process)."""
-        if not self.distributed:
-            return None
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    def _configure_launcher(self) -> None:
-        """Lightning's subprocess script launcher, as ``DDPStrategy(start_method="popen")``, watching the ranks it
-        starts (``parallel/launcher.py``); none for one process (so a single-device run works in a notebook).
-        First the launch's environment is checked against devices/num_nodes (``parallel/preflight.py``)."""
-        assert self.cluster_environment is not None
-        check_rendezvous(os.environ, self.cluster_environment, self.num_processes, self.num_nodes)
-        self._launcher = (MegaTrainLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-                          if self.distributed else None)
-
-    def setup_environment(self) -> None:
-        """Lightning's, after bounding what glibc's ``malloc`` keeps of the host memory a step frees
-        (``store/allocator.py``: ``M_MMAP_THRESHOLD`` 8 MiB, ``M_ARENA_MAX`` 2; ``MEGATRAIN_MALLOC_TUNING=0`` turns it
-        off), then the process group when distributed."""
-        bound_retention()
-        super().setup_environment()
-        if self.distributed:
-            self.setup_distributed()
-
-    def setup_distributed(self) -> None:
-        """Initialise ``torch.distributed`` as ``DDPStrategy`` does (seed, ranks, default group with ``timeout``),
-        then create the engine's own groups (``parallel/groups.py``)."""
-        reset_seed()
-        self.set_world_ranks()
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        self._process_group_backend = backend
-        assert self.cluster_environment is not None
-        _init_dist_connection(self.cluster_environment, backend, timeout=self.config.timeout,
-                              device_id=self.root_device if self.root_device.type != "cpu" else None)
-        self.groups = ProcessGroups.create(self.local_rank, self.num_processes, self.node_rank, self.num_nodes,
-                                           timeout=self.config.timeout)
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
-
-    def _guard(self, what: str) -> Any:
-        """Main-thread collectives: a rank that died is named (``parallel/faults.py``)."""
-        return guarded(self.groups.peers if self.groups else None, what, self.config.timeout.total_seconds() if self.config.timeout else None)
-
-    def barrier(self, name: str | None = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        with self._guard(f"the barrier {name!r}" if name else "a barrier"):
-            if dist.get_backend() == "nccl":
-                dist.barrier(device_ids=[self.root_device.index])
-            else:
-                dist.barrier()
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        with self._guard("a broadcast"):
-            dist.broadcast_object_list(box, src)
-        return box[0]
-
-    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        """``self.log(..., sync_dist=True)``: the mean (or ``reduce_op``) over the ranks; identity in one process."""
-        if isinstance(tensor, torch.Tensor):
-            with self._guard("a reduce of logged values (sync_dist)"):
-                return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
 
     # ------------------------------------------------------------------ precision
     @property  # type: ignore[override]
@@ -284,43 +133,7 @@ class MegaTrainStrategy(ParallelStrategy):
         cfg = self.config
         reserve_frozen = cfg.unfreeze_during_fit if cfg.unfreeze_during_fit is not None \
             else any(isinstance(cb, BaseFinetuning) for cb in trainer.callbacks)  # BaseFinetuning unfreezes in fit
-        if self.engine is not None and (self.engine.closed or self.engine.root is not module
-                                        or self.engine.trainable != [reserve_frozen or p.requires_grad
-                                                                     for p in module.parameters()]
-                                        or not _same_parameters(self.engine.store, module)):
-            self.engine.close()
-            self.engine = None
-        if self.engine is None:
-            prev = holder_of(module)
-            if prev is not None and prev is not self:
-                prev.hand_over_weights()  # another strategy's store holds them (a new Trainer for the same module)
-            check_new_store(module)
-            nvme = nvme_for_rank(cfg.nvme, self.groups) if self.groups is not None and cfg.nvme is not None \
-                else cfg.nvme  # data parallel: the optimizer's regions on each owner's disk
-            if self.groups is not None:  # every rank the same model and options, before the store is built
-                check_same_config(self.groups.host, run_fingerprint(module, self, trainer), guard=self.groups.guard)
-            node = NodeStore(self.groups, cfg.timeout.total_seconds() if cfg.timeout else 1800.0,
-                             pin=cfg.pin_memory if self.root_device.type == "cuda" else False) if self.groups else None
-            self.engine = StreamingEngine(module, self.root_device, cfg, nvme=nvme, sources=weight_sources(module),
-                                          reducer=self._grad_reducer(), node=node, reserve_frozen=reserve_frozen)
-            if self.is_global_zero:  # once per engine: what is in force, to confirm from the log
-                self._log_tier()
-        unguard_placeholders(self.lightning_module)  # a forward with the store's weights bound is fine again
-        if self.engine.store.masters_on_disk:
-            guard_state_dict(self.lightning_module, (
-                "megatrain: state_dict() (or save_pretrained) of a module whose parameters are NVMe placeholders "
-                "(offload_params='nvme': the weights are in the NVMe store, the parameters hold NaN) would save NaN. "
-                "Save with trainer.save_checkpoint(dir) (dir/model loads with from_pretrained), or, from a hook, "
-                "inside `with trainer.strategy.summon_full_params(module, writeback=False):`; after fit the "
-                "weights come back into the module when host_memory_limit holds 4 bytes per parameter (otherwise save before "
-                "trainer.strategy.close(), which deletes the store and the weights only it holds)."))
-        self.engine.install()  # weights materialized after an earlier fit are written back
-        adopted = self.engine.adopt_replaced()  # e.g. another Trainer trained the module since this one ran
-        if adopted:
-            log.info("megatrain: %d parameter(s) (e.g. %s) were given new data since this Trainer last ran (another "
-                     "Trainer trained the module, or param.data = ... was assigned): their current values are used.",
-                     len(adopted), adopted[0])
-        self._share_written()
+        self._build_engine(module, reserve_frozen, trainer)
         module._device = self.root_device  # the module is never moved as a whole
         if trainer.state.fn == TrainerFn.FITTING:
             super().setup_optimizers(trainer)
@@ -340,41 +153,6 @@ class MegaTrainStrategy(ParallelStrategy):
                      "per trainable parameter and step).")
         self.setup_precision_plugin()
         self.takeover.wrap_lightning_optimizers(self._lightning_optimizers)
-
-    def _log_tier(self) -> None:
-        """Log once per engine what is in force (the tier, where each state lives, the options)."""
-        cfg, disk = self.config, self.engine.store.nvme_kinds
-        where = lambda *ks: "NVMe" if any(k in disk for k in ks) else "host RAM"  # noqa: E731
-        log.info("megatrain: strategy=MegaTrainStrategy, tier %s: fp32 masters in %s, AdamW state in %s, "
-                 "gradient accumulators in %s%s; device %s, precision=%s, lookahead=%s, block_group=%s, "
-                 "recompute=%s, recompute_every=%s, loss_chunk_size=%s, mlp_chunk_size=%s, "
-                 "offload_activations=%s, cpu_zero_copy=%s, optimizer_in_backward=%s, processes=%d",
-                 "NVMe" if disk else "RAM", where(Region.master), where(Region.exp_avg, Region.exp_avg_sq),
-                 where(Region.grad_accum),
-                 f" (host_memory_limit {cfg.nvme.host_memory_limit / 2**30:.1f} GiB, {cfg.nvme.path})"
-                 if disk and cfg.nvme is not None else "", self.root_device,
-                 getattr(self.precision_plugin, "precision", "?"), cfg.lookahead, cfg.block_group,
-                 cfg.recompute, cfg.recompute_every, cfg.loss_chunk_size, cfg.mlp_chunk_size,
-                 cfg.offload_activations, cfg.cpu_zero_copy, cfg.optimizer_in_backward, self.world_size)
-
-    def _share_written(self) -> None:
-        """Data parallel: the node's other ranks see the shared weights just written (no-op in one process)."""
-        if self.groups is not None and self.engine is not None:
-            weights_written(self.groups, self.engine.store)
-
-    def _checkpoint_writers(self) -> CheckpointWriters | None:
-        """Data parallel: each rank writes its own slabs of a directory checkpoint (``None`` in one process)."""
-        if self.groups is None:
-            return None
-        assert self.engine is not None and self.engine.ownership is not None
-        return CheckpointWriters(self.groups, self.engine.store, self.engine.ownership)
-
-    def _grad_reducer(self) -> GradReducer | None:
-        g = self.groups
-        if g is None:
-            return None
-        return GradReducer(g.grads, g.node_grads, g.cross_grads, g.node_rank, g.local_world_size, g.device_side_reduce,
-                           guard=g.guard)
 
     def setup_optimizers(self, trainer: Any) -> None:
         """Lightning's (``configure_optimizers`` again); during fit, where a callback calls
@@ -401,15 +179,7 @@ class MegaTrainStrategy(ParallelStrategy):
                 f"{len(self.optimizers)}. Return a single torch.optim.AdamW (use param groups for different "
                 "learning rates or weight decay)."
             )
-        opt = self.optimizers[0]
-        validate_optimizer(opt)
-        if self.groups is not None:  # every rank's owners must apply the same update
-            check_same_config(self.groups.host, optimizer_fingerprint(opt, self.lr_scheduler_configs),
-                              guard=self.groups.guard)
-        assert self.engine is not None
-        self.engine.attach_optimizer(opt, overlap=self.config.overlap_optimizer)
-        plugin = self.precision_plugin
-        self.takeover.take_over(opt, self.engine, plugin.grads_zeroed if isinstance(plugin, MegaTrainPrecision) else None)
+        self._attach_host_optimizer(self.optimizers[0], self.precision_plugin, self.lr_scheduler_configs)
 
     # ------------------------------------------------------------------ step
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -549,36 +319,6 @@ class MegaTrainStrategy(ParallelStrategy):
         except AttributeError:  # another Lightning version: stay with the deferred schedule
             return False
 
-    def flush(self) -> None:
-        """Apply pending optimizer updates so parameters read directly are current."""
-        if self.engine is not None:
-            self.engine.flush()
-
-    def weights_written(self) -> None:
-        """Call after writing parameters through ``param.data`` (or another tensor with a version counter of its
-        own): the engine then drops prefetched copies and re-encodes the cached 16-bit wire images of the mixed
-        precisions at their next fetch. Writes with ``param.copy_`` / ``param.mul_`` under ``torch.no_grad()`` are
-        seen without it (their version counter moves). A write between an optimizer step and the next forward needs
-        :meth:`flush` *before* it (the step's update may still be pending; a write under it is refused at its
-        next fetch with a RuntimeError)."""
-        if self.engine is not None:
-            opt = self.engine.optimizer
-            if opt is not None and opt.has_pending():
-                raise RuntimeError(
-                    "megatrain: weights_written() was called while optimizer updates were still deferred "
-                    "(overlap_optimizer=True applies each block's update when the next forward fetches it): the "
-                    "write just made hit the weights from before that update, and the update would land on top of "
-                    "it. Call trainer.strategy.flush() before writing the weights, then weights_written() after.")
-            self.engine.weights_written()
-
-    def summon_full_params(self, module: torch.nn.Module | None = None, writeback: bool = True
-                           ) -> contextlib.AbstractContextManager[None]:
-        """The parameters of ``module`` (default: the whole LightningModule) hold their current fp32 weights inside
-        this context, as FSDP's ``summon_full_params``
-        (:func:`~megatrain_lightning.parallel.summon.summon_full_params`: ``writeback``, errors, an example)."""
-        return summon_full_params(self.engine, module if module is not None else self.lightning_module, writeback,
-                                  self.groups, self.barrier)
-
     def on_exception(self, exception: BaseException) -> None:
         """With the weights on NVMe, an in-place write into a placeholder parameter that torch itself refuses
         (``copy_``, ``mul_``, ``nn.init.normal_``, ``load_state_dict`` on a stride-0 tensor: "more than one element of
@@ -671,9 +411,6 @@ class MegaTrainStrategy(ParallelStrategy):
             return {"state": {}, "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
         return self.engine.optimizer.state_dict(copy=False)
 
-    def _masters_on_disk(self) -> bool:
-        return self.engine is not None and not self.engine.closed and self.engine.store.masters_on_disk
-
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Write a directory checkpoint, or defer it to the end of the step when asked for mid-backward
@@ -704,10 +441,7 @@ class MegaTrainStrategy(ParallelStrategy):
 
     def teardown(self) -> None:
         """Flush updates, restore the module's own ``forward`` methods and the optimizer."""
-        if self.engine is not None:
-            self.engine.uninstall()
-            if self._masters_on_disk():
-                self._release_nvme()
+        self._release_engine()
         self.takeover.restore(self._lightning_optimizers)
         module = self.lightning_module
         if module is not None and any(p.is_meta for p in module.parameters()):
@@ -719,93 +453,3 @@ class MegaTrainStrategy(ParallelStrategy):
             self.checkpoint_io.teardown()
             return
         super().teardown()
-
-    def _release_nvme(self) -> None:
-        """End of a run with masters on disk. The store stays open (it is the authoritative copy:
-        ``trainer.save_checkpoint`` after ``fit`` reads it); if the fp32 weights fit in
-        ``host_memory_limit`` the module's parameters get real tensors again (copies, written back at
-        the next setup) so the module works on its own; otherwise they stay placeholders and a
-        warning says how to get the weights."""
-        assert self.engine is not None and self.engine.host_memory_limit is not None
-        nbytes = 4 * self.engine.store.numel
-        if nbytes <= self.engine.host_memory_limit:
-            self.engine.params.materialize()
-        else:
-            assert self.lightning_module is not None
-            guard_placeholders(self.lightning_module, self.engine.store.is_placeholder, nbytes / 2**30,
-                               str(self.engine.store.nvme.dir), holder=self)
-            log.warning(
-                "megatrain: the fp32 weights (%s) exceed host_memory_limit, so after the run they stay in the "
-                "NVMe store %s and the module's parameters are placeholders; save them with "
-                "trainer.save_checkpoint(dir) or read one with trainer.strategy.engine.read_param(p). "
-                "trainer.strategy.close() (or the end of the process) removes the files.",
-                format_gib(nbytes / 2**30), self.engine.store.nvme.dir)
-
-    def hand_over_weights(self) -> None:
-        """Bring the trained fp32 weights, which only this strategy's NVMe store holds (larger than its
-        ``host_memory_limit``), into the module's parameters, then :meth:`close`: called by another strategy's
-        setup for the same module (a new Trainer), so the weights are neither trained on as placeholders nor
-        deleted with this strategy when it is garbage-collected. Needs 4 bytes/param of host RAM.
-
-        Raises:
-            MemoryError: the weights do not fit in the host RAM available now (``MemAvailable``); nothing is
-                changed (the store stays open and the error names how to save them).
-        """
-        from .store.budget import mem_available_bytes
-
-        if self.engine is None or self.engine.closed:
-            return
-        nbytes = 4 * self.engine.store.numel
-        avail = mem_available_bytes()
-        if avail is not None and nbytes > 0.9 * avail:
-            raise MemoryError(
-                f"megatrain: the module's trained fp32 weights ({format_gib(nbytes / 2**30)}) are only in the NVMe store "
-                f"{self.engine.store.nvme.dir} of the strategy of a previous Trainer, and they do not fit in the host "
-                f"RAM available ({avail / 2**30:.2f} GiB) to hand them to this one. Save them with that Trainer "
-                "(trainer.save_checkpoint(dir)) before making a new Trainer, and fit the new one with ckpt_path=dir; "
-                "the previous strategy stays open while the module lives: megatrain_lightning.placeholder_guard."
-                "holder_of(module).")
-        self.engine.params.materialize()
-        self.close()
-
-    def close(self) -> None:
-        """Close the engine: stop its threads and remove the NVMe store's files (unless kept).
-
-        If the weights were only in the store (larger than ``host_memory_limit``), they are gone
-        afterwards: save them first (``trainer.save_checkpoint``). The module then refuses to be
-        set up again (its parameters are placeholders)."""
-        if self.engine is not None:
-            eng = self.engine
-            if eng.store.masters_on_disk and not eng.params.materialized and not (self.config.nvme and self.config.nvme.keep_files):
-                log.warning("megatrain: closing the NVMe store deletes the trained weights, which were only in it; "
-                            "the module's parameters stay placeholders.")
-            self.engine.close()
-            self.engine = None
-        self.takeover.close()  # the torch optimizer's own state_dict methods again
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            "megatrain",
-            cls,
-            description="Stream blocks through one device; fp32 weights and AdamW state in host RAM",
-        )
-        strategy_registry.register(
-            "megatrain_nvme",
-            cls,
-            description="megatrain with fp32 weights, AdamW state and gradients on NVMe ($MEGATRAIN_NVME_PATH)",
-            offload_params="nvme",
-            offload_optimizer="nvme",
-            nvme_path=NVME_PATH_FROM_ENV,
-        )
-
-
-def _same_parameters(store: Any, module: torch.nn.Module) -> bool:
-    """Whether every parameter of ``module`` is one the store was built from, with the shape it had (a
-    ``resize_token_embeddings`` or a replaced submodule between two ``fit`` calls makes new parameters: the store
-    is then rebuilt from the module as it is now)."""
-    for p in module.parameters():
-        where = store.index.get(id(p))
-        if where is None or tuple(store.slabs[where[0]].entries[where[1]].shape) != tuple(p.shape):
-            return False
-    return True

@@ -12,6 +12,7 @@ import megatrain_lightning
 
 PKG = Path(megatrain_lightning.__file__).parent
 LAYER = {"blocks": 0, "store": 1, "optim": 2, "engine": 3, "checkpoint": 4, "precision": 4, "strategy": 5,
+         "strategy_base": 5, "fabric": 5,
          "parallel": 5, "recipes_lib": 6, "export": 6, "plan": 6, "planning": 6, "data": 6, "testing": 7}
 
 

@@ -369,7 +369,7 @@ def test_closed_store_weights_are_refused_and_the_same_process_is_named(tmp_path
     tr.validate(lm, make_data(n=2), verbose=False)  # the strategy binds the store's weights: allowed
     with pytest.raises(NVMeStoreLockedError, match="still open in this process.*trainer.strategy.close"):
         fit(nvme_strategy(tmp_path), steps=1)
-    with caplog.at_level(logging.WARNING, logger="megatrain_lightning.strategy"):
+    with caplog.at_level(logging.WARNING, logger="megatrain_lightning.strategy_base"):
         tr.strategy.close()
     assert "deletes the trained weights" in caplog.text
     with pytest.raises(RuntimeError, match="holds no weights .*NVMe placeholder"):

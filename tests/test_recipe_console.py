@@ -68,7 +68,7 @@ def test_recipe_console_one_line_per_message_bar_warnings_and_setup_line(tmp_pat
     assert all(re.fullmatch(r"step \d/3: loss \d+\.\d{4}, \d+\.\d s/step", s) for s in steps), steps
     assert any(msg.startswith("validation batch 1/1") for _, _, msg in records)
     # the setup line: strategy, tier and options, once
-    setup = [msg for name, _, msg in records if name == "megatrain_lightning.strategy" and "tier" in msg]
+    setup = [msg for name, _, msg in records if name == "megatrain_lightning.strategy_base" and "tier" in msg]
     assert len(setup) == 1, setup
     assert setup[0].startswith("megatrain: strategy=MegaTrainStrategy, tier RAM: fp32 masters in host RAM, "
                                "AdamW state in host RAM"), setup
@@ -113,7 +113,7 @@ def test_setup_logs_the_strategy_tier_and_options_once(tmp_path, caplog, tier):
     with caplog.at_level(logging.INFO, logger="megatrain_lightning"):
         tr.fit(LM(make_model("llama")), make_data(n=4))
         tr.validate(tr.lightning_module, make_data(n=2), verbose=False)
-    lines = [r.getMessage() for r in caplog.records if r.name == "megatrain_lightning.strategy" and " tier " in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if r.name == "megatrain_lightning.strategy_base" and " tier " in r.getMessage()]
     assert len(lines) == 1, lines  # validate on the same module reuses the engine: no second line
     where = "NVMe" if tier == "nvme" else "host RAM"
     assert lines[0].startswith(f"megatrain: strategy=MegaTrainStrategy, tier {'NVMe' if tier == 'nvme' else 'RAM'}: "

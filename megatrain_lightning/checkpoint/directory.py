@@ -295,12 +295,35 @@ def _save_together(final: Path, checkpoint: dict[str, Any], module: nn.Module, e
         raise
 
 
+def saved_name(saved: Any, current: list[str]) -> Callable[[str], str]:
+    """Map a parameter or state_dict name of the module being loaded to its name in a checkpoint whose parameter names
+    are ``saved``: the same, or with one leading module path added or removed when that makes every current name a
+    saved one (a checkpoint of a ``LightningModule`` holding ``self.model = hf_model`` loaded into the Hugging Face
+    model itself, as a Fabric loop trains it, and the reverse)."""
+    names = set(saved)
+    if not current or all(n in names for n in current):
+        return lambda n: n
+    first = current[0]
+    for s in names:  # the checkpoint's names have a prefix more: "model." + name
+        if s.endswith("." + first):
+            pre = s[: len(s) - len(first)]
+            if all(pre + n in names for n in current):
+                return lambda n: pre + n
+    for s in names:  # the module's names have a prefix more
+        if first.endswith("." + s):
+            pre = first[: len(first) - len(s)]
+            if all(n.startswith(pre) and n[len(pre):] in names for n in current):
+                return lambda n: n[len(pre):] if n.startswith(pre) else n
+    return lambda n: n
+
+
 def check_compatible(path: Path, info: dict[str, Any], module: nn.Module, strict: bool = True) -> None:
     """Raise ``CheckpointError`` naming the differences if the checkpoint was written for another model: with
     ``strict`` (``LightningModule.strict_loading``), parameters missing on either side or of another shape; without,
     only a parameter both hold with another shape (as ``nn.Module.load_state_dict(strict=False)``)."""
     saved = info["params"]
-    current = {n: list(p.shape) for n, p in module.named_parameters()}
+    rename = saved_name(saved, [n for n, _ in module.named_parameters()])
+    current = {rename(n): list(p.shape) for n, p in module.named_parameters()}
     missing = sorted(set(current) - set(saved)) if strict else []
     extra = sorted(set(saved) - set(current)) if strict else []
     shapes = sorted(n for n in set(current) & set(saved) if saved[n]["shape"] != current[n])
@@ -384,8 +407,10 @@ def load_checkpoint_dir(path: str | os.PathLike, module: nn.Module, engine: Any 
     params = {id(t) for t in module.parameters()}
     sources: dict[str, SafetensorsSource] = {}
     done: set[int] = set()
+    rename = saved_name(info["params"], [n for n, _ in module.named_parameters()])
     with torch.no_grad():
         for name, t in module.state_dict(keep_vars=True).items():
+            name = rename(name)
             if name not in keys or t is None or id(t) in done:  # not saved (strict=False, declared unsaved): kept
                 continue
             done.add(id(t))
@@ -416,8 +441,10 @@ def load_optimizer_dir(path: str | os.PathLike, module: nn.Module, engine: Any, 
     if opt is None or not (p / "optimizer").exists():
         return
     source = SafetensorsSource(p / "optimizer")
-    opt.load_param_groups_meta(meta.get("megatrain_param_groups"), module)
+    rename = saved_name(read_info(p)["params"], [n for n, _ in module.named_parameters()])
+    opt.load_param_groups_meta(meta.get("megatrain_param_groups"), module, rename)
     for name, param in module.named_parameters():
+        name = rename(name)
         if source.has(f"{name}/exp_avg"):
             opt.load_param_state(param, source.get(f"{name}/exp_avg"), source.get(f"{name}/exp_avg_sq"),
                                  source.get(f"{name}/step"))

@@ -12,10 +12,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from lightning import __version__ as lightning_version
 from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
 
 from ..placeholder_guard import keys_only
 from .atomic import check_name_length
@@ -24,6 +30,13 @@ from .directory import load_checkpoint_dir, load_optimizer_dir, save_checkpoint_
 from .errors import CheckpointError
 from .lightning_resume import load_lightning_optimizer, load_lightning_weights
 from .location import is_local, local_path
+
+FABRIC_KEY = "megatrain_fabric"
+"""``trainer.pt`` key of a checkpoint written by ``fabric.save``: ``{"module": name, "optimizer": name}`` in its
+state."""
+VERSION_KEY = "pytorch-lightning_version"
+PRECISION_KEY = "MegaTrainPrecision"
+"""``trainer.pt`` key of the precision plugin's state (the key the Trainer writes and restores)."""
 
 
 class StrategyCheckpoints:
@@ -193,6 +206,141 @@ class StrategyCheckpoints:
             load_lightning_optimizer(checkpoint, st.engine.optimizer, source=self.loaded_file)
             return
         load_optimizer_dir(self.loaded_path, st.lightning_module, st.engine, self.loaded_meta)
+
+    # ------------------------------------------------------------------ Fabric
+    def save_fabric(self, path: Any, state: Mapping[str, Any], precision_state: Mapping[str, Any],
+                    filter: Any = None) -> None:
+        """``fabric.save(path, state)``: the same directory checkpoint as ``trainer.save_checkpoint`` (weights in
+        ``model/``, AdamW state in ``optimizer/``, the other entries of ``state`` in ``trainer.pt``), so either
+        strategy resumes it. ``state`` maps names to the module set up (written from the host store), its optimizer
+        (the host AdamW state), objects with ``state_dict()`` (their state) and plain values (as they are); every LR
+        scheduler's state is also listed under ``lr_schedulers`` (what the Trainer restores). ``precision_state``:
+        the precision plugin's ``state_dict()`` (16-mixed's loss scale), kept under ``MegaTrainPrecision``.
+
+        Raises:
+            ValueError: ``filter`` given (a directory checkpoint writes every tensor of the module), or a module or
+                optimizer in ``state`` that the strategy does not train.
+            CheckpointError, OSError: as :meth:`save`.
+        """
+        st = self.strategy
+        if filter:
+            raise ValueError("megatrain: fabric.save(..., filter=...) is not supported: the directory checkpoint "
+                             "writes every tensor of the module from the host store. Save without filter (and drop "
+                             "what you do not need when exporting: python -m megatrain_lightning.export).")
+        if st.engine is None:
+            raise RuntimeError("fabric.save called before fabric.setup(model, optimizer) with strategy='megatrain'.")
+        checkpoint: dict[str, Any] = {"state_dict": {}}
+        names: dict[str, str] = {}
+        schedulers = []
+        for key, obj in state.items():
+            role = self._role(obj)
+            if role is not None:
+                names[role] = key
+                if role == "optimizer":
+                    checkpoint["optimizer_states"] = [{}]  # written from the host store
+                continue
+            if isinstance(obj, LRScheduler):
+                schedulers.append(obj.state_dict())
+            checkpoint[key] = obj.state_dict() if isinstance(obj, _Stateful) else obj
+        checkpoint[FABRIC_KEY] = names
+        checkpoint.setdefault("lr_schedulers", schedulers)
+        checkpoint.setdefault(VERSION_KEY, lightning_version)  # what Lightning's resume reads first
+        if precision_state:
+            checkpoint[PRECISION_KEY] = dict(precision_state)
+        self.save(checkpoint, path)
+
+    def load_fabric(self, path: Any, state: Any, precision: Any, strict: bool = True,
+                    weights_only: bool | None = None) -> dict[str, Any]:
+        """``fabric.load(path, state)``: restore the module set up, its optimizer and the other entries of
+        ``state`` in place from a directory checkpoint of either strategy, or from a one-file checkpoint (another
+        Fabric strategy's ``fabric.save``: the module's and optimizer's entries are copied into the host store).
+        ``state`` may also be the module or its optimizer alone (``fabric.load_raw``: a plain ``state_dict()`` file).
+        Entries of other names: objects with ``load_state_dict`` get theirs, plain values are replaced in ``state``;
+        an LR scheduler missing by name takes the Trainer's ``lr_schedulers`` entry of its rank. ``precision``:
+        the precision plugin (its loss scale is restored). Returns what ``state`` did not ask for.
+
+        Raises:
+            ValueError: ``state`` is empty or names no module trained by the strategy.
+            KeyError: ``strict`` and an entry of ``state`` is not in the checkpoint.
+            CheckpointError: as :meth:`load`; the optimizer is asked for and the checkpoint has no AdamW state.
+        """
+        st = self.strategy
+        if isinstance(state, (nn.Module, Optimizer)):  # fabric.load_raw: a plain state dict in one file
+            role = self._role(state)
+            raw = st.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+            if role == "module":
+                st.flush()
+                load_lightning_weights({"state_dict": raw}, st.lightning_module, st.engine, strict=strict,
+                                       source=str(path))
+                st.engine.stopped.restored()
+                self.share_written()
+            elif role == "optimizer":
+                st.flush()
+                load_lightning_optimizer({"optimizer_states": [raw]}, st.engine.optimizer, source=str(path))
+            return {}
+        if isinstance(state, Mapping) is False or not state:
+            raise ValueError("megatrain: fabric.load(path, state) needs the state to restore, e.g. "
+                             "{'model': model, 'optimizer': optimizer}: a directory checkpoint's tensors go straight "
+                             "into the strategy's host store, not into a returned dict. To read the weights, "
+                             "load the checkpoint's model/ folder with from_pretrained or safetensors.")
+        roles = {key: self._role(obj) for key, obj in state.items()}
+        if "module" not in roles.values():
+            raise ValueError("megatrain: the state given to fabric.load holds no module set up with this strategy.")
+        meta = self.load(path, weights_only)
+        if self.loaded_file is not None:  # a one-file checkpoint: the module's and optimizer's entries by name
+            for key, role in roles.items():
+                if role == "module":
+                    self.load_model_state_dict({"state_dict": meta.pop(key)}, strict)
+                elif role == "optimizer":
+                    load_lightning_optimizer({"optimizer_states": [meta.pop(key)]}, st.engine.optimizer,
+                                             source=self.loaded_file)
+        elif "optimizer" in roles.values():
+            if "optimizer_states" not in meta:
+                raise CheckpointError(f"{path} holds no optimizer state (saved without the optimizer, or weights only); "
+                                      "load it without the optimizer in the state to start a fresh one.")
+            load_optimizer_dir(self.loaded_path, st.lightning_module, st.engine, self.loaded_meta)
+        fabric_names = meta.pop(FABRIC_KEY, None)
+        for k in ("state_dict", "optimizer_states", "megatrain_param_groups"):
+            meta.pop(k, None)
+        if PRECISION_KEY in meta:
+            precision.load_state_dict(meta.pop(PRECISION_KEY))
+        trainer_schedulers = list(meta.get("lr_schedulers") or []) if fabric_names is None else []
+        for key, obj in state.items():
+            if roles[key] is not None:
+                continue
+            if key in meta:
+                value = meta.pop(key)
+                if isinstance(obj, _Stateful):
+                    obj.load_state_dict(value)
+                else:
+                    state[key] = value
+            elif isinstance(obj, LRScheduler) and trainer_schedulers:
+                obj.load_state_dict(trainer_schedulers.pop(0))
+            elif strict:
+                raise KeyError(f"The requested state contains a key '{key}' that does not exist in the loaded "
+                               "checkpoint. To disable strict loading, set `strict=False`.")
+        if fabric_names is not None:
+            meta.pop("lr_schedulers", None)
+            meta.pop(VERSION_KEY, None)
+        return meta
+
+    def _role(self, obj: Any) -> str | None:
+        """``"module"`` (the module the strategy trains), ``"optimizer"`` (its optimizer), or ``None``.
+
+        Raises:
+            ValueError: another module or optimizer, which the directory checkpoint would not hold.
+        """
+        st = self.strategy
+        host = st.engine.optimizer if st.engine is not None else None
+        if obj is st.lightning_module:
+            return "module"
+        if host is not None and obj is host.optimizer:
+            return "optimizer"
+        if isinstance(obj, (nn.Module, Optimizer)):
+            raise ValueError(f"megatrain: the checkpoint state holds a {type(obj).__name__} that the strategy does not "
+                             "train (the directory checkpoint holds the module set up with it and its optimizer); "
+                             "save that object separately (torch.save(obj.state_dict(), path)).")
+        return None
 
     def remove(self, filepath: Any) -> None:
         """Remove a checkpoint directory, file or symlink (not the symlink's target: ``save_last="link"``), as

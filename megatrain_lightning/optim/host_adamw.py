@@ -38,7 +38,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.optim.adam import adam as _functional_adam
@@ -363,11 +363,20 @@ class HostAdamW:
             own.all_reduce(stacked, "sum")
         return torch.linalg.vector_norm(stacked, norm_type)
 
-    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` over the host gradients: returns the total norm and
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the host gradients: returns the total norm (0-dim fp32) and
         records the scale ``min(1, max_norm / (norm + 1e-6))`` for the coming step (applied per slab
-        in its update)."""
+        in its update).
+
+        Raises:
+            RuntimeError: ``error_if_nonfinite`` and the norm is inf/NaN (nothing recorded), as torch's.
+        """
         total = self.grad_norm(norm_type)
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(
+                f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
+                "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
+                "set `error_if_nonfinite=False`")
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         self.grad_ops.append(("mul", coef))
         return total
@@ -628,15 +637,17 @@ class HostAdamW:
             out.append(d)
         return out
 
-    def load_param_groups_meta(self, meta: list[dict[str, Any]] | None, module: torch.nn.Module) -> None:
-        """Restore param-group hyper-parameters saved by :meth:`param_groups_meta`.
+    def load_param_groups_meta(self, meta: list[dict[str, Any]] | None, module: torch.nn.Module,
+                               rename: Callable[[str], str] | None = None) -> None:
+        """Restore param-group hyper-parameters saved by :meth:`param_groups_meta`; ``rename`` maps a parameter name
+        of ``module`` to its name in ``meta`` (default: the same).
 
         Raises:
             ValueError: the groups hold other parameters than the current optimizer's.
         """
         if not meta:
             return
-        names = {id(p): n for n, p in module.named_parameters()}
+        names = {id(p): (rename(n) if rename else n) for n, p in module.named_parameters()}
         if len(meta) != len(self.optimizer.param_groups):
             raise ValueError(f"Checkpoint has {len(meta)} param groups, the optimizer {len(self.optimizer.param_groups)}.")
         for g, m in zip(self.optimizer.param_groups, meta):
