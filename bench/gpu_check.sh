@@ -75,8 +75,10 @@ main ${ARGS[@]+"${ARGS[@]}"} 2>&1 | tee "$LOG"
 rc=${PIPESTATUS[0]}
 if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ] && [ "$OUT" != "$RESULTS" ]; then
     # result files of the further checks (their scripts write into the results folder)
-    cp "$RESULTS"/memory_depth_*.json "$RESULTS"/overhead_*.json "$RESULTS"/pinned_*.json "$RESULTS"/recompute_policy_*.json \
-        "$RESULTS"/scaling_*.json "$RESULTS"/peer*.json "$OUT"/ 2>/dev/null
+    # (only those this run wrote: the tracked results of earlier runs would take $OUT's few file slots)
+    find "$RESULTS" -maxdepth 1 -newermt "@$START" \( -name 'memory_depth_*.json' -o -name 'overhead_*.json' \
+        -o -name 'pinned_*.json' -o -name 'recompute_policy_*.json' -o -name 'scaling_*.json' -o -name 'peer*.json' \) \
+        -exec cp {} "$OUT"/ \; 2>/dev/null
 fi
 echo "total $(($(date +%s) - START))s, exit $rc"
 exit $rc

@@ -17,6 +17,9 @@ from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any, Sequence
 
+import torch
+import torch.utils.checkpoint
+
 from .store.budget import parse_bytes
 from .store.nvme import ALIGN, IO_BLOCK_SIZE, NVME_PATH_FROM_ENV, NVMeConfig
 from .store.regions import Region
@@ -346,10 +349,17 @@ def check_recompute(mode: Any, activation_memory_limit: int | str | None = None)
         (mode, limit in bytes or ``None``: "auto" then takes half the free device memory).
     Raises:
         ValueError: ``mode`` not one of :data:`RECOMPUTE_MODES`, or the limit not a positive size.
+        RuntimeError: ``"selective"`` or ``"auto"`` with a torch whose selective activation checkpointing has no
+            recompute marker (``torch.utils.checkpoint._RECOMPUTE``; torch 2.11 lacks it, 2.13 has it): the kept
+            op outputs cannot be dropped from its cache.
     """
     if mode not in RECOMPUTE_MODES:
         raise ValueError(f"megatrain: recompute={mode!r} is not a recompute policy; use one of "
                          f"{', '.join(repr(m) for m in RECOMPUTE_MODES)} (strategy option / Hydra key strategy.recompute).")
+    if mode in ("selective", "auto") and not hasattr(torch.utils.checkpoint, "_RECOMPUTE"):
+        raise RuntimeError(f"megatrain: recompute={mode!r} needs torch.utils.checkpoint._RECOMPUTE, which torch "
+                           f"{torch.__version__} lacks (torch 2.13 has it): upgrade torch, or use recompute='block' "
+                           "or 'none'.")
     limit = None
     if activation_memory_limit is not None:
         try:

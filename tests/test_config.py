@@ -74,3 +74,18 @@ def test_the_planner_decides_optimizer_in_backward_by_the_config_rule(option, ti
     for key in ("offload_params", "offload_optimizer", "offload_grads"):
         settings = {"optimizer_in_backward": option, key: tier}
         assert update_in_backward(settings) == optimizer_in_backward_on(option, tier == "nvme")
+
+
+@pytest.mark.parametrize("mode", ["selective", "auto"])
+def test_selective_recompute_is_refused_at_construction_on_a_torch_without_the_sac_marker(monkeypatch, mode):
+    """torch releases whose selective activation checkpointing has no recompute marker (2.11) cannot drop a kept
+    op output from its cache: ``"selective"`` and ``"auto"`` (which may choose it) are refused when the strategy
+    is built, naming the torch version and the modes that work; ``"block"`` and ``"none"`` still build."""
+    import torch.utils.checkpoint
+
+    monkeypatch.delattr(torch.utils.checkpoint, "_RECOMPUTE")
+    with pytest.raises(RuntimeError, match=rf"recompute='{mode}' needs torch.utils.checkpoint._RECOMPUTE.*"
+                                           r"recompute='block' or 'none'"):
+        MegaTrainStrategy(recompute=mode)
+    for ok in ("block", "none"):
+        assert MegaTrainStrategy(recompute=ok).config.recompute == ok

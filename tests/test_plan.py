@@ -929,3 +929,20 @@ def test_plan_defines_its_own_terms_where_they_appear():
     fp32 = format_plan(plan(load_model("smollm2_135m"), load_hardware("this_machine"), precision="32-true"))
     assert "terms: wire dtype: " in fp32 and "wire shadow:" not in fp32  # fp32: no shadow, no image to decode
     assert "wire image being decoded:" not in fp32
+
+
+def test_hardware_presets_load_without_hydra_and_match_the_composed_config(monkeypatch):
+    """A preset is plain YAML: ``load_hardware`` reads it without Hydra (the engine's step estimate runs where
+    only PyYAML is installed, as on a GPU image), with the same fields Hydra composes; an unknown name lists
+    the presets."""
+    import sys
+
+    from megatrain_lightning.planning.config import Hardware, compose, load_hardware, presets
+
+    composed = {name: Hardware.from_mapping(compose([f"hardware={name}"]).hardware).to_dict()
+                for name in presets("hardware")}
+    monkeypatch.setitem(sys.modules, "hydra", None)  # import hydra now raises ImportError
+    for name, want in composed.items():
+        assert load_hardware(name).to_dict() == want
+    with pytest.raises(ValueError, match="no hardware preset 'h300'; use one of a100, .*h200"):
+        load_hardware("h300")

@@ -539,8 +539,15 @@ def test_a_worker_on_a_cuda_run_makes_the_device_current_first(monkeypatch):
         pool.shutdown()
     main = threading.current_thread().name
     assert name.startswith("test-worker")
-    assert calls == [("device", name, torch.device("cuda", 1)), ("threads", name, 3), ("threads", main, calls[-1][2])]
+    assert calls == [("device", name, 1), ("threads", name, 3), ("threads", main, calls[-1][2])]
     cpu = start_worker("test-cpu", None, torch.device("cpu"))
     cpu.submit(lambda: None).result()
     cpu.shutdown()
     assert len(calls) == 3  # a CPU worker with torch's setting: nothing set
+    # "cuda" without an index (StreamingEngine(model, "cuda")): the caller's current device, by index (torch's
+    # set_device refuses a device without one)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    bare = start_worker("test-bare", None, "cuda")
+    name = bare.submit(lambda: threading.current_thread().name).result()
+    bare.shutdown()
+    assert calls[3:] == [("device", name, 2)]

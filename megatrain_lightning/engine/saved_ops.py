@@ -25,8 +25,9 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from .op_kinds import cheap, expensive, storage_bytes, written_args
 
-# torch's marker of a cache entry to recompute (what a PREFER_RECOMPUTE op gets in the cache)
-_RECOMPUTE = _torch_checkpoint._RECOMPUTE
+# torch's marker of a cache entry to recompute (what a PREFER_RECOMPUTE op gets in the cache); torch releases
+# without it (2.11 has none) cannot run "selective": config.check_recompute refuses it there before any work
+_RECOMPUTE = getattr(_torch_checkpoint, "_RECOMPUTE", None)
 
 
 class SavedOps:

@@ -53,10 +53,14 @@ def worker_initializer(threads: int | None, device: torch.device | None = None) 
     cuda = device is not None and torch.device(device).type == "cuda"
     if threads is None and not cuda:
         return None
+    # "cuda" without an index is the caller's current device, resolved here on the calling thread (the worker's
+    # own current device would be cuda:0, and torch.cuda.set_device refuses a device without an index)
+    index = (torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()) \
+        if cuda else None
 
     def init() -> None:
         if cuda:
-            torch.cuda.set_device(device)
+            torch.cuda.set_device(index)
         if threads is not None:
             torch.set_num_threads(threads)
             # torch reads its process-wide count once per thread, at the thread's first parallel op or query:

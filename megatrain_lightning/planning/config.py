@@ -293,5 +293,16 @@ def load_model(name: str) -> dict[str, Any]:
 
 
 def load_hardware(name: str) -> Hardware:
-    """The ``conf/hardware/<name>.yaml`` preset."""
-    return Hardware.from_mapping(compose([f"hardware={name}"]).hardware)
+    """The ``conf/hardware/<name>.yaml`` preset (plain YAML, read without Hydra, so the engine's estimate works
+    where only PyYAML is installed).
+
+    Raises:
+        ValueError: no such preset (the message lists the presets).
+    """
+    import yaml
+
+    path = CONF_DIR / "hardware" / f"{name}.yaml"
+    if not path.is_file():
+        raise ValueError(f"megatrain: no hardware preset {name!r}; use one of {', '.join(presets('hardware'))} "
+                         f"(files in {CONF_DIR / 'hardware'}).")
+    return Hardware.from_mapping(yaml.safe_load(path.read_text()))
