@@ -342,8 +342,10 @@ def check_host_threads(host_threads: object) -> None:
         )
 
 
-def check_recompute(mode: Any, activation_memory_limit: int | str | None = None) -> tuple[str, int | None]:
-    """Validate the ``recompute`` and ``activation_memory_limit`` options.
+def check_recompute(mode: Any, activation_memory_limit: int | str | None = None,
+                    this_torch: bool = True) -> tuple[str, int | None]:
+    """Validate the ``recompute`` and ``activation_memory_limit`` options (``this_torch=False``: for another
+    machine, the planner's case: the installed torch is not checked).
 
     Returns:
         (mode, limit in bytes or ``None``: "auto" then takes half the free device memory).
@@ -356,7 +358,7 @@ def check_recompute(mode: Any, activation_memory_limit: int | str | None = None)
     if mode not in RECOMPUTE_MODES:
         raise ValueError(f"megatrain: recompute={mode!r} is not a recompute policy; use one of "
                          f"{', '.join(repr(m) for m in RECOMPUTE_MODES)} (strategy option / Hydra key strategy.recompute).")
-    if mode in ("selective", "auto") and not hasattr(torch.utils.checkpoint, "_RECOMPUTE"):
+    if this_torch and mode in ("selective", "auto") and not hasattr(torch.utils.checkpoint, "_RECOMPUTE"):
         raise RuntimeError(f"megatrain: recompute={mode!r} needs torch.utils.checkpoint._RECOMPUTE, which torch "
                            f"{torch.__version__} lacks (torch 2.13 has it): upgrade torch, or use recompute='block' "
                            "or 'none'.")

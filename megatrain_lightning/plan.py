@@ -57,7 +57,7 @@ _SETTINGS = ("batch_size", "seq_len", "precision", "offload_params", "offload_op
              "offload_activations", "lookahead", "block_group", "recompute_every", "grad_dtype", "keep_checkpoints", "pinned_round",
              "optimizer_in_backward",
              "cpu_zero_copy", "loss_chunk_size", "mlp_chunk_size", "recompute", "activation_memory_limit",
-             "host_memory_limit")
+             "host_memory_limit", "reference")
 
 
 def plan_from_config(cfg: Any) -> Plan:

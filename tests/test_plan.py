@@ -946,3 +946,56 @@ def test_hardware_presets_load_without_hydra_and_match_the_composed_config(monke
         assert load_hardware(name).to_dict() == want
     with pytest.raises(ValueError, match="no hardware preset 'h300'; use one of a100, .*h200"):
         load_hardware("h300")
+
+
+def test_reference_copy_adds_a_frozen_fp32_copy_and_one_forward_and_the_others_add_nothing():
+    """``reference="copy"`` (preference training): host RAM grows by the copy's fp32 weights and wire shadow, the
+    checkpoint by its weights, and each step by one more forward (FLOPs, H2D); ``"precompute"``/``"adapter"`` add
+    nothing per step; the planner's choices are ``DPOModule``'s and ``None``."""
+    from megatrain_lightning.planning.terms import REFERENCES
+    from megatrain_lightning.preference.module import REFERENCES as MODULE_REFERENCES
+
+    assert set(REFERENCES) == {None, *MODULE_REFERENCES}
+    hw = load_hardware("h200")
+    base = plan(TINY_HF, hw)
+    N = base.counts.total
+    for ref in ("precompute", "adapter"):
+        same = plan(TINY_HF, hw, reference=ref)
+        assert same.host_bytes == base.host_bytes and same.step_time_s == base.step_time_s
+    cp = plan(TINY_HF, hw, reference="copy")
+    shadow = base.host["wire shadow (castable 2 B, rest 4 B)"]
+    assert cp.host["reference copy: fp32 weights + wire shadow"] == 4 * N + shadow
+    assert cp.host_bytes == base.host_bytes + 4 * N + shadow
+    assert cp.moved["h2d_forward"] == 2 * base.moved["h2d_forward"]
+    assert cp.flops - base.flops == pytest.approx(cp.flops_parts["reference copy's forward (reference=copy)"])
+    forward = (base.flops_parts["6 x N_matmul x tokens"] + base.flops_parts["attention (forward + backward)"]) / 3
+    assert cp.flops_parts["reference copy's forward (reference=copy)"] == pytest.approx(forward)  # Kaplan: 1/3
+    assert cp.checkpoint_bytes == base.checkpoint_bytes + 4 * N
+    nv = plan(TINY_HF, hw, reference="copy", offload_params="nvme")
+    assert nv.nvme["reference copy: fp32 weights"] == 4 * N
+    with pytest.raises(ValueError, match="reference must be one of none, precompute, adapter, copy"):
+        plan(TINY_HF, hw, reference="frozen")
+
+
+def test_the_reference_copy_is_in_the_host_store_as_the_planner_counts_it(tmp_path):
+    """What the planner adds for ``reference="copy"`` (4 B per parameter of fp32 masters) is what the engine's host
+    store holds: a ``DPOModule`` with a copy stores twice the model's parameters, the copy's without gradients."""
+    import lightning.pytorch as pl
+
+    from megatrain_lightning.preference import DPOModule
+    from megatrain_lightning.testing import make_model
+
+    model = make_model("llama")
+    n = sum(p.numel() for p in model.parameters())
+    module = DPOModule(model, reference="copy", lr=1e-5, cache_dir=tmp_path)
+    trainer = pl.Trainer(strategy="megatrain", accelerator="cpu", devices=1, max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.strategy.connect(module)
+    trainer.strategy.setup_environment()
+    trainer.strategy.setup(trainer)
+    try:
+        slabs = trainer.strategy.engine.store.slabs
+        assert sum(s.numel for s in slabs) == 2 * n
+        assert sum(s.trainable_numel for s in slabs) == n
+    finally:
+        trainer.strategy.teardown()

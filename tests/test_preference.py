@@ -56,8 +56,9 @@ def plain_logps(model, ids, mask, labels) -> tuple[torch.Tensor, torch.Tensor]:
     return (picked * keep).sum(-1), keep.sum(-1)
 
 
-def plain_dpo(model, data, loss_type: str, steps: int = STEPS) -> tuple[list[float], list[float]]:
-    """Train ``model`` in place with plain PyTorch; returns every micro-batch's loss and reward margin."""
+def plain_dpo(model, data, loss_type: str, steps: int = STEPS, sft_weight: float = 0.0) -> tuple[list[float], list[float]]:
+    """Train ``model`` in place with plain PyTorch; returns every micro-batch's loss and reward margin. With
+    ``sft_weight``, the chosen tokens' mean negative log-likelihood is added with that weight (TRL's "sft" term)."""
     ref = copy.deepcopy(model).requires_grad_(False).eval()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, betas=(0.9, 0.999),
                             weight_decay=0.0)
@@ -84,6 +85,8 @@ def plain_dpo(model, data, loss_type: str, steps: int = STEPS) -> tuple[list[flo
         else:  # SimPO, Meng et al. 2024, eq. 6
             c, r = BETA * pc / nc, BETA * pr / nr
             loss = -F.logsigmoid(c - r - GAMMA).mean()
+        if sft_weight:
+            loss = loss + sft_weight * -(pc.sum() / nc.sum())
         losses.append(loss.item())
         margins.append((c - r).mean().item())
         (loss / ACC).backward()
@@ -105,9 +108,10 @@ class Record(pl.Callback):
         self.margins.append(float(trainer.callback_metrics["rewards/margins"]))
 
 
-def megatrain_dpo(model, data, loss_type: str, reference, tmp_path, steps: int = STEPS, **trainer_kw):
+def megatrain_dpo(model, data, loss_type: str, reference, tmp_path, steps: int = STEPS, sft_weight: float = 0.0,
+                  **trainer_kw):
     module = DPOModule(model, loss_type=loss_type, beta=BETA, gamma=GAMMA, reference=reference, lr=LR,
-                       cache_dir=tmp_path / "cache")
+                       cache_dir=tmp_path / "cache", sft_weight=sft_weight)
     rec = Record()
     kw = dict(strategy="megatrain", accelerator="cpu", devices=1, max_steps=steps, logger=False,
               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -150,6 +154,21 @@ def test_each_loss_matches_a_plain_pytorch_loop(tmp_path, arch, loss_type):
     _, rec = megatrain_dpo(model, loader(), loss_type, reference, tmp_path)
     assert_close(rec.losses, want_losses, "loss")
     assert_close(rec.margins, want_margins, "reward margin", scale=1.0)  # rewards: beta x |log p| of about 1-3
+    assert_weights(model, plain)
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "simpo"])
+def test_the_sft_term_matches_a_plain_pytorch_loop(tmp_path, loss_type):
+    """``sft_weight``: the chosen responses' negative log-likelihood added to the preference loss, as the plain
+    loop adds it."""
+    model = make_model("llama")
+    freeze_key_biases(model)
+    plain = copy.deepcopy(model)
+    want_losses, want_margins = plain_dpo(plain, loader(), loss_type, sft_weight=0.7)
+    reference = None if loss_type == "simpo" else "precompute"
+    _, rec = megatrain_dpo(model, loader(), loss_type, reference, tmp_path, sft_weight=0.7)
+    assert_close(rec.losses, want_losses, "loss")
+    assert_close(rec.margins, want_margins, "reward margin", scale=1.0)
     assert_weights(model, plain)
 
 
@@ -303,6 +322,7 @@ def test_encoding_masks_the_prompt_and_ends_responses_with_eos():
     (dict(reference="adapter"), "has no peft adapter"),
     (dict(reference="frozen"), "reference must be one of"),
     (dict(logps_chunk_size=0), "logps_chunk_size must be a positive int"),
+    (dict(sft_weight=-0.5), "sft_weight must be a number >= 0"),
 ])
 def test_bad_options_are_refused_at_construction(kw, message):
     with pytest.raises(ValueError, match=message):

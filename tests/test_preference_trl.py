@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatrain_lightning.preference.losses import preference_loss
+from megatrain_lightning.preference.losses import preference_loss, sft_nll
 
 trl = pytest.importorskip("trl", reason="TRL is in the test extra (pip install -e .[test])")
 
@@ -68,6 +68,27 @@ def test_dpo_and_ipo_equal_trl_dpo_trainer(loss_type: str, beta: float):
     assert rejected.mean().item() == pytest.approx(m["rewards/rejected"][0], rel=1e-6)
     assert (chosen - rejected).mean().item() == pytest.approx(m["rewards/margins"][0], rel=1e-6)
     assert (chosen > rejected).float().mean().item() == m["rewards/accuracies"][0]
+
+
+@pytest.mark.parametrize("weight", [0.5, 1.0])
+def test_the_sft_term_equals_trl_dpo_trainer_sigmoid_plus_sft(weight: float):
+    """``sft_weight``: TRL's ``loss_type=["sigmoid", "sft"]`` with ``loss_weights=[1, weight]``."""
+    beta = 0.1
+    mask, per_token, ref, n = _batch(seed=int(weight * 10))
+    outputs = SimpleNamespace(log_probs=per_token, entropy=torch.zeros_like(per_token),
+                              mean_logits=torch.zeros_like(per_token), is_top1=torch.zeros_like(per_token).bool())
+    metrics: dict = defaultdict(lambda: defaultdict(list))
+    trainer = SimpleNamespace(
+        model=SimpleNamespace(training=True), accelerator=_Accelerator(), aux_loss_enabled=False, ld_alpha=None,
+        precompute_ref_logps=True, f_divergence_type="reverse_kl", loss_types=["sigmoid", "sft"],
+        loss_weights=[1.0, weight], beta=beta, use_weighting=False, _metrics=metrics, _total_train_tokens=0, _tp_size=1)
+    inputs = {"input_ids": torch.ones(2 * B, T, dtype=torch.long), "attention_mask": torch.ones(2 * B, T, dtype=torch.long),
+              "completion_mask": mask, "ref_chosen_logps": ref[:B], "ref_rejected_logps": ref[B:]}
+    theirs = trl.DPOTrainer._compute_loss(trainer, lambda **kw: outputs, inputs, return_outputs=False)
+
+    pol = per_token.sum(1)
+    losses, _, _ = preference_loss("sigmoid", pol[:B], pol[B:], ref[:B], ref[B:], n[:B], n[B:], beta)
+    torch.testing.assert_close(losses.mean() + weight * sft_nll(pol[:B], n[:B]), theirs, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("beta,gamma", [(2.0, 0.5), (2.5, 1.4)])

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from .config import GIB, Hardware
 from .counts import ParamCounts, count_params
-from .terms import (CKPT_METADATA, GRAD_BYTES, PRECISION_ALIASES, PRECISIONS, TERM_LABELS,  # noqa: F401
+from .terms import (CKPT_METADATA, GRAD_BYTES, PRECISION_ALIASES, PRECISIONS, REFERENCES, TERM_LABELS,  # noqa: F401
                     TIERS, _estimate, transfer_bytes)
 
 TIGHT_HEADROOM = 0.05  # a tier that fits with less free than this is flagged "tight"
@@ -265,6 +265,11 @@ def plan(model_cfg: Any, hw: Hardware | Mapping[str, Any], **options: Any) -> Pl
             :mod:`.terms`); without ``activation_memory_limit``, ``"auto"``'s budget is half the device memory the
             plan leaves free (``settings["recompute_mix"]``, ``settings["activation_budget"]``);
             ``optimizer_in_backward`` sets which phase holds the host AdamW and the NVMe update I/O (:mod:`.phases`).
+        reference: preference training's reference model (``DPOModule(reference=...)``): ``None`` (supervised
+            training, or a reference-free loss), ``"precompute"`` and ``"adapter"`` (no reference weights during
+            training: nothing added), or ``"copy"``: a frozen fp32 copy of the weights, 4 B/param more where the
+            masters live (and its wire shadow), and per step one more forward of every block on the same
+            sequences (H2D, NVMe reads, forward FLOPs) (:mod:`.terms`).
 
     Raises:
         ValueError: a ``recompute`` that is not a policy or a bad ``activation_memory_limit``, a
@@ -287,7 +292,7 @@ def settings(*, batch_size: int = 1, seq_len: int = 2048, precision: str = "bf16
              mlp_chunk_size: int | str | None = "default", devices: int = 1, num_nodes: int = 1,
              recompute: str = "block", activation_memory_limit: int | str | None = None, block_group: int = 1,
              optimizer_in_backward: bool | str | None = None,
-             host_memory_limit: int | str | None = None) -> dict[str, Any]:
+             host_memory_limit: int | str | None = None, reference: str | None = None) -> dict[str, Any]:
     """Validated settings of a plan (the arguments of :func:`plan`); ``grad_dtype`` becomes ``grad_bytes``.
 
     Raises:
@@ -299,7 +304,10 @@ def settings(*, batch_size: int = 1, seq_len: int = 2048, precision: str = "bf16
 
     from .window import parse_limit
 
-    recompute, limit = check_recompute(recompute, activation_memory_limit)
+    recompute, limit = check_recompute(recompute, activation_memory_limit, this_torch=False)
+    if reference not in REFERENCES:
+        raise ValueError(f"reference must be one of {', '.join(str(r).lower() for r in REFERENCES)} (the preference "
+                         f"reference model, megatrain_lightning.preference.DPOModule), got {reference!r}")
     host_limit = parse_limit(host_memory_limit)
     block_group = check_group(block_group)
     in_bwd = {"true": True, "false": False, "null": None, "none": None}.get(str(optimizer_in_backward).lower(), "?")
@@ -331,7 +339,8 @@ def settings(*, batch_size: int = 1, seq_len: int = 2048, precision: str = "bf16
                 mlp_chunk_size=resolve_chunk(mlp_chunk_size, "mlp_chunk_size"),
                 grad_bytes=GRAD_BYTES[grad_dtype] if grad_dtype else PRECISIONS[precision][2],
                 devices=devices, num_nodes=num_nodes, recompute=recompute, activation_memory_limit=limit,
-                block_group=block_group, optimizer_in_backward=in_bwd, host_memory_limit=host_limit)
+                block_group=block_group, optimizer_in_backward=in_bwd, host_memory_limit=host_limit,
+                reference=reference)
 
 
 def check_group(value: Any) -> int:

@@ -335,6 +335,10 @@ def weights_label(lookahead: int, group: int, all_layers: int | None = None) -> 
     return f"block weights x{lookahead + 1} fetches x{group} layers (compute dtype)"
 
 
+#: values of the planner's ``reference`` setting: those of ``DPOModule(reference=...)`` and ``None``
+REFERENCES = (None, "precompute", "adapter", "copy")
+
+
 def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]:
     """Pure arithmetic for one batch size: the tiers, bytes moved and seconds per term."""
     s = resolve_auto(c, hw, s)
@@ -372,13 +376,18 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     host: dict[str, int] = {}
     nvme: dict[str, int] = {}
     shadow_total = sum(shadow_of)
+    copy_ref = s.get("reference") == "copy"  # a frozen fp32 copy of the weights, streamed like the policy's
     if s["offload_params"] == "cpu":
         host["fp32 master weights"] = 4 * N
         host["wire shadow (castable 2 B, rest 4 B)"] = shadow_total
+        if copy_ref:
+            host["reference copy: fp32 weights + wire shadow"] = 4 * N + shadow_total
     else:
         nvme["fp32 master weights"] = 4 * N
         host["master window"] = window * big * 4
         host["pinned H2D staging ring x2 (wire images)"] = 2 * big_wire if wire < 4 else 0
+        if copy_ref:
+            nvme["reference copy: fp32 weights"] = 4 * N
     if s["offload_grads"] == "cpu":
         host["fp32 grad accumulators"] = 4 * N
     else:
@@ -401,7 +410,7 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
         host["activations (CPU device)"] = acts
     host["process overhead"] = process_overhead(hw)
 
-    ckpt = 12 * N + CKPT_METADATA
+    ckpt = 12 * N + (4 * N if copy_ref else 0) + CKPT_METADATA  # the reference copy is part of the module's state
     disk = {"NVMe store": sum(nvme.values()), f"checkpoints x{s['keep_checkpoints']}": s["keep_checkpoints"] * ckpt}
 
     # ---- bytes moved per step
@@ -427,6 +436,8 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
         norm_wire, wire_of = 0, copied
     h2d_f = sum(wire_of)
     h2d_b = layer_wire + norm_wire + chain_wire + (act_io if gpu else 0)  # CPU: an offloaded input is used in place
+    if copy_ref:                               # the reference's no-grad forward fetches every block once more
+        h2d_f *= 2
     if no_copy:                                # CPU device bound to the fp32 masters: nothing copied
         h2d_f = h2d_b = 0
     # the input embedding's gradient crosses as the rows its B x T tokens read (8-byte row id each) when that
@@ -439,7 +450,7 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     upd = 1 if in_bwd else 0                # index of the phase holding the update
     nv_r, nv_w = [0, 0], [0, 0]
     if s["offload_params"] == "nvme":
-        nv_r[0] += 4 * N                    # forward fetch (fused with the deferred update)
+        nv_r[0] += 4 * N * (2 if copy_ref else 1)  # forward fetch (fused with the deferred update), + the reference
         nv_r[1] += 4 * (reads_b + chain)    # the backward fetch reads the fp32 master again and casts it
         nv_w[upd] += 4 * N
     if s["offload_optimizer"] == "nvme":
@@ -468,6 +479,7 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
         f"recompute (recompute={s.get('recompute', 'block')}: block layers)": rec["recompute (block layers)"] * tokens,
         "recompute chains (K > 1)": rec["recompute chains (K > 1)"] * tokens,
         "MLP chunks' second forward (mlp_chunk_size)": rec["MLP chunks' second forward (mlp_chunk_size)"] * tokens,
+        "reference copy's forward (reference=copy)": (2.0 * c.matmul_params + f_attn) * tokens if copy_ref else 0.0,
     }
     flops = sum(flops_parts.values())
     flops_forward = 2.0 * c.matmul_params * tokens + f_attn * tokens  # Kaplan: backward = 2 x forward

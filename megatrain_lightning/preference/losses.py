@@ -69,6 +69,15 @@ def preference_loss(loss_type: str, pol_c: torch.Tensor, pol_r: torch.Tensor, re
     return ipo(pol_c, pol_r, ref_c, ref_r, n_c, n_r, beta)
 
 
+def sft_nll(pol_c: torch.Tensor, n_c: torch.Tensor) -> torch.Tensor:
+    """The negative log-likelihood of the chosen responses, per token over the whole batch: ``-sum(pi_c) / sum(n_c)``
+    (a scalar). Added to a preference loss with a weight (``DPOModule(sft_weight=...)``), it keeps the chosen
+    responses likely instead of only likelier than the rejected ones: the DPO + NLL loss of Pang et al. 2024
+    ("Iterative Reasoning Preference Optimization"), as TRL computes the term (``DPOTrainer``'s ``"sft"`` loss type combined through
+    ``loss_weights``: the mean of the chosen tokens' log-probs)."""
+    return -pol_c.sum() / n_c.sum().clamp(min=1)
+
+
 def needs_reference(loss_type: str) -> bool:
     """Whether ``loss_type`` compares against a reference model (every type but SimPO)."""
     return loss_type != "simpo"

@@ -30,7 +30,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
-from .losses import LOSS_TYPES, needs_reference, preference_loss
+from .losses import LOSS_TYPES, needs_reference, preference_loss, sft_nll
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,8 @@ class DPOModule(pl.LightningModule):
         loss_type: ``"sigmoid"`` (DPO), ``"ipo"`` or ``"simpo"`` (:mod:`.losses`).
         beta: the loss's beta (> 0): DPO's KL weight, IPO's tau, SimPO's reward scale.
         gamma: SimPO's target reward margin (TRL's ``simpo_gamma``); only ``"simpo"`` reads it.
+        sft_weight: weight (>= 0) of the chosen responses' negative log-likelihood added to the loss
+            (:func:`.losses.sft_nll`; RPO, TRL's ``"sft"`` loss type); 0 (default): the preference loss alone.
         reference: ``"precompute"``, ``"adapter"``, ``"copy"`` or ``None``; default: ``"precompute"`` for the
             losses that need a reference, ``None`` for ``"simpo"``.
         lr, betas, weight_decay: ``torch.optim.AdamW``'s (override ``configure_optimizers`` for another).
@@ -117,24 +119,27 @@ class DPOModule(pl.LightningModule):
 
     Logged per step (and with a ``val_`` prefix in validation): ``train_loss``, ``rewards/chosen``,
     ``rewards/rejected``, ``rewards/accuracies`` (share of pairs whose chosen reward is higher),
-    ``rewards/margins`` (chosen - rejected), ``logps/chosen``, ``logps/rejected``.
+    ``rewards/margins`` (chosen - rejected), ``logps/chosen``, ``logps/rejected``; with ``sft_weight`` also
+    ``nll_loss``.
 
     Raises:
-        ValueError: an unknown ``loss_type`` or ``reference``, ``beta <= 0``, a reference for ``"simpo"`` or none for
-            the others, or ``"adapter"`` for a model without a peft adapter (at construction)."""
+        ValueError: an unknown ``loss_type`` or ``reference``, ``beta <= 0``, ``sft_weight < 0``, a reference for
+            ``"simpo"`` or none for the others, or ``"adapter"`` for a model without a peft adapter (at
+            construction)."""
 
     def __init__(self, model: torch.nn.Module, loss_type: str = "sigmoid", beta: float = 0.1, gamma: float = 0.5,
                  reference: str | None = "default", lr: float = 1e-6, betas: tuple[float, float] = (0.9, 0.999),
                  weight_decay: float = 0.0, cache_dir: str | os.PathLike | None = None,
-                 logps_chunk_size: int | None = None) -> None:
+                 logps_chunk_size: int | None = None, sft_weight: float = 0.0) -> None:
         super().__init__()
-        reference = self.check_options(loss_type, beta, reference, logps_chunk_size)
+        reference = self.check_options(loss_type, beta, reference, logps_chunk_size, sft_weight)
         if reference == "adapter" and not (hasattr(model, "disable_adapter") and getattr(model, "peft_config", None)):
             raise ValueError("megatrain: reference='adapter' takes the model with its adapter disabled as the "
                              "reference, but this model has no peft adapter: wrap it with peft.get_peft_model, or "
                              "use reference='precompute' or 'copy'.")
         self.model = model
         self.loss_type, self.beta, self.gamma, self.reference = loss_type, float(beta), float(gamma), reference
+        self.sft_weight = float(sft_weight)
         self.lr, self.betas, self.weight_decay = lr, tuple(betas), weight_decay
         self.logps_chunk_size = logps_chunk_size
         self.cache_dir = Path(cache_dir) if cache_dir is not None else (
@@ -144,7 +149,7 @@ class DPOModule(pl.LightningModule):
 
     @staticmethod
     def check_options(loss_type: str, beta: float, reference: str | None = "default",
-                      logps_chunk_size: int | None = None) -> str | None:
+                      logps_chunk_size: int | None = None, sft_weight: float = 0.0) -> str | None:
         """Check the options that need no model; returns ``reference`` with ``"default"`` resolved.
 
         Raises:
@@ -153,6 +158,8 @@ class DPOModule(pl.LightningModule):
             raise ValueError(f"megatrain: loss_type must be one of {LOSS_TYPES}, got {loss_type!r}.")
         if not beta > 0:
             raise ValueError(f"megatrain: beta must be > 0, got {beta!r}.")
+        if isinstance(sft_weight, bool) or not isinstance(sft_weight, (int, float)) or not sft_weight >= 0:
+            raise ValueError(f"megatrain: sft_weight must be a number >= 0, got {sft_weight!r}.")
         if logps_chunk_size is not None and (isinstance(logps_chunk_size, bool) or not isinstance(logps_chunk_size, int)
                                              or logps_chunk_size < 1):
             raise ValueError(f"megatrain: logps_chunk_size must be a positive int or None, got {logps_chunk_size!r}.")
@@ -211,7 +218,12 @@ class DPOModule(pl.LightningModule):
                                                    self.gamma)
         loss = losses.mean()
         n = ids.shape[0] // 2
-        metrics = {"loss": loss.detach(), "rewards/chosen": chosen.detach().mean(),
+        extra = {}
+        if self.sft_weight:
+            nll = sft_nll(pol_c, n_c)
+            loss = loss + self.sft_weight * nll
+            extra["nll_loss"] = nll.detach()
+        metrics = {"loss": loss.detach(), **extra, "rewards/chosen": chosen.detach().mean(),
                    "rewards/rejected": rejected.detach().mean(),
                    "rewards/accuracies": (chosen > rejected).float().mean(),
                    "rewards/margins": (chosen - rejected).detach().mean(),

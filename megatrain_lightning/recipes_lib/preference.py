@@ -122,7 +122,8 @@ def preflight(cfg: DictConfig) -> Any:
     if missing:
         raise ConfigError(missing[0], f"is required and has no value: add {missing[0]}=... to the command line.")
     try:
-        DPOModule.check_options(cfg.dpo.loss_type, cfg.dpo.beta, cfg.dpo.reference, cfg.dpo.logps_chunk_size)
+        DPOModule.check_options(cfg.dpo.loss_type, cfg.dpo.beta, cfg.dpo.reference, cfg.dpo.logps_chunk_size,
+                                cfg.dpo.get("sft_weight", 0.0))
     except ValueError as e:
         raise ConfigError("dpo", str(e).removeprefix("megatrain: ")) from None
     return tokenizer_for(**OmegaConf.to_container(cfg.model, resolve=True))
