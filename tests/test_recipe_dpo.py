@@ -84,9 +84,17 @@ def test_user_jsonl_with_a_missing_field_is_refused_before_the_model(tmp_path, g
     assert not built
 
 
-def test_bad_options_are_refused_before_the_model(tmp_path, gpt2_dir):
-    with pytest.raises(ConfigError, match="uses no reference model"):
-        load_recipe().dpo(cfg_for(tmp_path, gpt2_dir, "dpo.loss_type=simpo"))
+@pytest.mark.parametrize("override, message", [
+    ("dpo.loss_type=simpo", "uses no reference model"),
+    ("dpo.reference=adapter", "this recipe trains the full model: use dpo.reference=precompute or copy"),
+    ("dpo.sft_weight=-1", "sft_weight must be a number >= 0"),
+])
+def test_bad_options_are_refused_before_the_model(tmp_path, gpt2_dir, monkeypatch, override, message):
+    built = []
+    monkeypatch.setattr("megatrain_lightning.recipes_lib.run.build_model", lambda cfg: built.append(1))
+    with pytest.raises(ConfigError, match=message):
+        load_recipe().dpo(cfg_for(tmp_path, gpt2_dir, override))
+    assert not built
 
 
 def test_user_jsonl_trains_on_the_nvme_tier(tmp_path, gpt2_dir):

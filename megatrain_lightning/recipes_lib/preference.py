@@ -126,6 +126,10 @@ def preflight(cfg: DictConfig) -> Any:
                                 cfg.dpo.get("sft_weight", 0.0))
     except ValueError as e:
         raise ConfigError("dpo", str(e).removeprefix("megatrain: ")) from None
+    if cfg.dpo.reference == "adapter":  # the recipe builds no peft model (the library path takes one)
+        raise ConfigError("dpo.reference", "'adapter' takes a peft model with its adapter disabled as the reference, "
+                          "but this recipe trains the full model: use dpo.reference=precompute or copy, or "
+                          "DPOModule(peft_model, reference='adapter') in your own script (docs/guide/preference.md).")
     return tokenizer_for(**OmegaConf.to_container(cfg.model, resolve=True))
 
 
