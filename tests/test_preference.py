@@ -195,6 +195,31 @@ def test_chunked_log_probs_refuse_soft_capped_logits():
                                torch.ones(1, 4, dtype=torch.long), 2)
 
 
+def _validated(reference: str, tmp_path, val_seed: int = 7) -> dict[str, float]:
+    """Two optimizer steps on 8 pairs, then ``trainer.validate`` on 6 other pairs (the fit's validation data)."""
+    torch.manual_seed(0)
+    module = DPOModule(make_model("llama"), loss_type="sigmoid", beta=BETA, reference=reference, lr=LR,
+                       cache_dir=tmp_path / "cache")
+    val = ResumableDataLoader(Pairs(6, seed=val_seed), batch_size=2, shuffle=False, collate_fn=collate_pairs)
+    trainer = pl.Trainer(strategy="megatrain", accelerator="cpu", devices=1, max_steps=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0)  # 2 of 4 batches: the epoch, and its validation, do not end
+    trainer.fit(module, loader(), val)
+    return {**trainer.validate(module, val, verbose=False)[0], "_trainer": trainer, "_module": module}
+
+
+def test_validation_with_precomputed_reference_scores_the_validation_pairs(tmp_path):
+    """The precomputed reference covers the validation pairs too (their own table, not the training pairs' rows of
+    the same index): validation metrics after ``fit`` equal those of a ``"copy"`` reference; validating other
+    data than the fit's is refused, naming the fix."""
+    pre, cp = _validated("precompute", tmp_path / "a"), _validated("copy", tmp_path / "b")
+    for key in ("val_loss", "val_rewards/margins", "val_rewards/chosen", "val_rewards/rejected"):
+        assert abs(pre[key] - cp[key]) <= 1e-6 * max(1.0, abs(cp[key])), (key, pre[key], cp[key])
+    other = ResumableDataLoader(Pairs(6, seed=9), batch_size=2, shuffle=False, collate_fn=collate_pairs)
+    with pytest.raises(RuntimeError, match="validation data other than the fit's"):
+        pre["_trainer"].validate(pre["_module"], other, verbose=False)
+
+
 def test_copy_reference_matches_plain(tmp_path):
     model = make_model("llama")
     plain = copy.deepcopy(model)

@@ -53,7 +53,7 @@ def test_offline_default_runs_every_step_and_writes_results(tmp_path, gpt2_dir):
     assert {"val_loss", "val_rewards/accuracies", "probe/exact_match"} <= set(after)
     assert 0.0 <= after["probe/exact_match"] <= 1.0
     assert (run / "checkpoint" / "model" / "config.json").is_file()  # a Hugging Face directory
-    assert len(list((tmp_path / "cache").glob("*.pt"))) == 1
+    assert len(list((tmp_path / "cache").glob("*.pt"))) == 2  # the training and the validation pairs
     assert saved["sample"]["prompt"].startswith("What is the MeSH category of")
 
 

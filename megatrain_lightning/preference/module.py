@@ -6,9 +6,10 @@ log-probabilities of the response tokens (the prompt and padding masked by ``lab
 the loss of :mod:`.losses` against the reference model's log-probabilities of the same tokens. The reference,
 chosen by ``reference``, never doubles the host state of training:
 
-* ``"precompute"``: at the start of ``fit`` one no-grad pass of the starting weights over the training set
-  (streamed like any evaluation), its log-probs cached on disk keyed by model, data and settings; then training
-  needs no reference weights. A resumed run loads (or recomputes from the starting weights) the same cache.
+* ``"precompute"``: at the start of ``fit`` one no-grad pass of the starting weights over the training set and
+  the fit's validation set (streamed like any evaluation), each table of log-probs cached on disk keyed by model,
+  data and settings; then training and validation need no reference weights. A resumed run loads (or recomputes
+  from the starting weights) the same caches. Validation on other data than the fit's is refused.
 * ``"adapter"``: for a peft model, the same weights with the adapter disabled (no copy).
 * ``"copy"``: a frozen copy of the starting model held by this module (its weights stream like the policy's;
   4 bytes per parameter of host RAM and no gradient or optimizer state).
@@ -146,6 +147,8 @@ class DPOModule(pl.LightningModule):
             Path.home() / ".cache" / "megatrain_lightning" / "reference_logps")
         self.reference_model = copy.deepcopy(model).requires_grad_(False).eval() if reference == "copy" else None
         self.reference_logps: torch.Tensor | None = None  # "precompute": [N, 4] (chosen sum, count, rejected sum, count)
+        self.val_reference_logps: torch.Tensor | None = None  # the same for the fit's validation pairs
+        self._val_dataset: Any = None  # the dataset val_reference_logps scores
 
     @staticmethod
     def check_options(loss_type: str, beta: float, reference: str | None = "default",
@@ -191,15 +194,26 @@ class DPOModule(pl.LightningModule):
         return sequence_logps(logits, labels)
 
     def _reference(self, batch: dict[str, torch.Tensor], ids: torch.Tensor, mask: torch.Tensor,
-                   labels: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Summed reference log-probs ``[B]`` of the chosen and the rejected responses."""
+                   labels: torch.Tensor, prefix: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Summed reference log-probs ``[B]`` of the chosen and the rejected responses (``prefix``: ``"train"`` or
+        ``"val"``, whose precomputed tables differ).
+
+        Raises:
+            RuntimeError: ``"precompute"`` outside the fit that computed the tables, or on validation data other
+                than the fit's."""
         if self.reference is None:
             return None, None
         if self.reference == "precompute":
-            if self.reference_logps is None:
-                raise RuntimeError("megatrain: the reference log-probs are computed at the start of fit; "
-                                   "DPOModule's training and validation steps run only inside Trainer.fit.")
-            rows = self.reference_logps[batch["index"].cpu()]  # float64: fp32 sums and token counts, exact
+            table = self.reference_logps if prefix == "train" else self.val_reference_logps
+            if table is None:
+                raise RuntimeError("megatrain: the reference log-probs are computed at the start of fit, for its "
+                                   "training and validation data; DPOModule's steps run only inside Trainer.fit, "
+                                   "or in Trainer.validate after it on the fit's validation data.")
+            if prefix != "train" and self._current_val_dataset() is not self._val_dataset:
+                raise RuntimeError("megatrain: reference='precompute' scored the fit's validation pairs; validation "
+                                   "data other than the fit's has no reference log-probs: validate on the fit's "
+                                   "validation data, or use reference='copy'.")
+            rows = table[batch["index"].cpu()]  # float64: fp32 sums and token counts, exact
             return rows[:, 0].float().to(ids.device), rows[:, 2].float().to(ids.device)
         with torch.no_grad():
             if self.reference == "adapter":
@@ -211,7 +225,7 @@ class DPOModule(pl.LightningModule):
 
     def _step(self, batch: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
         ids, mask, labels = _concat(batch)
-        ref_c, ref_r = self._reference(batch, ids, mask, labels)
+        ref_c, ref_r = self._reference(batch, ids, mask, labels, prefix)
         sums, counts = self._logps(self.model, ids, mask, labels)
         (pol_c, pol_r), (n_c, n_r) = sums.chunk(2), counts.chunk(2)
         losses, chosen, rejected = preference_loss(self.loss_type, pol_c, pol_r, ref_c, ref_r, n_c, n_r, self.beta,
@@ -251,33 +265,54 @@ class DPOModule(pl.LightningModule):
         sees the starting weights, in a resumed run as well."""
         if self.reference != "precompute":
             return
-        loader = self._train_loader()
-        key = self._cache_key(loader.dataset)
-        path = self.cache_dir / f"{key}.pt"
+        self.reference_logps = self._load_or_precompute(self._fit_loader("training"))
+        self.val_reference_logps = self._val_dataset = None
+        val = self._fit_loader("validation")
+        if val is not None:
+            self.val_reference_logps, self._val_dataset = self._load_or_precompute(val), val.dataset
+
+    def _load_or_precompute(self, loader: DataLoader) -> torch.Tensor:
+        """The cached table of ``loader``'s pairs (keyed by :meth:`_cache_key`), or :meth:`_precompute` and cache it."""
+        path = self.cache_dir / f"{self._cache_key(loader.dataset)}.pt"
         if path.exists():
-            self.reference_logps = torch.load(path, weights_only=True)
             log.info("megatrain: reference log-probs loaded from %s", path)
-            return
-        self.reference_logps = self._precompute(loader)
+            return torch.load(path, weights_only=True)
+        table = self._precompute(loader)
         if self.trainer.global_rank == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".tmp-{os.getpid()}")
-            torch.save(self.reference_logps, tmp)
+            torch.save(table, tmp)
             os.replace(tmp, path)
-            log.info("megatrain: reference log-probs of %d pairs cached in %s", len(self.reference_logps), path)
+            log.info("megatrain: reference log-probs of %d pairs cached in %s", len(table), path)
+        return table
 
-    def _train_loader(self) -> DataLoader:
-        """The DataLoader ``fit`` trains on (its dataset's items carry an ``index``: :class:`.data.PreferenceDataset`).
+    def _fit_loader(self, which: str) -> DataLoader | None:
+        """The DataLoader ``fit`` trains (``"training"``) or validates (``"validation"``) on; its dataset's items
+        carry an ``index`` (:class:`.data.PreferenceDataset`). ``None``: no validation data, or validation off.
 
         Raises:
-            TypeError: the training data is not one DataLoader over an indexable dataset."""
-        # Lightning keeps fit's data source on the fit loop (a DataLoader, a LightningDataModule or this module)
-        loader = self.trainer.fit_loop._data_source.dataloader()
+            TypeError: the data is not one DataLoader over an indexable dataset."""
+        # Lightning keeps fit's data sources on its loops (a DataLoader, a LightningDataModule or this module)
+        if which == "training":
+            loader = self.trainer.fit_loop._data_source.dataloader()
+        else:
+            source = self.trainer.fit_loop.epoch_loop.val_loop._data_source
+            if self.trainer.limit_val_batches == 0 or not source.is_defined():
+                return None
+            loader = source.dataloader()
+            if isinstance(loader, (list, tuple)) and not loader:
+                return None
         if not isinstance(loader, DataLoader) or not hasattr(loader.dataset, "__getitem__"):
-            raise TypeError("megatrain: reference='precompute' needs the training data as one DataLoader over an "
+            raise TypeError(f"megatrain: reference='precompute' needs the {which} data as one DataLoader over an "
                             f"indexable dataset of preference pairs with an 'index' (PreferenceDataset); got "
                             f"{type(loader).__name__}. Use reference='copy' for other data.")
         return loader
+
+    def _current_val_dataset(self) -> Any:
+        """The dataset of the validation running now (``Trainer.val_dataloaders``), ``None`` when it is not one
+        DataLoader."""
+        loader = self.trainer.val_dataloaders
+        return loader.dataset if isinstance(loader, DataLoader) else None
 
     def _cache_key(self, dataset: Any) -> str:
         """SHA-256 of what the reference log-probs depend on: the model's config and source, a digest of its input
