@@ -327,7 +327,7 @@ def check_recompute(a) -> dict:
                                for r in res.get("table", [])},
                       "block_group_ratios": res.get("block_group_ratios"),
                       "peak_GiB": {r["name"]: round((r.get("peak_device_bytes") or 0) / 2**30, 2) for r in res["rows"]},
-                      "targets": res.get("issue14_checks")}  # the key recompute_policy.py writes
+                      "targets": res.get("targets")}  # the key recompute_policy.py writes
         ok = ok and rc == 0
         if a.cpu_dry_run:
             break  # one shape exercises the logic

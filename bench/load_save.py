@@ -1,4 +1,4 @@
-"""Streaming load and checkpoint save of a model larger than the host budget (issue 5).
+"""Streaming load and checkpoint save of a model larger than the host budget.
 
 What: a Llama-architecture model (default 1.47B params, 5.9 GB of fp32 safetensors) is written
 as a Hugging Face directory (tensor by tensor, never whole in RAM). Then, in a fresh process
@@ -9,7 +9,7 @@ budget this shape allows is 2.56 GiB):
     against the raw sequential read bandwidth of the disk, measured in the same run);
   * save: one training step, then trainer.save_checkpoint(dir) of model/ (HF) + optimizer/
     (time, peak RSS during the save; 12 B/param written).
-Peak RSS is sampled every 20 ms from /proc/self/statm during each phase; the target (issue 5)
+Peak RSS is sampled every 20 ms from /proc/self/statm during each phase; the target
 is peak RSS <= host budget + one block (+ the interpreter's own ~0.4 GiB baseline, reported).
 
 Run:

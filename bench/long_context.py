@@ -20,7 +20,7 @@ step). Meter, independent of the engine's own accounting: a thread samples the p
 this is what an accelerator would hold for the step, plus allocator slack. Step time: wall time of
 that one step (the machine is shared: +-10%).
 
-Targets (issue 15): the chunked peak grows linearly in the sequence length with a small slope, and
+Targets: the chunked peak grows linearly in the sequence length with a small slope, and
 stays below one full logits tensor (T x 128,256 x 4 bytes) at 16k tokens; chunked step time
 reported against full.
 

@@ -1,4 +1,4 @@
-"""NVMe tier benchmark (issue 4): disk speed, bigger-than-RAM training, peak RSS flat in model size.
+"""NVMe tier benchmark: disk speed, bigger-than-RAM training, peak RSS flat in model size.
 
 What, in one run (each training run in its own subprocess, so its peak RSS is its own):
   1. Raw sequential O_DIRECT write and read bandwidth of the disk under --nvme-path (a 16 GiB
@@ -206,7 +206,7 @@ def run_child(a, tier: str, layers: int, steps: int) -> dict:
 
 
 def summarize(r: dict, raw: dict, warm: int) -> dict:
-    """Medians over the measured steps (after ``warm`` warm-up steps) and the targets of issue 4."""
+    """Medians over the measured steps (after ``warm`` warm-up steps) and the targets."""
     hs, st = r["history"][warm:], r["step_s"][warm:]
     med = lambda k: statistics.median(h[k] for h in hs)  # noqa: E731
     s = {"n_params": r["n_params"], "tier": r["tier"], "step_s": statistics.median(st), "compute_s": med("compute_s"),

@@ -44,7 +44,7 @@ drift's size). Rows also interfere inside one process: a row run late in the lis
 the same work run earlier (recompute="auto" choosing "none" everywhere vs "none"); --isolate runs each row
 (and round) in a fresh Python process, so no row inherits another's heap or allocator state.
 
-Targets (PASS/FAIL printed; exit code 0): megatrain (block) / baseline <= 1.10; issue 14: selective or auto
+Targets (PASS/FAIL printed; exit code 0): megatrain (block) / baseline <= 1.10; selective or auto
 / baseline <= 0.95, none / plain without checkpointing <= 1.05, block with cpu_zero_copy=False / baseline
 <= 1.05 (CPU).
 
@@ -348,11 +348,11 @@ ALL = {"baseline": (f"baseline (HF checkpointing, {args.adamw} AdamW)", True),
        "selective": ("megatrain recompute=selective", {"recompute": "selective"}),
        "none": ("megatrain recompute=none", {"recompute": "none"}),
        "auto": ("megatrain recompute=auto", {"recompute": "auto"}),
-       # issue 14, block groups: 4 consecutive decoder layers per H2D transfer
+       # block groups: 4 consecutive decoder layers per H2D transfer
        "block_g4": ("megatrain block_group=4", {"block_group": 4}),
        "copy_g4": ("megatrain cpu_zero_copy=False, block_group=4", {"cpu_zero_copy": False, "block_group": 4}),
        "none_g4": ("megatrain recompute=none, block_group=4", {"recompute": "none", "block_group": 4}),
-       # issue 14: a budget of 25% of what "none" keeps (set from the "none" row of this run)
+       # a budget of 25% of what "none" keeps (set from the "none" row of this run)
        "auto25": ("megatrain recompute=auto, 25% of none", {"recompute": "auto"})}
 if args.child:  # one row, for a parent run with --isolate
     wanted = [args.configs]
@@ -435,7 +435,7 @@ for r in rows:
         r["ratio_plain"] = r["median_s"] / by["plain"]["median_s"]
 ratio = by["block"]["ratio"] if "block" in by else None
 passed = ratio is None or ratio <= TARGET
-# issue 14's targets, each against its peer: (what, ratio of the pooled medians, target, ratio in each round)
+# the targets, each against its peer: (what, ratio of the pooled medians, target, ratio in each round)
 def per_round(a, b):
     return [x / y for x, y in zip(by[a]["round_median_s"], by[b]["round_median_s"])]
 
@@ -511,6 +511,6 @@ with open(args.out, "w") as f:
     json.dump({"bench": "overhead", "args": vars(args), "torch": torch.__version__, "transformers": transformers.__version__,
                "threads": torch.get_num_threads(),
                "n_params": n_params, "target_ratio": TARGET, "ratio": ratio, "pass": passed,
-               "issue14_checks": [{"what": w, "ratio": r, "target": t, "pass": r <= t, "per_round": pr} for w, r, t, pr in checks],
+               "targets": [{"what": w, "ratio": r, "target": t, "pass": r <= t, "per_round": pr} for w, r, t, pr in checks],
                "block_group_ratios": groups, "copy_floor": floor, "other_cpu_s_total": busy, "reliable": reliable, "rows": rows}, f, indent=1)
 print(f"wrote {args.out}")

@@ -1,4 +1,4 @@
-"""Peer benchmark (issue 14): strategy="megatrain" against plain PyTorch and an existing offload trainer.
+"""Peer benchmark: strategy="megatrain" against plain PyTorch and an existing offload trainer.
 
 What: one process, one device, the same Llama model (random init) and the same batch for every row:
   fp32     ours, Trainer(strategy=MegaTrainStrategy(), precision="32-true"), RAM tier (masters + AdamW in host RAM);

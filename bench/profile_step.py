@@ -1,4 +1,4 @@
-"""Where one streamed training step spends its time that plain PyTorch does not (issue 14, item 3).
+"""Where one streamed training step spends its time that plain PyTorch does not.
 
 What: the SmolLM2-135M shape of bench/overhead.py (random init, fp32, batch 1 x 512) through
 Trainer(strategy=MegaTrainStrategy(cpu_zero_copy=False, recompute=...)); after --warmup steps one step

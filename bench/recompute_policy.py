@@ -1,4 +1,4 @@
-"""Step time and kept activations of each recompute policy against plain PyTorch (issue 14, item 4).
+"""Step time and kept activations of each recompute policy against plain PyTorch.
 
 What: bench/overhead.py's rows for the recompute policies, in one process on the same model and batch
 (SmolLM2-135M shape, fp32, batch 1 x 512 by default; every overhead.py option passes through):
@@ -7,7 +7,7 @@ is short), plain PyTorch without checkpointing, and strategy="megatrain" with re
 "selective", "none", "auto" and "auto" with activation_memory_limit = 25% of what "none" kept. Per row: median step seconds, ratio to the checkpointed baseline and to
 plain without checkpointing, activations kept per token (bytes), and the engine's recompute seconds.
 
-Targets (issue 14, "Done when"): selective or auto <= 0.95 x the checkpointed baseline; none <= 1.05 x
+Targets: selective or auto <= 0.95 x the checkpointed baseline; none <= 1.05 x
 plain without checkpointing; auto at 25% of none within its limit (the engine's meter; on CUDA compare
 the device peaks) and no slower than block (printed by overhead.py as PASS/FAIL).
 

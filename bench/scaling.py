@@ -1,4 +1,4 @@
-"""Data-parallel scaling of strategy="megatrain" (issue 12): tokens/s and the node's host memory, 1 vs N processes.
+"""Data-parallel scaling of strategy="megatrain": tokens/s and the node's host memory, 1 vs N processes.
 
 What: the same Llama-shaped model (random init, fp32; default hidden 512, MLP 1408, 8 layers, vocabulary 32000,
 untied head: 58.5M parameters, so the training state of 16 bytes/param, 0.94 GB = 0.87 GiB, dominates memory) trained

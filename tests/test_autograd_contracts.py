@@ -1,5 +1,5 @@
 """What PyTorch autograd allows on a plain model works on a streamed one, or fails with a clear
-error naming the call (issue 13, item 2). Each test trains the same module with plain Lightning
+error naming the call. Each test trains the same module with plain Lightning
 (``strategy="auto"``) and with ours, in manual optimization, and compares the weights."""
 
 from __future__ import annotations

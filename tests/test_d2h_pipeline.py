@@ -1,4 +1,4 @@
-"""Overlapped D2H (issue 17, item 2) and the host workers' threads and statistics (item 8).
+"""Overlapped D2H and the host workers' threads and statistics.
 
 The compute thread queues each gradient batch's copy as soon as a staging slot is free, and the D2H
 worker adds batch k while batch k+1 is being copied. The CPU path shares the queue, the slots and the

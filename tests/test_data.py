@@ -1,4 +1,4 @@
-"""Data pipeline of the domain recipes (issue 6): sources, split, packing, masking, cache, loaders, probes, config."""
+"""Data pipeline of the domain recipes: sources, split, packing, masking, cache, loaders, probes, config."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Data parallel (issue 12): several processes launched by Lightning's own launcher, gloo on this CPU.
+"""Data parallel: several processes launched by Lightning's own launcher, gloo on this CPU.
 
 Reference (as DDP promises): W processes with micro-batch b train like one process with micro-batch W*b.
 The runs are real ``python tests/dp_worker.py`` processes. Tests of the entry points start rank 0 only and

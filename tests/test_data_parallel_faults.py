@@ -1,4 +1,4 @@
-"""Data parallel (issue 12), faults and bad input: a rank that dies, inconsistent launches, mismatched ranks,
+"""Data parallel, faults and bad input: a rank that dies, inconsistent launches, mismatched ranks,
 a too small ``/dev/shm``.
 
 The multi-process tests launch ``python tests/dp_worker.py`` (helpers of tests/test_data_parallel.py); Lightning's

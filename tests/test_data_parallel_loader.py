@@ -1,4 +1,4 @@
-"""ResumableDataLoader under data parallel (issue 12: "Data", "Exact resume across world sizes").
+"""ResumableDataLoader under data parallel ("Data", "Exact resume across world sizes").
 
 No processes are started: each rank's loader is built as Lightning's ``_update_dataloader`` re-instantiates
 it with a ``DistributedSampler(num_replicas=W, rank=r)``, directly with that sampler, or with

@@ -1,4 +1,4 @@
-"""State carried across Trainer entry points follows plain Lightning (issue 13, item 1).
+"""State carried across Trainer entry points follows plain Lightning.
 
 Plain Lightning calls ``configure_optimizers`` at every ``fit`` and starts a fresh AdamW (step 0,
 zero ``exp_avg``/``exp_avg_sq``); ``ckpt_path`` restores the saved state. Each sequence below runs

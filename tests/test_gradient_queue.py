@@ -1,4 +1,4 @@
-"""Gradient batches queued for the D2H worker are bounded whatever the depth (issue 17, item 1).
+"""Gradient batches queued for the D2H worker are bounded whatever the depth.
 
 Each queued batch keeps its packed gradients on the device until the D2H worker copies them; when the
 host add is slower than a block's backward (the normal case for large layers), an unbounded queue

@@ -1,4 +1,4 @@
-"""Long sequences (issue 15; issue 17 item 5): chunked LM head + loss, chunked MLP, offloaded block
+"""Long sequences: chunked LM head + loss, chunked MLP, offloaded block
 inputs restored one call ahead.
 
 Parity: the same tiny model trained three ways from the same weights, 10 steps with gradient

@@ -1,4 +1,4 @@
-"""NVMe tier (issue 4): bitwise parity with the RAM tier, strict host budget, preflight, lock, faults.
+"""NVMe tier: bitwise parity with the RAM tier, strict host budget, preflight, lock, faults.
 
 The RAM tier is the reference here (it matches plain PyTorch to 1e-5, tests/test_parity.py):
 the NVMe tier runs the same arithmetic on the same values, only stored in files, so losses and

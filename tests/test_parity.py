@@ -4,7 +4,7 @@ Every test trains the same tiny random model twice from the same initial weights
 through Lightning with strategy="megatrain", once with a plain loop and
 torch.optim.AdamW (default arguments), and requires for every step
 |loss - loss_ref| / |loss_ref| <= 1e-5 and for every parameter
-||w - w_ref|| / ||w_ref|| <= 1e-5 (issue 2, "Done when").
+||w - w_ref|| / ||w_ref|| <= 1e-5.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Pinned memory inside ``host_memory_limit`` (issue 17, items 3, 4, 6).
+"""Pinned memory inside ``host_memory_limit``.
 
 * The arena's sub-allocator against an independent occupancy map (random alloc/free sequences).
 * Exact pinning (``cudaHostRegister`` mocked on this CPU build): the bytes registered are the bytes

@@ -124,7 +124,7 @@ def test_bytes_equal_meta_model_params_times_bytes_per_param(name):
 
 
 def test_staging_and_inflight_gradient_packs_counted():
-    """Issue 17: 2 pinned D2H staging buffers of the largest slab in the gradient wire dtype (host),
+    """2 pinned D2H staging buffers of the largest slab in the gradient wire dtype (host),
     and at most 2 packed gradient batches of the largest block queued for the D2H worker (device)."""
     mc = load_model("llama8b")
     model = _meta_model(mc)
@@ -641,7 +641,7 @@ def test_cpu_device_preflight_names_activation_options():
     assert max_seq_len(p, offload_activations=True) == max_seq_len(p) < max_seq_len(p, loss_chunk_size=1024)
 
 
-# ---------------------------------------------------------------- data parallel (issue 12, Planner)
+# ---------------------------------------------------------------- data parallel
 
 SHARED = ("fp32 master weights", "fp32 grad accumulators", "AdamW exp_avg + exp_avg_sq")
 

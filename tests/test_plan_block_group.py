@@ -1,4 +1,4 @@
-"""Planner and preflight with ``block_group`` (issue 14, block groups): the weights in flight on the
+"""Planner and preflight with ``block_group``: the weights in flight on the
 device, the NVMe tier's RAM window, the bytes per transfer, the report line, bad values, and the
 suggestion for small decoder layers. Meta-device models and arithmetic only (seconds)."""
 

@@ -1,4 +1,4 @@
-"""The planner and the recompute policy (issue 14, planner): the kept-activation formulas of
+"""The planner and the recompute policy: the kept-activation formulas of
 ``planning/activations.py`` against the engine's measured ``megatrain/saved_activation_bytes`` on tiny
 Llama models, the recompute FLOPs per mode, ``"auto"``'s budget and mix, and the preflight refusal of a
 ``recompute="none"`` run whose kept activations do not fit the device."""

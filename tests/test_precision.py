@@ -1,4 +1,4 @@
-"""MegaTrainPrecision: fp32 masters on the host whatever the compute precision (issue 3)."""
+"""MegaTrainPrecision: fp32 masters on the host whatever the compute precision."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The Hydra recipe (issue 16): configs compose and the data group's values win, every bad config is refused
+"""The Hydra recipe: configs compose and the data group's values win, every bad config is refused
 before the model is built with the Hydra key to change, each data format trains a 2-step run of a tiny model,
 results are written, resume continues the step count, and a short real SmolLM2-135M run goes end to end."""
 
@@ -83,7 +83,7 @@ def test_every_group_composes(tmp_path, model, data):
 
 @pytest.mark.parametrize("data", DATA)
 def test_data_group_values_win_over_the_recipe(tmp_path, data):
-    """Regression (issue 16): finetune.yaml once overrode seq_len/batch_size/probe of every data group."""
+    """Regression: finetune.yaml once overrode seq_len/batch_size/probe of every data group."""
     declared = yaml.safe_load((ROOT / "conf" / "data" / f"{data}.yaml").read_text())
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         cfg = compose(config_name="finetune", overrides=[f"data={data}"])

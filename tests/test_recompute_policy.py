@@ -1,4 +1,4 @@
-"""Recompute policies (issue 14, items 1-2): every ``recompute`` mode trains exactly like plain PyTorch
+"""Recompute policies: every ``recompute`` mode trains exactly like plain PyTorch
 (same arithmetic), what each keeps is ordered block < selective < none, "auto" stays within
 ``activation_memory_limit``, and bad values are refused at construction."""
 

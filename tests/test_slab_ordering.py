@@ -1,4 +1,4 @@
-"""Publish before copy (issue 17, item 7): no write of a master overlaps an H2D copy still reading it.
+"""Publish before copy: no write of a master overlaps an H2D copy still reading it.
 
 On CUDA an H2D copy reads the pinned master after ``to_device`` returns; the fetcher publishes its
 event in ``slab.last_read`` under the slab's lock, and every writer (the deferred and in-backward
