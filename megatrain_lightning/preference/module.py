@@ -335,14 +335,16 @@ class DPOModule(pl.LightningModule):
         return h.hexdigest()[:32]
 
     def _precompute(self, loader: DataLoader) -> torch.Tensor:
-        """One no-grad pass in dataset order: ``[N, 4]`` float64 (chosen sum, chosen count, rejected sum, count)."""
+        """One no-grad pass in dataset order: ``[N, 4]`` float64 (chosen sum, chosen count, rejected sum, count),
+        under the precision plugin's forward context (autocast under ``bf16-mixed``), as the training step's forward
+        is: at the starting weights the policy's log-probs then equal the reference's, as with ``"copy"``."""
         out = torch.zeros(len(loader.dataset), 4, dtype=torch.float64)
         ordered = DataLoader(loader.dataset, batch_size=loader.batch_size or 1, shuffle=False,
                              collate_fn=loader.collate_fn)
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self.trainer.precision_plugin.forward_context():
                 every = max(1, len(ordered) // 10)
                 for i, batch in enumerate(ordered):
                     if i % every == 0:
