@@ -4,9 +4,10 @@ A streamed step allocates and frees the same large buffers again and again (each
 recompute's graph, the gradient batches). glibc serves an allocation of at least ``M_MMAP_THRESHOLD`` bytes with
 its own ``mmap`` and gives it back to the kernel on ``free``; but the threshold is dynamic: each such block freed
 raises it to that block's size (up to 32 MiB on 64-bit), so the next buffers of that size come from the heap,
-whose freed memory stays resident (fragmented, or in one of the per-thread arenas). Measured on the CPU device:
-peak RSS 5-25% above the planner's host RAM, growing with the sequence length, and within it with
-``MALLOC_MMAP_THRESHOLD_=8388608 MALLOC_ARENA_MAX=2`` (``bench/plan_vs_run.py``).
+whose freed memory stays resident (fragmented, or in one of the per-thread arenas). Measured on the CPU device
+(``bench/plan_vs_run.py``, 14 configurations): these settings lower the peak RSS by 5-10%; it is still 1-20% above
+the planner's host RAM (within -10%/+5% in 4 of 14 configurations; ``plan_vs_run_glibc_defaults.json`` is the
+same matrix without them).
 
 :func:`bound_retention` sets those two with ``mallopt`` (``M_MMAP_THRESHOLD`` = 8 MiB, fixed: setting it turns
 the dynamic adjustment off; ``M_ARENA_MAX`` = 2) when the strategy sets up, on glibc only, unless the environment
