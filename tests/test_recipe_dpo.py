@@ -106,3 +106,34 @@ def test_user_jsonl_trains_on_the_nvme_tier(tmp_path, gpt2_dir):
                                         f"strategy.nvme_path={tmp_path / 'nvme'}", "preference.val_fraction=0.25"))
     assert summary["run"]["steps"] == 2
     assert "probe/exact_match" not in summary["metrics"]  # user data: no answers to probe
+
+
+def test_a_previous_runs_checkpoint_is_the_starting_model(tmp_path, gpt2_dir, monkeypatch):
+    """``model.weights=<run>/checkpoint/model`` (the Hugging Face directory every recipe run saves, a supervised
+    fine-tune's too): the second run's evaluation before training sees exactly those weights (loaded by the
+    strategy at setup), and reports the held-out metrics at the start (reward accuracy 0)."""
+    import torch
+    from safetensors.torch import load_file
+
+    import megatrain_lightning.recipes_lib.preference as steps
+
+    load_recipe().dpo(cfg_for(tmp_path / "first", gpt2_dir))
+    saved = tmp_path / "first" / "run" / "checkpoint" / "model"
+    want = {}
+    for f in sorted(saved.glob("*.safetensors")):
+        want.update(load_file(f))
+    seen: list[dict] = []
+    evaluate = steps.evaluate
+
+    def capture(cfg, trainer, module, data, tokenizer):
+        out = evaluate(cfg, trainer, module, data, tokenizer)
+        seen.append({k: v.detach().clone() for k, v in module.model.state_dict().items()})
+        return out
+
+    monkeypatch.setattr(steps, "evaluate", capture)
+    summary = load_recipe().dpo(cfg_for(tmp_path / "second", gpt2_dir, f"model.weights={saved}"))
+    assert want and set(want) <= set(seen[0])
+    for k, v in want.items():
+        assert torch.equal(seen[0][k].to(v.dtype), v), k
+    assert summary["metrics"]["val_rewards/accuracies"]["before"] == 0.0  # policy == reference at the start
+    assert summary["metrics"]["val_rewards/margins"]["before"] == 0.0

@@ -18,13 +18,14 @@ chosen by ``reference``, never doubles the host state of training:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import lightning.pytorch as pl
 import torch
@@ -149,6 +150,7 @@ class DPOModule(pl.LightningModule):
         self.reference_logps: torch.Tensor | None = None  # "precompute": [N, 4] (chosen sum, count, rejected sum, count)
         self.val_reference_logps: torch.Tensor | None = None  # the same for the fit's validation pairs
         self._val_dataset: Any = None  # the dataset val_reference_logps scores
+        self._policy_is_reference = False  # starting_weights_as_reference()
 
     @staticmethod
     def check_options(loss_type: str, beta: float, reference: str | None = "default",
@@ -223,10 +225,25 @@ class DPOModule(pl.LightningModule):
                 sums, _ = self._logps(self.reference_model, ids, mask, labels)
         return sums.chunk(2)
 
+    @contextlib.contextmanager
+    def starting_weights_as_reference(self) -> Iterator[None]:
+        """Inside: the reference log-probs are the policy's own (``"precompute"``, whose tables exist only inside
+        ``fit``), for a ``Trainer.validate`` before ``fit``, while the weights are still the starting ones: the
+        held-out metrics at the start (rewards 0, reward accuracy 0, the loss at equal log-probs)."""
+        self._policy_is_reference = True
+        try:
+            yield
+        finally:
+            self._policy_is_reference = False
+
     def _step(self, batch: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
         ids, mask, labels = _concat(batch)
-        ref_c, ref_r = self._reference(batch, ids, mask, labels, prefix)
-        sums, counts = self._logps(self.model, ids, mask, labels)
+        if self._policy_is_reference and needs_reference(self.loss_type):
+            sums, counts = self._logps(self.model, ids, mask, labels)
+            ref_c, ref_r = sums.detach().chunk(2)
+        else:
+            ref_c, ref_r = self._reference(batch, ids, mask, labels, prefix)
+            sums, counts = self._logps(self.model, ids, mask, labels)
         (pol_c, pol_r), (n_c, n_r) = sums.chunk(2), counts.chunk(2)
         losses, chosen, rejected = preference_loss(self.loss_type, pol_c, pol_r, ref_c, ref_r, n_c, n_r, self.beta,
                                                    self.gamma)

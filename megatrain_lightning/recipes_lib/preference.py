@@ -9,6 +9,7 @@ the probe's exact match is reachable; pairs are split into training and held-out
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -184,14 +185,15 @@ def evaluate(cfg: DictConfig, trainer: pl.Trainer, module: DPOModule, data: Pref
              tokenizer: Any) -> dict[str, float]:
     """Held-out preference metrics (``val_loss``, ``val_rewards/accuracies``, ``val_rewards/margins``) and, where the
     data has answers (the offline default), the exact-match probe on the held-out questions (``probe/exact_match``).
-    The reference log-probs exist only inside ``fit``; before it, the held-out metrics use the starting weights as
-    reference for both sides, so they are reported after ``fit`` only."""
+    Before ``fit`` with ``"precompute"`` (whose tables exist only inside ``fit``) the reference is the starting
+    weights themselves (:meth:`DPOModule.starting_weights_as_reference`): rewards 0 at the start, by definition."""
     metrics: dict[str, float] = {}
-    if module.reference_logps is not None or module.reference != "precompute":
-        if data.val is not None and cfg.trainer.limit_val_batches != 0:
+    start = module.reference == "precompute" and module.reference_logps is None
+    if data.val is not None and cfg.trainer.limit_val_batches != 0:
+        with module.starting_weights_as_reference() if start else contextlib.nullcontext():
             out = trainer.validate(module, datamodule=data, verbose=False)
-            metrics.update({k: float(v) for k, v in (out[0] if out else {}).items()
-                            if k in ("val_loss", "val_rewards/accuracies", "val_rewards/margins")})
+        metrics.update({k: float(v) for k, v in (out[0] if out else {}).items()
+                        if k in ("val_loss", "val_rewards/accuracies", "val_rewards/margins")})
     if cfg.probe.enabled and data.probe_items:
         t0 = time.perf_counter()
         log.info("probe: %d held-out questions, greedy answers...", min(len(data.probe_items), int(cfg.probe.max_items)))
