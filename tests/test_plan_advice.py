@@ -148,3 +148,26 @@ def test_mlp_chunks_claim_no_saving_on_a_cpu_device():
     gpu = load_hardware("h200")
     assert plan(m, gpu, seq_len=65536, mlp_chunk_size=1024).device_bytes < \
         plan(m, gpu, seq_len=65536, mlp_chunk_size=None).device_bytes
+
+
+def test_the_bigger_machine_and_disk_lines_are_overrides_that_fit(capsys):
+    """Llama-70B fp32 on the rtx4090 preset: host RAM and, on the NVMe tier, the disk are short. The "bigger
+    machine" line gives ``hardware.host_ram_gib=`` and the NVMe line ``hardware.nvme_drives=``; each, re-planned
+    with the overrides the line gives, fits that resource."""
+    out = _cli(capsys, "model=llama70b", "hardware=rtx4090", "precision=32-true")
+    change = [l.strip() for l in out.splitlines() if l.strip().startswith("change:")]
+    machine = next(l for l in change if "a machine with >=" in l)
+    ram = float(re.search(r"hardware\.host_ram_gib=([\d.]+)", machine).group(1))
+    hw = load_hardware("rtx4090")
+    model = load_model("llama70b")
+    bigger = plan(model, type(hw).from_mapping({**hw.to_dict(), "host_ram_gib": ram}), precision="32-true")
+    assert bigger.host_bytes <= bigger.capacity["host"]
+    nvme = next(l for l in change if "use the NVMe tier" in l)
+    assert "SHORT" in nvme
+    drives = int(re.search(r"hardware\.nvme_drives=(\d+)", nvme).group(1))
+    tiers = dict(kv.split("=", 1) for kv in re.search(r"use the NVMe tier: ((?:\w+=\S+ ?)+):", nvme).group(1).split())
+    more = plan(model, type(hw).from_mapping({**hw.to_dict(), "nvme_drives": drives}), precision="32-true", **tiers)
+    assert more.disk_bytes <= more.capacity["disk"]
+    fewer = plan(model, type(hw).from_mapping({**hw.to_dict(), "nvme_drives": drives - 1}), precision="32-true",
+                 **tiers)
+    assert fewer.disk_bytes > fewer.capacity["disk"]  # the smallest number of drives that fits

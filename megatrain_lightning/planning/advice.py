@@ -9,6 +9,8 @@ command line). Units: GiB = 2**30 B.
 
 from __future__ import annotations
 
+import math
+
 from typing import Any, Mapping
 
 from .config import GIB, SUGGESTED_CHUNK
@@ -103,21 +105,38 @@ def host_advice(p: Plan, have: int, keys: Mapping[str, str] | None = None) -> li
             out.append(f"use the NVMe tier: {nvme_override(keys, limit, params=True)}{where}: masters, gradients "
                        f"and moments ({gib(q.nvme_bytes)} GiB) go to NVMe; {host_words(q)} (a window of "
                        f"{blocks_ahead(q.counts, s) + 2} blocks), disk {gib(q.disk_bytes)} GiB "
-                       f"({'the preset has ' + gib(disk) + ' GiB: SHORT' if q.disk_bytes > disk else 'fits'}), and "
+                       f"({disk_words(q, disk)}), and "
                        f"the step is bound by {term_label(q.dominating)} at {q.step_time_s:,.1f} s "
                        f"(was {p.step_time_s:,.1f} s)")
         else:
             out.append(f"even with every state on NVMe ({nvme_override(keys, limit, params=True)}) the host needs "
                        f"{gib(rss)} GiB (a window of {blocks_ahead(q.counts, s) + 2} blocks, the activations and the "
-                       f"process): use a machine with more RAM")
+                       f"process): use a machine with more RAM (plan it with {ram_override(rss)})")
     R = s.get("devices", 1)
     if R > 1:  # data parallel: each process holds its own buffers (planning/parallel.py)
         fit = next((r for r in range(R - 1, 0, -1) if replan(p, devices=r).host_bytes <= have), None)
         if fit:
             out.append(f"or fewer processes per node: {key('devices', keys, 'trainer.devices')}={fit} fits "
                        f"(host then needs {gib(replan(p, devices=fit).host_bytes)} GiB per node)")
-    out.append(f"or a machine with >= {gib(p.host_bytes)} GiB of free RAM")
+    out.append(f"or a machine with >= {gib(p.host_bytes)} GiB of free RAM (plan it with {ram_override(p.host_bytes)})")
     return out
+
+
+def disk_words(q: Plan, disk: int) -> str:
+    """``fits``, or that the preset's NVMe is short with the override of enough drives of the preset's size
+    (``hardware.nvme_drives=<n>``)."""
+    if q.disk_bytes <= disk:
+        return "fits"
+    per_drive = q.hardware.nvme_capacity_gib * GIB
+    drives = math.ceil(q.disk_bytes / per_drive) if per_drive > 0 else 0
+    more = f"; plan {drives} drives with hardware.nvme_drives={drives}" if drives else ""
+    return f"the preset has {gib(disk)} GiB: SHORT{more}"
+
+
+def ram_override(need: int) -> str:
+    """The planner override of a machine with at least ``need`` bytes of RAM: ``hardware.host_ram_gib=<GiB,
+    rounded up to 0.1>`` (the same key in the recipes' ``hardware`` group)."""
+    return f"hardware.host_ram_gib={math.ceil(need / GIB * 10) / 10:g}"
 
 
 def _activation_options(p: Plan) -> list[dict[str, Any]]:
