@@ -18,6 +18,7 @@ from torch.utils.data import TensorDataset
 
 import megatrain_lightning  # noqa: F401  (registers strategy="megatrain")
 from megatrain_lightning import MegaTrainStrategy, UnsupportedOptimizerError
+from megatrain_lightning.checkpoint.lightning_file import convert_to_lightning_checkpoint
 from megatrain_lightning.data import ResumableDataLoader
 from megatrain_lightning.optim.host_generic import HostTorchOptimizer
 from megatrain_lightning.testing import LM, make_data, make_model
@@ -97,7 +98,8 @@ def test_optimizer_matches_plain_lightning(kind):
     host = trainer.strategy.engine.optimizer
     assert isinstance(host, HostTorchOptimizer)
     # the user's optimizer is the one Lightning and the scheduler saw: same learning rates at the end
-    assert [g["lr"] for g in trainer.optimizers[0].param_groups] == [g["lr"] for g in ref_trainer.optimizers[0].param_groups]
+    lrs = [g["lr"] for g in trainer.optimizers[0].param_groups]
+    assert lrs == [g["lr"] for g in ref_trainer.optimizers[0].param_groups]
     # optimizer.state_dict() in torch's format, equal to plain Lightning's
     got, want = trainer.optimizers[0].state_dict(), ref_trainer.optimizers[0].state_dict()
     assert got["param_groups"] == want["param_groups"]
@@ -161,6 +163,28 @@ def test_directory_checkpoint_resume_is_exact(tmp_path, kind):
         assert torch.equal(p.detach(), q.detach()), name
 
 
+def test_resume_across_strategies_is_exact(tmp_path):
+    """A plain Lightning ``.ckpt`` (strategy="auto") resumes under megatrain, and a megatrain directory checkpoint
+    converted to a ``.ckpt`` resumes under strategy="auto": both bitwise 10 uninterrupted plain Lightning steps."""
+    make = OPTIMIZERS["rmsprop"]
+    model = make_model("llama")
+    full, _ = _fit(model, make, "auto")
+    plain_first, t1 = _fit(model, make, "auto", steps=5)
+    t1.save_checkpoint(tmp_path / "plain.ckpt")
+    second, _ = _fit(model, make, "megatrain", ckpt_path=tmp_path / "plain.ckpt")
+    assert plain_first.losses + second.losses == full.losses
+    for (name, p), (_, q) in zip(second.named_parameters(), full.named_parameters()):
+        assert torch.equal(p.detach(), q.detach()), name
+
+    first, t2 = _fit(model, make, "megatrain", steps=5)
+    t2.save_checkpoint(tmp_path / "dir")
+    convert_to_lightning_checkpoint(tmp_path / "dir", tmp_path / "converted.ckpt")
+    third, _ = _fit(model, make, "auto", ckpt_path=tmp_path / "converted.ckpt")
+    assert first.losses + third.losses == full.losses
+    for (name, p), (_, q) in zip(third.named_parameters(), full.named_parameters()):
+        assert torch.equal(p.detach(), q.detach()), name
+
+
 def test_state_dict_loads_into_plain_torch_and_back():
     make = OPTIMIZERS["adafactor"]
     model = make_model("llama")
@@ -218,10 +242,21 @@ def test_capturable_and_differentiable_are_refused(flag):
         _setup_only(lm)
 
 
-def test_nvme_tier_is_refused(tmp_path):
+@pytest.mark.parametrize("params", ["cpu", "nvme"])
+def test_optimizer_on_nvme_is_refused(tmp_path, params):
     lm = OptLM(make_model("llama"), OPTIMIZERS["sgd_nesterov"])
-    with pytest.raises(UnsupportedOptimizerError, match=r"SGD.*NVMe tier.*RAM tier.*AdamW"):
-        _setup_only(lm, MegaTrainStrategy(offload_params="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path)))
+    with pytest.raises(UnsupportedOptimizerError, match=r"SGD.*offload_optimizer='nvme'.*RAM tier.*AdamW"):
+        _setup_only(lm, MegaTrainStrategy(offload_params=params, offload_optimizer="nvme", nvme_path=str(tmp_path)))
+
+
+def test_masters_on_nvme_with_the_optimizer_in_ram_match_plain_lightning(tmp_path):
+    make = OPTIMIZERS["adafactor"]
+    model = make_model("llama")
+    ref, _ = _fit(model, make, "auto")
+    lm, trainer = _fit(model, make, MegaTrainStrategy(offload_params="nvme", offload_optimizer="cpu",
+                                                      nvme_path=str(tmp_path), host_memory_limit=600_000))
+    assert trainer.strategy.engine.store.masters_on_disk
+    _assert_bitwise(lm, ref)
 
 
 def test_shared_store_data_parallel_is_refused():

@@ -5,9 +5,9 @@ and for resuming under another strategy (like DeepSpeed's ``convert_zero_checkpo
 :func:`convert_to_lightning_checkpoint` (``python -m megatrain_lightning.export CKPT --lightning-ckpt
 OUT.ckpt``) writes what Lightning's own ``trainer.save_checkpoint`` would have written: ``state_dict``
 under the LightningModule's keys (tied names included), ``optimizer_states`` in
-the optimizer's ``state_dict()`` format (``torch.optim.AdamW``'s, or the class's that trained), and the rest of ``trainer.pt`` (epoch, global_step, loops,
-callbacks, LR schedulers, hyper-parameters, precision state). Everything is held in memory while
-writing: 4 bytes/parameter for the weights, 8 more for the AdamW state
+the optimizer's ``state_dict()`` format (``torch.optim.AdamW``'s, or that of the class that trained), and the
+rest of ``trainer.pt`` (epoch, global_step, loops, callbacks, LR schedulers, hyper-parameters, precision state).
+Everything is held in memory while writing: 4 bytes/parameter for the weights, 8 more for the AdamW state
 (another optimizer: the size of its state).
 """
 

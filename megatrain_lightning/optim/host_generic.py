@@ -17,8 +17,9 @@ torch's format); the schedule (deferred per-slab updates), clipping, fp16 unscal
 Optimizers refused (:func:`validate_optimizer`): ``LBFGS`` (its step re-evaluates the model through a closure),
 ``SparseAdam`` (sparse gradients), any group with ``capturable=True`` or ``differentiable=True``. An optimizer
 whose update couples parameters (a group-wide norm or a line search) is not detected: it would see one slab's
-parameters at a time. Tiers refused (:class:`HostTorchOptimizer`): the NVMe tier and data parallel (a node-shared
-store), where the state of these optimizers has no place yet.
+parameters at a time. Tiers refused (:class:`HostTorchOptimizer`): the optimizer on NVMe (``offload_optimizer=
+"nvme"``) and data parallel (a node-shared store), where the state of these optimizers has no place yet; masters on
+NVMe with the optimizer in RAM work.
 """
 
 from __future__ import annotations
@@ -32,12 +33,11 @@ from ..store.host import HostStore, Slab
 from ..store.regions import Region
 from ..store.shared import SlabOwnership
 from .host_adamw import HostAdamW, UnsupportedOptimizerError, _Pending
-from .host_adamw import validate_optimizer as validate_adamw
 
 SUPPORTED = ("any torch.optim optimizer whose update is per parameter (torch.optim.AdamW/Adam on the host AdamW "
              "kernel; SGD, Adamax, NAdam, RAdam, RMSprop, Adagrad, Adadelta, ASGD, Rprop, Adafactor, Muon and "
-             "subclasses with their own step, RAM tier, one process); not LBFGS or SparseAdam, not capturable=True or "
-             "differentiable=True")
+             "subclasses with their own step, optimizer state in RAM, one process); not LBFGS or SparseAdam, not "
+             "capturable=True or differentiable=True")
 
 _REFUSED_CLASSES: tuple[tuple[type, str], ...] = (
     (torch.optim.LBFGS, "its step re-evaluates the model through a closure (several forward/backward passes per "
@@ -121,20 +121,23 @@ class HostTorchOptimizer(HostAdamW):
     SGD's ``momentum_buffer``; Adafactor's ``step``, ``row_var``, ``col_var``), CPU tensors in host RAM owned by this
     object (the store's ``exp_avg``/``exp_avg_sq`` regions are never allocated on the RAM tier).
 
+    Masters on NVMe (``offload_params="nvme"``, ``offload_optimizer="cpu"``) work: the views are built inside the
+    update's hold of the slab's master window.
+
     Raises:
         UnsupportedOptimizerError: :func:`validate_optimizer`; the class cannot be built over the slab views with the
-            user's defaults (a constructor that takes other arguments); the NVMe tier (``offload_params`` or
-            ``offload_optimizer="nvme"``) or data parallel with a node-shared store (``ownership``).
+            user's defaults (a constructor that takes other arguments); the optimizer regions on NVMe
+            (``offload_optimizer="nvme"``) or data parallel with a node-shared store (``ownership``).
     """
 
     def __init__(self, store: HostStore, optimizer: torch.optim.Optimizer, overlap: bool = True, transport: Any = None,
                  ownership: SlabOwnership | None = None):
         name = _name(optimizer)
-        if store.nvme_kinds:
+        if store.nvme_kinds & {Region.exp_avg, Region.exp_avg_sq, Region.grad_accum}:
             raise UnsupportedOptimizerError(
-                f"megatrain steps {name} on the host with its state in host RAM; the NVMe tier (offload_params="
-                "'nvme' / offload_optimizer='nvme') keeps only AdamW state on disk. Use the RAM tier "
-                "(offload_params='cpu', offload_optimizer='cpu') or torch.optim.AdamW.")
+                f"megatrain steps {name} on the host with its state in host RAM; the NVMe tier for the optimizer "
+                "(offload_optimizer='nvme') keeps only AdamW state on disk. Use the RAM tier for the optimizer "
+                "(offload_optimizer='cpu'; offload_params='nvme' works with it) or torch.optim.AdamW.")
         if ownership is not None:
             raise UnsupportedOptimizerError(
                 f"megatrain steps {name} on the host in one process only; data parallel (several processes sharing "
