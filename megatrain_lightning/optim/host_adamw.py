@@ -82,10 +82,14 @@ WRITTEN_WHILE_PENDING = (
 
 
 def validate_optimizer(optimizer: torch.optim.Optimizer) -> bool:
-    """Check that ``optimizer`` is one we can take over; return ``True`` for decoupled weight decay (AdamW).
+    """Check that the host AdamW kernel can step ``optimizer``; return ``True`` for decoupled weight decay (AdamW).
+    Other optimizers (and AdamW/Adam with ``amsgrad``/``maximize``) run their own step on the host instead
+    (``optim/host_generic.py`` chooses when the optimizer is taken over).
 
     Raises:
-        UnsupportedOptimizerError: another optimizer class, or ``amsgrad``/``maximize``/``differentiable`` set.
+        UnsupportedOptimizerError: another optimizer class, or ``amsgrad``/``maximize``/``differentiable`` set (a group
+            added during fit to an optimizer the kernel took over: the message says to set it in
+            ``configure_optimizers``).
     """
     if type(optimizer) is torch.optim.AdamW:
         decoupled = True
@@ -93,15 +97,17 @@ def validate_optimizer(optimizer: torch.optim.Optimizer) -> bool:
         decoupled = bool(optimizer.defaults.get("decoupled_weight_decay", False))
     else:
         raise UnsupportedOptimizerError(
-            f"megatrain steps the optimizer on the host and supports {SUPPORTED}; "
-            f"configure_optimizers returned {type(optimizer).__module__}.{type(optimizer).__qualname__}. "
-            "Return torch.optim.AdamW(self.parameters(), ...) instead."
+            f"the host AdamW kernel steps {SUPPORTED}; got "
+            f"{type(optimizer).__module__}.{type(optimizer).__qualname__} (other optimizers run their own step on "
+            "the host: megatrain_lightning.optim.host_generic.make_host_optimizer)."
         )
     for i, g in enumerate(optimizer.param_groups):
         for key in ("amsgrad", "maximize", "differentiable"):
             if g.get(key, False):
                 raise UnsupportedOptimizerError(
-                    f"param_groups[{i}] sets {key}=True, which megatrain does not implement; supported: {SUPPORTED}."
+                    f"param_groups[{i}] sets {key}=True, which the host AdamW kernel ({SUPPORTED}) does not implement. "
+                    f"Set {key} in configure_optimizers' param groups (the optimizer then runs its own step on the "
+                    "host) rather than in a group added during fit."
                 )
     return decoupled
 
