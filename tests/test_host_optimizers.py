@@ -201,6 +201,33 @@ def test_state_dict_loads_into_plain_torch_and_back():
             assert torch.equal(again["state"][i][k], v)
 
 
+class _SwitchToSGD(pl.Callback):
+    """At the 6th step (micro-batch 10), a new optimizer of another class, as a callback changing optimizers does."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 10:
+            pl_module.make_opt = OPTIMIZERS["sgd_nesterov"]
+            trainer.strategy.setup_optimizers(trainer)
+
+
+class _ClearState(pl.Callback):
+    """At the 6th step, ``optimizer.state.clear()``: the next update starts the class's state afresh."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 10:
+            trainer.optimizers[0].state.clear()
+
+
+@pytest.mark.parametrize("first, callback", [("adamw", _SwitchToSGD), ("rmsprop", _ClearState)])
+def test_mid_fit_changes_match_plain_lightning(first, callback):
+    make = OPTIMIZERS[first] if first != "adamw" else (lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3))
+    model = make_model("llama")
+    ref, _ = _fit(model, make, "auto", callbacks=[callback()])
+    lm, trainer = _fit(model, make, "megatrain", callbacks=[callback()])
+    _assert_bitwise(lm, ref)
+    assert isinstance(trainer.strategy.engine.optimizer, HostTorchOptimizer)
+
+
 # ---------------------------------------------------------------------------------------------------- refusals
 class _LBFGSLM(LM):
     def configure_optimizers(self):
