@@ -14,10 +14,11 @@ import copy
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import TensorDataset
 
 import megatrain_lightning  # noqa: F401  (registers strategy="megatrain")
-from megatrain_lightning import MegaTrainStrategy, UnsupportedOptimizerError
+from megatrain_lightning import MegaTrainPrecision, MegaTrainStrategy, UnsupportedOptimizerError
 from megatrain_lightning.checkpoint.lightning_file import convert_to_lightning_checkpoint
 from megatrain_lightning.data import ResumableDataLoader
 from megatrain_lightning.optim.host_generic import HostTorchOptimizer
@@ -199,6 +200,33 @@ def test_state_dict_loads_into_plain_torch_and_back():
     for i, st in sd["state"].items():
         for k, v in st.items():
             assert torch.equal(again["state"][i][k], v)
+
+
+class _OverflowLM(OptLM):
+    """Micro-batch 6 (step 4) overflows in fp16: that step is skipped and the loss scale halved."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("inf") if batch_idx == 6 else loss
+
+
+def test_fp16_mixed_with_a_skipped_step_matches_plain_lightning():
+    make = OPTIMIZERS["nadam"]
+    model = make_model("llama")
+    runs = []
+    for strategy in ("auto", "megatrain"):
+        # on CPU Lightning turns precision="16-mixed" into bf16: fp16 plugins built explicitly
+        plugin = MegaTrainPrecision("16-mixed") if strategy == "megatrain" else \
+            MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
+        lm = _OverflowLM(copy.deepcopy(model), make)
+        torch.manual_seed(0)
+        _trainer(strategy, plugins=[plugin]).fit(lm, _loader())
+        runs.append((lm, plugin))
+    (ref, _), (lm, plugin) = runs
+    assert plugin.skipped_steps == 1
+    assert lm.losses == ref.losses
+    for (name, p), (_, q) in zip(lm.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p.detach(), q.detach()), name
 
 
 class _SwitchToSGD(pl.Callback):
