@@ -60,8 +60,10 @@ class MegaTrainFabricStrategy(MegaTrainBase, ParallelStrategy):
     Raises:
         ValueError, TypeError: an option fails its check (when built).
         UnsupportedPrecisionError: ``Fabric(precision=...)`` other than 32-true, bf16-mixed, 16-mixed, bf16-true.
-        UnsupportedOptimizerError: at setup, anything but exactly one ``torch.optim.AdamW``/``Adam`` for the module
-            (several optimizers, an optimizer set up before the module or for another module).
+        UnsupportedOptimizerError: at setup, several optimizers, an optimizer set up before the module or for another
+            module, or one the host cannot step (``optim/host_generic.py``: ``LBFGS``, ``SparseAdam``,
+            ``capturable``/``differentiable``, another optimizer than AdamW/Adam with the optimizer on NVMe or in
+            several processes).
         RuntimeError: at ``fabric.setup(model, optimizer)``, an optimizer holding the meta-device parameters of
             ``init_module(empty_init=True)`` (set up the module first, then create the optimizer).
         NotImplementedError: at setup, several modules (the engine streams one), ``fabric.setup_module`` a second
@@ -134,7 +136,8 @@ class MegaTrainFabricStrategy(MegaTrainBase, ParallelStrategy):
         if len(optimizers) != 1:
             raise UnsupportedOptimizerError(
                 f"megatrain steps exactly one optimizer on the host; fabric.setup got {len(optimizers)}. Pass a "
-                "single torch.optim.AdamW (use param groups for different learning rates or weight decay).")
+                "single optimizer, e.g. torch.optim.AdamW (use param groups for different learning rates or weight "
+                "decay).")
         if any(p.is_meta for g in optimizers[0].param_groups for p in g["params"]):
             raise RuntimeError(
                 "megatrain: the optimizer holds meta-device parameters (the model was created under "
@@ -175,8 +178,8 @@ class MegaTrainFabricStrategy(MegaTrainBase, ParallelStrategy):
         ``optimizer`` (:mod:`~megatrain_lightning.optim.takeover`); the optimizer object is returned.
 
         Raises:
-            UnsupportedOptimizerError: no module set up yet, a second optimizer, or not an AdamW/Adam the host
-                kernel implements.
+            UnsupportedOptimizerError: no module set up yet, a second optimizer, or an optimizer the host cannot
+                step (``optim/host_generic.py``).
         """
         if self.engine is None or self.engine.closed:
             raise UnsupportedOptimizerError(
@@ -186,7 +189,7 @@ class MegaTrainFabricStrategy(MegaTrainBase, ParallelStrategy):
         if current is not None and current.optimizer is not optimizer and self.takeover.active:
             raise UnsupportedOptimizerError(
                 "megatrain steps exactly one optimizer on the host, and one is already set up; pass a single "
-                "torch.optim.AdamW (param groups for different learning rates or weight decay).")
+                "optimizer, e.g. torch.optim.AdamW (param groups for different learning rates or weight decay).")
         if self.takeover.active:
             return optimizer
         self._attach_host_optimizer(optimizer, self.precision)

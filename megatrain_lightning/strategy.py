@@ -5,8 +5,9 @@
 ``LightningModule``: build it on the CPU as usual; at ``setup`` the strategy
 packs its parameters into fp32 host slabs (the ``nn.Parameter`` objects stay,
 their ``.data`` become views of the slabs), replaces each block's ``forward``
-by a streaming proxy, and takes over the AdamW/Adam returned by
-``configure_optimizers``. After ``fit`` the module's parameters are the trained
+by a streaming proxy, and takes over the optimizer returned by
+``configure_optimizers`` (AdamW/Adam on the host AdamW kernel, another per-parameter
+``torch.optim`` optimizer with its own ``step``). After ``fit`` the module's parameters are the trained
 fp32 weights.
 
 What a callback sees: during ``on_before_optimizer_step`` each parameter's
@@ -77,7 +78,9 @@ class MegaTrainStrategy(MegaTrainBase, ParallelStrategy):
         ValueError: a ``meta``-device parameter that no weights source provides, or whose checkpoint tensor has
             another shape, e.g. ``resize_token_embeddings`` on a ``meta_model_from_pretrained`` model (at setup;
             the message says to resize a materialised model before ``fit``).
-        UnsupportedOptimizerError: ``configure_optimizers`` returned anything but one AdamW/Adam.
+        UnsupportedOptimizerError: ``configure_optimizers`` returned several optimizers, ``LBFGS``, ``SparseAdam``,
+            ``capturable``/``differentiable`` set, or an optimizer other than AdamW/Adam with the optimizer on
+            NVMe or several processes (``optim/host_generic.py``).
         BlockDiscoveryError: the model has no discoverable blocks.
         RendezvousError: the launch's ``WORLD_SIZE`` / ``NODE_RANK`` / ``MASTER_ADDR`` / ``MASTER_PORT`` contradict
             ``devices`` and ``num_nodes`` (in ``Trainer(...)``, ``parallel/preflight.py``).
@@ -158,10 +161,12 @@ class MegaTrainStrategy(MegaTrainBase, ParallelStrategy):
         """Lightning's (``configure_optimizers`` again); during fit, where a callback calls
         ``trainer.strategy.setup_optimizers(trainer)`` to change optimizers mid-training (Lightning's way), the host
         optimizer then steps the new one: the old one's pending updates are applied first, and the new one starts
-        with empty AdamW state as a new ``torch.optim.AdamW`` does.
+        with empty state as a new torch optimizer does.
 
         Raises:
-            UnsupportedOptimizerError: the new optimizers are not exactly one AdamW/Adam.
+            UnsupportedOptimizerError: the new optimizers are not exactly one optimizer, ``LBFGS``, ``SparseAdam``,
+                ``capturable``/``differentiable`` set, or an optimizer other than AdamW/Adam with the optimizer on
+                NVMe or several processes (``optim/host_generic.py``).
         """
         super().setup_optimizers(trainer)
         if self.takeover.active and self.engine is not None and not self.engine.closed \
@@ -176,8 +181,8 @@ class MegaTrainStrategy(MegaTrainBase, ParallelStrategy):
         if len(self.optimizers) != 1:
             raise UnsupportedOptimizerError(
                 f"megatrain steps exactly one optimizer on the host; configure_optimizers returned "
-                f"{len(self.optimizers)}. Return a single torch.optim.AdamW (use param groups for different "
-                "learning rates or weight decay)."
+                f"{len(self.optimizers)}. Return a single optimizer, e.g. torch.optim.AdamW (use param groups for "
+                "different learning rates or weight decay)."
             )
         self._attach_host_optimizer(self.optimizers[0], self.precision_plugin, self.lr_scheduler_configs)
 

@@ -27,7 +27,7 @@ from .checkpoint.strategy_io import StrategyCheckpoints
 from .config import MegaTrainConfig
 from .engine.reduce import GradReducer
 from .engine.streaming import StreamingEngine
-from .optim.host_adamw import validate_optimizer
+from .optim.host_generic import validate_optimizer
 from .optim.takeover import OptimizerTakeover
 from .parallel.checkpoint_writers import CheckpointWriters
 from .parallel.faults import guarded
@@ -261,12 +261,14 @@ class MegaTrainBase:
         self._share_written()
 
     def _attach_host_optimizer(self, opt: Any, plugin: Any, schedulers: Any = ()) -> None:
-        """The host AdamW steps ``opt`` from now on (:mod:`~.optim.takeover`): ``zero_grad``, ``state_dict`` and
+        """The host optimizer steps ``opt`` from now on (:mod:`~.optim.takeover`): ``zero_grad``, ``state_dict`` and
         ``state`` of ``opt`` reach the host store; ``plugin`` (a ``MegaTrainPrecision``) is told when gradients
         are zeroed. ``schedulers``: Lightning's ``LRSchedulerConfig`` list (every rank must have the same).
 
         Raises:
-            UnsupportedOptimizerError: ``opt`` is not a ``torch.optim.AdamW``/``Adam`` the host kernel implements.
+            UnsupportedOptimizerError: ``opt`` cannot be stepped on the host (``LBFGS``, ``SparseAdam``,
+                ``capturable`` or ``differentiable`` set; an optimizer other than AdamW/Adam with the optimizer on
+                NVMe or several processes: ``optim/host_generic.py``).
             ConfigMismatchError: another rank's optimizer or schedulers differ.
         """
         validate_optimizer(opt)

@@ -10,7 +10,8 @@ Layout of a checkpoint directory (docs/architecture.md, "Checkpoints and resume"
                         (persistent buffers such as a loss's class weights, heads of its own), by name
       base_model/       instead of model/ for a peft model: the base model (HF directory), and
       adapter/          the adapter(s) in peft's format (see peft_io.py)
-      optimizer/        exp_avg / exp_avg_sq / step of every parameter with AdamW state,
+      optimizer/        the optimizer state of every parameter that has one (AdamW: exp_avg / exp_avg_sq / step;
+                        another optimizer: the tensors its step keeps, e.g. momentum_buffer),
                         safetensors keyed "<parameter name>/<state>", checksums.json
       trainer.pt        everything else Lightning saves (loops, callbacks, LR schedulers,
                         precision plugin state, hyper-parameters), converted to plain types and
@@ -52,7 +53,7 @@ from .peft_io import write_adapters
 from .plain import to_plain
 
 __all__ = ["CheckpointError", "check_compatible", "load_checkpoint_dir", "load_optimizer_dir", "save_checkpoint_dir",
-           "verified_info"]
+           "saved_state_keys", "verified_info"]
 
 
 def _fsync_dir(path: Path) -> None:
@@ -434,8 +435,14 @@ def load_checkpoint_dir(path: str | os.PathLike, module: nn.Module, engine: Any 
 
 
 def load_optimizer_dir(path: str | os.PathLike, module: nn.Module, engine: Any, meta: dict[str, Any]) -> None:
-    """Load AdamW state (exp_avg, exp_avg_sq, step per parameter; param-group hyper-parameters). A parameter the
-    checkpoint holds no state for has none afterwards (its next update is a first one), whatever steps ran since."""
+    """Load the optimizer state (per parameter: AdamW's exp_avg, exp_avg_sq, step, or the tensors another class's
+    step keeps; param-group hyper-parameters). A parameter the checkpoint holds no state for has none afterwards
+    (its next update is a first one), whatever steps ran since.
+
+    Raises:
+        CheckpointError: a parameter's saved state does not fit the optimizer (another optimizer's state keys, a
+            shape that differs).
+    """
     p = Path(path)
     opt = engine.optimizer
     if opt is None or not (p / "optimizer").exists():
@@ -443,10 +450,22 @@ def load_optimizer_dir(path: str | os.PathLike, module: nn.Module, engine: Any, 
     source = SafetensorsSource(p / "optimizer")
     rename = saved_name(read_info(p)["params"], [n for n, _ in module.named_parameters()])
     opt.load_param_groups_meta(meta.get("megatrain_param_groups"), module, rename)
+    saved = saved_state_keys(source)
     for name, param in module.named_parameters():
-        name = rename(name)
-        if source.has(f"{name}/exp_avg"):
-            opt.load_param_state(param, source.get(f"{name}/exp_avg"), source.get(f"{name}/exp_avg_sq"),
-                                 source.get(f"{name}/step"))
+        keys = saved.get(rename(name))
+        if keys:
+            try:
+                opt.set_param_state(param, {k: source.get(key) for k, key in keys.items()})
+            except ValueError as err:
+                raise CheckpointError(f"Checkpoint {p}: optimizer state of {name}: {err}") from None
         else:  # no state saved (no step before the save): none now, as torch.optim.AdamW.load_state_dict leaves it
             opt.forget_param_state(param)
+
+
+def saved_state_keys(source: SafetensorsSource) -> dict[str, dict[str, str]]:
+    """``parameter name -> {state key: safetensors key}`` of an ``optimizer/`` part (keys ``"<name>/<state key>"``)."""
+    out: dict[str, dict[str, str]] = {}
+    for key in source.keys():
+        name, _, k = key.rpartition("/")
+        out.setdefault(name, {})[k] = key
+    return out

@@ -5,9 +5,10 @@ and for resuming under another strategy (like DeepSpeed's ``convert_zero_checkpo
 :func:`convert_to_lightning_checkpoint` (``python -m megatrain_lightning.export CKPT --lightning-ckpt
 OUT.ckpt``) writes what Lightning's own ``trainer.save_checkpoint`` would have written: ``state_dict``
 under the LightningModule's keys (tied names included), ``optimizer_states`` in
-``torch.optim.AdamW.state_dict()`` format, and the rest of ``trainer.pt`` (epoch, global_step, loops,
-callbacks, LR schedulers, hyper-parameters, precision state). Everything is held in memory while
-writing: 4 bytes/parameter for the weights, 8 more for the AdamW state.
+the optimizer's ``state_dict()`` format (``torch.optim.AdamW``'s, or that of the class that trained), and the
+rest of ``trainer.pt`` (epoch, global_step, loops, callbacks, LR schedulers, hyper-parameters, precision state).
+Everything is held in memory while writing: 4 bytes/parameter for the weights, 8 more for the AdamW state
+(another optimizer: the size of its state).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from .atomic import check_name_length, temporary_path
-from .directory import verified_info
+from .directory import saved_state_keys, verified_info
 from .errors import CheckpointError
 from .hf_source import SafetensorsSource
 from .layout import open_part
@@ -40,16 +41,18 @@ def _state_dict(root: Path, info: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def _optimizer_state(root: Path, groups: list[dict[str, Any]]) -> dict[str, Any]:
-    """``torch.optim.AdamW.state_dict()`` of the saved AdamW state: parameters numbered in param-group order."""
+    """``state_dict()`` (torch's format) of the saved optimizer state: parameters numbered in param-group order."""
     src = SafetensorsSource(root / "optimizer")
+    saved = saved_state_keys(src)
     state: dict[int, dict[str, torch.Tensor]] = {}
     param_groups = []
     index = 0
     for g in groups:
         ids = []
         for name in g["param_names"]:
-            if src.has(f"{name}/exp_avg"):
-                state[index] = {k: src.get(f"{name}/{k}") for k in ("step", "exp_avg", "exp_avg_sq")}
+            keys = saved.get(name)
+            if keys:
+                state[index] = {k: src.get(key) for k, key in keys.items()}
             ids.append(index)
             index += 1
         param_groups.append({**{k: v for k, v in g.items() if k != "param_names"}, "params": ids})

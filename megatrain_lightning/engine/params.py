@@ -213,10 +213,14 @@ class ParamAccess:
 
     def named_optimizer_state(self, module: nn.Module, keep: Callable[[nn.Parameter], bool] | None = None
                               ) -> Iterator[tuple[str, torch.Tensor]]:
-        """``("<param name>/exp_avg" | "/exp_avg_sq" | "/step", tensor)`` for every parameter of
-        ``module`` with AdamW state (fp32; ``step`` a 0-d tensor), in parameter order, reading through
-        a one-slab window on the NVMe tier. ``keep``: only the parameters it accepts (data parallel: a
-        process writes the state of the slabs it owns, the only ones on its disk with ``offload_optimizer="nvme"``)."""
+        """``("<param name>/<state key>", tensor)`` for every parameter of ``module`` with optimizer state
+        (AdamW: ``exp_avg``, ``exp_avg_sq`` fp32 of the parameter's shape, ``step`` a 0-d fp32 tensor; another
+        class: the tensors its ``step`` keeps, a 1-element ``step`` as a 0-d tensor), in parameter order, reading
+        through a one-slab window on the NVMe tier. ``keep``: only the parameters it accepts (data parallel: a
+        process writes the state of the slabs it owns, the only ones on its disk with ``offload_optimizer="nvme"``).
+
+        Raises:
+            TypeError: a state value that is not a tensor (a directory checkpoint stores tensors only)."""
         opt = self.optimizer
         if opt is None:
             return
@@ -228,8 +232,13 @@ class ParamAccess:
             st = opt.param_state(p)
             if st is None:
                 continue
-            for k in ("exp_avg", "exp_avg_sq", "step"):
-                yield f"{name}/{k}", st[k].reshape(()) if k == "step" else st[k]
+            for k in [k for k in ("exp_avg", "exp_avg_sq", "step") if k in st] + \
+                    [k for k in st if k not in ("exp_avg", "exp_avg_sq", "step")]:
+                v = st[k]
+                if not torch.is_tensor(v):
+                    raise TypeError(f"megatrain: the optimizer state {k!r} of {name} is a {type(v).__name__}, not a "
+                                    "tensor; a directory checkpoint stores tensors only.")
+                yield f"{name}/{k}", v.reshape(()) if k == "step" and v.numel() == 1 else v
 
 
 class _OneSlabWindow:

@@ -27,6 +27,7 @@ from torch import nn
 
 from ..config import MegaTrainConfig
 from ..optim.host_adamw import HostAdamW
+from ..optim.host_generic import make_host_optimizer
 from ..store import heap
 from ..store.budget import HostBudget
 from ..store.host import HostStore, build_store
@@ -205,13 +206,18 @@ class StreamingEngine:
         self.update_in_backward = on
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer, overlap: bool = True) -> HostAdamW:
-        """Take over ``optimizer`` (AdamW/Adam); see :class:`HostAdamW`."""
+        """Take over ``optimizer``: :class:`HostAdamW` for AdamW/Adam, else the class's own step on the host
+        (:func:`~..optim.host_generic.make_host_optimizer`).
+
+        Raises:
+            UnsupportedOptimizerError: an optimizer or tier the host cannot step (``optim/host_generic.py``).
+        """
         if self.optimizer is not None and self.optimizer.optimizer is optimizer:
             self.optimizer.set_overlap(overlap)
             return self.optimizer
         self.flush()
-        self.optimizer = HostAdamW(self.store, optimizer, overlap=overlap, transport=self.transport,
-                                   ownership=self.ownership)
+        self.optimizer = make_host_optimizer(self.store, optimizer, overlap=overlap, transport=self.transport,
+                                             ownership=self.ownership)
         for part in (self.params, self.grads, self.fetcher, self.prefetcher):
             part.optimizer = self.optimizer
         return self.optimizer

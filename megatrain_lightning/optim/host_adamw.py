@@ -82,10 +82,14 @@ WRITTEN_WHILE_PENDING = (
 
 
 def validate_optimizer(optimizer: torch.optim.Optimizer) -> bool:
-    """Check that ``optimizer`` is one we can take over; return ``True`` for decoupled weight decay (AdamW).
+    """Check that the host AdamW kernel can step ``optimizer``; return ``True`` for decoupled weight decay (AdamW).
+    Other optimizers (and AdamW/Adam with ``amsgrad``/``maximize``) run their own step on the host instead
+    (``optim/host_generic.py`` chooses when the optimizer is taken over).
 
     Raises:
-        UnsupportedOptimizerError: another optimizer class, or ``amsgrad``/``maximize``/``differentiable`` set.
+        UnsupportedOptimizerError: another optimizer class, or ``amsgrad``/``maximize``/``differentiable`` set (a group
+            added during fit to an optimizer the kernel took over: the message says to set it in
+            ``configure_optimizers``).
     """
     if type(optimizer) is torch.optim.AdamW:
         decoupled = True
@@ -93,15 +97,17 @@ def validate_optimizer(optimizer: torch.optim.Optimizer) -> bool:
         decoupled = bool(optimizer.defaults.get("decoupled_weight_decay", False))
     else:
         raise UnsupportedOptimizerError(
-            f"megatrain steps the optimizer on the host and supports {SUPPORTED}; "
-            f"configure_optimizers returned {type(optimizer).__module__}.{type(optimizer).__qualname__}. "
-            "Return torch.optim.AdamW(self.parameters(), ...) instead."
+            f"the host AdamW kernel steps {SUPPORTED}; got "
+            f"{type(optimizer).__module__}.{type(optimizer).__qualname__} (other optimizers run their own step on "
+            "the host: megatrain_lightning.optim.host_generic.make_host_optimizer)."
         )
     for i, g in enumerate(optimizer.param_groups):
         for key in ("amsgrad", "maximize", "differentiable"):
             if g.get(key, False):
                 raise UnsupportedOptimizerError(
-                    f"param_groups[{i}] sets {key}=True, which megatrain does not implement; supported: {SUPPORTED}."
+                    f"param_groups[{i}] sets {key}=True, which the host AdamW kernel ({SUPPORTED}) does not implement. "
+                    f"Set {key} in configure_optimizers' param groups (the optimizer then runs its own step on the "
+                    "host) rather than in a group added during fit."
                 )
     return decoupled
 
@@ -133,7 +139,7 @@ class HostAdamW:
 
     def __init__(self, store: HostStore, optimizer: torch.optim.Optimizer, overlap: bool = True, transport: Any = None,
                  ownership: SlabOwnership | None = None):
-        self.decoupled = validate_optimizer(optimizer)
+        self.decoupled = self._validate(optimizer)
         self.ownership = ownership
         self.store = store
         self.optimizer = optimizer
@@ -151,6 +157,12 @@ class HostAdamW:
         self.optimizer_seconds = 0.0
         self._seconds_lock = threading.Lock()
         self.transport = transport
+
+    @staticmethod
+    def _validate(optimizer: torch.optim.Optimizer) -> bool:
+        """Check that this kernel can step ``optimizer`` (at construction and whenever its groups change); return
+        ``True`` for decoupled weight decay. Raises :class:`UnsupportedOptimizerError` (:func:`validate_optimizer`)."""
+        return validate_optimizer(optimizer)
 
     # ------------------------------------------------------------------ schedule
     def set_overlap(self, overlap: bool) -> None:
@@ -170,7 +182,7 @@ class HostAdamW:
         if members == self._group_members:
             return
         if self._group_members is not None:
-            validate_optimizer(self.optimizer)
+            self._validate(self.optimizer)
         group_of = [[-1] * len(s.entries) for s in self.store.slabs]
         for gi, g in enumerate(self.optimizer.param_groups):
             for p in g["params"]:
@@ -402,14 +414,22 @@ class HostAdamW:
                 continue
             slab = self.store.slabs[si]
             with slab.lock, self.store.hold(si, [Region.grad_accum], write=True) as t:
-                grads = [slab.view(t[Region.grad_accum], i) for i, e in enumerate(slab.entries)
-                         if e.trainable and slab.has_grad[i]]
-                for op, val in ops:
-                    if op == "mul":
-                        torch._foreach_mul_(grads, val)
-                    else:
-                        torch._foreach_clamp_min_(grads, -val)
-                        torch._foreach_clamp_max_(grads, val)
+                self._apply_ops(slab, t[Region.grad_accum], ops)
+
+    @staticmethod
+    def _apply_ops(slab: Slab, acc: torch.Tensor, ops: list[tuple[str, Any]]) -> None:
+        """Apply recorded clipping ops, in order, in place to the gradients in ``acc`` (slab ``slab``'s flat fp32
+        accumulator) of every entry that got a gradient this window: ``("mul", 0-dim tensor)`` scales,
+        ``("clamp", float)`` clamps to ``[-v, v]``."""
+        grads = [slab.view(acc, i) for i, e in enumerate(slab.entries) if e.trainable and slab.has_grad[i]]
+        for op, val in ops:
+            if not grads:
+                break
+            if op == "mul":
+                torch._foreach_mul_(grads, val)
+            else:
+                torch._foreach_clamp_min_(grads, -val)
+                torch._foreach_clamp_max_(grads, val)
 
     # ------------------------------------------------------------------ math
     def _flags(self, h: _GroupHyper) -> tuple[bool | None, bool | None]:
@@ -459,15 +479,7 @@ class HostAdamW:
             if 0 <= gi < len(hyper) and e.trainable and slab.has_grad[i]:  # a group added after the step: not in it
                 by_group.setdefault(gi, []).append(i)
         if pend.grad_ops:
-            grads = [slab.view(acc, i) for i, e in enumerate(slab.entries) if e.trainable and slab.has_grad[i]]
-            for op, val in pend.grad_ops:
-                if not grads:
-                    break
-                if op == "mul":
-                    torch._foreach_mul_(grads, val)
-                else:
-                    torch._foreach_clamp_min_(grads, -val)
-                    torch._foreach_clamp_max_(grads, val)
+            self._apply_ops(slab, acc, pend.grad_ops)
         for gi, idx in by_group.items():
             h = hyper[gi]
             params, grads, ms, vs, steps = [], [], [], [], []
@@ -543,7 +555,7 @@ class HostAdamW:
             for p in g["params"]:
                 st = self.state_for(*self._where[id(p)])
                 if st is not None:
-                    state[idx] = {k: (v.detach().clone() if copy else v) for k, v in st.items()}
+                    state[idx] = {k: (v.detach().clone() if copy and torch.is_tensor(v) else v) for k, v in st.items()}
                 ids.append(idx)
                 idx += 1
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ids})
@@ -569,11 +581,7 @@ class HostAdamW:
                 raise ValueError(f"loaded state dict's parameter group {i} has {len(s['params'])} parameters, the "
                                  f"optimizer's {len(g['params'])}.")
         state = state_dict["state"]
-        other = sorted({k for st in state.values() for k in st} - {"step", "exp_avg", "exp_avg_sq"})
-        if other:
-            raise ValueError(f"the saved optimizer state has {', '.join(other)}: not Adam/AdamW state (another "
-                             "optimizer's, e.g. SGD's momentum_buffer, or amsgrad's max_exp_avg_sq); resume with the "
-                             "optimizer that wrote it, or load only the weights.")
+        self._check_saved_keys({k for st in state.values() for k in st})
         self.flush()
         for g, s in zip(groups, saved):
             for k, v in s.items():
@@ -581,16 +589,42 @@ class HostAdamW:
                     g[k] = v
             for p, idx in zip(g["params"], s["params"]):
                 st = state.get(idx)
-                if st is None or "exp_avg" not in st:
+                if not st or not self._holds_state(st):
                     self.forget_param_state(p)
                     continue
-                step = st["step"] if torch.is_tensor(st["step"]) else torch.tensor(float(st["step"]))
-                self.load_param_state(p, st["exp_avg"].float(), st["exp_avg_sq"].float(), step)
+                self.set_param_state(p, st)
         # as torch.optim.Optimizer.load_state_dict ends: the class sets its own group defaults again (AdamW keeps
         # decoupled_weight_decay=True when an Adam state is loaded)
         self.optimizer.__setstate__({"state": self.optimizer.state, "param_groups": self.optimizer.param_groups})
 
+    @staticmethod
+    def _holds_state(entry: dict[str, Any]) -> bool:
+        """Whether a saved per-parameter entry holds state to load (else the parameter has none afterwards)."""
+        return "exp_avg" in entry
+
+    @staticmethod
+    def _check_saved_keys(keys: set[str]) -> None:
+        """Raise ``ValueError`` if saved per-parameter state has keys this optimizer does not keep."""
+        other = sorted(keys - {"step", "exp_avg", "exp_avg_sq"})
+        if other:
+            raise ValueError(f"the saved optimizer state has {', '.join(other)}: not Adam/AdamW state (another "
+                             "optimizer's, e.g. SGD's momentum_buffer, or amsgrad's max_exp_avg_sq); resume with the "
+                             "optimizer that wrote it, or load only the weights.")
+
     # ------------------------------------------------------------------ per-parameter access
+    def set_param_state(self, param: torch.Tensor, state: dict[str, Any]) -> None:
+        """Set one parameter's state from a ``torch.optim.AdamW``-format entry (``exp_avg``, ``exp_avg_sq``: any float
+        dtype, the parameter's shape; ``step``: a number or a 1-element tensor).
+
+        Raises:
+            ValueError: other keys (another optimizer's state), ``param`` not in the store, or a shape differs.
+        """
+        self._check_saved_keys(set(state))
+        if "exp_avg" not in state or "exp_avg_sq" not in state or "step" not in state:
+            raise ValueError(f"AdamW state needs exp_avg, exp_avg_sq and step; got {', '.join(sorted(state))}.")
+        step = state["step"] if torch.is_tensor(state["step"]) else torch.tensor(float(state["step"]))
+        self.load_param_state(param, state["exp_avg"].float(), state["exp_avg_sq"].float(), step)
+
     def param_state(self, param: torch.Tensor) -> dict[str, torch.Tensor] | None:
         """AdamW state of ``param`` (views: ``exp_avg``, ``exp_avg_sq`` fp32 like the parameter,
         ``step`` fp32 scalar), or ``None`` if it never took a step."""

@@ -39,9 +39,9 @@ class HostStateView(dict):
 
     def __missing__(self, key: Any) -> Any:
         raise HostStateError(
-            "megatrain: optimizer.state is empty while strategy='megatrain' trains: the AdamW state (exp_avg, "
-            "exp_avg_sq, step) lives in the strategy's host store. Read it with optimizer.state_dict() (torch's "
-            "format); reset it with optimizer.state.clear() or del optimizer.state[param].")
+            "megatrain: optimizer.state is empty while strategy='megatrain' trains: the optimizer state (AdamW's "
+            "exp_avg, exp_avg_sq, step, or another class's) lives in the strategy's host store. Read it with "
+            "optimizer.state_dict() (torch's format); reset it with optimizer.state.clear() or del optimizer.state[param].")
 
     def clear(self) -> None:
         self._forget(None)

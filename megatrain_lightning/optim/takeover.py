@@ -73,7 +73,7 @@ class OptimizerTakeover:
         after fit (the store stays open for ``trainer.save_checkpoint``); :meth:`close` removes them."""
         def state_dict() -> dict[str, Any]:
             if engine.closed or engine.optimizer is None:
-                raise RuntimeError("megatrain: this optimizer's AdamW state lived in the strategy's host store, which "
+                raise RuntimeError("megatrain: this optimizer's state lived in the strategy's host store, which "
                                    "trainer.strategy.close() removed; save it (or a checkpoint) before closing.")
             return engine.optimizer.state_dict(copy=True)
 

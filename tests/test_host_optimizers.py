@@ -1,0 +1,325 @@
+"""Per-parameter torch optimizers other than AdamW stepped on the host: parity with plain Lightning, exact resume,
+torch-format ``state_dict``, refusals.
+
+Every parity test trains the same tiny Llama twice from the same weights with the same optimizer and schedule:
+``Trainer(strategy="megatrain")`` and ``Trainer(strategy="auto")`` (plain Lightning on the CPU), 10 steps with
+``accumulate_grad_batches=2``, ``gradient_clip_val`` that really clips and a per-step LR schedule, fp32; losses and
+final weights must agree bitwise (each class's own for-loop kernel runs on the same numbers in both runs).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch.utils.data import TensorDataset
+
+import megatrain_lightning  # noqa: F401  (registers strategy="megatrain")
+from megatrain_lightning import MegaTrainPrecision, MegaTrainStrategy, UnsupportedOptimizerError
+from megatrain_lightning.checkpoint.lightning_file import convert_to_lightning_checkpoint
+from megatrain_lightning.data import ResumableDataLoader
+from megatrain_lightning.optim.host_generic import HostTorchOptimizer
+from megatrain_lightning.testing import LM, make_data, make_model
+
+STEPS = 10
+ACCUMULATE = 2
+CLIP = 0.5  # below the gradient norm of these models: the clip scales every step
+
+
+def _two_d(module):
+    return [p for p in module.parameters() if p.dim() == 2]
+
+
+OPTIMIZERS = {
+    "sgd_nesterov": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "adamax": lambda m: torch.optim.Adamax(m.parameters(), lr=2e-3, weight_decay=0.01),
+    "nadam": lambda m: torch.optim.NAdam(m.parameters(), lr=2e-3, weight_decay=0.01),
+    "radam": lambda m: torch.optim.RAdam(m.parameters(), lr=2e-3),
+    "rmsprop": lambda m: torch.optim.RMSprop(m.parameters(), lr=1e-3, momentum=0.5, centered=True),
+    "adagrad": lambda m: torch.optim.Adagrad(m.parameters(), lr=1e-2, lr_decay=0.01),
+    "adafactor": lambda m: torch.optim.Adafactor(m.parameters(), lr=1e-2),
+    "adamw_amsgrad_maximize": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, amsgrad=True, maximize=True),
+    "muon_2d": lambda m: torch.optim.Muon(_two_d(m), lr=2e-2),
+    "sgd_two_groups": lambda m: torch.optim.SGD(
+        [{"params": _two_d(m), "lr": 0.05, "momentum": 0.9},
+         {"params": [p for p in m.parameters() if p.dim() != 2], "lr": 0.01, "weight_decay": 0.0}], lr=0.1),
+}
+
+
+class OptLM(LM):
+    """:class:`LM` with the optimizer ``make_opt(self)`` and a per-step ``StepLR`` (halving every 3 steps)."""
+
+    def __init__(self, model, make_opt):
+        super().__init__(model)
+        self.make_opt = make_opt
+
+    def configure_optimizers(self):
+        opt = self.make_opt(self)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _trainer(strategy, steps=STEPS, **kw):
+    kw.setdefault("gradient_clip_val", CLIP)
+    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, enable_checkpointing=False,
+                      logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      accumulate_grad_batches=ACCUMULATE, **kw)
+
+
+def _loader():
+    """A resumable loader (a resume continues mid-epoch where the save stopped), 2 epochs of batches of 2."""
+    ids = next(iter(make_data(n=STEPS * ACCUMULATE * 2, batch_size=STEPS * ACCUMULATE * 2)))[0]
+    return ResumableDataLoader(TensorDataset(ids), batch_size=2, shuffle=True, seed=3)
+
+
+def _fit(model, make_opt, strategy, steps=STEPS, ckpt_path=None, **kw):
+    lm = OptLM(copy.deepcopy(model), make_opt)
+    torch.manual_seed(0)
+    trainer = _trainer(strategy, steps, **kw)
+    trainer.fit(lm, _loader(), ckpt_path=ckpt_path)
+    return lm, trainer
+
+
+def _assert_bitwise(lm, ref):
+    assert len(lm.losses) == len(ref.losses) == STEPS * ACCUMULATE
+    assert lm.losses == ref.losses
+    for (name, p), (_, q) in zip(lm.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p.detach(), q.detach()), name
+
+
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_optimizer_matches_plain_lightning(kind):
+    model = make_model("llama")
+    ref, ref_trainer = _fit(model, OPTIMIZERS[kind], "auto")
+    lm, trainer = _fit(model, OPTIMIZERS[kind], "megatrain")
+    _assert_bitwise(lm, ref)
+    host = trainer.strategy.engine.optimizer
+    assert isinstance(host, HostTorchOptimizer)
+    # the user's optimizer is the one Lightning and the scheduler saw: same learning rates at the end
+    lrs = [g["lr"] for g in trainer.optimizers[0].param_groups]
+    assert lrs == [g["lr"] for g in ref_trainer.optimizers[0].param_groups]
+    # optimizer.state_dict() in torch's format, equal to plain Lightning's
+    got, want = trainer.optimizers[0].state_dict(), ref_trainer.optimizers[0].state_dict()
+    assert got["param_groups"] == want["param_groups"]
+    assert sorted(got["state"]) == sorted(want["state"])
+    for i, st in want["state"].items():
+        assert sorted(got["state"][i]) == sorted(st), i
+        for k, v in st.items():
+            assert torch.equal(torch.as_tensor(got["state"][i][k]), torch.as_tensor(v)), (i, k)
+    # this optimizer keeps its own state: the store's AdamW regions are never allocated
+    assert all(s.exp_avg is None and s.exp_avg_sq is None for s in trainer.strategy.engine.store.slabs)
+
+
+def test_clip_really_clips():
+    model = make_model("llama")
+    (ids,) = next(iter(_loader()))
+    probe = copy.deepcopy(model)
+    probe(input_ids=ids, labels=ids).loss.backward()
+    assert torch.nn.utils.clip_grad_norm_(probe.parameters(), float("inf")) > 2 * CLIP
+
+
+@pytest.mark.parametrize("options", [dict(overlap_optimizer=False), dict(optimizer_in_backward=True)])
+def test_schedule_options_match_plain_lightning(options):
+    make = OPTIMIZERS["sgd_nesterov"]
+    model = make_model("llama")
+    clip = None if options.get("optimizer_in_backward") else CLIP  # a norm clip needs every gradient first
+    ref, _ = _fit(model, make, "auto", gradient_clip_val=clip)
+    lm, trainer = _fit(model, make, MegaTrainStrategy(**options), gradient_clip_val=clip)
+    _assert_bitwise(lm, ref)
+    if options.get("optimizer_in_backward"):
+        assert trainer.strategy.engine.optimizer.updates_in_backward > 0
+
+
+def test_frozen_parameters_and_value_clipping_match_plain_lightning():
+    model = make_model("llama")
+    frozen = {"model.layers.1.mlp.up_proj.weight", "model.embed_tokens.weight"}
+    for name, p in model.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
+    make = lambda m: torch.optim.RMSprop([p for p in m.parameters() if p.requires_grad], lr=1e-3)  # noqa: E731
+    ref, _ = _fit(model, make, "auto", gradient_clip_algorithm="value")
+    lm, trainer = _fit(model, make, "megatrain", gradient_clip_algorithm="value")
+    _assert_bitwise(lm, ref)
+    host = trainer.strategy.engine.optimizer
+    for slab in trainer.strategy.engine.store.slabs:
+        for i, e in enumerate(slab.entries):
+            if e.ref.fqn in {"model." + f for f in frozen}:
+                assert host.state_for(slab.index, i) is None
+
+
+@pytest.mark.parametrize("kind", ["adafactor", "sgd_nesterov"])
+def test_directory_checkpoint_resume_is_exact(tmp_path, kind):
+    make = OPTIMIZERS[kind]
+    model = make_model("llama")
+    full, _ = _fit(model, make, "megatrain")
+    first, t1 = _fit(model, make, "megatrain", steps=5)
+    t1.save_checkpoint(tmp_path / "ckpt")
+    assert any((tmp_path / "ckpt" / "optimizer").iterdir())
+    second, _ = _fit(model, make, "megatrain", ckpt_path=tmp_path / "ckpt")
+    assert first.losses + second.losses == full.losses
+    for (name, p), (_, q) in zip(second.named_parameters(), full.named_parameters()):
+        assert torch.equal(p.detach(), q.detach()), name
+
+
+def test_resume_across_strategies_is_exact(tmp_path):
+    """A plain Lightning ``.ckpt`` (strategy="auto") resumes under megatrain, and a megatrain directory checkpoint
+    converted to a ``.ckpt`` resumes under strategy="auto": both bitwise 10 uninterrupted plain Lightning steps."""
+    make = OPTIMIZERS["rmsprop"]
+    model = make_model("llama")
+    full, _ = _fit(model, make, "auto")
+    plain_first, t1 = _fit(model, make, "auto", steps=5)
+    t1.save_checkpoint(tmp_path / "plain.ckpt")
+    second, _ = _fit(model, make, "megatrain", ckpt_path=tmp_path / "plain.ckpt")
+    assert plain_first.losses + second.losses == full.losses
+    for (name, p), (_, q) in zip(second.named_parameters(), full.named_parameters()):
+        assert torch.equal(p.detach(), q.detach()), name
+
+    first, t2 = _fit(model, make, "megatrain", steps=5)
+    t2.save_checkpoint(tmp_path / "dir")
+    convert_to_lightning_checkpoint(tmp_path / "dir", tmp_path / "converted.ckpt")
+    third, _ = _fit(model, make, "auto", ckpt_path=tmp_path / "converted.ckpt")
+    assert first.losses + third.losses == full.losses
+    for (name, p), (_, q) in zip(third.named_parameters(), full.named_parameters()):
+        assert torch.equal(p.detach(), q.detach()), name
+
+
+def test_state_dict_loads_into_plain_torch_and_back():
+    make = OPTIMIZERS["adafactor"]
+    model = make_model("llama")
+    lm, trainer = _fit(model, make, "megatrain", steps=3)
+    sd = trainer.optimizers[0].state_dict()
+    plain = make(copy.deepcopy(lm))
+    plain.load_state_dict(sd)  # torch's own loader accepts it
+    assert len(plain.state) == len(sd["state"]) > 0
+    host = trainer.strategy.engine.optimizer
+    host.load_state_dict(plain.state_dict())
+    again = trainer.optimizers[0].state_dict()
+    for i, st in sd["state"].items():
+        for k, v in st.items():
+            assert torch.equal(again["state"][i][k], v)
+
+
+class _OverflowLM(OptLM):
+    """Micro-batch 6 (step 4) overflows in fp16: that step is skipped and the loss scale halved."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("inf") if batch_idx == 6 else loss
+
+
+def test_fp16_mixed_with_a_skipped_step_matches_plain_lightning():
+    make = OPTIMIZERS["nadam"]
+    model = make_model("llama")
+    runs = []
+    for strategy in ("auto", "megatrain"):
+        # on CPU Lightning turns precision="16-mixed" into bf16: fp16 plugins built explicitly
+        plugin = MegaTrainPrecision("16-mixed") if strategy == "megatrain" else \
+            MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
+        lm = _OverflowLM(copy.deepcopy(model), make)
+        torch.manual_seed(0)
+        _trainer(strategy, plugins=[plugin]).fit(lm, _loader())
+        runs.append((lm, plugin))
+    (ref, _), (lm, plugin) = runs
+    assert plugin.skipped_steps == 1
+    assert lm.losses == ref.losses
+    for (name, p), (_, q) in zip(lm.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p.detach(), q.detach()), name
+
+
+class _SwitchToSGD(pl.Callback):
+    """At the 6th step (micro-batch 10), a new optimizer of another class, as a callback changing optimizers does."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 10:
+            pl_module.make_opt = OPTIMIZERS["sgd_nesterov"]
+            trainer.strategy.setup_optimizers(trainer)
+
+
+class _ClearState(pl.Callback):
+    """At the 6th step, ``optimizer.state.clear()``: the next update starts the class's state afresh."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 10:
+            trainer.optimizers[0].state.clear()
+
+
+@pytest.mark.parametrize("first, callback", [("adamw", _SwitchToSGD), ("rmsprop", _ClearState)])
+def test_mid_fit_changes_match_plain_lightning(first, callback):
+    make = OPTIMIZERS[first] if first != "adamw" else (lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3))
+    model = make_model("llama")
+    ref, _ = _fit(model, make, "auto", callbacks=[callback()])
+    lm, trainer = _fit(model, make, "megatrain", callbacks=[callback()])
+    _assert_bitwise(lm, ref)
+    assert isinstance(trainer.strategy.engine.optimizer, HostTorchOptimizer)
+
+
+# ---------------------------------------------------------------------------------------------------- refusals
+class _LBFGSLM(LM):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters())
+
+
+class _SparseAdamLM(LM):
+    def configure_optimizers(self):
+        return torch.optim.SparseAdam(self.parameters())
+
+
+class _FlagLM(LM):
+    flag = ""
+
+    def configure_optimizers(self):
+        return torch.optim.RMSprop(self.parameters(), **{self.flag: True})
+
+
+def _setup_only(lm, strategy="megatrain"):
+    pl.Trainer(strategy=strategy, accelerator="cpu", max_steps=1, enable_checkpointing=False, logger=False,
+               enable_progress_bar=False, enable_model_summary=False).fit(lm, make_data(n=2))
+
+
+def test_lbfgs_is_refused():
+    with pytest.raises(UnsupportedOptimizerError, match=r"torch\.optim\.lbfgs\.LBFGS.*closure"):
+        _setup_only(_LBFGSLM(make_model("llama")))
+
+
+def test_sparse_adam_is_refused():
+    with pytest.raises(UnsupportedOptimizerError, match=r"SparseAdam.*sparse"):
+        _setup_only(_SparseAdamLM(make_model("llama")))
+
+
+@pytest.mark.parametrize("flag", ["capturable", "differentiable"])
+def test_capturable_and_differentiable_are_refused(flag):
+    lm = _FlagLM(make_model("llama"))
+    lm.flag = flag
+    with pytest.raises(UnsupportedOptimizerError, match=f"RMSprop.*{flag}=True"):
+        _setup_only(lm)
+
+
+@pytest.mark.parametrize("params", ["cpu", "nvme"])
+def test_optimizer_on_nvme_is_refused(tmp_path, params):
+    lm = OptLM(make_model("llama"), OPTIMIZERS["sgd_nesterov"])
+    with pytest.raises(UnsupportedOptimizerError, match=r"SGD.*offload_optimizer='nvme'.*RAM tier.*AdamW"):
+        _setup_only(lm, MegaTrainStrategy(offload_params=params, offload_optimizer="nvme", nvme_path=str(tmp_path)))
+
+
+def test_masters_on_nvme_with_the_optimizer_in_ram_match_plain_lightning(tmp_path):
+    make = OPTIMIZERS["adafactor"]
+    model = make_model("llama")
+    ref, _ = _fit(model, make, "auto")
+    lm, trainer = _fit(model, make, MegaTrainStrategy(offload_params="nvme", offload_optimizer="cpu",
+                                                      nvme_path=str(tmp_path), host_memory_limit=600_000))
+    assert trainer.strategy.engine.store.masters_on_disk
+    _assert_bitwise(lm, ref)
+
+
+def test_shared_store_data_parallel_is_refused():
+    model = make_model("llama")
+    from megatrain_lightning.blocks import discover_blocks
+    from megatrain_lightning.store.host import build_store
+
+    store = build_store(discover_blocks(model))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(UnsupportedOptimizerError, match=r"SGD.*data parallel.*one process.*AdamW"):
+        HostTorchOptimizer(store, opt, ownership=object())  # type: ignore[arg-type]
