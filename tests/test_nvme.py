@@ -600,3 +600,25 @@ def test_a_read_only_nvme_path_is_named_as_such(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "statvfs", lambda p: ReadOnly(real(p)))
     with pytest.raises(ValueError, match="is on a read-only filesystem \\(mounted ro\\)"):
         preflight_nvme(tmp_path, [(16, 16)], 1 << 30, 1 << 20)
+
+
+def test_the_finalizer_of_an_unreachable_store_does_not_join_its_threads(tmp_path):
+    """A garbage collection can run ``NVMeStore.__del__`` inside threading's own bookkeeping (a thread starting,
+    holding ``threading._shutdown_locks_lock``); joining the I/O threads there waited for that same lock forever
+    (a whole test run hung in ``Thread.start``). Run in a child process with a time limit: the finalizer called
+    with that lock held returns, and the store's files are gone."""
+    script = textwrap.dedent(f"""
+        import threading
+        from megatrain_lightning.store.budget import HostBudget
+        from megatrain_lightning.store.nvme import NVMeStore
+        st = NVMeStore({str(tmp_path)!r}, [(3000, 2000), (1024, 0)], HostBudget(4 * 12288), io_block_size=4096)
+        with st.hold(0, ["master"], write=True) as t:
+            t["master"].fill_(1.0)
+        st.wait_io()  # an unreachable store has no I/O queued (a queued request references it)
+        with threading._shutdown_locks_lock:  # as during a thread's start
+            st.__del__()
+        print("closed", st.closed)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "closed True" in out.stdout, out.stderr[-2000:]
+    assert not list(tmp_path.rglob("*.bin"))

@@ -879,13 +879,18 @@ class NVMeStore:
             return sum(e.nbytes for e in self.entries.values())
 
     # ------------------------------------------------------------------ teardown
-    def close(self) -> None:
-        """Stop I/O, free the window and (unless ``keep_files``) delete the files; release the lock."""
+    def close(self, wait: bool = True) -> None:
+        """Stop I/O, free the window and (unless ``keep_files``) delete the files; release the lock.
+
+        Args:
+            wait: join the I/O threads (``False``: from a finalizer, which may run inside any thread's bookkeeping
+                holding its locks, where a join can deadlock; an unreachable store has no I/O queued, since every
+                queued request references it, and the idle threads end on their own)."""
         if self.closed:
             return
         self.closed = True
-        self._io.shutdown(wait=True)
-        self._req.shutdown(wait=True)
+        self._io.shutdown(wait=wait, cancel_futures=not wait)
+        self._req.shutdown(wait=wait, cancel_futures=not wait)
         with self.cond:
             for e in list(self.entries.values()):
                 self._free(e)
@@ -911,8 +916,10 @@ class NVMeStore:
                 self.dir.rmdir()
 
     def __del__(self):  # pragma: no cover - best effort
+        # a garbage collection inside threading's own bookkeeping (a thread starting, holding
+        # threading._shutdown_locks_lock) ran this finalizer there: joining the I/O threads then deadlocked
         with contextlib.suppress(Exception):
-            self.close()
+            self.close(wait=False)
 
 
 def preflight_nvme(nvme_path: str | os.PathLike, layout: Sequence[tuple[int, int]], host_memory_limit: int,
