@@ -407,12 +407,13 @@ class MegaTrainStrategy(MegaTrainBase, ParallelStrategy):
         return super().lightning_module_state_dict()
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """``torch.optim.AdamW``-format state of the host optimizer, as views (no copy); with the
-        optimizer on NVMe only the param groups (directory checkpoints stream the state)."""
+        """The host optimizer's state in its class's ``state_dict()`` format, as views (no copy); only the param
+        groups where one process cannot hold it all (``HostAdamW.streams_state``: the optimizer on NVMe; another
+        class than AdamW with several processes): directory checkpoints stream the state."""
         self.flush()
         if self.engine is None or self.engine.optimizer is None:
             return super().optimizer_state(optimizer)
-        if "exp_avg" in self.engine.store.nvme_kinds:
+        if self.engine.optimizer.streams_state():
             return {"state": {}, "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
         return self.engine.optimizer.state_dict(copy=False)
 

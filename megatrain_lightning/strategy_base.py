@@ -290,7 +290,7 @@ class MegaTrainBase:
         """Log once per engine what is in force (the tier, where each state lives, the options)."""
         cfg, disk = self.config, self.engine.store.nvme_kinds
         where = lambda *ks: "NVMe" if any(k in disk for k in ks) else "host RAM"  # noqa: E731
-        log.info("megatrain: strategy=%s, tier %s: fp32 masters in %s, AdamW state in %s, "
+        log.info("megatrain: strategy=%s, tier %s: fp32 masters in %s, optimizer state in %s, "
                  "gradient accumulators in %s%s; device %s, precision=%s, lookahead=%s, block_group=%s, "
                  "recompute=%s, recompute_every=%s, loss_chunk_size=%s, mlp_chunk_size=%s, "
                  "offload_activations=%s, cpu_zero_copy=%s, optimizer_in_backward=%s, processes=%d",

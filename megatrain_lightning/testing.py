@@ -112,20 +112,22 @@ class LM(pl.LightningModule):
 
     Args:
         model: the causal LM (``model(input_ids=, labels=).loss`` is the training loss).
-        lr: AdamW learning rate.
+        lr: the optimizer's learning rate.
         sched: ``"cosine"`` for a per-step ``CosineAnnealingLR`` over ``total_steps``, or ``None``.
         total_steps: the schedule's ``T_max``.
-        opt_kwargs: further ``torch.optim.AdamW`` arguments (``weight_decay``, ``fused``...).
+        opt_kwargs: further arguments of the optimizer (``weight_decay``, ``fused``...).
         extra_inputs: ``extra_inputs(batch) -> dict`` of further model keyword arguments
             (``num_items_in_batch``...), or ``None``.
+        optimizer: the ``torch.optim`` class ``configure_optimizers`` builds (``torch.optim.AdamW``).
 
     Attributes:
         losses: every training loss, as a float, in order.
     """
 
     def __init__(self, model, lr=1e-3, sched: str | None = None, total_steps: int = 20, opt_kwargs=None,
-                 extra_inputs: Callable | None = None):
+                 extra_inputs: Callable | None = None, optimizer: type = torch.optim.AdamW):
         super().__init__()
+        self.optimizer_class = optimizer
         self.extra_inputs = extra_inputs
         self.model = model
         self.lr = lr
@@ -146,7 +148,7 @@ class LM(pl.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        opt = torch.optim.AdamW(self.parameters(), lr=self.lr, **self.opt_kwargs)
+        opt = self.optimizer_class(self.parameters(), lr=self.lr, **self.opt_kwargs)
         if self.sched == "cosine":
             s = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=self.total_steps)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": s, "interval": "step"}}
@@ -174,7 +176,7 @@ def reference_train(model, loader, steps: int, lr=1e-3, accumulate: int = 1, cli
                     fused: bool | None = None, clip_value: float | None = None, sched: str | None = None,
                     seed: int = 0, opt_kwargs=None, on_grads: Callable | None = None,
                     on_step: Callable | None = None, extra_inputs: Callable | None = None,
-                    after_backward: Callable | None = None) -> list[float]:
+                    after_backward: Callable | None = None, optimizer: type = torch.optim.AdamW) -> list[float]:
     """Train ``model`` in place with plain PyTorch: the same loop Lightning runs, on the unmodified model.
 
     Args:
@@ -195,13 +197,15 @@ def reference_train(model, loader, steps: int, lr=1e-3, accumulate: int = 1, cli
         on_step: ``on_step(model, opt)`` after each optimizer and scheduler step.
         extra_inputs: as :class:`LM`'s (further keyword arguments of the model call).
         after_backward: ``after_backward(model)`` after every micro-batch's backward (``on_after_backward``).
+        optimizer: the ``torch.optim`` class (``torch.optim.AdamW``; ``fused`` is passed only to AdamW/Adam).
 
     Returns:
         The loss of every micro-batch, as floats.
     """
     torch.manual_seed(seed)
     model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters()], lr=lr, fused=fused, **(opt_kwargs or {}))
+    kw = {"fused": fused} if optimizer in (torch.optim.AdamW, torch.optim.Adam) else {}
+    opt = optimizer([p for p in model.parameters()], lr=lr, **kw, **(opt_kwargs or {}))
     s = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps) if sched == "cosine" else None
     losses = []
     it = iter(loader)

@@ -133,6 +133,7 @@ def main() -> None:
                     help="a callback scales every gradient by 0.5 (see EditGrads)")
     ap.add_argument("--resume", default=None, help="fit(ckpt_path=RESUME)")
     ap.add_argument("--optimizer-in-backward", action="store_true")
+    ap.add_argument("--optimizer", default="AdamW", help="the torch.optim class configure_optimizers builds")
     ap.add_argument("--summon-edit", action="store_true", help="SummonEdit: an edit inside summon_full_params")
     ap.add_argument("--nvme", default=None, help="offload_params/offload_optimizer='nvme' under this path")
     ap.add_argument("--nvme-optimizer", default=None, help="offload_optimizer='nvme' only, under this path")
@@ -166,7 +167,8 @@ def main() -> None:
     model = T.make_model(args.arch, **over)
     T.freeze_key_biases(model)
     lm = (T.BackboneLM(model) if args.backbone_finetuning
-          else (CountingLM if args.counter_buffer else T.LM)(model, lr=1e-3, sched=args.sched, total_steps=args.total_steps or args.steps))
+          else (CountingLM if args.counter_buffer else T.LM)(model, lr=1e-3, sched=args.sched, total_steps=args.total_steps or args.steps,
+                                                           optimizer=getattr(torch.optim, args.optimizer)))
     if "lr" in mismatch:
         lm.lr *= 2
     strategy = MegaTrainStrategy(offload_activations=args.offload_activations, timeout=args.timeout, recompute=args.recompute,

@@ -505,3 +505,30 @@ def test_slurm_environment(tmp_path):
     assert json.loads((tmp_path / "env.json").read_text())["cluster_environment"] == "SLURMEnvironment"
     model, losses = reference("llama", 4, 12, 2, 0.5, "cosine")
     assert_matches(tmp_path, 2, model, losses, 1e-5)
+
+
+def test_adafactor_two_processes_match_plain_pytorch_and_resume_exactly(tmp_path):
+    """``torch.optim.Adafactor`` on the host with 2 processes (each keeps the state of the slabs it owns):
+
+    * 2 ranks x micro-batch 2, accumulation 2, norm clipping, cosine LR, 8 steps = plain PyTorch with Adafactor on
+      the global batch (what DDP computes): every loss and weight within 1e-5 relative;
+    * ``ModelCheckpoint`` after step 5 (each rank writes its slabs' Adafactor state) and ``fit(ckpt_path="last")``
+      end bitwise where the uninterrupted run ends."""
+    common = ["--arch", "llama", "--accumulate", "2", "--sched", "cosine", "--total-steps", "8", "--devices", "2",
+              "--batch", "2", "--clip", "0.5", "--optimizer", "Adafactor"]
+    plain, full, part, rest, ckpts = (tmp_path / n for n in ("plain", "full", "part", "rest", "ckpts"))
+    check(launch(plain, *common, "--steps", "8"))
+    model = T.make_model("llama")
+    T.freeze_key_biases(model)
+    losses = T.reference_train(model, ShuffledEpochs(64, 4), 8, accumulate=2, clip=0.5, sched="cosine",
+                               optimizer=torch.optim.Adafactor)
+    assert_matches(plain, 2, model, losses, 1e-5)
+    common.append("--resumable")  # a resume continues mid-epoch
+    check(launch(full, *common, "--steps", "8"))
+    check(launch(part, *common, "--steps", "5", "--model-checkpoint", str(ckpts)))
+    assert any(p.name.startswith("optimizer") for p in (ckpts / "last.ckpt").resolve().iterdir())
+    check(launch(rest, *common, "--steps", "8", "--model-checkpoint", str(ckpts), "--resume", "last"))
+    assert per_step_losses(rest, 2) == per_step_losses(full, 2)[10:]
+    wa, wb = torch.load(rest / "weights.pt"), torch.load(full / "weights.pt")
+    for k in wb:
+        assert torch.equal(wa[k], wb[k]), k

@@ -297,11 +297,70 @@ def test_capturable_and_differentiable_are_refused(flag):
         _setup_only(lm)
 
 
-@pytest.mark.parametrize("params", ["cpu", "nvme"])
-def test_optimizer_on_nvme_is_refused(tmp_path, params):
-    lm = OptLM(make_model("llama"), OPTIMIZERS["sgd_nesterov"])
-    with pytest.raises(UnsupportedOptimizerError, match=r"SGD.*offload_optimizer='nvme'.*RAM tier.*AdamW"):
-        _setup_only(lm, MegaTrainStrategy(offload_params=params, offload_optimizer="nvme", nvme_path=str(tmp_path)))
+def _nvme(tmp_path, params="cpu"):
+    return MegaTrainStrategy(offload_params=params, offload_optimizer="nvme", nvme_path=str(tmp_path),
+                             host_memory_limit=1_500_000)
+
+
+@pytest.mark.parametrize("kind,params", [("adafactor", "cpu"), ("nadam", "nvme"), ("muon_2d", "cpu"),
+                                         ("sgd_two_groups", "nvme"), ("adamw_amsgrad_maximize", "cpu")])
+def test_optimizer_state_on_nvme_matches_plain_lightning(tmp_path, kind, params):
+    """The state on disk (packed into each parameter's exp_avg/exp_avg_sq ranges), read through a host window
+    smaller than the model: bitwise plain Lightning, and ``state_dict()`` equal to plain Lightning's."""
+    make = OPTIMIZERS[kind]
+    if kind == "adamw_amsgrad_maximize":  # amsgrad keeps three tensors per parameter: not on NVMe (refused below)
+        make = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, maximize=True)  # noqa: E731
+    model = make_model("llama")
+    ref, ref_trainer = _fit(model, make, "auto")
+    lm, trainer = _fit(model, make, _nvme(tmp_path, params))
+    _assert_bitwise(lm, ref)
+    host = trainer.strategy.engine.optimizer
+    assert isinstance(host, HostTorchOptimizer) and host.on_disk and host.packed
+    assert all(s.exp_avg is None for s in trainer.strategy.engine.store.slabs)  # never in RAM
+    got, want = trainer.optimizers[0].state_dict(), ref_trainer.optimizers[0].state_dict()
+    assert sorted(got["state"]) == sorted(want["state"])
+    for i, st in want["state"].items():
+        assert list(got["state"][i]) == list(st), i  # the class's own key order
+        for k, v in st.items():
+            assert torch.equal(torch.as_tensor(got["state"][i][k]), torch.as_tensor(v)), (i, k)
+
+
+def test_directory_checkpoint_resume_on_nvme_is_exact(tmp_path):
+    """5 steps, a directory checkpoint, 5 more from it (both with the state on NVMe) = 10 uninterrupted steps in RAM."""
+    make = OPTIMIZERS["adafactor"]
+    model = make_model("llama")
+    full, _ = _fit(model, make, "megatrain")
+    first, t1 = _fit(model, make, _nvme(tmp_path), steps=5)
+    t1.save_checkpoint(tmp_path / "ckpt")
+    t1.strategy.close()
+    second, _ = _fit(model, make, _nvme(tmp_path), ckpt_path=tmp_path / "ckpt")
+    assert first.losses + second.losses == full.losses
+    for (name, p), (_, q) in zip(second.named_parameters(), full.named_parameters()):
+        assert torch.equal(p.detach(), q.detach()), name
+
+
+@pytest.mark.parametrize("make,why", [
+    (lambda m: torch.optim.RMSprop(m.parameters(), momentum=0.5, centered=True), r"RMSprop.*square_avg.*momentum_buffer"),
+    (lambda m: torch.optim.AdamW(m.parameters(), amsgrad=True), r"AdamW.*max_exp_avg_sq"),
+])
+def test_state_larger_than_two_floats_per_element_is_refused_on_nvme(tmp_path, make, why):
+    lm = OptLM(make_model("llama"), make)
+    with pytest.raises(UnsupportedOptimizerError, match=why + r".*offload_optimizer='cpu'"):
+        _setup_only(lm, _nvme(tmp_path))
+
+
+def test_pack_state_fits_two_ranges_or_says_no():
+    from megatrain_lightning.optim.host_generic import pack_state, unpackable
+
+    z = torch.zeros
+    got = pack_state({"exp_avg": z(4, 3), "exp_avg_sq": z(4, 3)}, 12)
+    assert [(p.key, p.region, p.offset) for p in got] == [("exp_avg", 0, 0), ("exp_avg_sq", 1, 0)]
+    got = pack_state({"row_var": z(4, 1), "col_var": z(1, 3)}, 12)  # Adafactor's factors share the first range
+    assert [(p.region, p.offset) for p in got] == [(0, 0), (0, 4)]
+    assert pack_state({"a": z(8), "b": z(8), "c": z(8)}, 12) is None  # 24 values fit, but not without a split
+    assert "more than the two per element" in unpackable({"a": z(12), "b": z(12), "c": z(1)}, 12)
+    assert "not fp32" in unpackable({"q": z(12, dtype=torch.int8)}, 12)
+    assert unpackable({"step": torch.tensor(3.0), "m": z(12)}, 12) is None  # 0-d values stay in RAM
 
 
 def test_masters_on_nvme_with_the_optimizer_in_ram_match_plain_lightning(tmp_path):
@@ -312,14 +371,3 @@ def test_masters_on_nvme_with_the_optimizer_in_ram_match_plain_lightning(tmp_pat
                                                       nvme_path=str(tmp_path), host_memory_limit=600_000))
     assert trainer.strategy.engine.store.masters_on_disk
     _assert_bitwise(lm, ref)
-
-
-def test_shared_store_data_parallel_is_refused():
-    model = make_model("llama")
-    from megatrain_lightning.blocks import discover_blocks
-    from megatrain_lightning.store.host import build_store
-
-    store = build_store(discover_blocks(model))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(UnsupportedOptimizerError, match=r"SGD.*data parallel.*one process.*AdamW"):
-        HostTorchOptimizer(store, opt, ownership=object())  # type: ignore[arg-type]

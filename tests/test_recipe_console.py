@@ -71,7 +71,7 @@ def test_recipe_console_one_line_per_message_bar_warnings_and_setup_line(tmp_pat
     setup = [msg for name, _, msg in records if name == "megatrain_lightning.strategy_base" and "tier" in msg]
     assert len(setup) == 1, setup
     assert setup[0].startswith("megatrain: strategy=MegaTrainStrategy, tier RAM: fp32 masters in host RAM, "
-                               "AdamW state in host RAM"), setup
+                               "optimizer state in host RAM"), setup
     for option in ("precision=32-true", "lookahead=1", "block_group=1", "recompute=block", "cpu_zero_copy=True"):
         assert option in setup[0], option
     # the summary: wall time per phase, host copies named as such on a CPU
@@ -117,7 +117,7 @@ def test_setup_logs_the_strategy_tier_and_options_once(tmp_path, caplog, tier):
     assert len(lines) == 1, lines  # validate on the same module reuses the engine: no second line
     where = "NVMe" if tier == "nvme" else "host RAM"
     assert lines[0].startswith(f"megatrain: strategy=MegaTrainStrategy, tier {'NVMe' if tier == 'nvme' else 'RAM'}: "
-                               f"fp32 masters in {where}, AdamW state in {where}"), lines[0]
+                               f"fp32 masters in {where}, optimizer state in {where}"), lines[0]
     assert "lookahead=2" in lines[0] and "device cpu" in lines[0]
     if tier == "nvme":
         assert f"host_memory_limit 1.0 GiB, {tmp_path}" in lines[0]

@@ -528,6 +528,11 @@ class HostAdamW:
             return {"step": st, "exp_avg": m.clone() if copy else m, "exp_avg_sq": v.clone() if copy else v}
 
     # ------------------------------------------------------------------ checkpoint
+    def streams_state(self) -> bool:
+        """Whether the state is on NVMe (``offload_optimizer="nvme"``): a checkpoint's optimizer state is then
+        written slab by slab from the store, never gathered into one dict."""
+        return Region.exp_avg in self.store.nvme_kinds
+
     def state_dict(self, copy: bool = True) -> dict[str, Any]:
         """State in ``torch.optim.AdamW.state_dict()`` format (parameters numbered in param-group order).
 

@@ -17,14 +17,27 @@ torch's format); the schedule (deferred per-slab updates), clipping, fp16 unscal
 Optimizers refused (:func:`validate_optimizer`): ``LBFGS`` (its step re-evaluates the model through a closure),
 ``SparseAdam`` (sparse gradients), any group with ``capturable=True`` or ``differentiable=True``. An optimizer
 whose update couples parameters (a group-wide norm or a line search) is not detected: it would see one slab's
-parameters at a time. Tiers refused (:class:`HostTorchOptimizer`): the optimizer on NVMe (``offload_optimizer=
-"nvme"``) and data parallel (a node-shared store), where the state of these optimizers has no place yet; masters on
-NVMe with the optimizer in RAM work.
+parameters at a time.
+
+Where the state lives (:class:`HostTorchOptimizer`):
+
+- RAM tier (``offload_optimizer="cpu"``): the class's own tensors, exact size (Adafactor's factored second moment
+  of a ``[r, c]`` weight is ``r + c`` floats, SGD's momentum one float per parameter).
+- NVMe tier (``offload_optimizer="nvme"``): every fp32 state tensor of a parameter is packed into that parameter's
+  ranges of the store's two optimizer regions (``exp_avg``/``exp_avg_sq``: 2 x 4 bytes per parameter, on disk and
+  held through the host window like AdamW's); 0-d values (``step``, NAdam's ``mu_product``) stay in host RAM.
+  A class whose fp32 state of a parameter exceeds 2 floats per element (``RMSprop(centered=True, momentum>0)``,
+  ``amsgrad=True``) or keeps non-fp32 tensors is refused at setup (:meth:`HostTorchOptimizer._probe`).
+- Data parallel (a node-shared store): the process that owns a slab updates it every step, so the state of that
+  slab's parameters lives in that process only (host RAM, or its disk on the NVMe tier); directory checkpoints
+  write each rank's part (``optimizer.state_dict()`` is refused, as for AdamW on NVMe with several processes).
 """
 
 from __future__ import annotations
 
 import inspect
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -103,6 +116,61 @@ def make_host_optimizer(store: HostStore, optimizer: torch.optim.Optimizer, over
     return cls(store, optimizer, overlap=overlap, transport=transport, ownership=ownership)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where one state tensor of a parameter lives on the NVMe tier: ``region`` 0 (``exp_avg``) or 1
+    (``exp_avg_sq``), ``offset`` (elements) from the parameter's start in that region, ``shape``."""
+
+    key: str
+    region: int
+    offset: int
+    shape: tuple[int, ...]
+
+    def view(self, regions: tuple[torch.Tensor, torch.Tensor], base: int) -> torch.Tensor:
+        """The tensor's view in the slab's held regions (flat fp32), the parameter starting at ``base``."""
+        n = math.prod(self.shape)
+        return regions[self.region][base + self.offset : base + self.offset + n].view(self.shape)
+
+
+def _packed_kind(v: Any) -> bool:
+    """Whether a state value is packed on the NVMe tier (a tensor with at least one dimension); 0-d tensors and
+    other values stay in host RAM."""
+    return torch.is_tensor(v) and v.dim() > 0
+
+
+def pack_state(tensors: dict[str, torch.Tensor], numel: int) -> list[Placement] | None:
+    """Place a parameter's state tensors in its two ranges of ``numel`` fp32 values (``exp_avg``, ``exp_avg_sq``),
+    first fit in decreasing size (AdamW's ``exp_avg``/``exp_avg_sq`` land where the AdamW kernel keeps them).
+
+    Returns:
+        One :class:`Placement` per tensor, in ``tensors``' order, or ``None`` if they do not fit.
+    """
+    free = [0, 0]
+    where: dict[str, tuple[int, int]] = {}
+    for k in sorted(tensors, key=lambda k: -tensors[k].numel()):
+        n = tensors[k].numel()
+        r = next((r for r in (0, 1) if free[r] + n <= numel), None)
+        if r is None:
+            return None
+        where[k] = (r, free[r])
+        free[r] += n
+    return [Placement(k, *where[k], tuple(v.shape)) for k, v in tensors.items()]
+
+
+def unpackable(state: dict[str, Any], numel: int) -> str | None:
+    """Why a parameter's state (``numel`` elements) cannot be packed on the NVMe tier (:func:`pack_state`), as a
+    phrase ("keeps ..."), or ``None`` if it can."""
+    tensors = {k: v for k, v in state.items() if _packed_kind(v)}
+    other = [f"{k} ({v.dtype})" for k, v in tensors.items() if v.dtype != torch.float32]
+    if other:
+        return f"keeps tensors that are not fp32: {', '.join(other)}"
+    if pack_state(tensors, numel) is None:
+        total = sum(v.numel() for v in tensors.values())
+        return (f"keeps {total} fp32 values ({', '.join(tensors)}) for {numel} elements, more than the two per "
+                "element that fit")
+    return None
+
+
 def _constructor_kwargs(cls: type, defaults: dict[str, Any]) -> dict[str, Any]:
     """The entries of ``defaults`` that ``cls.__init__`` takes as keyword arguments (all with ``**kwargs``)."""
     params = inspect.signature(cls.__init__).parameters
@@ -118,33 +186,29 @@ class HostTorchOptimizer(HostAdamW):
     Args: as :class:`~.host_adamw.HostAdamW` (``transport`` is unused: the class's own kernels run on the host).
 
     State per trainable parameter the optimizer updated: what the class's ``step`` keeps in ``state[p]`` (e.g.
-    SGD's ``momentum_buffer``; Adafactor's ``step``, ``row_var``, ``col_var``), CPU tensors in host RAM owned by this
-    object (the store's ``exp_avg``/``exp_avg_sq`` regions are never allocated on the RAM tier).
+    SGD's ``momentum_buffer``; Adafactor's ``step``, ``row_var``, ``col_var``). RAM tier: CPU tensors in host RAM
+    owned by this object (the store's ``exp_avg``/``exp_avg_sq`` regions are never allocated). NVMe tier: packed
+    into the parameter's ranges of those regions (:func:`pack_state`), 0-d values in host RAM (module docstring).
+    Data parallel: only the slabs this process owns (``ownership``) have state here.
 
-    Masters on NVMe (``offload_params="nvme"``, ``offload_optimizer="cpu"``) work: the views are built inside the
+    Masters on NVMe (``offload_params="nvme"``) work on either optimizer tier: the views are built inside the
     update's hold of the slab's master window.
 
     Raises:
         UnsupportedOptimizerError: :func:`validate_optimizer`; the class cannot be built over the slab views with the
-            user's defaults (a constructor that takes other arguments); the optimizer regions on NVMe
-            (``offload_optimizer="nvme"``) or data parallel with a node-shared store (``ownership``).
+            user's defaults (a constructor that takes other arguments); on the NVMe tier, state that does not fit
+            two fp32 values per parameter element or is not fp32 (:meth:`_probe`).
     """
 
     def __init__(self, store: HostStore, optimizer: torch.optim.Optimizer, overlap: bool = True, transport: Any = None,
                  ownership: SlabOwnership | None = None):
-        name = _name(optimizer)
-        if store.nvme_kinds & {Region.exp_avg, Region.exp_avg_sq, Region.grad_accum}:
-            raise UnsupportedOptimizerError(
-                f"megatrain steps {name} on the host with its state in host RAM; the NVMe tier for the optimizer "
-                "(offload_optimizer='nvme') keeps only AdamW state on disk. Use the RAM tier for the optimizer "
-                "(offload_optimizer='cpu'; offload_params='nvme' works with it) or torch.optim.AdamW.")
-        if ownership is not None:
-            raise UnsupportedOptimizerError(
-                f"megatrain steps {name} on the host in one process only; data parallel (several processes sharing "
-                "the node's host store) keeps only AdamW state. Train in one process (the RAM tier) or use "
-                "torch.optim.AdamW.")
-        self.state: dict[tuple[int, int], dict[str, Any]] = {}  # (slab, entry) -> the class's state of the parameter
+        # (slab, entry) -> the class's state of the parameter (NVMe tier: its 0-d values; the tensors are packed)
+        self.state: dict[tuple[int, int], dict[str, Any]] = {}
+        self.packed: dict[tuple[int, int], list[Placement]] = {}  # NVMe tier: where each state tensor lives
+        self.on_disk = Region.exp_avg in store.nvme_kinds
+        self._order: dict[tuple[int, int], list[str]] = {}  # NVMe tier: the class's key order of each state
         self._ctor = _constructor_kwargs(type(optimizer), optimizer.defaults)
+        self._instances: dict[int, tuple[tuple, torch.optim.Optimizer]] = {}  # slab -> (groups' layout, instance)
         super().__init__(store, optimizer, overlap=overlap, transport=transport, ownership=ownership)
         self._probe()
 
@@ -154,21 +218,61 @@ class HostTorchOptimizer(HostAdamW):
         return False
 
     def _probe(self) -> None:
-        """Build the class once over a stand-in parameter of each group's first shape, so that a constructor that
-        cannot be rebuilt from the user's ``defaults`` is refused at setup, not at the first step."""
-        groups = self.optimizer.param_groups
+        """Build the class once over small stand-ins (each dimension at most 8) of every parameter shape of each
+        group, so that a constructor that cannot be rebuilt from the user's ``defaults`` is refused at setup, not
+        at the first step; on the NVMe tier, also take two steps and check that each stand-in's state packs into
+        two fp32 values per element (:func:`pack_state`).
+
+        Raises:
+            UnsupportedOptimizerError: see the class docstring.
+        """
+        shapes = [sorted({tuple(min(d, 8) for d in p.shape) for p in g["params"]}) for g in self.optimizer.param_groups]
+        stand_ins = [(h, [torch.full(s, 0.5) for s in ss]) for h, ss in zip(self._snapshot(), shapes) if ss]
         try:
-            self._instance([(h, [torch.zeros(tuple(g["params"][0].shape))])
-                            for h, g in zip(self._snapshot(), groups) if g["params"]])
+            inst = self._instance(stand_ins)
         except (TypeError, ValueError) as err:
             raise UnsupportedOptimizerError(
                 f"megatrain steps {_name(self.optimizer)} on the host by building it over each block's weights with "
                 f"the optimizer's defaults, which failed ({type(err).__name__}: {err}). Supported: {SUPPORTED}."
             ) from err
+        if not self.on_disk:
+            return
+        for _, ps in stand_ins:
+            for p in ps:
+                p.grad = torch.full_like(p, 0.25)
+        with torch.no_grad():
+            inst.step()
+            inst.step()
+        for _, ps in stand_ins:
+            for p in ps:
+                why = unpackable(inst.state.get(p, {}), p.numel())
+                if why:
+                    raise UnsupportedOptimizerError(
+                        f"megatrain keeps the state of {_name(self.optimizer)} on NVMe (offload_optimizer='nvme') in "
+                        f"two fp32 values per parameter element; for a parameter of shape {tuple(p.shape)} it {why}. "
+                        "Keep the optimizer state in RAM (offload_optimizer='cpu'), or choose settings with less "
+                        "state (RMSprop without centered+momentum, AdamW without amsgrad).")
 
     def _instance(self, groups: list[tuple[dict[str, Any], list[torch.Tensor]]]) -> torch.optim.Optimizer:
         """An instance of the user's class over ``groups`` (``(hyper-parameters, parameters)`` pairs)."""
         return type(self.optimizer)([{**h, "params": ps} for h, ps in groups], **self._ctor)
+
+    def _slab_instance(self, slab_index: int, layout: tuple,
+                       groups: list[tuple[dict[str, Any], list[torch.Tensor]]]) -> torch.optim.Optimizer:
+        """The instance for one slab's update: built once per slab and group ``layout`` (which groups, which
+        entries), then reused with this step's parameters and hyper-parameters put into its ``param_groups``
+        (building a torch optimizer costs ~1 ms, a per-slab per-step cost otherwise). Its ``state`` is empty
+        between updates (:meth:`_update` moves the state in and out)."""
+        cached = self._instances.get(slab_index)
+        if cached is None or cached[0] != layout:
+            inst = self._instance(groups)
+            self._instances[slab_index] = (layout, inst)
+            return inst
+        inst = cached[1]
+        for g, (h, ps) in zip(inst.param_groups, groups):
+            g.update(h)
+            g["params"] = ps
+        return inst
 
     def _snapshot(self) -> list[dict[str, Any]]:  # type: ignore[override]
         """Every param group's hyper-parameters (all keys but ``params``; tensors cloned) at this step."""
@@ -181,8 +285,8 @@ class HostTorchOptimizer(HostAdamW):
 
     # ------------------------------------------------------------------ math
     def _update(self, slab: Slab, pend: _Pending) -> None:
-        with self.store.hold(slab.index, [Region.master], write=True) as w, \
-                self.store.hold(slab.index, [Region.grad_accum]) as r:
+        kinds = [Region.master, Region.exp_avg, Region.exp_avg_sq] if self.on_disk else [Region.master]
+        with self.store.hold(slab.index, kinds, write=True) as w, self.store.hold(slab.index, [Region.grad_accum]) as r:
             master, acc = w[Region.master], r[Region.grad_accum]
             if pend.grad_ops:
                 self._apply_ops(slab, acc, pend.grad_ops)
@@ -203,25 +307,107 @@ class HostTorchOptimizer(HostAdamW):
                     views[i] = p
                     ps.append(p)
                 groups.append((pend.hyper[gi], ps))
-            inst = self._instance(groups)
+            inst = self._slab_instance(slab.index, tuple((gi, tuple(idx)) for gi, idx in by_group.items()), groups)
+            regions = (w[Region.exp_avg], w[Region.exp_avg_sq]) if self.on_disk else None
             for i, p in views.items():
-                st = self.state.get((slab.index, i))
+                st = self._live_state(slab, i, regions)
                 if st is not None:
                     inst.state[p] = st
-            inst.step()
-            for i, p in views.items():
-                st = inst.state.get(p)
-                if st:
-                    self.state[(slab.index, i)] = st
-                p.grad = None
+            try:
+                inst.step()
+                for i, p in views.items():
+                    st = inst.state.get(p)
+                    if st:
+                        self._keep_state(slab, i, st, regions)
+            finally:
+                inst.state.clear()
+                for g in inst.param_groups:
+                    g["params"] = []
+                for p in views.values():
+                    p.grad = None
 
-    def _count_steps(self, slab: Slab) -> None:  # pragma: no cover - data parallel is refused at construction
-        raise AssertionError("HostTorchOptimizer runs in one process")
+    def _live_state(self, slab: Slab, entry: int, regions: tuple[torch.Tensor, torch.Tensor] | None
+                    ) -> dict[str, Any] | None:
+        """The state of one parameter to put into the class's ``state`` for its update (``None``: its first
+        update, the class creates it): the kept dict (RAM tier), or the 0-d values with views of the packed
+        tensors in ``regions`` (the slab's held ``exp_avg``/``exp_avg_sq``, NVMe tier)."""
+        st = self.state.get((slab.index, entry))
+        if st is None or regions is None:
+            return st
+        out = dict(st)
+        base = slab.entries[entry].offset
+        for pl in self.packed[(slab.index, entry)]:
+            out[pl.key] = pl.view(regions, base)
+        return {k: out[k] for k in self._order[(slab.index, entry)]}
+
+    def _keep_state(self, slab: Slab, entry: int, st: dict[str, Any],
+                    regions: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Keep one parameter's state after its update: the dict itself (RAM tier), or (NVMe tier) its tensors
+        copied into their packed ranges where the class did not update the views in place, and its 0-d values.
+
+        Raises:
+            UnsupportedOptimizerError: NVMe tier, the state does not pack (:func:`unpackable`).
+        """
+        key = (slab.index, entry)
+        if regions is None:
+            self.state[key] = st
+            return
+        e = slab.entries[entry]
+        places = self.packed.get(key)
+        tensors = {k: v for k, v in st.items() if _packed_kind(v)}
+        if places is None or [(pl.key, pl.shape) for pl in places] != [(k, tuple(v.shape)) for k, v in tensors.items()]:
+            why = unpackable(st, e.numel)
+            if why:
+                raise UnsupportedOptimizerError(
+                    f"megatrain keeps the state of {_name(self.optimizer)} on NVMe in two fp32 values per parameter "
+                    f"element; for {e.ref.fqn} it {why}. Keep the optimizer state in RAM (offload_optimizer='cpu').")
+            places = self.packed[key] = pack_state(tensors, e.numel)
+        for pl in places:
+            view = pl.view(regions, e.offset)
+            v = tensors[pl.key]
+            if v.data_ptr() != view.data_ptr():
+                view.copy_(v)
+        self.state[key] = {k: v for k, v in st.items() if k not in tensors}
+        self._order[key] = list(st)
+
+    def _count_steps(self, slab: Slab) -> None:
+        """Another rank updated this slab (data parallel): its state lives there, nothing to count here."""
 
     # ------------------------------------------------------------------ state
     def state_for(self, slab_index: int, entry: int) -> dict[str, Any] | None:
-        """The class's state of one parameter (live tensors), or ``None`` before its first update."""
-        return self.state.get((slab_index, entry))
+        """The class's state of one parameter, or ``None`` before its first update (or, data parallel, when
+        another process owns its slab). RAM tier: the live tensors. NVMe tier: copies read through the host
+        window."""
+        key = (slab_index, entry)
+        st = self.state.get(key)
+        if st is None or not self.on_disk:
+            return st
+        slab = self.store.slabs[slab_index]
+        with self.store.hold(slab_index, [Region.exp_avg, Region.exp_avg_sq]) as t:
+            live = self._live_state(slab, entry, (t[Region.exp_avg], t[Region.exp_avg_sq]))
+            return {k: (v.clone() if _packed_kind(v) else v) for k, v in live.items()}  # type: ignore[union-attr]
+
+    def streams_state(self) -> bool:
+        """Whether this process cannot return the whole state as one dict: the NVMe tier, or data parallel (each
+        process holds the state of the slabs it owns). Directory checkpoints write it part by part."""
+        return self.on_disk or (self.ownership is not None and
+                                not all(map(self.ownership.owns, range(len(self.store.slabs)))))
+
+    def state_dict(self, copy: bool = True) -> dict[str, Any]:
+        """As :meth:`HostAdamW.state_dict`, in the class's own format.
+
+        Raises:
+            RuntimeError: data parallel: each process holds only the state of the slabs it owns (raised before
+                anything is read).
+        """
+        own = self.ownership
+        if own is not None and not all(map(own.owns, range(len(self.store.slabs)))):
+            raise RuntimeError(
+                f"megatrain: optimizer.state_dict() is not available with several processes and "
+                f"{_name(self.optimizer)}: each rank keeps the state of the blocks it updates. Save a directory "
+                "checkpoint (trainer.save_checkpoint(dir), on every rank): its optimizer/ folder holds the whole "
+                "state in the class's format.")
+        return super().state_dict(copy=copy)
 
     @staticmethod
     def _check_saved_keys(keys: set[str]) -> None:
@@ -242,15 +428,23 @@ class HostTorchOptimizer(HostAdamW):
         if id(param) not in self._where:
             raise ValueError("set_param_state: parameter is not part of the host store.")
         si, ei = self._where[id(param)]
+        if self.ownership is not None and not self.ownership.owns(si):
+            return  # data parallel: the state lives in the process that owns (updates) this slab
         out: dict[str, Any] = {}
         for k, v in state.items():
             if torch.is_tensor(v):
                 v = v.detach().to("cpu", dtype=torch.float32 if v.is_floating_point() and k != "step" else v.dtype,
                                   copy=True)
             out[k] = v
-        with self.store.slabs[si].lock:
+        slab = self.store.slabs[si]
+        with slab.lock:
             self.pending.pop(si, None)
-            self.state[(si, ei)] = out
+            if not self.on_disk:
+                self.state[(si, ei)] = out
+                return
+            self.packed.pop((si, ei), None)
+            with self.store.hold(si, [Region.exp_avg, Region.exp_avg_sq], write=True) as t:
+                self._keep_state(slab, ei, out, (t[Region.exp_avg], t[Region.exp_avg_sq]))
 
     def load_param_state(self, param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                          step: torch.Tensor) -> None:
@@ -266,6 +460,7 @@ class HostTorchOptimizer(HostAdamW):
         where = self._where.get(id(param))
         if where is not None:
             self.state.pop(where, None)
+            self.packed.pop(where, None)
 
     @property
     def exp_avg(self) -> list[torch.Tensor | None]:
