@@ -4,6 +4,10 @@ Each ``check_<name>(a)`` takes the runner's arguments (``a.cpu_dry_run``, ``a.re
 returns ``{"result": "PASS" | "FAIL", "numbers": {...}, "details": ...}``; the runner writes it as one JSON row.
 Several start a benchmark script of bench/ as a subprocess and read the JSON it writes.
 
+* ``host_optim``: optimizers other than AdamW stepped on the host while the blocks compute on CUDA: tiny llama_tied,
+                10 steps (accumulation 2, norm clipping 0.5) of Adafactor, SGD (momentum 0.9, Nesterov) and NAdam
+                through the strategy (Adafactor also with its state on NVMe) against the plain-PyTorch reference
+                loop with the same optimizer on CUDA. PASS: max relative loss and weight error <= 1e-5.
 * ``pytest``:   the CPU test suite (``python -m pytest tests -x -q``) still passes.
 * ``parity``:   llama, llama_tied, mixtral, gemma2, gpt2 (tiny configs of megatrain_lightning/testing.py),
                 20 steps of Trainer(strategy="megatrain", accelerator="gpu") against the plain-PyTorch
@@ -96,7 +100,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: these checks and the seconds each may take on the H200 (the dry run fits them on 2 CPU cores too)
-LIMITS_S = {"pytest": 90, "parity": 120, "precision": 60, "memory": 90, "overlap": 150, "d2h": 90, "overhead": 120,
+LIMITS_S = {"host_optim": 90, "pytest": 90, "parity": 120, "precision": 60, "memory": 90, "overlap": 150, "d2h": 90, "overhead": 120,
             "recompute": 240, "pinned": 60, "long": 120, "scaling": 150, "peer": 240}
 TOL = 1e-5
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts: deterministic cuBLAS
@@ -135,6 +139,58 @@ def trainer(dev: str, steps: int, callbacks=(), **strategy_kwargs):
 
 
 # ---------------------------------------------------------------- checks
+def check_host_optim(a) -> dict:
+    import tempfile
+
+    import torch
+    import lightning.pytorch as pl
+    from gpu_check import deterministic
+    from megatrain_lightning import MegaTrainStrategy
+    from megatrain_lightning.testing import LM, freeze_key_biases, make_data, make_model, reference_train, rel
+
+    dev = device(a)
+    deterministic()
+    steps = 3 if a.cpu_dry_run else 10
+    configs = {"adafactor": (torch.optim.Adafactor, {"lr": 1e-2}), "sgd_nesterov": (torch.optim.SGD, {
+        "lr": 0.05, "momentum": 0.9, "nesterov": True}), "nadam": (torch.optim.NAdam, {"lr": 2e-3})}
+    rows = []
+    for name, (cls, kw) in list(configs.items()) + [("adafactor_nvme", configs["adafactor"])]:
+        t0 = time.perf_counter()
+        ref = make_model("llama_tied")
+        freeze_key_biases(ref)
+        ref.to(dev)
+        torch.manual_seed(0)
+        lr = kw["lr"]
+        extra = {k: v for k, v in kw.items() if k != "lr"}
+        ref_losses = reference_train(ref, OnDevice(make_data(n=4 * steps), dev), steps, lr=lr, accumulate=2, clip=0.5,
+                                     optimizer=cls, opt_kwargs=extra)
+        model = make_model("llama_tied")
+        freeze_key_biases(model)
+        lm = LM(model, lr=lr, optimizer=cls, opt_kwargs=extra)
+        torch.manual_seed(0)
+        with tempfile.TemporaryDirectory() as tmp:
+            nvme = dict(offload_optimizer="nvme", nvme_path=tmp, host_memory_limit=1_500_000) if name.endswith("nvme") else {}
+            tr = pl.Trainer(strategy=MegaTrainStrategy(**nvme), accelerator="gpu" if dev == "cuda" else "cpu", devices=1,
+                            max_steps=steps, accumulate_grad_batches=2, gradient_clip_val=0.5, enable_checkpointing=False,
+                            logger=False, enable_progress_bar=False, enable_model_summary=False)
+            tr.fit(lm, make_data(n=4 * steps))
+            host = type(tr.strategy.engine.optimizer).__name__
+            ran_on = tr.strategy.engine.device.type
+            tr.strategy.close()
+        loss_err = max(abs(x - y) / abs(y) for x, y in zip(lm.losses, ref_losses)) if len(lm.losses) == len(ref_losses) else float("inf")
+        w_err = max(rel(p.detach().float().cpu(), q.detach().float().cpu())
+                    for p, q in zip(lm.model.parameters(), ref.parameters()))
+        row = {"config": name, "host_optimizer": host, "loss_rel_err": loss_err, "weight_rel_err": w_err,
+               "ran_on": ran_on, "seconds": round(time.perf_counter() - t0, 1)}
+        row["pass"] = loss_err <= TOL and w_err <= TOL and ran_on == dev and host == "HostTorchOptimizer"
+        rows.append(row)
+        print(f"  {name:16s} loss {loss_err:.2e} weight {w_err:.2e} {'ok' if row['pass'] else 'FAIL'}", flush=True)
+    nums = {"configs_passed": f"{sum(r['pass'] for r in rows)}/{len(rows)}",
+            "max_loss_rel_err": max(r["loss_rel_err"] for r in rows),
+            "max_weight_rel_err": max(r["weight_rel_err"] for r in rows), "steps": steps}
+    return {"result": "PASS" if all(r["pass"] for r in rows) else "FAIL", "numbers": nums, "details": rows}
+
+
 def check_pytest(a) -> dict:
     # the engine tests only (the data/recipe tests need packages the offline GPU image lacks); on CPU there,
     # they check the engine under that image's torch/transformers versions
