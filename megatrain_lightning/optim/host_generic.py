@@ -257,14 +257,15 @@ class HostTorchOptimizer(HostAdamW):
         """An instance of the user's class over ``groups`` (``(hyper-parameters, parameters)`` pairs)."""
         return type(self.optimizer)([{**h, "params": ps} for h, ps in groups], **self._ctor)
 
-    def _slab_instance(self, slab_index: int, layout: tuple,
-                       groups: list[tuple[dict[str, Any], list[torch.Tensor]]]) -> torch.optim.Optimizer:
-        """The instance for one slab's update: built once per slab and group ``layout`` (which groups, which
-        entries), then reused with this step's parameters and hyper-parameters put into its ``param_groups``
-        (building a torch optimizer costs ~1 ms, a per-slab per-step cost otherwise). Its ``state`` is empty
-        between updates (:meth:`_update` moves the state in and out)."""
+    def _slab_instance(self, slab_index: int, layout: tuple, groups: list[tuple[dict[str, Any], list[torch.Tensor]]],
+                       fresh: bool) -> torch.optim.Optimizer:
+        """The instance for one slab's update: built when the slab's group ``layout`` (which groups, which entries)
+        changed or a parameter has no state yet (``fresh``: some classes create state in their constructor, e.g.
+        Adagrad's ``sum``), else reused with this step's parameters and hyper-parameters put into its
+        ``param_groups`` (a constructor can cost as much as the update: Adagrad allocates its state there). Its
+        ``state`` is empty between updates (:meth:`_update` moves the state in and out)."""
         cached = self._instances.get(slab_index)
-        if cached is None or cached[0] != layout:
+        if fresh or cached is None or cached[0] != layout:
             inst = self._instance(groups)
             self._instances[slab_index] = (layout, inst)
             return inst
@@ -307,12 +308,13 @@ class HostTorchOptimizer(HostAdamW):
                     views[i] = p
                     ps.append(p)
                 groups.append((pend.hyper[gi], ps))
-            inst = self._slab_instance(slab.index, tuple((gi, tuple(idx)) for gi, idx in by_group.items()), groups)
             regions = (w[Region.exp_avg], w[Region.exp_avg_sq]) if self.on_disk else None
+            live = {i: self._live_state(slab, i, regions) for i in views}
+            inst = self._slab_instance(slab.index, tuple((gi, tuple(idx)) for gi, idx in by_group.items()), groups,
+                                       fresh=any(st is None for st in live.values()))
             for i, p in views.items():
-                st = self._live_state(slab, i, regions)
-                if st is not None:
-                    inst.state[p] = st
+                if live[i] is not None:
+                    inst.state[p] = live[i]
             try:
                 inst.step()
                 for i, p in views.items():
