@@ -24,6 +24,8 @@ import re
 import shutil
 from pathlib import Path
 
+from ..parallel.lifetime import pid_alive
+
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 NAME_MAX = 255  # bytes per name on Linux filesystems; used where the filesystem does not say
@@ -169,17 +171,6 @@ def put_in_place(tmp: Path, final: Path) -> None:
         os.close(fd)
 
 
-def _alive(pid: int) -> bool:
-    """Whether a process with this id runs on this machine (one we may not signal counts as running)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def clean_stale(final: Path) -> list[Path]:
     """Deal with what killed saves of ``final`` left next to it: a temporary directory (:func:`temporary_path`,
     half written) is removed; an entry moved aside (:func:`aside_path`: a complete checkpoint moved aside by the
@@ -201,7 +192,7 @@ def clean_stale(final: Path) -> list[Path]:
         return done
     for p in siblings:
         m = next((m for m in (pat.fullmatch(p.name) for pat in patterns) if m is not None), None)
-        if m is None or int(m.group(2)) == os.getpid() or _alive(int(m.group(2))):
+        if m is None or int(m.group(2)) == os.getpid() or pid_alive(int(m.group(2))):
             continue
         if m.group(1) == "old" and not os.path.lexists(final):
             os.rename(p, final)

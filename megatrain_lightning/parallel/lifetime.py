@@ -47,7 +47,8 @@ def _find_prctl() -> Callable[..., int] | None:
 _PRCTL = _find_prctl()  # resolved here: a preexec_fn must not import or load anything between fork and exec
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id runs on this machine (one we may not signal counts as running)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -135,7 +136,7 @@ def follow_parent_from_env(environ: MutableMapping[str, str] = os.environ) -> Pa
     except ValueError:
         return None
     first_ppid = os.getppid()  # the parent itself, or a wrapper between them (then the parent must be alive)
-    if first_ppid != parent_pid and not _alive(parent_pid):  # it ended before this process got here
+    if first_ppid != parent_pid and not pid_alive(parent_pid):  # it ended before this process got here
         print(f"megatrain: the process that started this one (pid {parent_pid}) has already ended; exiting.",
               file=sys.stderr, flush=True)
         os._exit(1)
