@@ -54,7 +54,8 @@ def build_optimizer(model: torch.nn.Module, target: str | type = "torch.optim.Ad
         weight_decay: the decayed group's weight decay.
         betas: passed when the constructor takes ``betas`` (``None``: the class's default).
         split_1d: 1-D parameters in their own group with ``weight_decay=0``.
-        options: the class's other keyword arguments (``momentum``, ``eps``...).
+        options: the class's other keyword arguments (``momentum``, ``eps``...; a list, as YAML gives it, becomes a
+            tuple, as torch's defaults are).
 
     Raises:
         ImportError: see :func:`locate`.
@@ -68,7 +69,7 @@ def build_optimizer(model: torch.nn.Module, target: str | type = "torch.optim.Ad
                          "one for the embeddings, the LM head and the norms is refused): use "
                          "megatrain_lightning.optim.muon.MuonWithAdamW (the recipes' optim=muon), Muon for the "
                          "decoder's 2-D weights and AdamW for the rest as one optimizer.")
-    kwargs = dict(options or {})
+    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in (options or {}).items()}  # YAML lists: torch's tuples
     if betas is not None and takes(cls, "betas"):
         kwargs["betas"] = tuple(betas)
     params = [p for p in model.parameters() if p.requires_grad]
