@@ -55,6 +55,9 @@ OPTIMIZERS = {
 }
 if importlib.util.find_spec("lion_pytorch"):  # the recipes' optim=lion (megatrain-lightning[optim])
     OPTIMIZERS["lion"] = lambda m: __import__("lion_pytorch").Lion(m.parameters(), lr=1e-4, weight_decay=0.01)
+if importlib.util.find_spec("torchao"):  # the recipes' optim=adamw8bit: 8-bit moments (tensor subclasses) on CPU
+    OPTIMIZERS["adamw8bit"] = lambda m: __import__("torchao.optim", fromlist=["AdamW8bit"]).AdamW8bit(
+        m.parameters(), lr=1e-3)
 
 
 class OptLM(LM):
