@@ -20,6 +20,7 @@ Command line (Hydra compose API over ``conf/``; primary config ``conf/plan.yaml`
     python -m megatrain_lightning.plan model=smollm2_135m hardware=this_machine preflight=true
     python -m megatrain_lightning.plan model=llama70b hardware=h200 trainer.devices=8 trainer.num_nodes=2
     python -m megatrain_lightning.plan model=smollm2_135m hardware=h200 block_group=10  # 10 layers per transfer
+    python -m megatrain_lightning.plan model=llama100b hardware=h200 optim=adafactor     # conf/optim/<name>.yaml
 
 ``preflight=true`` also checks the plan against the machine running the command (exit 2 when
 refused); ``json=true`` prints the plan as JSON; ``max_seq_len=true`` prints only the longest
@@ -32,6 +33,11 @@ path of a Hugging Face model directory / ``config.json``. Measure a CPU preset's
 data parallel (:mod:`megatrain_lightning.planning.parallel`): host RAM and NVMe per node with the
 training state once per node in ``/dev/shm``, the gradient traffic inside and between nodes, and the
 resource that bounds the step when the node's GPUs share one host; tokens/s per node and cluster.
+
+``optim=<name>`` (``conf/optim/``: adamw (default), adam, sgd, adafactor, lion, muon, adamw8bit; the recipes' names)
+counts that optimizer's state in host RAM (:mod:`megatrain_lightning.planning.optimizers`); ``optim.<key>=`` sets a
+hyper-parameter that changes it (``optim.momentum=0`` for SGD without a buffer), ``optim._target_=<class>`` measures
+another class on CPU tensors.
 """
 
 from __future__ import annotations
@@ -57,7 +63,7 @@ _SETTINGS = ("batch_size", "seq_len", "precision", "offload_params", "offload_op
              "offload_activations", "lookahead", "block_group", "recompute_every", "grad_dtype", "keep_checkpoints", "pinned_round",
              "optimizer_in_backward",
              "cpu_zero_copy", "loss_chunk_size", "mlp_chunk_size", "recompute", "activation_memory_limit",
-             "host_memory_limit", "reference")
+             "host_memory_limit", "reference", "optim")
 
 
 def plan_from_config(cfg: Any) -> Plan:

@@ -10,6 +10,7 @@ final weights must agree bitwise (each class's own for-loop kernel runs on the s
 from __future__ import annotations
 
 import copy
+import importlib.util
 
 import lightning.pytorch as pl
 import pytest
@@ -22,6 +23,7 @@ from megatrain_lightning import MegaTrainPrecision, MegaTrainStrategy, Unsupport
 from megatrain_lightning.checkpoint.lightning_file import convert_to_lightning_checkpoint
 from megatrain_lightning.data import ResumableDataLoader
 from megatrain_lightning.optim.host_generic import HostTorchOptimizer
+from megatrain_lightning.optim.muon import MuonWithAdamW
 from megatrain_lightning.testing import LM, make_data, make_model
 
 STEPS = 10
@@ -46,7 +48,16 @@ OPTIMIZERS = {
     "sgd_two_groups": lambda m: torch.optim.SGD(
         [{"params": _two_d(m), "lr": 0.05, "momentum": 0.9},
          {"params": [p for p in m.parameters() if p.dim() != 2], "lr": 0.01, "weight_decay": 0.0}], lr=0.1),
+    # the recipes' optim=muon: Muon for the 2-D weights, AdamW for the rest, one optimizer
+    "muon_with_adamw": lambda m: MuonWithAdamW(
+        [{"params": _two_d(m), "use_muon": True},
+         {"params": [p for p in m.parameters() if p.dim() != 2], "use_muon": False}], lr=2e-2, adamw_lr=1e-3),
 }
+if importlib.util.find_spec("lion_pytorch"):  # the recipes' optim=lion (megatrain-lightning[optim])
+    OPTIMIZERS["lion"] = lambda m: __import__("lion_pytorch").Lion(m.parameters(), lr=1e-4, weight_decay=0.01)
+if importlib.util.find_spec("torchao"):  # the recipes' optim=adamw8bit: 8-bit moments (tensor subclasses) on CPU
+    OPTIMIZERS["adamw8bit"] = lambda m: __import__("torchao.optim", fromlist=["AdamW8bit"]).AdamW8bit(
+        m.parameters(), lr=1e-3)
 
 
 class OptLM(LM):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
@@ -694,3 +695,118 @@ def test_refuses_bad_data_parallel_settings_before_the_build(tmp_path, no_build,
     check_values(OmegaConf.to_container(cfg_for(tmp_path, "trainer.devices=[0,1]"), resolve=True))
     for nvme in (["strategy=megatrain_nvme"], ["strategy=megatrain_nvme", "strategy.offload_params=cpu"]):
         check_values(OmegaConf.to_container(cfg_for(tmp_path, *nvme, "trainer.devices=2"), resolve=True))
+
+
+# ---------------------------------------------------------------------------------------------- optim config group
+def _tiny_llama():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _groups(opt):
+    return [({k: v for k, v in g.items() if k != "params"}, [id(p) for p in g["params"]]) for g in opt.param_groups]
+
+
+def test_default_optim_is_the_adamw_the_recipe_always_built(tmp_path):
+    """optim=adamw (the default): the same class, hyper-parameters and param groups as the recipe's AdamW before the
+    optim group existed, and bitwise the same steps."""
+    cfg = cfg_for(tmp_path)
+    assert OmegaConf.to_container(cfg.optim) == {"_target_": "torch.optim.AdamW", "lr": 1.0e-4, "weight_decay": 0.0,
+                                                 "betas": [0.9, 0.95], "warmup_steps": 5}
+    model, twin = _tiny_llama(), _tiny_llama()
+    out = step.build_module(cfg, model, None).configure_optimizers()
+    opt, sched = out["optimizer"], out["lr_scheduler"]["scheduler"]
+    before = torch.optim.AdamW([{"params": [p for p in twin.parameters() if p.ndim >= 2], "weight_decay": 0.0},
+                                {"params": [p for p in twin.parameters() if p.ndim < 2], "weight_decay": 0.0}],
+                               lr=1e-4, betas=(0.9, 0.95))
+    torch.optim.lr_scheduler.LambdaLR(before, sched.lr_lambdas[0])  # the recipe's warm-up: lr x 1/5 at step 0
+    assert type(opt) is torch.optim.AdamW and opt.defaults == before.defaults
+    ids = {id(q): id(p) for p, q in zip(model.parameters(), twin.parameters())}
+    assert _groups(opt) == [(h, [ids[i] for i in ps]) for h, ps in _groups(before)]
+    for _ in range(2):
+        for p, q in zip(model.parameters(), twin.parameters()):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        opt.step(), before.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+
+
+def test_dpo_default_optim_is_its_adamw(tmp_path):
+    from megatrain_lightning.recipes_lib.preference import build_module
+
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose(config_name="dpo", overrides=[], return_hydra_config=False)
+        sgd = compose(config_name="dpo", overrides=["optim=sgd"], return_hydra_config=False)
+    assert OmegaConf.to_container(cfg.optim) == {"_target_": "torch.optim.AdamW", "lr": 5.0e-5, "weight_decay": 0.0,
+                                                 "betas": [0.9, 0.999]}
+    assert sgd.optim._target_ == "torch.optim.SGD" and "betas" not in sgd.optim  # the DPO values are AdamW's only
+    with open_dict(cfg):
+        cfg.dpo.cache_dir = str(tmp_path)
+    model = _tiny_llama()
+    opt = build_module(cfg, model).configure_optimizers()
+    assert type(opt) is torch.optim.AdamW and len(opt.param_groups) == 1
+    assert {k: opt.param_groups[0][k] for k in ("lr", "betas", "weight_decay")} == \
+        {"lr": 5e-5, "betas": (0.9, 0.999), "weight_decay": 0.0}
+    assert [id(p) for p in opt.param_groups[0]["params"]] == [id(p) for p in model.parameters()]
+
+
+@pytest.mark.parametrize("name", ["sgd", "adafactor", "adam", "lion", "adamw8bit"])
+def test_optim_group_builds_that_class_with_its_hyper_parameters(tmp_path, name):
+    declared = yaml.safe_load((ROOT / "conf" / "optim" / f"{name}.yaml").read_text())
+    from megatrain_lightning.optim.build import locate
+
+    try:
+        cls = locate(declared["_target_"])
+    except ImportError:
+        pytest.skip(f"{declared['_target_']} is not installed")
+    cfg = cfg_for(tmp_path, f"optim={name}")
+    check_values(OmegaConf.to_container(cfg, resolve=True))
+    opt = step.build_module(cfg, _tiny_llama(), None).configure_optimizers()["optimizer"]
+    assert type(opt) is cls
+    decay, flat = opt.param_groups
+    assert all(p.ndim >= 2 for p in decay["params"]) and all(p.ndim < 2 for p in flat["params"])
+    assert decay["weight_decay"] == declared["weight_decay"] and flat["weight_decay"] == 0.0
+    for k, v in declared.items():
+        if k not in ("_target_", "weight_decay"):
+            key = "initial_lr" if k == "lr" else k  # the warm-up scales lr; the scheduler keeps the configured one
+            assert decay[key] == (tuple(v) if isinstance(v, list) else v), k
+
+
+def test_optim_muon_is_muon_for_the_layers_2d_weights_and_adamw_for_the_rest(tmp_path):
+    from megatrain_lightning.optim.muon import MuonWithAdamW
+
+    cfg = cfg_for(tmp_path, "optim=muon")
+    model = _tiny_llama()
+    opt = step.build_module(cfg, model, None).configure_optimizers()["optimizer"]
+    assert type(opt) is MuonWithAdamW
+    muon, rest, flat = opt.param_groups
+    embeddings = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
+    assert muon["use_muon"] is True and {id(p) for p in rest["params"]} == embeddings
+    assert all(p.ndim == 2 and id(p) not in embeddings for p in muon["params"])
+    assert rest["use_muon"] is flat["use_muon"] is False and all(p.ndim == 1 for p in flat["params"])
+    assert (muon["initial_lr"], rest["initial_lr"], muon["adjust_lr_fn"]) == (1e-4, 1e-4, "match_rms_adamw")
+    assert len(muon["params"]) + len(rest["params"]) + len(flat["params"]) == len(list(model.parameters()))
+
+
+def test_any_optimizer_target_and_the_refusals(tmp_path, no_build):
+    cfg = cfg_for(tmp_path, "optim._target_=torch.optim.RMSprop", "+optim.alpha=0.9")
+    from megatrain_lightning.recipes_lib.checks import check_keys
+
+    check_keys(OmegaConf.to_container(cfg, resolve=True))
+    check_values(OmegaConf.to_container(cfg, resolve=True))
+    opt = step.build_module(cfg, _tiny_llama(), None).configure_optimizers()["optimizer"]
+    assert type(opt) is torch.optim.RMSprop and opt.defaults["alpha"] == 0.9
+    msg = refused(tmp_path, "optim=sgd", "+optim.momentun=0.5", key="optim.momentun")
+    assert "did you mean optim.momentum" in msg
+    assert "optim=muon" in refused(tmp_path, "optim._target_=torch.optim.Muon", key="optim._target_")
+    assert "cannot be imported" in refused(tmp_path, "optim._target_=torch.optim.NoSuch", key="optim._target_")
+
+
+@pytest.mark.parametrize("name", ["sgd", "muon"])
+def test_a_two_step_run_with_another_optimizer(tmp_path, gpt2_dir, name):
+    """The class's own step on the host through the strategy (HostTorchOptimizer), from the recipe."""
+    cfg = cfg_for(tmp_path, f"optim={name}", "eval.before=false", *tiny(gpt2_dir))
+    out = finetune(cfg)
+    assert out["run"]["steps"] == 2 and all(math.isfinite(p["loss"]) for p in out["loss"])

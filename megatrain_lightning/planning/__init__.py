@@ -6,6 +6,7 @@ is :mod:`megatrain_lightning.plan`.
 ``config``       hardware presets, conf/ lookup, Hydra composition of conf/plan.yaml, HF config paths,
                  chunk-size settings
 ``activations``  activation bytes per token by option (sources: HF's layer structure)
+``optimizers``   each optimizer's state bytes per parameter tensor (the ``optim`` setting; sources in its docstring)
 ``terms``        the formulas (units and sources): tiers, bytes moved, FLOPs, seconds per term
 ``estimate``     the Plan: runs the terms, compute-bound batch size, fits/why/headroom, longest sequence
 ``advice``       what to change when a tier is short (NVMe tier, activation options), with numbers

@@ -94,8 +94,8 @@ def host_advice(p: Plan, have: int, keys: Mapping[str, str] | None = None) -> li
         q = replan(p, offload_optimizer="nvme", offload_grads="nvme")
         limit, rss, _ = nvme_limit(q, have)
         if rss <= have:
-            out.append(f"set {nvme_override(keys, limit, params=False)}{where}: AdamW moments and gradient "
-                       f"accumulators ({gib(12 * p.counts.total)} GiB) go to NVMe; {host_words(q)}, disk "
+            out.append(f"set {nvme_override(keys, limit, params=False)}{where}: {_state_words(p)} go to NVMe; "
+                       f"{host_words(q)}, disk "
                        f"{gib(q.disk_bytes)} GiB; step {q.step_time_s:,.1f} s ({term_label(q.dominating)})")
     if "nvme" not in (s["offload_params"], s["offload_optimizer"], s["offload_grads"]) or not out:
         q = replan(p, offload_params="nvme", offload_optimizer="nvme", offload_grads="nvme")
@@ -120,6 +120,18 @@ def host_advice(p: Plan, have: int, keys: Mapping[str, str] | None = None) -> li
                        f"(host then needs {gib(replan(p, devices=fit).host_bytes)} GiB per node)")
     out.append(f"or a machine with >= {gib(p.host_bytes)} GiB of free RAM (plan it with {ram_override(p.host_bytes)})")
     return out
+
+
+def _state_words(p: Plan) -> str:
+    """What the optimizer tier's move to NVMe takes out of host RAM: the optimizer's state (:mod:`.optimizers`) and the
+    gradient accumulators, in GiB."""
+    from .optimizers import label
+    from .terms import optim_state_bytes
+
+    freed = optim_state_bytes(p.counts, p.settings) + 4 * p.counts.total
+    name = label(p.settings.get("optim")).split()[0]
+    what = "AdamW moments" if name in ("AdamW", "Adam") else f"the {name} state"
+    return f"{what} and gradient accumulators ({gib(freed)} GiB)"
 
 
 def disk_words(q: Plan, disk: int) -> str:

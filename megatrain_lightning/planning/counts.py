@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
@@ -52,6 +52,9 @@ class ParamCounts:
             ``num_experts``, ``n_routed_experts``; 0 for a dense model). A token's matmuls read only
             ``experts_per_token / num_experts`` of the routed experts' weights (:attr:`matmul_params`),
             while every block still stores and streams all of them.
+        shapes: ``(kind, shape)`` of every unique parameter in module order, ``kind`` the block group that stores
+            it (``"embedding"``, ``"layer"``, ``"head"``): what a shape-dependent optimizer state
+            (:mod:`.optimizers`, e.g. Adafactor's factored variance) is computed from.
     """
 
     model_type: str
@@ -72,6 +75,7 @@ class ParamCounts:
     head_refetched: int = 0
     expert_params: int = 0
     num_experts: int = 0
+    shapes: tuple[tuple[str, tuple[int, ...]], ...] = field(default=(), repr=False)
 
     @property
     def stored(self) -> tuple[int, ...]:
@@ -232,6 +236,7 @@ def count_module(model: nn.Module) -> ParamCounts:
     cast_layers = [0] * len(layer_names)
     after_layers = False  # named_parameters follows module (= forward) order
     experts = 0  # routed experts' parameters (under a module named "experts")
+    shapes: list[tuple[str, tuple[int, ...]]] = []
     for fqn, p in model.named_parameters(remove_duplicate=False):
         group: int | str | None = None
         parts = fqn.split(".")
@@ -249,6 +254,7 @@ def count_module(model: nn.Module) -> ParamCounts:
                 tied += n
             continue
         seen[id(p)] = "layer" if isinstance(group, int) else group
+        shapes.append((seen[id(p)], tuple(p.shape)))
         ok = owner_ok.get(id(p), False)
         if isinstance(group, int):
             layers[group] += n
@@ -286,4 +292,5 @@ def count_module(model: nn.Module) -> ParamCounts:
         head_refetched=head_refetched,
         expert_params=experts,
         num_experts=get("num_local_experts", "num_experts", "n_routed_experts") if experts else 0,
+        shapes=tuple(shapes),
     )

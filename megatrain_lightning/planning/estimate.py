@@ -270,13 +270,19 @@ def plan(model_cfg: Any, hw: Hardware | Mapping[str, Any], **options: Any) -> Pl
             training: nothing added), or ``"copy"``: a frozen fp32 copy of the weights, 4 B/param more where the
             masters live (and its wire shadow), and per step one more forward of every block on the same
             sequences (H2D, NVMe reads, forward FLOPs) (:mod:`.terms`).
+        optim: the optimizer whose state the RAM tier holds (:mod:`.optimizers`): a name (``"adamw"``, the default,
+            ``"adam"``, ``"sgd"``, ``"adafactor"``, ``"lion"``, ``"muon"``, ``"adamw8bit"``: ``conf/optim/<name>.yaml``)
+            or a mapping with ``_target_`` and hyper-parameters (a composed ``conf/optim`` entry: SGD's ``momentum``
+            decides whether it keeps a buffer; another class is measured on CPU tensors). On the NVMe tier the state
+            is the store's two fp32 regions, 8 B/param, whatever the optimizer.
 
     Raises:
         ValueError: a ``recompute`` that is not a policy or a bad ``activation_memory_limit``, a
             ``block_group`` that is not an integer >= 1 (the message names ``block_group``),
             an unknown precision, tier or grad dtype, a non-positive size, a chunk size
             that is not a positive integer, ``devices``/``num_nodes`` not a positive integer (the
-            message names the option), or ``num_nodes`` > 1 on hardware without ``network_gbps``.
+            message names the option), ``num_nodes`` > 1 on hardware without ``network_gbps``, or an ``optim``
+            that is no known name, has no ``_target_``, or whose class cannot be stepped on a CPU tensor.
     """
     hw = Hardware.from_mapping(hw)
     name, cfg = _model_name_and_config(model_cfg)
@@ -292,7 +298,8 @@ def settings(*, batch_size: int = 1, seq_len: int = 2048, precision: str = "bf16
              mlp_chunk_size: int | str | None = "default", devices: int = 1, num_nodes: int = 1,
              recompute: str = "block", activation_memory_limit: int | str | None = None, block_group: int = 1,
              optimizer_in_backward: bool | str | None = None,
-             host_memory_limit: int | str | None = None, reference: str | None = None) -> dict[str, Any]:
+             host_memory_limit: int | str | None = None, reference: str | None = None,
+             optim: Any = None) -> dict[str, Any]:
     """Validated settings of a plan (the arguments of :func:`plan`); ``grad_dtype`` becomes ``grad_bytes``.
 
     Raises:
@@ -305,6 +312,7 @@ def settings(*, batch_size: int = 1, seq_len: int = 2048, precision: str = "bf16
     from .window import parse_limit
 
     recompute, limit = check_recompute(recompute, activation_memory_limit, this_torch=False)
+    optim = optim_setting(optim)
     if reference not in REFERENCES:
         raise ValueError(f"reference must be one of {', '.join(str(r).lower() for r in REFERENCES)} (the preference "
                          f"reference model, megatrain_lightning.preference.DPOModule), got {reference!r}")
@@ -340,7 +348,28 @@ def settings(*, batch_size: int = 1, seq_len: int = 2048, precision: str = "bf16
                 grad_bytes=GRAD_BYTES[grad_dtype] if grad_dtype else PRECISIONS[precision][2],
                 devices=devices, num_nodes=num_nodes, recompute=recompute, activation_memory_limit=limit,
                 block_group=block_group, optimizer_in_backward=in_bwd, host_memory_limit=host_limit,
-                reference=reference)
+                reference=reference, optim=optim)
+
+
+def optim_setting(optim: Any) -> str | dict[str, Any]:
+    """``optim`` as a plan keeps it: the name of a :data:`.optimizers.OPTIMIZERS` entry when given as one (or
+    ``None``: ``"adamw"``), else a plain dict (``_target_`` and the hyper-parameters, recipe-only keys dropped).
+
+    Raises:
+        ValueError: see :func:`.optimizers.resolve` (checked here, with a class measured if it has no entry).
+    """
+    from .config import as_plain_dict
+    from .optimizers import resolve
+
+    if optim is None or isinstance(optim, str):
+        return resolve(optim)[0].name
+    d = {k: v for k, v in as_plain_dict(optim).items() if k not in RECIPE_ONLY_OPTIM_KEYS}
+    resolve(d)
+    return d
+
+
+#: keys of a recipe's ``optim`` section that are not the optimizer's (the warm-up of ``CausalLMModule``'s schedule)
+RECIPE_ONLY_OPTIM_KEYS = ("warmup_steps",)
 
 
 def check_group(value: Any) -> int:

@@ -6,8 +6,8 @@ R = ``trainer.devices`` (processes, one per GPU, per node), M = ``trainer.num_no
 The terms:
 
 * **Host RAM per node.** The training state is held once per node in shared memory (``/dev/shm``):
-  fp32 master 4 B/param + fp32 gradient accumulator 4 + AdamW exp_avg 4 + exp_avg_sq 4 (the parts of
-  it on the RAM tier), whatever R, and so are the wire shadows (the bf16/fp16 wire images of mixed
+  fp32 master 4 B/param + fp32 gradient accumulator 4 + AdamW exp_avg 4 + exp_avg_sq 4, or the state of the
+  planner's ``optim`` (:mod:`.optimizers`) (the parts of it on the RAM tier), whatever R, and so are the wire shadows (the bf16/fp16 wire images of mixed
   precision, written by each slab's owner). Everything else it holds per process, R
   times: the NVMe windows and H2D staging ring, the pinned D2H
   staging buffers, offloaded activations, a CPU device's buffers, the process overhead (:func:`.terms.process_overhead`).
@@ -137,8 +137,11 @@ def scale_out(hw: Any, s: dict[str, Any], e: dict[str, Any], *, n_params: int, g
     if M > 1 and not hw.network_gbps:
         raise ValueError(f"hardware {hw.name!r} has no network_gbps: set the inter-node bandwidth per node "
                          "(GB/s, all NICs together), e.g. hardware.network_gbps=50 for one 400 Gb/s NIC")
-    shared = {k: v for k, v in e["host"].items() if k in SHARED_STATE}
-    own = {k: v for k, v in e["host"].items() if k not in SHARED_STATE}
+    from .optimizers import label
+
+    state = SHARED_STATE + (label(s.get("optim")),)  # the chosen optimizer's state, held with the rest
+    shared = {k: v for k, v in e["host"].items() if k in state}
+    own = {k: v for k, v in e["host"].items() if k not in state}
     host = {k + SHARED_SUFFIX: v for k, v in shared.items()}
     host.update({(f"{k} x{R} processes" if R > 1 else k): R * v for k, v in own.items()})
 

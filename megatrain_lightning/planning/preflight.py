@@ -116,7 +116,7 @@ def preflight(p: Plan, *, host_ram_bytes: int | None = None, disk_free_bytes: in
 
 def plan_for_run(model: Any, hardware: Any, strategy: Mapping[str, Any], *, batch_size: int, seq_len: int,
                  precision: str, devices: int = 1, num_nodes: int = 1,
-                 gradient_clip_val: float | None = None) -> Plan:
+                 gradient_clip_val: float | None = None, optim: Any = None) -> Plan:
     """The plan of a recipe run from its composed config sections (``cfg.model``, ``cfg.hardware``,
     ``cfg.strategy``; DictConfigs or mappings), reading every strategy option the planner models
     (``lookahead``, ``block_group``, ``recompute_every``, ``offload_activations``, ``offload_params``,
@@ -128,7 +128,9 @@ def plan_for_run(model: Any, hardware: Any, strategy: Mapping[str, Any], *, batc
     ``precision="16-mixed"`` (loss scaling) need every gradient of the step before any update, so the strategy
     runs the deferred AdamW schedule whatever ``optimizer_in_backward`` says (``MegaTrainStrategy``
     ``_update_in_backward_now``): the plan then does too (its NVMe traffic: the accumulators written and read
-    back, 16 instead of 12 B/param written). Pass it to :func:`preflight`."""
+    back, 16 instead of 12 B/param written). ``optim``: the recipe's ``cfg.optim`` (``_target_`` and
+    hyper-parameters, ``conf/optim/<name>.yaml``; ``None``: AdamW), whose state the plan counts
+    (:mod:`.optimizers`). Pass it to :func:`preflight`."""
     from .config import as_plain_dict, strategy_default
 
     st = as_plain_dict(strategy) if strategy is not None else {}
@@ -146,4 +148,5 @@ def plan_for_run(model: Any, hardware: Any, strategy: Mapping[str, Any], *, batc
                 offload_grads=str(opt("offload_optimizer")), loss_chunk_size=opt("loss_chunk_size"),
                 mlp_chunk_size=opt("mlp_chunk_size"), devices=devices, num_nodes=num_nodes,
                 recompute=str(opt("recompute")), activation_memory_limit=opt("activation_memory_limit"),
-                optimizer_in_backward=in_bwd, host_memory_limit=opt("host_memory_limit"))
+                optimizer_in_backward=in_bwd, host_memory_limit=opt("host_memory_limit"),
+                optim=as_plain_dict(optim) if optim is not None else None)

@@ -226,14 +226,14 @@ def format_plan(p: Plan) -> str:
     for k, t in p.times.items():
         mark = "  <- bounds the step" if k in p.dominating.split("+") else ""
         node = k in NODE_TERMS or k == "compute" and not hw.is_gpu  # a CPU device's ranks share its cores
-        label = TERM_LABELS[k] + ((" [node]" if node else f" [{unit}]") if p.parallel else "")
+        label = _term_row_label(p, k) + ((" [node]" if node else f" [{unit}]") if p.parallel else "")
         lines.append(f"  {label:<31} {amounts[k]:>16} {_rate(p, k):>24} {t:>10.3f}{mark}")
     parts = [f"{k} {v / 1e12:+,.1f}" for k, v in p.flops_parts.items() if v]
     lines.append("  (compute TFLOP = " + ", ".join(parts) + f"; N_matmul = {c.matmul_params:,})")
     if p.parallel:
         lines += [""] + format_parallel(p)
     lines += [""] + step_time_lines(p) + [
-        f"checkpoint: {gib(p.checkpoint_bytes)} GiB (fp32 weights + 2 AdamW moments, 12 B/param), "
+        f"checkpoint: {gib(p.checkpoint_bytes)} GiB ({_checkpoint_words(p)}), "
         f"write {p.checkpoint_write_s:,.1f} s at {hw.nvme_drives} x {hw.nvme_write_gbps:g} GB/s",
     ]
     if p.nvme:  # what a stopped step leaves (docs/internals/optimizer.md, "A step that stops")
@@ -273,6 +273,34 @@ def schedule_words(in_backward: bool) -> str:
 
 def _phases_text(phases: dict[str, tuple[float, str]]) -> str:
     return ", ".join(f"{ph} {t:,.3f} s ({term_label(k)})" for ph, (t, k) in phases.items())
+
+
+def _optim_title(p: Plan) -> str:
+    """The optimizer's short name (``"AdamW"``, ``"Adafactor"``...; :mod:`.optimizers`)."""
+    from .optimizers import label
+
+    return label(p.settings.get("optim")).split()[0]
+
+
+def _term_row_label(p: Plan, k: str) -> str:
+    """A term's row label; the host update's names the optimizer when it is not AdamW/Adam (its time is still the
+    preset's AdamW rate: ``host_adam_gparams_per_s``)."""
+    title = _optim_title(p)
+    if k == "host_adamw" and title not in ("AdamW", "Adam"):
+        return f"host {title} (AdamW rate)"
+    return TERM_LABELS[k]
+
+
+def _checkpoint_words(p: Plan) -> str:
+    """What a checkpoint holds besides the fp32 weights: the optimizer's state in B/param (:func:`.terms._estimate`)."""
+    from .terms import checkpoint_state_bytes
+
+    per = checkpoint_state_bytes(p.counts, p.settings) / max(p.counts.total, 1)
+    if p.settings["offload_optimizer"] != "cpu":
+        return f"fp32 weights + the optimizer's 2 fp32 regions, {4 + per:.0f} B/param"
+    if _optim_title(p) in ("AdamW", "Adam"):
+        return f"fp32 weights + 2 {_optim_title(p)} moments, {4 + per:.0f} B/param"
+    return f"fp32 weights + {_optim_title(p)} state, {4 + per:.2f} B/param"
 
 
 def step_time_lines(p: Plan) -> list[str]:

@@ -6,8 +6,10 @@ FLOP; GiB = 2**30 B; bandwidths in GB/s = 1e9 B/s; compute in TFLOP/s = 1e12 FLO
 
 Memory tiers (docs/architecture.md, "Memory tiers"), N = unique parameters (tied counted once):
 
-* host RAM: fp32 master 4 B/param, fp32 gradient accumulator 4, AdamW exp_avg 4 and
-  exp_avg_sq 4, plus the cached wire image of each slab under a 2-byte wire (the engine
+* host RAM: fp32 master 4 B/param, fp32 gradient accumulator 4, the optimizer's state (``optim``,
+  :mod:`.optimizers`: AdamW exp_avg 4 and exp_avg_sq 4; SGD's momentum 4; Adafactor's factored
+  variance 4 x (rows + cols) per matrix...; on the NVMe tier the store's two fp32 regions, 8 B/param on
+  disk whatever the optimizer), plus the cached wire image of each slab under a 2-byte wire (the engine
   casts each slab once per step after its update and streams the copy; ``engine/wire.py``:
   under the mixed modes only weights autocast casts travel in bf16/fp16, 2 B, the others in
   fp32, 4 B, and a slab that is all fp32 streams its master and has no image; ``bf16-true``:
@@ -38,8 +40,9 @@ Memory tiers (docs/architecture.md, "Memory tiers"), N = unique parameters (tied
   (the strategy's default) blocks bind the fp32 masters directly: no weight buffers and no H2D.
 * disk: the NVMe store (the parts moved there) + ``keep_checkpoints`` directory
   checkpoints (a save keeps the previous one complete until the new one is renamed in).
-  A checkpoint is fp32 weights + both AdamW moments = 12 B/param + 16 MiB of metadata
-  allowance (config, index, checksums, trainer state).
+  A checkpoint is fp32 weights + the optimizer's state (both AdamW moments: 12 B/param; the NVMe tier's two
+  regions: 12 B/param whatever the optimizer) + 16 MiB of metadata allowance (config, index, checksums,
+  trainer state).
 
 Per optimizer step (one micro-batch of ``batch_size`` x ``seq_len`` tokens):
 
@@ -109,6 +112,7 @@ from typing import Any
 from .config import GIB, Hardware
 from .activations import activation_bytes
 from .counts import ParamCounts
+from .optimizers import NVME_STATE_BYTES, label as optim_label, name_of as optim_name, state_bytes
 from .parallel import host_mem_rate, scale_out
 
 #: precision -> (wire bytes, device param bytes, default grad bytes, saved residual bytes,
@@ -143,6 +147,24 @@ def term_label(key: str) -> str:
     """The label of a term (``"h2d"``) or of a chain of terms one worker runs one after the other
     (``"h2d+host_adamw"`` -> ``"H2D copies + host AdamW"``, :mod:`.phases`)."""
     return " + ".join(TERM_LABELS[k] for k in key.split("+"))
+
+
+def optim_state_bytes(c: ParamCounts, s: dict[str, Any]) -> int:
+    """Host bytes of the optimizer's state on the RAM tier: :func:`.optimizers.state_bytes` of ``s["optim"]`` over the
+    model's parameter shapes (:attr:`.counts.ParamCounts.shapes`; a hand-made ``ParamCounts`` without shapes counts
+    as one 1-D tensor of N elements per block).
+
+    Raises:
+        ValueError: see :func:`.optimizers.resolve`.
+    """
+    shapes = c.shapes or tuple(("layer", (n,)) for n in c.stored if n)
+    return state_bytes(s.get("optim"), shapes)
+
+
+def checkpoint_state_bytes(c: ParamCounts, s: dict[str, Any]) -> int:
+    """Optimizer bytes in a checkpoint: the class's state on the RAM tier (:func:`optim_state_bytes`), the store's
+    two fp32 regions (``NVME_STATE_BYTES`` per parameter) on the NVMe tier."""
+    return optim_state_bytes(c, s) if s["offload_optimizer"] == "cpu" else NVME_STATE_BYTES * c.total
 
 
 def update_in_backward(s: dict[str, Any]) -> bool:
@@ -393,11 +415,14 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     else:
         nvme["fp32 grad accumulators"] = 4 * N
         host["grad accumulator window"] = window * big * 4
+    state = optim_state_bytes(c, s)         # the chosen optimizer's state on the RAM tier (planning/optimizers.py)
     if s["offload_optimizer"] == "cpu":
-        host["AdamW exp_avg + exp_avg_sq"] = 8 * N
-    else:
-        nvme["AdamW exp_avg + exp_avg_sq"] = 8 * N
-        host["AdamW moments window"] = window * big * 8
+        host[optim_label(s.get("optim"))] = state
+    else:  # the store's two fp32 optimizer regions, whatever the optimizer
+        adam = optim_name(s.get("optim")) in ("adamw", "adam")
+        nvme["AdamW exp_avg + exp_avg_sq" if adam else "optimizer state (the store's 2 fp32 regions)"] = \
+            NVME_STATE_BYTES * N
+        host["AdamW moments window" if adam else "optimizer state window"] = window * big * NVME_STATE_BYTES
     if gpu:
         host[f"pinned D2H staging x{D2H_STAGING} (largest slab)"] = D2H_STAGING * staging * grad_b
         if act_host.get("offloaded block inputs") and s["pinned_round"]:  # one pinned tensor per saved input
@@ -410,7 +435,8 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
         host["activations (CPU device)"] = acts
     host["process overhead"] = process_overhead(hw)
 
-    ckpt = 12 * N + (4 * N if copy_ref else 0) + CKPT_METADATA  # the reference copy is part of the module's state
+    # fp32 weights + the optimizer's state (state_dict() in the class's format; the store's regions on NVMe)
+    ckpt = 4 * N + checkpoint_state_bytes(c, s) + (4 * N if copy_ref else 0) + CKPT_METADATA
     disk = {"NVMe store": sum(nvme.values()), f"checkpoints x{s['keep_checkpoints']}": s["keep_checkpoints"] * ckpt}
 
     # ---- bytes moved per step
@@ -453,9 +479,9 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
         nv_r[0] += 4 * N * (2 if copy_ref else 1)  # forward fetch (fused with the deferred update), + the reference
         nv_r[1] += 4 * (reads_b + chain)    # the backward fetch reads the fp32 master again and casts it
         nv_w[upd] += 4 * N
-    if s["offload_optimizer"] == "nvme":
-        nv_r[upd] += 8 * N
-        nv_w[upd] += 8 * N
+    if s["offload_optimizer"] == "nvme":     # the store's two optimizer regions, whatever the optimizer
+        nv_r[upd] += NVME_STATE_BYTES * N
+        nv_w[upd] += NVME_STATE_BYTES * N
     # written: what the update holds with write=True (master, exp_avg, exp_avg_sq: optim/host_adamw.py ``_update``,
     # written back when unpinned, store/nvme.py ``_unpin``): 12 B/param in backward
     if s["offload_grads"] == "nvme" and not in_bwd:  # in backward the last add and the update share one

@@ -113,7 +113,10 @@ class DPOModule(pl.LightningModule):
             (:func:`.losses.sft_nll`; RPO, TRL's ``"sft"`` loss type); 0 (default): the preference loss alone.
         reference: ``"precompute"``, ``"adapter"``, ``"copy"`` or ``None``; default: ``"precompute"`` for the
             losses that need a reference, ``None`` for ``"simpo"``.
-        lr, betas, weight_decay: ``torch.optim.AdamW``'s (override ``configure_optimizers`` for another).
+        lr, betas, weight_decay: the optimizer's (``betas`` when its constructor takes it).
+        optimizer: the optimizer class or its dotted name (default ``torch.optim.AdamW``): one param group of every trainable parameter
+            (:func:`~megatrain_lightning.optim.build.build_optimizer`; ``MuonWithAdamW`` gets Muon's and AdamW's).
+        **optimizer_options: the class's other keyword arguments (``momentum=0.9``...).
         cache_dir: directory of the ``"precompute"`` cache (default ``~/.cache/megatrain_lightning/reference_logps``).
         logps_chunk_size: positions per chunk of the LM head + log-softmax (:func:`chunked_sequence_logps`): the
             ``[2B, T, V]`` fp32 logits are never materialised, for long sequences or large vocabularies. ``None``
@@ -132,7 +135,9 @@ class DPOModule(pl.LightningModule):
     def __init__(self, model: torch.nn.Module, loss_type: str = "sigmoid", beta: float = 0.1, gamma: float = 0.5,
                  reference: str | None = "default", lr: float = 1e-6, betas: tuple[float, float] = (0.9, 0.999),
                  weight_decay: float = 0.0, cache_dir: str | os.PathLike | None = None,
-                 logps_chunk_size: int | None = None, sft_weight: float = 0.0) -> None:
+                 logps_chunk_size: int | None = None, sft_weight: float = 0.0,
+                 optimizer: str | type = "torch.optim.AdamW",
+                 **optimizer_options: Any) -> None:
         super().__init__()
         reference = self.check_options(loss_type, beta, reference, logps_chunk_size, sft_weight)
         if reference == "adapter" and not (hasattr(model, "disable_adapter") and getattr(model, "peft_config", None)):
@@ -143,6 +148,7 @@ class DPOModule(pl.LightningModule):
         self.loss_type, self.beta, self.gamma, self.reference = loss_type, float(beta), float(gamma), reference
         self.sft_weight = float(sft_weight)
         self.lr, self.betas, self.weight_decay = lr, tuple(betas), weight_decay
+        self.optimizer_class, self.optimizer_options = optimizer, optimizer_options
         self.logps_chunk_size = logps_chunk_size
         self.cache_dir = Path(cache_dir) if cache_dir is not None else (
             Path.home() / ".cache" / "megatrain_lightning" / "reference_logps")
@@ -272,8 +278,10 @@ class DPOModule(pl.LightningModule):
         self._step(batch, "val")
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=self.lr,
-                                 betas=self.betas, weight_decay=self.weight_decay)
+        from ..optim.build import build_optimizer
+
+        return build_optimizer(self.model, self.optimizer_class, lr=self.lr, weight_decay=self.weight_decay,
+                               betas=self.betas, split_1d=False, options=self.optimizer_options)
 
     # ---------------------------------------------------------------- the precomputed reference
     def on_fit_start(self) -> None:

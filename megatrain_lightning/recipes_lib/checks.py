@@ -9,7 +9,8 @@
   with the configured shape and field names, and split into training and validation records as the run will; the
   offline corpus of a domain is checked against ``data.shape``;
 * values: the numeric settings (steps, batch size, sequence length, accumulation, warm-up, checkpoint interval),
-  the AdamW settings (``optim.lr``, ``weight_decay``, ``betas``), ``model.max_seq_len``, and every strategy option
+  the optimizer settings (``optim.lr``, ``weight_decay``, ``betas``; ``optim.*`` against the class ``optim._target_``
+  names), ``model.max_seq_len``, and every strategy option
   (the strategy is built: its constructor checks them);
 * the model: a ``model.weights`` written as a local path is a directory with a ``config.json``, read (no weights)
   for the position limit of ``data.seq_len`` and, by the recipe's preflight, for the memory plan;
@@ -102,11 +103,37 @@ def check_keys(cfg: Mapping[str, Any]) -> None:
     for k, instead in TRAINER_SET_BY_RECIPE.items():
         if k in trainer:
             raise ConfigError(f"trainer.{k}", f"is set by the recipe; use the recipe's own key instead ({instead}).")
+    _check_optim_keys(cfg.get("optim") or {})
+    _check_data_keys(cfg.get("data") or {})
+
+
+def _check_optim_keys(optim: Mapping[str, Any]) -> None:
+    """``optim.*``: ``CausalLMModule``'s own keys (``lr``, ``weight_decay``, ``betas``, ``warmup_steps``) and the keyword
+    arguments of the class ``optim._target_`` names (``conf/optim/<name>.yaml``; none: ``torch.optim.AdamW``).
+
+    Raises:
+        ConfigError: ``optim._target_`` cannot be imported (with the package to install where known) or is
+            ``torch.optim.Muon`` (use ``optim=muon``), or a key neither takes.
+    """
+    from ..optim.build import locate
     from .module import CausalLMModule
 
     names, _ = accepted(CausalLMModule.__init__)
-    _unknown("optim.", (cfg.get("optim") or {}).keys(), names - {"model", "tokenizer", "total_steps"}, "CausalLMModule")
-    _check_data_keys(cfg.get("data") or {})
+    own = names - {"model", "tokenizer", "total_steps", "optimizer"}
+    target = str(optim.get("_target_") or "torch.optim.AdamW")
+    try:
+        cls = locate(target)
+    except ImportError as e:
+        pkg = {"lion_pytorch": "lion-pytorch", "torchao": "torchao"}.get(target.split(".")[0])
+        hint = f" pip install {pkg} (or megatrain-lightning[optim])," if pkg else ""
+        raise ConfigError("optim._target_", f"{e}:{hint} or pick another optim= (conf/optim/).") from None
+    if target in ("torch.optim.Muon", "torch.optim._muon.Muon"):
+        raise ConfigError("optim._target_", "torch.optim.Muon updates 2-D weights only and the strategy steps one "
+                          "optimizer: use optim=muon (megatrain_lightning.optim.muon.MuonWithAdamW: Muon for the "
+                          "decoder's 2-D weights, AdamW for the rest).")
+    cls_names, var_kw = accepted(cls.__init__)
+    if not var_kw:
+        _unknown("optim.", optim.keys(), own | (cls_names - {"params"}), f"CausalLMModule and {target}")
 
 
 def _check_target(group: str, node: Mapping[str, Any]) -> None:
@@ -368,7 +395,8 @@ def _float(key: str, value: Any, low: float, high: float | None, what: str, low_
 
 def check_optim(optim: Mapping[str, Any]) -> None:
     """``optim.lr`` > 0, ``optim.weight_decay`` >= 0, ``optim.betas`` two numbers in [0, 1), ``optim.warmup_steps``
-    an int >= 0 (the AdamW settings of :class:`~.module.CausalLMModule`).
+    an int >= 0 (the settings of :class:`~.module.CausalLMModule` every ``conf/optim`` entry shares; the class's own
+    keywords are checked by its constructor).
 
     Raises:
         ConfigError: the first bad value, naming its key.
@@ -376,7 +404,7 @@ def check_optim(optim: Mapping[str, Any]) -> None:
     if "lr" in optim:
         _float("optim.lr", optim["lr"], 0.0, None, "a number > 0 (the peak learning rate, e.g. 1e-4)", low_open=True)
     if "weight_decay" in optim:
-        _float("optim.weight_decay", optim["weight_decay"], 0.0, None, "a number >= 0 (AdamW's decoupled decay)")
+        _float("optim.weight_decay", optim["weight_decay"], 0.0, None, "a number >= 0 (the optimizer's weight decay)")
     betas = optim.get("betas", (0.9, 0.95))
     if not isinstance(betas, (list, tuple)) or len(betas) != 2:
         raise ConfigError("optim.betas", f"must be two numbers in [0, 1), e.g. optim.betas=[0.9,0.95]; got {betas!r}.")

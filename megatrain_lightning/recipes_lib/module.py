@@ -4,8 +4,10 @@ An ordinary LightningModule around a Hugging Face causal LM: batches are dicts
 ``{"input_ids", "labels", "attention_mask"}`` (LongTensor ``[B, T]``, labels ``-100`` where no
 loss is taken), the loss is the model's own shifted cross-entropy, validation perplexity is
 torchmetrics' ``Perplexity`` (exp of the mean token cross-entropy over unmasked tokens), and the
-optimizer is ``torch.optim.AdamW`` with no weight decay on 1-D parameters (norms, biases) and a
-linear-warmup cosine schedule stepped every optimizer step.
+optimizer is ``torch.optim.AdamW`` by default, or any class (``optimizer``; the recipes' ``optim=`` config group,
+``conf/optim/<name>.yaml``), with no weight decay on 1-D parameters (norms, biases)
+(:func:`megatrain_lightning.optim.build.build_optimizer`) and a linear-warmup cosine schedule stepped every
+optimizer step.
 """
 
 from __future__ import annotations
@@ -24,22 +26,28 @@ class CausalLMModule(pl.LightningModule):
     Args:
         model: the Hugging Face model (may be on the meta device with a weights source attached).
         lr: peak learning rate.
-        weight_decay: AdamW decoupled weight decay on parameters with ``ndim >= 2``.
-        betas: AdamW betas.
+        weight_decay: the optimizer's weight decay on parameters with ``ndim >= 2`` (AdamW: decoupled).
+        betas: AdamW betas; passed to any optimizer whose constructor takes ``betas``.
         warmup_steps: optimizer steps of linear warm-up from ``lr / warmup_steps``.
         total_steps: optimizer steps of the cosine decay to 0; ``None`` (or <= 0, as Lightning's
             ``max_steps=-1``): the Trainer's ``estimated_stepping_batches`` (epochs x batches per epoch /
             accumulation, or ``max_steps``), known when ``configure_optimizers`` runs.
         tokenizer: kept for checkpoints (saved into ``model/``) and generation.
+        optimizer: the optimizer class or its dotted name (``"torch.optim.SGD"``, ``"lion_pytorch.Lion"``...); ``megatrain_lightning.optim.muon.MuonWithAdamW`` gets Muon for the decoder's
+            2-D weights and AdamW for the rest (:func:`~megatrain_lightning.optim.build.build_optimizer`).
+        **optimizer_options: the class's other keyword arguments (``momentum=0.9``, ``eps``...).
     """
 
     def __init__(self, model: torch.nn.Module, lr: float = 1e-4, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 0, total_steps: int | None = None,
-                 tokenizer: Any = None) -> None:
+                 tokenizer: Any = None, optimizer: str | type = "torch.optim.AdamW",
+                 **optimizer_options: Any) -> None:
         super().__init__()
         self.model = model
         self.tokenizer = tokenizer
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
+        self.optimizer_class = optimizer
+        self.optimizer_options = optimizer_options
         self.warmup_steps, self.total_steps = warmup_steps, total_steps
         self.val_ppl = Perplexity(ignore_index=-100)
         self.tokens_seen = 0
@@ -101,10 +109,10 @@ class CausalLMModule(pl.LightningModule):
         return max(1, int(est))
 
     def configure_optimizers(self) -> Any:
-        decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim >= 2]
-        no_decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim < 2]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": self.weight_decay},
-                                 {"params": no_decay, "weight_decay": 0.0}], lr=self.lr, betas=self.betas)
+        from ..optim.build import build_optimizer
+
+        opt = build_optimizer(self.model, self.optimizer_class, lr=self.lr, weight_decay=self.weight_decay,
+                              betas=self.betas, split_1d=True, options=self.optimizer_options)
         warm, total = max(0, self.warmup_steps), self._total_steps()
 
         def factor(step: int) -> float:

@@ -28,7 +28,7 @@ from ..preference import DPOModule, PreferenceDataError, PreferenceDataset, coll
 from .checks import ConfigError
 from .models import tokenizer_for
 from .report import format_table, peak_rss_bytes
-from .run import inference_weights
+from .run import inference_weights, optimizer_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -160,9 +160,9 @@ def build_pairs(cfg: DictConfig, tokenizer: Any) -> PreferenceData:
 
 
 def build_module(cfg: DictConfig, model: torch.nn.Module) -> DPOModule:
-    """``DPOModule`` with ``cfg.dpo`` (loss, beta, reference...) and ``cfg.optim`` (AdamW)."""
-    return DPOModule(model, **OmegaConf.to_container(cfg.dpo, resolve=True),
-                     **OmegaConf.to_container(cfg.optim, resolve=True))
+    """``DPOModule`` with ``cfg.dpo`` (loss, beta, reference...) and ``cfg.optim`` (the optimizer: ``_target_`` and
+    hyper-parameters, ``conf/optim/<name>.yaml`` with ``conf/optim_dpo/<name>.yaml``'s values for preference training)."""
+    return DPOModule(model, **OmegaConf.to_container(cfg.dpo, resolve=True), **optimizer_kwargs(cfg.optim))
 
 
 class StepHistory(pl.Callback):

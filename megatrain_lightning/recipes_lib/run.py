@@ -55,7 +55,7 @@ def run_preflight(cfg: DictConfig) -> None:
         p = plan_for_run(model, cfg.hardware, cfg.strategy, batch_size=int(cfg.data.batch_size),
                          seq_len=int(cfg.data.seq_len), precision=str(cfg.trainer.precision), devices=devices,
                          num_nodes=int(cfg.trainer.get("num_nodes", 1) or 1),
-                         gradient_clip_val=cfg.trainer.get("gradient_clip_val"))
+                         gradient_clip_val=cfg.trainer.get("gradient_clip_val"), optim=cfg.get("optim"))
     except PreflightError:
         raise
     except (ValueError, TypeError) as e:  # a setting the planner cannot take (precision=fp16, ...)
@@ -129,11 +129,20 @@ def build_data(cfg: DictConfig, tokenizer: Any) -> Any:
 
 
 def build_module(cfg: DictConfig, model: torch.nn.Module, tokenizer: Any) -> CausalLMModule:
-    """The LightningModule (``cfg.optim``: learning rate, betas, weight decay, warm-up). The cosine
-    schedule spans ``trainer.max_steps``, or with ``max_steps=-1`` the steps Lightning estimates for
-    ``trainer.max_epochs``."""
+    """The LightningModule (``cfg.optim``: the optimizer's ``_target_`` and hyper-parameters, ``conf/optim/<name>.yaml``,
+    and the warm-up). The cosine schedule spans ``trainer.max_steps``, or with ``max_steps=-1`` the steps Lightning
+    estimates for ``trainer.max_epochs``."""
     return CausalLMModule(model, tokenizer=tokenizer, total_steps=int(cfg.trainer.max_steps),  # -1: estimated
-                          **OmegaConf.to_container(cfg.optim, resolve=True))
+                          **optimizer_kwargs(cfg.optim))
+
+
+def optimizer_kwargs(optim: Any) -> dict[str, Any]:
+    """A recipe's ``optim`` section as module keywords: ``_target_`` becomes ``optimizer`` (the class to build), the
+    rest stays (``lr``, ``weight_decay``, ``betas``, ``warmup_steps`` and the class's own hyper-parameters)."""
+    d = dict(OmegaConf.to_container(optim, resolve=True)) if not isinstance(optim, dict) else dict(optim)
+    if "_target_" in d:
+        d["optimizer"] = d.pop("_target_")
+    return d
 
 
 def make_loggers(cfg: DictConfig) -> list[Any]:
