@@ -53,11 +53,12 @@ OPTIMIZERS = {
         [{"params": _two_d(m), "use_muon": True},
          {"params": [p for p in m.parameters() if p.dim() != 2], "use_muon": False}], lr=2e-2, adamw_lr=1e-3),
 }
-if importlib.util.find_spec("lion_pytorch"):  # the recipes' optim=lion (megatrain-lightning[optim])
-    OPTIMIZERS["lion"] = lambda m: __import__("lion_pytorch").Lion(m.parameters(), lr=1e-4, weight_decay=0.01)
-if importlib.util.find_spec("torchao"):  # the recipes' optim=adamw8bit: 8-bit moments (tensor subclasses) on CPU
-    OPTIMIZERS["adamw8bit"] = lambda m: __import__("torchao.optim", fromlist=["AdamW8bit"]).AdamW8bit(
-        m.parameters(), lr=1e-3)
+# the recipes' optim=lion (lion-pytorch is in the test extra)
+OPTIMIZERS["lion"] = lambda m: __import__("lion_pytorch").Lion(m.parameters(), lr=1e-4, weight_decay=0.01)
+# the recipes' optim=adamw8bit: 8-bit moments (tensor subclasses) on CPU; torchao is not in the test extra
+# (pyproject.toml says why): this case runs where it is installed
+OPTIMIZERS["adamw8bit"] = lambda m: __import__("torchao.optim", fromlist=["AdamW8bit"]).AdamW8bit(
+    m.parameters(), lr=1e-3)
 
 
 class OptLM(LM):
@@ -103,6 +104,9 @@ def _assert_bitwise(lm, ref):
 
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
 def test_optimizer_matches_plain_lightning(kind):
+    if kind == "adamw8bit" and not importlib.util.find_spec("torchao"):
+        pytest.skip("torchao is not installed (not in the test extra: 0.18 does not load its C extensions under "
+                    "torch 2.13); pip install torchao to run this case")
     model = make_model("llama")
     ref, ref_trainer = _fit(model, OPTIMIZERS[kind], "auto")
     lm, trainer = _fit(model, OPTIMIZERS[kind], "megatrain")
@@ -319,13 +323,13 @@ ON_NVME = {  # three state tensors per parameter do not fit the two regions (ref
 }
 
 
-@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("kind", sorted(set(OPTIMIZERS) - {"adamw8bit"}))  # 8-bit state: refused on NVMe (not fp32)
 def test_optimizer_state_on_nvme_matches_plain_lightning(tmp_path, kind):
     """The state on disk (packed into each parameter's exp_avg/exp_avg_sq ranges), read through a host window
     smaller than the model (the masters on disk too for every other kind): bitwise plain Lightning, and
     ``state_dict()`` equal to plain Lightning's."""
     make = ON_NVME.get(kind, OPTIMIZERS[kind])
-    params = "nvme" if sorted(OPTIMIZERS).index(kind) % 2 else "cpu"
+    params = "nvme" if sorted(OPTIMIZERS).index(kind) % 2 else "cpu"  # masters on disk too for every other kind
     model = make_model("llama")
     ref, ref_trainer = _fit(model, make, "auto")
     lm, trainer = _fit(model, make, _nvme(tmp_path, params))

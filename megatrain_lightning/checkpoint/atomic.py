@@ -24,7 +24,6 @@ import re
 import shutil
 from pathlib import Path
 
-from ..parallel.lifetime import pid_alive
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -169,6 +168,17 @@ def put_in_place(tmp: Path, final: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id runs on this machine (one we may not signal counts as running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def clean_stale(final: Path) -> list[Path]:

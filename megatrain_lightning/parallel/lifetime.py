@@ -28,6 +28,8 @@ import threading
 import time
 from typing import Callable, MutableMapping
 
+from ..checkpoint.atomic import pid_alive
+
 ENV = "MEGATRAIN_PARENT"
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _SIGKILL = int(signal.SIGKILL)
@@ -45,17 +47,6 @@ def _find_prctl() -> Callable[..., int] | None:
 
 
 _PRCTL = _find_prctl()  # resolved here: a preexec_fn must not import or load anything between fork and exec
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this id runs on this machine (one we may not signal counts as running)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def die_with_parent(parent_pid: int) -> None:
