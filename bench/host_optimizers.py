@@ -28,9 +28,8 @@ Per optimizer:
     instance per slab per step costs at most;
   * numbers: after the same number of steps from the same start, the host masters equal the plain parameters
     bitwise (PASS), else FAIL: a speed number means something only when the update is the same;
-  * llama100b host RAM: when ``megatrain_lightning.planning.optimizers`` exists (its per-optimizer state bytes),
-    the planner's host RAM for ``model=llama100b hardware=h200`` with that optimizer's state in place of AdamW's;
-    else ``n/a``.
+  * llama100b host RAM: the planner's (``python -m megatrain_lightning.plan model=llama100b hardware=h200
+    optim=...``, :data:`PLANNER_OPTIM`), RAM tier.
 
 Run:
     python bench/host_optimizers.py --quick        # tiny stack, seconds
@@ -164,48 +163,30 @@ def build_seconds(cls_factory, store: HostStore, selected: set[int]) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------------- planner
-def planner_hook() -> tuple[Callable[[torch.optim.Optimizer], dict[str, Any]] | None, str]:
-    """A function giving the planner's per-optimizer numbers for llama100b, when the planner has a per-optimizer
-    state-bytes function (``megatrain_lightning.planning.optimizers``); else ``None`` and why."""
-    name = "megatrain_lightning.planning.optimizers"
-    try:
-        found = importlib.util.find_spec(name) is not None
-    except ModuleNotFoundError:
-        found = False
-    if not found:
-        return None, f"{name} is not in this checkout"
-    mod = importlib.import_module(name)
-    fns = [getattr(mod, n) for n in sorted(dir(mod))
-           if not n.startswith("_") and "state_bytes" in n and callable(getattr(mod, n))]
-    if not fns:
-        return None, f"{name} has no *state_bytes* function"
-    from megatrain_lightning.planning import compose
+#: the planner's ``optim=`` setting for each row (a name of conf/optim/, or ``optim._target_=...`` overrides)
+PLANNER_OPTIM = {"adamw": ["optim=adamw"], "adam": ["optim=adam"], "sgd_nesterov": ["optim=sgd"],
+                 "adafactor": ["optim=adafactor"], "lion": ["optim=lion"], "adamw8bit": ["optim=adamw8bit"],
+                 "muon_2d": ["optim=muon"], **{k: [f"optim._target_=torch.optim.{c}"] for k, c in (
+                     ("rmsprop", "RMSprop"), ("adagrad", "Adagrad"), ("nadam", "NAdam"), ("radam", "RAdam"),
+                     ("adamax", "Adamax"))}}
+
+
+def planner_row(key: str) -> dict[str, Any]:
+    """The planner's host RAM for ``model=llama100b hardware=h200`` with this row's optimizer
+    (``python -m megatrain_lightning.plan model=llama100b hardware=h200 optim=...``), bytes; ``muon_2d`` is planned
+    as ``optim=muon`` (Muon for the 2-D weights, AdamW for the rest)."""
     from megatrain_lightning.plan import plan_from_config
+    from megatrain_lightning.planning import compose
 
-    base = plan_from_config(compose(["model=llama100b", "hardware=h200"]))
-    adamw = base.host.get("AdamW exp_avg + exp_avg_sq", 0)
-    trainable = adamw // 8
-
-    def per_optimizer(opt: torch.optim.Optimizer) -> dict[str, Any]:
-        errors = []
-        for fn in fns:
-            for arg in (opt, type(opt), type(opt).__name__):
-                try:
-                    b = fn(arg)
-                except Exception as err:  # noqa: BLE001 - any signature: try the next form
-                    errors.append(f"{fn.__name__}({type(arg).__name__}): {type(err).__name__}: {err}")
-                    continue
-                b = float(b.get("total", b.get("bytes_per_param")) if isinstance(b, dict) else b)
-                return {"planner_state_bytes_per_param": b,
-                        "llama100b_host_bytes": int(base.host_bytes - adamw + b * trainable),
-                        "llama100b_host_bytes_adamw": int(base.host_bytes), "planner_function": fn.__name__}
-        return {"planner_error": "; ".join(errors)[:500]}
-
-    return per_optimizer, f"{name}: {', '.join(f.__name__ for f in fns)}"
+    try:
+        plan = plan_from_config(compose(["model=llama100b", "hardware=h200", *PLANNER_OPTIM[key]]))
+    except Exception as err:  # noqa: BLE001 - the row says why (e.g. a package the planner measures is missing)
+        return {"planner_error": f"{type(err).__name__}: {err}"[:300]}
+    return {"llama100b_host_bytes": int(plan.host_bytes), "planner_optim": " ".join(PLANNER_OPTIM[key])}
 
 
 # ---------------------------------------------------------------------------------------------------------- one row
-def run_one(key: str, args, planner) -> dict[str, Any]:
+def run_one(key: str, args) -> dict[str, Any]:
     factory, select, needs = OPTIMIZERS[key]
     row: dict[str, Any] = {"optimizer": key}
     if needs is not None:
@@ -288,8 +269,7 @@ def run_one(key: str, args, planner) -> dict[str, Any]:
         build_us_per_slab=1e6 * build_seconds(factory, store, selected),
         numbers="PASS" if not mismatched else "FAIL", mismatched=mismatched[:10],
     )
-    if planner is not None:
-        row.update(planner(user_opt))
+    row.update(planner_row(key))
     return row
 
 
@@ -333,12 +313,11 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown optimizer(s) {', '.join(unknown)}; choose from {', '.join(OPTIMIZERS)}")
     torch.set_num_threads(args.threads)
-    planner, planner_note = planner_hook()
     _, dims = build_model(args.quick)
     rows = []
     for k in keys:
         t0 = time.perf_counter()
-        rows.append(run_one(k, args, planner))
+        rows.append(run_one(k, args))
         rows[-1]["wall_s"] = time.perf_counter() - t0
         r = rows[-1]
         print(f"  {k}: {r.get('status')} in {r['wall_s']:.1f} s", flush=True)
@@ -347,14 +326,13 @@ def main(argv=None) -> int:
              f"model {dims}, {args.steps} steps after {args.warmup} warm-up, {args.threads} threads"
              + (f", {n / 1e6:.1f}M params" if n else ""))
     print_table(rows, label)
-    print(f"planner: {planner_note}")
     ok = [r for r in rows if r.get("status") == "ok"]
     failed = [r["optimizer"] for r in ok if r["numbers"] != "PASS" or not r["state_bytes_equal"]]
     print(f"numbers check: {'PASS' if not failed else 'FAIL: ' + ', '.join(failed)} "
           f"({len(ok)} rows ran, {len(rows) - len(ok)} did not)")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"bench": "host_optimizers", "args": vars(args), "model": dims, "target_ratio": TARGET,
-                               "torch": torch.__version__, "planner": planner_note, "rows": rows}, indent=1) + "\n")
+                               "torch": torch.__version__, "rows": rows}, indent=1) + "\n")
     print(f"wrote {out}")
     return 0
 

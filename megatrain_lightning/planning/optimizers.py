@@ -157,6 +157,13 @@ def resolve(optim: Any) -> tuple[OptimSpec, dict[str, Any]]:
     name = ALIASES.get(target) or next((s.name for s in OPTIMIZERS.values() if s.target == target), None)
     if name is not None:
         return OPTIMIZERS[name], d
+    from ..optim.build import locate, takes
+
+    try:  # as build_optimizer: betas (the recipes' default optim entry has them) only where the class takes them
+        if "betas" in d and not takes(locate(target), "betas"):
+            d.pop("betas")
+    except ImportError:
+        pass  # measured_rule says it cannot be imported
     return OptimSpec(target.rpartition(".")[2].lower(), target, f"{target.rpartition('.')[2]} state (measured)",
                      measured_rule(target, tuple(sorted((k, repr(v)) for k, v in d.items())))), d
 
