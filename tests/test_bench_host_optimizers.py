@@ -61,7 +61,7 @@ def test_planner_column_is_the_planners_host_ram_for_each_optimizer():
     """The llama100b column: the planner with that optimizer, AdamW's state in RAM above Adafactor's and SGD's."""
     bench = _bench_module()
     ram = {k: bench.planner_row(k)["llama100b_host_bytes"] for k in ("adamw", "sgd_nesterov", "adafactor", "rmsprop")}
-    assert ram["adafactor"] < ram["sgd_nesterov"] == ram["rmsprop"] < ram["adamw"]
+    assert ram["adafactor"] < ram["sgd_nesterov"] <= ram["rmsprop"] < ram["adamw"]  # RMSprop: + a step per tensor
     # AdamW's 8 B/param against SGD's momentum, 4 B/param (each within a 4-byte step per tensor)
     from megatrain_lightning.plan import plan_from_config
     from megatrain_lightning.planning import compose
