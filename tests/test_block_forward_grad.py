@@ -1,7 +1,7 @@
 """A streamed block's training forward runs in grad mode keeping its saved tensors only while the call runs
 (``engine/boundary/forward.py``): what plain PyTorch lets a block's forward do must give plain PyTorch's numbers.
 
-Fresh-user probe S found two regressions of the first grad-mode forward (which saved nothing at all): a module
+Trying the product found two regressions of the first grad-mode forward (which saved nothing at all): a module
 returning its own parameter (the README's soft-prompt advice) returned zeros, and a ``torch.autograd.grad``
 inside a block's forward (gradient features, fast weights) raised. Reference: the same LightningModule trained
 with ``strategy="auto"`` (plain PyTorch), fp32, compared per step and on the final weights.

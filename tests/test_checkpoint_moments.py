@@ -1,4 +1,4 @@
-"""Checkpoints asked for at moments, places and with contents a strategy of our own must handle (probe N, session 22).
+"""Checkpoints asked for at moments, places and with contents a strategy of our own must handle.
 
 Before the fixes: with ``optimizer_in_backward`` a save from inside the backward (a module backward hook, a signal
 handler such as Lightning's SLURM auto-requeue) wrote a checkpoint whose weights were half at the next step, resumed

@@ -1,4 +1,4 @@
-"""Model shapes a sweep of Hugging Face families found giving other numbers than plain Lightning (probe O, session 22).
+"""Model shapes a sweep of Hugging Face families found giving other numbers than plain Lightning.
 
 Reference: the same module and seed under plain Lightning (``strategy="auto"``). Before the fixes: ``recompute=
 "selective"`` reused an attention-score matmul output that the block then divided in place through an alias with its own
@@ -7,7 +7,7 @@ weights 1-5% off; under ``bf16-mixed`` a block whose input feeds several Linear 
 cross-attention k/v of T5/BART/Whisper) summed those input gradients in bf16 (the engine passed the input as an autograd
 leaf, whose cast autocast caches): 3e-4 off after 4 steps on a toy, 2e-2 on T5; OPT's ``lm_head(...).contiguous()``
 failed under the default chunked loss; ``mlp_chunk_size`` on a model without a recognised MLP did nothing silently.
-Session 23: T5 under ``bf16-mixed`` (all modes): the decoder layer's cross-attention position bias (``torch.zeros``, no
+T5 under ``bf16-mixed`` (all modes): the decoder layer's cross-attention position bias (``torch.zeros``, no
 grad in plain) left the block requiring grad, so the next layer's SDPA took its math kernel (a mask that requires
 grad); under ``recompute="block"`` the forward ran under ``no_grad``, where SDPA took another kernel than plain's
 (the relative position bias requires grad in plain); ``"selective"`` kept a Linear output the block returned, and a

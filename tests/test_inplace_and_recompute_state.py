@@ -1,7 +1,7 @@
-"""What a step does between a block's forward and its backward (fresh-user probe V).
+"""What a step does between a block's forward and its backward.
 
 Plain PyTorch (``strategy="auto"``) is the reference: autograd refuses a backward through a tensor it saved
-that was modified in place since, and computes every forward once. Probe V found three silent departures:
+that was modified in place since, and computes every forward once. Trying the product found three silent departures:
 token ids edited in place after a call (an R-Drop/consistency step masking tokens for a second view) gave the
 embedding a gradient from the edited ids in every recompute mode; under ``recompute="none"`` an attention mask
 reused as a buffer after the call gave wrong gradients (NaN weights with left padding), because autograd does

@@ -1,6 +1,6 @@
 """KV caches that hold positions in training forwards: refused with an error saying what to do.
 
-Regression (fresh-user probe): peft prefix tuning crashed in the first training step with a shape error (its
+Regression: peft prefix tuning crashed in the first training step with a shape error (its
 virtual tokens, a cache the engine dropped, were still counted by the attention mask); a forward continuing an
 earlier training forward's cache (``model(ids[:, 8:], past_key_values=out1.past_key_values)``) silently attended
 over an empty cache (loss 4.580212 vs plain 4.579620, weights 0.9 relative off after 3 steps); a continuation of a

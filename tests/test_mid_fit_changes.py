@@ -1,4 +1,4 @@
-"""Changes users make to weights and optimizers during fit (probe J, session 21).
+"""Changes users make to weights and optimizers during fit.
 
 Reference: the same LightningModule and callbacks under plain Lightning (``strategy="auto"``), same seed. Before the
 fixes: an in-place weight write in ``on_train_batch_end`` hit the weights before the step's deferred update (weights

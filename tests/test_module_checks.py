@@ -1,4 +1,4 @@
-"""Models whose blocks pass state in unusual ways (probe K, session 21).
+"""Models whose blocks pass state in unusual ways.
 
 Reference: the same LightningModule under plain Lightning (``strategy="auto"``), same initial weights. Before the
 fixes: a block called with (or returning) its hidden state inside a plain ``@dataclass`` trained the embedding and

@@ -1,6 +1,6 @@
 """Reading and writing weights from hooks when they live on NVMe (``offload_params="nvme"``).
 
-Outside a block's compute the module's parameters are placeholders there. Fresh-user probe T found that a weight
+Outside a block's compute the module's parameters are placeholders there. Trying the product found that a weight
 read in a callback gave plausible zeros (a weight-norm logger: 0.0 against 22.48 in plain Lightning) and that
 ``nn.init.zeros_`` / ``fill_`` in ``on_fit_start`` were lost without a word (first loss 5.586 against 5.545).
 Now a read outside gives NaN, a lost write is refused at the next step naming the parameter, torch's own refusal of
@@ -154,7 +154,7 @@ def test_summon_full_params_refuses_more_than_host_memory_limit_before_reading(t
 
 
 def test_an_on_save_checkpoint_override_is_told_the_state_dict_is_empty(tmp_path):
-    """With the weights on NVMe the hook's checkpoint["state_dict"] is empty (probe T: 0 keys, against 30 in the RAM
+    """With the weights on NVMe the hook's checkpoint["state_dict"] is empty (0 keys, against 30 in the RAM
     tier, without a word): a warning at setup names the override; ModelCheckpoint alone gets none."""
     class Saves(LM):
         def on_save_checkpoint(self, checkpoint) -> None:
@@ -191,7 +191,7 @@ class SaveAtEnd(pl.Callback):
 
 
 def test_save_pretrained_of_placeholders_is_refused_and_works_inside_summon(tmp_path):
-    """``save_pretrained`` from a callback wrote an all-NaN model (probe U: 143808 of 143808 values): refused, naming
+    """``save_pretrained`` from a callback wrote an all-NaN model (143808 of 143808 values): refused, naming
     save_checkpoint and summon_full_params; inside summon_full_params it writes plain Lightning's trained weights."""
     from safetensors.torch import load_file
 
@@ -231,7 +231,7 @@ class Nested(pl.Callback):
 
 
 def test_nested_summon_full_params_keeps_the_outer_weights(tmp_path):
-    """The inner context's exit took the outer one's parameters back to placeholders (probe U: the outer read gave
+    """The inner context's exit took the outer one's parameters back to placeholders (the outer read gave
     NaN, its edit raised): now both edits train as in plain Lightning."""
     ours, ref = LM(make_model("llama")), LM(make_model("llama"))
     a, b = Nested(), Nested()

@@ -192,7 +192,7 @@ class SaveAtStep(pl.Callback):
 
 def test_lora_modules_to_save_checkpoint_during_fit_on_the_nvme_tier(tmp_path):
     """peft lists a ``modules_to_save`` copy's keys through its ``state_dict()``, which the placeholder guard refused
-    on the NVMe tier: every save during fit failed (fresh-user probe W). The files equal the RAM tier's."""
+    on the NVMe tier: every save during fit failed. The files equal the RAM tier's."""
     from megatrain_lightning import MegaTrainStrategy
 
     arch, kw = VARIANTS["lora_modules_to_save"]
@@ -224,7 +224,7 @@ class TokenizerName(LM):
 
 
 def test_a_tokenizer_attribute_without_save_pretrained_is_not_saved(tmp_path):
-    """Every save raised AttributeError ('str' object has no attribute 'save_pretrained') and stopped fit (probe W);
+    """Every save raised AttributeError ('str' object has no attribute 'save_pretrained') and stopped fit;
     now the checkpoint is written, with a warning that the tokenizer is not in it."""
     t = pl.Trainer(strategy="megatrain", accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
                    enable_progress_bar=False, enable_model_summary=False, callbacks=[SaveAtStep(1, tmp_path / "c")])

@@ -100,8 +100,8 @@ def test_auto_stays_within_its_limit_when_later_batches_are_longer(caplog, short
     finder's small trial before the fit) scaled what it kept past the limit (5.5x, probe p2). Now each call's kept
     bytes are checked against the limit, scaled by its input size: within the limit at every length, same numbers
     as plain PyTorch, and the choice for the measured length unchanged. Eager attention's [B, H, T, T] probabilities
-    grow with the square of the length: scaled linearly, 2 then 64 tokens with 16 heads kept 1.45x the limit
-    (probe M, session 22). The limit: ``share`` of what ``"none"`` keeps for these batches."""
+    grow with the square of the length: scaled linearly, 2 then 64 tokens with 16 heads kept 1.45x the limit.
+    The limit: ``share`` of what ``"none"`` keeps for these batches."""
     from megatrain_lightning.testing import VOCAB
 
     g = torch.Generator().manual_seed(3)
@@ -125,7 +125,7 @@ def test_auto_stays_within_its_limit_when_later_batches_are_longer(caplog, short
 def test_auto_stays_within_its_limit_when_the_source_grows_and_the_target_does_not(caplog):
     """An encoder-decoder whose source grows (4 then 128 tokens) while its target stays (4): the decoder layers'
     cross-attention keys and [B, H, 4, 128] probabilities grow with the source, which "auto" scaled by the first
-    input (the target's hidden states) only: 1.25x the limit (probe R, session 23). Now every hidden-state input
+    input (the target's hidden states) only: 1.25x the limit. Now every hidden-state input
     scales it (``growth``)."""
     import transformers
 
@@ -202,7 +202,7 @@ class _LiveTensorBytes(pl.Callback):
 def test_auto_keeps_nothing_of_its_measured_forward_after_the_step():
     """The measuring forward's bookkeeping held every measured activation for the whole run (its saved-tensor hook,
     kept alive by a graph node that outlives the forward, held the list of them): 1 GiB more resident than
-    "selective" at 2048 tokens (fresh-user probe X), device memory past activation_memory_limit on a GPU. After each
+    "selective" at 2048 tokens, device memory past activation_memory_limit on a GPU. After each
     step "auto" holds what "block" holds."""
     live = {}
     for mode in ("block", "auto"):

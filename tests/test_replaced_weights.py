@@ -1,7 +1,7 @@
 """Parameters whose ``.data`` is replaced behind the engine's back: by user code (``param.data = tensor`` in a
 hook), or by another Trainer that trained the same module since this Trainer last ran.
 
-Regressions (fresh-user probes): an assignment ``param.data = zeros`` in ``on_train_start`` was silently ignored,
+Regressions: an assignment ``param.data = zeros`` in ``on_train_start`` was silently ignored,
 also after the documented ``trainer.strategy.weights_written()`` (weights 1.01 relative off plain Lightning); and
 ``tr1.fit(lm); tr2.fit(lm); tr1.fit(lm)`` restarted from tr1's own store, discarding tr2's training and
 overwriting the module (``tr1.validate`` likewise evaluated the stale weights). Plain Lightning is the reference.

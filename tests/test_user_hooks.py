@@ -1,4 +1,4 @@
-"""User hooks on streamed parameters and on modules inside streamed blocks (probe I, session 21).
+"""User hooks on streamed parameters and on modules inside streamed blocks.
 
 Reference: the same LightningModule trained by plain Lightning (``strategy="auto"``) from the same weights.
 Before the fixes: ``param.register_hook`` on a streamed weight was called with ``None`` and its result ignored (a
@@ -109,7 +109,7 @@ class CaptureLM(LM):
 def test_a_forward_hook_inside_a_block_is_warned(caplog, recompute):
     """What such a hook keeps cannot be differentiated (the block is recomputed in backward): warned once at the
     forward, and a backward through a loss on it raises naming what to do (it trained nothing, silently but for the
-    warning, while the forward ran under no_grad; under "selective" silently until probe S: 1.7e-2 off plain)."""
+    warning, while the forward ran under no_grad; under "selective" silently before the fix: 1.7e-2 off plain)."""
     with caplog.at_level(logging.WARNING), pytest.raises(RuntimeError, match="not one of the block's outputs.*hook "
                                                                              "the block itself"):
         _fit(CaptureLM(), MegaTrainStrategy(recompute=recompute), steps=1)
