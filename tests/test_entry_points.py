@@ -46,8 +46,8 @@ def _assert_same_weights(a: torch.nn.Module, b: torch.nn.Module, what: str) -> N
         assert r <= TOL, f"{what}: {k} differs from plain Lightning by {r:.2e} (relative)"
 
 
-def _fit_twice(strategy, tmp_path):
-    lm = LM(make_model("llama"))
+def _fit_twice(strategy, tmp_path, optimizer=torch.optim.AdamW):
+    lm = LM(make_model("llama"), optimizer=optimizer)
     data = make_data(n=16)
     trainer = _trainer(strategy, tmp_path)
     trainer.fit(lm, data)
@@ -56,16 +56,17 @@ def _fit_twice(strategy, tmp_path):
     return lm
 
 
-@pytest.mark.parametrize("ours", ["megatrain", "megatrain_nvme"])
-def test_second_fit_on_same_trainer_starts_a_fresh_optimizer(ours, tmp_path):
-    ref = _fit_twice("auto", tmp_path / "ref")
-    got = _fit_twice(_strategy(ours, tmp_path / "store"), tmp_path / "ours")
-    _assert_same_weights(got, ref, f"{ours}: fit, then fit again")
+@pytest.mark.parametrize("ours,optimizer", [("megatrain", torch.optim.AdamW), ("megatrain_nvme", torch.optim.AdamW),
+                                            ("megatrain", torch.optim.Adafactor), ("megatrain_nvme", torch.optim.NAdam)])
+def test_second_fit_on_same_trainer_starts_a_fresh_optimizer(ours, optimizer, tmp_path):
+    ref = _fit_twice("auto", tmp_path / "ref", optimizer)
+    got = _fit_twice(_strategy(ours, tmp_path / "store"), tmp_path / "ours", optimizer)
+    _assert_same_weights(got, ref, f"{ours}, {optimizer.__name__}: fit, then fit again")
 
 
-def _lr_find_then_fit(strategy, tmp_path):
+def _lr_find_then_fit(strategy, tmp_path, optimizer=torch.optim.AdamW):
     torch.manual_seed(0)
-    lm = LM(make_model("llama"), lr=1e-3)
+    lm = LM(make_model("llama"), lr=1e-3, optimizer=optimizer)
     data = make_data(n=32)
     trainer = _trainer(strategy, tmp_path, max_steps=4)
     Tuner(trainer).lr_find(lm, train_dataloaders=data, num_training=6, min_lr=1e-4, max_lr=1e-2, update_attr=False)
@@ -73,10 +74,11 @@ def _lr_find_then_fit(strategy, tmp_path):
     return lm
 
 
-def test_lr_find_then_fit_matches_plain_lightning(tmp_path):
-    ref = _lr_find_then_fit("auto", tmp_path / "ref")
-    got = _lr_find_then_fit("megatrain", tmp_path / "ours")
-    _assert_same_weights(got, ref, "lr_find, then fit")
+@pytest.mark.parametrize("optimizer", [torch.optim.AdamW, torch.optim.SGD])
+def test_lr_find_then_fit_matches_plain_lightning(tmp_path, optimizer):
+    ref = _lr_find_then_fit("auto", tmp_path / "ref", optimizer)
+    got = _lr_find_then_fit("megatrain", tmp_path / "ours", optimizer)
+    _assert_same_weights(got, ref, f"{optimizer.__name__}: lr_find, then fit")
 
 
 class BatchLM(LM):
