@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -36,10 +36,17 @@ def locate(target: str | type) -> type:
         raise ImportError(f"optimizer {target!r} cannot be imported ({e})") from None
 
 
+def accepted(fn: Callable) -> tuple[set[str], bool]:
+    """``(keyword names, takes **kwargs)`` of a callable (a class: its ``__init__``)."""
+    sig = inspect.signature(fn)
+    names = {n for n, p in sig.parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return names - {"self"}, any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+
+
 def takes(cls: type, name: str) -> bool:
     """Whether ``cls``'s constructor takes keyword ``name`` (or any keyword)."""
-    params = inspect.signature(cls.__init__).parameters
-    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    names, var_kw = accepted(cls.__init__)
+    return name in names or var_kw
 
 
 def build_optimizer(model: torch.nn.Module, target: str | type = "torch.optim.AdamW", *, lr: float,

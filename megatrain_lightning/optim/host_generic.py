@@ -35,7 +35,6 @@ Where the state lives (:class:`HostTorchOptimizer`):
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +44,7 @@ import torch
 from ..store.host import HostStore, Slab
 from ..store.regions import Region
 from ..store.shared import SlabOwnership
+from .build import accepted
 from .host_adamw import HostAdamW, UnsupportedOptimizerError, _Pending
 
 SUPPORTED = ("any torch.optim optimizer whose update is per parameter (torch.optim.AdamW/Adam on the host AdamW "
@@ -173,11 +173,8 @@ def unpackable(state: dict[str, Any], numel: int) -> str | None:
 
 def _constructor_kwargs(cls: type, defaults: dict[str, Any]) -> dict[str, Any]:
     """The entries of ``defaults`` that ``cls.__init__`` takes as keyword arguments (all with ``**kwargs``)."""
-    params = inspect.signature(cls.__init__).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return {k: v for k, v in defaults.items() if k != "params"}
-    return {k: v for k, v in defaults.items()
-            if k in params and k != "params" and params[k].kind is not inspect.Parameter.VAR_POSITIONAL}
+    names, var_kw = accepted(cls.__init__)
+    return {k: v for k, v in defaults.items() if k != "params" and (var_kw or k in names)}
 
 
 class HostTorchOptimizer(HostAdamW):
@@ -463,6 +460,7 @@ class HostTorchOptimizer(HostAdamW):
         if where is not None:
             self.state.pop(where, None)
             self.packed.pop(where, None)
+            self._order.pop(where, None)
 
     @property
     def exp_avg(self) -> list[torch.Tensor | None]:

@@ -23,15 +23,14 @@ Every error is a :class:`ConfigError` naming the Hydra key to change and, where 
 from __future__ import annotations
 
 import difflib
-import importlib
 import importlib.util
-import inspect
 import logging
 import math
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
+from ..optim.build import accepted, locate
 from ..precision import UnsupportedPrecisionError, check_precision
 
 # the recipe's own top-level keys and sub-keys (conf/finetune.yaml); the groups are checked against signatures
@@ -60,19 +59,6 @@ class ConfigError(ValueError):
     def __init__(self, key: str, message: str) -> None:
         super().__init__(f"{key}: {message}")
         self.key = key
-
-
-def _locate(path: str) -> Any:
-    module, _, name = path.rpartition(".")
-    obj = importlib.import_module(module)
-    return getattr(obj, name)
-
-
-def accepted(fn: Callable) -> tuple[set[str], bool]:
-    """``(keyword names, takes **kwargs)`` of a callable (a class: its ``__init__``)."""
-    sig = inspect.signature(fn)
-    names = {n for n, p in sig.parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    return names - {"self"}, any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
 
 
 def _unknown(prefix: str, given: Iterable[str], allowed: Iterable[str], what: str) -> None:
@@ -115,7 +101,6 @@ def _check_optim_keys(optim: Mapping[str, Any]) -> None:
         ConfigError: ``optim._target_`` cannot be imported (with the package to install where known) or is
             ``torch.optim.Muon`` (use ``optim=muon``), or a key neither takes.
     """
-    from ..optim.build import locate
     from .module import CausalLMModule
 
     names, _ = accepted(CausalLMModule.__init__)
@@ -141,7 +126,7 @@ def _check_target(group: str, node: Mapping[str, Any]) -> None:
     if not target:
         raise ConfigError(f"{group}._target_", f"missing: the {group} entry must name what it builds with _target_.")
     try:
-        fn = _locate(str(target))
+        fn = locate(str(target))
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"{group}._target_", f"{target!r} cannot be imported ({e}).") from None
     names, var_kw = accepted(fn)
@@ -465,7 +450,7 @@ def check_values(cfg: Mapping[str, Any]) -> None:
     if strategy.get("_target_"):
         kwargs = {k: v for k, v in strategy.items() if k not in HYDRA_SPECIAL}
         try:
-            _locate(strategy["_target_"])(**kwargs)
+            locate(strategy["_target_"])(**kwargs)
         except (ValueError, TypeError) as e:
             raise ConfigError("strategy", str(e).removeprefix("megatrain: ")) from None
 
