@@ -114,10 +114,11 @@ class MegaTrainConfig:
     keep_nvme_files: bool = False
     """Keep the store's files when the engine closes (``False``: removed)."""
     optimizer_in_backward: bool | None = None
-    """Apply each block's AdamW update during backward, as soon as its gradients of the step are complete,
-    instead of deferring it to the next forward. Same arithmetic, bitwise the same results; it moves the update's
-    reads and writes (AdamW states, master) into the backward, where the disk is otherwise idle, and the gradient
-    accumulator never goes to disk. ``None``: on with the NVMe tier (:func:`optimizer_in_backward_on`). Used only
+    """Start each block's optimizer update during backward, as soon as its gradients of the step are complete,
+    instead of deferring it to the next forward. Same arithmetic, bitwise the same results. On the RAM tier the
+    update runs on a host thread of its own through the rest of the backward and the next forward (hidden behind
+    both); on the NVMe tier it moves the update's reads and writes (optimizer states, master) into the backward,
+    where the disk is otherwise idle, and the gradient accumulator never goes to disk. ``None``: on with the NVMe tier (:func:`optimizer_in_backward_on`). Used only
     on the last micro-batch of an accumulation window, in automatic optimization, without gradient clipping or
     fp16 loss scaling (both need every gradient first) and when no user code sees the step's gradients before
     the step: the LightningModule does not override ``on_after_backward``, ``on_before_optimizer_step``,

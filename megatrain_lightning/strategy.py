@@ -149,7 +149,9 @@ class MegaTrainStrategy(MegaTrainBase, ParallelStrategy):
         plugin.clip_in_place = user_code_after_clip(module) and self.engine.ownership is None
         if (trainer.state.fn == TrainerFn.FITTING and self.is_global_zero
                 and optimizer_in_backward_on(cfg.optimizer_in_backward, self.engine.store.nvme is not None)):
-            log.info("megatrain: optimizer_in_backward: each block's update runs during its backward. Ctrl-C then "
+            log.info("megatrain: optimizer_in_backward: each block's update starts as soon as its gradients of the "
+                     "step are complete (RAM tier: on a host thread of its own, until the next forward needs the "
+                     "block; call trainer.strategy.flush() before reading weights directly between steps). Ctrl-C then "
                      "stops the run once the step is complete; any other exception raised inside a backward leaves "
                      "the model half updated, and training and saving are refused until a checkpoint is loaded. "
                      "optimizer_in_backward=False keeps every step consistent (on the NVMe tier: 8 bytes more I/O "

@@ -96,7 +96,7 @@ def test_host_threads_default_leaves_a_core_on_cuda_and_one_thread_per_worker_on
 def test_host_workers_run_with_host_threads_and_the_compute_thread_keeps_its_own(monkeypatch):
     main_threads = torch.get_num_threads()
     want = main_threads + 1  # differs from the compute thread's whatever the machine
-    seen: dict[str, set[int]] = {"h2d": set(), "d2h": set()}
+    seen: dict[str, set[int]] = {"update": set(), "d2h": set()}
     add, update = SharedGradSums.add, HostAdamW._update
 
     def add_seen(self, *args):
@@ -105,14 +105,14 @@ def test_host_workers_run_with_host_threads_and_the_compute_thread_keeps_its_own
 
     def update_seen(self, *args):
         name = threading.current_thread().name
-        if "h2d" in name:  # deferred updates run on the H2D worker
-            seen["h2d"].add(torch.get_num_threads())
+        if "update" in name:  # deferred updates run on the update worker (RAM tier)
+            seen["update"].add(torch.get_num_threads())
         return update(self, *args)
 
     monkeypatch.setattr(SharedGradSums, "add", add_seen)
     monkeypatch.setattr(HostAdamW, "_update", update_seen)
     _trainer(host_threads=want).fit(LM(make_model("llama")), make_data(n=STEPS * ACC * 2))
-    assert seen == {"h2d": {want}, "d2h": {want}}
+    assert seen == {"update": {want}, "d2h": {want}}
     assert torch.get_num_threads() == main_threads
 
 

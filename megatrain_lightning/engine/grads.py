@@ -7,8 +7,9 @@ the slab's fp32 accumulator (``grad_accum``) in the host store and frees the sta
 of batch k+1 thus runs while the worker adds batch k (stats ``d2h_busy_s``, ``d2h_copy_wait_s``,
 ``grad_add_s``, ``d2h_queue_peak``). ``param.grad`` is a view of that accumulator while
 Lightning's hooks and clipping run (:meth:`GradientSink.attach`). With the optimizer step in
-backward, the D2H worker also applies a slab's AdamW update right after its last gradient of the
-step (docs/internals/nvme.md, "Optimizer step in backward").
+backward, the D2H worker also hands a slab's update to the host optimizer right after its last gradient
+of the step (``HostAdamW.apply_now``: the update worker runs it on the RAM tier, the D2H worker itself on
+the NVMe tier; docs/internals/nvme.md, "Optimizer step in backward").
 """
 
 from __future__ import annotations
@@ -224,7 +225,7 @@ class GradientSink:
         self._slots.release()
 
     def _update_now(self, si: int, slot: bool = False) -> None:
-        """D2H worker: the slab's gradients of this step are complete: apply its AdamW update now."""
+        """D2H worker: the slab's gradients of this step are complete: its update starts now (``apply_now``)."""
         try:
             opt = self.optimizer
             assert opt is not None and self._hyper is not None

@@ -52,7 +52,7 @@ from .staging import StagingRing
 from .window import nvme_window
 from .shared_grads import SharedGradSums
 from .params import ParamAccess
-from .threads import resolve_host_threads
+from .threads import resolve_host_threads, start_worker
 from .stopped_step import StoppedStep
 from .transport import make_transport
 
@@ -147,6 +147,9 @@ class StreamingEngine:
                                      read_ahead_depth=nvme.read_ahead if nvme_on else 0, host_threads=host_threads,
                                      groups=groups)
         self.optimizer: HostAdamW | None = None
+        # the host optimizer updates on a thread of their own (RAM tier; docs/architecture.md, "Threads and streams")
+        self._update_pool = start_worker("megatrain-update", host_threads, self.device) if self.store.nvme is None \
+            else None
         self.order: list[int] = []  # block indices in forward call order (learned on the first forward)
         self._heads = output_embedding_blocks(root, self.blocks)  # the last block before the order is known
         self._seq: list[int] = []  # the fetch sequence the prefetcher follows now
@@ -217,7 +220,7 @@ class StreamingEngine:
             return self.optimizer
         self.flush()
         self.optimizer = make_host_optimizer(self.store, optimizer, overlap=overlap, transport=self.transport,
-                                             ownership=self.ownership)
+                                             ownership=self.ownership, worker=self._update_pool)
         for part in (self.params, self.grads, self.fetcher, self.prefetcher):
             part.optimizer = self.optimizer
         return self.optimizer
@@ -250,6 +253,8 @@ class StreamingEngine:
         self.uninstall()
         self.prefetcher.close()
         self.grads.close()
+        if self._update_pool is not None:
+            self._update_pool.shutdown(wait=True)
         self.store.close()
         self.closed = True
 
@@ -326,6 +331,8 @@ class StreamingEngine:
             self._seq = self.order + self._bwd_seq if training else list(self.order)
             self._cursor = 0
             self._plan_due = True  # a new forward: plan its backward's updates
+            if self.optimizer is not None:  # the pending updates run on the update worker, in fetch order
+                self.optimizer.start_updates(si for bi in self.order for si in self.blocks[bi].slabs)
         seq = self._seq
         for start in (self._cursor, 0):
             for p in range(start, len(seq)):

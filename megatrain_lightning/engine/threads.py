@@ -1,7 +1,8 @@
-"""CPU threads of the engine's host work: how many intra-op threads the H2D and D2H workers use.
+"""CPU threads of the engine's host work: how many intra-op threads the H2D, D2H and update workers use.
 
-The H2D worker (deferred AdamW updates, casts to the wire dtype) and the D2H worker (gradient adds
-into the fp32 accumulators, AdamW updates in backward) run torch CPU kernels that use torch's
+The H2D worker (casts to the wire dtype; deferred updates on the NVMe tier), the D2H worker (gradient adds
+into the fp32 accumulators; in-backward updates on the NVMe tier) and the update worker (the host
+optimizer's updates on the RAM tier) run torch CPU kernels that use torch's
 intra-op thread pool. On a CUDA run the Python thread that launches the GPU kernels needs a core of
 its own: with every core busy in a host add, kernel launches queue behind it and the GPU idles.
 ``host_threads`` sets the workers' intra-op threads; the default on CUDA is

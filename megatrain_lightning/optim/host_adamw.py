@@ -22,8 +22,14 @@ kernel on CPU as well.
 
 Schedule (docs/architecture.md, "Host optimizer"): :meth:`step` snapshots the
 hyper-parameters of every param group and records a *pending update* per slab;
-the engine applies slab j's update just before block j is next copied to the
-device (overlapping the next forward), or at once when ``overlap=False``.
+slab j's update runs before block j is next copied to the device (overlapping the
+next forward), or at once when ``overlap=False``. With an update worker (the RAM
+tier: ``worker``) the updates run on that thread of their own: the deferred ones from
+the start of the next forward (:meth:`start_updates`), those of ``optimizer_in_backward``
+from the moment a slab's gradients are complete (:meth:`apply_now`), through the rest of
+the backward and the next forward; a copy of block j waits only for slab j's update
+(:meth:`apply_pending` takes the slab's lock, which the worker holds while it updates,
+and runs the update itself if the worker has not reached it).
 Skipped steps stay exact because they happen before :meth:`step` is called.
 Gradient clipping (:meth:`clip_grad_norm`, :meth:`clip_grad_value`, called by the
 precision plugin for Lightning's ``gradient_clip_val``) computes the global norm
@@ -37,8 +43,9 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch.optim.adam import adam as _functional_adam
@@ -75,8 +82,9 @@ class _Pending:
 
 WRITTEN_WHILE_PENDING = (
     "megatrain: a parameter ({name}, or another of its block) was written in place after optimizer.step() while "
-    "that step's update was still deferred (overlap_optimizer=True applies each block's update when the next "
-    "forward fetches it): plain PyTorch would have written the updated weights, this run wrote the old ones. Call "
+    "that step's update was still pending (overlap_optimizer=True runs each block's update on a host thread until "
+    "the next forward fetches it): plain PyTorch would have written the updated weights, this run wrote the old "
+    "ones. Call "
     "trainer.strategy.flush() before writing weights in hooks that run after the step (on_train_batch_end, "
     "on_train_batch_start, an optimizer_step override after optimizer.step()), or set overlap_optimizer=False.")
 
@@ -128,6 +136,10 @@ class HostAdamW:
             the slabs it owns; for the others it waits for the owner's update and keeps the same bookkeeping
             (gradient flags, AdamW step counts). Clipping norms and the fp16 inf check combine the owners'
             parts with one all-reduce over the node. ``None``: one process, every slab.
+        worker: a one-thread executor the updates run on (:meth:`start_updates`, :meth:`apply_now`), or ``None``:
+            each update runs on the thread that needs it (the H2D worker before a copy, the D2H worker in
+            backward). The engine passes one on the RAM tier; on the NVMe tier the host window is sized for one
+            update at a time, on the thread that also reads the block.
 
     State per trainable parameter the optimizer owns: ``exp_avg`` and ``exp_avg_sq`` (fp32, same
     shape as the parameter, views of one flat tensor per slab) and ``step`` (fp32 scalar tensor, as
@@ -138,7 +150,7 @@ class HostAdamW:
     """
 
     def __init__(self, store: HostStore, optimizer: torch.optim.Optimizer, overlap: bool = True, transport: Any = None,
-                 ownership: SlabOwnership | None = None):
+                 ownership: SlabOwnership | None = None, worker: Executor | None = None):
         self.decoupled = self._validate(optimizer)
         self.ownership = ownership
         self.store = store
@@ -157,6 +169,11 @@ class HostAdamW:
         self.optimizer_seconds = 0.0
         self._seconds_lock = threading.Lock()
         self.transport = transport
+        self._worker = worker
+        self._jobs: list[Future] = []  # updates submitted to the worker, not yet waited for (drain)
+        self._errors: dict[int, BaseException] = {}  # slab -> the error its update raised on the worker
+        self._jobs_lock = threading.Lock()
+        self._claimed: set[int] = set()  # slabs whose update of the coming step() was scheduled in backward
 
     @staticmethod
     def _validate(optimizer: torch.optim.Optimizer) -> bool:
@@ -220,7 +237,11 @@ class HostAdamW:
         # (torch.optim.lr_scheduler.LRScheduler.step); the user's optimizer's own step never runs.
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
         n = 0
+        claimed, self._claimed = self._claimed, set()
         for slab in self.store.slabs:
+            if slab.index in claimed:  # this step's update was scheduled in backward (apply_now)
+                n += 1
+                continue
             if slab.index in self.pending:
                 self.apply_pending(slab.index)
             if slab.grad_accum_empty:
@@ -239,41 +260,118 @@ class HostAdamW:
         return _Pending(self._snapshot(), list(self.grad_ops))
 
     def apply_now(self, slab_index: int, pend: _Pending) -> None:
-        """Apply one slab's update for this step now (optimizer step in backward: its gradients are
-        complete). :meth:`step` then skips the slab, whose accumulator is empty."""
+        """Schedule one slab's update of this step now (optimizer step in backward: its gradients are
+        complete): on the update worker when there is one (the slab is pending until it runs; :meth:`step` then
+        skips it), else applied here. :meth:`step` skips the slab either way."""
         slab = self.store.slabs[slab_index]
         with slab.lock:
-            if slab.grad_accum_empty:
+            if slab.grad_accum_empty or slab_index in self._claimed:
                 return
             if slab_index in self.pending:  # the previous step's deferred update comes first
                 self.apply_pending(slab_index)
             self.pending[slab_index] = pend
-            self.apply_pending(slab_index)
+            self._versions[slab_index] = (pend, slab.param_versions())
             self.updates_in_backward += 1
+            if self._worker is None:
+                self.apply_pending(slab_index)
+                return
+            self._claimed.add(slab_index)
+        self._submit(slab_index)
+
+    def start_updates(self, order: Iterable[int]) -> None:
+        """A forward that reads the weights starts: hand the pending updates to the update worker, slab indices in
+        ``order`` (the order the forward fetches them) first, then the rest (no-op without a worker)."""
+        if self._worker is None or not self.pending:
+            return
+        for si in dict.fromkeys([*order, *sorted(self.pending)]):
+            if si in self.pending:
+                self._submit(si)
+
+    def _submit(self, slab_index: int) -> None:
+        assert self._worker is not None
+        fut = self._worker.submit(self._job, slab_index)
+        with self._jobs_lock:
+            self._jobs = [f for f in self._jobs if not f.done()] + [fut]
+
+    def _job(self, slab_index: int) -> None:
+        """Update worker: apply the slab's update if still pending (a fetch that came first ran it: the worker and
+        the fetches then update different slabs at once); an error is kept for the slab's next
+        :meth:`apply_pending` and for :meth:`drain`, recorded under the slab's lock (a fetch waiting for the lock
+        then sees it)."""
+        with self.store.slabs[slab_index].lock:
+            try:
+                self._apply(slab_index)
+            except BaseException as e:
+                with self._jobs_lock:
+                    self._errors.setdefault(slab_index, e)
+
+    def drain(self) -> None:
+        """Wait for every update submitted to the worker; raise the first error one of them raised."""
+        with self._jobs_lock:
+            jobs, self._jobs = self._jobs, []
+        for f in jobs:
+            f.result()
+        self._raise_error()
+
+    def _raise_error(self, slab_index: int | None = None) -> None:
+        """Raise the error an update of the worker raised (of ``slab_index``, or of any slab), once."""
+        with self._jobs_lock:
+            if slab_index is not None:
+                err = self._errors.pop(slab_index, None)
+            else:
+                err = next(iter(self._errors.values()), None)
+                self._errors.clear()
+        if err is not None:
+            raise err
 
     def flush(self) -> None:
-        """Apply every pending update now (before anything reads weights directly)."""
+        """Apply every pending update now (before anything reads weights directly), including those the update
+        worker is running."""
         for si in list(self.pending):
             self.apply_pending(si)
+        self.drain()
 
     def has_pending(self) -> bool:
-        return bool(self.pending)
+        """Whether an update is pending or still running on the update worker."""
+        with self._jobs_lock:
+            running = any(not f.done() for f in self._jobs) or bool(self._errors)
+        return bool(self.pending) or running
 
     def drop_pending(self) -> None:
         """Forget every pending update without applying it (a checkpoint's state replaces the weights and moments
-        it was computed from), each under its slab's lock, as :meth:`apply_pending` takes it."""
+        it was computed from), each under its slab's lock, as :meth:`apply_pending` takes it; updates the worker
+        is running end first, and their errors are forgotten with them."""
         for si in list(self.pending):
             with self.store.slabs[si].lock:
                 self.pending.pop(si, None)
+        self._claimed.clear()
+        with self._jobs_lock:
+            jobs, self._jobs = self._jobs, []
+        for f in jobs:
+            f.result()
+        with self._jobs_lock:
+            self._errors.clear()
 
     def apply_pending(self, slab_index: int) -> None:
-        """Apply the recorded update of one slab (thread-safe; a no-op if none is pending)."""
+        """Apply the recorded update of one slab (thread-safe; a no-op if none is pending). With the update worker
+        running it, waits until it is done (the slab's lock) and raises the error it raised.
+
+        Raises:
+            RuntimeError: a parameter of the slab was written in place while its update was pending (the message
+                says what to do).
+        """
+        self._apply(slab_index)
+        if self._worker is not None:
+            self._raise_error(slab_index)
+
+    def _apply(self, slab_index: int) -> bool:
+        """Apply the slab's pending update; ``False`` if none was pending."""
         slab = self.store.slabs[slab_index]
         own = self.ownership
         with slab.lock:
             pend = self.pending.pop(slab_index, None)
             if pend is None:
-                return
+                return False
             deferred = self._versions.pop(slab_index, None)
             if deferred is not None and deferred[0] is pend and deferred[1] != slab.param_versions():
                 raise RuntimeError(WRITTEN_WHILE_PENDING.format(name=slab.entries[0].ref.fqn))
@@ -284,7 +382,7 @@ class HostAdamW:
                 self._count_steps(slab)
                 slab.updated()
                 slab.clear_grads()
-                return
+                return True
             slab.wait_reads()  # an H2D copy may still read the master
             self._update(slab, pend)
             if own is not None:
@@ -293,9 +391,9 @@ class HostAdamW:
             slab.updated()
             slab.clear_grads()
             self.store.discard_grad_accum(slab_index)
-            with self._seconds_lock:  # the H2D and D2H workers update different slabs at once
+            with self._seconds_lock:  # the update worker and a fetch may update different slabs at once
                 self.optimizer_seconds += time.perf_counter() - t0
-
+        return True
 
     def take_seconds(self) -> float:
         """Seconds spent in AdamW updates since the last call (any thread), and reset the count to 0."""

@@ -36,6 +36,7 @@ Where the state lives (:class:`HostTorchOptimizer`):
 from __future__ import annotations
 
 import math
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,7 +105,8 @@ def validate_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
 
 def make_host_optimizer(store: HostStore, optimizer: torch.optim.Optimizer, overlap: bool = True,
-                        transport: Any = None, ownership: SlabOwnership | None = None) -> HostAdamW:
+                        transport: Any = None, ownership: SlabOwnership | None = None,
+                        worker: Executor | None = None) -> HostAdamW:
     """The host optimizer for ``optimizer``: :class:`~.host_adamw.HostAdamW` when :func:`uses_adamw_kernel`, else
     :class:`HostTorchOptimizer` (arguments: :class:`~.host_adamw.HostAdamW`'s).
 
@@ -113,7 +115,7 @@ def make_host_optimizer(store: HostStore, optimizer: torch.optim.Optimizer, over
     """
     validate_optimizer(optimizer)
     cls = HostAdamW if uses_adamw_kernel(optimizer) else HostTorchOptimizer
-    return cls(store, optimizer, overlap=overlap, transport=transport, ownership=ownership)
+    return cls(store, optimizer, overlap=overlap, transport=transport, ownership=ownership, worker=worker)
 
 
 @dataclass(frozen=True)
@@ -198,7 +200,7 @@ class HostTorchOptimizer(HostAdamW):
     """
 
     def __init__(self, store: HostStore, optimizer: torch.optim.Optimizer, overlap: bool = True, transport: Any = None,
-                 ownership: SlabOwnership | None = None):
+                 ownership: SlabOwnership | None = None, worker: Executor | None = None):
         # (slab, entry) -> the class's state of the parameter (NVMe tier: its 0-d values; the tensors are packed)
         self.state: dict[tuple[int, int], dict[str, Any]] = {}
         self.packed: dict[tuple[int, int], list[Placement]] = {}  # NVMe tier: where each state tensor lives
@@ -206,7 +208,7 @@ class HostTorchOptimizer(HostAdamW):
         self._order: dict[tuple[int, int], list[str]] = {}  # NVMe tier: the class's key order of each state
         self._ctor = _constructor_kwargs(type(optimizer), optimizer.defaults)
         self._instances: dict[int, tuple[tuple, torch.optim.Optimizer]] = {}  # slab -> (groups' layout, instance)
-        super().__init__(store, optimizer, overlap=overlap, transport=transport, ownership=ownership)
+        super().__init__(store, optimizer, overlap=overlap, transport=transport, ownership=ownership, worker=worker)
         self._probe()
 
     @staticmethod

@@ -10,16 +10,25 @@ two phases:
 chain         forward                                        backward
 ============  =============================================  ===============================================
 compute       forward FLOPs (2 x N_matmul + attention)       2 x the forward's + the recompute's
-H2D worker    forward copies [+ host AdamW, deferred]        backward copies (recompute fetches, offloaded
-                                                             activations)
+H2D worker    forward copies [+ host AdamW, deferred, NVMe   backward copies (recompute fetches, offloaded
+              tier]                                          activations)
 D2H worker    offloaded activations                          gradient copies + host gradient adds
-                                                             [+ host AdamW, ``optimizer_in_backward``]
+                                                             [+ host AdamW, ``optimizer_in_backward``, NVMe
+                                                             tier]
+update        RAM tier: host AdamW (deferred: all of it;     RAM tier, ``optimizer_in_backward``: its share
+worker        in backward: its share, below)                 (below)
 NVMe          reads + writes of the phase (deferred: the     the backward fetch's master reads, the
               update's; in backward: the masters' forward    accumulators written (deferred) or the
               fetch only)                                    update's reads and writes (in backward)
 host memory   data parallel: the phase's host DRAM bytes     the same
 collectives   --                                             intra-node reduce, inter-node all-reduce
 ============  =============================================  ===============================================
+
+On the RAM tier the updates run on the update worker (``optim/host_adamw.py``): deferred, from the start of the
+forward; with ``optimizer_in_backward`` from the backward, as each slab's gradients complete, through the next
+forward. The model splits that schedule's update between the phases in proportion to their lengths without it
+(:func:`update_share`), so the update is hidden while it is shorter than forward + backward, and what exceeds
+them is exposed in both in that proportion.
 
 The H2D and D2H copies run on their own streams while the worker waits, and the NVMe reads run ahead of
 the fetch that needs them; the model still puts each worker's terms in series and the two NVMe
@@ -40,12 +49,46 @@ from typing import Any
 from .terms import update_in_backward
 
 PHASES = ("forward", "backward")
-#: per phase, the chains of terms one worker runs in series (the first is compute)
+#: per phase, the chains of terms one worker runs in series (the first is compute): the NVMe tier, where the
+#: H2D worker (deferred) or the D2H worker (in backward) runs the update
 CHAINS: dict[str, tuple[tuple[str, ...], ...]] = {
     "forward": (("compute",), ("h2d", "host_adamw"), ("d2h",), ("nvme_read", "nvme_write"), ("host_memory",)),
     "backward": (("compute",), ("h2d",), ("d2h", "grad_add", "host_adamw"), ("nvme_read", "nvme_write"),
                  ("intra_node",), ("inter_node",), ("host_memory",)),
 }
+#: the RAM tier: the update worker runs the update, a chain of its own in both phases
+CHAINS_RAM: dict[str, tuple[tuple[str, ...], ...]] = {
+    "forward": (("compute",), ("h2d",), ("host_adamw",), ("d2h",), ("nvme_read", "nvme_write"), ("host_memory",)),
+    "backward": (("compute",), ("h2d",), ("d2h", "grad_add"), ("host_adamw",), ("nvme_read", "nvme_write"),
+                 ("intra_node",), ("inter_node",), ("host_memory",)),
+}
+
+
+def update_worker(s: dict[str, Any]) -> bool:
+    """Whether the plan's updates run on the update worker: nothing is on NVMe (the engine starts it on the RAM
+    tier only)."""
+    return "nvme" not in (s.get("offload_params"), s.get("offload_optimizer"), s.get("offload_grads"))
+
+
+def chain_table(e: dict[str, Any]) -> dict[str, tuple[tuple[str, ...], ...]]:
+    """The chains of estimate ``e``'s tier: :data:`CHAINS_RAM` or :data:`CHAINS`."""
+    return CHAINS_RAM if update_worker(e["settings"]) else CHAINS
+
+
+def update_share(e: dict[str, Any], share: dict[str, float]) -> float:
+    """The fraction of the host update that runs in the forward: 1 deferred; 0 in backward on the NVMe tier; in
+    backward on the RAM tier, the forward's length over forward + backward, each the longest of its other chains
+    (``share``: the forward fractions of the other terms)."""
+    if not update_in_backward(e["settings"]):
+        return 1.0
+    if not update_worker(e["settings"]):
+        return 0.0
+    lengths = []
+    for ph in PHASES:
+        part = {k: t * (share[k] if ph == "forward" else 1.0 - share[k]) for k, t in e["times"].items()
+                if k != "host_adamw"}
+        lengths.append(max(sum(part.get(k, 0.0) for k in chain) for chain in CHAINS_RAM[ph]))
+    return _frac(lengths[0], sum(lengths))
 
 
 def _frac(a: float, b: float) -> float:
@@ -55,18 +98,19 @@ def _frac(a: float, b: float) -> float:
 def forward_share(e: dict[str, Any]) -> dict[str, float]:
     """The fraction of each term of ``e["times"]`` that runs in the forward (the rest runs in the backward)."""
     m = e["moved"]
-    return {
+    share = {
         "compute": _frac(e["flops_forward"], e["flops"]),
         "h2d": _frac(m["h2d_forward"], m["h2d"]),
         "d2h": _frac(m["d2h_forward"], m["d2h"]),
         "nvme_read": _frac(m["nvme_read_forward"], m["nvme_read"]),
         "nvme_write": _frac(m["nvme_write_forward"], m["nvme_write"]),
-        "host_adamw": 0.0 if update_in_backward(e["settings"]) else 1.0,
         "grad_add": 0.0,
         "host_memory": _frac(m.get("host_memory_forward", 0), m.get("host_memory", 0)),
         "intra_node": 0.0,
         "inter_node": 0.0,
     }
+    share["host_adamw"] = update_share(e, share)
+    return share
 
 
 def phase_parts(e: dict[str, Any], pessimistic: bool = False) -> dict[str, dict[str, float]]:
@@ -83,10 +127,11 @@ def chains(e: dict[str, Any], pessimistic: bool = False) -> dict[str, list[tuple
     """Per phase, each chain of :data:`CHAINS` (same order, compute first) as (key, seconds); the key joins
     the chain's terms that take time with ``+`` (``"h2d+host_adamw"``)."""
     parts = phase_parts(e, pessimistic)
+    table = chain_table(e)
     out = {}
     for ph in PHASES:
         row = []
-        for chain in CHAINS[ph]:
+        for chain in table[ph]:
             on = [k for k in chain if parts[ph].get(k, 0) > 0]
             row.append(("+".join(on) or chain[0], sum(parts[ph].get(k, 0.0) for k in chain)))
         out[ph] = row

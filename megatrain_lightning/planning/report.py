@@ -8,6 +8,7 @@ from .advice import block_group_advice, device_advice, host_short_advice, recomp
 from .config import Hardware
 from .estimate import TERM_LABELS, Plan, gib, long_sequence_variants, max_seq_len
 from .parallel import host_mem_rate, intra_rate
+from .phases import update_worker
 from .terms import group_size, layer_wire_bytes, layers_in_flight, term_label, update_in_backward, zero_copy
 
 #: data parallel: the terms that are per node (the rest are per GPU)
@@ -265,10 +266,14 @@ def format_plan(p: Plan) -> str:
     return "\n".join(lines)
 
 
-def schedule_words(in_backward: bool) -> str:
-    """The AdamW schedule in words, with the strategy option that selects it."""
-    return ("optimizer_in_backward=True (each slab updated in backward, on the D2H worker)" if in_backward else
-            "optimizer_in_backward=False (each slab's update deferred to the H2D worker, before its next fetch)")
+def schedule_words(in_backward: bool, worker: bool) -> str:
+    """The AdamW schedule in words, with the strategy option that selects it; ``worker``: the RAM tier's update
+    worker runs the updates (:func:`.phases.update_worker`)."""
+    if in_backward:
+        return ("optimizer_in_backward=True (each slab's update starts when its gradients are complete, "
+                + ("on the update worker, through the next forward)" if worker else "on the D2H worker)"))
+    return ("optimizer_in_backward=False (each slab's update deferred to the next forward, "
+            + ("on the update worker)" if worker else "on the H2D worker before its fetch)"))
 
 
 def _phases_text(phases: dict[str, tuple[float, str]]) -> str:
@@ -321,7 +326,7 @@ def step_time_lines(p: Plan) -> list[str]:
     if o:
         d = o["step_time_s"] - t
         faster = "faster" if d < -1e-9 else "slower" if d > 1e-9 else "the same"
-        out.append(f"  schedule: {schedule_words(in_bwd)}; with optimizer_in_backward={o['optimizer_in_backward']}: "
+        out.append(f"  schedule: {schedule_words(in_bwd, update_worker(p.settings))}; with optimizer_in_backward={o['optimizer_in_backward']}: "
                    f"{o['step_time_s']:,.3f} s/step ({faster}; {_phases_text(o['phases'])})")
     out += [fastest_line(p),
             f"pessimistic (backward H2D at half bandwidth while D2H runs): {p.step_time_pessimistic_s:,.3f} s/step, "

@@ -168,9 +168,9 @@ def checkpoint_state_bytes(c: ParamCounts, s: dict[str, Any]) -> int:
 
 
 def update_in_backward(s: dict[str, Any]) -> bool:
-    """Whether the AdamW update of each slab runs in the backward, on the D2H worker after the slab's last
-    gradient add (``optimizer_in_backward``); else the deferred schedule updates slab j on the H2D worker
-    before its next copy, in the next forward; ``None`` is decided by the strategy's rule
+    """Whether the AdamW update of each slab starts in the backward, after the slab's last gradient add
+    (``optimizer_in_backward``: on the update worker on the RAM tier, on the D2H worker on the NVMe tier); else the
+    deferred schedule updates slab j in the next forward, before its copy; ``None`` is decided by the strategy's rule
     (:func:`~megatrain_lightning.config.optimizer_in_backward_on`: on when any state is on NVMe)."""
     from ..config import optimizer_in_backward_on
 

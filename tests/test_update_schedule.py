@@ -1,0 +1,139 @@
+"""The host update schedule on the RAM tier: each slab's update runs on the update worker thread, from the moment its
+gradients are complete (``optimizer_in_backward``) or from the start of the next forward (the deferred schedule),
+and a fetch waits only for its own slab's update; the numbers stay bitwise plain PyTorch.
+
+The tests gate one slab's update on an event that only a later point of the training loop sets (the step's
+``on_train_batch_end``): a schedule that made the step wait for every update would never reach that point while
+the update waits, so the gate would time out (recorded, and asserted against) instead of hanging.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from megatrain_lightning import MegaTrainStrategy
+from megatrain_lightning.optim.host_adamw import HostAdamW
+from megatrain_lightning.testing import LM, make_data, make_model, reference_train
+
+GATE_TIMEOUT_S = 30.0
+
+
+class _StepEnd(pl.Callback):
+    """Sets ``event`` in every ``on_train_batch_end`` (after ``before(trainer)``)."""
+
+    def __init__(self, event: threading.Event, before=None):
+        self.event, self.before = event, before
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.before is not None:
+            self.before(trainer)
+        self.event.set()
+
+
+def _fit(strategy: MegaTrainStrategy, steps: int, callbacks=(), clip: float | None = None):
+    torch.manual_seed(0)
+    model = make_model("llama", num_hidden_layers=3)
+    ref = copy.deepcopy(model)
+    lm = LM(model)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", max_steps=steps, enable_checkpointing=False,
+                         logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=list(callbacks), gradient_clip_val=clip)
+    trainer.fit(lm, make_data(n=steps * 2))
+    return lm, ref, trainer
+
+
+def _assert_bitwise_plain(lm, ref, steps: int, clip: float | None = None) -> None:
+    ref_losses = reference_train(ref, make_data(n=steps * 2), steps, clip=clip)
+    assert lm.losses == ref_losses
+    for (name, a), b in zip(lm.model.named_parameters(), ref.parameters()):
+        assert torch.equal(a.detach(), b.detach()), name
+
+
+def test_in_backward_updates_run_past_the_step_until_the_next_forward_needs_them(monkeypatch):
+    """optimizer_in_backward: the first block's update (its gradients complete last) is still running when the step
+    ends and Lightning calls on_train_batch_end; the next forward's fetch of that block waits for it. The updates
+    run on the update worker (or on the H2D worker, for a block whose fetch comes first); weights and losses bitwise
+    plain PyTorch."""
+    step_end = threading.Event()
+    timed_out, threads = [], []
+    first: set[int] = set()
+    update = HostAdamW._update
+
+    def gated(self, slab, pend):
+        threads.append(threading.current_thread().name)
+        if slab.index in first:
+            timed_out.append(not step_end.wait(GATE_TIMEOUT_S))
+            step_end.clear()
+        update(self, slab, pend)
+
+    monkeypatch.setattr(HostAdamW, "_update", gated)
+    strategy = MegaTrainStrategy(optimizer_in_backward=True)
+
+    class First(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            eng = trainer.strategy.engine
+            first.update(eng.blocks[0].slabs)  # the embedding: first in the forward, last in the backward
+
+    steps = 3
+    lm, ref, trainer = _fit(strategy, steps, callbacks=[First(), _StepEnd(step_end)])
+    monkeypatch.undo()
+    assert timed_out == [False] * steps, "the step waited for the first block's update"
+    # on the update worker, or on the H2D worker when the next forward's fetch came before the worker reached it
+    assert any(t.startswith("megatrain-update") for t in threads), set(threads)
+    assert all(t.startswith(("megatrain-update", "megatrain-h2d")) for t in threads), set(threads)
+    _assert_bitwise_plain(lm, ref, steps)
+
+
+def test_deferred_updates_run_on_the_update_worker(monkeypatch):
+    """Gradient clipping keeps the deferred schedule: the updates run on the update worker from the next forward
+    on (a fetch runs one itself only when the worker has not reached it); bitwise plain PyTorch."""
+    threads = []
+    update = HostAdamW._update
+
+    def recorded(self, slab, pend):
+        threads.append(threading.current_thread().name)
+        update(self, slab, pend)
+
+    monkeypatch.setattr(HostAdamW, "_update", recorded)
+    steps = 3
+    lm, ref, trainer = _fit(MegaTrainStrategy(), steps, clip=0.5)
+    monkeypatch.undo()
+    assert trainer.strategy.engine.optimizer.updates_in_backward == 0
+    assert any(t.startswith("megatrain-update") for t in threads), set(threads)
+    assert all(t.startswith(("megatrain-update", "megatrain-h2d", "MainThread")) for t in threads), set(threads)
+    _assert_bitwise_plain(lm, ref, steps, clip=0.5)
+
+
+def test_a_write_before_the_update_on_the_worker_fails_the_next_forward(monkeypatch):
+    """optimizer_in_backward: a parameter written in place between steps (user code in on_train_batch_end without
+    trainer.strategy.flush()) while its block's update waits in the update worker's queue fails the next forward
+    with the message that says to flush (the error raised on the worker reaches the fetch), rather than training on
+    weights plain PyTorch never has."""
+    step_end = threading.Event()
+    gate: set[int] = set()
+    update = HostAdamW._update
+
+    def gated(self, slab, pend):
+        if slab.index in gate:  # the first decoder layer: its update runs just before the embedding's
+            step_end.wait(GATE_TIMEOUT_S)
+            step_end.clear()
+        update(self, slab, pend)
+
+    monkeypatch.setattr(HostAdamW, "_update", gated)
+
+    def write(trainer):
+        if trainer.global_step == 1:
+            with torch.no_grad():
+                trainer.lightning_module.model.model.embed_tokens.weight.mul_(0.5)
+
+    class Gate(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            gate.update(trainer.strategy.engine.blocks[1].slabs)
+
+    with pytest.raises(RuntimeError, match=r"written in place after optimizer.step\(\).*trainer.strategy.flush\(\)"):
+        _fit(MegaTrainStrategy(optimizer_in_backward=True), 3, callbacks=[Gate(), _StepEnd(step_end, write)])
