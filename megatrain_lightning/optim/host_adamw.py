@@ -307,11 +307,15 @@ class HostAdamW:
 
     def drain(self) -> None:
         """Wait for every update submitted to the worker; raise the first error one of them raised."""
+        self._wait_jobs()
+        self._raise_error()
+
+    def _wait_jobs(self) -> None:
+        """Wait for every update submitted to the worker (their errors stay recorded)."""
         with self._jobs_lock:
             jobs, self._jobs = self._jobs, []
         for f in jobs:
             f.result()
-        self._raise_error()
 
     def _raise_error(self, slab_index: int | None = None) -> None:
         """Raise the error an update of the worker raised (of ``slab_index``, or of any slab), once."""
@@ -345,10 +349,7 @@ class HostAdamW:
             with self.store.slabs[si].lock:
                 self.pending.pop(si, None)
         self._claimed.clear()
-        with self._jobs_lock:
-            jobs, self._jobs = self._jobs, []
-        for f in jobs:
-            f.result()
+        self._wait_jobs()
         with self._jobs_lock:
             self._errors.clear()
 

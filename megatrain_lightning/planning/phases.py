@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .terms import update_in_backward
+from .terms import any_on_nvme, update_in_backward
 
 PHASES = ("forward", "backward")
 #: per phase, the chains of terms one worker runs in series (the first is compute): the NVMe tier, where the
@@ -67,7 +67,7 @@ CHAINS_RAM: dict[str, tuple[tuple[str, ...], ...]] = {
 def update_worker(s: dict[str, Any]) -> bool:
     """Whether the plan's updates run on the update worker: nothing is on NVMe (the engine starts it on the RAM
     tier only)."""
-    return "nvme" not in (s.get("offload_params"), s.get("offload_optimizer"), s.get("offload_grads"))
+    return not any_on_nvme(s)
 
 
 def chain_table(e: dict[str, Any]) -> dict[str, tuple[tuple[str, ...], ...]]:

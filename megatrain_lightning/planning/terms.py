@@ -167,6 +167,11 @@ def checkpoint_state_bytes(c: ParamCounts, s: dict[str, Any]) -> int:
     return optim_state_bytes(c, s) if s["offload_optimizer"] == "cpu" else NVME_STATE_BYTES * c.total
 
 
+def any_on_nvme(s: dict[str, Any]) -> bool:
+    """Whether the settings put any state (masters, optimizer state, gradient accumulators) on NVMe."""
+    return "nvme" in (s.get("offload_params"), s.get("offload_optimizer"), s.get("offload_grads"))
+
+
 def update_in_backward(s: dict[str, Any]) -> bool:
     """Whether the AdamW update of each slab starts in the backward, after the slab's last gradient add
     (``optimizer_in_backward``: on the update worker on the RAM tier, on the D2H worker on the NVMe tier); else the
@@ -175,8 +180,7 @@ def update_in_backward(s: dict[str, Any]) -> bool:
     from ..config import optimizer_in_backward_on
 
     v = s.get("optimizer_in_backward")
-    nvme = "nvme" in (s.get("offload_params"), s.get("offload_optimizer"), s.get("offload_grads"))
-    return bool(optimizer_in_backward_on(v, nvme))
+    return bool(optimizer_in_backward_on(v, any_on_nvme(s)))
 
 
 def _pow2_waste(nbytes: int) -> int:
