@@ -174,12 +174,44 @@ def test_cli_optim_setting_and_its_labels():
                           "optim=adafactor", "hardware.host_ram_gib=1536"], capture_output=True, text=True,
                          cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stderr
-    assert "Adafactor row/col variance + step" in out.stdout and "host Adafactor (AdamW rate)" in out.stdout
+    assert "Adafactor row/col variance + step" in out.stdout and "host Adafactor " in out.stdout
+    assert "(AdamW rate)" not in out.stdout  # a measured cost: its own rate, its name in the step time's bound
+    assert re.search(r"host Adafactor\s+100\.27 G params\s+6\.32 G params/s", out.stdout), out.stdout
     assert re.search(r"total\s+945\.\d\s+have 1,536\.0\s+fits", out.stdout), out.stdout
     assert "fp32 weights + Adafactor state, 4.00 B/param" in out.stdout
     bad = subprocess.run([sys.executable, "-m", "megatrain_lightning.plan", "optim=adamm"], capture_output=True,
                          text=True, cwd=ROOT, timeout=600)
     assert bad.returncode == 2 and "adamw" in bad.stderr
+
+
+def test_host_update_time_scales_the_adamw_rate_by_each_optimizers_measured_cost(llama100b):
+    """The host update term is N / the preset's AdamW rate x the optimizer's time per parameter relative to AdamW
+    (the bench's measured ratios), Muon's 2-D layer weights at SGD's momentum cost plus the Newton-Schulz FLOPs
+    counted by torch's FlopCounterMode on torch's own iteration, at ``hardware.host_bf16_tflops``."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatrain_lightning.planning.optimizers import UPDATE_COST, newton_schulz_flops
+
+    hw = load_hardware("h200")
+    adamw = plan(llama100b, hw, optim="adamw")
+    n = adamw.counts.total
+    assert adamw.times["host_adamw"] == pytest.approx(n / (hw.host_adam_gparams_per_s * 1e9))
+    for name in ("sgd", "adafactor", "lion"):
+        p = plan(llama100b, hw, optim=name)
+        assert p.times["host_adamw"] == pytest.approx(UPDATE_COST[name] * adamw.times["host_adamw"]), name
+    for m, k in ((96, 160), (160, 96)):
+        with FlopCounterMode(display=False) as fc:
+            _zeropower_via_newtonschulz(torch.randn(m, k), (3.4445, -4.775, 2.0315), 5, 1e-7)
+        assert newton_schulz_flops((m, k), 5) == fc.get_total_flops()
+    layer2d = [s for s in adamw.counts.shapes if s[0] == "layer" and len(s[1]) == 2]
+    rest = n - sum(math.prod(s) for _, s in layer2d)
+    ns = sum(newton_schulz_flops(s, 5) for _, s in layer2d)
+    base = (rest + UPDATE_COST["sgd"] * (n - rest)) / (hw.host_adam_gparams_per_s * 1e9)
+    muon = plan(llama100b, hw, optim="muon")
+    assert hw.host_bf16_tflops is None and muon.times["host_adamw"] == pytest.approx(base)
+    muon_fast = plan(llama100b, {**hw.to_dict(), "host_bf16_tflops": 100.0}, optim="muon")
+    assert muon_fast.times["host_adamw"] == pytest.approx(base + ns / 100e12)
 
 
 def test_recipe_preflight_plans_the_recipes_optimizer():

@@ -96,7 +96,7 @@ def host_advice(p: Plan, have: int, keys: Mapping[str, str] | None = None) -> li
         if rss <= have:
             out.append(f"set {nvme_override(keys, limit, params=False)}{where}: {_state_words(p)} go to NVMe; "
                        f"{host_words(q)}, disk "
-                       f"{gib(q.disk_bytes)} GiB; step {q.step_time_s:,.1f} s ({term_label(q.dominating)})")
+                       f"{gib(q.disk_bytes)} GiB; step {q.step_time_s:,.1f} s ({term_label(q.dominating, q.settings)})")
     if "nvme" not in (s["offload_params"], s["offload_optimizer"], s["offload_grads"]) or not out:
         q = replan(p, offload_params="nvme", offload_optimizer="nvme", offload_grads="nvme")
         limit, rss, _ = nvme_limit(q, have)
@@ -106,7 +106,7 @@ def host_advice(p: Plan, have: int, keys: Mapping[str, str] | None = None) -> li
                        f"and moments ({gib(q.nvme_bytes)} GiB) go to NVMe; {host_words(q)} (a window of "
                        f"{blocks_ahead(q.counts, s) + 2} blocks), disk {gib(q.disk_bytes)} GiB "
                        f"({disk_words(q, disk)}), and "
-                       f"the step is bound by {term_label(q.dominating)} at {q.step_time_s:,.1f} s "
+                       f"the step is bound by {term_label(q.dominating, q.settings)} at {q.step_time_s:,.1f} s "
                        f"(was {p.step_time_s:,.1f} s)")
         else:
             out.append(f"even with every state on NVMe ({nvme_override(keys, limit, params=True)}) the host needs "
@@ -277,7 +277,7 @@ def recompute_advice(p: Plan, keys: Mapping[str, str] | None = None) -> str | No
             f"{gib(p.device_bytes)} GiB): it keeps the matmul and attention outputs and skips their recompute, "
             f"{(p.flops - q.flops) / 1e12:,.1f} TFLOP less per step (" +
             (f"step {q.step_time_s:,.3f} s, was {p.step_time_s:,.3f} s)" if q.step_time_s < p.step_time_s else
-             f"the step stays {p.step_time_s:,.3f} s, set by {term_label(p.dominating)})"))
+             f"the step stays {p.step_time_s:,.3f} s, set by {term_label(p.dominating, p.settings)})"))
 
 
 def block_group_advice(p: Plan, keys: Mapping[str, str] | None = None) -> str | None:

@@ -139,6 +139,10 @@ class Hardware:
     ``hbm_gib=None`` means there is no accelerator: the engine's "device" is the CPU and its
     device buffers come out of host RAM. Sources of the numbers are in each YAML file.
 
+    ``host_bf16_tflops`` (optional): sustained bf16 matmul rate of the host CPUs, TFLOP/s: Muon's Newton-Schulz
+    iterations run there (``optim=muon``, :func:`.optimizers.newton_schulz_flops`); ``None``: not known, a Muon
+    plan leaves them out of the step time and says so.
+
     The last three fields plan data parallel runs (``trainer.devices`` > 1 or ``trainer.num_nodes``
     > 1; :mod:`.parallel`) and may be left out of a mapping (``None``):
 
@@ -168,6 +172,7 @@ class Hardware:
     nvme_read_gbps: float
     nvme_write_gbps: float
     host_adam_gparams_per_s: float
+    host_bf16_tflops: float | None = None
     host_mem_gbps: float | None = None
     nvlink_gbps: float | None = None
     network_gbps: float | None = None
@@ -175,13 +180,13 @@ class Hardware:
 
     def __post_init__(self) -> None:
         """Refuse sizes and rates no machine has: every number must be > 0 (``pcie_gen`` aside, which is
-        informative), ``nvme_drives`` an integer >= 1; ``hbm_gib``/``hbm_tbps`` and the three data parallel
+        informative), ``nvme_drives`` an integer >= 1; ``hbm_gib``/``hbm_tbps``, ``host_bf16_tflops`` and the three data parallel
         fields may also be ``None``.
 
         Raises:
             ValueError: names the field as a Hydra key (``hardware.host_ram_gib``), the value and what to set.
         """
-        nullable = {"hbm_gib", "hbm_tbps", "host_mem_gbps", "nvlink_gbps", "network_gbps"}
+        nullable = {"hbm_gib", "hbm_tbps", "host_bf16_tflops", "host_mem_gbps", "nvlink_gbps", "network_gbps"}
         for f in fields(self):
             if f.name in ("name", "pcie_gen", "sources"):
                 continue

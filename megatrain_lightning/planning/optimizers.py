@@ -38,6 +38,12 @@ Adafactor's, is wrong for other shapes and should get an entry here).
 Tiers: on the RAM tier (``offload_optimizer="cpu"``) the host holds this state (:func:`state_bytes`). On the NVMe tier
 the state lives in the store's two fp32 optimizer regions, 8 B/param on disk whatever the optimizer
 (:data:`NVME_STATE_BYTES`), and the host a window of them. Units: bytes.
+
+Update time (:func:`update_work`): each entry also says how long its host update takes per element relative to
+AdamW (:data:`UPDATE_COST`, measured by ``bench/host_optimizers.py``), so that the plan's host update term is the
+preset's AdamW rate (``hardware.host_adam_gparams_per_s``) scaled by it; Muon adds its Newton-Schulz matmuls at
+``hardware.host_bf16_tflops``. adamw8bit and measured ``_target_`` classes have no measured cost: planned at AdamW's
+rate, and the plan says so.
 """
 
 from __future__ import annotations
@@ -64,12 +70,16 @@ class OptimSpec:
         label: how the plan names its state (a host RAM line).
         rule: ``(shape, kind, options) -> bytes`` of one parameter's state; ``kind`` is ``"embedding"``,
             ``"layer"`` or ``"head"`` (the streamed block holding it), ``options`` the config's hyper-parameters.
+        cost: ``(shape, kind, options) -> (time, flops)`` of one parameter's host update: ``time`` in AdamW
+            element updates (elements x the class's time per element / AdamW's, :data:`UPDATE_COST`), ``flops``
+            host matmul FLOPs besides (Muon's Newton-Schulz iterations); ``None``: not measured, planned as AdamW.
     """
 
     name: str
     target: str
     label: str
     rule: Callable[[tuple[int, ...], str, Mapping[str, Any]], int]
+    cost: Callable[[tuple[int, ...], str, Mapping[str, Any]], tuple[float, float]] | None = None
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -113,14 +123,43 @@ def _adamw8bit(shape: tuple[int, ...], kind: str, o: Mapping[str, Any]) -> int:
     return STEP_BYTES + 8 * n
 
 
+#: host update time per element relative to torch's AdamW on the same CPU tensors: AdamW's plain ``step()`` rate /
+#: the class's, measured by ``bench/host_optimizers.py`` (torch's default CPU kernels, 2 threads), the median over
+#: three runs on two hosts (SGD 0.44 / 0.43 / 0.54, Adafactor 1.87 / 2.06 / 1.58, Lion 0.73 / 0.51 on the 2-core dev
+#: box only; ``bench/results/host_optimizers*.json``, docs/benchmarks.md). Elementwise updates are bound by memory
+#: traffic and passes over it, so the ratio carries to other hosts better than either rate (it moved by up to 25%).
+UPDATE_COST = {"adamw": 1.0, "sgd": 0.45, "adafactor": 1.9, "lion": 0.6}
+
+
+def _relative(name: str) -> Callable[[tuple[int, ...], str, Mapping[str, Any]], tuple[float, float]]:
+    def cost(shape: tuple[int, ...], kind: str, o: Mapping[str, Any]) -> tuple[float, float]:
+        return UPDATE_COST[name] * _numel(shape), 0.0
+    return cost
+
+
+def newton_schulz_flops(shape: Sequence[int], steps: int) -> float:
+    """FLOPs of Muon's orthogonalisation of one ``m x n`` gradient (``torch/optim/_muon.py``
+    ``_zeropower_via_newtonschulz``: the smaller side ``m`` first; per iteration ``X X^T`` (2 m^2 n), ``b A + c A A``
+    (2 m^3) and ``a X + B X`` (2 m^2 n); bf16 matmuls)."""
+    m, n = sorted(shape[-2:])
+    return steps * (4.0 * m * m * n + 2.0 * m ** 3)
+
+
+def _muon_cost(shape: tuple[int, ...], kind: str, o: Mapping[str, Any]) -> tuple[float, float]:
+    if muon_param(shape, kind):  # the momentum update (SGD's passes) + the Newton-Schulz matmuls
+        return UPDATE_COST["sgd"] * _numel(shape), newton_schulz_flops(shape, int(o.get("ns_steps", 5) or 5))
+    return UPDATE_COST["adamw"] * _numel(shape), 0.0
+
+
 OPTIMIZERS: dict[str, OptimSpec] = {s.name: s for s in (
-    OptimSpec("adamw", "torch.optim.AdamW", "AdamW exp_avg + exp_avg_sq", _adamw),
-    OptimSpec("adam", "torch.optim.Adam", "Adam exp_avg + exp_avg_sq", _adamw),
-    OptimSpec("sgd", "torch.optim.SGD", "SGD momentum_buffer", _sgd),
-    OptimSpec("adafactor", "torch.optim.Adafactor", "Adafactor row/col variance + step", _adafactor),
-    OptimSpec("lion", "lion_pytorch.Lion", "Lion exp_avg", _lion),
+    OptimSpec("adamw", "torch.optim.AdamW", "AdamW exp_avg + exp_avg_sq", _adamw, _relative("adamw")),
+    OptimSpec("adam", "torch.optim.Adam", "Adam exp_avg + exp_avg_sq", _adamw, _relative("adamw")),
+    OptimSpec("sgd", "torch.optim.SGD", "SGD momentum_buffer", _sgd, _relative("sgd")),
+    OptimSpec("adafactor", "torch.optim.Adafactor", "Adafactor row/col variance + step", _adafactor,
+              _relative("adafactor")),
+    OptimSpec("lion", "lion_pytorch.Lion", "Lion exp_avg", _lion, _relative("lion")),
     OptimSpec("muon", "megatrain_lightning.optim.muon.MuonWithAdamW",
-              "Muon momentum + AdamW moments (the rest)", _muon),
+              "Muon momentum + AdamW moments (the rest)", _muon, _muon_cost),
     OptimSpec("adamw8bit", "torchao.optim.AdamW8bit", "AdamW8bit 8-bit moments + block scales", _adamw8bit),
 )}
 #: other spellings of the targets above (``torch.optim.adamw.AdamW``, torch's own Muon for the 2-D weights alone)
@@ -254,6 +293,29 @@ def state_bytes(optim: Any, shapes: Sequence[tuple[str, tuple[int, ...]]]) -> in
     """
     spec, options = resolve(optim)
     return sum(spec.rule(tuple(shape), kind, options) for kind, shape in shapes)
+
+
+def update_work(optim: Any, shapes: Sequence[tuple[str, tuple[int, ...]]]) -> tuple[float, float, bool]:
+    """The host update's work for a model's parameters: ``(factor, flops, measured)``.
+
+    Args:
+        optim: see :func:`resolve`.
+        shapes: as :func:`state_bytes`.
+
+    Returns:
+        ``factor``: the update's time per parameter relative to AdamW's (its cost over ``shapes`` / their elements;
+        1.0 for AdamW/Adam), ``flops``: host matmul FLOPs per step (Muon's Newton-Schulz, 0 for the others),
+        ``measured``: ``False`` when the class has no measured cost (planned as AdamW: ``factor`` 1.0).
+    """
+    spec, options = resolve(optim)
+    n = sum(_numel(shape) for _, shape in shapes)
+    if spec.cost is None or not n:
+        return 1.0, 0.0, spec.cost is not None
+    time = flops = 0.0
+    for kind, shape in shapes:
+        t, f = spec.cost(tuple(shape), kind, options)
+        time, flops = time + t, flops + f
+    return time / n, flops, True
 
 
 def name_of(optim: Any) -> str:

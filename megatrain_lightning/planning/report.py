@@ -9,7 +9,7 @@ from .config import Hardware
 from .estimate import TERM_LABELS, Plan, gib, long_sequence_variants, max_seq_len
 from .parallel import host_mem_rate, intra_rate
 from .phases import update_worker
-from .terms import group_size, layer_wire_bytes, layers_in_flight, term_label, update_in_backward, zero_copy
+from .terms import group_size, host_update_work, layer_wire_bytes, layers_in_flight, term_label, update_in_backward, zero_copy
 
 #: data parallel: the terms that are per node (the rest are per GPU)
 NODE_TERMS = ("nvme_read", "nvme_write", "host_adamw", "grad_add", "host_memory", "inter_node")
@@ -28,7 +28,7 @@ def _rate(p: Plan, key: str) -> str:
         "d2h": f"{hw.d2h_gbps:g} GB/s",
         "nvme_read": f"{hw.nvme_drives} x {hw.nvme_read_gbps:g} GB/s",
         "nvme_write": f"{hw.nvme_drives} x {hw.nvme_write_gbps:g} GB/s",
-        "host_adamw": f"{hw.host_adam_gparams_per_s:g} G params/s",
+        "host_adamw": _update_rate(p),
         "grad_add": f"{host_mem_rate(hw):g} GB/s host memory",
         "host_memory": f"{host_mem_rate(hw):g} GB/s",
         "intra_node": "{:g} GB/s {}".format(*intra_rate(hw)),
@@ -211,13 +211,14 @@ def format_plan(p: Plan) -> str:
     lines += _tier("disk (NVMe store + checkpoints)", p.disk, p.disk_bytes, p.capacity["disk"])
     lines += glossary_lines(p)
     lines += ["", f"per optimizer step                {'amount':>16} {'rate':>24} {'seconds':>10}"]
+    ns = host_update_work(c, p.settings)[1]
     amounts = {
         "compute": f"{p.flops / 1e12:,.1f} TFLOP",
         "h2d": f"{gib(p.moved['h2d'])} GiB",
         "d2h": f"{gib(p.moved['d2h'])} GiB",
         "nvme_read": f"{gib(p.moved['nvme_read'])} GiB",
         "nvme_write": f"{gib(p.moved['nvme_write'])} GiB",
-        "host_adamw": f"{c.total / 1e9:,.2f} G params",
+        "host_adamw": f"{c.total / 1e9:,.2f} G params" + (f" + {ns / 1e12:,.0f} TFLOP" if ns else ""),
         "grad_add": f"{gib(p.moved['grad_add'])} GiB",
         **{k: f"{gib(p.moved[k])} GiB" for k in ("host_memory", "intra_node", "inter_node") if k in p.moved},
     }
@@ -231,6 +232,7 @@ def format_plan(p: Plan) -> str:
         lines.append(f"  {label:<31} {amounts[k]:>16} {_rate(p, k):>24} {t:>10.3f}{mark}")
     parts = [f"{k} {v / 1e12:+,.1f}" for k, v in p.flops_parts.items() if v]
     lines.append("  (compute TFLOP = " + ", ".join(parts) + f"; N_matmul = {c.matmul_params:,})")
+    lines += update_flops_lines(p)
     if p.parallel:
         lines += [""] + format_parallel(p)
     lines += [""] + step_time_lines(p) + [
@@ -276,8 +278,14 @@ def schedule_words(in_backward: bool, worker: bool) -> str:
             + ("on the update worker)" if worker else "on the H2D worker before its fetch)"))
 
 
-def _phases_text(phases: dict[str, tuple[float, str]]) -> str:
-    return ", ".join(f"{ph} {t:,.3f} s ({term_label(k)})" for ph, (t, k) in phases.items())
+def _phases_text(p: Plan, phases: dict[str, tuple[float, str]] | None = None) -> str:
+    """``phases`` (default the plan's) as "forward 1.000 s (host AdamW), ..."."""
+    return ", ".join(f"{ph} {t:,.3f} s ({_label(p, k)})" for ph, (t, k) in (phases or p.phases).items())
+
+
+def _label(p: Plan, key: str) -> str:
+    """:func:`.terms.term_label` with the plan's optimizer named in the host update's label."""
+    return term_label(key, p.settings)
 
 
 def _optim_title(p: Plan) -> str:
@@ -288,12 +296,33 @@ def _optim_title(p: Plan) -> str:
 
 
 def _term_row_label(p: Plan, k: str) -> str:
-    """A term's row label; the host update's names the optimizer when it is not AdamW/Adam (its time is still the
-    preset's AdamW rate: ``host_adam_gparams_per_s``)."""
+    """A term's row label; the host update's names the optimizer when it is not AdamW/Adam, and says "(AdamW rate)"
+    when its time is not measured (:func:`.terms.host_update_work`)."""
     title = _optim_title(p)
     if k == "host_adamw" and title not in ("AdamW", "Adam"):
-        return f"host {title} (AdamW rate)"
+        return f"host {title}" + ("" if host_update_work(p.counts, p.settings)[2] else " (AdamW rate)")
     return TERM_LABELS[k]
+
+
+def _update_rate(p: Plan) -> str:
+    """The host update's rate column: the preset's AdamW rate over the optimizer's relative time per parameter,
+    and Muon's matmul rate (:func:`.terms.host_update_seconds`)."""
+    hw = p.hardware
+    factor, flops, _ = host_update_work(p.counts, p.settings)
+    words = f"{hw.host_adam_gparams_per_s / factor:.3g} G params/s"
+    if flops:
+        words += f" + {hw.host_bf16_tflops:g} TFLOP/s" if hw.host_bf16_tflops else " + ? TFLOP/s"
+    return words
+
+
+def update_flops_lines(p: Plan) -> list[str]:
+    """A line for a Muon plan on a preset without ``host_bf16_tflops``: the Newton-Schulz matmuls are not in the
+    step time."""
+    flops = host_update_work(p.counts, p.settings)[1]
+    if not flops or p.hardware.host_bf16_tflops:
+        return []
+    return [f"  Muon's Newton-Schulz iterations: {flops / 1e12:,.0f} TFLOP of bf16 matmuls per step on the host, not in "
+            f"the step time (the preset has no host matmul rate): set hardware.host_bf16_tflops=<TFLOP/s>"]
 
 
 def _checkpoint_words(p: Plan) -> str:
@@ -316,10 +345,10 @@ def step_time_lines(p: Plan) -> list[str]:
     rate = (f"{_num(p.tokens / t)} tokens/s"
             + (f" per {unit}, {_num(p.node_tokens / t)} per node, {_num(p.cluster_tokens / t)} "
                f"for the {p.settings['num_nodes']} node(s)" if p.parallel else ""))
-    exposed = ", ".join(f"{term_label(k)} {v:,.3f} s" for k, v in sorted(p.exposed.items(), key=lambda kv: -kv[1]))
+    exposed = ", ".join(f"{_label(p, k)} {v:,.3f} s" for k, v in sorted(p.exposed.items(), key=lambda kv: -kv[1]))
     comp = p.times["compute"]
-    out = [f"step time: {t:,.3f} s/step ({rate}), bound by {term_label(p.dominating)}; phases in series, "
-           f"each as long as its longest chain: {_phases_text(p.phases)}",
+    out = [f"step time: {t:,.3f} s/step ({rate}), bound by {_label(p, p.dominating)}; phases in series, "
+           f"each as long as its longest chain: {_phases_text(p)}",
            f"  exposed beyond compute ({comp:,.3f} s): " + (exposed or "none (compute-bound)")]
     in_bwd = update_in_backward(p.settings)
     o = p.other_schedule
@@ -327,10 +356,10 @@ def step_time_lines(p: Plan) -> list[str]:
         d = o["step_time_s"] - t
         faster = "faster" if d < -1e-9 else "slower" if d > 1e-9 else "the same"
         out.append(f"  schedule: {schedule_words(in_bwd, update_worker(p.settings))}; with optimizer_in_backward={o['optimizer_in_backward']}: "
-                   f"{o['step_time_s']:,.3f} s/step ({faster}; {_phases_text(o['phases'])})")
+                   f"{o['step_time_s']:,.3f} s/step ({faster}; {_phases_text(p, o['phases'])})")
     out += [fastest_line(p),
             f"pessimistic (backward H2D at half bandwidth while D2H runs): {p.step_time_pessimistic_s:,.3f} s/step, "
-            f"bound by {term_label(p.dominating_pessimistic)}"]
+            f"bound by {_label(p, p.dominating_pessimistic)}"]
     return out
 
 
@@ -347,7 +376,7 @@ def fastest_line(p: Plan) -> str:
     machine whose real rate is higher than the preset's (or one measured on a quieter day) runs faster than this."""
     k = p.dominating_fastest
     src = (p.hardware.sources or {}).get(TERM_SOURCES.get(k, ""), "")
-    return (f"fastest estimate (every term overlapping): {p.step_time_fastest_s:,.3f} s/step, the {term_label(k)} "
+    return (f"fastest estimate (every term overlapping): {p.step_time_fastest_s:,.3f} s/step, the {_label(p, k)} "
             f"term at {_rate(p, k)}" + (f" ({src})" if src else "") + "; an estimate at that rate, not a lower bound "
             "(a machine faster than that rate steps faster)")
 
@@ -396,8 +425,8 @@ def format_parallel(p: Plan) -> list[str]:
                    f"{gib((R - 1) * shadow)} GiB less (host RAM per node {gib(p.host_bytes - (R - 1) * shadow)} GiB)")
     ranked = sorted(p.times.items(), key=lambda kv: -kv[1])
     top = [k for k, _ in ranked[:4]]
-    out.append(f"  binds: {term_label(p.dominating)} {p.step_time_s:.3f} s/step (the longer phase's bound); "
-               "largest terms: " + ", ".join(f"{TERM_LABELS[k]} {p.times[k]:.3f} s" for k in top)
+    out.append(f"  binds: {_label(p, p.dominating)} {p.step_time_s:.3f} s/step (the longer phase's bound); "
+               "largest terms: " + ", ".join(f"{_label(p, k)} {p.times[k]:.3f} s" for k in top)
                + ("" if "compute" in top else f"; compute per {unit} {p.times['compute']:.3f} s"))
     return out
 
@@ -441,7 +470,7 @@ def format_comparison(plans: list[Plan]) -> str:
             bb += f" (<= {m}{', too big' if b is not None and b > m else ''})"
         fit = ("yes*" if p.tight else "yes") if p.fits else "NO"
         out.append(f"{p.hardware.name:<13} {gib(p.host_bytes) + '/' + gib(p.capacity['host']):>20} {dev:>21} "
-                   f"{fit:>6} {p.step_time_s:>9.2f} {term_label(p.dominating):<34} {p.step_time_fastest_s:>9.2f} "
+                   f"{fit:>6} {p.step_time_s:>9.2f} {_label(p, p.dominating):<34} {p.step_time_fastest_s:>9.2f} "
                    f"{p.step_time_pessimistic_s:>10.2f} {bb:>35} {max_seq_len(p):>12,}")
     if any(p.tight for p in plans):
         out.append("  yes* = fits with under 5% headroom in a tier: " + "; ".join(

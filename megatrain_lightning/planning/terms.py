@@ -89,7 +89,8 @@ Per optimizer step (one micro-batch of ``batch_size`` x ``seq_len`` tokens):
   N_matmul excludes the input-embedding lookup (no FLOPs) unless it is tied to the LM head.
 * host AdamW: N / ``host_adam_gparams_per_s`` (torch's fused CPU kernel; the shadow cast is
   folded into the presets' memory-bandwidth assumption, measured separately at 4.5 G
-  params/s on the 2-core dev box).
+  params/s on the 2-core dev box); another optimizer scales it by its measured time per parameter
+  relative to AdamW, Muon adds its Newton-Schulz FLOPs / ``host_bf16_tflops`` (:func:`host_update_seconds`).
 
 Fastest estimate of the step time = max(compute at peak dense TFLOP/s (bf16 for 2-byte wire modes, fp32
 non-tensor for ``32-true``), H2D / h2d bandwidth, D2H / d2h bandwidth, NVMe reads / (drives x
@@ -112,7 +113,7 @@ from typing import Any
 from .config import GIB, Hardware
 from .activations import activation_bytes
 from .counts import ParamCounts
-from .optimizers import NVME_STATE_BYTES, label as optim_label, name_of as optim_name, state_bytes
+from .optimizers import NVME_STATE_BYTES, label as optim_label, name_of as optim_name, state_bytes, update_work
 from .parallel import host_mem_rate, scale_out
 
 #: precision -> (wire bytes, device param bytes, default grad bytes, saved residual bytes,
@@ -143,10 +144,17 @@ TERM_LABELS = {"compute": "compute", "h2d": "H2D copies", "d2h": "D2H copies", "
 GRAD_ADD_BYTES = {4: 12, 2: 18}
 
 
-def term_label(key: str) -> str:
+def term_label(key: str, settings: dict[str, Any] | None = None) -> str:
     """The label of a term (``"h2d"``) or of a chain of terms one worker runs one after the other
-    (``"h2d+host_adamw"`` -> ``"H2D copies + host AdamW"``, :mod:`.phases`)."""
-    return " + ".join(TERM_LABELS[k] for k in key.split("+"))
+    (``"h2d+host_adamw"`` -> ``"H2D copies + host AdamW"``, :mod:`.phases`); with a plan's ``settings`` the host
+    update's label names its optimizer when it is not AdamW/Adam (``"host Adafactor"``)."""
+    title = optim_label(settings.get("optim")).split()[0] if settings else "AdamW"
+
+    def one(k: str) -> str:
+        if k == "host_adamw" and title not in ("AdamW", "Adam"):
+            return f"host {title}"
+        return TERM_LABELS[k]
+    return " + ".join(one(k) for k in key.split("+"))
 
 
 def optim_state_bytes(c: ParamCounts, s: dict[str, Any]) -> int:
@@ -159,6 +167,22 @@ def optim_state_bytes(c: ParamCounts, s: dict[str, Any]) -> int:
     """
     shapes = c.shapes or tuple(("layer", (n,)) for n in c.stored if n)
     return state_bytes(s.get("optim"), shapes)
+
+
+def host_update_work(c: ParamCounts, s: dict[str, Any]) -> tuple[float, float, bool]:
+    """The chosen optimizer's host update per step: :func:`.optimizers.update_work` over the model's parameter shapes
+    (as :func:`optim_state_bytes`): ``(time per parameter relative to AdamW, Newton-Schulz FLOPs, measured)``."""
+    shapes = c.shapes or tuple(("layer", (n,)) for n in c.stored if n)
+    return update_work(s.get("optim"), shapes)
+
+
+def host_update_seconds(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> float:
+    """Seconds of the host update per step: N x (the optimizer's time per parameter relative to AdamW) /
+    ``hw.host_adam_gparams_per_s``, plus Muon's Newton-Schulz FLOPs / ``hw.host_bf16_tflops`` when the preset has
+    that rate (:func:`host_update_work`)."""
+    factor, flops, _ = host_update_work(c, s)
+    t = c.total * factor / (hw.host_adam_gparams_per_s * 1e9)
+    return t + (flops / (hw.host_bf16_tflops * 1e12) if flops and hw.host_bf16_tflops else 0.0)
 
 
 def checkpoint_state_bytes(c: ParamCounts, s: dict[str, Any]) -> int:
@@ -521,7 +545,7 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
         "d2h": d2h / (hw.d2h_gbps * gb),
         "nvme_read": moved["nvme_read"] / (hw.nvme_drives * hw.nvme_read_gbps * gb),
         "nvme_write": moved["nvme_write"] / (hw.nvme_drives * hw.nvme_write_gbps * gb),
-        "host_adamw": N / (hw.host_adam_gparams_per_s * gb),
+        "host_adamw": host_update_seconds(c, hw, s),
         "grad_add": moved["grad_add"] / (host_mem_rate(hw) * gb),
     }
     e = dict(host=host, device=device, nvme=nvme, disk=disk, moved=moved, flops=flops, flops_parts=flops_parts,
