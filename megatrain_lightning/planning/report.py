@@ -415,7 +415,7 @@ def format_parallel(p: Plan) -> list[str]:
                f"{gib(p.moved['inter_node'])} GiB sent per node: {p.times['inter_node']:.3f} s at "
                f"{hw.network_gbps:g} GB/s (hardware.network_gbps)" if M > 1 else "    inter-node: none (one node)")
     out.append(f"    D2H per {unit}: its own blocks' reduced gradients {gib(p.moved['d2h'])} GiB (one process: {gib(G)} GiB)")
-    out.append(f"  shared by the node's {R} {unit}(s): host AdamW {p.times['host_adamw']:.3f} s (all {p.counts.total / 1e9:,.2f} "
+    out.append(f"  shared by the node's {R} {unit}(s): {_label(p, 'host_adamw')} {p.times['host_adamw']:.3f} s (all {p.counts.total / 1e9:,.2f} "
                f"G params once per node, as one process), host memory {gib(p.moved['host_memory'])} GiB / "
                f"{host_mem_rate(hw):g} GB/s = {p.times['host_memory']:.3f} s ("
                + ", ".join(f"{k} {gib(v)}" for k, v in d["host_traffic"].items() if v) + ")")
