@@ -14,8 +14,17 @@ accelerator="cpu")`` in a subprocess, and measures:
   includes warm-up), the median; and the CPU seconds other processes used meanwhile (``/proc/stat`` minus the
   run's own), so that contention on a shared machine shows.
 
+The step time is planned twice: at the preset's compute rate ("plan s"), and at this machine's rate for the
+configuration's own model, precision and batch ("rate plan s"): a plain PyTorch training step of the same Hugging
+Face model measured in a subprocess just before the run (``planning.measure.model_step_tflops``, what the planner
+tells users to run for their shapes, put in as ``hardware.fp32_tflops`` / ``hardware.bf16_tflops``). The second
+asks whether the planner's model of the engine (recompute, copies, the host update, overlap) is right on this
+machine, the first also whether the preset's one rate fits every shape (it does not: small shapes run far below
+it). ``--no-rate`` skips the measurement.
+
 It prints a table (plan, measured, measured / plan for both) and writes ``bench/results/plan_vs_run.json``.
-Targets: measured peak host RAM within -10%/+5% of the plan, step time within +-25% of the plan's estimate.
+Targets: measured peak host RAM within -10%/+5% of the plan, step time within +-25% of the plan at the measured
+rate.
 Units: GiB = 2**30 B, seconds.
 
     PYTHONPATH=. python bench/plan_vs_run.py            # the whole matrix (about 10 minutes on 2 cores)
@@ -41,7 +50,7 @@ HERE = Path(__file__).resolve()
 RAM_TOL = (-0.10, 0.05)   # measured / plan - 1, peak host RAM
 TIME_TOL = 0.25           # |measured / plan - 1|, step time
 
-#: Llama shapes (Hugging Face ``LlamaConfig`` fields): "t" 0.9 M parameters (the long sequences), "s" 5.2 M, "m" 21 M
+#: Llama shapes (Hugging Face ``LlamaConfig`` fields; and SmolLM2-135M, ``CONF_MODELS``): "t" 0.9 M parameters (the long sequences), "s" 5.2 M, "m" 21 M
 #: (its activations and MLP intermediates are 2-11 MiB tensors, in the range glibc's dynamic mmap threshold keeps)
 MODELS = {
     "t": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=2,
@@ -76,11 +85,20 @@ MATRIX = [
     _cfg("s", "nvme", "32-true", "block", 1, 512),
     _cfg("m", "nvme", "bf16-mixed", "block", 1, 512),
     _cfg("s", "ram", "32-true", "block", 1, 512, devices=2),
+    _cfg("smollm2", "ram", "32-true", "block", 4, 512),
 ]
 QUICK = ["s-ram-fp32-block-1x512", "s-ram-fp32-none-1x1024", "s-nvme-fp32-block-1x512"]
 
 
+#: real models of ``conf/model`` in the matrix: name -> the entry (its ``config`` is what the planner reads)
+CONF_MODELS = {"smollm2": "smollm2_135m"}
+
+
 def model_config(c: dict) -> dict:
+    if c["model"] in CONF_MODELS:
+        from megatrain_lightning.plan import load_model
+
+        return {**load_model(CONF_MODELS[c["model"]])["config"], "use_cache": False}
     return {"model_type": "llama", **MODELS[c["model"]], "max_position_embeddings": max(2048, c["seq_len"]),
             "tie_word_embeddings": False, "use_cache": False}
 
@@ -92,28 +110,30 @@ def strategy_kwargs(c: dict, nvme_path: str | None) -> dict:
     return kw
 
 
-def plan_of(c: dict):
+def plan_of(c: dict, tflops: float | None = None):
     """The planner's plan of configuration ``c`` on the ``this_machine`` preset, with the strategy's defaults for
-    what ``c`` does not set (as the recipes' preflight plans a run)."""
+    what ``c`` does not set (as the recipes' preflight plans a run); ``tflops``: the preset's compute rate for
+    ``c``'s precision replaced by this one (``hardware.fp32_tflops`` / ``hardware.bf16_tflops``)."""
+    import dataclasses
+
     from megatrain_lightning.plan import load_hardware
     from megatrain_lightning.planning.preflight import plan_for_run
 
     st = strategy_kwargs(c, None)
     st.pop("nvme_path", None)
-    return plan_for_run({"name": c["name"], "config": model_config(c)}, load_hardware("this_machine"), st,
+    hw = load_hardware("this_machine")
+    if tflops is not None:
+        hw = dataclasses.replace(hw, **{"fp32_tflops" if c["precision"] == "32-true" else "bf16_tflops": tflops})
+    return plan_for_run({"name": c["name"], "config": model_config(c)}, hw, st,
                         batch_size=c["batch_size"], seq_len=c["seq_len"], precision=c["precision"],
                         devices=c["devices"])
 
 
 # ---------------------------------------------------------------- the run (a subprocess)
-def worker(c: dict, out: str) -> None:
+def step_timer():
+    """A Lightning callback whose ``t`` lists ``time.perf_counter()`` at every ``on_train_batch_start`` and at
+    ``on_train_end``: the step times are the differences."""
     import lightning.pytorch as pl
-    import torch
-    import transformers
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from megatrain_lightning import MegaTrainStrategy
-    from megatrain_lightning.testing import LM
 
     class Timer(pl.Callback):
         def __init__(self) -> None:
@@ -125,13 +145,25 @@ def worker(c: dict, out: str) -> None:
         def on_train_end(self, trainer, pl_module):
             self.t.append(time.perf_counter())
 
+    return Timer()
+
+
+def worker(c: dict, out: str) -> None:
+    import lightning.pytorch as pl
+    import torch
+    import transformers
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from megatrain_lightning import MegaTrainStrategy
+    from megatrain_lightning.testing import LM
+
     cfg = model_config(c)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.for_model(**cfg), attn_implementation="sdpa")
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg["vocab_size"], (3 * c["batch_size"] * c["devices"], c["seq_len"]), generator=g)
-    timer = Timer()
+    timer = step_timer()
     with tempfile.TemporaryDirectory(dir=os.environ.get("MEGATRAIN_NVME_PATH")) as d:
         trainer = pl.Trainer(strategy=MegaTrainStrategy(**strategy_kwargs(c, d)), accelerator="cpu",
                              devices=c["devices"], max_steps=3, precision=c["precision"], logger=False,
@@ -144,6 +176,29 @@ def worker(c: dict, out: str) -> None:
             hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
         Path(out).write_text(json.dumps({"steps_s": steps, "vmhwm_bytes": hwm,
                                          "history": trainer.strategy.engine.history}))
+
+
+def rate_worker(c: dict, out: str) -> None:
+    """This machine's compute rate for ``c``'s model, precision and batch: a plain PyTorch training step of the same
+    Hugging Face model (``planning.measure.model_step_tflops``, the tool the planner's docs tell users to run),
+    median of 2 after a warm-up; TFLOP/s as the planner counts a plain step."""
+    from megatrain_lightning.planning.measure import model_step_tflops
+
+    r = model_step_tflops(c["seq_len"], 0, c["precision"] != "32-true", repeats=2, config=model_config(c),
+                          batch_size=c["batch_size"])
+    Path(out).write_text(json.dumps({"tflops": r}))
+
+
+def measure_rate(c: dict, env: dict[str, str], timeout: float) -> float | None:
+    """:func:`rate_worker` in a subprocess (its memory stays out of the run's); ``None`` if it fails."""
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "rate.json")
+        r = subprocess.run([sys.executable, str(HERE), "--rate-worker", json.dumps(c), "--out", out], env=env,
+                           capture_output=True, text=True, timeout=timeout)
+        if r.returncode != 0 or not os.path.exists(out):
+            print(f"{c['name']}: rate measurement failed: {r.stdout[-500:]}{r.stderr[-1500:]}", flush=True)
+            return None
+        return float(json.loads(Path(out).read_text())["tflops"])
 
 
 # ---------------------------------------------------------------- the sampler (this process)
@@ -245,12 +300,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", help="configuration names")
     ap.add_argument("--out", default=str(HERE.parent / "results" / "plan_vs_run.json"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--rate-worker", help=argparse.SUPPRESS)
+    ap.add_argument("--no-rate", action="store_true",
+                    help="skip measuring each configuration's compute rate (the step time is then judged against the "
+                         "preset's rate only)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     ap.add_argument("--no-malloc-tuning", action="store_true",
                     help="runs with MEGATRAIN_MALLOC_TUNING=0: glibc's default malloc thresholds (store/allocator.py)")
     a = ap.parse_args(argv)
     if a.worker:
         worker(json.loads(a.worker), a.out)
+        return 0
+    if a.rate_worker:
+        rate_worker(json.loads(a.rate_worker), a.out)
         return 0
     todo = [c for c in MATRIX if (not a.quick or c["name"] in QUICK) and (not a.only or c["name"] in a.only)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE.parent.parent),
@@ -259,27 +321,32 @@ def main(argv: list[str] | None = None) -> int:
         env["MEGATRAIN_MALLOC_TUNING"] = "0"
     with open("/proc/loadavg") as f:
         load0 = f.read().split()[:3]
-    head = (f"{'configuration':<34} {'plan GiB':>8} {'run GiB':>8} {'ratio':>6} {'plan s':>8} {'run s':>8} "
-            f"{'ratio':>6} {'other CPU':>9}  ok")
+    head = (f"{'configuration':<34} {'plan GiB':>8} {'run GiB':>8} {'ratio':>6} {'plan s':>8} {'rate plan s':>11} "
+            f"{'run s':>8} {'ratio':>6} {'other CPU':>9}  ok")
     print(head + "\n" + "-" * len(head), flush=True)
     rows = []
     for c in todo:
         p = plan_of(c)
+        rate = None if a.no_rate else measure_rate(c, env, a.timeout)
+        q = plan_of(c, rate) if rate is not None else p
         m = measure(c, env, a.timeout)
         row = {**c, "plan_host_bytes": p.host_bytes, "plan_host": dict(p.host), "plan_step_s": p.step_time_s,
-               "plan_fastest_s": p.step_time_fastest_s, "plan_dominating": p.dominating, **m}
+               "plan_fastest_s": p.step_time_fastest_s, "plan_dominating": p.dominating,
+               "measured_tflops": rate, "plan_step_measured_rate_s": q.step_time_s,
+               "plan_dominating_measured_rate": q.dominating, **m}
         if "error" in m:
             print(f"{c['name']:<34} ERROR {m['error']}\n{m['log_tail']}", flush=True)
             rows.append(row)
             continue
         rr = m["peak_host_bytes"] / p.host_bytes
-        tr = m["step_s"] / p.step_time_s
-        row.update(ram_ratio=rr, time_ratio=tr, ram_ok=RAM_TOL[0] <= rr - 1 <= RAM_TOL[1],
-                   time_ok=abs(tr - 1) <= TIME_TOL)
+        tr = m["step_s"] / q.step_time_s
+        row.update(ram_ratio=rr, time_ratio=tr, time_ratio_preset_rate=m["step_s"] / p.step_time_s,
+                   ram_ok=RAM_TOL[0] <= rr - 1 <= RAM_TOL[1], time_ok=abs(tr - 1) <= TIME_TOL)
         rows.append(row)
         ok = ("" if row["ram_ok"] else " RAM") + ("" if row["time_ok"] else " TIME")
         print(f"{c['name']:<34} {p.host_bytes / GIB:>8.2f} {m['peak_host_bytes'] / GIB:>8.2f} {rr:>6.2f} "
-              f"{p.step_time_s:>8.2f} {m['step_s']:>8.2f} {tr:>6.2f} {m['other_cpu_share']:>8.0%}  "
+              f"{p.step_time_s:>8.2f} {q.step_time_s:>11.2f} {m['step_s']:>8.2f} {tr:>6.2f} "
+              f"{m['other_cpu_share']:>8.0%}  "
               f"{'yes' if not ok else 'NO:' + ok}", flush=True)
     with open("/proc/loadavg") as f:
         load1 = f.read().split()[:3]

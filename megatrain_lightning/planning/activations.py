@@ -41,7 +41,9 @@ during that layer's backward (an assumption). Besides that working set:
   chunked, the logits themselves, V x a B per token: the head block's output, which the engine keeps
   until its backward. Measured: peak RSS of the head and HF's loss alone, forward and backward, on a
   CPU at 2,048 and 4,096 tokens of a 4,096-entry vocabulary: 16.0 B per entry and token in fp32,
-  12-14 under bf16 autocast. The head phase and a layer's phase do not overlap: the larger counts.
+  12-14 under bf16 autocast. The head phase and a layer's phase do not overlap: the larger counts (on a CPU device
+  with ``[tokens, hidden]`` tensors under glibc's mmap threshold both count: the heap keeps the freed one,
+  :func:`heap_keeps_layer_phase`).
 
 Options that cap a term at a chunk of tokens (the term is per token x min(tokens, chunk)):
 
@@ -252,4 +254,29 @@ def activation_bytes(c: ParamCounts, s: dict[str, Any], gpu: bool = True) -> tup
     label = {"head": "computing block activations (LM head: logits + grad)",
              "layer": "computing block activations (one decoder layer)"}[which]
     dev[label] = phase[which]
+    if not gpu and heap_keeps_layer_phase(c, s):
+        dev[HEAP_KEPT] = min(phase.values())
     return dev, host
+
+
+#: the CPU device's term for what glibc's heap keeps of the smaller phase (:func:`heap_keeps_layer_phase`)
+HEAP_KEPT = "the other phase's freed buffers (CPU device: kept by glibc's heap)"
+
+
+def heap_keeps_layer_phase(c: ParamCounts, s: dict[str, Any]) -> bool:
+    """Whether, on a CPU device, the C heap keeps a decoder layer's freed activations resident while the LM head
+    computes (and the other way round), so that both phases count in host RAM instead of the larger.
+
+    A layer's activations are mostly ``[tokens, hidden]`` tensors; below glibc's mmap threshold (the strategy fixes it
+    at ``store.allocator.MMAP_THRESHOLD_BYTES``, 8 MiB) they come from the heap, whose freed space stays resident in
+    the arena (glibc ``free`` gives back only the top of the heap), while the head's logits-sized tensors above it
+    are mapped on top. Measured (``mallinfo2`` during ``bench/plan_vs_run.py``'s ``t-ram-fp32-block-1x8192``, a
+    hidden-128 Llama, 4 MiB residual tensors): the arena held 119-155 MiB of free space while the head ran, the
+    layer phase's planned 131 MiB; peak RSS was the head phase plus that (plan with both phases: 0.99 of the
+    measured peak, with the larger only: 1.17). Above the threshold the layer's tensors are mapped and unmapped
+    one by one and nothing stays: the larger phase counts, as on a GPU.
+    """
+    from ..store.allocator import MMAP_THRESHOLD_BYTES
+
+    r, _, _ = _dtypes(s)
+    return s["batch_size"] * s["seq_len"] * c.hidden_size * max(r, 4) < MMAP_THRESHOLD_BYTES

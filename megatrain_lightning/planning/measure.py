@@ -58,22 +58,29 @@ def train_step_tflops(tokens: int, hidden: int, intermediate: int, autocast_bf16
     return flop / _median_seconds(step, repeats) / 1e12
 
 
-def model_step_tflops(tokens: int, layers: int, autocast_bf16: bool, repeats: int = 3) -> float:
-    """TFLOP/s of one training step (forward + backward with the loss) of a SmolLM2-135M-shaped
-    Hugging Face Llama (``conf/model/smollm2_135m.yaml``'s shapes, ``layers`` decoder layers) on one
-    sequence of ``tokens`` tokens, in fp32 or under CPU bf16 autocast, counted as the planner counts
-    a plain step: 6 x N_matmul x tokens + 6 x layers x tokens x q_dim x tokens (Kaplan et al. 2020,
-    forward 2N + 2 n_layer n_ctx d_attn per token, backward twice the forward)."""
+def model_step_tflops(tokens: int, layers: int, autocast_bf16: bool, repeats: int = 3,
+                      config: dict | None = None, batch_size: int = 1) -> float:
+    """TFLOP/s of one plain PyTorch training step (forward + backward with the loss) of a Hugging Face causal LM on
+    ``batch_size`` sequences of ``tokens`` tokens, in fp32 or under CPU bf16 autocast, counted as the planner counts
+    a plain step: 6 x N_matmul x batch x tokens + 6 x layers x batch x tokens x q_dim x tokens (Kaplan et al. 2020,
+    forward 2N + 2 n_layer n_ctx d_attn per token, backward twice the forward).
+
+    Args:
+        config: ``transformers.AutoConfig.for_model`` keywords (``model_type``...); ``None``: a SmolLM2-135M-shaped
+            Llama (``conf/model/smollm2_135m.yaml``'s shapes) with ``layers`` decoder layers (``layers`` is ignored
+            when ``config`` is given).
+    """
     import transformers
 
     from .counts import count_module
 
-    cfg = transformers.AutoConfig.for_model(
-        model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
-        num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True, use_cache=False)
+    if config is None:
+        config = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                      num_hidden_layers=layers, num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+    cfg = transformers.AutoConfig.for_model(**{**config, "use_cache": False})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
-    ids = torch.randint(0, cfg.vocab_size, (1, tokens))
+    ids = torch.randint(0, cfg.vocab_size, (batch_size, tokens))
 
     def step() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
@@ -82,7 +89,8 @@ def model_step_tflops(tokens: int, layers: int, autocast_bf16: bool, repeats: in
         model.zero_grad(set_to_none=True)
 
     c = count_module(model)
-    flop = 6 * c.matmul_params * tokens + 6 * layers * tokens * c.num_heads * c.head_dim * tokens
+    n_tok = batch_size * tokens
+    flop = 6 * c.matmul_params * n_tok + 6 * c.num_layers * n_tok * c.num_heads * c.head_dim * tokens
     return flop / _median_seconds(step, repeats) / 1e12
 
 

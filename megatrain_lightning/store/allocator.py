@@ -5,9 +5,9 @@ recompute's graph, the gradient batches). glibc serves an allocation of at least
 its own ``mmap`` and gives it back to the kernel on ``free``; but the threshold is dynamic: each such block freed
 raises it to that block's size (up to 32 MiB on 64-bit), so the next buffers of that size come from the heap,
 whose freed memory stays resident (fragmented, or in one of the per-thread arenas). Measured on the CPU device
-(``bench/plan_vs_run.py``, 14 configurations): these settings lower the peak RSS by 5-10%; it is still 1-20% above
-the planner's host RAM (within -10%/+5% in 4 of 14 configurations; ``plan_vs_run_glibc_defaults.json`` is the
-same matrix without them).
+(``bench/plan_vs_run.py``): these settings lower the peak RSS by up to 8% (``plan_vs_run_glibc_defaults.json`` is
+the matrix without them). Allocations under the threshold still come from the heap and their freed space stays
+there: the planner counts that on a CPU device (``planning/activations.py``, ``heap_keeps_layer_phase``).
 
 :func:`bound_retention` sets those two with ``mallopt`` (``M_MMAP_THRESHOLD`` = 8 MiB, fixed: setting it turns
 the dynamic adjustment off; ``M_ARENA_MAX`` = 2) when the strategy sets up, on glibc only, unless the environment

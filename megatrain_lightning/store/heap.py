@@ -20,51 +20,32 @@ the same compute time (57.5-58.1 s per step against 57.0-61.5 s). A 1 MiB thresh
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import logging
+
+from .allocator import bound_retention, glibc
 
 log = logging.getLogger(__name__)
 
-M_MMAP_THRESHOLD = -3  # glibc <malloc.h>
-M_ARENA_MAX = -8
-
-MMAP_THRESHOLD_BYTES = 8 * 2**20
-"""Allocations at least this large get their own mapping, returned to the OS when freed."""
-ARENA_MAX = 2
-"""Heap arenas shared by all threads (glibc's default is 8 per core)."""
-
-@functools.lru_cache(maxsize=None)
-def _glibc() -> ctypes.CDLL | None:
-    """The C library if it is glibc (it has ``mallopt``, ``malloc_trim``, ``gnu_get_libc_version``)."""
-    try:
-        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
-    return lib if all(hasattr(lib, f) for f in ("mallopt", "malloc_trim", "gnu_get_libc_version")) else None
-
 
 def bound_heap() -> bool:
-    """Make freed memory of at least :data:`MMAP_THRESHOLD_BYTES` return to the OS at once, share
-    at most :data:`ARENA_MAX` arenas between threads, and give back the free heap space there is now.
+    """Make freed memory of at least ``allocator.MMAP_THRESHOLD_BYTES`` return to the OS at once, share at most
+    ``allocator.ARENA_MAX`` arenas between threads (:func:`.allocator.bound_retention`, which the strategy also
+    applies at setup; glibc's own environment variables win), and give back the free heap space there is now.
 
-    Process-wide (``mallopt`` and ``malloc_trim(0)``); called once by the engine when a
-    ``host_memory_limit`` is in force. Returns ``False`` (and changes nothing) where the C library
-    is not glibc (musl, macOS): there peak RSS may exceed the budget by more than measured here.
+    Process-wide; called once by the engine when a ``host_memory_limit`` is in force. Returns ``False`` (and
+    changes nothing) where the C library is not glibc (musl, macOS): there peak RSS may exceed the budget by more
+    than measured here.
     """
-    lib = _glibc()
-    if lib is None:
+    if glibc() is None:
         log.info("megatrain: not glibc; freed heap memory may stay resident beyond host_memory_limit.")
         return False
-    ok = lib.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
-    ok = lib.mallopt(M_ARENA_MAX, ARENA_MAX) == 1 and ok
+    bound_retention()
     trim()
-    return ok
+    return True
 
 
 def trim() -> None:
     """Return free heap pages of every arena to the OS (``malloc_trim(0)``; a no-op without glibc)."""
-    lib = _glibc()
+    lib = glibc()
     if lib is not None:
         lib.malloc_trim(0)
