@@ -345,6 +345,27 @@ def test_optimizer_state_on_nvme_matches_plain_lightning(tmp_path, kind):
             assert torch.equal(torch.as_tensor(got["state"][i][k]), torch.as_tensor(v)), (i, k)
 
 
+def test_the_nvme_update_moves_only_the_state_regions_the_class_uses(tmp_path):
+    """SGD without momentum keeps no tensor state and SGD with momentum one buffer per element: after each slab's
+    first update (which decides the placements) their updates hold no optimizer region, and ``exp_avg`` only, so
+    the NVMe tier reads and writes less per step than with both regions; numbers bitwise plain Lightning."""
+    model = make_model("llama")
+    stateless = lambda m: torch.optim.SGD(m.parameters(), lr=0.05)  # noqa: E731
+    momentum = lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)  # noqa: E731
+    moved, kinds = {}, {}
+    for name, make in (("stateless", stateless), ("momentum", momentum)):
+        ref, _ = _fit(model, make, "auto")
+        (tmp_path / name).mkdir()
+        lm, trainer = _fit(model, make, _nvme(tmp_path / name))
+        _assert_bitwise(lm, ref)
+        eng = trainer.strategy.engine
+        io = eng.store.nvme.meter.snapshot()
+        moved[name] = io["nvme_read_bytes"] + io["nvme_write_bytes"]
+        kinds[name] = {tuple(eng.optimizer._state_kinds(s)) for s in eng.store.slabs if s.trainable_numel}
+    assert kinds == {"stateless": {()}, "momentum": {("exp_avg",)}}
+    assert moved["stateless"] < moved["momentum"], moved
+
+
 def test_directory_checkpoint_resume_on_nvme_is_exact(tmp_path):
     """5 steps, a directory checkpoint, 5 more from it (both with the state on NVMe) = 10 uninterrupted steps in RAM."""
     make = OPTIMIZERS["adafactor"]

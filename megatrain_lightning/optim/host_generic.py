@@ -284,8 +284,25 @@ class HostTorchOptimizer(HostAdamW):
         return f"{_name(self.optimizer)}.step"
 
     # ------------------------------------------------------------------ math
+    def _state_kinds(self, slab: Slab) -> list[str]:
+        """NVMe tier: the optimizer regions a slab's update must hold: both until each trainable parameter of the slab
+        has its placements (its first update decides them), then only those its placements use (none for a class
+        that keeps no tensor state, e.g. SGD without momentum; ``exp_avg`` only for one buffer per element), so the
+        update reads and writes no region it does not need. RAM tier: none (the state lives in :attr:`state`)."""
+        if not self.on_disk:
+            return []
+        used: set[int] = set()
+        for i, e in enumerate(slab.entries):
+            if not e.trainable:
+                continue
+            places = self.packed.get((slab.index, i))
+            if places is None:
+                return [Region.exp_avg, Region.exp_avg_sq]
+            used.update(pl.region for pl in places)
+        return [k for r, k in enumerate((Region.exp_avg, Region.exp_avg_sq)) if r in used]
+
     def _update(self, slab: Slab, pend: _Pending) -> None:
-        kinds = [Region.master, Region.exp_avg, Region.exp_avg_sq] if self.on_disk else [Region.master]
+        kinds = [Region.master, *self._state_kinds(slab)]
         with self.store.hold(slab.index, kinds, write=True) as w, self.store.hold(slab.index, [Region.grad_accum]) as r:
             master, acc = w[Region.master], r[Region.grad_accum]
             if pend.grad_ops:
@@ -307,7 +324,7 @@ class HostTorchOptimizer(HostAdamW):
                     views[i] = p
                     ps.append(p)
                 groups.append((pend.hyper[gi], ps))
-            regions = (w[Region.exp_avg], w[Region.exp_avg_sq]) if self.on_disk else None
+            regions = (w.get(Region.exp_avg), w.get(Region.exp_avg_sq)) if self.on_disk else None
             live = {i: self._live_state(slab, i, regions) for i in views}
             inst = self._slab_instance(slab.index, tuple((gi, tuple(idx)) for gi, idx in by_group.items()), groups,
                                        fresh=any(st is None for st in live.values()))
@@ -320,6 +337,8 @@ class HostTorchOptimizer(HostAdamW):
                     st = inst.state.get(p)
                     if st:
                         self._keep_state(slab, i, st, regions)
+                    elif regions is not None:  # no state (SGD without momentum): nothing to place on disk
+                        self.packed.setdefault((slab.index, i), [])
             finally:
                 inst.state.clear()
                 for g in inst.param_groups:
