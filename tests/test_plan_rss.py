@@ -25,8 +25,6 @@ from megatrain_lightning.planning.activations import HEAP_KEPT  # noqa: E402
 def test_cpu_host_ram_plan_is_within_the_target_of_the_measured_peak():
     c = next(c for c in plan_vs_run.MATRIX if c["name"] == "t-ram-fp32-block-1x8192")
     p = plan_vs_run.plan_of(c)
-    kept = p.host.get("activations (CPU device)")
-    assert kept is not None
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     m = plan_vs_run.measure(c, env, timeout=600)
     assert "error" not in m, m

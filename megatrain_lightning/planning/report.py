@@ -9,7 +9,7 @@ from .config import Hardware
 from .estimate import TERM_LABELS, Plan, gib, long_sequence_variants, max_seq_len
 from .parallel import host_mem_rate, intra_rate
 from .phases import update_worker
-from .terms import group_size, host_update_work, layer_wire_bytes, layers_in_flight, term_label, update_in_backward, zero_copy
+from .terms import group_size, host_update_work, optim_title, layer_wire_bytes, layers_in_flight, term_label, update_in_backward, zero_copy
 
 #: data parallel: the terms that are per node (the rest are per GPU)
 NODE_TERMS = ("nvme_read", "nvme_write", "host_adamw", "grad_add", "host_memory", "inter_node")
@@ -288,20 +288,13 @@ def _label(p: Plan, key: str) -> str:
     return term_label(key, p.settings)
 
 
-def _optim_title(p: Plan) -> str:
-    """The optimizer's short name (``"AdamW"``, ``"Adafactor"``...; :mod:`.optimizers`)."""
-    from .optimizers import label
-
-    return label(p.settings.get("optim")).split()[0]
-
-
 def _term_row_label(p: Plan, k: str) -> str:
-    """A term's row label; the host update's names the optimizer when it is not AdamW/Adam, and says "(AdamW rate)"
-    when its time is not measured (:func:`.terms.host_update_work`)."""
-    title = _optim_title(p)
-    if k == "host_adamw" and title not in ("AdamW", "Adam"):
-        return f"host {title}" + ("" if host_update_work(p.counts, p.settings)[2] else " (AdamW rate)")
-    return TERM_LABELS[k]
+    """A term's row label (:func:`_label`); the host update's says "(AdamW rate)" when the optimizer is not AdamW/Adam
+    and its time is not measured (:func:`.terms.host_update_work`)."""
+    label = _label(p, k)
+    if k == "host_adamw" and label != TERM_LABELS[k] and not host_update_work(p.counts, p.settings)[2]:
+        label += " (AdamW rate)"
+    return label
 
 
 def _update_rate(p: Plan) -> str:
@@ -332,9 +325,9 @@ def _checkpoint_words(p: Plan) -> str:
     per = checkpoint_state_bytes(p.counts, p.settings) / max(p.counts.total, 1)
     if p.settings["offload_optimizer"] != "cpu":
         return f"fp32 weights + the optimizer's 2 fp32 regions, {4 + per:.0f} B/param"
-    if _optim_title(p) in ("AdamW", "Adam"):
-        return f"fp32 weights + 2 {_optim_title(p)} moments, {4 + per:.0f} B/param"
-    return f"fp32 weights + {_optim_title(p)} state, {4 + per:.2f} B/param"
+    if optim_title(p.settings) in ("AdamW", "Adam"):
+        return f"fp32 weights + 2 {optim_title(p.settings)} moments, {4 + per:.0f} B/param"
+    return f"fp32 weights + {optim_title(p.settings)} state, {4 + per:.2f} B/param"
 
 
 def step_time_lines(p: Plan) -> list[str]:

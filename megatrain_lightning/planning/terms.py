@@ -148,13 +148,24 @@ def term_label(key: str, settings: dict[str, Any] | None = None) -> str:
     """The label of a term (``"h2d"``) or of a chain of terms one worker runs one after the other
     (``"h2d+host_adamw"`` -> ``"H2D copies + host AdamW"``, :mod:`.phases`); with a plan's ``settings`` the host
     update's label names its optimizer when it is not AdamW/Adam (``"host Adafactor"``)."""
-    title = optim_label(settings.get("optim")).split()[0] if settings else "AdamW"
+    title = optim_title(settings) if settings else "AdamW"
 
     def one(k: str) -> str:
         if k == "host_adamw" and title not in ("AdamW", "Adam"):
             return f"host {title}"
         return TERM_LABELS[k]
     return " + ".join(one(k) for k in key.split("+"))
+
+
+def optim_title(s: dict[str, Any]) -> str:
+    """The optimizer's short name (``"AdamW"``, ``"Adafactor"``...; :mod:`.optimizers`) of settings ``s``."""
+    return optim_label(s.get("optim")).split()[0]
+
+
+def _param_shapes(c: ParamCounts) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """``(kind, shape)`` of the model's parameters (:attr:`.counts.ParamCounts.shapes`); a hand-made ``ParamCounts``
+    without shapes counts as one 1-D tensor of N elements per block."""
+    return c.shapes or tuple(("layer", (n,)) for n in c.stored if n)
 
 
 def optim_state_bytes(c: ParamCounts, s: dict[str, Any]) -> int:
@@ -165,15 +176,13 @@ def optim_state_bytes(c: ParamCounts, s: dict[str, Any]) -> int:
     Raises:
         ValueError: see :func:`.optimizers.resolve`.
     """
-    shapes = c.shapes or tuple(("layer", (n,)) for n in c.stored if n)
-    return state_bytes(s.get("optim"), shapes)
+    return state_bytes(s.get("optim"), _param_shapes(c))
 
 
 def host_update_work(c: ParamCounts, s: dict[str, Any]) -> tuple[float, float, bool]:
     """The chosen optimizer's host update per step: :func:`.optimizers.update_work` over the model's parameter shapes
     (as :func:`optim_state_bytes`): ``(time per parameter relative to AdamW, Newton-Schulz FLOPs, measured)``."""
-    shapes = c.shapes or tuple(("layer", (n,)) for n in c.stored if n)
-    return update_work(s.get("optim"), shapes)
+    return update_work(s.get("optim"), _param_shapes(c))
 
 
 def host_update_seconds(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> float:
