@@ -10,7 +10,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 python -c "import torch" 2>/dev/null || pip install -q "torch==2.13.0"
-# the test extra includes lion-pytorch (the recipes' optim=lion and its tests); not torchao (pyproject.toml says why)
+# the test extra includes lion-pytorch and torchao (the recipes' optim=lion and optim=adamw8bit, and their tests)
 pip install -q -e ".[test]"
 # LitGPT for the Fabric parity test; --no-deps: its huggingface-hub<1.4 pin excludes transformers 5.x's
 python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('litgpt') is None)" 2>/dev/null \

@@ -55,10 +55,33 @@ OPTIMIZERS = {
 }
 # the recipes' optim=lion (lion-pytorch is in the test extra)
 OPTIMIZERS["lion"] = lambda m: __import__("lion_pytorch").Lion(m.parameters(), lr=1e-4, weight_decay=0.01)
-# the recipes' optim=adamw8bit: 8-bit moments (tensor subclasses) on CPU; torchao is not in the test extra
-# (pyproject.toml says why): this case runs where it is installed
+# the recipes' optim=adamw8bit: 8-bit moments (tensor subclasses: uint8 codes, fp32 block scales) on CPU
 OPTIMIZERS["adamw8bit"] = lambda m: __import__("torchao.optim", fromlist=["AdamW8bit"]).AdamW8bit(
     m.parameters(), lr=1e-3)
+
+
+def _model(kind):
+    """The tiny Llama; for ``adamw8bit`` one twice as wide with 4 layers, whose weights (4,096-8,192 elements, multiples of 256)
+    get 8-bit state (torchao quantises tensors from 4,096 elements; the tiny Llama's are all smaller)."""
+    if kind == "adamw8bit":
+        return make_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=4)
+    return make_model("llama")
+
+
+def _equal(a, b):
+    """Bitwise equality of two state values; a tensor subclass (torchao's 8-bit state implements no ``equal``)
+    compared by its inner tensors (``__tensor_flatten__``)."""
+    if hasattr(a, "__tensor_flatten__"):
+        names, ctx = a.__tensor_flatten__()
+        return type(a) is type(b) and ctx == b.__tensor_flatten__()[1] and all(
+            _equal(getattr(a, n), getattr(b, n)) for n in names)
+    return torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+
+
+def _assert_state_kind(kind, state):
+    """``adamw8bit``: some parameter's ``exp_avg`` in ``state`` (``state_dict()["state"]``) is an 8-bit subclass."""
+    if kind == "adamw8bit":
+        assert any(type(st["exp_avg"]).__name__ == "OptimState8bit" for st in state.values())
 
 
 class OptLM(LM):
@@ -104,10 +127,7 @@ def _assert_bitwise(lm, ref):
 
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
 def test_optimizer_matches_plain_lightning(kind):
-    if kind == "adamw8bit" and not importlib.util.find_spec("torchao"):
-        pytest.skip("torchao is not installed (not in the test extra: 0.18 does not load its C extensions under "
-                    "torch 2.13); pip install torchao to run this case")
-    model = make_model("llama")
+    model = _model(kind)
     ref, ref_trainer = _fit(model, OPTIMIZERS[kind], "auto")
     lm, trainer = _fit(model, OPTIMIZERS[kind], "megatrain")
     _assert_bitwise(lm, ref)
@@ -120,10 +140,11 @@ def test_optimizer_matches_plain_lightning(kind):
     got, want = trainer.optimizers[0].state_dict(), ref_trainer.optimizers[0].state_dict()
     assert got["param_groups"] == want["param_groups"]
     assert sorted(got["state"]) == sorted(want["state"])
+    _assert_state_kind(kind, got["state"])
     for i, st in want["state"].items():
         assert sorted(got["state"][i]) == sorted(st), i
         for k, v in st.items():
-            assert torch.equal(torch.as_tensor(got["state"][i][k]), torch.as_tensor(v)), (i, k)
+            assert _equal(got["state"][i][k], v), (i, k)
     # this optimizer keeps its own state: the store's AdamW regions are never allocated
     assert all(s.exp_avg is None and s.exp_avg_sq is None for s in trainer.strategy.engine.store.slabs)
 
@@ -165,10 +186,10 @@ def test_frozen_parameters_and_value_clipping_match_plain_lightning():
                 assert host.state_for(slab.index, i) is None
 
 
-@pytest.mark.parametrize("kind", ["adafactor", "sgd_nesterov"])
+@pytest.mark.parametrize("kind", ["adafactor", "sgd_nesterov", "adamw8bit"])
 def test_directory_checkpoint_resume_is_exact(tmp_path, kind):
     make = OPTIMIZERS[kind]
-    model = make_model("llama")
+    model = _model(kind)
     full, _ = _fit(model, make, "megatrain")
     first, t1 = _fit(model, make, "megatrain", steps=5)
     t1.save_checkpoint(tmp_path / "ckpt")
@@ -179,11 +200,12 @@ def test_directory_checkpoint_resume_is_exact(tmp_path, kind):
         assert torch.equal(p.detach(), q.detach()), name
 
 
-def test_resume_across_strategies_is_exact(tmp_path):
+@pytest.mark.parametrize("kind", ["rmsprop", "adamw8bit"])
+def test_resume_across_strategies_is_exact(tmp_path, kind):
     """A plain Lightning ``.ckpt`` (strategy="auto") resumes under megatrain, and a megatrain directory checkpoint
     converted to a ``.ckpt`` resumes under strategy="auto": both bitwise 10 uninterrupted plain Lightning steps."""
-    make = OPTIMIZERS["rmsprop"]
-    model = make_model("llama")
+    make = OPTIMIZERS[kind]
+    model = _model(kind)
     full, _ = _fit(model, make, "auto")
     plain_first, t1 = _fit(model, make, "auto", steps=5)
     t1.save_checkpoint(tmp_path / "plain.ckpt")
@@ -195,7 +217,15 @@ def test_resume_across_strategies_is_exact(tmp_path):
     first, t2 = _fit(model, make, "megatrain", steps=5)
     t2.save_checkpoint(tmp_path / "dir")
     convert_to_lightning_checkpoint(tmp_path / "dir", tmp_path / "converted.ckpt")
-    third, _ = _fit(model, make, "auto", ckpt_path=tmp_path / "converted.ckpt")
+    want = t1.optimizers[0].state_dict()  # plain Lightning's state after the same 5 steps
+    got = torch.load(tmp_path / "converted.ckpt", map_location="cpu")["optimizer_states"][0]
+    assert sorted(got["state"]) == sorted(want["state"])
+    for i, st in want["state"].items():
+        assert all(_equal(got["state"][i][k], v) for k, v in st.items()), i
+    # plain Lightning's Trainer loads a .ckpt with a function as map_location, with which torch cannot rebuild
+    # torchao's 8-bit state (its own .ckpt of AdamW8bit does not resume either): megatrain resumes the file
+    third, _ = _fit(model, make, "megatrain" if kind == "adamw8bit" else "auto",
+                    ckpt_path=tmp_path / "converted.ckpt")
     assert first.losses + third.losses == full.losses
     for (name, p), (_, q) in zip(third.named_parameters(), full.named_parameters()):
         assert torch.equal(p.detach(), q.detach()), name
@@ -312,9 +342,9 @@ def test_capturable_and_differentiable_are_refused(flag):
         _setup_only(lm)
 
 
-def _nvme(tmp_path, params="cpu"):
+def _nvme(tmp_path, params="cpu", host_memory_limit=1_500_000):
     return MegaTrainStrategy(offload_params=params, offload_optimizer="nvme", nvme_path=str(tmp_path),
-                             host_memory_limit=1_500_000)
+                             host_memory_limit=host_memory_limit)
 
 
 ON_NVME = {  # three state tensors per parameter do not fit the two regions (refused below): the variants that fit
@@ -323,26 +353,28 @@ ON_NVME = {  # three state tensors per parameter do not fit the two regions (ref
 }
 
 
-@pytest.mark.parametrize("kind", sorted(set(OPTIMIZERS) - {"adamw8bit"}))  # 8-bit state: refused on NVMe (not fp32)
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
 def test_optimizer_state_on_nvme_matches_plain_lightning(tmp_path, kind):
     """The state on disk (packed into each parameter's exp_avg/exp_avg_sq ranges), read through a host window
     smaller than the model (the masters on disk too for every other kind): bitwise plain Lightning, and
     ``state_dict()`` equal to plain Lightning's."""
     make = ON_NVME.get(kind, OPTIMIZERS[kind])
     params = "nvme" if sorted(OPTIMIZERS).index(kind) % 2 else "cpu"  # masters on disk too for every other kind
-    model = make_model("llama")
+    model = _model(kind)
     ref, ref_trainer = _fit(model, make, "auto")
-    lm, trainer = _fit(model, make, _nvme(tmp_path, params))
+    limit = 1_700_000 if kind == "adamw8bit" else 1_500_000  # the wider adamw8bit model's blocks need more
+    lm, trainer = _fit(model, make, _nvme(tmp_path, params, limit))
     _assert_bitwise(lm, ref)
     host = trainer.strategy.engine.optimizer
     assert isinstance(host, HostTorchOptimizer) and host.on_disk and host.packed
     assert all(s.exp_avg is None for s in trainer.strategy.engine.store.slabs)  # never in RAM
     got, want = trainer.optimizers[0].state_dict(), ref_trainer.optimizers[0].state_dict()
     assert sorted(got["state"]) == sorted(want["state"])
+    _assert_state_kind(kind, got["state"])
     for i, st in want["state"].items():
         assert list(got["state"][i]) == list(st), i  # the class's own key order
         for k, v in st.items():
-            assert torch.equal(torch.as_tensor(got["state"][i][k]), torch.as_tensor(v)), (i, k)
+            assert _equal(got["state"][i][k], v), (i, k)
 
 
 def test_the_nvme_update_moves_only_the_state_regions_the_class_uses(tmp_path):
@@ -366,15 +398,17 @@ def test_the_nvme_update_moves_only_the_state_regions_the_class_uses(tmp_path):
     assert moved["stateless"] < moved["momentum"], moved
 
 
-def test_directory_checkpoint_resume_on_nvme_is_exact(tmp_path):
+@pytest.mark.parametrize("kind", ["adafactor", "adamw8bit"])
+def test_directory_checkpoint_resume_on_nvme_is_exact(tmp_path, kind):
     """5 steps, a directory checkpoint, 5 more from it (both with the state on NVMe) = 10 uninterrupted steps in RAM."""
-    make = OPTIMIZERS["adafactor"]
-    model = make_model("llama")
+    make = OPTIMIZERS[kind]
+    model = _model(kind)
+    limit = 1_700_000 if kind == "adamw8bit" else 1_500_000
     full, _ = _fit(model, make, "megatrain")
-    first, t1 = _fit(model, make, _nvme(tmp_path), steps=5)
+    first, t1 = _fit(model, make, _nvme(tmp_path, host_memory_limit=limit), steps=5)
     t1.save_checkpoint(tmp_path / "ckpt")
     t1.strategy.close()
-    second, _ = _fit(model, make, _nvme(tmp_path), ckpt_path=tmp_path / "ckpt")
+    second, _ = _fit(model, make, _nvme(tmp_path, host_memory_limit=limit), ckpt_path=tmp_path / "ckpt")
     assert first.losses + second.losses == full.losses
     for (name, p), (_, q) in zip(second.named_parameters(), full.named_parameters()):
         assert torch.equal(p.detach(), q.detach()), name
@@ -390,18 +424,36 @@ def test_state_larger_than_two_floats_per_element_is_refused_on_nvme(tmp_path, m
         _setup_only(lm, _nvme(tmp_path))
 
 
-def test_pack_state_fits_two_ranges_or_says_no():
-    from megatrain_lightning.optim.host_generic import pack_state, unpackable
+def test_pack_fits_two_ranges_or_says_no():
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    from megatrain_lightning.optim.state_packing import pack, rebuild, unpackable
 
     z = torch.zeros
-    got = pack_state({"exp_avg": z(4, 3), "exp_avg_sq": z(4, 3)}, 12)
+    got = pack({"exp_avg": z(4, 3), "exp_avg_sq": z(4, 3)}, 12).placements
     assert [(p.key, p.region, p.offset) for p in got] == [("exp_avg", 0, 0), ("exp_avg_sq", 1, 0)]
-    got = pack_state({"row_var": z(4, 1), "col_var": z(1, 3)}, 12)  # Adafactor's factors share the first range
-    assert [(p.region, p.offset) for p in got] == [(0, 0), (0, 4)]
-    assert pack_state({"a": z(8), "b": z(8), "c": z(8)}, 12) is None  # 24 values fit, but not without a split
-    assert "more than the two per element" in unpackable({"a": z(12), "b": z(12), "c": z(1)}, 12)
-    assert "not fp32" in unpackable({"q": z(12, dtype=torch.int8)}, 12)
+    got = pack({"row_var": z(4, 1), "col_var": z(1, 3)}, 12).placements  # Adafactor's factors share the first range
+    assert [(p.region, p.offset) for p in got] == [(0, 0), (0, 16)]  # offsets in bytes
+    assert pack({"a": z(8), "b": z(8), "c": z(8)}, 12) is None  # 24 values fit, but not without a split
+    assert "more than the two fp32 values" in unpackable({"a": z(12), "b": z(12), "c": z(1)}, 12)
+    assert "wider than 4 bytes" in unpackable({"q": z(12, dtype=torch.float64)}, 12)
     assert unpackable({"step": torch.tensor(3.0), "m": z(12)}, 12) is None  # 0-d values stay in RAM
+    # 1-byte codes after a 4-byte tensor, and bf16 after 1-byte codes: each at an offset aligned to its size
+    got = pack({"s": z(3), "c": z(5, dtype=torch.uint8), "h": z(2, dtype=torch.bfloat16)}, 4).placements
+    assert [(p.key, p.region, p.offset) for p in got] == [("s", 0, 0), ("c", 1, 0), ("h", 0, 12)]
+    # torchao's 8-bit moments: codes, block scales and qmap of both packed in the first range (2.03 bytes/element)
+    m, v = (OptimState8bit.zeros((64, 128), signed=s, block_size=256) for s in (True, False))
+    m.copy_(torch.randn(64, 128))
+    layout = pack({"step": torch.tensor(1.0), "exp_avg": m, "exp_avg_sq": v}, 64 * 128)
+    assert layout.regions == {0} and sorted(layout.wrappers) == ["exp_avg", "exp_avg_sq"]
+    regions = (torch.zeros(64 * 128), torch.zeros(64 * 128))
+    for pl in layout.placements:
+        pl.view(regions, 0).copy_({"exp_avg": m, "exp_avg_sq": v}[pl.key.split(".")[0]].__getattribute__(
+            pl.key.split(".")[1]))
+    back = rebuild(layout, lambda pl: pl.view(regions, 0))
+    assert list(back) == ["exp_avg", "exp_avg_sq"] and type(back["exp_avg"]) is OptimState8bit
+    assert torch.equal(back["exp_avg"].dequantize(), m.dequantize())
+    assert back["exp_avg"].codes.data_ptr() == regions[0].data_ptr()  # a view: the class's writes land in the range
 
 
 def test_masters_on_nvme_with_the_optimizer_in_ram_match_plain_lightning(tmp_path):

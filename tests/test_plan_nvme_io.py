@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 import pytest
+import torch
 
 import megatrain_lightning  # noqa: F401  (registers strategy="megatrain")
 from megatrain_lightning import MegaTrainStrategy
@@ -46,4 +47,34 @@ def test_nvme_write_bytes_per_step_match_the_engine(tmp_path, in_backward, clip)
     regions = 3 + deferred  # master, exp_avg, exp_avg_sq (+ the accumulator when deferred)
     assert planned == sum(4 * n + 4 * (regions - 1) * t for n, t in layout)
     pad = regions * ALIGN * len(layout)
+    assert planned <= measured <= planned + pad + 4 * max(t for _, t in layout) + ALIGN, (measured, planned, written)
+
+
+class SGDMomentumLM(LM):
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def test_nvme_write_bytes_of_sgd_momentum_are_one_optimizer_region(tmp_path):
+    """SGD with momentum keeps one buffer per element: after each block's first update its updates hold the
+    ``exp_avg`` region only, so a step writes master + momentum, 8 B/param, and the plan says the same (where AdamW
+    writes 12)."""
+    model = make_model("llama", attn="sdpa")
+    options = dict(offload_params="nvme", offload_optimizer="nvme")
+    trainer = pl.Trainer(strategy=MegaTrainStrategy(nvme_path=str(tmp_path), host_memory_limit=600_000, **options),
+                         accelerator="cpu", devices=1, max_steps=STEPS, precision="32-true", enable_checkpointing=False,
+                         logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(SGDMomentumLM(model), learnable_data(n=STEPS * BATCH, seq=SEQ, batch_size=BATCH))
+    engine = trainer.strategy.engine
+    written = [h["megatrain/nvme_write_bytes"] for h in engine.history][2:]  # from the step after the first update
+    measured = sum(written) / len(written)
+    assert engine.optimizer.updates_in_backward > 0
+    layout = engine.store.nvme.layout
+    trainer.strategy.close()
+
+    p = plan_for_run({"config": model.config.to_dict()}, load_hardware("this_machine"), options, batch_size=BATCH,
+                     seq_len=SEQ, precision="32-true", optim={"_target_": "torch.optim.SGD", "momentum": 0.9})
+    planned = p.moved["nvme_write"]
+    assert planned == sum(4 * n + 4 * t for n, t in layout)
+    pad = 2 * ALIGN * len(layout)
     assert planned <= measured <= planned + pad + 4 * max(t for _, t in layout) + ALIGN, (measured, planned, written)

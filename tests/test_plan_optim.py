@@ -1,7 +1,7 @@
 """The planner's ``optim`` setting: each optimizer's state bytes in host RAM, computed here independently from the
 model's real parameter shapes (meta device) and each class's source; the NVMe tier keeps the store's two fp32 regions
-whatever the optimizer; the CLI and the recipes' config group use the same names; ``MuonWithAdamW`` and
-``build_optimizer`` (the recipes' optimizer). Meta device and tiny CPU tensors only."""
+whatever the optimizer and moves those its state packs into; the CLI and the recipes' config group use the same
+names; ``MuonWithAdamW`` and ``build_optimizer`` (the recipes' optimizer). Meta device and tiny CPU tensors only."""
 
 from __future__ import annotations
 
@@ -100,15 +100,32 @@ def test_adafactor_fits_llama100b_in_1_5_tib_of_ram_where_adamw_does_not(llama10
 
 
 @pytest.mark.parametrize("name", ["adamw", "sgd", "adafactor", "adamw8bit"])
-def test_the_nvme_tier_holds_the_stores_two_regions_whatever_the_optimizer(llama100b, name):
+def test_the_nvme_tier_keeps_two_regions_and_moves_those_the_state_packs_into(llama100b, name):
+    """On disk the store's two fp32 regions whatever the optimizer; per step the update reads and writes, per block,
+    the regions its parameters' state packs into: both for AdamW, the first for SGD-momentum, Adafactor and 8-bit
+    AdamW (at this size even the norms have 8-bit moments; a block with a tensor under 4,096 elements holds both)."""
     hw = load_hardware("h200")
     tier = dict(offload_optimizer="nvme", offload_grads="nvme")
     p, ref = plan(llama100b, hw, optim=name, **tier), plan(llama100b, hw, **tier)
     n = p.counts.total
     assert p.nvme_bytes == ref.nvme_bytes == 12 * n                 # 8 B/param state + 4 B/param accumulators
     assert p.host_bytes == ref.host_bytes and p.disk_bytes == ref.disk_bytes
-    assert p.moved["nvme_read"] == ref.moved["nvme_read"] and p.moved["nvme_write"] == ref.moved["nvme_write"]
+    fewer = {"adamw": 0, "sgd": 4 * n, "adafactor": 4 * n, "adamw8bit": 4 * n}[name]
+    assert p.moved["nvme_read"] == ref.moved["nvme_read"] - fewer
+    assert p.moved["nvme_write"] == ref.moved["nvme_write"] - fewer
     assert not any(k.startswith(OPTIMIZERS[name].label) for k in p.host) or name == "adamw"
+
+
+def test_a_block_holds_a_region_when_any_of_its_parameters_state_uses_it():
+    from megatrain_lightning.planning.optimizers import nvme_region_bytes
+
+    shapes = [("layer", (64, 128)), ("layer", (64,)), ("embedding", (96, 64))]
+    # 8-bit AdamW: the 64-element norm keeps fp32 moments (both regions), so the layer moves both; the embedding's
+    # 6,144 elements are 8-bit (the first region only)
+    assert nvme_region_bytes("adamw8bit", shapes) == 8 * (64 * 128 + 64) + 4 * 96 * 64
+    assert nvme_region_bytes("adamw", shapes) == 8 * (64 * 128 + 64 + 96 * 64)
+    assert nvme_region_bytes({"_target_": "torch.optim.SGD", "momentum": 0.0}, shapes) == 0
+    assert nvme_region_bytes("lion", shapes) == 4 * (64 * 128 + 64 + 96 * 64)
 
 
 def test_a_name_reads_the_recipes_config_file_and_a_mapping_its_hyper_parameters():
@@ -131,7 +148,8 @@ def test_another_class_is_measured_on_cpu_tensors():
 
 
 def test_adamw8bit_rule_matches_torchao_on_cpu():
-    ao = pytest.importorskip("torchao.optim")
+    import torchao.optim as ao
+
     from megatrain_lightning.planning.optimizers import _tensor_bytes
 
     for shape in [(64, 128), (4096,), (100,), (33, 7)]:
@@ -155,10 +173,7 @@ def test_each_rule_matches_the_class_stepped_on_cpu(name):
     model = transformers.LlamaForCausalLM(cfg)
     opts = dict(_conf_options(name))
     target = yaml.safe_load((ROOT / "conf" / "optim" / f"{name}.yaml").read_text())["_target_"]
-    try:
-        locate(target)
-    except ImportError:
-        pytest.skip(f"{target} is not installed")
+    locate(target)  # lion-pytorch and torchao are in the test extra
     lr = opts.pop("lr")
     opt = build_optimizer(model, target, lr=lr, weight_decay=opts.pop("weight_decay", 0.0),
                           betas=opts.pop("betas", None), options=opts)

@@ -43,6 +43,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
+from ..optim.state_packing import unflatten_named
 from .atomic import check_name_length, clean_stale, put_in_place, temporary_path
 from .errors import CheckpointError
 from .hf_io import SafetensorsSource, save_hf_model_dir, source_key, verify_checksums, write_safetensors_shards
@@ -455,11 +456,20 @@ def load_optimizer_dir(path: str | os.PathLike, module: nn.Module, engine: Any, 
         keys = saved.get(rename(name))
         if keys:
             try:
-                opt.set_param_state(param, {k: source.get(key) for k, key in keys.items()})
+                opt.set_param_state(param, read_param_state(source, keys))
             except ValueError as err:
                 raise CheckpointError(f"Checkpoint {p}: optimizer state of {name}: {err}") from None
         else:  # no state saved (no step before the save): none now, as torch.optim.AdamW.load_state_dict leaves it
             opt.forget_param_state(param)
+
+
+def read_param_state(source: SafetensorsSource, keys: dict[str, str]) -> dict[str, torch.Tensor]:
+    """One parameter's saved optimizer state (``keys``: an entry of :func:`saved_state_keys`), tensor subclasses
+    (torchao's 8-bit moments) rebuilt from their inner tensors (:func:`~..optim.state_packing.unflatten_named`).
+
+    Raises:
+        ValueError: a saved subclass cannot be rebuilt (its package is not installed)."""
+    return unflatten_named({k: source.get(key) for k, key in keys.items()})
 
 
 def saved_state_keys(source: SafetensorsSource) -> dict[str, dict[str, str]]:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .atomic import check_name_length, temporary_path
-from .directory import saved_state_keys, verified_info
+from .directory import read_param_state, saved_state_keys, verified_info
 from .errors import CheckpointError
 from .hf_source import SafetensorsSource
 from .layout import open_part
@@ -52,7 +52,7 @@ def _optimizer_state(root: Path, groups: list[dict[str, Any]]) -> dict[str, Any]
         for name in g["param_names"]:
             keys = saved.get(name)
             if keys:
-                state[index] = {k: src.get(key) for k, key in keys.items()}
+                state[index] = read_param_state(src, keys)
             ids.append(index)
             index += 1
         param_groups.append({**{k: v for k, v in g.items() if k != "param_names"}, "params": ids})

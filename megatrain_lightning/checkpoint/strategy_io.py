@@ -169,7 +169,10 @@ class StrategyCheckpoints:
         if remote_file or Path(checkpoint_path).is_file():  # another strategy's .ckpt: Lightning's own loader
             self.loaded_path, self.loaded_meta = None, None
             self.loaded_file = str(checkpoint_path)
-            return st.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
+            # onto the CPU (the weights and optimizer state go to the host store; Lightning's default keeps each
+            # tensor where it was saved: a GPU-saved file would fill the GPU), as a device, not a function: torch
+            # rebuilds tensor subclasses (torchao's 8-bit optimizer state) only with a device map_location
+            return st.checkpoint_io.load_checkpoint(checkpoint_path, map_location="cpu", weights_only=weights_only)
         self.loaded_file = None
         meta = load_checkpoint_dir(checkpoint_path, st.lightning_module, st.engine,
                                    strict=getattr(st.lightning_module, "strict_loading", True))

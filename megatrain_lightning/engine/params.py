@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..optim.host_adamw import HostAdamW
+from ..optim.state_packing import flatten_named
 from ..store.host import HostStore, is_nvme_placeholder
 from ..store.regions import Region
 
@@ -215,7 +216,8 @@ class ParamAccess:
                               ) -> Iterator[tuple[str, torch.Tensor]]:
         """``("<param name>/<state key>", tensor)`` for every parameter of ``module`` with optimizer state
         (AdamW: ``exp_avg``, ``exp_avg_sq`` fp32 of the parameter's shape, ``step`` a 0-d fp32 tensor; another
-        class: the tensors its ``step`` keeps, a 1-element ``step`` as a 0-d tensor), in parameter order, reading
+        class: the tensors its ``step`` keeps, a 1-element ``step`` as a 0-d tensor; a tensor subclass as its inner
+        tensors, :func:`~..optim.state_packing.flatten_named`), in parameter order, reading
         through a one-slab window on the NVMe tier. ``keep``: only the parameters it accepts (data parallel: a
         process writes the state of the slabs it owns, the only ones on its disk with ``offload_optimizer="nvme"``).
 
@@ -238,7 +240,7 @@ class ParamAccess:
                 if not torch.is_tensor(v):
                     raise TypeError(f"megatrain: the optimizer state {k!r} of {name} is a {type(v).__name__}, not a "
                                     "tensor; a directory checkpoint stores tensors only.")
-                yield f"{name}/{k}", v.reshape(()) if k == "step" and v.numel() == 1 else v
+                yield from flatten_named(f"{name}/{k}", v.reshape(()) if k == "step" and v.numel() == 1 else v)
 
 
 class _OneSlabWindow:

@@ -54,6 +54,7 @@ from torch.optim.optimizer import _default_to_fused_or_foreach
 from ..store.host import HostStore, Slab
 from ..store.shared import SlabOwnership
 from ..store.regions import Region
+from .state_packing import copy_tensor
 
 SUPPORTED = "torch.optim.AdamW and torch.optim.Adam (amsgrad=False, maximize=False)"
 
@@ -659,7 +660,7 @@ class HostAdamW:
             for p in g["params"]:
                 st = self.state_for(*self._where[id(p)])
                 if st is not None:
-                    state[idx] = {k: (v.detach().clone() if copy and torch.is_tensor(v) else v) for k, v in st.items()}
+                    state[idx] = {k: (copy_tensor(v) if copy and torch.is_tensor(v) else v) for k, v in st.items()}
                 ids.append(idx)
                 idx += 1
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ids})

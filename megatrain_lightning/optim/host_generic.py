@@ -23,11 +23,12 @@ Where the state lives (:class:`HostTorchOptimizer`):
 
 - RAM tier (``offload_optimizer="cpu"``): the class's own tensors, exact size (Adafactor's factored second moment
   of a ``[r, c]`` weight is ``r + c`` floats, SGD's momentum one float per parameter).
-- NVMe tier (``offload_optimizer="nvme"``): every fp32 state tensor of a parameter is packed into that parameter's
-  ranges of the store's two optimizer regions (``exp_avg``/``exp_avg_sq``: 2 x 4 bytes per parameter, on disk and
-  held through the host window like AdamW's); 0-d values (``step``, NAdam's ``mu_product``) stay in host RAM.
-  A class whose fp32 state of a parameter exceeds 2 floats per element (``RMSprop(centered=True, momentum>0)``,
-  ``amsgrad=True``) or keeps non-fp32 tensors is refused at setup (:meth:`HostTorchOptimizer._probe`).
+- NVMe tier (``offload_optimizer="nvme"``): a parameter's state tensors (any dtype up to 4 bytes per element, and
+  the inner tensors of tensor subclasses such as torchao's 8-bit moments) are packed into that parameter's ranges
+  of the store's two optimizer regions (``exp_avg``/``exp_avg_sq``: 2 x 4 bytes per parameter, on disk and held
+  through the host window like AdamW's; :mod:`.state_packing`); 0-d values (``step``, NAdam's ``mu_product``) stay
+  in host RAM. A class whose state of a parameter exceeds 8 bytes per element (``RMSprop(centered=True,
+  momentum>0)``, ``amsgrad=True``) or keeps fp64 tensors is refused at setup (:meth:`HostTorchOptimizer._probe`).
 - Data parallel (a node-shared store): the process that owns a slab updates it every step, so the state of that
   slab's parameters lives in that process only (host RAM, or its disk on the NVMe tier); directory checkpoints
   write each rank's part (``optimizer.state_dict()`` is refused, as for AdamW on NVMe with several processes).
@@ -35,9 +36,7 @@ Where the state lives (:class:`HostTorchOptimizer`):
 
 from __future__ import annotations
 
-import math
 from concurrent.futures import Executor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,6 +46,7 @@ from ..store.regions import Region
 from ..store.shared import SlabOwnership
 from .build import accepted
 from .host_adamw import HostAdamW, UnsupportedOptimizerError, _Pending
+from .state_packing import Layout, copy_tensor, is_subclass, leaves, pack, packed_kind, rebuild, unpackable
 
 SUPPORTED = ("any torch.optim optimizer whose update is per parameter (torch.optim.AdamW/Adam on the host AdamW "
              "kernel; SGD, Adamax, NAdam, RAdam, RMSprop, Adagrad, Adadelta, ASGD, Rprop, Adafactor, Muon and "
@@ -118,61 +118,6 @@ def make_host_optimizer(store: HostStore, optimizer: torch.optim.Optimizer, over
     return cls(store, optimizer, overlap=overlap, transport=transport, ownership=ownership, worker=worker)
 
 
-@dataclass(frozen=True)
-class Placement:
-    """Where one state tensor of a parameter lives on the NVMe tier: ``region`` 0 (``exp_avg``) or 1
-    (``exp_avg_sq``), ``offset`` (elements) from the parameter's start in that region, ``shape``."""
-
-    key: str
-    region: int
-    offset: int
-    shape: tuple[int, ...]
-
-    def view(self, regions: tuple[torch.Tensor, torch.Tensor], base: int) -> torch.Tensor:
-        """The tensor's view in the slab's held regions (flat fp32), the parameter starting at ``base``."""
-        n = math.prod(self.shape)
-        return regions[self.region][base + self.offset : base + self.offset + n].view(self.shape)
-
-
-def _packed_kind(v: Any) -> bool:
-    """Whether a state value is packed on the NVMe tier (a tensor with at least one dimension); 0-d tensors and
-    other values stay in host RAM."""
-    return torch.is_tensor(v) and v.dim() > 0
-
-
-def pack_state(tensors: dict[str, torch.Tensor], numel: int) -> list[Placement] | None:
-    """Place a parameter's state tensors in its two ranges of ``numel`` fp32 values (``exp_avg``, ``exp_avg_sq``),
-    first fit in decreasing size (AdamW's ``exp_avg``/``exp_avg_sq`` land where the AdamW kernel keeps them).
-
-    Returns:
-        One :class:`Placement` per tensor, in ``tensors``' order, or ``None`` if they do not fit.
-    """
-    free = [0, 0]
-    where: dict[str, tuple[int, int]] = {}
-    for k in sorted(tensors, key=lambda k: -tensors[k].numel()):
-        n = tensors[k].numel()
-        r = next((r for r in (0, 1) if free[r] + n <= numel), None)
-        if r is None:
-            return None
-        where[k] = (r, free[r])
-        free[r] += n
-    return [Placement(k, *where[k], tuple(v.shape)) for k, v in tensors.items()]
-
-
-def unpackable(state: dict[str, Any], numel: int) -> str | None:
-    """Why a parameter's state (``numel`` elements) cannot be packed on the NVMe tier (:func:`pack_state`), as a
-    phrase ("keeps ..."), or ``None`` if it can."""
-    tensors = {k: v for k, v in state.items() if _packed_kind(v)}
-    other = [f"{k} ({v.dtype})" for k, v in tensors.items() if v.dtype != torch.float32]
-    if other:
-        return f"keeps tensors that are not fp32: {', '.join(other)}"
-    if pack_state(tensors, numel) is None:
-        total = sum(v.numel() for v in tensors.values())
-        return (f"keeps {total} fp32 values ({', '.join(tensors)}) for {numel} elements, more than the two per "
-                "element that fit")
-    return None
-
-
 def _constructor_kwargs(cls: type, defaults: dict[str, Any]) -> dict[str, Any]:
     """The entries of ``defaults`` that ``cls.__init__`` takes as keyword arguments (all with ``**kwargs``)."""
     names, var_kw = accepted(cls.__init__)
@@ -187,7 +132,7 @@ class HostTorchOptimizer(HostAdamW):
     State per trainable parameter the optimizer updated: what the class's ``step`` keeps in ``state[p]`` (e.g.
     SGD's ``momentum_buffer``; Adafactor's ``step``, ``row_var``, ``col_var``). RAM tier: CPU tensors in host RAM
     owned by this object (the store's ``exp_avg``/``exp_avg_sq`` regions are never allocated). NVMe tier: packed
-    into the parameter's ranges of those regions (:func:`pack_state`), 0-d values in host RAM (module docstring).
+    into the parameter's ranges of those regions (:func:`.state_packing.pack`), 0-d values in host RAM (module docstring).
     Data parallel: only the slabs this process owns (``ownership``) have state here.
 
     Masters on NVMe (``offload_params="nvme"``) work on either optimizer tier: the views are built inside the
@@ -203,9 +148,8 @@ class HostTorchOptimizer(HostAdamW):
                  ownership: SlabOwnership | None = None, worker: Executor | None = None):
         # (slab, entry) -> the class's state of the parameter (NVMe tier: its 0-d values; the tensors are packed)
         self.state: dict[tuple[int, int], dict[str, Any]] = {}
-        self.packed: dict[tuple[int, int], list[Placement]] = {}  # NVMe tier: where each state tensor lives
+        self.packed: dict[tuple[int, int], Layout] = {}  # NVMe tier: where each state tensor lives
         self.on_disk = Region.exp_avg in store.nvme_kinds
-        self._order: dict[tuple[int, int], list[str]] = {}  # NVMe tier: the class's key order of each state
         self._ctor = _constructor_kwargs(type(optimizer), optimizer.defaults)
         self._instances: dict[int, tuple[tuple, torch.optim.Optimizer]] = {}  # slab -> (groups' layout, instance)
         super().__init__(store, optimizer, overlap=overlap, transport=transport, ownership=ownership, worker=worker)
@@ -220,7 +164,7 @@ class HostTorchOptimizer(HostAdamW):
         """Build the class once over small stand-ins (each dimension at most 8) of every parameter shape of each
         group, so that a constructor that cannot be rebuilt from the user's ``defaults`` is refused at setup, not
         at the first step; on the NVMe tier, also take two steps and check that each stand-in's state packs into
-        two fp32 values per element (:func:`pack_state`).
+        two fp32 values per element (:func:`.state_packing.pack`).
 
         Raises:
             UnsupportedOptimizerError: see the class docstring.
@@ -295,10 +239,10 @@ class HostTorchOptimizer(HostAdamW):
         for i, e in enumerate(slab.entries):
             if not e.trainable:
                 continue
-            places = self.packed.get((slab.index, i))
-            if places is None:
+            layout = self.packed.get((slab.index, i))
+            if layout is None:
                 return [Region.exp_avg, Region.exp_avg_sq]
-            used.update(pl.region for pl in places)
+            used.update(layout.regions)
         return [k for r, k in enumerate((Region.exp_avg, Region.exp_avg_sq)) if r in used]
 
     def _update(self, slab: Slab, pend: _Pending) -> None:
@@ -338,7 +282,7 @@ class HostTorchOptimizer(HostAdamW):
                     if st:
                         self._keep_state(slab, i, st, regions)
                     elif regions is not None:  # no state (SGD without momentum): nothing to place on disk
-                        self.packed.setdefault((slab.index, i), [])
+                        self.packed.setdefault((slab.index, i), Layout((), {}, ()))
             finally:
                 inst.state.clear()
                 for g in inst.param_groups:
@@ -346,19 +290,19 @@ class HostTorchOptimizer(HostAdamW):
                 for p in views.values():
                     p.grad = None
 
-    def _live_state(self, slab: Slab, entry: int, regions: tuple[torch.Tensor, torch.Tensor] | None
-                    ) -> dict[str, Any] | None:
+    def _live_state(self, slab: Slab, entry: int, regions: tuple[torch.Tensor, torch.Tensor] | None,
+                    copy: bool = False) -> dict[str, Any] | None:
         """The state of one parameter to put into the class's ``state`` for its update (``None``: its first
-        update, the class creates it): the kept dict (RAM tier), or the 0-d values with views of the packed
-        tensors in ``regions`` (the slab's held ``exp_avg``/``exp_avg_sq``, NVMe tier)."""
+        update, the class creates it): the kept dict (RAM tier), or the 0-d values with the packed tensors rebuilt
+        around views into ``regions`` (the slab's held ``exp_avg``/``exp_avg_sq``, NVMe tier; ``copy``: around
+        copies of them)."""
         st = self.state.get((slab.index, entry))
         if st is None or regions is None:
             return st
-        out = dict(st)
+        layout = self.packed[(slab.index, entry)]
         base = slab.entries[entry].offset
-        for pl in self.packed[(slab.index, entry)]:
-            out[pl.key] = pl.view(regions, base)
-        return {k: out[k] for k in self._order[(slab.index, entry)]}
+        out = {**st, **rebuild(layout, lambda pl: pl.view(regions, base).clone() if copy else pl.view(regions, base))}
+        return {k: out[k] for k in layout.order}
 
     def _keep_state(self, slab: Slab, entry: int, st: dict[str, Any],
                     regions: tuple[torch.Tensor, torch.Tensor] | None) -> None:
@@ -373,22 +317,21 @@ class HostTorchOptimizer(HostAdamW):
             self.state[key] = st
             return
         e = slab.entries[entry]
-        places = self.packed.get(key)
-        tensors = {k: v for k, v in st.items() if _packed_kind(v)}
-        if places is None or [(pl.key, pl.shape) for pl in places] != [(k, tuple(v.shape)) for k, v in tensors.items()]:
+        layout = self.packed.get(key)
+        tensors, _ = leaves(st)
+        if layout is None or layout.signature() != [(k, tuple(v.shape), v.dtype) for k, v in tensors.items()]:
             why = unpackable(st, e.numel)
             if why:
                 raise UnsupportedOptimizerError(
                     f"megatrain keeps the state of {_name(self.optimizer)} on NVMe in two fp32 values per parameter "
                     f"element; for {e.ref.fqn} it {why}. Keep the optimizer state in RAM (offload_optimizer='cpu').")
-            places = self.packed[key] = pack_state(tensors, e.numel)
-        for pl in places:
+            layout = self.packed[key] = pack(st, e.numel)
+        for pl in layout.placements:
             view = pl.view(regions, e.offset)
             v = tensors[pl.key]
             if v.data_ptr() != view.data_ptr():
                 view.copy_(v)
-        self.state[key] = {k: v for k, v in st.items() if k not in tensors}
-        self._order[key] = list(st)
+        self.state[key] = {k: v for k, v in st.items() if not packed_kind(v)}
 
     def _count_steps(self, slab: Slab) -> None:
         """Another rank updated this slab (data parallel): its state lives there, nothing to count here."""
@@ -404,8 +347,7 @@ class HostTorchOptimizer(HostAdamW):
             return st
         slab = self.store.slabs[slab_index]
         with self.store.hold(slab_index, [Region.exp_avg, Region.exp_avg_sq]) as t:
-            live = self._live_state(slab, entry, (t[Region.exp_avg], t[Region.exp_avg_sq]))
-            return {k: (v.clone() if _packed_kind(v) else v) for k, v in live.items()}  # type: ignore[union-attr]
+            return self._live_state(slab, entry, (t[Region.exp_avg], t[Region.exp_avg_sq]), copy=True)
 
     def streams_state(self) -> bool:
         """Whether this process cannot return the whole state as one dict: the NVMe tier, or data parallel (each
@@ -452,7 +394,9 @@ class HostTorchOptimizer(HostAdamW):
             return  # data parallel: the state lives in the process that owns (updates) this slab
         out: dict[str, Any] = {}
         for k, v in state.items():
-            if torch.is_tensor(v):
+            if is_subclass(v):  # torchao's 8-bit moments: copies of its inner tensors, its own dtypes
+                v = copy_tensor(v.to("cpu"))
+            elif torch.is_tensor(v):
                 v = v.detach().to("cpu", dtype=torch.float32 if v.is_floating_point() and k != "step" else v.dtype,
                                   copy=True)
             out[k] = v
@@ -481,7 +425,6 @@ class HostTorchOptimizer(HostAdamW):
         if where is not None:
             self.state.pop(where, None)
             self.packed.pop(where, None)
-            self._order.pop(where, None)
 
     @property
     def exp_avg(self) -> list[torch.Tensor | None]:

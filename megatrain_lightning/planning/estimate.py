@@ -274,7 +274,8 @@ def plan(model_cfg: Any, hw: Hardware | Mapping[str, Any], **options: Any) -> Pl
             ``"adam"``, ``"sgd"``, ``"adafactor"``, ``"lion"``, ``"muon"``, ``"adamw8bit"``: ``conf/optim/<name>.yaml``)
             or a mapping with ``_target_`` and hyper-parameters (a composed ``conf/optim`` entry: SGD's ``momentum``
             decides whether it keeps a buffer; another class is measured on CPU tensors). On the NVMe tier the state
-            is the store's two fp32 regions, 8 B/param, whatever the optimizer.
+            is the store's two fp32 regions, 8 B/param on disk whatever the optimizer; the updates move those its
+            state packs into (:func:`.optimizers.nvme_region_bytes`).
 
     Raises:
         ValueError: a ``recompute`` that is not a policy or a bad ``activation_memory_limit``, a

@@ -37,7 +37,8 @@ Adafactor's, is wrong for other shapes and should get an entry here).
 
 Tiers: on the RAM tier (``offload_optimizer="cpu"``) the host holds this state (:func:`state_bytes`). On the NVMe tier
 the state lives in the store's two fp32 optimizer regions, 8 B/param on disk whatever the optimizer
-(:data:`NVME_STATE_BYTES`), and the host a window of them. Units: bytes.
+(:data:`NVME_STATE_BYTES`), and the host a window of them; each update reads and writes only the regions its block's
+state packs into (:func:`nvme_region_bytes`). Units: bytes.
 
 Update time (:func:`update_work`): each entry also says how long its host update takes per element relative to
 AdamW (:data:`UPDATE_COST`, measured by ``bench/host_optimizers.py``), so that the plan's host update term is the
@@ -293,6 +294,37 @@ def state_bytes(optim: Any, shapes: Sequence[tuple[str, tuple[int, ...]]]) -> in
     """
     spec, options = resolve(optim)
     return sum(spec.rule(tuple(shape), kind, options) for kind, shape in shapes)
+
+
+def nvme_region_bytes(optim: Any, shapes: Sequence[tuple[str, tuple[int, ...]]]) -> int:
+    """Bytes of the store's two fp32 optimizer regions that the NVMe tier's updates read, and write, per step.
+
+    A parameter of n elements has 4 n bytes in each region; its state (the spec's rule less a 0-d ``step``) packs
+    into the first region while it fits in 4 n bytes, else into both (``optim/state_packing.py`` ``pack``; AdamW's
+    two moments take both, SGD-momentum's buffer, Lion's, Adafactor's factors and 8-bit AdamW's codes one, SGD
+    without momentum none). A block's update holds a region when any of its parameters uses it
+    (``optim/host_generic.py`` ``_state_kinds``), so per block kind (embedding, layer, head): 4 B x that kind's
+    elements x the most regions one of its parameters uses (8-bit AdamW's 1-D norms keep fp32 moments, so its
+    layers hold both).
+
+    Args:
+        optim: see :func:`resolve`.
+        shapes: as :func:`state_bytes`.
+
+    Raises:
+        ValueError: see :func:`resolve`.
+    """
+    spec, options = resolve(optim)
+    numel: dict[str, int] = {}
+    regions: dict[str, int] = {}
+    for kind, shape in shapes:
+        n = _numel(shape)
+        if not n:
+            continue
+        packed = max(0, spec.rule(tuple(shape), kind, options) - STEP_BYTES)
+        numel[kind] = numel.get(kind, 0) + n
+        regions[kind] = max(regions.get(kind, 0), min(2, math.ceil(packed / (4 * n))))
+    return sum(4 * regions[k] * numel[k] for k in numel)
 
 
 def update_work(optim: Any, shapes: Sequence[tuple[str, tuple[int, ...]]]) -> tuple[float, float, bool]:

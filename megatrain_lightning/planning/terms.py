@@ -64,10 +64,11 @@ Per optimizer step (one micro-batch of ``batch_size`` x ``seq_len`` tokens):
   ``bf16-true`` or ``grad_dtype``), plus offloaded activations in forward; the input
   embedding's gradient counts as the rows its tokens read, B x T x (H x gradient bytes + 8),
   when that is less than its V x H table (engine/row_grads.py; data parallel: dense).
-* NVMe (when offloaded): moments read 8 B/param + written 8; masters read 4 (the update is
+* NVMe (when offloaded): AdamW's moments read 8 B/param + written 8 (another optimizer: the regions its state
+  packs into, :func:`.optimizers.nvme_region_bytes`); masters read 4 (the update is
   fused with the forward fetch) + 4 again for the backward fetch (cast to the wire image on the
   host), written 4; gradient accumulators, under the deferred schedule only, written 4 + read 4.
-  Written per step: 12 B/param under ``optimizer_in_backward`` (the NVMe tier's default), 16 deferred.
+  Written per step (AdamW): 12 B/param under ``optimizer_in_backward`` (the NVMe tier's default), 16 deferred.
   Source: the engine writes a region back only when a ``hold(..., write=True)`` ends
   (``store/nvme.py`` ``_unpin`` -> ``_write_back``): the update holds master, ``exp_avg`` and
   ``exp_avg_sq`` for writing and the accumulator for reading (``optim/host_adamw.py`` ``_update``);
@@ -113,7 +114,8 @@ from typing import Any
 from .config import GIB, Hardware
 from .activations import activation_bytes
 from .counts import ParamCounts
-from .optimizers import NVME_STATE_BYTES, label as optim_label, name_of as optim_name, state_bytes, update_work
+from .optimizers import NVME_STATE_BYTES, label as optim_label, name_of as optim_name, nvme_region_bytes, state_bytes
+from .optimizers import update_work
 from .parallel import host_mem_rate, scale_out
 
 #: precision -> (wire bytes, device param bytes, default grad bytes, saved residual bytes,
@@ -516,9 +518,10 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
         nv_r[0] += 4 * N * (2 if copy_ref else 1)  # forward fetch (fused with the deferred update), + the reference
         nv_r[1] += 4 * (reads_b + chain)    # the backward fetch reads the fp32 master again and casts it
         nv_w[upd] += 4 * N
-    if s["offload_optimizer"] == "nvme":     # the store's two optimizer regions, whatever the optimizer
-        nv_r[upd] += NVME_STATE_BYTES * N
-        nv_w[upd] += NVME_STATE_BYTES * N
+    if s["offload_optimizer"] == "nvme":     # the optimizer regions the state packs into (AdamW: both)
+        state_io = nvme_region_bytes(s.get("optim"), _param_shapes(c))
+        nv_r[upd] += state_io
+        nv_w[upd] += state_io
     # written: what the update holds with write=True (master, exp_avg, exp_avg_sq: optim/host_adamw.py ``_update``,
     # written back when unpinned, store/nvme.py ``_unpin``): 12 B/param in backward
     if s["offload_grads"] == "nvme" and not in_bwd:  # in backward the last add and the update share one
