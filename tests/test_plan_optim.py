@@ -227,6 +227,12 @@ def test_host_update_time_scales_the_adamw_rate_by_each_optimizers_measured_cost
     assert hw.host_bf16_tflops is None and muon.times["host_adamw"] == pytest.approx(base)
     muon_fast = plan(llama100b, {**hw.to_dict(), "host_bf16_tflops": 100.0}, optim="muon")
     assert muon_fast.times["host_adamw"] == pytest.approx(base + ns / 100e12)
+    # 8-bit AdamW: its 8-bit tensors (from 4,096 elements, multiples of 256) at their cost, fp32 ones at AdamW's
+    eight = sum(math.prod(s) for _, s in adamw.counts.shapes if math.prod(s) >= 4096 and math.prod(s) % 256 == 0)
+    assert 0 < eight <= n  # at this size every tensor, the norms too
+    p8 = plan(llama100b, hw, optim="adamw8bit")
+    want = (UPDATE_COST["adamw8bit"] * eight + n - eight) / (hw.host_adam_gparams_per_s * 1e9)
+    assert p8.times["host_adamw"] == pytest.approx(want)
 
 
 def test_recipe_preflight_plans_the_recipes_optimizer():

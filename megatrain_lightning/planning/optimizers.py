@@ -43,8 +43,8 @@ state packs into (:func:`nvme_region_bytes`). Units: bytes.
 Update time (:func:`update_work`): each entry also says how long its host update takes per element relative to
 AdamW (:data:`UPDATE_COST`, measured by ``bench/host_optimizers.py``), so that the plan's host update term is the
 preset's AdamW rate (``hardware.host_adam_gparams_per_s``) scaled by it; Muon adds its Newton-Schulz matmuls at
-``hardware.host_bf16_tflops``. adamw8bit and measured ``_target_`` classes have no measured cost: planned at AdamW's
-rate, and the plan says so.
+``hardware.host_bf16_tflops``. Measured ``_target_`` classes have no measured cost: planned at AdamW's rate, and the
+plan says so.
 """
 
 from __future__ import annotations
@@ -129,7 +129,10 @@ def _adamw8bit(shape: tuple[int, ...], kind: str, o: Mapping[str, Any]) -> int:
 #: three runs on two hosts (SGD 0.44 / 0.43 / 0.54, Adafactor 1.87 / 2.06 / 1.58, Lion 0.73 / 0.51 on the 2-core dev
 #: box only; ``bench/results/host_optimizers*.json``, docs/benchmarks.md). Elementwise updates are bound by memory
 #: traffic and passes over it, so the ratio carries to other hosts better than either rate (it moved by up to 25%).
-UPDATE_COST = {"adamw": 1.0, "sgd": 0.45, "adafactor": 1.9, "lion": 0.6}
+#: ``adamw8bit``: torchao 0.18's compiled CPU kernel on its 8-bit tensors (dequantise, update, requantise per block),
+#: one run on the 2-core dev box (64.8M params/s against AdamW's 449M in the same run); its fp32 tensors (under
+#: 4,096 elements) at AdamW's cost.
+UPDATE_COST = {"adamw": 1.0, "sgd": 0.45, "adafactor": 1.9, "lion": 0.6, "adamw8bit": 6.9}
 
 
 def _relative(name: str) -> Callable[[tuple[int, ...], str, Mapping[str, Any]], tuple[float, float]]:
@@ -144,6 +147,11 @@ def newton_schulz_flops(shape: Sequence[int], steps: int) -> float:
     (2 m^3) and ``a X + B X`` (2 m^2 n); bf16 matmuls)."""
     m, n = sorted(shape[-2:])
     return steps * (4.0 * m * m * n + 2.0 * m ** 3)
+
+
+def _adamw8bit_cost(shape: tuple[int, ...], kind: str, o: Mapping[str, Any]) -> tuple[float, float]:
+    n, block = _numel(shape), int(o.get("block_size", AO_BLOCK))
+    return UPDATE_COST["adamw8bit" if n >= AO_MIN_NUMEL and n % block == 0 else "adamw"] * n, 0.0
 
 
 def _muon_cost(shape: tuple[int, ...], kind: str, o: Mapping[str, Any]) -> tuple[float, float]:
@@ -161,7 +169,8 @@ OPTIMIZERS: dict[str, OptimSpec] = {s.name: s for s in (
     OptimSpec("lion", "lion_pytorch.Lion", "Lion exp_avg", _lion, _relative("lion")),
     OptimSpec("muon", "megatrain_lightning.optim.muon.MuonWithAdamW",
               "Muon momentum + AdamW moments (the rest)", _muon, _muon_cost),
-    OptimSpec("adamw8bit", "torchao.optim.AdamW8bit", "AdamW8bit 8-bit moments + block scales", _adamw8bit),
+    OptimSpec("adamw8bit", "torchao.optim.AdamW8bit", "AdamW8bit 8-bit moments + block scales", _adamw8bit,
+              _adamw8bit_cost),
 )}
 #: other spellings of the targets above (``torch.optim.adamw.AdamW``, torch's own Muon for the 2-D weights alone)
 ALIASES = {"torch.optim.adamw.AdamW": "adamw", "torch.optim.adam.Adam": "adam", "torch.optim.sgd.SGD": "sgd",
