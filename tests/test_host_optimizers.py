@@ -61,8 +61,9 @@ OPTIMIZERS["adamw8bit"] = lambda m: __import__("torchao.optim", fromlist=["AdamW
 
 
 def _model(kind):
-    """The tiny Llama; for ``adamw8bit`` one twice as wide with 4 layers, whose weights (4,096-8,192 elements, multiples of 256)
-    get 8-bit state (torchao quantises tensors from 4,096 elements; the tiny Llama's are all smaller)."""
+    """The tiny Llama; for ``adamw8bit`` one twice as wide with 4 layers, whose weights (4,096-8,192 elements,
+    multiples of 256) get 8-bit state (torchao quantises tensors from 4,096 elements; the tiny Llama's are all
+    smaller)."""
     if kind == "adamw8bit":
         return make_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=4)
     return make_model("llama")

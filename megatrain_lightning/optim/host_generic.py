@@ -132,7 +132,8 @@ class HostTorchOptimizer(HostAdamW):
     State per trainable parameter the optimizer updated: what the class's ``step`` keeps in ``state[p]`` (e.g.
     SGD's ``momentum_buffer``; Adafactor's ``step``, ``row_var``, ``col_var``). RAM tier: CPU tensors in host RAM
     owned by this object (the store's ``exp_avg``/``exp_avg_sq`` regions are never allocated). NVMe tier: packed
-    into the parameter's ranges of those regions (:func:`.state_packing.pack`), 0-d values in host RAM (module docstring).
+    into the parameter's ranges of those regions (:func:`.state_packing.pack`), 0-d values in host RAM (module
+    docstring).
     Data parallel: only the slabs this process owns (``ownership``) have state here.
 
     Masters on NVMe (``offload_params="nvme"``) work on either optimizer tier: the views are built inside the

@@ -168,7 +168,8 @@ def copy_tensor(v: torch.Tensor) -> torch.Tensor:
 
 
 def is_subclass(v: Any) -> bool:
-    """Whether ``v`` is a tensor subclass rebuilt from inner tensors (``__tensor_flatten__``/``__tensor_unflatten__``)."""
+    """Whether ``v`` is a tensor subclass rebuilt from inner tensors (``__tensor_flatten__`` and
+    ``__tensor_unflatten__``)."""
     return is_traceable_wrapper_subclass(v)
 
 
