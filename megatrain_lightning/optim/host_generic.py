@@ -142,7 +142,7 @@ class HostTorchOptimizer(HostAdamW):
     Raises:
         UnsupportedOptimizerError: :func:`validate_optimizer`; the class cannot be built over the slab views with the
             user's defaults (a constructor that takes other arguments); on the NVMe tier, state that does not fit
-            two fp32 values per parameter element or is not fp32 (:meth:`_probe`).
+            8 bytes per parameter element or holds fp64 tensors (:meth:`_probe`).
     """
 
     def __init__(self, store: HostStore, optimizer: torch.optim.Optimizer, overlap: bool = True, transport: Any = None,
