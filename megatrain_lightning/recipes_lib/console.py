@@ -6,7 +6,11 @@ user filtered out, a progress bar with a right total, and a line per optimizer s
   whose root handler prints every record too, each Lightning message would appear twice; the handler is removed
   when the root logger has handlers. Filtered, and only these: torch's ``FutureWarning`` that
   ``isinstance(treespec, LeafSpec)`` is deprecated (raised from Lightning's own ``_pytree.py``; nothing the user
-  can change) and Lightning's "Tip" advertising litlogger, logged at every ``Trainer`` construction.
+  can change), Lightning's "Tip" advertising litlogger, logged at every ``Trainer`` construction, and what
+  importing torchao logs when it is installed (transformers imports it at every model build; the recipes'
+  ``optim=adamw8bit`` uses it): "Failed to load ...so" for each of its CUDA kernel libraries that does not load
+  under this torch (its CPU code, the 8-bit optimizers, does not need them) and torch's warning that torchao
+  registers Enum classes with ``register_constant``.
 * :class:`RecipeProgressBar`: Lightning's Rich bar without the ``Epoch 0/-2`` of a run that ``max_steps`` drives
   (the epoch total is shown only when ``max_epochs`` bounds the run), with the batches left to ``max_steps`` as
   the training total, and without the logger's version (``v_num``).
@@ -18,6 +22,7 @@ user filtered out, a progress bar with a right total, and a line per optimizer s
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
 import warnings
@@ -31,24 +36,33 @@ log = logging.getLogger(__name__)
 
 #: (message regex, category) of the third-party warnings the recipe filters (``warnings.filterwarnings``)
 FILTERED_WARNINGS = ((r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),)
-#: the start of Lightning INFO messages the recipe filters (logger ``lightning.pytorch.utilities.rank_zero``)
-FILTERED_LOG_PREFIXES = ("💡 Tip:",)
+#: (logger, message regex) of the third-party log records the recipe filters (module docstring)
+FILTERED_LOGS = (
+    ("lightning.pytorch.utilities.rank_zero", r"💡 Tip:"),
+    ("torchao", r"Failed to load \S+\.so: "),
+    ("torch.utils._pytree", r".* is an Enum subclass and is now natively supported by torch\.compile"),
+)
 
 
-class _DropPrefixes(logging.Filter):
+class _DropMatching(logging.Filter):
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.pattern = re.compile(pattern)
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.getMessage()).startswith(FILTERED_LOG_PREFIXES)
+        return not self.pattern.match(str(record.getMessage()))
 
 
 def tidy_console() -> None:
-    """One line per log message, and the notices of :data:`FILTERED_WARNINGS` / :data:`FILTERED_LOG_PREFIXES`
-    filtered (see the module docstring). Idempotent; changes nothing when the root logger has no handler (then
+    """One line per log message, and the notices of :data:`FILTERED_WARNINGS` / :data:`FILTERED_LOGS` filtered
+    (see the module docstring). Idempotent; changes nothing when the root logger has no handler (then
     Lightning's own handler is the only one that prints its messages)."""
     for message, category in FILTERED_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)
-    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    if not any(isinstance(f, _DropPrefixes) for f in rank_zero.filters):
-        rank_zero.addFilter(_DropPrefixes())
+    for name, pattern in FILTERED_LOGS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMatching) and f.pattern.pattern == pattern for f in logger.filters):
+            logger.addFilter(_DropMatching(pattern))
     if logging.getLogger().hasHandlers():
         own = logging.getLogger("lightning")
         for h in list(own.handlers):
