@@ -98,7 +98,7 @@ def leaves(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Wr
     wrappers: dict[str, Wrapper] = {}
 
     def walk(key: str, v: torch.Tensor) -> None:
-        if is_traceable_wrapper_subclass(v):
+        if is_subclass(v):
             names, ctx = v.__tensor_flatten__()
             wrappers[key] = Wrapper(type(v), tuple(names), ctx, tuple(v.shape), tuple(v.stride()))
             for n in names:
