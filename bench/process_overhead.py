@@ -5,7 +5,8 @@ trains it for 2 steps with ``Trainer(strategy="megatrain", accelerator="cpu")`` 
 (``ru_maxrss``) and the current RSS at three points, minus the training state (16 B/param: fp32 master,
 gradient, AdamW moments; kilobytes for this model). Run::
 
-    PYTHONPATH=. python bench/process_overhead.py
+    PYTHONPATH=. python bench/process_overhead.py                           # 32-true
+    PYTHONPATH=. python bench/process_overhead.py --precision bf16-mixed    # writes process_overhead_bf16-mixed.json
 
 Writes bench/results/process_overhead.json. The planner's CPU figure (``planning/terms.py`` ``PROCESS_OVERHEAD_CPU``) comes from this script.
 """
@@ -31,6 +32,11 @@ def peak() -> int:
 
 
 def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--precision", default="32-true", help="Trainer(precision=...): 32-true or bf16-mixed")
+    args = ap.parse_args()
     mib = 2**20
     import lightning.pytorch as pl
     import torch
@@ -42,6 +48,7 @@ def main() -> None:
     model = make_model("llama")
     n = sum(p.numel() for p in model.parameters())
     trainer = pl.Trainer(strategy="megatrain", accelerator="cpu", devices=1, max_steps=2, logger=False,
+                         precision=args.precision,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     print(f"after Trainer():     rss {rss() / mib:7.1f} MiB  peak {peak() / mib:7.1f} MiB")
     trainer.fit(LM(model), make_data())
@@ -50,8 +57,9 @@ def main() -> None:
     print(f"params {n:,}; state 16 B/param = {state / mib:.2f} MiB; torch {torch.__version__}, "
           f"threads {torch.get_num_threads()}")
     print(f"process overhead (peak - state): {(peak() - state) / mib:.1f} MiB = {(peak() - state) / 2**30:.3f} GiB")
-    out = Path(__file__).with_name("results") / "process_overhead.json"
-    out.write_text(json.dumps({"bench": "process_overhead", "params": n, "state_bytes": state, "peak_rss_bytes": peak(),
+    suffix = "" if args.precision == "32-true" else f"_{args.precision}"
+    out = Path(__file__).with_name("results") / f"process_overhead{suffix}.json"
+    out.write_text(json.dumps({"bench": "process_overhead", "precision": args.precision, "params": n, "state_bytes": state, "peak_rss_bytes": peak(),
                                "overhead_bytes": peak() - state, "torch": torch.__version__,
                                "threads": torch.get_num_threads()}, indent=1) + "\n")
     print(f"wrote {out}")

@@ -9,7 +9,7 @@ import pytest
 
 from megatrain_lightning.planning import format_comparison, format_plan, load_hardware, load_model, plan, replan
 from megatrain_lightning.planning.phases import chains
-from megatrain_lightning.planning.terms import _estimate, term_label
+from megatrain_lightning.planning.terms import _estimate, block_calls, term_label
 
 GB = 1e9
 
@@ -140,12 +140,26 @@ def test_step_is_between_the_largest_term_and_the_sum_of_the_terms(model, hw, kw
     assert set(p.exposed) <= {k for _, k in p.phases.values()} and "compute" not in p.exposed
 
 
-def test_cpu_device_plan_is_compute_bound():
-    """SmolLM2-135M on this 2-core machine: compute (13.5 s at 0.198 TFLOP/s) hides every worker; the phase model
-    gives the compute time, whichever the schedule."""
-    p = plan(load_model("smollm2_135m"), load_hardware("this_machine"))
-    assert p.exposed == {} and p.dominating == "compute"
-    assert p.step_time_s == pytest.approx(p.times["compute"], rel=1e-12) == p.other_schedule["step_time_s"]
+def test_cpu_device_plan_puts_the_host_work_in_series_with_compute():
+    """SmolLM2-135M on this 2-core machine: the workers run on the cores that compute (one intra-op thread each),
+    so each phase is compute + the engine's fixed time + the copies, gradient adds and host update of that phase;
+    the step is the sum of those terms, whichever the schedule, and the report names what they add to compute."""
+    hw = load_hardware("this_machine")
+    p = plan(load_model("smollm2_135m"), hw)
+    on_cores = ("compute", "engine", "h2d", "d2h", "grad_add", "host_adamw")
+    assert set(p.times) >= set(on_cores) and p.times["engine"] > 0
+    assert p.step_time_s == pytest.approx(sum(p.times[k] for k in on_cores), rel=1e-12)
+    assert p.step_time_s == pytest.approx(p.other_schedule["step_time_s"], rel=1e-12)
+    fwd, bwd = block_calls(p.counts, p.settings)
+    assert (fwd, bwd) == (p.counts.num_layers + 2, 2 * p.counts.num_layers + 2)  # recompute=block
+    assert p.times["engine"] == pytest.approx(((fwd + bwd) * hw.block_call_ms + hw.step_overhead_ms) / 1e3)
+    assert p.dominating.startswith("compute+engine")
+    assert sum(p.exposed.values()) == pytest.approx(p.step_time_s - p.times["compute"], rel=1e-9)
+    step = next(ln for ln in format_plan(p).splitlines() if ln.startswith("  exposed beyond compute"))
+    assert "engine fixed time + H2D copies + host AdamW" in step and "compute + " not in step
+    # a GPU preset leaves the engine's fixed time out (it overlaps the device's kernels) and the workers overlap
+    g = plan(load_model("smollm2_135m"), load_hardware("h200"))
+    assert "engine" not in g.times and g.step_time_s < sum(g.times.values())
 
 
 def test_report_prints_the_phases_the_exposed_seconds_and_the_other_schedule():
@@ -166,7 +180,7 @@ def test_report_prints_the_phases_the_exposed_seconds_and_the_other_schedule():
                                    "the H2D copies term")
     assert lines[i + 4].startswith("pessimistic (backward H2D at half bandwidth while D2H runs): ")
     assert "exposed beyond compute (" in format_plan(plan(load_model("smollm2_135m"), load_hardware("this_machine")))
-    assert "none (compute-bound)" in format_plan(plan(load_model("smollm2_135m"), load_hardware("this_machine")))
+    assert "none (compute-bound)" in format_plan(plan(load_model("smollm2_135m"), load_hardware("h200"), batch_size=16))
 
 
 def test_cli_and_bad_value(capsys):

@@ -143,6 +143,12 @@ class Hardware:
     iterations run there (``optim=muon``, :func:`.optimizers.newton_schulz_flops`); ``None``: not known, a Muon
     plan leaves them out of the step time and says so.
 
+    ``block_call_ms``, ``step_overhead_ms`` (optional, milliseconds): the engine's fixed CPU time per block call
+    (acquire, bind, run, record, release and the workers' hand-offs, outside the block's own kernels) and per
+    step (Lightning's loop, the optimizer step's bookkeeping), measured by ``bench/block_overhead.py``. They are
+    counted on a CPU device only, where that Python time runs on the cores that compute (on a GPU it overlaps the
+    device's kernels); ``None``: not known, left out of the step time.
+
     The last three fields plan data parallel runs (``trainer.devices`` > 1 or ``trainer.num_nodes``
     > 1; :mod:`.parallel`) and may be left out of a mapping (``None``):
 
@@ -176,6 +182,8 @@ class Hardware:
     host_mem_gbps: float | None = None
     nvlink_gbps: float | None = None
     network_gbps: float | None = None
+    block_call_ms: float | None = None
+    step_overhead_ms: float | None = None
     sources: Mapping[str, str] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -186,7 +194,8 @@ class Hardware:
         Raises:
             ValueError: names the field as a Hydra key (``hardware.host_ram_gib``), the value and what to set.
         """
-        nullable = {"hbm_gib", "hbm_tbps", "host_bf16_tflops", "host_mem_gbps", "nvlink_gbps", "network_gbps"}
+        nullable = {"hbm_gib", "hbm_tbps", "host_bf16_tflops", "host_mem_gbps", "nvlink_gbps", "network_gbps",
+                    "block_call_ms", "step_overhead_ms"}
         for f in fields(self):
             if f.name in ("name", "pcie_gen", "sources"):
                 continue

@@ -11,6 +11,11 @@ planner's compute term being the FLOP of such steps. The median of ``repeats`` t
 after one warm-up is reported. On CPUs without native bf16 matmul instructions (no AVX512-BF16
 or AMX) the bf16 rate is far below the fp32 one: assuming "bf16 is faster" would make the
 planner's step-time bound wrong by that factor.
+
+It also times the host update the engine runs on a CPU device (:func:`host_adamw_gparams_per_s`):
+``torch.optim.AdamW`` with its defaults (the for-loop kernel on CPU tensors, what the host AdamW kernel
+reproduces), on one intra-op thread (the update worker's count on a CPU device, ``engine/threads.py``), under the
+malloc settings of a training run (``store/allocator.py``): the preset's ``host_adam_gparams_per_s``.
 """
 
 from __future__ import annotations
@@ -94,6 +99,36 @@ def model_step_tflops(tokens: int, layers: int, autocast_bf16: bool, repeats: in
     return flop / _median_seconds(step, repeats) / 1e12
 
 
+def host_adamw_gparams_per_s(numel: int = 1 << 23, tensors: int = 16, threads: int = 1, repeats: int = 3,
+                             **adamw: object) -> float:
+    """Parameters per second (1e9) of ``torch.optim.AdamW(**adamw).step()`` on ``tensors`` fp32 parameters of
+    ``numel`` elements in all, with gradients, run with ``threads`` intra-op threads under the malloc settings
+    of a training run (:func:`~megatrain_lightning.store.allocator.bound_retention`). The thread count is restored
+    afterwards.
+
+    Raises:
+        ValueError: ``numel`` < ``tensors`` or ``threads`` < 1.
+    """
+    if numel < tensors or tensors < 1 or threads < 1:
+        raise ValueError(f"host_adamw_gparams_per_s needs numel >= tensors >= 1 and threads >= 1, got numel={numel}, "
+                         f"tensors={tensors}, threads={threads}")
+    from ..store.allocator import bound_retention
+
+    bound_retention()
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(numel // tensors, generator=g)) for _ in range(tensors)]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    opt = torch.optim.AdamW(params, **adamw)  # type: ignore[arg-type]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        seconds = _median_seconds(opt.step, repeats)
+    finally:
+        torch.set_num_threads(before)
+    return numel // tensors * tensors / seconds / 1e9
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=1024)
@@ -110,12 +145,14 @@ def main(argv: list[str] | None = None) -> int:
     bf16 = train_step_tflops(a.tokens, a.hidden, a.intermediate, True, a.repeats)
     mm32 = matmul_tflops(a.matmul, torch.float32, a.repeats)
     mm16 = matmul_tflops(a.matmul, torch.bfloat16, a.repeats)
+    adam = host_adamw_gparams_per_s(repeats=a.repeats)
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads; train step = Linear({a.hidden},"
           f"{a.intermediate}) -> Linear({a.intermediate},{a.hidden}) fwd+bwd on {a.tokens} tokens")
     print(f"# model step = SmolLM2-135M shape, {a.model_layers} layers, 1 x {a.model_tokens} tokens, loss + backward")
     print(f"fp32_tflops: {m32:.3g}    # model step fp32; two-linear step {fp32:.3g}; square {a.matmul} matmul {mm32:.3g}")
     print(f"bf16_tflops: {m16:.3g}    # model step bf16 autocast; two-linear step {bf16:.3g}; square {a.matmul} "
           f"matmul {mm16:.3g}; model-step bf16/fp32 = {m16 / m32:.3g}")
+    print(f"host_adam_gparams_per_s: {adam:.3g}    # torch.optim.AdamW (for-loop), 1 thread, 8.4M params in 2 MiB tensors")
     return 0
 
 

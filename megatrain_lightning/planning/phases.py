@@ -24,6 +24,12 @@ host memory   data parallel: the phase's host DRAM bytes     the same
 collectives   --                                             intra-node reduce, inter-node all-reduce
 ============  =============================================  ===============================================
 
+On a CPU device (a preset without an accelerator) the workers run on the cores that compute, each with one
+intra-op thread (``engine/threads.py``): their work does not overlap the compute but takes turns with it, so
+the compute, the engine's fixed Python time per block call and per step (``engine``, when the preset has
+``block_call_ms`` / ``step_overhead_ms``), the copies, the gradient adds and the host update form one chain
+(:data:`CHAINS_CPU`); only the NVMe transfers (the kernel's and the drive's work) overlap it.
+
 On the RAM tier the updates run on the update worker (``optim/host_adamw.py``): deferred, from the start of the
 forward; with ``optimizer_in_backward`` from the backward, as each slab's gradients complete, through the next
 forward. The model splits that schedule's update between the phases in proportion to their lengths without it
@@ -63,6 +69,13 @@ CHAINS_RAM: dict[str, tuple[tuple[str, ...], ...]] = {
                  ("intra_node",), ("inter_node",), ("host_memory",)),
 }
 
+#: a CPU device: every term that runs on the CPU cores in one chain (module docstring)
+_ON_CORES = ("compute", "engine", "h2d", "d2h", "grad_add", "host_adamw")
+CHAINS_CPU: dict[str, tuple[tuple[str, ...], ...]] = {
+    "forward": (_ON_CORES, ("nvme_read", "nvme_write"), ("host_memory",)),
+    "backward": (_ON_CORES, ("nvme_read", "nvme_write"), ("intra_node",), ("inter_node",), ("host_memory",)),
+}
+
 
 def update_worker(s: dict[str, Any]) -> bool:
     """Whether the plan's updates run on the update worker: nothing is on NVMe (the engine starts it on the RAM
@@ -71,7 +84,10 @@ def update_worker(s: dict[str, Any]) -> bool:
 
 
 def chain_table(e: dict[str, Any]) -> dict[str, tuple[tuple[str, ...], ...]]:
-    """The chains of estimate ``e``'s tier: :data:`CHAINS_RAM` or :data:`CHAINS`."""
+    """The chains of estimate ``e``'s device and tier: :data:`CHAINS_CPU` on a CPU device, else :data:`CHAINS_RAM`
+    or :data:`CHAINS`."""
+    if not e.get("gpu", True):
+        return CHAINS_CPU
     return CHAINS_RAM if update_worker(e["settings"]) else CHAINS
 
 
@@ -108,6 +124,7 @@ def forward_share(e: dict[str, Any]) -> dict[str, float]:
         "host_memory": _frac(m.get("host_memory_forward", 0), m.get("host_memory", 0)),
         "intra_node": 0.0,
         "inter_node": 0.0,
+        "engine": _frac(e.get("engine_forward_s", 0.0), e["times"].get("engine", 0.0)),
     }
     share["host_adamw"] = update_share(e, share)
     return share
@@ -143,14 +160,16 @@ def phase_model(e: dict[str, Any], pessimistic: bool = False) -> dict[str, Any]:
 
     Returns:
         ``phases``: phase -> (seconds, key of the chain that bounds it; ``"compute"`` when compute is at
-        least every other chain); ``step_time_s``: their sum; ``dominating``: the bound of the longer phase;
+        least every other chain; on a CPU device the cores' chain, ``"compute+engine+host_adamw..."``, when it
+        bounds); ``step_time_s``: their sum; ``dominating``: the bound of the longer phase;
         ``exposed``: chain key -> seconds beyond compute (only chains that bound a phase);
         ``compute``: phase -> compute seconds.
     """
     phases, exposed, compute = {}, {}, {}
+    parts = phase_parts(e, pessimistic)
     for ph, row in chains(e, pessimistic).items():
-        comp = row[0][1]
-        key, t = max(row[1:], key=lambda kv: kv[1], default=("compute", 0.0))
+        comp = parts[ph].get("compute", 0.0)  # the first chain is compute alone, or on a CPU device all the cores' work
+        key, t = max(row, key=lambda kv: kv[1])
         if t <= comp:
             key, t = "compute", comp
         else:

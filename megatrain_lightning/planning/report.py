@@ -9,7 +9,7 @@ from .config import Hardware
 from .estimate import TERM_LABELS, Plan, gib, long_sequence_variants, max_seq_len
 from .parallel import host_mem_rate, intra_rate
 from .phases import update_worker
-from .terms import group_size, host_update_work, optim_title, layer_wire_bytes, layers_in_flight, term_label, update_in_backward, zero_copy
+from .terms import block_calls, group_size, host_update_work, optim_title, layer_wire_bytes, layers_in_flight, term_label, update_in_backward, zero_copy
 
 #: data parallel: the terms that are per node (the rest are per GPU)
 NODE_TERMS = ("nvme_read", "nvme_write", "host_adamw", "grad_add", "host_memory", "inter_node")
@@ -33,6 +33,7 @@ def _rate(p: Plan, key: str) -> str:
         "host_memory": f"{host_mem_rate(hw):g} GB/s",
         "intra_node": "{:g} GB/s {}".format(*intra_rate(hw)),
         "inter_node": f"{hw.network_gbps or 0:g} GB/s network",
+        "engine": f"{hw.block_call_ms:g} ms/call + {hw.step_overhead_ms:g} ms" if hw.block_call_ms is not None else "",
     }[key]
 
 
@@ -221,6 +222,7 @@ def format_plan(p: Plan) -> str:
         "host_adamw": f"{c.total / 1e9:,.2f} G params" + (f" + {ns / 1e12:,.0f} TFLOP" if ns else ""),
         "grad_add": f"{gib(p.moved['grad_add'])} GiB",
         **{k: f"{gib(p.moved[k])} GiB" for k in ("host_memory", "intra_node", "inter_node") if k in p.moved},
+        "engine": "{} + {} calls".format(*block_calls(c, s)),
     }
     unit = "GPU" if hw.is_gpu else "rank"
     if p.parallel:
@@ -338,7 +340,9 @@ def step_time_lines(p: Plan) -> list[str]:
     rate = (f"{_num(p.tokens / t)} tokens/s"
             + (f" per {unit}, {_num(p.node_tokens / t)} per node, {_num(p.cluster_tokens / t)} "
                f"for the {p.settings['num_nodes']} node(s)" if p.parallel else ""))
-    exposed = ", ".join(f"{_label(p, k)} {v:,.3f} s" for k, v in sorted(p.exposed.items(), key=lambda kv: -kv[1]))
+    # a CPU device's cores chain ("compute+engine+..."): what it adds beyond compute is its other terms
+    exposed = ", ".join(f"{_label(p, '+'.join(t for t in k.split('+') if t != 'compute'))} {v:,.3f} s"
+                        for k, v in sorted(p.exposed.items(), key=lambda kv: -kv[1]))
     comp = p.times["compute"]
     out = [f"step time: {t:,.3f} s/step ({rate}), bound by {_label(p, p.dominating)}; phases in series, "
            f"each as long as its longest chain: {_phases_text(p)}",

@@ -131,6 +131,7 @@ GRAD_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 TIERS = ("cpu", "nvme")
 PROCESS_OVERHEAD_GPU = 4 * GIB  # host, GPU preset: Python, torch, CUDA host side, data loader (assumption)
 PROCESS_OVERHEAD_CPU = int(0.41 * GIB)  # host, CPU preset: measured 418 MiB (bench/process_overhead.py), rounded up
+AUTOCAST_OVERHEAD_CPU = 16 * 2**20      # host, CPU preset under bf16-mixed: measured 16-17 MiB more (the same script)
 DEVICE_RESERVE = 2 * GIB        # device: CUDA context, workspaces, fragmentation (assumption)
 CKPT_METADATA = 16 * 2**20      # checkpoint metadata allowance
 D2H_INFLIGHT = 2                # packed gradient batches queued for the D2H worker at most (GradientSink max_inflight)
@@ -138,7 +139,8 @@ D2H_STAGING = 2                 # pinned D2H staging buffers (CUDATransport n_st
 
 TERM_LABELS = {"compute": "compute", "h2d": "H2D copies", "d2h": "D2H copies", "nvme_read": "NVMe reads",
                "nvme_write": "NVMe writes", "host_adamw": "host AdamW", "grad_add": "host gradient adds",
-               "host_memory": "host memory", "intra_node": "intra-node reduce", "inter_node": "inter-node all-reduce"}
+               "host_memory": "host memory", "intra_node": "intra-node reduce", "inter_node": "inter-node all-reduce",
+               "engine": "engine fixed time"}
 #: host DRAM bytes per gradient element of the D2H worker's add into the fp32 accumulator, by gradient wire
 #: bytes: fp32 reads the gradient (4) and the accumulator (4) and writes the accumulator (4); a 2-byte gradient
 #: is read (2) and cast to a fp32 temporary first (torch casts a CPU operand of another dtype before the
@@ -194,6 +196,27 @@ def host_update_seconds(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> floa
     factor, flops, _ = host_update_work(c, s)
     t = c.total * factor / (hw.host_adam_gparams_per_s * 1e9)
     return t + (flops / (hw.host_bf16_tflops * 1e12) if flops and hw.host_bf16_tflops else 0.0)
+
+
+def block_calls(c: ParamCounts, s: dict[str, Any]) -> tuple[int, int]:
+    """Block calls per step (forward, backward): the forward calls every block once (embedding, the decoder
+    layers, the LM head); the backward calls each block's backward and recomputes the layers that keep no graph
+    (``recompute`` block or selective: :func:`.activations.layer_mix`)."""
+    from .activations import layer_mix
+
+    mix = layer_mix(c, s)
+    blocks = c.num_layers + 2
+    return blocks, blocks + mix["block"] + mix["selective"]
+
+
+def engine_seconds(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> tuple[float, float] | None:
+    """The engine's fixed CPU time per step by phase (forward with the per-step part, backward), seconds: block
+    calls x ``hw.block_call_ms`` + ``hw.step_overhead_ms`` (:func:`block_calls`); ``None`` on a GPU preset or a
+    preset without those figures (:class:`~.config.Hardware`)."""
+    if hw.is_gpu or hw.block_call_ms is None or hw.step_overhead_ms is None:
+        return None
+    fwd, bwd = block_calls(c, s)
+    return (fwd * hw.block_call_ms + hw.step_overhead_ms) / 1e3, bwd * hw.block_call_ms / 1e3
 
 
 def checkpoint_state_bytes(c: ParamCounts, s: dict[str, Any]) -> int:
@@ -298,7 +321,7 @@ def binds_in_place(hw: Hardware, s: dict[str, Any]) -> bool:
     return not hw.is_gpu and bool(s["cpu_zero_copy"]) and s.get("offload_params", "cpu") == "cpu"
 
 
-def process_overhead(hw: Hardware) -> int:
+def process_overhead(hw: Hardware, precision: str = "32-true") -> int:
     """Host bytes of the training process apart from its training state and buffers (Python, torch,
     Lightning, transformers, the data loader, thread stacks, the allocator's slack).
 
@@ -307,10 +330,14 @@ def process_overhead(hw: Hardware) -> int:
       torch + lightning + transformers, minus its state (16 B/param, 0.5 MiB) -- 418 MiB on the 2-core dev
       box (torch 2.13 CPU build, with the test extra installed: transformers imports torchao when it is there,
       13 MiB of it), ``PYTHONPATH=. python bench/process_overhead.py``; rounded up to 0.41 GiB (420 MiB).
+      Under ``bf16-mixed`` :data:`AUTOCAST_OVERHEAD_CPU` more (oneDNN's bf16 kernels and their scratch memory:
+      434-435 MiB against 418 in the same script, ``--precision bf16-mixed``).
     * GPU preset: :data:`PROCESS_OVERHEAD_GPU`, 4 GiB, an assumption (not measured): the above plus the
       CUDA context's host side, the CUDA/cuBLAS/cuDNN libraries loaded into the process (a CUDA build of
       torch maps several GiB of kernels), and pinned-memory pools outside the planner's own terms."""
-    return PROCESS_OVERHEAD_GPU if hw.is_gpu else PROCESS_OVERHEAD_CPU
+    if hw.is_gpu:
+        return PROCESS_OVERHEAD_GPU
+    return PROCESS_OVERHEAD_CPU + (AUTOCAST_OVERHEAD_CPU if precision == "bf16-mixed" else 0)
 
 
 def shadow_bytes(params: int, castable: int, wire: int, precision: str) -> int:
@@ -472,7 +499,7 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
         acts = sum(act_dev.values())
         host["device buffers (CPU device): weights, gradients"] = sum(device.values()) - acts
         host["activations (CPU device)"] = acts
-    host["process overhead"] = process_overhead(hw)
+    host["process overhead"] = process_overhead(hw, s["precision"])
 
     # fp32 weights + the optimizer's state (state_dict() in the class's format; the store's regions on NVMe)
     ckpt = 4 * N + checkpoint_state_bytes(c, s) + (4 * N if copy_ref else 0) + CKPT_METADATA
@@ -560,8 +587,12 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
         "host_adamw": host_update_seconds(c, hw, s),
         "grad_add": moved["grad_add"] / (host_mem_rate(hw) * gb),
     }
+    engine = engine_seconds(c, hw, s)
+    if engine is not None:
+        times["engine"] = sum(engine)
     e = dict(host=host, device=device, nvme=nvme, disk=disk, moved=moved, flops=flops, flops_parts=flops_parts,
-             flops_forward=flops_forward, times=times, ckpt=ckpt, parallel=None, settings=s)
+             flops_forward=flops_forward, times=times, ckpt=ckpt, parallel=None, settings=s, gpu=gpu,
+             engine_forward_s=engine[0] if engine else 0.0)
     if s.get("devices", 1) * s.get("num_nodes", 1) == 1:
         return e
     on_nvme = s["offload_params"] == "nvme"
