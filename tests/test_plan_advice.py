@@ -10,6 +10,7 @@ import pytest
 
 from megatrain_lightning.plan import GIB, PreflightError, load_hardware, load_model, main, plan, preflight, replan
 from megatrain_lightning.planning import format_plan
+from megatrain_lightning.planning.advice import RUN_ABOVE_PLAN
 from megatrain_lightning.planning.estimate import max_batch_size, max_seq_len
 from megatrain_lightning.planning.preflight import plan_for_run
 
@@ -62,7 +63,8 @@ def test_preflight_names_the_batch_size_not_the_users_own_seq_len():
     with pytest.raises(PreflightError) as ei:
         preflight(p, host_ram_bytes=host, disk_free_bytes=1000 * GIB)
     msg = str(ei.value)
-    b, n = max_batch_size(p, host, None), max_seq_len(p, host, None, batch_size=4)
+    room = int(host / (1 + RUN_ABOVE_PLAN))  # the suggestions leave room for a run above its plan
+    b, n = max_batch_size(p, room, None), max_seq_len(p, room, None, batch_size=4)
     assert 1 <= b < 4
     assert f"set data.batch_size={b}: the largest data.batch_size that fits at data.seq_len=8192" in msg
     assert f"set data.seq_len={n}: the longest data.seq_len that fits at data.batch_size=4" in msg

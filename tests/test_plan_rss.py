@@ -51,3 +51,40 @@ def test_the_heap_term_is_for_cpu_devices_and_tensors_under_the_mmap_threshold()
     assert HEAP_KEPT not in big.device
     gpu = plan(cfg, load_hardware("h200"), batch_size=1, seq_len=8192)
     assert HEAP_KEPT not in gpu.device
+
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and glibc's heap behaviour")
+def test_following_each_suggestion_runs_within_its_plan_and_the_ram(capsys, tmp_path):
+    """The tiny Llama at 1 x 8192 with ``recompute=none`` on a 0.88 GiB machine (``hardware.host_ram_gib=0.88``)
+    does not fit; the planner prints what to change. Each suggestion that is a run setting (``seq_len``,
+    ``recompute``...) is followed: trained for 3 steps in a subprocess, its measured peak host RAM is within its own
+    plan's target (at most 5% above) and within the machine's 0.88 GiB."""
+    import json
+    import re
+
+    from megatrain_lightning.plan import main
+
+    c0 = plan_vs_run._cfg("t", "ram", "32-true", "none", 1, 8192)
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(plan_vs_run.model_config(c0)))
+    ram = 0.88
+    assert main([f"model={cfg}", "hardware=this_machine", f"hardware.host_ram_gib={ram}", "seq_len=8192",
+                 "batch_size=1", "precision=32-true", "recompute=none"]) == 0
+    out = capsys.readouterr().out
+    assert "fits: NO: host RAM short" in out
+    runs = []
+    for line in (ln.strip() for ln in out.splitlines() if ln.strip().startswith("change: set ")):
+        ov = dict(kv.split("=", 1) for kv in re.search(r"\bset ((?:[\w.]+=\S+ ?)+):", line).group(1).split())
+        assert set(ov) <= {"seq_len", "batch_size", "recompute"}, line  # what this test can run
+        c = {**c0, **{k: int(v) if k != "recompute" else v for k, v in ov.items()}}
+        runs.append((line, c))
+    assert any(c["recompute"] == "block" for _, c in runs) and any(c["seq_len"] < 8192 for _, c in runs), out
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    for line, c in runs:
+        p = plan_vs_run.plan_of(c)
+        assert p.host_bytes <= ram * 2**30, line
+        m = plan_vs_run.measure(c, env, timeout=600)
+        assert "error" not in m, (line, m)
+        peak = m["peak_host_bytes"]
+        assert peak <= 1.05 * p.host_bytes and peak <= ram * 2**30, (line, peak, p.host_bytes)
