@@ -117,6 +117,7 @@ from .counts import ParamCounts
 from .optimizers import NVME_STATE_BYTES, label as optim_label, name_of as optim_name, nvme_region_bytes, state_bytes
 from .optimizers import update_work
 from .parallel import host_mem_rate, scale_out
+from ..preference.module import REFERENCES as DPO_REFERENCES
 
 #: precision -> (wire bytes, device param bytes, default grad bytes, saved residual bytes,
 #: matmul activation bytes, compute rate key). Mirrors ``MegaTrainPrecision``.
@@ -423,8 +424,8 @@ def weights_label(lookahead: int, group: int, all_layers: int | None = None) -> 
     return f"block weights x{lookahead + 1} fetches x{group} layers (compute dtype)"
 
 
-#: values of the planner's ``reference`` setting: those of ``DPOModule(reference=...)`` and ``None``
-REFERENCES = (None, "precompute", "adapter", "copy")
+#: values of the planner's ``reference`` setting: ``None`` and those of ``DPOModule(reference=...)``
+REFERENCES = (None, *DPO_REFERENCES)
 
 
 def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]:
