@@ -72,3 +72,42 @@ def test_the_strategy_sets_it_up():
     """A fit sets the thresholds in its process (``MegaTrainStrategy.setup_environment``)."""
     applied, kept = _probe("fit")
     assert "'M_MMAP_THRESHOLD': 8388608" in applied and kept < 4 << 20, (applied, kept)
+
+
+_SETUP = textwrap.dedent("""
+    import lightning.pytorch as pl
+    from megatrain_lightning import MegaTrainStrategy
+    from megatrain_lightning.store.allocator import bound_retention
+    from megatrain_lightning.testing import LM, learnable_data, make_model
+
+    def rss():
+        return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmRSS"))
+
+    bound_retention()  # as after an earlier fit in this process: parameters under 8 MiB come from the heap
+    model = make_model("llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=8)
+    n = sum(p.numel() for p in model.parameters())
+    data = learnable_data(n=2, seq=16, batch_size=2)
+    base = rss()
+
+    class Stop(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            print("grown", rss() - base, "params", n)
+            raise SystemExit(0)
+
+    pl.Trainer(strategy=MegaTrainStrategy(), accelerator="cpu", devices=1, max_steps=1, logger=False, callbacks=[Stop()],
+               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(LM(model), data)
+""")
+
+
+def test_the_modules_own_parameter_memory_leaves_the_process_when_the_store_takes_the_weights():
+    """The RAM tier copies the module's parameters into its slabs and frees them; those under glibc's mmap threshold
+    were heap memory, which stays resident unless given back (``engine/streaming.py`` trims the heap once the store is
+    built). At the start of training the process holds the fp32 weights once, in the store: RSS grew by much less than
+    the 4 B/param a second copy would add."""
+    e = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    e["PYTHONPATH"] = os.pathsep.join([os.getcwd(), e.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", _SETUP], env=e, capture_output=True, text=True, timeout=300)
+    line = next((l for l in out.stdout.splitlines() if l.startswith("grown")), None)
+    assert line is not None, out.stderr[-3000:]
+    grown, n = int(line.split()[1]), int(line.split()[3])
+    assert grown < 4 * n // 4, (grown, 4 * n)

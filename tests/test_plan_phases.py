@@ -106,6 +106,7 @@ def test_nvme_io_lands_in_the_phase_of_the_update():
     in backward the update's reads and writes move to the backward and the accumulator never reaches the disk."""
     nv = dict(offload_params="nvme", offload_optimizer="nvme", offload_grads="nvme")
     p = plan(load_model("llama8b"), load_hardware("h200"), optimizer_in_backward=False, **nv)
+    p = replan(p, host_memory_limit=p.nvme_window["min_window"])  # a window that keeps nothing beyond its minimum
     hw, n, m = p.hardware, p.counts.total, p.moved
     rd, wr = hw.nvme_drives * hw.nvme_read_gbps * GB, hw.nvme_drives * hw.nvme_write_gbps * GB
     refetch = m["nvme_read"] - 16 * n                                # the backward fetch's master reads

@@ -120,8 +120,7 @@ class StreamingEngine:
                                             sources=sources, nvme_factory=factory, nvme_kinds=nvme.kinds if nvme else (),
                                             shared=node.regions if node is not None else None, reserve_frozen=reserve_frozen)
         self.ownership: SlabOwnership | None = node.setup(self.store) if node is not None else None
-        if self.budget is not None:
-            heap.trim()  # what building the store (random init, safetensors reads) left in the heap
+        heap.trim()  # the module's own parameter storage, freed into the heap now that the store holds the weights
         self.trainable = [reserve_frozen or p.requires_grad for p in root.parameters()]  # state in the store
         staging = self.store.max_slab_numel(trainable=True) + (max(len(s.entries) for s in self.store.slabs) if reducer
                                                               else 0)  # data parallel: + presence flags (reduce.py)

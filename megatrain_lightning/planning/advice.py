@@ -96,6 +96,7 @@ def host_advice(p: Plan, have: int, keys: Mapping[str, str] | None = None) -> li
     if s["offload_optimizer"] == "cpu":
         q = replan(p, offload_optimizer="nvme", offload_grads="nvme")
         limit, rss, _ = nvme_limit(q, have)
+        q = replan(q, host_memory_limit=limit)  # the step time with the window that limit gives (its cache)
         if rss <= have:
             out.append(f"set {nvme_override(keys, limit, params=False)}{where}: {_state_words(p)} go to NVMe; "
                        f"{host_words(q)}, disk "
@@ -103,6 +104,7 @@ def host_advice(p: Plan, have: int, keys: Mapping[str, str] | None = None) -> li
     if "nvme" not in (s["offload_params"], s["offload_optimizer"], s["offload_grads"]) or not out:
         q = replan(p, offload_params="nvme", offload_optimizer="nvme", offload_grads="nvme")
         limit, rss, _ = nvme_limit(q, have)
+        q = replan(q, host_memory_limit=limit)
         if rss <= have:
             disk = q.capacity["disk"] or 0
             out.append(f"use the NVMe tier: {nvme_override(keys, limit, params=True)}{where}: masters, gradients "

@@ -399,6 +399,11 @@ def _plan_from_counts(name: str, counts: ParamCounts, hw: Hardware, s: dict[str,
     from .phases import phase_model
     from .terms import update_in_backward
 
+    from .window import limit_check
+
+    used, mw, refusal, warning = limit_check(source, s, hw.is_gpu, s.get("host_memory_limit"), capacity(hw)["host"],
+                                             f"the preset {hw.name}")
+    s = {**s, "nvme_window_spare": window_spare(used, mw, s)}
     e = _estimate(counts, hw, s)
     s = e["settings"]  # with "auto"'s budget and mix
     dom = max(e["times"], key=e["times"].get)
@@ -423,10 +428,6 @@ def _plan_from_counts(name: str, counts: ParamCounts, hw: Hardware, s: dict[str,
         p.reasons.append("the strategy keeps the fp32 masters on NVMe with several processes only on one node with "
                          "the optimizer on NVMe (offload_optimizer=nvme offload_grads=nvme): set those, or "
                          "offload_params=cpu (masters once per node in /dev/shm), or num_nodes=1")
-    from .window import limit_check
-
-    used, mw, refusal, warning = limit_check(source, s, hw.is_gpu, s.get("host_memory_limit"), cap["host"],
-                                             f"the preset {hw.name}")
     if mw is not None:
         p.nvme_window = {"limit": used, "min_window": mw}
     if refusal:
@@ -436,6 +437,15 @@ def _plan_from_counts(name: str, counts: ParamCounts, hw: Hardware, s: dict[str,
     p.tight = [k for k, h in p.headroom.items() if 0 <= h < TIGHT_HEADROOM]
     p.warnings = position_warnings(counts, s) + ([warning] if warning else [])
     return p
+
+
+def window_spare(limit: int | None, min_window: int | None, s: dict[str, Any]) -> int:
+    """Bytes of the NVMe tier's ``host_memory_limit`` beyond the engine's minimum window, in one process (0 without
+    NVMe, below the minimum, or with several processes, whose per-rank windows are not modelled: their plans count
+    every read)."""
+    if limit is None or min_window is None or s.get("devices", 1) * s.get("num_nodes", 1) > 1:
+        return 0
+    return max(0, limit - min_window)
 
 
 def position_warnings(c: ParamCounts, s: dict[str, Any]) -> list[str]:
@@ -563,7 +573,7 @@ def replan(p: Plan, **changes: Any) -> Plan:
     wire dtype stays unless ``grad_dtype`` is given."""
     s = dict(p.settings)
     s["grad_dtype"] = {4: "fp32", 2: "bf16"}[s.pop("grad_bytes")]
-    for k in ("recompute_mix", "activation_budget"):  # derived by the estimate
+    for k in ("recompute_mix", "activation_budget", "nvme_window_spare"):  # derived by the plan
         s.pop(k, None)
     s.update(changes)
     return _plan_from_counts(p.model, p.counts, p.hardware, settings(**s), p.source)

@@ -149,6 +149,7 @@ def scale_out(hw: Any, s: dict[str, Any], e: dict[str, Any], *, n_params: int, g
     moved = dict(e["moved"])
     moved["d2h"] = max(-(-grads // R), largest_grads) + act_io  # own blocks' reduced gradients + own activations
     moved["nvme_read"] += (R - 1) * master_fetch
+    moved["nvme_read_uncached"] += (R - 1) * master_fetch
     moved["nvme_read_forward"] += (R - 1) * master_fetch_forward
     moved["grad_add"] = accum_reads * GRAD_ADD_BYTES[s["grad_bytes"]]  # dense gradients, each added once per node
     moved["intra_node"] = (R - 1) * grads // R
