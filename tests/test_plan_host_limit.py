@@ -5,6 +5,7 @@ warned about."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import lightning.pytorch as pl
@@ -96,3 +97,32 @@ def test_nvme_advice_is_a_complete_recipe_override_with_the_limit_and_the_rss(tm
                    host_memory_limit=limit)
         assert q.fits and limit >= q.nvme_window["min_window"]
         assert limit <= float(rss.replace(",", "")) * GIB <= have
+
+
+def test_a_limit_that_keeps_the_nvme_window_full_is_suggested_with_its_step_time():
+    """llama70b with every state on NVMe on the A100 preset (1 TiB of RAM): at host_memory_limit=300GiB the step reads
+    back what the window cannot keep; the tip names the limit that keeps every region (the minimum window + the bytes
+    a step writes, whole GiB), which re-planned reads nothing and is faster. With 600 GiB of RAM the tip is the most
+    that RAM allows, still reading some; at the suggested limit there is no tip."""
+    from megatrain_lightning.planning import format_plan, load_model, replan
+    from megatrain_lightning.planning.advice import nvme_limit, window_advice
+
+    nv = dict(offload_params="nvme", offload_optimizer="nvme", offload_grads="nvme")
+    p = plan(load_model("llama70b"), load_hardware("a100"), host_memory_limit="300GiB", **nv)
+    assert p.fits and p.moved["nvme_read"] > 0
+    tip = window_advice(p)
+    every = -(-(p.nvme_window["min_window"] + p.moved["nvme_write"]) // 2**30)
+    assert tip.startswith(f"tip: host_memory_limit={every}GiB (now 300.0 GiB)") and "no NVMe reads" in tip, tip
+    q = replan(p, host_memory_limit=every * 2**30)
+    assert q.moved["nvme_read"] == 0 and q.step_time_s < p.step_time_s and f"{q.step_time_s:,.3f} s" in tip
+    assert nvme_limit(q, q.capacity["host"])[1] <= q.capacity["host"]  # the host RSS at that limit fits the RAM
+    assert tip in format_plan(p) and window_advice(q) is None
+    assert window_advice(p, keys={}).startswith(f"tip: strategy.host_memory_limit={every}GiB")  # the recipe's key
+
+    small = plan(load_model("llama70b"), dataclasses.replace(load_hardware("a100"), host_ram_gib=600),
+                 host_memory_limit="300GiB", **nv)
+    tip = window_advice(small)
+    limit = nvme_limit(small, small.capacity["host"])[0]
+    assert limit < every * 2**30 and tip.startswith(f"tip: host_memory_limit={limit // 2**30}GiB"), tip
+    assert "the most this RAM allows" in tip
+    assert 0 < replan(small, host_memory_limit=limit).moved["nvme_read"] < small.moved["nvme_read"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .activations import per_token_terms
 from .activations import kept_bytes
-from .advice import block_group_advice, device_advice, host_short_advice, recompute_advice
+from .advice import block_group_advice, device_advice, host_short_advice, recompute_advice, window_advice
 from .config import Hardware
 from .estimate import TERM_LABELS, Plan, gib, long_sequence_variants, max_seq_len
 from .parallel import host_mem_rate, intra_rate
@@ -266,7 +266,7 @@ def format_plan(p: Plan) -> str:
     lines += [""] + format_activations(p) + [""] + format_longest(p) + [""]
     lines += warning_lines(p)
     lines.append(_fits_line(p))
-    for tip in (recompute_advice(p), block_group_advice(p)):
+    for tip in (recompute_advice(p), block_group_advice(p), window_advice(p)):
         if tip:
             lines.append("  " + tip)
     if any(r.startswith("device memory short") for r in p.reasons):
