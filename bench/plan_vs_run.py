@@ -291,7 +291,11 @@ def measure(c: dict, env: dict[str, str], timeout: float) -> dict:
     return {"peak_host_bytes": peak, "sampled_peak_bytes": sampler.peak, "vmhwm_bytes": r["vmhwm_bytes"],
             "step_s": statistics.median(steps), "steps_s": r["steps_s"], "wall_s": wall,
             "other_cpu_share": other / max(wall, 1e-9) / (os.cpu_count() or 1),
-            "peak_device_bytes": max(h["megatrain/peak_device_bytes"] for h in r["history"])}
+            "peak_device_bytes": max(h["megatrain/peak_device_bytes"] for h in r["history"]),
+            # the engine's own phase times (median of steps 2 and 3): compute on the compute thread, the host
+            # optimizer's updates on any thread, the compute thread's waits for copies and updates
+            **{f"engine_{k}": statistics.median(h[f"megatrain/{k}"] for h in r["history"][1:] or r["history"])
+               for k in ("compute_s", "optimizer_s", "wait_s")}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -338,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{c['name']:<34} ERROR {m['error']}\n{m['log_tail']}", flush=True)
             rows.append(row)
             continue
+        if m.get("engine_optimizer_s"):  # params updated per second inside the step (rank 0's share with 2 ranks)
+            row["engine_update_gparams_per_s"] = p.counts.total / c["devices"] / m["engine_optimizer_s"] / 1e9
         rr = m["peak_host_bytes"] / p.host_bytes
         tr = m["step_s"] / q.step_time_s
         row.update(ram_ratio=rr, time_ratio=tr, time_ratio_preset_rate=m["step_s"] / p.step_time_s,
