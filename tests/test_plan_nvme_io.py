@@ -123,3 +123,17 @@ def test_nvme_reads_per_step_are_what_the_window_cannot_keep(tmp_path):
     # (bench/nvme_window.py: 1.13-1.21 x the schedule's count on larger models)
     for r in tight_reads:
         assert tight.moved["nvme_read"] * 0.9 <= r <= tight.moved["nvme_read"] * 1.5, (tight_reads, tight.moved)
+
+
+def test_the_window_caches_a_reference_copy_on_nvme_too():
+    """``reference=copy`` with the masters on NVMe reads the frozen copy every step and never writes it: the window
+    needs room for it as well before the reads stop (the plan's kept share is spare / (written + the copy))."""
+    from megatrain_lightning.planning import load_model, plan, replan
+
+    nv = dict(offload_params="nvme", offload_optimizer="nvme", offload_grads="nvme")
+    p = plan(load_model("llama8b"), load_hardware("h200"), host_memory_limit="100GiB", **nv)
+    r = replan(p, reference="copy")
+    n, mw = p.counts.total, p.nvme_window["min_window"]
+    spare = 100 * 2**30 - mw
+    assert p.moved["nvme_read"] == pytest.approx(p.moved["nvme_read_uncached"] * (1 - spare / (12 * n)), abs=2)
+    assert r.moved["nvme_read"] == pytest.approx(r.moved["nvme_read_uncached"] * (1 - spare / (16 * n)), abs=2)

@@ -433,7 +433,8 @@ def nvme_kept_share(spare: int, rewritten: int) -> float:
 
     ``spare``: bytes of ``host_memory_limit`` (per process) beyond the engine's minimum window
     (``planning/window.py``); ``rewritten``: the region bytes a step writes back to NVMe (master, optimizer state, and
-    the accumulators under the deferred schedule), which are the regions it reads. The window is a cache of those
+    the accumulators under the deferred schedule), which are the regions it reads, plus a reference copy's weights
+    on NVMe (read, never written). The window is a cache of those
     regions (``store/nvme.py``: least recently used out first, those the schedule needs next last); what it keeps is
     not read again. Measured on this machine (``bench/nvme_window.py``, a 16-layer fp32 and a 4-layer bf16-mixed
     Llama, ``spare`` = 0 to 1.5 x ``rewritten``): 0 bytes read from ``spare >= rewritten`` on (the 4-layer one from
@@ -574,7 +575,8 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     # the window keeps what fits beyond its minimum: the regions a step rewrites are the ones it reads back, and a
     # step reads only the share of them the window could not keep (``nvme_window_spare``, :func:`nvme_kept_share`)
     uncached = sum(nv_r)
-    kept = nvme_kept_share(s.get("nvme_window_spare", 0), sum(nv_w))
+    ref_on_disk = 4 * N if copy_ref and s["offload_params"] == "nvme" else 0  # read every step, never rewritten
+    kept = nvme_kept_share(s.get("nvme_window_spare", 0), sum(nv_w) + ref_on_disk)
     nv_r = [round(r * (1 - kept)) for r in nv_r]
     # gradient elements the D2H worker adds into the accumulators (the embedding's rows, as on the link)
     rows = table * grad_b <= B * T * (c.hidden_size * grad_b + 8)
