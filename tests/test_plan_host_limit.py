@@ -126,3 +126,11 @@ def test_a_limit_that_keeps_the_nvme_window_full_is_suggested_with_its_step_time
     assert limit < every * 2**30 and tip.startswith(f"tip: host_memory_limit={limit // 2**30}GiB"), tip
     assert "the most this RAM allows" in tip
     assert 0 < replan(small, host_memory_limit=limit).moved["nvme_read"] < small.moved["nvme_read"]
+    # no tip when the step would not be faster (a CPU device's NVMe overlaps its compute), nor when the RAM is
+    # already short of more window; a limit above the RAM buys no more cache than the RAM
+    cpu = plan(load_model("smollm2_135m"), load_hardware("this_machine"), host_memory_limit="2GiB", **nv)
+    assert cpu.moved["nvme_read"] > 0 and window_advice(cpu) is None
+    over = plan(load_model("llama70b"), dataclasses.replace(load_hardware("a100"), host_ram_gib=500),
+                host_memory_limit="900GiB", **nv)
+    at_ram = replan(over, host_memory_limit=500 * 2**30)
+    assert over.moved["nvme_read"] == at_ram.moved["nvme_read"] > 0

@@ -294,21 +294,22 @@ def window_advice(p: Plan, keys: Mapping[str, str] | None = None) -> str | None:
     ``planning/terms.py``), or the largest the machine's RAM allows (:func:`nvme_limit`: 90% of it beside the other
     host terms) when that is less, re-planned: a tip line when it is above the limit in use and saves reads; else
     None. ``keys``: as :func:`key`."""
-    w = p.nvme_window
-    if not w or not p.fits or p.moved["nvme_read"] <= 0 or p.parallel or not p.capacity["host"]:
+    w, ram = p.nvme_window, p.capacity["host"]
+    if not w or not p.fits or p.moved["nvme_read"] <= 0 or p.parallel or not ram:
         return None
     every = -(-(w["min_window"] + p.moved["nvme_write"]) // GIB) * GIB
-    fit, _, _ = nvme_limit(p, p.capacity["host"])
+    fit, _, other = nvme_limit(p, ram)
     limit = min(every, fit)
-    if limit <= w["limit"]:
+    if limit <= w["limit"] or other + limit > 0.9 * ram:  # 90% of the RAM at most, as the NVMe suggestions
         return None
     q = replan(p, host_memory_limit=limit)
-    if q.moved["nvme_read"] >= p.moved["nvme_read"]:
+    if q.moved["nvme_read"] >= p.moved["nvme_read"] or q.step_time_s > 0.99 * p.step_time_s:  # 1% faster at least
         return None
     kept = "keeps every region in RAM: no NVMe reads" if limit == every else (
         f"the most this RAM allows: NVMe reads {gib(q.moved['nvme_read'])} GiB per step (was {gib(p.moved['nvme_read'])})")
     return (f"tip: {key('host_memory_limit', keys)}={limit // GIB}GiB (now {gib(w['limit'])} GiB): the NVMe window "
-            f"{kept}; step {q.step_time_s:,.3f} s, was {p.step_time_s:,.3f} s ({term_label(p.dominating, p.settings)})")
+            f"{kept}; step {q.step_time_s:,.3f} s, was {p.step_time_s:,.3f} s ({term_label(p.dominating, p.settings)}); "
+            f"the host then uses up to about {gib(other + limit)} GiB (the window fills to the limit)")
 
 
 def block_group_advice(p: Plan, keys: Mapping[str, str] | None = None) -> str | None:

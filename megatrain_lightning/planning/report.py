@@ -233,10 +233,11 @@ def format_plan(p: Plan) -> str:
         label = _term_row_label(p, k) + ((" [node]" if node else f" [{unit}]") if p.parallel else "")
         lines.append(f"  {label:<31} {amounts[k]:>16} {_rate(p, k):>24} {t:>10.3f}{mark}")
     full = p.moved.get("nvme_read_uncached", 0)
-    if full > p.moved["nvme_read"]:
+    saved = int(100 * (1 - p.moved["nvme_read"] / full)) if full else 0  # whole percent, rounded down
+    if saved >= 1:
         lim = (p.nvme_window or {}).get("limit")
         lines.append(f"  (NVMe reads: {gib(full)} GiB without the window's cache; host_memory_limit="
-                     f"{gib(lim)} GiB saves {1 - p.moved['nvme_read'] / full:.0%} of them: "
+                     f"{gib(lim)} GiB saves {saved}% of them: "
                      "docs/guide/nvme.md, \"What reaches the disk per step\")")
     parts = [f"{k} {v / 1e12:+,.1f}" for k, v in p.flops_parts.items() if v]
     lines.append("  (compute TFLOP = " + ", ".join(parts) + f"; N_matmul = {c.matmul_params:,})")
