@@ -27,25 +27,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import plan_vs_run as pvr  # noqa: E402  (the harness's model shapes and plan function)
+import plan_vs_run as pvr  # noqa: E402  (the harness's model shapes, configurations and plan function)
 
-pvr.MODELS["d"] = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=16, num_attention_heads=4,
-                       num_key_value_heads=4, vocab_size=4096)
-CONFIGS = [pvr._cfg("d", "nvme", "32-true", "block", 1, 256), pvr._cfg("m", "nvme", "bf16-mixed", "block", 1, 512)]
+CONFIGS = [pvr.config("d", "nvme", "32-true", "block", 1, 256), pvr.config("m", "nvme", "bf16-mixed", "block", 1, 512)]
 SPARES = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5)
-
-
-def plan_at(c: dict, limit: int | None):
-    """The planner's plan of ``c`` on ``this_machine`` with ``host_memory_limit=limit`` (bytes; None: the default)."""
-    from megatrain_lightning.plan import load_hardware
-    from megatrain_lightning.planning.preflight import plan_for_run
-
-    st = pvr.strategy_kwargs(c, None)
-    st.pop("nvme_path", None)
-    if limit is not None:
-        st["host_memory_limit"] = limit
-    return plan_for_run({"name": c["name"], "config": pvr.model_config(c)}, load_hardware("this_machine"), st,
-                        batch_size=c["batch_size"], seq_len=c["seq_len"], precision=c["precision"], devices=1)
 
 
 def worker(c: dict, limit: int, out: str) -> None:
@@ -88,11 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'configuration':28} {'spare':>6} {'limit MB':>9} {'plan MB':>8} {'uncached MB':>11} {'run MB':>7} "
           f"{'run/plan':>8}")
     for c in CONFIGS:
-        base = plan_at(c, None)
+        base = pvr.plan_of(c)
         mw, rewritten = base.nvme_window["min_window"], base.moved["nvme_write"]
         for x in a.spares:
             limit = mw + int(x * rewritten) + (1 << 20 if x == 0 else 0)  # at the minimum: 1 MiB of slack
-            p = plan_at(c, limit)
+            p = pvr.plan_of(c, host_memory_limit=limit)
             with tempfile.NamedTemporaryFile(suffix=".json") as f:
                 subprocess.run([sys.executable, __file__, "--worker", c["name"], str(limit), f.name], env=env,
                                check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)

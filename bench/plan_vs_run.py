@@ -59,10 +59,13 @@ MODELS = {
               num_key_value_heads=4, vocab_size=4096),
     "m": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
               num_key_value_heads=8, vocab_size=8192),
+    # 16 layers: bench/nvme_window.py's deeper model (the NVMe window's minimum is 3 of its 18 blocks)
+    "d": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=16, num_attention_heads=4,
+              num_key_value_heads=4, vocab_size=4096),
 }
 
 
-def _cfg(model: str, tier: str, precision: str, recompute: str, batch: int, seq: int, devices: int = 1,
+def config(model: str, tier: str, precision: str, recompute: str, batch: int, seq: int, devices: int = 1,
          mlp_chunk: int | None = None) -> dict:
     name = f"{model}-{tier}-{'fp32' if precision == '32-true' else 'bf16'}-{recompute}-{batch}x{seq}"
     name += (f"-mlp{mlp_chunk}" if mlp_chunk else "") + (f"-dp{devices}" if devices > 1 else "")
@@ -71,21 +74,21 @@ def _cfg(model: str, tier: str, precision: str, recompute: str, batch: int, seq:
 
 
 MATRIX = [
-    _cfg("s", "ram", "32-true", "block", 1, 512),
-    _cfg("s", "ram", "bf16-mixed", "block", 1, 1024),
-    _cfg("s", "ram", "32-true", "block", 1, 2048),
-    _cfg("t", "ram", "32-true", "block", 1, 8192),
-    _cfg("t", "ram", "32-true", "block", 1, 8192, mlp_chunk=1024),
-    _cfg("s", "ram", "bf16-mixed", "selective", 2, 512),
-    _cfg("s", "ram", "32-true", "none", 1, 1024),
-    _cfg("t", "ram", "bf16-mixed", "none", 1, 2048),
-    _cfg("m", "ram", "32-true", "block", 1, 1024),
-    _cfg("m", "ram", "bf16-mixed", "block", 1, 1024),
-    _cfg("m", "ram", "32-true", "selective", 1, 1024),
-    _cfg("s", "nvme", "32-true", "block", 1, 512),
-    _cfg("m", "nvme", "bf16-mixed", "block", 1, 512),
-    _cfg("s", "ram", "32-true", "block", 1, 512, devices=2),
-    _cfg("smollm2", "ram", "32-true", "block", 4, 512),
+    config("s", "ram", "32-true", "block", 1, 512),
+    config("s", "ram", "bf16-mixed", "block", 1, 1024),
+    config("s", "ram", "32-true", "block", 1, 2048),
+    config("t", "ram", "32-true", "block", 1, 8192),
+    config("t", "ram", "32-true", "block", 1, 8192, mlp_chunk=1024),
+    config("s", "ram", "bf16-mixed", "selective", 2, 512),
+    config("s", "ram", "32-true", "none", 1, 1024),
+    config("t", "ram", "bf16-mixed", "none", 1, 2048),
+    config("m", "ram", "32-true", "block", 1, 1024),
+    config("m", "ram", "bf16-mixed", "block", 1, 1024),
+    config("m", "ram", "32-true", "selective", 1, 1024),
+    config("s", "nvme", "32-true", "block", 1, 512),
+    config("m", "nvme", "bf16-mixed", "block", 1, 512),
+    config("s", "ram", "32-true", "block", 1, 512, devices=2),
+    config("smollm2", "ram", "32-true", "block", 4, 512),
 ]
 QUICK = ["s-ram-fp32-block-1x512", "s-ram-fp32-none-1x1024", "s-nvme-fp32-block-1x512"]
 
@@ -110,10 +113,11 @@ def strategy_kwargs(c: dict, nvme_path: str | None) -> dict:
     return kw
 
 
-def plan_of(c: dict, tflops: float | None = None):
+def plan_of(c: dict, tflops: float | None = None, host_memory_limit: int | None = None):
     """The planner's plan of configuration ``c`` on the ``this_machine`` preset, with the strategy's defaults for
     what ``c`` does not set (as the recipes' preflight plans a run); ``tflops``: the preset's compute rate for
-    ``c``'s precision replaced by this one (``hardware.fp32_tflops`` / ``hardware.bf16_tflops``)."""
+    ``c``'s precision replaced by this one (``hardware.fp32_tflops`` / ``hardware.bf16_tflops``);
+    ``host_memory_limit``: bytes (None: the strategy's default)."""
     import dataclasses
 
     from megatrain_lightning.plan import load_hardware
@@ -121,6 +125,8 @@ def plan_of(c: dict, tflops: float | None = None):
 
     st = strategy_kwargs(c, None)
     st.pop("nvme_path", None)
+    if host_memory_limit is not None:
+        st["host_memory_limit"] = host_memory_limit
     hw = load_hardware("this_machine")
     if tflops is not None:
         hw = dataclasses.replace(hw, **{"fp32_tflops" if c["precision"] == "32-true" else "bf16_tflops": tflops})

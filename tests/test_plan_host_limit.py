@@ -111,7 +111,7 @@ def test_a_limit_that_keeps_the_nvme_window_full_is_suggested_with_its_step_time
     p = plan(load_model("llama70b"), load_hardware("a100"), host_memory_limit="300GiB", **nv)
     assert p.fits and p.moved["nvme_read"] > 0
     tip = window_advice(p)
-    every = -(-(p.nvme_window["min_window"] + p.moved["nvme_write"]) // 2**30)
+    every = -(-(p.nvme_window["min_window"] + p.moved["nvme_write"]) // 2**30)  # no reference copy: the writes
     assert tip.startswith(f"tip: host_memory_limit={every}GiB (now 300.0 GiB)") and "no NVMe reads" in tip, tip
     q = replan(p, host_memory_limit=every * 2**30)
     assert q.moved["nvme_read"] == 0 and q.step_time_s < p.step_time_s and f"{q.step_time_s:,.3f} s" in tip

@@ -65,7 +65,7 @@ def test_following_each_suggestion_runs_within_its_plan_and_the_ram(capsys, tmp_
 
     from megatrain_lightning.plan import main
 
-    c0 = plan_vs_run._cfg("t", "ram", "32-true", "none", 1, 8192)
+    c0 = plan_vs_run.config("t", "ram", "32-true", "none", 1, 8192)
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(plan_vs_run.model_config(c0)))
     ram = 0.88

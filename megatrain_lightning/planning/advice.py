@@ -290,14 +290,14 @@ def recompute_advice(p: Plan, keys: Mapping[str, str] | None = None) -> str | No
 
 def window_advice(p: Plan, keys: Mapping[str, str] | None = None) -> str | None:
     """With state on NVMe, one process and NVMe reads left in the plan: the ``host_memory_limit`` that lets the window
-    keep every region a step rewrites (the minimum window + those bytes, whole GiB; ``nvme_kept_share`` in
+    keep every region a step reads back (the minimum window + those bytes, whole GiB; ``nvme_kept_share`` in
     ``planning/terms.py``), or the largest the machine's RAM allows (:func:`nvme_limit`: 90% of it beside the other
     host terms) when that is less, re-planned: a tip line when it is above the limit in use and saves reads; else
     None. ``keys``: as :func:`key`."""
     w, ram = p.nvme_window, p.capacity["host"]
     if not w or not p.fits or p.moved["nvme_read"] <= 0 or p.parallel or not ram:
         return None
-    every = -(-(w["min_window"] + p.moved["nvme_write"]) // GIB) * GIB
+    every = -(-(w["min_window"] + p.moved["nvme_read_back_regions"]) // GIB) * GIB
     fit, _, other = nvme_limit(p, ram)
     limit = min(every, fit)
     if limit <= w["limit"] or other + limit > 0.9 * ram:  # 90% of the RAM at most, as the NVMe suggestions
@@ -305,7 +305,7 @@ def window_advice(p: Plan, keys: Mapping[str, str] | None = None) -> str | None:
     q = replan(p, host_memory_limit=limit)
     if q.moved["nvme_read"] >= p.moved["nvme_read"] or q.step_time_s > 0.99 * p.step_time_s:  # 1% faster at least
         return None
-    kept = "keeps every region in RAM: no NVMe reads" if limit == every else (
+    kept = "keeps every region in RAM: no NVMe reads" if q.moved["nvme_read"] == 0 else (
         f"the most this RAM allows: NVMe reads {gib(q.moved['nvme_read'])} GiB per step (was {gib(p.moved['nvme_read'])})")
     return (f"tip: {key('host_memory_limit', keys)}={limit // GIB}GiB (now {gib(w['limit'])} GiB): the NVMe window "
             f"{kept}; step {q.step_time_s:,.3f} s, was {p.step_time_s:,.3f} s ({term_label(p.dominating, p.settings)}); "

@@ -402,7 +402,7 @@ def _plan_from_counts(name: str, counts: ParamCounts, hw: Hardware, s: dict[str,
 
     used, mw, refusal, warning = limit_check(source, s, hw.is_gpu, s.get("host_memory_limit"), capacity(hw)["host"],
                                              f"the preset {hw.name}")
-    s = {**s, "nvme_window_spare": window_spare(min(used, capacity(hw)["host"]) if used else used, mw, s)}
+    s = {**s, "nvme_window_spare": window_spare(used, mw, capacity(hw)["host"], s)}
     e = _estimate(counts, hw, s)
     s = e["settings"]  # with "auto"'s budget and mix
     dom = max(e["times"], key=e["times"].get)
@@ -438,13 +438,13 @@ def _plan_from_counts(name: str, counts: ParamCounts, hw: Hardware, s: dict[str,
     return p
 
 
-def window_spare(limit: int | None, min_window: int | None, s: dict[str, Any]) -> int:
-    """Bytes of the NVMe tier's ``host_memory_limit`` beyond the engine's minimum window, in one process (0 without
-    NVMe, below the minimum, or with several processes, whose per-rank windows are not modelled: their plans count
-    every read). The caller caps ``limit`` at the machine's RAM (a limit above it buys no cache)."""
+def window_spare(limit: int | None, min_window: int | None, ram: int, s: dict[str, Any]) -> int:
+    """Bytes of the NVMe tier's ``host_memory_limit`` (capped at ``ram``, the machine's: a limit above it buys no
+    cache) beyond the engine's minimum window, in one process (0 without NVMe, below the minimum, or with several
+    processes, whose per-rank windows are not modelled: their plans count every read)."""
     if limit is None or min_window is None or s.get("devices", 1) * s.get("num_nodes", 1) > 1:
         return 0
-    return max(0, limit - min_window)
+    return max(0, min(limit, ram) - min_window)
 
 
 def position_warnings(c: ParamCounts, s: dict[str, Any]) -> list[str]:

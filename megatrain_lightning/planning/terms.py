@@ -576,13 +576,15 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     # step reads only the share of them the window could not keep (``nvme_window_spare``, :func:`nvme_kept_share`)
     uncached = sum(nv_r)
     ref_on_disk = 4 * N if copy_ref and s["offload_params"] == "nvme" else 0  # read every step, never rewritten
-    kept = nvme_kept_share(s.get("nvme_window_spare", 0), sum(nv_w) + ref_on_disk)
+    read_back = sum(nv_w) + ref_on_disk     # what the window must hold beyond its minimum to read nothing
+    kept = nvme_kept_share(s.get("nvme_window_spare", 0), read_back)
     nv_r = [round(r * (1 - kept)) for r in nv_r]
     # gradient elements the D2H worker adds into the accumulators (the embedding's rows, as on the link)
     rows = table * grad_b <= B * T * (c.hidden_size * grad_b + 8)
     grad_elems = reads - table + (table if rows else B * T * c.hidden_size)
     moved = {"h2d": h2d_f + h2d_b, "h2d_forward": h2d_f, "h2d_backward": h2d_b, "d2h": d2h, "d2h_forward": act_io,
-             "nvme_read": sum(nv_r), "nvme_read_uncached": uncached, "nvme_write": sum(nv_w),
+             "nvme_read": sum(nv_r), "nvme_read_uncached": uncached, "nvme_read_back_regions": read_back,
+             "nvme_write": sum(nv_w),
              "nvme_read_forward": nv_r[0],
              "nvme_write_forward": nv_w[0], "grad_add": grad_elems * GRAD_ADD_BYTES[grad_b]}
 
