@@ -111,3 +111,42 @@ def test_the_modules_own_parameter_memory_leaves_the_process_when_the_store_take
     assert line is not None, out.stderr[-3000:]
     grown, n = int(line.split()[1]), int(line.split()[3])
     assert grown < 4 * n // 4, (grown, 4 * n)
+
+
+_STEPS = textwrap.dedent("""
+    import lightning.pytorch as pl
+    from megatrain_lightning import MegaTrainStrategy
+    from megatrain_lightning.testing import LM, learnable_data, make_model
+
+    def rss():
+        return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmRSS"))
+
+    model = make_model("llama", attn="sdpa", hidden_size=128, intermediate_size=344, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=8192)
+    at = []
+
+    class Record(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            at.append(rss())
+
+    pl.Trainer(strategy=MegaTrainStrategy(recompute="none"), accelerator="cpu", devices=1, max_steps=5, logger=False,
+               callbacks=[Record()], enable_checkpointing=False, enable_progress_bar=False,
+               enable_model_summary=False).fit(LM(model), learnable_data(n=5, seq=6930, batch_size=1))
+    print("rss", *at)
+""")
+
+
+def test_every_step_starts_from_the_same_resident_memory_on_a_cpu_device():
+    """On a CPU device a step's activations under glibc's mmap threshold are heap memory, which glibc keeps resident
+    once freed, fragmented: without giving it back each step started from more resident memory than the last and
+    peaked higher (a 2-layer Llama at 6,930 tokens, ``recompute="none"``: +120 to +235 MiB over 5 steps). The engine
+    trims the heap at the end of every step (``StreamingEngine.end_step``): each step starts within 60 MiB (15% of
+    one step's activations here, the optimizer state included) of the first."""
+    e = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    e["PYTHONPATH"] = os.pathsep.join([os.getcwd(), e.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", _STEPS], env=e, capture_output=True, text=True, timeout=300)
+    line = next((l for l in out.stdout.splitlines() if l.startswith("rss")), None)
+    assert line is not None, out.stderr[-3000:]
+    at = [int(x) for x in line.split()[1:]]
+    assert len(at) == 5
+    assert max(at[1:]) - at[0] < 60 * 2**20, [round(x / 2**20) for x in at]

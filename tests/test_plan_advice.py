@@ -109,7 +109,7 @@ def test_cpu_plan_separates_activations_from_the_engine_buffers():
 def test_unchunked_head_keeps_its_logits_until_backward():
     """Without a chunked loss the engine keeps the head's output, the logits, until the head's backward: the head
     phase is 12 B + the logits' own bytes per vocabulary entry and token (16 in fp32, measured on a CPU); a chunked
-    loss never materialises them (12 B per entry for one chunk)."""
+    loss holds the same for one chunk only (its backward recomputes the chunk's logits)."""
     from megatrain_lightning.testing import make_model
 
     m = make_model("llama", attn="sdpa", vocab_size=4096, hidden_size=64, intermediate_size=128)
@@ -118,7 +118,7 @@ def test_unchunked_head_keeps_its_logits_until_backward():
     assert full.device[key] >= 2048 * 4096 * 16
     chunked = plan(m, load_hardware("this_machine"), precision="32-true", seq_len=2048, loss_chunk_size=512)
     head = chunked.device.get(key, 0)
-    assert head < 520 * 4096 * 13
+    assert 512 * 4096 * 16 <= head < 520 * 4096 * 17
 
 
 def test_mlp_chunks_cost_one_more_mlp_forward():

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from megatrain_lightning.planning.measure import host_adamw_gparams_per_s
+from megatrain_lightning.planning.measure import host_adamw_gparams_per_s, page_fill_gbps
 
 
 def test_host_adamw_rate_is_params_over_the_step_time_and_restores_threads():
@@ -40,3 +40,22 @@ def test_host_adamw_rate_is_params_over_the_step_time_and_restores_threads():
 def test_host_adamw_rate_refuses_what_it_cannot_time(kw):
     with pytest.raises(ValueError, match="host_adamw_gparams_per_s needs"):
         host_adamw_gparams_per_s(**kw)
+
+
+def test_page_fill_rate_is_that_of_memory_faulted_in_again():
+    """``page_fill_gbps``: heap memory given back to the kernel and written again runs at the rate of fresh pages
+    (an independent timing: a fresh 64 MiB mapping written once), far below rewriting memory the process kept."""
+    rate = page_fill_gbps(64, repeats=3)
+    fresh, kept = [], torch.empty(16 << 20)
+    kept.fill_(1.0)
+    for _ in range(3):
+        t0 = time.perf_counter()
+        torch.empty(16 << 20).fill_(1.0)  # 64 MiB: above the mmap threshold, mapped fresh each time
+        fresh.append(time.perf_counter() - t0)
+    reference = (64 << 20) / sorted(fresh)[1] / 1e9
+    assert reference / 4 < rate < reference * 4
+    t0 = time.perf_counter()
+    kept.fill_(2.0)
+    assert (64 << 20) / (time.perf_counter() - t0) / 1e9 > 1.5 * rate
+    with pytest.raises(ValueError, match="page_fill_gbps needs"):
+        page_fill_gbps(2)

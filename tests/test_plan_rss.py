@@ -88,3 +88,47 @@ def test_following_each_suggestion_runs_within_its_plan_and_the_ram(capsys, tmp_
         assert "error" not in m, (line, m)
         peak = m["peak_host_bytes"]
         assert peak <= 1.05 * p.host_bytes and peak <= ram * 2**30, (line, peak, p.host_bytes)
+
+
+_HEAD_PEAK = """
+import json, sys, torch
+from megatrain_lightning.engine.chunked_loss import chunked_linear_cross_entropy
+V, H, N, C = (int(x) for x in sys.argv[1:5])
+torch.manual_seed(0)
+w, h = torch.randn(V, H, requires_grad=True), torch.randn(N, H, requires_grad=True)
+loss = chunked_linear_cross_entropy(h, w, None, torch.randint(0, V, (N,)), C)
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+with open("/proc/self/clear_refs", "w") as f:  # resets VmHWM to the current RSS
+    f.write("5")
+before = status("VmRSS")
+torch.autograd.grad(loss, (w, h))
+print(json.dumps({"rise": status("VmHWM") - before}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status and clear_refs")
+def test_a_chunked_loss_backward_peaks_where_the_plan_says():
+    """The LM head phase under a chunked loss: each chunk's backward recomputes its logits and holds them with the
+    fp32 log-probabilities, their gradient and the logits' gradient (16 B per vocabulary entry and token in fp32),
+    besides the head weight's gradient. The peak RSS rise of ``engine/chunked_loss.py``'s backward alone, in a
+    subprocess under the strategy's mmap threshold, is within -10%/+5% of the plan's head phase plus that gradient
+    (the plan counted 12 B per entry before: 0.73 of the run)."""
+    import json
+    import subprocess
+
+    from megatrain_lightning.plan import load_hardware, plan
+    from megatrain_lightning.store.allocator import MMAP_THRESHOLD_BYTES
+    from megatrain_lightning.testing import make_model
+
+    V, H, N, C = 32768, 64, 2048, 512
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES)}
+    out = subprocess.run([sys.executable, "-c", _HEAD_PEAK, str(V), str(H), str(N), str(C)], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    rise = json.loads(out.strip().splitlines()[-1])["rise"]
+    m = make_model("llama", attn="sdpa", vocab_size=V, hidden_size=H, intermediate_size=128)
+    p = plan(m, load_hardware("h200"), precision="32-true", seq_len=N, loss_chunk_size=C)
+    head = p.device["computing block activations (LM head: logits + grad)"] + V * H * 4  # + the weight's gradient
+    assert 0.90 <= rise / head <= 1.05, (rise, head)

@@ -479,4 +479,9 @@ class StreamingEngine:
             self._io_last = io
         self.history.append(out)
         self.acct.new_step()
+        if self.device.type == "cpu":
+            # the step's activations were heap memory (tensors under the mmap threshold) that glibc keeps resident
+            # once freed, fragmented, so each step's peak grew over the last; returned now, every step starts from
+            # the same resident set (docs/guide/planner.md, "Host RAM on a CPU device")
+            heap.trim()
         return out

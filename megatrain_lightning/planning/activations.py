@@ -37,11 +37,13 @@ during that layer's backward (an assumption). Besides that working set:
   the head's input (Ha under autocast, else rH), the int64 labels (8 B), and the logits: HF's
   loss upcasts them to fp32 and runs ``cross_entropy`` (``log_softmax`` + ``nll_loss``), so
   the backward's peak holds the saved fp32 log-probabilities, their gradient and the logits'
-  gradient, V x 12 B per token (forward: V x (a + 4 + 4), not more), and, when the loss is not
-  chunked, the logits themselves, V x a B per token: the head block's output, which the engine keeps
-  until its backward. Measured: peak RSS of the head and HF's loss alone, forward and backward, on a
-  CPU at 2,048 and 4,096 tokens of a 4,096-entry vocabulary: 16.0 B per entry and token in fp32,
-  12-14 under bf16 autocast. The head phase and a layer's phase do not overlap: the larger counts (on a CPU device
+  gradient, V x 12 B per token (forward: V x (a + 4 + 4), not more), and the logits themselves, V x a
+  B per token: the head block's output, which the engine keeps until its backward, or, with a chunked
+  loss, each chunk's logits recomputed in its backward. Measured: peak RSS of the head and HF's loss
+  alone, forward and backward, on a CPU at 2,048 and 4,096 tokens of a 4,096-entry vocabulary: 16.0 B
+  per entry and token in fp32, 12-14 under bf16 autocast; the chunked loss's backward
+  (``engine/chunked_loss.py``, 1,365-token chunks of a 49,152-entry vocabulary): 16.0 in fp32, 14.9
+  under bf16 autocast, besides the head weight's fp32 gradient. The head phase and a layer's phase do not overlap: the larger counts (on a CPU device
   with ``[tokens, hidden]`` tensors under glibc's mmap threshold both count: the heap keeps the freed one,
   :func:`heap_keeps_layer_phase`).
 
@@ -177,8 +179,8 @@ def kept_bytes(c: ParamCounts, s: dict[str, Any]) -> int:
 def head_per_token(c: ParamCounts, s: dict[str, Any]) -> dict[str, float]:
     """LM head phase bytes per token: ``"final norm + input"`` and ``"logits"`` (the backward's peak,
     12 B per vocabulary entry: what ``loss_chunk_size`` caps), ``"logits output"`` the logits themselves in the
-    matmul dtype (a B per entry), which the engine keeps as the head block's output until its backward when the
-    loss is not chunked; ``"logits saved"`` is the part autograd
+    matmul dtype (a B per entry: the head block's output, kept until its backward, or a chunk's recomputed logits,
+    capped by ``loss_chunk_size`` too); ``"logits saved"`` is the part autograd
     saves in the forward (4 B per entry + the int64 label)."""
     r, a, mixed = _dtypes(s)
     H, V = c.hidden_size, c.vocab_size
@@ -220,10 +222,11 @@ def per_token_terms(c: ParamCounts, s: dict[str, Any], gpu: bool = True) -> dict
                                             else None, "layer"),
         "head: final norm + input": (head["final norm + input"], None, "head"),
         "head: logits, log-probs, grads (fp32)": (head["logits"], s["loss_chunk_size"], "head"),
-        # a chunked loss (more labels than loss_chunk_size, engine/head_loss.py) never materialises the logits
-        "head: logits output (kept until the head's backward)": (
-            0 if s["loss_chunk_size"] is not None and s["batch_size"] * s["seq_len"] > s["loss_chunk_size"]
-            else head["logits output"], None, "head"),
+        # the head block's output, kept until its backward; a chunked loss (engine/chunked_loss.py) never holds all
+        # the logits, but each chunk's backward recomputes its own (a B per entry) and holds them with the three
+        # fp32 tensors above: the term is capped at the chunk like them
+        "head: logits (the head's output, or one chunk's recomputed)": (
+            head["logits output"], s["loss_chunk_size"], "head"),
         "offloaded block inputs": (saved if off else 0, None, "host"),
         "offloaded op outputs / graphs": (ops if off else 0, None, "host"),
     }

@@ -147,7 +147,10 @@ class Hardware:
     (acquire, bind, run, record, release and the workers' hand-offs, outside the block's own kernels) and per
     step (Lightning's loop, the optimizer step's bookkeeping), measured by ``bench/block_overhead.py``. They are
     counted on a CPU device only, where that Python time runs on the cores that compute (on a GPU it overlaps the
-    device's kernels); ``None``: not known, left out of the step time.
+    device's kernels); ``None``: not known, left out of the step time. ``page_fill_gbps`` (optional, GB/s): on a
+    CPU device the engine gives the step's freed activation memory back to the kernel at each step's end
+    (``StreamingEngine.end_step``), and the next step faults it in again: the activations / this rate, per step
+    (``python -m megatrain_lightning.planning.measure``, :func:`.measure.page_fill_gbps`); ``None``: left out.
 
     The last three fields plan data parallel runs (``trainer.devices`` > 1 or ``trainer.num_nodes``
     > 1; :mod:`.parallel`) and may be left out of a mapping (``None``):
@@ -184,6 +187,7 @@ class Hardware:
     network_gbps: float | None = None
     block_call_ms: float | None = None
     step_overhead_ms: float | None = None
+    page_fill_gbps: float | None = None
     sources: Mapping[str, str] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -195,7 +199,7 @@ class Hardware:
             ValueError: names the field as a Hydra key (``hardware.host_ram_gib``), the value and what to set.
         """
         nullable = {"hbm_gib", "hbm_tbps", "host_bf16_tflops", "host_mem_gbps", "nvlink_gbps", "network_gbps",
-                    "block_call_ms", "step_overhead_ms"}
+                    "block_call_ms", "step_overhead_ms", "page_fill_gbps"}
         for f in fields(self):
             if f.name in ("name", "pcie_gen", "sources"):
                 continue

@@ -15,7 +15,8 @@ planner's step-time bound wrong by that factor.
 It also times the host update the engine runs on a CPU device (:func:`host_adamw_gparams_per_s`):
 ``torch.optim.AdamW`` with its defaults (the for-loop kernel on CPU tensors, what the host AdamW kernel
 reproduces), on one intra-op thread (the update worker's count on a CPU device, ``engine/threads.py``), under the
-malloc settings of a training run (``store/allocator.py``): the preset's ``host_adam_gparams_per_s``.
+malloc settings of a training run (``store/allocator.py``): the preset's ``host_adam_gparams_per_s``; and how
+fast the heap the engine trims at each step's end is faulted in again (:func:`page_fill_gbps`).
 """
 
 from __future__ import annotations
@@ -129,6 +130,37 @@ def host_adamw_gparams_per_s(numel: int = 1 << 23, tensors: int = 16, threads: i
     return numel // tensors * tensors / seconds / 1e9
 
 
+def page_fill_gbps(mib: int = 256, repeats: int = 3) -> float:
+    """GB/s (1e9 B/s) at which freed heap memory comes back into use after the engine gives it to the kernel at a
+    CPU device's step end (``StreamingEngine.end_step``: ``malloc_trim``): ``mib`` MiB of 4 MiB tensors (under the
+    training run's mmap threshold, ``store/allocator.py``) freed, ``malloc_trim(0)``, then allocated and written
+    again, the trim and the page faults timed together; the preset's ``page_fill_gbps``. Without glibc the heap is
+    not trimmed and the rate is reported as the plain refill's.
+
+    Raises:
+        ValueError: ``mib`` < 4 or ``repeats`` < 1.
+    """
+    if mib < 4 or repeats < 1:
+        raise ValueError(f"page_fill_gbps needs mib >= 4 and repeats >= 1, got mib={mib}, repeats={repeats}")
+    from ..store import heap
+    from ..store.allocator import bound_retention
+
+    bound_retention()
+    n = mib // 4
+
+    def fill() -> list[torch.Tensor]:
+        return [torch.empty(1 << 20).fill_(1.0) for _ in range(n)]
+
+    def once() -> None:
+        del kept[:]
+        heap.trim()
+        kept.extend(fill())
+
+    kept = fill()
+    seconds = _median_seconds(once, repeats)
+    return n * 4 * 2**20 / seconds / 1e9
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=1024)
@@ -146,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     mm32 = matmul_tflops(a.matmul, torch.float32, a.repeats)
     mm16 = matmul_tflops(a.matmul, torch.bfloat16, a.repeats)
     adam = host_adamw_gparams_per_s(repeats=a.repeats)
+    fill = page_fill_gbps(repeats=a.repeats)
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads; train step = Linear({a.hidden},"
           f"{a.intermediate}) -> Linear({a.intermediate},{a.hidden}) fwd+bwd on {a.tokens} tokens")
     print(f"# model step = SmolLM2-135M shape, {a.model_layers} layers, 1 x {a.model_tokens} tokens, loss + backward")
@@ -153,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bf16_tflops: {m16:.3g}    # model step bf16 autocast; two-linear step {bf16:.3g}; square {a.matmul} "
           f"matmul {mm16:.3g}; model-step bf16/fp32 = {m16 / m32:.3g}")
     print(f"host_adam_gparams_per_s: {adam:.3g}    # torch.optim.AdamW (for-loop), 1 thread, 8.4M params in 2 MiB tensors")
+    print(f"page_fill_gbps: {fill:.3g}    # freed heap trimmed and faulted in again, 4 MiB tensors")
     return 0
 
 

@@ -33,7 +33,9 @@ def _rate(p: Plan, key: str) -> str:
         "host_memory": f"{host_mem_rate(hw):g} GB/s",
         "intra_node": "{:g} GB/s {}".format(*intra_rate(hw)),
         "inter_node": f"{hw.network_gbps or 0:g} GB/s network",
-        "engine": f"{hw.block_call_ms:g} ms/call + {hw.step_overhead_ms:g} ms" if hw.block_call_ms is not None else "",
+        "engine": (f"{hw.block_call_ms:g} ms/call + {hw.step_overhead_ms:g} ms"
+                   + (f" + activations at {hw.page_fill_gbps:g} GB/s" if hw.page_fill_gbps else "")
+                   if hw.block_call_ms is not None else ""),
     }[key]
 
 

@@ -210,14 +210,17 @@ def block_calls(c: ParamCounts, s: dict[str, Any]) -> tuple[int, int]:
     return blocks, blocks + mix["block"] + mix["selective"]
 
 
-def engine_seconds(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> tuple[float, float] | None:
+def engine_seconds(c: ParamCounts, hw: Hardware, s: dict[str, Any], activations: int = 0) -> tuple[float, float] | None:
     """The engine's fixed CPU time per step by phase (forward with the per-step part, backward), seconds: block
-    calls x ``hw.block_call_ms`` + ``hw.step_overhead_ms`` (:func:`block_calls`); ``None`` on a GPU preset or a
-    preset without those figures (:class:`~.config.Hardware`)."""
+    calls x ``hw.block_call_ms`` + ``hw.step_overhead_ms`` (:func:`block_calls`), and in the forward the
+    ``activations`` bytes (the CPU device's, given back to the kernel at the last step's end) faulted in again at
+    ``hw.page_fill_gbps`` when the preset has it; ``None`` on a GPU preset or a preset without the per-call
+    figures (:class:`~.config.Hardware`)."""
     if hw.is_gpu or hw.block_call_ms is None or hw.step_overhead_ms is None:
         return None
     fwd, bwd = block_calls(c, s)
-    return (fwd * hw.block_call_ms + hw.step_overhead_ms) / 1e3, bwd * hw.block_call_ms / 1e3
+    fill = activations / (hw.page_fill_gbps * 1e9) if hw.page_fill_gbps else 0.0
+    return (fwd * hw.block_call_ms + hw.step_overhead_ms) / 1e3 + fill, bwd * hw.block_call_ms / 1e3
 
 
 def checkpoint_state_bytes(c: ParamCounts, s: dict[str, Any]) -> int:
@@ -614,7 +617,7 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
         "host_adamw": host_update_seconds(c, hw, s),
         "grad_add": moved["grad_add"] / (host_mem_rate(hw) * gb),
     }
-    engine = engine_seconds(c, hw, s)
+    engine = engine_seconds(c, hw, s, host.get("activations (CPU device)", 0))
     if engine is not None:
         times["engine"] = sum(engine)
     e = dict(host=host, device=device, nvme=nvme, disk=disk, moved=moved, flops=flops, flops_parts=flops_parts,
