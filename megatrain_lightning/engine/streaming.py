@@ -482,6 +482,6 @@ class StreamingEngine:
         if self.device.type == "cpu":
             # the step's activations were heap memory (tensors under the mmap threshold) that glibc keeps resident
             # once freed, fragmented, so each step's peak grew over the last; returned now, every step starts from
-            # the same resident set (docs/guide/planner.md, "Host RAM on a CPU device")
+            # the same resident set (docs/guide/planner.md, "How close the plan is")
             heap.trim()
         return out
