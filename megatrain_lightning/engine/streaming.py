@@ -164,6 +164,7 @@ class StreamingEngine:
         self.update_in_backward = False  # per micro-batch (set_update_in_backward; optimizer_in_backward, grads.py)
         self._plan_due = False
         self._warned_cache = False
+        self._io_last: dict[str, float] = {}  # the NVMe meter at the last step's end (end_step logs the difference)
         self.installed = False
 
     # ------------------------------------------------------------------ install
@@ -473,8 +474,7 @@ class StreamingEngine:
         out = self.stats.as_dict()
         if self.store.nvme is not None:
             io = self.store.nvme.meter.snapshot()
-            last = getattr(self, "_io_last", {k: 0 for k in io})
-            out.update({"megatrain/" + k: v - last[k] for k, v in io.items()})
+            out.update({"megatrain/" + k: v - self._io_last.get(k, 0) for k, v in io.items()})
             out["megatrain/host_budget_peak_bytes"] = self.budget.peak  # type: ignore[union-attr]
             self._io_last = io
         self.history.append(out)
