@@ -6,10 +6,11 @@ for 5 steps at ``host_memory_limit`` = the engine's minimum window + ``x`` times
 keeps is not read again. Per run: the planner's reads per step (``moved["nvme_read"]``, which counts the share
 ``min(1, spare / rewritten)`` as kept: ``planning/terms.py`` ``nvme_kept_share``), the schedule's reads without a
 cache (``moved["nvme_read_uncached"]``) and the engine's measured reads (``megatrain/nvme_read_bytes``, the median of
-steps 2-5).
+steps 2-5); and the run's peak RSS (``VmHWM``) against the plan's host RAM total and against the window filling
+the limit (:func:`window_rss`).
 
 Run:
-    PYTHONPATH=. python bench/nvme_window.py            # ~3 minutes on 2 cores
+    PYTHONPATH=. python bench/nvme_window.py            # ~4 minutes on 2 cores
 Writes bench/results/nvme_window.json (``--out`` to change); the table is in docs/guide/planner.md.
 """
 
@@ -53,8 +54,19 @@ def worker(c: dict, limit: int, out: str) -> None:
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
         trainer.fit(LM(model), DataLoader(TensorDataset(ids), batch_size=c["batch_size"]))
         hist = trainer.strategy.engine.history
+    with open("/proc/self/status") as f:
+        hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
     Path(out).write_text(json.dumps({"reads": [h["megatrain/nvme_read_bytes"] for h in hist],
-                                     "writes": [h["megatrain/nvme_write_bytes"] for h in hist]}))
+                                     "writes": [h["megatrain/nvme_write_bytes"] for h in hist], "vmhwm_bytes": hwm}))
+
+
+def window_rss(p, limit: int) -> int:
+    """Host RSS if the window fills ``limit``: the host terms the limit does not bound + min(limit, the window's
+    buffers + every region on NVMe) (``planning/advice.py`` ``nvme_limit``'s estimate)."""
+    from megatrain_lightning.planning.advice import WINDOW_TERMS
+
+    inside = sum(v for k, v in p.host.items() if any(t in k for t in WINDOW_TERMS))
+    return p.host_bytes - inside + min(limit, inside + p.nvme_bytes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))}
     rows = []
     print(f"{'configuration':28} {'spare':>6} {'limit MB':>9} {'plan MB':>8} {'uncached MB':>11} {'run MB':>7} "
-          f"{'run/plan':>8}")
+          f"{'run/plan':>8} {'plan GiB':>8} {'fill GiB':>8} {'RSS GiB':>8}")
     for c in CONFIGS:
         base = pvr.plan_of(c)
         mw, rewritten = base.nvme_window["min_window"], base.moved["nvme_write"]
@@ -88,9 +100,11 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(dict(name=c["name"], spare=x, limit_bytes=limit, min_window_bytes=mw, rewritten_bytes=rewritten,
                              plan_read_bytes=plan, uncached_read_bytes=p.moved["nvme_read_uncached"],
                              run_read_bytes=run, run_reads=got["reads"], run_write_bytes=statistics.median(got["writes"][1:]),
-                             plan_write_bytes=p.moved["nvme_write"], ratio=ratio))
+                             plan_write_bytes=p.moved["nvme_write"], ratio=ratio,
+                             plan_host_bytes=p.host_bytes, window_fill_bytes=window_rss(p, limit), peak_host_bytes=got["vmhwm_bytes"]))
             print(f"{c['name']:28} {x:6.2f} {limit / 1e6:9.1f} {plan / 1e6:8.1f} {p.moved['nvme_read_uncached'] / 1e6:11.1f} "
-                  f"{run / 1e6:7.1f} {ratio:8.2f}", flush=True)
+                  f"{run / 1e6:7.1f} {ratio:8.2f} {p.host_bytes / 2**30:8.3f} {window_rss(p, limit) / 2**30:8.3f} "
+                  f"{got['vmhwm_bytes'] / 2**30:8.3f}", flush=True)
     Path(a.out).write_text(json.dumps({"bench": "nvme_window", "rows": rows}, indent=1))
     print(f"wrote {a.out}")
     return 0
