@@ -160,7 +160,7 @@ def test_cpu_device_plan_puts_the_host_work_in_series_with_compute():
     assert p.dominating.startswith("compute+engine")
     assert sum(p.exposed.values()) == pytest.approx(p.step_time_s - p.times["compute"], rel=1e-9)
     step = next(ln for ln in format_plan(p).splitlines() if ln.startswith("  exposed beyond compute"))
-    assert "engine fixed time + H2D copies + host AdamW" in step and "compute + " not in step
+    assert "engine CPU time + H2D copies + host AdamW" in step and "compute + " not in step
     # a GPU preset leaves the engine's fixed time out (it overlaps the device's kernels) and the workers overlap
     g = plan(load_model("smollm2_135m"), load_hardware("h200"))
     assert "engine" not in g.times and g.step_time_s < sum(g.times.values())

@@ -43,9 +43,9 @@ during that layer's backward (an assumption). Besides that working set:
   alone, forward and backward, on a CPU at 2,048 and 4,096 tokens of a 4,096-entry vocabulary: 16.0 B
   per entry and token in fp32, 12-14 under bf16 autocast; the chunked loss's backward
   (``engine/chunked_loss.py``, 1,365-token chunks of a 49,152-entry vocabulary): 16.0 in fp32, 14.9
-  under bf16 autocast, besides the head weight's fp32 gradient. The head phase and a layer's phase do not overlap: the larger counts (on a CPU device
-  with ``[tokens, hidden]`` tensors under glibc's mmap threshold both count: the heap keeps the freed one,
-  :func:`heap_keeps_layer_phase`).
+  under bf16 autocast, besides the head weight's fp32 gradient. The head phase and a layer's phase do
+  not overlap: the larger counts (on a CPU device with ``[tokens, hidden]`` tensors under glibc's mmap
+  threshold both count: the heap keeps the freed one, :func:`heap_keeps_layer_phase`).
 
 Options that cap a term at a chunk of tokens (the term is per token x min(tokens, chunk)):
 

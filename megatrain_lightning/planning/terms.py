@@ -141,7 +141,7 @@ D2H_STAGING = 2                 # pinned D2H staging buffers (CUDATransport n_st
 TERM_LABELS = {"compute": "compute", "h2d": "H2D copies", "d2h": "D2H copies", "nvme_read": "NVMe reads",
                "nvme_write": "NVMe writes", "host_adamw": "host AdamW", "grad_add": "host gradient adds",
                "host_memory": "host memory", "intra_node": "intra-node reduce", "inter_node": "inter-node all-reduce",
-               "engine": "engine fixed time"}
+               "engine": "engine CPU time"}
 #: host DRAM bytes per gradient element of the D2H worker's add into the fp32 accumulator, by gradient wire
 #: bytes: fp32 reads the gradient (4) and the accumulator (4) and writes the accumulator (4); a 2-byte gradient
 #: is read (2) and cast to a fp32 temporary first (torch casts a CPU operand of another dtype before the
@@ -211,7 +211,7 @@ def block_calls(c: ParamCounts, s: dict[str, Any]) -> tuple[int, int]:
 
 
 def engine_seconds(c: ParamCounts, hw: Hardware, s: dict[str, Any], activations: int = 0) -> tuple[float, float] | None:
-    """The engine's fixed CPU time per step by phase (forward with the per-step part, backward), seconds: block
+    """The engine's own CPU time per step by phase (forward with the per-step part, backward), seconds: block
     calls x ``hw.block_call_ms`` + ``hw.step_overhead_ms`` (:func:`block_calls`), and in the forward the
     ``activations`` bytes (the CPU device's, given back to the kernel at the last step's end) faulted in again at
     ``hw.page_fill_gbps`` when the preset has it; ``None`` on a GPU preset or a preset without the per-call
