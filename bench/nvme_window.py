@@ -6,8 +6,8 @@ for 5 steps at ``host_memory_limit`` = the engine's minimum window + ``x`` times
 keeps is not read again. Per run: the planner's reads per step (``moved["nvme_read"]``, which counts the share
 ``min(1, spare / rewritten)`` as kept: ``planning/terms.py`` ``nvme_kept_share``), the schedule's reads without a
 cache (``moved["nvme_read_uncached"]``) and the engine's measured reads (``megatrain/nvme_read_bytes``, the median of
-steps 2-5); and the run's peak RSS (``VmHWM``) against the plan's host RAM total and against the window filling
-the limit (:func:`window_rss`).
+steps 2-5); and the run's peak RSS (``VmHWM``) against the plan's host RAM total (which counts what the window
+caches up to the limit: ``planning/terms.py`` ``window_fill``).
 
 Run:
     PYTHONPATH=. python bench/nvme_window.py            # ~4 minutes on 2 cores
@@ -60,15 +60,6 @@ def worker(c: dict, limit: int, out: str) -> None:
                                      "writes": [h["megatrain/nvme_write_bytes"] for h in hist], "vmhwm_bytes": hwm}))
 
 
-def window_rss(p, limit: int) -> int:
-    """Host RSS if the window fills ``limit``: the host terms the limit does not bound + min(limit, the window's
-    buffers + every region on NVMe) (``planning/advice.py`` ``nvme_limit``'s estimate)."""
-    from megatrain_lightning.planning.advice import WINDOW_TERMS
-
-    inside = sum(v for k, v in p.host.items() if any(t in k for t in WINDOW_TERMS))
-    return p.host_bytes - inside + min(limit, inside + p.nvme_bytes)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--spares", type=float, nargs="*", default=list(SPARES),
@@ -83,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))}
     rows = []
     print(f"{'configuration':28} {'spare':>6} {'limit MB':>9} {'plan MB':>8} {'uncached MB':>11} {'run MB':>7} "
-          f"{'run/plan':>8} {'plan GiB':>8} {'fill GiB':>8} {'RSS GiB':>8}")
+          f"{'run/plan':>8} {'plan GiB':>8} {'RSS GiB':>8} {'RSS/plan':>8}")
     for c in CONFIGS:
         base = pvr.plan_of(c)
         mw, rewritten = base.nvme_window["min_window"], base.moved["nvme_write"]
@@ -101,10 +92,11 @@ def main(argv: list[str] | None = None) -> int:
                              plan_read_bytes=plan, uncached_read_bytes=p.moved["nvme_read_uncached"],
                              run_read_bytes=run, run_reads=got["reads"], run_write_bytes=statistics.median(got["writes"][1:]),
                              plan_write_bytes=p.moved["nvme_write"], ratio=ratio,
-                             plan_host_bytes=p.host_bytes, window_fill_bytes=window_rss(p, limit), peak_host_bytes=got["vmhwm_bytes"]))
+                             plan_host_bytes=p.host_bytes, peak_host_bytes=got["vmhwm_bytes"],
+                             ram_ratio=got["vmhwm_bytes"] / p.host_bytes))
             print(f"{c['name']:28} {x:6.2f} {limit / 1e6:9.1f} {plan / 1e6:8.1f} {p.moved['nvme_read_uncached'] / 1e6:11.1f} "
-                  f"{run / 1e6:7.1f} {ratio:8.2f} {p.host_bytes / 2**30:8.3f} {window_rss(p, limit) / 2**30:8.3f} "
-                  f"{got['vmhwm_bytes'] / 2**30:8.3f}", flush=True)
+                  f"{run / 1e6:7.1f} {ratio:8.2f} {p.host_bytes / 2**30:8.3f} {got['vmhwm_bytes'] / 2**30:8.3f} "
+                  f"{got['vmhwm_bytes'] / p.host_bytes:8.2f}", flush=True)
     Path(a.out).write_text(json.dumps({"bench": "nvme_window", "rows": rows}, indent=1))
     print(f"wrote {a.out}")
     return 0

@@ -14,6 +14,7 @@ import pytest
 import megatrain_lightning  # noqa: F401  (registers strategy="megatrain")
 from megatrain_lightning import MegaTrainStrategy
 from megatrain_lightning.plan import load_hardware, main, plan, preflight
+from megatrain_lightning.planning.terms import NVME_CACHE
 from megatrain_lightning.planning.window import physical_ram_bytes
 from megatrain_lightning.testing import LM, learnable_data, make_model
 
@@ -71,7 +72,8 @@ def test_a_limit_above_physical_ram_warns():
 def test_nvme_advice_is_a_complete_recipe_override_with_the_limit_and_the_rss(tmp_path):
     """The host-RAM advice of the recipe's preflight: each NVMe suggestion is a whole Hydra override of the recipe
     (it composes, and sets the tiers and the limit it names), with the ``host_memory_limit`` to set (not the minimum
-    window, which it once printed as what the host "then needs") and the RSS that gives."""
+    window, which it once printed as what the host "then needs") and the RSS that gives: the plan's host total at
+    that limit, the window caching what a step rewrites up to it."""
     import re
 
     from hydra import compose, initialize_config_dir
@@ -96,7 +98,9 @@ def test_nvme_advice_is_a_complete_recipe_override_with_the_limit_and_the_rss(tm
         q = replan(p, offload_params=st["offload_params"], offload_optimizer="nvme", offload_grads="nvme",
                    host_memory_limit=limit)
         assert q.fits and limit >= q.nvme_window["min_window"]
-        assert limit <= float(rss.replace(",", "")) * GIB <= have
+        # the RSS printed is the plan's at that limit: the window caching up to it, within the RAM
+        assert float(rss.replace(",", "")) * GIB == pytest.approx(q.host_bytes, abs=0.06 * GIB)
+        assert q.host_bytes <= have and q.host[NVME_CACHE] > 0
 
 
 def test_a_limit_that_keeps_the_nvme_window_full_is_suggested_with_its_step_time():

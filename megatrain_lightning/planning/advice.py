@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 from .config import GIB, SUGGESTED_CHUNK
 from .estimate import Plan, fits_memory, gib, max_batch_size, max_seq_len, replan
-from .terms import blocks_ahead, group_size, layer_wire_bytes, term_label
+from .terms import NVME_CACHE, WINDOW_TERMS, blocks_ahead, group_size, layer_wire_bytes, term_label, window_fill
 
 #: The planner's bytes-per-transfer threshold for suggesting a ``block_group``: a decoder-layer fetch
 #: smaller than this is suggested to be grouped with its neighbours. An engineering choice, NOT a
@@ -47,9 +47,6 @@ def _value(v: Any) -> str:
     return "true" if v is True else "false" if v is False else "null" if v is None else str(v)
 
 
-#: host RAM terms of a plan that the NVMe tier's ``host_memory_limit`` bounds (the window's buffers, the staging
-#: buffers in its budget, and on a CPU device the compute buffers: ``engine/window.py``)
-WINDOW_TERMS = ("window", "staging", "device buffers (CPU device)")
 
 
 def nvme_limit(q: Plan, have: int) -> tuple[int, int, int]:
@@ -58,14 +55,13 @@ def nvme_limit(q: Plan, have: int) -> tuple[int, int, int]:
 
     The limit is whole GiB: what 90% of ``have`` leaves beside the host terms the limit does not bound (activations,
     the process, pinned inputs...), but never below the engine's minimum window (:attr:`~.estimate.Plan.nvme_window`)
-    or the window the plan counts. The RSS is those other terms plus what the window can fill: the limit, or every
-    region on disk plus the window's buffers when that is less (the engine's arena is never larger,
-    ``NVMeConfig.window_bytes``)."""
+    or the window the plan counts. The RSS is those other terms plus what the window fills at that limit
+    (:func:`~.terms.window_fill`)."""
     inside = sum(v for k, v in q.host.items() if any(t in k for t in WINDOW_TERMS))
-    other = q.host_bytes - inside
+    other = q.host_bytes - inside - q.host.get(NVME_CACHE, 0)
     floor_ = max(inside, (q.nvme_window or {}).get("min_window", 0))
     limit = max(-(-floor_ // GIB), (int(have * 0.9) - other) // GIB) * GIB
-    return limit, other + min(limit, inside + q.nvme_bytes), other
+    return limit, other + window_fill(q.host, q.moved["nvme_read_back_regions"], limit), other
 
 
 def nvme_override(keys: Mapping[str, str] | None, limit: int, params: bool) -> str:
@@ -309,7 +305,7 @@ def window_advice(p: Plan, keys: Mapping[str, str] | None = None) -> str | None:
         f"the most this RAM allows: NVMe reads {gib(q.moved['nvme_read'])} GiB per step (was {gib(p.moved['nvme_read'])})")
     return (f"tip: {key('host_memory_limit', keys)}={limit // GIB}GiB (now {gib(w['limit'])} GiB): the NVMe window "
             f"{kept}; step {q.step_time_s:,.3f} s, was {p.step_time_s:,.3f} s ({term_label(p.dominating, p.settings)}); "
-            f"the host then uses up to about {gib(other + limit)} GiB (the window fills to the limit)")
+            f"the host then uses about {gib(q.host_bytes)} GiB (the window caching up to the limit)")
 
 
 def block_group_advice(p: Plan, keys: Mapping[str, str] | None = None) -> str | None:

@@ -402,7 +402,8 @@ def _plan_from_counts(name: str, counts: ParamCounts, hw: Hardware, s: dict[str,
 
     used, mw, refusal, warning = limit_check(source, s, hw.is_gpu, s.get("host_memory_limit"), capacity(hw)["host"],
                                              f"the preset {hw.name}")
-    s = {**s, "nvme_window_spare": window_spare(used, mw, capacity(hw)["host"], s)}
+    spare = window_spare(used, mw, capacity(hw)["host"], s)
+    s = {**s, "nvme_window_spare": spare, "nvme_window_limit": spare + mw if mw is not None and spare else 0}
     e = _estimate(counts, hw, s)
     s = e["settings"]  # with "auto"'s budget and mix
     dom = max(e["times"], key=e["times"].get)
@@ -572,7 +573,7 @@ def replan(p: Plan, **changes: Any) -> Plan:
     wire dtype stays unless ``grad_dtype`` is given."""
     s = dict(p.settings)
     s["grad_dtype"] = {4: "fp32", 2: "bf16"}[s.pop("grad_bytes")]
-    for k in ("recompute_mix", "activation_budget", "nvme_window_spare"):  # derived by the plan
+    for k in ("recompute_mix", "activation_budget", "nvme_window_spare", "nvme_window_limit"):  # derived by the plan
         s.pop(k, None)
     s.update(changes)
     return _plan_from_counts(p.model, p.counts, p.hardware, settings(**s), p.source)

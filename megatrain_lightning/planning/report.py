@@ -239,8 +239,8 @@ def format_plan(p: Plan) -> str:
     if saved >= 1:
         lim = (p.nvme_window or {}).get("limit")
         lines.append(f"  (NVMe reads: {gib(full)} GiB without the window's cache; host_memory_limit="
-                     f"{gib(lim)} GiB saves {saved}% of them, the window filling host RAM up to that limit where the "
-                     "host total above counts its minimum: docs/guide/nvme.md, \"What reaches the disk per step\")")
+                     f"{gib(lim)} GiB saves {saved}% of them, kept in host RAM (counted in its total above): "
+                     "docs/guide/nvme.md, \"What reaches the disk per step\")")
     parts = [f"{k} {v / 1e12:+,.1f}" for k, v in p.flops_parts.items() if v]
     lines.append("  (compute TFLOP = " + ", ".join(parts) + f"; N_matmul = {c.matmul_params:,})")
     lines += update_flops_lines(p)

@@ -431,6 +431,34 @@ def weights_label(lookahead: int, group: int, all_layers: int | None = None) -> 
 REFERENCES = (None, *DPO_REFERENCES)
 
 
+#: host RAM terms of a plan that the NVMe tier's ``host_memory_limit`` bounds (the window's buffers, the staging
+#: buffers in its budget, and on a CPU device the compute buffers: ``engine/window.py``)
+WINDOW_TERMS = ("window", "staging", "device buffers (CPU device)")
+#: the host RAM term of what the NVMe window keeps beyond its minimum (:func:`window_fill`)
+NVME_CACHE = "NVMe regions kept in RAM between steps (up to host_memory_limit)"
+
+
+def window_fill(host: dict[str, int], read_back: int, limit: int) -> int:
+    """Host bytes of the NVMe tier's window and the buffers counted in ``host_memory_limit`` once the window has
+    cached what it can: at least the plan's minimum (the :data:`WINDOW_TERMS` terms of ``host``), else
+    ``min(limit, need)`` with ``need`` = those terms with the master and optimizer-state windows replaced by every
+    region a step reads back (``read_back``, bytes: the cache holds them) -- the engine's arena is the limit less
+    the buffers outside it, never more than the regions (``NVMeConfig.window_bytes``), and what it caches stays
+    resident.
+
+    Measured (``bench/nvme_window.py``, peak RSS against the limit; a 16-layer fp32 and a 4-layer bf16-mixed Llama):
+    the run's RSS grew with the limit until the window held what a step writes; the pinned H2D staging ring of a CPU
+    device did not add to it (left out of ``need``). With this term the run's RSS was 1.01-1.05 of the plan's host
+    total (16 layers) and 0.81-0.96 (4 layers: at small limits the plan's window terms are larger than the engine's
+    window) at limits from the minimum window to the minimum + 1.5 x the regions rewritten; with the minimum alone
+    it was up to 1.30 (16 layers)."""
+    inside = {k: v for k, v in host.items() if any(t in k for t in WINDOW_TERMS)}
+    held = sum(v for k, v in inside.items() if k.startswith(("master window", "AdamW moments window",
+                                                             "optimizer state window", "pinned H2D staging")))
+    need = sum(inside.values()) - held + read_back
+    return max(sum(inside.values()), min(limit, need))
+
+
 def nvme_kept_share(spare: int, rewritten: int) -> float:
     """The share of a step's NVMe reads the host window saves, in [0, 1]: ``spare / rewritten``, capped at 1.
 
@@ -581,6 +609,9 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     ref_on_disk = 4 * N if copy_ref and s["offload_params"] == "nvme" else 0  # read every step, never rewritten
     read_back = sum(nv_w) + ref_on_disk     # what the window must hold beyond its minimum to read nothing
     kept = nvme_kept_share(s.get("nvme_window_spare", 0), read_back)
+    if s.get("nvme_window_limit"):  # one process with state on NVMe: the window caches up to the limit
+        host[NVME_CACHE] = window_fill(host, read_back, s["nvme_window_limit"]) - \
+            sum(v for k, v in host.items() if any(t in k for t in WINDOW_TERMS))
     nv_r = [round(r * (1 - kept)) for r in nv_r]
     # gradient elements the D2H worker adds into the accumulators (the embedding's rows, as on the link)
     rows = table * grad_b <= B * T * (c.hidden_size * grad_b + 8)
