@@ -61,7 +61,8 @@ def nvme_limit(q: Plan, have: int) -> tuple[int, int, int]:
     other = q.host_bytes - inside - q.host.get(NVME_CACHE, 0)
     floor_ = max(inside, (q.nvme_window or {}).get("min_window", 0))
     limit = max(-(-floor_ // GIB), (int(have * 0.9) - other) // GIB) * GIB
-    return limit, other + window_fill(q.host, q.moved["nvme_read_back_regions"], limit), other
+    fill = window_fill(q.host, q.moved["nvme_read_back_regions"], limit, q.hardware.is_gpu)
+    return limit, other + fill, other
 
 
 def nvme_override(keys: Mapping[str, str] | None, limit: int, params: bool) -> str:

@@ -438,7 +438,7 @@ WINDOW_TERMS = ("window", "staging", "device buffers (CPU device)")
 NVME_CACHE = "NVMe regions kept in RAM between steps (up to host_memory_limit)"
 
 
-def window_fill(host: dict[str, int], read_back: int, limit: int) -> int:
+def window_fill(host: dict[str, int], read_back: int, limit: int, gpu: bool) -> int:
     """Host bytes of the NVMe tier's window and the buffers counted in ``host_memory_limit`` once the window has
     cached what it can: at least the plan's minimum (the :data:`WINDOW_TERMS` terms of ``host``), else
     ``min(limit, need)`` with ``need`` = those terms with the master and optimizer-state windows replaced by every
@@ -447,14 +447,14 @@ def window_fill(host: dict[str, int], read_back: int, limit: int) -> int:
     resident.
 
     Measured (``bench/nvme_window.py``, peak RSS against the limit; a 16-layer fp32 and a 4-layer bf16-mixed Llama):
-    the run's RSS grew with the limit until the window held what a step writes; the pinned H2D staging ring of a CPU
-    device did not add to it (left out of ``need``). With this term the run's RSS was 1.01-1.05 of the plan's host
+    the run's RSS grew with the limit until the window held what a step writes; the H2D staging ring of a CPU
+    device did not add to it (left out of ``need`` there; with ``gpu`` it is pinned memory and counted). With this term the run's RSS was 1.01-1.05 of the plan's host
     total (16 layers) and 0.81-0.96 (4 layers: at small limits the plan's window terms are larger than the engine's
     window) at limits from the minimum window to the minimum + 1.5 x the regions rewritten; with the minimum alone
     it was up to 1.30 (16 layers)."""
     inside = {k: v for k, v in host.items() if any(t in k for t in WINDOW_TERMS)}
-    held = sum(v for k, v in inside.items() if k.startswith(("master window", "AdamW moments window",
-                                                             "optimizer state window", "pinned H2D staging")))
+    replaced = ("master window", "AdamW moments window", "optimizer state window") + (() if gpu else ("pinned H2D",))
+    held = sum(v for k, v in inside.items() if k.startswith(replaced))
     need = sum(inside.values()) - held + read_back
     return max(sum(inside.values()), min(limit, need))
 
@@ -610,7 +610,7 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     read_back = sum(nv_w) + ref_on_disk     # what the window must hold beyond its minimum to read nothing
     kept = nvme_kept_share(s.get("nvme_window_spare", 0), read_back)
     if s.get("nvme_window_limit"):  # one process with state on NVMe: the window caches up to the limit
-        host[NVME_CACHE] = window_fill(host, read_back, s["nvme_window_limit"]) - \
+        host[NVME_CACHE] = window_fill(host, read_back, s["nvme_window_limit"], gpu) - \
             sum(v for k, v in host.items() if any(t in k for t in WINDOW_TERMS))
     nv_r = [round(r * (1 - kept)) for r in nv_r]
     # gradient elements the D2H worker adds into the accumulators (the embedding's rows, as on the link)
