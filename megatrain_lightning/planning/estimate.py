@@ -403,7 +403,9 @@ def _plan_from_counts(name: str, counts: ParamCounts, hw: Hardware, s: dict[str,
     used, mw, refusal, warning = limit_check(source, s, hw.is_gpu, s.get("host_memory_limit"), capacity(hw)["host"],
                                              f"the preset {hw.name}")
     spare = window_spare(used, mw, capacity(hw)["host"], s)
-    s = {**s, "nvme_window_spare": spare, "nvme_window_limit": spare + mw if mw is not None and spare else 0}
+    # the window caches up to the limit (capped at the RAM): counted in host RAM for any number of processes, its
+    # saved reads for one only
+    s = {**s, "nvme_window_spare": spare, "nvme_window_limit": min(used, capacity(hw)["host"]) if mw is not None else 0}
     e = _estimate(counts, hw, s)
     s = e["settings"]  # with "auto"'s budget and mix
     dom = max(e["times"], key=e["times"].get)

@@ -9,7 +9,7 @@ from .config import Hardware
 from .estimate import TERM_LABELS, Plan, gib, long_sequence_variants, max_seq_len
 from .parallel import host_mem_rate, intra_rate
 from .phases import update_worker
-from .terms import block_calls, group_size, host_update_work, optim_title, layer_wire_bytes, layers_in_flight, term_label, update_in_backward, zero_copy
+from .terms import NVME_CACHE, block_calls, group_size, host_update_work, optim_title, layer_wire_bytes, layers_in_flight, term_label, update_in_backward, zero_copy
 
 #: data parallel: the terms that are per node (the rest are per GPU)
 NODE_TERMS = ("nvme_read", "nvme_write", "host_adamw", "grad_add", "host_memory", "inter_node")
@@ -398,7 +398,8 @@ def format_parallel(p: Plan) -> list[str]:
            f"{s['batch_size']} per process: {p.node_tokens:,} tokens/step per node, {p.cluster_tokens:,} in all",
            f"  host RAM per node {gib(p.host_bytes)} GiB = training state once per node {gib(d['shm_bytes'])} GiB "
            f"(/dev/shm) + {R} x {gib(d['per_process_bytes'])} GiB per process ("
-           + ", ".join(f"{k} {gib(v)}" for k, v in d["per_process"].items() if v) + ")"]
+           + ", ".join(f"{k} {gib(v)}" for k, v in d["per_process"].items() if v) + ")"
+           + (f" + {gib(p.host[NVME_CACHE])} GiB of NVMe regions the node's windows keep" if p.host.get(NVME_CACHE) else "")]
     need, dflt = d["shm_bytes"], d["shm_default_bytes"]
     size = -(-need // 2**30) + 1
     if not need:

@@ -609,9 +609,6 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     ref_on_disk = 4 * N if copy_ref and s["offload_params"] == "nvme" else 0  # read every step, never rewritten
     read_back = sum(nv_w) + ref_on_disk     # what the window must hold beyond its minimum to read nothing
     kept = nvme_kept_share(s.get("nvme_window_spare", 0), read_back)
-    if s.get("nvme_window_limit"):  # one process with state on NVMe: the window caches up to the limit
-        host[NVME_CACHE] = window_fill(host, read_back, s["nvme_window_limit"], gpu) - \
-            sum(v for k, v in host.items() if any(t in k for t in WINDOW_TERMS))
     nv_r = [round(r * (1 - kept)) for r in nv_r]
     # gradient elements the D2H worker adds into the accumulators (the embedding's rows, as on the link)
     rows = table * grad_b <= B * T * (c.hidden_size * grad_b + 8)
@@ -654,10 +651,13 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     e = dict(host=host, device=device, nvme=nvme, disk=disk, moved=moved, flops=flops, flops_parts=flops_parts,
              flops_forward=flops_forward, times=times, ckpt=ckpt, parallel=None, settings=s, gpu=gpu,
              engine_forward_s=engine[0] if engine else 0.0)
-    if s.get("devices", 1) * s.get("num_nodes", 1) == 1:
-        return e
-    on_nvme = s["offload_params"] == "nvme"
-    return scale_out(hw, s, e, n_params=N, grads=reads * grad_b, largest_grads=max(c.block_reads) * grad_b,
-                     accum_reads=reads, act_io=act_io, master_fetch=4 * N + 4 * (reads_b + chain) if on_nvme else 0,
-                     master_fetch_forward=4 * N if on_nvme else 0,
-                     shadow=shadow_total if s["offload_params"] == "cpu" else 0)
+    if s.get("devices", 1) * s.get("num_nodes", 1) > 1:
+        on_nvme = s["offload_params"] == "nvme"
+        e = scale_out(hw, s, e, n_params=N, grads=reads * grad_b, largest_grads=max(c.block_reads) * grad_b,
+                      accum_reads=reads, act_io=act_io, master_fetch=4 * N + 4 * (reads_b + chain) if on_nvme else 0,
+                      master_fetch_forward=4 * N if on_nvme else 0,
+                      shadow=shadow_total if s["offload_params"] == "cpu" else 0)
+    if s.get("nvme_window_limit"):  # state on NVMe: a node's windows cache up to its limit (host is per node)
+        e["host"][NVME_CACHE] = window_fill(e["host"], read_back, s["nvme_window_limit"], gpu) - \
+            sum(v for k, v in e["host"].items() if any(t in k for t in WINDOW_TERMS))
+    return e
