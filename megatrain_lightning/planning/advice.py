@@ -47,8 +47,6 @@ def _value(v: Any) -> str:
     return "true" if v is True else "false" if v is False else "null" if v is None else str(v)
 
 
-
-
 def nvme_limit(q: Plan, have: int) -> tuple[int, int, int]:
     """For a plan ``q`` with state on NVMe and ``have`` bytes of host RAM: ``(host_memory_limit to set, host RSS it
     gives, bytes outside the window)``.

@@ -448,10 +448,10 @@ def window_fill(host: dict[str, int], read_back: int, limit: int, gpu: bool) -> 
 
     Measured (``bench/nvme_window.py``, peak RSS against the limit; a 16-layer fp32 and a 4-layer bf16-mixed Llama):
     the run's RSS grew with the limit until the window held what a step writes; the H2D staging ring of a CPU
-    device did not add to it (left out of ``need`` there; with ``gpu`` it is pinned memory and counted). With this term the run's RSS was 1.01-1.05 of the plan's host
-    total (16 layers) and 0.81-0.96 (4 layers: at small limits the plan's window terms are larger than the engine's
-    window) at limits from the minimum window to the minimum + 1.5 x the regions rewritten; with the minimum alone
-    it was up to 1.30 (16 layers)."""
+    device did not add to it (left out of ``need`` there; with ``gpu`` it is pinned memory and counted). With this
+    term the run's RSS was 1.01-1.05 of the plan's host total (16 layers) and 0.81-0.96 (4 layers: at small limits
+    the plan's window terms are larger than the engine's window) at limits from the minimum window to the minimum +
+    1.5 x the regions rewritten; with the minimum alone it was up to 1.30 (16 layers)."""
     inside = {k: v for k, v in host.items() if any(t in k for t in WINDOW_TERMS)}
     replaced = ("master window", "AdamW moments window", "optimizer state window") + (() if gpu else ("pinned H2D",))
     held = sum(v for k, v in inside.items() if k.startswith(replaced))
