@@ -139,7 +139,7 @@ _STEPS = textwrap.dedent("""
 def test_every_step_starts_from_the_same_resident_memory_on_a_cpu_device():
     """On a CPU device a step's activations under glibc's mmap threshold are heap memory, which glibc keeps resident
     once freed, fragmented: without giving it back each step started from more resident memory than the last and
-    peaked higher (a 2-layer Llama at 6,930 tokens, ``recompute="none"``: +120 to +235 MiB over 5 steps). The engine
+    peaked higher (a 2-layer Llama at 6,930 tokens, ``recompute="none"``: +168 to +177 MiB over 5 steps). The engine
     trims the heap at the end of every step (``StreamingEngine.end_step``): each step starts within 60 MiB (15% of
     one step's activations here, the optimizer state included) of the first."""
     e = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 from .config import GIB, SUGGESTED_CHUNK
 from .estimate import Plan, fits_memory, gib, max_batch_size, max_seq_len, replan
-from .terms import NVME_CACHE, WINDOW_TERMS, blocks_ahead, group_size, layer_wire_bytes, term_label, window_fill
+from .terms import NVME_CACHE, blocks_ahead, group_size, layer_wire_bytes, term_label, window_bytes, window_fill
 
 #: The planner's bytes-per-transfer threshold for suggesting a ``block_group``: a decoder-layer fetch
 #: smaller than this is suggested to be grouped with its neighbours. An engineering choice, NOT a
@@ -55,7 +55,7 @@ def nvme_limit(q: Plan, have: int) -> tuple[int, int, int]:
     the process, pinned inputs...), but never below the engine's minimum window (:attr:`~.estimate.Plan.nvme_window`)
     or the window the plan counts. The RSS is those other terms plus what the window fills at that limit
     (:func:`~.terms.window_fill`)."""
-    inside = sum(v for k, v in q.host.items() if any(t in k for t in WINDOW_TERMS))
+    inside = window_bytes(q.host)
     other = q.host_bytes - inside - q.host.get(NVME_CACHE, 0)
     floor_ = max(inside, (q.nvme_window or {}).get("min_window", 0))
     limit = max(-(-floor_ // GIB), (int(have * 0.9) - other) // GIB) * GIB

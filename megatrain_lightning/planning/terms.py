@@ -438,6 +438,12 @@ WINDOW_TERMS = ("window", "staging", "device buffers (CPU device)")
 NVME_CACHE = "NVMe regions kept in RAM between steps (up to host_memory_limit)"
 
 
+def window_bytes(host: dict[str, int]) -> int:
+    """Bytes of the ``host`` terms that ``host_memory_limit`` bounds (:data:`WINDOW_TERMS`): the NVMe window at its
+    minimum and the buffers counted in the limit."""
+    return sum(v for k, v in host.items() if any(t in k for t in WINDOW_TERMS))
+
+
 def window_fill(host: dict[str, int], read_back: int, limit: int, gpu: bool) -> int:
     """Host bytes of the NVMe tier's window and the buffers counted in ``host_memory_limit`` once the window has
     cached what it can: at least the plan's minimum (the :data:`WINDOW_TERMS` terms of ``host``), else
@@ -452,11 +458,10 @@ def window_fill(host: dict[str, int], read_back: int, limit: int, gpu: bool) -> 
     term the run's RSS was 1.01-1.05 of the plan's host total (16 layers) and 0.81-0.96 (4 layers: at small limits
     the plan's window terms are larger than the engine's window) at limits from the minimum window to the minimum +
     1.5 x the regions rewritten; with the minimum alone it was up to 1.30 (16 layers)."""
-    inside = {k: v for k, v in host.items() if any(t in k for t in WINDOW_TERMS)}
     replaced = ("master window", "AdamW moments window", "optimizer state window") + (() if gpu else ("pinned H2D",))
-    held = sum(v for k, v in inside.items() if k.startswith(replaced))
-    need = sum(inside.values()) - held + read_back
-    return max(sum(inside.values()), min(limit, need))
+    held = sum(v for k, v in host.items() if k.startswith(replaced))
+    inside = window_bytes(host)
+    return max(inside, min(limit, inside - held + read_back))
 
 
 def nvme_kept_share(spare: int, rewritten: int) -> float:
@@ -658,6 +663,5 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
                       master_fetch_forward=4 * N if on_nvme else 0,
                       shadow=shadow_total if s["offload_params"] == "cpu" else 0)
     if s.get("nvme_window_limit"):  # state on NVMe: a node's windows cache up to its limit (host is per node)
-        e["host"][NVME_CACHE] = window_fill(e["host"], read_back, s["nvme_window_limit"], gpu) - \
-            sum(v for k, v in e["host"].items() if any(t in k for t in WINDOW_TERMS))
+        e["host"][NVME_CACHE] = window_fill(e["host"], read_back, s["nvme_window_limit"], gpu) - window_bytes(e["host"])
     return e
