@@ -10,15 +10,16 @@ at most ``max(0, N*d - base)`` plus what cannot be hidden (the first block's upd
 the next forward needs it first); a schedule that waits for every update grows it by ``N*d``.
 
 Rows: for each schedule (``deferred``: the default, updates from the next forward on, clipping-compatible;
-``in_backward``: ``optimizer_in_backward=True``, updates from the moment a slab's gradients are complete) and each
-delay (``N*d`` = 0.5, 1.0 and 2.0 x base, ``d`` from the first base run), ``--rounds`` runs interleaved with base
+``in_backward``: ``optimizer_in_backward=True``, updates from the moment a slab's gradients are complete), each
+``update_threads`` (1 and 2: slabs updated at once; the base step of each shows what a second thread costs or saves
+with the real updates on this machine) and each delay (``N*d`` = 0.5, 1.0 and 2.0 x base, ``d`` from the first base run), ``--rounds`` runs interleaved with base
 runs, each the median step time over ``--steps`` steps after ``--warmup``; the medians' growth over base, the bound
 ``max(0, N*d - base) + 0.10 x base`` and PASS when the growth is within it. ``deferred`` can hide the updates only
 behind the forward and is listed for comparison. docs/benchmarks.md, "Host update overlap", has the table and why
 ``N*d`` = base exceeds the bound with one update thread.
 
 Run:
-    python bench/update_overlap.py              # ~4 minutes on 2 cores
+    python bench/update_overlap.py              # ~8 minutes on 2 cores
 Writes bench/results/update_overlap.json (``--out`` to change).
 """
 
@@ -39,6 +40,7 @@ from megatrain_lightning.testing import LM, make_data, make_model
 
 HIDE_MARGIN = 0.10  # of the base step
 FACTORS = (0.5, 1.0, 2.0)  # N*d / base
+CONFIGS = (("in_backward", 1), ("in_backward", 2), ("deferred", 1), ("deferred", 2))  # schedule, update_threads
 
 
 class StepTimer(pl.Callback):
@@ -54,7 +56,7 @@ class StepTimer(pl.Callback):
         return [b - a for a, b in zip(self.starts, self.starts[1:])][warmup:]
 
 
-def run(schedule: str, delay: float, args: argparse.Namespace) -> tuple[float, int]:
+def run(schedule: str, threads: int, delay: float, args: argparse.Namespace) -> tuple[float, int]:
     """Median step time (s) of one training run and the slab updates per step."""
     updates = [0]
     original = HostAdamW._update
@@ -72,7 +74,7 @@ def run(schedule: str, delay: float, args: argparse.Namespace) -> tuple[float, i
                            intermediate_size=args.hidden * 11 // 4)
         timer = StepTimer()
         steps = args.warmup + args.steps + 1
-        strategy = MegaTrainStrategy(optimizer_in_backward=schedule == "in_backward")
+        strategy = MegaTrainStrategy(optimizer_in_backward=schedule == "in_backward", update_threads=threads)
         trainer = pl.Trainer(strategy=strategy, accelerator="cpu", max_steps=steps, enable_checkpointing=False,
                              logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
         trainer.fit(LM(model), make_data(n=steps * args.batch, batch_size=args.batch))
@@ -94,25 +96,25 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
-    print(f"{'schedule':<12} {'N':>3} {'d ms':>7} {'N*d s':>7} {'base s':>7} {'step s':>7} {'growth s':>8} "
+    print(f"{'schedule':<12} {'thr':>3} {'N':>3} {'d ms':>7} {'N*d s':>7} {'base s':>7} {'step s':>7} {'growth s':>8} "
           f"{'bound s':>8} {'N*d/growth':>10}  result")
-    for schedule in ("in_backward", "deferred"):
-        first, n = run(schedule, 0.0, args)
+    for schedule, threads in CONFIGS:
+        first, n = run(schedule, threads, 0.0, args)
         delays = [f * first / n for f in FACTORS]
         steps: dict[float, list[float]] = {0.0: [first]}
         for r in range(args.rounds):  # interleaved, so that drift on a shared machine hits every delay alike
             for d in ([0.0] if r else []) + delays:
-                steps.setdefault(d, []).append(run(schedule, d, args)[0])
+                steps.setdefault(d, []).append(run(schedule, threads, d, args)[0])
         base = statistics.median(steps[0.0])
         for factor, d in zip(FACTORS, delays):
             step = statistics.median(steps[d])
             growth = step - base
             bound = max(0.0, n * d - base) + HIDE_MARGIN * base
             ok = growth <= bound
-            rows.append(dict(schedule=schedule, slab_updates=n, factor=factor, delay_s=d, total_delay_s=n * d,
+            rows.append(dict(schedule=schedule, update_threads=threads, slab_updates=n, factor=factor, delay_s=d, total_delay_s=n * d,
                              base_step_s=base, step_s=step, growth_s=growth, bound_s=bound, pass_=ok,
                              base_runs=steps[0.0], step_runs=steps[d]))
-            print(f"{schedule:<12} {n:>3} {d * 1e3:>7.1f} {n * d:>7.3f} {base:>7.3f} {step:>7.3f} {growth:>8.3f} "
+            print(f"{schedule:<12} {threads:>3} {n:>3} {d * 1e3:>7.1f} {n * d:>7.3f} {base:>7.3f} {step:>7.3f} {growth:>8.3f} "
                   f"{bound:>8.3f} {n * d / max(growth, 1e-9):>10.1f}  {'PASS' if ok else 'over'}")
     out = dict(model=f"llama {args.layers} layers, hidden {args.hidden}, batch {args.batch}", threads=args.threads,
                steps=args.steps, warmup=args.warmup, rounds=args.rounds, margin=HIDE_MARGIN,

@@ -33,7 +33,7 @@ class MegaTrainConfig:
     """The options of ``MegaTrainStrategy``, checked when built (each field: default, unit, what it does).
 
     Raises:
-        ValueError: ``host_threads`` is not ``None`` or an integer >= 1; a switch is not a bool; ``timeout`` not
+        ValueError: ``host_threads`` is not ``None`` or an integer >= 1, ``update_threads`` not an integer >= 1; a switch is not a bool; ``timeout`` not
             positive; ``lookahead`` not an int >= 0; ``block_group`` or ``recompute_every`` not an int >= 1;
             ``recompute`` not one of :data:`RECOMPUTE_MODES` or ``activation_memory_limit`` not a positive size;
             bad NVMe settings (:meth:`_nvme_settings`); ``loss_chunk_size`` / ``mlp_chunk_size`` not a
@@ -136,6 +136,14 @@ class MegaTrainConfig:
     accumulators, casts to the wire dtype). ``None``: on CUDA ``torch.get_num_threads() - 1``, which leaves a core
     for the thread launching GPU kernels (derived, not measured: docs/architecture.md, "Threads, streams and
     locks"); on CPU 1 (the compute kernels use every core; measured: engine/threads.py)."""
+    update_threads: int = 1
+    """Slabs the host optimizer updates at once on the RAM tier (threads of the update worker, each with
+    ``host_threads`` intra-op threads). With one, the updates run one after another: when a step's host update
+    takes about as long as its forward and backward together, the updates still queued when the backward ends
+    delay the next forward (bench/update_overlap.py). More threads help only while one update leaves the host's
+    cores and memory bandwidth partly idle (bench/update_overlap.py also times the step without delay for each
+    count); the planner's host update rate stays the host's. Unused on the NVMe tier (its updates run on the H2D
+    or D2H worker, one at a time in the host window)."""
     loss_chunk_size: int | str | None = "auto"
     """Tokens per chunk of the chunked LM head + cross-entropy in training calls
     ``model(input_ids=..., labels=...)`` of a Hugging Face causal LM: the full logits are never materialised, each
@@ -160,6 +168,7 @@ class MegaTrainConfig:
 
     def __post_init__(self) -> None:
         check_host_threads(self.host_threads)
+        check_update_threads(self.update_threads)
         check_switches(("pin_memory", "optimizer_in_backward", "unfreeze_during_fit"),
                        offload_activations=self.offload_activations, overlap_optimizer=self.overlap_optimizer,
                        pin_memory=self.pin_memory, cpu_zero_copy=self.cpu_zero_copy, log_stats=self.log_stats,
@@ -328,6 +337,15 @@ def check_chunk_size(name: str, value: Any, allow_auto: bool) -> int | str | Non
         raise ValueError(f"megatrain: {name} must be a positive int (tokens per chunk){extra} or None (no "
                          f"chunking); got {value!r}. Set strategy option / Hydra key strategy.{name}.")
     return value
+
+
+def check_update_threads(update_threads: object) -> None:
+    """Raise ``ValueError`` unless ``update_threads`` is an integer >= 1 (checked when the strategy is built)."""
+    if isinstance(update_threads, bool) or not isinstance(update_threads, int) or update_threads < 1:
+        raise ValueError(
+            f"update_threads must be a whole number of host threads >= 1 (default 1), got {update_threads!r}. "
+            "Set MegaTrainStrategy(update_threads=...) or the Hydra key strategy.update_threads."
+        )
 
 
 def check_host_threads(host_threads: object) -> None:

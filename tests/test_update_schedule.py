@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 
 import lightning.pytorch as pl
 import pytest
@@ -145,3 +146,42 @@ def test_a_write_before_the_update_on_the_worker_fails_the_next_forward(monkeypa
 
     with pytest.raises(RuntimeError, match=r"written in place after optimizer.step\(\).*trainer.strategy.flush\(\)"):
         _fit(MegaTrainStrategy(optimizer_in_backward=True), 3, callbacks=[Gate(), _StepEnd(step_end, write)])
+
+
+@pytest.mark.parametrize("in_backward", [True, False], ids=["in_backward", "deferred"])
+def test_update_threads_update_that_many_slabs_at_once_bitwise(monkeypatch, in_backward):
+    """``update_threads=2``: two threads of the update worker update different slabs at the same time (each update
+    made 30 ms longer, so that the worker's queue holds several slabs); with ``update_threads=1`` the worker never
+    runs two at once. Both schedules stay bitwise plain PyTorch."""
+    update = HostAdamW._update
+    for want in (1, 2):
+        lock, running, most = threading.Lock(), [0], [0]
+
+        def timed(self, slab, pend):
+            mine = threading.current_thread().name.startswith("megatrain-update")
+            if mine:
+                with lock:
+                    running[0] += 1
+                    most[0] = max(most[0], running[0])
+            try:
+                time.sleep(0.03)
+                update(self, slab, pend)
+            finally:
+                if mine:
+                    with lock:
+                        running[0] -= 1
+
+        monkeypatch.setattr(HostAdamW, "_update", timed)
+        steps = 3
+        clip = None if in_backward else 0.5
+        lm, ref, trainer = _fit(MegaTrainStrategy(optimizer_in_backward=in_backward, update_threads=want), steps,
+                                clip=clip)
+        monkeypatch.undo()
+        assert most[0] == want, f"update_threads={want}: at most {most[0]} slab updates at once on the worker"
+        _assert_bitwise_plain(lm, ref, steps, clip=clip)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_update_threads_option_is_checked_when_the_strategy_is_built(bad):
+    with pytest.raises(ValueError, match=r"update_threads .*strategy\.update_threads"):
+        MegaTrainStrategy(update_threads=bad)

@@ -74,15 +74,21 @@ def worker_initializer(threads: int | None, device: torch.device | None = None) 
 _START_LOCK = threading.Lock()
 
 
-def start_worker(name: str, threads: int | None, device: torch.device | None = None) -> ThreadPoolExecutor:
-    """A one-thread ``ThreadPoolExecutor`` (thread names ``name``) whose thread is started now, with
+def start_worker(name: str, threads: int | None, device: torch.device | None = None,
+                 workers: int = 1) -> ThreadPoolExecutor:
+    """A ``ThreadPoolExecutor`` of ``workers`` threads (names ``name``) started now, each with
     :func:`worker_initializer`'s setup; afterwards the process-wide intra-op thread count is the calling
-    thread's again (module docstring), so only the worker runs with ``threads``."""
-    pool = ThreadPoolExecutor(1, thread_name_prefix=name, initializer=worker_initializer(threads, device))
+    thread's again (module docstring), so only the workers run with ``threads``."""
+    pool = ThreadPoolExecutor(workers, thread_name_prefix=name, initializer=worker_initializer(threads, device))
     if threads is None:
         return pool
     with _START_LOCK:
         mine = torch.get_num_threads()
-        pool.submit(lambda: None).result()  # the thread exists and ran its initializer
+        started = threading.Barrier(workers + 1)
+        # each job holds its thread until all have started, so every thread exists and ran its initializer
+        jobs = [pool.submit(started.wait) for _ in range(workers)]
+        started.wait()
+        for job in jobs:
+            job.result()
         torch.set_num_threads(mine)
     return pool

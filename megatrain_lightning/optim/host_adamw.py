@@ -24,12 +24,13 @@ Schedule (docs/architecture.md, "Host optimizer"): :meth:`step` snapshots the
 hyper-parameters of every param group and records a *pending update* per slab;
 slab j's update runs before block j is next copied to the device (overlapping the
 next forward), or at once when ``overlap=False``. With an update worker (the RAM
-tier: ``worker``) the updates run on that thread of their own: the deferred ones from
+tier: ``worker``, ``update_threads`` threads) the updates run on threads of their own: the deferred ones from
 the start of the next forward (:meth:`start_updates`), those of ``optimizer_in_backward``
 from the moment a slab's gradients are complete (:meth:`apply_now`), through the rest of
 the backward and the next forward; a copy of block j waits only for slab j's update
 (:meth:`apply_pending` takes the slab's lock, which the worker holds while it updates,
-and runs the update itself if the worker has not reached it).
+and runs the update itself if the worker has not reached it). Updates of different slabs
+touch disjoint state, so the worker's threads and the fetches run them at once.
 Skipped steps stay exact because they happen before :meth:`step` is called.
 Gradient clipping (:meth:`clip_grad_norm`, :meth:`clip_grad_value`, called by the
 precision plugin for Lightning's ``gradient_clip_val``) computes the global norm
@@ -137,7 +138,8 @@ class HostAdamW:
             the slabs it owns; for the others it waits for the owner's update and keeps the same bookkeeping
             (gradient flags, AdamW step counts). Clipping norms and the fp16 inf check combine the owners'
             parts with one all-reduce over the node. ``None``: one process, every slab.
-        worker: a one-thread executor the updates run on (:meth:`start_updates`, :meth:`apply_now`), or ``None``:
+        worker: an executor the updates run on (:meth:`start_updates`, :meth:`apply_now`; one or more threads,
+            taking slabs in submission order), or ``None``:
             each update runs on the thread that needs it (the H2D worker before a copy, the D2H worker in
             backward). The engine passes one on the RAM tier; on the NVMe tier the host window is sized for one
             update at a time, on the thread that also reads the block.
