@@ -18,7 +18,10 @@ from megatrain_lightning.planning import format_plan
 from megatrain_lightning.planning.advice import TRANSFER_TARGET_BYTES, block_group_advice, device_advice
 from megatrain_lightning.planning.config import CONF_DIR
 from megatrain_lightning.planning.preflight import plan_for_run
-from megatrain_lightning.planning.terms import blocks_ahead
+from megatrain_lightning.engine.window import window_sizes
+from megatrain_lightning.planning.terms import window_bytes
+from megatrain_lightning.store.nvme import NVMeConfig
+from megatrain_lightning.store.regions import Region
 from megatrain_lightning.testing import make_model
 
 MIB = 2**20
@@ -72,27 +75,33 @@ def test_device_weights_grow_by_the_group_of_layers_in_flight():
         2 * (10 * s_layer - s_big) * 4
 
 
-def test_nvme_window_follows_the_engines_blocks_ahead():
-    """The NVMe tier's RAM windows hold (blocks ahead + 2) blocks, blocks ahead being what the engine passes
-    to its window sizing: (lookahead + 1) x the longest group form_groups makes, minus 1 (engine/streaming.py)."""
-    model = make_model("llama", num_hidden_layers=5)
+def test_nvme_window_rows_are_the_engines_minimum_window():
+    """On the NVMe tier the plan's window rows (``terms.window_bytes``: the regions' windows, the H2D staging ring,
+    the D2H staging) are the minimum the engine itself requires of ``host_memory_limit`` (``engine/window.py``
+    ``window_sizes`` on the real blocks), whatever the lookahead and block_group: the window holds one slab's
+    update, not a window of blocks. On a CPU device the compute buffers share the engine's budget as its bound;
+    the plan counts them in its own device-buffer row, so there the regions and the ring are compared."""
+    model = _meta("llama8b")
     blocks = discover_blocks(model)
-    hw = load_hardware("this_machine")
-    for la in (0, 1, 2):
-        for g in (1, 2, 3, 7):
-            engine_ahead = (la + 1) * max(map(len, form_groups(blocks, g))) - 1
-            p = plan(model, hw, lookahead=la, block_group=g, offload_params="nvme", offload_optimizer="nvme",
-                     offload_grads="nvme", precision="32-true", seq_len=16)
-            assert blocks_ahead(p.counts, p.settings) == engine_ahead
-            big = p.counts.largest_block
-            assert p.host["master window"] == (engine_ahead + 2) * big * 4
-            assert p.host["AdamW moments window"] == (engine_ahead + 2) * big * 8
-            assert p.host["grad accumulator window"] == (engine_ahead + 2) * big * 4
-    # llama8b: 32 layers, block_group=3, lookahead=1: 5 blocks ahead, a window of 7 blocks
-    r = plan(load_model("llama8b"), load_hardware("h200"), block_group=3, offload_params="nvme",
-             offload_optimizer="nvme", offload_grads="nvme")
-    layer, big = _layer_and_largest(_meta("llama8b"))
-    assert r.host["master window"] == 7 * big * 4
+    sets = {"gop": dict(offload_params="nvme", offload_optimizer="nvme", offload_grads="nvme"),
+            "go": dict(offload_optimizer="nvme", offload_grads="nvme"), "p": dict(offload_params="nvme")}
+    for la, g in ((0, 1), (1, 1), (1, 3), (2, 7)):
+        engine_ahead = (la + 1) * max(map(len, form_groups(blocks, g))) - 1
+        for name, offload in sets.items():
+            kinds = {Region.master} if "p" in name else set()
+            kinds |= {Region.exp_avg, Region.exp_avg_sq, Region.grad_accum} if "o" in name else set()
+            nvme = NVMeConfig(path="", kinds=frozenset(kinds), host_memory_limit=0)
+            for hw_name, dev in (("h200", "cuda"), ("this_machine", "cpu")):
+                p = plan(model, load_hardware(hw_name), lookahead=la, block_group=g, precision="bf16-mixed",
+                         seq_len=512, **offload)
+                engine_min, outside, _ = window_sizes(blocks, nvme, dev, engine_ahead)
+                planned = window_bytes(p.host)
+                if dev == "cpu":
+                    if "p" not in name:
+                        continue  # no ring: the engine counts a wire image of its compute buffers instead
+                    engine_min -= outside
+                    planned -= p.host["device buffers (CPU device): weights, gradients"]
+                assert planned == pytest.approx(engine_min, rel=1e-3), (la, g, name, hw_name)
 
 
 @pytest.mark.parametrize("bad", [0, -2, 1.5, True, "two", None])

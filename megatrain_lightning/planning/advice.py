@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 from .config import GIB, SUGGESTED_CHUNK
 from .estimate import Plan, fits_memory, gib, max_batch_size, max_seq_len, replan
-from .terms import NVME_CACHE, blocks_ahead, group_size, layer_wire_bytes, term_label, window_bytes, window_fill
+from .terms import NVME_CACHE, group_size, layer_wire_bytes, term_label, window_bytes, window_fill
 
 #: The planner's bytes-per-transfer threshold for suggesting a ``block_group``: a decoder-layer fetch
 #: smaller than this is suggested to be grouped with its neighbours. An engineering choice, NOT a
@@ -103,15 +103,13 @@ def host_advice(p: Plan, have: int, keys: Mapping[str, str] | None = None) -> li
         if rss <= have:
             disk = q.capacity["disk"] or 0
             out.append(f"use the NVMe tier: {nvme_override(keys, limit, params=True)}{where}: masters, gradients "
-                       f"and moments ({gib(q.nvme_bytes)} GiB) go to NVMe; {host_words(q)} (a window of "
-                       f"{blocks_ahead(q.counts, s) + 2} blocks), disk {gib(q.disk_bytes)} GiB "
+                       f"and moments ({gib(q.nvme_bytes)} GiB) go to NVMe; {host_words(q)}, disk {gib(q.disk_bytes)} GiB "
                        f"({disk_words(q, disk)}), and "
                        f"the step is bound by {term_label(q.dominating, q.settings)} at {q.step_time_s:,.1f} s "
                        f"(was {p.step_time_s:,.1f} s)")
         else:
             out.append(f"even with every state on NVMe ({nvme_override(keys, limit, params=True)}) the host needs "
-                       f"{gib(rss)} GiB (a window of {blocks_ahead(q.counts, s) + 2} blocks, the activations and the "
-                       f"process): use a machine with more RAM (plan it with {ram_override(rss)})")
+                       f"{gib(rss)} GiB (the engine's minimum NVMe window, the activations and the process): use a machine with more RAM (plan it with {ram_override(rss)})")
     R = s.get("devices", 1)
     if R > 1:  # data parallel: each process holds its own buffers (planning/parallel.py)
         fit = next((r for r in range(R - 1, 0, -1) if replan(p, devices=r).host_bytes <= have), None)

@@ -19,11 +19,13 @@ Memory tiers (docs/architecture.md, "Memory tiers"), N = unique parameters (tied
   are still pinned through torch's caching host allocator, which rounds each up to a power of
   two (listed as its own line); offloaded activations (:mod:`.activations`); the process's own
   overhead (:func:`process_overhead`: Python, torch, Lightning, the data loader; 0.41 GiB measured on a
-  CPU preset, 4 GiB assumed on a GPU preset for the CUDA context's host side and libraries). A part moved to NVMe
-  leaves a window of (blocks ahead + 2) blocks of it in RAM (read-ahead, the block in use,
-  write-behind), where blocks ahead = (lookahead + 1) x block_group - 1 (:func:`blocks_ahead`, the
-  ``ahead`` the engine passes to its NVMe window sizing, ``engine/streaming.py``); NVMe masters are cast at each fetch into a ring of 2 pinned H2D staging slots of the largest
-  block's wire image (no image cached).
+  CPU preset, 4 GiB assumed on a GPU preset for the CUDA context's host side and libraries). A part moved to
+  NVMe leaves the engine's minimum window in RAM (``store/nvme.py`` ``NVMeConfig.min_window``: the largest
+  slab's update working set, master, ``exp_avg``, ``exp_avg_sq`` and accumulator, and one more accumulator
+  being filled), with NVMe masters the H2D staging ring the engine reserves in the same budget (2 slots of the
+  largest slab at 4 B, one on a CPU device: ``engine/window.py`` ``window_sizes``); on a GPU preset these rows
+  and the D2H staging sum to the engine's own minimum (``tests/test_plan_block_group.py``). Above the minimum
+  the window caches regions up to ``host_memory_limit`` (:func:`window_fill`).
 * device: the weights of ``lookahead + 1`` fetches in the compute dtype (fp32 under the mixed
   modes: the wire image is upcast on the device, ``transport.to_device``), each fetch either one
   block (at most the largest block) or, with ``block_group=G`` > 1, a group of up to G consecutive
@@ -117,6 +119,7 @@ from .counts import ParamCounts
 from .optimizers import NVME_STATE_BYTES, label as optim_label, name_of as optim_name, nvme_region_bytes, state_bytes
 from .optimizers import update_work
 from .parallel import host_mem_rate, scale_out
+from ..engine.staging import RING_SLOTS
 from ..preference.module import REFERENCES as DPO_REFERENCES
 
 #: precision -> (wire bytes, device param bytes, default grad bytes, saved residual bytes,
@@ -280,13 +283,6 @@ def block_weights(c: ParamCounts, s: dict[str, Any]) -> int:
     if (la + 1) * G > c.num_layers:
         return min(full, c.num_layers * layer + la * c.largest_block)
     return full
-
-
-def blocks_ahead(c: ParamCounts, s: dict[str, Any]) -> int:
-    """Blocks fetched ahead of the one computing: ``(lookahead + 1) x group_size - 1``, the ``ahead`` the
-    engine passes to its NVMe window sizing (``engine/streaming.py``, ``engine/window.py`` ``nvme_window``,
-    ``engine/accounting.py`` ``compute_window_bytes``); ``lookahead`` with ``block_group=1``."""
-    return (s["lookahead"] + 1) * group_size(c, s) - 1
 
 
 def layer_wire_bytes(c: ParamCounts, s: dict[str, Any]) -> int:
@@ -455,10 +451,10 @@ def window_fill(host: dict[str, int], read_back: int, limit: int, gpu: bool) -> 
     Measured (``bench/nvme_window.py``, peak RSS against the limit; a 16-layer fp32 and a 4-layer bf16-mixed Llama):
     the run's RSS grew with the limit until the window held what a step writes; the H2D staging ring of a CPU
     device did not add to it (left out of ``need`` there; with ``gpu`` it is pinned memory and counted). With this
-    term the run's RSS was 1.01-1.05 of the plan's host total (16 layers) and 0.81-0.96 (4 layers: at small limits
-    the plan's window terms are larger than the engine's window) at limits from the minimum window to the minimum +
-    1.5 x the regions rewritten; with the minimum alone it was up to 1.30 (16 layers)."""
-    replaced = ("master window", "AdamW moments window", "optimizer state window") + (() if gpu else ("pinned H2D",))
+    term the run's RSS was 1.03-1.07 of the plan's host total (16 layers) and 0.95-0.96 (4 layers) at limits from
+    the minimum window to the minimum + 1.5 x the regions rewritten; with the minimum alone it was up to 1.30
+    (16 layers)."""
+    replaced = ("master window", "AdamW moments window", "optimizer state window") + (() if gpu else ("H2D staging",))
     held = sum(v for k, v in host.items() if k.startswith(replaced))
     inside = window_bytes(host)
     return max(inside, min(limit, inside - held + read_back))
@@ -490,7 +486,6 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     N, L = c.total, c.num_layers
     bf16_true = s["precision"] == "bf16-true"
     G = group_size(c, s)                    # decoder layers per fetch (block_group)
-    window = blocks_ahead(c, s) + 2         # blocks of an offloaded part resident in RAM
     gpu = hw.is_gpu
     no_copy = zero_copy(hw, s)              # strategy default on a CPU device
     # bytes on the H2D link per block read (forward order), and the cached wire image per slab
@@ -499,6 +494,7 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     big = c.largest_block                   # parameters of the largest block on the device (tied included)
     big_wire = max(wire_of)
     staging = c.largest_slab                # the D2H staging buffer's elements (store.max_slab_numel)
+    slab = c.largest_slab                   # the NVMe window's minimum holds one slab's update (store/nvme.py)
 
     # ---- device
     act_dev, act_host = activation_bytes(c, s, gpu)
@@ -526,15 +522,17 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
             host["reference copy: fp32 weights + wire shadow"] = 4 * N + shadow_total
     else:
         nvme["fp32 master weights"] = 4 * N
-        host["master window"] = window * big * 4
-        host["pinned H2D staging ring x2 (wire images)"] = 2 * big_wire if wire < 4 else 0
+        host["master window"] = 4 * slab
+        # what the engine reserves for its H2D staging ring (engine/staging.py ``ring_bytes_bound``: a slot of the
+        # largest slab at 4 B each; a CPU device counts one slot, engine/window.py ``window_sizes``)
+        host[f"H2D staging ring x{RING_SLOTS if gpu else 1} (largest slab at 4 B)"] = (RING_SLOTS if gpu else 1) * 4 * slab
         if copy_ref:
             nvme["reference copy: fp32 weights"] = 4 * N
     if s["offload_grads"] == "cpu":
         host["fp32 grad accumulators"] = 4 * N
     else:
         nvme["fp32 grad accumulators"] = 4 * N
-        host["grad accumulator window"] = window * big * 4
+        host["grad accumulator window (the update's + one being filled)"] = 2 * 4 * slab
     state = optim_state_bytes(c, s)         # the chosen optimizer's state on the RAM tier (planning/optimizers.py)
     if s["offload_optimizer"] == "cpu":
         host[optim_label(s.get("optim"))] = state
@@ -542,7 +540,7 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
         adam = optim_name(s.get("optim")) in ("adamw", "adam")
         nvme["AdamW exp_avg + exp_avg_sq" if adam else "optimizer state (the store's 2 fp32 regions)"] = \
             NVME_STATE_BYTES * N
-        host["AdamW moments window" if adam else "optimizer state window"] = window * big * NVME_STATE_BYTES
+        host["AdamW moments window" if adam else "optimizer state window"] = NVME_STATE_BYTES * slab
     if gpu:
         host[f"pinned D2H staging x{D2H_STAGING} (largest slab)"] = D2H_STAGING * staging * grad_b
         if act_host.get("offloaded block inputs") and s["pinned_round"]:  # one pinned tensor per saved input
