@@ -23,7 +23,7 @@ Command line (Hydra compose API over ``conf/``; primary config ``conf/plan.yaml`
     python -m megatrain_lightning.plan model=llama100b hardware=h200 optim=adafactor     # conf/optim/<name>.yaml
 
 ``preflight=true`` also checks the plan against the machine running the command (exit 2 when
-refused); ``json=true`` prints the plan as JSON; ``max_seq_len=true`` prints only the longest
+refused); ``json=true`` prints the plan as JSON (its ``tip:``/``change:`` lines as ``"advice"``); ``max_seq_len=true`` prints only the longest
 sequence at batch 1 for each model and hardware (comma-separated lists), without and with the
 long-sequence options (a Markdown table). ``model=`` takes a ``conf/model`` preset name or the
 path of a Hugging Face model directory / ``config.json``. Measure a CPU preset's rates with
@@ -51,7 +51,7 @@ from .planning import (CONF_DIR, GIB, PRECISIONS, Hardware, ParamCounts, Plan, P
                        mem_available_bytes, plan, preflight, presets, replan)
 from .planning.config import is_model_path, load_hf_config, mark_overridden_sources
 from .planning.estimate import max_seq_len
-from .planning.report import format_longest_table, longest_rows
+from .planning.report import advice, format_longest_table, longest_rows
 
 __all__ = [
     "CONF_DIR", "GIB", "PRECISIONS", "Hardware", "ParamCounts", "Plan", "PreflightError", "compose",
@@ -101,6 +101,12 @@ def _compose(rest: list[str], model: str | None) -> Any:
         with open_dict(cfg):
             cfg.model = OmegaConf.create({"name": model, "config": model})
     return cfg
+
+
+def _json(p: Plan) -> dict[str, Any]:
+    """``json=true``'s output of one plan: :meth:`Plan.to_dict` with the report's suggestions (``"advice"``:
+    :func:`.planning.report.advice`, the ``tip:`` and ``change:`` lines as printed, without their indent)."""
+    return {**p.to_dict(), "advice": advice(p)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -176,11 +182,11 @@ def _run(args: list[str]) -> int:
     if hardware is not None and len(hardware) > 1 or len(models) > 1:
         for m in models:
             plans = [one(m, h) for h in (hardware or [None])]
-            print(json.dumps([p.to_dict() for p in plans], indent=1, default=str) if flags["json"]
+            print(json.dumps([_json(p) for p in plans], indent=1, default=str) if flags["json"]
                   else format_comparison(plans))
         return 0
     p = one(models[0], hardware[0] if hardware else None)
-    print(json.dumps(p.to_dict(), indent=1, default=str) if flags["json"] else format_plan(p))
+    print(json.dumps(_json(p), indent=1, default=str) if flags["json"] else format_plan(p))
     if flags["preflight"]:
         import warnings
 

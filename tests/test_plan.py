@@ -1018,3 +1018,15 @@ def test_the_reference_copy_is_in_the_host_store_as_the_planner_counts_it(tmp_pa
         assert sum(s.trainable_numel for s in slabs) == n
     finally:
         trainer.strategy.teardown()
+
+
+def test_json_output_carries_the_reports_suggestions(capsys):
+    """``json=true`` gives a script what the text report suggests: ``"advice"`` holds the same ``tip:`` and
+    ``change:`` lines, in the same order (here llama70b on the A100 preset, short of host RAM: NVMe changes)."""
+    rc, text = _main(capsys, "model=llama70b", "hardware=a100")
+    rc_json, out = _main(capsys, "model=llama70b", "hardware=a100", "json=true")
+    assert rc == rc_json
+    got = json.loads(out)["advice"]
+    printed = [line.strip() for line in text.splitlines() if line.strip().startswith(("tip:", "change:"))]
+    assert printed and any(a.startswith("change: use the NVMe tier") for a in got)
+    assert [a for a in got if a.startswith(("tip:", "change:"))] == printed

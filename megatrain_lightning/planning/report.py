@@ -269,14 +269,20 @@ def format_plan(p: Plan) -> str:
     lines += [""] + format_activations(p) + [""] + format_longest(p) + [""]
     lines += warning_lines(p)
     lines.append(_fits_line(p))
-    for tip in (recompute_advice(p), block_group_advice(p), window_advice(p)):
-        if tip:
-            lines.append("  " + tip)
-    if any(r.startswith("device memory short") for r in p.reasons):
-        lines += ["  " + a for a in device_advice(p, p.capacity["device"], p.capacity["host"], None)]
-    if any(r.startswith("host RAM short") for r in p.reasons):
-        lines += ["  change: " + a for a in host_short_advice(p, p.capacity["host"], None)]  # type: ignore[arg-type]
+    lines += ["  " + a for a in advice(p)]
     return "\n".join(lines)
+
+
+def advice(p: Plan) -> list[str]:
+    """What the report suggests below its verdict, one line each: the ``tip:`` lines (recompute mode, block_group,
+    the NVMe window), then, when the plan does not fit, what to change (device memory; ``change:`` lines for host
+    RAM). ``json=true`` prints them as the plan's ``"advice"``."""
+    out = [tip for tip in (recompute_advice(p), block_group_advice(p), window_advice(p)) if tip]
+    if any(r.startswith("device memory short") for r in p.reasons):
+        out += device_advice(p, p.capacity["device"], p.capacity["host"], None)
+    if any(r.startswith("host RAM short") for r in p.reasons):
+        out += ["change: " + a for a in host_short_advice(p, p.capacity["host"], None)]  # type: ignore[arg-type]
+    return out
 
 
 def schedule_words(in_backward: bool, worker: bool) -> str:
