@@ -23,9 +23,9 @@ Command line (Hydra compose API over ``conf/``; primary config ``conf/plan.yaml`
     python -m megatrain_lightning.plan model=llama100b hardware=h200 optim=adafactor     # conf/optim/<name>.yaml
 
 ``preflight=true`` also checks the plan against the machine running the command (exit 2 when
-refused); ``json=true`` prints the plan as JSON (its ``tip:``/``change:`` lines as ``"advice"``); ``max_seq_len=true`` prints only the longest
-sequence at batch 1 for each model and hardware (comma-separated lists), without and with the
-long-sequence options (a Markdown table). ``model=`` takes a ``conf/model`` preset name or the
+refused); ``json=true`` prints the plan as JSON (its ``tip:``/``change:`` lines as ``"advice"``);
+``max_seq_len=true`` prints only the longest sequence at batch 1 for each model and hardware
+(comma-separated lists), without and with the long-sequence options (a Markdown table). ``model=`` takes a ``conf/model`` preset name or the
 path of a Hugging Face model directory / ``config.json``. Measure a CPU preset's rates with
 ``python -m megatrain_lightning.planning.measure``.
 
