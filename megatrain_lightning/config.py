@@ -183,6 +183,10 @@ class MegaTrainConfig:
         self.recompute, self.activation_memory_limit = check_recompute(self.recompute, given_limit)
         warn_unused_activation_limit(self.recompute, given_limit, stacklevel=5)
         self.nvme = self._nvme_settings()
+        if self.nvme is not None and self.update_threads != 1:
+            warnings.warn(f"megatrain: update_threads={self.update_threads} has no effect on the NVMe tier: its "
+                          "updates run one at a time on the H2D or D2H worker, inside the host window. It applies "
+                          "when everything stays in host RAM.", UserWarning, stacklevel=5)
         check_chunk_size("loss_chunk_size", self.loss_chunk_size, allow_auto=True)
         check_chunk_size("mlp_chunk_size", self.mlp_chunk_size, allow_auto=False)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -185,3 +186,12 @@ def test_update_threads_update_that_many_slabs_at_once_bitwise(monkeypatch, in_b
 def test_update_threads_option_is_checked_when_the_strategy_is_built(bad):
     with pytest.raises(ValueError, match=r"update_threads .*strategy\.update_threads"):
         MegaTrainStrategy(update_threads=bad)
+
+
+def test_update_threads_on_the_nvme_tier_warns_that_it_has_no_effect(tmp_path):
+    with pytest.warns(UserWarning, match=r"update_threads=2 has no effect on the NVMe tier"):
+        MegaTrainStrategy(update_threads=2, offload_optimizer="nvme", nvme_path=str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MegaTrainStrategy(update_threads=2)
+        MegaTrainStrategy(offload_optimizer="nvme", nvme_path=str(tmp_path))
