@@ -22,6 +22,7 @@ base exceeds the bound with one update thread.
 
 Run:
     python bench/update_overlap.py              # ~12 minutes on 2 cores
+    python bench/update_overlap.py --device cuda --rounds 2 --schedules in_backward   # bench/gpu_check_extra.py
 Writes bench/results/update_overlap.json (``--out`` to change).
 """
 
@@ -46,12 +47,16 @@ CONFIGS = (("in_backward", 1), ("in_backward", 2), ("deferred", 1), ("deferred",
 
 
 class StepTimer(pl.Callback):
-    """Seconds between consecutive ``on_train_batch_start`` calls (one optimizer step each, no accumulation)."""
+    """Seconds between consecutive ``on_train_batch_start`` calls (one optimizer step each, no accumulation); with
+    ``cuda`` the device is synchronized first, so a step's queued GPU work counts in it."""
 
-    def __init__(self) -> None:
+    def __init__(self, cuda: bool = False) -> None:
         self.starts: list[float] = []
+        self.cuda = cuda
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.cuda:
+            torch.cuda.synchronize()
         self.starts.append(time.perf_counter())
 
     def steps(self, warmup: int) -> list[float]:
@@ -74,10 +79,11 @@ def run(schedule: str, threads: int, delay: float, args: argparse.Namespace) -> 
         torch.manual_seed(0)
         model = make_model("llama", num_hidden_layers=args.layers, hidden_size=args.hidden,
                            intermediate_size=args.hidden * 11 // 4)
-        timer = StepTimer()
+        timer = StepTimer(cuda=args.device == "cuda")
         steps = args.warmup + args.steps + 1
         strategy = MegaTrainStrategy(optimizer_in_backward=schedule == "in_backward", update_threads=threads)
-        trainer = pl.Trainer(strategy=strategy, accelerator="cpu", max_steps=steps, enable_checkpointing=False,
+        trainer = pl.Trainer(strategy=strategy, accelerator="gpu" if args.device == "cuda" else "cpu", devices=1,
+                             max_steps=steps, enable_checkpointing=False,
                              logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
         trainer.fit(LM(model), make_data(n=steps * args.batch, batch_size=args.batch))
     finally:
@@ -94,13 +100,16 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5, help="rounds of a base run and one run per delay; medians")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the blocks compute (cuda: the GPU path's streams; the updates stay on the host)")
+    ap.add_argument("--schedules", default="in_backward,deferred", help="comma list of in_backward, deferred")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "update_overlap.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
     print(f"{'schedule':<12} {'thr':>3} {'N':>3} {'d ms':>7} {'N*d s':>7} {'base s':>7} {'step s':>7} {'growth s':>8} "
           f"{'bound s':>8} {'N*d/growth':>10}  result")
-    for schedule, threads in CONFIGS:
+    for schedule, threads in [c for c in CONFIGS if c[0] in args.schedules.split(",")]:
         calibration = [run(schedule, threads, 0.0, args) for _ in range(3)]
         first, n = statistics.median(t for t, _ in calibration), calibration[0][1]
         delays = [f * first / n for f in FACTORS]
@@ -119,7 +128,8 @@ def main() -> None:
                              base_runs=steps[0.0], step_runs=steps[d]))
             print(f"{schedule:<12} {threads:>3} {n:>3} {d * 1e3:>7.1f} {n * d:>7.3f} {base:>7.3f} {step:>7.3f} {growth:>8.3f} "
                   f"{bound:>8.3f} {n * d / max(growth, 1e-9):>10.1f}  {'PASS' if ok else 'over'}")
-    out = dict(model=f"llama {args.layers} layers, hidden {args.hidden}, batch {args.batch}", threads=args.threads,
+    out = dict(model=f"llama {args.layers} layers, hidden {args.hidden}, batch {args.batch}", device=args.device,
+               threads=args.threads,
                steps=args.steps, warmup=args.warmup, rounds=args.rounds, margin=HIDE_MARGIN,
                rows=[{("pass" if k == "pass_" else k): v for k, v in r.items()} for r in rows])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
