@@ -137,13 +137,13 @@ class MegaTrainConfig:
     for the thread launching GPU kernels (derived, not measured: docs/architecture.md, "Threads, streams and
     locks"); on CPU 1 (the compute kernels use every core; measured: engine/threads.py)."""
     update_threads: int = 1
-    """Slabs the host optimizer updates at once on the RAM tier (threads of the update worker, each with
-    ``host_threads`` intra-op threads). With one, the updates run one after another: when a step's host update
-    takes about as long as its forward and backward together, the updates still queued when the backward ends
-    delay the next forward (bench/update_overlap.py). More threads help only while one update leaves the host's
-    cores and memory bandwidth partly idle (bench/update_overlap.py also times the step without delay for each
-    count); the planner's host update rate stays the host's. Unused on the NVMe tier (its updates run on the H2D
-    or D2H worker, one at a time in the host window)."""
+    """Slabs the host optimizer updates at once on the RAM tier: threads of the update worker, which share its
+    ``host_threads`` intra-op threads (``host_threads // update_threads`` each, at least 1). With one, the updates
+    run one after another: when a step's host update takes about as long as its forward and backward together, the
+    updates still queued when the backward ends delay the next forward (bench/update_overlap.py). More threads help
+    only while one update leaves the host's cores and memory bandwidth partly idle (bench/update_overlap.py also
+    times the step without delay for each count); the planner's host update rate stays the host's. Unused on the NVMe tier (its updates run on the H2D or D2H
+    worker, one at a time in the host window)."""
     loss_chunk_size: int | str | None = "auto"
     """Tokens per chunk of the chunked LM head + cross-entropy in training calls
     ``model(input_ids=..., labels=...)`` of a Hugging Face causal LM: the full logits are never materialised, each

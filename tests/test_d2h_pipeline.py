@@ -114,6 +114,11 @@ def test_host_workers_run_with_host_threads_and_the_compute_thread_keeps_its_own
     _trainer(host_threads=want).fit(LM(make_model("llama")), make_data(n=STEPS * ACC * 2))
     assert seen == {"update": {want}, "d2h": {want}}
     assert torch.get_num_threads() == main_threads
+    # update_threads=2: the update worker's two threads share host_threads (4 -> 2 each); the D2H worker keeps 4
+    seen = {"update": set(), "d2h": set()}
+    _trainer(host_threads=4, update_threads=2).fit(LM(make_model("llama")), make_data(n=STEPS * ACC * 2))
+    assert seen == {"update": {2}, "d2h": {4}}
+    assert torch.get_num_threads() == main_threads
 
 
 def test_statistics_add_up_under_concurrent_updates():

@@ -147,8 +147,9 @@ class StreamingEngine:
                                      groups=groups)
         self.optimizer: HostAdamW | None = None
         # the host optimizer updates on a thread of their own (RAM tier; docs/architecture.md, "Threads and streams")
-        self._update_pool = start_worker("megatrain-update", host_threads, self.device,
-                                         workers=config.update_threads) if self.store.nvme is None \
+        # its threads share host_threads intra-op threads between them (at least one each: cores not oversubscribed)
+        self._update_pool = start_worker("megatrain-update", max(1, host_threads // config.update_threads),
+                                         self.device, workers=config.update_threads) if self.store.nvme is None \
             else None
         self.order: list[int] = []  # block indices in forward call order (learned on the first forward)
         self._heads = output_embedding_blocks(root, self.blocks)  # the last block before the order is known
