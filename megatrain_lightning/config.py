@@ -167,15 +167,17 @@ class MegaTrainConfig:
     ``keep_nvme_files`` options, or ``None`` when everything stays in host RAM (not an option)."""
 
     def __post_init__(self) -> None:
-        check_host_threads(self.host_threads)
-        check_update_threads(self.update_threads)
+        check_count("host_threads", self.host_threads, 1, "CPU threads of each host worker",
+                    none_means="on CUDA one less than torch.get_num_threads(), on CPU 1")
+        check_count("update_threads", self.update_threads, 1, "slabs the host optimizer updates at once")
         check_switches(("pin_memory", "optimizer_in_backward", "unfreeze_during_fit"),
                        offload_activations=self.offload_activations, overlap_optimizer=self.overlap_optimizer,
                        pin_memory=self.pin_memory, cpu_zero_copy=self.cpu_zero_copy, log_stats=self.log_stats,
                        keep_nvme_files=self.keep_nvme_files, optimizer_in_backward=self.optimizer_in_backward,
                        unfreeze_during_fit=self.unfreeze_during_fit)
         self.timeout = check_timeout(self.timeout)
-        check_lookahead(self.lookahead)
+        check_count("lookahead", self.lookahead, 0, "fetches prefetched ahead of the one computing; 1 = double "
+                    "buffering")
         check_block_group(self.block_group)
         self.recompute_every = deprecated_recompute_every(self.recompute_every, self.checkpoint_every, stacklevel=5)
         self.checkpoint_every = None
@@ -308,23 +310,24 @@ def check_timeout(timeout: Any) -> timedelta | None:
     return timeout
 
 
-def check_lookahead(lookahead: object) -> int:
-    """Return ``lookahead`` when it is an int >= 0 (fetches prefetched ahead; 1 = double buffering).
+def check_count(name: str, value: object, minimum: int, what: str, none_means: str | None = None) -> Any:
+    """Return ``value`` when it is an int >= ``minimum`` (or ``None``, where ``none_means`` says what that does).
 
     Raises:
-        ValueError: anything else (a negative number, a float, a string, ``True``), naming the option."""
-    if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
-        raise ValueError(f"megatrain: lookahead must be an int >= 0 (fetches prefetched ahead of the one computing; "
-                         f"1 = double buffering), got {lookahead!r}. Set strategy option / Hydra key strategy.lookahead.")
-    return lookahead
+        ValueError: anything else (a float, a string, ``True``, a smaller number), naming the option, what it
+            counts (``what``) and its Hydra key."""
+    if value is None and none_means is not None:
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        alt = f" or None ({none_means})" if none_means else ""
+        raise ValueError(f"megatrain: {name} must be an int >= {minimum} ({what}){alt}, got {value!r}. Set "
+                         f"MegaTrainStrategy({name}=...) or the Hydra key strategy.{name}.")
+    return value
 
 
 def check_block_group(size: object) -> int:
     """Return ``size`` when it is a valid ``block_group`` (an int >= 1); raise ``ValueError`` otherwise."""
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"megatrain: block_group must be an int >= 1 (consecutive decoder layers fetched as one "
-                         f"transfer), got {size!r}. Set strategy option / Hydra key strategy.block_group.")
-    return size
+    return check_count("block_group", size, 1, "consecutive decoder layers fetched as one transfer")
 
 
 def check_chunk_size(name: str, value: Any, allow_auto: bool) -> int | str | None:
@@ -341,28 +344,6 @@ def check_chunk_size(name: str, value: Any, allow_auto: bool) -> int | str | Non
         raise ValueError(f"megatrain: {name} must be a positive int (tokens per chunk){extra} or None (no "
                          f"chunking); got {value!r}. Set strategy option / Hydra key strategy.{name}.")
     return value
-
-
-def check_update_threads(update_threads: object) -> None:
-    """Raise ``ValueError`` unless ``update_threads`` is an integer >= 1 (checked when the strategy is built)."""
-    if isinstance(update_threads, bool) or not isinstance(update_threads, int) or update_threads < 1:
-        raise ValueError(
-            f"update_threads must be a whole number of host threads >= 1 (default 1), got {update_threads!r}. "
-            "Set MegaTrainStrategy(update_threads=...) or the Hydra key strategy.update_threads."
-        )
-
-
-def check_host_threads(host_threads: object) -> None:
-    """Raise ``ValueError`` unless ``host_threads`` is ``None`` or an integer >= 1 (checked when the
-    strategy is built, before any work starts)."""
-    if host_threads is None:
-        return
-    if isinstance(host_threads, bool) or not isinstance(host_threads, int) or host_threads < 1:
-        raise ValueError(
-            f"host_threads must be a whole number of CPU threads >= 1 or None (default: on CUDA one less "
-            f"than torch.get_num_threads()), got {host_threads!r}. Set MegaTrainStrategy(host_threads=...) "
-            "or the Hydra key strategy.host_threads."
-        )
 
 
 def check_recompute(mode: Any, activation_memory_limit: int | str | None = None,
