@@ -12,13 +12,13 @@ the next forward needs it first); a schedule that waits for every update grows i
 Rows: for each schedule (``deferred``: the default, updates from the next forward on, clipping-compatible;
 ``in_backward``: ``optimizer_in_backward=True``, updates from the moment a slab's gradients are complete), each
 ``update_threads`` (1 and 2: slabs updated at once; the base step of each shows what a second thread costs or saves
-with the real updates on this machine) and each delay (``N*d`` = 0.5, 1.0 and 2.0 x base, ``d`` from the median of three
-base runs first): ``--rounds`` rounds of a base run and one run per delay, each run the median step time over ``--steps`` steps
-after ``--warmup``. The growth is the median over rounds of a run's step time less its round's base run (the
-machine's speed drifts by up to a third over a minute here); the bound is ``max(0, N*d - base) + 0.10 x base``
-(base: the median base run), PASS when the growth is within it. ``deferred`` can hide the updates only behind the
-forward and is listed for comparison. docs/benchmarks.md, "Host update overlap", has the table and why ``N*d`` =
-base exceeds the bound with one update thread.
+with the real updates on this machine) and each delay (``N*d`` = 0.5, 1.0 and 2.0 x base, ``d`` from the median
+of three base runs first): ``--rounds`` rounds of a base run and one run per delay, each run the median step time
+over ``--steps`` steps after ``--warmup``. The growth is the median over rounds of a run's step time less its
+round's base run (the machine's speed drifts by up to a third over a minute here); the bound is
+``max(0, N*d - base) + 0.10 x base`` (base: the median base run), PASS when the growth is within it. ``deferred``
+can hide the updates only behind the forward and is listed for comparison. docs/benchmarks.md, "Host update
+overlap", has the table and why ``N*d`` = base exceeds the bound with one update thread.
 
 Run:
     python bench/update_overlap.py              # ~12 minutes on 2 cores
@@ -123,7 +123,8 @@ def main() -> None:
             growth = statistics.median(t - b for t, b in zip(steps[d], steps[0.0]))  # against the round's base
             bound = max(0.0, n * d - base) + HIDE_MARGIN * base
             ok = growth <= bound
-            rows.append(dict(schedule=schedule, update_threads=threads, slab_updates=n, factor=factor, delay_s=d, total_delay_s=n * d,
+            rows.append(dict(schedule=schedule, update_threads=threads, slab_updates=n, factor=factor, delay_s=d,
+                             total_delay_s=n * d,
                              base_step_s=base, step_s=step, growth_s=growth, bound_s=bound, pass_=ok,
                              base_runs=steps[0.0], step_runs=steps[d]))
             print(f"{schedule:<12} {threads:>3} {n:>3} {d * 1e3:>7.1f} {n * d:>7.3f} {base:>7.3f} {step:>7.3f} {growth:>8.3f} "

@@ -33,11 +33,11 @@ class MegaTrainConfig:
     """The options of ``MegaTrainStrategy``, checked when built (each field: default, unit, what it does).
 
     Raises:
-        ValueError: ``host_threads`` is not ``None`` or an integer >= 1, ``update_threads`` not an integer >= 1; a switch is not a bool; ``timeout`` not
-            positive; ``lookahead`` not an int >= 0; ``block_group`` or ``recompute_every`` not an int >= 1;
-            ``recompute`` not one of :data:`RECOMPUTE_MODES` or ``activation_memory_limit`` not a positive size;
-            bad NVMe settings (:meth:`_nvme_settings`); ``loss_chunk_size`` / ``mlp_chunk_size`` not a
-            positive int (or ``"auto"`` / ``None``).
+        ValueError: ``host_threads`` is not ``None`` or an integer >= 1, ``update_threads`` not an integer >= 1; a
+            switch is not a bool; ``timeout`` not positive; ``lookahead`` not an int >= 0; ``block_group`` or
+            ``recompute_every`` not an int >= 1; ``recompute`` not one of :data:`RECOMPUTE_MODES` or
+            ``activation_memory_limit`` not a positive size; bad NVMe settings (:meth:`_nvme_settings`);
+            ``loss_chunk_size`` / ``mlp_chunk_size`` not a positive int (or ``"auto"`` / ``None``).
         TypeError: ``recompute_every`` and ``checkpoint_every`` both given, with different values.
     """
 
@@ -142,8 +142,8 @@ class MegaTrainConfig:
     run one after another: when a step's host update takes about as long as its forward and backward together, the
     updates still queued when the backward ends delay the next forward (bench/update_overlap.py). More threads help
     only while one update leaves the host's cores and memory bandwidth partly idle (bench/update_overlap.py also
-    times the step without delay for each count); the planner's host update rate stays the host's. Unused on the NVMe tier (its updates run on the H2D or D2H
-    worker, one at a time in the host window)."""
+    times the step without delay for each count); the planner's host update rate stays the host's. Unused on the
+    NVMe tier (its updates run on the H2D or D2H worker, one at a time in the host window)."""
     loss_chunk_size: int | str | None = "auto"
     """Tokens per chunk of the chunked LM head + cross-entropy in training calls
     ``model(input_ids=..., labels=...)`` of a Hugging Face causal LM: the full logits are never materialised, each

@@ -25,9 +25,9 @@ Command line (Hydra compose API over ``conf/``; primary config ``conf/plan.yaml`
 ``preflight=true`` also checks the plan against the machine running the command (exit 2 when
 refused); ``json=true`` prints the plan as JSON (its ``tip:``/``change:`` lines as ``"advice"``);
 ``max_seq_len=true`` prints only the longest sequence at batch 1 for each model and hardware
-(comma-separated lists), without and with the long-sequence options (a Markdown table). ``model=`` takes a ``conf/model`` preset name or the
-path of a Hugging Face model directory / ``config.json``. Measure a CPU preset's rates with
-``python -m megatrain_lightning.planning.measure``.
+(comma-separated lists), without and with the long-sequence options (a Markdown table). ``model=`` takes a
+``conf/model`` preset name or the path of a Hugging Face model directory / ``config.json``. Measure a CPU
+preset's rates with ``python -m megatrain_lightning.planning.measure``.
 
 ``trainer.devices`` (processes per node; ``batch_size`` is per process) and ``trainer.num_nodes`` plan
 data parallel (:mod:`megatrain_lightning.planning.parallel`): host RAM and NVMe per node with the

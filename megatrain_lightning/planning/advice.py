@@ -109,7 +109,8 @@ def host_advice(p: Plan, have: int, keys: Mapping[str, str] | None = None) -> li
                        f"(was {p.step_time_s:,.1f} s)")
         else:
             out.append(f"even with every state on NVMe ({nvme_override(keys, limit, params=True)}) the host needs "
-                       f"{gib(rss)} GiB (the engine's minimum NVMe window, the activations and the process): use a machine with more RAM (plan it with {ram_override(rss)})")
+                       f"{gib(rss)} GiB (the engine's minimum NVMe window, the activations and the process): use a "
+                       f"machine with more RAM (plan it with {ram_override(rss)})")
     R = s.get("devices", 1)
     if R > 1:  # data parallel: each process holds its own buffers (planning/parallel.py)
         fit = next((r for r in range(R - 1, 0, -1) if replan(p, devices=r).host_bytes <= have), None)

@@ -525,7 +525,8 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
         host["master window"] = 4 * slab
         # what the engine reserves for its H2D staging ring (engine/staging.py ``ring_bytes_bound``: a slot of the
         # largest slab at 4 B each; a CPU device counts one slot, engine/window.py ``window_sizes``)
-        host[f"H2D staging ring x{RING_SLOTS if gpu else 1} (largest slab at 4 B)"] = (RING_SLOTS if gpu else 1) * 4 * slab
+        slots = RING_SLOTS if gpu else 1
+        host[f"H2D staging ring x{slots} (largest slab at 4 B)"] = slots * 4 * slab
         if copy_ref:
             nvme["reference copy: fp32 weights"] = 4 * N
     if s["offload_grads"] == "cpu":
