@@ -103,8 +103,8 @@ def host_advice(p: Plan, have: int, keys: Mapping[str, str] | None = None) -> li
         if rss <= have:
             disk = q.capacity["disk"] or 0
             out.append(f"use the NVMe tier: {nvme_override(keys, limit, params=True)}{where}: masters, gradients "
-                       f"and moments ({gib(q.nvme_bytes)} GiB) go to NVMe; {host_words(q)}, disk {gib(q.disk_bytes)} GiB "
-                       f"({disk_words(q, disk)}), and "
+                       f"and moments ({gib(q.nvme_bytes)} GiB) go to NVMe; {host_words(q)}, disk "
+                       f"{gib(q.disk_bytes)} GiB ({disk_words(q, disk)}), and "
                        f"the step is bound by {term_label(q.dominating, q.settings)} at {q.step_time_s:,.1f} s "
                        f"(was {p.step_time_s:,.1f} s)")
         else:

@@ -493,8 +493,9 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     shadow_of = [shadow_bytes(n, k, wire, s["precision"]) for n, k in zip(c.stored, c.castable_reads)]
     big = c.largest_block                   # parameters of the largest block on the device (tied included)
     big_wire = max(wire_of)
-    staging = c.largest_slab                # the D2H staging buffer's elements (store.max_slab_numel)
-    slab = c.largest_slab                   # the NVMe window's minimum holds one slab's update (store/nvme.py)
+    # elements of the largest slab (store.max_slab_numel): the D2H staging buffer's size, and what the NVMe
+    # window's minimum holds one update of (store/nvme.py)
+    slab = c.largest_slab
 
     # ---- device
     act_dev, act_host = activation_bytes(c, s, gpu)
@@ -543,7 +544,7 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
             NVME_STATE_BYTES * N
         host["AdamW moments window" if adam else "optimizer state window"] = NVME_STATE_BYTES * slab
     if gpu:
-        host[f"pinned D2H staging x{D2H_STAGING} (largest slab)"] = D2H_STAGING * staging * grad_b
+        host[f"pinned D2H staging x{D2H_STAGING} (largest slab)"] = D2H_STAGING * slab * grad_b
         if act_host.get("offloaded block inputs") and s["pinned_round"]:  # one pinned tensor per saved input
             n_saved = math.ceil(L / K) + 1
             host["pinned pow2 rounding (offloaded inputs)"] = n_saved * _pow2_waste(act_host["offloaded block inputs"] // n_saved)
