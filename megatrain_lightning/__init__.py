@@ -1,13 +1,10 @@
 """megatrain-lightning: full-precision training of models larger than accelerator memory.
 
 Importing this package registers ``strategy="megatrain"`` (and ``"megatrain_nvme"``) with Lightning's
-``StrategyRegistry`` (``Trainer``) and Fabric's ``STRATEGY_REGISTRY`` (``Fabric``; Lightning has no entry-point
-discovery for strategies), and shows the
-package's INFO messages (``recompute="auto"``'s choice, once per run) as ``lightning.pytorch``
-shows its own: the ``megatrain_lightning`` logger is set to INFO and, when the root logger has no
-handler, prints to stderr (the application's logging configuration applies otherwise). In a rank started by the
-strategy's launcher it also starts the watch that ends the rank once the process that started it is gone
-(``parallel/lifetime.py``).
+``StrategyRegistry`` and Fabric's ``STRATEGY_REGISTRY`` (Lightning has no entry-point discovery for strategies).
+It sets the ``megatrain_lightning`` logger to INFO, printing to stderr when the root logger has no handler, as
+``lightning.pytorch`` does; and in a rank started by the strategy's launcher it starts the watch that ends the rank
+once its parent is gone (``parallel/lifetime.py``).
 """
 
 import logging

@@ -1,23 +1,13 @@
 """Block discovery: split a model into the units the engine streams.
 
-A *block* is a unit of streaming: a module whose parameters are packed into one
-host slab, copied to the compute device as one transfer, and run as one
-recompute segment. Decoder layers are found from ``model._no_split_modules``
-(the list Hugging Face keeps for ``device_map`` and FSDP wrapping); every other
-module that owns parameters directly (input embedding, position embedding,
-final norm, LM head) becomes a block of its own, so the whole model streams
-(docs/architecture.md, "A training step": setup).
+A *block* is a module whose parameters are packed into one host slab, copied to the compute device as one
+transfer, and run as one recompute segment. The rules are in :func:`discover_blocks` (docs/architecture.md,
+"A training step": setup).
 
-A *container* -- a module that owns parameters directly and also holds blocks below
-it (``Net`` with ``self.pos = nn.Parameter(...)`` and ``self.layers``) -- does not become
-one block: that would swallow its layers. Its direct parameters form a small block of
-their own (``Block.direct``) and discovery continues into its children. Such a block is
-bound for the whole of the container's ``forward`` (the parameters are used there,
-outside any block call) as autograd-tracked device views, kept until backward.
-
-Tied parameters (for example ``lm_head.weight is model.embed_tokens.weight``)
-are stored once, in the slab of the first block that owns them in module
-order; later blocks that use them read that slab too.
+A *container*'s direct parameters (``Block.direct``) are bound for the whole of its ``forward`` (they are used
+there, outside any block call) as autograd-tracked device views, kept until backward. Tied parameters
+(``lm_head.weight is model.embed_tokens.weight``) are stored once, in the slab of the first block that owns them
+in module order; later blocks read that slab too.
 """
 
 from __future__ import annotations
@@ -61,10 +51,8 @@ class ParamRef:
         """The parameter ``owner`` holds under ``attr``, which must still be :attr:`param`.
 
         Raises:
-            RuntimeError: the module no longer registers that parameter under that name: it was removed,
-                renamed or replaced while the strategy streams the module (``torch.nn.utils.prune`` and Lightning's
-                ``ModelPruning`` rename ``weight`` to ``weight_orig``; ``module.weight = nn.Parameter(...)``
-                replaces it). The store was laid out from the module as it was at ``setup``.
+            RuntimeError: the parameter was removed, renamed or replaced since ``setup`` laid out the store
+                (``torch.nn.utils.prune`` renames ``weight`` to ``weight_orig``).
         """
         cur = self.owner._parameters.get(self.attr)
         if cur is self.param:
@@ -91,9 +79,8 @@ class Block:
         name: module path inside the model (``model.layers.3``).
         module: the module object; its ``forward`` is replaced by a streaming proxy.
         params: every parameter the block reads, including tied ones stored in another slab.
-        direct: ``True`` for the direct parameters of a container (``module._parameters`` only,
-            not its children's): the engine binds them for the container's whole ``forward``, in
-            which its child blocks stream as usual, instead of proxying a leaf computation.
+        direct: ``True`` for the direct parameters of a container (not its children's), bound for the
+            container's whole ``forward`` instead of proxying a leaf computation.
     """
 
     index: int
@@ -125,8 +112,8 @@ KNOWN_BLOCKS = (("litgpt.model", "Block"),)
 
 
 def known_block_classes(root: nn.Module) -> list[type]:
-    """The classes of :data:`KNOWN_BLOCKS` that some submodule of ``root`` is an instance of (exactly, by module
-    and name), in module order."""
+    """The classes of :data:`KNOWN_BLOCKS` (matched exactly, by module and name) found in ``root``, in module
+    order."""
     found: list[type] = []
     for _, mod in root.named_modules():
         cls = type(mod)
@@ -153,9 +140,8 @@ def find_hf_models(root: nn.Module) -> list[nn.Module]:
 
 
 def output_embedding_blocks(root: nn.Module, blocks: Sequence["Block"]) -> set[int]:
-    """Indices of the blocks whose module is a model's output embedding (``get_output_embeddings()``: a causal
-    LM's ``lm_head``), the last block of a training forward: the engine keeps its graph (the logits the loss reads)
-    from the first forward on, before the forward order is known."""
+    """Indices of the blocks whose module is a model's ``get_output_embeddings()`` (``lm_head``): the engine keeps
+    their graph (the logits the loss reads) from the first forward on, before the forward order is known."""
     heads = set()
     for m in root.modules():
         get = getattr(m, "get_output_embeddings", None)
@@ -172,14 +158,11 @@ def output_embedding_blocks(root: nn.Module, blocks: Sequence["Block"]) -> set[i
 class HFRunSettings:
     """Hugging Face model features that would undo block streaming, off for a run and back on as they were afterwards.
 
-    * Gradient (activation) checkpointing: the strategy's ``recompute`` option decides what each block keeps; each
-      submodule's ``gradient_checkpointing`` flag (with its checkpoint function) is recorded and set to ``False``.
-    * Hub kernels (``use_kernels``, on by default in transformers 5 when the ``kernels`` package is installed): every
-      ``model.train()`` / ``model.eval()`` that changes the kernels' mode re-runs ``kernels.kernelize``, which pops
-      the instance ``forward`` of each kernel-decorated module (``LlamaRMSNorm`` ...) -- the streaming proxy of a
-      block such as the final norm would vanish mid-run. ``use_kernels`` is set to ``False`` (PyTorch forwards,
-      ``PreTrainedModel.reset_kernels``) before the proxies are installed and turned back on, in the same mode,
-      after they are removed.
+    * Gradient checkpointing: ``recompute`` decides what each block keeps; each submodule's
+      ``gradient_checkpointing`` flag (with its checkpoint function) is recorded and set to ``False``.
+    * Hub kernels (``use_kernels``, on by default in transformers 5 with ``kernels`` installed): a ``train()`` /
+      ``eval()`` that changes mode re-runs ``kernels.kernelize``, which pops the instance ``forward`` of
+      kernel-decorated modules (``LlamaRMSNorm``), so a block's streaming proxy would vanish mid-run.
 
     Args:
         root: the module the strategy streams; every Hugging Face model under it (:func:`find_hf_models`) is handled.
@@ -203,9 +186,8 @@ class HFRunSettings:
                 m.use_kernels = False
 
     def restore(self) -> None:
-        """Turn checkpointing and hub kernels back on where they were on (same flags, checkpoint functions and
-        kernels mode); idempotent. A model whose kernels cannot be loaded again keeps its PyTorch forwards (a
-        warning says so)."""
+        """Turn checkpointing and hub kernels back on where they were on, as they were; idempotent. A model whose
+        kernels no longer load keeps its PyTorch forwards (with a warning)."""
         for sub, fn in self._saved:
             sub.gradient_checkpointing = True
             if fn is not None:
@@ -243,17 +225,15 @@ def _own_params(mod: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _own_param_names(mod: nn.Module) -> list[str]:
-    """Names (relative to ``mod``) of the parameters ``mod`` owns directly (:func:`_own_params`): its own
-    ``_parameters`` and those of its ``nn.ParameterDict`` / ``nn.ParameterList`` children, not its submodules'."""
+    """Names (relative to ``mod``) of the parameters of :func:`_own_params`."""
     return [".".join(x for x in (sub_name, n) if x)
             for sub_name, sub in _own_params(mod) for n, _ in sub.named_parameters(recurse=False)]
 
 
 def _example_pattern(root: nn.Module, wanted: Sequence[str] = ()) -> str | None:
-    """A ``block_names`` pattern built from ``root``'s own paths: ``<path>.*`` of a repeated ``nn.ModuleList``
-    (at least two children), preferring one whose pattern ends with a pattern in ``wanted`` (the user's
-    ``"model.layers.*"`` on a LightningModule holding the model as ``self.model`` gives ``"model.model.layers.*"``),
-    then the longest list. ``None``: no such list."""
+    """A ``block_names`` example from ``root``'s paths: ``<path>.*`` of an ``nn.ModuleList`` of >= 2 children,
+    preferring one ending with a pattern in ``wanted`` (the user's ``"model.layers.*"`` gives
+    ``"model.model.layers.*"``), then the longest list. ``None``: no such list."""
     lists = [f"{name}.*" for name, mod in root.named_modules()
              if name and isinstance(mod, nn.ModuleList) and len(mod) >= 2]
     if not lists:
@@ -275,33 +255,27 @@ def discover_blocks(
 
     * it matches ``block_classes`` / ``block_names``: a block (with everything below it);
     * it owns parameters directly and some module below it matches: a *container*; its direct
-      parameters (only those, not its children's) form a ``direct`` block and discovery goes on
-      into its children;
+      parameters only form a ``direct`` block and discovery goes on into its children;
     * it owns parameters directly otherwise (embedding, norm, LM head): a block (with everything
       below it).
 
-    Parameters held in an ``nn.ParameterDict`` / ``nn.ParameterList`` child count as owned directly by the
-    module holding that child (the container's ``forward`` is never called; its holder reads them: peft's
-    ``lora_embedding_A``, ``ia3_l``, ``hada_w1_a``... on an embedding or LM head).
+    Parameters in an ``nn.ParameterDict`` / ``nn.ParameterList`` child count as owned directly by the module
+    holding it, which reads them (peft's ``lora_embedding_A`` on an embedding).
 
     Args:
         root: the module to stream (a ``LightningModule`` or a Hugging Face model).
-        block_classes: class names or classes of the repeated blocks (one name or class alone is
-            taken as a list of one). Default: the union of ``_no_split_modules`` of every Hugging
-            Face model inside ``root``; without one, the classes of :data:`KNOWN_BLOCKS` found in ``root``
-            (LitGPT's ``Block``).
-        block_names: ``fnmatch`` patterns of module paths that are blocks (``"model.layers.*"``),
-            like FSDP's wrap policy (one pattern alone is taken as a list of one); used together
-            with ``block_classes``.
+        block_classes: class names or classes of the repeated blocks (one alone is a list of one). Default: the
+            union of ``_no_split_modules`` of every Hugging Face model inside ``root``; without one, the classes
+            of :data:`KNOWN_BLOCKS` found in ``root``.
+        block_names: ``fnmatch`` patterns of module paths that are blocks (``"model.layers.*"``), like FSDP's wrap
+            policy (one alone is a list of one); used together with ``block_classes``.
 
     Returns:
         Blocks in module order. Every parameter of ``root`` belongs to exactly one slab.
 
     Raises:
-        BlockDiscoveryError: no repeated block class/name matched (the model has no
-            ``_no_split_modules`` and no override was given), a ``block_names`` pattern matches no
-            module path (both list the module paths that exist), or ``root`` itself owns
-            parameters directly (there is no module to stream them with).
+        BlockDiscoveryError: no repeated block class/name matched, a ``block_names`` pattern matches no module
+            path, or ``root`` itself owns parameters directly (no module to stream them with).
     """
     classes: list[str | type] = [block_classes] if isinstance(block_classes, (str, type)) else list(block_classes or [])
     names = [block_names] if isinstance(block_names, str) else list(block_names or [])

@@ -24,27 +24,22 @@ def add_flush_callbacks(trainer: Any) -> None:
 
 
 class _FlushForCallbacks(Callback):
-    """Applies the pending updates before the callbacks that read the weights, first among their hooks (the
-    strategy puts it at the front of ``trainer.callbacks``; Lightning calls callbacks before the strategy's own
-    hooks, and has no strategy hook at a batch's or an epoch's end):
+    """Applies the pending updates first among the callbacks' hooks (Lightning calls callbacks before the
+    strategy's own hooks, and has no strategy hook at a batch's or an epoch's end):
 
-    * at the end of every training epoch: ``StochasticWeightAveraging`` averages the weights there, and copies
-      the average into the parameters at ``on_train_end`` (a pending update applied after that would overwrite
-      it);
-    * at the end of every training batch, when a ``WeightAveraging`` callback (Lightning's EMA,
-      ``EMAWeightAveraging``) is in the Trainer: it averages the weights there after each optimizer step
-      (without the flush it averaged weights one step old: final weights 2% off plain Lightning's);
-    * at ``on_train_end``, before ``WeightAveraging`` copies its average into the parameters;
-    * at ``on_validation_start`` (also mid-epoch, ``val_check_interval``): a callback's or the module's own
-      ``on_validation_start`` runs before the strategy's and may swap weights in (an EMA of its own);
-    * at the start (end) of every training batch, when a ``BaseFinetuning`` subclass overrides
-      ``on_train_batch_start`` (``on_train_batch_end``), where it may unfreeze: its ``filter_on_optimizer`` tells
-      parameters already in the optimizer by their values, and a trained parameter whose last update was still
-      pending looked like a frozen one (a mid-epoch unfreeze left two unfrozen norms out of the new param group).
-      ``BaseFinetuning`` itself unfreezes in ``on_train_epoch_start``, after the epoch-end flush.
+    * at every training epoch's end, where ``StochasticWeightAveraging`` averages the weights;
+    * at every training batch's end when a ``WeightAveraging`` callback (``EMAWeightAveraging``) is in the Trainer,
+      which averages there (unflushed, it averaged weights one step old: final weights 2% off plain Lightning's);
+    * at ``on_train_end``, before SWA or ``WeightAveraging`` copy their average into the parameters;
+    * at ``on_validation_start`` (also mid-epoch), whose other hooks run before the strategy's and may swap
+      weights in;
+    * at a training batch's start (end) when a ``BaseFinetuning`` subclass overrides ``on_train_batch_start``
+      (``on_train_batch_end``) and may unfreeze there: its ``filter_on_optimizer`` tells parameters by their
+      values, and a trained parameter with a pending update looks frozen (``BaseFinetuning`` itself unfreezes in
+      ``on_train_epoch_start``, after the epoch-end flush).
 
-    Other callbacks that read weights in ``on_train_batch_end`` (a hand-written EMA) call
-    ``trainer.strategy.flush()`` first (docs/guide/models-and-hooks.md, "Reading and writing weights in hooks"); flushing for every callback that
+    Other callbacks that read weights in ``on_train_batch_end`` call ``trainer.strategy.flush()`` themselves
+    (docs/guide/models-and-hooks.md, "Reading and writing weights in hooks"): flushing for every callback that
     overrides the hook (progress bars, loggers) would give up the optimizer overlap on every step."""
 
     _flushed_step = -1
@@ -78,13 +73,10 @@ def _finetuning_overrides(cb: Callback, hook: str) -> bool:
 
 
 class _AfterWeightAveraging(Callback):
-    """Runs after every other callback (the strategy appends it to ``trainer.callbacks``) where Lightning's
-    ``WeightAveraging`` (``EMAWeightAveraging``) writes the parameters through ``param.data``: swapping the
-    average in at ``on_validation_epoch_start`` and back at ``on_validation_epoch_end``, copying it in at
-    ``on_train_end``. Those writes move no version counter, so the engine is told
-    (:meth:`MegaTrainStrategy.weights_written`): without it, under mixed precision the cached bf16/fp16 wire
-    images kept the weights from before the swap (validation losses and final weights 0.4% off plain
-    Lightning's)."""
+    """Runs after every other callback at the hooks where Lightning's ``WeightAveraging`` writes the parameters
+    through ``param.data`` (swap in and out around validation, copy in at ``on_train_end``). Those writes move no
+    version counter, so the engine is told (:meth:`MegaTrainStrategy.weights_written`); otherwise the cached
+    bf16/fp16 wire images keep the old weights (validation losses and final weights 0.4% off plain Lightning's)."""
 
     @staticmethod
     def _written(trainer: Any) -> None:

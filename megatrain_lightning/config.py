@@ -1,12 +1,11 @@
 """``MegaTrainConfig``: every option of ``MegaTrainStrategy``, with its one default, its unit and its check.
 
 ``MegaTrainStrategy(**options)`` builds one (``MegaTrainStrategy(config=MegaTrainConfig(...))`` passes it
-whole); the strategy and the engine read their options from it, the Hydra recipes
-(``conf/strategy/*.yaml``) and the planner take their keys and defaults from it (``tests/test_config.py``
-fails when they drift). Every check runs when the config is built, before any work; each error names the
-option and its Hydra key ``strategy.<option>``.
+whole); the strategy, the engine, the Hydra recipes (``conf/strategy/*.yaml``) and the planner take their options
+and defaults from it (``tests/test_config.py`` fails when they drift). Every check runs when the config is built;
+each error names the option and its Hydra key ``strategy.<option>``.
 
-This module imports only ``store/`` (the NVMe tier's settings, byte sizes): the engine imports it.
+This module imports only ``store/``: the engine imports it.
 """
 
 from __future__ import annotations
@@ -33,41 +32,33 @@ class MegaTrainConfig:
     """The options of ``MegaTrainStrategy``, checked when built (each field: default, unit, what it does).
 
     Raises:
-        ValueError: ``host_threads`` is not ``None`` or an integer >= 1, ``update_threads`` not an integer >= 1; a
-            switch is not a bool; ``timeout`` not positive; ``lookahead`` not an int >= 0; ``block_group`` or
-            ``recompute_every`` not an int >= 1; ``recompute`` not one of :data:`RECOMPUTE_MODES` or
-            ``activation_memory_limit`` not a positive size; bad NVMe settings (:meth:`_nvme_settings`);
-            ``loss_chunk_size`` / ``mlp_chunk_size`` not a positive int (or ``"auto"`` / ``None``).
+        ValueError: an option out of its range (each field's docstring; the checks below and :meth:`_nvme_settings`).
+        RuntimeError: ``recompute="selective"``/``"auto"`` on a torch without the marker (:func:`check_recompute`).
         TypeError: ``recompute_every`` and ``checkpoint_every`` both given, with different values.
     """
 
     lookahead: int = 1
     """Fetches copied ahead of the one computing (1 = double buffering)."""
     block_group: int = 1
-    """Consecutive decoder layers fetched as one transfer unit (one H2D worker task and one wait for the group
-    instead of one per layer: for small blocks, whose fixed cost per fetch is not hidden behind their compute;
-    docs/internals/streaming.md, "Block groups"). The device then holds up to ``(lookahead + 1) x block_group``
-    decoder layers' weights."""
+    """Consecutive decoder layers fetched as one transfer unit, for small blocks whose fixed cost per fetch is not
+    hidden behind their compute (docs/internals/streaming.md, "Block groups"). The device then holds up to
+    ``(lookahead + 1) x block_group`` decoder layers' weights."""
     recompute_every: int = 1
     """Block calls per recompute segment: keep the input of every K-th block call only and recompute the others
     in backward (saved activations / K, at most one extra forward of K-1 blocks per segment). 1: every block input
     is kept (measured: docs/benchmarks.md, "Recompute segments")."""
     checkpoint_every: int | None = None
-    """The former name of ``recompute_every`` (it collided with Lightning's model checkpoints); still accepted for
-    one release, with a ``DeprecationWarning``, and folded into ``recompute_every`` (then ``None``)."""
+    """Deprecated name of ``recompute_every`` (:func:`deprecated_recompute_every`); folded into it, then ``None``."""
     offload_activations: bool = False
-    """Keep saved block inputs in host memory (device footprint flat in depth); in backward each block call's
-    inputs are copied back one call ahead (prefetched)."""
+    """Keep saved block inputs in host memory (device footprint flat in depth), prefetched back one call ahead in
+    backward."""
     recompute: str = "block"
-    """What each block's backward recomputes (docs/architecture.md, "Recompute policy"): ``"block"`` (keep the
-    block's inputs, recompute the whole block), ``"selective"`` (also keep the outputs of matmuls and attention;
-    recompute norms, activations, elementwise ops and dropout), ``"none"`` (keep every op output: nothing costly
-    is recomputed) or ``"auto"`` (per block, within ``activation_memory_limit``; the choice is logged once)."""
+    """What each block's backward recomputes: ``"block"``, ``"selective"``, ``"none"`` or ``"auto"`` (per block,
+    within ``activation_memory_limit``; the choice is logged once). docs/architecture.md, "Recompute policy"."""
     activation_memory_limit: int | str | None = None
     """Bytes (or ``"4GiB"``) of device memory that ``recompute="auto"`` lets the kept activations take (block
-    inputs included; the last block's graph, e.g. the LM head's logits, kept from its forward to the backward that
-    follows at once, is not counted: leave room for it). ``None``: half the free device memory. Held in bytes once
-    checked; given with another ``recompute`` mode it has no effect (a warning says so)."""
+    inputs included; the last block's graph, e.g. the LM head's logits, is not counted: leave room for it).
+    ``None``: half the free device memory. Held in bytes once checked; ignored, with a warning, by other modes."""
     overlap_optimizer: bool = True
     """Apply each block's AdamW update just before its next prefetch instead of all at once in
     ``optimizer.step()``. Both give identical results."""
@@ -76,19 +67,16 @@ class MegaTrainConfig:
     block_names: Sequence[str] | None = None
     """``fnmatch`` patterns of module paths that are blocks, e.g. ``["net.layers.*"]``."""
     pin_memory: bool | None = None
-    """Page-lock host memory on CUDA (the masters and wire images of the RAM tier, the NVMe window, exactly what
-    ``host_memory_limit`` counts). ``None``: pin, and where pinning the window or a wire image fails use pageable
-    memory with a warning; ``True``: a failure is an error (``HostPinningError``, naming host memory and this
-    option); ``False``: never pin (H2D copies then run at pageable speed). ``ulimit -l`` does not limit CUDA's
+    """Page-lock host memory on CUDA (the RAM tier's masters and wire images, the NVMe window). ``None``: pin,
+    falling back to pageable memory with a warning where pinning fails; ``True``: a failure raises
+    ``HostPinningError``; ``False``: never pin (H2D copies at pageable speed). ``ulimit -l`` does not limit CUDA's
     pinned memory and is not checked."""
     cpu_zero_copy: bool = True
-    """On CPU, compute on the fp32 master slabs instead of a copy of them (on a CPU device the copy would only
-    move host memory to host memory; the prefetch schedule, deferred updates and accounting run the same either
-    way, and ``False`` makes the CPU path copy exactly as the CUDA path does). Mixed precision always streams
+    """On CPU, compute on the fp32 master slabs instead of a host-to-host copy (schedule, deferred updates and
+    accounting run the same either way; ``False`` copies as the CUDA path does). Mixed precision always streams
     converted copies."""
     log_stats: bool = True
-    """Log per-step accounting (``megatrain/h2d_bytes`` ...) like ``self.log(..., on_step=True)``: to every
-    logger of the Trainer at its ``log_every_n_steps``, and into ``trainer.callback_metrics``."""
+    """Log per-step accounting (``megatrain/h2d_bytes`` ...) like ``self.log(..., on_step=True)``."""
     offload_params: str = "cpu"
     """Where fp32 master weights live: ``"cpu"`` (host RAM) or ``"nvme"`` (per-block files under ``nvme_path``,
     read through a host window)."""
@@ -98,9 +86,8 @@ class MegaTrainConfig:
     """Directory on a fast local disk for the NVMe tier (the store is ``<nvme_path>/megatrain_store``).
     ``strategy="megatrain_nvme"`` reads it from the environment variable ``MEGATRAIN_NVME_PATH``."""
     host_memory_limit: int | str | None = None
-    """Bytes (or ``"16GiB"``-style strings) the NVMe tier's host window may use, on CPU including the compute
-    buffers (strict: never exceeded). ``None``: half of the machine's physical RAM. Ignored when nothing is on
-    NVMe."""
+    """Bytes (or ``"16GiB"``) the NVMe tier's host window may use, on CPU including the compute buffers (never
+    exceeded). ``None``: half of the physical RAM. Ignored when nothing is on NVMe."""
     nvme_io_threads: int = 4
     """Threads issuing NVMe read/write requests, one each at a time: the queue depth (measured in
     bench/nvme.py)."""
@@ -115,42 +102,35 @@ class MegaTrainConfig:
     """Keep the store's files when the engine closes (``False``: removed)."""
     optimizer_in_backward: bool | None = None
     """Start each block's optimizer update during backward, as soon as its gradients of the step are complete,
-    instead of deferring it to the next forward. Same arithmetic, bitwise the same results. On the RAM tier the
-    update runs on a host thread of its own through the rest of the backward and the next forward (hidden behind
-    both); on the NVMe tier it moves the update's reads and writes (optimizer states, master) into the backward,
-    where the disk is otherwise idle, and the gradient accumulator never goes to disk. ``None``: on with the NVMe tier (:func:`optimizer_in_backward_on`). Used only
-    on the last micro-batch of an accumulation window, in automatic optimization, without gradient clipping or
-    fp16 loss scaling (both need every gradient first) and when no user code sees the step's gradients before
-    the step: the LightningModule does not override ``on_after_backward``, ``on_before_optimizer_step``,
-    ``configure_gradient_clipping`` or ``optimizer_step`` and no callback overrides ``on_after_backward`` or
-    ``on_before_optimizer_step``; otherwise the deferred schedule runs."""
+    instead of deferring it to the next forward; bitwise the same results. On the RAM tier the update runs on a
+    host thread of its own, hidden behind the rest of the backward and the next forward; on the NVMe tier its
+    reads and writes move into the backward, where the disk is otherwise idle, and the gradient accumulator never
+    goes to disk. ``None``: on with the NVMe tier (:func:`optimizer_in_backward_on`). Used only on the last
+    micro-batch of an accumulation window, in automatic optimization, without gradient clipping or fp16 loss
+    scaling and when no user code sees the step's gradients before the step: the LightningModule does not override
+    ``on_after_backward``, ``on_before_optimizer_step``, ``configure_gradient_clipping`` or ``optimizer_step`` and
+    no callback overrides ``on_after_backward`` or ``on_before_optimizer_step``; otherwise the deferred schedule
+    runs."""
     unfreeze_during_fit: bool | None = None
     """Keep gradient and AdamW state in the store for the parameters frozen at setup as well, so that they can
-    be unfrozen (``requires_grad_(True)``, ``optimizer.add_param_group``) while fit runs. Costs what training them
-    costs (12 bytes per frozen element more once allocated: the accumulator at the first backward, the moments at
-    the first step), from the start. ``None``: on when a Lightning ``BaseFinetuning`` callback
-    (``BackboneFinetuning`` or a subclass) is in the Trainer. ``False``: unfreezing during fit raises (the store
-    has no room for the gradient)."""
+    be unfrozen (``requires_grad_(True)``, ``optimizer.add_param_group``) while fit runs: 12 bytes more per frozen
+    element (the accumulator from the first backward, the moments from the first step). ``None``: on when a
+    Lightning ``BaseFinetuning`` callback is in the Trainer. ``False``: unfreezing during fit raises."""
     host_threads: int | None = None
-    """Intra-op CPU threads of the engine's two host workers (the host AdamW, gradient adds into the fp32
-    accumulators, casts to the wire dtype). ``None``: on CUDA ``torch.get_num_threads() - 1``, which leaves a core
-    for the thread launching GPU kernels (derived, not measured: docs/architecture.md, "Threads, streams and
-    locks"); on CPU 1 (the compute kernels use every core; measured: engine/threads.py)."""
+    """Intra-op CPU threads of the engine's two host workers (host AdamW, gradient adds, casts to the wire dtype).
+    ``None``: on CUDA ``torch.get_num_threads() - 1``, leaving a core for the kernel-launching thread (derived, not
+    measured: docs/architecture.md, "Threads, streams and locks"); on CPU 1 (measured: engine/threads.py)."""
     update_threads: int = 1
-    """Slabs the host optimizer updates at once on the RAM tier: threads of the update worker, which share its
-    ``host_threads`` intra-op threads (``host_threads // update_threads`` each, at least 1). With one, the updates
-    run one after another: when a step's host update takes about as long as its forward and backward together, the
-    updates still queued when the backward ends delay the next forward (bench/update_overlap.py). More threads help
-    only while one update leaves the host's cores and memory bandwidth partly idle (bench/update_overlap.py also
-    times the step without delay for each count); the planner's host update rate stays the host's. Unused on the
-    NVMe tier (its updates run on the H2D or D2H worker, one at a time in the host window)."""
+    """Slabs the host optimizer updates at once on the RAM tier: threads of the update worker, sharing its
+    ``host_threads`` (``host_threads // update_threads`` each, at least 1). With one, updates still queued when a
+    backward ends delay the next forward once a step's host update takes about as long as its forward and
+    backward; more help only while one update leaves cores and memory bandwidth partly idle (measured:
+    bench/update_overlap.py). Unused on the NVMe tier (its updates run one at a time in the host window)."""
     loss_chunk_size: int | str | None = "auto"
     """Tokens per chunk of the chunked LM head + cross-entropy in training calls
-    ``model(input_ids=..., labels=...)`` of a Hugging Face causal LM: the full logits are never materialised, each
-    chunk's are recomputed in backward; the loss equals the full computation's up to the order of the sum over
-    tokens. ``"auto"``: 256 MiB of fp32 logits per chunk (523 tokens of a 128,256-token vocabulary); calls with
-    at most that many tokens, without labels or under ``no_grad`` (validation, predict, generation) compute real
-    logits as usual. ``None``: off. See docs/guide/long-sequences.md."""
+    ``model(input_ids=..., labels=...)`` of a Hugging Face causal LM (the full logits are never materialised).
+    ``"auto"``: 256 MiB of fp32 logits per chunk (523 tokens of a 128,256-token vocabulary). ``None``: off. See
+    docs/guide/long-sequences.md."""
     mlp_chunk_size: int | None = None
     """Tokens per chunk of each block's MLP (forward and recompute; each chunk checkpointed, so backward holds
     one chunk's MLP intermediates). ``None``: off."""
@@ -158,10 +138,9 @@ class MegaTrainConfig:
     """``torch.distributed`` backend of a run with several processes (``None``: NCCL on CUDA, gloo on CPU, as
     ``DDPStrategy``)."""
     timeout: timedelta | float | None = timedelta(minutes=30)
-    """How long a collective waits for the other ranks before it fails (30 minutes, as ``DDPStrategy``; a
-    ``timedelta`` or seconds, held as a ``timedelta`` once checked; also the rendezvous's wait for every rank to
-    start): a rank that hangs makes the others stop after at most about twice this long instead of hanging; one
-    that died stops them at once, with a ``PeerFailure`` naming it (``parallel/faults.py``)."""
+    """How long a collective, and the rendezvous, wait for the other ranks (30 minutes, as ``DDPStrategy``;
+    seconds or a ``timedelta``, held as a ``timedelta``): a hung rank stops the others after at most about twice
+    this; a dead one stops them at once with a ``PeerFailure`` (``parallel/faults.py``)."""
     nvme: NVMeConfig | None = field(init=False, repr=False, compare=False)
     """The NVMe tier's settings built from the ``offload_*``/``nvme_*``/``host_memory_limit``/``direct_io``/
     ``keep_nvme_files`` options, or ``None`` when everything stays in host RAM (not an option)."""
@@ -194,13 +173,12 @@ class MegaTrainConfig:
 
     def _nvme_settings(self) -> NVMeConfig | None:
         """Check the NVMe options and build the tier's settings; ``None`` when everything stays in host RAM.
-        ``nvme_path`` has ``~`` expanded, or with :data:`~.store.nvme.NVME_PATH_FROM_ENV`
-        (``strategy="megatrain_nvme"``) is read from the environment variable ``MEGATRAIN_NVME_PATH``.
+        ``nvme_path`` has ``~`` expanded, or with :data:`~.store.nvme.NVME_PATH_FROM_ENV` is read from
+        ``MEGATRAIN_NVME_PATH``.
 
         Raises:
-            ValueError: an unknown tier, ``nvme`` without ``nvme_path`` (or with ``MEGATRAIN_NVME_PATH``
-                unset for ``strategy="megatrain_nvme"``), a bad ``host_memory_limit``, or bad I/O settings;
-                each message names the option.
+            ValueError: an unknown tier, ``nvme`` without a path, a bad ``host_memory_limit``, or bad I/O
+                settings; each message names the option.
 
         Warns:
             UserWarning: ``nvme_path`` or ``host_memory_limit`` given while nothing is offloaded to NVMe.
@@ -257,8 +235,7 @@ class MegaTrainConfig:
 
 def optimizer_in_backward_on(option: bool | None, nvme_tier: bool) -> bool:
     """``optimizer_in_backward`` resolved: the option, or with ``None`` whether any state is on NVMe (``nvme_tier``).
-    The strategy and the planner both decide by it (the strategy then also falls back to the deferred schedule
-    with gradient clipping, fp16 loss scaling, manual optimization or hooks that read the step's gradients)."""
+    The strategy and the planner both decide by it (the strategy's further fallbacks: the option's docstring)."""
     return option if option is not None else nvme_tier
 
 
@@ -271,9 +248,8 @@ def _size(option: str, value: Any) -> int:
 
 
 def check_switches(optional: tuple[str, ...] = (), **switches: Any) -> None:
-    """Each switch is ``True`` or ``False`` (those named in ``optional`` may also be ``None``: automatic).
-
-    A string such as ``"false"`` is truthy in Python and would silently mean the opposite, so it is refused.
+    """Each switch is ``True`` or ``False`` (those named in ``optional`` may also be ``None``: automatic); a
+    truthy string such as ``"false"`` is refused.
 
     Raises:
         ValueError: the first switch that is not a bool, naming its option and Hydra key.
@@ -314,8 +290,8 @@ def check_count(name: str, value: object, minimum: int, what: str, none_means: s
     """Return ``value`` when it is an int >= ``minimum`` (or ``None``, where ``none_means`` says what that does).
 
     Raises:
-        ValueError: anything else (a float, a string, ``True``, a smaller number), naming the option, what it
-            counts (``what``) and its Hydra key."""
+        ValueError: anything else (a float, a string, ``True``, a smaller number), naming the option, ``what``
+            and its Hydra key."""
     if value is None and none_means is not None:
         return value
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -331,12 +307,11 @@ def check_block_group(size: object) -> int:
 
 
 def check_chunk_size(name: str, value: Any, allow_auto: bool) -> int | str | None:
-    """Validate a chunk-size option: a positive ``int`` of tokens, ``None`` (off) or, where
-    ``allow_auto``, ``"auto"``. Returns it unchanged.
+    """Return a chunk-size option unchanged: a positive ``int`` of tokens, ``None`` (off) or, where
+    ``allow_auto``, ``"auto"``.
 
     Raises:
-        ValueError: anything else (``0``, negative, a float, ``True``, another string), naming the
-            option and what to pass instead."""
+        ValueError: anything else, naming the option and what to pass instead."""
     ok = value is None or (allow_auto and value == "auto") or (
         isinstance(value, int) and not isinstance(value, bool) and value > 0)
     if not ok:
@@ -376,9 +351,8 @@ def check_recompute(mode: Any, activation_memory_limit: int | str | None = None,
 
 
 def deprecated_recompute_every(recompute_every: int, checkpoint_every: int | None, stacklevel: int = 3) -> int:
-    """``recompute_every`` (checked: an int >= 1, block calls per recompute segment), or the value given
-    under its former name ``checkpoint_every`` (which collided with Lightning's model checkpoints), with a
-    ``DeprecationWarning``; kept for one release.
+    """``recompute_every`` (checked: an int >= 1), or the value given under its deprecated name
+    ``checkpoint_every`` (it collided with Lightning's model checkpoints) with a ``DeprecationWarning``.
 
     Raises:
         TypeError: both names given with different values.

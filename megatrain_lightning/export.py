@@ -5,15 +5,12 @@ whole checkpoint as one Lightning ``.ckpt`` file.
     python -m megatrain_lightning.export CKPT_DIR OUT_DIR --merge-adapter      # a peft (LoRA) checkpoint
     python -m megatrain_lightning.export CKPT_DIR --lightning-ckpt OUT.ckpt    # for load_from_checkpoint
 
-CKPT_DIR is a checkpoint directory written by ``Trainer(strategy="megatrain")`` (its
-``model/`` subdirectory is a Hugging Face model directory) or a Hugging Face model directory
-itself. Checksums are verified first; tensors are then streamed one at a time into OUT_DIR
-(cast to ``--dtype``), so memory stays at about one shard whatever the model size. The
-config (its ``dtype`` updated; a GGUF quantization config dropped, the weights being dense),
-generation config and tokenizer files are copied. A checkpoint of a peft model (``base_model/``
-+ ``adapter/``) is exported only with ``--merge-adapter``: peft merges the adapter into the base
-model in memory and the merged dense model is written. ``--lightning-ckpt`` writes a single-file
-Lightning checkpoint (see :mod:`megatrain_lightning.checkpoint.lightning_file`).
+CKPT_DIR is a checkpoint directory written by ``Trainer(strategy="megatrain")`` (its ``model/`` subdirectory is a
+Hugging Face model directory) or a Hugging Face model directory itself. Checksums are verified first; tensors are
+then streamed one at a time into OUT_DIR (cast to ``--dtype``), so memory stays at about one shard whatever the
+model size. The config (``dtype`` updated, a GGUF quantization config dropped), generation config and tokenizer
+files are copied. A peft checkpoint (``base_model/`` + ``adapter/``) is exported only with ``--merge-adapter``
+(merged in memory). ``--lightning-ckpt``: see :mod:`megatrain_lightning.checkpoint.lightning_file`.
 """
 
 from __future__ import annotations
@@ -118,9 +115,8 @@ def _export_merged(ckpt_dir: Path, dst: Path, dt: Any, max_shard_bytes: int) -> 
 
 
 def _check_out_dir(dst: Path, src_dir: Path) -> None:
-    """Refuse an ``OUT_DIR`` that is not new or empty (before anything is written): files mixed into a directory
-    that holds others (an earlier export, the checkpoint itself) would make a model that loads stale tensors or
-    config, or damage the checkpoint."""
+    """Refuse an ``OUT_DIR`` that is not new or empty, before anything is written: mixed-in files would load stale
+    tensors or config, or damage the checkpoint."""
     if not dst.exists():
         return
     if not dst.is_dir():
@@ -145,10 +141,9 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str =
         out_dir: created if missing; must be new or an empty directory (so not the source either).
         dtype: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (floating tensors are cast; others keep their dtype).
         max_shard_bytes: shard size limit of the output, in bytes.
-        merge_adapter: ``ckpt_dir`` is a checkpoint of a peft model: write its base model with the
-            "default" adapter merged by peft (``merge_and_unload``); the fp32 model is built in memory.
-        quiet: print nothing (default: the one-line summary on stdout, and a note on stderr
-            when a plain HF directory without ``checksums.json`` is exported unverified).
+        merge_adapter: ``ckpt_dir`` is a peft checkpoint: write its base model with the "default" adapter merged
+            by peft (``merge_and_unload``); the fp32 model is built in memory.
+        quiet: print nothing (default: a summary on stdout, a note on stderr for an unverified HF directory).
 
     Returns:
         ``{"tensors": count, "bytes": bytes written as tensor data, "seconds": wall time,
@@ -156,12 +151,11 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str =
 
     Raises:
         FileNotFoundError: ``ckpt_dir`` does not exist, or has no safetensors weights.
-        ValueError: ``ckpt_dir`` is a file (e.g. a ``.ckpt``) or not a checkpoint directory, an
-            unknown ``dtype``, a checksum mismatch (the message names the file), ``out_dir`` is
-            the source model directory, or a peft checkpoint without ``merge_adapter`` (or the reverse).
-            A :class:`~megatrain_lightning.checkpoint.errors.CheckpointError` (a ``ValueError``) for
-            a damaged peft checkpoint or one assembled from several checkpoints.
-        FileExistsError: ``out_dir`` is a file or a directory that is not empty (nothing is written).
+        ValueError: ``ckpt_dir`` is a file or not a checkpoint directory, an unknown ``dtype``, a checksum
+            mismatch, ``out_dir`` is the source directory, or a peft checkpoint without ``merge_adapter`` (or the
+            reverse); :class:`~megatrain_lightning.checkpoint.errors.CheckpointError` for a damaged or assembled
+            peft checkpoint.
+        FileExistsError: ``out_dir`` is a file or a non-empty directory (nothing is written).
         ImportError: ``merge_adapter`` without peft installed.
     """
     start = time.perf_counter()

@@ -1,32 +1,8 @@
 """``MegaTrainFabricStrategy``: ``Fabric(strategy="megatrain")``, the streaming engine under a hand-written loop.
 
-``import megatrain_lightning`` registers ``"megatrain"`` and ``"megatrain_nvme"`` in Fabric's strategy registry
-too. The engine, options (:class:`~megatrain_lightning.config.MegaTrainConfig`), tiers, precision and checkpoint
-format are the Trainer strategy's (:mod:`megatrain_lightning.strategy_base` holds what both share)::
-
-    fabric = Fabric(strategy="megatrain", precision="bf16-mixed")
-    fabric.launch()
-    model = build_model()                              # on the CPU (or under fabric.init_module())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    model, optimizer = fabric.setup(model, optimizer)  # host store, block proxies, host AdamW
-    for i, batch in enumerate(loader):
-        accumulating = (i + 1) % accumulate != 0
-        with fabric.no_backward_sync(model, enabled=accumulating):
-            loss = model(batch).loss
-            fabric.backward(loss / accumulate)
-        if not accumulating:
-            fabric.clip_gradients(model, optimizer, max_norm=1.0)
-            optimizer.step()
-            optimizer.zero_grad()
-            scheduler.step()
-    fabric.save("ckpt", {"model": model, "optimizer": optimizer, "iter": i})   # a directory
-
-``fabric.launch()`` is needed even in one process (Fabric asks it of every strategy but its single-device ones).
-What a Fabric loop sees: after each ``fabric.backward`` a parameter's ``.grad`` is a view of its fp32 host
-accumulator (the sum so far); ``optimizer.zero_grad()`` sets them to ``None`` and the accumulated gradients are
-dropped; ``optimizer.step()`` schedules the host AdamW update of each block, applied just before the block is next
-fetched (``fabric.strategy.flush()`` applies them at once; ``fabric.save``, ``model.state_dict()`` and a forward
-see the updated weights).
+The engine, options (:class:`~megatrain_lightning.config.MegaTrainConfig`), tiers, precision and checkpoint format
+are the Trainer strategy's (:mod:`megatrain_lightning.strategy_base` holds what both share). A full loop, and what
+each Fabric call does, are in docs/guide/fabric.md.
 """
 
 from __future__ import annotations
@@ -61,11 +37,9 @@ class MegaTrainFabricStrategy(MegaTrainBase, ParallelStrategy):
         ValueError, TypeError: an option fails its check (when built).
         UnsupportedPrecisionError: ``Fabric(precision=...)`` other than 32-true, bf16-mixed, 16-mixed, bf16-true.
         UnsupportedOptimizerError: at setup, several optimizers, an optimizer set up before the module or for another
-            module, or one the host cannot step (``optim/host_generic.py``: ``LBFGS``, ``SparseAdam``,
-            ``capturable``/``differentiable``, another optimizer than AdamW/Adam with the optimizer on NVMe or in
-            several processes).
+            module, or one the host cannot step (``optim/host_generic.py``).
         RuntimeError: at ``fabric.setup(model, optimizer)``, an optimizer holding the meta-device parameters of
-            ``init_module(empty_init=True)`` (set up the module first, then create the optimizer).
+            ``init_module(empty_init=True)``.
         NotImplementedError: at setup, several modules (the engine streams one), ``fabric.setup_module`` a second
             time with another module, or ``clip_gradients`` with ``norm_type`` other than a number.
         BlockDiscoveryError, ConfigMismatchError, SharedMemoryTooSmall, RendezvousError, PeerFailure: as the
@@ -111,11 +85,8 @@ class MegaTrainFabricStrategy(MegaTrainBase, ParallelStrategy):
         self.set_world_ranks()
 
     def module_init_context(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
-        """``fabric.init_module()``: the module is created on the CPU (the host store is built from it at setup), in
-        fp32 whatever the precision (the masters are fp32). ``empty_init=True`` (for weights a checkpoint then
-        overwrites: ``fabric.load`` after ``fabric.setup``) creates the parameters on the ``meta`` device (buffers on
-        the CPU), so the model is never in RAM: the store (RAM or NVMe tier) is built one tensor at a time with
-        zeros, which the load then overwrites one tensor at a time."""
+        """``fabric.init_module()``: the module is created on the CPU in fp32; with ``empty_init=True`` its parameters
+        on the ``meta`` device (docs/guide/fabric.md, "What each Fabric call does")."""
         return params_on_meta() if empty_init else contextlib.nullcontext()
 
     def module_to_device(self, module: torch.nn.Module) -> None:
@@ -130,8 +101,7 @@ class MegaTrainFabricStrategy(MegaTrainBase, ParallelStrategy):
 
         Raises:
             UnsupportedOptimizerError: not exactly one optimizer.
-            RuntimeError: the optimizer holds the meta-device parameters of ``init_module(empty_init=True)`` (setup
-                replaces them: set up the module first, then create the optimizer).
+            RuntimeError: the optimizer holds the meta-device parameters of ``init_module(empty_init=True)``.
         """
         if len(optimizers) != 1:
             raise UnsupportedOptimizerError(
@@ -148,8 +118,7 @@ class MegaTrainFabricStrategy(MegaTrainBase, ParallelStrategy):
         return module, [self.setup_optimizer(optimizers[0])], scheduler
 
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        """Build the host store and block proxies over ``module`` (the module object is returned: its parameters'
-        ``.data`` are views of the store, each block's ``forward`` a streaming proxy).
+        """Build the host store and block proxies over ``module``; the module object is returned.
 
         Raises:
             NotImplementedError: another module was set up with this strategy (the engine streams one model).
@@ -257,8 +226,7 @@ class MegaTrainFabricStrategy(MegaTrainBase, ParallelStrategy):
 
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        """``fabric.load(path, state)``: restore the module, its optimizer and the other entries of ``state`` from a
-        directory checkpoint of either megatrain strategy, or from another strategy's one-file checkpoint
+        """``fabric.load(path, state)``: restore ``state`` in place
         (:meth:`~megatrain_lightning.checkpoint.strategy_io.StrategyCheckpoints.load_fabric`). Returns the entries
         ``state`` did not ask for."""
         return self.checkpoints.load_fabric(path, state, self.precision, strict, weights_only)
@@ -275,9 +243,9 @@ class MegaTrainFabricStrategy(MegaTrainBase, ParallelStrategy):
 
 
 class _EveryBackwardReduces(_BackwardSyncControl):
-    """``fabric.no_backward_sync(model, enabled)``: a no-op. One process has nothing to skip; with several, each block's
-    gradients are averaged over the ranks as its backward produces them (``engine/reduce.py``) into one shared host
-    accumulator per node, so there is no per-rank gradient to keep back (results equal DDP's to rounding)."""
+    """``fabric.no_backward_sync(model, enabled)``: a no-op. With several ranks each block's gradients are averaged as
+    its backward produces them (``engine/reduce.py``) into one host accumulator per node: no per-rank gradient to
+    keep back (results equal DDP's to rounding)."""
 
     @contextlib.contextmanager
     def no_backward_sync(self, module: torch.nn.Module, enabled: bool) -> Generator[None, None, None]:

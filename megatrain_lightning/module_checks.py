@@ -1,10 +1,7 @@
 """Checks of the user's module before the strategy builds its store (setup; nothing is moved yet).
 
-Refused, with what to change: compiled submodules (the engine streams weights through each block's own forward,
-which Dynamo cannot trace), float64 parameters (the store keeps fp32 master weights: an fp64 model would be
-trained in fp32 without a word), and distinct parameters that share memory (each parameter gets its own slot in
-the store, so an alias made through ``.data`` or a view would stop being one). Warned: 16-bit parameters
-(trained as fp32 masters).
+Refused, with what to change: compiled submodules, float64 parameters and distinct parameters that share memory.
+Warned: 16-bit parameters (trained as fp32 masters). The reasons are in each check's docstring.
 """
 
 from __future__ import annotations
@@ -20,8 +17,7 @@ def check_module(module: torch.nn.Module) -> None:
     """Run every check of this module on ``module`` (the LightningModule).
 
     Raises:
-        RuntimeError: a compiled submodule or compiled ``forward``; float64 parameters; two parameters sharing
-            memory. Each message names the submodule or parameters and what to change.
+        RuntimeError: a compiled submodule, float64 parameters or two parameters sharing memory.
     """
     refuse_compiled(module)
     refuse_float64(module)
@@ -33,10 +29,9 @@ def refuse_compiled(module: torch.nn.Module) -> None:
     """Raise if a submodule was compiled: ``torch.compile(m)`` (an ``OptimizedModule``), ``m.compile()``, or
     ``m.forward = torch.compile(m.forward)``.
 
-    The engine replaces each block's forward to stream its weights; a compiled module traces into that
-    code, where Dynamo fails with an internal error in the first step (whole model) or graph-breaks and
-    falls back to eager after its recompile limit (one block). (``torch.compile`` of the LightningModule
-    itself is refused by Lightning before this.)
+    A compiled module traces into the streaming proxy that replaces each block's forward, where Dynamo fails with
+    an internal error in the first step (whole model) or falls back to eager after its recompile limit (one
+    block). Lightning itself refuses a compiled LightningModule before this.
 
     Raises:
         RuntimeError: naming the compiled submodule and what to change.
@@ -55,8 +50,7 @@ def refuse_compiled(module: torch.nn.Module) -> None:
 
 
 def refuse_float64(module: torch.nn.Module) -> None:
-    """Raise if any parameter is float64: the store keeps fp32 master weights (and AdamW states), so an fp64 model
-    would be trained, and handed back, in fp32 with other numbers than plain Lightning's fp64 training.
+    """Raise if any parameter is float64: the store's fp32 masters would silently train it in fp32.
 
     Raises:
         RuntimeError: with the count and one name.
@@ -71,10 +65,9 @@ def refuse_float64(module: torch.nn.Module) -> None:
 
 
 def refuse_aliased(module: torch.nn.Module) -> None:
-    """Raise if two distinct parameters overlap in memory (``b = nn.Parameter(a.data[:n])``, or a weight tied as
-    ``nn.Parameter(other.weight.data)`` instead of the same ``nn.Parameter`` object). Plain PyTorch keeps such
-    parameters coupled (an update of one is seen by the other); the store gives each its own slot. Parameters
-    tied as one object (``b.weight = a.weight``) are one parameter and fine.
+    """Raise if two distinct parameters overlap in memory (``b = nn.Parameter(a.data[:n])``): plain PyTorch keeps
+    them coupled, the store gives each its own slot. Parameters tied as one object (``b.weight = a.weight``) are
+    fine.
 
     Raises:
         RuntimeError: naming the two parameters.
@@ -103,8 +96,7 @@ def refuse_aliased(module: torch.nn.Module) -> None:
 
 def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors whose byte ranges in one storage overlap share an element (interleaved views such as
-    ``w[:, 0::2]`` and ``w[:, 1::2]`` do not): marks ``a``'s elements in a counter over the storage's elements and
-    looks for them under ``b``. Different element sizes count as shared."""
+    ``w[:, 0::2]`` and ``w[:, 1::2]`` do not). Different element sizes count as shared."""
     if a.element_size() != b.element_size():
         return True
     n = a.untyped_storage().nbytes() // a.element_size()
@@ -114,10 +106,8 @@ def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def warn_low_precision(module: torch.nn.Module) -> None:
-    """Warn if parameters are 16-bit floats (a model loaded with ``torch_dtype=torch.bfloat16``): the store
-    keeps them as fp32 masters, so the run computes (and the module comes back) in fp32, where plain Lightning
-    would compute with, and for trainable ones update, the 16-bit weights themselves: the numbers differ. One
-    warning per dtype for trainable and one for frozen parameters (a 16-bit base under fp32 adapters)."""
+    """Warn if parameters are 16-bit floats: the store keeps fp32 masters, so the run computes (and the module comes
+    back) in fp32, with other numbers than plain Lightning's. One warning per dtype and trainable/frozen."""
     low: dict[tuple[torch.dtype, bool], list[str]] = {}
     for name, p in module.named_parameters():
         if p.dtype in (torch.bfloat16, torch.float16):

@@ -1,18 +1,15 @@
 """After a run whose fp32 weights stay in the NVMe store (larger than ``host_memory_limit``), the module's
-parameters are placeholders (4 bytes expanded to each shape: reads give NaN; before, zeros). A forward of the module then
-(``model.generate(...)`` after ``fit``, a plain evaluation loop) would compute with them and return garbage
-tokens or losses without a word; :func:`guard` makes any such forward raise instead, naming what to do.
+parameters are placeholders (4 bytes expanded to each shape, reading NaN). A forward of the module then
+(``model.generate(...)`` after ``fit``) would silently return garbage; :func:`guard` makes it raise instead.
 
 Every module that owns parameters gets a forward pre-hook that checks its own parameters at each call (so a
-parameter given real values since, ``param.data = t``, passes); :func:`unguard` removes the hooks (the strategy's
-next setup, which takes the store's weights back into the module). ``copy.deepcopy`` and ``torch.save`` of such a
-module raise too (a copy would hold real zero tensors, unguarded).
+parameter given real values since, ``param.data = t``, passes); the strategy's next setup removes the hooks
+(:func:`unguard`). ``copy.deepcopy`` and ``torch.save`` of such a module raise too.
 
-The module also keeps the strategy whose store holds its weights alive (:func:`holder_of`): a new Trainer assigned to
-the variable of the old one would otherwise let the old strategy be garbage-collected, and its store's files (the
-only copy of the trained weights) be deleted; the new strategy's setup takes the weights over from it instead.
-The reference is a cycle (module -> strategy -> module), collected with the module; copies and pickles of the
-module carry none.
+The module also keeps alive the strategy whose store holds its weights (:func:`holder_of`): a new Trainer assigned
+to the old one's variable would otherwise let the old strategy be collected and its store's files (the only copy
+of the trained weights) be deleted; the new strategy's setup takes the weights over instead. The reference is a
+cycle (module -> strategy -> module), collected with the module; copies and pickles of the module carry none.
 """
 
 from __future__ import annotations
@@ -35,8 +32,7 @@ def _nothing() -> None:
 
 
 class _Holder:
-    """The strategy holding a module's weights, as an attribute of the module that ``copy.deepcopy`` and pickling
-    turn into ``None`` (a copy of the module holds placeholders, not the store)."""
+    """The strategy holding a module's weights; ``copy.deepcopy`` and pickling turn it into ``None``."""
 
     def __init__(self, strategy: Any):
         self.strategy = strategy
@@ -81,7 +77,7 @@ def guard(root: nn.Module, is_placeholder: Callable[[Any], bool], gib: float, st
 
 
 def format_gib(gib: float) -> str:
-    """``"1.25 GiB"``, or MiB / KiB below 0.01 GiB (a small model's size did read "0.00 GiB")."""
+    """``"1.25 GiB"``, or MiB / KiB below 0.01 GiB."""
     if gib >= 0.01:
         return f"{gib:.2f} GiB"
     return f"{gib * 1024:.2f} MiB" if gib * 1024 >= 0.01 else f"{gib * 2**20:.1f} KiB"
@@ -89,8 +85,8 @@ def format_gib(gib: float) -> str:
 
 class _Check:
     """The forward pre-hook :func:`guard` registers: raises ``RuntimeError(forward_msg)`` when the module's own
-    parameters are placeholders. ``copy.deepcopy`` and pickling of the module (which copy its hooks) raise
-    ``RuntimeError(copy_msg)``: they would turn the placeholders into real zero tensors that nothing guards."""
+    parameters are placeholders, and ``RuntimeError(copy_msg)`` on ``copy.deepcopy`` or pickling of the module
+    (which copy its hooks): a copy would hold unguarded zero tensors."""
 
     def __init__(self, is_placeholder: Callable[[Any], bool], forward_msg: str, copy_msg: str):
         self.is_placeholder, self.forward_msg, self.copy_msg = is_placeholder, forward_msg, copy_msg
@@ -113,9 +109,8 @@ _KEYS_ONLY = threading.local()  # depth of keys_only() contexts on this thread
 @contextlib.contextmanager
 def keys_only() -> Iterator[None]:
     """Let ``state_dict()`` of guarded modules run on this thread (:func:`guard_state_dict`): for the checkpoint
-    writer, which takes the values from the store and calls library code that lists a module's keys through
-    ``state_dict()`` (peft's ``ModulesToSaveWrapper.adapter_state_dict``: every save of a LoRA run with
-    ``modules_to_save`` on the NVMe tier needs it)."""
+    writer, which takes the values from the store but calls library code that lists keys through ``state_dict()``
+    (peft's ``ModulesToSaveWrapper.adapter_state_dict``, in a LoRA run with ``modules_to_save`` on NVMe)."""
     _KEYS_ONLY.depth = getattr(_KEYS_ONLY, "depth", 0) + 1
     try:
         yield
@@ -124,13 +119,11 @@ def keys_only() -> Iterator[None]:
 
 
 def guard_state_dict(root: nn.Module, message: str) -> None:
-    """Make ``state_dict()`` (values: ``keep_vars=False``) of any submodule of ``root`` whose own parameters are NVMe
-    placeholders raise ``RuntimeError(message)``, before anything is copied: ``save_pretrained`` or
-    ``torch.save(model.state_dict())`` from a callback during fit (or after a run whose weights stayed on NVMe) wrote
-    an all-NaN model without a word. ``state_dict(keep_vars=True)`` (the parameters themselves,
-    which the checkpoint code maps by identity) is not refused. Installed once per module (a pre-hook per module
-    owning parameters); the check is by value, so parameters holding real weights (inside
-    ``summon_full_params``, after the weights came back) pass."""
+    """Make ``state_dict()`` (``keep_vars=False``) of any submodule of ``root`` whose own parameters are NVMe
+    placeholders raise ``RuntimeError(message)`` before anything is copied (``save_pretrained`` from a callback would
+    silently write an all-NaN model). ``keep_vars=True``, which the checkpoint code maps by identity, is not
+    refused. Installed once per module; the check is by value, so real weights (inside ``summon_full_params``)
+    pass."""
     if root in _STATE_DICT_HOOKS:
         return
 

@@ -104,14 +104,14 @@ def _compose(rest: list[str], model: str | None) -> Any:
 
 
 def _json(p: Plan) -> dict[str, Any]:
-    """``json=true``'s output of one plan: :meth:`Plan.to_dict` with the report's suggestions (``"advice"``:
-    :func:`.planning.report.advice`, the ``tip:`` and ``change:`` lines as printed, without their indent)."""
+    """``json=true``'s output of one plan: :meth:`Plan.to_dict` with ``"advice"``
+    (:func:`.planning.report.advice`)."""
     return {**p.to_dict(), "advice": advice(p)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns the exit status (0 ok, 2 refused by ``preflight=true`` or a bad setting: one
-    ``error:`` line on stderr, e.g. an unknown preset with the available ones, or a value the planner rejects)."""
+    ``error:`` line on stderr)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in args):
         print(__doc__)
@@ -132,8 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _check_override(arg: str, key: str) -> None:
-    """Refuse before composing what the planner would otherwise ignore or send round in a circle: a recipe key under
-    ``strategy.`` (the planner's settings are top-level) and an added model field outside ``model.config``.
+    """Refuse before composing a recipe key under ``strategy.`` (the planner's settings are top-level) and an added
+    model field outside ``model.config``, which the planner would otherwise ignore.
 
     Raises:
         ValueError: naming the key and the spelling the planner reads.

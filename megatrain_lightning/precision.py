@@ -1,8 +1,7 @@
 """``MegaTrainPrecision``: the precision plugin of the ``megatrain`` strategy.
 
-Master weights, gradient accumulators and AdamW states are fp32 on the host in
-every mode: that is what "full-precision training" means here. The precision
-only decides what crosses the link and how the device computes:
+Master weights, gradient accumulators and AdamW states are fp32 on the host in every mode: that is what
+"full-precision training" means here. The precision only decides what crosses the link and how the device computes:
 
 ================  =====================  ==============  =================  ==============================
 precision         H2D weights            device params   autocast           gradients D2H (default)
@@ -13,38 +12,21 @@ precision         H2D weights            device params   autocast           grad
 ``"bf16-true"``   bf16                   bf16            none               bf16
 ================  =====================  ==============  =================  ==============================
 
-The mixed modes give exactly Lightning's own ``bf16-mixed`` / ``16-mixed`` numbers (fp32 weights,
-the step under ``torch.autocast``). Autocast rounds a weight to bf16/fp16 only where an operation
-on its lower-precision list uses it (``linear``, ``addmm``, ``conv``...), freshly at each use;
-everything else (embedding lookups, norms, elementwise ops) sees fp32. So only *castable*
-weights travel in bf16/fp16: ``weight`` and ``bias`` of modules whose ``forward`` is that of
-``nn.Linear``, ``nn.Conv*d``, ``nn.ConvTranspose*d`` or transformers' ``Conv1D``, decided once at
-setup from the modules that hold the parameter
-(:func:`~megatrain_lightning.engine.wire.autocast_casts`). Embeddings, norm weights, parameters
-of other modules, and a weight shared by a castable and a non-castable module (an LM head tied
-to the embedding) travel in fp32. On the device the slab is rebuilt in fp32 (the upcast is
-exact) and autocast casts the castable weights back at use: the same bits as its own cast of
-the fp32 master (both round to nearest even), and gradients reach fp32 leaves as under
-Lightning. Limitation: a Linear called with autocast disabled around it (or a hook that uses its
-weight in another operation) would see the rounded weight where Lightning uses fp32.
+The mixed modes give exactly Lightning's own ``bf16-mixed`` / ``16-mixed`` numbers: only *castable* weights (those
+autocast rounds at every use: ``weight``/``bias`` of ``nn.Linear``, ``nn.Conv*d``, transformers' ``Conv1D``;
+:func:`~megatrain_lightning.engine.wire.autocast_casts`) travel in bf16/fp16, and the device rebuilds the slab in
+fp32 (docs/guide/precision.md, "What is rounded under ``bf16-mixed`` / ``16-mixed``", with the limitation).
+``grad_dtype="bf16"``/``"fp16"`` halves the D2H bytes, exact for castable weights, rounding the others' gradients.
+``"bf16-true"`` keeps fp32 masters, unlike Lightning's.
 
-The default gradient wire is fp32, as Lightning's ``param.grad``. ``grad_dtype="bf16"``/``"fp16"``
-halves the D2H bytes: a castable weight's gradient is the output of a bf16/fp16 matmul, so it
-travels unchanged; the gradients of fp32-wire parameters (embeddings, norms) are rounded.
-``"bf16-true"`` runs the block entirely in bf16 (the master stays fp32, unlike Lightning's
-``bf16-true``).
+``"16-mixed"`` uses dynamic loss scaling with ``torch.amp.GradScaler``'s semantics (init 2**16, x0.5 on inf/NaN,
+x2 after 2000 clean steps): gradients are unscaled on the host before ``on_before_optimizer_step`` and clipping; a
+step with inf/NaN gradients is skipped without touching weights or AdamW state. The scaler state is in
+:meth:`state_dict` (saved in Lightning checkpoints).
 
-``"16-mixed"`` uses dynamic loss scaling with ``torch.amp.GradScaler``'s
-semantics (init 2**16, x0.5 on inf/NaN, x2 after 2000 clean steps): gradients
-are unscaled on the host before ``on_before_optimizer_step`` and clipping; a
-step with inf/NaN gradients is skipped without touching weights or AdamW state.
-The scaler state is in :meth:`state_dict` (saved in Lightning checkpoints).
-
-Lightning's connector builds its generic plugin from ``precision=`` and the
-strategy converts it with :func:`to_megatrain_precision`. Note: with
-``accelerator="cpu"`` Lightning rewrites ``"16-mixed"`` to ``"bf16-mixed"``
-before any strategy sees it; pass ``plugins=[MegaTrainPrecision("16-mixed")]``
-to get fp16 on the CPU.
+Lightning's connector builds its generic plugin from ``precision=`` and the strategy converts it with
+:func:`to_megatrain_precision`. With ``accelerator="cpu"`` Lightning rewrites ``"16-mixed"`` to ``"bf16-mixed"``
+before any strategy sees it; pass ``plugins=[MegaTrainPrecision("16-mixed")]`` to get fp16 on the CPU.
 """
 
 from __future__ import annotations
@@ -102,16 +84,14 @@ class MegaTrainPrecision(Precision):
     Args:
         precision: one of ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"`` (see the
             module docstring for what each streams and computes).
-        grad_dtype: dtype of parameter gradients on the D2H link: ``"fp32"`` (default for
-            ``32-true`` and the mixed modes: Lightning's semantics) or the compute dtype
-            (``"bf16"``/``"fp16"``: half the D2H bytes; exact for castable weights, rounds the
-            gradients of embeddings and norms). Host accumulation is always fp32.
+        grad_dtype: dtype of parameter gradients on the D2H link: ``"fp32"`` (default for ``32-true`` and the
+            mixed modes) or ``"bf16"``/``"fp16"`` (see the module docstring). Host accumulation is always fp32.
         init_scale, growth_factor, backoff_factor, growth_interval: dynamic loss scaling for
             ``"16-mixed"`` (defaults of ``torch.amp.GradScaler``).
         device_type: ``"cpu"`` or ``"cuda"`` for autocast; set by the strategy from its device.
         loss_scaling: ``False``: ``"16-mixed"`` without loss scaling (a ``GradScaler(enabled=False)`` given to
-            Lightning's ``MixedPrecision``); the current scale is :attr:`scale` (Lightning's plugin has a
-            ``scaler`` object instead: ``scale``, ``growth_tracker`` and ``skipped_steps`` are plain attributes here).
+            Lightning's ``MixedPrecision``). The scale is the plain attribute :attr:`scale` (with ``growth_tracker``,
+            ``skipped_steps``), not a ``scaler`` object.
 
     Raises:
         UnsupportedPrecisionError: any other precision or grad dtype.
@@ -152,9 +132,8 @@ class MegaTrainPrecision(Precision):
         self._attached: list[tuple[str, torch.nn.Parameter, torch.Tensor | None]] = []  # param.grad as attached
 
     def attach_engine(self, engine: Any, device_type: str) -> None:
-        """Use ``engine`` (a ``StreamingEngine``) for the optimizer step, clipping and unscaling, on a
-        ``device_type`` (``"cpu"``/``"cuda"``) device; the strategy calls it at every setup (the engine
-        is built there, after this plugin), and it sets the engine's streaming dtypes."""
+        """Use ``engine`` (a ``StreamingEngine``) for the optimizer step, clipping and unscaling, and set its
+        streaming dtypes; called at every setup, once the engine is built."""
         self.engine = engine
         self.device_type = device_type
         engine.configure_precision(self.wire_dtype, self.param_dtype, self.grad_dtype)
@@ -186,8 +165,7 @@ class MegaTrainPrecision(Precision):
             yield
 
     def convert_input(self, data: Any) -> Any:
-        """``"bf16-true"``: the batch's floating-point tensors cast to bf16 (Lightning's ``HalfPrecision`` does the
-        same); other modes: unchanged."""
+        """``"bf16-true"``: the batch's floating-point tensors cast to bf16, as ``HalfPrecision``; else unchanged."""
         if self.precision != "bf16-true":
             return data
         return apply_to_collection(data, torch.Tensor,
@@ -202,14 +180,12 @@ class MegaTrainPrecision(Precision):
         return super().pre_backward(tensor, module)
 
     def post_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
-        """Lightning's ``on_after_backward`` hooks, with ``param.grad`` = the gradients accumulated so far (the fp32
-        host accumulators, as plain Lightning shows its ``.grad``; with 16-mixed still scaled, as there). Shown
-        only where something can look (manual optimization, or a module or callback overriding
-        ``on_after_backward``): it waits for the backward's gradient copies. Under manual optimization they stay
-        shown until the step (``opt.step()``) or the next backward. Not with ``optimizer_in_backward`` (the
-        update has consumed them: ``None``, as torch's optimizer-in-backward hooks leave them) or the NVMe
-        gradient tier (``None``). With several processes, they are the gradients averaged over the ranks so far
-        (DDP shows each rank's own until the last micro-batch of an accumulation)."""
+        """Lightning's ``on_after_backward`` hooks, with ``param.grad`` = the fp32 host accumulators so far (with
+        16-mixed still scaled, as in Lightning). Shown only where something can look (:func:`_looks_at_grads`),
+        since it waits for the backward's gradient copies; under manual optimization until ``opt.step()`` or the
+        next backward. ``None`` with ``optimizer_in_backward`` (the update consumed them) or the NVMe gradient
+        tier. With several processes, they are averaged over the ranks so far (DDP shows each rank's own until the
+        last micro-batch)."""
         engine = self.engine
         show = engine is not None and not engine.update_in_backward and _looks_at_grads(module)
         if show:
@@ -222,10 +198,9 @@ class MegaTrainPrecision(Precision):
         return out
 
     def _settle_grads(self) -> None:
-        """The hooks' edits of the shown ``param.grad`` into the accumulators (replaced tensors copied; with several
-        processes, :meth:`StreamingEngine.commit_grads`, a collective: every rank calls it at the same points).
-        Every shown gradient set to ``None`` (``module.zero_grad()``, or ``p.grad = None`` for each) drops them all,
-        as ``optimizer.zero_grad()`` does: plain PyTorch then steps nothing from them."""
+        """The hooks' edits of the shown ``param.grad`` into the accumulators (with several processes a collective:
+        every rank calls it at the same points). Every shown gradient set to ``None`` (``module.zero_grad()``) drops
+        them all, as ``optimizer.zero_grad()`` does."""
         if self._attached:
             if all(p.grad is None for _, p, _ in self._attached) and any(v is not None for _, _, v in self._attached):
                 self.engine.zero_grad()
@@ -235,8 +210,7 @@ class MegaTrainPrecision(Precision):
             self.engine.commit_grads()
 
     def grads_zeroed(self) -> None:
-        """``optimizer.zero_grad()`` ran (``param.grad`` is ``None`` again; the engine dropped the accumulated
-        gradients): nothing is shown any more."""
+        """``optimizer.zero_grad()`` ran: nothing is shown any more."""
         self._detach_grads()
 
     def _detach_grads(self) -> None:
@@ -245,17 +219,15 @@ class MegaTrainPrecision(Precision):
             self._attached = []
 
     def _unscale_and_check(self, optimizer: Any) -> bool:
-        """Divide the host gradients by the scale in place, slab by slab (either tier); return True
-        if any is inf/NaN."""
+        """Divide the host gradients by the scale in place; return True if any is inf/NaN."""
         return self.engine.optimizer.unscale_(1.0 / self.scale)
 
     # ------------------------------------------------------------------ clipping
     def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
-        """Lightning's ``gradient_clip_algorithm="norm"``: the global norm over the host gradients,
-        computed slab by slab as ``torch.nn.utils.clip_grad_norm_`` does; the scale is applied in
-        each slab's AdamW update (see ``HostAdamW.clip_grad_norm``), or at once with ``clip_in_place``
-        (manual optimization or a ``configure_gradient_clipping`` override: code after the clip sees
-        and edits the clipped ``param.grad``, as in plain Lightning; ``HostAdamW.apply_grad_ops``)."""
+        """Lightning's ``gradient_clip_algorithm="norm"``: the global norm over the host gradients, as
+        ``torch.nn.utils.clip_grad_norm_``; the scale is applied in each slab's AdamW update
+        (``HostAdamW.clip_grad_norm``), or at once with ``clip_in_place``, so that code after the clip sees the
+        clipped ``param.grad`` (``HostAdamW.apply_grad_ops``)."""
         if self.engine is None or self.engine.optimizer is None:
             return super().clip_grad_by_norm(optimizer, clip_val)
         self._settle_grads()  # edits a configure_gradient_clipping override made before calling it
@@ -282,13 +254,12 @@ class MegaTrainPrecision(Precision):
 
     def _keep_replaced_grads(self) -> None:
         """Copy a ``param.grad`` that a hook replaced by a new tensor (``p.grad = p.grad * 0.5``) into the
-        accumulator it replaced, which is what the host AdamW steps from, and attach the accumulator again: the
-        update is then the one plain PyTorch makes. In-place edits need nothing here (the views are the accumulators;
-        with several processes their copy-on-write views, committed by :meth:`_settle_grads`).
+        accumulator the host AdamW steps from, and attach the accumulator again. In-place edits need nothing (the
+        views are the accumulators).
 
         Raises:
             RuntimeError: a hook set ``param.grad`` to ``None`` where a gradient was attached, or gave a gradient to
-                a parameter that had none (or whose gradients are on NVMe: ``param.grad`` is ``None`` there).
+                a parameter that had none (or whose gradients are on NVMe).
         """
         for name, p, view in self._attached:
             g = p.grad
@@ -370,11 +341,9 @@ class MegaTrainPrecision(Precision):
             self.growth_interval = int(state_dict.get("growth_interval", self.growth_interval))
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Resuming from a plain Lightning ``.ckpt`` (another strategy's): its loss scale is under ``MixedPrecision``
-        in ``torch.amp.GradScaler.state_dict()`` format (``scale``, ``_growth_tracker``, ``growth_factor``,
-        ``backoff_factor``, ``growth_interval``); taken over as ``GradScaler.load_state_dict`` would, when the file
-        holds no state of ours (Lightning then calls :meth:`load_state_dict` only with ours). Without this the run
-        restarted from the initial scale without a word."""
+        """Resuming from another strategy's Lightning ``.ckpt``: its loss scale, under ``MixedPrecision`` in
+        ``torch.amp.GradScaler.state_dict()`` format, is taken over as ``GradScaler.load_state_dict`` would, when the
+        file holds no state of ours (Lightning calls :meth:`load_state_dict` only with ours)."""
         if type(self).__qualname__ in checkpoint or not self.scaling:
             return
         st = checkpoint.get("MixedPrecision")
@@ -390,12 +359,10 @@ class MegaTrainFabricPrecision(MegaTrainPrecision):
     """The precision plugin of ``Fabric(strategy="megatrain")``: :class:`MegaTrainPrecision`'s dtypes, autocast and
     loss scaling with Fabric's calls (``fabric.backward``, ``fabric.clip_gradients``, ``optimizer.step()``).
 
-    A Fabric loop is user code from end to end (as the Trainer's manual optimization): after every
-    ``fabric.backward`` each parameter's ``.grad`` is a view of its fp32 host accumulator (the gradients summed so
-    far; ``None`` where none arrived), edits of it reach the step, and ``optimizer.zero_grad()`` (which sets every
-    ``.grad`` to ``None``) drops them. Inputs and outputs of the module are cast as Fabric's own plugins cast them:
-    under the mixed modes and ``"bf16-true"`` floating-point inputs go to the 16-bit dtype and floating-point outputs
-    back to torch's default dtype (fp32).
+    As under the Trainer's manual optimization, after every ``fabric.backward`` each ``.grad`` is a view of its fp32
+    host accumulator (``None`` where no gradient arrived), edits of it reach the step, and ``optimizer.zero_grad()``
+    drops them. Inputs and outputs are cast as Fabric's own plugins cast them (floating inputs to the 16-bit dtype,
+    floating outputs back to the default dtype).
 
     Args: as :class:`MegaTrainPrecision`.
     """
@@ -447,8 +414,8 @@ class MegaTrainFabricPrecision(MegaTrainPrecision):
 
     def clip_norm(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
         """``fabric.clip_gradients(max_norm=...)``: the total norm of the host gradients (0-dim fp32, before
-        clipping), as ``torch.nn.utils.clip_grad_norm_`` computes it; the clip applied at once (``.grad`` read after
-        it shows the clipped gradients) in one process, in the step's updates with several (``clip_in_place``).
+        clipping), as ``torch.nn.utils.clip_grad_norm_``; applied at once with ``clip_in_place`` (one process), else
+        in the step's updates.
 
         Raises:
             RuntimeError: ``error_if_nonfinite`` and the norm is inf/NaN.
@@ -485,9 +452,8 @@ def _looks_at_grads(module: Any) -> bool:
 
 
 def _from_mixed(plugin: Any, cls: type[MegaTrainPrecision]) -> MegaTrainPrecision:
-    """``cls`` for a Lightning or Fabric ``MixedPrecision``: a user's ``GradScaler(init_scale=..., growth_interval=...)``
-    keeps its settings; ``GradScaler(enabled=False)`` gives fp16 autocast without loss scaling, as Lightning runs it
-    (bf16-mixed has no scaler)."""
+    """``cls`` for a Lightning or Fabric ``MixedPrecision``, keeping a user's ``GradScaler`` settings
+    (``enabled=False``: fp16 autocast without loss scaling, as Lightning)."""
     scaler = getattr(plugin, "scaler", None)
     enabled = scaler is not None and scaler.is_enabled()
     kw = {} if not enabled else dict(init_scale=scaler.get_scale(), growth_factor=scaler.get_growth_factor(),
@@ -497,13 +463,11 @@ def _from_mixed(plugin: Any, cls: type[MegaTrainPrecision]) -> MegaTrainPrecisio
 
 
 def to_megatrain_fabric_precision(plugin: Any) -> MegaTrainFabricPrecision | None:
-    """Convert the generic plugin Fabric's connector builds from ``Fabric(precision=...)`` (``Precision``,
-    ``MixedPrecision`` with its ``GradScaler`` settings, ``HalfPrecision("bf16-true")``) into ours; a
+    """Convert the generic plugin Fabric's connector builds from ``Fabric(precision=...)`` into ours; a
     :class:`MegaTrainPrecision` given by the user keeps its settings.
 
     Raises:
-        UnsupportedPrecisionError: the plugin stands for a precision we do not support (``"16-true"``,
-            ``"64-true"``, Transformer Engine, bitsandbytes...).
+        UnsupportedPrecisionError: the plugin stands for a precision we do not support.
     """
     if plugin is None or isinstance(plugin, MegaTrainFabricPrecision):
         return plugin

@@ -101,12 +101,11 @@ def check_setup(strategy: Any, trainer: Any) -> None:
 
 
 def refuse_checkpoint_plugin(checkpoint_io: Any) -> None:
-    """Raise if a checkpoint plugin other than Lightning's default is set (``Trainer(plugins=[...])`` or
-    ``Fabric(plugins=[...])``): the directory checkpoints are written by the strategy itself, so it would never be
-    called.
+    """Raise if a checkpoint plugin other than Lightning's default is set: the strategy writes its directory
+    checkpoints itself, so it would never be called.
 
     Raises:
-        CheckpointError: naming the plugin and what to do instead.
+        CheckpointError: naming the plugin.
     """
     if type(checkpoint_io) is not TorchCheckpointIO:
         raise CheckpointError(
@@ -116,23 +115,21 @@ def refuse_checkpoint_plugin(checkpoint_io: Any) -> None:
 
 
 def check_new_store(module: torch.nn.Module) -> None:
-    """Before a host store is built from ``module``: no NVMe placeholders (:func:`refuse_placeholders`), and
-    :func:`~.module_checks.check_module` (compiled submodules, fp64 or aliased parameters refused; 16-bit ones
-    warned)."""
+    """Before a host store is built from ``module``: :func:`refuse_placeholders` and
+    :func:`~.module_checks.check_module`."""
     refuse_placeholders(module)
     check_module(module)
 
 
 def user_code_after_clip(module: Any) -> bool:
-    """User code may run between the clip and the step (and read or edit ``param.grad``): manual optimization or a
-    ``configure_gradient_clipping`` override."""
+    """User code may read or edit ``param.grad`` between the clip and the step (manual optimization or a
+    ``configure_gradient_clipping`` override)."""
     return not module.automatic_optimization or is_overridden("configure_gradient_clipping", module)
 
 
 def gradient_hooks(module: Any, trainer: Any) -> list[str]:
-    """The user hooks that read or edit the step's gradients before the optimizer step, as ``"Class.hook"``:
-    the module's ``on_after_backward`` / ``on_before_optimizer_step`` overrides and the callbacks' (e.g. a
-    gradient-norm logger or clipper)."""
+    """The module's and callbacks' ``on_after_backward`` / ``on_before_optimizer_step`` overrides, as
+    ``"Class.hook"``: user hooks that see the step's gradients before the optimizer step."""
     hooks = ("on_after_backward", "on_before_optimizer_step")
     found = [f"{type(module).__name__}.{h}" for h in hooks if is_overridden(h, module)]
     return found + [f"{type(cb).__name__}.{h}" for cb in trainer.callbacks for h in hooks
@@ -141,19 +138,18 @@ def gradient_hooks(module: Any, trainer: Any) -> list[str]:
 
 def user_code_sees_step_gradients(module: Any, trainer: Any) -> bool:
     """Whether user code sees the step's complete gradients before the optimizer step (:func:`gradient_hooks`,
-    or a ``configure_gradient_clipping`` / ``optimizer_step`` override). An update applied in the backward
-    would run before that code, so its edits would be lost and its reads would see no gradients: the deferred
-    schedule runs instead."""
+    or a ``configure_gradient_clipping`` / ``optimizer_step`` override): an update applied in the backward would
+    run before it, so the deferred schedule runs instead."""
     return (any(is_overridden(h, module) for h in ("configure_gradient_clipping", "optimizer_step"))
             or bool(gradient_hooks(module, trainer)))
 
 
 def refuse_placeholder_writes(engine: Any) -> None:
-    """Raise if user code wrote into NVMe placeholder parameters since the last check (before every training
-    step and evaluation loop, and at the end of each; :meth:`HostStore.placeholder_writes`).
+    """Raise if user code wrote into NVMe placeholder parameters since the last check (before and after every
+    training step and evaluation loop).
 
     Raises:
-        RuntimeError: naming the parameter and ``summon_full_params``."""
+        RuntimeError: naming the parameter."""
     if engine is None or engine.closed:
         return
     written = engine.params.placeholder_writes()
@@ -168,13 +164,12 @@ def refuse_placeholder_writes(engine: Any) -> None:
 
 
 def refuse_pruning(callbacks: Sequence[Callback]) -> None:
-    """Raise if Lightning's ``ModelPruning`` callback is in the Trainer: it prunes during fit with
-    ``torch.nn.utils.prune``, which re-registers each pruned ``weight`` as ``weight_orig`` (plus a mask buffer and a
-    forward pre-hook), a change of the module's parameters the store (laid out at setup) cannot follow; without this
-    check the first block call after the first pruning fails (``ParamRef.registered``), an epoch of training later.
+    """Raise if Lightning's ``ModelPruning`` callback is in the Trainer: ``torch.nn.utils.prune`` re-registers each
+    pruned ``weight`` as ``weight_orig`` during fit, which the store (laid out at setup) cannot follow; unrefused,
+    the first block call after the first pruning would fail (``ParamRef.registered``), an epoch later.
 
     Raises:
-        RuntimeError: naming the callback and what to do instead.
+        RuntimeError: naming the callback.
     """
     from lightning.pytorch.callbacks import ModelPruning
 
@@ -189,9 +184,8 @@ def refuse_pruning(callbacks: Sequence[Callback]) -> None:
 
 def warn_save_hooks_see_no_weights(module: Any, callbacks: Sequence[Callback], masters_on_disk: bool) -> None:
     """Warn (once, at setup) when the LightningModule or a callback overrides ``on_save_checkpoint`` while the weights
-    are on NVMe: the hook's ``checkpoint["state_dict"]`` is then empty (the strategy writes the weights into the
-    checkpoint directory's ``model/`` one slab at a time; a dict of them would need the whole model in host RAM).
-    Without the warning a hook counting the keys sees 0 instead of 30, without a word."""
+    are on NVMe: the hook's ``checkpoint["state_dict"]`` is then empty (the weights are written into ``model/`` one
+    slab at a time; a dict of them would need the whole model in host RAM)."""
     if not masters_on_disk:
         return
     who = [type(module).__name__] if is_overridden("on_save_checkpoint", module) else []
@@ -207,17 +201,12 @@ def warn_save_hooks_see_no_weights(module: Any, callbacks: Sequence[Callback], m
 
 def refuse_callbacks_reading_masters_on_disk(callbacks: Sequence[Callback], masters_on_disk: bool) -> None:
     """Raise if a callback would read (or write) parameter values through ``param.data`` while the masters are on
-    NVMe (``offload_params="nvme"``: those tensors are placeholders, the weights are in the store's files).
-
-    ``StochasticWeightAveraging`` and ``WeightAveraging`` (``EMAWeightAveraging``) average ``pl_module.parameters()``
-    and copy the average back into them: the average would be of placeholders, and the first swap fails with a
-    PyTorch error after the training steps it ran. ``BaseFinetuning`` decides which unfrozen parameters are
-    already in the optimizer by comparing values (``filter_on_optimizer``: ``torch.equal``), and placeholders of
-    one shape are all equal: it would add no param group, and the unfrozen parameters would silently not train
-    (measured). Refused at setup, before any work.
+    NVMe, where those tensors are placeholders: ``StochasticWeightAveraging`` and ``WeightAveraging`` would average
+    placeholders; ``BaseFinetuning`` tells parameters already in the optimizer by value (``torch.equal``), and
+    placeholders of one shape are all equal, so the unfrozen parameters would silently not train.
 
     Raises:
-        RuntimeError: naming the callback and what to change.
+        RuntimeError: naming the callback.
     """
     if not masters_on_disk:
         return
@@ -240,11 +229,11 @@ def refuse_callbacks_reading_masters_on_disk(callbacks: Sequence[Callback], mast
 
 
 def refuse_placeholders(module: torch.nn.Module) -> None:
-    """Raise if the module's parameters are NVMe placeholders (stride-0 views of one 4-byte NaN) that
-    a new engine would take for weights: building a store from them would train or evaluate NaN.
+    """Raise if the module's parameters are NVMe placeholders (stride-0 views of one 4-byte NaN): a store built from
+    them would train or evaluate NaN.
 
     Raises:
-        RuntimeError: with what happened and what to do.
+        RuntimeError: naming the parameter.
     """
     for name, p in module.named_parameters():
         if is_nvme_placeholder(p):
@@ -258,17 +247,15 @@ def refuse_placeholders(module: torch.nn.Module) -> None:
 
 def refuse_router_aux_loss(module: torch.nn.Module) -> None:
     """Raise if a mixture-of-experts model returns router logits (``config.output_router_logits=True``: Mixtral,
-    Qwen-MoE, OLMoE...), whose router auxiliary (load-balancing) loss the model adds to the loss.
+    Qwen-MoE...), whose auxiliary loss the model adds to the loss.
 
-    Called only when this transformers version does not record per-layer outputs the way
-    ``engine/recorded_outputs.py`` handles (which makes the router logits outputs of the block calls):
-    otherwise the logits are kept by hooks inside a streamed block, whose forward keeps none of the tensors past its return
-    a backward reads (the block is recomputed in backward), so the backward through the auxiliary loss
-    would fail mid-step. Refused even with ``router_aux_loss_coef=0``: the model still multiplies the
-    auxiliary loss by the coefficient, and the backward still reaches the logits.
+    Called only when this transformers version does not record per-layer outputs as ``engine/recorded_outputs.py``
+    handles: the logits are then kept by hooks inside a streamed block, whose forward keeps nothing for a backward,
+    so the backward through the auxiliary loss would fail mid-step, even with ``router_aux_loss_coef=0`` (the
+    backward still reaches the logits).
 
     Raises:
-        RuntimeError: naming the submodule and what to set.
+        RuntimeError: naming the submodule.
     """
     for name, m in module.named_modules():
         cfg = getattr(m, "config", None)
@@ -285,12 +272,11 @@ def refuse_unfrozen(module: torch.nn.Module, trainable: Sequence[bool], option_o
     """Raise if a parameter frozen when the engine was built (``trainable[i]`` False, in
     ``module.parameters()`` order) has ``requires_grad`` True now.
 
-    The host store holds gradient accumulators and AdamW state only for the parameters trainable at
-    setup; such a parameter's gradient has nowhere to go (the backward failed with a reshape error of
-    an empty accumulator). Freezing during fit works (its gradient is dropped, as in plain PyTorch).
+    Without ``unfreeze_during_fit`` the store holds gradient accumulators and AdamW state only for the parameters
+    trainable at setup, so such a parameter's gradient has nowhere to go. Freezing during fit works.
 
     Raises:
-        RuntimeError: naming the first such parameter and the two ways to get the same training.
+        RuntimeError: naming the first such parameter.
     """
     for (name, p), was in zip(module.named_parameters(), trainable):
         if p.requires_grad and not was:

@@ -1,26 +1,14 @@
 """``MegaTrainStrategy``: Lightning glue around the streaming engine.
 
 ``Trainer(strategy="megatrain")`` (after ``import megatrain_lightning``) or
-``Trainer(strategy=MegaTrainStrategy(...))``. The model stays an ordinary
-``LightningModule``: build it on the CPU as usual; at ``setup`` the strategy
-packs its parameters into fp32 host slabs (the ``nn.Parameter`` objects stay,
-their ``.data`` become views of the slabs), replaces each block's ``forward``
-by a streaming proxy, and takes over the optimizer returned by
-``configure_optimizers`` (AdamW/Adam on the host AdamW kernel, another per-parameter
-``torch.optim`` optimizer with its own ``step``). After ``fit`` the module's parameters are the trained
-fp32 weights.
+``Trainer(strategy=MegaTrainStrategy(...))``. The model stays an ordinary ``LightningModule`` built on the CPU; at
+``setup`` the strategy packs its parameters into fp32 host slabs (the ``nn.Parameter`` objects stay, their ``.data``
+become views of the slabs), replaces each block's ``forward`` by a streaming proxy, and takes over the optimizer of
+``configure_optimizers`` (AdamW/Adam on the host AdamW kernel, another per-parameter ``torch.optim`` optimizer with
+its own ``step``). After ``fit`` the module's parameters are the trained fp32 weights.
 
-What a callback sees: during ``on_before_optimizer_step`` each parameter's
-``.grad`` is a view of its fp32 host accumulator (``None`` if it got no
-gradient), so ``lightning.pytorch.utilities.grad_norm`` and clipping work.
-Between an optimizer step and the next forward (``on_train_batch_end``,
-``on_train_batch_start``, ``training_step`` before it calls the model) updates
-are still pending when ``overlap_optimizer=True``: code that reads raw
-parameters there sees the weights *before* the last step; call
-``trainer.strategy.flush()`` first (or pass ``overlap_optimizer=False``). Validation, test, predict, checkpoints,
-``lightning_module_state_dict()``, the end of every training epoch (before any
-``on_train_epoch_end``: ``StochasticWeightAveraging`` averages the current weights) and
-the end of ``fit`` flush automatically.
+What hooks and callbacks see (``param.grad``, pending updates, when to call ``trainer.strategy.flush()``):
+docs/guide/models-and-hooks.md, "Reading and writing weights in hooks" and "Gradients in hooks".
 """
 
 from __future__ import annotations
@@ -59,31 +47,24 @@ class MegaTrainStrategy(MegaTrainBase, ParallelStrategy):
 
     Args:
         config: every option at once (:class:`~megatrain_lightning.config.MegaTrainConfig`).
-        options: the options one by one, as keywords (``lookahead=2``, ``offload_params="nvme"``...): each
-            field of :class:`~megatrain_lightning.config.MegaTrainConfig`, which documents its default, unit and
-            effect, and checks it when the strategy is built.
+        options: the options one by one, as keywords (``lookahead=2``, ``offload_params="nvme"``...): the
+            fields of :class:`~megatrain_lightning.config.MegaTrainConfig`.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for every
             Lightning strategy.
 
-    Several processes (``Trainer(devices=N, num_nodes=M)``): launched as ``DDPStrategy`` launches them
-    (Lightning's subprocess script launcher for ``python train.py``; torchrun and SLURM through their
-    cluster environments); each rank streams its micro-batches through its own device and every gradient
-    batch is averaged over the ranks as soon as its block's backward ends (``engine/reduce.py``), so the
-    ranks' updates, and weights, stay identical (docs/architecture.md, "Several GPUs and nodes").
+    Several processes (``Trainer(devices=N, num_nodes=M)``) are launched as ``DDPStrategy`` launches them; every
+    gradient batch is averaged over the ranks as soon as its block's backward ends, so the ranks' weights stay
+    identical (docs/architecture.md, "Several GPUs and nodes").
 
     Raises:
-        ValueError, TypeError: an option fails its check (when the strategy is built; see
-            :class:`~megatrain_lightning.config.MegaTrainConfig`).
+        ValueError, TypeError: an option fails its check (when the strategy is built).
         NotImplementedError: several processes with ``offload_params``/``offload_optimizer="nvme"`` (at setup).
         ValueError: a ``meta``-device parameter that no weights source provides, or whose checkpoint tensor has
-            another shape, e.g. ``resize_token_embeddings`` on a ``meta_model_from_pretrained`` model (at setup;
-            the message says to resize a materialised model before ``fit``).
-        UnsupportedOptimizerError: ``configure_optimizers`` returned several optimizers, ``LBFGS``, ``SparseAdam``,
-            ``capturable``/``differentiable`` set, or an optimizer other than AdamW/Adam with the optimizer on
-            NVMe or several processes (``optim/host_generic.py``).
+            another shape (at setup).
+        UnsupportedOptimizerError: ``configure_optimizers`` returned several optimizers, or one the host cannot
+            step (``optim/host_generic.py``).
         BlockDiscoveryError: the model has no discoverable blocks.
-        RendezvousError: the launch's ``WORLD_SIZE`` / ``NODE_RANK`` / ``MASTER_ADDR`` / ``MASTER_PORT`` contradict
-            ``devices`` and ``num_nodes`` (in ``Trainer(...)``, ``parallel/preflight.py``).
+        RendezvousError: the launch's environment contradicts ``devices`` and ``num_nodes`` (in ``Trainer(...)``).
         ConfigMismatchError: the ranks were started with different models or options (at setup, every rank).
         SharedMemoryTooSmall: ``/dev/shm`` of some node cannot hold the node's state (at setup, every rank).
         PeerFailure: another rank died or stopped answering (during the run).
@@ -160,15 +141,13 @@ class MegaTrainStrategy(MegaTrainBase, ParallelStrategy):
         self.takeover.wrap_lightning_optimizers(self._lightning_optimizers)
 
     def setup_optimizers(self, trainer: Any) -> None:
-        """Lightning's (``configure_optimizers`` again); during fit, where a callback calls
-        ``trainer.strategy.setup_optimizers(trainer)`` to change optimizers mid-training (Lightning's way), the host
-        optimizer then steps the new one: the old one's pending updates are applied first, and the new one starts
-        with empty state as a new torch optimizer does.
+        """Lightning's (``configure_optimizers`` again). During fit (a callback changing optimizers mid-training) the
+        host optimizer then steps the new one, after applying the old one's pending updates; the new one starts with
+        empty state, as a new torch optimizer does.
 
         Raises:
-            UnsupportedOptimizerError: the new optimizers are not exactly one optimizer, ``LBFGS``, ``SparseAdam``,
-                ``capturable``/``differentiable`` set, or an optimizer other than AdamW/Adam with the optimizer on
-                NVMe or several processes (``optim/host_generic.py``).
+            UnsupportedOptimizerError: not exactly one optimizer, or one the host cannot step
+                (``optim/host_generic.py``).
         """
         super().setup_optimizers(trainer)
         if self.takeover.active and self.engine is not None and not self.engine.closed \
@@ -190,12 +169,11 @@ class MegaTrainStrategy(MegaTrainBase, ParallelStrategy):
 
     # ------------------------------------------------------------------ step
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        """Lightning's optimizer step (the closure runs the forward and backward), then the step's accounting logged
-        through Lightning.
+        """Lightning's optimizer step (the closure runs the forward and backward), then the step's accounting.
 
         A step that an exception stops after its backward applied part of the updates (``optimizer_in_backward``)
-        is reported to the engine (`engine/stopped_step.py`), which then refuses training and saving;
-        Ctrl-C waits for the step instead (:meth:`_ctrl_c_after_step`)."""
+        is reported to the engine (``engine/stopped_step.py``), which then refuses training and saving; Ctrl-C waits
+        for the step instead (:meth:`_ctrl_c_after_step`)."""
         try:
             with self._ctrl_c_after_step():
                 out = super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -215,14 +193,11 @@ class MegaTrainStrategy(MegaTrainBase, ParallelStrategy):
 
     @contextlib.contextmanager
     def _ctrl_c_after_step(self) -> Generator[None, None, None]:
-        """During the optimizer step, Ctrl-C (``SIGINT``) that arrives while the backward applies the updates as it
-        goes (``optimizer_in_backward``) is held until the step is complete, and raised as ``KeyboardInterrupt`` at
-        the next point where Lightning can stop cleanly (the next batch's start, validation, or the end of fit:
-        :meth:`_raise_pending_interrupt`), so that the model is the complete step, as consistent as plain Lightning's
-        stop mid-backward (which keeps the step before). A second Ctrl-C stops at once (the step is then left half
-        applied and `engine/stopped_step.py` refuses going on). At other moments Ctrl-C acts as
-        always. Only from the main thread, and only where ``SIGINT`` has Python's default handler (a handler of the
-        user's own is left alone)."""
+        """A Ctrl-C (``SIGINT``) that arrives while the backward applies the updates (``optimizer_in_backward``) is
+        held until the step is complete and raised as ``KeyboardInterrupt`` at the next point where Lightning can stop
+        cleanly (:meth:`_raise_pending_interrupt`), so the model is never half updated. A second Ctrl-C stops at once
+        (then ``engine/stopped_step.py`` refuses going on). Only from the main thread, and only where ``SIGINT`` has
+        Python's default handler."""
         if (self.engine is None or threading.current_thread() is not threading.main_thread()
                 or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
             yield
@@ -251,20 +226,15 @@ class MegaTrainStrategy(MegaTrainBase, ParallelStrategy):
             raise KeyboardInterrupt
 
     def _log_stats(self, metrics: Mapping[str, float]) -> None:
-        """Log one optimizer step's accounting (``megatrain/*``: bytes, seconds, counts) with the
-        module's ``log_dict(on_step=True, on_epoch=False)``, as a ``self.log`` in the hook that ran the
-        step (``optimizer_step``; ``training_step`` under manual optimization) would. So every logger
-        of ``Trainer(logger=[...])`` receives them, at the step and ``log_every_n_steps`` cadence of
-        the user's own ``self.log(..., on_step=True)`` metrics, and ``trainer.callback_metrics`` holds
-        them (``ModelCheckpoint(monitor=...)`` and ``EarlyStopping`` can use them). Lightning logs step
-        metrics once per batch, so a manual-optimization ``training_step`` that steps twice logs the
-        second step's values (as it would a user's ``self.log``); ``engine.history`` has both.
+        """Log one optimizer step's accounting (``megatrain/*``: bytes, seconds, counts) with the module's
+        ``log_dict(on_step=True, on_epoch=False)``, as a ``self.log`` in the hook that ran the step would: to every
+        logger and into ``trainer.callback_metrics``. Lightning logs step metrics once per batch, so a
+        manual-optimization ``training_step`` that steps twice logs the second step's values; ``engine.history`` has
+        both.
 
-        Values are float64 CPU tensors: byte counts stay exact (float32 would round them) and
-        logging adds no device synchronisation. Nothing is logged with ``Trainer(barebones=True)``
-        (Lightning disables logging there) or outside a Trainer's loop; a hook in which Lightning
-        refuses step-level logging (a manual ``opt.step()`` in ``on_train_epoch_end``) gets a warning
-        once, and the values stay in ``trainer.strategy.engine.history``.
+        Values are float64 CPU tensors: byte counts stay exact and logging adds no device synchronisation. Nothing is
+        logged with ``Trainer(barebones=True)`` or outside a Trainer's loop; where Lightning refuses step-level
+        logging, a warning once (the values stay in ``engine.history``).
         """
         module = self.lightning_module
         try:
@@ -284,8 +254,7 @@ class MegaTrainStrategy(MegaTrainBase, ParallelStrategy):
                             "trainer.strategy.engine.history.", err)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Lightning's training step; first decides whether this micro-batch's backward applies the
-        AdamW updates (``optimizer_in_backward``)."""
+        """Lightning's training step, after deciding whether this micro-batch's backward applies the AdamW updates."""
         if self.engine is not None:
             self.engine.stopped.check("training")
             self._adopt_replaced_weights()
@@ -293,12 +262,12 @@ class MegaTrainStrategy(MegaTrainBase, ParallelStrategy):
         return super().training_step(*args, **kwargs)
 
     def _adopt_replaced_weights(self) -> None:
-        """Before a training or evaluation step: parameters whose ``.data`` user code replaced
-        (``param.data = tensor`` in a hook) are taken into the store, as plain PyTorch would compute with them.
+        """Before a training or evaluation step: parameters whose ``.data`` user code replaced (``param.data =
+        tensor``) are taken into the store, as plain PyTorch would compute with them.
 
         Raises:
-            RuntimeError: with several processes (each rank's masters are the node's shared copy, which one
-                rank's assignment must not change alone): write in place instead, on every rank.
+            RuntimeError: with several processes (the masters are the node's shared copy, which one rank must not
+                change alone).
         """
         refuse_placeholder_writes(self.engine)
         if self.groups is not None:
@@ -327,10 +296,8 @@ class MegaTrainStrategy(MegaTrainBase, ParallelStrategy):
             return False
 
     def on_exception(self, exception: BaseException) -> None:
-        """With the weights on NVMe, an in-place write into a placeholder parameter that torch itself refuses
-        (``copy_``, ``mul_``, ``nn.init.normal_``, ``load_state_dict`` on a stride-0 tensor: "more than one element of
-        the written-to tensor refers to a single memory location") gets a note saying why and what to do (Python >=
-        3.11 ``add_note``; the exception is not changed otherwise)."""
+        """With the weights on NVMe, torch's own refusal of an in-place write into a stride-0 placeholder ("refers to
+        a single memory location") gets a note saying why and what to do (``add_note``, Python >= 3.11)."""
         super().on_exception(exception)
         if self.engine is None or not self.engine.store.masters_on_disk or not hasattr(exception, "add_note"):
             return
@@ -351,8 +318,8 @@ class MegaTrainStrategy(MegaTrainBase, ParallelStrategy):
         self._before_evaluation("prediction")
 
     def _before_evaluation(self, what: str) -> None:
-        """Before a validation, test or prediction loop: the weights are consistent, the pending updates applied,
-        and parameters whose ``.data`` user code replaced taken into the store."""
+        """Before a validation, test or prediction loop: check the weights are consistent, apply the pending updates
+        and :meth:`_adopt_replaced_weights`."""
         if self.engine is not None:
             self.engine.stopped.check(what)
         self.flush()
@@ -360,8 +327,7 @@ class MegaTrainStrategy(MegaTrainBase, ParallelStrategy):
             self._adopt_replaced_weights()
 
     def on_train_start(self) -> None:
-        """Data parallel: every rank must have as many training batches per epoch as the others (checked once,
-        before the first step; :func:`~.parallel.preflight.check_same_batches`)."""
+        """Data parallel: :func:`~.parallel.preflight.check_same_batches`, once, before the first step."""
         if self.groups is not None:
             trainer = self.lightning_module.trainer
             batches = trainer.num_training_batches
@@ -370,8 +336,8 @@ class MegaTrainStrategy(MegaTrainBase, ParallelStrategy):
             check_same_batches(self.groups.host, batches, guard=self.groups.guard)
 
     def on_train_end(self) -> None:
-        """Lightning calls it after the callbacks' and the module's ``on_train_end``: a write into a placeholder in
-        the last step's hooks or there is refused too (else it was lost, and blamed on the next run)."""
+        """Runs after the callbacks' and the module's ``on_train_end``, so a placeholder write in them is refused here
+        rather than lost."""
         refuse_placeholder_writes(self.engine)
         self.flush()
         self._raise_pending_interrupt()
@@ -386,8 +352,8 @@ class MegaTrainStrategy(MegaTrainBase, ParallelStrategy):
         refuse_placeholder_writes(self.engine)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Refuse a parameter unfrozen since setup (Lightning calls this after the callbacks' and the
-        module's ``on_train_batch_start``, so an unfreeze in any of those hooks is caught before its forward).
+        """Refuse a parameter unfrozen since setup (this runs after the callbacks' and the module's
+        ``on_train_batch_start``, so an unfreeze there is caught before its forward).
 
         Raises:
             RuntimeError: :func:`~megatrain_lightning.setup_guards.refuse_unfrozen`.
@@ -399,10 +365,8 @@ class MegaTrainStrategy(MegaTrainBase, ParallelStrategy):
 
     # ------------------------------------------------------------------ state
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The module's state dict: host-store views of the current weights, no copy.
-
-        With masters on NVMe it is empty: directory checkpoints read the weights from the store
-        one slab at a time instead (a full state dict would not fit the host budget)."""
+        """The module's state dict: host-store views of the current weights, no copy. Empty with masters on NVMe
+        (directory checkpoints read the store one slab at a time; a full state dict would not fit the host budget)."""
         self.flush()
         if self._masters_on_disk():
             return {}
@@ -410,8 +374,7 @@ class MegaTrainStrategy(MegaTrainBase, ParallelStrategy):
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """The host optimizer's state in its class's ``state_dict()`` format, as views (no copy); only the param
-        groups where one process cannot hold it all (``HostAdamW.streams_state``: the optimizer on NVMe; another
-        class than AdamW with several processes): directory checkpoints stream the state."""
+        groups where one process cannot hold it all (``HostAdamW.streams_state``): directory checkpoints stream it."""
         self.flush()
         if self.engine is None or self.engine.optimizer is None:
             return super().optimizer_state(optimizer)
@@ -453,8 +416,8 @@ class MegaTrainStrategy(MegaTrainBase, ParallelStrategy):
         self.takeover.restore(self._lightning_optimizers)
         module = self.lightning_module
         if module is not None and any(p.is_meta for p in module.parameters()):
-            # the store was never built (e.g. preflight refused the run): the module cannot move to
-            # the CPU, and trying would hide the real error behind "Cannot copy out of meta tensor"
+            # the store was never built (preflight refused the run): moving the module would hide the real
+            # error behind "Cannot copy out of meta tensor"
             self.precision_plugin.teardown()
             assert self.accelerator is not None
             self.accelerator.teardown()

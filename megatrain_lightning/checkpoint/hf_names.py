@@ -27,8 +27,8 @@ _warned: set[tuple[str, ...]] = set()
 def state_dict_entries(model: torch.nn.Module,
                        unwrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
                        ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every ``(name, tensor)`` that ``model.state_dict(keep_vars=True)`` would hold, in its order,
-    without building it: the module's own parameter and persistent-buffer objects, no copies.
+    """Every ``(name, tensor)`` that ``model.state_dict(keep_vars=True)`` would hold, in its order, without
+    building it (the module's own tensor objects).
 
     Args:
         unwrap: applied to every submodule before it is read (e.g. a peft LoRA layer -> the layer it
@@ -59,11 +59,8 @@ def _groups(entries: Iterable[tuple[str, torch.Tensor]]) -> list[list[str]]:
 
 def saved_names(model: torch.nn.Module, entries: Iterable[tuple[str, torch.Tensor]] | None = None,
                 ties: dict[str, str] | None = None) -> dict[str, str]:
-    """``{state_dict name: name it is written under}``.
-
-    Of names sharing one tensor object, the declared tie targets (``ties``, default
-    ``model.all_tied_weights_keys``) whose source shares the tensor map to that source; every other
-    name maps to itself (it is written). If all names of a group are declared targets, the first is kept.
+    """``{state_dict name: name it is written under}``: a declared tie target whose source shares its tensor maps
+    to that source; every other name maps to itself (if all names of a group are tie targets, the first is kept).
 
     Args:
         model: the model whose ties are declared.

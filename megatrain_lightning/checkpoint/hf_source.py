@@ -12,8 +12,6 @@ from safetensors import SafetensorError, safe_open
 
 from .hf_common import INDEX_FILE, SINGLE_FILE, _PICKLE_SUFFIXES, _ST_DTYPES, CheckpointFormatError, _close
 
-# ----------------------------------------------------------------------------- reading
-
 
 class SafetensorsSource:
     """Read single tensors from a safetensors checkpoint without loading the whole file.
@@ -22,8 +20,7 @@ class SafetensorsSource:
         path: a directory holding ``model.safetensors.index.json`` (+ the shards it names) or
             ``model.safetensors``, or the path of one ``.safetensors`` file.
 
-    Every shard's header is validated once here (so truncation is reported before any
-    tensor is read); tensor data is read only by :meth:`get`.
+    Every shard's header is validated here, so truncation is reported before any tensor is read.
 
     Raises:
         FileNotFoundError: ``path`` does not exist, a directory has neither file, or the index

@@ -19,9 +19,6 @@ from .hf_config import saved_config
 from .hf_names import saved_names, state_dict_entries, undeclared_sharing, warn_undeclared_sharing
 
 
-# ----------------------------------------------------------------------------- writing
-
-
 def _fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -53,8 +50,8 @@ def _write_json(path: Path, obj: Any) -> None:
 
 
 def add_checksums(directory: str | os.PathLike, names: Iterable[str]) -> dict[str, str]:
-    """Hash (sha256) and fsync the files ``names`` of ``directory`` and merge them into its
-    ``checksums.json`` (written atomically, then the directory is fsynced). Returns the full mapping.
+    """Fsync the files ``names`` of ``directory`` and merge their sha256 into its ``checksums.json`` (written
+    atomically, then the directory is fsynced). Returns the full mapping.
 
     Raises:
         FileNotFoundError: one of the files does not exist.
@@ -93,9 +90,8 @@ def _out_bytes(t: torch.Tensor, dtype: torch.dtype | None) -> int:
 
 
 def _unaliased(shard: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``shard`` with every tensor whose bytes overlap an earlier one's (the same tensor written
-    under two names) replaced by a copy: safetensors refuses overlapping tensors in one file.
-    Disjoint views of one storage (a host slab) stay views."""
+    """``shard`` with every tensor whose bytes overlap an earlier one's replaced by a copy (safetensors refuses
+    overlapping tensors in one file); disjoint views of one storage (a host slab) stay views."""
     spans: dict[int, list[tuple[int, int]]] = {}
     out = {}
     for n, t in shard.items():
@@ -117,27 +113,23 @@ def write_safetensors_shards(out_dir: str | os.PathLike, items: Iterable[tuple[s
                              metadata: dict[str, str] | None = None) -> dict[str, Any]:
     """Stream ``(name, tensor)`` pairs into safetensors shards, transformers-style.
 
-    Tensors are grouped in order until the next one would push the shard past
-    ``max_shard_bytes`` (a tensor larger than that gets a shard of its own); each shard is
-    converted (to CPU, to ``dtype`` for floating tensors, made contiguous) only when written,
-    so at most one shard of converted tensors exists at a time. Tensors may be views sharing
-    one storage; one that overlaps an earlier tensor of its shard (one tensor under two names)
-    is written from a copy. Shards are written under temporary names and
-    renamed to ``model-00001-of-0000N.safetensors`` at the end, with
-    ``model.safetensors.index.json``; a single shard is written as ``model.safetensors`` with
-    no index. Every file is fsynced, then the directory; ``checksums.json`` gets each file's sha256.
+    Tensors are grouped in order until the next one would push the shard past ``max_shard_bytes`` (a larger
+    tensor gets a shard of its own); each shard is converted (to CPU, ``dtype``, contiguous) only when written, so
+    at most one shard of converted tensors exists at a time. Shard names, index and checksums: as
+    :func:`finish_safetensors_parts`. Every file is fsynced, then the directory.
 
     Args:
         out_dir: created if missing; must not already hold weight files.
-        items: ``(name, tensor)`` pairs, any dtype/device (meta excluded), names unique.
+        items: ``(name, tensor)`` pairs, any dtype/device (meta excluded), names unique; views of one storage
+            are fine (one overlapping an earlier tensor of its shard is written from a copy).
         max_shard_bytes: shard size limit in bytes (of the converted tensors).
-        dtype: floating tensors are cast to it (a torch dtype or ``"fp32"``/``"bf16"``/``"fp16"``);
+        dtype: floating tensors are cast to it (:func:`~megatrain_lightning.checkpoint.hf_common.resolve_dtype`);
             integer/bool tensors keep theirs. ``None``: keep every dtype.
         metadata: string key/values stored in every shard header (``format: pt`` is always added).
 
     Returns:
-        The index dict ``{"metadata": {"total_size": bytes, "total_parameters": n},
-        "weight_map": {name: file}}`` (also for a single file, where it is not written).
+        The index dict ``{"metadata": {"total_size": bytes, "total_parameters": n}, "weight_map": {name: file}}``
+        (also for a single file, where it is not written).
 
     Raises:
         FileExistsError: ``out_dir`` already holds model.safetensors / shards / an index.
@@ -156,17 +148,16 @@ def write_safetensors_shards(out_dir: str | os.PathLike, items: Iterable[tuple[s
 def write_safetensors_part(out_dir: str | os.PathLike, items: Iterable[tuple[str, torch.Tensor]], *, prefix: str,
                            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: torch.dtype | str | None = None,
                            metadata: dict[str, str] | None = None) -> dict[str, Any]:
-    """Write ``items`` as safetensors shards named ``<prefix>-NNNNN.safetensors`` (as
-    :func:`write_safetensors_shards` groups and converts them), without index or checksums: one writer's part of a
-    directory that :func:`finish_safetensors_parts` completes (several processes may write parts of one directory
-    at once, each with its own ``prefix``). Every shard is fsynced.
+    """Write ``items`` as fsynced shards ``<prefix>-NNNNN.safetensors`` (grouped and converted as
+    :func:`write_safetensors_shards` says), without index or checksums: one writer's part of a directory that
+    :func:`finish_safetensors_parts` completes (several processes may write parts at once, each with its ``prefix``).
 
     Returns:
-        ``{"files": [shard file names], "names": [[tensor names of each file]], "sums": {file: sha256},
-        "total_size": bytes, "total_parameters": n}`` (plain data: it can travel to another process).
+        Plain data that can travel to another process: ``{"files": [shard file names], "names": [[tensor names of
+        each file]], "sums": {file: sha256}, "total_size": bytes, "total_parameters": n}``.
 
     Raises:
-        ValueError / TypeError / OSError: as :func:`write_safetensors_shards` (this part's shards are removed).
+        ValueError, TypeError, OSError: as :func:`write_safetensors_shards` (this part's shards are removed).
     """
     d = Path(out_dir)
     dt = resolve_dtype(dtype)
@@ -223,7 +214,7 @@ def write_safetensors_part(out_dir: str | os.PathLike, items: Iterable[tuple[str
 def finish_safetensors_parts(out_dir: str | os.PathLike, parts: list[dict[str, Any]]) -> dict[str, Any]:
     """Complete a directory of :func:`write_safetensors_part` parts (in order): rename the shards to
     ``model-00001-of-0000N.safetensors`` (``model.safetensors`` when there is one; an empty shard when there is
-    none), write ``model.safetensors.index.json`` (N > 1) and merge every file's sha256 into ``checksums.json``;
+    none), write ``model.safetensors.index.json`` (N > 1), merge every file's sha256 into ``checksums.json`` and
     fsync the directory.
 
     Returns:
@@ -302,8 +293,8 @@ def verify_checksums(directory: str | os.PathLike) -> dict[str, str]:
 
     Raises:
         FileNotFoundError: ``directory`` or its ``checksums.json`` does not exist.
-        ValueError: one or more listed files are missing, truncated (size differs from what the
-            safetensors header implies) or corrupted (hash differs); the message names each file.
+        ValueError: listed files are missing, truncated (shorter than their safetensors header implies) or
+            corrupted (another size or hash); the message names each file.
     """
     d = Path(directory)
     path = d / CHECKSUMS_FILE
@@ -344,38 +335,21 @@ def save_hf_model_dir(out_dir: str | os.PathLike, model: torch.nn.Module, *, dty
                       named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> dict[str, Any]:
     """Write a Hugging Face model directory that ``AutoModelForCausalLM.from_pretrained`` loads.
 
-    Writes the weights through :func:`write_safetensors_shards` under ``model.state_dict()``
-    names, one parameter/persistent buffer at a time (no state_dict is built), skipping declared
-    tied duplicates like ``save_pretrained`` (e.g. ``lm_head.weight``). Names sharing one tensor
-    without a declared tie are all written (``save_pretrained`` refuses such a model; dropping a
-    name would make ``from_pretrained`` initialise it at random), with a warning. Then
-    ``config.json``, describing what was written (:func:`~.hf_config.saved_config`: ``dtype``,
-    ``architectures``, no ``quantization_config`` since the weights are dense; on a copy: the
-    model's config is not modified),
-    ``generation_config.json`` when the model can generate, the tokenizer when given, and
-    adds all these files to ``checksums.json``.
-
-    Names are the model's own: for models whose checkpoints transformers converts on load
-    (e.g. Mixtral's per-expert weights fused into ``experts.gate_up_proj``) the fused names are
-    written; transformers >= 5 loads them as they are.
+    The weights go through :func:`write_safetensors_shards` under ``model.state_dict()`` names, one tensor at a
+    time (no state_dict is built); which names of shared tensors are written: :mod:`.hf_names`. Then the other
+    files (:func:`write_hf_config_files`). Names are the model's own: for models whose checkpoints transformers
+    converts on load (e.g. Mixtral's experts fused into ``experts.gate_up_proj``) the fused names are written;
+    transformers >= 5 loads them as they are.
 
     Args:
-        out_dir: created if missing; must not already hold weight files.
         model: a transformers ``PreTrainedModel`` with materialised (non-meta) weights, unless
             ``named_tensors`` is given.
-        dtype: cast floating tensors to it (``None``: keep).
-        max_shard_bytes: shard size limit in bytes.
         tokenizer: anything with ``save_pretrained(dir)``.
-        named_tensors: write these ``(state_dict name, tensor)`` pairs instead of the model's
-            own tensors (the caller then skips tied duplicates itself).
+        named_tensors: ``(state_dict name, tensor)`` pairs written instead of the model's own tensors (the
+            caller then skips tied duplicates itself).
 
-    Returns:
-        The index dict of :func:`write_safetensors_shards`.
-
-    Raises:
-        FileExistsError: ``out_dir`` already holds weights.
-        ValueError: a parameter is on the meta device, an unknown dtype, or the model holds packed
-            quantized tensors (nothing is written then).
+    Other arguments, return value and errors: as :func:`write_safetensors_shards`; also ``ValueError`` when the
+    model holds packed quantized tensors (nothing is written then).
     """
     d = Path(out_dir)
     dt = resolve_dtype(dtype)
@@ -400,10 +374,10 @@ def save_hf_model_dir(out_dir: str | os.PathLike, model: torch.nn.Module, *, dty
 
 def write_hf_config_files(out_dir: str | os.PathLike, model: torch.nn.Module, *, dtype: torch.dtype | str | None = None,
                           tokenizer: Any = None, config: Any = None, exclude: Iterable[str] = ()) -> None:
-    """The non-weight files of a Hugging Face model directory (:func:`save_hf_model_dir`): ``config.json``
-    (``config``, default :func:`~.hf_config.saved_config` of ``model`` for ``dtype``), ``generation_config.json``
-    when the model can generate, remote code, the tokenizer; each new file (not in ``exclude``, not weights)
-    is added to ``checksums.json``."""
+    """The non-weight files of a Hugging Face model directory: ``config.json`` (``config``, default
+    :func:`~.hf_config.saved_config` of ``model`` for ``dtype``, which describes the dense weights written; the
+    model's own config is not modified), ``generation_config.json`` when the model can generate, remote code, the
+    tokenizer; each new file (not in ``exclude``, not weights) is added to ``checksums.json``."""
     d = Path(out_dir)
     before = {x.name for x in d.iterdir()} | set(exclude)
     config = config if config is not None else saved_config(model, resolve_dtype(dtype))

@@ -1,20 +1,14 @@
 """What a directory checkpoint writes where, and under which key every tensor of the module is found.
 
-The plan is made from the module before anything is written:
+The plan is made from the module before anything is written: with one Hugging Face model, ``model/`` holds its
+tensors under its own names (a ``peft.PeftModel``: ``base_model/`` + ``adapter/``, :mod:`.peft_io`) and the
+LightningModule's other state_dict tensors (e.g. ``nn.CrossEntropyLoss(weight=w)``'s buffer) go to ``extra/``
+under their LightningModule names, so ``model/`` stays loadable by ``from_pretrained``; otherwise ``model/`` holds
+the module's state_dict tensors under their own names.
 
-* a ``LightningModule`` whose every state_dict tensor belongs to one Hugging Face model: ``model/``
-  holds that model's tensors under its own names (what ``from_pretrained`` loads);
-* the same with a ``peft.PeftModel``: ``base_model/`` + ``adapter/`` (:mod:`.peft_io`);
-* anything else: ``model/`` holds the module's state_dict tensors under their own names.
-
-With one (peft or) Hugging Face model, the state_dict tensors of the LightningModule outside it (a persistent
-buffer such as ``nn.CrossEntropyLoss(weight=w)``'s, a head of its own) go to ``extra/`` (safetensors keyed by
-their LightningModule names), so ``model/`` stays a directory ``from_pretrained`` loads.
-
-Every ``module.state_dict()`` key is then mapped, by tensor identity, to the ``(part, key)`` it is
-written under (tied duplicates map to the written source). A key that maps to nothing would be
-silently lost, so planning raises instead; after writing, :func:`verify_written` checks that every
-mapped key is in the files.
+Every ``module.state_dict()`` key is mapped, by tensor identity, to the ``(part, key)`` it is written under (tied
+duplicates map to the written source). A key that maps to nothing would be silently lost, so planning raises
+instead; after writing, :func:`verify_written` checks that every mapped key is in the files.
 """
 
 from __future__ import annotations
@@ -54,8 +48,8 @@ EXTRA_DIR = "extra"  # the LightningModule's state_dict tensors outside its Hugg
 
 
 def hf_model_of(module: nn.Module, whole: bool = True) -> tuple[str, nn.Module] | None:
-    """``(prefix, model)`` of the single Hugging Face model (or peft model) of ``module``; ``None`` if there is no
-    such model, or (``whole``, as format-1 checkpoints were laid out) if a state_dict tensor lies outside it."""
+    """``(prefix, model)`` of the single Hugging Face (or peft) model of ``module``; ``None`` if there is none, or
+    (``whole``: the format-1 layout) if a state_dict tensor lies outside it."""
     from ..blocks import find_hf_models
 
     models = find_hf_models(module)
@@ -82,8 +76,8 @@ def plan_layout(module: nn.Module) -> Layout:
     """The parts of a checkpoint of ``module`` and the (part, key) of every state_dict key.
 
     Raises:
-        CheckpointError: a state_dict tensor would not be written by any part (e.g. a peft
-            prompt-learning adapter, whose weights peft does not take from the state dict).
+        CheckpointError: a state_dict tensor would not be written by any part (e.g. a peft prompt-learning
+            adapter: :func:`~.peft_io.unsavable_adapters`).
     """
     found = hf_model_of(module, whole=False)
     peft_model, ignored = None, set()

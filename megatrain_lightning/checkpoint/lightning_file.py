@@ -1,12 +1,10 @@
 """A directory checkpoint as one Lightning ``.ckpt`` file, for ``LightningModule.load_from_checkpoint``
 and for resuming under another strategy (like DeepSpeed's ``convert_zero_checkpoint_to_fp32_state_dict``).
 
-``MyModule.load_from_checkpoint(dir)`` cannot read a directory (Lightning opens the path as a file).
-:func:`convert_to_lightning_checkpoint` (``python -m megatrain_lightning.export CKPT --lightning-ckpt
-OUT.ckpt``) writes what Lightning's own ``trainer.save_checkpoint`` would have written: ``state_dict``
-under the LightningModule's keys (tied names included), ``optimizer_states`` in
-the optimizer's ``state_dict()`` format (``torch.optim.AdamW``'s, or that of the class that trained), and the
-rest of ``trainer.pt`` (epoch, global_step, loops, callbacks, LR schedulers, hyper-parameters, precision state).
+Lightning opens a checkpoint path as a file, so :func:`convert_to_lightning_checkpoint` (``python -m
+megatrain_lightning.export CKPT --lightning-ckpt OUT.ckpt``) writes what Lightning's own
+``trainer.save_checkpoint`` would have: ``state_dict`` under the LightningModule's keys (tied names included),
+``optimizer_states`` in the training optimizer's ``state_dict()`` format, and the rest of ``trainer.pt``.
 Everything is held in memory while writing: 4 bytes/parameter for the weights, 8 more for the AdamW state
 (another optimizer: the size of its state).
 """
@@ -61,29 +59,24 @@ def _optimizer_state(root: Path, groups: list[dict[str, Any]]) -> dict[str, Any]
 
 def convert_to_lightning_checkpoint(ckpt_dir: str | os.PathLike, out_path: str | os.PathLike, *,
                                     optimizer: bool = True) -> dict[str, Any]:
-    """Write the directory checkpoint ``ckpt_dir`` as a single-file Lightning checkpoint ``out_path``.
-
-    The result loads with ``MyModule.load_from_checkpoint(out_path, ...)`` (also with
-    ``torch.load(weights_only=True)``), and ``Trainer(strategy=...).fit(module, ckpt_path=out_path)``
-    resumes from it under another strategy. Tensors are fp32 (as trained), on the CPU.
+    """Write the directory checkpoint ``ckpt_dir`` as a single-file Lightning checkpoint ``out_path`` (fp32 CPU
+    tensors, loadable with ``torch.load(weights_only=True)``; another strategy resumes from it).
 
     Args:
         ckpt_dir: a checkpoint directory written by ``strategy="megatrain"`` (format 2).
         out_path: the file to write (replaced atomically if it exists).
-        optimizer: include the AdamW state as ``optimizer_states`` (8 bytes/parameter); without it the
-            file holds the weights only (Lightning then refuses to resume training from it).
+        optimizer: include the AdamW state as ``optimizer_states``; without it Lightning refuses to resume
+            training from the file.
 
     Returns:
         ``{"tensors": number of state_dict keys, "bytes": bytes of distinct weight tensors,
         "optimizer": whether optimizer_states was written, "out_path": str}``.
 
     Raises:
-        CheckpointError: not a checkpoint directory, damaged, assembled from several checkpoints, or
-            written by a version without the key map (format 1: resume it with strategy="megatrain"
-            and save it again).
+        CheckpointError: not a checkpoint directory, damaged, assembled from several checkpoints, or format 1
+            (no key map: resume it with strategy="megatrain" and save it again).
         IsADirectoryError: ``out_path`` is a directory.
-        OSError: ``ENAMETOOLONG``: a name in ``out_path`` is longer than its filesystem accepts (255 bytes on
-            Linux), before anything is read or written.
+        OSError: ``ENAMETOOLONG`` (:func:`~.atomic.check_name_length`), before anything is read or written.
     """
     root, out = Path(ckpt_dir), Path(out_path)
     check_name_length(out, what="Lightning checkpoint file", shorter="choose a shorter output path")
@@ -98,8 +91,8 @@ def convert_to_lightning_checkpoint(ckpt_dir: str | os.PathLike, out_path: str |
     meta["state_dict"] = _state_dict(root, info)
     ours = meta.get("MegaTrainPrecision")
     if isinstance(ours, dict) and "scale" in ours and "MixedPrecision" not in meta:
-        # 16-mixed: the loss scale also in torch.amp.GradScaler.state_dict() format, which Lightning's MixedPrecision
-        # plugin loads when another strategy resumes from this file (defaults: GradScaler's, for older checkpoints)
+        # 16-mixed: the loss scale also in torch.amp.GradScaler.state_dict() format, for Lightning's MixedPrecision
+        # plugin under another strategy (missing fields: GradScaler's defaults)
         meta["MixedPrecision"] = {"scale": float(ours["scale"]), "growth_factor": float(ours.get("growth_factor", 2.0)),
                                   "backoff_factor": float(ours.get("backoff_factor", 0.5)),
                                   "growth_interval": int(ours.get("growth_interval", 2000)),

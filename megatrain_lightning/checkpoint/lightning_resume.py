@@ -2,12 +2,10 @@
 ``deepspeed`` converted with its ``convert_zero_checkpoint_to_fp32_state_dict``, or this project's
 ``python -m megatrain_lightning.export CKPT --lightning-ckpt OUT.ckpt``).
 
-Lightning's own loader reads the file (``strategy.checkpoint_io.load_checkpoint``, whole, into host RAM: 4
-bytes/param of weights and 8 of AdamW state, as with any other strategy); Lightning restores the loops,
-callbacks, LR schedulers and precision state from it as usual. What the strategy does itself: the weights go into
-the host store one tensor at a time (:func:`load_lightning_weights`, under ``load_state_dict``'s ``strict``
-rules), and the ``torch.optim.AdamW.state_dict()`` of ``optimizer_states[0]`` into the host optimizer
-(``HostAdamW.load_state_dict``).
+Lightning's own loader reads the whole file into host RAM (4 bytes/param of weights and 8 of AdamW state, as
+with any other strategy) and restores loops, callbacks, LR schedulers and precision state as usual; the strategy
+copies the weights into the host store (:func:`load_lightning_weights`) and the AdamW state into its optimizer
+(:func:`load_lightning_optimizer`).
 """
 
 from __future__ import annotations
@@ -27,16 +25,14 @@ def _listed(names: list[str], most: int = 5) -> str:
 
 def load_lightning_weights(checkpoint: Mapping[str, Any], module: nn.Module, engine: Any, strict: bool = True,
                            source: str = "the checkpoint") -> None:
-    """Copy ``checkpoint["state_dict"]`` (LightningModule keys, as ``trainer.save_checkpoint`` of any strategy
-    writes them) into ``module``: parameters into the engine's host store (``engine.write_param``, either tier,
-    cast to fp32), persistent buffers in place.
+    """Copy ``checkpoint["state_dict"]`` (LightningModule keys) into ``module``: parameters into the host store
+    (``engine.write_param``, either tier, cast to fp32; tied ones once), persistent buffers in place.
 
     Args:
         checkpoint: the loaded ``.ckpt`` dict.
         module: the LightningModule being restored.
         engine: the streaming engine (``write_param``).
-        strict: as ``nn.Module.load_state_dict``: every key of ``module.state_dict()`` present and no other
-            (Lightning passes ``LightningModule.strict_loading``).
+        strict: as ``nn.Module.load_state_dict`` (Lightning passes ``LightningModule.strict_loading``).
         source: the file, for messages.
 
     Raises:
@@ -72,8 +68,8 @@ def load_lightning_weights(checkpoint: Mapping[str, Any], module: nn.Module, eng
 
 
 def load_lightning_optimizer(checkpoint: Mapping[str, Any], optimizer: Any, source: str = "the checkpoint") -> None:
-    """Load ``checkpoint["optimizer_states"][0]`` (``torch.optim.AdamW``/``Adam`` format) into ``optimizer`` (the
-    strategy's ``HostAdamW``; ``load_state_dict``).
+    """Load ``checkpoint["optimizer_states"][0]`` (``torch.optim.AdamW``/``Adam`` format) into the strategy's
+    ``HostAdamW`` (``load_state_dict``).
 
     Raises:
         CheckpointError: no optimizer state (a weights-only checkpoint: Lightning's own resume refuses it the

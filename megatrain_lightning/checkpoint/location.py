@@ -1,10 +1,9 @@
 """Where a directory checkpoint may be written: the local filesystem.
 
-Plain Lightning writes its one-file checkpoints through fsspec (``s3://``, ``gs://``, ``memory://``...). A directory
-checkpoint is written shard by shard into a temporary directory and moved into place with an atomic rename, which
-only a local (POSIX) filesystem offers; a URL used to be taken as a relative local path (``memory://x`` became the
-folder ``./memory:/x``) without a word. :func:`local_path` turns ``file://`` and ``local://`` URLs into paths and refuses other
-protocols, naming what to do.
+Plain Lightning writes its one-file checkpoints through fsspec (``s3://``, ``memory://``...). A directory
+checkpoint is moved into place with an atomic rename, which only a local (POSIX) filesystem offers, and a URL
+taken as a path would silently make a local folder (``memory://x``: ``./memory:/x``). :func:`local_path` turns
+``file://`` and ``local://`` URLs into paths and refuses other protocols.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``megatrain.json``: what a directory checkpoint holds, and the digests that tie its parts together.
 
-Format 2 (written now)::
+Format 2 (the one written)::
 
     {"format": 2,
      "has_optimizer": true,
@@ -8,11 +8,9 @@ Format 2 (written now)::
      "tensors": {"<LightningModule state_dict key>": ["<part>", "<key in that part>"], ...},
      "parts":   {"model": "<sha256 of model/checksums.json>", "optimizer": "...", "trainer.pt": "<sha256>"}}
 
-A part is a folder with its own ``checksums.json`` (``model``, ``optimizer``, ``base_model``,
-``adapter``...) or the file ``trainer.pt``. Every file of a folder is listed with its sha256 in its
-``checksums.json``, whose own sha256 is recorded here: a folder copied in from another checkpoint
-(another step of the same run) is complete and self-consistent, but its ``checksums.json`` is not the
-one recorded, so it is refused by name. Format 1 (no ``tensors``/``parts``) is still read.
+A part is a folder with its own ``checksums.json`` (sha256 of each of its files) or the file ``trainer.pt``;
+recording the sha256 of each ``checksums.json`` refuses, by name, a folder copied in from another checkpoint
+(complete and self-consistent, but not the one recorded). Format 1 (no ``tensors``/``parts``) is still read.
 """
 
 from __future__ import annotations
@@ -33,8 +31,7 @@ TRAINER_FILE = "trainer.pt"
 
 
 def part_digest(root: Path, part: str) -> str:
-    """sha256 identifying ``part`` of the checkpoint at ``root``: of ``<part>/checksums.json`` for a
-    folder, of the file itself otherwise."""
+    """sha256 of ``<part>/checksums.json`` for a folder, of the file itself otherwise."""
     p = root / part
     return file_sha256(p / CHECKSUMS_FILE if p.is_dir() else p)
 
@@ -98,9 +95,8 @@ def read_info(path: Path) -> dict[str, Any]:
     """The validated ``megatrain.json`` of the checkpoint directory ``path``.
 
     Raises:
-        CheckpointError: ``path`` is a file or missing, has no megatrain.json, or its megatrain.json is
-            not JSON, lacks a field, has a field of the wrong type, or has an unknown format (the message
-            names the file and the field).
+        CheckpointError: ``path`` is a file or missing, or its megatrain.json is missing, not JSON, lacks a
+            field, has a field of the wrong type or an unknown format (the message names the file and field).
     """
     if path.is_file():
         raise CheckpointError(
@@ -126,8 +122,8 @@ def read_info(path: Path) -> dict[str, Any]:
 
 
 def verify_parts(path: Path, info: dict[str, Any]) -> None:
-    """Check every part recorded in ``info`` (format 2): its files against its ``checksums.json``, and
-    that ``checksums.json`` (or ``trainer.pt``) against the digest recorded at save time.
+    """Check every part recorded in ``info`` (format 2): its files against its ``checksums.json``, and that
+    (or ``trainer.pt``) against the digest recorded at save time.
 
     Raises:
         CheckpointError: a part is missing or damaged (names the file), or does not belong to this

@@ -1,20 +1,12 @@
 """peft models in directory checkpoints: the base model as a Hugging Face directory, the adapters in
 peft's own format.
 
-A ``LightningModule`` holding a ``peft.PeftModel`` (e.g. ``get_peft_model(base, LoraConfig(...))``) is
-saved as::
-
-    CKPT/base_model/   the base model without the adapter layers (what peft's ``unload()`` gives, with
-                       the weights as they are now): AutoModelForCausalLM.from_pretrained loads it
-    CKPT/adapter/      adapter_config.json + adapter_model.safetensors written by peft's own
-                       ``PeftModel.save_pretrained`` (other adapters than "default" in adapter/<name>/):
-                       PeftModel.from_pretrained(base, CKPT/"adapter") loads it
-
-There is deliberately no ``model/``: the base weights alone are not the fine-tuned model, and a
-``from_pretrained(CKPT/"model")`` that silently returned the base would be wrong.
-``python -m megatrain_lightning.export CKPT OUT --merge-adapter`` writes the merged dense model.
-peft is an optional dependency (``pip install megatrain-lightning[peft]``); nothing here imports it
-unless the module already holds a peft model.
+A ``LightningModule`` holding a ``peft.PeftModel`` is saved as ``CKPT/base_model/`` (the base model as peft's
+``unload()`` would leave it, loadable by ``from_pretrained``) and ``CKPT/adapter/`` (written by peft's own
+``PeftModel.save_pretrained``; adapters other than "default" in ``adapter/<name>/``). There is deliberately no
+``model/``: a ``from_pretrained(CKPT/"model")`` silently returning the base alone would be wrong;
+``python -m megatrain_lightning.export CKPT OUT --merge-adapter`` writes the merged dense model. peft is optional
+(``pip install megatrain-lightning[peft]``); nothing here imports it unless the module already holds a peft model.
 """
 
 from __future__ import annotations
@@ -40,9 +32,9 @@ def is_peft_model(model: Any) -> bool:
 
 
 def unsavable_adapters(root: torch.nn.Module) -> list[str]:
-    """``"name (TYPE)"`` of every peft adapter in ``root`` that directory checkpoints cannot save: prompt learning
-    (peft keeps its weights outside the module's state dict) and AdaLoRA (peft's adapter state dict leaves out its
-    rank counters and returns resized copies); :func:`~.layout.plan_layout` refuses them at save time."""
+    """``"name (TYPE)"`` of every peft adapter in ``root`` that :func:`~.layout.plan_layout` refuses at save time:
+    prompt learning (weights outside the module's state dict) and AdaLoRA (its adapter state dict leaves out the
+    rank counters and returns resized copies)."""
     out = []
     for m in root.modules():
         if is_peft_model(m):
@@ -69,9 +61,9 @@ def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def base_model_entries(peft_model: Any) -> tuple[torch.nn.Module, list[tuple[str, torch.Tensor]]]:
-    """``(the transformers base model, [(Hugging Face name, tensor)])``: the base model's state
-    dict as ``unload()`` would leave it, built from the module's own tensor objects (no copy and no
-    change to the model). Adapter weights and modules_to_save copies are not in it."""
+    """``(the transformers base model, [(Hugging Face name, tensor)])``: its state dict as ``unload()`` would leave
+    it, from the module's own tensor objects (no copy, no change to the model), without adapter weights or
+    modules_to_save copies."""
     from .hf_names import state_dict_entries
 
     base = peft_model.get_base_model()
@@ -95,9 +87,8 @@ def adapter_entries(peft_model: Any, state_dict: dict[str, torch.Tensor]) -> dic
 
 def write_adapters(root: Path, peft_model: Any, entries: dict[str, list[tuple[str, torch.Tensor]]],
                    read: Callable[[torch.Tensor], torch.Tensor]) -> list[str]:
-    """Write every adapter with peft's own ``save_pretrained`` into ``root/adapter`` and checksum
-    each folder written. ``read`` gives the current value of a module tensor (the store's copy when
-    weights live on NVMe). Returns the parts written."""
+    """Write every adapter with peft's own ``save_pretrained`` into ``root/adapter`` and checksum each folder
+    written. ``read`` gives a module tensor's current value (the store's copy on the NVMe tier). Returns the parts."""
     from .hf_write import add_checksums
 
     state_dict = peft_model.state_dict(keep_vars=True)

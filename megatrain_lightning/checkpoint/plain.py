@@ -1,15 +1,13 @@
 """Convert Lightning checkpoint metadata to types ``torch.load(weights_only=True)`` accepts.
 
-Lightning's checkpoint dict may hold numpy arrays and scalars (RNG states, metrics),
-OmegaConf configs and ``AttributeDict`` hyper-parameters, enums, paths and config objects:
-none of these load without unpickling arbitrary classes. Types torch's weights_only loader
-restores as they are stay so (``OrderedDict``, ``set``, ``torch.dtype``, ``torch.device``,
-``torch.Size``, tuples, dict keys of those types: a callback's state comes back as plain Lightning gives it back); numpy
-scalars become Python numbers and OmegaConf containers dicts/lists; numpy arrays become tensors,
-enums their values, paths and frozensets strings and lists, other dict keys strings, with a warning naming where (outside
-hyper-parameters: code reading them back gets another type). Anything else raises, except inside
-hyper-parameters (informational on resume), where an object with ``to_dict()`` becomes that
-dict and any other object becomes ``{"__repr__": repr(obj)}``.
+Lightning's checkpoint dict may hold numpy arrays and scalars (RNG states, metrics), OmegaConf configs,
+``AttributeDict`` hyper-parameters, enums, paths and config objects, none of which load without unpickling
+arbitrary classes. Types the weights_only loader restores stay as they are (``OrderedDict``, ``set``,
+``torch.dtype``, ``torch.device``, ``torch.Size``, tuples, and dict keys of those types), so a callback's state
+comes back as plain Lightning gives it; numpy scalars become Python numbers and OmegaConf containers dicts/lists;
+numpy arrays become tensors, enums their values, paths strings, frozensets lists and other dict keys strings, each
+with a warning naming where (outside hyper-parameters). Anything else raises, except inside hyper-parameters
+(informational on resume): there an object with ``to_dict()`` becomes that dict, any other ``{"__repr__": repr(obj)}``.
 """
 
 from __future__ import annotations
@@ -38,8 +36,8 @@ class MetadataError(TypeError):
 
 
 def _key(key: Any, where: str, lenient: bool) -> Any:
-    """A dict key as :func:`to_plain` converts a value (numbers, bools, ``None``, tuples, dtypes stay), when the
-    result can still be a key; else its ``str``, with a warning (keys used to become strings silently)."""
+    """A dict key converted as :func:`to_plain` converts a value when the result can still be a key; else its
+    ``str``, with a warning."""
     try:
         plain = to_plain(key, f"{where} key {key!r}", lenient)
         hash(plain)

@@ -1,10 +1,6 @@
-"""The strategy's checkpoint hooks: save, load and the saves deferred to the end of an optimizer step.
-
-``MegaTrainStrategy.save_checkpoint``/``load_checkpoint``/``load_model_state_dict``/``load_optimizer_state_dict``/
-``remove_checkpoint``/``save_deferred`` hand their work to :class:`StrategyCheckpoints`, as Lightning's FSDP and
-DeepSpeed strategies hand theirs to their engines. A directory checkpoint is written and read by
-:mod:`.directory`; a plain Lightning ``.ckpt`` (another strategy's) is read with Lightning's own loader and copied
-into the store by :mod:`.lightning_resume`.
+"""The strategy's checkpoint hooks (``MegaTrainStrategy.save_checkpoint``, ``load_checkpoint``... hand their work
+to :class:`StrategyCheckpoints`): directory checkpoints through :mod:`.directory`, another strategy's ``.ckpt``
+through Lightning's own loader and :mod:`.lightning_resume`, and the saves deferred to the end of an optimizer step.
 """
 
 from __future__ import annotations
@@ -60,16 +56,13 @@ class StrategyCheckpoints:
         self.loaded_file: str | None = None
 
     def save(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Write a directory checkpoint (see :mod:`megatrain_lightning.checkpoint.directory`).
-
-        ``storage_options`` is not supported (there is no CheckpointIO for directories).
+        """Write a directory checkpoint (:func:`~megatrain_lightning.checkpoint.directory.save_checkpoint_dir`),
+        or defer it (:meth:`defer`).
 
         Raises:
-            CheckpointError: a tensor of the module would not be written (e.g. a peft prompt-learning
-                adapter), found before anything is written; or the checkpoint holds Lightning's
+            TypeError: ``storage_options`` given (there is no CheckpointIO for directories).
+            CheckpointError, OSError: as ``save_checkpoint_dir``; or the checkpoint holds Lightning's
                 ``WeightAveraging`` average in place of the module's weights.
-            OSError: ``ENAMETOOLONG``: a name in ``filepath`` is longer than its filesystem accepts (255 bytes on
-                Linux; e.g. a long ``ModelCheckpoint(filename=...)``), before anything is written.
         """
         st = self.strategy
         if storage_options is not None:
@@ -103,17 +96,15 @@ class StrategyCheckpoints:
             save_checkpoint_dir(filepath, checkpoint, st.lightning_module, st.engine, tokenizer=tokenizer, coop=coop)
 
     def defer(self, checkpoint: dict[str, Any], filepath: Any) -> bool:
-        """A save requested while a backward applies the AdamW updates as it goes (``optimizer_in_backward``) and
-        has updated only part of the model (a module backward hook, or a signal handler such as Lightning's SLURM
-        auto-requeue running in the middle of the backward): the weights are half at the next step, so a checkpoint
-        now would be resumed with that step applied twice to part of the model (weights 40% off). During
-        fit the save is deferred to the end of this optimizer step (the first callback's ``on_train_batch_end``,
-        where ``ModelCheckpoint`` saves too: one step later, consistent) and ``True`` returned. Several saves in one
-        backward are all written, in the order asked (a second save to the same path replaces the first's request).
+        """Defer a save asked for while an ``optimizer_in_backward`` backward has updated only part of the model
+        (from a backward hook or a signal handler such as SLURM auto-requeue): resumed, that step would be applied
+        twice to part of the model (weights 40% off). During fit it is written by :meth:`save_deferred` at the end
+        of this optimizer step (the first callback's ``on_train_batch_end``, where ``ModelCheckpoint`` saves too),
+        in the order asked (a second save to one path replaces the first), and ``True`` returned.
 
         Raises:
-            CheckpointError: not during fit (the step was interrupted mid-backward, e.g. an emergency save after
-                an error): the model is partly updated and no consistent checkpoint can be made from it.
+            CheckpointError: not during fit (e.g. an emergency save after an error mid-backward): no consistent
+                checkpoint can be made.
         """
         trainer = self.strategy.lightning_module.trainer
         if trainer is None or trainer.state.status != TrainerStatus.RUNNING or not trainer.training:
@@ -135,27 +126,20 @@ class StrategyCheckpoints:
         self.deferred = []
 
     def save_deferred(self, trainer: Any) -> None:
-        """Write the checkpoints :meth:`defer` put off, in the order asked, now that the optimizer step is
-        complete."""
+        """Write the checkpoints :meth:`defer` put off, in order, once the optimizer step is complete."""
         saves, self.deferred = self.deferred, []
         for filepath, weights_only in saves:
             trainer.save_checkpoint(filepath, weights_only=weights_only)
 
     def load(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Verify a directory checkpoint, load its weights into the host store and return the metadata; or read a
-        plain Lightning ``.ckpt`` file (another strategy's) with Lightning's own loader, whose weights and AdamW state
-        :meth:`load_model_state_dict` and :meth:`load_optimizer_state_dict` then copy into the store
-        (``checkpoint/lightning_resume.py``).
-
-        A directory checkpoint's tensors (parameters and persistent buffers) are loaded here, honouring
-        ``LightningModule.strict_loading``, so the dict returned (and the one ``on_load_checkpoint`` sees) has
-        ``state_dict == {}``: the weights are in the checkpoint's ``model/`` (and ``extra/``) and already in the
-        module; to fix up keys, convert the checkpoint or edit the weights in ``on_fit_start``.
+        """Load a directory checkpoint's tensors here, honouring ``LightningModule.strict_loading``, and return its
+        metadata (``state_dict == {}``: :func:`~megatrain_lightning.checkpoint.directory.load_checkpoint_dir`); or
+        read a plain Lightning ``.ckpt`` file with Lightning's own loader, whose weights and AdamW state
+        :meth:`load_model_state_dict` and :meth:`load_optimizer_state_dict` then copy into the store.
 
         Raises:
-            CheckpointError: a directory that is not a megatrain checkpoint, written for another model config,
-                damaged (checksums, a damaged megatrain.json), or with a part copied from another checkpoint; a
-                ``.ckpt`` whose keys or shapes do not fit the module (raised when its weights are loaded).
+            CheckpointError: as ``load_checkpoint_dir``; a ``.ckpt`` whose keys or shapes do not fit the module
+                (raised when its weights are loaded).
         """
         st = self.strategy
         if st.engine is None or st.lightning_module is None:
@@ -169,9 +153,8 @@ class StrategyCheckpoints:
         if remote_file or Path(checkpoint_path).is_file():  # another strategy's .ckpt: Lightning's own loader
             self.loaded_path, self.loaded_meta = None, None
             self.loaded_file = str(checkpoint_path)
-            # onto the CPU (the weights and optimizer state go to the host store; Lightning's default keeps each
-            # tensor where it was saved: a GPU-saved file would fill the GPU), as a device, not a function: torch
-            # rebuilds tensor subclasses (torchao's 8-bit optimizer state) only with a device map_location
+            # onto the CPU (Lightning's default keeps a GPU-saved tensor on the GPU), given as a device, not a
+            # function: torch rebuilds tensor subclasses (torchao's 8-bit optimizer state) only with a device
             return st.checkpoint_io.load_checkpoint(checkpoint_path, map_location="cpu", weights_only=weights_only)
         self.loaded_file = None
         meta = load_checkpoint_dir(checkpoint_path, st.lightning_module, st.engine,
@@ -183,8 +166,8 @@ class StrategyCheckpoints:
         return meta
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """A directory checkpoint's weights were already copied into the store by :meth:`load`; a plain
-        Lightning ``.ckpt``'s ``state_dict`` is copied now, one tensor at a time (``load_lightning_weights``)."""
+        """Copy a plain ``.ckpt``'s ``state_dict`` into the store (``load_lightning_weights``); a directory
+        checkpoint's weights were loaded by :meth:`load`."""
         st = self.strategy
         if self.loaded_file is not None and st.engine is not None:
             st.flush()
@@ -195,9 +178,9 @@ class StrategyCheckpoints:
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Load the AdamW state and param groups of the checkpoint :meth:`load` read.
 
-        A ``BaseFinetuning`` callback restores the param groups it added (``on_fit_start`` after its
-        ``load_state_dict``); with ``restore_checkpoint_after_setup`` Lightning restores callbacks after
-        ``on_fit_start``, so its hook runs again here, before the groups are matched (a no-op when not resuming)."""
+        A ``BaseFinetuning`` callback re-adds its param groups in ``on_fit_start`` after its ``load_state_dict``,
+        but with ``restore_checkpoint_after_setup`` Lightning restores callbacks after ``on_fit_start``, so that hook
+        runs again here, before the groups are matched."""
         st = self.strategy
         if st.engine is None or st.engine.optimizer is None or (self.loaded_path is None and self.loaded_file is None):
             return
@@ -213,12 +196,11 @@ class StrategyCheckpoints:
     # ------------------------------------------------------------------ Fabric
     def save_fabric(self, path: Any, state: Mapping[str, Any], precision_state: Mapping[str, Any],
                     filter: Any = None) -> None:
-        """``fabric.save(path, state)``: the same directory checkpoint as ``trainer.save_checkpoint`` (weights in
-        ``model/``, AdamW state in ``optimizer/``, the other entries of ``state`` in ``trainer.pt``), so either
-        strategy resumes it. ``state`` maps names to the module set up (written from the host store), its optimizer
-        (the host AdamW state), objects with ``state_dict()`` (their state) and plain values (as they are); every LR
-        scheduler's state is also listed under ``lr_schedulers`` (what the Trainer restores). ``precision_state``:
-        the precision plugin's ``state_dict()`` (16-mixed's loss scale), kept under ``MegaTrainPrecision``.
+        """``fabric.save(path, state)``: the same directory checkpoint as ``trainer.save_checkpoint``, so either
+        strategy resumes it. ``state`` maps names to the module set up and its optimizer (written from the host
+        store), objects with ``state_dict()`` and plain values (into ``trainer.pt``); every LR scheduler's state is
+        also listed under ``lr_schedulers`` (what the Trainer restores). ``precision_state``: the precision
+        plugin's ``state_dict()`` (16-mixed's loss scale), kept under ``MegaTrainPrecision``.
 
         Raises:
             ValueError: ``filter`` given (a directory checkpoint writes every tensor of the module), or a module or
@@ -254,13 +236,11 @@ class StrategyCheckpoints:
 
     def load_fabric(self, path: Any, state: Any, precision: Any, strict: bool = True,
                     weights_only: bool | None = None) -> dict[str, Any]:
-        """``fabric.load(path, state)``: restore the module set up, its optimizer and the other entries of
-        ``state`` in place from a directory checkpoint of either strategy, or from a one-file checkpoint (another
-        Fabric strategy's ``fabric.save``: the module's and optimizer's entries are copied into the host store).
-        ``state`` may also be the module or its optimizer alone (``fabric.load_raw``: a plain ``state_dict()`` file).
-        Entries of other names: objects with ``load_state_dict`` get theirs, plain values are replaced in ``state``;
-        an LR scheduler missing by name takes the Trainer's ``lr_schedulers`` entry of its rank. ``precision``:
-        the precision plugin (its loss scale is restored). Returns what ``state`` did not ask for.
+        """``fabric.load(path, state)``: restore the entries of ``state`` in place from a directory checkpoint of
+        either strategy or another Fabric strategy's one-file checkpoint (``state`` may also be the module or its
+        optimizer alone: ``fabric.load_raw``). Objects with ``load_state_dict`` get theirs, plain values are
+        replaced; an LR scheduler missing by name takes the Trainer's ``lr_schedulers`` entry of its rank.
+        ``precision``: the precision plugin (its loss scale is restored). Returns what ``state`` did not ask for.
 
         Raises:
             ValueError: ``state`` is empty or names no module trained by the strategy.

@@ -26,9 +26,8 @@ def _sha(s: str | bytes) -> str:
 
 
 def tokenizer_fingerprint(tokenizer) -> dict:
-    """What identifies a tokenizer's output: ``{"class", "name", "vocab_size", "definition", "chat_template", "eos", "bos"}``.
-
-    ``definition`` hashes the Rust tokenizer's JSON (fast tokenizers) or the sorted vocabulary otherwise, so two
+    """What identifies a tokenizer's output: ``{"class", "name", "vocab_size", "definition", "chat_template", "eos",
+    "bos"}``. ``definition`` hashes the Rust tokenizer's JSON (fast tokenizers) or the sorted vocabulary, so two
     tokenizers with the same name but different files get different keys.
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -63,7 +62,7 @@ def save(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
 
 
 def load(path: Path) -> tuple[dict[str, torch.Tensor], dict] | None:
-    """``(tensors, meta)`` from ``path``, or ``None`` when there is no such file or it cannot be read (it is then rebuilt)."""
+    """``(tensors, meta)`` from ``path``, or ``None`` when it is missing or unreadable (then it is rebuilt)."""
     if not path.is_file():
         return None
     try:

@@ -49,9 +49,8 @@ def _check_probe(probe: str | None, options: dict) -> None:
 
 def split_corpus(raw: Iterable[dict], shape: str, val_fraction: float, seed: int,
                  max_documents: int | None = None) -> tuple[list[dict], list[dict]]:
-    """The training and validation documents of a corpus as :class:`DomainDataModule` builds them: each document
-    checked for ``shape``, ids de-duplicated, subsampled to ``max_documents``, split by id hash
-    (:func:`~.corpus.split_documents`). Also run by the recipes' preflight on the whole source.
+    """The training and validation documents of a corpus as :class:`DomainDataModule` builds them (checked,
+    de-duplicated, subsampled, split by :func:`~.corpus.split_documents`); also the recipes' preflight check.
 
     Raises:
         ValueError: a document is malformed (:func:`~.corpus.check_document`), the corpus is empty, every document
@@ -82,13 +81,11 @@ class DomainDataModule(pl.LightningDataModule):
       ``seq_len``; labels are ``-100`` on every prompt token. Batches are right-padded to their longest example
       (``[B, T]``, ``T <= seq_len``): padding has ``attention_mask`` 0 and label ``-100``.
 
-    The split is by document: a document (or its ``group``) is validation iff a SHA-256 hash of its id and
-    ``seed`` falls below ``val_fraction``; it never depends on order. Every batch is a dict of LongTensors
+    The split is by document (:func:`~.corpus.split_documents`). Every batch is a dict of LongTensors
     ``{"input_ids", "labels", "attention_mask"}``. The training loader is a shuffling
-    :class:`~megatrain_lightning.data.ResumableDataLoader` (exact mid-epoch resume); validation is in order.
-    With several data-parallel processes ``batch_size`` is per process: the training loader gives each rank its
-    share of every global batch (its own sharding, resumable at another world size); the validation
-    ``DataLoader`` gets Lightning's ``DistributedSampler`` (strided, padded by repeating up to world size - 1 rows).
+    :class:`~megatrain_lightning.data.ResumableDataLoader` (exact mid-epoch resume, sharded per rank); validation
+    is in order, and with several processes gets Lightning's ``DistributedSampler`` (strided, padded by repeating
+    up to world size - 1 rows).
 
     Args:
         tokenizer: a Hugging Face tokenizer (needs an EOS token).
@@ -220,8 +217,7 @@ class DomainDataModule(pl.LightningDataModule):
                                                           tensors[f"{split}.offsets"])
 
     def _warn_lost(self) -> None:
-        """Log a warning for every split whose instruction examples were dropped (no answer token within
-        ``seq_len``) or truncated, with the counts and what to change; the counts are in :meth:`stats`."""
+        """Warn for every split whose instruction examples were dropped or truncated (counts in :meth:`stats`)."""
         for split, st in self._stats.items():
             dropped, truncated, n = st.get("dropped", 0), st.get("truncated", 0), st.get("documents", 0)
             if dropped:
@@ -242,8 +238,9 @@ class DomainDataModule(pl.LightningDataModule):
         self._build()
 
     def stats(self) -> dict[str, dict[str, int]]:
-        """Per split (``"train"``, ``"val"``): ``documents``, ``tokens`` (encoded, incl. BOS/EOS and prompts), ``sequences``,
-        and ``tail_tokens_dropped`` (text) or ``trained_tokens``/``truncated``/``dropped`` (instruction)."""
+        """Per split (``"train"``, ``"val"``): ``documents``, ``tokens`` (encoded, incl. BOS/EOS and prompts),
+        ``sequences``, and ``tail_tokens_dropped`` (text) or ``trained_tokens``/``truncated``/``dropped``
+        (instruction)."""
         self._build()
         return {k: dict(v) for k, v in self._stats.items()}
 
@@ -267,7 +264,7 @@ class DomainDataModule(pl.LightningDataModule):
 
     # ---- probes ---------------------------------------------------------------------------------------
     def probe_items(self) -> list[dict]:
-        """Items of this module's probe from the held-out (validation) documents (``probe_options`` for the builder)."""
+        """Items of this module's probe from the validation documents (``probe_options`` for the builder)."""
         if self.probe is None:
             raise ValueError("This data module has no probe (probe=None).")
         self._build()
@@ -276,12 +273,9 @@ class DomainDataModule(pl.LightningDataModule):
         return builder(self.documents["val"], max_items=self.probe_options.get("max_items", 64), seed=self.seed, **opts)
 
     def run_probe(self, model: torch.nn.Module, device: Any = None) -> dict[str, float]:
-        """Run the domain probe on ``model`` (a Hugging Face causal LM) over :meth:`probe_items`; see
-        :mod:`~megatrain_lightning.data.probes` for the keys.
-
-        ``device``: where the inputs go; ``None`` uses the attached Trainer's ``strategy.root_device`` (the compute
-        device of a streamed model, whose parameters live on the host) or else the model's parameter device.
-        """
+        """Run the domain probe on ``model`` over :meth:`probe_items` (keys: :mod:`~megatrain_lightning.data.probes`).
+        ``device`` ``None``: the attached Trainer's ``strategy.root_device`` (a streamed model's parameters live on
+        the host), else the model's parameter device."""
         items = self.probe_items()
         if device is None and getattr(self, "trainer", None) is not None:
             device = self.trainer.strategy.root_device

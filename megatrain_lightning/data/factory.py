@@ -1,7 +1,4 @@
-"""``make_datamodule``: the Hydra entry (``conf/data/*.yaml``) from a domain name and a source setting.
-
-The recipe calls ``hydra.utils.instantiate(cfg.data, tokenizer=tok, max_seq_len=model.config.max_position_embeddings)``.
-"""
+"""``make_datamodule``: the Hydra entry (``conf/data/*.yaml``) from a domain name and a source setting."""
 
 from __future__ import annotations
 
@@ -27,21 +24,18 @@ def make_datamodule(
 
     Args:
         tokenizer: the model's tokenizer.
-        domain: ``"legal"``, ``"biomedical"`` or ``"code"``: picks the offline source, the default shape and the probe;
-            ``None`` (the generic ``data=text`` / ``data=instruction`` groups): no offline corpus and no probe, so
-            ``source`` must name the user's data and ``shape`` is required.
-        source: ``"offline"`` (the domain's packaged corpus), or a local ``.jsonl``/``.json``/``.parquet``/``.txt`` file,
-            a directory of them, or a Hugging Face dataset id (see :func:`~megatrain_lightning.data.load_user_source`).
+        domain: ``"legal"``, ``"biomedical"`` or ``"code"``: picks the offline source, the default shape and the
+            probe; ``None`` (the generic ``data=text`` / ``data=instruction`` groups): no offline corpus and no
+            probe, so ``source`` and ``shape`` are required.
+        source: ``"offline"`` (the domain's packaged corpus), or what
+            :func:`~megatrain_lightning.data.load_user_source` reads.
         shape: ``"text"`` or ``"instruction"``; ``None``: the domain's (legal/code: text, biomedical: instruction).
         max_seq_len: the model's ``max_position_embeddings`` (``seq_len`` above it is an error).
-        source_options: keyword arguments of the offline source function (e.g. ``{"max_files": 200}`` for code,
-            ``{"kinds": ["mesh_category"]}`` for biomedical) or of ``load_user_source`` (``text_field``,
-            ``prompt_field``, ``response_field``, ``input_field``, ``messages_field``, ``conversations_field``,
-            ``id_field``, ``txt_mode``, ``errors``, ``hf_split``, ``limit``).
-        probe: probe settings ``{"enabled": bool, "max_items": int, ...}`` (see ``DomainDataModule.probe_options``);
+        source_options: keyword arguments of the offline source function (:func:`~.sources.offline_source`) or of
+            ``load_user_source``.
+        probe: ``{"enabled": bool, "max_items": int, ...}`` (``DomainDataModule``'s ``probe_options``);
             ``enabled: false`` or ``None`` turns the domain probe off.
-        **datamodule_options: ``seq_len``, ``batch_size``, ``val_fraction``, ``seed``, ``cache_dir``, ``num_workers``,
-            ``max_documents``, ``use_chat_template``, ``pin_memory`` of :class:`DomainDataModule`.
+        **datamodule_options: the other arguments of :class:`DomainDataModule`.
 
     Raises:
         ValueError: unknown domain, a ``source_options`` key the chosen source does not take, or no domain and no

@@ -67,8 +67,8 @@ def share_size(n: int, start: int, batch_size: int, world_size: int, rank: int, 
 def rank_share(order: list[int], start: int, batch_size: int, world_size: int, rank: int, drop_last: bool) -> list[int]:
     """Rank ``rank``'s sample indices of every global step of ``order`` from position ``start``, in step order.
 
-    Batching the result by ``batch_size`` (as ``DataLoader`` does) gives the rank's batch of each step: every
-    step but a tail contributes exactly ``batch_size`` indices, a tail at most that many (module docstring).
+    Batching the result by ``batch_size`` (as ``DataLoader`` does) gives the rank's batch of each step (a tail
+    batch may be smaller, module docstring).
 
     Args:
         order: the epoch's sample indices (the same on every rank).

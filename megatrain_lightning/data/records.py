@@ -89,8 +89,7 @@ class RecordMapper:
     Args:
         shape: ``"text"`` or ``"instruction"``.
         text_field: text shape's field.
-        prompt_field, response_field: instruction fields; ``None`` finds them (``prompt``/``instruction``,
-            ``response``/``output``/``completion``).
+        prompt_field, response_field: instruction fields; ``None`` finds them (module docstring).
         input_field: joined into the prompt after a blank line when present and non-empty (Alpaca's ``input``).
         messages_field: OpenAI-style (or ShareGPT-style) list of turns.
         conversations_field: ShareGPT-style list of ``{"from", "value"}`` turns.
@@ -162,8 +161,8 @@ class RecordMapper:
 
 
 def _refuse_non_text(rec: dict, where: str, names) -> None:
-    """Raise ValueError when one of ``names`` is in the record with a value that is not text (``null``, a number):
-    the field is there, so "no such field" would send the user to the wrong fix."""
+    """Raise ValueError when one of ``names`` holds a non-text value (``null``, a number): "no such field" would
+    send the user to the wrong fix."""
     for n in names:
         if n in rec and not isinstance(rec[n], str):
             what = "null" if rec[n] is None else f"of type {type(rec[n]).__name__}"

@@ -1,21 +1,15 @@
 """A DataLoader whose position is part of Lightning's checkpoint, for exact mid-epoch resume,
-sharded over data-parallel ranks.
+sharded over data-parallel ranks (docs/internals/checkpoints.md, "Mid-epoch data position").
 
-Lightning saves ``state_dict()`` of every training loader that has ``state_dict`` and
-``load_state_dict`` (``lightning.fabric.utilities.types._Stateful``) and restores it before
-iterating on resume; a plain ``DataLoader`` restarts the epoch instead (Lightning only warns).
+Lightning saves and restores ``state_dict()`` of every training loader that has ``state_dict`` and
+``load_state_dict`` (``lightning.fabric.utilities.types._Stateful``); a plain ``DataLoader`` restarts the
+epoch instead (Lightning only warns). Lightning's data fetcher reads one batch ahead only for loaders without
+``len()``; this loader has one, so every batch yielded has been consumed when a checkpoint is written.
 
-Position is counted in samples of the epoch's order consumed by the global steps yielded (all ranks
-together), so a state written with one world size resumes at another. Lightning's data fetcher reads
-one batch ahead only for loaders without ``len()``; this loader always has a length, so every batch
-yielded has been consumed when a checkpoint is written.
-
-Data parallel: the loader's sampler is a ``DistributedSampler`` (subclass), and Lightning leaves a
-loader whose sampler already is one as it is (``Trainer(use_distributed_sampler=True)`` "will not
-replace the existing one"): no re-instantiation, so ``shuffle``/``seed`` stay the loader's own. Rank
-and world size come from a ``DistributedSampler`` passed as ``sampler`` (what Lightning's
-``_update_dataloader`` does), else from ``torch.distributed``'s default group when it is initialised (read
-at each use, so a loader built before the process group exists shards correctly), else one process.
+The sampler is a ``DistributedSampler`` subclass, so Lightning (``use_distributed_sampler=True``) leaves the
+loader as it is and ``shuffle``/``seed`` stay its own. Rank and world size come from a ``DistributedSampler``
+passed as ``sampler`` (what Lightning's ``_update_dataloader`` does), else from ``torch.distributed``'s default
+group, read at each use (a loader built before the process group exists shards correctly), else one process.
 """
 
 from __future__ import annotations
@@ -31,14 +25,12 @@ from .global_batches import consumed, rank_share, share_size, steps_left
 
 
 class _PositionSampler(DistributedSampler):
-    """This rank's indices of one epoch (a permutation seeded by ``(seed, epoch)`` when shuffling, the same
-    on every rank) from global position ``start`` on; see :mod:`~megatrain_lightning.data.global_batches`.
+    """This rank's indices of one epoch from global position ``start`` on
+    (:mod:`~megatrain_lightning.data.global_batches`).
 
-    A ``DistributedSampler`` so that Lightning does not inject its own; ``DistributedSampler.__init__`` is not
-    called because it needs the rank and world size at construction, before ``torch.distributed`` may be
-    initialised: they are read when used (explicit ``num_replicas``/``rank`` first, else the default process
-    group, else one process). ``set_epoch`` is ignored on purpose: Lightning would call it with its
-    ``current_epoch``, which is off by one after some resumes; the loader sets ``epoch`` itself.
+    ``DistributedSampler.__init__`` is not called: it needs the rank and world size before ``torch.distributed``
+    may be initialised; they are read when used (module docstring). ``set_epoch`` is ignored on purpose:
+    Lightning's ``current_epoch`` is off by one after some resumes; the loader sets ``epoch`` itself.
     """
 
     def __init__(self, n: int, shuffle: bool, seed: int, batch_size: int, drop_last: bool,
@@ -85,31 +77,20 @@ class _PositionSampler(DistributedSampler):
 class ResumableDataLoader(DataLoader):
     """``DataLoader`` that resumes mid-epoch with the next global batch after a checkpoint, at any world size.
 
-    Data parallel (``W`` ranks, ``batch_size`` = ``b`` per rank): every rank builds the same epoch order;
-    global step ``k`` (from the epoch start, or from the resumed position) takes the next ``G = b * W``
-    samples of it and rank ``r`` gets the contiguous slice ``r * b : (r + 1) * b`` of them, so the ranks'
-    batches of a step, concatenated in rank order, are exactly the batch of one process with batch size
-    ``G``. An incomplete last global batch is split as evenly as possible over the ranks (batches then
-    differ by at most one sample), dropped with ``drop_last=True``, and also dropped with ``W > 1`` when it
-    has fewer samples than ranks (:mod:`~megatrain_lightning.data.global_batches`). Every rank yields the
-    same number of batches. ``W == 1`` is a plain in-order/shuffled loader.
-
-    Used for validation it shards the same way (each sample once, no padding); a plain validation
-    ``DataLoader`` gets Lightning's ``DistributedSampler`` instead (strided, padded by repeating samples).
+    Every rank builds the same epoch order and yields the same number of batches; how global steps and the
+    tail are split over ranks: :mod:`~megatrain_lightning.data.global_batches`. One process is a plain
+    in-order/shuffled loader. Used for validation it shards the same way (each sample once, no padding).
 
     Args:
         dataset: a map-style dataset (``len()`` and integer indexing).
         batch_size: samples per batch of each rank (``None``: one sample per step, no collation).
-        shuffle: reshuffle every epoch with a generator seeded by ``(seed, epoch)``, so the order
-            after a resume is the order of the uninterrupted run. The loader counts its own epochs
-            (one per iteration started); Lightning's ``current_epoch`` can differ by one after a
-            resume from a checkpoint written once ``fit`` stopped at ``max_steps`` mid-epoch.
+        shuffle: reshuffle every epoch with a generator seeded by ``(seed, epoch)``, so the order after a resume
+            is the uninterrupted run's. The loader counts its own epochs (one per iteration started).
         seed: shuffling seed (the same on every rank).
         **kwargs: any other ``DataLoader`` argument (``drop_last`` drops an incomplete global batch), and
             ``sampler``: only a ``torch.utils.data.DistributedSampler``, whose ``num_replicas``/``rank`` give
-            the world size and rank (instead of ``torch.distributed``'s) and whose ``shuffle``
-            replaces ``shuffle=`` (Lightning's re-instantiation passes ``shuffle=False`` with its sampler);
-            its seed and order are not used. ``batch_sampler`` only as ``None``.
+            the world size and rank and whose ``shuffle`` replaces ``shuffle=`` (its seed and order are not
+            used). ``batch_sampler`` only as ``None``.
 
     Raises:
         ValueError: a ``sampler`` that is not a ``DistributedSampler``, a ``batch_sampler``, ``shuffle=True``
@@ -177,19 +158,17 @@ class ResumableDataLoader(DataLoader):
         return self._steps(0)
 
     def resume_point(self) -> tuple[int, int] | None:
-        """For a loaded state not yet iterated: ``(samples, steps)``, the samples of the epoch's order consumed and
-        the global steps of this loader's configuration (batch size, world size) left of that epoch from there
-        (``0``: the epoch is complete and the next iteration starts the following one). ``None`` otherwise."""
+        """For a loaded state not yet iterated: ``(samples consumed, global steps left)`` of that epoch in this
+        loader's configuration (``0`` steps: the next iteration starts the following epoch). ``None`` otherwise."""
         if self._resume is None:
             return None
         _, samples, _ = self._resume
         return samples, self._steps(samples)
 
     def resume_at(self, batches: int, next_epoch: bool = False) -> None:
-        """Set the global steps of the resumed epoch counted as taken (Lightning's batch counter of the epoch) to
-        ``batches``; with ``next_epoch`` the loaded epoch is treated as complete. Called once the fit loop's counter
-        was set to match (:class:`~megatrain_lightning.data.ResumedEpochAlignment`); disables the check that the
-        first iteration after :meth:`load_state_dict` makes.
+        """Count ``batches`` global steps of the resumed epoch as taken (``next_epoch``: the loaded epoch is
+        complete). Called by :class:`~megatrain_lightning.data.ResumedEpochAlignment` once it set the fit loop's
+        counter to match; disables the first iteration's counter check.
 
         Raises:
             RuntimeError: no loaded state is pending."""
@@ -200,9 +179,8 @@ class ResumableDataLoader(DataLoader):
         self._aligned = True
 
     def _check_counter(self, start: int, batches: int) -> None:
-        """Raise if Lightning's batch counter restored with the state (``batches``, global steps of the saved
-        configuration) plus the steps left from sample ``start`` is not one epoch of this configuration: the epoch
-        would end early (samples never trained) or late."""
+        """Raise RuntimeError if the restored batch counter (``batches``, saved configuration) plus the steps left
+        from sample ``start`` is not one epoch now: the epoch would end early (samples never trained) or late."""
         left = self._steps(start)
         if start == 0 or left == 0 or batches + left == len(self):
             return
@@ -219,12 +197,10 @@ class ResumableDataLoader(DataLoader):
             "or resume with the saved batch size and world size.")
 
     def state_dict(self) -> dict[str, int]:
-        """``{"epoch", "samples", "batches", "batch_size", "world_size"}`` (and ``"accumulate_grad_batches"`` once
-        :class:`~megatrain_lightning.data.ResumedEpochAlignment` recorded the Trainer's), the same on every rank: the
-        epoch being iterated, the samples of its order consumed by the global steps yielded (all ranks together),
-        the global steps of it counted as taken (Lightning's batch counter of the epoch; ``samples`` decides the
-        resume position), and the configuration that wrote it. A state loaded but not yet iterated is returned
-        with its position as loaded."""
+        """``{"epoch", "samples", "batches", "batch_size", "world_size"}`` (plus ``"accumulate_grad_batches"`` once
+        :class:`~megatrain_lightning.data.ResumedEpochAlignment` recorded it), the same on every rank: ``samples``
+        (consumed by all ranks together) decides the resume position, ``batches`` is Lightning's batch counter of
+        the epoch. A state loaded but not yet iterated is returned as loaded."""
         world, _ = self._position.world()
         if self._resume is not None and not self._aligned:  # as loaded: its counter is in the saved configuration
             epoch, samples, batches = self._resume
@@ -242,14 +218,14 @@ class ResumableDataLoader(DataLoader):
         return out
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume: the next iteration continues epoch ``state["epoch"]`` after its first ``state["samples"]``
-        samples (or starts the following epoch if no global step of it is left), at this loader's world size
-        and batch size. A state without ``samples`` (written by one process before sharding existed:
-        ``{"epoch", "batches"}``) is read as ``batches`` global steps of this loader's global batch.
+        """The next iteration continues epoch ``state["epoch"]`` after its first ``state["samples"]`` samples (or
+        starts the following epoch if no global step is left), at this loader's batch size and world size. A
+        state without ``samples`` (``{"epoch", "batches"}``) is read as ``batches`` global steps of this loader's
+        global batch.
 
-        When the batch size or world size differs from the state's, Lightning's restored batch counter (in steps of
-        the saved configuration) no longer matches this loader's epoch: :class:`~megatrain_lightning.data.
-        ResumedEpochAlignment` resets it; without it the first iteration raises RuntimeError naming the change."""
+        With another batch size or world size than the state's, Lightning's restored batch counter no longer
+        matches: :class:`~megatrain_lightning.data.ResumedEpochAlignment` resets it; without it the first
+        iteration raises RuntimeError naming the change."""
         epoch, batches = int(state["epoch"]), int(state.get("batches", 0))
         if "samples" in state:
             samples = int(state["samples"])

@@ -1,19 +1,15 @@
 """Lightning's batch counter of a resumed epoch, made consistent with a :class:`ResumableDataLoader` that resumed
 with another batch size, world size or gradient accumulation than the run that wrote the checkpoint.
 
-Lightning restores the fit loop's batch counter of the epoch (``epoch_loop.batch_progress.current``: batches of the
-*saved* size already taken) and ends the epoch when that counter reaches ``trainer.num_training_batches`` (the
-loader's ``len()``, batches of the *new* size) or the data fetcher reports the last batch (``fetched``, started at the
-restored counter, reaches the loader's length). The loader resumes at the saved *sample* position, so with another
-global batch the counter is in the wrong unit: the epoch ended early (samples never trained) or late.
+Lightning restores the epoch's batch counter (``epoch_loop.batch_progress.current``, in batches of the *saved*
+size) and ends the epoch when it reaches ``trainer.num_training_batches`` (the loader's ``len()``, *new* size) or
+the data fetcher's ``fetched`` (started at the restored counter) reaches the loader's length. The loader resumes at
+the saved *sample* position, so with another global batch the epoch would end early (samples never trained) or late.
 
-:class:`ResumedEpochAlignment` (``on_train_start``, after Lightning loaded the loader's state and before the first
-batch) rewrites the counter to the batches of the new configuration that the consumed samples amount to:
-``len(loader) - steps_left``, so the epoch ends exactly when the samples run out. It rounds that down to a multiple
-of ``accumulate_grad_batches`` (the first optimizer step after the resume then accumulates whole windows) and, when
-it did round, shortens ``trainer.num_training_batches`` for the resumed epoch only (restored at its end: the
-following epochs are whole). ``global_step`` (optimizer steps) is not touched, so ``max_steps`` and step-based LR
-schedules continue from the checkpoint.
+:class:`ResumedEpochAlignment` (``on_train_start``: after the loader's state is loaded, before the first batch)
+sets the counter to ``len(loader) - steps_left``, rounded down to a multiple of ``accumulate_grad_batches`` (whole
+accumulation windows); when it rounds, ``trainer.num_training_batches`` is shortened for the resumed epoch only.
+``global_step`` is not touched, so ``max_steps`` and step-based LR schedules continue from the checkpoint.
 """
 
 from __future__ import annotations
@@ -28,17 +24,16 @@ _FIELDS = ("ready", "started", "processed", "completed")
 
 
 class ResumedEpochAlignment(Callback):
-    """Sets Lightning's batch counter of a resumed epoch from the :class:`ResumableDataLoader`'s sample position.
+    """Sets Lightning's batch counter of a resumed epoch from the :class:`ResumableDataLoader`'s sample position
+    (module docstring).
 
-    The recipes add one to their Trainer; elsewhere pass it in ``Trainer(callbacks=[...])`` (without it, a resume whose counter does not fit raises RuntimeError at the first
-    batch, see :meth:`ResumableDataLoader.load_state_dict`). It also records ``accumulate_grad_batches`` in the
-    loader's state. A no-op for fresh runs, other loaders, and resumes with an unchanged configuration.
+    The recipes add one; elsewhere pass it in ``Trainer(callbacks=[...])`` (without it, see
+    :meth:`ResumableDataLoader.load_state_dict`). Also records ``accumulate_grad_batches`` in the loader's state.
+    A no-op for fresh runs, other loaders, and resumes with an unchanged configuration.
 
     Raises (at ``on_train_start``):
-        RuntimeError: the training data has several loaders of which one resumed with a changed configuration
-            (one counter cannot match several), or the samples left of the resumed epoch are fewer than one global
-            step of the new configuration (dropped as a tail: ``drop_last``, or fewer than the world size) while
-            the checkpoint was written mid-epoch; the message names the old and new values and what to do.
+        RuntimeError: several training loaders of which one resumed with a changed configuration, or a
+            mid-epoch checkpoint whose samples left are fewer than one global step of the new configuration.
     """
 
     def __init__(self) -> None:

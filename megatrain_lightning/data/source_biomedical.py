@@ -40,8 +40,8 @@ def drug_dictionary() -> dict:
 
     Keys: ``drug_canonical_to_data`` (canonical lower-case name -> ``{"name", "mesh_id", "mesh_tree",
     "synonyms", ...}``), ``drug_variant_to_canonical`` (variant -> list of canonical names),
-    ``drug_variant_to_variant_data``. Loaded with bz2 + pickle from the package directory only (a
-    trusted, installed file; never a user path). Cached; about 0.3 s.
+    ``drug_variant_to_variant_data``. A bz2 pickle from the package directory only (module docstring). Cached;
+    about 0.3 s.
 
     Raises:
         ModuleNotFoundError: the package is not installed (``pip install drug-named-entity-recognition==2.0.9``).
@@ -74,8 +74,8 @@ def _synonym(canonical: str, data: dict, variants: dict[str, list[str]]) -> str 
 
 
 def drug_pairs(kinds: tuple[str, ...] = DRUG_KINDS) -> list[dict]:
-    """Instruction pairs about drugs: ``[{"id": "drug/<name>/<kind>", "prompt", "response", "group": "drug/<name>", "kind"}]``,
-    drugs in alphabetical order of their canonical name, kinds in ``DRUG_KINDS`` order.
+    """Instruction pairs about drugs: ``[{"id": "drug/<name>/<kind>", "prompt", "response", "group": "drug/<name>",
+    "kind"}]``, drugs in alphabetical order of their canonical name, kinds in ``DRUG_KINDS`` order.
 
     Raises:
         ModuleNotFoundError / FileNotFoundError: see :func:`drug_dictionary`.

@@ -209,7 +209,7 @@ def _hf_records(dataset_id: str, split: str) -> Iterable[dict]:
 
 
 def looks_like_hf_id(s: str) -> bool:
-    """``True`` for ``name`` or ``owner/name`` without a known file extension and not starting with ``.``, ``/`` or ``~``."""
+    """``True`` for ``name`` or ``owner/name`` without a known file extension, not starting with ``.``/``/``/``~``."""
     return bool(_HF_ID.match(s)) and Path(s).suffix.lower() not in READABLE + (".csv",)
 
 
@@ -257,29 +257,27 @@ def load_user_source(
     hf_split: str = "train",
     limit: int | None = None,
 ) -> list[dict]:
-    """Documents of ``shape`` from a local file, a directory, or a Hugging Face dataset id (rules in the module docstring).
+    """Documents of ``shape`` from a local file, a directory, or a Hugging Face dataset id (module docstring).
 
     Args:
-        path_or_id: a ``.jsonl``/``.json``/``.parquet``/``.txt`` file, a directory, or a dataset id such as ``"owner/name"``.
+        path_or_id: a ``.jsonl``/``.json``/``.parquet``/``.txt`` file, a directory, or a dataset id (``"owner/name"``).
         shape: ``"text"`` or ``"instruction"``.
         text_field, prompt_field, response_field, input_field, messages_field, conversations_field, id_field: record
-            field names (see :class:`~megatrain_lightning.data.records.RecordMapper`; ``None`` prompt/response
-            fields are found: ``prompt``/``instruction``, ``response``/``output``/``completion``).
+            field names (:class:`~megatrain_lightning.data.records.RecordMapper`).
         txt_mode: ``"file"`` (one document per ``.txt`` file) or ``"line"`` (one per non-blank line).
         errors: invalid UTF-8 handling, ``"replace"`` (warn and decode with U+FFFD) or ``"strict"`` (ValueError).
         hf_split: split of a Hugging Face dataset.
         limit: stop after this many documents (in reading order); ``None`` reads everything.
 
     Returns:
-        ``[{"id", "text"}]`` or ``[{"id", "prompt", "response"} | {"id", "messages"}]`` (plus ``group``/``kind`` if given).
+        ``[{"id", "text"}]`` or ``[{"id", "prompt", "response"} | {"id", "messages"}]`` (plus ``group``/``kind``).
 
     Raises:
         FileNotFoundError: the path does not exist (and is not a dataset id).
         ImportError: ``.parquet`` without pyarrow, or a dataset id without ``datasets``.
         RuntimeError: the Hugging Face dataset could not be loaded.
-        FieldError: a record lacks the named field (a ValueError naming the option and a suggested value).
-        FieldError: also a bad ``txt_mode``/``errors`` (its ``option``), and two records with one id
-            (``option="id_field"``, suggestion ``null``: the file and line as id; the message names the file).
+        FieldError: (a ValueError naming the option and a suggested value) a record lacks the named field, a bad
+            ``txt_mode``/``errors``, or two records with one id (``option="id_field"``, suggestion ``null``).
         ValueError: empty corpus, bad JSON, invalid UTF-8 under ``errors="strict"``, an unsupported file type.
     """
     fields = _mapper(shape, txt_mode, text_field=text_field, prompt_field=prompt_field, response_field=response_field,
@@ -313,9 +311,9 @@ def load_user_source(
 
 
 def peek_user_source(path_or_id: str | Path, shape: str = "text", n: int = 8, **options: Any) -> list[dict]:
-    """The first ``n`` documents of a local source, reading only its beginning (see the module docstring); for
-    checking field names before a run. A Hugging Face dataset id is not opened (``[]``; ``datasets`` must be
-    importable). ``options``: those of :func:`load_user_source` (``limit`` and ``hf_split`` are ignored).
+    """The first ``n`` documents of a local source, reading only its beginning (module docstring), to check field
+    names before a run. A dataset id is not opened (``[]``; ``datasets`` must be importable). ``options``: those of
+    :func:`load_user_source` (``limit`` and ``hf_split`` are ignored).
 
     Raises:
         the errors of :func:`load_user_source` that the first records show, plus ValueError for an unknown option.

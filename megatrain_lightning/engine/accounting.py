@@ -1,9 +1,6 @@
-"""Per-step statistics and the live-byte accounting every part of the engine reports to.
-
-The engine counts the bytes of the compute buffers (block weights on the device, their gradients
-before they reach the host) it has alive at once. On CPU with the NVMe tier those buffers are host
-memory, so the same counts are reserved in the :class:`~megatrain_lightning.store.budget.HostBudget`
-that bounds everything the tier holds (docs/internals/nvme.md, "Window, read-ahead, write-behind").
+"""Per-step statistics and the live bytes of compute buffers (block weights on the device, their gradients
+before they reach the host). On CPU with the NVMe tier these are host memory, reserved in the
+:class:`~megatrain_lightning.store.budget.HostBudget` (docs/internals/nvme.md, "Window, read-ahead, write-behind").
 """
 
 from __future__ import annotations
@@ -24,43 +21,36 @@ class StepStats:
     """Per-optimizer-step accounting (reset after each step).
 
     Attributes:
-        h2d_bytes: bytes copied host -> device (weights and restored activations); what a CPU device
-            binds or uses in place is not copied and not counted (``cpu_zero_copy``: 0 for ``32-true``).
+        h2d_bytes: bytes copied host -> device (weights, restored activations); a CPU device's in-place use
+            is not counted (``cpu_zero_copy``: 0 for ``32-true``).
         d2h_bytes: bytes copied device -> host (gradients and offloaded activations).
         wait_s: seconds the compute thread waited for weights or gradients (stall time).
         optimizer_s: seconds spent in AdamW updates (mostly on the H2D worker, overlapped).
         compute_s: seconds the compute thread spent inside block forward/backward calls, waits excluded.
-        peak_device_bytes: CUDA: ``torch.cuda.max_memory_allocated`` since the previous step (the
-            engine resets CUDA's peak statistics at every step: read them in ``on_before_optimizer_step``
-            if you measure over several steps); CPU: peak bytes of block weight/gradient buffers
-            the engine had alive at once.
+        peak_device_bytes: CUDA: ``torch.cuda.max_memory_allocated`` since the previous step (reset every
+            step: read it in ``on_before_optimizer_step`` to measure over several); CPU: peak bytes of
+            block weight/gradient buffers alive at once.
         blocks_fetched: number of block fetches (forward + backward + evaluation).
-        weight_transfers: fetches handed to the H2D worker: one per block fetch, or per block group
-            (``block_group``: the consecutive members one fetch serves).
-        prefetch_misses: fetches that were not prefetched (the compute thread had to start the copy).
-        activation_restore_misses: offloaded block inputs whose H2D copy was not started one call ahead
-            (``offload_activations``; the compute thread started it when backward needed it).
+        weight_transfers: fetches handed to the H2D worker (one per block, or per ``block_group``).
+        prefetch_misses: fetches not prefetched (the compute thread started the copy).
+        activation_restore_misses: offloaded block inputs whose H2D copy was not started one call ahead.
         activation_restored_peak_bytes: most bytes of restored (offloaded) block inputs alive at once.
         cast_s: seconds the H2D worker spent casting fp32 masters to the bf16/fp16 wire copies.
-        d2h_queue_peak: most gradient batches queued for the D2H worker at once (bounded by the
-            gradient sink's ``max_inflight``: each keeps its gradients on the device until copied).
-        d2h_busy_s: seconds gradient copies device -> host were running (CUDA: between events recorded
-            on the D2H stream around each copy; CPU: the conversion to the wire dtype, if any). They
-            overlap the host adds of earlier batches (docs/architecture.md, "Engine layout").
-        d2h_copy_wait_s: seconds the D2H worker waited for a gradient copy to finish before adding it
-            (the copy time not hidden behind host adds; on CUDA it includes waiting for the block's
-            backward that produces the gradients).
+        d2h_queue_peak: most gradient batches queued for the D2H worker at once (at most the gradient
+            sink's ``max_inflight``; each keeps its gradients on the device until copied).
+        d2h_busy_s: seconds gradient copies device -> host ran (CUDA: between events on the D2H stream;
+            CPU: the conversion to the wire dtype, if any).
+        d2h_copy_wait_s: seconds the D2H worker waited for a gradient copy before adding it (CUDA: includes
+            waiting for the backward that produces the gradients).
         grad_add_s: seconds the D2H worker spent adding gradients into the fp32 host accumulators.
-        grad_reduce_s: data parallel with gloo: seconds the D2H worker spent averaging gradient batches
-            over the ranks (``engine/reduce.py``; includes waiting for the slowest rank). NCCL reduces on
-            the device, asynchronously: 0 there (the time shows in ``d2h_copy_wait_s``).
-        recompute_s: seconds the compute thread spent recomputing block forwards in backward (part of
-            ``compute_s``; with ``recompute="selective"``/``"none"`` kept op outputs are not recomputed).
-        saved_activation_bytes: most bytes of activations kept on the device at once between forward
-            and backward (saved block inputs that need gradients, plus op outputs the recompute
-            policy keeps; offloaded ones excluded). Not counted: the graph the last block of a forward
-            keeps until its backward right after (the LM head's logits, ``[B, T, V]``, when the loss is
-            not chunked or the user computes it from ``out.logits``).
+        grad_reduce_s: data parallel with gloo: seconds the D2H worker spent averaging gradient batches over
+            the ranks, slowest rank's wait included (``engine/reduce.py``). NCCL: 0 (the
+            time shows in ``d2h_copy_wait_s``).
+        recompute_s: seconds spent recomputing block forwards in backward (part of ``compute_s``).
+        saved_activation_bytes: most bytes of activations kept on the device at once between forward and
+            backward (saved block inputs needing gradients, op outputs the recompute policy keeps; offloaded
+            ones excluded). Not counted: the last block's graph, kept until its backward right after (the LM
+            head's ``[B, T, V]`` logits when the loss is not chunked).
     """
 
     h2d_bytes: int = 0
@@ -92,14 +82,13 @@ class ByteAccounting:
     """Live bytes of compute buffers and in-flight gradients, and the step's statistics.
 
     Args:
-        reserve / unreserve: reserve and give back bytes in the host budget (CPU device with the NVMe
-            tier, where the compute buffers are host memory: ``NVMeStore.reserve``, which evicts clean
-            window buffers or waits, and ``HostBudget.release``), or ``None`` to count only.
+        reserve / unreserve: reserve and give back bytes in the host budget (CPU + NVMe tier:
+            ``NVMeStore.reserve``, which may evict or wait, and ``HostBudget.release``), or ``None`` to count only.
         on_release: called after a block's buffers are released (CUDA: records the compute stream's
             progress, which bounds how far the H2D worker may run ahead).
 
-    Thread-safe: the H2D and D2H workers report through it too; the step's statistics change only
-    through :meth:`add` and :meth:`peak` (under the same lock), never by ``stats.x += ...``.
+    Thread-safe: the statistics change only through :meth:`add` / :meth:`peak` / :meth:`set` (one lock),
+    never by ``stats.x += ...``.
     """
 
     def __init__(self, reserve: Callable[[int], None] | None = None, unreserve: Callable[[int], None] | None = None,
@@ -112,8 +101,7 @@ class ByteAccounting:
         self.history: list[dict[str, float]] = []
 
     def track(self, nbytes: int) -> None:
-        """Count ``nbytes`` more (negative: fewer) live bytes; with a budget, reserve them first
-        (may wait for room) or release them."""
+        """Count ``nbytes`` more (negative: fewer) live bytes; with a budget, reserve (may wait) or release."""
         if self._reserve is not None and nbytes > 0:
             self._reserve(nbytes)
         elif self._unreserve is not None and nbytes < 0:
@@ -162,12 +150,10 @@ class ByteAccounting:
 
 
 def compute_window_bytes(layout: Sequence[tuple[int, int]], blocks: Sequence[Block], lookahead: int) -> int:
-    """Host bytes the engine's compute buffers take at most on a CPU device, where they share the NVMe
-    tier's ``host_memory_limit``: the weights of ``lookahead + 3`` blocks (computing, prefetched, the
-    last block kept for backward, one in backward), two gradient batches queued for the D2H worker
-    (the gradient sink never queues more), a wire image (mixed precision: up to the fp32 size of
-    the block), and the buffers and gradients of containers' own parameters (bound for the whole
-    forward and backward).
+    """Most host bytes of the engine's compute buffers on a CPU device (they share the NVMe tier's
+    ``host_memory_limit``): the weights of ``lookahead + 3`` blocks (computing, prefetched, last one kept
+    for backward, one in backward), two gradient batches (the sink's limit), a wire image (up to fp32 size),
+    and the buffers and gradients of containers' own parameters (bound for the whole step).
 
     Args:
         layout: per slab, ``(numel, trainable numel)`` (fp32 elements)."""

@@ -1,19 +1,11 @@
 """Block groups: several consecutive blocks fetched as one transfer unit.
 
-A fetch has a fixed cost besides its bytes: a task handed to the H2D worker thread, its wake-up, an
-event per copy and the compute thread's wait (docs/internals/streaming.md, "Per-block cost"). Where blocks are
-small (SmolLM2-135M: 14 MB per decoder layer) that cost is not hidden behind the block's compute.
-With ``block_group=G`` the H2D worker fetches ``G`` consecutive decoder layers in one task; each
-member's part completes its own future (the first member computes while the worker copies the next),
-and the members not used yet stay on the device until their call (or until the schedule moves to another group, or an optimizer update makes them
-stale: then they are released unused). Each member keeps its own buffers, so the live-byte
-accounting and the release of each member stay exact; the arithmetic is the same as ``G=1``.
-
-Only consecutive blocks of the same module class that each own exactly one slab that no other block
-reads (decoder layers; not the embedding or LM head, not containers' own parameters) are grouped.
-A fetch copies the members the fetch sequence uses from it (:meth:`GroupSchedule.run_at`): with
-``recompute_every`` chains or ``recompute="none"`` a group's fetch may need fewer than all its
-members, and none is copied in vain.
+A fetch has a fixed cost besides its bytes (docs/internals/streaming.md, "Per-block cost"), not hidden
+where blocks are small (SmolLM2-135M: 14 MB per decoder layer). With ``block_group=G`` the H2D worker
+fetches ``G`` consecutive decoder layers in one task; each member completes its own future and keeps its
+own buffers (exact live-byte accounting and release; members not used are released unused). Which blocks
+group: :func:`form_groups`. A fetch copies only the members the fetch sequence uses from it
+(:meth:`GroupSchedule.run_at`; ``recompute_every`` chains and ``recompute="none"`` may use fewer).
 """
 
 from __future__ import annotations
@@ -32,10 +24,9 @@ def form_groups(blocks: Sequence[Block], size: int) -> list[tuple[int, ...]]:
         size: blocks per group (``block_group``); 1 gives one group per block.
 
     Returns:
-        Groups in index order, each a tuple of block indices; every block is in exactly one group.
-        A block is grouped with its neighbours only when they have the same module class (decoder
-        layers), it reads no other block's slab, no other block reads its slab, and it is not a
-        container's own parameters (``Block.direct``).
+        Groups in index order, each a tuple of block indices; every block is in exactly one group. A block
+        joins its neighbours only when they share its module class, it owns exactly one slab no other block
+        reads, and it is not a container's own parameters (``Block.direct``).
 
     Raises:
         ValueError: ``size`` is not an int >= 1.
@@ -75,8 +66,8 @@ class GroupSchedule:
         self.size = max((len(g) for g in groups), default=1)
 
     def run_at(self, seq: Sequence[int], p: int) -> tuple[int, ...]:
-        """The blocks one fetch at position ``p`` of ``seq`` serves: ``seq[p]`` and the entries right
-        after it that are other members of its group (until another group's block or a repeated member)."""
+        """The blocks one fetch at position ``p`` of ``seq`` serves: ``seq[p]`` and the following other members of
+        its group, up to another group's block or a repeated member."""
         g = self.group_of[seq[p]]
         out = [seq[p]]
         for bi in seq[p + 1:]:
@@ -86,14 +77,13 @@ class GroupSchedule:
         return tuple(out)
 
     def iter_upcoming(self, seq: Sequence[int], pos: int, left: set[int]) -> Iterator[tuple[int, ...]]:
-        """The fetches of ``seq`` after position ``pos``, in order, lazily, each the tuple of blocks it
-        serves (:meth:`run_at`); a run fetched twice (a recompute chain) comes at each of its positions.
+        """The fetches of ``seq`` after position ``pos``, lazily, each as :meth:`run_at` (a run fetched
+        twice, in a recompute chain, comes at each position).
 
         Args:
             seq: the fetch sequence (block indices).
             pos: position of the fetch being served now.
-            left: the members of the current fetch not used yet (they come next in ``seq``, served
-                without a new fetch).
+            left: the members of the current fetch not used yet (next in ``seq``, no new fetch).
         """
         left, p = set(left), pos + 1
         while p < len(seq) and seq[p] in left:

@@ -1,34 +1,18 @@
-"""What a block's forward saw of its modules: their ``training`` flags, the values of its buffers
-(BatchNorm's ``running_mean``/``running_var``/``num_batches_tracked``) and the module hooks, replayed when the block
-is recomputed.
+"""What a block's forward saw of its modules, replayed when the block is recomputed in backward, so the
+recompute differentiates the forward that ran (docs/internals/block-calls.md has the table):
 
-A recomputed block runs its forward twice per step (the forward, then its recompute in backward). Three kinds of
-module state can differ between the two runs:
+* ``training`` flags of every submodule: a ``training_step`` may switch modes between forward and backward
+  (other dropout masks, BatchNorm batch vs running statistics otherwise);
+* buffer values the forward started from (BatchNorm's ``running_mean``/``running_var``/``num_batches_tracked``):
+  the recompute runs on a fresh copy and the current values are put back, so each buffer keeps exactly the
+  forwards' updates (also when a later forward updated it before this backward);
+* module hooks of every submodule and torch's global module hooks (``register_module_forward_hook``), shallow
+  copies: a hook added or removed between forward and backward is as at the forward. They run again in the
+  recompute, as in ``torch.utils.checkpoint`` (a call counter sees another call).
 
-* ``training`` flags: a ``training_step`` that switches modes between a block's forward and its backward
-  (a forward under ``model.eval()`` followed by ``model.train()``, BatchNorm layers set to eval inside a block,
-  ``eval()`` before ``backward()``) would otherwise recompute with the backward-time flags: other dropout masks
-  (dropout acts only in training mode), other BatchNorm statistics (batch vs running), so other gradients than
-  plain PyTorch's, which differentiates the forward it ran. The flags of every submodule are recorded at the
-  forward and set for the recompute (then put back).
-* buffers: a buffer the forward updates in training mode would be updated twice where plain PyTorch updates it
-  once, and the recompute would see the updated value where the forward saw the old one (also when another
-  forward updated it after this one: an eval-mode forward, then a train-mode one, then one backward). A copy of
-  the buffer values the forward started from is kept; the recompute runs on a fresh copy of them and the current
-  values are put back afterwards, so the module keeps exactly the forwards' updates.
-
-* module hooks: a forward hook, pre-hook or backward hook on a submodule of the block (or one of torch's global
-  module hooks, ``register_module_forward_hook``) that the user registers or removes between the forward and its
-  backward (an intervention context manager, activation steering, a hook
-  removed right after the forward) would otherwise be in or out of the recompute as it is at backward time,
-  where plain PyTorch's graph has what the forward ran. The hook dictionaries of every submodule are recorded at
-  the forward (a shallow copy where not empty) and installed for the recompute. The hooks run again there, as
-  in ``torch.utils.checkpoint``: a hook whose output depends on state it changes (a call counter) sees another
-  call.
-
-Decoder layers of Hugging Face models hold no buffers (rotary tables live on the model): for them a snapshot is
-one walk over the block's submodules (about ten for a decoder layer) and one flag per submodule, nothing cloned.
-A block with buffers (BatchNorm) has them cloned at every training-mode block call (2 x channels values each).
+Cost: Hugging Face decoder layers hold no buffers (rotary tables live on the model), so a snapshot is one walk
+over about ten submodules, nothing cloned; a block with buffers (BatchNorm) clones them at every training-mode
+call (2 x channels values each).
 """
 
 from __future__ import annotations
@@ -81,10 +65,8 @@ class BlockState:
 
     @contextlib.contextmanager
     def replayed(self) -> Iterator[None]:
-        """Within the context every submodule has the ``training`` flag the forward saw and the buffers hold
-        (copies of) the values the forward started from, and each submodule's hooks are the ones it had then; on exit
-        the flags and hooks are the current ones again and each buffer is the tensor it was on entry, so what the
-        recompute wrote into them is dropped."""
+        """Within the context, flags, hooks and (copies of) buffer values are as the forward saw them; on exit
+        they are the current ones again, and what the recompute wrote into the buffers is dropped."""
         flags = [(m, m.training) for m, _ in self._modes]
         for m, was in self._modes:
             if m.training != was:
@@ -127,12 +109,11 @@ class BlockState:
 
 
 def snapshot(module: nn.Module, name: str = "", warned: set[str] | None = None) -> BlockState:
-    """The ``training`` flags of ``module`` and its submodules, a copy of their buffers and of their hook
-    dictionaries, before a block call's forward. The copies are kept until the call's backward even when its
-    forward changed no buffer: a later forward before that backward may (an eval-mode forward reads BatchNorm's
-    running statistics, a train-mode one then updates them in place), and the recompute must read what its forward
-    read. ``name``: the block's path, for the one warning about user forward hooks inside it
-    (:func:`warn_inner_forward_hooks`); ``warned``: the block paths already warned about (one set per engine)."""
+    """The :class:`BlockState` of ``module`` before a block call's forward. Buffers are copied even when the
+    forward changes none: a later forward before this backward may update them in place.
+
+    ``name``: the block's path, for the one warning of :func:`warn_inner_forward_hooks`; ``warned``: the block
+    paths already warned about (one set per engine)."""
     modules = list(module.modules())
     state = BlockState(modules)
     if warned is not None and name not in warned:
@@ -145,8 +126,8 @@ _KNOWN = ("transformers.", "torch.", "megatrain_lightning.", "peft.", "accelerat
 
 
 def has_user_hooks(m: nn.Module, backward: bool = False) -> bool:
-    """Whether ``m`` has a forward hook or pre-hook (``backward``: or a backward hook) registered by code other than
-    the libraries whose hooks are known to be handled (:data:`_KNOWN`: transformers' output recorder...)."""
+    """Whether ``m`` has a forward hook or pre-hook (``backward``: or a backward hook) from code outside
+    :data:`_KNOWN`."""
     if not (m._forward_hooks or m._forward_pre_hooks or (backward and (m._backward_hooks or m._backward_pre_hooks))):
         return False
     dicts = (m._forward_hooks, m._forward_pre_hooks) + ((m._backward_hooks, m._backward_pre_hooks) if backward else ())
@@ -155,11 +136,9 @@ def has_user_hooks(m: nn.Module, backward: bool = False) -> bool:
 
 
 def warn_inner_forward_hooks(name: str, block: nn.Module, inner: list[nn.Module], warned: set[str]) -> None:
-    """Warn (and add ``name`` to ``warned``) if a submodule inside the block (not the block itself) has a forward hook or
-    pre-hook from user code: the block's forward keeps no autograd history past its return (it is recomputed in backward), so
-    a tensor such a hook keeps (activation capture) cannot be differentiated: a backward through a loss computed from
-    it raises (engine/boundary/forward.py), where plain PyTorch would differentiate it. The hook also runs again in the
-    recompute. A hook on the block itself sees the block call's outputs, which have their history."""
+    """Warn (and add ``name`` to ``warned``) if a submodule inside the block (not the block itself) has a user
+    forward hook or pre-hook: a tensor it keeps has no autograd history (a backward through it raises in
+    engine/boundary/forward.py), and it runs again in the recompute. A hook on the block sees outputs with history."""
     hooked = [m for m in inner if has_user_hooks(m)]
     if hooked:
         paths = {id(m): n for n, m in block.named_modules()}

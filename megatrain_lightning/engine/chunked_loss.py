@@ -1,17 +1,10 @@
 """Cross-entropy of a linear LM head over chunks of tokens, never materialising all logits.
 
-``chunked_linear_cross_entropy(h, weight, bias, target, chunk)`` returns the *sum* over tokens of
-``cross_entropy(transform(h @ weight.T + bias).float(), target)`` (``ignore_index`` tokens
-contribute 0) while holding the logits of at most ``chunk`` tokens at a time: the forward computes
-each chunk's logits, its loss, and frees them; the backward recomputes each chunk's logits, takes
-the gradient of that chunk's loss with respect to them (autograd, so every dtype step is the one
-the full computation takes) and multiplies it into the gradients of ``h``, ``weight`` and ``bias``.
-The per-token values are the full computation's; only the sums over tokens (the loss, the weight
-and bias gradients) are taken chunk by chunk, in another order (docs/internals/long-sequences.md).
-
-``transform`` is a list of element-wise operations applied to the raw head output before the loss
-(Gemma 2's final-logit soft-capping ``logits / c``, ``tanh``, ``* c``): recorded from the model's
-own forward by :mod:`.head_loss`, replayed on each chunk, so soft-capped models are exact too.
+The forward computes and frees each chunk's logits; the backward recomputes them and takes their gradient
+by autograd on the chunk's loss (so every dtype step is the full computation's). Per-token values are the
+full computation's; only the sums over tokens run in another order (docs/internals/long-sequences.md).
+``transform``: the element-wise operations the model applies before its loss (Gemma 2's soft-capping),
+recorded by :mod:`.head_loss` and replayed on each chunk.
 """
 
 from __future__ import annotations
@@ -25,15 +18,13 @@ from ..config import check_chunk_size
 
 DEFAULT_LOSS_CHUNK_BYTES = 256 * 2**20
 """Bytes of fp32 logits per chunk when ``loss_chunk_size="auto"`` (256 MiB: 523 tokens of a
-128,256-token vocabulary, 2,097 tokens of a 32,000-token one). A chunk's backward holds about four
-such tensors (raw logits, their fp32 copy, the log-softmax the loss keeps, the gradient)."""
+128,256-token vocabulary, 2,097 of a 32,000-token one). A chunk's backward holds about four such tensors."""
 
 Transform = Sequence[Callable[[torch.Tensor], torch.Tensor]]
 
 
 def auto_loss_chunk(vocab_size: int, chunk_bytes: int = DEFAULT_LOSS_CHUNK_BYTES) -> int:
-    """Tokens per loss chunk whose fp32 logits (``tokens x vocab_size x 4`` bytes) fit in ``chunk_bytes``
-    (at least 1)."""
+    """Tokens per loss chunk whose fp32 logits (``tokens x vocab_size x 4`` bytes) fit in ``chunk_bytes``, >= 1."""
     return max(1, chunk_bytes // (4 * max(1, vocab_size)))
 
 
@@ -49,10 +40,7 @@ def _chunk_loss(logits: torch.Tensor, target: torch.Tensor, transform: Transform
 
 
 class _ChunkedLinearCE(torch.autograd.Function):
-    """Sum of per-token cross-entropies of ``transform(linear(h, weight, bias))``, chunked over tokens.
-
-    Inputs: ``h`` ``[N, H]``, ``weight`` ``[V, H]``, ``bias`` ``[V]`` or ``None``, ``target`` ``[N]``
-    (int64). Output: a 0-dim fp32 tensor. Saves ``h``, ``weight``, ``bias``, ``target`` (no logits)."""
+    """:func:`chunked_linear_cross_entropy`'s autograd function; saves its inputs, no logits."""
 
     @staticmethod
     def forward(ctx, h, weight, bias, target, chunk: int, transform: Transform, ignore_index: int):  # type: ignore[override]
@@ -119,9 +107,8 @@ def chunked_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, bias: to
         ignore_index: label value that is not a target (transformers: -100).
 
     Returns:
-        A 0-dim fp32 tensor, differentiable with respect to ``h``, ``weight`` and ``bias``; equal to
-        ``F.cross_entropy(transform(F.linear(h, weight, bias)).float(), target, reduction="sum")`` up to
-        the order of the sums over tokens.
+        A 0-dim fp32 tensor, differentiable with respect to ``h``, ``weight`` and ``bias``: the ``reduction="sum"``
+        cross-entropy up to the order of the sums over tokens.
 
     Raises:
         ValueError: ``chunk`` not a positive int, or ``h`` and ``target`` disagree in length.
@@ -139,13 +126,10 @@ def causal_lm_loss(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                    shift_labels: torch.Tensor | None = None, drop_ignored: bool | None = None) -> torch.Tensor:
     """transformers' ``ForCausalLMLoss`` on ``transform(linear(h))``, chunked over tokens.
 
-    Labels are shifted by one as Hugging Face does (``labels[..., 1:]``, the last position ignored)
-    unless ``shift_labels`` is given; tokens whose label is ``ignore_index`` contribute exactly zero
-    loss and gradient; the mean is over the other tokens, or the sum divided by ``num_items_in_batch``
-    when given (gradient accumulation across devices/batches). With ``drop_ignored`` (default: on a CPU
-    device) the ignored tokens are dropped before the head (no logits computed for them); else they go
-    through it, because the number of tokens kept would have to reach the host first (``nonzero``: the
-    host waits for the device at every micro-batch), and the count of the mean stays a device tensor.
+    Labels are shifted as Hugging Face does unless ``shift_labels`` is given; ``ignore_index`` tokens
+    contribute exactly zero loss and gradient; the mean is over the other tokens, or the sum divided by
+    ``num_items_in_batch``. ``drop_ignored`` (default: on a CPU device) drops ignored tokens before the head;
+    on an accelerator that would need their number on the host (a sync per micro-batch), so they go through.
 
     Args:
         h: ``[B, T, H]`` hidden states; ``labels`` / ``shift_labels``: ``[B, T]`` int64.

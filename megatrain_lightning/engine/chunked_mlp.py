@@ -1,18 +1,11 @@
 """The MLP of each block over chunks of the sequence (``mlp_chunk_size``).
 
-A decoder layer's MLP keeps the largest activations of the block for its backward: per token the
-gate and up projections, the activation and their product, 3.5x-5x the hidden size (Llama:
-intermediate 3.5 x hidden, times four tensors). The MLP is computed per token, so running it over
-chunks of the sequence gives the same per-token values. Under grad mode (the block's recompute in
-backward) each chunk runs under ``torch.utils.checkpoint`` (non-reentrant): only the chunk's input
-is kept, and its intermediates are recomputed and freed one chunk at a time in backward, so the
-block's backward holds the MLP intermediates of ``mlp_chunk_size`` tokens instead of all of them.
-Cost: one more forward of the MLP per block in backward. Attention is not chunked (SDPA or eager,
-as the model chooses).
-
-The MLP is the block's child named ``mlp`` (Llama, Mistral, Mixtral, Qwen, Gemma, Phi-3, GPT-2),
-``feed_forward`` or ``block_sparse_moe``; its ``forward`` (an instance attribute, removed at
-uninstall) is wrapped. Inputs ``[B, T, H]`` with ``T > mlp_chunk_size`` are chunked along ``T``.
+A decoder layer's MLP keeps the block's largest activations for backward (gate, up, activation, product:
+Llama's intermediate is 3.5 x hidden). It is per token, so chunks of the sequence give the same values.
+Under grad mode each chunk is a non-reentrant ``torch.utils.checkpoint``, so backward holds one chunk's
+intermediates; cost: one more MLP forward per block in backward (docs/internals/long-sequences.md, "MLP").
+The MLP child (:data:`MLP_NAMES`) gets an instance ``forward``, removed at uninstall; inputs ``[B, T, H]``
+with ``T > mlp_chunk_size`` are chunked along ``T``.
 """
 
 from __future__ import annotations
@@ -76,11 +69,9 @@ _state = threading.local()
 
 @contextlib.contextmanager
 def plain_chunks() -> Iterator[None]:
-    """Inside: :func:`chunked_call` runs its chunks without checkpointing them (this thread). The engine
-    enters it around a block forward or recompute that torch's selective activation checkpointing
-    manages (``recompute="selective"``/``"none"``/``"auto"``'s measurement): there the policy already
-    keeps or recomputes each op's output, and a checkpoint per chunk would drop what it kept and run the
-    MLP forward once more inside backward."""
+    """Inside: :func:`chunked_call` does not checkpoint its chunks (this thread). For calls that selective
+    activation checkpointing manages: its policy already keeps or recomputes each op's output, and a checkpoint
+    would drop what it kept and run the MLP forward once more."""
     prev = getattr(_state, "plain", False)
     _state.plain = True
     try:
@@ -94,10 +85,8 @@ def chunked_call(forward: Callable[[torch.Tensor], Any], x: torch.Tensor, chunk:
     """``forward(x)`` for ``x`` ``[B, T, ...]`` computed over ``x[:, s:s + chunk]`` and concatenated along
     dim 1; each chunk checkpointed when grad mode is on (not inside :func:`plain_chunks`).
 
-    ``module``: the module ``forward`` belongs to. Its parameters as bound *now* (the engine binds a
-    block's parameters to device views or gradient leaves only for the block's call) are passed to the
-    checkpoint and bound again when backward recomputes the chunk, which happens after the engine's
-    binding has ended.
+    ``module``: the module ``forward`` belongs to. Its parameters as bound *now* (only during the block's
+    call) are passed to the checkpoint and bound again for the chunk's recompute, after that binding ended.
 
     Raises:
         RuntimeError: ``forward`` returns anything but a tensor ``[B, chunk, ...]`` (an MLP that is not

@@ -1,19 +1,13 @@
 """Reused compute buffers for a CPU device that copies (``cpu_zero_copy=False``), as CUDA's caching
 allocator reuses device memory.
 
-A fetch on a CPU device that copies allocates a buffer per slab. glibc maps every allocation above
-its mmap threshold (at most 32 MiB) afresh and unmaps it when freed, so each fetch of a large block
-page-faults all of its memory again: 40 ms per fetch of SmolLM2-135M's 113 MB tied embedding on the
-2-core development machine (two per step), against 8.5 ms for the copy itself (measured with a
-per-phase timer around ``WeightFetcher.fetch``). On CUDA the caching allocator hands a freed block of
-device memory to the next fetch of the same size without any such cost; :class:`BufferPool` does the
-same for the CPU "device", so the emulation pays for the copy, not for the allocation.
+glibc maps every allocation above its mmap threshold (at most 32 MiB) afresh, so each fetch of a large
+block page-faults all of its memory again: 40 ms per fetch of SmolLM2-135M's 113 MB tied embedding on the
+2-core development machine, against 8.5 ms for the copy (per-phase timer around ``WeightFetcher.fetch``).
 
-A pooled buffer is handed out as a view; it is free again when no tensor or storage object refers to
-its memory besides the pool's own tensor: torch's use count of the storage
-(``torch._C._storage_Use_Count``, checked against torch 2.13 by tests/test_cpu_buffers.py) is back at
-the value it had when the pool made it. Views of views, autograd's saved tensors and storage objects
-all hold a use, so a buffer still read anywhere is never handed out again.
+A pooled buffer is handed out as a view and is free again when torch's storage use count
+(``torch._C._storage_Use_Count``, checked against torch 2.13 by tests/test_cpu_buffers.py) is back at its
+value when the pool made it: views, autograd's saved tensors and storage objects all hold a use.
 """
 
 from __future__ import annotations
@@ -30,9 +24,8 @@ def _storage_uses(t: torch.Tensor) -> int:
 class BufferPool:
     """Host buffers by ``(numel, dtype)``, reused once nothing refers to them (module docstring).
 
-    The pool keeps every buffer it made (at most as many of one size as were in use at once: the
-    compute window, a few blocks), for the engine's lifetime. Thread-safe (the H2D worker takes, the
-    compute thread drops its views).
+    Keeps every buffer it made (per size, at most as many as were in use at once) for the engine's
+    lifetime. Thread-safe (the H2D worker takes, the compute thread drops its views).
     """
 
     def __init__(self):
@@ -41,8 +34,7 @@ class BufferPool:
         self._lock = threading.Lock()
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A buffer of ``numel`` elements of ``dtype`` (shape ``[numel]``, contents undefined): a
-        pooled one nothing refers to any more, or a new one."""
+        """A ``[numel]`` buffer of ``dtype``, contents undefined: a free pooled one, or a new one."""
         key = (numel, dtype)
         with self._lock:
             bufs = self._bufs.setdefault(key, [])

@@ -1,8 +1,7 @@
 """One block's weights to the device: its pending AdamW update, the cast to the wire dtypes, the copy.
 
-Runs on the H2D worker thread (:mod:`megatrain_lightning.engine.prefetch` schedules it). Under the
-mixed modes only the weights autocast casts at every use travel in bf16/fp16 (their wire layout,
-:mod:`megatrain_lightning.engine.wire`); docs/architecture.md, "Precision".
+Runs on the H2D worker thread (:mod:`megatrain_lightning.engine.prefetch` schedules it); the wire rule is
+:mod:`megatrain_lightning.engine.wire`'s (docs/internals/precision.md, "Wire images and the fetch").
 """
 
 from __future__ import annotations
@@ -29,18 +28,17 @@ class WeightFetcher:
     """Copies blocks' fp32 masters (or their wire images) to the device.
 
     Args:
-        blocks: the model's blocks (for each parameter's owners: which weights autocast casts).
+        blocks: the model's blocks (each parameter's owners tell which weights autocast casts).
         store: the host store of the masters.
-        transport: the device transport (``to_device``, ``last_read_done``).
+        transport: the device transport.
         acct: live-byte accounting (a fetched buffer counts until the compute thread releases it).
         device: the compute device.
-        pin_memory: page-lock the RAM tier's wire images (``True``/``False``; ``None``: on CUDA, with a
-            warning and pageable memory when pinning fails).
-        ring: the H2D staging ring wire images of on-disk masters are cast into (``None`` without
-            masters on disk).
+        pin_memory: page-lock the RAM tier's wire images (``None``: on CUDA, pageable with a warning if
+            pinning fails).
+        ring: the H2D staging ring for on-disk masters (``None`` without masters on disk).
         shared_images / ownership: data parallel with a node-shared store: ``nbytes per slab ->
-            SharedWireImages`` (collective) and the slab owners; the wire images are then one per node, each
-            written by its slab's owner (``store/shared.py``).
+            SharedWireImages`` (collective) and the slab owners; one image per node, written by the slab's
+            owner (``store/shared.py``).
     """
 
     def __init__(self, blocks: list[Block], store: HostStore, transport: Any, acct: ByteAccounting,
@@ -57,20 +55,19 @@ class WeightFetcher:
         self.ring = ring
         self.wire_dtype = torch.float32  # dtype of (castable, under mixed precision) weights on the H2D link
         self.param_dtype = torch.float32  # dtype the block's parameters have while it computes
-        # per slab entry: autocast casts the parameter at every use (owner is a Linear/Conv/Conv1D)
         self.autocast_castable: list[list[bool]] = self._castable()
         self.wire_layouts: list[WireLayout] = [WireLayout.uniform(s.numel, torch.float32) for s in store.slabs]
-        # slab index -> (its wire image, (slab.updates, master._version) when written): RAM tier only
+        # slab index -> (its wire image, _written(slab) when encoded): RAM tier only
         self.shadows: dict[int, tuple[torch.Tensor, tuple[int, int]]] = {}
 
     def fetch(self, blk: Block) -> dict[int, tuple[torch.Tensor, Any]]:
-        """H2D worker: apply pending optimizer updates of the block's slabs, then copy them.
+        """H2D worker: apply pending optimizer updates of the block's slabs, then copy them as their wire layout
+        says (:meth:`configure`): the fp32 master, or the wire image (RAM tier: the cached shadow; NVMe tier: cast
+        at this fetch). ``stats.h2d_bytes`` counts bytes copied: 0 where the transport binds the source itself
+        (``cpu_zero_copy`` with a source in the compute dtype: a ``32-true`` CPU run by default).
 
-        A slab travels as its wire layout says (:meth:`configure`): the fp32 master itself
-        when it is all fp32, else its wire image (RAM tier: the cached shadow; NVMe tier: cast from
-        the window's master at this fetch). ``stats.h2d_bytes`` counts the bytes copied: none where the
-        transport binds the source itself (a CPU device with ``cpu_zero_copy`` and a source already in the
-        compute dtype, ``CPUTransport.to_device``), so it is 0 for a ``32-true`` CPU run by default."""
+        Returns:
+            slab index -> ``(device buffer, event)``."""
         out = {}
         for si in self._locked(blk):  # each slab's lock held from its update until its event is published
             slab = self.store.slabs[si]
@@ -95,11 +92,9 @@ class WeightFetcher:
         return out
 
     def _locked(self, blk: Block) -> Iterator[int]:
-        """The block's slab indices for :meth:`fetch`'s loop, each with its compute buffer reserved
-        (``acct.track``: may wait for budget, so outside the lock) and then its slab's ``lock`` held
-        while the loop body runs (released when the loop moves on, ends or raises). A writer on another
-        thread (the in-backward update, ``write_param``) thus sees the copy's event in
-        ``slab.last_read`` and waits for it (``Slab.wait_reads``) before writing the master."""
+        """The block's slab indices for :meth:`fetch`'s loop, each with its compute buffer reserved (may wait for
+        budget, so outside the lock) and then the slab's ``lock`` held during the loop body, so a writer on another
+        thread (in-backward update, ``write_param``) sees the copy's event in ``slab.last_read`` and waits for it."""
         for si in blk.slabs:
             slab = self.store.slabs[si]
             self.acct.track(slab.numel * self.param_dtype.itemsize)  # before the buffer exists (CPU + NVMe: budget)
@@ -107,13 +102,8 @@ class WeightFetcher:
                 yield si
 
     def _from_window(self, si: int, layout: WireLayout) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """Copy slab ``si``'s master from the NVMe window without waiting for the copy; returns
-        ``(what travelled, device buffer, event)``.
-
-        fp32 on the wire: the copy reads the window buffer itself, whose hold ends when the copy's event
-        completes (until then it cannot be evicted). Otherwise the master is cast into a slot of the
-        staging ring (no resident wire image: it would be resident for every block), the window's hold
-        ends right after the cast, and the slot goes back when the copy completes."""
+        """Copy slab ``si``'s master from the NVMe window without waiting for the copy (docs/internals/nvme.md,
+        "Masters to the device"); returns ``(what travelled, device buffer, event)``."""
         with contextlib.ExitStack() as stack:
             src = stack.enter_context(self.store.hold(si, [Region.master]))[Region.master]
             if layout.dtype == torch.float32:
@@ -135,8 +125,8 @@ class WeightFetcher:
             return image, buf, ev
 
     def _castable(self) -> list[list[bool]]:
-        """Per slab, per entry: whether autocast casts the parameter at every use (all its owners are
-        Linear/Conv/Conv1D modules: see :func:`~megatrain_lightning.engine.wire.autocast_casts`)."""
+        """Per slab, per entry: autocast casts the parameter at every use
+        (:func:`~megatrain_lightning.engine.wire.castable_flags`), DoRA base weights excluded."""
         owners: dict[int, list[tuple[nn.Module, str]]] = {}
         for blk in self.blocks:
             for ref in blk.params:
@@ -153,16 +143,12 @@ class WeightFetcher:
         return WireLayout.build([e.numel for e in slab.entries], dtypes)
 
     def configure(self, wire: torch.dtype, param: torch.dtype) -> None:
-        """Set the dtypes of the H2D weight copies and of the bound parameters (the caller drops
-        prefetched copies first when they change).
+        """Set the dtypes of the H2D weight copies and of the bound parameters (the caller drops prefetched copies
+        first when they change).
 
         Args:
-            wire: dtype weights travel in. With ``param == wire`` (``32-true``: fp32, ``bf16-true``:
-                bf16) every weight travels and computes in it. With ``wire`` 16-bit and ``param``
-                fp32 (the mixed modes, computed under autocast) only the weights autocast casts at
-                every use travel in ``wire`` (``autocast_castable``); the others (embeddings,
-                norms, tied weights, custom modules) travel in fp32, so the block sees exactly the
-                values Lightning's own mixed precision gives it.
+            wire: dtype weights travel in: every weight when ``param == wire`` (``32-true``, ``bf16-true``), else
+                (mixed modes) only the ``autocast_castable`` ones, the others in fp32.
             param: dtype of the device buffer the block's parameters are bound to (fp32 in mixed modes).
         """
         self.wire_dtype, self.param_dtype = wire, param
@@ -179,20 +165,15 @@ class WeightFetcher:
             self.images = self._shared_images(need) if any(need) else None
 
     def forget_images(self) -> None:
-        """Re-encode every cached wire image at its slab's next fetch: the masters were written where their
-        version counter does not show it (``param.data.copy_``, which has a counter of its own)."""
+        """Re-encode every cached wire image at its slab's next fetch (the masters were written where no version
+        counter shows it: ``param.data.copy_``)."""
         for si, (shadow, _) in list(self.shadows.items()):
             with self.store.slabs[si].lock:
                 self.shadows[si] = (shadow, None)
 
     def _shadow(self, slab) -> torch.Tensor:
-        """Host wire image of the master slab (:class:`WireLayout`: bf16/fp16 for castable weights, fp32
-        for the rest under mixed precision; all bf16 under ``bf16-true``), refreshed when the master
-        changed (an optimizer update, its version counter moved: state-dict load, or a parameter's did: an
-        in-place write through the ``nn.Parameter``, which has a version counter of its own).
-
-        One cast per slab per optimizer step, made by the H2D worker right after the slab's update,
-        instead of one cast per fetch (each block is fetched twice per step)."""
+        """Host wire image of the master slab, re-encoded when :func:`_written` moved: one cast per slab per
+        optimizer step, right after its update, instead of one per fetch (each block is fetched twice per step)."""
         layout = self.wire_layouts[slab.index]
         if self.images is not None:
             return self._shared_shadow(slab, layout)
@@ -214,8 +195,8 @@ class WeightFetcher:
             return shadow
 
     def _shared_shadow(self, slab, layout: WireLayout) -> torch.Tensor:
-        """:meth:`_shadow` with the node's shared images: the owner rewrites a stale image (and counts a
-        generation); another rank waits for a generation newer than the one it last used."""
+        """:meth:`_shadow` with the node's shared images: the owner rewrites a stale image (a new generation);
+        another rank waits for a generation newer than the one it last used."""
         images, own = self.images, self.ownership
         assert images is not None and own is not None
         raw = images.images[slab.index]
@@ -237,7 +218,6 @@ class WeightFetcher:
 
 
 def _written(slab) -> tuple[int, int, int]:
-    """What the slab's wire image is valid for: the optimizer updates applied to its masters, the masters' version
-    counter and the sum of its parameters' own counters (``p.mul_(0.9)`` under ``no_grad`` moves only that of
-    ``p``, which shares the masters' memory)."""
+    """What the slab's wire image is valid for: optimizer updates applied (the fused AdamW kernel moves no version
+    counter), the masters' version counter and the sum of its parameters' own (``p.mul_(0.9)`` moves only ``p``'s)."""
     return slab.updates, slab.master._version, slab.param_versions()

@@ -1,15 +1,10 @@
 """The gradient sink: parameter gradients from the device to the fp32 host accumulators.
 
-A block's backward hands its parameter gradients to :meth:`GradientSink.send`; they are packed per
-slab on the compute stream and their copy device -> host is queued at once into a free pinned
-staging buffer (``transport.stage_grads``); the D2H worker thread waits for each copy, adds it into
-the slab's fp32 accumulator (``grad_accum``) in the host store and frees the staging buffer. The copy
-of batch k+1 thus runs while the worker adds batch k (stats ``d2h_busy_s``, ``d2h_copy_wait_s``,
-``grad_add_s``, ``d2h_queue_peak``). ``param.grad`` is a view of that accumulator while
-Lightning's hooks and clipping run (:meth:`GradientSink.attach`). With the optimizer step in
-backward, the D2H worker also hands a slab's update to the host optimizer right after its last gradient
-of the step (``HostAdamW.apply_now``: the update worker runs it on the RAM tier, the D2H worker itself on
-the NVMe tier; docs/internals/nvme.md, "Optimizer step in backward").
+:meth:`GradientSink.send` queues a block's gradients per slab (``transport.stage_grads``); the D2H worker thread adds
+each batch into the slab's fp32 ``grad_accum`` (docs/internals/streaming.md, "Gradients to the host").
+``param.grad`` is a view of that accumulator while Lightning's hooks and clipping run (:meth:`GradientSink.attach`).
+With the optimizer step in backward the D2H worker hands a slab's update to the host optimizer right after its last
+gradient of the step (``HostAdamW.apply_now``; docs/internals/nvme.md, "Optimizer step in backward").
 """
 
 from __future__ import annotations
@@ -45,22 +40,14 @@ class GradientSink:
             at least ``max_inflight``).
         shared: per-backward sums of parameters read by several blocks (tied embeddings), added into
             the accumulator once per backward as autograd does (docs/architecture.md, "Fidelity").
-        max_inflight: gradient batches (one block's gradients of one slab) sent but not yet in the
-            host accumulators, at most; :meth:`send` waits for the D2H worker beyond it. Each queued
-            batch keeps its packed gradients on the device until the worker copies them, so this bounds
-            the device memory of gradients whatever the depth, when the host add is slower than a
-            block's backward (the normal case for large layers). On budgeted CPU runs it also
-            prevents a deadlock: unbounded, the queued gradients could take the whole budget while the
-            worker itself waits for budget to accumulate or update them. Each batch in flight holds
-            one staging buffer from its copy until its add ends: with two, batch k+1 copies while
-            batch k is added.
-        host_threads: intra-op CPU threads of the D2H worker's adds and updates (``None``: torch's
-            setting; see :mod:`.threads`).
-        reducer: data parallel: averages every batch over the ranks before it is added
-            (:mod:`.reduce`); a batch then lists every parameter of the call, ``None`` gradients
-            included, so that all ranks send the same batches.
-        ownership: data parallel with a node-shared store: only a slab's owner adds its (reduced) gradients
-            into the shared accumulator; the other ranks record the same gradient flags.
+        max_inflight: gradient batches (one block's gradients of one slab) sent but not yet in the host
+            accumulators, at most (one staging buffer each); :meth:`send` waits beyond it. This bounds the
+            device memory of queued gradients whatever the depth, and on budgeted CPU runs prevents a deadlock
+            (queued gradients taking the whole budget the worker waits for).
+        host_threads: intra-op CPU threads of the D2H worker (:mod:`.threads`).
+        reducer: data parallel: averages every batch over the ranks before it is added (:mod:`.reduce`); all
+            ranks then send the same batches (``None`` gradients included).
+        ownership: node-shared store: only a slab's owner adds its gradients; the others record the same flags.
 
     Raises:
         ValueError: ``max_inflight < 1``, or more than the transport's staging buffers.
@@ -93,22 +80,19 @@ class GradientSink:
         # optimizer step in backward: per slab, the gradient batches still to come in this backward
         self.sends_left: dict[int, int] = {}
         self._hyper = None
-        # data parallel with a node-shared store: param.grad shows copy-on-write views (hook_grads.py); with the
-        # accumulators on NVMe param.grad stays None (attach), as in one process
+        # data parallel with a node-shared store: param.grad shows copy-on-write views (hook_grads.py)
         self.hook_views = HookGradViews(store, ownership) if ownership is not None and store.shared is not None \
             and Region.grad_accum not in store.nvme_kinds else None
 
     # ------------------------------------------------------------------ plan
     def configure(self, wire: torch.dtype, param: torch.dtype) -> None:
-        """Dtypes of gradients on the D2H link (``wire``; accumulated in fp32 on the host) and of the bound
-        parameters autograd produces them in (``param``)."""
+        """Dtypes of gradients on the D2H link (``wire``) and of the bound parameters (``param``)."""
         self.wire_dtype, self.param_dtype = wire, param
 
     def plan(self, calls_refs: Sequence[Sequence[Any]]) -> None:
-        """Start of a backward that applies the AdamW updates as it goes: snapshot the optimizer's
-        hyper-parameters and count, per slab, the gradient batches the backward will send (one per
-        element of ``calls_refs``, the trainable parameter references of each block call, holding
-        parameters of the slab). ``calls_refs`` empty: no update in this backward."""
+        """Start of a backward that applies the AdamW updates as it goes: snapshot the hyper-parameters and count,
+        per slab, the batches the backward will send (one per element of ``calls_refs``, each call's trainable
+        parameter references, holding parameters of the slab). ``calls_refs`` empty: no update in this backward."""
         self.sends_left = {}
         opt = self.optimizer
         if not calls_refs or opt is None:
@@ -119,20 +103,18 @@ class GradientSink:
                 self.sends_left[si] = self.sends_left.get(si, 0) + 1
 
     def step_partly_applied(self) -> bool:
-        """A backward that applies the AdamW updates as it goes (:meth:`plan`) has updated some slabs and not
-        yet others: the weights and optimizer state are then half at the next step (a checkpoint taken now would
-        mix two steps)."""
+        """An in-backward step (:meth:`plan`) has updated some slabs and not yet others (a checkpoint now would mix
+        two steps)."""
         left = self.sends_left.values()
         return any(n == 0 for n in left) and any(n > 0 for n in left)
 
     def updates_started(self) -> bool:
-        """This optimizer step's backward has queued or applied the update of at least one slab (:meth:`plan`):
-        until the step completes, stopping it leaves weights and optimizer state that mix two steps."""
+        """This step's backward has queued or applied at least one slab's update (:meth:`plan`): stopping it now
+        leaves state that mixes two steps."""
         return any(n == 0 for n in self.sends_left.values())
 
     def close_plan(self) -> None:
-        """The optimizer step is over (complete, or stopped by an exception): no update of it is still to come
-        from a backward."""
+        """The optimizer step is over (complete, or stopped by an exception)."""
         self.sends_left = {}
 
     def grad_bytes(self, refs: Sequence) -> int:
@@ -140,17 +122,16 @@ class GradientSink:
         return sum(self.store.slabs[r.slab].entries[r.index].numel for r in refs) * self.param_dtype.itemsize
 
     def new_backward(self) -> None:
-        """A backward starts: the previous backward's sums of shared parameters go into their
-        accumulators (on the D2H worker, after that backward's gradients)."""
+        """A backward starts: the previous backward's sums of shared parameters go into their accumulators (on the
+        D2H worker, after that backward's gradients)."""
         if self.shared.shared:
             self._futures.append(self._pool.submit(self.shared.close_all, self.store.slabs))
 
     # ------------------------------------------------------------------ send
     def send(self, refs: Sequence, grads: Sequence[torch.Tensor | None], reserved: int = 0) -> None:
-        """Queue gradients (``grads[i]`` of parameter ``refs[i]``, device tensors of its shape, or
-        ``None``) for the D2H worker. ``reserved``: bytes already counted for them (before autograd
-        allocated them), exchanged here for the bytes of their wire copies. A sparse COO gradient (an
-        embedding's, :mod:`.row_grads`) crosses as its rows and row ids; with a reducer it is made dense."""
+        """Queue gradients (``grads[i]`` of parameter ``refs[i]``: a device tensor of its shape, or ``None``) for
+        the D2H worker. ``reserved``: bytes already counted for them, exchanged here for their wire copies'. A
+        sparse COO gradient (:mod:`.row_grads`) crosses as rows and row ids; with a reducer it is made dense."""
         grads = run_grad_hooks([r.param for r in refs], grads)  # the user's param.register_hook hooks
         by_slab: dict[int, list[tuple[int, list[torch.Tensor]]]] = {}
         red = self.reducer
@@ -212,8 +193,7 @@ class GradientSink:
             self._futures.append(self._pool.submit(self._update_now, si, True))
 
     def _take_slot(self) -> None:
-        """Compute thread: wait until fewer than ``max_inflight`` batches are queued, then count one
-        more (the step's ``d2h_queue_peak``)."""
+        """Compute thread: wait until fewer than ``max_inflight`` batches are queued, then count one more."""
         self._slots.acquire()
         with self._queued_lock:
             self._queued += 1
@@ -237,15 +217,12 @@ class GradientSink:
 
     def _accumulate(self, si: int, idx: list[int], copy: GradCopy, nbytes: int, final: bool = False,
                     parts: list[int] | None = None) -> None:
-        """D2H worker: wait for one batch of slab ``si``'s gradients to reach the host, add them into
-        its fp32 accumulator, free the staging buffer and the slot (the compute thread may queue the
-        next copy), then (``final``: the slab's last batch of the step under ``optimizer_in_backward``)
-        apply its update. ``parts``: host tensors per gradient (2: an embedding's rows and row ids,
-        :class:`~.row_grads.RowGrad`; default 1 each).
+        """D2H worker: wait for one batch of slab ``si``'s gradients, add it into the fp32 accumulator, free the
+        staging buffer and the slot, then (``final``: the slab's last batch of an in-backward step) apply its
+        update. ``parts``: host tensors per gradient (2: a :class:`~.row_grads.RowGrad`'s; default 1 each).
 
-        The final batch is consumed by the update while the accumulator is still pinned, so that
-        accumulator is never marked for write-back: with ``offload_optimizer="nvme"`` it never
-        goes to disk (4 bytes/param/step less written)."""
+        The update consumes the final batch while the accumulator is held, so it is never marked for write-back:
+        with ``offload_optimizer="nvme"`` it never goes to disk (4 bytes/param/step less written)."""
         slab = self.store.slabs[si]
         done = [False]
 
@@ -322,15 +299,12 @@ class GradientSink:
     def attach(self) -> None:
         """Set ``param.grad`` to a view of its fp32 accumulator (``None`` where no gradient arrived).
 
-        With accumulators on disk (``offload_optimizer="nvme"``) ``param.grad`` stays ``None``: the
-        gradients are not all in memory at once (clipping still works, see HostAdamW.clip_grad_norm).
-        With a node-shared store the views are copy-on-write views of the shared accumulators (every
-        owner's adds must be in: :meth:`StreamingEngine.attach_grads` waits); :meth:`commit` brings the
-        hooks' edits into them.
+        With accumulators on disk ``param.grad`` stays ``None`` (clipping still works: HostAdamW.clip_grad_norm).
+        With a node-shared store the views are copy-on-write (every owner's adds must be in:
+        ``StreamingEngine.attach_grads`` waits); :meth:`commit` brings the hooks' edits into them.
 
         Raises:
-            RuntimeError: a parameter got a gradient from ordinary autograd, outside the engine (see
-                :meth:`check_outside_grads`).
+            RuntimeError: a gradient from ordinary autograd (:meth:`check_outside_grads`).
         """
         self.wait()
         self.check_outside_grads()
@@ -349,20 +323,14 @@ class GradientSink:
                     e.ref.param.grad = slab.grad_accum_view(i) if flats is None else slab.view(flats[slab.index], i)
 
     def commit(self) -> None:
-        """Make the edits Lightning's hooks made to ``param.grad`` the accumulators' (data parallel with a node-shared
-        store: :meth:`HookGradViews.commit`, a collective of the node's ranks; otherwise nothing: the views are the
-        accumulators)."""
+        """Make the hooks' edits to ``param.grad`` the accumulators' (node-shared store: ``HookGradViews.commit``, a
+        collective of the node's ranks; otherwise the views are the accumulators)."""
         if self.hook_views is not None:
             self.hook_views.commit()
 
     def check_outside_grads(self) -> None:
-        """Raise if a parameter's ``.grad`` was set by ordinary autograd rather than by the engine.
-
-        The engine computes every gradient inside block calls and keeps it in the host accumulators;
-        ``param.grad`` is only ever ``None`` or a view of an accumulator. A parameter used *outside*
-        the forward of its block (for example ``self.net.pos`` read in ``training_step`` while only
-        ``net.forward`` binds it, or a weight reused with ``F.linear`` in another module) is seen by
-        autograd as the plain host tensor: its gradient would land in ``.grad`` and be lost.
+        """Refuse a ``param.grad`` that is not ``None`` or a view of an accumulator: ordinary autograd set it, for
+        a parameter used outside its block's forward, and the gradient would be lost.
 
         Raises:
             RuntimeError: naming the parameters and what to do.

@@ -1,25 +1,11 @@
 """Chunked LM head + loss through the call users already make: ``model(input_ids=..., labels=...)``.
 
-For every Hugging Face causal LM in the module whose output embedding (``get_output_embeddings()``)
-is a plain ``nn.Linear`` streamed as a block and whose ``loss_function`` is transformers'
-``ForCausalLMLoss``, the engine wraps the model's ``forward`` (an instance attribute, removed at
-uninstall). A training call (grad mode) with ``labels`` of more than ``loss_chunk_size`` tokens then:
-
-1. runs the model's own forward with the head's ``forward`` replaced for the call by a function that
-   keeps the head's input and returns :class:`LazyLogits`, a tensor of the logits' shape and dtype
-   with one element of storage;
-2. records the element-wise operations the model applies to it before its loss (Gemma 2's
-   soft-capping ``/ c``, ``tanh``, ``* c``; Cohere's ``* scale``), each on a lazy tensor again;
-3. answers the model's ``self.loss_function(logits=..., labels=..., num_items_in_batch=...)`` with
-   :func:`~.chunked_loss.causal_lm_loss` on the kept hidden states, run as a grad-mode call of the
-   head's block (its weights bound and its gradients sent to the host as for every block call).
-
-The returned output's ``logits`` is the lazy tensor: any operation that needs its values raises an
-error naming ``loss_chunk_size``. Calls without labels, under ``no_grad`` (validation, predict,
-generation) or with at most ``loss_chunk_size`` tokens run the model unchanged and return real
-logits. A model whose head or loss is anything else (a custom ``loss_function``, a LoRA-wrapped head)
-is left unchanged with one log line. Any other operation the model applies to the logits before its
-loss (an added bias tensor, slicing) raises the same clear error; never a different loss.
+Applies to each Hugging Face causal LM whose output embedding is a plain ``nn.Linear`` streamed as a
+block and whose ``loss_function`` is transformers' ``ForCausalLMLoss`` (its ``forward`` gets an instance
+attribute, removed at uninstall). A grad-mode call with ``labels`` of more than ``loss_chunk_size`` tokens
+runs the model's forward with a head returning :class:`LazyLogits`, and answers its ``self.loss_function``
+with :func:`~.chunked_loss.causal_lm_loss` as a grad-mode call of the head's block. Steps, and the calls
+and models left unchanged: docs/internals/long-sequences.md, "LM head + loss".
 """
 
 from __future__ import annotations
@@ -65,8 +51,8 @@ class _Pending:
 
 class LazyLogits(torch.Tensor):
     """Stand-in for the ``[..., V]`` logits of a chunked training call: right shape, dtype and device,
-    one element of storage. Records element-wise operations (scalar operands only) into the next
-    lazy tensor; every other operation raises ``RuntimeError`` naming ``loss_chunk_size``."""
+    one element of storage. Element-wise operations with scalar operands are recorded into the next lazy
+    tensor; any other raises ``RuntimeError`` naming ``loss_chunk_size``."""
 
     pending: _Pending
     transform: tuple
@@ -117,9 +103,8 @@ class HeadLoss:
         root: the module the engine streams.
         chunk: ``loss_chunk_size``: tokens per chunk, ``"auto"`` (:func:`~.chunked_loss.auto_loss_chunk`
             of the model's vocabulary) or ``None`` (nothing installed).
-        call_block: ``call_block(block, forward, args, kwargs, keep=True)`` runs ``forward`` as a grad-mode
-            call of ``block`` (weights bound, gradients to the host) whose graph is kept until its backward,
-            the engine's block call.
+        call_block: the engine's ``call_block(block, forward, args, kwargs, keep=True)``: ``forward`` as a
+            grad-mode call of ``block`` whose graph is kept until its backward.
         param_dtype: the dtype the head's weight has while it computes.
     """
 
@@ -130,8 +115,7 @@ class HeadLoss:
         self.installed = ForwardPatches()
 
     def install(self, blocks: list[Block]) -> None:
-        """Wrap the ``forward`` of each eligible causal LM whose head is one of ``blocks``; log the models
-        left unchanged and why."""
+        """Wrap each eligible causal LM whose head is one of ``blocks``; log the others and why."""
         if self.chunk is None or self.installed:
             return
         by_module = {id(b.module): b for b in blocks if not b.direct}

@@ -1,23 +1,10 @@
 """``param.grad`` for Lightning's hooks when a node's processes share one gradient accumulator (data parallel).
 
-Under DDP every process holds its own averaged gradients: a hook that edits them (``p.grad.mul_(0.5)`` in
-``on_before_optimizer_step``, ``p.grad = ...``, ``clip_grad_norm_`` in ``configure_gradient_clipping``) edits
-its own copy, and every process makes the same edit. Here the processes of a node share one fp32 accumulator per
-slab (store/shared.py), so plain views of it would take every process's edit: an edit would land once per local
-rank (``mul_(0.5)`` twice with two processes).
-
-Instead each process shows its hooks the accumulators through its own copy-on-write mapping of the node's file
-(:meth:`~..store.shared.SharedRegions.private_mapping`): reads are the shared pages themselves (no copy, no extra
-memory), writes go to private pages of that process only. :meth:`HookGradViews.commit` then brings the edits
-into the shared accumulators once:
-
-1. every owner looks whether it wrote its own slabs' views (the private pages, from ``/proc/self/pagemap``);
-   one all-reduce (max) of that flag over the node's ranks is also the barrier after every rank's hooks;
-2. if any did, each owner copies its written slabs' views into the shared accumulators, the node's ranks meet at
-   a barrier, and every rank drops its private pages (``madvise(MADV_DONTNEED)``): the views show the shared
-   accumulators again, now edited.
-
-As under DDP, the hooks must make the same edit on every rank (the owner's edit is the one kept).
+Plain views of the node's one shared accumulator per slab would take every process's edit (``mul_(0.5)`` once
+per local rank). Each process shows its hooks a copy-on-write mapping of the node's file
+(:meth:`~..store.shared.SharedRegions.private_mapping`: reads share the pages, writes go to private ones), and
+:meth:`HookGradViews.commit` brings the edits into the shared accumulators once. As under DDP, the hooks must make
+the same edit on every rank (the owner's is kept). docs/internals/data-parallel.md, "Hooks that edit ``param.grad``".
 """
 
 from __future__ import annotations
@@ -62,9 +49,12 @@ class HookGradViews:
         return self._flat
 
     def commit(self) -> bool:
-        """Bring the hooks' edits of the views into the shared accumulators, once (steps 1-2 in the module
-        docstring). A collective of the node's ranks: every rank calls it at the same points. Returns whether any
-        rank had edited. A no-op (``False``) while no views are open."""
+        """Bring the hooks' edits of the views into the shared accumulators, once: owners find their written
+        slabs (``/proc/self/pagemap``); one all-reduce (max) of that flag, also the barrier after every rank's hooks;
+        if any, owners copy, a barrier, every rank drops its private pages (``madvise(MADV_DONTNEED)``).
+
+        A collective: every rank of the node calls it at the same points. Returns whether any rank had edited;
+        ``False`` while no views are open."""
         if self._mapping is None:
             return False
         own = self.ownership

@@ -1,26 +1,13 @@
 """KV-cache objects passed to a block in a training forward.
 
-A Hugging Face model called with ``use_cache=True`` (the default of most configs, also in training)
-creates an empty ``DynamicCache`` and each attention layer calls ``cache.update(k, v, layer_idx)``,
-which appends its keys and values and attends over what it returns: a fresh contiguous copy
-(``torch.cat`` of the empty cache and ``k``). A streamed block runs twice per step (forward, then
-the recompute in backward), so it must not see the keys its own forward appended: the recompute
-would attend over them twice and the gradients would silently be wrong.
-
-What we do (docs/internals/block-calls.md, "KV cache"; docs/internals/fidelity.md): an *empty*
-``DynamicCache`` (or an ``EncoderDecoderCache`` of two) is kept, and every run of the block (forward, recompute, kept last
-block) gets its own fresh copy of it. The block then computes exactly what it computes in plain
-PyTorch, down to the memory layout of the keys: GPT-2's keys are a transposed view of the fused
-``c_attn`` output, the cache's copy is contiguous, and the CPU bmm in the attention backward sums in
-another order for the two layouts (measured: 2.6e-7 relative in ``h.0.attn.c_attn.weight`` after
-one step when the cache was dropped instead). The user's cache object is never written (after the
-forward it is still empty; nothing in a training step reads it). Any other *empty* cache (a static or
-quantized cache, a model-specific subclass) is replaced by ``None`` and ``use_cache`` by ``False``, as
-before (the same arithmetic: there is nothing in it to attend over). A cache that already holds positions
-(peft prefix tuning's virtual tokens; the continuation of an earlier forward) is refused
-(:func:`past_length`): the block's autograd boundary carries tensors, not the cache's keys and values, so
-their gradients would be lost, and dropping them changes the loss (measured by a user probe: silently wrong
-weights, or a shape error when the attention mask counts them).
+A Hugging Face model with ``use_cache=True`` (most configs' default, also in training) creates an empty
+``DynamicCache``; each attention layer appends its keys and attends over ``cache.update``'s fresh contiguous
+copy. A streamed block runs twice per step, so its recompute must not see the keys its forward appended.
+What happens to each kind of cache: docs/internals/block-calls.md, "KV cache". Why an empty ``DynamicCache``
+is kept (a fresh copy per run) rather than dropped: the keys' memory layout. GPT-2's keys are a transposed
+view of ``c_attn``'s output, the cache's copy is contiguous, and the CPU bmm in the attention backward sums
+them in another order (measured: 2.6e-7 relative in ``h.0.attn.c_attn.weight`` after one step when dropped;
+docs/internals/fidelity.md).
 """
 
 from __future__ import annotations
@@ -52,9 +39,9 @@ def layer_index(module: torch.nn.Module) -> int | None:
 
 
 def past_length(cache: Any, layer: int | None) -> int:
-    """Positions a transformers ``Cache`` already holds in slot ``layer`` (``get_seq_length(layer)``; 0 when empty,
-    unknown or ``layer`` is ``None``). Other slots may hold this forward's keys: blocks before this one that run
-    like evaluation (frozen, nothing needing a gradient) write the cache as in plain PyTorch."""
+    """Positions a transformers ``Cache`` already holds in slot ``layer`` (0 when empty, unknown or ``layer`` is
+    ``None``). Only this slot counts: earlier blocks that run like evaluation (frozen) write theirs as in plain
+    PyTorch."""
     if layer is None:
         return 0
     try:
@@ -80,9 +67,8 @@ def refuse_past(n: int) -> None:
 
 
 def _fresh_copyable(cache: Any) -> bool:
-    """An empty ``DynamicCache`` of plain dynamic layers, or an ``EncoderDecoderCache`` of two: a
-    shallow copy of its layer objects is a complete, independent empty cache (their ``update``
-    rebinds attributes and never writes a shared tensor)."""
+    """An empty ``DynamicCache`` of plain dynamic layers, or an ``EncoderDecoderCache`` of two: a shallow copy
+    of its layers is an independent empty cache (their ``update`` rebinds attributes, never writes a shared tensor)."""
     from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, EncoderDecoderCache
 
     if type(cache) is EncoderDecoderCache:
@@ -112,14 +98,10 @@ def training_call(args: tuple, kwargs: dict, forward: Callable[..., Any], block:
                   layer: int | None = None) -> tuple[tuple, dict, Callable[..., Any], bool]:
     """Prepare a block call made under grad mode: ``(args, kwargs, forward, stripped)``.
 
-    Empty dynamic caches stay in the arguments and ``forward`` is wrapped so that each run gets a
-    fresh copy of them; other caches become ``None`` (``stripped``: something was removed, and
-    ``use_cache`` is then ``False``). The returned ``forward`` raises if the block stores tensors into a
-    mutable argument for later blocks (:func:`.side_outputs.guard`).
-
-    ``block`` identifies the calling block: a cache object reaching the same block in a second training forward
-    was kept empty by the first (its runs used copies), where plain PyTorch would have filled it: refused too.
-    ``layer`` is the block's cache slot (:func:`layer_index`): a cache holding positions there is refused.
+    Empty dynamic caches stay and each run of ``forward`` gets a fresh copy; other caches become ``None``
+    (``stripped``; ``use_cache`` then ``False``). The returned ``forward`` is wrapped by :func:`.side_outputs.guard`.
+    ``block``: the calling block, to refuse a cache reaching it in a second training forward (left empty by the
+    first). ``layer``: the block's cache slot (:func:`layer_index`).
 
     Raises:
         RuntimeError: a cache already holds positions (:func:`refuse_past`), or is passed again.

@@ -1,10 +1,6 @@
-"""The long-sequence options of the engine, validated and installed together (docs/internals/long-sequences.md):
-
-* ``loss_chunk_size``: the LM head and the cross-entropy over chunks of tokens (:mod:`.head_loss`,
-  :mod:`.chunked_loss`);
-* ``mlp_chunk_size``: each block's MLP over chunks of the sequence (:mod:`.chunked_mlp`).
-
-(``offload_activations``, the third, lives with the saved inputs: :mod:`.offload`.)
+"""The long-sequence options, installed together (docs/internals/long-sequences.md): ``loss_chunk_size``
+(:mod:`.head_loss`, :mod:`.chunked_loss`) and ``mlp_chunk_size`` (:mod:`.chunked_mlp`). ``offload_activations``
+lives in :mod:`.offload`.
 """
 
 from __future__ import annotations
@@ -25,7 +21,7 @@ class LongSequences:
     Args:
         root: the streamed module.
         loss_chunk_size: tokens per loss chunk, ``"auto"`` (256 MiB of fp32 logits per chunk) or ``None``
-            (checked by :class:`~megatrain_lightning.config.MegaTrainConfig`, as ``mlp_chunk_size``).
+            (both sizes checked by :class:`~megatrain_lightning.config.MegaTrainConfig`).
         mlp_chunk_size: tokens per MLP chunk, or ``None``.
         call_block: the engine's grad-mode block call (``call_block(block, forward, args, kwargs)``).
         param_dtype: the dtype of the weights while a block computes.

@@ -1,19 +1,11 @@
 """Offloaded block inputs (``offload_activations=True``): to host memory in forward, back to the
 device one block call ahead of backward.
 
-A call that keeps its inputs keeps those that need gradients as :class:`Offloaded` host copies
-(CUDA: pinned memory, copied on the D2H stream). Backward consumes them in descending call order
-(each call's own backward, or the recompute chain of its segment, runs from the last call to the
-first), so when a call's inputs are taken the engine starts the H2D copy of the next call's
-(:meth:`ActivationOffload.prefetch`), which then overlaps this call's recompute and backward. The op
-outputs a ``"selective"`` call keeps, offloaded too, are brought back the same way, one call ahead
-(``ForwardRecord.next_saved_ops``, :meth:`~.saved_ops.SavedOps.prefetch`). On
-CUDA the copy runs on the H2D stream after the D2H copy's event, records its own event, and the
-compute stream waits on it when the input is taken (``record_stream`` tells the caching allocator
-the buffer is used there). The CPU path runs the same bookkeeping (its "copy" is the host tensor).
-The device therefore holds the restored inputs of at most two calls (the one in backward and the
-next), whatever the depth: ``StepStats.activation_restore_misses`` counts inputs that had to be
-copied on demand, ``activation_restored_peak_bytes`` the most restored bytes alive at once.
+Backward takes the :class:`Offloaded` inputs in descending call order, so when a call's inputs are taken
+the H2D copy of the next call's starts (:meth:`ActivationOffload.prefetch`) and overlaps this call's recompute
+and backward; a ``"selective"`` call's kept op outputs come back the same way
+(:meth:`~.saved_ops.SavedOps.prefetch`). The device holds the restored inputs of at most two calls, whatever
+the depth. Streams and events: docs/internals/recompute.md, "Offloaded inputs".
 """
 
 from __future__ import annotations
@@ -71,9 +63,8 @@ class ActivationOffload:
                 self._start(e)
 
     def take(self, e: Offloaded, keep: bool = False) -> torch.Tensor:
-        """The device copy of ``e`` for the compute stream (started now if it was not prefetched: a miss).
-        Unless ``keep`` (a recompute chain: the call's own backward takes it again), the record drops its
-        reference, so the copy is freed once the caller's use of it ends."""
+        """The device copy of ``e`` for the compute stream (started now if not prefetched: a miss). Unless
+        ``keep`` (a recompute chain: the call's own backward takes it again), the record drops its reference."""
         if e.device is None:
             self.acct.add(activation_restore_misses=1)
             self._start(e)

@@ -1,7 +1,6 @@
-"""How selective activation checkpointing classifies aten ops (``engine/recompute_policy.py``): which are cheap to
-recompute (views, casts, in-place and random ops), which are expensive (the forward ops whose FLOPs
-``torch.utils.flop_counter`` counts: matmuls, convolutions, attention without dropout), their FLOPs and the bytes of
-their outputs, and which arguments an op writes (in-place and ``out=`` ops)."""
+"""How selective activation checkpointing (``engine/recompute_policy.py``) classifies aten ops: cheap to recompute
+or expensive (the forward ops ``torch.utils.flop_counter`` counts, attention without dropout), their FLOPs, their
+output bytes, and which arguments an op writes."""
 
 from __future__ import annotations
 
@@ -47,9 +46,8 @@ def dropout_p(func: Any, args: tuple, kwargs: dict) -> float:
 
 
 def cheap(func: Any, args: tuple, kwargs: dict) -> bool:
-    """Ops never kept: :func:`cheap_op`, and random ops (recomputed under the replayed RNG state, so no
-    kept op consumes random numbers). An op tagged random only for its dropout (attention) is random
-    only with ``dropout_p > 0``: attention without dropout is kept (its recompute is the costliest one)."""
+    """Ops never kept: :func:`cheap_op`, and random ops (recomputed under the replayed RNG state). Attention
+    counts as random only with ``dropout_p > 0``, so attention without dropout, the costliest recompute, is kept."""
     if cheap_op(func):
         return True
     if torch.Tag.nondeterministic_seeded not in func.tags:

@@ -1,16 +1,13 @@
 """Hooks registered on a streamed parameter, run on its gradient before the gradient leaves the device.
 
-An ordinary ``backward()`` does not give a streamed parameter's gradient to autograd's ``AccumulateGrad`` node
-(the block's autograd function returns ``None`` for it; the gradient goes to the parameter's host accumulator
-instead), so torch never calls the hooks a user put on the parameter. This module calls them where the gradient
-is produced, with the same contract as :meth:`torch.Tensor.register_hook`: each hook is called with the gradient
-(a dense tensor of the parameter's shape and dtype) and may return a tensor that replaces it.
+The block's autograd function returns ``None`` for a streamed parameter (its gradient goes to the host
+accumulator), so torch never calls its hooks with the gradient; :func:`run_grad_hooks` calls them where the
+gradient is produced, with :meth:`torch.Tensor.register_hook`'s contract.
 
-One difference from plain PyTorch: a parameter used by several block calls in one backward (a tied embedding
-and LM head, one layer applied at several depths) has its hooks called once per call, with that call's part of the gradient, where autograd calls them once with
-the sum. A hook that is linear in the gradient (scaling, masking rows) gives the same result; one that is not
-(per-tensor clipping) sees the parts. ``register_post_accumulate_grad_hook`` hooks are refused: the host
-accumulator, not ``param.grad``, holds the gradient during the backward.
+One difference from plain PyTorch: a parameter used by several block calls in one backward (tied embedding and
+LM head) has its hooks called once per call with that call's part, where autograd calls them once with the sum;
+a hook linear in the gradient gives the same result. ``register_post_accumulate_grad_hook`` hooks are refused:
+the host accumulator, not ``param.grad``, holds the gradient during the backward.
 """
 
 from __future__ import annotations
@@ -21,21 +18,19 @@ import torch
 
 
 def run_grad_hooks(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
-    """``grads`` (``grads[i]``: the gradient of ``params[i]`` from one block call, ``None`` where it has none),
-    each passed through the tensor hooks of its parameter in registration order.
+    """``grads`` (from one block call) each passed through its parameter's tensor hooks, in registration order.
 
     Args:
         params: the module's parameters (the ``nn.Parameter`` objects the user holds and registered hooks on).
-        grads: device tensors of each parameter's shape (dense, or a sparse COO embedding gradient, made dense
-            when its parameter has hooks), or ``None``.
+        grads: per parameter, a device tensor of its shape (a sparse COO one is made dense for hooks), or ``None``.
 
     Returns:
-        The gradients, unchanged where the parameter has no hook (the same objects), else the hooks' result cast
-        to the parameter's dtype when it is not already.
+        The gradients: the same objects where the parameter has no hook, else the hooks' result in the
+        parameter's dtype.
 
     Raises:
-        RuntimeError: a parameter with a gradient has a ``register_post_accumulate_grad_hook`` hook; or a hook
-            returned something that is not a tensor of the parameter's shape.
+        RuntimeError: a parameter with a gradient has a ``register_post_accumulate_grad_hook`` hook, or a hook
+            returned something other than ``None`` or a tensor of the gradient's shape.
     """
     out = list(grads)
     for i, (p, g) in enumerate(zip(params, grads)):
@@ -69,10 +64,8 @@ def run_grad_hooks(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor 
 
 
 class _WithGradient:
-    """A user's gradient hook, not called when torch passes ``None``: a streamed parameter is an input of its
-    block's autograd function only so that ``torch.autograd.grad`` can reach it; after an ordinary backward the
-    function returns ``None`` for it, and torch runs the parameter's hooks with that ``None`` (the gradient
-    itself goes through :func:`run_grad_hooks`)."""
+    """A user's gradient hook, skipped when torch passes ``None`` (after an ordinary backward, for a streamed
+    parameter, an input of the block's function only so ``torch.autograd.grad`` can reach it)."""
 
     __slots__ = ("hook",)
 
@@ -84,10 +77,8 @@ class _WithGradient:
 
 
 def skip_none_calls(params: Sequence[torch.Tensor]) -> None:
-    """Wrap every tensor hook of ``params`` (in place, under the same handle keys: ``handle.remove()`` still
-    removes it) so that torch's call with ``None`` after an ordinary backward does not reach it. Called by the
-    backward of a block's autograd function, for the parameters it returns gradients for (``None`` or not),
-    before torch runs their hooks."""
+    """Wrap every tensor hook of ``params`` in :class:`_WithGradient`, in place under the same handle keys
+    (``handle.remove()`` still works). Called by a block function's backward before torch runs the hooks."""
     for p in params:
         hooks = p._backward_hooks
         if hooks:

@@ -1,8 +1,6 @@
-"""Direct access to parameters the engine owns: read, write, and giving the module real weights back.
-
-While the engine owns a module, a parameter's authoritative value is its fp32 master in the host
-store (RAM slab or NVMe file), possibly with a deferred AdamW update pending. Everything that reads
-or writes a weight outside a block call goes through :class:`ParamAccess`.
+"""Access to parameters the engine owns. A parameter's value is its fp32 master in the host store (RAM slab or
+NVMe file), possibly with a deferred AdamW update pending; every read or write of a weight outside a block call
+goes through :class:`ParamAccess`.
 """
 
 from __future__ import annotations
@@ -32,8 +30,8 @@ class ParamAccess:
         self.summoned: set[int] = set()  # id(param) of the parameters :meth:`summon` gave real weights (nesting)
 
     def read(self, p: torch.Tensor) -> torch.Tensor:
-        """The current fp32 value of parameter ``p`` (pending updates applied): a view of the RAM
-        slab, or a copy read through the NVMe window when masters are on disk.
+        """The current fp32 value of ``p`` (pending updates applied): a view of the RAM slab, or a copy read
+        through the NVMe window when masters are on disk.
 
         Raises:
             KeyError: ``p`` is not a parameter of the streamed module.
@@ -48,10 +46,9 @@ class ParamAccess:
             return v.clone() if self.store.masters_on_disk else v
 
     def write(self, p: torch.Tensor, value: torch.Tensor) -> None:
-        """Set parameter ``p``'s master weights to ``value`` (same shape, any float dtype), in either tier.
-        Data parallel with the masters on disk, only the slab's owner writes: every rank must write the same
-        values (as a checkpoint load does), and the node's ranks then meet (``NodeStore.weights_written``) before
-        anyone reads them.
+        """Set ``p``'s master to ``value`` (same shape, any float dtype). Data parallel with masters on disk:
+        only the slab's owner writes, so every rank must write the same values, and the node's ranks then meet
+        (``NodeStore.weights_written``) before anyone reads them.
 
         Raises:
             KeyError: ``p`` is not a parameter of the streamed module.
@@ -82,20 +79,18 @@ class ParamAccess:
                 and data.shape == mv.shape and data.stride() == mv.stride())
 
     def replaced(self) -> list[tuple[int, int]]:
-        """``(slab, entry)`` of every parameter whose ``.data`` is no longer the store's: user code assigned
-        ``param.data = tensor``, or another Trainer's engine built its own store from the module and pointed the
-        parameters there. Parameters inside an open :meth:`summon` are not (an enclosing ``summon_full_params``
-        writes them back when it ends). Empty while :meth:`materialize`'d (:meth:`dematerialize` writes those back). Costs one
-        pointer comparison per parameter."""
+        """``(slab, entry)`` of every parameter whose ``.data`` is no longer the store's (``param.data = tensor``,
+        or another Trainer's engine took the module), one pointer comparison each. Parameters inside an open
+        :meth:`summon` are left out, and all while :meth:`materialize`'d: those are written back when that ends."""
         if self.materialized:
             return []
         return [(slab.index, i) for slab in self.store.slabs for i, e in enumerate(slab.entries)
                 if id(e.ref.param) not in self.summoned and not self._is_store_data(slab, i, e.ref.param.data)]
 
     def adopt(self, found: list[tuple[int, int]]) -> list[str]:
-        """Write the current ``.data`` of each :meth:`replaced` parameter into its master (:meth:`write`: shape
-        checked, any float dtype) and point ``.data`` back at the store. Apply pending updates first (the caller
-        flushes: the value the user assigned comes after the step). Returns their names.
+        """Write the current ``.data`` of each :meth:`replaced` parameter into its master (:meth:`write`) and
+        point ``.data`` back at the store; returns their names. The caller flushes pending updates first (the
+        assigned value comes after the step).
 
         Raises:
             ValueError: a replacement has another shape than the parameter (the store's layout is fixed).
@@ -117,9 +112,8 @@ class ParamAccess:
         return names
 
     def materialize(self) -> None:
-        """Give every parameter a real fp32 tensor again (a copy read from the store) so the module
-        works on its own; used when masters are on disk and a run is over (4 bytes/param of host
-        memory). :meth:`dematerialize` writes them back and restores the placeholders."""
+        """Masters on disk, after a run: give every parameter a real fp32 copy (4 bytes/param of host memory) so
+        the module works on its own; undone by :meth:`dematerialize`."""
         if not self.store.masters_on_disk or self.materialized:
             return
         self.store.placeholder_writes()  # their values start NaN again when the placeholders come back
@@ -132,8 +126,8 @@ class ParamAccess:
         self.materialized = True
 
     def write_back_materialized(self) -> None:
-        """Copy the materialized parameters (the user may have changed them after the run) into the
-        store, which checkpoints read; a no-op unless :meth:`materialize` ran."""
+        """Copy the materialized parameters (possibly changed by the user) into the store, which checkpoints
+        read; a no-op unless :meth:`materialize` ran."""
         if not self.materialized:
             return
         for slab in self.store.slabs:
@@ -142,7 +136,7 @@ class ParamAccess:
 
     def dematerialize(self) -> None:
         """Before the engine owns the module again: write materialized weights back, then point the
-        parameters at 4-byte placeholders (the masters are on disk)."""
+        parameters at their 4-byte placeholders."""
         if not self.materialized:
             return
         self.write_back_materialized()
@@ -160,10 +154,9 @@ class ParamAccess:
 
     def summon(self, params: list[nn.Parameter], private: bool = False) -> list[nn.Parameter]:
         """Give each streamed parameter of ``params`` a real fp32 copy of its master as ``.data`` (pending updates
-        applied; on NVMe read through the window, which keeps none of it): with the masters on disk, or with
-        ``private`` (data parallel: the RAM tier's masters are the node's shared copy, which an edit made on every
-        rank would change once per rank). Returns those parameters, for :meth:`unsummon`; the others (RAM tier
-        without ``private``, not streamed, already given one by an enclosing call) keep their ``.data``."""
+        applied), with masters on disk or with ``private`` (data parallel: the RAM masters are shared by the node,
+        so an edit made on every rank would land once per rank). Returns those parameters, for :meth:`unsummon`;
+        the others (not streamed, already summoned, RAM tier without ``private``) keep their ``.data``."""
         if self.materialized or not (self.store.masters_on_disk or private):
             return []
         done = []
@@ -181,9 +174,8 @@ class ParamAccess:
         return done
 
     def unsummon(self, summoned: list[nn.Parameter], writeback: bool) -> None:
-        """Undo :meth:`summon`: with ``writeback`` write each parameter's current ``.data`` (an in-place edit or a
-        new tensor of the same shape) into its master first; then point ``.data`` back at the store (its
-        placeholder, or its master view)."""
+        """Undo :meth:`summon`; with ``writeback``, each parameter's current ``.data`` is written into its master
+        first."""
         try:
             if writeback:
                 for p in summoned:
@@ -197,10 +189,9 @@ class ParamAccess:
 
     # ------------------------------------------------------------------ checkpoints
     def reader(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """A function giving the current value of a module tensor for a checkpoint: the tensor itself
-        (detached) when masters are in RAM (parameters are views of the flushed store), else for a
-        parameter a copy read through the NVMe window, which keeps only the slab being read (read
-        parameters in slab order: a save then needs one slab plus one shard of host memory)."""
+        """A function giving the current value of a module tensor for a checkpoint: the tensor itself (detached)
+        with masters in RAM, else for a parameter a copy read through a :class:`_OneSlabWindow` (read in slab
+        order, a save needs one slab plus one shard of host memory)."""
         if not self.store.masters_on_disk:
             return lambda t: t.detach()
         window = _OneSlabWindow(self.store)
@@ -214,12 +205,11 @@ class ParamAccess:
 
     def named_optimizer_state(self, module: nn.Module, keep: Callable[[nn.Parameter], bool] | None = None
                               ) -> Iterator[tuple[str, torch.Tensor]]:
-        """``("<param name>/<state key>", tensor)`` for every parameter of ``module`` with optimizer state
-        (AdamW: ``exp_avg``, ``exp_avg_sq`` fp32 of the parameter's shape, ``step`` a 0-d fp32 tensor; another
-        class: the tensors its ``step`` keeps, a 1-element ``step`` as a 0-d tensor; a tensor subclass as its inner
-        tensors, :func:`~..optim.state_packing.flatten_named`), in parameter order, reading
-        through a one-slab window on the NVMe tier. ``keep``: only the parameters it accepts (data parallel: a
-        process writes the state of the slabs it owns, the only ones on its disk with ``offload_optimizer="nvme"``).
+        """``("<param name>/<state key>", tensor)`` for every parameter of ``module`` with optimizer state, in
+        parameter order, through a :class:`_OneSlabWindow` (AdamW: ``exp_avg``, ``exp_avg_sq`` fp32 of the
+        parameter's shape, ``step`` a 0-d fp32 tensor; other optimizers: their tensors, a 1-element ``step`` as 0-d;
+        a tensor subclass as its inner tensors, :func:`~..optim.state_packing.flatten_named`). ``keep``: only the
+        parameters it accepts (data parallel: the slabs this process owns).
 
         Raises:
             TypeError: a state value that is not a tensor (a directory checkpoint stores tensors only)."""

@@ -1,11 +1,8 @@
 """The read-ahead schedule: block copies started ``lookahead`` fetches ahead, NVMe reads further ahead.
 
-The engine knows the sequence of fetches a step makes (forward order, then the backward sequence
-with recompute chains: docs/architecture.md, "Prefetch schedule"). At every fetch it asks
-:class:`Prefetcher` for the block; the prefetcher hands over the copy started earlier (or starts it),
-submits the next ``lookahead`` fetches of the sequence to the single H2D worker thread and, with the
-NVMe tier, tells the store which regions the schedule reads next. With block groups
-(:mod:`.block_groups`) one fetch copies a group of consecutive blocks.
+At every fetch of the step's sequence (docs/architecture.md, "Prefetch schedule") the engine asks
+:class:`Prefetcher` for the block: it hands over the copy started earlier (or starts it), submits the next fetches
+to the single H2D worker thread and, with the NVMe tier, tells the store what the schedule reads next.
 """
 
 from __future__ import annotations
@@ -32,17 +29,15 @@ class Prefetcher:
     Args:
         blocks: the model's blocks (indexed by block index).
         store: the host store (NVMe read-ahead).
-        transport: the device transport (``ready``: the compute stream waits for a copy).
+        transport: the device transport.
         acct: live-byte accounting (a dropped prefetch gives its bytes back).
-        fetch: copies one block's slabs to the device (``WeightFetcher.fetch``, run on the H2D worker):
-            slab index -> ``(device buffer, event)``.
+        fetch: ``WeightFetcher.fetch`` (run on the H2D worker).
         lookahead: fetches started ahead of the one computing (1 = double buffering); further fetches
             start while they fit the elements of ``lookahead + 1`` largest fetches (:meth:`wanted`).
         read_ahead_bytes: NVMe tier: bytes the read-ahead may use beside the blocks in flight
             (``host_memory_limit`` - the minimum window), or ``None`` without the NVMe tier.
         read_ahead_depth: NVMe tier: fetches beyond the lookahead whose regions are read ahead.
-        host_threads: intra-op CPU threads of the H2D worker's updates and casts (``None``: torch's
-            setting; see :mod:`.threads`).
+        host_threads: intra-op CPU threads of the H2D worker (:mod:`.threads`).
         groups: transfer units (:func:`~.block_groups.form_groups`); ``lookahead`` then counts group
             fetches. ``None``: one per block.
     """
@@ -61,7 +56,7 @@ class Prefetcher:
         self._pool = start_worker("megatrain-h2d", host_threads, getattr(transport, "device", None))
         groups = groups if groups is not None else [(b.index,) for b in blocks]
         self.schedule = GroupSchedule(groups)
-        # elements a block's fetch brings to the device (the slabs it reads, tied ones included)
+        # elements a block's fetch brings to the device (tied slabs included)
         self._numel = {b.index: sum(store.slabs[si].numel for si in b.slabs) for b in blocks}
         self._cap = (lookahead + 1) * max((sum(self._numel[bi] for bi in g) for g in groups), default=0)
         # blocks of one fetch (run_at) -> per block, the future of its part of the fetch
@@ -72,18 +67,14 @@ class Prefetcher:
 
     def get(self, blk: Block, seq: Sequence[int], pos: int | None, backward: bool = False,
             updates_in_backward: bool = False, held: int = 0) -> dict[int, torch.Tensor]:
-        """The block's slabs on the device, waiting for its copy if needed; starts the next
-        ``lookahead`` fetches of ``seq`` after position ``pos`` (``None``: off the schedule).
-
-        With block groups (:mod:`.block_groups`) a fetch copies the block and the members of its group
-        that come right after it in ``seq``; they are served from it when they come, or released
-        unused if the schedule changes (another group's block first, an optimizer update).
+        """The block's slabs on the device, waiting for its copy if needed; starts the fetches :meth:`wanted`
+        after position ``pos`` of ``seq`` (``None``: off the schedule). Group members fetched with the block
+        (:mod:`.block_groups`) are served when they come, or released unused once the schedule moves on.
 
         Args:
-            backward / updates_in_backward: the fetch is in a backward (which applies AdamW updates as
-                it goes): what the NVMe read-ahead wants besides the masters.
-            held: elements of other blocks' buffers still on the device (a kept last block's graph):
-                they count against the prefetch's room (:meth:`wanted`).
+            backward / updates_in_backward: the fetch is in a backward (applying AdamW updates as it goes):
+                what the NVMe read-ahead wants besides the masters.
+            held: elements of other blocks' buffers still on the device (a kept last block's graph).
         Returns:
             slab index -> device buffer (compute dtype, shape ``[slab numel]``).
         """
@@ -122,16 +113,10 @@ class Prefetcher:
         return {s: buf for s, (buf, _) in got.items()}
 
     def wanted(self, seq: Sequence[int], pos: int, left: set[int], held: int = 0) -> list[tuple[int, ...]]:
-        """The fetches to have in flight while ``seq[pos]`` computes: the next ``lookahead`` ones, then
-        further ones while the elements of the block computing, of the members of its fetch not used yet
-        (``left``), of other buffers still ``held`` (a kept last block's) and of every fetch in flight stay
-        within those of ``lookahead + 1`` largest fetches:
-        the device memory ``lookahead`` already needs for a model's largest block (the embedding or LM
-        head of a small model is 8x a decoder layer of SmolLM2-135M), used while small blocks compute,
-        so a large fetch starts several blocks before its use instead of one.
-
-        A run fetched twice (a recompute chain) is in flight once, but counts at each position: what
-        fits at one fetch then still fits at the next, so a prefetch is never dropped for lack of room."""
+        """The fetches to have in flight while ``seq[pos]`` computes: the next ``lookahead`` ones, then further
+        ones while the elements of the block computing, of its fetch's members not used yet (``left``), of
+        ``held`` and of every fetch in flight stay within those of the ``lookahead + 1`` largest fetches. A run
+        fetched twice counts at each position (docs/internals/streaming.md, "Prefetch schedule")."""
         room = self._cap - self._numel[seq[pos]] - sum(self._numel[b] for b in left) - held
         want: list[tuple[int, ...]] = []
         for run in self.schedule.iter_upcoming(seq, pos, left):
@@ -144,16 +129,15 @@ class Prefetcher:
         return want
 
     def _submit(self, run: tuple[int, ...]) -> dict[int, Future]:
-        """Hand one fetch of the blocks ``run`` to the H2D worker; per block, the future of its part (each
-        completes when that block's slabs are copied, so the first block can compute while the worker
-        fetches the next)."""
+        """Hand one fetch of the blocks ``run`` to the H2D worker; per block, the future of its part (completed
+        when that block's slabs are copied: the first computes while the worker fetches the next)."""
         parts = {bi: Future() for bi in run}
         self._pool.submit(self._fetch_run, run, dict(parts))
         return parts
 
     def _fetch_run(self, run: tuple[int, ...], parts: dict[int, Future]) -> None:
-        """H2D worker: fetch the blocks of one transfer unit in order, completing each block's future with
-        slab index -> (device buffer, event); an error fails this block's future and the rest."""
+        """H2D worker: fetch the blocks of ``run`` in order, completing each block's future; an error fails this
+        block's future and the rest."""
         self.acct.add(weight_transfers=1)
         for i, bi in enumerate(run):
             try:
@@ -165,12 +149,9 @@ class Prefetcher:
             parts[bi].set_result(got)
 
     def _read_ahead(self, upcoming: Sequence[int], backward: bool, updates_in_backward: bool) -> None:
-        """Tell the NVMe store what the schedule reads next: the masters of the coming fetches, and
-        the AdamW states and accumulator of slabs whose update runs before their fetch.
-
-        The list stops where its buffers would no longer fit beside the blocks in flight
-        (``host_memory_limit`` - the minimum window): buffers read further ahead would be evicted
-        by the compute path's own reservations before their use and read a second time."""
+        """Tell the NVMe store what the schedule reads next (masters; AdamW states and accumulator of slabs whose
+        update runs before their fetch), up to the spare bytes beside the blocks in flight: buffers read further
+        ahead would be evicted before their use and read a second time."""
         kinds = self.store.nvme_kinds
         nvme = self.store.nvme
         spare = self._spare
@@ -197,8 +178,7 @@ class Prefetcher:
         nvme.read_ahead(wanted)
 
     def _release(self, got: dict[int, tuple[torch.Tensor, Any]]) -> None:
-        """A fetched block nobody will use: wait until its copies are done (their buffers, and the host
-        memory they read, may be reused right after), then give its bytes back."""
+        """A fetched block nobody will use: wait until its copies are done, then give its bytes back."""
         for _, ev in got.values():
             self.transport.last_read_done(ev)
         self.acct.track(-sum(b.numel() * b.element_size() for b, _ in got.values()))
@@ -209,16 +189,14 @@ class Prefetcher:
             self._discard(fut)
 
     def _discard(self, fut: Future) -> None:
-        """Drop a prefetch the schedule no longer wants (released once its fetch and copies end, without
-        waiting here: :meth:`_release_discarded`; :meth:`drop` waits for those still running)."""
+        """Drop a prefetch without waiting: :meth:`_release_discarded` releases it (:meth:`drop` waits)."""
         with self._discard_lock:
             self._discarded[id(fut)] = fut
         fut.add_done_callback(self._release_discarded)
 
     def _release_discarded(self, f: Future) -> None:
-        """A dropped prefetch's fetch ended: its bytes are given back once its copies are done, by the
-        transport's completion thread (``when_done``), so neither the compute thread (which dropped it after it
-        finished) nor the H2D worker (which finished it after the drop) waits for the copy."""
+        """A dropped prefetch's fetch ended: its bytes are given back on the transport's completion thread once its
+        copies are done (``when_done``), so neither the compute thread nor the H2D worker waits for the copy."""
         with self._discard_lock:
             if self._discarded.pop(id(f), None) is None:
                 return  # drop() took it over
@@ -226,15 +204,14 @@ class Prefetcher:
             return
         for buf, ev in f.result().values():
             nbytes = buf.numel() * buf.element_size()
-            # the buffer stays referenced until its copy is done, as when it was waited for here
+            # the buffer stays referenced until its copy is done
             self.transport.when_done(ev, lambda buf=buf, nbytes=nbytes: self.acct.track(-nbytes))
 
     def drop(self) -> None:
-        """Wait for and discard the copies in flight, the dropped prefetches still running and the group
-        members not used yet (they predate an optimizer update or a dtype change)."""
+        """Wait for and discard the copies in flight, the dropped prefetches still running and the unused group
+        members (they predate an optimizer update or a dtype change)."""
         with self._discard_lock:  # dropped earlier and still running: they may read what is about to change
             discarded, self._discarded = list(self._discarded.values()), {}
-        # in flight, and group members fetched before the update but not used yet: stale
         pending = [f for parts in [*self._inflight.values(), *self._open.values()] for f in parts.values()]
         self._inflight.clear()
         self._open.clear()

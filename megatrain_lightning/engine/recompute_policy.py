@@ -1,22 +1,10 @@
 """What a streamed block keeps from its forward for its backward: the recompute policy.
 
-``recompute`` (strategy option) chooses, per block call:
-
-* ``"block"``: keep only the block's inputs; backward recomputes the whole block (the MegaTrain default).
-* ``"selective"``: also keep the outputs of the expensive operations (matrix multiplies, attention:
-  the forward ops of ``torch.utils.flop_counter``'s registry); backward recomputes only the cheap
-  ones (norms, activations, elementwise, casts, dropout under the replayed RNG state).
-* ``"none"``: keep the block's own autograd graph, without its weights (``engine/boundary/kept.py``);
-  backward differentiates that graph and recomputes nothing.
-* ``"auto"``: per block, the cheapest of the three in recompute FLOPs whose kept bytes fit
-  ``activation_memory_limit`` (decided once, after the first training forward measured them).
-
-Under every mode an embedding lookup block (:func:`is_lookup`) keeps its graph as under ``"none"``:
-that graph saves only the token indices, which ``"block"`` keeps anyway as the block's input, so
-recomputing it would fetch the whole table again (the largest block of a small model: 113 MB fp32
-for SmolLM2-135M) for nothing; its backward fetches nothing.
-
-``"selective"`` saving is PyTorch's selective activation checkpointing (:class:`~.saved_ops.SavedOps`).
+The modes (``"block"``, ``"selective"``, ``"none"``, ``"auto"``): docs/architecture.md, "Recompute policy";
+``"selective"`` saving is :class:`~.saved_ops.SavedOps`, ``"none"``'s kept graph ``engine/boundary/kept.py``,
+``"auto"``'s choice :func:`decide`. An embedding lookup (:func:`is_lookup`) keeps its graph under every mode: it
+saves only the token indices, which ``"block"`` keeps anyway, and recomputing it would fetch the whole table
+(113 MB fp32 for SmolLM2-135M, the largest block of a small model) for nothing.
 """
 
 from __future__ import annotations
@@ -45,35 +33,29 @@ log = logging.getLogger(__name__)
 
 
 def _log_once(msg: str, *args: Any) -> None:
-    """``auto``'s choices at INFO from global rank 0 only (every rank measures the same blocks and decides for
-    itself; N identical lines would be noise), at DEBUG from the others."""
+    """At INFO from global rank 0 (every rank decides the same), at DEBUG from the others."""
     rank0 = not (torch.distributed.is_available() and torch.distributed.is_initialized()) \
         or torch.distributed.get_rank() == 0
     log.log(logging.INFO if rank0 else logging.DEBUG, msg, *args)
 
 def is_lookup(module: torch.nn.Module) -> bool:
-    """``module`` is an embedding lookup whose autograd graph saves only its integer indices (any
-    ``nn.Embedding``, a subclass scaling its output by a constant too, as Gemma's; not one with
-    ``max_norm``, whose forward renormalises the weight in place): such a block keeps its graph under
-    every ``recompute`` mode (module docstring)."""
+    """``module`` is an embedding lookup whose graph saves only its indices (any ``nn.Embedding``, Gemma's scaled
+    subclass too; not one with ``max_norm``, which renormalises the weight in place)."""
     return isinstance(module, torch.nn.Embedding) and module.max_norm is None
 
 
 class _Measure:
-    """Per block, over one training forward: bytes each policy would keep and FLOPs it would recompute.
-
-    ``"selective"``: the outputs of the expensive ops (SAC policy, as :class:`SavedOps` keeps them);
-    ``"none"``: what autograd saves, the block's weights excluded (as :mod:`.boundary.kept` keeps it)."""
+    """Per block, over one training forward: bytes each policy would keep (``"selective"`` as :class:`SavedOps`,
+    ``"none"`` as :mod:`.boundary.kept`) and FLOPs it would recompute."""
 
     def __init__(self):
         self.blocks: dict[int, dict[str, float]] = {}
 
     @contextlib.contextmanager
     def context(self, block: int, seqs: frozenset[int], bufs: dict[int, torch.Tensor]) -> Iterator[None]:
-        """Measure one call of ``block`` whose hidden-state inputs have the sequence lengths ``seqs`` (``[B, T, D]``:
-        a decoder layer's own and its encoder's): its row also counts, as ``selective_sq``/``none_sq``, the bytes of
-        ``[..., Tq, Tk]`` tensors with both lengths in ``seqs`` (eager attention's scores and probabilities, self- or
-        cross-attention), which grow with the product of two lengths (:func:`growth`)."""
+        """Measure one call of ``block`` whose hidden-state inputs have the sequence lengths ``seqs``. Its row also
+        counts, as ``selective_sq``/``none_sq``, the bytes of :func:`_square` tensors, which grow with the product of
+        two lengths (:func:`growth`)."""
         row = self.blocks.setdefault(block, dict(selective=0, none=0, flops=0, flops_selective=0, selective_sq=0,
                                                  none_sq=0))
         seen_s: set = set()
@@ -105,9 +87,9 @@ class _Measure:
                     row["none_sq"] += t.untyped_storage().nbytes() if _square(t, seqs) else 0
             return boxes.pack(t)
 
-        # boxed as every grad-mode forward's saved tensors are (boundary.forward.SavedBoxes): these hooks are the innermost,
-        # so the outer ones never see the tensors, and a graph node of this forward that outlives it held every
-        # measured activation for the whole run (1 GiB more resident than "selective" at 2048 tokens)
+        # boxed (boundary.forward.SavedBoxes): these hooks are the innermost, so unboxed, a graph node outliving this
+        # forward would hold every measured activation for the whole run (1 GiB more resident than "selective" at 2048
+        # tokens)
         boxes = SavedBoxes()
         try:
             with create_selective_checkpoint_contexts(policy)[0], \
@@ -127,9 +109,8 @@ def _square(t: Any, seqs: frozenset[int]) -> bool:
 
 
 def hidden_shapes(tensors: Any) -> tuple[tuple[int, ...], ...]:
-    """The shapes ``[B, T, D]`` of a block call's floating-point inputs that require grad and have 3 dimensions (its
-    hidden states; a decoder layer's encoder states too), in order; else the first input's shape alone. What
-    ``"auto"`` scales its measured bytes by (:func:`growth`)."""
+    """The shapes ``[B, T, D]`` of a block call's 3-d floating-point inputs that require grad (hidden states,
+    encoder states), in order; else the first input's shape alone. Input of :func:`growth`."""
     shapes = tuple(tuple(t.shape) for t in tensors if t.is_floating_point() and t.requires_grad and t.dim() == 3)
     return shapes or ((tuple(tensors[0].shape),) if len(tensors) else ())
 
@@ -140,13 +121,11 @@ def _seqs(shapes: tuple[tuple[int, ...], ...]) -> frozenset[int]:
 
 def growth(shapes: tuple[tuple[int, ...], ...], measured: tuple[tuple[int, ...], ...]) -> tuple[float, float]:
     """How a block call's kept activations grow from its measured input shapes ``measured`` to ``shapes``
-    (:func:`hidden_shapes`, ``[B, T, D]`` each): ``(linear, square)``, the factors of tensors proportional to B x T
-    (hidden states, MLP intermediates, SDPA's outputs, a cross-attention's keys over the encoder's length) and to
-    B x Tq x Tk (eager attention's ``[B, H, Tq, Tk]`` scores and probabilities, :func:`_square`). With several inputs,
-    ``linear`` is the largest growth of one input's elements and ``square`` that times the largest growth of a
-    length: an upper bound of both (a decoder layer whose target stays and whose source grows 32x: 32x and 32x, where
-    the first input alone said 1x; measured 1.25x over the limit before). Inputs of another number or rank, or
-    empty ones: their total elements, for both."""
+    (:func:`hidden_shapes`): ``(linear, square)``, the factors of tensors proportional to B x T (hidden states, MLP
+    intermediates, SDPA's outputs) and to B x Tq x Tk (eager attention's scores, :func:`_square`). With several
+    inputs, ``linear`` is the largest growth of one input's elements and ``square`` that times the largest growth of
+    a length, an upper bound of both (a decoder layer whose source grows 32x: 32x and 32x, where the first input
+    alone says 1x). Inputs of another number or rank, or empty ones: their total elements, for both."""
     pairs = list(zip(shapes, measured))
     if len(shapes) != len(measured) or not pairs or any(len(a) != len(b) or not math.prod(a) or not math.prod(b)
                                                          for a, b in pairs):
@@ -158,9 +137,8 @@ def growth(shapes: tuple[tuple[int, ...], ...], measured: tuple[tuple[int, ...],
 
 
 def _weight_cast(t: torch.Tensor, locator: ParamLocator) -> bool:
-    """``t`` is (a view of) autocast's cast of a trainable weight in the block's buffers: ``"none"`` keeps
-    the weight's place instead (:mod:`.boundary.kept`), not the copy. A frozen weight's cast has no autograd
-    history and is counted (an overestimate)."""
+    """``t`` is (a view of) autocast's cast of a trainable weight in the block's buffers, which ``"none"`` does not
+    keep (:mod:`.boundary.kept`). A frozen weight's cast has no history and is counted (an overestimate)."""
     base = t._base if t._base is not None else t
     fn = base.grad_fn
     if fn is None or type(fn).__name__ != "ToCopyBackward0" or not fn.next_functions:
@@ -170,10 +148,9 @@ def _weight_cast(t: torch.Tensor, locator: ParamLocator) -> bool:
 
 
 def decide(measured: dict[int, dict[str, float]], budget: int) -> dict[int, str]:
-    """Per block, the policy of ``"auto"``: start from ``"block"`` everywhere (keeps nothing extra,
-    recomputes everything); upgrade blocks to ``"selective"`` in order of recompute FLOPs saved per kept
-    byte while the kept bytes fit ``budget``; then, with what is left, to ``"none"`` the same way
-    (a block only changes when that saves recompute FLOPs).
+    """Per block, the policy of ``"auto"``: ``"block"`` everywhere, then blocks upgraded to ``"selective"`` in
+    order of recompute FLOPs saved per kept byte while the kept bytes fit ``budget``, then to ``"none"`` the same
+    way with what is left (only where that saves recompute FLOPs).
 
     Args:
         measured: block index -> ``selective``/``none`` (bytes kept), ``flops`` (forward FLOPs),
@@ -210,11 +187,10 @@ def default_activation_limit(device: torch.device) -> int:
 
 
 class ActivationMeter:
-    """Bytes of activations the engine keeps on the device between a forward and its backward.
+    """Bytes of activations kept on the device between a forward and its backward.
 
     ``add(owner, n)`` counts ``n`` bytes until ``owner`` is garbage-collected or the returned handle is
-    called (idempotent); ``on_change(live)`` is called with the new total after every add (the engine
-    keeps the step's peak as ``saved_activation_bytes``). ``peak``: the most ever counted at once."""
+    called (idempotent); ``on_change(live)`` gets the new total after every add. ``peak``: the most ever."""
 
     def __init__(self, on_change: Callable[[int], None] | None = None):
         self.live = 0
@@ -243,9 +219,8 @@ class RecomputePolicy:
         mode: one of :data:`~megatrain_lightning.config.RECOMPUTE_MODES` (checked by
             :func:`~megatrain_lightning.config.check_recompute`).
         device: the compute device (``"auto"``'s default budget).
-        activation_memory_limit: bytes ``"auto"`` lets the kept op outputs take (``None``: half the
-            free device memory when it decides). Block inputs count in it; ``"auto"`` gives op outputs
-            what the block inputs of its measured forward leave.
+        activation_memory_limit: bytes ``"auto"``'s kept activations may take, block inputs included
+            (``None``: :func:`default_activation_limit` when it decides).
     """
 
     def __init__(self, mode: str = "block", device: torch.device | None = None,
@@ -268,10 +243,9 @@ class RecomputePolicy:
         self.meter.on_change = on_change
 
     def mode_for(self, block: int, fwd: Any, lookup: bool = False, size: tuple[tuple[int, ...], ...] = ()) -> str:
-        """The policy of a call of block ``block`` in training forward ``fwd`` (any object identifying
-        the forward); under ``"auto"`` the first forward runs ``"block"`` and measures. ``lookup``: the
-        block is an embedding lookup (:func:`is_lookup`): ``"none"`` under every mode. ``size``: shapes of
-        the call's hidden-state inputs (:func:`hidden_shapes`), which scale ``"auto"``'s measured bytes."""
+        """The policy of a call of ``block`` in training forward ``fwd`` (any object identifying it); under
+        ``"auto"`` the first forward returns ``"measure"``. ``lookup``: :func:`is_lookup`, ``"none"`` always.
+        ``size``: :func:`hidden_shapes` of the call."""
         if lookup:
             return "none"
         if self.choice is not None:
@@ -288,12 +262,11 @@ class RecomputePolicy:
         return "measure"
 
     def _guarded(self, block: int, size: tuple[tuple[int, ...], ...]) -> str:
-        """``"auto"``'s choice for a call, or ``"block"`` when keeping its op outputs would take the bytes kept
-        beyond ``activation_memory_limit``: the measured bytes of this block's choice plus the inputs the rest of
-        the measured forward keeps, scaled from the measured input shape to this call's (:func:`growth`: a longer
-        batch than the first, a batch-size finder's trial before the fit; eager attention's scores by the square
-        of the length), counted on top of what is kept now (an earlier forward whose backward has not run). For the measured shape and one forward at a time this never
-        changes the choice (the decision fits the limit)."""
+        """``"auto"``'s choice for a call, or ``"block"`` where the kept bytes would exceed
+        ``activation_memory_limit``: this block's measured bytes plus the inputs the rest of the measured forward
+        keeps, scaled to this call's shape (:func:`growth`: a longer batch, a batch-size finder's trial), on top of
+        what is kept now (an earlier forward whose backward has not run). Never changes the choice for the measured
+        shape and one forward at a time."""
         choice = self.choice.get(block, "block")  # type: ignore[union-attr]
         if choice == "block" or block not in self._size:
             return choice
@@ -311,10 +284,9 @@ class RecomputePolicy:
 
     def start(self, block: int, fwd: Any, lookup: bool = False, size: tuple[tuple[int, ...], ...] = ()
               ) -> tuple[SavedOps | None, Callable[[dict], Any] | None, bool]:
-        """What a call needs in its forward: (its :class:`SavedOps` (``"selective"``) or ``None``;
-        when it only measures, ``context(bufs)`` -> the context its forward runs under (``bufs``: the
-        block's device buffers), else ``None``; ``True`` when it keeps its graph (``"none"``,
-        :mod:`.boundary.kept`)). ``lookup``, ``size``: as in :meth:`mode_for`."""
+        """``(saved_ops, measure, keep_graph)`` for a call's forward: its :class:`SavedOps` (``"selective"``) or
+        ``None``; when it only measures, ``measure(bufs)`` -> the context its forward runs under (``bufs``: the
+        block's device buffers), else ``None``; ``True`` under ``"none"``. ``lookup``, ``size``: as :meth:`mode_for`."""
         mode = self.mode_for(block, fwd, lookup, size)
         if mode == "measure":
             measure = self._measure

@@ -1,25 +1,13 @@
 """Tensors a block's submodules hand to Hugging Face's output recorder, as outputs of the block call.
 
-Transformers gathers some per-layer tensors with forward hooks on modules *inside* a decoder layer
-(``_can_record_outputs``, ``transformers.utils.output_capturing``): Mixtral's, Qwen-MoE's and OLMoE's
-router logits (``output_router_logits=True``; the model adds ``router_aux_loss_coef x`` the
-load-balancing loss computed from them to its loss), the attention weights (``output_attentions``).
-The hooks append to a collector (a dict of lists) that the model's forward installs in a context
-variable for its duration.
-
-A streamed block call runs its forward without a graph and recomputes it in backward, so a tensor
-the hooks appended inside the call would reach the loss without a gradient: the load-balancing
-loss would be in the loss value and train nothing. :func:`recording` instead makes the call's
-forward run under a collector of its own (the keys the model asked for) and return what the hooks
-appended as extra outputs ``(output, {key: [tensors]})``; the engine passes them through the
-block's ``autograd.Function`` like any output and :func:`hand_over` appends them to the model's
-collector, now connected to the call's backward. The recompute in backward runs the same wrapped
-forward, so the hooks record the same tensors again and their gradients enter the block's local
-``torch.autograd.grad`` with the block output's.
-
-``hidden_states`` is left to the model's collector: its hook sits on the decoder layer itself,
-outside the block call, where it sees the call's outputs; its first-entry rule (the layer input
-first) must see the model's whole list.
+Transformers gathers some per-layer tensors (MoE router logits, attention weights) with forward hooks inside a
+decoder layer, into a collector the model's forward sets in a context variable
+(``transformers.utils.output_capturing``). Appended inside a streamed call, they would reach the loss without a
+gradient (the load-balancing loss would train nothing). :func:`recording` runs the call's forward (and its
+recompute) under a collector of its own and returns what the hooks appended as extra outputs of the block's
+``autograd.Function``; :func:`hand_over` appends them to the model's collector (docs/internals/block-calls.md,
+"Outputs recorded inside a block"). ``hidden_states`` stays with the model's collector: its hook is on the
+decoder layer itself, and its first-entry rule (the layer input first) must see the model's whole list.
 """
 
 from __future__ import annotations
@@ -37,8 +25,8 @@ _LEFT_TO_MODEL = {"hidden_states"}
 
 
 def supported() -> bool:
-    """Whether this transformers version records per-layer outputs through the collector handled here
-    (the strategy refuses the router load-balancing loss otherwise: it would train nothing)."""
+    """Whether this transformers version records per-layer outputs through the collector handled here (the
+    strategy refuses the router load-balancing loss otherwise)."""
     return _active_collector is not None
 
 
@@ -72,9 +60,8 @@ def recording(forward: Callable[..., Any], keys: tuple[str, ...]) -> Callable[..
 
 
 def hand_over(out: tuple[Any, dict[str, list]]) -> Any:
-    """Take what a :func:`recording` forward returned through the block's autograd node: append the
-    recorded tensors (now outputs of that node) to the model's collector, where the hooks would have
-    appended them, and return the block's own output."""
+    """Append what a :func:`recording` forward returned, now outputs of the block's autograd node, to the
+    model's collector; return the block's own output."""
     out, recorded = out
     collected = _active_collector.get() if _active_collector is not None else None
     for k, tensors in recorded.items():
@@ -84,15 +71,11 @@ def hand_over(out: tuple[Any, dict[str, list]]) -> Any:
 
 
 def over_chunks(run_chunk: Callable[[int], Any], n_chunks: int, batch: int, lengths: list[int]) -> list[Any]:
-    """Run ``run_chunk(i)`` for each of ``n_chunks`` chunks of a ``[batch, sum(lengths), ...]`` input (chunk ``i``
-    has ``lengths[i]`` tokens: ``mlp_chunk_size``) and return their outputs; what the hooks inside record for the
-    model's collector is recorded per chunk and appended once per hook call, as the unchunked call records it.
-
-    A MoE MLP run over chunks calls its router once per chunk: the model's load-balancing loss would get one
-    ``[batch * chunk, E]`` router-logit tensor per chunk instead of one ``[batch * T, E]`` per layer, and fail
-    against the ``[batch * T]`` attention mask (or weigh the wrong rows). Each recorded tensor is put back in the
-    unchunked layout: ``[batch * len, ...]`` rows (batch-major) or ``[batch, len, ...]``, concatenated along the
-    tokens.
+    """Run ``run_chunk(i)`` for each of ``n_chunks`` chunks of a ``[batch, sum(lengths), ...]`` input (chunk ``i``:
+    ``lengths[i]`` tokens) and return their outputs. What the hooks inside record is recorded per chunk and put
+    back in the unchunked layout (``[batch * len, ...]`` rows, batch-major, or ``[batch, len, ...]``), once per hook
+    call: the load-balancing loss needs one ``[batch * T, E]`` router-logit tensor per layer, matching the
+    ``[batch * T]`` attention mask.
 
     Raises:
         RuntimeError: a chunk recorded a tensor of another layout, or the chunks recorded different numbers.

@@ -1,44 +1,28 @@
 """Gradient averaging across data-parallel ranks, one gradient batch (one block's gradients of one slab) at a time,
 delivered to the slab's owner only.
 
-Semantics are those of ``torch.nn.parallel.DistributedDataParallel``: the owner of the batch's slab receives the
-mean over all ranks of the batch's gradients, so a run of W processes with micro-batch b steps like one process
-with micro-batch W*b (the loss being a mean over the micro-batch). A parameter that got no gradient on a rank
-(``None``: an MoE expert no token of that rank was routed to) counts as zeros in the mean, as DDP's
-``find_unused_parameters`` does; it stays ``None`` (no AdamW update, as in plain PyTorch) only if no rank produced
-a gradient for it. To decide that, every batch carries one presence flag per parameter.
+Semantics of ``torch.nn.parallel.DistributedDataParallel``: the slab's owner receives the mean over all W ranks,
+so W processes with micro-batch b step like one with W*b. A parameter without gradient on a rank (an MoE expert)
+counts as zeros, as with DDP's ``find_unused_parameters``; it stays ``None`` (no AdamW update) only if no rank had
+one, which one presence flag per parameter decides. Overview: docs/internals/data-parallel.md, "Gradients".
 
-Per batch, with N local ranks per node and M nodes (the slab's owner is local rank r on every node):
+Per batch, with N local ranks per node (the slab's owner is local rank r on every node):
 
-1. the presence flags (``[n_params]``) are summed over all ranks (one small all-reduce): every rank learns which
-   parameters have a gradient, and keeps the same bookkeeping as the owner;
-2. the gradients are summed onto the node's owner (``reduce`` to rank ``node * N + r`` over the node's ranks): a
-   non-owner sends its part and receives nothing (on CUDA it then copies only the flags to the host);
-3. with several nodes the owners (local rank r of every node) all-reduce the node sums, so every node's owner
-   holds the same global sum, bitwise (the owners apply the same update to their node's copy);
+1. the presence flags (``[n_params]``) are summed over all ranks, so every rank keeps the owner's bookkeeping;
+2. the gradients are summed onto the node's owner (``reduce`` to rank ``node * N + r``); a non-owner receives
+   nothing (on CUDA it copies only the flags to the host);
+3. with several nodes the owners all-reduce the node sums, so every node's owner holds the same sum, bitwise;
 4. the owner divides by W.
 
-The sums are fp32 on both backends, whatever the wire dtype (bf16 or fp16 under ``bf16-true`` / ``16-true`` or a
-half gradient dtype): gloo reduces the host copies cast to fp32, NCCL a fp32 copy of the packed device tensor, which
-the owner then copies to the host in fp32 (a half sum would round every partial sum: W ranks' bf16 gradients
-summed in bf16 lose up to ``log2(W)`` more bits than the one rounding of the mean). Both backends run the same
-arithmetic: the same summands in fp32, then the same division.
+Sums are fp32 on both backends whatever the wire dtype (gloo: host copies cast to fp32; NCCL: a fp32 copy of the
+packed device tensor, copied to the host in fp32): W ranks' bf16 gradients summed in bf16 lose up to ``log2(W)``
+more bits than the one rounding of the mean. Every rank sends the same batches in the same order (same backward
+order; a batch lists every trainable parameter of the call), so the collectives match without negotiation.
 
-This is reduce-scatter at the granularity of slabs: each rank receives (and, on CUDA, copies D2H) only the slabs
-it owns. Every rank sends the same batches in the same order (the backward visits the blocks in the same order on
-every rank, and a batch lists every trainable parameter of the block call whether or not it got a gradient), so
-the collectives match without negotiation.
-
-Where it runs:
-
-* ``device_side`` (NCCL, CUDA): on the packed device tensor, on the D2H stream before its copy to the host
-  (:meth:`CUDATransport.stage_grads` calls :meth:`GradReducer.reduce_device`); the compute stream is not blocked,
-  so the next block's backward overlaps the collectives;
-* otherwise (gloo; CPU, or CUDA with ``process_group_backend="gloo"``): on the host tensors, by the D2H worker
-  before it adds them (:meth:`GradReducer.reduce_host`), also overlapping the next block's backward.
-
-The groups (``parallel/groups.py``) are used for gradients only, so the D2H worker's collectives never interleave
-with collectives the main thread issues on Lightning's default group (``barrier``, ``sync_dist``).
+Where it runs, overlapping the next block's backward: ``device_side`` (NCCL) on the D2H stream before the copy
+(:meth:`CUDATransport.stage_grads` calls :meth:`GradReducer.reduce_device`); otherwise (gloo) by the D2H worker
+before its add (:meth:`GradReducer.reduce_host`). The groups (``parallel/groups.py``) serve gradients only, so
+these collectives never interleave with the main thread's on Lightning's default group.
 """
 
 from __future__ import annotations
@@ -61,13 +45,11 @@ class GradReducer:
             ``node_rank * local_world_size + owner``).
         device_side: reduce on the device before the D2H copy (NCCL) instead of on the host after it.
         guard: ``guard(what)``, a context manager around each batch's collectives that turns a transport error (a
-            rank died: "Connection closed by peer", or a timeout) into one naming that rank
-            (``ProcessGroups.guard``, ``parallel/faults.py``); default: errors pass unchanged.
+            dead rank, a timeout) into one naming that rank (``ProcessGroups.guard``); default: errors unchanged.
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised (at construction).
-        PeerFailure: (from ``guard``) in :meth:`reduce_host` / :meth:`reduce_device` when another rank died or
-            stopped answering.
+        PeerFailure: (from ``guard``) in :meth:`reduce_host` / :meth:`reduce_device`: another rank died or hangs.
     """
 
     def __init__(self, everyone: Any, node: Any, cross: Any, node_rank: int, local_world_size: int,
@@ -83,9 +65,8 @@ class GradReducer:
 
     def pack(self, grads: Sequence[torch.Tensor | None], shapes: Sequence[torch.Size], device: torch.device,
              dtype: torch.dtype) -> list[torch.Tensor]:
-        """The tensors of one batch as every rank sends them: each gradient (zeros of ``shapes[i]`` and
-        ``dtype`` on ``device`` where it is ``None``), then one presence flag per gradient (shape
-        ``[len(grads)]``, ``dtype``: 1 where this rank has a gradient)."""
+        """The tensors of one batch as every rank sends them: each gradient (zeros of ``shapes[i]`` where
+        ``None``), then the presence flags ``[len(grads)]`` (1 where this rank has a gradient), all ``dtype``."""
         out = [g if g is not None else torch.zeros(s, dtype=dtype, device=device) for g, s in zip(grads, shapes)]
         flags = torch.ones(len(grads), dtype=dtype, device=device)  # made on the device: no host copy, no sync
         for i, g in enumerate(grads):
@@ -120,9 +101,8 @@ class GradReducer:
         return out, None if mine else n_flags
 
     def reduce_host(self, tensors: Sequence[torch.Tensor], owner: int, mine: bool) -> list[torch.Tensor]:
-        """gloo: average the host tensors of a batch (as made by :meth:`pack`) onto the owner. Returns new fp32
-        tensors of the same shapes (one flat copy: gloo reduces one tensor per call); on a non-owner only the last
-        (the summed presence flags) is meaningful."""
+        """gloo: average the host tensors of a batch (:meth:`pack`) onto the owner. Returns new fp32 tensors of
+        the same shapes (views of one flat copy); on a non-owner only the last (the summed flags) is meaningful."""
         flat = torch.cat([t.reshape(-1).float() for t in tensors])
         n_flags = tensors[-1].numel()
         self._reduce(flat[: flat.numel() - n_flags], flat[flat.numel() - n_flags :], owner, mine)

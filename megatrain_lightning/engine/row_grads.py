@@ -1,21 +1,15 @@
 """Row gradients of an embedding lookup: the rows its tokens read, not the whole ``[V, H]`` table.
 
-An embedding's weight gradient is zero outside the rows its tokens looked up. Dense, it is a
-``[V, H]`` tensor on the device (4.2 GB fp32 for a 128k x 8192 table, per micro-batch), copied whole
-to the host and added whole into the accumulator. Here the engine runs the lookup with torch's sparse
-embedding backward (``F.embedding(..., sparse=True)``), whose gradient holds the looked-up row ids
-``[N]`` (int64, one per token that is not ``padding_idx``, in token order) and one gradient row per
-token ``[N, H]``; only those cross the D2H link (``N * (H * wire bytes + 8)`` bytes), and the host adds
-them into the rows they belong to (:class:`RowGrad`).
+Dense, the gradient is ``[V, H]`` on the device (4.2 GB fp32 for a 128k x 8192 table, per micro-batch). With
+torch's sparse embedding backward (``sparse=True``) only the row ids ``[N]`` (int64, one per token that is not
+``padding_idx``, in token order) and one row per token ``[N, H]`` cross the D2H link
+(``N * (H * wire bytes + 8)`` bytes); the host adds them into their rows (:class:`RowGrad`).
 
-Same numbers as the dense gradient: torch's dense CPU backward sums each row's token contributions
-in token order starting from zero, then that sum is added into ``.grad`` (or into the other
-contribution of a tied weight); :class:`RowGrad` sums the rows of one micro-batch per row id in token
-order from zero first (``index_add_``, sequential over the ids) and then adds each sum once, so the
-fp32 accumulator is bitwise what the dense path gives (tests/test_row_grads.py).
+Bitwise the dense path's numbers (tests/test_row_grads.py): like torch's dense CPU backward, :class:`RowGrad` sums
+each row id's contributions of one micro-batch in token order from zero, then adds each sum once.
 
-Used only where it is smaller than the dense gradient (:func:`use_row_grads`) and gradients are not
-averaged over ranks (data parallel packs dense gradients for its collectives: the dense path).
+Used only where smaller than the dense gradient (:func:`use_row_grads`) and not under data parallel (its
+collectives take dense gradients).
 """
 
 from __future__ import annotations
@@ -32,8 +26,8 @@ def _index_elements(wire: torch.dtype) -> int:
 
 
 def use_row_grads(module: torch.nn.Embedding, tokens: int, wire: torch.dtype) -> bool:
-    """Send ``module``'s weight gradient as rows: its weight trains, and ``tokens`` gradient rows plus their
-    ids (``tokens * (H + 8 / wire bytes)`` elements of ``wire``) are fewer than the dense ``V * H``.
+    """Whether ``module``'s weight trains and ``tokens`` rows plus their ids (``tokens * (H + 8 / wire bytes)``
+    elements of ``wire``) are fewer than the dense ``V * H``.
 
     Args:
         module: the embedding (a lookup: ``engine.recompute_policy.is_lookup``).
@@ -48,8 +42,7 @@ def use_row_grads(module: torch.nn.Embedding, tokens: int, wire: torch.dtype) ->
 
 @contextlib.contextmanager
 def sparse_lookup(module: torch.nn.Embedding) -> Iterator[None]:
-    """Run ``module`` with torch's sparse embedding backward (``module.sparse = True``) inside the block; the
-    forward computes the same output (only the gradient's layout changes)."""
+    """Run ``module`` with torch's sparse embedding backward; the forward output is unchanged."""
     before = module.sparse
     module.sparse = True
     try:
@@ -79,18 +72,16 @@ def dense(g: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def to_wire(g: torch.Tensor, wire: torch.dtype) -> list[torch.Tensor]:
-    """A sparse COO weight gradient ``[V, H]`` from torch's sparse embedding backward (uncoalesced: one entry
-    per token) as the two device tensors the D2H link carries: the rows ``[N, H]`` (autograd's dtype;
-    converted to ``wire`` by the copy) and the row ids ``[N]`` int64 reinterpreted as ``[N * 8 / wire
-    bytes]`` elements of ``wire`` (the copy moves their bytes unchanged: same dtype, no conversion)."""
+    """A sparse COO weight gradient ``[V, H]`` (uncoalesced: one entry per token) as the two device tensors the
+    D2H link carries: the rows ``[N, H]`` (autograd's dtype; the copy converts them to ``wire``) and the row ids
+    ``[N]`` int64 reinterpreted as ``[N * 8 / wire bytes]`` elements of ``wire`` (their bytes copied unchanged)."""
     ids = g._indices()[0].contiguous()
     return [g._values(), ids.view(wire)]
 
 
 class RowGrad:
-    """A gradient of shape ``shape`` (``[V, H]``) that is zero outside the rows ``ids`` (``[N]`` int64, in token
-    order, repeats allowed) whose contributions are ``values`` (``[N, H]``, any float dtype): on the host,
-    after the D2H copy.
+    """On the host, a ``[V, H]`` gradient that is zero outside the rows ``ids`` (``[N]`` int64, token order,
+    repeats allowed) whose contributions are ``values`` (``[N, H]``, any float dtype).
 
     Args:
         host: the two host tensors :func:`to_wire` sent, as they arrived (``values`` then the ids' bytes).

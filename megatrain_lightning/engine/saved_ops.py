@@ -1,15 +1,10 @@
-"""The op outputs a ``"selective"`` block call keeps for its backward (``recompute="selective"``,
-:mod:`.recompute_policy`).
+"""The op outputs a ``"selective"`` block call keeps for its backward (:mod:`.recompute_policy`), with PyTorch's
+selective activation checkpointing (SAC): the caching mode around the block's forward, the cached mode around its
+recompute. Both run with autograd on and the same leaves, so both see the same op sequence (matched op by op).
 
-``"selective"`` saving is PyTorch's selective activation checkpointing: ``create_selective_checkpoint_contexts`` and
-a policy function returning ``CheckpointPolicy``; the caching mode runs around the block's forward,
-the cached mode around its recompute in backward (``engine/boundary/``). Both run with autograd on
-and the same leaves, so both see the same op sequence (the cache is matched op by op).
-
-Beyond the public API this reads torch's SAC cache (the caching mode's ``storage``: op -> index ->
-pytree of ``_VersionWrapper(val, version)``, and the ``_RECOMPUTE`` marker) to count the kept bytes,
-move them to host memory with ``offload_activations``, keep them for ``retain_graph=True`` and turn an
-output modified in place back into a recompute; checked against torch 2.13
+Beyond the public API this reads torch's SAC cache (``storage``: op -> index -> pytree of
+``_VersionWrapper(val, version)``, and the ``_RECOMPUTE`` marker) to count, offload and retain the kept outputs
+and to turn an output modified in place back into a recompute; checked against torch 2.13
 (tests/test_recompute_policy.py fails if that layout changes).
 """
 
@@ -33,8 +28,7 @@ _RECOMPUTE = getattr(_torch_checkpoint, "_RECOMPUTE", None)
 class SavedOps:
     """The op outputs one ``"selective"`` block call keeps, with torch's two SAC modes.
 
-    ``forward()`` wraps the call's forward (caching mode), ``recompute(keep_graph)`` its recompute in
-    backward (cached mode). ``nbytes``: bytes kept (unique storages). Not thread-safe (compute thread).
+    ``nbytes``: bytes kept (unique storages). Not thread-safe (compute thread only).
     """
 
     def __init__(self, mode: str):
@@ -57,11 +51,9 @@ class SavedOps:
         return CheckpointPolicy.MUST_SAVE
 
     def _recompute_written(self, written: tuple[tuple[int, str], ...], args: tuple, kwargs: dict) -> None:
-        """An op wrote into tensors (in place, ``out=``): a kept output sharing one of their storages is
-        recomputed instead (its cached value is no longer what the op produced). Torch's version check
-        (:meth:`forward`) misses a write through an alias with its own version counter: a 4-D ``q @ k.T``
-        runs ``bmm`` then ``_unsafe_view``, and ``scores /= c`` on the result changes the kept ``bmm``
-        output (Falcon's eager attention)."""
+        """An op wrote into tensors (in place, ``out=``): kept outputs sharing their storages are recomputed
+        instead. Torch's version check (:meth:`forward`) misses a write through an alias with its own version
+        counter (Falcon's eager attention: ``scores /= c`` after ``bmm`` then ``_unsafe_view``)."""
         hit = set()
         for i, name in written:
             for t in tree_flatten(kwargs.get(name, args[i] if i < len(args) else None))[0]:
@@ -100,9 +92,8 @@ class SavedOps:
 
     def recompute_returned(self, outputs: list[torch.Tensor]) -> None:
         """After the forward: kept op outputs that the block returns (a block ending in a Linear) are recomputed
-        instead. The caller owns those tensors and may change them in place, as plain PyTorch allows when no
-        backward reads them (``y = block(x); y += x``): the kept copy would then no longer be what the op
-        produced (torch's SAC raised "Tensor cached during selective activation checkpoint has been mutated")."""
+        instead, since the caller may change them in place (``y = block(x); y += x``), which torch's SAC refuses
+        ("Tensor cached during selective activation checkpoint has been mutated")."""
         mine = {t.untyped_storage().data_ptr() for t in outputs}
         hit = False
         for entries, i, ws in list(self._entries()):
@@ -140,10 +131,8 @@ class SavedOps:
         return bool(self._offloaded)
 
     def prefetch(self, transport: Any) -> int:
-        """Start bringing the offloaded outputs back (``transport.restore_async``: CUDA, an H2D copy on the H2D
-        stream after the D2H copy's event), one block call ahead of :meth:`restore`, so the copy overlaps the
-        backward before it. Returns the bytes whose copy started (0 if already started, or for an output a CPU
-        device uses in place)."""
+        """Start bringing the offloaded outputs back (``transport.restore_async``), one block call ahead of
+        :meth:`restore`. Returns the bytes whose copy started (0 if already started, or used in place on CPU)."""
         if self._restoring is not None or not self._offloaded:
             return 0
         self._restoring = [transport.restore_async(*host) for _, host in self._offloaded]
@@ -151,9 +140,8 @@ class SavedOps:
                    if dev is not host[0])
 
     def restore(self, transport: Any) -> int:
-        """The offloaded outputs, back for the recompute: the compute stream waits for their copies
-        (``transport.ready``), started here if :meth:`prefetch` did not. Returns the bytes whose copy started
-        here (0 when prefetched)."""
+        """Bring the offloaded outputs back for the recompute (the compute stream waits for their copies).
+        Returns the bytes whose copy started here (0 when prefetched)."""
         n = self.prefetch(transport)
         for (w, _), (dev, ev) in zip(self._offloaded, self._restoring or []):
             transport.ready(dev, ev)

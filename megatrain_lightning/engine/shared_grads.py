@@ -1,18 +1,14 @@
 """Per-backward sums of the gradients of a parameter read by several blocks (tied embeddings).
 
-Why (docs/architecture.md, "Fidelity"): in plain PyTorch autograd sums every gradient contribution
-of one parameter within one backward first (the ``AccumulateGrad`` node's input buffer) and adds the
-sum into ``.grad`` once: after micro-batches 1 and 2 of gradient accumulation a tied embedding holds
-``(a1 + b1) + (a2 + b2)``. The engine receives the contributions block by block (the LM head's ``a``
-early in backward, the embedding's ``b`` at its end); adding each into the fp32 accumulator as it
-arrives would give ``((a1 + b1) + a2) + b2``, a last-bit difference. So for such parameters the
-contributions of one backward are summed apart and the sum is added into the accumulator when the
-backward is over (the next backward starts, or the gradients are waited for before the step or an
-update in backward). In the first backward of an accumulation window the accumulator itself holds
-the sum; only later ones need a separate fp32 buffer of the parameter's size.
+Why (docs/architecture.md, "Fidelity"): autograd sums a parameter's contributions of one backward before adding
+them into ``.grad``, so after two micro-batches a tied embedding holds ``(a1 + b1) + (a2 + b2)``; adding each
+contribution as it arrives would give ``((a1 + b1) + a2) + b2``, a last-bit difference. Such parameters' sums of
+one backward are kept apart and added when the backward is over (the next one starts, or the gradients are waited
+for). In the first backward of an accumulation window the accumulator itself holds the sum; later ones need a
+separate fp32 buffer of the parameter's size.
 
-All methods run on the engine's D2H worker (or after waiting for it) with the slab's lock
-available; they are not safe to call concurrently with each other.
+All methods run on the D2H worker (or after waiting for it) with the slab's lock available; not safe to call
+concurrently with each other.
 """
 
 from __future__ import annotations
@@ -39,7 +35,7 @@ class SharedGradSums:
     Args:
         shared: ``(slab, entry)`` of every parameter read by more than one block.
         enabled: ``False`` when the accumulators live on disk (``offload_optimizer="nvme"``): every
-            gradient is then added as it arrives (the accumulator is only held inside each add).
+            gradient is added as it arrives.
     """
 
     def __init__(self, shared: Iterable[tuple[int, int]], enabled: bool = True):
@@ -62,8 +58,8 @@ class SharedGradSums:
     def add(self, slab: Slab, i: int, acc: torch.Tensor, g: "torch.Tensor | RowGrad") -> None:
         """Add gradient ``g`` of entry ``i`` into its accumulator view ``acc`` (or into this backward's sum).
 
-        Sets ``slab.has_grad[i]`` as a plain add does (the first gradient of the window is copied). ``g``
-        is a host tensor of the entry's shape or an embedding's :class:`~.row_grads.RowGrad` (its rows only)."""
+        Sets ``slab.has_grad[i]`` as a plain add does. ``g``: a host tensor of the entry's shape or a
+        :class:`~.row_grads.RowGrad`."""
         k = (slab.index, i)
         if k in self.open:
             part = self.open[k]

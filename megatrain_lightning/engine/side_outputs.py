@@ -1,15 +1,11 @@
 """Tensors a block hands to later blocks outside its return values: refused, not silently cut off.
 
-A streamed block call runs its forward without a graph and is recomputed in backward (boundary/);
-only its return values, and the tensors Hugging Face's output recorder collects (recorded_outputs.py),
-are connected to autograd. A block that stores a tensor into a mutable argument (a dict or list it was
-given) for a later block to read hands that block a constant: the gradient through it is lost, with no
-error. Gemma 3n and Gemma 4 do this with ``num_kv_shared_layers > 0``: the layers that compute keys and
-values store them in the ``shared_kv_states`` dict and the last ``num_kv_shared_layers`` layers attend
-over them (measured before this guard: 12% relative weight error after 4 steps on a tiny Gemma 3n,
-losses 1.3e-3 off from the first step). :func:`guard` makes such stored tensors raise when a later
-block reads them, in the first training forward, before any update. Supporting these models needs the
-tensors routed through the autograd boundary as outputs of the writer and inputs of the readers.
+Only a streamed call's return values (and recorded_outputs.py's tensors) connect to autograd, so a tensor stored
+into a mutable argument (a dict or list) for a later block reaches it as a constant, its gradient silently lost:
+Gemma 3n / Gemma 4 with ``num_kv_shared_layers > 0`` (``shared_kv_states``; 12% relative weight error after 4
+steps on a tiny Gemma 3n, unguarded). :func:`guard` makes such tensors raise when a later block reads them, in
+the first training forward (docs/internals/block-calls.md, "Tensors passed between blocks through a mutable
+argument").
 """
 
 from __future__ import annotations
@@ -30,8 +26,7 @@ def _mutable_arguments(args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
 
 
 def _tensor_ids(container: Any) -> set[int]:
-    """Ids of the tensors a container holds (values of a mapping, items of a list; nested tuples and
-    lists included)."""
+    """Ids of the tensors a mapping's values or a list's items hold, nested ones included."""
     items = list(container.values()) if isinstance(container, MutableMapping) else list(container)
     return {id(x) for x in tree_flatten(items)[0] if isinstance(x, torch.Tensor)}
 
@@ -49,18 +44,15 @@ class _Unreadable(torch.Tensor):
 def guard(forward: Callable[..., Any], args: tuple, kwargs: dict) -> Callable[..., Any]:
     """Wrap a block's training ``forward`` so that tensors it stores into a mutable argument raise when read.
 
-    A stored tensor that no later block reads costs nothing (Gemma 4 stores its keys and values even when
-    no layer shares them); one that is read would carry no gradient, so the reader's first use of it raises.
+    A stored tensor that no later block reads costs nothing (Gemma 4 stores them even without sharing).
 
     Args:
-        forward: the block's forward (a bound method of the block module, or a wrapper of one with
-            ``__wrapped__``).
-        args, kwargs: the call's arguments; only the dicts and lists among them are watched (``forward`` is
-            returned unchanged when there is none).
+        forward: the block's forward (a bound method of the block module, or a wrapper with ``__wrapped__``).
+        args, kwargs: the call's arguments; the dicts and lists among them are watched.
 
     Returns:
-        ``forward``, or a wrapper that replaces each tensor the call added to a watched container by an
-        unreadable view of it.
+        ``forward`` when nothing is watched, else a wrapper that replaces each tensor the call added to a
+        watched container by an unreadable view.
 
     Raises (from the reading block, not here):
         BlockDiscoveryError: naming the writing block's class, the argument and the key, and what to do.

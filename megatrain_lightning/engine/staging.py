@@ -1,12 +1,8 @@
 """The H2D staging ring: wire images of on-disk masters, cast on the H2D worker, copied from pinned memory.
 
-With masters on NVMe there is no resident wire image (it would be resident for every block); the
-H2D worker casts the window's fp32 master into a staging slot at each fetch and the device copy
-reads the slot (docs/internals/nvme.md, "Masters to the device"). A slot is a buffer of
-the window's pinned arena (so it is counted in ``host_memory_limit`` and the copy runs at pinned
-speed); it goes back when the copy's event completes, not when the worker issues the copy, so the
-worker casts the next block while this one is on the link. At most ``slots`` (default 2) are in
-flight: the cast of block k+2 waits for the copy of block k.
+Each fetch casts the window's fp32 master into a slot (a buffer of the window's pinned arena, counted in
+``host_memory_limit``); the slot goes back when the copy's event completes, so the next cast overlaps this copy and
+the cast of block k+2 waits for the copy of block k (docs/internals/nvme.md, "Masters to the device").
 """
 
 from __future__ import annotations
@@ -24,11 +20,8 @@ _RUN_PAD = 16  # bytes: a wire image pads each run to this (wire.py's _ALIGN)
 
 
 def ring_bytes_bound(slabs: list[tuple[int, int]], slots: int = RING_SLOTS) -> int:
-    """Most bytes the ring holds at once: ``slots`` images of the largest slab at 4 bytes per element
-    plus a run's padding per entry (a mixed image is never larger).
-
-    Args:
-        slabs: per slab, ``(numel, number of entries)``."""
+    """Most bytes the ring holds at once: ``slots`` page-rounded images of the largest slab at 4 bytes per element
+    plus a run's padding per entry (a mixed image is never larger). ``slabs``: per slab, ``(numel, entries)``."""
     page = 4096
     one = max(((4 * n + _RUN_PAD * k + page - 1) // page * page for n, k in slabs), default=0)
     return slots * one
@@ -53,11 +46,9 @@ class StagingRing:
     """At most ``slots`` staging buffers in flight, each given back once its copy's event completed.
 
     Args:
-        alloc: ``nbytes -> (key, uint8 tensor [nbytes])``: a buffer counted in the host budget
-            (``NVMeStore.alloc_staging``); may wait for room.
-        free: ``(key, nbytes) -> None``: gives it back (``NVMeStore.free_staging``).
-        when_done: ``(event, fn) -> None``: runs ``fn`` once ``event`` completed (the transport's
-            :meth:`when_done`; on CPU at once).
+        alloc: ``nbytes -> (key, uint8 tensor [nbytes])``, counted in the host budget; may wait for room.
+        free: ``(key, nbytes) -> None``: gives it back.
+        when_done: ``(event, fn) -> None``: runs ``fn`` once ``event`` completed (the transport's).
         slots: buffers in flight at most.
 
     Attributes:
@@ -80,8 +71,7 @@ class StagingRing:
 
     @classmethod
     def for_store(cls, store, transport) -> "StagingRing | None":
-        """The ring of a store whose masters live on NVMe (slots from its window's arena, given back on
-        the transport's copy events); ``None`` when the masters are in RAM (no ring needed)."""
+        """The ring of a store whose masters live on NVMe; ``None`` when they are in RAM."""
         if not store.masters_on_disk:
             return None
         nv = store.nvme

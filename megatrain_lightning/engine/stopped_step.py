@@ -1,11 +1,8 @@
 """Whether the weights and optimizer state are one step's: a step stopped after part of its in-backward updates is
 remembered, and training, evaluation and saving are refused on it until a checkpoint is loaded.
 
-docs/internals/optimizer.md, "A step that stops": with ``optimizer_in_backward`` slab j is updated during
-the backward, so an exception after the first update and before the step completes leaves some slabs at the next
-step. Undoing those updates would need a copy of every updated slab's master, moments and accumulator until the step
-ends (16 bytes per trainable parameter of host RAM or NVMe traffic), more than running the update in the optimizer
-step costs; so the state is refused instead, naming the step.
+Why refuse rather than undo (``optimizer_in_backward`` updates slabs during the backward; undoing needs 16 bytes
+per trainable parameter of copies): docs/internals/optimizer.md, "A step that stops".
 """
 
 from __future__ import annotations
@@ -38,8 +35,8 @@ class StoppedStep:
         self.step: str | None = None
 
     def stopped(self, step: str) -> None:
-        """The optimizer step ``step`` (a description for messages) was stopped by an exception: if its backward had
-        queued or applied the update of some slab, remember it; the step's update plan is over either way."""
+        """The optimizer step ``step`` (a description for messages) was stopped by an exception: remember it if its
+        backward had queued an update; the step's update plan is over either way."""
         if self._grads.updates_started():
             self.step = step
         self._grads.close_plan()

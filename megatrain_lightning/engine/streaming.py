@@ -1,20 +1,8 @@
 """``StreamingEngine``: streams a model's blocks through one device and owns their host state.
 
-What this file holds is the engine's frame: building the parts, installing the per-block proxies,
-the phase machine of a step (forward, backward, evaluation) that gives the prefetch schedule, and the
-optimizer step. The parts, each owning its state (docs/architecture.md, "Engine layout"; a step through
-them: "A training step"):
-
-* ``accounting.py``: live bytes of compute buffers and gradients, per-step statistics;
-* ``fetch.py``: one block's weights to the device (pending update, wire cast, H2D copy);
-* ``prefetch.py``: copies started ``lookahead`` fetches ahead, NVMe read-ahead;
-* ``boundary/``: the autograd boundary of a block call (saved inputs, recompute, backward, guards) and the
-  block runner (acquire -> bind -> run -> release);
-* ``grads.py``: parameter gradients to the fp32 host accumulators (D2H), the update-in-backward plan;
-  ``hook_grads.py``: ``param.grad`` of a node-shared accumulator (data parallel);
-* ``params.py``: direct reads and writes of masters; ``shared_grads.py``: sums of tied parameters' gradients;
-  ``kv_cache.py``: no KV cache in training; ``reduce.py``: data-parallel gradient averaging; ``long_sequences.py``:
-  LM head + loss and MLP over chunks of tokens; ``offload.py``: offloaded inputs.
+This file is the engine's frame: building the parts, installing the per-block proxies, the phase machine of a step
+(forward, backward, evaluation) that gives the prefetch schedule, and the optimizer step. The parts, each owning its
+state: docs/architecture.md, "Engine layout"; a step through them: "A training step".
 """
 
 from __future__ import annotations
@@ -64,15 +52,14 @@ class StreamingEngine:
     Args:
         root: the module to stream (the ``LightningModule``).
         device: compute device (``cpu`` or ``cuda:N``).
-        config: the options (:class:`~megatrain_lightning.config.MegaTrainConfig`: lookahead, block groups,
-            recompute, chunk sizes, pinning, host threads...); ``None``: one built from ``options``.
+        config: the options (:class:`~megatrain_lightning.config.MegaTrainConfig`); ``None``: one built from
+            ``options``.
         nvme: the NVMe tier's settings (:class:`~megatrain_lightning.store.nvme.NVMeConfig`); ``None``: the
-            config's (``None`` there: all in host RAM). Preflight (disk, path, budget, pinning the window's arena)
-            runs before any weight is read.
-        sources: ``id(param) -> loader`` for parameters on the ``meta`` device (``meta_model_from_pretrained``:
-            see ``checkpoint.hf_io.weight_sources``); each loader is called once while the host store is built.
-        reducer / node: data parallel (``None``: one process): averages each gradient batch over the ranks
-            (:class:`~.reduce.GradReducer`); the node-shared store and slab owners (``store/shared.py``).
+            config's (``None`` there: all in host RAM). Its preflight runs before any weight is read.
+        sources: ``id(param) -> loader`` for parameters on the ``meta`` device (``checkpoint.hf_io.weight_sources``);
+            each loader is called once while the host store is built.
+        reducer / node: data parallel (``None``: one process): the gradient averaging
+            (:class:`~.reduce.GradReducer`); the node-shared store and slab owners.
         reserve_frozen: gradient and AdamW state for frozen parameters too, to unfreeze in fit (``slab_layout``).
         options: ``MegaTrainConfig`` fields, when ``config`` is not given (e.g. ``lookahead=2``).
 
@@ -146,8 +133,8 @@ class StreamingEngine:
                                      read_ahead_depth=nvme.read_ahead if nvme_on else 0, host_threads=host_threads,
                                      groups=groups)
         self.optimizer: HostAdamW | None = None
-        # the host optimizer updates on a thread of their own (RAM tier; docs/architecture.md, "Threads and streams")
-        # its threads share host_threads intra-op threads between them (at least one each: cores not oversubscribed)
+        # RAM tier: the host optimizer's own worker threads, sharing host_threads (docs/architecture.md, "Threads,
+        # streams and locks")
         self._update_pool = start_worker("megatrain-update", max(1, host_threads // config.update_threads),
                                          self.device, workers=config.update_threads) if self.store.nvme is None \
             else None
@@ -171,8 +158,8 @@ class StreamingEngine:
 
     # ------------------------------------------------------------------ install
     def install(self) -> None:
-        """Replace each block's ``forward`` by the streaming proxy and move buffers to the device (Hugging Face
-        gradient checkpointing off, with a warning, until :meth:`uninstall`)."""
+        """Replace each block's ``forward`` by its streaming proxy and move buffers to the device (HF gradient
+        checkpointing off, with a warning, until :meth:`uninstall`)."""
         if self.installed:
             return
         self.params.dematerialize()
@@ -206,16 +193,14 @@ class StreamingEngine:
             m._buffers.update({k: b.to(device) for k, b in m._buffers.items() if b is not None and b.device != device})
 
     def set_update_in_backward(self, on: bool) -> None:
-        """Whether the next backward applies each slab's update as its gradients complete (``optimizer_in_backward``;
-        decided per micro-batch by the strategy)."""
+        """Whether the next backward applies each slab's update as its gradients complete (per micro-batch)."""
         self.update_in_backward = on
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer, overlap: bool = True) -> HostAdamW:
-        """Take over ``optimizer``: :class:`HostAdamW` for AdamW/Adam, else the class's own step on the host
-        (:func:`~..optim.host_generic.make_host_optimizer`).
+        """Take over ``optimizer`` on the host (:func:`~..optim.host_generic.make_host_optimizer`).
 
         Raises:
-            UnsupportedOptimizerError: an optimizer or tier the host cannot step (``optim/host_generic.py``).
+            UnsupportedOptimizerError: an optimizer or tier the host cannot step.
         """
         if self.optimizer is not None and self.optimizer.optimizer is optimizer:
             self.optimizer.set_overlap(overlap)
@@ -263,8 +248,8 @@ class StreamingEngine:
     closed = False
     # ------------------------------------------------------------------ proxy
     def _make_proxy(self, blk: Block, orig: Callable[..., Any]) -> Callable[..., Any]:
-        # a block with no trainable parameter whose inputs need no gradient (a frozen embedding) runs like
-        # evaluation: no autograd boundary, nothing saved, no backward fetch (read at each call: unfreezing in fit)
+        # a block with nothing to differentiate (a frozen embedding) runs like evaluation: no autograd boundary,
+        # no backward fetch (decided at each call: unfreezing in fit)
         layer = layer_index(blk.module)
 
         def proxy(*args: Any, **kwargs: Any) -> Any:
@@ -283,20 +268,16 @@ class StreamingEngine:
 
     def call_block(self, blk: Block, forward: Callable[..., Any], args: tuple, kwargs: dict,
                    keep: bool | None = None) -> Any:
-        """Run ``forward(*args, **kwargs)`` as a grad-mode call of ``blk`` (its parameters bound, recomputed
-        in backward, gradients to the host); ``keep``: keep its graph instead (default: the last block of the
-        forward order; in the first forward, the output embedding; the chunked head + loss always keeps it)."""
+        """Run ``forward(*args, **kwargs)`` as a grad-mode call of ``blk`` (:meth:`Boundary.call`); ``keep``: keep
+        its graph (default: the last block of the forward order, or in the first forward the output embedding)."""
         if keep is None:
             keep = blk.index == self.order[-1] if blk.index in self.order else blk.index in self._heads
         return self.boundary.call(blk, forward, args, kwargs, keep=keep)
 
     def _make_direct_proxy(self, blk: Block, orig: Callable[..., Any]) -> Callable[..., Any]:
-        """Proxy of a container whose own parameters form a direct block: its ``forward`` uses them
-        outside any block call, so they are bound for the whole call (its child blocks stream inside
-        it as usual). Under grad mode the trainable ones are autograd-tracked device views, so autograd
-        tracks them without recompute (``Boundary.bound_params``). Their buffer's bytes leave the accounting when the container's
-        forward returns, although the graph may keep the views until backward (small: a container's
-        own parameters; the NVMe minimum window counts them)."""
+        """Proxy of a container with a direct block: its own parameters are bound for its whole call, under grad
+        mode as autograd-tracked views (``Boundary.bound_params``). Their bytes leave the accounting when its forward
+        returns although the graph may keep the views until backward (small; the NVMe minimum window counts them)."""
 
         def proxy(*args: Any, **kwargs: Any) -> Any:
             grad = torch.is_grad_enabled()
@@ -310,11 +291,9 @@ class StreamingEngine:
         return proxy
 
     def _plan_updates_in_backward(self) -> None:
-        """At the start of a backward with ``update_in_backward``: snapshot the hyper-parameters and
-        count, per slab, the gradient batches this backward will send (one per block call holding
-        trainable parameters of the slab). Not when this forward shares its step with an earlier
-        forward whose backward has not run (two forwards, one backward): gradients of that forward
-        would arrive after the update; the deferred schedule runs instead."""
+        """At the start of a backward with ``update_in_backward``: :meth:`GradientSink.plan`. Not when this forward
+        shares its step with an earlier one whose backward has not run (its gradients would arrive after the
+        update); the deferred schedule runs instead."""
         if not self._plan_due:
             return
         self._plan_due = False
@@ -355,15 +334,14 @@ class StreamingEngine:
         self._bwd_seq = seq[1:] if seq[:1] == self.order[-1:] else seq
 
     def acquire(self, blk: Block, backward: bool, training: bool = False) -> dict[int, torch.Tensor]:
-        """Return the block's slabs on the device (waiting for the prefetch if needed) and start
-        prefetching the next ``lookahead`` fetches of the schedule.
+        """The block's slabs on the device (:meth:`Prefetcher.get`).
 
         Args:
             blk: the block about to run.
-            backward: ``True`` for fetches made while autograd runs backward (recompute included).
+            backward: a fetch while autograd runs backward (recompute included).
             training: a forward that a backward will follow (the schedule continues into it).
         Returns:
-            slab index -> device buffer (fp32/compute dtype, shape ``[slab numel]``).
+            slab index -> device buffer (compute dtype, shape ``[slab numel]``).
         """
         pos = self._locate(blk, backward, training)
         held = self.boundary.held_numel()  # kept last block
@@ -371,8 +349,8 @@ class StreamingEngine:
                                    updates_in_backward=bool(self.grads.sends_left), held=held)
 
     def configure_precision(self, wire: torch.dtype, param: torch.dtype, grad_wire: torch.dtype) -> None:
-        """Set the dtypes of the H2D weight copies and of the bound parameters (:meth:`WeightFetcher.configure`),
-        and of parameter gradients on the D2H link (accumulated in fp32 on the host)."""
+        """Set the dtypes of the H2D weight copies and bound parameters (:meth:`WeightFetcher.configure`) and of
+        gradients on the D2H link."""
         f = self.fetcher
         if (wire, param, grad_wire) != (f.wire_dtype, f.param_dtype, self.grads.wire_dtype):
             self._drop_prefetched()
@@ -400,8 +378,7 @@ class StreamingEngine:
         self.grads.wait()
 
     def attach_grads(self) -> None:
-        """``param.grad`` = views of the fp32 accumulators (see :meth:`GradientSink.attach`); with a node-shared
-        store, once every local rank's adds are in."""
+        """:meth:`GradientSink.attach`; with a node-shared store, once every local rank's adds are in."""
         if self.ownership is not None:
             self.wait_grads()
             self.ownership.sync()
@@ -448,17 +425,17 @@ class StreamingEngine:
             self.optimizer.flush()
 
     def weights_written(self) -> None:
-        """Parameters were written through ``param.data`` (no version counter shows it): drop the prefetched
-        copies, re-encode every wire image at its next fetch, and take ``param.data = tensor`` assignments into the
-        store (:meth:`ParamAccess.replaced` / :meth:`ParamAccess.adopt`, after the pending updates)."""
+        """Parameters were written through ``param.data`` (no version counter shows it): drop the prefetched copies,
+        re-encode the wire images and take ``param.data = tensor`` assignments into the store (after the pending
+        updates)."""
         self.flush()
         self._drop_prefetched()
         self.fetcher.forget_images()
         self.params.adopt(self.params.replaced())
 
     def adopt_replaced(self) -> list[str]:
-        """:meth:`weights_written` if a parameter's ``.data`` was replaced (user code; another Trainer's engine);
-        returns their names (none: one pointer comparison per parameter, nothing else)."""
+        """:meth:`weights_written` if a parameter's ``.data`` was replaced; returns their names (cheap when none:
+        one pointer comparison per parameter)."""
         found = self.params.replaced()
         if found:
             self.weights_written()
@@ -482,8 +459,7 @@ class StreamingEngine:
         self.history.append(out)
         self.acct.new_step()
         if self.device.type == "cpu":
-            # the step's activations were heap memory (tensors under the mmap threshold) that glibc keeps resident
-            # once freed, fragmented, so each step's peak grew over the last; returned now, every step starts from
-            # the same resident set (docs/guide/planner.md, "How close the plan is")
+            # glibc keeps freed activations resident, fragmented: returned now, each step starts from the same
+            # resident set (docs/guide/planner.md, "How close the plan is")
             heap.trim()
         return out

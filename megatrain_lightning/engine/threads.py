@@ -1,29 +1,14 @@
 """CPU threads of the engine's host work: how many intra-op threads the H2D, D2H and update workers use.
 
-The H2D worker (casts to the wire dtype; deferred updates on the NVMe tier), the D2H worker (gradient adds
-into the fp32 accumulators; in-backward updates on the NVMe tier) and the update worker (the host
-optimizer's updates on the RAM tier) run torch CPU kernels that use torch's
-intra-op thread pool. On a CUDA run the Python thread that launches the GPU kernels needs a core of
-its own: with every core busy in a host add, kernel launches queue behind it and the GPU idles.
-``host_threads`` sets the workers' intra-op threads; the default on CUDA is
-``torch.get_num_threads() - 1`` (torch's default is the number of physical cores, so one core stays
-for the launching thread), at least 1. It is derived, not measured on a GPU (no GPU was available
-when it was chosen; bench/gpu_check.py reports the D2H worker's add time with it). On a CPU device
-the compute thread's own kernels already use every core, so the default there is 1: a worker with
-a team of its own oversubscribes the cores, and OpenMP threads spin while they wait. Measured on the
-2-core machine (SmolLM2-135M shape, batch 1 x 512, ``recompute="none"``, ``python
-bench/recompute_policy.py``): torch's setting (2 per worker) stepped in 1.06-1.08 x plain PyTorch, 1
-thread per worker in 1.00 x.
+Why (docs/internals/streaming.md, "Threads and streams"): on CUDA one core stays for the thread launching GPU
+kernels (default ``torch.get_num_threads() - 1``, derived, not measured on a GPU: bench/gpu_check.py reports the D2H
+add time); on a CPU device the default is 1 (measured, 2 cores, SmolLM2-135M shape, ``recompute="none"``,
+``bench/recompute_policy.py``: torch's setting 1.06-1.08 x plain PyTorch, 1 thread 1.00 x).
 
-With PyTorch's OpenMP backend (its default on Linux) ``torch.set_num_threads`` called in a thread
-sets that thread's team size, but also torch's process-wide count, which every thread started later
-takes as its own when it first runs a parallel op. :func:`start_worker` therefore starts the worker at
-once and then sets the process-wide count back to the starting thread's: the compute thread and the
-threads started later keep their setting, the worker keeps its own.
-
-A worker on a CUDA run also makes the run's device current on itself first (the current device is
-per thread and starts at ``cuda:0``): what it creates without an explicit device (events, pinned
-registrations, streams) then belongs to that device, not to another rank's GPU 0.
+With PyTorch's OpenMP backend ``torch.set_num_threads`` in a thread also sets the process-wide count that threads
+started later take, so :func:`start_worker` starts the worker at once and sets the count back. A worker on a CUDA run
+makes the run's device current first (the current device is per thread and starts at ``cuda:0``), so what it creates
+without an explicit device (events, pinned registrations, streams) belongs to that device.
 """
 
 from __future__ import annotations
@@ -36,10 +21,8 @@ import torch
 
 
 def resolve_host_threads(host_threads: int | None, device: torch.device) -> int | None:
-    """The workers' intra-op thread count: ``host_threads`` if given, else on CUDA
-    ``max(1, torch.get_num_threads() - 1)`` and on CPU 1 (module docstring); ``host_threads`` is checked by
-    :class:`~megatrain_lightning.config.MegaTrainConfig`.
-    """
+    """The workers' intra-op thread count: ``host_threads`` (checked by
+    :class:`~megatrain_lightning.config.MegaTrainConfig`) or the device's default (module docstring)."""
     if host_threads is not None:
         return host_threads
     if torch.device(device).type == "cuda":
@@ -48,9 +31,8 @@ def resolve_host_threads(host_threads: int | None, device: torch.device) -> int 
 
 
 def worker_initializer(threads: int | None, device: torch.device | None = None) -> Callable[[], None] | None:
-    """``ThreadPoolExecutor(initializer=...)`` for a host worker: makes ``device`` current when it is a CUDA
-    device (``torch.cuda.set_device``), then sets the worker's intra-op threads to ``threads``; ``None`` when
-    there is nothing to do (no CUDA device, ``threads=None``: torch's setting)."""
+    """``ThreadPoolExecutor(initializer=...)`` for a host worker: makes a CUDA ``device`` current, then sets the
+    worker's intra-op threads to ``threads``; ``None`` when there is nothing to do."""
     cuda = device is not None and torch.device(device).type == "cuda"
     if threads is None and not cuda:
         return None
@@ -76,9 +58,8 @@ _START_LOCK = threading.Lock()
 
 def start_worker(name: str, threads: int | None, device: torch.device | None = None,
                  workers: int = 1) -> ThreadPoolExecutor:
-    """A ``ThreadPoolExecutor`` of ``workers`` threads (names ``name``) started now, each with
-    :func:`worker_initializer`'s setup; afterwards the process-wide intra-op thread count is the calling
-    thread's again (module docstring), so only the workers run with ``threads``."""
+    """A ``ThreadPoolExecutor`` of ``workers`` threads (names ``name``) started now with :func:`worker_initializer`;
+    afterwards the process-wide intra-op thread count is the calling thread's again (module docstring)."""
     pool = ThreadPoolExecutor(workers, thread_name_prefix=name, initializer=worker_initializer(threads, device))
     if threads is None:
         return pool

@@ -1,30 +1,13 @@
 """Host <-> device transfers: CUDA streams, pinned memory and events, or CPU threads.
 
-The engine calls the same operations on every device:
-
-* :meth:`to_device` (on the H2D worker thread): copy a host slab (the fp32 master, a
-  bf16/fp16 shadow, or a mixed wire image, see :mod:`.wire`) into a fresh device buffer
-  of the compute dtype, return it with an event that marks the copy done;
-* :meth:`ready` (on the compute thread): make the compute stream wait for that
-  event before the buffer is read;
-* :meth:`stage_grads` (compute thread): pack a block's parameter gradients on the compute
-  stream and queue their copy into a free pinned staging buffer on the D2H stream at once; the
-  returned :class:`GradCopy` is handed to the D2H worker, which waits for it (``wait``), adds the
-  host views into the accumulators and gives the staging buffer back (``release``). The copy of
-  batch k+1 therefore runs while the worker adds batch k (the gradient sink bounds the batches in
-  flight to the number of staging buffers);
-* :meth:`offload` / :meth:`restore_async` + :meth:`ready`: saved activations to host memory and back
-  (the restore is started one block call ahead of backward by :mod:`.offload`);
-* :meth:`released` / :meth:`last_read_done`: bound how far the H2D worker runs ahead of the
-  compute stream, and make the optimizer wait for the last read of a master it writes;
-* :meth:`when_done` / :meth:`settle`: run a callback once a copy's event completed (the H2D worker
-  gives back a window buffer or a staging slot without waiting for the copy), wait for all of them.
-
-On CUDA the H2D and D2H copies run on their own streams from pinned memory, so
-they overlap kernels on the compute stream; on CPU the "device" buffer is a
-separate host tensor filled by a worker thread, so CI runs the same schedule.
-Every CUDA event the host waits on is created with ``blocking=True``: the waiting thread sleeps
-instead of spinning on a core that the host AdamW and adds need.
+Both transports offer the same operations: :meth:`to_device` (H2D worker) + :meth:`ready` (compute thread) for
+weights, :meth:`stage_grads` for gradient batches (the D2H worker ``wait``-s on the returned :class:`GradCopy`, adds
+it and ``release``-s its staging buffer, so batch k+1 copies while batch k is added), :meth:`offload` /
+:meth:`restore_async` for saved activations (:mod:`.offload`), :meth:`released` / :meth:`last_read_done` to bound how
+far the H2D worker runs ahead and to order a master's write after its last read, and :meth:`when_done` /
+:meth:`settle` for callbacks on a copy's completion. On CPU the "device" buffer is a separate host tensor, so CI runs
+the same schedule (docs/internals/streaming.md, "Threads and streams"). Every CUDA event the host waits on is made
+with ``blocking=True``: the waiting thread sleeps instead of spinning on a core the host AdamW and adds need.
 """
 
 from __future__ import annotations
@@ -46,18 +29,15 @@ log = logging.getLogger(__name__)
 
 
 class GradCopy:
-    """One gradient batch's copy device -> host, queued by :meth:`CUDATransport.stage_grads` /
-    :meth:`CPUTransport.stage_grads` on the compute thread and finished on the D2H worker.
+    """One gradient batch's copy device -> host, queued by ``stage_grads`` on the compute thread and finished on
+    the D2H worker.
 
     Args:
         host: the host tensors the copy fills (wire dtype, the gradients' shapes).
         done / start: CUDA events recorded on the D2H stream after / before the copy, or ``None``
             (CPU: the copy is already done).
         release: gives the pinned staging buffer back, or ``None``.
-        busy_s: seconds the copy took, when known now (CPU).
-
-    Attributes:
-        busy_s: seconds the copy ran on the D2H stream (valid after :meth:`wait`).
+        busy_s: seconds the copy ran (CPU: known now; CUDA: set by :meth:`wait`).
     """
 
     def __init__(self, host: list[torch.Tensor], done: object = None, start: object = None,
@@ -66,8 +46,7 @@ class GradCopy:
         self.busy_s = busy_s
 
     def wait(self) -> list[torch.Tensor]:
-        """Block (sleeping: a blocking event) until the copy is done; return the host tensors, valid
-        until :meth:`release`."""
+        """Block until the copy is done; return the host tensors, valid until :meth:`release`."""
         if self._done is not None:
             self._done.synchronize()  # type: ignore[attr-defined]
             if self._start is not None:
@@ -87,12 +66,9 @@ class CPUTransport:
     """Transfers for ``device.type == "cpu"``: copies done by worker threads.
 
     Args:
-        zero_copy: bind blocks straight to the host master slabs instead of copying
-            them into a separate buffer (saves one memcpy of the block per fetch; the
-            schedule, prefetch and accounting are unchanged).
-        reuse_buffers: copy into buffers reused once free (:class:`~.cpu_buffers.BufferPool`, as CUDA's
-            caching allocator), not fresh allocations; off where freed memory must leave the process
-            (the NVMe tier's ``host_memory_limit`` counts live buffers only).
+        zero_copy: bind blocks straight to the host master slabs (no memcpy per fetch; same schedule).
+        reuse_buffers: copy into buffers reused once free (:class:`~.cpu_buffers.BufferPool`); off where freed
+            memory must leave the process (the NVMe tier's ``host_memory_limit`` counts live buffers only).
     """
 
     def __init__(self, device: torch.device, zero_copy: bool = False, reuse_buffers: bool = False):
@@ -105,9 +81,8 @@ class CPUTransport:
 
     def to_device(self, host: torch.Tensor, dtype: torch.dtype = torch.float32,
                   layout: WireLayout | None = None) -> tuple[torch.Tensor, None]:
-        """Copy ``host`` (``[n]``, fp32 master or bf16/fp16 wire copy) into a new buffer of ``dtype``
-        (converting on the way); returns ``(buffer, None)``. With a mixed ``layout``, ``host`` is its
-        uint8 image and the buffer (``[layout.numel]``) is decoded from it run by run."""
+        """Copy ``host`` (``[n]``, fp32 master or 16-bit wire copy; a mixed ``layout``'s uint8 image) into a new
+        ``dtype`` buffer (``[n]`` / ``[layout.numel]``); returns ``(buffer, None)``."""
         if layout is not None and layout.dtype is None:
             return layout.decode(host, self._empty(layout.numel, dtype)), None
         if self.zero_copy and dtype == host.dtype:
@@ -117,25 +92,23 @@ class CPUTransport:
         return buf, None
 
     def ready(self, buf: torch.Tensor, event: object) -> None:
-        """Wait for the copy: ``event`` is ``None`` (the worker's future already completed it) or, from
-        a transport that copies asynchronously, an object with ``synchronize()``."""
+        """Wait for the copy (``event``: ``None`` or an object with ``synchronize()``)."""
         self.last_read_done(event)
 
     def offload(self, t: torch.Tensor) -> tuple[torch.Tensor, None]:
-        """Copy a saved activation to host memory (a separate tensor, so the original can be freed)."""
+        """Copy a saved activation to a separate host tensor (the original can be freed)."""
         return t.detach().clone(), None
 
     def restore(self, host: torch.Tensor, event: object) -> torch.Tensor:
-        """Bring an offloaded activation back (on CPU the host copy is used directly)."""
+        """The host copy itself."""
         return host
 
     def restore_async(self, host: torch.Tensor, event: object) -> tuple[torch.Tensor, None]:
-        """Start bringing an offloaded activation back: on CPU the host copy itself, nothing to wait for."""
+        """The host copy itself, nothing to wait for."""
         return host, None
 
     def last_read_done(self, event: object) -> None:
-        """Block until a copy out of a host slab is done: ``None`` (CPU copies are synchronous) or an
-        object with ``synchronize()``."""
+        """Block until a copy out of a host slab is done (``None``: CPU copies are synchronous)."""
         if event is not None:
             event.synchronize()  # type: ignore[attr-defined]
 
@@ -151,9 +124,11 @@ class CPUTransport:
 
     def stage_grads(self, grads: Sequence[torch.Tensor], wire: torch.dtype = torch.float32,
                     reduce: Callable[[torch.Tensor], int | None] | None = None) -> GradCopy:
-        """The gradients as host tensors of dtype ``wire`` (same shapes as ``grads``; converted here,
-        on the compute thread, as the CUDA copy is queued there): a finished :class:`GradCopy`.
-        ``reduce`` is refused: on a CPU device gradients are reduced on the host, by the gradient sink."""
+        """The gradients as host tensors of dtype ``wire`` (``grads``' shapes; converted on the compute thread):
+        a finished :class:`GradCopy`.
+
+        Raises:
+            ValueError: ``reduce`` given (a CPU device reduces gradients on the host, in the gradient sink)."""
         if reduce is not None:
             raise ValueError("megatrain: a CPU device reduces gradients on the host (gloo), not before the copy.")
         t0 = time.perf_counter()
@@ -162,7 +137,7 @@ class CPUTransport:
 
     @staticmethod
     def grad_to_host(g: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
-        """One gradient on the "D2H link" of a CPU device: itself, or converted to ``wire``."""
+        """One gradient on a CPU device's "D2H link": itself, or converted to ``wire``."""
         return g if g.dtype == wire else g.to(wire)
 
 
@@ -179,16 +154,14 @@ class CUDATransport:
     Args:
         device: the CUDA device.
         staging_numel: elements of each pinned D2H staging buffer (the largest trainable slab).
-        n_staging: number of staging buffers (2 lets one block's gradients copy while the
-            previous block's are being added on the host).
+        n_staging: number of staging buffers (2: one batch copies while the previous one is added).
     """
 
     def __init__(self, device: torch.device, staging_numel: int, n_staging: int = 2, max_inflight: int = 2,
                  pin: bool | None = None):
         self.device = device
-        # events recorded on the compute stream when a block's buffers were released; the H2D
-        # worker waits for the oldest before allocating more, so the host cannot queue work
-        # (and device buffers the allocator cannot reuse yet) unboundedly ahead of the GPU
+        # compute-stream events of released blocks: the H2D worker waits for the oldest before allocating more,
+        # so the host cannot queue work (and unreusable device buffers) unboundedly ahead of the GPU
         self._inflight: "collections.deque[torch.cuda.Event]" = collections.deque()
         self.max_inflight = max_inflight
         self.h2d_stream = torch.cuda.Stream(device=device)
@@ -200,19 +173,15 @@ class CUDATransport:
         self._done_thread: threading.Thread | None = None
         nbytes = 4 * max(staging_numel, 1)
         for _ in range(n_staging):
-            # exactly pinned (store/pinned.py): torch's caching host allocator would round it up to a power of two;
-            # pin_memory's rule (None: pinned if the driver can, else pageable with a warning; False: pageable)
+            # exactly pinned (store/pinned.py), not rounded up to a power of two; pin_memory's rule
             buf, _ = try_host_buffer(nbytes, pin, "the D2H staging buffers")
             self._staging.put(buf[:nbytes].view(torch.float32))
 
     def to_device(self, host: torch.Tensor, dtype: torch.dtype = torch.float32,
                   layout: WireLayout | None = None) -> tuple[torch.Tensor, object]:
-        """Asynchronous H2D copy of the pinned ``host`` slab on the H2D stream; returns ``(buffer, event)``.
-
-        The buffer has ``dtype`` (converted on the device after the copy). With a mixed ``layout``,
-        ``host`` is its uint8 image: one H2D copy of the image, then each run is converted into the
-        ``[layout.numel]`` buffer on the H2D stream. Waits first until at most ``max_inflight``
-        released blocks are still being computed on the GPU."""
+        """Asynchronous H2D copy of the pinned ``host`` slab on the H2D stream, converted to ``dtype`` on the
+        device (a mixed ``layout``: one copy of its image, then run by run); returns ``(buffer, event)``. Waits
+        first until at most ``max_inflight`` released blocks are still computing on the GPU."""
         while len(self._inflight) > self.max_inflight:
             self._inflight.popleft().synchronize()
         with torch.cuda.device(self.device), torch.cuda.stream(self.h2d_stream):
@@ -227,9 +196,8 @@ class CUDATransport:
         return buf, ev
 
     def when_done(self, event: object, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on a helper thread once ``event`` (an H2D copy's, from :meth:`to_device`) completed:
-        the H2D worker hands the release of the copy's source (a window buffer's hold, a staging slot)
-        to it and goes on with the next block's read, update and cast while the copy runs."""
+        """Run ``fn`` on a helper thread once ``event`` (from :meth:`to_device`) completed, so the H2D worker
+        need not wait to release a copy's source (a window buffer's hold, a staging slot)."""
         if event is None:
             fn()
             return
@@ -260,12 +228,8 @@ class CUDATransport:
         buf.record_stream(cur)
 
     def offload(self, t: torch.Tensor) -> tuple[torch.Tensor, object]:
-        """Asynchronous D2H of a saved activation into pinned memory on the D2H stream.
-
-        The D2H stream waits for the compute stream (``t`` is produced there); ``t`` is
-        ``record_stream``-ed so its memory is not reused before the copy ends. Returns the
-        pinned host tensor and the copy's completion event.
-        """
+        """Asynchronous D2H of a saved activation into pinned memory on the D2H stream, after the compute stream
+        (``t`` is ``record_stream``-ed there); returns ``(host tensor, event)``."""
         cur = torch.cuda.current_stream(self.device)
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         with torch.cuda.device(self.device), torch.cuda.stream(self.d2h_stream):
@@ -283,9 +247,8 @@ class CUDATransport:
         return buf
 
     def restore_async(self, host: torch.Tensor, event: object) -> tuple[torch.Tensor, object]:
-        """Start the H2D copy of an offloaded activation (pinned ``host``) on the H2D stream, after its D2H
-        copy's ``event``; returns ``(device buffer, event of the copy)``. Before the compute stream reads
-        the buffer, call :meth:`ready` (waits on the event and ``record_stream``-s the buffer there)."""
+        """Start the H2D copy of an offloaded activation (pinned ``host``) after its D2H copy's ``event``; returns
+        ``(device buffer, event)``: call :meth:`ready` before the compute stream reads the buffer."""
         with torch.cuda.device(self.device), torch.cuda.stream(self.h2d_stream):
             if event is not None:
                 self.h2d_stream.wait_event(event)
@@ -296,7 +259,7 @@ class CUDATransport:
         return buf, ev
 
     def released(self) -> None:
-        """Record on the compute stream that the block just released finishes there."""
+        """Record on the compute stream where the block just released finishes."""
         ev = torch.cuda.Event(blocking=True)  # the H2D worker waits on it in to_device
         ev.record(torch.cuda.current_stream(self.device))
         self._inflight.append(ev)
@@ -308,26 +271,18 @@ class CUDATransport:
 
     def stage_grads(self, grads: Sequence[torch.Tensor], wire: torch.dtype = torch.float32,
                     reduce: Callable[[torch.Tensor], int | None] | None = None) -> GradCopy:
-        """Pack gradients into one flat ``wire``-dtype tensor on the compute stream and queue its copy
-        into a free pinned staging buffer on the D2H stream, after the compute stream's event; returns
-        the copy (host views of the gradients' shapes, valid until ``release``).
+        """Pack gradients into one flat ``wire``-dtype tensor on the compute stream and queue its copy into a free
+        pinned staging buffer on the D2H stream (the packed tensor is ``record_stream``-ed there: its memory is
+        free when the copy ends); returns the copy (host views of the gradients' shapes, valid until ``release``).
+        On an error the staging buffer is given back first.
 
-        ``reduce`` (data parallel, NCCL): called on the packed tensor with the D2H stream current, after
-        that stream waited for the compute stream and before the copy; an NCCL collective issued there
-        runs on NCCL's stream ordered after the D2H stream's work, and the copy waits for it, while the
-        compute stream goes on with the next block (``engine/reduce.py``). It returns ``(out, keep)``: the
-        tensor to copy (the reduced batch, fp32, ``[n]``: the host views then have its dtype) and how many
-        trailing elements to copy (``None``: all): a rank that does not own the slab copies only the presence flags.
-
-        If packing, the reduce or queueing the copy raises, the staging buffer is given back before the
-        error propagates (a later batch can still take it).
-
-        The packed tensor is ``record_stream``-ed on the D2H stream: its device memory returns to the
-        allocator as soon as the copy ends, before the host add.
+        ``reduce`` (data parallel, NCCL, ``engine/reduce.py``): called on the packed tensor with the D2H stream
+        current, before the copy, so the collective is ordered between them while the compute stream goes on.
+        It returns ``(out, keep)``: the tensor to copy (the reduced batch, fp32 ``[n]``: the host views get its
+        dtype) and how many trailing elements to copy (``None``: all; a non-owner copies only the presence flags).
 
         Raises:
-            RuntimeError: every staging buffer is taken (the gradient sink queues at most
-                ``n_staging`` batches: a caller queued more).
+            RuntimeError: every staging buffer is taken (a caller queued more than ``n_staging`` batches).
         """
         cur = torch.cuda.current_stream(self.device)
         flat = torch.cat([g.reshape(-1).to(wire) for g in grads]) if grads else torch.empty(0, device=self.device, dtype=wire)
@@ -353,8 +308,7 @@ class CUDATransport:
                 done = torch.cuda.Event(enable_timing=True, blocking=True)
                 done.record(self.d2h_stream)
         except BaseException:
-            # free for the next batch: a copy into it queued before the error is ordered before the next
-            # batch's copy on the D2H stream
+            # a copy into it queued before the error is ordered before the next batch's on the D2H stream
             self._staging.put(staging)
             raise
         out, off = [], 0
@@ -372,10 +326,12 @@ class CUDATransport:
 
 def make_transport(device: torch.device, staging_numel: int, zero_copy_cpu: bool = False, n_staging: int = 2,
                    pin: bool | None = None, reuse_cpu_buffers: bool = False):
-    """Pick the transport for ``device`` (``cpu`` or ``cuda``; ``n_staging``: pinned D2H staging
-    buffers, at least the gradient sink's ``max_inflight``; ``pin``: the ``pin_memory`` option for
-    them; ``reuse_cpu_buffers``: :class:`CPUTransport`'s ``reuse_buffers``); raises ``ValueError`` for
-    others and ``HostPinningError`` when ``pin`` is ``True`` and the staging buffers cannot be page-locked."""
+    """The transport for ``device`` (``n_staging``: pinned D2H staging buffers, at least the gradient sink's
+    ``max_inflight``; ``pin``: the ``pin_memory`` option for them).
+
+    Raises:
+        ValueError: a device type other than ``cpu`` and ``cuda``.
+        HostPinningError: ``pin is True`` and the staging buffers cannot be page-locked."""
     if device.type == "cpu":
         return CPUTransport(device, zero_copy=zero_copy_cpu, reuse_buffers=reuse_cpu_buffers)
     if device.type == "cuda":

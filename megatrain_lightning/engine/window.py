@@ -1,10 +1,9 @@
 """The NVMe tier's host window for an engine: its minimum size, preflight, budget and pinned arena.
 
-Everything the tier holds in host memory is counted in one :class:`HostBudget` of
-``host_memory_limit`` bytes (docs/architecture.md, "NVMe tier"): the window's buffers and the H2D
-staging ring (carved from one :class:`PinnedArena`), the D2H staging buffers on CUDA, and on a CPU
-device the engine's compute buffers. The arena is pinned here, before any weight is read, which is
-also the check that pinning works (``ulimit -l`` does not limit CUDA's pinned memory).
+One :class:`HostBudget` of ``host_memory_limit`` bytes counts the window's buffers and the H2D staging ring (one
+:class:`PinnedArena`), the D2H staging buffers on CUDA and a CPU device's compute buffers (docs/architecture.md,
+"NVMe tier"). The arena is pinned before any weight is read: the check that pinning works (``ulimit -l`` does not
+limit CUDA's pinned memory).
 """
 
 from __future__ import annotations
@@ -33,19 +32,14 @@ def d2h_staging_bytes(layout: Sequence[tuple[int, int]], device: torch.device) -
 
 def window_sizes(blocks: Sequence[Block], nvme: NVMeConfig, device: torch.device | str, lookahead: int,
                  reserve_frozen: bool = False) -> tuple[int, int, int]:
-    """The NVMe tier's host window sizes (bytes) for these blocks: ``(min_window, outside, ring)``.
+    """The NVMe tier's host window sizes in bytes: ``(min_window, outside, ring)``.
 
-    ``min_window`` is what ``host_memory_limit`` must hold at least (:func:`~..store.nvme.preflight_nvme` refuses
-    less): the store's own regions of the largest slab (:meth:`NVMeConfig.min_window`), what shares the budget
-    outside the arena (``outside``: on CPU the compute buffers, :func:`compute_window_bytes`, less its wire image;
-    on CUDA the D2H staging buffers) and the H2D staging ring (``ring``: wire images in flight, with the masters on
-    NVMe; a CPU copy gives its slot back at once). Reads only the blocks' shapes: a model on the meta device
-    gives the same numbers (the planner's preflight, before the model is built).
-
-    Args:
-        blocks: the model's blocks; nvme: the tier's settings (``kinds``; ``share`` for data parallel);
-        device: the compute device; lookahead: blocks fetched ahead of the one computing (the engine's ``ahead``);
-        reserve_frozen: state for frozen parameters too (``store.host.slab_layout``)."""
+    ``min_window``: the least ``host_memory_limit`` (:func:`~..store.nvme.preflight_nvme` refuses less): the store's
+    regions of the largest slab (:meth:`NVMeConfig.min_window`), ``outside`` (what shares the budget outside the
+    arena: on CPU the compute buffers, :func:`compute_window_bytes`, less its wire image; on CUDA the D2H staging
+    buffers) and ``ring`` (the H2D staging ring, masters on NVMe; a CPU copy gives its slot back at once). Reads
+    only shapes: a meta-device model gives the same numbers (the planner's preflight). ``lookahead``: the engine's
+    ``ahead`` (blocks fetched ahead of the one computing); ``reserve_frozen``: ``store.host.slab_layout``'s."""
     device = torch.device(device)
     slabs = slab_layout(blocks, reserve_frozen)
     layout = [(n, t) for _, n, t in slabs]
@@ -66,13 +60,8 @@ def nvme_window(blocks: Sequence[Block], nvme: NVMeConfig, device: torch.device,
                 pin: bool | None, reserve_frozen: bool = False) -> tuple[HostBudget, int, Callable[[list[tuple[int, int]]], NVMeStore]]:
     """Check the NVMe tier can run, then make its budget and pinned arena.
 
-    Args:
-        blocks: the model's blocks (slab layout, containers' own parameters).
-        nvme: the tier's settings.
-        device: the compute device (on CPU the compute buffers share the budget).
-        lookahead: blocks prefetched ahead (compute buffers in flight).
-        pin: ``pin_memory`` as the engine resolved it (``None``: try, fall back with a warning).
-        reserve_frozen: the store's layout keeps state for frozen parameters too (``store.host.slab_layout``).
+    Arguments as :func:`window_sizes`; ``pin``: ``pin_memory`` as the engine resolved it (``None``: try, fall
+    back with a warning).
 
     Returns:
         ``(budget, min_window bytes, layout -> NVMeStore factory for build_store)``.

@@ -1,19 +1,11 @@
 """What crosses the H2D link for each slab under mixed precision, and how the device rebuilds it.
 
-Lightning's ``bf16-mixed`` / ``16-mixed`` keep fp32 weights and run the step under
-``torch.autocast``: an operation on autocast's lower-precision list (``linear``, ``addmm``,
-``conv*``, ``matmul``...) casts its fp32 arguments to bf16/fp16 at each use (round to
-nearest even, ``tensor.to(dtype)``); every other operation (embedding lookup, norms,
-elementwise ops) sees the fp32 weight. To give exactly those numbers while moving fewer
-bytes, the engine sends a weight in bf16/fp16 only when autocast would cast it at every
-use anyway (:func:`autocast_casts`), and in fp32 otherwise. On the device each slab is
-rebuilt as one fp32 buffer: the bf16/fp16 weights are upcast (exact), autocast casts them
-back at use (exact: they are representable), and the block computes on the same values,
-with the same fp32 gradient leaves, as under Lightning's own mixed precision.
-
-A slab whose parameters are all of one wire dtype travels as one typed tensor; a slab that
-mixes them travels as one byte *image* (:class:`WireLayout`): consecutive parameters of the
-same wire dtype form a *run*, each run starts at a 16-byte boundary of the image.
+Under ``bf16-mixed`` / ``16-mixed`` a weight travels in bf16/fp16 only when autocast would cast it at every use
+anyway (:func:`autocast_casts`), else in fp32; the device rebuilds one fp32 buffer per slab (the upcast is exact,
+and autocast's cast back gives the same bits), so the block computes on Lightning's own mixed-precision values
+(docs/internals/precision.md, "Wire rule (mixed modes)"). A slab of one wire dtype travels as one typed tensor; a
+mixed one as a byte image (:class:`WireLayout`) of *runs* (consecutive entries of one wire dtype), each starting at
+a 16-byte boundary.
 """
 
 from __future__ import annotations
@@ -43,28 +35,21 @@ _CASTABLE_FORWARDS = _castable_forwards()
 
 
 def autocast_casts(module: nn.Module, attr: str) -> bool:
-    """Whether autocast casts parameter ``attr`` of ``module`` to the autocast dtype at every use.
+    """Whether autocast casts parameter ``attr`` of ``module`` to the autocast dtype at every use: ``weight`` and
+    ``bias`` of a module whose ``forward`` is that of ``nn.Linear``, ``nn.Conv{1,2,3}d``, ``nn.ConvTranspose{1,2,3}d``
+    or transformers' ``Conv1D`` (ops on autocast's lower-precision list on CPU and CUDA). A False never changes
+    results (autocast still casts at use), it only moves 4 instead of 2 bytes.
 
-    True for ``weight`` and ``bias`` of a module whose ``forward`` is that of ``nn.Linear``,
-    ``nn.Conv{1,2,3}d``, ``nn.ConvTranspose{1,2,3}d`` or ``transformers.pytorch_utils.Conv1D``
-    (``F.linear``, ``conv*``, ``conv_transpose*``, ``addmm``: on autocast's lower-precision list
-    on CPU and CUDA), subclasses that keep that ``forward`` included. Everything else is
-    False (embeddings, norms, custom modules, subclasses with their own ``forward``): such a
-    parameter travels in fp32 and autocast still casts it itself wherever it feeds a listed op,
-    so a False here never changes results, it only moves 4 instead of 2 bytes.
-
-    Not detected (documented limitation): a Linear called with autocast disabled around it, or a
-    hook that uses the weight in another operation; such a weight would see the bf16/fp16-rounded
-    value where Lightning uses the fp32 one.
+    Not detected (documented limitation): a Linear called with autocast disabled, or a hook that uses the weight
+    in another op; such a weight would see the rounded value where Lightning uses fp32.
     """
     return attr in ("weight", "bias") and type(module).forward in _CASTABLE_FORWARDS
 
 
 def weights_read_outside_linear(modules: Iterable[nn.Module]) -> set[int]:
-    """``id`` of the Linear weights that another module's ``forward`` also reads outside ``F.linear``, so they must
-    travel in fp32 even though their own module is castable: the base layer of a peft LoRA layer with DoRA
-    (``use_dora``: the weight norm of ``base_layer.weight + scale * B @ A`` is taken in fp32, not under autocast's
-    cast; measured: bf16 wire weights were 8% off Lightning's bf16-mixed after 3 steps)."""
+    """``id`` of the Linear weights another module also reads outside ``F.linear``, so they travel in fp32: the
+    base layer of a peft layer with DoRA (``use_dora`` takes the norm of ``base_layer.weight + scale * B @ A`` in
+    fp32; measured: bf16 wire weights 8% off Lightning's bf16-mixed after 3 steps)."""
     out: set[int] = set()
     for m in modules:
         dora = getattr(m, "use_dora", None)
@@ -75,9 +60,8 @@ def weights_read_outside_linear(modules: Iterable[nn.Module]) -> set[int]:
 
 
 def castable_flags(refs_per_entry: Sequence[Iterable[tuple[nn.Module, str]]]) -> list[bool]:
-    """Per slab entry: True if every (owner module, attribute) that holds the parameter is castable
-    (:func:`autocast_casts`). A parameter shared by a castable and a non-castable owner (an LM head
-    tied to the embedding) is False: the embedding lookup must see fp32."""
+    """Per slab entry: every (owner module, attribute) holding the parameter is castable (:func:`autocast_casts`);
+    a tied LM head's weight is not (the embedding lookup must see fp32)."""
     return [all(autocast_casts(m, a) for m, a in owners) for owners in refs_per_entry]
 
 
@@ -90,8 +74,8 @@ class WireLayout:
         runs: ``(start, stop, dtype, byte_offset)`` per range: ``master[start:stop]`` travels as
             ``dtype`` at bytes ``[byte_offset, byte_offset + (stop - start) * dtype.itemsize)`` of
             the image. Ranges are consecutive and cover ``[0, numel)``.
-        nbytes: bytes on the link per transfer of the slab: ``numel * itemsize`` for a uniform
-            layout, the image size (runs padded to 16 bytes) otherwise.
+        nbytes: bytes per transfer of the slab: ``numel * itemsize`` (uniform) or the image size (runs padded to
+            16 bytes).
     """
 
     numel: int
@@ -142,8 +126,8 @@ class WireLayout:
         return [(s, e, image[off : off + (e - s) * dt.itemsize].view(dt)) for s, e, dt, off in self.runs]
 
     def encode(self, master: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Write fp32 ``master`` (``[numel]``) into ``out`` (from :meth:`empty`), casting each run to its wire
-        dtype with ``copy_`` (round to nearest even: bitwise what autocast's cast gives); returns ``out``."""
+        """Write fp32 ``master`` (``[numel]``) into ``out`` (from :meth:`empty`), each run cast by ``copy_`` (round
+        to nearest even: bitwise autocast's cast); returns ``out``."""
         for s, e, view in self._views(out):
             view.copy_(master[s:e])
         return out

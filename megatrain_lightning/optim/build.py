@@ -2,14 +2,13 @@
 recipes use (``recipes_lib/module.py`` ``CausalLMModule``, ``preference/module.py`` ``DPOModule``).
 
 * Any class: ``cls(groups, lr=lr, **options)``, with ``betas`` added when the constructor takes it. With
-  ``split_1d`` two groups, as ``CausalLMModule`` has always built AdamW: ``weight_decay`` on the parameters with
-  ``ndim >= 2``, 0 on the 1-D ones (norms, biases); else one group with ``weight_decay``.
-* :class:`~.muon.MuonWithAdamW`: the decoder's 2-D weights (every 2-D parameter but the input and output
-  embeddings' weights) in a ``use_muon=True`` group, the embeddings and the LM head in a ``use_muon=False`` group
-  (AdamW, ``adamw_weight_decay``), the 1-D parameters in a ``use_muon=False`` group (0 weight decay with
-  ``split_1d``); empty groups are left out.
-* ``torch.optim.Muon`` itself is refused: it takes 2-D parameters only, and ``MegaTrainStrategy`` steps one optimizer
-  (a second, AdamW for the rest, is refused): ``MuonWithAdamW`` is the pair as one optimizer.
+  ``split_1d`` two groups: ``weight_decay`` on the parameters with ``ndim >= 2``, 0 on the 1-D ones (norms,
+  biases); else one group with ``weight_decay``.
+* :class:`~.muon.MuonWithAdamW`: the 2-D weights but the input and output embeddings in a ``use_muon=True`` group,
+  the embeddings in a ``use_muon=False`` group (``adamw_weight_decay``), the 1-D parameters in a ``use_muon=False``
+  group (0 weight decay with ``split_1d``); empty groups are left out.
+* ``torch.optim.Muon`` itself is refused (2-D parameters only, and one optimizer per strategy): use
+  ``MuonWithAdamW``.
 """
 
 from __future__ import annotations
@@ -61,8 +60,7 @@ def build_optimizer(model: torch.nn.Module, target: str | type = "torch.optim.Ad
         weight_decay: the decayed group's weight decay.
         betas: passed when the constructor takes ``betas`` (``None``: the class's default).
         split_1d: 1-D parameters in their own group with ``weight_decay=0``.
-        options: the class's other keyword arguments (``momentum``, ``eps``...; a list, as YAML gives it, becomes a
-            tuple, as torch's defaults are).
+        options: the class's other keyword arguments (``momentum``, ``eps``...; a list becomes a tuple).
 
     Raises:
         ImportError: see :func:`locate`.

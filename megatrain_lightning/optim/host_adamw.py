@@ -1,43 +1,19 @@
 """AdamW / Adam on the host, one slab at a time, with the implementation the user's optimizer selects.
 
-The user's ``torch.optim.AdamW`` (or ``Adam``) from ``configure_optimizers``
-stays the optimizer Lightning sees: its ``param_groups`` are read at every
-step (so LR schedulers and ``LearningRateMonitor`` work unchanged), but its
-``step`` never runs. The update itself is :func:`torch.optim.adam.adam` (what
-``torch.optim.AdamW.step`` calls) over views of the slab's master weights,
-gradient accumulator and fp32 ``exp_avg`` / ``exp_avg_sq``: the math of
-``torch.optim.AdamW`` (Loshchilov & Hutter, "Decoupled Weight Decay
-Regularization", Algorithm 2; bias correction of Kingma & Ba, "Adam",
-Algorithm 1).
+The user's ``torch.optim.AdamW`` (or ``Adam``) stays the optimizer Lightning sees: its ``param_groups`` are read
+at every step, its ``step`` never runs. The update is :func:`torch.optim.adam.adam` (what ``torch.optim.AdamW.step``
+calls) over views of the slab's master, accumulator and fp32 moments: Loshchilov & Hutter, "Decoupled Weight Decay
+Regularization", Algorithm 2; bias correction of Kingma & Ba, "Adam", Algorithm 1.
 
-Implementation (docs/architecture.md, "Fidelity"): torch has three AdamW kernels (fused, foreach,
-for-loop) that round differently in the last fp32 bit. The host update runs the one the user's
-optimizer would run on these (host, CPU) parameters: its param group's ``fused`` / ``foreach`` flags,
-and with neither set, torch's own default for CPU tensors, the for-loop, so that a CPU run is bitwise
-the plain ``torch.optim.AdamW`` loop. With neither flag set on a CUDA run the host uses the fused CPU
-kernel instead: the user's optimizer would run CUDA kernels there, which no host kernel reproduces bit
-for bit, and the fused kernel is the fastest (measured here: fused 1.9 G params/s, for-loop 0.72,
-foreach 0.02 on 2 threads; docs/internals/fidelity.md, "Costs"). Pass ``fused=True`` to get the fused
-kernel on CPU as well.
+Kernel: the user's group's ``fused`` / ``foreach`` flags; with neither, torch's CPU default (the for-loop, so a CPU
+run is bitwise plain ``torch.optim.AdamW``), except on a CUDA run, where no host kernel reproduces the CUDA one and
+the fused CPU kernel is the fastest (fused 1.9 G params/s, for-loop 0.72, foreach 0.02 on 2 threads;
+docs/internals/fidelity.md, "Costs").
 
-Schedule (docs/architecture.md, "Host optimizer"): :meth:`step` snapshots the
-hyper-parameters of every param group and records a *pending update* per slab;
-slab j's update runs before block j is next copied to the device (overlapping the
-next forward), or at once when ``overlap=False``. With an update worker (the RAM
-tier: ``worker``, ``update_threads`` threads) the updates run on threads of their own: the deferred ones from
-the start of the next forward (:meth:`start_updates`), those of ``optimizer_in_backward``
-from the moment a slab's gradients are complete (:meth:`apply_now`), through the rest of
-the backward and the next forward; a copy of block j waits only for slab j's update
-(:meth:`apply_pending` takes the slab's lock, which the worker holds while it updates,
-and runs the update itself if the worker has not reached it). Updates of different slabs
-touch disjoint state, so the worker's threads and the fetches run them at once.
-Skipped steps stay exact because they happen before :meth:`step` is called.
-Gradient clipping (:meth:`clip_grad_norm`, :meth:`clip_grad_value`, called by the
-precision plugin for Lightning's ``gradient_clip_val``) computes the global norm
-slab by slab exactly as ``torch.nn.utils.clip_grad_norm_`` does and records the
-scale; the scale (or the clamp) is applied to each slab's gradients inside that
-slab's deferred update, so the NVMe tier reads each accumulator once per step.
-:meth:`flush` applies everything still pending.
+Schedule: :meth:`step` snapshots every group's hyper-parameters and records a pending update per slab, applied
+before the slab's next H2D copy (:meth:`apply_pending`, under the slab's lock), on the update worker
+(:meth:`start_updates`, :meth:`apply_now`), or at once without overlap. Clipping is recorded and applied inside each
+slab's update, so the NVMe tier reads each accumulator once per step. docs/architecture.md, "Host optimizer".
 """
 
 from __future__ import annotations
@@ -93,13 +69,10 @@ WRITTEN_WHILE_PENDING = (
 
 def validate_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     """Check that the host AdamW kernel can step ``optimizer``; return ``True`` for decoupled weight decay (AdamW).
-    Other optimizers (and AdamW/Adam with ``amsgrad``/``maximize``) run their own step on the host instead
-    (``optim/host_generic.py`` chooses when the optimizer is taken over).
+    Other optimizers run their own step (``optim/host_generic.py``).
 
     Raises:
-        UnsupportedOptimizerError: another optimizer class, or ``amsgrad``/``maximize``/``differentiable`` set (a group
-            added during fit to an optimizer the kernel took over: the message says to set it in
-            ``configure_optimizers``).
+        UnsupportedOptimizerError: another optimizer class, or ``amsgrad``/``maximize``/``differentiable`` set.
     """
     if type(optimizer) is torch.optim.AdamW:
         decoupled = True
@@ -131,22 +104,16 @@ class HostAdamW:
             of truth for hyper-parameters and group membership.
         overlap: defer each slab's update until the engine next reads that slab (default), or
             apply all updates inside :meth:`step`.
-        transport: the engine's device transport (its ``device`` picks the kernel, see :meth:`_flags`),
-            or ``None``. An update waits for the last H2D copy that reads the slab's master
-            (``Slab.wait_reads``, under the slab's lock).
+        transport: the engine's device transport (its ``device`` picks the kernel), or ``None``.
         ownership: data parallel with a node-shared store (``store/shared.py``): this process updates only
-            the slabs it owns; for the others it waits for the owner's update and keeps the same bookkeeping
-            (gradient flags, AdamW step counts). Clipping norms and the fp16 inf check combine the owners'
-            parts with one all-reduce over the node. ``None``: one process, every slab.
-        worker: an executor the updates run on (:meth:`start_updates`, :meth:`apply_now`; one or more threads,
-            taking slabs in submission order), or ``None``:
-            each update runs on the thread that needs it (the H2D worker before a copy, the D2H worker in
-            backward). The engine passes one on the RAM tier; on the NVMe tier the host window is sized for one
-            update at a time, on the thread that also reads the block.
+            the slabs it owns and waits for the owners' updates of the others; norms and the fp16 inf check
+            are all-reduced over the node. ``None``: one process, every slab.
+        worker: an executor the updates run on (RAM tier), or ``None``: each update runs on the thread that
+            needs it (the H2D worker before a copy, the D2H worker in backward; the NVMe window is sized
+            for one update at a time).
 
-    State per trainable parameter the optimizer owns: ``exp_avg`` and ``exp_avg_sq`` (fp32, same
-    shape as the parameter, views of one flat tensor per slab) and ``step`` (fp32 scalar tensor, as
-    ``torch.optim.AdamW`` keeps it).
+    State per trainable parameter: ``exp_avg`` and ``exp_avg_sq`` (fp32, the parameter's shape, views of one
+    flat tensor per slab) and ``step`` (fp32 scalar tensor), as ``torch.optim.AdamW`` keeps them.
 
     Raises:
         UnsupportedOptimizerError: see :func:`validate_optimizer`.
@@ -180,8 +147,7 @@ class HostAdamW:
 
     @staticmethod
     def _validate(optimizer: torch.optim.Optimizer) -> bool:
-        """Check that this kernel can step ``optimizer`` (at construction and whenever its groups change); return
-        ``True`` for decoupled weight decay. Raises :class:`UnsupportedOptimizerError` (:func:`validate_optimizer`)."""
+        """:func:`validate_optimizer`, at construction and whenever the groups change."""
         return validate_optimizer(optimizer)
 
     # ------------------------------------------------------------------ schedule
@@ -190,10 +156,9 @@ class HostAdamW:
         self.overlap = overlap
 
     def _map_groups(self) -> None:
-        """Map each (slab, entry) to its param group in the optimizer's current ``param_groups``, again
-        whenever their members changed since the last call (``add_param_group`` during fit, as Lightning's
-        ``BaseFinetuning`` does when it unfreezes, or a group's ``params`` replaced; a new parameter's state starts
-        at zero at its first update). Costs one pass over the groups' parameter ids per step.
+        """Map each (slab, entry) to its param group, again whenever the groups' members changed (e.g.
+        ``BaseFinetuning``'s ``add_param_group``; a new parameter's state starts at zero). One pass over the
+        groups' parameter ids per step.
 
         Raises:
             UnsupportedOptimizerError: a parameter that is not in the store, or a group with an unsupported flag.
@@ -228,16 +193,12 @@ class HostAdamW:
         return out
 
     def step(self) -> int:
-        """Record (or, without overlap, apply) one update for every slab that received gradients.
-
-        Must run after all gradients of the accumulation window are in the accumulators.
-        Returns the number of slabs scheduled.
-        """
+        """Record (or, without overlap, apply) one update for every slab that received gradients, once all of
+        the window's gradients are in the accumulators. Returns the number of slabs scheduled."""
         self._map_groups()
         hyper = _Pending(self._snapshot(), self.grad_ops)
         self.grad_ops = []
-        # LR schedulers check that optimizer.step() ran before scheduler.step() via this flag
-        # (torch.optim.lr_scheduler.LRScheduler.step); the user's optimizer's own step never runs.
+        # torch.optim.lr_scheduler.LRScheduler.step checks this flag; the user's optimizer's own step never runs
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
         n = 0
         claimed, self._claimed = self._claimed, set()
@@ -257,15 +218,13 @@ class HostAdamW:
         return n
 
     def snapshot(self) -> _Pending:
-        """The update the coming :meth:`step` would record (hyper-parameters and clipping), for
-        updates applied during backward."""
+        """The update the coming :meth:`step` would record, for updates applied during backward."""
         self._map_groups()
         return _Pending(self._snapshot(), list(self.grad_ops))
 
     def apply_now(self, slab_index: int, pend: _Pending) -> None:
-        """Schedule one slab's update of this step now (optimizer step in backward: its gradients are
-        complete): on the update worker when there is one (the slab is pending until it runs; :meth:`step` then
-        skips it), else applied here. :meth:`step` skips the slab either way."""
+        """Schedule one slab's update of this step now that its gradients are complete (optimizer step in
+        backward): on the update worker if any, else here; :meth:`step` then skips the slab."""
         slab = self.store.slabs[slab_index]
         with slab.lock:
             if slab.grad_accum_empty or slab_index in self._claimed:
@@ -282,8 +241,8 @@ class HostAdamW:
         self._submit(slab_index)
 
     def start_updates(self, order: Iterable[int]) -> None:
-        """A forward that reads the weights starts: hand the pending updates to the update worker, slab indices in
-        ``order`` (the order the forward fetches them) first, then the rest (no-op without a worker)."""
+        """Hand the pending updates to the update worker, those in ``order`` (the forward's fetch order) first
+        (no-op without a worker)."""
         if self._worker is None or not self.pending:
             return
         for si in dict.fromkeys([*order, *sorted(self.pending)]):
@@ -297,10 +256,8 @@ class HostAdamW:
             self._jobs = [f for f in self._jobs if not f.done()] + [fut]
 
     def _job(self, slab_index: int) -> None:
-        """Update worker: apply the slab's update if still pending (a fetch that came first ran it: the worker and
-        the fetches then update different slabs at once); an error is kept for the slab's next
-        :meth:`apply_pending` and for :meth:`drain`, recorded under the slab's lock (a fetch waiting for the lock
-        then sees it)."""
+        """Update worker: apply the slab's update if still pending; an error is recorded under the slab's lock
+        (so a fetch waiting for it sees it) for :meth:`apply_pending` and :meth:`drain`."""
         with self.store.slabs[slab_index].lock:
             try:
                 self._apply(slab_index)
@@ -332,8 +289,7 @@ class HostAdamW:
             raise err
 
     def flush(self) -> None:
-        """Apply every pending update now (before anything reads weights directly), including those the update
-        worker is running."""
+        """Apply every pending update now, and wait for those the update worker is running."""
         for si in list(self.pending):
             self.apply_pending(si)
         self.drain()
@@ -345,9 +301,8 @@ class HostAdamW:
         return bool(self.pending) or running
 
     def drop_pending(self) -> None:
-        """Forget every pending update without applying it (a checkpoint's state replaces the weights and moments
-        it was computed from), each under its slab's lock, as :meth:`apply_pending` takes it; updates the worker
-        is running end first, and their errors are forgotten with them."""
+        """Forget every pending update without applying it (a loaded checkpoint replaces its inputs), each under
+        its slab's lock; updates the worker is running end first, and their errors are forgotten."""
         for si in list(self.pending):
             with self.store.slabs[si].lock:
                 self.pending.pop(si, None)
@@ -357,12 +312,10 @@ class HostAdamW:
             self._errors.clear()
 
     def apply_pending(self, slab_index: int) -> None:
-        """Apply the recorded update of one slab (thread-safe; a no-op if none is pending). With the update worker
-        running it, waits until it is done (the slab's lock) and raises the error it raised.
+        """Apply one slab's pending update (thread-safe; no-op if none), or wait for the worker's and raise its error.
 
         Raises:
-            RuntimeError: a parameter of the slab was written in place while its update was pending (the message
-                says what to do).
+            RuntimeError: a parameter of the slab was written in place while its update was pending.
         """
         self._apply(slab_index)
         if self._worker is not None:
@@ -416,8 +369,7 @@ class HostAdamW:
 
     # ------------------------------------------------------------------ loss scaling
     def unscale_(self, inv_scale: float) -> bool:
-        """fp16 loss scaling: multiply every accumulated gradient by ``inv_scale`` in place, slab by
-        slab (either tier), with torch's ``_amp_foreach_non_finite_check_and_unscale_`` as
+        """fp16 loss scaling: multiply every accumulated gradient by ``inv_scale`` in place, slab by slab, as
         ``torch.amp.GradScaler.unscale_`` does. Returns ``True`` if any gradient is inf/NaN."""
         found_inf = torch.zeros(1)
         inv = torch.full((1,), inv_scale)
@@ -439,9 +391,8 @@ class HostAdamW:
     def _grad_entries(self) -> list[tuple[int, int]]:
         """(slab, entry) of every optimizer parameter holding a gradient of this step, in param-group order.
 
-        A slab whose previous update is still pending (it was not fetched since: a layer skipped by layer drop or
-        early exit) holds that step's gradients until the update runs: they are not this step's, as ``param.grad``
-        is ``None`` in plain PyTorch for a parameter that got none since ``zero_grad``."""
+        A slab whose previous update is still pending (a layer skipped since) holds that step's gradients, not
+        this one's, so it is left out (``param.grad`` would be ``None`` in plain PyTorch)."""
         out = []
         for g in self.optimizer.param_groups:
             for p in g["params"]:
@@ -453,9 +404,8 @@ class HostAdamW:
         return out
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """Total norm of the accumulated gradients of the optimizer's parameters, computed as
-        ``torch.nn.utils.clip_grad_norm_`` does (per-parameter ``_foreach_norm``, then the norm of
-        the stacked norms), reading each slab's accumulator once. Returns a 0-dim fp32 tensor."""
+        """Total norm of the optimizer's accumulated gradients, as ``torch.nn.utils.clip_grad_norm_`` computes it,
+        reading each slab's accumulator once. Returns a 0-dim fp32 tensor."""
         items = self._grad_entries()
         by_slab: dict[int, list[int]] = {}
         for si, ei in items:
@@ -479,8 +429,7 @@ class HostAdamW:
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the host gradients: returns the total norm (0-dim fp32) and
-        records the scale ``min(1, max_norm / (norm + 1e-6))`` for the coming step (applied per slab
-        in its update).
+        records the scale ``min(1, max_norm / (norm + 1e-6))`` for the coming step's updates.
 
         Raises:
             RuntimeError: ``error_if_nonfinite`` and the norm is inf/NaN (nothing recorded), as torch's.
@@ -496,16 +445,13 @@ class HostAdamW:
         return total
 
     def clip_grad_value(self, clip_value: float) -> None:
-        """``torch.nn.utils.clip_grad_value_``: clamp every gradient to ``[-clip_value, clip_value]``
-        in the coming step's updates."""
+        """``torch.nn.utils.clip_grad_value_``, recorded for the coming step's updates."""
         self.grad_ops.append(("clamp", float(clip_value)))
 
     def apply_grad_ops(self) -> None:
-        """Apply the recorded clipping to the accumulated gradients now, in place, slab by slab (either tier; with
-        several processes each owner its own slabs), and forget it: what the coming updates would have applied
-        (the same ops on the same tensors, so the same numbers), one extra pass over the gradients. After it the
-        gradients read through ``param.grad`` are the clipped ones, later edits come after the clip and a second
-        clip measures the clipped gradients, as with torch's in-place ``clip_grad_norm_``/``clip_grad_value_``."""
+        """Apply the recorded clipping to the accumulators now, in place (each owner its own slabs), and forget
+        it: the same numbers the updates would get, one extra pass, and ``param.grad`` then shows the clipped
+        gradients, as with torch's in-place ``clip_grad_norm_``/``clip_grad_value_``."""
         ops, self.grad_ops = self.grad_ops, []
         if not ops:
             return
@@ -520,9 +466,8 @@ class HostAdamW:
 
     @staticmethod
     def _apply_ops(slab: Slab, acc: torch.Tensor, ops: list[tuple[str, Any]]) -> None:
-        """Apply recorded clipping ops, in order, in place to the gradients in ``acc`` (slab ``slab``'s flat fp32
-        accumulator) of every entry that got a gradient this window: ``("mul", 0-dim tensor)`` scales,
-        ``("clamp", float)`` clamps to ``[-v, v]``."""
+        """Apply ``ops`` (see ``_Pending.grad_ops``) in order, in place, to the gradients in ``acc`` (the slab's flat
+        fp32 accumulator) of every entry that got one; ``clamp`` clamps to ``[-v, v]``."""
         grads = [slab.view(acc, i) for i, e in enumerate(slab.entries) if e.trainable and slab.has_grad[i]]
         for op, val in ops:
             if not grads:
@@ -535,17 +480,15 @@ class HostAdamW:
 
     # ------------------------------------------------------------------ math
     def _flags(self, h: _GroupHyper) -> tuple[bool | None, bool | None]:
-        """``(foreach, fused)`` passed to :func:`torch.optim.adam.adam`: the group's own flags (torch
-        resolves ``None, None`` for CPU tensors to the for-loop, as the user's optimizer would), except
-        on a CUDA run with neither set, where the fused CPU kernel runs (module docstring)."""
+        """``(foreach, fused)`` for :func:`torch.optim.adam.adam`: the group's flags, or fused on a CUDA run with
+        neither set (module docstring)."""
         device = getattr(self.transport, "device", None)
         if h.foreach is None and h.fused is None and device is not None and torch.device(device).type != "cpu":
             return None, True
         return h.foreach, h.fused
 
     def implementation(self, group: int = 0) -> str:
-        """The kernel the host update of param group ``group`` runs: ``"fused"``, ``"foreach"`` or
-        ``"for-loop"`` (resolved as :func:`torch.optim.adam.adam` resolves it for CPU tensors)."""
+        """The kernel param group ``group``'s update runs: ``"fused"``, ``"foreach"`` or ``"for-loop"``."""
         foreach, fused = self._flags(self._snapshot()[group])
         if fused:
             return "fused"
@@ -559,8 +502,7 @@ class HostAdamW:
         return [s.exp_avg for s in self.store.slabs]
 
     def _count_steps(self, slab: Slab) -> None:
-        """Another rank applied this slab's update (shared store): advance the AdamW step counts of the
-        parameters it updated, as the update would have."""
+        """Another rank applied this slab's update (shared store): advance the step counts as it would have."""
         for i, e in enumerate(slab.entries):
             if self.group_of[slab.index][i] >= 0 and e.trainable and slab.has_grad[i]:
                 if self.steps[slab.index][i] is None:
@@ -592,9 +534,8 @@ class HostAdamW:
                 vs.append(slab.view(v, i))
                 st = self.steps[slab.index][i]
                 if st is None:
-                    # this optimizer's first update of the parameter: its state starts at zero, as
-                    # torch.optim.AdamW creates it lazily. The store's moments may hold the state of
-                    # an earlier optimizer (a previous fit, lr_find): never reuse them.
+                    # first update: state starts at zero, as torch.optim.AdamW creates it lazily; the store's
+                    # moments may hold an earlier optimizer's state (a previous fit, lr_find)
                     st = self.steps[slab.index][i] = torch.tensor(0.0, dtype=torch.float32)
                     ms[-1].zero_()
                     vs[-1].zero_()
@@ -631,8 +572,7 @@ class HostAdamW:
 
     # ------------------------------------------------------------------ checkpoint
     def streams_state(self) -> bool:
-        """Whether the state is on NVMe (``offload_optimizer="nvme"``): a checkpoint's optimizer state is then
-        written slab by slab from the store, never gathered into one dict."""
+        """Whether the state is on NVMe: a checkpoint then writes it slab by slab, never as one dict."""
         return Region.exp_avg in self.store.nvme_kinds
 
     def state_dict(self, copy: bool = True) -> dict[str, Any]:
@@ -642,8 +582,7 @@ class HostAdamW:
         with ``copy=False`` they are views of the live state (no memory, but they change with training).
 
         Raises:
-            RuntimeError: several processes with ``offload_optimizer="nvme"``: each rank holds only the AdamW state
-                of the blocks it updates, on its own disk (raised before anything is read).
+            RuntimeError: several processes with ``offload_optimizer="nvme"`` (each rank holds only its slabs' state).
         """
         own = self.ownership
         if own is not None and Region.exp_avg in self.store.nvme_kinds and not all(map(own.owns, range(len(self.store.slabs)))):
@@ -669,16 +608,13 @@ class HostAdamW:
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a ``torch.optim.AdamW``/``Adam`` ``state_dict()`` (a plain Lightning checkpoint's
-        ``optimizer_states[0]``, or :meth:`state_dict`'s): parameters are numbered in param-group order, as torch
-        numbers them; each group's hyper-parameters replace the optimizer's (``params`` excepted), each parameter's
-        ``exp_avg``/``exp_avg_sq``/``step`` go into the store (either tier), and a parameter without saved state has
-        none afterwards, as ``torch.optim.Optimizer.load_state_dict`` leaves it.
+        """Load a ``torch.optim.AdamW``/``Adam`` ``state_dict()`` (e.g. a Lightning checkpoint's
+        ``optimizer_states[0]``) as ``torch.optim.Optimizer.load_state_dict`` would: group hyper-parameters replace
+        the optimizer's; a parameter without saved state has none afterwards.
 
         Raises:
-            ValueError: another number of param groups, a group of another size (the messages torch gives), state
-                keys of another optimizer (SGD's ``momentum_buffer``...), or a state of another shape than its
-                parameter's.
+            ValueError: param groups of another number or size, another optimizer's state keys, or a state shape
+                other than its parameter's.
         """
         groups, saved = self.optimizer.param_groups, state_dict["param_groups"]
         if len(groups) != len(saved):
@@ -700,8 +636,7 @@ class HostAdamW:
                     self.forget_param_state(p)
                     continue
                 self.set_param_state(p, st)
-        # as torch.optim.Optimizer.load_state_dict ends: the class sets its own group defaults again (AdamW keeps
-        # decoupled_weight_decay=True when an Adam state is loaded)
+        # as torch's load_state_dict ends: the class resets its group defaults (AdamW keeps decoupled_weight_decay)
         self.optimizer.__setstate__({"state": self.optimizer.state, "param_groups": self.optimizer.param_groups})
 
     @staticmethod
@@ -761,9 +696,8 @@ class HostAdamW:
         self.steps[si][ei] = step.detach().reshape(()).float().cpu().clone()
 
     def forget_param_state(self, param: torch.Tensor) -> None:
-        """Drop the AdamW state of one parameter: its next update starts at step 0 with zero moments, as
-        ``torch.optim.AdamW.load_state_dict`` leaves a parameter the loaded state has no entry for (a checkpoint
-        saved before its first step, e.g. the one ``BatchSizeFinder``/``lr_find`` restore after their trials)."""
+        """Drop the AdamW state of one parameter: its next update starts at step 0 with zero moments, as torch's
+        ``load_state_dict`` leaves a parameter without a saved entry."""
         where = self._where.get(id(param))
         if where is not None:
             self.steps[where[0]][where[1]] = None

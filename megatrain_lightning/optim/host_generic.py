@@ -1,37 +1,16 @@
 """Any per-parameter ``torch.optim`` optimizer on the host, one slab at a time, with the class's own ``step``.
 
-``torch.optim.AdamW`` and ``Adam`` (without ``amsgrad``/``maximize``) run on :class:`~.host_adamw.HostAdamW`'s kernel
-over the store's ``exp_avg``/``exp_avg_sq`` regions. Every other optimizer whose update of a parameter reads only
-that parameter, its gradient, its own state and its group's hyper-parameters (SGD, Adamax, NAdam, RAdam, RMSprop,
-Adagrad, Adadelta, ASGD, Rprop, Adafactor, Muon, AdamW with ``amsgrad``/``maximize``, and user subclasses that keep
-that contract) runs here: for each slab that got gradients, an instance of the user's optimizer class is built
-over views of the slab's fp32 master weights (its param groups: the step's snapshot of the user's groups'
-hyper-parameters), each view's ``.grad`` is the view of the gradient accumulator, the per-parameter state
-this module keeps in host RAM is put into the instance's ``state``, and the class's own ``step()`` runs: the
-numbers are the class's, as with the user's optimizer on CPU parameters (for-loop kernels by torch's default).
-
-The user's optimizer stays the one Lightning sees (``param_groups`` read at every step, ``state_dict()`` in
-torch's format); the schedule (deferred per-slab updates), clipping, fp16 unscaling, accumulation and
+Every optimizer whose update of a parameter reads only that parameter, its gradient, its own state and its group's
+hyper-parameters runs here (``torch.optim.AdamW``/``Adam`` without ``amsgrad``/``maximize`` run on
+:class:`~.host_adamw.HostAdamW`'s kernel): per slab with gradients, an instance of the user's class is built over
+views of the slab's fp32 masters, each ``.grad`` a view of the accumulator, the kept state is put into its
+``state``, and its own ``step()`` runs, so the numbers are the class's. Schedule, clipping, fp16 unscaling and
 ``optimizer_in_backward`` are :class:`~.host_adamw.HostAdamW`'s.
 
-Optimizers refused (:func:`validate_optimizer`): ``LBFGS`` (its step re-evaluates the model through a closure),
-``SparseAdam`` (sparse gradients), any group with ``capturable=True`` or ``differentiable=True``. An optimizer
-whose update couples parameters (a group-wide norm or a line search) is not detected: it would see one slab's
-parameters at a time.
-
-Where the state lives (:class:`HostTorchOptimizer`):
-
-- RAM tier (``offload_optimizer="cpu"``): the class's own tensors, exact size (Adafactor's factored second moment
-  of a ``[r, c]`` weight is ``r + c`` floats, SGD's momentum one float per parameter).
-- NVMe tier (``offload_optimizer="nvme"``): a parameter's state tensors (any dtype up to 4 bytes per element, and
-  the inner tensors of tensor subclasses such as torchao's 8-bit moments) are packed into that parameter's ranges
-  of the store's two optimizer regions (``exp_avg``/``exp_avg_sq``: 2 x 4 bytes per parameter, on disk and held
-  through the host window like AdamW's; :mod:`.state_packing`); 0-d values (``step``, NAdam's ``mu_product``) stay
-  in host RAM. A class whose state of a parameter exceeds 8 bytes per element (``RMSprop(centered=True,
-  momentum>0)``, ``amsgrad=True``) or keeps fp64 tensors is refused at setup (:meth:`HostTorchOptimizer._probe`).
-- Data parallel (a node-shared store): the process that owns a slab updates it every step, so the state of that
-  slab's parameters lives in that process only (host RAM, or its disk on the NVMe tier); directory checkpoints
-  write each rank's part (``optimizer.state_dict()`` is refused, as for AdamW on NVMe with several processes).
+Refused, where the state lives on each tier (RAM: the class's own tensors; NVMe: packed into the parameter's
+``exp_avg``/``exp_avg_sq`` ranges by :mod:`.state_packing`, 0-d values in RAM; data parallel: in the slab's owner
+only): docs/internals/optimizer.md, "Other optimizers". An update that couples parameters (a group-wide norm) is
+not detected: it would see one slab at a time.
 """
 
 from __future__ import annotations
@@ -73,8 +52,7 @@ def _name(optimizer: Any) -> str:
 
 
 def uses_adamw_kernel(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` runs on the host AdamW kernel (:class:`~.host_adamw.HostAdamW`): exactly
-    ``torch.optim.AdamW`` or ``Adam`` with no group setting ``amsgrad``, ``maximize`` or ``differentiable``."""
+    """Whether ``optimizer`` runs on :class:`~.host_adamw.HostAdamW`'s kernel."""
     if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam):
         return False
     return not any(g.get(k, False) for g in optimizer.param_groups for k in ("amsgrad", "maximize", "differentiable"))
@@ -85,7 +63,7 @@ def validate_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
     Raises:
         UnsupportedOptimizerError: not a ``torch.optim.Optimizer``, ``LBFGS``, ``SparseAdam``, or a param group with
-            ``capturable=True`` / ``differentiable=True``; the message names the optimizer and the reason.
+            ``capturable=True`` / ``differentiable=True``.
     """
     name = _name(optimizer)
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -127,22 +105,14 @@ def _constructor_kwargs(cls: type, defaults: dict[str, Any]) -> dict[str, Any]:
 class HostTorchOptimizer(HostAdamW):
     """The user's optimizer class stepped on the host over the slabs of a :class:`HostStore` (module docstring).
 
-    Args: as :class:`~.host_adamw.HostAdamW` (``transport`` is unused: the class's own kernels run on the host).
+    Args: as :class:`~.host_adamw.HostAdamW` (``transport`` is unused).
 
-    State per trainable parameter the optimizer updated: what the class's ``step`` keeps in ``state[p]`` (e.g.
-    SGD's ``momentum_buffer``; Adafactor's ``step``, ``row_var``, ``col_var``). RAM tier: CPU tensors in host RAM
-    owned by this object (the store's ``exp_avg``/``exp_avg_sq`` regions are never allocated). NVMe tier: packed
-    into the parameter's ranges of those regions (:func:`.state_packing.pack`), 0-d values in host RAM (module
-    docstring).
-    Data parallel: only the slabs this process owns (``ownership``) have state here.
-
-    Masters on NVMe (``offload_params="nvme"``) work on either optimizer tier: the views are built inside the
-    update's hold of the slab's master window.
+    State per parameter: what the class's ``step`` keeps in ``state[p]``, in :attr:`state` (RAM tier; the store's
+    ``exp_avg``/``exp_avg_sq`` are never allocated) or packed into those regions (NVMe tier, :attr:`packed`).
 
     Raises:
         UnsupportedOptimizerError: :func:`validate_optimizer`; the class cannot be built over the slab views with the
-            user's defaults (a constructor that takes other arguments); on the NVMe tier, state that does not fit
-            8 bytes per parameter element or holds fp64 tensors (:meth:`_probe`).
+            user's defaults; on the NVMe tier, state beyond 8 bytes per parameter element or fp64 (:meth:`_probe`).
     """
 
     def __init__(self, store: HostStore, optimizer: torch.optim.Optimizer, overlap: bool = True, transport: Any = None,
@@ -162,10 +132,9 @@ class HostTorchOptimizer(HostAdamW):
         return False
 
     def _probe(self) -> None:
-        """Build the class once over small stand-ins (each dimension at most 8) of every parameter shape of each
-        group, so that a constructor that cannot be rebuilt from the user's ``defaults`` is refused at setup, not
-        at the first step; on the NVMe tier, also take two steps and check that each stand-in's state packs into
-        two fp32 values per element (:func:`.state_packing.pack`).
+        """Build the class once over small stand-ins (each dimension at most 8) of each group's parameter shapes, so
+        an unbuildable constructor is refused at setup; on the NVMe tier, also take two steps and check that the
+        state packs into two fp32 values per element.
 
         Raises:
             UnsupportedOptimizerError: see the class docstring.
@@ -203,11 +172,9 @@ class HostTorchOptimizer(HostAdamW):
 
     def _slab_instance(self, slab_index: int, layout: tuple, groups: list[tuple[dict[str, Any], list[torch.Tensor]]],
                        fresh: bool) -> torch.optim.Optimizer:
-        """The instance for one slab's update: built when the slab's group ``layout`` (which groups, which entries)
-        changed or a parameter has no state yet (``fresh``: some classes create state in their constructor, e.g.
-        Adagrad's ``sum``), else reused with this step's parameters and hyper-parameters put into its
-        ``param_groups`` (a constructor can cost as much as the update: Adagrad allocates its state there). Its
-        ``state`` is empty between updates (:meth:`_update` moves the state in and out)."""
+        """The instance for one slab's update: rebuilt when the slab's group ``layout`` changed or ``fresh`` (some
+        constructors create state, e.g. Adagrad's ``sum``), else reused with this step's params and hyper-parameters
+        (a constructor can cost as much as the update). Its ``state`` is empty between updates."""
         cached = self._instances.get(slab_index)
         if fresh or cached is None or cached[0] != layout:
             inst = self._instance(groups)
@@ -230,10 +197,8 @@ class HostTorchOptimizer(HostAdamW):
 
     # ------------------------------------------------------------------ math
     def _state_kinds(self, slab: Slab) -> list[str]:
-        """NVMe tier: the optimizer regions a slab's update must hold: both until each trainable parameter of the slab
-        has its placements (its first update decides them), then only those its placements use (none for a class
-        that keeps no tensor state, e.g. SGD without momentum; ``exp_avg`` only for one buffer per element), so the
-        update reads and writes no region it does not need. RAM tier: none (the state lives in :attr:`state`)."""
+        """The optimizer regions a slab's update must hold: NVMe tier, both until every trainable parameter has its
+        placements, then only those they use; RAM tier, none."""
         if not self.on_disk:
             return []
         used: set[int] = set()
@@ -293,10 +258,8 @@ class HostTorchOptimizer(HostAdamW):
 
     def _live_state(self, slab: Slab, entry: int, regions: tuple[torch.Tensor, torch.Tensor] | None,
                     copy: bool = False) -> dict[str, Any] | None:
-        """The state of one parameter to put into the class's ``state`` for its update (``None``: its first
-        update, the class creates it): the kept dict (RAM tier), or the 0-d values with the packed tensors rebuilt
-        around views into ``regions`` (the slab's held ``exp_avg``/``exp_avg_sq``, NVMe tier; ``copy``: around
-        copies of them)."""
+        """One parameter's state for the class's ``state`` (``None``: first update): the kept dict (RAM tier), or
+        the 0-d values plus the packed tensors rebuilt around views (``copy``: copies) of ``regions`` (NVMe tier)."""
         st = self.state.get((slab.index, entry))
         if st is None or regions is None:
             return st
@@ -307,8 +270,8 @@ class HostTorchOptimizer(HostAdamW):
 
     def _keep_state(self, slab: Slab, entry: int, st: dict[str, Any],
                     regions: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """Keep one parameter's state after its update: the dict itself (RAM tier), or (NVMe tier) its tensors
-        copied into their packed ranges where the class did not update the views in place, and its 0-d values.
+        """Keep one parameter's state after its update: the dict (RAM tier), or its tensors copied into their packed
+        ranges (unless updated there in place) and its 0-d values (NVMe tier).
 
         Raises:
             UnsupportedOptimizerError: NVMe tier, the state does not pack (:func:`unpackable`).
@@ -339,9 +302,8 @@ class HostTorchOptimizer(HostAdamW):
 
     # ------------------------------------------------------------------ state
     def state_for(self, slab_index: int, entry: int) -> dict[str, Any] | None:
-        """The class's state of one parameter, or ``None`` before its first update (or, data parallel, when
-        another process owns its slab). RAM tier: the live tensors. NVMe tier: copies read through the host
-        window."""
+        """The class's state of one parameter (``None``: no update yet, or another process owns its slab): live
+        tensors (RAM tier) or copies read through the window (NVMe tier)."""
         key = (slab_index, entry)
         st = self.state.get(key)
         if st is None or not self.on_disk:
@@ -351,8 +313,7 @@ class HostTorchOptimizer(HostAdamW):
             return self._live_state(slab, entry, (t[Region.exp_avg], t[Region.exp_avg_sq]), copy=True)
 
     def streams_state(self) -> bool:
-        """Whether this process cannot return the whole state as one dict: the NVMe tier, or data parallel (each
-        process holds the state of the slabs it owns). Directory checkpoints write it part by part."""
+        """Whether the state cannot be returned as one dict (NVMe tier, or data parallel)."""
         return self.on_disk or (self.ownership is not None and
                                 not all(map(self.ownership.owns, range(len(self.store.slabs)))))
 
@@ -360,8 +321,7 @@ class HostTorchOptimizer(HostAdamW):
         """As :meth:`HostAdamW.state_dict`, in the class's own format.
 
         Raises:
-            RuntimeError: data parallel: each process holds only the state of the slabs it owns (raised before
-                anything is read).
+            RuntimeError: data parallel (each process holds only its own slabs' state).
         """
         own = self.ownership
         if own is not None and not all(map(own.owns, range(len(self.store.slabs)))):
@@ -382,8 +342,8 @@ class HostTorchOptimizer(HostAdamW):
 
     def set_param_state(self, param: torch.Tensor, state: dict[str, Any]) -> None:
         """Set one parameter's state from a ``state_dict()`` entry of the user's class, converted as
-        ``torch.optim.Optimizer.load_state_dict`` converts it: floating tensors other than ``step`` become fp32
-        CPU copies (the masters' dtype), ``step`` and other values are kept (tensors copied to the CPU).
+        ``torch.optim.Optimizer.load_state_dict`` does: floating tensors but ``step`` become fp32 CPU copies, other
+        values are kept (tensors copied to the CPU).
 
         Raises:
             ValueError: ``param`` is not in the store.

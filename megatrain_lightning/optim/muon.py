@@ -1,13 +1,9 @@
 """``MuonWithAdamW``: torch's Muon for the 2-D hidden weights and torch's AdamW for the rest, as one optimizer.
 
-``torch.optim.Muon`` refuses any parameter that is not 2-D, and its documentation pairs it with AdamW for the
-embeddings, the LM head, the norms and the biases. ``MegaTrainStrategy`` steps exactly one optimizer on the host (a
-``configure_optimizers`` returning two is refused), so this class is the pair as one per-parameter optimizer: each
-param group says which update it gets (``use_muon``), and ``step()`` runs ``torch.optim.Muon``'s and
-``torch.optim.AdamW``'s own ``step`` over the group's parameters with this optimizer's ``state`` (Muon keeps
-``momentum_buffer``, 4 B/param; AdamW ``step``, ``exp_avg``, ``exp_avg_sq``, 8 B/param + 4 B). Each parameter's update
-reads only that parameter, its gradient and its state: the host runs it slab by slab
-(:mod:`megatrain_lightning.optim.host_generic`).
+``torch.optim.Muon`` takes only 2-D parameters, and its documentation pairs it with AdamW for the rest;
+``MegaTrainStrategy`` steps exactly one optimizer, so this class is the pair as one per-parameter optimizer, run slab
+by slab by :mod:`megatrain_lightning.optim.host_generic`. State: Muon's ``momentum_buffer`` (4 B/param), AdamW's
+``exp_avg``, ``exp_avg_sq`` (8 B/param) and ``step``.
 """
 
 from __future__ import annotations
@@ -28,12 +24,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
         lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn: ``torch.optim.Muon``'s,
             for the Muon groups.
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: ``torch.optim.AdamW``'s ``lr``, ``betas``, ``eps``,
-            ``weight_decay``; a group with ``use_muon=False`` that sets no ``lr``/``weight_decay`` gets these (its
-            ``lr`` is then what a learning-rate scheduler scales, as for every group).
+            ``weight_decay`` (see :meth:`add_param_group`).
 
     Raises:
-        ValueError: a Muon group with a parameter that is not 2-D (torch's Muon's own message), or a bad value
-            (``torch.optim``'s checks).
+        ValueError: a Muon group with a parameter that is not 2-D, or a bad value (``torch.optim``'s checks).
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,

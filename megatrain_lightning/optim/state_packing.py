@@ -1,19 +1,12 @@
 """Where a parameter's optimizer state lives on the NVMe tier: packed into that parameter's two ranges of the store's
 optimizer regions.
 
-The store gives every parameter of ``numel`` elements two ranges of ``numel`` fp32 values (``exp_avg`` and
-``exp_avg_sq``: 4 bytes per element each, on disk and held through the host window). A generic optimizer's state
-is packed into them byte for byte (:func:`pack`): every tensor with at least one dimension, of any dtype up to 4
-bytes per element (fp32 moments, bf16 or uint8 codes), and the inner tensors of a tensor subclass that
-implements ``__tensor_flatten__``/``__tensor_unflatten__`` (torchao's ``OptimState8bit``: ``codes`` uint8, one per
-element, ``scale`` fp32 per block, ``qmap`` fp32), which is rebuilt around views of the packed inner tensors at
-every update (:func:`rebuild`), so the class's own in-place writes land in the ranges. 0-d tensors (``step``) and
-other values are not packed: the caller keeps them in host RAM.
-
-Examples of what fits, per element: AdamW's two fp32 moments (8 of the 8 bytes), SGD-momentum's buffer (4),
-Adafactor's row and column factors of a ``[r, c]`` weight (``(r + c) / (r c)`` floats), 8-bit AdamW's two codes
-and block scales (about 2.03 bytes). What does not: three fp32 tensors per element (``amsgrad=True``,
-``RMSprop(centered=True, momentum>0)``), tensors wider than 4 bytes per element (fp64).
+Each parameter of ``numel`` elements has two ranges of ``numel`` fp32 values (``exp_avg`` and ``exp_avg_sq``, 8 bytes
+per element in all). :func:`pack` places its state in them byte for byte: every tensor with at least one dimension
+of any dtype up to 4 bytes per element, and the inner tensors of a ``__tensor_flatten__`` subclass (torchao's
+``OptimState8bit``, about 2.03 bytes per element), rebuilt around views at every update (:func:`rebuild`) so the
+class's in-place writes land in the ranges. 0-d tensors (``step``) and other values stay in host RAM (the
+caller's). Too large: three fp32 tensors per element (``amsgrad=True``), or fp64.
 """
 
 from __future__ import annotations
@@ -48,8 +41,7 @@ class Placement:
         return math.prod(self.shape) * self.dtype.itemsize
 
     def view(self, regions: tuple[torch.Tensor, torch.Tensor], base: int) -> torch.Tensor:
-        """The tensor's view in the slab's held regions (flat fp32 tensors), the parameter starting at element
-        ``base`` of each."""
+        """The tensor's view in the slab's held flat fp32 regions, the parameter starting at element ``base``."""
         start = base * RANGE_ITEMSIZE + self.offset
         flat = regions[self.region].view(torch.uint8)[start:start + self.nbytes]
         return flat.view(self.dtype).view(self.shape)
@@ -86,8 +78,7 @@ class Layout:
 
 
 def packed_kind(v: Any) -> bool:
-    """Whether a state value is packed (a tensor with at least one dimension); 0-d tensors and other values stay in
-    host RAM."""
+    """Whether a state value is packed (a tensor with at least one dimension)."""
     return torch.is_tensor(v) and v.dim() > 0
 
 
@@ -118,8 +109,7 @@ def _align(n: int, a: int) -> int:
 
 def pack(state: dict[str, Any], numel: int) -> Layout | None:
     """Place a parameter's state tensors (:func:`leaves`) in its two ranges of ``numel`` fp32 values, first fit in
-    decreasing size, each at an offset aligned to its dtype's size (AdamW's ``exp_avg``/``exp_avg_sq`` land where
-    the AdamW kernel keeps them: one per region at offset 0).
+    decreasing size, each at an offset aligned to its dtype's size (AdamW's moments land one per region at 0).
 
     Returns:
         The :class:`Layout`, or ``None`` if the tensors do not fit or one is wider than 4 bytes per element
@@ -201,8 +191,7 @@ def flatten_named(key: str, v: torch.Tensor) -> Iterator[tuple[str, torch.Tensor
     uint8 tensor of UTF-8 JSON naming the class and its flatten context (:func:`unflatten_named` reverses it).
 
     Raises:
-        TypeError: the subclass's context holds a value other than None, bool, int, float, str, a torch dtype or
-            lists of them (named in the message).
+        TypeError: the context holds something other than None, bool, int, float, str, a torch dtype or lists.
     """
     if not is_subclass(v):
         yield key, v

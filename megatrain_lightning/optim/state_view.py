@@ -1,10 +1,7 @@
 """What ``optimizer.state`` shows while the strategy steps the optimizer on the host.
 
-The user's ``torch.optim.AdamW`` never steps (:class:`~.host_adamw.HostAdamW` does, on the host store), so its
-``state`` stays empty. Left as torch's ``defaultdict``, code that reads it (``opt.state[p]["exp_avg"]``) got a
-bare ``KeyError`` and left an empty entry behind, and code that resets it (``opt.state.clear()``, to restart AdamW
-moments at an epoch boundary) changed nothing. This view answers reads with an error that says where the state
-is, and resets the host state where torch's optimizer would forget its own.
+The user's optimizer never steps, so its ``state`` is empty: this view answers reads with an error that says where
+the state is, and resets (``clear()``, ``del``, ``pop``) forget the host state as torch would forget its own.
 """
 
 from __future__ import annotations
@@ -25,9 +22,8 @@ class HostStateView(dict):
     """An empty ``optimizer.state`` whose reset operations reach the host AdamW state.
 
     Args:
-        forget: ``forget(param)`` drops one parameter's AdamW state (its next update starts at step 0 with zero
-            moments, as after ``del opt.state[p]`` in torch), ``forget(None)`` every parameter's; pending updates
-            are applied first (they belong to the state being dropped).
+        forget: ``forget(param)`` drops one parameter's state (as ``del opt.state[p]`` in torch),
+            ``forget(None)`` every parameter's; pending updates are applied first.
 
     Raises:
         HostStateError: (a ``KeyError``) on ``view[param]``: read the state with ``optimizer.state_dict()``.

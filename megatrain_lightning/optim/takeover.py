@@ -1,9 +1,8 @@
 """The user's optimizer while the host AdamW steps it: ``zero_grad``, ``state_dict``/``load_state_dict`` and
 ``state`` of the torch optimizer that ``configure_optimizers`` returned reach the host store.
 
-The torch optimizer itself never steps and holds no state (:class:`~.host_adamw.HostAdamW` does, on the host
-store). :class:`OptimizerTakeover` sets methods on the optimizer instance (and on Lightning's wrappers of it) so
-that user code calling them acts on the host state, and removes them again (:meth:`OptimizerTakeover.restore`,
+The torch optimizer never steps and holds no state; :class:`OptimizerTakeover` sets these methods on the instance
+(and on Lightning's wrappers of it) and removes them again (:meth:`OptimizerTakeover.restore`,
 :meth:`OptimizerTakeover.close`).
 """
 
@@ -36,10 +35,9 @@ class OptimizerTakeover:
         return self.zero_grad_of is not None
 
     def take_over(self, opt: Any, engine: Any, on_zeroed: Callable[[], None] | None = None) -> None:
-        """Route ``opt.zero_grad()`` to the engine's gradient accumulators (then ``on_zeroed``, the precision
-        plugin's), ``opt.state_dict()``/``load_state_dict()`` to the host AdamW (:meth:`patch_state_dict`) and
-        ``opt.state`` to a :class:`HostStateView` whose resets forget host state. ``engine`` has the optimizer
-        attached (``StreamingEngine.attach_optimizer``)."""
+        """Route ``opt.zero_grad()`` to the engine's accumulators (then ``on_zeroed``), ``state_dict()``/
+        ``load_state_dict()`` to the host optimizer (:meth:`patch_state_dict`) and ``opt.state`` to a
+        :class:`HostStateView`. ``engine`` has the optimizer attached (``StreamingEngine.attach_optimizer``)."""
         had = "zero_grad" in opt.__dict__
         orig = opt.zero_grad
 
@@ -66,11 +64,9 @@ class OptimizerTakeover:
         opt.state = HostStateView(forget)  # type: ignore[assignment]
 
     def patch_state_dict(self, opt: Any, engine: Any) -> None:
-        """``opt.state_dict()`` / ``opt.load_state_dict(sd)`` on the user's optimizer read and write the host
-        optimizer's AdamW state in ``torch.optim.AdamW`` format (``HostAdamW.state_dict(copy=True)``: 8 bytes/param
-        of host RAM while the dict lives; ``HostAdamW.load_state_dict``): the torch optimizer itself holds no state,
-        so user code saving it (``torch.save(opt.state_dict(), ...)``) got an empty state without a word. Kept
-        after fit (the store stays open for ``trainer.save_checkpoint``); :meth:`close` removes them."""
+        """``opt.state_dict()`` / ``opt.load_state_dict(sd)`` read and write the host optimizer's state in torch's
+        format (``HostAdamW.state_dict(copy=True)``: 8 bytes/param of host RAM while the dict lives). Kept after fit
+        (for ``trainer.save_checkpoint``); :meth:`close` removes them."""
         def state_dict() -> dict[str, Any]:
             if engine.closed or engine.optimizer is None:
                 raise RuntimeError("megatrain: this optimizer's state lived in the strategy's host store, which "
@@ -88,9 +84,8 @@ class OptimizerTakeover:
         self.state_dict_of = opt
 
     def wrap_lightning_optimizers(self, wrappers: Iterable[Any]) -> None:
-        """``self.optimizers()`` under manual optimization: Lightning's wrapper subclasses the optimizer's class, so
-        its ``zero_grad`` is the class's, not the one set on the optimizer (the engine would keep its gradients).
-        Called once the wrappers are final (``setup_precision_plugin`` makes new ones)."""
+        """Set the routed methods on Lightning's wrappers too (``self.optimizers()``: a subclass of the optimizer's
+        class, so it would call the class's ``zero_grad``). Call once the wrappers are final."""
         if self.zero_grad_of is not None:
             opt = self.zero_grad_of[0]
             for wrapper in wrappers:
@@ -124,12 +119,8 @@ class OptimizerTakeover:
 
 
 def warn_zero_grad_kept() -> None:
-    """Warn (once per process) that ``optimizer.zero_grad(set_to_none=False)`` acts as ``set_to_none=True``.
-
-    Gradients live in host accumulators, not in ``param.grad``, so there is no zero gradient to keep: a parameter
-    that gets no gradient in a step is not updated, where ``torch.optim.AdamW`` with a kept zero gradient would
-    still apply weight decay and decay its moments (momentum moves it). Every parameter that gets a gradient in
-    every step (the usual case) is updated exactly as in PyTorch."""
+    """Warn (once per process) that ``optimizer.zero_grad(set_to_none=False)`` acts as ``set_to_none=True`` (the
+    warning says what differs: no update for a parameter without a gradient)."""
     global _ZERO_GRAD_WARNED
     if _ZERO_GRAD_WARNED:
         return

@@ -1,9 +1,8 @@
 """Who writes what of a directory checkpoint in a data-parallel run (``checkpoint/directory.py``'s ``Cooperation``).
 
-The first node's ranks write: each the weights and AdamW state of the slabs it owns, straight from the node-shared
-store (the other nodes hold the same bytes and write nothing); tensors outside the store (buffers) are local
-rank 0's. Outcomes and the temporary directory's name travel by ``all_gather_object`` over the gloo group of all
-ranks, so no tensor is ever gathered.
+The first node's ranks write, each the weights and AdamW state of the slabs it owns, from the node-shared store
+(other nodes hold the same bytes); buffers are local rank 0's. Outcomes and the temporary directory's name travel
+by ``all_gather_object`` over the gloo group of all ranks: no tensor is ever gathered.
 """
 
 from __future__ import annotations
@@ -19,13 +18,7 @@ from .groups import ProcessGroups
 
 
 class CheckpointWriters:
-    """The :class:`~megatrain_lightning.checkpoint.directory.Cooperation` of one process.
-
-    Args:
-        groups: the run's process groups.
-        store: the node-shared host store.
-        ownership: the slab owners.
-    """
+    """The :class:`~megatrain_lightning.checkpoint.directory.Cooperation` of one process."""
 
     def __init__(self, groups: ProcessGroups, store: HostStore, ownership: SlabOwnership):
         self.groups, self.store, self.ownership = groups, store, ownership

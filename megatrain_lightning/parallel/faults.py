@@ -1,12 +1,9 @@
 """A rank that died or hangs: the other ranks stop with an error that names it, instead of a transport message.
 
-When a process of a data-parallel run dies (SIGKILL, out of memory, a crash), the others notice in their next
-collective with it: gloo reports "Connection closed by peer" (or "Connection reset") at once, NCCL and gloo a
-timeout after the strategy's ``timeout``. Neither says which rank. :class:`Peers` records every rank's host and
-process at setup (one ``all_gather_object``), so a failed collective can be explained: the ranks of this host
-whose process has ended are named (``/proc/<pid>``: gone, or a zombie not yet reaped by its launcher), else the
-ranks of the other hosts are listed as the candidates. :meth:`Peers.explain` turns the transport's error into a
-:class:`PeerFailure` saying so and what to do (resume from the last checkpoint).
+When a rank dies, the others notice in their next collective with it: gloo reports "Connection closed by peer"
+at once, NCCL and gloo a timeout after the strategy's ``timeout``; neither says which rank. :class:`Peers` records
+every rank's host and process at setup, so :meth:`Peers.explain` can name the ranks of this host whose process has
+ended (``/proc/<pid>`` gone, or a zombie), else list the other hosts' ranks as candidates.
 """
 
 from __future__ import annotations
@@ -30,9 +27,8 @@ _TRANSPORT_WORDS = ("connection", "timed out", "timeout", "closed", "reset by pe
 
 
 def is_transport_error(err: BaseException) -> bool:
-    """Whether a collective's exception reports a failed peer or link: one of ``torch.distributed``'s ``DistError``
-    types (``DistBackendError``, ``DistNetworkError``, ``DistStoreError``), or a ``RuntimeError`` whose text says so
-    (gloo raises plain ``RuntimeError("[...pair.cc] Connection closed by peer ...")`` / "Timed out waiting")."""
+    """Whether a collective's exception reports a failed peer or link: a ``torch.distributed`` ``DistError``, or a
+    ``RuntimeError`` whose text says so (gloo raises plain ``RuntimeError("[...pair.cc] Connection closed ...")``)."""
     if isinstance(err, getattr(dist, "DistError", ())):
         return True
     text = str(err).lower()
@@ -40,8 +36,8 @@ def is_transport_error(err: BaseException) -> bool:
 
 
 def _place() -> str:
-    """Where this process's pids mean something: host name, kernel boot id and PID namespace (two containers with
-    one host name, or a node whose host name repeats another's, do not compare pids across each other)."""
+    """Where this process's pids mean something: host name, kernel boot id and PID namespace (containers or nodes
+    sharing a host name do not compare pids)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
@@ -72,10 +68,9 @@ class Peers:
     Attributes:
         rank: this process's global rank.
         hosts / pids / starts: per rank; ``starts`` tells a reused pid from the original process.
-        places: per rank, where its pid means something (:func:`_place`; default: ``hosts``); only the ranks with
-            this process's place are looked at.
-        settle_s: seconds :meth:`explain` looks for a process of this host that has exited before it concludes that
-            none has (the kernel closes a killed process's sockets, which the others see, before it has exited).
+        places: per rank, where its pid means something (:func:`_place`; default: ``hosts``).
+        settle_s: seconds :meth:`explain` looks for an exited process of this host before concluding none has (the
+            kernel closes a killed process's sockets before it has exited).
         failure: the first :class:`PeerFailure` a :meth:`guard` raised (then the run is over).
     """
 
@@ -89,7 +84,7 @@ class Peers:
 
     @classmethod
     def gather(cls, group: Any) -> "Peers":
-        """Every rank's host and process, from every rank of ``group`` (a collective: all ranks call it)."""
+        """Every rank's host and process (a collective over ``group``)."""
         me = (socket.gethostname(), os.getpid(), _start_time(os.getpid()), _place())
         box: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(box, me, group=group)
@@ -102,7 +97,7 @@ class Peers:
                    [_place()] * world_size)
 
     def _here(self) -> tuple[list[str], str]:
-        """Every rank's place and this process's (host names where places were not given)."""
+        """Every rank's place and this process's (host names without places)."""
         if self.places is None:
             return self.hosts, socket.gethostname()
         return self.places, _place()
@@ -127,9 +122,8 @@ class Peers:
         return f"ranks {', '.join(map(str, ranks))} stopped responding: their processes ({procs}) have exited"
 
     def explain(self, err: BaseException, what: str, timeout_s: float | None = None) -> PeerFailure:
-        """The error to raise instead of ``err``, a transport error of the collective ``what`` (e.g. "the
-        gradient all-reduce"): names the rank(s) of this host that died, or else the ranks of other hosts that
-        could have, and says to resume from the last checkpoint. ``timeout_s``: the strategy's timeout, quoted."""
+        """The error to raise instead of ``err``, a transport error of the collective ``what`` ("the gradient
+        all-reduce"). ``timeout_s``: the strategy's timeout, quoted."""
         cause = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
         limit = f"within the timeout ({timeout_s:.0f} s, the strategy's timeout=)" if timeout_s else "in time"
         dead = self.dead()
@@ -152,11 +146,10 @@ class Peers:
 
     @contextlib.contextmanager
     def guard(self, what: str, timeout_s: float | None = None) -> Iterator[None]:
-        """Run collectives; a ``RuntimeError`` from them (gloo, NCCL: ``DistBackendError`` is one) is
-        re-raised as :meth:`explain`'s :class:`PeerFailure`, chained to it, when it reports a failed peer or link
-        (:func:`is_transport_error`) or a process of this host has exited; any other passes unchanged. After one failure every later
-        guarded collective raises the same error at once instead of waiting out the timeout again (the D2H
-        worker's queued gradient batches, the exit's join of the worker threads)."""
+        """Run collectives; a ``RuntimeError`` from them is re-raised as :meth:`explain`'s :class:`PeerFailure`,
+        chained, when it reports a failed peer or link (:func:`is_transport_error`) or a process of this host has
+        exited; any other passes unchanged. After one failure every later guarded collective raises the same error
+        at once instead of waiting out the timeout again (queued gradient batches, the workers' join)."""
         if self.failure is not None:
             raise PeerFailure(str(self.failure))
         try:

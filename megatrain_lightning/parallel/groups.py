@@ -5,19 +5,16 @@ starts the processes and ``MegaTrainStrategy.setup_distributed`` initialises the
 ``DDPStrategy`` does. On top of it the strategy creates, in the same order on every rank:
 
 * ``grads``, ``node_grads``, ``cross_grads``: all ranks / this node's ranks / every node's rank with this
-  local rank, the device's backend (NCCL on CUDA, gloo on CPU): gradient batches only, reduced by the
-  engine's D2H worker or D2H stream (``engine/reduce.py``), never interleaved with the main thread's
-  collectives on the default group;
+  local rank, the device's backend: gradient batches only, reduced off the main thread (``engine/reduce.py``),
+  never interleaved with its collectives on the default group;
 * ``host``: all ranks, gloo: collectives on host tensors whatever the device (configuration check);
 * ``node``: the ranks of this node, gloo: the node-shared store's barriers and the owners' partial clipping
   norms and inf checks (``store/shared.py``);
 * ``leaders``: local rank 0 of every node, gloo: the first node's initial weights to the other nodes' copies.
 
-Every subgroup is created as one group of a partition of the world (a rank is a member of exactly one group of
-each partition, and every rank creates every group, in the same order): ``leaders`` is therefore created with the
-other local ranks' cross-node gloo groups. On CUDA the default group is bound to the device (``device_id``), and
-torch then creates NCCL communicators by splitting the default one (``ncclCommSplit``, a collective over all
-ranks): see :meth:`ProcessGroups.create`.
+Every subgroup is created as one group of a partition of the world, every rank creating every group in the same
+order (``leaders`` with the other local ranks' cross-node gloo groups), so that each rank splits the default NCCL
+communicator equally often: docs/internals/data-parallel.md, "Groups on CUDA".
 """
 
 from __future__ import annotations
@@ -41,14 +38,9 @@ class ProcessGroups:
         local_rank / local_world_size: this process among its node's.
         node_rank / num_nodes: its node.
         backend: the default group's backend (``"nccl"`` or ``"gloo"``).
-        grads: the gradient group (see module docstring).
-        host: the gloo group for host tensors.
-        node: gloo group of this node's ranks.
-        leaders: gloo group of every node's local rank 0 (``None`` on the other ranks).
-        node_grads: this node's ranks, the device's backend: gradient batches reduced to their owner.
-        cross_grads: the ranks of every node with this local rank, the device's backend: owners' all-reduce
-            across nodes (``None`` with one node).
-        peers: every rank's host and process (``parallel/faults.py``: a failed collective names the dead rank).
+        grads, host, node, leaders, node_grads, cross_grads: the groups of the module docstring (``leaders``:
+            ``None`` off local rank 0; ``cross_grads``: ``None`` with one node).
+        peers: every rank's host and process (``parallel/faults.py``).
         timeout_s: seconds a collective of these groups waits for the other ranks (the strategy's ``timeout``).
     """
 
@@ -71,14 +63,12 @@ class ProcessGroups:
     @classmethod
     def create(cls, local_rank: int, local_world_size: int, node_rank: int, num_nodes: int,
                timeout: timedelta | None = None) -> "ProcessGroups":
-        """Create the groups (a collective call: every rank calls it at the same point). ``timeout``: how long
-        their collectives wait for the other ranks (``torch.distributed.new_group`` would otherwise give them
-        its 30-minute default, not the default group's).
+        """Create the groups (a collective: every rank calls it at the same point). ``timeout``: how long their
+        collectives wait (``new_group`` would otherwise give them its 30-minute default, not the default group's).
 
         Raises:
             RuntimeError: ``torch.distributed`` is not initialised, or its world size is not
-                ``local_world_size * num_nodes`` (the launch and the Trainer disagree: the message says
-                which values each gave).
+                ``local_world_size * num_nodes``.
         """
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("megatrain: torch.distributed is not initialised (the strategy's setup_environment "
@@ -91,15 +81,10 @@ class ProcessGroups:
                 "Trainer(devices=..., num_nodes=...) says (torchrun --nproc_per_node=devices --nnodes=num_nodes; "
                 "SLURM --ntasks-per-node=devices --nodes=num_nodes).")
         backend = str(dist.get_backend())
-        # With a default group bound to a device (device_id), torch 2.13's _new_process_group_helper
-        # (torch/distributed/distributed_c10d.py, called by new_group through _new_group_with_tag) splits the
-        # default NCCL communicator for a new group on a rank that is a member of an NCCL group (ncclCommSplit with
-        # the group's color) and on every rank that is NOT a member of the group, whatever its backend
-        # (perform_nocolor_split), but not on a member of a gloo group. ncclCommSplit is a collective over all
-        # ranks, matched by call order: the ranks must split the same number of times between two NCCL groups, or
-        # the next NCCL group's split pairs calls of different groups and every rank waits forever. Creating each
-        # subgroup as one group of a partition of the world keeps the counts equal: per gloo partition of P groups
-        # each rank splits P - 1 times (all without a color), per NCCL group every rank splits once.
+        # torch 2.13's _new_process_group_helper (torch/distributed/distributed_c10d.py) splits the default NCCL
+        # communicator on each member of an NCCL group and on every non-member of any group, not on a member of a
+        # gloo group; the splits are matched by call order, so unequal counts hang every rank. Partitions keep
+        # them equal: per gloo partition of P groups each rank splits P - 1 times, per NCCL group once.
         ranks_of_node = [[k * local_world_size + i for i in range(local_world_size)] for k in range(num_nodes)]
         ranks_of_local = [[k * local_world_size + r for k in range(num_nodes)] for r in range(local_world_size)]
 
@@ -121,8 +106,7 @@ class ProcessGroups:
                    node, leaders, node_grads, cross_grads, peers, timeout.total_seconds() if timeout else None)
 
     def guard(self, what: str) -> ContextManager[None]:
-        """``with groups.guard("the gradient reduce"):`` around collectives: a transport error becomes a
-        :class:`~.faults.PeerFailure` naming the rank that died (``parallel/faults.py``)."""
+        """``with groups.guard("the gradient reduce"):`` around collectives (:meth:`~.faults.Peers.guard`)."""
         return self.peers.guard(what, self.timeout_s) if self.peers is not None else contextlib.nullcontext()
 
     @property

@@ -1,19 +1,14 @@
 """Lightning's subprocess script launcher, with a watch on the child ranks that names the one that died.
 
 ``python train.py`` with ``Trainer(devices=N)``: local rank 0 re-runs the script for local ranks 1..N-1
-(``_SubprocessScriptLauncher``, exactly as for ``DDPStrategy``). Lightning's own observer thread looks at the
-children every 5 s and, when one has ended with an error, SIGKILLs the others *and local rank 0* with only an
-info log line; local rank 0 then often dies before it can say why. Here the watch looks every
-``poll_s`` seconds, prints which rank died and how (exit code or signal) to stderr, SIGKILLs the other children
-(they may wait in a collective for the dead one), gives local rank 0 ``grace_s`` seconds to stop with its own
-error (a :class:`~.faults.PeerFailure` from its next collective), and only then SIGKILLs it. Conversely, when
-local rank 0 fails with an exception, the children still running after ``grace_s`` seconds are SIGKILLed, so
-no rank is left behind waiting for it. The children also end when local rank 0 ends without a word (SIGKILL,
-the OOM killer): each follows it (:mod:`.lifetime`) and, ``grace_s`` seconds after it is gone, is SIGKILLed if
-it has not stopped with its own error; so that this does not cut a child short, local rank 0 waits at its exit
-(not after an uncaught exception) until its children have ended (they may still be writing after ``fit``). The
-rendezvous settings are checked before this launcher is made (:func:`~.preflight.check_rendezvous`, called when
-the strategy picks its launcher).
+(``_SubprocessScriptLauncher``, as for ``DDPStrategy``). Lightning's own observer SIGKILLs the others *and local
+rank 0* when a child fails, with only an info log line, so local rank 0 often dies before it can say why. Here
+the watch prints which rank died and how, SIGKILLs the other children (they may wait in a collective for the
+dead one), gives local rank 0 ``grace_s`` seconds to stop with its own :class:`~.faults.PeerFailure`, then
+SIGKILLs it. When local rank 0 fails with an exception, the children still running ``grace_s`` seconds later
+are SIGKILLed; when it ends without a word (SIGKILL, OOM killer), each child follows it (:mod:`.lifetime`).
+Local rank 0 therefore waits at its exit for its children (they may still be writing after ``fit``). The
+rendezvous settings are checked before this launcher is made (:func:`~.preflight.check_rendezvous`).
 """
 
 from __future__ import annotations
@@ -102,10 +97,8 @@ def stop_children(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
 
 
 def wait_for_children(procs: Sequence[subprocess.Popen]) -> None:
-    """At local rank 0's exit: wait until every process of ``procs`` has ended (they follow this process, and
-    may still be writing after ``fit``). Not after an uncaught exception (``sys.last_value`` set): then the
-    children, perhaps waiting for this process in a collective, stop on the closed connection or when their
-    parent watch kills them."""
+    """At local rank 0's exit: wait until every process of ``procs`` has ended. Not after an uncaught exception
+    (``sys.last_value`` set): children waiting for this process in a collective stop by their parent watch."""
     if getattr(sys, "last_value", None) is not None:
         return
     for p in procs:
@@ -149,8 +142,7 @@ class MegaTrainLauncher(_SubprocessScriptLauncher):
         return out
 
     def _call_children_scripts(self) -> None:
-        """Lightning's start of local ranks 1..N-1, with :func:`~.lifetime.parent_env` in their environment (they
-        follow this process and end ``grace_s`` seconds after it)."""
+        """Lightning's start of local ranks 1..N-1, with :func:`~.lifetime.parent_env` in their environment."""
         before = os.environ.get(ENV)
         os.environ.update(parent_env(self.grace_s))
         try:

@@ -1,20 +1,17 @@
 """Child processes that end with the process that started them.
 
-A process started by this package or its tests must not outlive its parent: a rank left hanging after the
-launching process was killed keeps its CPU, memory and port until someone finds it. Two ways, for the two kinds of
-start:
+A process started by this package or its tests must not outlive its parent (a hanging rank keeps its CPU, memory
+and port). Two ways, for the two kinds of start:
 
-* :func:`dies_with_this_process`: a ``preexec_fn`` for ``subprocess.Popen``/``run``. The child asks Linux
-  (``prctl(PR_SET_PDEATHSIG, SIGKILL)``) to SIGKILL it the moment its parent ends, then checks that the parent
-  did not already end between the fork and that request (``os.getppid()`` against the parent's pid).
+* :func:`dies_with_this_process`: a ``preexec_fn`` for ``subprocess.Popen``/``run`` (``prctl(PR_SET_PDEATHSIG,
+  SIGKILL)``).
 * :func:`parent_env` / :func:`follow_parent_from_env`: for the ranks Lightning's subprocess script launcher starts
-  (its ``Popen`` call is Lightning's, not ours). The launcher puts its pid and a grace period into the children's
-  environment (``MEGATRAIN_PARENT=pid:grace_s``); the child reads (and removes) it when it imports this package
-  and watches its parent from a thread (:class:`ParentWatch`). Once the parent is gone the child gets ``grace_s``
-  seconds to stop with its own error (a :class:`~.faults.PeerFailure` naming the dead rank, from its next
-  collective), then it is SIGKILLed, exactly as :class:`~.launcher.ChildWatch` treats the other side.
+  (its ``Popen`` call is Lightning's). The launcher puts ``MEGATRAIN_PARENT=pid:grace_s`` into the children's
+  environment; each child watches its parent from a thread (:class:`ParentWatch`) and, once it is gone, gets
+  ``grace_s`` seconds to stop with its own :class:`~.faults.PeerFailure` before it is SIGKILLed, as
+  :class:`~.launcher.ChildWatch` treats the other side.
 
-Linux only: elsewhere both do nothing (the processes behave as before).
+Linux only: elsewhere both do nothing.
 """
 
 from __future__ import annotations
@@ -75,22 +72,19 @@ def dies_with_this_process() -> Callable[[], None] | None:
 
 
 def parent_env(grace_s: float) -> dict[str, str]:
-    """The environment entry that makes a child started by this process follow it (:func:`follow_parent_from_env`,
-    run when the child imports this package): once this process has ended, the child gets ``grace_s`` seconds
-    to stop by itself, then is SIGKILLed."""
+    """The environment entry that makes a child started by this process follow it (:func:`follow_parent_from_env`)."""
     return {ENV: f"{os.getpid()}:{grace_s:g}"}
 
 
 class ParentWatch(threading.Thread):
-    """Looks every ``poll_s`` seconds whether this process was re-parented (its parent ended); then waits
-    ``grace_s`` seconds for the process to stop by itself, says so on stderr and calls ``kill`` (default: SIGKILL to
-    this process).
+    """Once this process is re-parented (its parent ended), waits ``grace_s`` seconds for it to stop by itself,
+    then says so on stderr and calls ``kill``.
 
     Args:
         parent_pid: the pid of the process that started this one (for the message).
         grace_s: seconds this process gets to stop with its own error once the parent is gone.
         poll_s: seconds between looks.
-        kill: what ends this process after the grace period.
+        kill: what ends this process after the grace period (default: SIGKILL to this process).
         first_ppid: ``os.getppid()`` while the parent was known to live (default: now).
     """
 

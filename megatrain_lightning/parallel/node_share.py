@@ -1,9 +1,8 @@
 """The node-shared host store of a data-parallel run (the engine's ``NodeShare``, ``store/shared.py``).
 
-Every local rank maps one file under ``/dev/shm`` that holds the node's fp32 masters, gradient accumulators
-and AdamW moments (with the NVMe tier what stays in RAM: :func:`nvme_for_rank` gives each process its own store
-of its slabs' regions on disk); local rank 0 creates it and writes the initial weights, the file is unlinked once every
-local rank has mapped it, and the first node's weights are broadcast to the other nodes' copies (as
+Every local rank maps one file under ``/dev/shm`` that holds the node's fp32 masters, gradient accumulators and
+AdamW moments (with the NVMe tier, what stays in RAM: :func:`nvme_for_rank`); local rank 0 creates it and writes
+the initial weights, and the first node's weights are broadcast to the other nodes' copies (as
 ``DistributedDataParallel`` broadcasts rank 0's module state).
 """
 
@@ -29,14 +28,13 @@ T = TypeVar("T")
 
 
 class NodeStore:
-    """Builds the shared regions and the slab owners for one process (a collective object: every rank of the
-    run constructs it and calls its methods at the same points).
+    """Builds the shared regions and the slab owners for one process (a collective object: every rank constructs
+    it and calls its methods at the same points).
 
     Args:
         groups: the run's process groups.
         timeout_s: seconds a rank waits for a slab's owner before it gives up (the strategy's ``timeout``).
-        pin: page-lock the shared mapping: the strategy's ``pin_memory`` on CUDA (``None``: try, pageable with a
-            warning if that fails), ``False`` on CPU.
+        pin: page-lock the shared mapping: the strategy's ``pin_memory`` on CUDA, ``False`` on CPU.
         directory: the tmpfs holding the file (default ``/dev/shm``).
     """
 
@@ -56,12 +54,11 @@ class NodeStore:
             dist.barrier(group=self.groups.node)
 
     def check_shm(self, nbytes: int) -> None:
-        """Preflight on every rank of every node (a collective over all ranks): each checks its node's
-        ``/dev/shm`` for ``nbytes``; if any is too small, every rank raises, quoting each one that is (so no
-        rank goes on to wait for a node that stopped).
+        """Check every node's ``/dev/shm`` for ``nbytes`` (a collective over all ranks); if any is too small, every
+        rank raises, so no rank waits for a node that stopped.
 
         Raises:
-            SharedMemoryTooSmall: with the numbers, the ranks and nodes, and what to change."""
+            SharedMemoryTooSmall: naming the nodes and ranks."""
         try:
             check_shm(nbytes, self.directory)
             mine = None
@@ -81,8 +78,7 @@ class NodeStore:
         """Create (local rank 0) and map the node's file for ``layout``.
 
         Raises:
-            SharedMemoryTooSmall: ``/dev/shm`` cannot hold it (checked on every local rank before anything
-                is allocated)."""
+            SharedMemoryTooSmall: ``/dev/shm`` cannot hold it (checked before anything is allocated)."""
         self.check_shm(shared_state_bytes(layout))
         return self._create_and_map(self.path, lambda create: SharedRegions.map(self.path, layout, create, self.pin))
 
@@ -98,9 +94,8 @@ class NodeStore:
                                                                           self.timeout_s))
 
     def _create_and_map(self, path: str, make: Callable[[bool], T]) -> T:
-        """``make(create=True)`` on local rank 0, then ``make(create=False)`` on the others once the file exists;
-        the file is unlinked once every local rank has mapped it (the mappings keep the memory: nothing is left
-        behind after the run, whatever way it ends)."""
+        """``make(create=True)`` on local rank 0, then ``make(create=False)`` on the others; the file is unlinked
+        once every local rank has mapped it, so nothing is left behind however the run ends."""
         first = self.groups.local_rank == 0
         obj = make(True) if first else None
         self._barrier()
@@ -140,15 +135,13 @@ class NodeStore:
 
 def nvme_for_rank(nvme: NVMeConfig, groups: ProcessGroups) -> NVMeConfig:
     """This process's NVMe settings in a data-parallel run: its own store directory
-    (``megatrain_store_rank<global rank>`` under ``nvme_path``) holding the AdamW states and accumulators of the
-    slabs it owns (and their masters with ``offload_params="nvme"``; it reads the others' from their owners' store
-    directories, ``peer_dirs``), and ``host_memory_limit // local_world_size`` of the node's host budget for its
-    window. With ``offload_params="cpu"`` the masters stay in the node-shared RAM store (one copy per node).
+    (``megatrain_store_rank<global rank>`` under ``nvme_path``) for the slabs it owns (other ranks' masters are read
+    from ``peer_dirs``), and ``host_memory_limit // local_world_size`` bytes for its window. With
+    ``offload_params="cpu"`` the masters stay in the node-shared RAM store.
 
     Raises:
-        NotImplementedError: ``offload_params="nvme"`` on several nodes (the initial weights' broadcast to the other
-            nodes is written for masters in RAM), or with ``offload_optimizer="cpu"``. The message says what runs
-            instead."""
+        NotImplementedError: ``offload_params="nvme"`` on several nodes (the initial weights' broadcast is written
+            for masters in RAM), or with ``offload_optimizer="cpu"``."""
     if Region.master in nvme.kinds and (groups.num_nodes > 1 or Region.grad_accum not in nvme.kinds):
         raise NotImplementedError(
             "megatrain: offload_params='nvme' (fp32 masters on disk) with several processes runs on one node with "
@@ -167,10 +160,9 @@ def nvme_for_rank(nvme: NVMeConfig, groups: ProcessGroups) -> NVMeConfig:
 
 
 def weights_written(groups: ProcessGroups, store: HostStore) -> None:
-    """After every rank wrote the same weights into the store (a checkpoint load, weights written back at a new
-    ``setup``), with the masters on disk: each owner's writes reach its files, the node's ranks meet, and copies
-    of other ranks' masters held in a window are dropped. Masters in RAM: nothing to do (a collective either
-    way: call it on every rank)."""
+    """After every rank wrote the same weights into the store (a checkpoint load, a new ``setup``), with the masters
+    on disk: each owner's writes reach its files, the node's ranks meet, and window copies of other ranks' masters
+    are dropped. Masters in RAM: nothing to do. A collective either way: call it on every rank."""
     if store.nvme is None or not store.masters_on_disk:
         return
     store.nvme.wait_io()

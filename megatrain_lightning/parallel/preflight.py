@@ -1,15 +1,13 @@
 """Checks of a data-parallel launch before anything large is allocated: the rendezvous settings, and that every
 rank runs the same configuration.
 
-* :func:`check_rendezvous` (when the strategy picks its launcher, i.e. at ``Trainer(...)``, before any child
-  process is started): the environment variables of the launch agree with ``Trainer(devices=, num_nodes=)``;
-  otherwise the ranks would wait for each other until the timeout, or train as separate runs.
-* :func:`check_same_config` (at the strategy's ``setup``, before the host store is built): the model, its
-  parameters, the strategy's options and the Trainer's step settings are the same on every rank (a
-  fingerprint per rank, one ``all_gather_object``); different ones would make the collectives mismatch (a hang,
-  or a crash) or the ranks' updates differ silently. Once ``configure_optimizers`` has run (after the store is
-  built, before the first step), the same for the optimizer's settings and the LR schedulers
-  (:func:`optimizer_fingerprint`).
+* :func:`check_rendezvous` (at ``Trainer(...)``, before any child process is started): the launch's environment
+  variables agree with ``Trainer(devices=, num_nodes=)``; otherwise the ranks would wait for each other until the
+  timeout, or train as separate runs.
+* :func:`check_same_config` (at ``setup``, before the host store is built): the model, its parameters, the
+  strategy's options and the Trainer's step settings are the same on every rank; otherwise the collectives
+  mismatch (a hang or a crash) or the ranks' updates differ silently. After ``configure_optimizers``, the same
+  for the optimizer and the LR schedulers (:func:`optimizer_fingerprint`).
 """
 
 from __future__ import annotations
@@ -42,13 +40,11 @@ def check_rendezvous(env: Mapping[str, str], cluster_environment: Any, devices: 
 
     Args:
         env: the process environment (``os.environ``).
-        cluster_environment: Lightning's cluster environment of the run (``creates_processes_externally`` is
-            false for a plain ``python train.py``, whose other local ranks Lightning starts).
+        cluster_environment: Lightning's cluster environment of the run.
         devices: processes per node; num_nodes: nodes.
 
     Raises:
-        RendezvousError: naming the variable, its value, what the Trainer says, and what to change, when
-            ``WORLD_SIZE`` is set and is not ``devices * num_nodes``; ``NODE_RANK`` (or torchrun's
+        RendezvousError: ``WORLD_SIZE`` is set and is not ``devices * num_nodes``; ``NODE_RANK`` (or torchrun's
             ``GROUP_RANK``) is not an integer in ``[0, num_nodes)``; ``MASTER_PORT`` is not a port number; or a
             plain ``python train.py`` launch with ``num_nodes > 1`` lacks ``MASTER_ADDR`` or ``NODE_RANK``.
     """
@@ -108,8 +104,8 @@ def _digest(obj: Any) -> str:
 
 
 def _stable_repr(value: Any) -> str:
-    """``repr`` that is the same in every process: sets (whose order follows each process's string hash seed)
-    sorted, dataclasses field by field."""
+    """``repr`` that is the same in every process: sets (ordered by each process's hash seed) sorted, dataclasses
+    field by field."""
     if isinstance(value, (set, frozenset)):
         return "{" + ", ".join(sorted(str(v) for v in value)) + "}"
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -122,10 +118,10 @@ def run_fingerprint(module: torch.nn.Module, strategy: Any, trainer: Any) -> dic
     """What must be equal on every rank, as short strings (key -> value).
 
     Keys: ``model class`` (the LightningModule's and the first submodule's with a Hugging Face ``config``),
-    ``model config`` (a SHA-256 of that config's ``to_dict()`` without ``_``-keys such as ``_name_or_path`` and
-    without ``transformers_version``), ``parameters`` (count, elements, trainable
-    elements and a SHA-256 of every parameter's name, shape, dtype and ``requires_grad``), ``strategy.<option>``
-    for :data:`STRATEGY_OPTIONS`, ``trainer.<setting>`` for :data:`TRAINER_SETTINGS`, and the ``torch`` version.
+    ``model config`` (a SHA-256 of that config's ``to_dict()`` without ``_``-keys and ``transformers_version``),
+    ``parameters`` (count, elements, trainable elements and a SHA-256 of every parameter's name, shape, dtype and
+    ``requires_grad``), ``strategy.<option>`` for :data:`STRATEGY_OPTIONS`, ``trainer.<setting>`` for
+    :data:`TRAINER_SETTINGS`, and ``torch`` (the version).
     """
     classes = [f"{type(module).__module__}.{type(module).__qualname__}"]
     config = None
@@ -158,11 +154,9 @@ OPTIMIZER_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "
 
 
 def optimizer_fingerprint(optimizer: Any, lr_scheduler_configs: Any = ()) -> dict[str, str]:
-    """What must be equal on every rank about the optimizer and its schedulers: ``optimizer`` (class, number of
-    param groups), ``optimizer.group<i>.<key>`` for :data:`OPTIMIZER_KEYS` and the group's parameter count, and
-    ``scheduler<i>`` (class, ``interval``, ``frequency``) for Lightning's ``LRSchedulerConfig`` list. Each slab's
-    owner applies the update with its own optimizer's settings, so a rank with another learning rate would
-    silently train its slabs differently."""
+    """What must be equal on every rank about the optimizer (class, param groups, :data:`OPTIMIZER_KEYS`) and
+    Lightning's ``LRSchedulerConfig`` list (class, ``interval``, ``frequency``): each slab's owner updates with its
+    own optimizer's settings, so a rank with another learning rate would silently train its slabs differently."""
     fp = {"optimizer": f"{type(optimizer).__qualname__}, {len(optimizer.param_groups)} param groups"}
     for i, g in enumerate(optimizer.param_groups):
         fp[f"optimizer.group{i}.params"] = str(len(g["params"]))
@@ -202,12 +196,11 @@ def mismatch_message(diff: Mapping[str, Mapping[str, list[int]]]) -> str:
 
 def check_same_config(group: Any, fingerprint: Mapping[str, str],
                       guard: Callable[[str], ContextManager[None]] | None = None) -> None:
-    """Compare this rank's :func:`run_fingerprint` with every other rank's (a collective over ``group``, all ranks).
+    """Compare this rank's :func:`run_fingerprint` with every other rank's (a collective over ``group``).
     ``guard``: ``ProcessGroups.guard`` (a rank that died meanwhile is named).
 
     Raises:
-        ConfigMismatchError: on every rank, listing each differing key with its values and the ranks that have
-            them (:func:`mismatch_message`).
+        ConfigMismatchError: on every rank (:func:`mismatch_message`).
     """
     box: list[Any] = [None] * dist.get_world_size(group)
     with (guard or (lambda what: contextlib.nullcontext()))("the configuration check"):
@@ -218,16 +211,14 @@ def check_same_config(group: Any, fingerprint: Mapping[str, str],
 
 
 def check_same_batches(group: Any, batches: float, guard: Callable[[str], ContextManager[None]] | None = None) -> None:
-    """Compare this rank's number of training batches per epoch (``trainer.num_training_batches``, ``inf`` for an
-    iterable without length; the strategy caps it at ``max_steps x accumulate_grad_batches``) with every other
-    rank's (a collective over ``group``, all ranks), before the first step.
+    """Compare this rank's number of training batches per epoch (``trainer.num_training_batches``, ``inf`` without
+    length, capped at ``max_steps x accumulate_grad_batches``) with every other rank's (a collective over ``group``).
 
-    A rank whose epoch ends first would wait at the end of ``fit`` for updates that the slabs' owners, still in
-    their epoch, only publish after its next step: a hang until ``timeout``, blamed on a live rank. Plain DDP
-    requires equal batch counts too (its collectives mismatch).
+    A rank whose epoch ends first would wait at the end of ``fit`` for updates the owners, still in their epoch,
+    publish only after their next step: a hang until ``timeout``, blamed on a live rank (DDP needs equal counts too).
 
     Raises:
-        ConfigMismatchError: on every rank, with each rank's count and what to change.
+        ConfigMismatchError: on every rank, with each rank's count.
     """
     box: list[Any] = [None] * dist.get_world_size(group)
     with (guard or (lambda what: contextlib.nullcontext()))("the check of the training batches per rank"):

@@ -17,27 +17,19 @@ from .node_share import weights_written
 @contextlib.contextmanager
 def summon_full_params(engine: Any, module: torch.nn.Module, writeback: bool, groups: ProcessGroups | None,
                        barrier: Callable[[str], None]) -> Generator[None, None, None]:
-    """Inside this context the parameters of ``module`` (the strategy's default: the whole LightningModule) hold
-    their current fp32 weights, to read or edit from a hook or callback, as
-    ``FullyShardedDataParallel.summon_full_params`` does for FSDP. In the RAM tier they always do (they are views of the host masters); with the weights on NVMe
-    (``offload_params="nvme"``) they are placeholders (NaN) outside it, so a weight norm read there is NaN and a
-    write there (``nn.init``, ``fill_``) is refused at the next step or at the end of the run.
+    """Inside this context the parameters of ``module`` hold their current fp32 weights, to read or edit from a hook
+    or callback, as FSDP's ``summon_full_params`` (docs/guide/models-and-hooks.md, "Weights on NVMe:
+    ``summon_full_params``": placeholders, ``writeback=False``, the ``host_memory_limit`` check).
 
-    Pending optimizer updates are applied first. On exit with ``writeback=True`` (the default) the values the
-    parameters hold then (in-place edits, or ``param.data = tensor`` of the same shape) are written into the
-    store and the prefetched copies dropped; pass ``writeback=False`` to only read (with NVMe: no disk writes).
-    Do not edit weights under ``writeback=False``: as with FSDP, what happens to such an edit is not defined (the
-    NVMe tier drops it, the RAM tier keeps it: its parameters are the weights). Contexts nest: an inner one
-    leaves the parameters of an enclosing one as they are, and each writes back its own on exit. If the block
-    raises, nothing is written back. Use it from hooks outside the model's forward and backward
-    (``on_fit_start``, ``on_train_batch_start``/``_end``, ``on_before_optimizer_step``, validation hooks), not
-    inside a block's forward (there the block's parameters are bound to the device copies it computes with).
-    A write into a one-element placeholder by arithmetic (``mul_``, ``add_``) leaves its NaN a NaN and is not
-    detected: edit such parameters inside this context too.
-    With several processes and ``writeback=True`` every rank must enter it (it meets the others on entry and
-    exit) and compute the same edit: each rank edits a copy of its own, as each rank of DDP edits its own
-    replica, and the node's shared weights get the result once (an in-place ``mul_`` on every rank straight into the shared weights would be
-    applied once per rank).
+    Pending optimizer updates are applied first. On exit with ``writeback=True`` the values the parameters hold
+    (in-place edits, or ``param.data = tensor`` of the same shape) are written into the store and the prefetched
+    copies dropped; if the block raises, nothing is written back. Contexts nest: an inner one leaves an enclosing
+    one's parameters as they are, and each writes back its own. Use it from hooks outside the model's forward and
+    backward, not inside a block's forward (there the parameters are bound to the device copies). An arithmetic
+    write (``mul_``) into a one-element NVMe placeholder leaves its NaN a NaN undetected: edit such parameters
+    inside this context too. With several processes and ``writeback=True`` every rank must enter it (it meets the
+    others on entry and exit) and compute the same edit: each rank edits its own copy, as under DDP, and the
+    node's shared weights get the result once.
 
     Example (a weight-norm callback on the NVMe tier)::
 

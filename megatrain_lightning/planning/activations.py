@@ -1,88 +1,74 @@
 """Activation memory per token: what a streamed training step keeps for the backward, by option.
 
-Bytes for ``tokens`` = batch_size x seq_len tokens, from the model's shapes (:class:`.counts.ParamCounts`)
-and the settings. Symbols: H hidden size, q = heads x head_dim, kv = kv_heads x head_dim,
-I intermediate size (x ``experts_per_token`` for a mixture of experts), V vocabulary,
-L decoder layers, K = ``recompute_every``; r = bytes of the residual stream (fp32 under
-``32-true`` and the mixed modes, bf16 under ``bf16-true``), a = bytes of a matmul's
-activations (bf16/fp16 under autocast, else as r).
+Bytes for ``tokens`` = batch_size x seq_len, from the model's shapes (:class:`.counts.ParamCounts`) and the
+settings. Symbols: H hidden size, q = heads x head_dim, kv = kv_heads x head_dim, I intermediate size (x
+``experts_per_token`` for a mixture of experts), V vocabulary, L decoder layers, K = ``recompute_every``; r = bytes
+of the residual stream (fp32, bf16 under ``bf16-true``), a = bytes of a matmul's activations (bf16/fp16 under
+autocast, else r).
 
-Source: the tensors autograd saves for the backward in Hugging Face's decoder layer
-(``transformers.models.llama.modeling_llama``: ``LlamaRMSNorm``, ``LlamaAttention`` with
-``sdpa_attention_forward``, ``LlamaMLP``; Mistral, Qwen 2/3, Mixtral's experts follow the same
-structure), per token and layer, listed from ``torch.autograd.graph.saved_tensors_hooks`` on a
-real layer (``tests/test_plan.py`` checks :func:`layer_saved_per_token` against that count,
-exactly, in ``32-true`` and ``bf16-mixed``):
+Source: the tensors autograd saves in Hugging Face's decoder layer (``transformers.models.llama.modeling_llama``:
+``LlamaRMSNorm``, ``LlamaAttention`` with ``sdpa_attention_forward``, ``LlamaMLP``; Mistral, Qwen 2/3, Mixtral's
+experts follow the same structure), per token and layer, listed with ``torch.autograd.graph.saved_tensors_hooks`` on
+a real layer (``tests/test_plan.py`` checks :func:`layer_saved_per_token` against it exactly, in ``32-true`` and
+``bf16-mixed``):
 
-* each RMSNorm: its fp32 input (``hidden.to(float32)``, kept by ``pow`` and the ``rsqrt``
-  multiply) 4H, the normalized tensor the weight multiply keeps rH, and the rsqrt, 4 B;
-* attention: the projections' input: under autocast each of q/k/v casts the normed input itself
-  (autocast caches only weight casts), 3Ha, else one shared rH; the rotary cos and sin (fp32,
-  2 x head_dim x 4); the rotated q, k and v that SDPA keeps (q + 2kv)a, its output qa (the
-  o_proj input is a view of it) and its log-sum-exp, 4 B per head; flash/memory-efficient SDPA
-  keeps no T x T score matrix;
-* MLP: the input of gate/up, 2Ha under autocast (else rH), then the gate output (kept by
-  SiLU), the SiLU and up outputs (kept by their product) and the product (the down
-  projection's input): 4Ia.
+* each RMSNorm: its fp32 input (``hidden.to(float32)``, kept by ``pow`` and the ``rsqrt`` multiply) 4H, the
+  normalized tensor the weight multiply keeps rH, and the rsqrt, 4 B;
+* attention: the projections' input: under autocast each of q/k/v casts the normed input itself (autocast caches
+  only weight casts), 3Ha, else one shared rH; the rotary cos and sin (fp32, 2 x head_dim x 4); the rotated q, k
+  and v that SDPA keeps (q + 2kv)a, its output qa (the o_proj input is a view of it) and its log-sum-exp, 4 B per
+  head; flash/memory-efficient SDPA keeps no T x T score matrix;
+* MLP: the input of gate/up, 2Ha under autocast (else rH), then the gate output (kept by SiLU), the SiLU and up
+  outputs (kept by their product) and the product (the down projection's input): 4Ia.
 
-The engine keeps one decoder layer's graph at a time (its backward recomputes it from the saved
-block input), so these count once, x ``WORKING_SET_FACTOR`` for the activation gradients alive
-during that layer's backward (an assumption). Besides that working set:
+The engine keeps one decoder layer's graph at a time (its backward recomputes it from the saved block input), so
+these count once, x ``WORKING_SET_FACTOR`` for the activation gradients alive during that layer's backward (an
+assumption). Besides that working set:
 
-* saved block inputs: (ceil(L / K) + 1) x H x r per token (every K-th layer input and the LM
-  head's input), on the device or, with ``offload_activations``, in pinned host memory with two
-  inputs in flight on the device (the one in use and the one prefetched);
+* saved block inputs: (ceil(L / K) + 1) x H x r per token (every K-th layer input and the LM head's input), on
+  the device or, with ``offload_activations``, in pinned host memory with ``RESTORE_IN_FLIGHT`` on the device;
 * with K > 1, the K - 1 inputs of a recompute chain rebuilt during its backward;
-* the LM head phase (the last block keeps its graph, no recompute): the final norm as above and
-  the head's input (Ha under autocast, else rH), the int64 labels (8 B), and the logits: HF's
-  loss upcasts them to fp32 and runs ``cross_entropy`` (``log_softmax`` + ``nll_loss``), so
-  the backward's peak holds the saved fp32 log-probabilities, their gradient and the logits'
-  gradient, V x 12 B per token (forward: V x (a + 4 + 4), not more), and the logits themselves, V x a
-  B per token: the head block's output, which the engine keeps until its backward, or, with a chunked
-  loss, each chunk's logits recomputed in its backward. Measured: peak RSS of the head and HF's loss
-  alone, forward and backward, on a CPU at 2,048 and 4,096 tokens of a 4,096-entry vocabulary: 16.0 B
-  per entry and token in fp32, 12-14 under bf16 autocast; the chunked loss's backward
-  (``engine/chunked_loss.py``, 1,365-token chunks of a 49,152-entry vocabulary): 16.0 in fp32, 14.9
-  under bf16 autocast, besides the head weight's fp32 gradient. The head phase and a layer's phase do
-  not overlap: the larger counts (on a CPU device with ``[tokens, hidden]`` tensors under glibc's mmap
-  threshold both count: the heap keeps the freed one, :func:`heap_keeps_layer_phase`).
+* the LM head phase (the last block keeps its graph): the final norm as above, the head's input (Ha under
+  autocast, else rH), the int64 labels (8 B), and the logits: HF's loss upcasts them to fp32 and runs
+  ``cross_entropy`` (``log_softmax`` + ``nll_loss``), so the backward's peak holds the saved fp32
+  log-probabilities, their gradient and the logits' gradient, V x 12 B per token (forward: V x (a + 4 + 4)), and
+  the logits themselves, V x a B per token (the head block's output, kept until its backward, or with a chunked
+  loss each chunk's recomputed logits). Measured: peak RSS of the head and HF's loss alone, forward and backward,
+  on a CPU at 2,048 and 4,096 tokens of a 4,096-entry vocabulary: 16.0 B per entry and token in fp32, 12-14 under
+  bf16 autocast; the chunked loss's backward (``engine/chunked_loss.py``, 1,365-token chunks of a 49,152-entry
+  vocabulary): 16.0 in fp32, 14.9 under bf16 autocast, besides the head weight's fp32 gradient. The head phase
+  and a layer's phase do not overlap: the larger counts (on a CPU device, see :func:`heap_keeps_layer_phase`).
 
 Options that cap a term at a chunk of tokens (the term is per token x min(tokens, chunk)):
 
-* ``loss_chunk_size`` = C: the LM head and the cross-entropy over chunks of C tokens, each
-  chunk's logits recomputed and freed in backward: the logits term holds C tokens, not all;
-* ``mlp_chunk_size`` = M: each layer's MLP over chunks of M tokens (in forward and in the
-  recompute): the MLP's input casts and intermediate hold M tokens (``recompute="block"`` only: with
-  the other modes the chunks run without a checkpoint, ``chunked_mlp.plain_chunks``, so no cap). On a
-  GPU preset only: on a CPU device (no accelerator) the chunks were measured to add host RSS rather than
-  save it (a 4k-vocabulary Llama at 1 x 8192: 1.60 GiB peak without, 1.73-1.77 GiB with 1024-token
-  chunks), so the plan counts the MLP uncapped there and does not suggest the option.
+* ``loss_chunk_size`` = C: the LM head and the cross-entropy over chunks of C tokens, each chunk's logits
+  recomputed and freed in backward: the logits terms hold C tokens;
+* ``mlp_chunk_size`` = M: each layer's MLP over chunks of M tokens (forward and recompute): the MLP's input casts
+  and intermediate hold M tokens (``recompute="block"`` only: in the other modes the chunks run without a
+  checkpoint, ``chunked_mlp.plain_chunks``). GPU presets only: on a CPU device the chunks were measured to add
+  host RSS (a 4k-vocabulary Llama at 1 x 8192: 1.60 GiB peak without, 1.73-1.77 GiB with 1024-token chunks), so
+  the plan counts the MLP uncapped there and does not suggest the option.
 
-The ``recompute`` option (``engine/recompute_policy.py``; docs/architecture.md, "Recompute policy")
-changes what each decoder layer keeps between its forward and its backward, per token:
+The ``recompute`` option (``engine/recompute_policy.py``; docs/architecture.md, "Recompute policy") sets what each
+decoder layer keeps between its forward and its backward, per token:
 
-* ``"block"``: its input only (the saved block inputs above); the layer phase is the recomputed
-  graph, x ``WORKING_SET_FACTOR``.
-* ``"selective"``: also the outputs of its matmuls and attention (torch's SAC cache,
-  ``SavedOps``): the q, k, v, o projections (q + 2kv + H) a, gate/up/down (2I + H) a (x
-  ``experts_per_token`` for a mixture of experts), the SDPA output qa and its log-sum-exp, 4 B per
-  head: :func:`selective_per_token`. The layer phase is still the recomputed graph.
+* ``"block"``: its input only (the saved block inputs above); the layer phase is the recomputed graph.
+* ``"selective"``: also the outputs of its matmuls and attention (torch's SAC cache, ``SavedOps``):
+  :func:`selective_per_token`. The layer phase is still the recomputed graph.
 * ``"none"``: its whole autograd graph, weights excluded (``engine/boundary/kept.py``): the
-  :func:`layer_saved_per_token` sum (its first norm's fp32 input is the block input, so no separate
-  input is kept; under ``bf16-true`` it is the input's fp32 cast), kept for every layer, plus the
-  final norm's graph ((4 + r)H + 4) and the embedding's int64 indices (8 B); under autocast not the
-  bf16/fp16 casts of the weights (the engine names them and casts the fetched weight again in
-  backward, ``engine/boundary/kept.py``). The layer phase is then the activation gradients only, x (``WORKING_SET_FACTOR`` - 1).
-* ``"auto"``: a mix, per layer one of the three (``estimate.py`` chooses it with the engine's own
-  :func:`~megatrain_lightning.engine.recompute_policy.decide`).
+  :func:`layer_saved_per_token` sum (its first norm's fp32 input is the block input, so no separate input is
+  kept; under ``bf16-true`` it is the input's fp32 cast) for every layer, plus the final norm's graph
+  (:func:`none_extra_per_token`) and the embedding's int64 indices (8 B); under autocast not the weights' casts
+  (the engine casts the fetched weight again in backward). The layer phase is then the activation gradients
+  only, x (``WORKING_SET_FACTOR`` - 1).
+* ``"auto"``: per layer one of the three, chosen by :func:`.terms.resolve_auto`.
 
-With ``offload_activations`` the kept op outputs and graphs go to pinned host memory with the block
-inputs (the engine's ``transport.offload``), two layers' worth in flight on the device.
-Checked against the engine's measured ``megatrain/saved_activation_bytes`` on tiny Llama models
-(``tests/test_plan_recompute.py``: within 10% for each mode, two sequence lengths, fp32 and bf16-mixed;
-"selective" and "block" match exactly; "none" is above by the rotary tables, counted per token here
-but per sequence position in the model, and the LM head's input, which the engine keeps but does
-not report).
+With ``offload_activations`` the kept op outputs and graphs go to pinned host memory with the block inputs
+(``transport.offload``), two layers' worth in flight on the device. Checked against the engine's measured
+``megatrain/saved_activation_bytes`` on tiny Llama models (``tests/test_plan_recompute.py``: within 10% for each
+mode, two sequence lengths, fp32 and bf16-mixed; "selective" and "block" exactly; "none" is above by the rotary
+tables, counted per token here but per position in the model, and the LM head's input, which the engine keeps but
+does not report).
 """
 
 from __future__ import annotations
@@ -122,9 +108,9 @@ def layer_saved_per_token(c: ParamCounts, s: dict[str, Any]) -> dict[str, float]
 
 
 def selective_per_token(c: ParamCounts, s: dict[str, Any]) -> float:
-    """Bytes per token ``recompute="selective"`` keeps in one decoder layer (module docstring): the
-    outputs of the q/k/v/o projections, of gate/up/down (per expert a token passes through), of SDPA
-    and its fp32 log-sum-exp (4 B per head); in the matmul dtype ``a``."""
+    """Bytes per token ``recompute="selective"`` keeps in one decoder layer, in the matmul dtype ``a``: the
+    q, k, v, o projections' outputs (q + 2kv + H), gate/up/down's (2I + H, per expert a token passes through), the
+    SDPA output q and its fp32 log-sum-exp (4 B per head)."""
     _, a, _ = _dtypes(s)
     H = c.hidden_size
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -133,16 +119,14 @@ def selective_per_token(c: ParamCounts, s: dict[str, Any]) -> float:
 
 
 def none_extra_per_token(c: ParamCounts, s: dict[str, Any]) -> float:
-    """Bytes per token ``recompute="none"`` keeps outside the decoder layers and the embedding: the
-    final norm's graph ((4 + r)H + 4)."""
+    """Bytes per token ``recompute="none"`` keeps outside the layers and the embedding: the final norm's graph."""
     r, _, _ = _dtypes(s)
     return (4 + r) * c.hidden_size + 4
 
 
 def layer_mix(c: ParamCounts, s: dict[str, Any]) -> dict[str, int]:
-    """Decoder layers per policy, ``{"block": n, "selective": n, "none": n}``: all layers in the
-    ``recompute`` mode, or for ``"auto"`` the mix in ``s["recompute_mix"]`` (set by the estimate;
-    ``"block"`` everywhere until it is)."""
+    """Decoder layers per policy, ``{"block": n, "selective": n, "none": n}``; for ``"auto"``
+    ``s["recompute_mix"]`` (:func:`.terms.resolve_auto`; ``"block"`` everywhere until set)."""
     L = c.num_layers
     mode = s.get("recompute", "block")
     if mode == "auto":
@@ -152,11 +136,10 @@ def layer_mix(c: ParamCounts, s: dict[str, Any]) -> dict[str, int]:
 
 
 def kept_per_token(c: ParamCounts, s: dict[str, Any]) -> dict[str, float]:
-    """What the engine keeps between forward and backward, bytes per token, by part (its
-    ``saved_activation_bytes`` plus the LM head's input): ``"block inputs"`` (every K-th input of a
-    recomputed layer and the LM head's input), ``"embedding indices"`` (int64, 8 B: the embedding keeps
-    its graph under every mode, ``engine/recompute_policy.py`` ``is_lookup``), ``"selective op outputs"``,
-    ``"none: layer graphs"`` (with the final norm when every layer keeps its graph)."""
+    """What the engine keeps between forward and backward, bytes per token by part (its ``saved_activation_bytes``
+    plus the LM head's input): ``"block inputs"``, ``"embedding indices"`` (the embedding keeps its graph under
+    every mode, ``engine/recompute_policy.py`` ``is_lookup``), ``"selective op outputs"``, ``"none: layer graphs"``
+    (with the final norm when every layer keeps its graph)."""
     r, _, _ = _dtypes(s)
     H, K = c.hidden_size, s.get("recompute_every", 1)
     mix = layer_mix(c, s)
@@ -169,19 +152,16 @@ def kept_per_token(c: ParamCounts, s: dict[str, Any]) -> dict[str, float]:
 
 
 def kept_bytes(c: ParamCounts, s: dict[str, Any]) -> int:
-    """Bytes the engine keeps from a forward to its backward for ``batch_size x seq_len`` tokens, on the
-    device or (``offload_activations``) in host memory: :func:`kept_per_token` x tokens. Comparable to the engine's ``megatrain/saved_activation_bytes``
-    (which leaves out the LM head's input, H x r per token)."""
+    """:func:`kept_per_token` x ``batch_size x seq_len``: the engine's ``megatrain/saved_activation_bytes`` plus
+    the LM head's input (H x r per token)."""
     tokens = s["batch_size"] * s["seq_len"]
     return int(sum(kept_per_token(c, s).values()) * tokens)
 
 
 def head_per_token(c: ParamCounts, s: dict[str, Any]) -> dict[str, float]:
-    """LM head phase bytes per token: ``"final norm + input"`` and ``"logits"`` (the backward's peak,
-    12 B per vocabulary entry: what ``loss_chunk_size`` caps), ``"logits output"`` the logits themselves in the
-    matmul dtype (a B per entry: the head block's output, kept until its backward, or a chunk's recomputed logits,
-    capped by ``loss_chunk_size`` too); ``"logits saved"`` is the part autograd
-    saves in the forward (4 B per entry + the int64 label)."""
+    """LM head phase bytes per token (module docstring): ``"final norm + input"``, ``"logits"`` (the backward's
+    fp32 peak), ``"logits output"`` (the logits in the matmul dtype) and ``"logits saved"`` (what autograd saves in
+    the forward: 4 B per entry + the int64 label); ``loss_chunk_size`` caps the two logits terms."""
     r, a, mixed = _dtypes(s)
     H, V = c.hidden_size, c.vocab_size
     return {"final norm + input": (4 + r) * H + 4 + (H * a if mixed else H * r),
@@ -189,13 +169,11 @@ def head_per_token(c: ParamCounts, s: dict[str, Any]) -> dict[str, float]:
 
 
 def per_token_terms(c: ParamCounts, s: dict[str, Any], gpu: bool = True) -> dict[str, tuple[float, int | None, str]]:
-    """Activation terms as ``label -> (bytes per token, chunk cap in tokens or None, where)``.
+    """Activation terms as ``label -> (bytes per token, chunk cap in tokens or None, where)``; ``where`` is
+    ``"device"``, ``"host"`` or a phase, ``"layer"`` / ``"head"`` (device memory, the larger counts).
 
     ``gpu=False`` (the CPU device): an offloaded input is used where it lies in host memory
     (``CPUTransport.restore``), so none is in flight.
-
-    ``where`` is ``"device"``, ``"host"`` or one of the two phases ``"layer"`` / ``"head"``
-    (device memory, the larger phase counts). Bytes of a term = per token x min(tokens, cap).
     """
     r, _, _ = _dtypes(s)
     H, K = c.hidden_size, s["recompute_every"]
@@ -217,14 +195,12 @@ def per_token_terms(c: ParamCounts, s: dict[str, Any], gpu: bool = True) -> dict
                                       None, "device"),
         "recompute chain inputs (K > 1)": ((K - 1) * H * r if recomputes else 0, None, "device"),
         "layer: norms + attention": (ws * (lay["attention"] + lay["mlp norm"]), None, "layer"),
-        # the cap is a GPU's: on a CPU device chunks were measured to add host RSS, not save it (module docstring)
+        # a GPU's cap only (module docstring)
         "layer: MLP input + intermediate": (ws * lay["mlp"], s["mlp_chunk_size"] if mix["block"] == c.num_layers and gpu
                                             else None, "layer"),
         "head: final norm + input": (head["final norm + input"], None, "head"),
         "head: logits, log-probs, grads (fp32)": (head["logits"], s["loss_chunk_size"], "head"),
-        # the head block's output, kept until its backward; a chunked loss (engine/chunked_loss.py) never holds all
-        # the logits, but each chunk's backward recomputes its own (a B per entry) and holds them with the three
-        # fp32 tensors above: the term is capped at the chunk like them
+        # a chunk's backward holds its recomputed logits with the three fp32 tensors above: capped alike
         "head: logits (the head's output, or one chunk's recomputed)": (
             head["logits output"], s["loss_chunk_size"], "head"),
         "offloaded block inputs": (saved if off else 0, None, "host"),
@@ -270,14 +246,13 @@ def heap_keeps_layer_phase(c: ParamCounts, s: dict[str, Any]) -> bool:
     """Whether, on a CPU device, the C heap keeps a decoder layer's freed activations resident while the LM head
     computes (and the other way round), so that both phases count in host RAM instead of the larger.
 
-    A layer's activations are mostly ``[tokens, hidden]`` tensors; below glibc's mmap threshold (the strategy fixes it
-    at ``store.allocator.MMAP_THRESHOLD_BYTES``, 8 MiB) they come from the heap, whose freed space stays resident in
-    the arena (glibc ``free`` gives back only the top of the heap), while the head's logits-sized tensors above it
-    are mapped on top. Measured (``mallinfo2`` during ``bench/plan_vs_run.py``'s ``t-ram-fp32-block-1x8192``, a
-    hidden-128 Llama, 4 MiB residual tensors): the arena held 119-155 MiB of free space while the head ran, the
-    layer phase's planned 131 MiB; peak RSS was the head phase plus that (plan with both phases: 0.99 of the
-    measured peak, with the larger only: 1.17). Above the threshold the layer's tensors are mapped and unmapped
-    one by one and nothing stays: the larger phase counts, as on a GPU.
+    A layer's activations are mostly ``[tokens, hidden]`` tensors; below glibc's mmap threshold (fixed by the
+    strategy at ``store.allocator.MMAP_THRESHOLD_BYTES``, 8 MiB) they come from the heap, whose freed space stays
+    resident (glibc ``free`` gives back only the top of the heap), while the head's larger tensors are mapped.
+    Measured (``mallinfo2`` during ``bench/plan_vs_run.py``'s ``t-ram-fp32-block-1x8192``, a hidden-128 Llama,
+    4 MiB residual tensors): the arena held 119-155 MiB free while the head ran, the layer phase's planned 131 MiB;
+    peak RSS was the head phase plus that (plan with both phases: 0.99 of the measured peak, with the larger only:
+    1.17). Above the threshold nothing stays: the larger phase counts, as on a GPU.
     """
     from ..store.allocator import MMAP_THRESHOLD_BYTES
 

@@ -1,10 +1,8 @@
 """What to change when a plan does not fit: the NVMe tier for host RAM, and for device memory the
 options that bound activations (the longest sequence with each).
 
-Every suggestion is re-planned (:func:`.estimate.replan`) and carries its numbers. Option names
-are given as the caller spells them: ``keys`` maps a planner setting (``loss_chunk_size``) to the
-key the user sets (``strategy.loss_chunk_size`` in the recipe, ``loss_chunk_size`` for the planner's
-command line). Units: GiB = 2**30 B.
+Every suggestion is re-planned (:func:`.estimate.replan`) and carries its numbers. Option names are spelled as the
+caller's ``keys`` say (:func:`key`). Units: GiB = 2**30 B.
 """
 
 from __future__ import annotations
@@ -17,12 +15,10 @@ from .config import GIB, SUGGESTED_CHUNK
 from .estimate import Plan, fits_memory, gib, max_batch_size, max_seq_len, replan
 from .terms import NVME_CACHE, group_size, layer_wire_bytes, term_label, window_bytes, window_fill
 
-#: The planner's bytes-per-transfer threshold for suggesting a ``block_group``: a decoder-layer fetch
-#: smaller than this is suggested to be grouped with its neighbours. An engineering choice, NOT a
-#: measurement: at the presets' ~55 GB/s H2D, 64 MiB takes ~1.2 ms, so a fixed cost of some tens of
-#: microseconds per fetch (worker wake-up, event record/wait, the compute thread's wait; "Per-block
-#: cost" in docs/internals/streaming.md) would be a few percent of it. GPU profiling must confirm or replace it
-#: (no measured source yet).
+#: The planner's bytes-per-transfer threshold for suggesting a ``block_group``. An engineering choice, NOT a
+#: measurement (GPU profiling must confirm or replace it): at the presets' ~55 GB/s H2D, 64 MiB takes ~1.2 ms, so a
+#: fixed cost of some tens of microseconds per fetch ("Per-block cost" in docs/internals/streaming.md) would be a
+#: few percent of it.
 TRANSFER_TARGET_BYTES = 64 * 2**20
 MIB = 2**20
 #: how far above its plan a CPU-device run's peak host RAM may be (the target of ``bench/plan_vs_run.py``, +5%);
@@ -35,9 +31,8 @@ RECIPE_KEYS = {"seq_len": "data.seq_len", "batch_size": "data.batch_size", "prec
 
 
 def key(name: str, keys: Mapping[str, str] | None, cli: str | None = None) -> str:
-    """How the user sets planner setting ``name``: ``keys[name]``, else ``strategy.<name>`` when ``keys``
-    is the recipe's (:data:`RECIPE_KEYS`), else ``cli`` or ``name`` itself (``keys=None``: the planner's
-    CLI, where e.g. ``devices`` is ``trainer.devices``)."""
+    """How the user sets planner setting ``name``: ``keys[name]``, else ``strategy.<name>`` (``keys`` the recipe's,
+    :data:`RECIPE_KEYS`); with ``keys=None`` (the planner's CLI) ``cli`` or ``name`` itself."""
     if keys is None:
         return cli or name
     return keys.get(name, f"strategy.{name}")
@@ -51,10 +46,9 @@ def nvme_limit(q: Plan, have: int) -> tuple[int, int, int]:
     """For a plan ``q`` with state on NVMe and ``have`` bytes of host RAM: ``(host_memory_limit to set, host RSS it
     gives, bytes outside the window)``.
 
-    The limit is whole GiB: what 90% of ``have`` leaves beside the host terms the limit does not bound (activations,
-    the process, pinned inputs...), but never below the engine's minimum window (:attr:`~.estimate.Plan.nvme_window`)
-    or the window the plan counts. The RSS is those other terms plus what the window fills at that limit
-    (:func:`~.terms.window_fill`)."""
+    The limit is whole GiB: what 90% of ``have`` leaves beside the host terms the limit does not bound, but never
+    below the engine's minimum window (:attr:`~.estimate.Plan.nvme_window`) or the window the plan counts. The RSS
+    is those other terms plus :func:`~.terms.window_fill` at that limit."""
     inside = window_bytes(q.host)
     other = q.host_bytes - inside - q.host.get(NVME_CACHE, 0)
     floor_ = max(inside, (q.nvme_window or {}).get("min_window", 0))
@@ -64,9 +58,9 @@ def nvme_limit(q: Plan, have: int) -> tuple[int, int, int]:
 
 
 def nvme_override(keys: Mapping[str, str] | None, limit: int, params: bool) -> str:
-    """The complete override that puts the state on NVMe with ``host_memory_limit=limit`` (bytes, whole GiB):
-    the recipe's Hydra keys (``conf/strategy/megatrain_nvme.yaml``, whose ``nvme_path`` is ``MEGATRAIN_NVME_PATH``;
-    ``params=False`` keeps the masters in RAM) or the planner's command line (``keys=None``)."""
+    """The complete override that puts the state on NVMe with ``host_memory_limit=limit`` (bytes, whole GiB), in
+    the recipe's Hydra keys (``conf/strategy/megatrain_nvme.yaml``) or the planner's (``keys=None``);
+    ``params=False`` keeps the masters in RAM."""
     lim = f"{limit // GIB}GiB"
     if keys is None:
         return ("offload_params=nvme " if params else "") + f"offload_optimizer=nvme offload_grads=nvme host_memory_limit={lim}"
@@ -75,9 +69,9 @@ def nvme_override(keys: Mapping[str, str] | None, limit: int, params: bool) -> s
 
 
 def host_advice(p: Plan, have: int, keys: Mapping[str, str] | None = None) -> list[str]:
-    """Ways to fit host RAM ``have`` (bytes): AdamW moments on NVMe, then every state on NVMe, each as a complete
-    override (:func:`nvme_override`) with the ``host_memory_limit`` to set and the host RSS it gives
-    (:func:`nvme_limit`), the disk and the step time; else a bigger machine."""
+    """Ways to fit host RAM ``have`` (bytes): the optimizer state on NVMe, then every state, each a complete
+    override (:func:`nvme_override`) with :func:`nvme_limit`'s numbers, the disk and the step time; else fewer
+    processes or a bigger machine."""
     s = p.settings
     out = []
     where = "" if keys is None else " (the store's directory: MEGATRAIN_NVME_PATH or strategy.nvme_path=)"
@@ -122,8 +116,7 @@ def host_advice(p: Plan, have: int, keys: Mapping[str, str] | None = None) -> li
 
 
 def _state_words(p: Plan) -> str:
-    """What the optimizer tier's move to NVMe takes out of host RAM: the optimizer's state (:mod:`.optimizers`) and the
-    gradient accumulators, in GiB."""
+    """What moving the optimizer tier to NVMe frees in host RAM, in words with GiB."""
     from .optimizers import label
     from .terms import optim_state_bytes
 
@@ -134,8 +127,7 @@ def _state_words(p: Plan) -> str:
 
 
 def disk_words(q: Plan, disk: int) -> str:
-    """``fits``, or that the preset's NVMe is short with the override of enough drives of the preset's size
-    (``hardware.nvme_drives=<n>``)."""
+    """``fits``, or that the preset's NVMe is short, with the ``hardware.nvme_drives=<n>`` that suffices."""
     if q.disk_bytes <= disk:
         return "fits"
     per_drive = q.hardware.nvme_capacity_gib * GIB
@@ -145,8 +137,8 @@ def disk_words(q: Plan, disk: int) -> str:
 
 
 def ram_override(need: int) -> str:
-    """The planner override of a machine with at least ``need`` bytes of RAM: ``hardware.host_ram_gib=<GiB,
-    rounded up to 0.1>`` (the same key in the recipes' ``hardware`` group)."""
+    """``hardware.host_ram_gib=<GiB, rounded up to 0.1>`` for a machine with ``need`` bytes of RAM (planner and
+    recipes alike)."""
     return f"hardware.host_ram_gib={math.ceil(need / GIB * 10) / 10:g}"
 
 
@@ -154,7 +146,7 @@ def _activation_options(p: Plan) -> list[dict[str, Any]]:
     """Option sets that bound activations, cheapest first: each option alone, then accumulated."""
     s = p.settings
     single: list[dict[str, Any]] = []
-    # layers that keep op outputs or their graph: recompute more (the same arithmetic, more FLOPs)
+    # layers that keep op outputs or their graph: recompute more
     single += [{"recompute": m} for m in {"none": ("selective", "block"), "auto": ("block",),
                                            "selective": ("block",)}.get(s.get("recompute", "block"), ())]
     if s["loss_chunk_size"] is None:
@@ -177,16 +169,12 @@ def _activation_options(p: Plan) -> list[dict[str, Any]]:
 
 def seq_len_advice(p: Plan, host: int | None, device: int | None, keys: Mapping[str, str] | None = None) -> list[str]:
     """For a plan whose activations do not fit: each change that makes it fit, as a complete override with its
-    numbers (``host``/``device``: bytes available; None: the preset's):
+    numbers (``host``/``device``: bytes available; None: the preset's): the longest ``seq_len`` that fits at the
+    plan's ``batch_size``; with ``batch_size`` > 1 the largest that fits; the first option set
+    (:func:`_activation_options`) with which this batch and ``seq_len`` fit, with its longest ``seq_len``.
 
-    * the longest ``seq_len`` that fits at the plan's ``batch_size`` with these options;
-    * with ``batch_size`` > 1, the largest ``batch_size`` that fits at this ``seq_len``;
-    * the first option set (:func:`_activation_options`) with which this batch and ``seq_len`` fit, and the
-      longest ``seq_len`` at this batch with it.
-
-    The lengths count memory alone, as the longest-sequence table does; one beyond the model's
-    ``max_position_embeddings`` says so (as :func:`~.estimate.position_warnings`: not a refusal, RoPE scaling
-    can extend it) and the suggestion is then that limit, when it is shorter than the plan's ``seq_len``."""
+    The lengths count memory alone; one beyond the model's ``max_position_embeddings`` says so
+    (:func:`~.estimate.position_warnings`), and the suggestion is then that limit when shorter than ``seq_len``."""
     s = p.settings
     B, T = s["batch_size"], s["seq_len"]
     sk, bk = key("seq_len", keys), key("batch_size", keys)
@@ -233,15 +221,12 @@ def seq_len_advice(p: Plan, host: int | None, device: int | None, keys: Mapping[
 
 
 def host_short_advice(p: Plan, host: int, keys: Mapping[str, str] | None = None) -> list[str]:
-    """What to change when host RAM ``host`` (bytes) is short: on a CPU device whose activations (host RAM
-    there) are a tenth of the need or more, the sequence, batch and activation options first
-    (:func:`seq_len_advice`, e.g. ``recompute=block`` for a ``recompute=none`` run), then the NVMe tier and a
-    larger machine (:func:`host_advice`). Each line a complete override with its numbers. The sequence, batch and
-    activation suggestions fit ``host`` / (1 + :data:`RUN_ABOVE_PLAN`): followed, the run's peak stays within the
-    RAM even when it is above its plan by as much as ``bench/plan_vs_run.py`` allows."""
+    """What to change when host RAM ``host`` (bytes) is short: on a CPU device whose activations are a tenth of
+    the need or more, :func:`seq_len_advice` first, sized to ``host`` / (1 + :data:`RUN_ABOVE_PLAN`) so that the
+    run's peak stays within the RAM even above its plan by as much as ``bench/plan_vs_run.py`` allows; then
+    :func:`host_advice`."""
     out = []
     if not p.hardware.is_gpu and activation_share(p) > 0.1:
-        # sized to leave the plan's error on a CPU device: runs peak up to RUN_ABOVE_PLAN over their plan
         out += seq_len_advice(p, int(host / (1 + RUN_ABOVE_PLAN)), None, keys)
     return out + host_advice(p, host, keys)
 
@@ -267,8 +252,8 @@ def device_advice(p: Plan, device: int | None, host: int | None = None,
 
 
 def recompute_advice(p: Plan, keys: Mapping[str, str] | None = None) -> str | None:
-    """With ``recompute="block"`` on a GPU preset, when ``"selective"`` fits too: a line with what it
-    saves (the layers' matmul recompute) and costs (device bytes); else None."""
+    """With ``recompute="block"`` on a GPU preset, when ``"selective"`` fits too: a tip with what it saves and
+    costs; else None."""
     s = p.settings
     if not p.hardware.is_gpu or s.get("recompute", "block") != "block" or not p.fits:
         return None
@@ -283,11 +268,10 @@ def recompute_advice(p: Plan, keys: Mapping[str, str] | None = None) -> str | No
 
 
 def window_advice(p: Plan, keys: Mapping[str, str] | None = None) -> str | None:
-    """With state on NVMe, one process and NVMe reads left in the plan: the ``host_memory_limit`` that lets the window
-    keep every region a step reads back (the minimum window + those bytes, whole GiB; ``nvme_kept_share`` in
-    ``planning/terms.py``), or the largest the machine's RAM allows (:func:`nvme_limit`: 90% of it beside the other
-    host terms) when that is less, re-planned: a tip line when it is above the limit in use and saves reads; else
-    None. ``keys``: as :func:`key`."""
+    """With state on NVMe, one process and NVMe reads left: a tip with the ``host_memory_limit`` that keeps every
+    region a step reads back (the minimum window + those bytes, whole GiB; :func:`~.terms.nvme_kept_share`), or the
+    largest :func:`nvme_limit` allows when less, re-planned, when it is above the limit in use and saves reads;
+    else None."""
     w, ram = p.nvme_window, p.capacity["host"]
     if not w or not p.fits or p.moved["nvme_read"] <= 0 or p.parallel or not ram:
         return None
@@ -307,15 +291,12 @@ def window_advice(p: Plan, keys: Mapping[str, str] | None = None) -> str | None:
 
 
 def block_group_advice(p: Plan, keys: Mapping[str, str] | None = None) -> str | None:
-    """A ``block_group`` suggestion when a decoder-layer fetch is small, else None.
+    """A ``block_group`` tip when a decoder-layer fetch is small, else None (also when the plan does not fit).
 
-    On a GPU preset (the threshold is about the H2D link; a CPU device's copies are host memcpy), when
-    one fetch, the largest decoder layer in the wire dtype x ``block_group`` (:func:`.terms.transfer_bytes`), is below
-    :data:`TRANSFER_TARGET_BYTES` (64 MiB, the planner's threshold: an engineering choice, not a
-    measurement), the smallest ``block_group`` whose fetch reaches it (at most every decoder layer in
-    one fetch), re-planned (:func:`.estimate.replan`): suggested when host RAM and device memory still
-    fit; else the largest ``block_group`` above the current one that fits, if any. Only a suggestion:
-    the strategy's default stays 1. Returns None when the plan does not fit to begin with.
+    On a GPU preset (the threshold is about the H2D link; a CPU device's copies are host memcpy), when one fetch
+    (:func:`.terms.transfer_bytes`) is below :data:`TRANSFER_TARGET_BYTES`: the smallest ``block_group`` whose
+    fetch reaches it (at most every decoder layer), when host RAM and device memory still fit; else the largest
+    ``block_group`` above the current one that fits, if any.
     """
     s, c = p.settings, p.counts
     per = layer_wire_bytes(c, s)

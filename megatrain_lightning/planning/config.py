@@ -17,15 +17,11 @@ GIB = 2**30
 
 
 def find_conf_dir() -> Path:
-    """The ``conf/`` directory (``plan.yaml``, ``model/``, ``hardware/``...), wherever the package is.
-
-    In order: ``$MEGATRAIN_CONF_DIR``; the repository's ``conf/`` next to the package (a source
-    checkout or an editable install); ``megatrain_lightning/conf`` inside an installed wheel
-    (``pyproject.toml`` ships ``conf/`` there as package data).
+    """The ``conf/`` directory: ``$MEGATRAIN_CONF_DIR``, else the repository's ``conf/`` next to the package (a
+    source checkout or an editable install), else ``megatrain_lightning/conf`` in an installed wheel (package data).
 
     Raises:
-        FileNotFoundError: none of these holds a ``plan.yaml``; names the places looked at and
-            ``MEGATRAIN_CONF_DIR``.
+        FileNotFoundError: none of these holds a ``plan.yaml`` (names the places looked at).
     """
     pkg = Path(__file__).resolve().parents[1]
     tried = []
@@ -48,8 +44,8 @@ SUGGESTED_CHUNK = {"loss_chunk_size": 1024, "mlp_chunk_size": 4096}
 
 
 def strategy_default(name: str) -> Any:
-    """``MegaTrainStrategy``'s default for option ``name`` (:class:`~megatrain_lightning.config.MegaTrainConfig`),
-    or ``None`` when it has no such option (a run then has the behaviour the option would turn on: off)."""
+    """``MegaTrainStrategy``'s default for option ``name`` (:class:`~megatrain_lightning.config.MegaTrainConfig`);
+    ``None`` when it has no such option (the behaviour the option would turn on is then off)."""
     from ..config import MegaTrainConfig
 
     return MegaTrainConfig.defaults().get(name)
@@ -71,13 +67,12 @@ def resolve_chunk(value: Any, name: str) -> int | None:
 
     Args:
         value: a positive int, ``None``/``"null"``/``"none"``/``"off"`` (off), ``"default"``
-            (:func:`strategy_default`), ``"auto"`` (``loss_chunk_size``: kept as ``"auto"``, which
-            :func:`loss_chunk_tokens` turns into the engine's token count for the model's vocabulary;
+            (:func:`strategy_default`), ``"auto"`` (``loss_chunk_size``: kept, for :func:`loss_chunk_tokens`;
             ``mlp_chunk_size``: ``SUGGESTED_CHUNK``).
-        name: the option (``loss_chunk_size`` / ``mlp_chunk_size``), for the error message.
+        name: the option (``loss_chunk_size`` / ``mlp_chunk_size``).
 
     Raises:
-        ValueError: anything else (zero, negative, a float, a word), naming the option.
+        ValueError: anything else, naming the option.
     """
     if isinstance(value, str):
         low = value.strip().lower()
@@ -88,7 +83,7 @@ def resolve_chunk(value: Any, name: str) -> int | None:
             if d is None or isinstance(d, int) and not isinstance(d, bool):
                 return resolve_chunk(d, name)
             return resolve_chunk(d, name) if str(d).lower() == "auto" else SUGGESTED_CHUNK[name]
-        if low == "auto":  # the engine's rule (engine/chunked_loss.py): resolved with the vocabulary
+        if low == "auto":
             return "auto" if name == "loss_chunk_size" else SUGGESTED_CHUNK[name]  # type: ignore[return-value]
         if low.isdigit():
             value = int(low)
@@ -109,13 +104,12 @@ def is_model_path(value: Any) -> bool:
 
 
 def load_hf_config(path: str | os.PathLike) -> Any:
-    """``transformers.AutoConfig`` of a local model directory (its ``config.json``) or a config file.
-
-    Local files only: nothing is downloaded.
+    """``transformers.AutoConfig`` of a local model directory (its ``config.json``) or a config file; nothing is
+    downloaded.
 
     Raises:
         FileNotFoundError: no such directory/file, or a directory without ``config.json``.
-        ValueError: transformers cannot read it (the message says which file and why).
+        ValueError: transformers cannot read it (names the file and why).
     """
     import transformers
 
@@ -136,35 +130,26 @@ def load_hf_config(path: str | os.PathLike) -> Any:
 class Hardware:
     """One accelerator and the server around it (a ``conf/hardware/*.yaml`` file).
 
-    ``hbm_gib=None`` means there is no accelerator: the engine's "device" is the CPU and its
-    device buffers come out of host RAM. Sources of the numbers are in each YAML file.
+    ``hbm_gib=None`` means there is no accelerator: the engine's "device" is the CPU and its device buffers come
+    out of host RAM. Sources of the numbers are in each YAML file. Optional fields (``None``: not known):
 
-    ``host_bf16_tflops`` (optional): sustained bf16 matmul rate of the host CPUs, TFLOP/s: Muon's Newton-Schulz
-    iterations run there (``optim=muon``, :func:`.optimizers.newton_schulz_flops`); ``None``: not known, a Muon
-    plan leaves them out of the step time and says so.
-
-    ``block_call_ms``, ``step_overhead_ms`` (optional, milliseconds): the engine's fixed CPU time per block call
-    (acquire, bind, run, record, release and the workers' hand-offs, outside the block's own kernels) and per
-    step (Lightning's loop, the optimizer step's bookkeeping), measured by ``bench/block_overhead.py``. They are
-    counted on a CPU device only, where that Python time runs on the cores that compute (on a GPU it overlaps the
-    device's kernels); ``None``: not known, left out of the step time. ``page_fill_gbps`` (optional, GB/s): on a
-    CPU device the engine gives the step's freed activation memory back to the kernel at each step's end
-    (``StreamingEngine.end_step``), and the next step faults it in again: the activations / this rate, per step
-    (``python -m megatrain_lightning.planning.measure``, :func:`.measure.page_fill_gbps`); ``None``: left out.
-
-    The last three fields plan data parallel runs (``trainer.devices`` > 1 or ``trainer.num_nodes``
-    > 1; :mod:`.parallel`) and may be left out of a mapping (``None``):
-
-    * ``host_mem_gbps``: sustained host DRAM bandwidth of the whole server, GB/s (reads + writes);
-      ``None``: ``host_adam_gparams_per_s`` x 30 B/param (the presets derive the AdamW rate from it).
-    * ``nvlink_gbps``: GPU-to-GPU bandwidth inside a node, per GPU and direction, GB/s; ``None``:
-      no NVLink/Infinity Fabric, the intra-node reduce runs over PCIe at ``d2h_gbps``.
-    * ``network_gbps``: inter-node bandwidth of one node (all its NICs together), per direction,
-      GB/s (400 Gb/s = 50 GB/s); ``None``: unknown, a plan with ``num_nodes`` > 1 raises.
-
-    ``sources`` (optional, not compared): where the figures come from, printed at the top of every plan
-    (:data:`SOURCE_FIELDS` names its keys: ``scope`` (what the preset describes), ``device``, ``compute``,
-    ``link``, ``host_ram``, ``nvme``, ``host_adam``; each "datasheet", "measured" or "assumed" with a note).
+    * ``host_bf16_tflops``: sustained bf16 matmul rate of the host CPUs, TFLOP/s, for Muon's Newton-Schulz
+      iterations (:func:`.optimizers.newton_schulz_flops`); ``None``: left out of the step time, and the plan says so.
+    * ``block_call_ms``, ``step_overhead_ms``: the engine's fixed CPU time per block call (acquire, bind, run,
+      record, release and the workers' hand-offs, outside the block's kernels) and per step (Lightning's loop,
+      the optimizer step's bookkeeping), ms, measured by ``bench/block_overhead.py``; counted on a CPU device only,
+      where it runs on the cores that compute (on a GPU it overlaps the kernels).
+    * ``page_fill_gbps``: GB/s at which a CPU device faults the activations in again each step, after
+      ``StreamingEngine.end_step`` gave them back to the kernel (:func:`.measure.page_fill_gbps`).
+    * ``host_mem_gbps`` (data parallel, :mod:`.parallel`): sustained host DRAM bandwidth of the whole server, GB/s
+      (reads + writes); ``None``: ``host_adam_gparams_per_s`` x 30 B/param (the presets derive the AdamW rate from
+      it).
+    * ``nvlink_gbps``: GPU-to-GPU bandwidth inside a node, per GPU and direction, GB/s; ``None``: no
+      NVLink/Infinity Fabric, the intra-node reduce runs over PCIe at ``d2h_gbps``.
+    * ``network_gbps``: inter-node bandwidth of one node (all its NICs together), per direction, GB/s (400 Gb/s =
+      50 GB/s); ``None``: a plan with ``num_nodes`` > 1 raises.
+    * ``sources`` (not compared): where the figures come from, printed at the top of every plan (keys: ``scope``
+      and those of :data:`SOURCE_FIELDS`; each "datasheet", "measured" or "assumed" with a note).
     """
 
     name: str
@@ -191,9 +176,8 @@ class Hardware:
     sources: Mapping[str, str] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        """Refuse sizes and rates no machine has: every number must be > 0 (``pcie_gen`` aside, which is
-        informative), ``nvme_drives`` an integer >= 1; ``hbm_gib``/``hbm_tbps``, ``host_bf16_tflops`` and the three data parallel
-        fields may also be ``None``.
+        """Refuse sizes and rates no machine has: every number > 0 (``pcie_gen`` aside), ``nvme_drives`` an integer
+        >= 1; the optional fields may be ``None``.
 
         Raises:
             ValueError: names the field as a Hydra key (``hardware.host_ram_gib``), the value and what to set.
@@ -248,9 +232,8 @@ SOURCE_FIELDS = {"hbm_gib": "device", "hbm_tbps": "device", "bf16_tflops": "comp
 
 
 def mark_overridden_sources(cfg: Any, overrides: Sequence[str]) -> None:
-    """Set ``cfg.hardware.sources[<key>]`` to "set on the command line (hardware.<field>=<value>)" for each
-    ``hardware.<field>=`` override of :data:`SOURCE_FIELDS`, so that the plan's assumptions say where the
-    figure in force comes from (a composed ``DictConfig``, changed in place)."""
+    """Mark each ``hardware.<field>=`` override of :data:`SOURCE_FIELDS` as "set on the command line" in
+    ``cfg.hardware.sources`` (a composed ``DictConfig``, changed in place)."""
     from omegaconf import OmegaConf, open_dict
 
     for o in overrides:
@@ -285,11 +268,7 @@ def presets(group: str) -> list[str]:
 
 
 def compose(overrides: Sequence[str] = ()) -> Any:
-    """Compose ``conf/plan.yaml`` with Hydra's compose API and return the ``DictConfig``.
-
-    Args:
-        overrides: Hydra override strings (``model=llama70b``, ``hardware.h2d_gbps=50``).
-    """
+    """Compose ``conf/plan.yaml`` with Hydra's compose API and ``overrides`` (``model=llama70b``...)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -301,9 +280,8 @@ def compose(overrides: Sequence[str] = ()) -> Any:
 
 
 def load_model(name: str) -> dict[str, Any]:
-    """The ``conf/model/<name>.yaml`` mapping (name, config, weights, gguf, tokenizer, max_seq_len; a
-    Hydra ``_target_`` where the entry has one), or for a path (:func:`is_model_path`) a mapping
-    ``{"name": path, "config": path}`` (:func:`~.estimate.plan` reads it with :func:`load_hf_config`)."""
+    """The ``conf/model/<name>.yaml`` mapping, or for a path (:func:`is_model_path`) ``{"name": path, "config":
+    path}``."""
     if is_model_path(name):
         load_hf_config(name)  # fail here with the message about the path
         return {"name": str(name), "config": str(name)}
@@ -311,8 +289,7 @@ def load_model(name: str) -> dict[str, Any]:
 
 
 def load_hardware(name: str) -> Hardware:
-    """The ``conf/hardware/<name>.yaml`` preset (plain YAML, read without Hydra, so the engine's estimate works
-    where only PyYAML is installed).
+    """The ``conf/hardware/<name>.yaml`` preset (read without Hydra: the engine's estimate needs only PyYAML).
 
     Raises:
         ValueError: no such preset (the message lists the presets).

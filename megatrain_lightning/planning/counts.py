@@ -1,16 +1,12 @@
 """Parameter counts per streamed block, read off the real model built on the meta device.
 
-``count_params`` instantiates ``transformers.AutoModelForCausalLM.from_config`` under
-``torch.device("meta")``: every module and parameter exists with its real shape, but no
-storage is allocated, so a 100B-parameter model costs a second and a few MB of RAM. The
-counts are therefore exactly what the engine will store (no hand-written formula per
-architecture), with tied parameters (``lm_head.weight is embed_tokens.weight``) counted
-once, in the first block that uses them -- the rule of ``blocks.py``.
+``count_params`` builds ``transformers.AutoModelForCausalLM.from_config`` under ``torch.device("meta")`` (real
+shapes, no storage: a 100B-parameter model costs a second and a few MB of RAM), so the counts are exactly what the
+engine stores, tied parameters counted once, in the first block that uses them (the rule of ``blocks.py``).
 
-Grouping (docs/architecture.md, "A training step", step 1): the decoder layers are the
-outermost modules whose class is in the model's ``_no_split_modules``; every parameter met (in
-module order) before the first layer belongs to the *embedding* group, every one after the last
-layer to the *head* group (final norm + LM head).
+Grouping (docs/architecture.md, "A training step", step 1): the decoder layers are the outermost modules whose
+class is in the model's ``_no_split_modules``; every parameter met (in module order) before the first layer
+belongs to the *embedding* group, every one after the last layer to the *head* group (final norm + LM head).
 """
 
 from __future__ import annotations
@@ -30,31 +26,25 @@ class ParamCounts:
 
     Attributes:
         model_type: ``config.model_type`` (``"llama"``...).
-        embedding: parameters stored in the embedding block (input embedding, and the tied
-            output embedding when tied).
+        embedding: parameters stored in the embedding block (with the tied output embedding).
         layers: parameters of each decoder layer, in order.
         head: parameters stored in the head block (final norm + LM head), tied ones excluded.
         tied: parameters the head reads from the embedding's storage (0 when untied).
         hidden_size, num_layers, vocab_size, intermediate_size, num_heads, num_kv_heads,
         head_dim: shapes used by the activation and FLOP estimates.
-        castable: per stored block (embedding, each layer, head), its own parameters that autocast
-            casts at every use (:func:`megatrain_lightning.engine.wire.autocast_casts`: ``weight``
-            and ``bias`` of Linear/Conv/Conv1D modules, every holder of the parameter castable): the
+        castable: per stored block (embedding, each layer, head), its own parameters that autocast casts at
+            every use (:func:`megatrain_lightning.engine.wire.autocast_casts`, for every module holding it): the
             ones that travel in bf16/fp16 under the mixed precisions; the rest travel in fp32.
-        experts_per_token: MoE experts each token passes through (``num_experts_per_tok``; 1 for
-            a dense MLP): multiplies the MLP intermediate activations.
+        experts_per_token: MoE experts each token passes through (``num_experts_per_tok``; 1 for a dense MLP).
         max_position_embeddings: the longest sequence the model's positions allow (0: unknown).
-        head_refetched: parameters of the head group outside the LM head module (the final norm):
-            the engine streams them as their own block, which its backward fetches again (only the
-            last block, the LM head, keeps its graph).
-        expert_params: parameters of routed MoE experts, all layers (under a module named ``experts``;
-            a shared expert is not routed); ``num_experts``: experts per layer (``num_local_experts``,
-            ``num_experts``, ``n_routed_experts``; 0 for a dense model). A token's matmuls read only
-            ``experts_per_token / num_experts`` of the routed experts' weights (:attr:`matmul_params`),
-            while every block still stores and streams all of them.
+        head_refetched: parameters of the head group outside the LM head module (the final norm): their own
+            block, which the backward fetches again (only the LM head keeps its graph).
+        expert_params: parameters of routed MoE experts, all layers (under a module named ``experts``; a shared
+            expert is not routed); ``num_experts``: experts per layer (0 for a dense model). A token's matmuls
+            read only ``experts_per_token / num_experts`` of them (:attr:`matmul_params`), while every block
+            stores and streams all of them.
         shapes: ``(kind, shape)`` of every unique parameter in module order, ``kind`` the block group that stores
-            it (``"embedding"``, ``"layer"``, ``"head"``): what a shape-dependent optimizer state
-            (:mod:`.optimizers`, e.g. Adafactor's factored variance) is computed from.
+            it (``"embedding"``, ``"layer"``, ``"head"``), for shape-dependent optimizer state (:mod:`.optimizers`).
     """
 
     model_type: str
@@ -84,8 +74,8 @@ class ParamCounts:
 
     @property
     def castable_reads(self) -> tuple[int, ...]:
-        """Castable parameters each block reads, in forward order, aligned with :attr:`block_reads`
-        (the head's tied weight is read by the embedding lookup too, so it is never castable)."""
+        """Castable parameters each block reads, aligned with :attr:`block_reads` (a tied weight is read by the
+        embedding lookup too, so never castable)."""
         return self.castable or (0,) * len(self.stored)
 
     @property
@@ -124,8 +114,7 @@ class ParamCounts:
 
     @property
     def idle_expert_params(self) -> int:
-        """Routed experts' parameters a token does not pass through: ``expert_params x (1 - experts_per_token /
-        num_experts)`` (0 for a dense model)."""
+        """Routed experts' parameters a token does not pass through (0 for a dense model)."""
         if not self.num_experts or not self.expert_params:
             return 0
         return self.expert_params - self.expert_params * min(self.experts_per_token, self.num_experts) // self.num_experts
@@ -137,10 +126,8 @@ class ParamCounts:
 
     @property
     def matmul_params(self) -> int:
-        """Parameters that take part in a matmul per token (the input embedding is a lookup:
-        it costs no FLOPs unless it is tied to the LM head, which is a matmul; a mixture of experts'
-        routed experts count for the ``experts_per_token`` a token passes through, Kaplan et al.'s N
-        being the parameters a token's forward multiplies by)."""
+        """Kaplan et al.'s N: the parameters a token's forward multiplies by (not the input embedding, a lookup,
+        unless tied to the LM head; only the routed experts a token passes through)."""
         lookup = self.embedding - self.tied
         return self.total - lookup - self.idle_expert_params
 
@@ -172,15 +159,11 @@ def _count_from_json(cfg_json: str) -> ParamCounts:
 
 
 def count_params(config: Mapping[str, Any] | Any) -> ParamCounts:
-    """Count the parameters of a causal LM per block, from its config alone.
+    """Count the parameters of a causal LM per block, from its config alone (built on the meta device).
 
     Args:
-        config: kwargs of ``transformers.AutoConfig.for_model`` (``model_type`` required; the
-            ``config:`` section of a ``conf/model/*.yaml``), a ``PretrainedConfig``, or an
-            already built ``nn.Module`` (e.g. the model inside a LightningModule at ``setup()``).
-
-    Returns:
-        :class:`ParamCounts` of the model built on the meta device (no memory allocated).
+        config: kwargs of ``transformers.AutoConfig.for_model`` (``model_type`` required; the ``config:`` section
+            of a ``conf/model/*.yaml``), a ``PretrainedConfig``, or a built ``nn.Module``.
     """
     if isinstance(config, nn.Module):
         return count_module(config)
@@ -235,7 +218,7 @@ def count_module(model: nn.Module) -> ParamCounts:
     cast = {"embedding": 0, "head": 0}
     cast_layers = [0] * len(layer_names)
     after_layers = False  # named_parameters follows module (= forward) order
-    experts = 0  # routed experts' parameters (under a module named "experts")
+    experts = 0
     shapes: list[tuple[str, tuple[int, ...]]] = []
     for fqn, p in model.named_parameters(remove_duplicate=False):
         group: int | str | None = None

@@ -1,9 +1,6 @@
-"""The planner: :func:`plan` returns a :class:`Plan` (bytes per memory tier, bytes moved, the time per
-optimizer step by phase (:mod:`.phases`) and its fastest estimate, checkpoint size, compute-bound batch size, fit).
-
-The formulas, their units and sources are in :mod:`.terms`; this module runs them for one
-configuration, finds the batch sizes where compute dominates and where device memory runs
-out, and states the shortfalls.
+"""The planner: :func:`plan` runs the formulas of :mod:`.terms` (units and sources there) for one configuration
+and returns a :class:`Plan`, with the batch sizes where compute dominates and where device memory runs out, and
+the shortfalls.
 """
 
 from __future__ import annotations
@@ -25,51 +22,44 @@ class Plan:
     """Result of :func:`plan`. Byte dicts are ordered breakdowns (label -> bytes).
 
     Attributes:
-        host, device, nvme, disk: bytes per term of each tier (``device`` is host RAM too when
-            ``hardware.is_gpu`` is false; it is then also listed in ``host``).
+        host, device, nvme, disk: bytes per term of each tier (without a GPU ``device`` is host RAM, also
+            listed in ``host``).
         capacity: bytes available per tier on the preset (``device`` None without a GPU).
         moved: bytes per optimizer step: ``h2d``, ``h2d_forward``, ``h2d_backward``, ``d2h``,
-            ``nvme_read``, ``nvme_write``.
-        flops: compute per step (FLOP); ``flops_parts`` its terms (6 x N_matmul x tokens, attention,
-            the recompute of the ``recompute`` mode, K > 1 chains: :func:`.terms.recompute_flops`).
+            ``nvme_read``, ``nvme_write``...
+        flops: compute per step (FLOP); ``flops_parts`` its terms (:func:`.terms.recompute_flops` for the
+            recompute's).
         times: seconds per term (``compute``, ``h2d``, ``d2h``, ``nvme_read``, ``nvme_write``,
             ``host_adamw``, ``grad_add``; data parallel adds ``host_memory``, ``intra_node``, ``inter_node``).
-        phases: ``{"forward": (seconds, bound), "backward": (seconds, bound)}`` (:mod:`.phases`): each phase
-            takes its longest chain of terms (one worker's work in series), ``bound`` that chain's key
-            (``"compute"``, ``"h2d+host_adamw"``...; :func:`.terms.term_label` names it).
-        step_time_s: the sum of the phases, for the plan's schedule (``settings["optimizer_in_backward"]``,
-            :func:`.terms.update_in_backward`); ``dominating`` the bound of the longer phase.
+        phases: ``{"forward": (seconds, bound), "backward": (seconds, bound)}``, ``bound`` the key of the chain
+            that bounds the phase (:mod:`.phases`; :func:`.terms.term_label` names it).
+        step_time_s: the sum of the phases for the plan's AdamW schedule (:func:`.terms.update_in_backward`);
+            ``dominating`` the bound of the longer phase.
         exposed: seconds of each bounding chain not hidden behind compute (sum: step time - compute time).
-        step_time_fastest_s, dominating_fastest: the fastest estimate (seconds) and its term: the largest term, the
-            step if every term overlapped every other. An estimate at the preset's rates, not a lower bound: a
-            machine faster than the rate of ``dominating_fastest`` steps faster.
+        step_time_fastest_s, dominating_fastest: the fastest estimate (seconds), the largest term, and that term
+            (an estimate at the preset's rates, not a lower bound).
         step_time_pessimistic_s, dominating_pessimistic: the phase model with the backward's H2D copies at
             half bandwidth while D2H copies run.
         nvme_window: with state on NVMe, ``{"limit": bytes, "min_window": bytes}``: the ``host_memory_limit`` the run
-            uses (given, else half the preset's RAM, the strategy's default) and the engine's minimum host window per
-            process for this model (:mod:`.window`); a limit below it is in ``reasons`` with the engine's message.
-            ``None`` without NVMe.
+            uses (given, else half the preset's RAM) and the engine's minimum host window per process
+            (:mod:`.window`); a limit below it is in ``reasons``. ``None`` without NVMe.
         other_schedule: the other AdamW schedule (``optimizer_in_backward``: its value, ``step_time_s``,
-            ``phases``, ``dominating``), so that a plan says which is faster.
+            ``phases``, ``dominating``).
         checkpoint_bytes, checkpoint_write_s: one directory checkpoint and its write time at
             ``nvme_drives x nvme_write_gbps``.
-        compute_bound_batch_size: smallest batch size (sequences of ``seq_len``) at which
-            compute time >= every other term (None: never, a term grows as fast as compute).
+        compute_bound_batch_size: smallest batch size at which compute bounds both phases (None: never).
         max_device_batch_size: largest batch size whose device bytes fit (None: no GPU).
         fits, reasons: whether every tier fits, and one line per shortfall.
         headroom: per checked tier (``host``, ``device``, ``disk``), (capacity - need) / capacity.
-        warnings: settings the plan accepts but the model may not take, one sentence each (today: a
-            ``seq_len`` beyond the config's ``max_position_embeddings``; not a refusal: RoPE scaling can
-            extend a model's positions); printed as ``warning:`` lines above the fit.
+        warnings: settings the plan accepts but the model may not take (:func:`position_warnings`, the NVMe
+            limit's); printed as ``warning:`` lines.
         tight: the tiers that fit with under ``TIGHT_HEADROOM`` (5%) of headroom: the estimate's
             assumptions (runtime reserve, working-set factor, allocator fragmentation) are larger
             than that margin, so such a "fits" may not.
-        parallel: ``None`` for one process (``devices=1, num_nodes=1``); else data parallel details
-            (:func:`.parallel.scale_out`): ``devices``, ``num_nodes``, ``world_size``, ``shm_bytes`` (the
-            state shared per node in ``/dev/shm``), ``per_process_bytes``, ``grads`` (gradient bytes per
-            rank and step), ``shm_default_bytes``. Then ``host``, ``disk``, ``nvme_*`` and the
-            ``host_adamw``/``host_memory``/``inter_node`` terms are per node, ``device``, ``h2d``,
-            ``d2h``, ``compute``, ``intra_node`` per rank (GPU), and ``step_time_s`` the step of every rank.
+        parallel: ``None`` for one process; else data parallel details (:func:`.parallel.scale_out`). Then
+            ``host``, ``disk``, ``nvme_*`` and the ``host_adamw``/``host_memory``/``inter_node`` terms are per
+            node, ``device``, ``h2d``, ``d2h``, ``compute``, ``intra_node`` per rank, and ``step_time_s`` the
+            step of every rank.
     """
 
     model: str
@@ -140,8 +130,7 @@ class Plan:
 
     @property
     def transfer_bytes(self) -> int:
-        """Bytes of one decoder-layer fetch on the H2D link: the largest layer in the wire dtype x
-        ``block_group`` (:func:`.terms.transfer_bytes`; the size a copy would have where none is made)."""
+        """Bytes of one decoder-layer fetch on the H2D link (:func:`.terms.transfer_bytes`)."""
         return transfer_bytes(self.counts, self.settings)
 
     def to_dict(self) -> dict[str, Any]:
@@ -160,9 +149,7 @@ class Plan:
 
 
 def _model_name_and_config(model_cfg: Any) -> tuple[str, Any]:
-    """Accept a ``conf/model`` mapping, an AutoConfig kwargs mapping, a PretrainedConfig, a module, or
-    the path of a Hugging Face model directory / ``config.json`` (:func:`.config.load_hf_config`).
-    Hydra's ``_target_`` keys (a ``conf/model`` entry that names what it builds) are ignored."""
+    """``(name, config)`` of a ``model_cfg`` as :func:`plan` takes it; Hydra's ``_target_`` keys are ignored."""
     from .config import as_plain_dict, is_model_path, load_hf_config
 
     if isinstance(model_cfg, (str, bytes)) or hasattr(model_cfg, "__fspath__"):
@@ -183,11 +170,10 @@ def _model_name_and_config(model_cfg: Any) -> tuple[str, Any]:
 
 
 def _crossover(c: ParamCounts, hw: Hardware, s: dict[str, Any], e1: dict[str, Any]) -> tuple[int | None, int | None]:
-    """Batch size from which compute bounds both phases (nothing exposed, :mod:`.phases`), and the largest
-    batch the device holds.
+    """Batch size from which compute bounds both phases, and the largest batch the device holds.
 
-    Every chain's time is affine in the batch size at fixed ``seq_len``: two evaluations give it.
-    Device bytes are searched (binary search; a chunk-capped term stops growing at its chunk).
+    Every chain's time is affine in the batch size at fixed ``seq_len``: two evaluations give it. Device bytes
+    are piecewise (chunk caps, the larger phase): binary search.
     """
     from .phases import chains
 
@@ -208,7 +194,7 @@ def _crossover(c: ParamCounts, hw: Hardware, s: dict[str, Any], e1: dict[str, An
             need = max(need, fixed / (comp - slope))
     bound = None if math.isinf(need) else max(1, math.ceil(need - 1e-9))
     max_dev = None
-    if hw.is_gpu:  # device bytes grow with the batch, piecewise (chunk caps, the larger phase): search
+    if hw.is_gpu:
         cap = hw.hbm_gib * GIB
 
         def fits(b: int) -> bool:
@@ -227,8 +213,8 @@ def _crossover(c: ParamCounts, hw: Hardware, s: dict[str, Any], e1: dict[str, An
 
 
 def plan(model_cfg: Any, hw: Hardware | Mapping[str, Any], **options: Any) -> Plan:
-    """Plan one training configuration on one hardware preset (see the module docstring); every option but
-    ``model_cfg`` and ``hw`` is a keyword, with :func:`settings`' default.
+    """Plan one training configuration on one hardware preset; the options are keywords with :func:`settings`'
+    defaults.
 
     Args:
         model_cfg: a ``conf/model/*.yaml`` mapping (``name``, ``config``...), AutoConfig kwargs
@@ -239,51 +225,34 @@ def plan(model_cfg: Any, hw: Hardware | Mapping[str, Any], **options: Any) -> Pl
         precision: ``32-true``, ``bf16-mixed``, ``16-mixed`` or ``bf16-true`` (Lightning's aliases
             ``32``, ``16``, ``bf16`` are accepted).
         offload_params, offload_optimizer, offload_grads: ``"cpu"`` (host RAM) or ``"nvme"``.
-        offload_activations, lookahead, recompute_every, cpu_zero_copy: the strategy options
-            (:class:`~megatrain_lightning.config.MegaTrainConfig`).
-        block_group: the strategy option: the device holds the weights of ``lookahead + 1`` fetches of up to
-            ``block_group`` layers, the NVMe tier's RAM window ``(lookahead + 1) x block_group + 1`` blocks;
-            :attr:`Plan.transfer_bytes` is one fetch's size.
+        offload_activations, lookahead, recompute_every, cpu_zero_copy, block_group, loss_chunk_size,
+            mlp_chunk_size, recompute, activation_memory_limit, optimizer_in_backward: the strategy options
+            (:class:`~megatrain_lightning.config.MegaTrainConfig`; a chunk size ``"default"``: the strategy's
+            default); :attr:`Plan.transfer_bytes` is one ``block_group`` fetch's size; without
+            ``activation_memory_limit``, ``"auto"``'s budget is :func:`.terms.resolve_auto`'s
+            (``settings["recompute_mix"]``, ``settings["activation_budget"]``).
         grad_dtype: ``fp32``/``bf16``/``fp16`` gradients on the D2H link (default fp32, bf16 for
             ``bf16-true``).
         keep_checkpoints: directory checkpoints on disk at the peak of a save.
-        pinned_round: count torch's power-of-two rounding of the offloaded block inputs' pinned
-            buffers (GPU presets; masters, wire images and staging are pinned exactly: ``store/pinned.py``).
-            torch's caching host allocator (``ATen/core/CachingHostAllocator.h``) rounds every
-            pinned allocation up to a power of two unless
+        pinned_round: count the power-of-two rounding of the offloaded block inputs' pinned buffers (GPU presets)
+            by torch's caching host allocator (``ATen/core/CachingHostAllocator.h``), unless
             ``PYTORCH_CUDA_ALLOC_CONF=pinned_max_round_threshold_mb:<MB>`` (torch >= 2.9) says otherwise.
-        loss_chunk_size, mlp_chunk_size: the strategy options; ``"default"``: ``MegaTrainStrategy``'s default.
-        devices, num_nodes: data parallel, as ``Trainer(devices=, num_nodes=)`` (Hydra keys
-            ``trainer.devices``, ``trainer.num_nodes``): processes per node and nodes; ``batch_size`` is
-            per process. Above 1, host RAM, NVMe and the shared-host terms are per node
-            (:mod:`.parallel`).
-        host_memory_limit: the strategy option (bytes or ``"3GiB"``, parsed as the strategy parses it; ``None``: half
-            the RAM): with state on NVMe, a limit below the engine's minimum window is a shortfall with the engine's
-            message, one above the RAM a warning (:mod:`.window`).
-        recompute, activation_memory_limit, optimizer_in_backward: the strategy options. ``recompute`` sets what
-            each layer keeps for its backward (:mod:`.activations`) and what its backward recomputes (FLOPs,
-            :mod:`.terms`); without ``activation_memory_limit``, ``"auto"``'s budget is half the device memory the
-            plan leaves free (``settings["recompute_mix"]``, ``settings["activation_budget"]``);
-            ``optimizer_in_backward`` sets which phase holds the host AdamW and the NVMe update I/O (:mod:`.phases`).
-        reference: preference training's reference model (``DPOModule(reference=...)``): ``None`` (supervised
-            training, or a reference-free loss), ``"precompute"`` and ``"adapter"`` (no reference weights during
-            training: nothing added), or ``"copy"``: a frozen fp32 copy of the weights, 4 B/param more where the
-            masters live (and its wire shadow), and per step one more forward of every block on the same
-            sequences (H2D, NVMe reads, forward FLOPs) (:mod:`.terms`).
-        optim: the optimizer whose state the RAM tier holds (:mod:`.optimizers`): a name (``"adamw"``, the default,
-            ``"adam"``, ``"sgd"``, ``"adafactor"``, ``"lion"``, ``"muon"``, ``"adamw8bit"``: ``conf/optim/<name>.yaml``)
-            or a mapping with ``_target_`` and hyper-parameters (a composed ``conf/optim`` entry: SGD's ``momentum``
-            decides whether it keeps a buffer; another class is measured on CPU tensors). On the NVMe tier the state
-            is the store's two fp32 regions, 8 B/param on disk whatever the optimizer; the updates move those its
-            state packs into (:func:`.optimizers.nvme_region_bytes`).
+        devices, num_nodes: data parallel, as ``Trainer(devices=, num_nodes=)``: processes per node and nodes;
+            ``batch_size`` is per process (:mod:`.parallel`).
+        host_memory_limit: the strategy option (bytes or ``"3GiB"``; ``None``: half the RAM), checked as the
+            engine checks it (:mod:`.window`).
+        reference: preference training's reference model (``DPOModule(reference=...)``): ``None``,
+            ``"precompute"`` or ``"adapter"`` add nothing; ``"copy"``: a frozen fp32 copy of the weights, 4
+            B/param more where the masters live (and its wire shadow), and per step one more forward of every
+            block (H2D, NVMe reads, forward FLOPs).
+        optim: the optimizer whose state the RAM tier holds: a name (``conf/optim/<name>.yaml``; ``None``:
+            ``"adamw"``) or a mapping with ``_target_`` and hyper-parameters (:func:`.optimizers.resolve`).
 
     Raises:
-        ValueError: a ``recompute`` that is not a policy or a bad ``activation_memory_limit``, a
-            ``block_group`` that is not an integer >= 1 (the message names ``block_group``),
-            an unknown precision, tier or grad dtype, a non-positive size, a chunk size
-            that is not a positive integer, ``devices``/``num_nodes`` not a positive integer (the
-            message names the option), ``num_nodes`` > 1 on hardware without ``network_gbps``, or an ``optim``
-            that is no known name, has no ``_target_``, or whose class cannot be stepped on a CPU tensor.
+        ValueError: a bad setting (the message names it): a ``recompute`` that is not a policy, a bad
+            ``activation_memory_limit``, ``block_group``, precision, tier, grad dtype, size, chunk size,
+            ``devices``/``num_nodes``, ``reference``, ``optimizer_in_backward`` or ``optim``
+            (:func:`.optimizers.resolve`); ``num_nodes`` > 1 on hardware without ``network_gbps``.
     """
     hw = Hardware.from_mapping(hw)
     name, cfg = _model_name_and_config(model_cfg)
@@ -301,7 +270,7 @@ def settings(*, batch_size: int = 1, seq_len: int = 2048, precision: str = "bf16
              optimizer_in_backward: bool | str | None = None,
              host_memory_limit: int | str | None = None, reference: str | None = None,
              optim: Any = None) -> dict[str, Any]:
-    """Validated settings of a plan (the arguments of :func:`plan`); ``grad_dtype`` becomes ``grad_bytes``.
+    """Validated settings of a plan (:func:`plan`'s arguments); ``grad_dtype`` becomes ``grad_bytes``.
 
     Raises:
         ValueError: see :func:`plan`.
@@ -353,11 +322,11 @@ def settings(*, batch_size: int = 1, seq_len: int = 2048, precision: str = "bf16
 
 
 def optim_setting(optim: Any) -> str | dict[str, Any]:
-    """``optim`` as a plan keeps it: the name of a :data:`.optimizers.OPTIMIZERS` entry when given as one (or
-    ``None``: ``"adamw"``), else a plain dict (``_target_`` and the hyper-parameters, recipe-only keys dropped).
+    """``optim`` as a plan keeps it: a :data:`.optimizers.OPTIMIZERS` name (``None``: ``"adamw"``), else a plain
+    dict of ``_target_`` and hyper-parameters without :data:`RECIPE_ONLY_OPTIM_KEYS`.
 
     Raises:
-        ValueError: see :func:`.optimizers.resolve` (checked here, with a class measured if it has no entry).
+        ValueError: see :func:`.optimizers.resolve`.
     """
     from .config import as_plain_dict
     from .optimizers import resolve
@@ -374,12 +343,10 @@ RECIPE_ONLY_OPTIM_KEYS = ("warmup_steps",)
 
 
 def check_group(value: Any) -> int:
-    """``block_group`` as an integer >= 1 (the engine's rule, ``engine/block_groups.py``
-    ``check_block_group``; a string of digits from a command line is accepted).
+    """``block_group`` as an integer >= 1 (the engine's ``check_block_group``; a string of digits is accepted).
 
     Raises:
-        ValueError: a bool, float, word, zero or negative value; the message names ``block_group``
-            (planner key) and ``strategy.block_group`` (recipe key).
+        ValueError: anything else; names ``block_group`` and ``strategy.block_group``.
     """
     from ..config import check_block_group
 
@@ -403,8 +370,7 @@ def _plan_from_counts(name: str, counts: ParamCounts, hw: Hardware, s: dict[str,
     used, mw, refusal, warning = limit_check(source, s, hw.is_gpu, s.get("host_memory_limit"), capacity(hw)["host"],
                                              f"the preset {hw.name}")
     spare = window_spare(used, mw, capacity(hw)["host"], s)
-    # the window caches up to the limit (capped at the RAM): counted in host RAM for any number of processes, its
-    # saved reads for one only
+    # the window's cache counts in host RAM for any number of processes, its saved reads for one only
     s = {**s, "nvme_window_spare": spare, "nvme_window_limit": min(used, capacity(hw)["host"]) if mw is not None else 0}
     e = _estimate(counts, hw, s)
     s = e["settings"]  # with "auto"'s budget and mix
@@ -442,18 +408,16 @@ def _plan_from_counts(name: str, counts: ParamCounts, hw: Hardware, s: dict[str,
 
 
 def window_spare(limit: int | None, min_window: int | None, ram: int, s: dict[str, Any]) -> int:
-    """Bytes of the NVMe tier's ``host_memory_limit`` (capped at ``ram``, the machine's: a limit above it buys no
-    cache) beyond the engine's minimum window, in one process (0 without NVMe, below the minimum, or with several
-    processes, whose per-rank windows are not modelled: their plans count every read)."""
+    """Bytes of ``host_memory_limit`` (capped at ``ram``) beyond the engine's minimum window, in one process; 0
+    without NVMe, below the minimum, or with several processes (per-rank windows are not modelled)."""
     if limit is None or min_window is None or s.get("devices", 1) * s.get("num_nodes", 1) > 1:
         return 0
     return max(0, min(limit, ram) - min_window)
 
 
 def position_warnings(c: ParamCounts, s: dict[str, Any]) -> list[str]:
-    """A warning when ``seq_len`` exceeds the model config's ``max_position_embeddings`` (0: unknown, no
-    warning). Not a refusal: RoPE scaling (``rope_scaling`` in the config) lets a model run past it, but the
-    recipes refuse ``data.seq_len`` above the model's limit, and a model without it degrades there."""
+    """A warning when ``seq_len`` exceeds the config's ``max_position_embeddings`` (0: unknown). Not a refusal:
+    RoPE scaling lets a model run past it (the recipes refuse it; a model without it degrades there)."""
     mp, T = c.max_position_embeddings, s["seq_len"]
     if not mp or T <= mp:
         return []
@@ -483,19 +447,18 @@ def fits_memory(p: Plan, host: int | None = None, device: int | None = None) -> 
 
 def max_seq_len(p: Plan, host: int | None = None, device: int | None = None, limit: int = 1 << 24,
                 batch_size: int = 1, **changes: Any) -> int:
-    """Longest ``seq_len`` at ``batch_size`` (sequences; default 1) whose host RAM and device memory fit
-    (binary search: every memory term grows with the sequence length).
+    """Longest ``seq_len`` at ``batch_size`` whose host RAM and device memory fit (binary search: every memory term
+    grows with the sequence).
 
     Args:
         p: the plan whose model, hardware and settings are used.
         host, device: bytes available (default: the preset's capacities).
-        limit: the largest length tried (tokens; 16M).
-        batch_size: sequences per step the answer is for.
-        changes: settings changed for this answer (``loss_chunk_size=1024``, ``offload_activations=True``).
+        limit: the largest length tried (tokens).
+        batch_size: sequences per step.
+        changes: settings changed for this answer (``loss_chunk_size=1024``).
 
     Returns:
-        Tokens; 0 when not even one token fits (the weights, gradients and optimizer states alone
-        exceed a tier).
+        Tokens; 0 when not even one token fits.
     """
     s = dict(p.settings)
     s.update(changes, batch_size=int(batch_size))
@@ -517,9 +480,7 @@ def max_seq_len(p: Plan, host: int | None = None, device: int | None = None, lim
 
 def max_batch_size(p: Plan, host: int | None = None, device: int | None = None, limit: int = 1 << 20,
                    **changes: Any) -> int:
-    """Largest ``batch_size`` (sequences of the plan's ``seq_len``) whose host RAM and device memory fit
-    (binary search: every memory term grows with the batch); 0 when not even one sequence fits.
-    ``host``/``device``: bytes available (default: the preset's); ``changes`` as :func:`max_seq_len`."""
+    """Largest ``batch_size`` whose host RAM and device memory fit; 0 when none; arguments as :func:`max_seq_len`."""
     s = {**p.settings, **changes}
 
     def ok(b: int) -> bool:
@@ -548,14 +509,13 @@ def _plan_memory(p: Plan, s: dict[str, Any]) -> Plan:
                 checkpoint_write_s=0.0, parallel=e["parallel"], source=p.source)
 
 
-#: the options the longest-sequence answer turns on one after another (planner names; the recipe's
-#: Hydra keys are ``strategy.<name>``), with the values it suggests when an option is off
+#: the options the longest-sequence answer turns on one after another (planner names)
 LONG_SEQUENCE_STEPS = ("loss_chunk_size", "mlp_chunk_size", "offload_activations")
 
 
 def long_sequence_variants(p: Plan) -> list[tuple[str, dict[str, Any]]]:
-    """Settings for the longest-sequence table: none of the options, then each added in turn
-    (``LONG_SEQUENCE_STEPS``; a chunk option keeps the plan's value, else its suggested size)."""
+    """Settings for the longest-sequence table: none of :data:`LONG_SEQUENCE_STEPS`, then each added in turn (a
+    chunk option at the plan's value, else its suggested size)."""
     from .config import SUGGESTED_CHUNK
 
     s = p.settings
@@ -571,8 +531,8 @@ def long_sequence_variants(p: Plan) -> list[tuple[str, dict[str, Any]]]:
 
 
 def replan(p: Plan, **changes: Any) -> Plan:
-    """The same model and hardware with some settings changed (used for advice); the gradient
-    wire dtype stays unless ``grad_dtype`` is given."""
+    """The same model and hardware with some settings changed; the gradient dtype stays unless ``grad_dtype``
+    is given."""
     s = dict(p.settings)
     s["grad_dtype"] = {4: "fp32", 2: "bf16"}[s.pop("grad_bytes")]
     for k in ("recompute_mix", "activation_budget", "nvme_window_spare", "nvme_window_limit"):  # derived by the plan

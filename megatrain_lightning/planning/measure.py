@@ -1,22 +1,15 @@
 """Measure this machine's compute rates for a CPU hardware preset (``conf/hardware/this_machine.yaml``).
 
-``python -m megatrain_lightning.planning.measure`` times the work the planner's compute term
-stands for: a training step of two linear layers (forward + backward, 6 x params x tokens
-FLOP, Kaplan et al. 2020) on ``tokens`` x ``hidden`` activations, once in fp32 (``32-true``)
-and once under ``torch.autocast(device_type="cpu", dtype=torch.bfloat16)`` (``bf16-mixed``:
-what the engine runs), plus a plain square matmul of each dtype for comparison, and prints
-the TFLOP/s (1e12 FLOP/s) as YAML lines for the preset; the preset takes the rates of a whole
-model step (:func:`model_step_tflops`: attention, norms, the LM head and the loss included), the
-planner's compute term being the FLOP of such steps. The median of ``repeats`` timed runs
-after one warm-up is reported. On CPUs without native bf16 matmul instructions (no AVX512-BF16
-or AMX) the bf16 rate is far below the fp32 one: assuming "bf16 is faster" would make the
-planner's step-time bound wrong by that factor.
+``python -m megatrain_lightning.planning.measure`` prints, as YAML lines for the preset, the TFLOP/s (1e12 FLOP/s)
+of a whole model step (:func:`model_step_tflops`: the FLOP the planner's compute term counts), in fp32
+(``32-true``) and under CPU bf16 autocast (``bf16-mixed``: what the engine runs), with a two-linear-layer step
+(:func:`train_step_tflops`) and a square matmul (:func:`matmul_tflops`) for comparison; each the median of
+``repeats`` timed runs after one warm-up. On CPUs without native bf16 matmul instructions (no AVX512-BF16 or AMX)
+the bf16 rate is far below the fp32 one: assuming "bf16 is faster" would make the planner's step-time bound wrong
+by that factor.
 
-It also times the host update the engine runs on a CPU device (:func:`host_adamw_gparams_per_s`):
-``torch.optim.AdamW`` with its defaults (the for-loop kernel on CPU tensors, what the host AdamW kernel
-reproduces), on one intra-op thread (the update worker's count on a CPU device, ``engine/threads.py``), under the
-malloc settings of a training run (``store/allocator.py``): the preset's ``host_adam_gparams_per_s``; and how
-fast the heap the engine trims at each step's end is faulted in again (:func:`page_fill_gbps`).
+It also times the host update the engine runs on a CPU device (:func:`host_adamw_gparams_per_s`: the preset's
+``host_adam_gparams_per_s``) and the refill of the trimmed heap (:func:`page_fill_gbps`).
 """
 
 from __future__ import annotations
@@ -102,10 +95,10 @@ def model_step_tflops(tokens: int, layers: int, autocast_bf16: bool, repeats: in
 
 def host_adamw_gparams_per_s(numel: int = 1 << 23, tensors: int = 16, threads: int = 1, repeats: int = 3,
                              **adamw: object) -> float:
-    """Parameters per second (1e9) of ``torch.optim.AdamW(**adamw).step()`` on ``tensors`` fp32 parameters of
-    ``numel`` elements in all, with gradients, run with ``threads`` intra-op threads under the malloc settings
-    of a training run (:func:`~megatrain_lightning.store.allocator.bound_retention`). The thread count is restored
-    afterwards.
+    """G parameters per second of ``torch.optim.AdamW(**adamw).step()`` (its default for-loop kernel on CPU
+    tensors, what the host AdamW kernel reproduces) on ``tensors`` fp32 parameters of ``numel`` elements in all,
+    with ``threads`` intra-op threads (1: the update worker's on a CPU device, ``engine/threads.py``) under a
+    training run's malloc settings (:func:`~megatrain_lightning.store.allocator.bound_retention`).
 
     Raises:
         ValueError: ``numel`` < ``tensors`` or ``threads`` < 1.

@@ -35,16 +35,14 @@ on a CPU fp32 matrix of 64 x 48 and 128 x 48 and vectors of 48 and 96 elements, 
 ``a x n + b`` per tensor of each rank (linear in n, fitted on the two sizes; a state that is not linear in n, as
 Adafactor's, is wrong for other shapes and should get an entry here).
 
-Tiers: on the RAM tier (``offload_optimizer="cpu"``) the host holds this state (:func:`state_bytes`). On the NVMe tier
-the state lives in the store's two fp32 optimizer regions, 8 B/param on disk whatever the optimizer
-(:data:`NVME_STATE_BYTES`), and the host a window of them; each update reads and writes only the regions its block's
-state packs into (:func:`nvme_region_bytes`). Units: bytes.
+Tiers: the RAM tier (``offload_optimizer="cpu"``) holds this state (:func:`state_bytes`); the NVMe tier the store's
+two fp32 optimizer regions, 8 B/param on disk whatever the optimizer (:data:`NVME_STATE_BYTES`), with a host window
+of them; each update reads and writes only the regions its block's state packs into (:func:`nvme_region_bytes`).
+Units: bytes.
 
-Update time (:func:`update_work`): each entry also says how long its host update takes per element relative to
-AdamW (:data:`UPDATE_COST`, measured by ``bench/host_optimizers.py``), so that the plan's host update term is the
-preset's AdamW rate (``hardware.host_adam_gparams_per_s``) scaled by it; Muon adds its Newton-Schulz matmuls at
-``hardware.host_bf16_tflops``. Measured ``_target_`` classes have no measured cost: planned at AdamW's rate, and the
-plan says so.
+Update time (:func:`update_work`): each entry's host update time per element relative to AdamW
+(:data:`UPDATE_COST`) scales the preset's ``hardware.host_adam_gparams_per_s``; Muon adds its Newton-Schulz matmuls
+at ``hardware.host_bf16_tflops``. Measured ``_target_`` classes are planned at AdamW's rate, and the plan says so.
 """
 
 from __future__ import annotations
@@ -182,9 +180,9 @@ def resolve(optim: Any) -> tuple[OptimSpec, dict[str, Any]]:
     """The spec and hyper-parameters of an ``optim`` setting.
 
     Args:
-        optim: a name of :data:`OPTIMIZERS` (``"adafactor"``), ``None`` (``"adamw"``), or a mapping with ``_target_``
-            and hyper-parameters (a composed ``conf/optim/<name>.yaml``; recipe-only keys such as ``warmup_steps``
-            are ignored). A ``_target_`` not in the table gets a measured rule (:func:`measured_rule`).
+        optim: a name of :data:`OPTIMIZERS` (its ``conf/optim/<name>.yaml`` hyper-parameters), ``None``
+            (``"adamw"``), or a mapping with ``_target_`` and hyper-parameters (recipe-only keys such as
+            ``warmup_steps`` are ignored). Another ``_target_`` gets :func:`measured_rule`.
 
     Raises:
         ValueError: an unknown name (lists the known ones), a mapping without ``_target_``, or a ``_target_`` that
@@ -219,8 +217,8 @@ def resolve(optim: Any) -> tuple[OptimSpec, dict[str, Any]]:
 
 @functools.lru_cache(maxsize=16)
 def _conf_options(name: str) -> dict[str, Any]:
-    """The hyper-parameters of ``conf/optim/<name>.yaml`` (the file the recipes' ``optim=<name>`` reads; ``{}`` when
-    there is none): a name means that file's optimizer, e.g. SGD with its ``momentum``."""
+    """The hyper-parameters of ``conf/optim/<name>.yaml`` (``{}`` without one): a name means the recipes' optimizer
+    of that name, e.g. SGD with its ``momentum``."""
     import yaml
 
     from .config import CONF_DIR
@@ -232,9 +230,8 @@ def _conf_options(name: str) -> dict[str, Any]:
 
 @functools.lru_cache(maxsize=16)
 def measured_rule(target: str, options: tuple[tuple[str, str], ...] = ()) -> Callable[..., int]:
-    """A rule for an optimizer class without an entry: its state bytes after one step on CPU fp32 tensors, as
-    ``a x n + b`` per tensor rank (module docstring). ``options``: ``(key, repr(value))`` pairs of its
-    hyper-parameters (numbers, lists and strings), passed to the constructor.
+    """A rule for a class without an entry, measured as the module docstring says. ``options``: ``(key,
+    repr(value))`` pairs of its hyper-parameters (numbers, lists and strings), passed to the constructor.
 
     Raises:
         ValueError: the class cannot be imported, built or stepped on CPU tensors (the message names it).
@@ -289,14 +286,8 @@ def _tensor_bytes(v: Any) -> int:
 
 
 def state_bytes(optim: Any, shapes: Sequence[tuple[str, tuple[int, ...]]]) -> int:
-    """Bytes of optimizer state on the RAM tier for a model's parameters.
-
-    Args:
-        optim: see :func:`resolve`.
-        shapes: ``(kind, shape)`` of every unique trainable parameter (:attr:`.counts.ParamCounts.shapes`).
-
-    Returns:
-        The sum of the spec's rule over ``shapes`` (bytes).
+    """Bytes of optimizer state on the RAM tier: the rule of ``optim`` (:func:`resolve`) summed over ``shapes``,
+    ``(kind, shape)`` of every unique trainable parameter (:attr:`.counts.ParamCounts.shapes`).
 
     Raises:
         ValueError: see :func:`resolve`.
@@ -314,11 +305,7 @@ def nvme_region_bytes(optim: Any, shapes: Sequence[tuple[str, tuple[int, ...]]])
     without momentum none). A block's update holds a region when any of its parameters uses it
     (``optim/host_generic.py`` ``_state_kinds``), so per block kind (embedding, layer, head): 4 B x that kind's
     elements x the most regions one of its parameters uses (8-bit AdamW's 1-D norms keep fp32 moments, so its
-    layers hold both).
-
-    Args:
-        optim: see :func:`resolve`.
-        shapes: as :func:`state_bytes`.
+    layers hold both). Arguments as :func:`state_bytes`.
 
     Raises:
         ValueError: see :func:`resolve`.
@@ -337,11 +324,7 @@ def nvme_region_bytes(optim: Any, shapes: Sequence[tuple[str, tuple[int, ...]]])
 
 
 def update_work(optim: Any, shapes: Sequence[tuple[str, tuple[int, ...]]]) -> tuple[float, float, bool]:
-    """The host update's work for a model's parameters: ``(factor, flops, measured)``.
-
-    Args:
-        optim: see :func:`resolve`.
-        shapes: as :func:`state_bytes`.
+    """The host update's work for a model's parameters (arguments as :func:`state_bytes`).
 
     Returns:
         ``factor``: the update's time per parameter relative to AdamW's (its cost over ``shapes`` / their elements;

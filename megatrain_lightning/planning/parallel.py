@@ -2,45 +2,32 @@
 the step-time bound of N GPUs sharing one host (docs/internals/planner.md, "Data parallel").
 
 R = ``trainer.devices`` (processes, one per GPU, per node), M = ``trainer.num_nodes``, W = R x M ranks.
-``batch_size`` is per process (as Lightning's): a step trains W x ``batch_size`` x ``seq_len`` tokens.
-The terms:
+``batch_size`` is per process (as Lightning's): a step trains W x ``batch_size`` x ``seq_len`` tokens. The terms
+(summarised in docs/internals/planner.md, "Data parallel"):
 
-* **Host RAM per node.** The training state is held once per node in shared memory (``/dev/shm``):
-  fp32 master 4 B/param + fp32 gradient accumulator 4 + AdamW exp_avg 4 + exp_avg_sq 4, or the state of the
-  planner's ``optim`` (:mod:`.optimizers`) (the parts of it on the RAM tier), whatever R, and so are the wire shadows (the bf16/fp16 wire images of mixed
-  precision, written by each slab's owner). Everything else it holds per process, R
-  times: the NVMe windows and H2D staging ring, the pinned D2H
-  staging buffers, offloaded activations, a CPU device's buffers, the process overhead (:func:`.terms.process_overhead`).
+* **Host RAM per node.** The training state on the RAM tier and the wire shadows (written by each slab's owner)
+  once per node in ``/dev/shm`` (:data:`SHARED_STATE` and the optimizer's state), whatever R; everything else per
+  process, R times.
 * **NVMe per node.** The state once per node: each process stores what the blocks it owns keep on NVMe (the
   strategy's ``nvme_for_rank``). With the masters on NVMe (one node, optimizer on NVMe; other combinations are
-  refused by the strategy and the plan says "fits: NO") each rank streams every block's weights:
-  the owner's update is fused with its forward fetch as in one process, the R - 1 other ranks read the
-  fp32 master again for their forward fetch, and every rank for its backward fetch (no shared read
-  cache assumed): NVMe reads = one process's + (R - 1) x (4 N + 4 x backward fetch reads).
-* **Gradients.** G = the gradient bytes one rank produces per step (every block read x gradient wire
-  bytes; the D2H gradient bytes of one process). Inside a node each block's gradients are reduced on
-  the devices to the block's owner (blocks split among the R ranks, balanced by bytes): like a ring
-  reduce-scatter, each rank sends and receives (R - 1)/R x G per step, and copies only its own
-  blocks to the host: max(G/R, the largest block's gradients) of D2H (+ its offloaded activations). Across nodes the owners of a block
-  all-reduce it: ring all-reduce, each node sends and receives 2 (M - 1)/M x G per step (the
-  bus-bandwidth factors of NCCL's ``nccl-tests`` doc/PERFORMANCE.md: reduce-scatter (n-1)/n,
-  all-reduce 2(n-1)/n; Patarasuk & Yuan 2009 for the ring all-reduce's optimality).
-* **Shared host.** The host AdamW runs once per node per step over all N parameters (each rank updates
-  its 1/R of the blocks, in parallel on the host's cores): its time is one process's, while the
-  node's compute is R times one GPU's. Host DRAM carries, per node and step: R x H2D (every rank
-  reads the weights it streams), the D2H writes (G + R x offloaded activations), the gradient
-  accumulation (each incoming element read, the fp32 accumulator read and written: G + 8 B x reads),
-  the AdamW update (28 B/param: reads param, grad, exp_avg, exp_avg_sq, writes param, exp_avg,
-  exp_avg_sq) + the wire-shadow cast, and the NVMe traffic.
+  refused by the strategy and the plan says "fits: NO") the owner's update is fused with its forward fetch, the
+  R - 1 others read the fp32 master again for their forward fetch, and every rank for its backward fetch (no
+  shared read cache assumed): NVMe reads = one process's + (R - 1) x (4 N + 4 x backward fetch reads).
+* **Gradients.** G = one process's D2H gradient bytes. Inside a node each block is reduced on the devices to its
+  owner (blocks split among the R ranks, balanced by bytes): like a ring reduce-scatter, each rank sends and
+  receives (R - 1)/R x G per step and copies max(G/R, the largest block's gradients) to the host (+ its offloaded
+  activations). Across nodes the owners ring all-reduce: each node sends and receives 2 (M - 1)/M x G (the
+  bus-bandwidth factors of NCCL's ``nccl-tests`` doc/PERFORMANCE.md; Patarasuk & Yuan 2009 for the ring
+  all-reduce's optimality).
+* **Shared host.** The host AdamW runs once per node over all N parameters (each rank updates its 1/R of the
+  blocks on the host's cores): one process's time, while the node's compute is R times one GPU's. Host DRAM
+  carries, per node and step: R x H2D, the D2H writes (G + R x offloaded activations), the gradient accumulation
+  (G + :data:`ACCUMULATE_BYTES` x reads), :data:`ADAMW_HOST_BYTES` x N + the wire-shadow cast, and the NVMe
+  traffic.
 
-Without an accelerator (``hardware.hbm_gib: null``) the R ranks compute on the node's CPU cores:
-the compute term is R x one process's (the preset's rate is the node's).
-
-Fastest step-time estimate = max(compute, per-GPU H2D, per-GPU D2H, NVMe read, NVMe write (per node),
-host AdamW (per node), host memory (per node), intra-node reduce, inter-node all-reduce); every
-stream is assumed to overlap with the others, and each GPU to have its own host link (where two GPUs
-share a PCIe switch uplink, halve ``hardware.h2d_gbps``). With no NVLink (``hardware.nvlink_gbps:
-null``) the intra-node reduce is planned at ``d2h_gbps`` and its sharing of the PCIe link is not
+Without an accelerator the R ranks share the node's CPU cores: compute is R x one process's. Each GPU is assumed to
+have its own host link (where two share a PCIe switch uplink, halve ``hardware.h2d_gbps``); without NVLink
+(``hardware.nvlink_gbps: null``) the intra-node reduce is planned at ``d2h_gbps``, its sharing of the PCIe link not
 counted. Units: bytes, seconds; bandwidths GB/s = 1e9 B/s.
 """
 
@@ -65,14 +52,10 @@ TMPFS_DEFAULT_FRACTION = 0.5
 
 
 def positive_count(value: Any, key: str) -> int:
-    """``value`` as a positive integer (an int, or a string of digits from the command line).
-
-    Args:
-        value: the setting's value.
-        key: the Hydra key that sets it (``trainer.devices``), for the message.
+    """``value`` as a positive integer (an int or a string of digits); ``key``: the Hydra key, for the message.
 
     Raises:
-        ValueError: ``value`` is a bool, float, list, word, zero or negative; names ``key``.
+        ValueError: anything else; names ``key``.
     """
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value.strip())
@@ -101,8 +84,7 @@ def intra_rate(hw: Any) -> tuple[float, str]:
 def scale_out(hw: Any, s: dict[str, Any], e: dict[str, Any], *, n_params: int, grads: int, largest_grads: int,
               accum_reads: int, act_io: int, master_fetch: int, shadow: int,
               master_fetch_forward: int = 0) -> dict[str, Any]:
-    """One process's estimate ``e`` (:func:`.terms._estimate`) for R x M ranks: per-node tiers, per-rank
-    links, per-node shared resources and the collectives (see the module docstring).
+    """One process's estimate ``e`` (:func:`.terms._estimate`) for R x M ranks (module docstring).
 
     Args:
         hw: the :class:`~.config.Hardware`.

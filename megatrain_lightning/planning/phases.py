@@ -3,26 +3,9 @@
 A step is a forward, then a backward. Inside a phase the compute thread, the H2D worker, the D2H worker,
 the NVMe I/O pool and the collectives run at once, each worker's own work one item after another
 (docs/architecture.md, "Threads, streams and locks"); work of one phase does not overlap the other. So a
-phase takes the longest of its *chains* (the terms one worker runs in series), and the step the sum of the
-two phases:
-
-============  =============================================  ===============================================
-chain         forward                                        backward
-============  =============================================  ===============================================
-compute       forward FLOPs (2 x N_matmul + attention)       2 x the forward's + the recompute's
-H2D worker    forward copies [+ host AdamW, deferred, NVMe   backward copies (recompute fetches, offloaded
-              tier]                                          activations)
-D2H worker    offloaded activations                          gradient copies + host gradient adds
-                                                             [+ host AdamW, ``optimizer_in_backward``, NVMe
-                                                             tier]
-update        RAM tier: host AdamW (deferred: all of it;     RAM tier, ``optimizer_in_backward``: its share
-worker        in backward: its share, below)                 (below)
-NVMe          reads + writes of the phase (deferred: the     the backward fetch's master reads, the
-              update's; in backward: the masters' forward    accumulators written (deferred) or the
-              fetch only)                                    update's reads and writes (in backward)
-host memory   data parallel: the phase's host DRAM bytes     the same
-collectives   --                                             intra-node reduce, inter-node all-reduce
-============  =============================================  ===============================================
+phase takes the longest of its *chains* (the terms one worker runs in series: :data:`CHAINS`,
+:data:`CHAINS_RAM`, :data:`CHAINS_CPU`; in words, docs/internals/planner.md, "Step time"), and the step the sum
+of the two phases.
 
 On a CPU device (a preset without an accelerator) the workers run on the cores that compute, each with one
 intra-op thread (``engine/threads.py``): their work does not overlap the compute but takes turns with it, so
@@ -32,20 +15,16 @@ the compute, the engine's fixed Python time per block call and per step (``engin
 
 On the RAM tier the updates run on the update worker (``optim/host_adamw.py``): deferred, from the start of the
 forward; with ``optimizer_in_backward`` from the backward, as each slab's gradients complete, through the next
-forward. The model splits that schedule's update between the phases in proportion to their lengths without it
-(:func:`update_share`), so the update is hidden while it is shorter than forward + backward, and what exceeds
-them is exposed in both in that proportion.
+forward, split between the phases in proportion to their lengths (:func:`update_share`): hidden while shorter
+than forward + backward, the excess exposed in both in that proportion.
 
-The H2D and D2H copies run on their own streams while the worker waits, and the NVMe reads run ahead of
-the fetch that needs them; the model still puts each worker's terms in series and the two NVMe
-directions on the same drives in series (conservative). Each term of :func:`.terms._estimate`'s ``times``
-is split between the phases (:func:`forward_share`), so the step lies between the largest term (every
-term overlapping: ``step_time_fastest_s``, the fastest estimate) and the sum of all terms, at the preset's rates
-(an estimate, not a bound on a real machine, whose rates may be higher).
+The copies run on their own streams while the worker waits, and the NVMe reads run ahead of the fetch that needs
+them; putting each worker's terms, and both NVMe directions, in series is conservative. Each term of
+:func:`.terms._estimate`'s ``times`` is split between the phases (:func:`forward_share`), so the step lies
+between the largest term (``step_time_fastest_s``) and the sum of all terms, at the preset's rates.
 
-``exposed``: the seconds a phase takes beyond its compute, given to the chain that bounds it; their sum
-is the step time minus the compute time. ``pessimistic``: the backward's H2D copies at half bandwidth
-while D2H copies run (measured on PCIe: H2D drops to about half while D2H runs).
+``exposed``: the seconds a phase takes beyond its compute, given to the chain that bounds it. ``pessimistic``:
+the backward's H2D copies at half bandwidth while D2H copies run (measured on PCIe).
 """
 
 from __future__ import annotations
@@ -78,8 +57,7 @@ CHAINS_CPU: dict[str, tuple[tuple[str, ...], ...]] = {
 
 
 def update_worker(s: dict[str, Any]) -> bool:
-    """Whether the plan's updates run on the update worker: nothing is on NVMe (the engine starts it on the RAM
-    tier only)."""
+    """Whether the plan's updates run on the update worker (the engine starts it on the RAM tier only)."""
     return not any_on_nvme(s)
 
 
@@ -93,8 +71,8 @@ def chain_table(e: dict[str, Any]) -> dict[str, tuple[tuple[str, ...], ...]]:
 
 def update_share(e: dict[str, Any], share: dict[str, float]) -> float:
     """The fraction of the host update that runs in the forward: 1 deferred; 0 in backward on the NVMe tier; in
-    backward on the RAM tier, the forward's length over forward + backward, each the longest of its other chains
-    (``share``: the forward fractions of the other terms)."""
+    backward on the RAM tier, the forward's length over both phases' without the update (``share``: the forward
+    fractions of the other terms)."""
     if not update_in_backward(e["settings"]):
         return 1.0
     if not update_worker(e["settings"]):
@@ -141,8 +119,8 @@ def phase_parts(e: dict[str, Any], pessimistic: bool = False) -> dict[str, dict[
 
 
 def chains(e: dict[str, Any], pessimistic: bool = False) -> dict[str, list[tuple[str, float]]]:
-    """Per phase, each chain of :data:`CHAINS` (same order, compute first) as (key, seconds); the key joins
-    the chain's terms that take time with ``+`` (``"h2d+host_adamw"``)."""
+    """Per phase, each chain of :func:`chain_table` (compute first) as (key, seconds); the key joins the chain's
+    terms that take time with ``+`` (``"h2d+host_adamw"``)."""
     parts = phase_parts(e, pessimistic)
     table = chain_table(e)
     out = {}
@@ -159,16 +137,14 @@ def phase_model(e: dict[str, Any], pessimistic: bool = False) -> dict[str, Any]:
     """The step of estimate ``e`` by phase.
 
     Returns:
-        ``phases``: phase -> (seconds, key of the chain that bounds it; ``"compute"`` when compute is at
-        least every other chain; on a CPU device the cores' chain, ``"compute+engine+host_adamw..."``, when it
-        bounds); ``step_time_s``: their sum; ``dominating``: the bound of the longer phase;
-        ``exposed``: chain key -> seconds beyond compute (only chains that bound a phase);
-        ``compute``: phase -> compute seconds.
+        ``phases``: phase -> (seconds, key of the chain that bounds it, ``"compute"`` when none is longer);
+        ``step_time_s``: their sum; ``dominating``: the bound of the longer phase; ``exposed``: chain key ->
+        seconds beyond compute (chains that bound a phase); ``compute``: phase -> compute seconds.
     """
     phases, exposed, compute = {}, {}, {}
     parts = phase_parts(e, pessimistic)
     for ph, row in chains(e, pessimistic).items():
-        comp = parts[ph].get("compute", 0.0)  # the first chain is compute alone, or on a CPU device all the cores' work
+        comp = parts[ph].get("compute", 0.0)
         key, t = max(row, key=lambda kv: kv[1])
         if t <= comp:
             key, t = "compute", comp

@@ -1,11 +1,8 @@
 """Preflight: refuse to start, with the numbers and what to change, when a tier is short.
 
-What is available is measured on the machine that runs the check unless given:
-host RAM = ``MemAvailable`` of ``/proc/meminfo`` (bytes the kernel can hand out without
-swapping; psutil is not a dependency), disk = ``shutil.disk_usage(path).free``, device =
-free bytes of ``torch.cuda.mem_get_info()`` when CUDA is available. A GPU plan checked on a
-machine without CUDA skips the device check (nothing to measure) unless ``device_bytes`` is
-given. Units: bytes in, GiB (2**30 B) in messages.
+What is available is measured on the machine that runs the check unless given (:func:`preflight`); a GPU plan
+checked without CUDA skips the device check unless ``device_bytes`` is given. Units: bytes in, GiB (2**30 B) in
+messages.
 """
 
 from __future__ import annotations
@@ -55,30 +52,26 @@ def preflight(p: Plan, *, host_ram_bytes: int | None = None, disk_free_bytes: in
 
     Args:
         p: the plan (its ``host``/``device``/``disk`` needs are compared).
-        host_ram_bytes: available host RAM; default ``MemAvailable``.
+        host_ram_bytes: available host RAM; default ``MemAvailable`` of ``/proc/meminfo`` (what the kernel can
+            hand out without swapping).
         disk_free_bytes: free disk; default ``shutil.disk_usage(path).free``.
         device_bytes: free accelerator memory; default ``torch.cuda.mem_get_info()[0]`` (CUDA only).
         path: where the NVMe store and checkpoints go (for the disk measurement).
-        keys: how the message names settings (:func:`.advice.key`): the recipe's Hydra keys
-            (``strategy.loss_chunk_size``, ``data.seq_len``; the default) or ``None`` for the
-            planner's command line (``loss_chunk_size``, ``seq_len``).
+        keys: how the message names settings (:func:`.advice.key`): the recipe's Hydra keys (the default) or
+            ``None`` for the planner's command line.
 
     Returns:
         ``{"host"|"device"|"disk": (need_bytes, have_bytes or None)}`` when everything fits.
 
     Raises:
-        PreflightError: one or more tiers are short; the message gives need and have in GiB
-            for each and what to change: for host RAM the NVMe tier with its numbers; for
-            device memory (and host RAM on a CPU device, where activations live in host RAM)
-            the longest ``seq_len`` that fits and the option that makes this one fit
-            (``strategy.recompute=selective`` / ``block`` when the layers keep more than their
-            inputs, ``strategy.loss_chunk_size=...``, ``strategy.offload_activations=true``...).
+        PreflightError: one or more tiers are short; the message gives need and have in GiB for each and what to
+            change (:mod:`.advice`).
     """
     host = host_ram_bytes if host_ram_bytes is not None else mem_available_bytes()
     disk = disk_free_bytes if disk_free_bytes is not None else shutil.disk_usage(path).free
     dev = device_bytes if device_bytes is not None else (device_free_bytes() if p.hardware.is_gpu else None)
     lines = shortfalls(p, host, dev, disk, where="measured here" if host_ram_bytes is None else "given")
-    # the NVMe tier's host_memory_limit, as the engine will check it on this machine (its default: half the RAM)
+    # the NVMe tier's host_memory_limit, as the engine will check it on this machine
     ram = physical_ram_bytes() if host_ram_bytes is None else host_ram_bytes
     _, mw, refusal, warning = limit_check(p.source, p.settings, p.hardware.is_gpu, p.settings.get("host_memory_limit"),
                                          ram, "this machine" if host_ram_bytes is None else "the given host")
@@ -119,18 +112,12 @@ def plan_for_run(model: Any, hardware: Any, strategy: Mapping[str, Any], *, batc
                  gradient_clip_val: float | None = None, optim: Any = None) -> Plan:
     """The plan of a recipe run from its composed config sections (``cfg.model``, ``cfg.hardware``,
     ``cfg.strategy``; DictConfigs or mappings), reading every strategy option the planner models
-    (``lookahead``, ``block_group``, ``recompute_every``, ``offload_activations``, ``offload_params``,
-    ``offload_optimizer`` -- which moves the gradient accumulators too, ``loss_chunk_size``,
-    ``mlp_chunk_size``, ``recompute``, ``activation_memory_limit``, ``optimizer_in_backward``); options the composed
-    config does not set take ``MegaTrainConfig``'s defaults.
-    ``devices``/``num_nodes`` (``trainer.devices``/``trainer.num_nodes``, integers) plan the host per node
-    (:mod:`.parallel`). ``gradient_clip_val`` (``trainer.gradient_clip_val``; ``None`` or 0: no clipping) and
-    ``precision="16-mixed"`` (loss scaling) need every gradient of the step before any update, so the strategy
-    runs the deferred AdamW schedule whatever ``optimizer_in_backward`` says (``MegaTrainStrategy``
-    ``_update_in_backward_now``): the plan then does too (its NVMe traffic: the accumulators written and read
-    back, 16 instead of 12 B/param written). ``optim``: the recipe's ``cfg.optim`` (``_target_`` and
-    hyper-parameters, ``conf/optim/<name>.yaml``; ``None``: AdamW), whose state the plan counts
-    (:mod:`.optimizers`). Pass it to :func:`preflight`."""
+    (``offload_optimizer`` moves the gradient accumulators too); unset options take ``MegaTrainConfig``'s
+    defaults. ``devices``/``num_nodes``: ``trainer.devices``/``trainer.num_nodes``. ``gradient_clip_val``
+    (``None`` or 0: no clipping) and ``precision="16-mixed"`` (loss scaling) need every gradient of the step before
+    any update, so the strategy runs the deferred AdamW schedule whatever ``optimizer_in_backward`` says
+    (``MegaTrainStrategy._update_in_backward_now``), and so does the plan. ``optim``: the recipe's ``cfg.optim``
+    (``None``: AdamW). Pass the plan to :func:`preflight`."""
     from .config import as_plain_dict, strategy_default
 
     st = as_plain_dict(strategy) if strategy is not None else {}
@@ -139,7 +126,7 @@ def plan_for_run(model: Any, hardware: Any, strategy: Mapping[str, Any], *, batc
         return st[name] if name in st else strategy_default(name)
 
     in_bwd = opt("optimizer_in_backward")
-    if gradient_clip_val or str(precision) in ("16-mixed", "16"):  # the strategy's fallback to the deferred schedule
+    if gradient_clip_val or str(precision) in ("16-mixed", "16"):
         in_bwd = False
     return plan(as_plain_dict(model), as_plain_dict(hardware), batch_size=int(batch_size), seq_len=int(seq_len),
                 precision=str(precision), lookahead=int(opt("lookahead")), block_group=opt("block_group"),

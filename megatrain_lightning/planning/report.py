@@ -274,9 +274,8 @@ def format_plan(p: Plan) -> str:
 
 
 def advice(p: Plan) -> list[str]:
-    """What the report suggests below its verdict, one line each: the ``tip:`` lines (recompute mode, block_group,
-    the NVMe window), then, when the plan does not fit, what to change (device memory; ``change:`` lines for host
-    RAM). ``json=true`` prints them as the plan's ``"advice"``."""
+    """What the report suggests below its verdict, one line each: the ``tip:`` lines, then, when the plan does not
+    fit, what to change. ``json=true`` prints them as the plan's ``"advice"``."""
     out = [tip for tip in (recompute_advice(p), block_group_advice(p), window_advice(p)) if tip]
     if any(r.startswith("device memory short") for r in p.reasons):
         out += device_advice(p, p.capacity["device"], p.capacity["host"], None)
@@ -286,8 +285,8 @@ def advice(p: Plan) -> list[str]:
 
 
 def schedule_words(in_backward: bool, worker: bool) -> str:
-    """The AdamW schedule in words, with the strategy option that selects it; ``worker``: the RAM tier's update
-    worker runs the updates (:func:`.phases.update_worker`)."""
+    """The AdamW schedule in words, with the strategy option that selects it (``worker``:
+    :func:`.phases.update_worker`)."""
     if in_backward:
         return ("optimizer_in_backward=True (each slab's update starts when its gradients are complete, "
                 + ("on the update worker, through the next forward)" if worker else "on the D2H worker)"))
@@ -381,11 +380,8 @@ TERM_SOURCES = {"compute": "compute", "h2d": "link", "d2h": "link", "nvme_read":
 
 
 def fastest_line(p: Plan) -> str:
-    """The fastest estimate: the step if every term overlapped every other, i.e. the largest term
-    (:attr:`~.estimate.Plan.step_time_fastest_s`), with the resource whose rate it rests on and that rate's source.
-
-    Not a lower bound: every term is bytes or FLOPs over a preset's rate (datasheet figures and assumptions), so a
-    machine whose real rate is higher than the preset's (or one measured on a quieter day) runs faster than this."""
+    """The fastest estimate (:attr:`~.estimate.Plan.step_time_fastest_s`) with the resource whose rate it rests on
+    and that rate's source; not a lower bound: a machine whose real rate is higher than the preset's runs faster."""
     k = p.dominating_fastest
     src = (p.hardware.sources or {}).get(TERM_SOURCES.get(k, ""), "")
     return (f"fastest estimate (every term overlapping): {p.step_time_fastest_s:,.3f} s/step, the {_label(p, k)} "

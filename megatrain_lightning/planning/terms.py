@@ -1,111 +1,85 @@
 """The planner's arithmetic: bytes per memory tier, bytes moved and the seconds of each term per optimizer step.
 
-Every number follows from the parameter counts of the real model (:mod:`.counts`, meta
-device), the settings, and one :class:`~.config.Hardware` preset. Units: bytes, seconds,
-FLOP; GiB = 2**30 B; bandwidths in GB/s = 1e9 B/s; compute in TFLOP/s = 1e12 FLOP/s.
+Every number follows from the parameter counts of the real model (:mod:`.counts`, meta device), the settings and
+one :class:`~.config.Hardware` preset. Units: bytes, seconds, FLOP; GiB = 2**30 B; GB/s = 1e9 B/s; TFLOP/s = 1e12
+FLOP/s.
 
 Memory tiers (docs/architecture.md, "Memory tiers"), N = unique parameters (tied counted once):
 
-* host RAM: fp32 master 4 B/param, fp32 gradient accumulator 4, the optimizer's state (``optim``,
-  :mod:`.optimizers`: AdamW exp_avg 4 and exp_avg_sq 4; SGD's momentum 4; Adafactor's factored
-  variance 4 x (rows + cols) per matrix...; on the NVMe tier the store's two fp32 regions, 8 B/param on
-  disk whatever the optimizer), plus the cached wire image of each slab under a 2-byte wire (the engine
-  casts each slab once per step after its update and streams the copy; ``engine/wire.py``:
-  under the mixed modes only weights autocast casts travel in bf16/fp16, 2 B, the others in
-  fp32, 4 B, and a slab that is all fp32 streams its master and has no image; ``bf16-true``:
-  2 B for every parameter); 2 pinned D2H staging buffers of the largest slab's gradients in
-  the gradient wire dtype (``CUDATransport``'s ``n_staging``); masters, wire images and staging
-  buffers are pinned at their exact size (``store/pinned.py``, 4 KiB pages); offloaded block inputs
-  are still pinned through torch's caching host allocator, which rounds each up to a power of
-  two (listed as its own line); offloaded activations (:mod:`.activations`); the process's own
-  overhead (:func:`process_overhead`: Python, torch, Lightning, the data loader; 0.41 GiB measured on a
-  CPU preset, 4 GiB assumed on a GPU preset for the CUDA context's host side and libraries). A part moved to
-  NVMe leaves the engine's minimum window in RAM (``store/nvme.py`` ``NVMeConfig.min_window``: the largest
-  slab's update working set, master, ``exp_avg``, ``exp_avg_sq`` and accumulator, and one more accumulator
-  being filled), with NVMe masters the H2D staging ring the engine reserves in the same budget (2 slots of the
-  largest slab at 4 B, one on a CPU device: ``engine/window.py`` ``window_sizes``); on a GPU preset these rows
-  and the D2H staging sum to the engine's own minimum (``tests/test_plan_block_group.py``). Above the minimum
-  the window caches regions up to ``host_memory_limit`` (:func:`window_fill`).
-* device: the weights of ``lookahead + 1`` fetches in the compute dtype (fp32 under the mixed
-  modes: the wire image is upcast on the device, ``transport.to_device``), each fetch either one
-  block (at most the largest block) or, with ``block_group=G`` > 1, a group of up to G consecutive
-  decoder layers (``engine/block_groups.py``): (lookahead + 1) x max(largest block, G x largest
-  layer) parameters, the ``(lookahead + 1) x G`` decoder layers the engine may hold in flight; plus the wire image
-  being decoded and, under autocast, its cache of the castable weights' bf16/fp16 casts (alive
-  while the block computes), the computing block's parameter gradients (compute dtype) plus the packed
-  gradient batches queued for the D2H worker (``transport.stage_grads``; at most
-  ``D2H_INFLIGHT`` = 2, ``GradientSink``'s ``max_inflight``), the activations
-  (:mod:`.activations`: saved block inputs, the computing block's working set or the LM head's
-  logits, by option), and a 2 GiB runtime reserve (CUDA context, cuBLAS workspaces, allocator
-  fragmentation; assumption). With no accelerator (``hbm_gib: null``) the device buffers are
-  host RAM and are added to the host tier; there, under ``32-true`` with ``cpu_zero_copy``
-  (the strategy's default) blocks bind the fp32 masters directly: no weight buffers and no H2D.
-* disk: the NVMe store (the parts moved there) + ``keep_checkpoints`` directory
-  checkpoints (a save keeps the previous one complete until the new one is renamed in).
-  A checkpoint is fp32 weights + the optimizer's state (both AdamW moments: 12 B/param; the NVMe tier's two
-  regions: 12 B/param whatever the optimizer) + 16 MiB of metadata allowance (config, index, checksums,
-  trainer state).
+* host RAM: fp32 master 4 B/param, fp32 gradient accumulator 4, the optimizer's state (:mod:`.optimizers`; on the
+  NVMe tier the store's two fp32 regions, 8 B/param on disk whatever the optimizer); the cached wire image of each
+  slab under a 2-byte wire (cast once per step after its update, ``engine/wire.py``: under the mixed modes only
+  weights autocast casts travel in 2 B, the others in 4 B, and an all-fp32 slab streams its master and has no
+  image; ``bf16-true``: 2 B for every parameter); 2 pinned D2H staging buffers of the largest slab's gradients in
+  the gradient wire dtype (``CUDATransport``'s ``n_staging``). Masters, wire images and staging buffers are pinned
+  at their exact size (``store/pinned.py``, 4 KiB pages); offloaded block inputs go through torch's caching host
+  allocator, which rounds each up to a power of two (its own line). Plus offloaded activations
+  (:mod:`.activations`) and :func:`process_overhead`. A part moved to NVMe leaves the engine's minimum window in
+  RAM (``store/nvme.py`` ``NVMeConfig.min_window``: the largest slab's master, ``exp_avg``, ``exp_avg_sq`` and
+  accumulator, and one more accumulator being filled), with NVMe masters also the H2D staging ring in the same
+  budget (2 slots of the largest slab at 4 B, one on a CPU device: ``engine/window.py`` ``window_sizes``); on a
+  GPU preset these rows and the D2H staging sum to the engine's own minimum (``tests/test_plan_block_group.py``).
+  Above the minimum the window caches regions up to ``host_memory_limit`` (:func:`window_fill`).
+* device: ``lookahead + 1`` fetches in the compute dtype (fp32 under the mixed modes: the wire image is upcast on
+  the device, ``transport.to_device``), each one block or, with ``block_group=G`` > 1, up to G consecutive decoder
+  layers (``engine/block_groups.py``): :func:`block_weights`; plus the wire image being decoded, under autocast
+  its cache of the castable weights' casts (alive while the block computes), the computing block's parameter
+  gradients (compute dtype), at most ``D2H_INFLIGHT`` = 2 packed gradient batches queued for the D2H worker
+  (``transport.stage_grads``, ``GradientSink``'s ``max_inflight``), the activations (:mod:`.activations`) and a
+  2 GiB runtime reserve (CUDA context, cuBLAS workspaces, allocator fragmentation; assumption). Without an
+  accelerator (``hbm_gib: null``) the device buffers are host RAM, added to the host tier; there, under
+  ``32-true`` with ``cpu_zero_copy`` (the strategy's default) blocks bind the fp32 masters: no weight buffers, no
+  H2D.
+* disk: the NVMe store + ``keep_checkpoints`` directory checkpoints (a save keeps the previous one complete until
+  the new one is renamed in). A checkpoint is fp32 weights + the optimizer's state (AdamW: 12 B/param in all; the
+  NVMe tier's two regions: 12 B/param whatever the optimizer) + 16 MiB of metadata allowance (config, index,
+  checksums, trainer state).
 
 Per optimizer step (one micro-batch of ``batch_size`` x ``seq_len`` tokens):
 
-* H2D = the wire bytes (2 B per castable weight, 4 B per other parameter under the mixed
-  modes; see above) of 2 x the params read by all blocks - those of the last block: the forward
-  fetch plus the backward fetch that recomputes each block, except the last block of the
-  forward (the LM head), which keeps its graph and its weights on the device until its
-  backward and so is fetched once (the final norm before it is its own block, fetched
-  twice: ``ParamCounts.head_refetched``; tied weights are fetched by both blocks that read
-  them); the embedding's backward fetches nothing under every ``recompute`` mode (it keeps
-  its graph, which holds only the token indices). H2D counts bytes copied host -> device: on a CPU
-  device with ``cpu_zero_copy`` what already has the compute dtype is bound, not copied
-  (:func:`binds_in_place`: everything under ``32-true`` and ``bf16-true``, the all-fp32 slabs under the
-  mixed modes). Checked against the engine's measured ``megatrain/h2d_bytes``, which counts the same
-  copies (tests/test_plan_recompute.py, with and without ``cpu_zero_copy``);
-  with ``recompute_every=K`` the recompute chains fetch (K-1)/K of the layers once more;
+* H2D = the wire bytes (:func:`wire_bytes`) of 2 x the params read by all blocks - those of the last block: the
+  forward fetch plus the backward fetch that recomputes each block, except the LM head, which keeps its graph and
+  weights on the device until its backward (the final norm before it is its own block, fetched twice:
+  ``ParamCounts.head_refetched``; tied weights are fetched by both blocks that read them); the embedding's
+  backward fetches nothing under every ``recompute`` mode (its graph holds only the token indices). On a CPU
+  device with ``cpu_zero_copy`` what already has the compute dtype is bound, not copied (:func:`binds_in_place`).
+  Checked against the engine's measured ``megatrain/h2d_bytes`` (tests/test_plan_recompute.py, with and without
+  ``cpu_zero_copy``). With ``recompute_every=K`` the recompute chains fetch (K-1)/K of the layers once more;
   offloaded activations come back in backward.
-* D2H = (params read by all blocks) x gradient bytes (fp32 by default, bf16 for
-  ``bf16-true`` or ``grad_dtype``), plus offloaded activations in forward; the input
-  embedding's gradient counts as the rows its tokens read, B x T x (H x gradient bytes + 8),
-  when that is less than its V x H table (engine/row_grads.py; data parallel: dense).
-* NVMe (when offloaded): AdamW's moments read 8 B/param + written 8 (another optimizer: the regions its state
-  packs into, :func:`.optimizers.nvme_region_bytes`); masters read 4 (the update is
-  fused with the forward fetch) + 4 again for the backward fetch (cast to the wire image on the
-  host), written 4; gradient accumulators, under the deferred schedule only, written 4 + read 4.
-  Written per step (AdamW): 12 B/param under ``optimizer_in_backward`` (the NVMe tier's default), 16 deferred.
-  Source: the engine writes a region back only when a ``hold(..., write=True)`` ends
-  (``store/nvme.py`` ``_unpin`` -> ``_write_back``): the update holds master, ``exp_avg`` and
-  ``exp_avg_sq`` for writing and the accumulator for reading (``optim/host_adamw.py`` ``_update``);
-  the D2H worker's add holds the accumulator with ``write=not final`` (``engine/grads.py``
-  ``_accumulate``), so the last add of a step that updates in backward never marks it for write-back, and
-  the update then drops it unwritten (``discard_grad_accum``). Checked against the engine's measured
-  ``megatrain/nvme_write_bytes`` (tests/test_plan_nvme_io.py). Each region is padded to 4 KiB on disk
-  (``store/nvme.py`` ``align_up``), not counted here (a few KiB per block).
-* compute FLOPs ~ 6 x N_matmul x tokens + 6 x L x T x d_attn x tokens: forward + backward
-  (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", table 1: C_forward ~ 2N +
-  2 n_layer n_ctx d_attn, backward = 2 x forward), plus the recompute, by ``recompute`` mode
-  (:func:`recompute_flops`): ``"block"`` re-runs each decoder layer's forward in backward,
-  2 x N_layers + 2 x L x T x d_attn per token (the LM head keeps its graph and the embedding is a
-  lookup: neither is recomputed), ``"selective"`` only the cheap ops (norms, activations,
-  elementwise: counted 0), ``"none"`` nothing; ``"auto"`` per layer as its mix; plus
-  (K-1)/K x one more layer forward with K > 1 for the layers that recompute; plus, with
-  ``mlp_chunk_size`` shorter than the sequence, one more MLP forward per ``"block"`` layer (each chunk's
-  checkpoint re-runs it in backward, ``engine/chunked_mlp.py``): 2 x 3 x H x I per token and layer.
-  N_matmul excludes the input-embedding lookup (no FLOPs) unless it is tied to the LM head.
-* host AdamW: N / ``host_adam_gparams_per_s`` (torch's fused CPU kernel; the shadow cast is
-  folded into the presets' memory-bandwidth assumption, measured separately at 4.5 G
-  params/s on the 2-core dev box); another optimizer scales it by its measured time per parameter
-  relative to AdamW, Muon adds its Newton-Schulz FLOPs / ``host_bf16_tflops`` (:func:`host_update_seconds`).
+* D2H = (params read by all blocks) x gradient bytes (fp32 by default, bf16 for ``bf16-true`` or
+  ``grad_dtype``), plus offloaded activations in forward; the input embedding's gradient counts as the rows its
+  tokens read, B x T x (H x gradient bytes + 8), when that is less than its V x H table (engine/row_grads.py;
+  data parallel: dense).
+* NVMe (when offloaded): AdamW's moments read 8 B/param + written 8 (another optimizer: the regions its state packs
+  into, :func:`.optimizers.nvme_region_bytes`); masters read 4 (the update is fused with the forward fetch) + 4
+  for the backward fetch (cast to the wire image on the host), written 4; gradient accumulators, deferred schedule
+  only, written 4 + read 4. Written per step (AdamW): 12 B/param under ``optimizer_in_backward`` (the NVMe tier's
+  default), 16 deferred. Source: a region is written back only when a ``hold(..., write=True)`` ends
+  (``store/nvme.py`` ``_unpin`` -> ``_write_back``); the update holds master, ``exp_avg`` and ``exp_avg_sq`` for
+  writing and the accumulator for reading (``optim/host_adamw.py`` ``_update``); the D2H worker's add holds the
+  accumulator with ``write=not final`` (``engine/grads.py`` ``_accumulate``), so in backward the update drops it
+  unwritten (``discard_grad_accum``). Checked against the engine's ``megatrain/nvme_write_bytes``
+  (tests/test_plan_nvme_io.py). The 4 KiB padding of each region on disk (``store/nvme.py`` ``align_up``) is not
+  counted (a few KiB per block).
+* compute FLOPs ~ 6 x N_matmul x tokens + 6 x L x T x d_attn x tokens: forward + backward (Kaplan et al. 2020,
+  "Scaling Laws for Neural Language Models", table 1: C_forward ~ 2N + 2 n_layer n_ctx d_attn, backward = 2 x
+  forward), plus the recompute by ``recompute`` mode (:func:`recompute_flops`), plus, with ``mlp_chunk_size``
+  shorter than the sequence, one more MLP forward per ``"block"`` layer (each chunk's checkpoint re-runs it in
+  backward, ``engine/chunked_mlp.py``): 2 x 3 x H x I per token and layer. N_matmul excludes the input-embedding
+  lookup unless it is tied to the LM head (:attr:`.counts.ParamCounts.matmul_params`).
+* host AdamW: N / ``host_adam_gparams_per_s`` (torch's fused CPU kernel; the shadow cast is folded into the
+  presets' memory-bandwidth assumption, measured separately at 4.5 G params/s on the 2-core dev box); other
+  optimizers: :func:`host_update_seconds`.
 
 Fastest estimate of the step time = max(compute at peak dense TFLOP/s (bf16 for 2-byte wire modes, fp32
-non-tensor for ``32-true``), H2D / h2d bandwidth, D2H / d2h bandwidth, NVMe reads / (drives x
-read bandwidth), NVMe writes / (drives x write bandwidth), host AdamW): every stream is assumed
-to overlap perfectly with the others. It is an estimate at the preset's rates, not a lower bound: a
-machine whose rate for the largest term is higher than the preset's steps faster. PCIe is full duplex, but H2D was measured to drop to
-about half its bandwidth while D2H runs; D2H only runs during backward, so the *pessimistic*
-variant charges the forward H2D at full bandwidth and the backward H2D at half bandwidth
-while the D2H proceeds alongside: link = H2D_fwd / bw + max(2 x H2D_bwd / bw, D2H / d2h_bw).
+non-tensor for ``32-true``), H2D / h2d bandwidth, D2H / d2h bandwidth, NVMe reads / (drives x read bandwidth),
+NVMe writes / (drives x write bandwidth), host AdamW): every stream overlapping perfectly. An estimate at the
+preset's rates, not a lower bound. PCIe is full duplex, but H2D was measured to drop to about half its bandwidth
+while D2H runs; D2H only runs during backward, so the *pessimistic* variant charges the backward H2D at half
+bandwidth: link = H2D_fwd / bw + max(2 x H2D_bwd / bw, D2H / d2h_bw).
 
-With ``devices`` > 1 or ``num_nodes`` > 1 (data parallel) :func:`.parallel.scale_out` turns the
-one-process numbers into per-node tiers and shared-host terms, and adds the gradient collectives.
+With ``devices`` > 1 or ``num_nodes`` > 1 (data parallel) :func:`.parallel.scale_out` turns the one-process
+numbers into per-node tiers and shared-host terms, and adds the gradient collectives.
 """
 
 from __future__ import annotations
@@ -145,17 +119,15 @@ TERM_LABELS = {"compute": "compute", "h2d": "H2D copies", "d2h": "D2H copies", "
                "nvme_write": "NVMe writes", "host_adamw": "host AdamW", "grad_add": "host gradient adds",
                "host_memory": "host memory", "intra_node": "intra-node reduce", "inter_node": "inter-node all-reduce",
                "engine": "engine CPU time"}
-#: host DRAM bytes per gradient element of the D2H worker's add into the fp32 accumulator, by gradient wire
-#: bytes: fp32 reads the gradient (4) and the accumulator (4) and writes the accumulator (4); a 2-byte gradient
-#: is read (2) and cast to a fp32 temporary first (torch casts a CPU operand of another dtype before the
-#: kernel: written 4, read 4), then added (8)
+#: host DRAM bytes per gradient element of the D2H worker's add into the fp32 accumulator, by gradient wire bytes:
+#: fp32: gradient read 4 + accumulator read 4 and written 4; 2-byte: read 2, cast to an fp32 temporary first
+#: (torch casts a CPU operand of another dtype before the kernel: written 4, read 4), then the 8 of the add
 GRAD_ADD_BYTES = {4: 12, 2: 18}
 
 
 def term_label(key: str, settings: dict[str, Any] | None = None) -> str:
-    """The label of a term (``"h2d"``) or of a chain of terms one worker runs one after the other
-    (``"h2d+host_adamw"`` -> ``"H2D copies + host AdamW"``, :mod:`.phases`); with a plan's ``settings`` the host
-    update's label names its optimizer when it is not AdamW/Adam (``"host Adafactor"``)."""
+    """The label of a term or chain of terms (``"h2d+host_adamw"`` -> ``"H2D copies + host AdamW"``,
+    :mod:`.phases`); with ``settings`` the host update names a non-AdamW optimizer (``"host Adafactor"``)."""
     title = optim_title(settings) if settings else "AdamW"
 
     def one(k: str) -> str:
@@ -166,7 +138,7 @@ def term_label(key: str, settings: dict[str, Any] | None = None) -> str:
 
 
 def optim_title(s: dict[str, Any]) -> str:
-    """The optimizer's short name (``"AdamW"``, ``"Adafactor"``...; :mod:`.optimizers`) of settings ``s``."""
+    """The optimizer's short name (``"AdamW"``, ``"Adafactor"``...) of settings ``s``."""
     return optim_label(s.get("optim")).split()[0]
 
 
@@ -177,9 +149,8 @@ def _param_shapes(c: ParamCounts) -> tuple[tuple[str, tuple[int, ...]], ...]:
 
 
 def optim_state_bytes(c: ParamCounts, s: dict[str, Any]) -> int:
-    """Host bytes of the optimizer's state on the RAM tier: :func:`.optimizers.state_bytes` of ``s["optim"]`` over the
-    model's parameter shapes (:attr:`.counts.ParamCounts.shapes`; a hand-made ``ParamCounts`` without shapes counts
-    as one 1-D tensor of N elements per block).
+    """Host bytes of the optimizer's state on the RAM tier: :func:`.optimizers.state_bytes` over
+    :func:`_param_shapes`.
 
     Raises:
         ValueError: see :func:`.optimizers.resolve`.
@@ -188,24 +159,22 @@ def optim_state_bytes(c: ParamCounts, s: dict[str, Any]) -> int:
 
 
 def host_update_work(c: ParamCounts, s: dict[str, Any]) -> tuple[float, float, bool]:
-    """The chosen optimizer's host update per step: :func:`.optimizers.update_work` over the model's parameter shapes
-    (as :func:`optim_state_bytes`): ``(time per parameter relative to AdamW, Newton-Schulz FLOPs, measured)``."""
+    """:func:`.optimizers.update_work` over :func:`_param_shapes`: ``(time per parameter relative to AdamW,
+    Newton-Schulz FLOPs, measured)``."""
     return update_work(s.get("optim"), _param_shapes(c))
 
 
 def host_update_seconds(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> float:
-    """Seconds of the host update per step: N x (the optimizer's time per parameter relative to AdamW) /
-    ``hw.host_adam_gparams_per_s``, plus Muon's Newton-Schulz FLOPs / ``hw.host_bf16_tflops`` when the preset has
-    that rate (:func:`host_update_work`)."""
+    """Seconds of the host update per step: N x (time per parameter relative to AdamW) /
+    ``hw.host_adam_gparams_per_s``, plus Muon's Newton-Schulz FLOPs / ``hw.host_bf16_tflops`` when the preset has it."""
     factor, flops, _ = host_update_work(c, s)
     t = c.total * factor / (hw.host_adam_gparams_per_s * 1e9)
     return t + (flops / (hw.host_bf16_tflops * 1e12) if flops and hw.host_bf16_tflops else 0.0)
 
 
 def block_calls(c: ParamCounts, s: dict[str, Any]) -> tuple[int, int]:
-    """Block calls per step (forward, backward): the forward calls every block once (embedding, the decoder
-    layers, the LM head); the backward calls each block's backward and recomputes the layers that keep no graph
-    (``recompute`` block or selective: :func:`.activations.layer_mix`)."""
+    """Block calls per step ``(forward, backward)``: every block once each way, plus the backward's recompute of
+    the ``"block"``/``"selective"`` layers (:func:`.activations.layer_mix`)."""
     from .activations import layer_mix
 
     mix = layer_mix(c, s)
@@ -214,11 +183,9 @@ def block_calls(c: ParamCounts, s: dict[str, Any]) -> tuple[int, int]:
 
 
 def engine_seconds(c: ParamCounts, hw: Hardware, s: dict[str, Any], activations: int = 0) -> tuple[float, float] | None:
-    """The engine's own CPU time per step by phase (forward with the per-step part, backward), seconds: block
-    calls x ``hw.block_call_ms`` + ``hw.step_overhead_ms`` (:func:`block_calls`), and in the forward the
-    ``activations`` bytes (the CPU device's, given back to the kernel at the last step's end) faulted in again at
-    ``hw.page_fill_gbps`` when the preset has it; ``None`` on a GPU preset or a preset without the per-call
-    figures (:class:`~.config.Hardware`)."""
+    """The engine's own CPU time per step, seconds ``(forward with the per-step part, backward)``: block calls x
+    ``hw.block_call_ms`` + ``hw.step_overhead_ms``, and in the forward the ``activations`` bytes faulted in again at
+    ``hw.page_fill_gbps`` (:class:`~.config.Hardware`); ``None`` on a GPU preset or without the per-call figures."""
     if hw.is_gpu or hw.block_call_ms is None or hw.step_overhead_ms is None:
         return None
     fwd, bwd = block_calls(c, s)
@@ -227,8 +194,8 @@ def engine_seconds(c: ParamCounts, hw: Hardware, s: dict[str, Any], activations:
 
 
 def checkpoint_state_bytes(c: ParamCounts, s: dict[str, Any]) -> int:
-    """Optimizer bytes in a checkpoint: the class's state on the RAM tier (:func:`optim_state_bytes`), the store's
-    two fp32 regions (``NVME_STATE_BYTES`` per parameter) on the NVMe tier."""
+    """Optimizer bytes in a checkpoint: :func:`optim_state_bytes` on the RAM tier, ``NVME_STATE_BYTES`` x N on the
+    NVMe tier."""
     return optim_state_bytes(c, s) if s["offload_optimizer"] == "cpu" else NVME_STATE_BYTES * c.total
 
 
@@ -238,10 +205,9 @@ def any_on_nvme(s: dict[str, Any]) -> bool:
 
 
 def update_in_backward(s: dict[str, Any]) -> bool:
-    """Whether the AdamW update of each slab starts in the backward, after the slab's last gradient add
-    (``optimizer_in_backward``: on the update worker on the RAM tier, on the D2H worker on the NVMe tier); else the
-    deferred schedule updates slab j in the next forward, before its copy; ``None`` is decided by the strategy's rule
-    (:func:`~megatrain_lightning.config.optimizer_in_backward_on`: on when any state is on NVMe)."""
+    """Whether each slab's update runs in the backward after its last gradient add (``optimizer_in_backward``: on
+    the update worker on the RAM tier, the D2H worker on the NVMe tier), else deferred to the next forward before
+    its copy; ``None``: :func:`~megatrain_lightning.config.optimizer_in_backward_on` (on when any state is on NVMe)."""
     from ..config import optimizer_in_backward_on
 
     v = s.get("optimizer_in_backward")
@@ -253,24 +219,22 @@ def _pow2_waste(nbytes: int) -> int:
 
 
 def wire_bytes(params: int, castable: int, wire: int) -> int:
-    """Bytes of ``params`` parameters on the H2D link, ``castable`` of them castable
-    (:func:`megatrain_lightning.engine.wire.autocast_casts`): under a 2-byte wire only the castable
-    ones travel in 2 bytes, the rest (embeddings, norms, tied weights) in fp32 (``engine/wire.py``;
-    the up-to-15-byte alignment of each run of a mixed image is not counted)."""
+    """Bytes of ``params`` parameters on the H2D link: under a 2-byte wire only the ``castable`` ones
+    (:func:`megatrain_lightning.engine.wire.autocast_casts`) travel in 2 B, the rest (embeddings, norms, tied
+    weights) in fp32 (``engine/wire.py``; the up-to-15-byte alignment of each run of a mixed image not counted)."""
     return params * 4 if wire == 4 else castable * wire + (params - castable) * 4
 
 
 def group_size(c: ParamCounts, s: dict[str, Any]) -> int:
-    """Decoder layers one fetch moves at most: ``block_group``, capped at the number of layers (the
-    engine's ``max(map(len, groups))`` for a stack of one decoder-layer class, ``engine/block_groups.py``)."""
+    """Decoder layers one fetch moves at most: ``block_group`` capped at the layer count (the engine's
+    ``max(map(len, groups))`` for one decoder-layer class, ``engine/block_groups.py``)."""
     return max(1, min(int(s.get("block_group", 1)), c.num_layers or 1))
 
 
 def layers_in_flight(c: ParamCounts, s: dict[str, Any]) -> int:
     """Decoder layers whose weights the device may hold at once: ``(lookahead + 1) x`` :func:`group_size`,
-    but never more than the model has (``block_group`` >= the layer count makes one group of all of them,
-    ``engine/block_groups.py`` ``form_groups``; the other fetches in flight are then the embedding and the
-    head)."""
+    at most all of them (``form_groups`` then makes one group; the other fetches in flight are the embedding and
+    the head)."""
     return min((s["lookahead"] + 1) * group_size(c, s), c.num_layers)
 
 
@@ -286,8 +250,8 @@ def block_weights(c: ParamCounts, s: dict[str, Any]) -> int:
 
 
 def layer_wire_bytes(c: ParamCounts, s: dict[str, Any]) -> int:
-    """Bytes of the largest decoder layer on the H2D link in the wire dtype (:func:`wire_bytes`; all
-    2-byte under ``bf16-true``); 0 for a model without decoder layers."""
+    """Bytes of the largest decoder layer on the H2D link (:func:`wire_bytes`; all 2-byte under ``bf16-true``);
+    0 without decoder layers."""
     wire = PRECISIONS[s["precision"]][0]
     reads = list(zip(c.block_reads, c.castable_reads))[1:-1]
     if s["precision"] == "bf16-true":
@@ -296,54 +260,48 @@ def layer_wire_bytes(c: ParamCounts, s: dict[str, Any]) -> int:
 
 
 def transfer_bytes(c: ParamCounts, s: dict[str, Any]) -> int:
-    """Bytes of one decoder-layer fetch on the H2D link: the largest layer's wire bytes
-    (:func:`layer_wire_bytes`) x :func:`group_size` (``block_group`` consecutive layers per transfer).
-    The embedding and the LM head are fetched alone (never grouped). Nothing is copied on a CPU device
-    with ``cpu_zero_copy`` (:func:`zero_copy`); this is the size a copy would have."""
+    """Bytes of one decoder-layer fetch: :func:`layer_wire_bytes` x :func:`group_size` (the embedding and the LM
+    head are never grouped); the size a copy would have where none is made (:func:`zero_copy`)."""
     return layer_wire_bytes(c, s) * group_size(c, s)
 
 
 def zero_copy(hw: Hardware, s: dict[str, Any]) -> bool:
-    """Whether blocks bind the fp32 masters without a copy: no accelerator, a 4-byte wire,
-    ``cpu_zero_copy`` (the strategy's default on a CPU device) and the masters in host RAM (with
-    ``offload_params="nvme"`` the engine turns ``cpu_zero_copy`` off: its compute buffers are copies
-    counted in the window, ``engine/streaming.py``)."""
+    """Whether blocks bind the fp32 masters without a copy: no accelerator, a 4-byte wire, ``cpu_zero_copy`` and
+    the masters in host RAM (with ``offload_params="nvme"`` the engine turns ``cpu_zero_copy`` off: its compute
+    buffers are copies counted in the window, ``engine/streaming.py``)."""
     return (not hw.is_gpu and PRECISIONS[s["precision"]][0] == 4 and bool(s["cpu_zero_copy"])
             and s.get("offload_params", "cpu") == "cpu")
 
 
 def binds_in_place(hw: Hardware, s: dict[str, Any]) -> bool:
-    """Whether a fetch binds what would travel when it already has the compute dtype instead of copying it:
-    a CPU device with ``cpu_zero_copy`` and the masters in host RAM (``CPUTransport.to_device``). Then
-    ``32-true`` binds the fp32 masters, ``bf16-true`` the cached bf16 wire images, and the mixed modes the
-    slabs that travel all in fp32 (no castable weight: an untied embedding, a final norm); none of these
-    bytes is an H2D copy (the engine's ``megatrain/h2d_bytes`` counts copies only)."""
+    """Whether a fetch binds, instead of copying, what already has the compute dtype: a CPU device with
+    ``cpu_zero_copy`` and the masters in host RAM (``CPUTransport.to_device``). ``32-true`` binds the fp32
+    masters, ``bf16-true`` the cached bf16 wire images, the mixed modes the all-fp32 slabs (an untied embedding, a
+    final norm); none of these is an H2D copy (``megatrain/h2d_bytes`` counts copies only)."""
     return not hw.is_gpu and bool(s["cpu_zero_copy"]) and s.get("offload_params", "cpu") == "cpu"
 
 
 def process_overhead(hw: Hardware, precision: str = "32-true") -> int:
-    """Host bytes of the training process apart from its training state and buffers (Python, torch,
-    Lightning, transformers, the data loader, thread stacks, the allocator's slack).
+    """Host bytes of the process apart from its training state and buffers (Python, torch, Lightning,
+    transformers, the data loader, thread stacks, the allocator's slack).
 
     * CPU preset (``hbm_gib: null``): :data:`PROCESS_OVERHEAD_CPU`, measured: peak RSS of a 2-step
-      ``Trainer(strategy="megatrain", accelerator="cpu")`` fit of a 34k-parameter Llama after importing
-      torch + lightning + transformers, minus its state (16 B/param, 0.5 MiB) -- 418 MiB on the 2-core dev
-      box (torch 2.13 CPU build, with the test extra installed: transformers imports torchao when it is there,
-      13 MiB of it), ``PYTHONPATH=. python bench/process_overhead.py``; rounded up to 0.41 GiB (420 MiB).
-      Under ``bf16-mixed`` :data:`AUTOCAST_OVERHEAD_CPU` more (oneDNN's bf16 kernels and their scratch memory:
-      434-435 MiB against 418 in the same script, ``--precision bf16-mixed``).
-    * GPU preset: :data:`PROCESS_OVERHEAD_GPU`, 4 GiB, an assumption (not measured): the above plus the
-      CUDA context's host side, the CUDA/cuBLAS/cuDNN libraries loaded into the process (a CUDA build of
-      torch maps several GiB of kernels), and pinned-memory pools outside the planner's own terms."""
+      ``Trainer(strategy="megatrain", accelerator="cpu")`` fit of a 34k-parameter Llama minus its state (16
+      B/param, 0.5 MiB): 418 MiB on the 2-core dev box (torch 2.13 CPU build; with the test extra transformers
+      imports torchao, 13 MiB of it), ``PYTHONPATH=. python bench/process_overhead.py``; rounded up to 0.41 GiB.
+      Under ``bf16-mixed`` :data:`AUTOCAST_OVERHEAD_CPU` more (oneDNN's bf16 kernels and scratch: 434-435 MiB
+      against 418, ``--precision bf16-mixed``).
+    * GPU preset: :data:`PROCESS_OVERHEAD_GPU`, 4 GiB, an assumption: the above plus the CUDA context's host
+      side, the CUDA/cuBLAS/cuDNN libraries (a CUDA build of torch maps several GiB of kernels) and pinned-memory
+      pools outside the planner's own terms."""
     if hw.is_gpu:
         return PROCESS_OVERHEAD_GPU
     return PROCESS_OVERHEAD_CPU + (AUTOCAST_OVERHEAD_CPU if precision == "bf16-mixed" else 0)
 
 
 def shadow_bytes(params: int, castable: int, wire: int, precision: str) -> int:
-    """Host bytes of one slab's cached wire image (``engine/fetch.py`` ``_shadow``): none under
-    ``32-true`` or for a slab that travels all in fp32 (it streams the master itself); all 2-byte
-    under ``bf16-true``; else the mixed image (2 B per castable, 4 B per other parameter)."""
+    """Host bytes of one slab's cached wire image (``engine/fetch.py`` ``_shadow``): none under ``32-true`` or for
+    an all-fp32 slab (it streams the master); all 2-byte under ``bf16-true``; else :func:`wire_bytes`."""
     if wire == 4:
         return 0
     if precision == "bf16-true":
@@ -352,17 +310,15 @@ def shadow_bytes(params: int, castable: int, wire: int, precision: str) -> int:
 
 
 def resolve_auto(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]:
-    """``recompute="auto"``: the settings with ``activation_budget`` (bytes) and ``recompute_mix``
-    (decoder layers per policy) as the engine would choose them; other modes unchanged.
+    """``recompute="auto"``: the settings with ``activation_budget`` (bytes) and ``recompute_mix`` (decoder layers
+    per policy) as the engine would choose them; other modes unchanged.
 
     Budget = ``activation_memory_limit``, else half the memory the plan leaves free with every layer in
-    ``"block"`` (device memory; host RAM on a CPU device), as the engine's default takes half the free
-    device memory (``default_activation_limit``). As in the engine, the saved block inputs come out of
-    it and the rest goes to op outputs, chosen by the engine's own
-    :func:`~megatrain_lightning.engine.recompute_policy.decide` from per-layer bytes
-    (:mod:`.activations`) and FLOPs (forward: 2 x layer params + 2 x seq_len x q per token; what
-    ``"selective"`` still recomputes: one FLOP per element the layer's graph keeps beyond the op
-    outputs, the engine's elementwise estimate)."""
+    ``"block"`` (device memory; host RAM on a CPU device), as the engine's ``default_activation_limit``. The saved
+    block inputs come out of it, the rest goes to op outputs chosen by the engine's own
+    :func:`~megatrain_lightning.engine.recompute_policy.decide` from per-layer bytes (:mod:`.activations`) and
+    FLOPs (forward: 2 x layer params + 2 x seq_len x q per token; ``"selective"``'s recompute: one FLOP per element
+    the graph keeps beyond the op outputs, the engine's elementwise estimate)."""
     if s.get("recompute") != "auto":
         return s
     from ..engine.recompute_policy import decide
@@ -392,19 +348,18 @@ def resolve_auto(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, A
 
 
 def recompute_flops(c: ParamCounts, s: dict[str, Any]) -> dict[str, float]:
-    """Recompute FLOPs per token by ``recompute`` mode (:func:`_estimate`'s ``flops_parts``):
-    ``"block"`` layers re-run their forward (2 x the layer params a token reads + attention 2 x seq_len x q), with
-    ``recompute_every=K`` > 1 (K-1)/K of them once more (chains, also under ``"selective"``: a linked
-    call's chain runs without its cache); ``"selective"`` re-runs only norms, activations and
-    elementwise ops (counted as 0: no matmul); ``"none"`` nothing."""
+    """Recompute FLOPs per token by ``recompute`` mode (:func:`_estimate`'s ``flops_parts``; ``"auto"`` per layer
+    as its mix): ``"block"`` layers re-run their forward (2 x the layer params a token reads + attention 2 x seq_len
+    x q; the LM head keeps its graph and the embedding is a lookup: neither is recomputed), with
+    ``recompute_every=K`` > 1 (K-1)/K of them once more (chains, also under ``"selective"``: a linked call's chain
+    runs without its cache); ``"selective"`` re-runs only norms, activations and elementwise ops (counted as 0: no
+    matmul); ``"none"`` nothing."""
     from .activations import layer_mix
 
     L, T, K = c.num_layers, s["seq_len"], s["recompute_every"]
     mix = layer_mix(c, s)
     f_layers = 2 * c.layer_active + 2 * L * T * c.num_heads * c.head_dim
-    # mlp_chunk_size: in a block's recompute each chunk runs under a checkpoint, whose backward runs the chunk's
-    # MLP forward once more (engine/chunked_mlp.py): 2 x the MLP's matmul params (gate, up, down: 3 H I per
-    # expert a token passes through) per token and "block" layer, when a sequence is longer than one chunk
+    # mlp_chunk_size (module docstring): gate, up, down = 3 H I per expert a token passes through
     M = s.get("mlp_chunk_size")
     mlp = 2 * 3 * c.hidden_size * c.intermediate_size * max(1, c.experts_per_token) * mix["block"] \
         if M is not None and T > M else 0
@@ -414,8 +369,7 @@ def recompute_flops(c: ParamCounts, s: dict[str, Any]) -> dict[str, float]:
 
 
 def weights_label(lookahead: int, group: int, all_layers: int | None = None) -> str:
-    """The device term of the weights in flight (``lookahead + 1`` fetches of ``group`` layers; with
-    ``all_layers`` set, the capped case of :func:`block_weights`: every decoder layer + ``lookahead`` blocks)."""
+    """The device term's label of the weights in flight; ``all_layers``: the capped case of :func:`block_weights`."""
     if all_layers is not None:
         return f"block weights: all {all_layers} layers + {lookahead} fetch(es) (compute dtype)"
     if group == 1:
@@ -435,25 +389,22 @@ NVME_CACHE = "NVMe regions kept in RAM between steps (up to host_memory_limit)"
 
 
 def window_bytes(host: dict[str, int]) -> int:
-    """Bytes of the ``host`` terms that ``host_memory_limit`` bounds (:data:`WINDOW_TERMS`): the NVMe window at its
-    minimum and the buffers counted in the limit."""
+    """Bytes of the ``host`` terms that ``host_memory_limit`` bounds (:data:`WINDOW_TERMS`)."""
     return sum(v for k, v in host.items() if any(t in k for t in WINDOW_TERMS))
 
 
 def window_fill(host: dict[str, int], read_back: int, limit: int, gpu: bool) -> int:
-    """Host bytes of the NVMe tier's window and the buffers counted in ``host_memory_limit`` once the window has
-    cached what it can: at least the plan's minimum (the :data:`WINDOW_TERMS` terms of ``host``), else
-    ``min(limit, need)`` with ``need`` = those terms with the master and optimizer-state windows replaced by every
-    region a step reads back (``read_back``, bytes: the cache holds them) -- the engine's arena is the limit less
-    the buffers outside it, never more than the regions (``NVMeConfig.window_bytes``), and what it caches stays
-    resident.
+    """Host bytes of the NVMe window and the buffers counted in ``host_memory_limit`` once the window has cached
+    what it can: at least :func:`window_bytes` of ``host``, else ``min(limit, need)``, ``need`` being those terms
+    with the master and optimizer-state windows replaced by every region a step reads back (``read_back``, bytes)
+    -- the engine's arena is the limit less the buffers outside it, never more than the regions
+    (``NVMeConfig.window_bytes``), and what it caches stays resident.
 
     Measured (``bench/nvme_window.py``, peak RSS against the limit; a 16-layer fp32 and a 4-layer bf16-mixed Llama):
-    the run's RSS grew with the limit until the window held what a step writes; the H2D staging ring of a CPU
-    device did not add to it (left out of ``need`` there; with ``gpu`` it is pinned memory and counted). With this
-    term the run's RSS was 1.03-1.07 of the plan's host total (16 layers) and 0.95-0.96 (4 layers) at limits from
-    the minimum window to the minimum + 1.5 x the regions rewritten; with the minimum alone it was up to 1.30
-    (16 layers)."""
+    RSS grew with the limit until the window held what a step writes; a CPU device's H2D staging ring did not add
+    to it (left out of ``need`` there; with ``gpu`` it is pinned and counted). With this term RSS was 1.03-1.07 of
+    the plan's host total (16 layers) and 0.95-0.96 (4 layers) at limits from the minimum window to the minimum +
+    1.5 x the regions rewritten; with the minimum alone up to 1.30 (16 layers)."""
     replaced = ("master window", "AdamW moments window", "optimizer state window") + (() if gpu else ("H2D staging",))
     held = sum(v for k, v in host.items() if k.startswith(replaced))
     inside = window_bytes(host)
@@ -463,15 +414,14 @@ def window_fill(host: dict[str, int], read_back: int, limit: int, gpu: bool) -> 
 def nvme_kept_share(spare: int, rewritten: int) -> float:
     """The share of a step's NVMe reads the host window saves, in [0, 1]: ``spare / rewritten``, capped at 1.
 
-    ``spare``: bytes of ``host_memory_limit`` (per process) beyond the engine's minimum window
-    (``planning/window.py``); ``rewritten``: the region bytes a step writes back to NVMe (master, optimizer state, and
-    the accumulators under the deferred schedule), which are the regions it reads, plus a reference copy's weights
-    on NVMe (read, never written). The window is a cache of those
-    regions (``store/nvme.py``: least recently used out first, those the schedule needs next last); what it keeps is
-    not read again. Measured on this machine (``bench/nvme_window.py``, a 16-layer fp32 and a 4-layer bf16-mixed
-    Llama, ``spare`` = 0 to 1.5 x ``rewritten``): 0 bytes read from ``spare >= rewritten`` on (the 4-layer one from
-    0.75 x); in between, 1.03-1.29 x the reads this share leaves; at the minimum window 1.13-1.21 x the schedule's
-    count (regions evicted between the backward fetch and the update are read again)."""
+    ``spare``: bytes of ``host_memory_limit`` (per process) beyond the engine's minimum window (:mod:`.window`);
+    ``rewritten``: the region bytes a step writes back to NVMe (master, optimizer state, the accumulators when
+    deferred), which are the regions it reads, plus a reference copy's weights on NVMe (read, never written). The
+    window caches those regions (``store/nvme.py``: least recently used out first, those the schedule needs next
+    last). Measured (``bench/nvme_window.py``, a 16-layer fp32 and a 4-layer bf16-mixed Llama, ``spare`` = 0 to 1.5
+    x ``rewritten``): 0 bytes read from ``spare >= rewritten`` on (the 4-layer one from 0.75 x); in between,
+    1.03-1.29 x the reads this share leaves; at the minimum window 1.13-1.21 x the schedule's count (regions
+    evicted between the backward fetch and the update are read again)."""
     if spare <= 0 or rewritten <= 0:
         return 0.0
     return min(1.0, spare / rewritten)
@@ -488,19 +438,15 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     G = group_size(c, s)                    # decoder layers per fetch (block_group)
     gpu = hw.is_gpu
     no_copy = zero_copy(hw, s)              # strategy default on a CPU device
-    # bytes on the H2D link per block read (forward order), and the cached wire image per slab
     wire_of = [wire_bytes(n, k, wire) if not bf16_true else 2 * n for n, k in zip(c.block_reads, c.castable_reads)]
     shadow_of = [shadow_bytes(n, k, wire, s["precision"]) for n, k in zip(c.stored, c.castable_reads)]
-    big = c.largest_block                   # parameters of the largest block on the device (tied included)
+    big = c.largest_block                   # tied included
     big_wire = max(wire_of)
-    # elements of the largest slab (store.max_slab_numel): the D2H staging buffer's size, and what the NVMe
-    # window's minimum holds one update of (store/nvme.py)
-    slab = c.largest_slab
+    slab = c.largest_slab                   # the D2H staging size; the NVMe minimum window holds one update of it
 
     # ---- device
     act_dev, act_host = activation_bytes(c, s, gpu)
     device = {
-        # lookahead + 1 fetches in flight, each one block or a group of G decoder layers
         weights_label(la, G, L if (la + 1) * G > L and block_weights(c, s) < (la + 1) * max(big, G * max(c.layers,
                       default=0)) else None): 0 if no_copy else block_weights(c, s) * dev_param,
         "wire image being decoded": big_wire if wire < dev_param else 0,
@@ -524,8 +470,7 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     else:
         nvme["fp32 master weights"] = 4 * N
         host["master window"] = 4 * slab
-        # what the engine reserves for its H2D staging ring (engine/staging.py ``ring_bytes_bound``: a slot of the
-        # largest slab at 4 B each; a CPU device counts one slot, engine/window.py ``window_sizes``)
+        # engine/staging.py ``ring_bytes_bound``; a CPU device counts one slot (engine/window.py ``window_sizes``)
         slots = RING_SLOTS if gpu else 1
         host[f"H2D staging ring x{slots} (largest slab at 4 B)"] = slots * 4 * slab
         if copy_ref:
@@ -562,10 +507,9 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     # ---- bytes moved per step
     from .activations import layer_mix
     mix = layer_mix(c, s)
-    # the embedding keeps its graph under every mode, and its backward reads no weight: the engine
-    # fetches nothing for it (engine/recompute_policy.py ``is_lookup``, engine/boundary/kept.py ``needs_weights``)
     reads = c.reads_per_pass
-    # the last block (the LM head) keeps its graph: fetched once; the final norm before it is fetched again
+    # backward fetch: not the embedding (engine/recompute_policy.py ``is_lookup``, engine/boundary/kept.py
+    # ``needs_weights``) nor the LM head, which keep their graphs; the final norm again
     reads_b = reads - c.head_reads + c.head_refetched - c.embedding
     chained = (mix["block"] + mix["selective"]) / L  # "none" layers rebuild nothing: no chain fetch
     chain = int(c.layer_total * (K - 1) // K * chained)
@@ -586,12 +530,10 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
         h2d_f *= 2
     if no_copy:                                # CPU device bound to the fp32 masters: nothing copied
         h2d_f = h2d_b = 0
-    # the input embedding's gradient crosses as the rows its B x T tokens read (8-byte row id each) when that
-    # is smaller than the table (engine/row_grads.py ``use_row_grads``)
+    # the embedding's gradient as rows when smaller than the table (engine/row_grads.py ``use_row_grads``)
     table = c.vocab_size * c.hidden_size if c.embedding >= c.vocab_size * c.hidden_size else 0
     d2h = (reads - table) * grad_b + min(table * grad_b, B * T * (c.hidden_size * grad_b + 8)) + act_io
-    # NVMe bytes by phase (forward, backward): the update writes where it runs (deferred: on the H2D worker
-    # before the forward fetch; optimizer_in_backward: on the D2H worker after the last gradient add)
+    # NVMe bytes by phase (forward, backward): the update's I/O lands in the phase that runs it
     in_bwd = update_in_backward(s)
     upd = 1 if in_bwd else 0                # index of the phase holding the update
     nv_r, nv_w = [0, 0], [0, 0]
@@ -603,13 +545,10 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
         state_io = nvme_region_bytes(s.get("optim"), _param_shapes(c))
         nv_r[upd] += state_io
         nv_w[upd] += state_io
-    # written: what the update holds with write=True (master, exp_avg, exp_avg_sq: optim/host_adamw.py ``_update``,
-    # written back when unpinned, store/nvme.py ``_unpin``): 12 B/param in backward
-    if s["offload_grads"] == "nvme" and not in_bwd:  # in backward the last add and the update share one
-        nv_w[1] += 4 * N                    # hold: the accumulator is neither written nor read back
-        nv_r[0] += 4 * N                    # (engine/grads.py ``_accumulate``: write=not final); deferred: 16 B/param
-    # the window keeps what fits beyond its minimum: the regions a step rewrites are the ones it reads back, and a
-    # step reads only the share of them the window could not keep (``nvme_window_spare``, :func:`nvme_kept_share`)
+    if s["offload_grads"] == "nvme" and not in_bwd:  # accumulators written and read back only deferred (module
+        nv_w[1] += 4 * N                    # docstring, "NVMe")
+        nv_r[0] += 4 * N
+    # a step reads only the share of the regions it rewrites that the window could not keep (:func:`nvme_kept_share`)
     uncached = sum(nv_r)
     ref_on_disk = 4 * N if copy_ref and s["offload_params"] == "nvme" else 0  # read every step, never rewritten
     read_back = sum(nv_w) + ref_on_disk     # what the window must hold beyond its minimum to read nothing

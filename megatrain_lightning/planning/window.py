@@ -27,8 +27,7 @@ def physical_ram_bytes() -> int:
 
 def parse_limit(value: Any) -> int | None:
     """``host_memory_limit`` as bytes (``None``/``"null"``: the strategy's default, half of physical RAM), parsed as
-    the strategy parses it (``megatrain_lightning.config._size``: ``store/budget.py`` ``parse_bytes``, ``"3GiB"``,
-    ``"0.5GiB"``, ``"8GB"`` or an integer).
+    the strategy parses it (``store/budget.py`` ``parse_bytes``: ``"3GiB"``, ``"8GB"`` or an integer).
 
     Raises:
         ValueError: naming ``host_memory_limit`` and what it takes."""
@@ -40,8 +39,7 @@ def parse_limit(value: Any) -> int | None:
 
 
 def nvme_kinds(s: dict[str, Any]) -> frozenset:
-    """The regions the strategy puts on NVMe for these settings (``MegaTrainConfig._nvme_settings``): the masters with
-    ``offload_params="nvme"``, ``exp_avg``, ``exp_avg_sq`` and the accumulators with ``offload_optimizer="nvme"``."""
+    """The regions the strategy puts on NVMe for these settings (``MegaTrainConfig._nvme_settings``)."""
     from ..store.regions import Region
 
     kinds = set()
@@ -104,10 +102,9 @@ def _min_window(model: Any, kinds: frozenset, device: str, lookahead: int, group
 
 
 def min_window(source: Any, s: dict[str, Any], is_gpu: bool) -> int | None:
-    """Bytes the engine requires of ``host_memory_limit`` (per process) for the plan's model and settings: its
-    ``window_sizes(...)[0]`` on a meta-device copy (``None`` when nothing is on NVMe). ``source``: the plan's
-    model (:attr:`~.estimate.Plan.source`); ``is_gpu``: CUDA (D2H staging in the budget) or CPU (the compute
-    buffers in the budget)."""
+    """Bytes the engine requires of ``host_memory_limit`` per process: its ``window_sizes(...)[0]`` on a meta-device
+    copy (``None`` when nothing is on NVMe). ``source``: :attr:`~.estimate.Plan.source`; ``is_gpu``: CUDA (D2H
+    staging in the budget) or CPU (the compute buffers in the budget)."""
     kinds = nvme_kinds(s)
     if not kinds:
         return None
@@ -136,8 +133,8 @@ def limit_check(source: Any, s: dict[str, Any], is_gpu: bool, limit: int | None,
 
     Returns:
         ``(limit used, minimum window per process, refusal or None, warning or None)``; all ``None`` when nothing
-        is on NVMe. The refusal is the engine's message (:func:`~megatrain_lightning.store.nvme.window_refusal`);
-        the warning says a limit above physical RAM is not a limit."""
+        is on NVMe. The refusal is the engine's message; the warning says a limit above physical RAM is not a
+        limit."""
     from ..store.nvme import window_refusal
 
     mw = min_window(source, s, is_gpu)

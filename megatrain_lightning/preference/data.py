@@ -35,9 +35,8 @@ def _text(value: Any, field: str, where: str) -> str:
 
 
 def encode_pair(record: Any, tokenizer: Any, max_length: int, where: str = "record") -> dict[str, list[int]]:
-    """Token ids of one record: ``{"prompt", "chosen", "rejected"}`` -> lists of ints.
-
-    Responses are cut so that prompt + response fits ``max_length`` tokens (as TRL keeps the prompt whole).
+    """Token ids of one record: ``{"prompt", "chosen", "rejected"}`` -> lists of ints; responses are cut so that
+    prompt + response fits ``max_length`` tokens (the prompt is kept whole, as in TRL).
 
     Raises:
         PreferenceDataError: a field is missing or not text, a response is empty, or the prompt alone takes
@@ -76,8 +75,7 @@ class PreferenceDataset(Dataset):
     """Encoded preference pairs; item ``i`` is ``{"index": i, "prompt": [...], "chosen": [...], "rejected": [...]}``.
 
     Args:
-        records: the pairs (see the module docstring); every record is encoded and checked here, before any
-            model is built.
+        records: the pairs (module docstring), all encoded and checked here, before any model is built.
         tokenizer: a Hugging Face tokenizer.
         max_length: tokens of prompt + response at most.
 

@@ -70,11 +70,9 @@ def preference_loss(loss_type: str, pol_c: torch.Tensor, pol_r: torch.Tensor, re
 
 
 def sft_nll(pol_c: torch.Tensor, n_c: torch.Tensor) -> torch.Tensor:
-    """The negative log-likelihood of the chosen responses, per token over the whole batch: ``-sum(pi_c) / sum(n_c)``
-    (a scalar). Added to a preference loss with a weight (``DPOModule(sft_weight=...)``), it keeps the chosen
-    responses likely instead of only likelier than the rejected ones: the DPO + NLL loss of Pang et al. 2024
-    ("Iterative Reasoning Preference Optimization"), as TRL computes the term (``DPOTrainer``'s ``"sft"`` loss type combined through
-    ``loss_weights``: the mean of the chosen tokens' log-probs)."""
+    """The chosen responses' negative log-likelihood per token over the whole batch, ``-sum(pi_c) / sum(n_c)``
+    (a scalar), for ``DPOModule(sft_weight=...)``: the DPO + NLL loss of Pang et al. 2024 ("Iterative Reasoning
+    Preference Optimization"), as TRL computes the term (``DPOTrainer``'s ``"sft"`` loss type via ``loss_weights``)."""
     return -pol_c.sum() / n_c.sum().clamp(min=1)
 
 

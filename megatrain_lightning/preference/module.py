@@ -3,17 +3,9 @@
 Batches are those of :func:`.data.collate_pairs`. Each training step runs the chosen and the rejected
 sequences of the batch as one concatenated forward (``[2B, T]``: chosen rows first), takes the
 log-probabilities of the response tokens (the prompt and padding masked by ``labels == -100``), and computes
-the loss of :mod:`.losses` against the reference model's log-probabilities of the same tokens. The reference,
-chosen by ``reference``, never doubles the host state of training:
-
-* ``"precompute"``: at the start of ``fit`` one no-grad pass of the starting weights over the training set and
-  the fit's validation set (streamed like any evaluation), each table of log-probs cached on disk keyed by model,
-  data and settings; then training and validation need no reference weights. A resumed run loads (or recomputes
-  from the starting weights) the same caches. Validation on other data than the fit's is refused.
-* ``"adapter"``: for a peft model, the same weights with the adapter disabled (no copy).
-* ``"copy"``: a frozen copy of the starting model held by this module (its weights stream like the policy's;
-  4 bytes per parameter of host RAM and no gradient or optimizer state).
-* ``None``: no reference (SimPO).
+the loss of :mod:`.losses` against the reference model's log-probabilities of the same tokens. The choices of
+``reference`` (``"precompute"``, ``"adapter"``, ``"copy"``, ``None``) and their memory and compute:
+docs/guide/preference.md, "The reference model".
 """
 
 from __future__ import annotations
@@ -114,18 +106,16 @@ class DPOModule(pl.LightningModule):
         reference: ``"precompute"``, ``"adapter"``, ``"copy"`` or ``None``; default: ``"precompute"`` for the
             losses that need a reference, ``None`` for ``"simpo"``.
         lr, betas, weight_decay: the optimizer's (``betas`` when its constructor takes it).
-        optimizer: the optimizer class or its dotted name (default ``torch.optim.AdamW``): one param group of every trainable parameter
-            (:func:`~megatrain_lightning.optim.build.build_optimizer`; ``MuonWithAdamW`` gets Muon's and AdamW's).
+        optimizer: the optimizer class or its dotted name (default ``torch.optim.AdamW``): one param group of every
+            trainable parameter (:func:`~megatrain_lightning.optim.build.build_optimizer`; ``MuonWithAdamW`` gets
+            Muon's and AdamW's).
         **optimizer_options: the class's other keyword arguments (``momentum=0.9``...).
         cache_dir: directory of the ``"precompute"`` cache (default ``~/.cache/megatrain_lightning/reference_logps``).
         logps_chunk_size: positions per chunk of the LM head + log-softmax (:func:`chunked_sequence_logps`): the
             ``[2B, T, V]`` fp32 logits are never materialised, for long sequences or large vocabularies. ``None``
             (default): one full-logits forward.
 
-    Logged per step (and with a ``val_`` prefix in validation): ``train_loss``, ``rewards/chosen``,
-    ``rewards/rejected``, ``rewards/accuracies`` (share of pairs whose chosen reward is higher),
-    ``rewards/margins`` (chosen - rejected), ``logps/chosen``, ``logps/rejected``; with ``sft_weight`` also
-    ``nll_loss``.
+    Logged metrics (``train_loss``, ``rewards/*``, ``logps/*``, ``nll_loss``): docs/guide/preference.md, "Options".
 
     Raises:
         ValueError: an unknown ``loss_type`` or ``reference``, ``beta <= 0``, ``sft_weight < 0``, a reference for
@@ -233,9 +223,9 @@ class DPOModule(pl.LightningModule):
 
     @contextlib.contextmanager
     def starting_weights_as_reference(self) -> Iterator[None]:
-        """Inside: the reference log-probs are the policy's own (``"precompute"``, whose tables exist only inside
-        ``fit``), for a ``Trainer.validate`` before ``fit``, while the weights are still the starting ones: the
-        held-out metrics at the start (rewards 0, reward accuracy 0, the loss at equal log-probs)."""
+        """Inside, the reference log-probs are the policy's own: for a ``Trainer.validate`` before ``fit`` (whose
+        ``"precompute"`` tables exist only inside ``fit``) at the starting weights (rewards 0, the loss at equal
+        log-probs)."""
         self._policy_is_reference = True
         try:
             yield
@@ -285,9 +275,8 @@ class DPOModule(pl.LightningModule):
 
     # ---------------------------------------------------------------- the precomputed reference
     def on_fit_start(self) -> None:
-        """``"precompute"``: load the cache for this model, data and settings, or compute it now. Lightning calls
-        this hook after the strategy's setup and before a checkpoint's weights are restored, so the pass always
-        sees the starting weights, in a resumed run as well."""
+        """``"precompute"``: load the cache or compute it now. Lightning calls this hook after the strategy's setup
+        and before a checkpoint's weights are restored, so the pass sees the starting weights, on resume too."""
         if self.reference != "precompute":
             return
         self.reference_logps = self._load_or_precompute(self._fit_loader("training"))
@@ -334,8 +323,7 @@ class DPOModule(pl.LightningModule):
         return loader
 
     def _current_val_dataset(self) -> Any:
-        """The dataset of the validation running now (``Trainer.val_dataloaders``), ``None`` when it is not one
-        DataLoader."""
+        """The dataset of the running validation's DataLoader, ``None`` when it is not one DataLoader."""
         loader = self.trainer.val_dataloaders
         return loader.dataset if isinstance(loader, DataLoader) else None
 
@@ -361,8 +349,8 @@ class DPOModule(pl.LightningModule):
 
     def _precompute(self, loader: DataLoader) -> torch.Tensor:
         """One no-grad pass in dataset order: ``[N, 4]`` float64 (chosen sum, chosen count, rejected sum, count),
-        under the precision plugin's forward context (autocast under ``bf16-mixed``), as the training step's forward
-        is: at the starting weights the policy's log-probs then equal the reference's, as with ``"copy"``."""
+        under the precision plugin's forward context as the training step's forward, so at the starting weights
+        the policy's log-probs equal the reference's."""
         out = torch.zeros(len(loader.dataset), 4, dtype=torch.float64)
         ordered = DataLoader(loader.dataset, batch_size=loader.batch_size or 1, shuffle=False,
                              collate_fn=loader.collate_fn)

@@ -1,15 +1,13 @@
 """Checkpoints of the recipe: periodic ones (``checkpoint.every_n_steps``) and where ``resume`` finds one.
 
 Periodic checkpoints are Lightning's ``ModelCheckpoint`` writing the strategy's directory checkpoints (weights,
-AdamW state, loops, data position) into ``<output_dir>/checkpoints/``: ``last.ckpt`` every ``every_n_steps``
-optimizer steps and at the end of training (only the newest is kept: one checkpoint's disk space, 16 B/param).
-``resume=last`` continues from the newest ``last.ckpt`` below ``checkpoint.search_dir`` (default: ``outputs/``
-of the working directory) written by a run of the same model on the same data, ``resume=/path/to/checkpoint`` from
-that one; the step count, optimizer state, LR schedule and data position continue.
+AdamW state, loops, data position) as ``<output_dir>/checkpoints/last.ckpt`` every ``every_n_steps`` optimizer
+steps and at the end of training (only the newest is kept: one checkpoint's disk space, 16 B/param). How
+``resume`` picks one: :func:`resolve_resume`.
 
-Every checkpoint the recipe writes records what identifies its run (:func:`run_identity`: the ``model`` group and
-the ``data`` settings that decide which examples and in which order; not steps, learning rate or batch size, which
-a resumed run may change) under the key ``"recipe"`` of Lightning's checkpoint dict (``trainer.pt``).
+Every checkpoint the recipe writes records :func:`run_identity` (the ``model`` group and the ``data`` settings that
+decide which examples and in which order; not steps, learning rate or batch size, which a resumed run may change)
+under the key ``"recipe"`` of Lightning's checkpoint dict (``trainer.pt``).
 """
 
 from __future__ import annotations
@@ -34,8 +32,8 @@ log = logging.getLogger(__name__)
 
 
 def _absolute(value: Any) -> Any:
-    """A string naming an existing local path, as an absolute resolved path (``../pairs.jsonl`` from two working
-    directories names two files; the same file by two spellings is one); anything else unchanged."""
+    """A string naming an existing local path, as an absolute resolved path (one file, one spelling); anything
+    else unchanged."""
     if isinstance(value, str) and value:
         p = Path(value).expanduser()
         if p.exists():
@@ -70,8 +68,8 @@ class RecordRunIdentity(pl.Callback):
 
 
 def saved_identity(ckpt: Path) -> dict[str, Any] | None:
-    """The :func:`run_identity` a checkpoint directory records, or ``None`` (written outside the recipe or by a
-    version before the record, or its ``trainer.pt`` unreadable: the checkpoint's own load reports that)."""
+    """The :func:`run_identity` a checkpoint directory records, or ``None`` (none recorded, or ``trainer.pt``
+    unreadable: the checkpoint's own load reports that)."""
     try:
         return torch.load(ckpt / "trainer.pt", weights_only=True, map_location="cpu").get("recipe")
     except Exception:  # noqa: BLE001 - damaged files are reported by the checkpoint load, with the file named
@@ -106,10 +104,9 @@ def _is_checkpoint(p: Path) -> bool:
 
 
 def _has_training_state(p: Path) -> bool:
-    """Whether the checkpoint directory ``p`` can be resumed: its ``megatrain.json`` records AdamW state
-    (``has_optimizer``; false for a weights-only save, ``trainer.save_checkpoint(weights_only=True)``, which also
-    leaves out the schedule and callbacks). An unreadable ``megatrain.json`` counts as resumable here: the
-    checkpoint's own load reports what is wrong with it, naming the file."""
+    """Whether the checkpoint directory ``p`` can be resumed: its ``megatrain.json`` has ``has_optimizer`` (false
+    for ``trainer.save_checkpoint(weights_only=True)``). An unreadable ``megatrain.json`` counts as resumable here:
+    the checkpoint's own load reports it, naming the file."""
     try:
         return json.loads((p / CHECKPOINT_MARK).read_text()).get("has_optimizer", True) is not False
     except (OSError, ValueError, AttributeError):
@@ -117,8 +114,8 @@ def _has_training_state(p: Path) -> bool:
 
 
 def _last_checkpoints(root: Path) -> list[Path]:
-    """Every ``last.ckpt`` below ``root``, with the ``last-v1.ckpt``, ``last-v2.ckpt``... that Lightning's
-    ``ModelCheckpoint`` writes instead when a run directory already holds a ``last.ckpt`` of another run."""
+    """Every ``last.ckpt`` below ``root``, and the ``last-vN.ckpt`` that ``ModelCheckpoint`` writes instead when
+    the directory already holds a ``last.ckpt`` of another run."""
     if not root.is_dir():
         return []
     return [p for p in root.glob("**/last*.ckpt") if LAST_NAME.fullmatch(p.name) and _is_checkpoint(p)]

@@ -1,23 +1,10 @@
 """Checks of a composed recipe config that run before anything is built: seconds, not a model load.
 
-* every key is one something will take: ``strategy.*`` against ``MegaTrainStrategy``'s options (or whatever
-  ``strategy._target_`` names), ``trainer.*`` against ``lightning.pytorch.Trainer``, ``optim.*`` against
-  :class:`~megatrain_lightning.recipes_lib.module.CausalLMModule`, ``data.*`` against
-  :func:`~megatrain_lightning.data.make_datamodule` and the data module, ``data.probe.*`` against the probe,
-  ``data.source_options.*`` against the source, ``model.*`` against its ``_target_``, and the recipe's own groups;
-* the data: every record of ``data.source`` (up to 1 GiB of files; beyond, the first records) is read and mapped
-  with the configured shape and field names, and split into training and validation records as the run will; the
-  offline corpus of a domain is checked against ``data.shape``;
-* values: the numeric settings (steps, batch size, sequence length, accumulation, warm-up, checkpoint interval),
-  the optimizer settings (``optim.lr``, ``weight_decay``, ``betas``; ``optim.*`` against the class ``optim._target_``
-  names), ``model.max_seq_len``, and every strategy option
-  (the strategy is built: its constructor checks them);
-* the model: a ``model.weights`` written as a local path is a directory with a ``config.json``, read (no weights)
-  for the position limit of ``data.seq_len`` and, by the recipe's preflight, for the memory plan;
-* paths and environment: the NVMe directory (``strategy.nvme_path`` / ``MEGATRAIN_NVME_PATH``), the logger's
-  package, ``resume``.
-
-Every error is a :class:`ConfigError` naming the Hydra key to change and, where one is known, the exact override.
+:func:`check_all` runs them: the keys (:func:`check_keys`: every key is one something will take), paths and
+packages (:func:`check_environment`), values (:func:`check_values`, :func:`check_model`, :func:`check_optim`; the
+strategy is built, so its constructor checks its options) and the data (:func:`check_data`: the records read and
+split as the run will). Every error is a :class:`ConfigError` naming the Hydra key to change and, where one is
+known, the exact override.
 """
 
 from __future__ import annotations
@@ -70,7 +57,9 @@ def _unknown(prefix: str, given: Iterable[str], allowed: Iterable[str], what: st
 
 
 def check_keys(cfg: Mapping[str, Any]) -> None:
-    """Every key of the composed config is one that something takes.
+    """Every key of the composed config is one that something takes: ``strategy.*``/``model.*`` against their
+    ``_target_`` (``MegaTrainStrategy``: its config's fields), ``trainer.*`` against ``lightning.pytorch.Trainer``,
+    ``optim.*``, ``data.*`` (with ``data.probe.*`` and ``data.source_options.*``), and the recipe's own groups.
 
     Raises:
         ConfigError: the first unknown key, with the closest known one and the list of known ones.
@@ -94,8 +83,8 @@ def check_keys(cfg: Mapping[str, Any]) -> None:
 
 
 def _check_optim_keys(optim: Mapping[str, Any]) -> None:
-    """``optim.*``: ``CausalLMModule``'s own keys (``lr``, ``weight_decay``, ``betas``, ``warmup_steps``) and the keyword
-    arguments of the class ``optim._target_`` names (``conf/optim/<name>.yaml``; none: ``torch.optim.AdamW``).
+    """``optim.*``: ``CausalLMModule``'s own keys (``lr``, ``weight_decay``, ``betas``, ``warmup_steps``) and the
+    keyword arguments of the class ``optim._target_`` names (none: ``torch.optim.AdamW``).
 
     Raises:
         ConfigError: ``optim._target_`` cannot be imported (with the package to install where known) or is
@@ -219,8 +208,7 @@ FULL_CHECK_BYTES = 2**30  # local sources up to this size are read whole in pref
 def _check_whole_source(data: Mapping[str, Any], source: str, shape: str, options: dict) -> None:
     """Read every record of a local source of at most :data:`FULL_CHECK_BYTES` and split it as the data module will
     (:func:`~megatrain_lightning.data.datamodule.split_corpus`), so that a malformed record anywhere, an empty source
-    or a split with no document is refused before the model loads. Larger sources: their first records only (the
-    rest is checked when the data module is built; a log line says so).
+    or an empty split is refused before the model loads. Larger sources: checked when the data module is built.
 
     Raises:
         the errors of ``load_user_source`` and ``split_corpus`` (ValueError, FieldError, TypeError).
@@ -308,8 +296,7 @@ def _devices_ok(value: Any) -> bool:
 
 
 def _looks_local(weights: str) -> bool:
-    """Whether ``model.weights`` is written as a local path rather than a hub id (``org/name``): absolute, starting
-    with ``.`` or ``~``, or with a first component that exists here (``outputs/run/checkpoint/model``)."""
+    """Whether ``model.weights`` is written as a local path rather than a hub id (``org/name``)."""
     p = Path(weights).expanduser()
     return p.is_absolute() or weights.startswith((".", "~")) or p.exists() or Path(p.parts[0]).exists()
 
@@ -380,8 +367,7 @@ def _float(key: str, value: Any, low: float, high: float | None, what: str, low_
 
 def check_optim(optim: Mapping[str, Any]) -> None:
     """``optim.lr`` > 0, ``optim.weight_decay`` >= 0, ``optim.betas`` two numbers in [0, 1), ``optim.warmup_steps``
-    an int >= 0 (the settings of :class:`~.module.CausalLMModule` every ``conf/optim`` entry shares; the class's own
-    keywords are checked by its constructor).
+    an int >= 0 (:class:`~.module.CausalLMModule`'s settings; the optimizer class checks its own keywords).
 
     Raises:
         ConfigError: the first bad value, naming its key.
@@ -400,7 +386,7 @@ def check_optim(optim: Mapping[str, Any]) -> None:
 
 def check_values(cfg: Mapping[str, Any]) -> None:
     """The recipe's numeric settings have usable values, and the strategy group builds (its constructor checks
-    every strategy option: ``recompute``, ``lookahead``, ``block_group``, chunk sizes, NVMe settings...).
+    every strategy option).
 
     Raises:
         ConfigError: the first bad value, naming its key.

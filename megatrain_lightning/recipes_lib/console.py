@@ -1,22 +1,18 @@
 """What the recipe prints while it runs: one line per log message, third-party notices that do not concern the
 user filtered out, a progress bar with a right total, and a line per optimizer step where no bar is visible.
 
-* :func:`tidy_console` (called by ``recipes/finetune.py``'s entry point once Hydra has set up logging):
-  ``lightning`` (the package) always adds its own console handler to the ``lightning`` logger, so under Hydra,
-  whose root handler prints every record too, each Lightning message would appear twice; the handler is removed
-  when the root logger has handlers. Filtered, and only these: torch's ``FutureWarning`` that
-  ``isinstance(treespec, LeafSpec)`` is deprecated (raised from Lightning's own ``_pytree.py``; nothing the user
-  can change), Lightning's "Tip" advertising litlogger, logged at every ``Trainer`` construction, and what
-  importing torchao logs when it is installed (transformers imports it at every model build; the recipes'
-  ``optim=adamw8bit`` uses it): "Failed to load ...so" for each of its CUDA kernel libraries that does not load
-  under this torch (its CPU code, the 8-bit optimizers, does not need them) and torch's warning that torchao
+* :func:`tidy_console` (called by ``recipes/finetune.py`` once Hydra has set up logging): ``lightning`` adds its
+  own console handler to the ``lightning`` logger, so under Hydra's root handler each message would print twice;
+  it is removed when the root logger has handlers. Filtered, and only these: torch's ``FutureWarning`` that
+  ``isinstance(treespec, LeafSpec)`` is deprecated (raised from Lightning's own ``_pytree.py``), Lightning's "Tip"
+  advertising litlogger (every ``Trainer`` construction), and what importing torchao logs (transformers imports it
+  at every model build; ``optim=adamw8bit`` uses it): "Failed to load ...so" for each CUDA kernel library that does
+  not load under this torch (the 8-bit optimizers' CPU code does not need them) and torch's warning that torchao
   registers Enum classes with ``register_constant``.
-* :class:`RecipeProgressBar`: Lightning's Rich bar without the ``Epoch 0/-2`` of a run that ``max_steps`` drives
-  (the epoch total is shown only when ``max_epochs`` bounds the run), with the batches left to ``max_steps`` as
-  the training total, and without the logger's version (``v_num``).
-* :class:`StepLog`: where no progress bar is visible (the bar is disabled, or stdout is not a terminal: a log
-  file, ``| tee``), one INFO line per optimizer step (loss, seconds per step) and per validation batch, so that
-  a long phase is never silent.
+* :class:`RecipeProgressBar`: Lightning's Rich bar with the batches left to ``max_steps`` as the training total,
+  the epoch total only when ``max_epochs`` bounds the run (no ``Epoch 0/-2``), and no ``v_num``.
+* :class:`StepLog`: where no progress bar is visible (disabled, or stdout not a terminal: a log file, ``| tee``),
+  one INFO line per optimizer step and per validation batch, so that a long phase is never silent.
 """
 
 from __future__ import annotations
@@ -54,9 +50,8 @@ class _DropMatching(logging.Filter):
 
 
 def tidy_console() -> None:
-    """One line per log message, and the notices of :data:`FILTERED_WARNINGS` / :data:`FILTERED_LOGS` filtered
-    (see the module docstring). Idempotent; changes nothing when the root logger has no handler (then
-    Lightning's own handler is the only one that prints its messages)."""
+    """One line per log message, and :data:`FILTERED_WARNINGS` / :data:`FILTERED_LOGS` filtered (module
+    docstring). Idempotent; keeps Lightning's handler when the root logger has none."""
     for message, category in FILTERED_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)
     for name, pattern in FILTERED_LOGS:

@@ -1,12 +1,10 @@
 """``CausalLMModule``: the LightningModule of the fine-tuning recipes.
 
 An ordinary LightningModule around a Hugging Face causal LM: batches are dicts
-``{"input_ids", "labels", "attention_mask"}`` (LongTensor ``[B, T]``, labels ``-100`` where no
-loss is taken), the loss is the model's own shifted cross-entropy, validation perplexity is
-torchmetrics' ``Perplexity`` (exp of the mean token cross-entropy over unmasked tokens), and the
-optimizer is ``torch.optim.AdamW`` by default, or any class (``optimizer``; the recipes' ``optim=`` config group,
-``conf/optim/<name>.yaml``), with no weight decay on 1-D parameters (norms, biases)
-(:func:`megatrain_lightning.optim.build.build_optimizer`) and a linear-warmup cosine schedule stepped every
+``{"input_ids", "labels", "attention_mask"}`` (LongTensor ``[B, T]``, labels ``-100`` where no loss is taken),
+the loss is the model's own shifted cross-entropy, validation perplexity is torchmetrics' ``Perplexity``, and the
+optimizer (default ``torch.optim.AdamW``; no weight decay on 1-D parameters,
+:func:`megatrain_lightning.optim.build.build_optimizer`) has a linear-warmup cosine schedule stepped every
 optimizer step.
 """
 
@@ -33,8 +31,9 @@ class CausalLMModule(pl.LightningModule):
             ``max_steps=-1``): the Trainer's ``estimated_stepping_batches`` (epochs x batches per epoch /
             accumulation, or ``max_steps``), known when ``configure_optimizers`` runs.
         tokenizer: kept for checkpoints (saved into ``model/``) and generation.
-        optimizer: the optimizer class or its dotted name (``"torch.optim.SGD"``, ``"lion_pytorch.Lion"``...); ``megatrain_lightning.optim.muon.MuonWithAdamW`` gets Muon for the decoder's
-            2-D weights and AdamW for the rest (:func:`~megatrain_lightning.optim.build.build_optimizer`).
+        optimizer: the optimizer class or its dotted name (``"torch.optim.SGD"``...); ``MuonWithAdamW`` gets Muon
+            for the decoder's 2-D weights and AdamW for the rest
+            (:func:`~megatrain_lightning.optim.build.build_optimizer`).
         **optimizer_options: the class's other keyword arguments (``momentum=0.9``, ``eps``...).
     """
 
@@ -58,12 +57,10 @@ class CausalLMModule(pl.LightningModule):
                           labels=batch["labels"], use_cache=False)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        """The model's loss of ``batch``; logs ``train_loss``: the mean loss of the micro-batches of this optimizer
-        step so far, so that the value loggers write (at the step's last micro-batch) is the loss of the whole
-        step, with ``accumulate_grad_batches=N`` as without (Lightning divides the returned loss by N for the
-        backward only; the logged value is not divided). With several processes the logged value is the mean
-        over ranks (``sync_dist``: one all-reduce of a scalar per micro-batch), the loss of the global batch as
-        one process would log it, not rank 0's share."""
+        """The model's loss of ``batch``; logs ``train_loss`` as the mean over this optimizer step's micro-batches
+        so far, so the value written at the step's last micro-batch is the whole step's loss with any
+        ``accumulate_grad_batches`` (Lightning divides only the returned loss by N). ``sync_dist``: the mean over
+        ranks (one scalar all-reduce per micro-batch), the global batch's loss, not rank 0's share."""
         loss = self(batch).loss
         self.tokens_seen += int((batch["labels"] != -100).sum())
         step = self.trainer.global_step  # the optimizer steps done: the same for every micro-batch of a step
@@ -75,11 +72,9 @@ class CausalLMModule(pl.LightningModule):
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        """Updates ``val_ppl`` and logs ``val_loss`` weighted by the batch's label tokens (those that carry loss
-        after the shift), so that the epoch's ``val_loss`` is the mean token cross-entropy, the same mean as
-        ``val_ppl``: ``exp(val_loss) == val_ppl`` (weighted by sequences, a batch of short answers would count as
-        much as one of long ones). A batch with no label token counts with weight 0 (its loss, NaN, is logged as 0:
-        every rank still logs, so the ``sync_dist`` reduction runs on all of them)."""
+        """Updates ``val_ppl`` and logs ``val_loss`` weighted by the batch's loss-carrying label tokens, so that
+        ``exp(val_loss) == val_ppl`` (the mean token cross-entropy). A batch with no label token logs 0 with weight
+        0 instead of NaN: every rank still logs, so the ``sync_dist`` reduction runs on all of them."""
         out = self(batch)
         # Perplexity expects preds [B, T, V] and target [B, T]; shift as the model's loss does
         targets = batch["labels"][:, 1:]

@@ -115,7 +115,7 @@ class PreferenceData(pl.LightningDataModule):
 
 def preflight(cfg: DictConfig) -> Any:
     """What can be checked before the model is built: required keys, the ``dpo`` options, and the tokenizer (the
-    pairs are then encoded and checked by :func:`build_pairs`, still before the weights load). Returns the tokenizer.
+    pairs are checked by :func:`build_pairs`, still before the weights load). Returns the tokenizer.
 
     Raises:
         ConfigError: naming the Hydra key to change."""
@@ -160,8 +160,8 @@ def build_pairs(cfg: DictConfig, tokenizer: Any) -> PreferenceData:
 
 
 def build_module(cfg: DictConfig, model: torch.nn.Module) -> DPOModule:
-    """``DPOModule`` with ``cfg.dpo`` (loss, beta, reference...) and ``cfg.optim`` (the optimizer: ``_target_`` and
-    hyper-parameters, ``conf/optim/<name>.yaml`` with ``conf/optim_dpo/<name>.yaml``'s values for preference training)."""
+    """``DPOModule`` with ``cfg.dpo`` and ``cfg.optim`` (``conf/optim/<name>.yaml`` with
+    ``conf/optim_dpo/<name>.yaml``'s values for preference training)."""
     return DPOModule(model, **OmegaConf.to_container(cfg.dpo, resolve=True), **optimizer_kwargs(cfg.optim))
 
 
@@ -184,9 +184,8 @@ class StepHistory(pl.Callback):
 def evaluate(cfg: DictConfig, trainer: pl.Trainer, module: DPOModule, data: PreferenceData,
              tokenizer: Any) -> dict[str, float]:
     """Held-out preference metrics (``val_loss``, ``val_rewards/accuracies``, ``val_rewards/margins``) and, where the
-    data has answers (the offline default), the exact-match probe on the held-out questions (``probe/exact_match``).
-    Before ``fit`` with ``"precompute"`` (whose tables exist only inside ``fit``) the reference is the starting
-    weights themselves (:meth:`DPOModule.starting_weights_as_reference`): rewards 0 at the start, by definition."""
+    data has answers (the offline default), the exact-match probe (``probe/exact_match``). Before ``fit`` with
+    ``"precompute"``: :meth:`DPOModule.starting_weights_as_reference`."""
     metrics: dict[str, float] = {}
     start = module.reference == "precompute" and module.reference_logps is None
     if data.val is not None and cfg.trainer.limit_val_batches != 0:

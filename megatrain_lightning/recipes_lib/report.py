@@ -21,10 +21,8 @@ def format_table(rows: Sequence[tuple[str, str, str]], header: tuple[str, str, s
 
 
 def summary_rows(before: dict[str, float], after: dict[str, float], run: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """Rows: every metric measured before or after (perplexities, probes; an empty cell where it was not, e.g.
-    the "before" column with ``eval.before=false``), then run statistics (``run`` keys: tokens_per_s,
-    peak_rss_bytes, h2d_bytes, d2h_bytes, steps, seconds; ``device`` ``"cpu"`` names the H2D/D2H bytes as what they
-    are without an accelerator: weight and gradient copies within host memory)."""
+    """Rows: every metric measured before or after (an empty cell where it was not), then the run statistics of
+    :func:`~.run.fit` (with ``device`` ``"cpu"`` the H2D/D2H rows are named as host-memory copies)."""
     rows = []
     cell = lambda d, k: f"{d[k]:.4f}" if k in d else ""  # noqa: E731
     for k in sorted(set(before) | set(after)):

@@ -1,13 +1,10 @@
 """What a recipe run leaves in its directory to keep and look at: ``summary.json``, ``summary.md``, ``loss.png``.
 
 ``summary.json`` keys (:data:`SUMMARY_KEYS`): ``metrics`` (``{name: {"before", "after"}}``, every metric of the
-printed table; ``before`` is ``null`` with ``eval.before=false``), ``run`` (optimizer steps, train seconds,
-tokens/s, peak RSS bytes, H2D/D2H bytes per step), ``timings`` (seconds of each recipe step: preflight, build,
-evaluate_before, fit, save, evaluate_after, sample), ``loss`` (``[{"step", "loss"}]``, the training loss of every
-optimizer step, mean over its micro-batches), ``sample`` (``{"prompt", "completion"}``; ``{}`` with
-``sample.max_new_tokens=0``), ``checkpoint`` (the saved directory or ``null``), ``config`` (the composed config,
-resolved). A run with no validation (``data.val_fraction=0``, ``trainer.limit_val_batches=0``) has no
-``val_loss``/``val_ppl`` in ``metrics``.
+printed table; ``before`` is ``null`` with ``eval.before=false``), ``run`` (the statistics
+:func:`~.run.fit` returns), ``timings`` (seconds of each recipe step), ``loss`` (``[{"step", "loss"}]``,
+:class:`LossHistory`), ``sample`` (``{"prompt", "completion"}`` or ``{}``), ``checkpoint`` (the saved directory or
+``null``), ``config`` (the composed config, resolved).
 """
 
 from __future__ import annotations
@@ -28,11 +25,9 @@ SUMMARY_KEYS = ("metrics", "run", "timings", "loss", "sample", "checkpoint", "co
 
 class LossHistory(pl.Callback):
     """Training loss of every optimizer step: ``steps`` is ``[{"step": global step after it, "loss": ...}]``, the
-    value of the logged metric ``metric`` when the step's last micro-batch ends, i.e. what the loggers write
-    (``logs/metrics.csv``'s ``train_loss``). :class:`~.module.CausalLMModule` logs there the mean of the step's
-    micro-batch losses, as the LightningModule computed them: with ``accumulate_grad_batches=N`` too. (The
-    ``outputs["loss"]`` of ``on_train_batch_end`` is not used: Lightning divides it by N.) A step for which the
-    module logged no ``metric`` is left out (one warning)."""
+    logged ``metric`` when the step's last micro-batch ends, i.e. what the loggers write (the step's mean loss, see
+    :meth:`~.module.CausalLMModule.training_step`; ``outputs["loss"]`` is not used: Lightning divides it by
+    ``accumulate_grad_batches``). A step with no logged ``metric`` is left out (one warning)."""
 
     def __init__(self, metric: str = "train_loss") -> None:
         self.metric = metric

@@ -39,8 +39,7 @@ DEFAULT_PROMPTS = {
 # ---------------------------------------------------------------------------------------------- preflight
 def run_preflight(cfg: DictConfig) -> None:
     """Plan this run on ``cfg.hardware`` and refuse to start when RAM, disk or device memory is short. A local
-    model (``model.weights=<dir>``, no ``model.gguf``) is planned from its own ``config.json``, not from the
-    ``model.config`` of the preset it overrides.
+    model (``model.weights=<dir>``, no ``model.gguf``) is planned from its own ``config.json``.
 
     Raises:
         PreflightError: with the numbers and what to change (before anything is allocated).
@@ -69,10 +68,10 @@ def run_preflight(cfg: DictConfig) -> None:
 
 
 def preflight(cfg: DictConfig) -> Path | None:
-    """Everything that can be checked before the model is built, in seconds: config keys, the data's records,
-    paths, packages, ``resume``, then (``cfg.preflight``) the memory plan. Returns the checkpoint directory
-    ``resume`` names (:func:`~.checkpoints.resolve_resume`; ``None`` for a fresh run), resolved once here so that
-    its choice and its warning come before the model is loaded, and the later steps use that same checkpoint.
+    """Everything that can be checked before the model is built (:func:`~.checks.check_all`, ``resume``, then with
+    ``cfg.preflight`` the memory plan). Returns the checkpoint directory ``resume`` names
+    (:func:`~.checkpoints.resolve_resume`; ``None`` for a fresh run), resolved once here so that its warning comes
+    before the model loads and the later steps use that same checkpoint.
 
     Raises:
         ConfigError: naming the Hydra key to change (see :mod:`~megatrain_lightning.recipes_lib.checks`).
@@ -113,11 +112,10 @@ def build_model(cfg: DictConfig) -> tuple[torch.nn.Module, Any]:
 
 def build_data(cfg: DictConfig, tokenizer: Any) -> Any:
     """The data module from ``cfg.data`` (its ``_target_``), capped at ``cfg.model.max_seq_len`` positions, built
-    here (read, tokenized, split, or loaded from the cache) so that data that cannot train is one error line.
+    here so that data that cannot train is one error line.
 
     Raises:
-        ConfigError: (key ``data``) the data module refused the data once tokenized (no full row of ``seq_len``
-            tokens, no example with an answer token within ``seq_len``...; the message says what to change).
+        ConfigError: (key ``data``) the data module refused the data once tokenized.
     """
     dm = instantiate(cfg.data, tokenizer=tokenizer, max_seq_len=int(cfg.model.max_seq_len))
     if hasattr(dm, "setup"):
@@ -129,16 +127,14 @@ def build_data(cfg: DictConfig, tokenizer: Any) -> Any:
 
 
 def build_module(cfg: DictConfig, model: torch.nn.Module, tokenizer: Any) -> CausalLMModule:
-    """The LightningModule (``cfg.optim``: the optimizer's ``_target_`` and hyper-parameters, ``conf/optim/<name>.yaml``,
-    and the warm-up). The cosine schedule spans ``trainer.max_steps``, or with ``max_steps=-1`` the steps Lightning
-    estimates for ``trainer.max_epochs``."""
+    """The LightningModule, with :func:`optimizer_kwargs` of ``cfg.optim``; the cosine schedule spans
+    ``trainer.max_steps``, or with ``max_steps=-1`` the steps Lightning estimates for ``trainer.max_epochs``."""
     return CausalLMModule(model, tokenizer=tokenizer, total_steps=int(cfg.trainer.max_steps),  # -1: estimated
                           **optimizer_kwargs(cfg.optim))
 
 
 def optimizer_kwargs(optim: Any) -> dict[str, Any]:
-    """A recipe's ``optim`` section as module keywords: ``_target_`` becomes ``optimizer`` (the class to build), the
-    rest stays (``lr``, ``weight_decay``, ``betas``, ``warmup_steps`` and the class's own hyper-parameters)."""
+    """A recipe's ``optim`` section as module keywords: ``_target_`` becomes ``optimizer``, the rest stays."""
     d = dict(OmegaConf.to_container(optim, resolve=True)) if not isinstance(optim, dict) else dict(optim)
     if "_target_" in d:
         d["optimizer"] = d.pop("_target_")
@@ -146,10 +142,8 @@ def optimizer_kwargs(optim: Any) -> dict[str, Any]:
 
 
 def make_loggers(cfg: DictConfig) -> list[Any]:
-    """The Lightning loggers named by ``cfg.logger`` (``csv``, ``tensorboard``, ``wandb`` in offline mode, or a list
-    of them), writing under ``<output_dir>/logs`` (TensorBoard: ``logs/version_N/events.out.tfevents.*``; wandb:
-    ``logs/wandb/offline-run-*``, upload later with ``wandb sync``). The engine's per-step statistics
-    (``megatrain/*``) reach every one of them. A wandb run stays open until :func:`closing_loggers` ends it."""
+    """The Lightning loggers named by ``cfg.logger``, writing under ``<output_dir>/logs`` (files:
+    docs/guide/recipes.md, "Loggers"). A wandb run stays open until :func:`closing_loggers` ends it."""
     names = [cfg.logger] if isinstance(cfg.logger, str) else list(cfg.logger)
     out = []
     for name in names:
@@ -185,8 +179,7 @@ def closing_loggers(trainer: pl.Trainer) -> Iterator[None]:
 
 
 def log_every(configured: int, max_steps: int) -> int:
-    """``trainer.log_every_n_steps`` for a run of ``max_steps`` optimizer steps: the configured value, lowered to
-    ``max_steps // 4`` (at least 1) so that a short run still logs its training metrics about 4 times."""
+    """``trainer.log_every_n_steps``, lowered to ``max_steps // 4`` (at least 1) so a short run still logs."""
     if max_steps is None or max_steps < 1:
         return configured
     return max(1, min(configured, max_steps // 4))
@@ -219,10 +212,9 @@ def build_trainer(cfg: DictConfig) -> tuple[pl.Trainer, LossHistory]:
 def inference_weights(trainer: pl.Trainer) -> Iterator[Any]:
     """Where inference after ``fit`` finds the trained weights; yields the device for the inputs.
 
-    Weights in host memory (the RAM tier, or the NVMe tier when 4 B/param fit in
-    ``host_memory_limit``: the strategy gave the module its weights back): the plain module, ``None``.
-    Weights only on disk (larger than the host budget): the engine is installed again, so every
-    forward streams the blocks (the KV cache is kept in inference), and yields its device.
+    Weights in host memory (the RAM tier, or the NVMe tier when 4 B/param fit in ``host_memory_limit``): the
+    plain module, ``None``. Weights only on disk: the engine is installed again, so every forward streams the
+    blocks (the KV cache is kept in inference), and yields its device.
     """
     eng = getattr(trainer.strategy, "engine", None)
     if eng is None or eng.closed or not eng.store.masters_on_disk or eng.params.materialized:
@@ -237,11 +229,9 @@ def inference_weights(trainer: pl.Trainer) -> Iterator[Any]:
 
 
 def evaluate(trainer: pl.Trainer, lm: CausalLMModule, dm: Any, weights: Path | None = None) -> dict[str, float]:
-    """Validation loss/perplexity (streamed through the strategy; Lightning's progress bar) and the domain probe
-    (its own progress bar), as ``{"val_loss", "val_ppl", "probe/<key>"...}``; of the module's weights, or with
-    ``weights`` of that checkpoint's (a resumed run's "before": the weights it continues from). Where Lightning
-    runs no validation (``data.val_fraction=0``: no held-out records; ``trainer.limit_val_batches=0``) there is no
-    ``val_loss``/``val_ppl``: the summary and the table leave them out (one log line says why)."""
+    """Validation loss/perplexity and the domain probe, as ``{"val_loss", "val_ppl", "probe/<key>"...}``; of the
+    module's weights, or with ``weights`` of that checkpoint's (a resumed run's "before"). Without validation
+    (``data.val_fraction=0`` or ``trainer.limit_val_batches=0``) there is no ``val_loss``/``val_ppl``."""
     outs = trainer.validate(lm, datamodule=dm, verbose=False, ckpt_path=str(weights) if weights else None)
     out = outs[0] if outs else {}
     metrics = {k: float(out[k]) for k in ("val_loss", "val_ppl") if k in out}
@@ -257,11 +247,10 @@ def evaluate(trainer: pl.Trainer, lm: CausalLMModule, dm: Any, weights: Path | N
 
 
 def fit(cfg: DictConfig, trainer: pl.Trainer, lm: CausalLMModule, dm: Any, ckpt: Path | None = None) -> dict[str, Any]:
-    """``trainer.fit`` (from the checkpoint ``ckpt``, the one :func:`preflight` resolved ``resume`` to; ``None``: a
-    fresh run); returns the run statistics of the summary table:
-    ``steps``, ``seconds``, ``tokens_per_s`` (loss-carrying tokens), ``peak_rss_bytes``, ``h2d_bytes``/``d2h_bytes``
-    (of the last step), ``resumed_from``, and for instruction data ``examples_left_out`` / ``examples_cut`` (training
-    examples with no answer token within ``seq_len`` / cut at ``seq_len``: the data module warns of both)."""
+    """``trainer.fit`` (from ``ckpt``, which :func:`preflight` resolved; ``None``: a fresh run); returns the run
+    statistics of the summary table: ``steps``, ``seconds``, ``tokens_per_s`` (loss-carrying tokens),
+    ``peak_rss_bytes``, ``h2d_bytes``/``d2h_bytes`` (of the last step), ``device``, ``resumed_from``, and for
+    instruction data ``examples_left_out`` / ``examples_cut`` (the data module's ``dropped`` / ``truncated``)."""
     t0 = time.perf_counter()
     trainer.fit(lm, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
     seconds = time.perf_counter() - t0
@@ -307,8 +296,7 @@ def sample_prompt(cfg: DictConfig, dm: Any) -> str:
 
 def sample(cfg: DictConfig, trainer: pl.Trainer, lm: CausalLMModule, tok: Any, dm: Any) -> dict[str, str]:
     """Greedy generation (KV cache, no recompute) on the trained weights, as ``{"prompt", "completion"}``; an
-    instruction-shaped run asks in its training format (the tokenizer's chat template, or the plain format).
-    ``sample.max_new_tokens=0``: no sample, ``{}`` (the summary's ``sample`` is empty)."""
+    instruction-shaped run asks in its training format. ``sample.max_new_tokens=0``: ``{}``."""
     if int(cfg.sample.max_new_tokens) == 0:
         return {}
     prompt = sample_prompt(cfg, dm)

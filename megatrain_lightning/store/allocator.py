@@ -1,21 +1,17 @@
 """glibc ``malloc`` settings that keep a training process from holding on to the host memory it frees.
 
-A streamed step allocates and frees the same large buffers again and again (each layer's activations, the
-recompute's graph, the gradient batches). glibc serves an allocation of at least ``M_MMAP_THRESHOLD`` bytes with
-its own ``mmap`` and gives it back to the kernel on ``free``; but the threshold is dynamic: each such block freed
-raises it to that block's size (up to 32 MiB on 64-bit), so the next buffers of that size come from the heap,
-whose freed memory stays resident (fragmented, or in one of the per-thread arenas). Measured on the CPU device
-(``bench/plan_vs_run.py``): these settings lower the peak RSS by up to 8% (``plan_vs_run_glibc_defaults.json`` is
-the matrix without them). Allocations under the threshold still come from the heap and their freed space stays
-there: the planner counts that on a CPU device (``planning/activations.py``, ``heap_keeps_layer_phase``).
+glibc serves an allocation of at least ``M_MMAP_THRESHOLD`` bytes with its own ``mmap``, returned on ``free``, but
+the threshold is dynamic: each such block freed raises it to that size (up to 32 MiB on 64-bit), so the next
+buffers of that size come from the heap, whose freed memory stays resident (fragmented, or in per-thread arenas).
+Source: glibc ``malloc/malloc.c`` (``mallopt``, ``DEFAULT_MMAP_THRESHOLD_MAX``, ``mp_.no_dyn_threshold``) and
+mallopt(3).
 
-:func:`bound_retention` sets those two with ``mallopt`` (``M_MMAP_THRESHOLD`` = 8 MiB, fixed: setting it turns
-the dynamic adjustment off; ``M_ARENA_MAX`` = 2) when the strategy sets up, on glibc only, unless the environment
-already sets ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_ARENA_MAX`` (glibc's own variables, which win) or
-``MEGATRAIN_MALLOC_TUNING=0`` turns it off. Allocations of 8 MiB or more then cost an ``mmap``/``munmap`` each
-(page faults on first touch): a few percent of a CPU step at most in the matrix of ``bench/plan_vs_run.py``.
-Source: glibc ``malloc/malloc.c`` (``mallopt``, ``DEFAULT_MMAP_THRESHOLD_MAX``, the ``mp_.no_dyn_threshold``
-flag) and mallopt(3).
+:func:`bound_retention` sets ``M_MMAP_THRESHOLD`` = 8 MiB (fixed, which turns the dynamic adjustment off) and
+``M_ARENA_MAX`` = 2, on glibc only, unless ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_ARENA_MAX`` (which win) are set or
+``MEGATRAIN_MALLOC_TUNING=0``. Measured on the CPU device (``bench/plan_vs_run.py``; ``plan_vs_run_glibc_defaults.json``
+is the matrix without them): peak RSS up to 8% lower, a few percent of a CPU step at most for the ``mmap``/``munmap``
+of each allocation of 8 MiB or more. Freed space under the threshold stays in the heap: the planner counts it on a
+CPU device (``planning/activations.py``, ``heap_keeps_layer_phase``).
 """
 
 from __future__ import annotations
@@ -35,8 +31,7 @@ _applied: dict[str, int] | None = None
 
 
 def glibc() -> ctypes.CDLL | None:
-    """This process's C library when it is glibc (it has ``gnu_get_libc_version`` and ``mallopt``), else None
-    (musl, macOS, Windows)."""
+    """This process's C library when it is glibc, else None (musl, macOS, Windows)."""
     try:
         libc = ctypes.CDLL(None)
         libc.gnu_get_libc_version  # noqa: B018  (AttributeError off glibc)

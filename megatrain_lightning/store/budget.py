@@ -1,10 +1,8 @@
 """Strict host-memory accounting for the NVMe tier (``host_memory_limit``).
 
-Every host buffer the NVMe tier holds (cached master weights, ``exp_avg``, ``exp_avg_sq`` and
-gradient accumulators, and on CPU the compute buffers of the blocks in flight) is reserved
-here before it is allocated and released after it is freed. A reservation that does not fit
-waits until another thread releases bytes; it never overshoots the limit (docs/internals/nvme.md,
-"Window, read-ahead, write-behind").
+Every host buffer the NVMe tier holds (window buffers and, on CPU, the compute buffers) is reserved here before it
+is allocated and released after it is freed; a reservation that does not fit waits, never overshoots
+(docs/internals/nvme.md, "Window, read-ahead, write-behind").
 """
 
 from __future__ import annotations
@@ -20,14 +18,11 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
 
 
 def parse_bytes(value: int | float | str) -> int:
-    """``16GiB``, ``"1.5 GB"``, ``"512MiB"``, ``2**30`` -> bytes (int).
-
-    Binary units (KiB, MiB, GiB, TiB) are powers of 1024, decimal ones (KB, MB, GB, TB and the bare
-    letters K, M, G, T) powers of 1000; case is ignored.
+    """``"16GiB"``, ``"1.5 GB"``, ``2**30`` -> bytes (int). KiB..TiB are powers of 1024; KB..TB and bare K, M, G, T
+    powers of 1000; case is ignored.
 
     Raises:
-        ValueError: not a positive, finite size (``inf`` and ``nan`` included: no option reads them as
-            "no limit"; leaving an option unset gives its default), or an unknown unit.
+        ValueError: not a positive, finite size (``inf``/``nan`` are not "no limit"), or an unknown unit.
     """
     if isinstance(value, bool):
         raise ValueError(f"Not a memory size: {value!r}.")
@@ -90,12 +85,10 @@ class HostBudget:
             return True
 
     def reserve(self, n: int, make_room=None, timeout_s: float = 300.0, what: str = "a buffer") -> None:
-        """Reserve ``n`` bytes, calling ``make_room(missing_bytes)`` (which may evict cached data) and
-        waiting for releases while they do not fit.
+        """Reserve ``n`` bytes, calling ``make_room(missing_bytes)`` (may evict) and waiting while they do not fit.
 
         Raises:
-            HostMemoryBudgetError: ``n`` exceeds the limit, or nothing was released for ``timeout_s``
-                seconds (the limit is too small for the blocks in flight).
+            HostMemoryBudgetError: ``n`` exceeds the limit, or they did not fit within ``timeout_s`` seconds.
         """
         if n > self.limit:
             raise HostMemoryBudgetError(
@@ -126,8 +119,7 @@ class HostBudget:
 
 
 def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
-    """``MemAvailable`` of ``/proc/meminfo`` in bytes (what the kernel can hand out without swapping), or ``None``
-    where the file is unreadable (not Linux)."""
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes, or ``None`` where the file is unreadable (not Linux)."""
     try:
         for line in Path(meminfo).read_text().splitlines():
             if line.startswith("MemAvailable:"):

@@ -1,23 +1,13 @@
 """Host-RAM parameter store: one contiguous fp32 slab per block.
 
-Each block's parameters are packed into one flat fp32 tensor (the *master*
-weights), trainable parameters first, frozen ones after, so one copy moves a
-whole block to the device and the trainable part is one contiguous range for
-the gradient accumulator and the AdamW states (docs/architecture.md, "Memory tiers").
+Each block's parameters are packed into one flat fp32 tensor (the *master* weights), trainable first, so one copy
+moves a block to the device and the trainable part is one contiguous range for the accumulator and the AdamW
+states (docs/architecture.md, "Memory tiers"). After :func:`build_store` every ``param.data`` is a view of its slab,
+so the module keeps working as plain PyTorch and nothing is stored twice. With the NVMe tier some regions live in
+per-block files (:mod:`megatrain_lightning.store.nvme`); :meth:`HostStore.hold` serves both tiers.
 
-After :func:`build_store`, every ``nn.Parameter`` of the model has its ``.data``
-replaced by a view of its slab: the module keeps working as a plain PyTorch
-module (``state_dict()``, ``save_pretrained()``) and nothing is stored twice.
-
-With the NVMe tier (:mod:`megatrain_lightning.store.nvme`) some regions of every
-slab (``master``, and/or ``exp_avg``/``exp_avg_sq``/``grad_accum``) live in per-block files
-instead; :meth:`HostStore.hold` gives the same access to both tiers. Parameters whose
-masters are on disk keep a 4-byte placeholder ``.data`` of the right shape (stride 0, NaN)
-while the engine owns them.
-
-Bytes per parameter on the host (fp32): master 4, gradient accumulator 4
-(trainable only, allocated at the first backward), exp_avg 4 and exp_avg_sq 4
-(trainable parameters the optimizer owns, allocated at the first step).
+Bytes per parameter on the host (fp32): master 4, gradient accumulator 4 (trainable only, allocated at the first
+backward), exp_avg 4 and exp_avg_sq 4 (trainable parameters the optimizer owns, allocated at the first step).
 """
 
 from __future__ import annotations
@@ -46,8 +36,8 @@ class SlabEntry:
         offset: first element of the parameter in the slab (elements, not bytes).
         numel: number of elements.
         shape: the parameter's shape.
-        trainable: the store holds a gradient accumulator and AdamW state for it: ``requires_grad`` at the
-            time the store was built, or every parameter with ``reserve_frozen`` (:func:`slab_layout`).
+        trainable: the store holds an accumulator and AdamW state for it (``requires_grad`` when the store
+            was built, or ``reserve_frozen``: :func:`slab_layout`).
     """
 
     ref: ParamRef
@@ -68,15 +58,13 @@ class Slab:
         trainable_numel: the trainable prefix ``master[:trainable_numel]``.
         grad_accum: fp32 gradient accumulator, shape ``[trainable_numel]`` (``None`` until the first gradient).
         has_grad: per entry, whether a gradient arrived in the current accumulation window
-            (``False`` entries behave like ``p.grad is None`` in PyTorch: no optimizer update).
-        grad_accum_empty: ``True`` when ``grad_accum`` holds nothing of the current window (the next gradient is copied, not added).
+            (``False``: like ``p.grad is None``, no optimizer update).
+        grad_accum_empty: ``grad_accum`` holds nothing of the current window (the next gradient is copied).
         lock: serialises optimizer updates and gradient writes on this slab across threads.
-        last_read: event of the last H2D copy out of ``master`` or its wire image (CUDA event, or any object
-            with ``synchronize()``; ``None``: no copy in flight). Recorded (:meth:`read_by`) with ``lock``
-            held from the pending update through the copy's queueing; every writer takes ``lock`` and
-            waits on it (:meth:`wait_reads`) before writing, so no write overlaps a copy still reading.
-        updates: optimizer updates applied to ``master`` (the fused kernel does not bump ``_version``);
-            the engine's wire images of ``master`` are refreshed when it changes.
+        last_read: event (``synchronize()``) of the last H2D copy out of ``master`` or its wire image, or
+            ``None``. Every writer takes ``lock`` and calls :meth:`wait_reads` first, so no write overlaps a copy.
+        updates: writes of ``master`` (the fused kernel does not bump ``_version``); wire images are
+            refreshed when it changes.
         exp_avg / exp_avg_sq: fp32 AdamW states, shape ``[trainable_numel]`` (RAM tier; ``None`` until the
             first update or while they live on disk).
     """
@@ -100,9 +88,8 @@ class Slab:
         return self.total_numel
 
     def param_versions(self) -> int:
-        """Sum of the version counters of the module's parameters in this slab. They share the masters' memory but
-        each has a counter of its own: an in-place write through one (``p.mul_`` under ``no_grad``) moves this sum,
-        an optimizer update on the masters does not."""
+        """Sum of the slab's parameters' version counters: an in-place write through a parameter moves it, an
+        optimizer update on the masters does not."""
         return sum(e.ref.param._version for e in self.entries)
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
@@ -117,11 +104,9 @@ class Slab:
         assert self.grad_accum is not None and self.entries[i].trainable
         return self.view(self.grad_accum, i)
 
-    # State changes go through these methods (the gradient sink and the optimizer call them, under
-    # ``lock``), so the meaning of ``has_grad`` / ``grad_accum_empty`` / ``updates`` lives in one place.
+    # state changes go through these methods (called under ``lock``)
     def start_window(self) -> None:
-        """Before adding gradients: if the accumulator holds nothing of the current window, no entry
-        has a gradient yet (the next one is copied, not added)."""
+        """Before adding gradients: reset ``has_grad`` if the accumulator holds nothing of the current window."""
         if self.grad_accum_empty:
             self.has_grad = [False] * len(self.entries)
 
@@ -143,13 +128,12 @@ class Slab:
         self.updates += 1
 
     def read_by(self, event: object) -> None:
-        """Record the event of the latest H2D copy out of ``master`` (call with ``lock`` held since the
-        copy was queued). Copies run in order on one stream, so the latest event covers the earlier ones."""
+        """Record the latest H2D copy's event (``lock`` held since the copy was queued); copies run in order on
+        one stream, so it covers the earlier ones."""
         self.last_read = event
 
     def wait_reads(self) -> None:
-        """Block until the last H2D copy out of ``master`` (or its wire image) is done; every writer of
-        them calls this with ``lock`` held, right before writing."""
+        """Block until the last H2D copy out of ``master`` is done (writers: with ``lock`` held, before writing)."""
         ev = self.last_read
         if ev is not None:
             ev.synchronize()  # type: ignore[attr-defined]
@@ -166,8 +150,8 @@ _SLOT_TENSORS: list[torch.Tensor] = []  # ...kept alive (4 bytes per parameter),
 
 
 def is_nvme_placeholder(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a placeholder of any :class:`HostStore` (:meth:`HostStore.placeholder`), this process's
-    stores closed since included: a parameter that holds no weights."""
+    """Whether ``t`` is a placeholder (:meth:`HostStore.placeholder`) of any store of this process, closed ones
+    included."""
     return (t.dtype == torch.float32 and t.device.type == "cpu" and all(st == 0 for st in t.stride())
             and t.untyped_storage().data_ptr() in _SLOT_STORAGES)
 
@@ -190,8 +174,7 @@ class HostStore:
 
     @property
     def index(self) -> dict[int, tuple[int, int]]:
-        """``id(parameter) -> (slab index, entry index)``, built once (at the first lookup, after
-        :func:`build_store` added the slabs): every part looks parameters up here."""
+        """``id(parameter) -> (slab index, entry index)``, built at the first lookup."""
         if self._index is None:
             self._index = {id(e.ref.param): (s.index, i) for s in self.slabs for i, e in enumerate(s.entries)}
         return self._index
@@ -212,9 +195,7 @@ class HostStore:
 
     def placeholder(self, si: int, i: int) -> torch.Tensor:
         """The ``.data`` of entry ``i`` of slab ``si`` while its master is on disk: one fp32 NaN of its own
-        expanded to the parameter's shape (stride 0, 4 bytes). User code that reads it outside a block's compute
-        (a weight norm in a callback) gets NaN rather than plausible zeros; a write into it (``nn.init.zeros_``,
-        ``fill_`` in a hook) changes that one value, which :meth:`placeholder_writes` reports by parameter."""
+        expanded to the parameter's shape (stride 0, 4 bytes); docs/internals/nvme.md, "Parameters"."""
         slots = self._placeholder_slots.get(si)
         if slots is None:
             slots = self._placeholder_slots[si] = torch.full((len(self.slabs[si].entries),), float("nan"))
@@ -228,8 +209,7 @@ class HostStore:
         return is_nvme_placeholder(t) and t.untyped_storage().data_ptr() in self._slot_storages
 
     def placeholder_writes(self) -> list[tuple[int, int]]:
-        """``(slab, entry)`` of every placeholder written since the last call (its value is no longer NaN: an
-        in-place write that did not reach the master on disk), each reset to NaN. One ``isnan`` per slab."""
+        """``(slab, entry)`` of every placeholder written since the last call (no longer NaN), each reset to NaN."""
         found = []
         for si, slots in self._placeholder_slots.items():
             bad = ~torch.isnan(slots)
@@ -262,8 +242,8 @@ class HostStore:
             write: the body modifies them (NVMe: written back afterwards).
             fresh: regions whose old content is not needed (NVMe: not read from disk).
 
-        RAM-tier regions are the live tensors (zeros when first asked for, as AdamW states and
-        accumulators start); NVMe regions are pinned window buffers, valid only inside the body.
+        RAM-tier regions are the live tensors (zeros when first asked for); NVMe regions are window buffers,
+        valid only inside the body.
         """
         kinds = tuple(kinds)
         slab = self.slabs[i]
@@ -277,19 +257,17 @@ class HostStore:
             yield out
 
     def master_is_remote(self, i: int) -> bool:
-        """Data parallel with the masters on disk: slab ``i``'s master is in another local rank's store (read
-        from its file, written only by it)."""
+        """Data parallel with the masters on disk: slab ``i``'s master is in another local rank's store."""
         return self.nvme is not None and Region.master in self.nvme_kinds and self.nvme.is_remote(i)
 
     def master_published(self, i: int) -> None:
-        """Owner, data parallel: before the other ranks are told of slab ``i``'s new master, it is on disk
-        (masters on NVMe: wait for its write-behind; in RAM: nothing to do)."""
+        """Owner, data parallel: make slab ``i``'s new master visible before the others are told (NVMe: wait for
+        its write-behind)."""
         if self.nvme is not None and Region.master in self.nvme_kinds:
             self.nvme.wait_written(i, Region.master)
 
     def master_changed_elsewhere(self, i: int) -> None:
-        """Another rank updated slab ``i``'s master (data parallel): a copy held in this process's NVMe window
-        is stale (masters in RAM: the shared pages already show it)."""
+        """Another rank updated slab ``i``'s master: drop a stale copy in this process's NVMe window."""
         if self.master_is_remote(i):
             self.nvme.invalidate(i, Region.master)
 
@@ -310,9 +288,8 @@ class HostStore:
 def slab_layout(blocks: Sequence[Block], reserve_frozen: bool = False) -> list[tuple[list[SlabEntry], int, int]]:
     """Per block: its slab entries (trainable first), slab numel and trainable numel (elements).
 
-    ``reserve_frozen``: lay out every parameter as trainable, frozen ones included (``requires_grad`` may be
-    set during fit, e.g. by Lightning's ``BaseFinetuning``): their gradient accumulator and AdamW state are
-    then part of the slab, 12 more bytes per frozen element once allocated."""
+    ``reserve_frozen``: lay out frozen parameters as trainable too (for ``BaseFinetuning`` unfreezing during
+    fit): 12 more bytes per frozen element once allocated."""
     out = []
     for blk in blocks:
         seen: set[int] = set()
@@ -346,40 +323,31 @@ def build_store(blocks: Sequence[Block], pin_memory: bool | None = False,
 
     Args:
         blocks: output of :func:`~megatrain_lightning.blocks.discover_blocks`.
-        pin_memory: allocate the masters in page-locked memory (CUDA runs: H2D copies
-            then run asynchronously at full link speed): ``True`` pins or raises, ``None`` pins while the driver
-            can and, once a slab cannot be pinned, logs one warning and makes it and the rest pageable
-            (:func:`~.pinned.try_host_buffer`), ``False`` never pins.
+        pin_memory: page-lock the masters: ``True`` pins or raises, ``None`` pins while the driver can, then
+            warns once and makes the rest pageable (:func:`~.pinned.try_host_buffer`), ``False`` never pins.
         sources: ``id(param) -> loader`` for parameters on the ``meta`` device (a model from
             :func:`~megatrain_lightning.checkpoint.hf_io.meta_model_from_pretrained`): each loader
-            returns that one tensor (CPU, any float dtype), read straight into the slab, so the
-            whole model is never materialised a second time. A meta parameter is replaced by a new
-            ``nn.Parameter`` (a meta tensor cannot take CPU ``.data``) in every module that holds it,
-            so build the optimizer after the store (Lightning's ``configure_optimizers`` runs later).
+            returns that one tensor (CPU, any float dtype), read straight into the slab. A meta parameter is
+            replaced by a new ``nn.Parameter`` in every module that holds it, so build the optimizer after the store.
         nvme_factory: ``layout -> NVMeStore`` for the NVMe tier (``layout = [(numel, trainable numel)]``
             per slab); ``None``: everything in RAM.
         nvme_kinds: regions kept on disk: ``{"master"}`` (``offload_params="nvme"``) and/or
             ``{"exp_avg", Region.exp_avg_sq, Region.grad_accum}`` (``offload_optimizer="nvme"``).
-        shared: data parallel: ``layout -> SharedRegions`` mapping the node's shared file (``store/shared.py``);
-            every region in RAM of every slab is a view of it, and only the node's writer (local rank 0) copies
-            the weights in. With the NVMe tier the file holds what stays in RAM (the masters, or only the update
-            counts) and each process's NVMe store the regions of its own slabs; with the masters on disk each
-            owner writes its own slabs' masters.
+        shared: data parallel: ``layout -> SharedRegions`` mapping the node's shared file (``store/shared.py``),
+            of which every RAM region is a view; the node's writer (local rank 0) copies the weights in, or, with
+            the masters on disk, each owner its own slabs'.
         reserve_frozen: gradient and AdamW state for frozen parameters too (:func:`slab_layout`).
 
     Raises:
-        ValueError: a parameter is on the meta device and no source provides it, or its source tensor has another
-            shape (a meta-device model resized before fit: the message says to resize a materialised model);
-            ``shared`` with the masters on NVMe but the optimizer state in RAM.
+        ValueError: a meta parameter without a source, or whose source has another shape; ``shared`` with the
+            masters on NVMe but the optimizer state in RAM.
         HostPinningError: ``pin_memory=True`` and a master slab cannot be page-locked.
 
     Returns:
-        The store. Parameters keep their identity (the same ``nn.Parameter`` objects,
-        so optimizers and schedulers that hold them keep working); their dtype becomes fp32.
-        With masters on disk their ``.data`` is a placeholder (see :meth:`HostStore.placeholder`).
+        The store. Parameters keep their identity (non-meta ones) and become fp32; with masters on disk
+        their ``.data`` is a placeholder (:meth:`HostStore.placeholder`).
 
-    Peak extra memory while building: one slab (each block's original storage is
-    released once its parameters point into the slab, if nothing else holds it).
+    Peak extra memory while building: one slab (each block's original storage is released once repointed).
     """
     layout = slab_layout(blocks, reserve_frozen)
     nvme_kinds = frozenset(nvme_kinds)

@@ -1,31 +1,13 @@
 """NVMe tier: per-block files on disk and a host-memory window bounded by ``host_memory_limit``.
 
-Layout (docs/architecture.md, "Memory tiers" and "NVMe tier"). One file per block,
-``block_00012.bin``, holding four regions, each starting at a 4 KiB boundary and padded to a
-multiple of 4 KiB::
+One file per block, ``block_00012.bin``, of four regions, each at a 4 KiB boundary and padded to 4 KiB::
 
     master (fp32, slab numel) | exp_avg (fp32, trainable) | exp_avg_sq (fp32, trainable) | grad_accum (fp32, trainable)
 
-Files are opened with ``O_DIRECT`` where the filesystem allows it (host buffers are then
-4 KiB-aligned and the page cache stays out of the way); elsewhere (tmpfs, some overlay
-filesystems) buffered I/O is used and logged once.
-
-The host window is a cache of ``(block, region)`` buffers. Every buffer is reserved in a
-:class:`~megatrain_lightning.store.budget.HostBudget` before it is allocated, so the bytes
-held never exceed the limit: a reservation that does not fit first evicts clean buffers
-(least recently used, those the schedule needs next last), then waits for write-behind
-to finish. Callers use :meth:`NVMeStore.hold`, which pins buffers while they are in use;
-modified buffers are written back asynchronously as soon as they are unpinned
-(write-behind), and :meth:`NVMeStore.read_ahead` starts reads of buffers the schedule will
-need next (forward order, backward in reverse, optimizer updates) while budget allows.
-
-One run owns a store directory: an exclusive ``flock`` on ``<nvme_path>/megatrain_store/LOCK``
-(the kernel drops it when the process dies). A store left by a killed run is detected by its
-files and reset. Files are removed at :meth:`close` unless ``keep_files``.
-
-Faults: an ``OSError`` in a read or write (ENOSPC, EIO, ...) is re-raised as
-:class:`NVMeIOError` naming the file, the operation and the offset; a failed write-behind is
-raised at the next operation of the run, so training stops instead of continuing on lost data.
+Every window buffer is reserved in a :class:`~megatrain_lightning.store.budget.HostBudget` before it is allocated,
+so the bytes held never exceed the limit. ``O_DIRECT``, the ``flock`` on ``LOCK``, eviction, read-ahead,
+write-behind and faults (an ``OSError`` becomes :class:`NVMeIOError`; a failed write-behind is raised at the next
+operation): docs/internals/nvme.md, "Files" and "Window, read-ahead, write-behind".
 """
 
 from __future__ import annotations
@@ -101,11 +83,8 @@ def _pwrite(fd: int, buf: memoryview, offset: int) -> int:
 
 @dataclass
 class IOMeter:
-    """Bytes moved and the wall time during which at least one transfer of a direction was running.
-
-    ``read_bytes / read_busy_s`` is the store's achieved read throughput (concurrent transfers are
-    not double counted); likewise for writes.
-    """
+    """Bytes moved, and seconds with at least one transfer of a direction running: ``read_bytes / read_busy_s``
+    is the achieved read throughput (concurrent transfers are not double counted); likewise for writes."""
 
     read_bytes: int = 0
     write_bytes: int = 0
@@ -151,10 +130,10 @@ NVME_PATH_FROM_ENV = "$MEGATRAIN_NVME_PATH"  # nvme_path value meaning: read MEG
 
 @dataclass
 class NVMeConfig:
-    """Settings of the NVMe tier (built from the strategy's options by ``MegaTrainConfig``, which checks them).
+    """Settings of the NVMe tier (built and checked by ``MegaTrainConfig``).
 
     Attributes:
-        path: ``nvme_path``: directory on the fast disk.
+        path: ``nvme_path``.
         kinds: regions on disk: ``Region.master`` (``offload_params="nvme"``), ``Region.exp_avg``, ``Region.exp_avg_sq``
             and ``Region.grad_accum`` (``offload_optimizer="nvme"``).
         host_memory_limit: bytes the host window (and, on CPU, the compute buffers) may use.
@@ -164,14 +143,11 @@ class NVMeConfig:
         direct_io: ``"auto"``, ``True`` or ``False`` (see :class:`NVMeStore`).
         keep_files: keep the store's files after the run.
         store_dir: the store's directory under ``path`` (one per process of a data-parallel run).
-        share: data parallel: ``(local rank, local ranks)``; this process stores the regions of the slabs it
-            owns (``store.shared.owners``), and ``host_memory_limit`` is its share of the node's. The other slabs
-            take no disk and no window (:meth:`own`), except their masters when they are on disk
-            (``offload_params="nvme"``): those it reads from their owner's files (:meth:`remote_files`).
-            ``None``: one process, every slab.
+        share: data parallel: ``(local rank, local ranks)``; this process stores the slabs it owns
+            (``store.shared.owners``) and ``host_memory_limit`` is its share of the node's (:meth:`own`,
+            :meth:`remote_files`). ``None``: one process, every slab.
         peer_dirs: with ``share``, the store directory (under ``path``) of each local rank of the node.
-        run_dirs: the store directories of every process of this run (data parallel), which
-            :func:`sweep_stale_stores` leaves alone.
+        run_dirs: the store directories of every process of this run, left alone by :func:`sweep_stale_stores`.
     """
 
     path: str
@@ -194,8 +170,8 @@ class NVMeConfig:
 
     def own(self, layout: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
         """``layout`` (per slab ``(numel, trainable numel)``) as this process stores it: with :attr:`share`, the
-        slabs another local rank owns become ``(0, 0)`` (no file bytes, no window buffers), or ``(numel, 0)`` with
-        the masters on disk (their masters pass through this window, read from the owner's file)."""
+        slabs another local rank owns become ``(0, 0)``, or ``(numel, 0)`` with the masters on disk (read from
+        the owner's file through this window)."""
         if self.share is None:
             return list(layout)
         rank, ranks = self.share
@@ -212,10 +188,8 @@ class NVMeConfig:
                 for i, o in enumerate(owners(layout, ranks)) if o != rank and layout[i][0]}  # an empty slab: no file
 
     def min_window(self, layout: Sequence[tuple[int, int]]) -> int:
-        """Bytes the store's own regions need in the host window at least: the largest slab's update
-        working set (master, ``exp_avg``, ``exp_avg_sq`` and accumulator, where they are on disk) and one
-        more accumulator being filled. Buffers outside the store that share the budget (the engine's
-        compute buffers on CPU) are added by the engine, which knows its schedule.
+        """Bytes the store's own regions need in the host window at least: the largest slab's on-disk regions
+        and one more accumulator being filled (the engine adds its own buffers, e.g. compute buffers on CPU).
 
         Args:
             layout: per slab, ``(numel, trainable numel)``."""
@@ -229,14 +203,12 @@ class NVMeConfig:
         return need + 2**16
 
     def window_bytes(self, layout: Sequence[tuple[int, int]], reserved: int = 0, staging: int = 0) -> int:
-        """Capacity of the host window's arena (:class:`~megatrain_lightning.store.pinned.PinnedArena`):
-        ``host_memory_limit`` less ``reserved`` (buffers outside the arena counted in the limit: the D2H
-        staging buffers of a CUDA run, the compute buffers of a CPU one), and never more than every
-        on-disk region of the store plus ``staging`` (a window larger than that is never used).
+        """Bytes of the window's :class:`~megatrain_lightning.store.pinned.PinnedArena`: ``host_memory_limit``
+        less ``reserved``, at most every on-disk region plus ``staging`` (more would never be used).
 
         Args:
             layout: per slab, ``(numel, trainable numel)``.
-            reserved: bytes of the limit used outside the arena.
+            reserved: bytes of the limit used outside the arena (CUDA: D2H staging; CPU: compute buffers).
             staging: bytes of the arena's buffers outside the cache at most (the engine's H2D staging ring)."""
         regions = sum((align_up(4 * n) if Region.master in self.kinds else 0)
                       + (3 * align_up(4 * t) if Region.grad_accum in self.kinds else 0) for n, t in layout)
@@ -269,14 +241,10 @@ def block_file(directory: Path, i: int) -> Path:
 
 
 def sweep_stale_stores(nvme_path: str | os.PathLike, keep: Iterable[str]) -> list[str]:
-    """Remove the store directories (``megatrain_store*``) under ``nvme_path`` that a run which did not finish left
-    behind, other than ``keep`` (this run's own, which each process resets itself): a process killed with several
-    processes leaves ``megatrain_store_rank<r>``, which a later run with fewer processes never opens. A directory
-    whose ``LOCK`` a live process holds, or that a clean run kept (``keep_nvme_files=True``), is left alone.
-    Several processes may sweep at once (the lock decides). Returns the names removed; each is logged.
-
-    Raises:
-        nothing: a directory that cannot be read or removed is skipped."""
+    """Remove the store directories (``megatrain_store*``) under ``nvme_path`` left by runs that did not finish
+    (e.g. a killed 2-process run's ``megatrain_store_rank1``), other than ``keep`` (this run's own). A locked or kept
+    (``keep_nvme_files=True``) one is left alone; several processes may sweep at once (the lock decides). Never
+    raises: an unreadable directory is skipped. Returns the names removed; each is logged."""
     removed, keep = [], set(keep)
     for d in sorted(Path(nvme_path).glob(f"{STORE_DIR}*")):
         if d.name in keep or not d.is_dir():
@@ -333,25 +301,18 @@ class NVMeStore:
     """Per-block files plus the budgeted host window over them.
 
     Args:
-        nvme_path: directory on the fast disk; the store lives in ``<nvme_path>/megatrain_store``.
+        nvme_path: directory on the fast disk.
         layout: ``[(slab numel, trainable numel)]`` per block (elements, fp32).
         budget: the run's host budget (shared with the engine's compute buffers on CPU).
-        io_threads: threads issuing read and write requests, each one at a time: the queue depth.
-        io_block_size: bytes per request (a multiple of 4096); a region is split into requests
-            of this size that run concurrently.
-        read_ahead: most buffers being read ahead at once.
+        io_threads, io_block_size, read_ahead, keep_files, store_dir: as :class:`NVMeConfig`'s.
         direct_io: ``"auto"`` (``O_DIRECT`` if the filesystem takes it), ``True`` (required) or ``False``.
-        pin_memory: page-lock the window's arena (CUDA: H2D copies straight from it); ``None``: try, and
-            use pageable memory with a warning when pinning fails. Ignored when ``arena`` is given.
-        keep_files: leave the files on disk at :meth:`close`.
-        arena: the memory window buffers are carved from (the engine makes it in its preflight);
-            default: one of ``min(budget.limit, every region's bytes)``.
+        pin_memory: page-lock the window's arena (``None``: try, else pageable with a warning); ignored with
+            ``arena``.
+        arena: the memory window buffers are carved from (default: one of ``min(budget.limit, every region's
+            bytes)``).
         place_timeout_s: seconds a buffer may wait for a contiguous free range of the arena.
-        store_dir: the store's directory under ``nvme_path`` (default ``megatrain_store``; data parallel: one
-            per process).
-        remote: data parallel with the masters on disk: slab index -> its owner's block file. Those slabs' master
-            regions are read from there (opened by :meth:`open_remote` once the owners made their files), never
-            written; their other regions are empty here.
+        remote: data parallel with the masters on disk: slab index -> its owner's block file, whose master is
+            read (:meth:`open_remote`), never written; those slabs' other regions are empty here.
 
     Raises:
         NVMeStoreLockedError: another live process holds the store directory.
@@ -381,7 +342,6 @@ class NVMeStore:
             log.warning("megatrain: %s does not support O_DIRECT; the NVMe store uses buffered I/O "
                         "(the page cache then holds extra copies outside host_memory_limit).", self.dir)
         self.direct = odirect
-        # region offsets and sizes per block
         self._off: list[dict[str, int]] = []
         self._nbytes: list[dict[str, int]] = []
         self._numel: list[dict[str, int]] = []
@@ -430,9 +390,8 @@ class NVMeStore:
             owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
             os.close(fd)
             if owner == str(os.getpid()) and not collected:
-                # an earlier run's store whose Trainer was dropped but not yet collected (strategy, engine and
-                # store hold reference cycles): collecting it closes it (__del__), which removes LOCK and the
-                # directory, so make them again and retry once
+                # an earlier run's store, dropped but not yet collected (reference cycles): collecting closes it,
+                # which removes LOCK and the directory, so make them again and retry once
                 gc.collect()
                 self.dir.mkdir(parents=True, exist_ok=True)
                 return self._lock(collected=True)
@@ -470,8 +429,8 @@ class NVMeStore:
         return i in self.remote
 
     def open_remote(self) -> None:
-        """Open the owners' files of :attr:`remote` read-only (after every owner created and wrote its files;
-        an open file stays readable after its owner's process removes it at exit)."""
+        """Open the owners' files of :attr:`remote` read-only, once every owner wrote them (an open file stays
+        readable after its owner removes it)."""
         for i, p in self.remote.items():
             if self._fds[i] < 0:
                 self._fds[i] = os.open(p, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
@@ -495,9 +454,8 @@ class NVMeStore:
         return fd
 
     def _transfer(self, op: str, i: int, kind: str, buf: torch.Tensor) -> None:
-        """Move one region between ``buf`` and its file, as requests of at most ``io_block_size``
-        bytes run by the request threads (so one region alone still keeps ``io_threads`` requests
-        in flight). Blocks until all are done; the first failure is raised as :class:`NVMeIOError`."""
+        """Move one region between ``buf`` and its file as requests of at most ``io_block_size`` bytes on the
+        request threads; blocks until all are done, then raises the first failure (:class:`NVMeIOError`)."""
         if op == "write" and i in self.remote:
             raise RuntimeError(f"megatrain NVMe store: block {i}'s master belongs to another process; only its "
                                "owner writes it.")
@@ -543,11 +501,11 @@ class NVMeStore:
             raise self._error
 
     def reserve(self, nbytes: int, what: str = "compute buffers") -> None:
-        """Reserve ``nbytes`` of ``host_memory_limit`` for a buffer outside the window (the engine's
-        compute buffers on CPU), evicting clean unpinned window buffers first, else waiting.
+        """Reserve ``nbytes`` of the budget for a buffer outside the window (CPU compute buffers), evicting clean
+        window buffers first, else waiting.
 
         Raises:
-            HostMemoryBudgetError: more than the limit, or the bytes never became free (``HostBudget.reserve``)."""
+            HostMemoryBudgetError: see :meth:`~megatrain_lightning.store.budget.HostBudget.reserve`."""
         self.budget.reserve(nbytes, self._make_room, what=what)
 
     def _make_room(self, missing: int, protect_all: bool = False) -> bool:
@@ -575,8 +533,8 @@ class NVMeStore:
         return e.nbytes
 
     def _evict_cost(self, off: int) -> float | None:
-        """Cost of evicting the buffer at arena offset ``off`` to open a contiguous range (``None``: it
-        cannot go now: in use, dirty, in I/O, or not a window buffer): its bytes, x1000 if the schedule wants it."""
+        """Cost of evicting the buffer at arena offset ``off``: its bytes, x1000 if the schedule wants it;
+        ``None`` if it cannot go now (in use, dirty, in I/O, or not a window buffer)."""
         key = self._at.get(off)
         e = self.entries.get(key) if key is not None else None
         if e is None or e.pins or e.dirty or e.io is not None:
@@ -586,10 +544,8 @@ class NVMeStore:
     def _place(self, n: int, what: str, back_off: bool = False) -> int:
         """Arena offset for a buffer of ``n`` bytes already reserved in the budget (under ``cond``).
 
-        The budget bounds bytes; the arena also needs them contiguous. When no free range fits,
-        the cheapest set of evictable neighbours is evicted (:meth:`PinnedArena.eviction_plan`),
-        else this waits for buffers in use or in I/O to be released (with ``back_off``, raises
-        :class:`_BackOff` instead: the caller lets its own pinned buffers go and retries).
+        When no free range fits, evicts the cheapest neighbours (:meth:`PinnedArena.eviction_plan`), else waits
+        (with ``back_off``, raises :class:`_BackOff` instead).
 
         Raises:
             HostMemoryBudgetError: no contiguous range opened for ``place_timeout_s`` seconds."""
@@ -615,11 +571,11 @@ class NVMeStore:
             self.cond.wait(min(left, 0.5))
 
     def alloc_staging(self, nbytes: int, what: str) -> tuple[int, torch.Tensor]:
-        """A buffer of ``nbytes`` in the window's arena outside the cache (the engine's H2D staging ring),
-        reserved in the budget until :meth:`free_staging`; returns ``(offset, uint8 tensor [nbytes])``.
+        """A buffer of ``nbytes`` in the arena outside the cache (the H2D staging ring), reserved in the budget
+        until :meth:`free_staging`; returns ``(offset, uint8 tensor [nbytes])``.
 
         Raises:
-            HostMemoryBudgetError: it does not fit (see :meth:`reserve`, :meth:`_place`)."""
+            HostMemoryBudgetError: it does not fit."""
         n = align_up(nbytes)
         with self.cond:
             self.budget.reserve(n, self._make_room, what=what)
@@ -717,9 +673,8 @@ class NVMeStore:
             self.cond.notify_all()
 
     def invalidate(self, i: int, kind: str) -> None:
-        """Another process rewrote block ``i``'s ``kind`` in its file (data parallel: the owner's update of a
-        :meth:`is_remote` master): the buffer held here, if any, is dropped now or, while in use or being read,
-        as soon as it is free; the next hold reads the file again."""
+        """Another process rewrote block ``i``'s ``kind`` (an :meth:`is_remote` master): drop its buffer now, or
+        once it is free; the next hold reads the file again."""
         with self.cond:
             e = self.entries.get((i, kind))
             if e is None:
@@ -731,8 +686,7 @@ class NVMeStore:
             self.cond.notify_all()
 
     def wait_written(self, i: int, kind: str) -> None:
-        """Block until block ``i``'s ``kind`` is on disk (its write-behind done): data parallel, before the owner
-        tells the others to read it.
+        """Block until block ``i``'s ``kind`` is on disk (data parallel: before the owner lets others read it).
 
         Raises:
             NVMeIOError: the write failed."""
@@ -778,8 +732,7 @@ class NVMeStore:
             NVMeIOError: a read failed now, or an earlier write-behind failed.
             HostMemoryBudgetError: the buffers never fit in ``host_memory_limit``.
 
-        An empty region (a slab without parameters or without trainable ones, or one another process stores)
-        is an empty tensor outside the window: a 0-byte buffer would share its arena offset with the next one.
+        An empty region is an empty tensor outside the window (a 0-byte buffer would share the next one's offset).
         """
         kinds = tuple(kinds)
         got = self._pin_all(i, tuple(k for k in kinds if self._nbytes[i][k]), write, set(fresh))
@@ -792,9 +745,8 @@ class NVMeStore:
                 self._unpin(i, k, write)
 
     def _pin_all(self, i: int, kinds: tuple[str, ...], write: bool, fresh: set[str]) -> dict[str, torch.Tensor]:
-        """Pin ``kinds`` of block ``i``. When a later one finds no contiguous range that evictions could
-        open (the ones already pinned split the arena), the ones already pinned are let go (nothing was
-        written yet), taken out of the window, and all are placed again."""
+        """Pin ``kinds`` of block ``i``; if the ones already pinned split the arena so a later one cannot be
+        placed, let them go (nothing written yet), take them out of the window and place all again."""
         deadline = time.monotonic() + self._place_timeout_s
         while True:
             got: dict[str, torch.Tensor] = {}
@@ -828,11 +780,8 @@ class NVMeStore:
                 e.dirty = False
 
     def read_ahead(self, wanted: Sequence[tuple[int, str]]) -> None:
-        """Start reads of the buffers the schedule needs next, in order, while they fit.
-
-        ``wanted`` is ordered by when they will be needed. Only free budget and clean buffers that
-        are not wanted are used: read-ahead never waits and never evicts something needed sooner.
-        """
+        """Start reads of ``wanted`` (ordered by when needed) while they fit in free budget or clean unwanted
+        buffers: read-ahead never waits and never evicts something needed sooner."""
         with self.cond:
             if self._error is not None or self.closed:
                 return
@@ -883,9 +832,8 @@ class NVMeStore:
         """Stop I/O, free the window and (unless ``keep_files``) delete the files; release the lock.
 
         Args:
-            wait: join the I/O threads (``False``: from a finalizer, which may run inside any thread's bookkeeping
-                holding its locks, where a join can deadlock; an unreachable store has no I/O queued, since every
-                queued request references it, and the idle threads end on their own)."""
+            wait: join the I/O threads (``False``: from a finalizer, where a join can deadlock; an unreachable
+                store has no I/O queued, and its idle threads end on their own)."""
         if self.closed:
             return
         self.closed = True
@@ -916,24 +864,23 @@ class NVMeStore:
                 self.dir.rmdir()
 
     def __del__(self):  # pragma: no cover - best effort
-        # a garbage collection inside threading's own bookkeeping (a thread starting, holding
-        # threading._shutdown_locks_lock) ran this finalizer there: joining the I/O threads then deadlocked
+        # no join: a collection inside threading's bookkeeping (holding threading._shutdown_locks_lock) may run
+        # this finalizer, and joining the I/O threads there deadlocks
         with contextlib.suppress(Exception):
             self.close(wait=False)
 
 
 def preflight_nvme(nvme_path: str | os.PathLike, layout: Sequence[tuple[int, int]], host_memory_limit: int,
                    min_window: int, store_dir: str = STORE_DIR, ranks_sharing: int = 1) -> dict[str, int]:
-    """Check, before any allocation, that the NVMe tier can run.
+    """Check, before any allocation, that the NVMe tier can run (docs/internals/nvme.md, "Preflight").
 
     Args:
         nvme_path: the store's parent directory.
         layout: ``[(slab numel, trainable numel)]`` per block.
-        host_memory_limit: bytes.
-        min_window: bytes the host window needs at least (blocks in flight, see the strategy).
+        host_memory_limit: bytes (this process's share when ``ranks_sharing`` > 1).
+        min_window: bytes the host window needs at least.
         store_dir: the store's directory under ``nvme_path``.
-        ranks_sharing: processes of the node that split the node's ``host_memory_limit`` (``host_memory_limit``
-            is then this process's share; the error says so).
+        ranks_sharing: processes of the node splitting its ``host_memory_limit``.
 
     Returns:
         ``{"disk_needed": ..., "disk_free": ..., "min_window": ...}`` (bytes).
@@ -941,10 +888,6 @@ def preflight_nvme(nvme_path: str | os.PathLike, layout: Sequence[tuple[int, int
     Raises:
         ValueError: with the numbers and what to change, when the path is missing or not a writable
             directory, the disk is too small, or the budget is below ``min_window``.
-
-    Whether the window can be page-locked is checked by pinning it (the engine makes the window's
-    :class:`~megatrain_lightning.store.pinned.PinnedArena` right after this): CUDA's pinned memory is
-    not limited by ``ulimit -l``, so that limit is not read.
     """
     p = Path(nvme_path)
     if not p.exists():
@@ -975,8 +918,7 @@ def preflight_nvme(nvme_path: str | os.PathLike, layout: Sequence[tuple[int, int
 def window_refusal(host_memory_limit: int, min_window: int, ranks_sharing: int = 1) -> str | None:
     """Why ``host_memory_limit`` (bytes; with ``ranks_sharing`` > 1 this process's share of the node's) is below
     ``min_window`` (bytes, the engine's ``engine/window.py`` ``window_sizes``), with what to set; ``None`` when it
-    is not. The engine's :func:`preflight_nvme` raises it, the planner's preflight reports it before the model is
-    built."""
+    is not (raised by :func:`preflight_nvme`, reported by the planner)."""
     if host_memory_limit < min_window and ranks_sharing > 1:
         return (
             f"host_memory_limit is the node's, split between its {ranks_sharing} processes: this process's share, "

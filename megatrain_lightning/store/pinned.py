@@ -1,19 +1,11 @@
 """Page-locked (pinned) host memory whose size is exactly what was asked for, and an arena over it.
 
-Why not ``torch.empty(..., pin_memory=True)``: PyTorch's caching host allocator rounds every
-pinned allocation up to a power of two and keeps freed blocks cached per size class, so a
-2.10 GB region pins 4 GiB and a freed buffer stays pinned (docs/internals/nvme.md,
-"Pinned memory"). Here memory is an anonymous ``mmap`` of exactly the bytes wanted (rounded to
-the 4 KiB page; page aligned, so ``O_DIRECT`` can use it) that is registered with the CUDA
-driver (``cudaHostRegister``) on CUDA runs and unregistered when its last tensor view dies.
-
-:class:`PinnedArena` is one such allocation carved into 4 KiB-aligned sub-buffers (best fit,
-coalescing free ranges): the NVMe window and the H2D staging ring live in it, so the bytes
-pinned are the arena's capacity, fixed at start, whatever the window does afterwards.
-
-Memory pinned through the CUDA driver is not limited by ``RLIMIT_MEMLOCK`` (``ulimit -l``):
-whether pinning works is found out by pinning (:func:`host_buffer` raises
-:class:`HostPinningError`), never by reading that limit.
+Not ``torch.empty(..., pin_memory=True)``: its caching allocator rounds to a power of two and keeps freed blocks
+pinned (a 2.10 GB region pins 4 GiB; docs/internals/nvme.md, "Pinned memory"). Here an anonymous page-aligned
+``mmap`` of the bytes wanted is registered with ``cudaHostRegister`` and unregistered when its last tensor view
+dies. :class:`PinnedArena` carves one such allocation for the NVMe window and the H2D staging ring, so the bytes
+pinned are fixed at start. ``RLIMIT_MEMLOCK`` does not limit CUDA's pinned memory: pinning is tried, never checked
+against that limit.
 """
 
 from __future__ import annotations
@@ -47,8 +39,8 @@ def page_up(n: int) -> int:
 
 
 def _clear_cuda_error() -> None:
-    """Reset the CUDA runtime's last error after a failed registration (else the next kernel launch
-    check of PyTorch would report it); best effort through the loaded libcudart."""
+    """Reset the CUDA runtime's last error after a failed registration (else PyTorch's next launch check reports
+    it); best effort."""
     for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(name).cudaGetLastError()
@@ -79,8 +71,7 @@ UNREGISTER: Callable[[int], None] = cuda_unregister
 
 
 class _Mapping(mmap.mmap):
-    """An anonymous mapping that unregisters its pages before they are unmapped (the last tensor
-    view of it holds the buffer export, so this runs only after every view is gone)."""
+    """A mapping that unregisters its pages before they are unmapped (after its last tensor view is gone)."""
 
     pinned_ptr: int | None = None
     unregister: Callable[[int], None] | None = None
@@ -92,13 +83,11 @@ class _Mapping(mmap.mmap):
 
 
 def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
-    """A uint8 host tensor of ``page_up(nbytes)`` bytes starting at a page boundary, page-locked
-    exactly (no rounding, no cache) when ``pin``; its memory returns to the system when the last
-    view of it is freed.
+    """A page-aligned uint8 host tensor of ``page_up(nbytes)`` bytes, page-locked exactly when ``pin``; its
+    memory returns to the system with its last view.
 
     Raises:
-        HostPinningError: ``pin`` and the driver refused to lock the memory; the message names
-            the bytes, host memory, ``host_memory_limit`` and ``pin_memory``."""
+        HostPinningError: ``pin`` and the driver refused to lock the memory."""
     n = max(page_up(nbytes), PAGE)
     m = _Mapping(-1, n)
     t = torch.frombuffer(m, dtype=torch.uint8)
@@ -117,11 +106,8 @@ def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
 
 
 def shared_file_mapping(path: str, nbytes: int, pin: bool | None) -> mmap.mmap:
-    """A ``MAP_SHARED`` mapping of the file ``path`` (``nbytes`` bytes, from a page boundary): what one process
-    writes, the others mapping the same file see. Page-locked exactly when ``pin`` (as :func:`host_buffer`;
-    ``None``: try, and on failure log a warning and stay pageable). Tensors over it:
-    ``torch.frombuffer(mapping, dtype=..., count=..., offset=...)``, one storage (and one autograd version
-    counter) each.
+    """A ``MAP_SHARED`` mapping of ``nbytes`` of the file ``path``, page-locked when ``pin`` (``None``: try, else
+    warn and stay pageable). Each ``torch.frombuffer`` tensor over it has its own storage and version counter.
 
     Raises:
         HostPinningError: ``pin`` is ``True`` and the driver refused to lock the memory."""
@@ -146,9 +132,8 @@ def shared_file_mapping(path: str, nbytes: int, pin: bool | None) -> mmap.mmap:
 
 
 def try_host_buffer(nbytes: int, pin: bool | None, what: str) -> tuple[torch.Tensor, bool]:
-    """:func:`host_buffer` with the ``pin_memory`` option's rule: ``True`` pins or raises,
-    ``False`` never pins, ``None`` (the default on CUDA) pins and falls back to pageable memory with
-    a logged warning when pinning fails. Returns ``(buffer, pinned)``.
+    """:func:`host_buffer` with the ``pin_memory`` rule: ``True`` pins or raises, ``False`` never pins, ``None``
+    pins or falls back to pageable memory with a warning. Returns ``(buffer, pinned)``.
 
     Raises:
         HostPinningError: ``pin is True`` and pinning failed."""
@@ -167,8 +152,8 @@ def try_host_buffer(nbytes: int, pin: bool | None, what: str) -> tuple[torch.Ten
 class PinnedArena:
     """One host allocation of ``capacity`` bytes (pinned on CUDA) handing out page-aligned sub-buffers.
 
-    Best fit over the free ranges; a freed sub-buffer merges with free neighbours. Not thread-safe
-    by itself: callers serialise (the NVMe store calls it under its condition's lock).
+    Best fit over the free ranges; a freed sub-buffer merges with free neighbours. ``alloc``, ``free`` and the
+    snapshot :meth:`eviction_plan` reads are under the arena's own lock.
 
     Args:
         capacity: bytes (rounded up to :data:`PAGE`).
@@ -205,8 +190,7 @@ class PinnedArena:
         return out
 
     def alloc(self, nbytes: int) -> int | None:
-        """Offset of a new sub-buffer of ``page_up(nbytes)`` bytes (the smallest free range that fits),
-        or ``None`` when no free range is large enough (fragmented or full)."""
+        """Offset of a new sub-buffer of ``page_up(nbytes)`` bytes (best fit), or ``None`` if none fits."""
         n = page_up(nbytes)
         with self._lock:
             fits = [(size, off) for off, size in self.holes() if size >= n]
@@ -236,9 +220,6 @@ class PinnedArena:
 
         Args:
             cost: sub-buffer offset -> cost of freeing it, ``None`` if it cannot be freed now.
-
-        A sliding window over the address-ordered sub-buffers: the free ranges between them count
-        nothing, a sub-buffer counts its cost; windows that contain one that cannot be freed are skipped.
         """
         n = page_up(nbytes)
         with self._lock:

@@ -6,10 +6,8 @@ from enum import Enum
 
 
 class Region(str, Enum):
-    """The fp32 regions of a slab: ``master`` (all its parameters), and for its trainable prefix the
-    AdamW states and the gradient accumulator. ``HostStore.hold`` takes and returns them; with the
-    NVMe tier they are also the regions of each block's file. A ``str`` enum: ``Region.master ==
-    "master"``."""
+    """The fp32 regions of a slab: ``master`` (all its parameters), and for its trainable prefix the AdamW states
+    and the gradient accumulator (``HostStore.hold``'s keys; the NVMe block file's regions). A ``str`` enum."""
 
     master = "master"
     exp_avg = "exp_avg"

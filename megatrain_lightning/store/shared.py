@@ -1,17 +1,10 @@
 """One copy of the training state per node: the host store's regions in shared memory, and who updates them.
 
-With several processes on a node (data parallel, ``Trainer(devices=N)``), each process would otherwise hold its
-own fp32 master, gradient accumulator, ``exp_avg`` and ``exp_avg_sq``: 16 bytes/param per process. Here they are
-allocated once per node in a file under ``/dev/shm`` (``torch.from_file(..., shared=True)``: a ``MAP_SHARED``
-mapping) that every local rank maps; the file is unlinked as soon as every local rank has mapped it, so nothing
-is left behind whatever way the processes end.
-
-Work is split by slab (ZeRO-1 style inside the node): each slab has one *owner* local rank
-(:func:`balance`, by bytes) that adds the slab's reduced gradients into the shared accumulator and applies its
-AdamW update. The others keep the same Python-side bookkeeping (which parameters have a gradient, AdamW step
-counts: every rank sees the same reduced presence flags) but skip the tensor work, and before reading a slab's
-master for a new step they wait until its owner has published the update (:meth:`SlabOwnership.wait`, a per-slab
-update count in the shared file). The ordering argument is in docs/architecture.md, "Several GPUs and nodes".
+With several processes on a node, the fp32 master, accumulator and both moments (16 bytes/param) are allocated
+once per node in a ``MAP_SHARED`` file under ``/dev/shm``, unlinked once every local rank mapped it. Each slab has
+one *owner* local rank (:func:`owners`) that adds its reduced gradients and applies its update; the others keep
+the same bookkeeping, skip the tensor work, and wait for the owner's update (:meth:`SlabOwnership.wait`) before
+reading the master. Ordering: docs/architecture.md, "Several GPUs and nodes"; docs/internals/data-parallel.md.
 
 Layout of the file (fp32 elements, each slab's regions contiguous, 64-byte aligned): per slab ``master[numel]``,
 ``grad_accum[t]``, ``exp_avg[t]``, ``exp_avg_sq[t]`` (``t`` = trainable numel), then one int64 update count per
@@ -41,9 +34,7 @@ def _round(n: int) -> int:
 
 
 def shared_state_bytes(layout: Sequence[tuple[int, int]]) -> int:
-    """Bytes of the shared file for slabs ``layout = [(numel, trainable numel)]``: 4 bytes per master
-    element, 12 per trainable element (accumulator and both AdamW moments), alignment, 8 per slab for
-    its update count."""
+    """Bytes of the shared file for slabs ``layout = [(numel, trainable numel)]`` (module docstring's layout)."""
     return 4 * sum(_round(n) + 3 * _round(t) for n, t in layout) + 8 * len(layout)
 
 
@@ -55,8 +46,7 @@ def check_shm(nbytes: int, directory: str = "/dev/shm") -> None:
     """Preflight: ``directory`` (a tmpfs) has ``nbytes`` free.
 
     Raises:
-        SharedMemoryTooSmall: with the numbers and what to change (``docker run --shm-size``, the
-            ``/dev/shm`` mount, or fewer parameters in host RAM).
+        SharedMemoryTooSmall: with the numbers and what to change.
     """
     st = os.statvfs(directory)
     free = st.f_bavail * st.f_frsize
@@ -90,9 +80,8 @@ class SharedRegions:
 
     @classmethod
     def map(cls, path: str, layout: Sequence[tuple[int, int]], create: bool, pin: bool | None = False) -> "SharedRegions":
-        """Map (``create``: create and size) the file for ``layout``; ``pin``: page-lock the mapping (CUDA;
-        ``None``: try, pageable with a warning if that fails).
-        Creation sizes it with ``ftruncate``: the pages are zero and take memory only when written.
+        """Map (``create``: create and ``ftruncate``, pages taking memory only when written) the file for
+        ``layout``; ``pin``: page-lock the mapping (``None``: try, pageable with a warning if that fails).
 
         Raises:
             FileExistsError: ``create`` and the file exists (another run's name).
@@ -117,19 +106,16 @@ class SharedRegions:
     def private_mapping(self) -> mmap.mmap:
         """A copy-on-write (``MAP_PRIVATE``) mapping of the whole file, for :meth:`region`'s ``mapping``.
 
-        Reads see the shared pages (no copy; a page this process has not written also shows later writes of
-        the other processes, as Linux maps the file's own pages); this process's writes go to private copies
-        of the pages it writes, never to the file (:meth:`written_privately` finds them). Memory: 4 KiB per
-        page written, until the mapping is gone (the last tensor over it freed) or ``madvise(MADV_DONTNEED)``
-        drops the copies (its pages then show the file again)."""
+        Unwritten pages show the file (later writes of other processes included); this process's writes go to
+        private copies (4 KiB per page written, until the mapping is freed or ``madvise(MADV_DONTNEED)``), never
+        to the file (:meth:`written_privately` finds them)."""
         return mmap.mmap(self._fd, len(self._mapping), mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
 
     def written_privately(self, region: torch.Tensor) -> bool:
-        """Whether this process wrote any page of ``region`` (a :meth:`region` of a :meth:`private_mapping`):
-        a page of it is a private copy, or swapped out (only private copies can be), by the page flags of
-        ``/proc/self/pagemap`` (Linux, Documentation/admin-guide/mm/pagemap.rst: bit 63 present, 62 swapped,
-        61 file page). Reads ``8`` bytes per 4 KiB page of the region. Where pagemap cannot be read, ``True``
-        (the caller then treats the region as written: correct, only slower)."""
+        """Whether this process wrote any page of ``region`` (a :meth:`region` of a :meth:`private_mapping`): a page
+        is a private copy or swapped out, by ``/proc/self/pagemap`` (Linux, Documentation/admin-guide/mm/pagemap.rst:
+        bit 63 present, 62 swapped, 61 file page; 8 bytes read per 4 KiB page). ``True`` where pagemap cannot be
+        read (correct, only slower)."""
         if region.numel() == 0:
             return False
         first = region.data_ptr() // _PAGE
@@ -160,8 +146,7 @@ class SharedRegions:
 
 
 def balance(sizes: Sequence[int], ranks: int) -> list[int]:
-    """Owner rank of each slab: largest first to the least loaded rank (greedy longest-processing-time), so
-    every rank adds and updates about ``sum(sizes) / ranks`` elements per step.
+    """Owner rank of each slab: largest first to the least loaded rank (greedy longest-processing-time).
 
     Args:
         sizes: per slab, its work (trainable elements; frozen slabs count their elements).
@@ -178,8 +163,7 @@ def balance(sizes: Sequence[int], ranks: int) -> list[int]:
 
 def owners(layout: Sequence[tuple[int, int]], ranks: int) -> list[int]:
     """Owner local rank of each slab of ``layout`` (per slab ``(numel, trainable numel)``): :func:`balance` by
-    trainable elements (frozen slabs by their elements). The one rule every part uses (the node's owners, and the
-    slabs a process keeps on its disk with ``offload_optimizer="nvme"``)."""
+    trainable elements (frozen slabs by their elements). The one rule every part uses."""
     return balance([t or n for n, t in layout], ranks)
 
 
@@ -197,10 +181,9 @@ class SlabOwnership:
         timeout_s: seconds :meth:`wait` waits before raising :class:`OwnerTimeout`.
         global_rank_of: local rank -> global rank (for error messages).
         all_reduce: ``all_reduce(tensor, op)`` over the node's ranks (``op``: ``"sum"`` or ``"max"``), in place.
-        sync: a barrier of the node's ranks (called once per optimizer step, before ``param.grad`` is shown to
-            Lightning's hooks: every owner's adds are then in the shared accumulators).
-        exited: ``exited(global_rank)``: whether that rank's process has ended (looked at about once a second
-            while waiting, so a dead owner stops the wait at once instead of after ``timeout_s``); default: never.
+        sync: a barrier of the node's ranks (once per step, before ``param.grad`` is shown to hooks).
+        exited: ``exited(global_rank)``: whether that rank's process has ended (see :func:`wait_for`); default:
+            never.
     """
 
     def __init__(self, owner: Sequence[int], local_rank: int, counts: torch.Tensor, timeout_s: float,
@@ -225,12 +208,10 @@ class SlabOwnership:
         self.counts[i] = self.expected[i]
 
     def wait(self, i: int) -> None:
-        """Non-owner: wait until slab ``i``'s owner has published as many updates as this process expects
-        (sleeping 50 us -> 5 ms between looks).
+        """Non-owner: wait (:func:`wait_for`) until slab ``i``'s owner has published as many updates as expected.
 
         Raises:
-            OwnerTimeout: not published within ``timeout_s`` seconds, or the owner's process has exited
-                (``exited``), naming the owner's global rank.
+            OwnerTimeout: not within ``timeout_s`` seconds, or the owner's process has exited.
         """
         self.expected[i] += 1
         want = self.expected[i]
@@ -273,19 +254,14 @@ class NodeShare(Protocol):
         """Create (local rank 0) or map the node's wire-image file, ``nbytes`` per slab (collective)."""
 
     def setup(self, store) -> SlabOwnership:
-        """After :func:`~.host.build_store` (collective): wait for the writer's initial weights on every local
-        rank, make every node's copy the first node's, and return the slab owners (balanced by each slab's
-        trainable elements; ordered by the store's shared update counts)."""
+        """After :func:`~.host.build_store` (collective): wait for the writer's initial weights, make every
+        node's copy the first node's, and return the slab owners."""
 
 
 class SharedWireImages:
-    """The node's wire images (bf16/fp16 copies of the masters that mixed precision sends to the device) in a shared
-    file: one per node instead of one per process (2 bytes/param per process otherwise).
-
-    A slab's image is written only by the slab's owner, after its update (when its fetch finds the master newer than
-    the image), which then counts a new *generation* of it; another rank whose master changed since it last used
-    the image waits for the next generation before reading it. The same ordering argument as for the updates
-    applies (docs/architecture.md, "Several GPUs and nodes").
+    """The node's wire images (bf16/fp16 copies of the masters sent to the device) in a shared file: one per node
+    instead of 2 bytes/param per process. Only a slab's owner writes its image, counting a *generation*; the others
+    wait for a newer one (docs/internals/data-parallel.md).
 
     Args:
         path / create / pin: as :meth:`SharedRegions.map`.
@@ -322,8 +298,7 @@ class SharedWireImages:
         """Non-owner: wait for a generation of image ``i`` newer than the last one this process used.
 
         Raises:
-            OwnerTimeout: none within ``timeout_s``, or ``exited()`` (the owner, global rank ``owner_rank``, has
-                ended)."""
+            OwnerTimeout: none within ``timeout_s``, or ``exited()``."""
         wait_for(lambda: int(self.generations[i]) > self.seen[i], self.timeout_s, exited,
                  f"rank {owner_rank}, which writes the wire image of slab {i}, did not write it")
         self.seen[i] = int(self.generations[i])

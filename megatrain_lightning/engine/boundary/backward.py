@@ -1,8 +1,6 @@
-"""What the running backward does: whether a leaf's gradient is accumulated, captured or not computed,
-and whether the graph is retained. Read from torch's autograd engine, so a block's backward (an
-``autograd.Function``) behaves like ordinary autograd under ``backward()``, ``backward(inputs=...)``,
-``torch.autograd.grad`` and ``retain_graph=True``. :class:`BoundParams`: a container's own parameters on the
-device for the span of its ``forward`` (docs/internals/block-calls.md, "Block discovery")."""
+"""What the running backward does with a leaf (accumulate, capture, nothing) and whether it retains the graph, read
+from torch's autograd engine so a block's backward behaves like ordinary autograd; :class:`BoundParams`
+(docs/internals/block-calls.md, "Block discovery")."""
 
 from __future__ import annotations
 
@@ -16,11 +14,9 @@ from .guards import check_container_backward
 
 
 def leaf_grad_use(leaf: torch.Tensor) -> str | None:
-    """What the running backward does with ``leaf``'s gradient: ``"accumulate"`` into ``.grad``
-    (``loss.backward()`` for every leaf, ``backward(inputs=...)`` for the listed ones), ``"capture"``
-    (``torch.autograd.grad(..., inputs)`` for the listed ones: returned, nothing accumulates) or
-    ``None`` (not computed). The engine's marker leaf (an input of every block call, never listed by
-    users) therefore tells a plain ``backward()`` apart from the other two."""
+    """What the running backward does with ``leaf``'s gradient: ``"accumulate"`` (``backward()``, or listed in
+    ``backward(inputs=...)``), ``"capture"`` (listed in ``torch.autograd.grad``) or ``None`` (not computed). The
+    engine's marker leaf (never listed by users) thus tells a plain ``backward()`` apart."""
     try:
         return "accumulate" if torch._C._will_engine_execute_node(get_gradient_edge(leaf).node) else None
     except RuntimeError:  # torch answers this for a leaf that autograd.grad() captures: it is listed
@@ -34,12 +30,11 @@ def keeps_graph() -> bool:
 
 
 def local_grad(outputs: list, targets: list, grad_outputs: list, retain_graph: bool) -> tuple:
-    """``torch.autograd.grad(outputs, targets, grad_outputs, allow_unused=True, retain_graph=...)``: a block's
-    local backward after its recompute.
+    """A block's local backward: ``torch.autograd.grad(..., allow_unused=True)``.
 
     Raises:
-        RuntimeError: the block itself calls ``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)``, which
-            torch cannot differentiate under ``autograd.grad``: says so and what to use instead.
+        RuntimeError: the block calls ``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)``, which
+            ``autograd.grad`` cannot differentiate (names what to use instead).
     """
     try:
         return torch.autograd.grad(outputs, targets, grad_outputs, allow_unused=True, retain_graph=retain_graph)
@@ -54,14 +49,12 @@ def local_grad(outputs: list, targets: list, grad_outputs: list, retain_graph: b
 
 
 class BoundParams(torch.autograd.Function):
-    """A container's own parameters on the device for the span of its ``forward`` (a direct block:
-    they are used outside any block call, so there is nothing to recompute and ordinary autograd
-    tracks them).
+    """A container's own parameters (a direct block) on the device for the span of its ``forward``, tracked by
+    ordinary autograd (nothing to recompute).
 
-    Inputs: the gradient sink (``send(refs, grads)``), the parameters' references, their device views (the
-    fetched buffer), the engine's marker leaf, then the host parameters. Outputs: the device views, as tensors
-    autograd tracks. Backward: ``loss.backward()`` sends their gradients to the host accumulators;
-    ``torch.autograd.grad`` / ``backward(inputs=...)`` returns them for the parameters listed."""
+    Inputs: the gradient sink, the parameters' references, their device views, the marker leaf, then the host
+    parameters. Outputs: the views, tracked. Backward: gradients to the host accumulators, or returned for the
+    parameters ``torch.autograd.grad`` captures."""
 
     @staticmethod
     def forward(ctx, grads: Any, refs: list, views: list, dummy: torch.Tensor,

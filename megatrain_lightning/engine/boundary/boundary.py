@@ -1,14 +1,11 @@
 """The autograd boundary of a streamed block: what a training forward keeps, and its backward.
 
-Under grad mode every block call goes through :class:`_BlockFunction`: its forward runs the block
-in grad mode keeping no saved tensors past its return (:mod:`.forward`) and keeps only what the backward needs
-to rebuild the block's inputs (the inputs of every ``recompute_every``-th call, links to the previous call's
-outputs otherwise, optionally offloaded to host memory), the RNG and autocast state and the module state
-(:mod:`..block_state`); its backward fetches the block again, recomputes its forward under the replayed state and
-differentiates it locally. The last block of a training forward keeps its graph instead (no recompute). Each
-training forward has its own record of calls, so several forwards, ``retain_graph=True`` and
-``torch.autograd.grad`` behave as on a plain model (docs/architecture.md, "A training step"). Weights reach the
-device and gradients the host through the block runner (:mod:`.runner`) and the gradient sink.
+Under grad mode every block call goes through :class:`_BlockFunction`: its forward keeps what the backward needs to
+rebuild the block's inputs (:meth:`Boundary._save_inputs`) and the state to replay (:meth:`.records.BlockCall.record`);
+its backward fetches the block again, recomputes it and differentiates it locally. The last block of a training
+forward (and ``recompute="none"``) keeps its graph instead (:mod:`.kept`). Each training forward has its own
+record of calls, so several forwards, ``retain_graph=True`` and ``torch.autograd.grad`` behave as on a plain model
+(docs/architecture.md, "A training step"; docs/internals/block-calls.md).
 """
 
 from __future__ import annotations
@@ -40,13 +37,11 @@ from .runner import BlockRunner
 
 
 class _BlockFunction(torch.autograd.Function):
-    """Autograd boundary of one block: forward keeping no saved tensors past its return, backward by recompute (the kept
-    last block: backward through its kept graph).
+    """Autograd boundary of one block call (module docstring).
 
-    Inputs: the call record, the engine's marker leaf, the call's tensor arguments, then the block's
-    trainable parameters (host ``nn.Parameter`` objects: only so that ``torch.autograd.grad`` or
-    ``backward(inputs=[param])`` on them gets their gradient; an ordinary ``backward()`` sends
-    parameter gradients to the host accumulators instead and returns ``None`` for them)."""
+    Inputs: the call record, the engine's marker leaf, the call's tensor arguments, then the block's trainable host
+    parameters (only so that ``torch.autograd.grad`` / ``backward(inputs=[param])`` gets their gradient; a plain
+    ``backward()`` sends them to the host accumulators and returns ``None`` for them)."""
 
     @staticmethod
     def forward(ctx, call: BlockCall, dummy: torch.Tensor, *inputs: torch.Tensor):  # type: ignore[override]
@@ -72,8 +67,8 @@ class Boundary:
         store: the host store (names a parameter in the guards' refusals).
         acct: live-byte accounting and statistics.
         grads: the gradient sink (parameter gradients of a backward go there).
-        transport: the device transport (``offload``/``restore_async`` of saved activations: :class:`~..offload.ActivationOffload`).
-        runner: brings a block's weights to the device and binds its parameters (:class:`~.runner.BlockRunner`).
+        transport: the device transport (saved activations' offload: :class:`~..offload.ActivationOffload`).
+        runner: the block runner (:class:`~.runner.BlockRunner`).
         enter_backward: called when a backward starts at a kept graph (before any fetch).
         recompute_every: K: only every K-th call keeps its inputs; the others recompute them.
         offload_activations: kept inputs that need gradients go to host memory.
@@ -99,9 +94,8 @@ class Boundary:
 
     # ------------------------------------------------------------------ calls
     def call(self, blk: Block, forward: Callable[..., Any], args: tuple, kwargs: dict, keep: bool) -> Any:
-        """Run one grad-mode call of ``blk`` (``forward``: the block's own forward) through the
-        autograd boundary; ``keep``: the last block of the forward (keeps its graph). Returns what
-        ``forward`` returns, its tensors connected to autograd."""
+        """Run one grad-mode call of ``blk`` (``forward``: its own forward) through the autograd boundary; ``keep``:
+        keep its graph. Returns what ``forward`` returns, its tensors connected to autograd."""
         flat, spec = tree_flatten((args, kwargs))
         pos = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
         rest = [None if i in pos else x for i, x in enumerate(flat)]
@@ -116,21 +110,20 @@ class Boundary:
         return hand_over(out) if keys else out
 
     def bound_params(self, blk: Block, refs: list, bufs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """A container's own trainable parameters (``refs``) as autograd-tracked device views of
-        ``bufs`` for the span of its forward (:class:`~.backward.BoundParams`), keyed by ``id(param)``."""
+        """A container's own trainable parameters ``refs`` as autograd-tracked views of ``bufs``
+        (:class:`~.backward.BoundParams`), keyed by ``id(param)``."""
         views = [self.runner.view(r, bufs) for r in refs]
         outs = BoundParams.apply(self.grads, refs, views, self.dummy, *[r.param for r in refs])
         self.forward_for(blk).add_direct(refs)
         return {id(r.param): o for r, o in zip(refs, outs)}
 
     def plan_refs(self) -> list[list]:
-        """Trainable parameter references of each call of the current forward (containers' included):
-        the gradient batches its backward sends."""
+        """Trainable parameter references of each call of the current forward, containers' included (the gradient
+        batches its backward sends)."""
         return [c.refs for c in self.fwd.live()] + self.fwd.direct
 
     def forward_for(self, blk: Block) -> ForwardRecord:
-        """The forward record a grad-mode call of ``blk`` belongs to: a new one when ``blk`` is the
-        block the current forward started with (a new forward pass)."""
+        """The forward record a grad-mode call of ``blk`` belongs to: a new one when ``blk`` started the current one."""
         fwd = self.fwd
         if fwd.started and blk.index == fwd.first_block:
             earlier_open = not fwd.backward_started and any(not c.freed for c in fwd.live())
@@ -158,9 +151,8 @@ class Boundary:
 
     # ------------------------------------------------------------------ forward
     def forward(self, call: BlockCall, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """Forward of ``call`` inside the autograd function (``tensors``: its tensor inputs): run keeping its graph
-        (the last block; ``recompute="none"`` and embedding lookups without the weights) or keeping what its
-        recompute needs. Returns its tensor outputs, detached."""
+        """Forward of ``call`` inside the autograd function: run keeping its graph (the last block; ``"none"`` and
+        embedding lookups without the weights) or what its recompute needs. Returns its tensor outputs, detached."""
         call.record(tensors, self.device)
         if call.keep:
             out = self._run_kept(call, tensors)
@@ -180,13 +172,12 @@ class Boundary:
         return outs
 
     def _run_kept(self, call: BlockCall, tensors: Sequence[torch.Tensor], hooks: GraphHooks | None = None) -> Any:
-        """Run a training call with autograd and keep its graph for its backward (no recompute).
+        """Run a training call with autograd and keep its graph for its backward.
 
-        Without ``hooks``: the last block of a training forward, whose backward comes right after the loss:
-        its weights stay on the device until then (no second fetch, no second B x T x V logits matmul).
-        With ``hooks`` (``recompute="none"``, :mod:`.kept`): the graph keeps every saved tensor
-        but the block's weights; the buffers are released now and fetched again for the backward. An
-        embedding's gradient then goes to the host as the rows its tokens read (:mod:`..row_grads`)."""
+        Without ``hooks``: the last block, whose backward comes right after the loss: its weights stay on the device
+        (no second fetch, no second B x T x V logits matmul). With ``hooks`` (``recompute="none"``, :mod:`.kept`):
+        the buffers are released now and fetched again for the backward; an embedding's gradient goes to the host
+        as rows (:mod:`..row_grads`)."""
         blk = call.block
         inputs = [t.detach().requires_grad_(t.requires_grad) if t.is_floating_point() else t for t in tensors]
         args, kwargs = call.arguments(inputs)
@@ -218,9 +209,9 @@ class Boundary:
 
     def _autocast_copies(self, blk: Block, bufs: dict[int, torch.Tensor], leaves: dict[int, torch.Tensor],
                          dtype: torch.dtype) -> tuple[dict[int, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
-        """``recompute="none"`` under autocast: each weight autocast casts at every use, cast to ``dtype`` now
-        (differentiable to its leaf, as autocast's own cast) so the graph saves a copy the hooks can name.
-        Returns (what to bind: parameter id -> tensor, the (weight view, copy) pairs)."""
+        """``recompute="none"`` under autocast: each castable weight cast to ``dtype`` now (differentiably, as
+        autocast's cast) so the hooks can name the saved copy. Returns (parameter id -> what to bind, the (weight
+        view, copy) pairs)."""
         binding, casts = dict(leaves), []
         done: set[int] = set()
         for ref in blk.params:
@@ -237,15 +228,9 @@ class Boundary:
         return binding, casts
 
     def _run_block(self, call: BlockCall, tensors: Sequence[torch.Tensor], backward: bool, measure: Any = None):
-        """Forward of a call without keeping its graph: in the training forward (``backward=False``) or to
-        rebuild a later call's input in backward (a recompute chain, ``backward=True``).
-
-        It runs in grad mode (:mod:`.forward`) on leaves for its inputs (requiring grad as the caller's did)
-        and trainable parameters, keeping what its backward reads only until it returns; a call that keeps op outputs
-        (``call.saved_ops``) or that "auto" measures (``measure(bufs)``) runs under that context too. Sets ``out_grad``.
-
-        Returns:
-            the block's output, its tensors detached."""
+        """Forward of a call without keeping its graph (:mod:`.forward`): in the training forward
+        (``backward=False``; under ``call.saved_ops`` or "auto"'s ``measure(bufs)``, sets ``out_grad``) or to rebuild
+        a later call's input in backward (a recompute chain). Returns the block's output, its tensors detached."""
         saved = call.saved_ops
         ops = None if backward else (lambda bufs: saved.forward()) if saved is not None else measure
         tensors = [t.detach().requires_grad_(g) if t.is_floating_point() else t for t, g in zip(tensors, call.input_grad)]
@@ -267,10 +252,8 @@ class Boundary:
             return tree_map_only(torch.Tensor, torch.Tensor.detach, out)
 
     def _save_inputs(self, call: BlockCall, tensors: Sequence[torch.Tensor]) -> None:
-        """Keep what backward needs to rebuild this call's inputs (:meth:`BlockCall.save_inputs`): a call that starts a
-        segment (the first after a call that keeps its graph, such as the embedding, then every
-        ``recompute_every``-th call) keeps all its tensor inputs, the others links to the previous call's outputs;
-        then the op outputs a ``"selective"`` call keeps, and the bytes kept in the activation meter."""
+        """Keep what backward needs to rebuild this call's inputs (:meth:`BlockCall.save_inputs`) and the op outputs a
+        ``"selective"`` call keeps; the bytes kept go to the activation meter."""
         prev, start = call.fwd.segment(len(call.fwd.calls), self.recompute_every)
         kept = call.save_inputs(tensors, prev, start, self.offload if self.offload_activations else None)
         if call.saved_ops is not None and self.offload_activations:
@@ -282,10 +265,8 @@ class Boundary:
     # ------------------------------------------------------------------ backward
     def backward(self, call: BlockCall, needs: Sequence[bool], grad_outs: Sequence[torch.Tensor | None]
                  ) -> tuple[list, list]:
-        """Backward of one block call (``needs``: which tensor inputs autograd wants a gradient of): input gradients
-        for autograd, parameter gradients to the host accumulators (``loss.backward()``; under
-        ``backward(inputs=...)`` those of the listed parameters) or, under ``torch.autograd.grad``, to autograd for
-        the listed ones.
+        """Backward of one block call (``needs``: which tensor inputs need a gradient): parameter gradients go to the
+        host accumulators or, where captured (:func:`~.backward.leaf_grad_use`), to autograd.
 
         Returns:
             (gradients of the call's tensor inputs, gradients of ``call.refs``' parameters), ``None``
@@ -354,8 +335,7 @@ class Boundary:
         return grads, len(in_targets), pre
 
     def _recompute(self, call: BlockCall, inputs: list, bufs: Any, leaves: dict, keep_graph: bool) -> list:
-        """The call's forward run again for its own backward, with autograd, on ``inputs`` and the gradient
-        ``leaves`` (views of ``bufs``). Returns its tensor outputs."""
+        """The call's forward run again with autograd for its own backward. Returns its tensor outputs."""
         args, kwargs = call.arguments(inputs)
         saved = call.saved_ops
         ctx = saved.recompute(keep_graph) if saved is not None else contextlib.nullcontext()
@@ -369,22 +349,20 @@ class Boundary:
 
     # ------------------------------------------------------------------ activations
     def _prefetch_saved_ops(self, fwd: ForwardRecord, below: int) -> None:
-        """Start restoring the offloaded op outputs of the next call backward restores (``"selective"`` with
-        ``offload_activations``), so their H2D copy overlaps the backward before it."""
+        """Start restoring the next call's offloaded op outputs, so their H2D copy overlaps this backward."""
         saved = fwd.next_saved_ops(below) if self.offload_activations else None
         if saved is not None:
             self.acct.add(h2d_bytes=saved.prefetch(self.transport))
 
     def _inputs(self, call: BlockCall, final: bool = False) -> list[torch.Tensor]:
-        """The call's tensor inputs (:meth:`BlockCall.load_inputs`), recomputing linked ones from the segment start
-        if needed."""
+        """The call's tensor inputs (:meth:`BlockCall.load_inputs`), recomputing linked ones if needed."""
         if call.links and (call.pos - 1) not in call.fwd.recomputed:
             self._recompute_chain(call.fwd, call.pos - 1)
         return call.load_inputs(self.offload, final)
 
     def _recompute_chain(self, fwd: ForwardRecord, last: int) -> None:
-        """Forward (no autograd) the calls of ``fwd`` from the nearest one with all inputs kept up to
-        ``last``, caching each call's outputs for the backward of the call after it."""
+        """Forward the calls of ``fwd`` from the nearest one with all inputs kept up to ``last``, caching each call's
+        outputs for the backward of the call after it."""
         chain = [last]
         while fwd.call(chain[-1]).links and (chain[-1] - 1) not in fwd.recomputed:
             chain.append(chain[-1] - 1)

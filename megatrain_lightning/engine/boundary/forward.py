@@ -1,10 +1,9 @@
 """Grad mode in a streamed block's forward without keeping what its backward reads.
 
-A streamed block's forward runs in grad mode (``torch.enable_grad``) on leaves standing for its inputs and
-parameters, so each output carries the ``requires_grad`` plain PyTorch would give it and ops that branch on
-grad mode (SDPA's kernel choice, autocast's cast cache) behave as in plain PyTorch; the saved-tensors hooks here
-keep the tensors the backward would read only while the call runs, because the block is recomputed in backward
-(MegaTrain, arXiv 2604.05091, per-block recompute).
+The forward runs in grad mode on leaves for its inputs and parameters, so outputs get plain PyTorch's
+``requires_grad`` and ops that branch on grad mode (SDPA's kernel, autocast's cast cache) behave as there
+(docs/internals/block-calls.md, "Forward"); the hooks here keep what the backward would read only while the call
+runs, since the block is recomputed in backward (MegaTrain, arXiv 2604.05091, per-block recompute).
 """
 
 from __future__ import annotations
@@ -25,12 +24,10 @@ def _never_unpacked(_saved: Any) -> torch.Tensor:
 
 @contextlib.contextmanager
 def saving_for_the_call() -> Iterator[None]:
-    """Autograd records the graph and keeps the tensors its backward reads only while the call runs (a
-    ``torch.autograd.grad`` inside the block's forward, as gradient features or fast weights take, works as in
-    plain PyTorch), and drops them when it returns: the forward of a call recomputed in backward. A
-    backward through a tensor kept from inside the call then raises, naming what to do. The call holds its own
-    activations until it returns, as its recompute in backward does (``mlp_chunk_size`` chunks keep only their
-    inputs either way: each is checkpointed)."""
+    """Keep saved tensors only while the call runs (a ``torch.autograd.grad`` inside the block works as in plain
+    PyTorch) and drop them when it returns (:class:`SavedBoxes`); a later backward through a tensor kept from
+    inside the call raises, naming what to do. The call holds its activations until it returns, as its recompute
+    does (``mlp_chunk_size`` chunks keep only their inputs either way: each is checkpointed)."""
     boxes = SavedBoxes()
     try:
         with torch.autograd.graph.saved_tensors_hooks(boxes.pack, SavedBoxes.unpack):
@@ -40,10 +37,9 @@ def saving_for_the_call() -> Iterator[None]:
 
 
 class SavedBoxes:
-    """Saved tensors of a block call's forward, each packed in a one-element list (a box) that :meth:`clear` empties
-    when the call returns: a graph node of that forward that outlives it (one that something still references)
-    then holds an empty box, not the tensor. Use ``pack``/``unpack`` as ``saved_tensors_hooks``; a backward that
-    unpacks an emptied box raises naming what to do."""
+    """Saved tensors of a block call's forward, each in a one-element list (a box) that :meth:`clear` empties when
+    the call returns, so a graph node outliving the call holds no tensor. ``pack``/``unpack`` are
+    ``saved_tensors_hooks``; unpacking an emptied box raises."""
 
     def __init__(self):
         self._boxes: list[list] = []

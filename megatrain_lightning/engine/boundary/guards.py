@@ -1,19 +1,10 @@
-"""Checks that refuse or warn about user code during a block call and its backward, one entry per phase.
+"""Checks that refuse or warn about user code during a block call and its backward, one entry per phase of
+:class:`CallGuards` (``call``, ``forward``, ``backward``, ``recompute``, ``recomputed``); each raises ``RuntimeError``.
 
-:class:`CallGuards` (one per engine) holds them: :meth:`~CallGuards.call` around a grad-mode call (``torch.func``
-transforms, tensors hidden in argument objects, in-place edits of an input), :meth:`~CallGuards.forward` after
-the block's forward ran (tensors hidden in result objects, leaves that are neither arguments nor parameters),
-:meth:`~CallGuards.backward` around a call's backward (double backward, a freed graph, a graph kept past an
-optimizer step), :meth:`~CallGuards.recompute` around a recompute and :meth:`~CallGuards.recomputed` after it
-(freed inputs, inputs modified in place, outputs of other shapes). Each raises ``RuntimeError``.
-
-A block call's autograd boundary sees the tensors of its arguments and of its result as
-``torch.utils._pytree.tree_flatten`` finds them: inside tuples, lists, dicts, named tuples and registered
-classes (Hugging Face ``ModelOutput`` among them). A tensor inside any other object (a plain ``@dataclass``,
-a ``SimpleNamespace``, an instance of the user's own class) is not an input or output of the boundary: no
-gradient would flow through it, and what it computes would be trained wrongly without an error. Such calls are
-refused with what to change. Only the object's own attributes are looked at (one level), which covers the
-usual state containers.
+A block call's autograd boundary sees the tensors of its arguments and result as ``torch.utils._pytree.tree_flatten``
+finds them (tuples, lists, dicts, named tuples, registered classes such as HF ``ModelOutput``). A tensor inside any
+other object (a plain ``@dataclass``, a ``SimpleNamespace``) would get no gradient, silently, so such calls are
+refused. Only the object's own attributes are looked at (one level), which covers the usual state containers.
 """
 
 from __future__ import annotations
@@ -39,8 +30,7 @@ SECOND_BACKWARD = ("Trying to backward through the graph a second time (or direc
                     "have already been freed). Saved intermediate values of the graph are freed when you call "
                     ".backward() or autograd.grad(). Specify retain_graph=True if you need to backward through the "
                     "graph a second time")
-# a graph kept with retain_graph=True, used again after the weights it read were updated (plain PyTorch raises its
-# in-place modification error there)
+# a retained graph backpropagated after an update of the weights it read (plain PyTorch's in-place error there)
 STEPPED_SINCE = ("one of the variables needed for gradient computation has been modified by an inplace operation: "
                  "this graph, kept with retain_graph=True, is backpropagated again after the optimizer updated the "
                  "weights it read. Run every backward of a graph before optimizer.step()")
@@ -73,8 +63,7 @@ def _advice(block: str, where: str, found: list[str]) -> str:
 
 
 def check_inputs(block: str, values: Iterable[Any]) -> None:
-    """Refuse a block call whose non-tensor arguments (``values``: the leaves of its flattened ``(args, kwargs)``
-    that are not tensors) hold a tensor that requires a gradient.
+    """Refuse a block call whose non-tensor arguments (``values``) hold a tensor that requires grad.
 
     Raises:
         RuntimeError: naming the block and the attributes.
@@ -85,8 +74,7 @@ def check_inputs(block: str, values: Iterable[Any]) -> None:
 
 
 def check_outputs(block: str, values: Iterable[Any]) -> None:
-    """Refuse a block call whose result holds a floating-point tensor inside an object the pytree does not open
-    (``values``: the non-tensor leaves of the flattened result); in a training forward its history is cut.
+    """Refuse a block call whose result's non-tensor leaves (``values``) hold a floating-point tensor.
 
     Raises:
         RuntimeError: naming the block and the attributes.
@@ -97,10 +85,8 @@ def check_outputs(block: str, values: Iterable[Any]) -> None:
 
 
 def _in_place_edit(block: str, e: RuntimeError) -> None:
-    """Re-raise torch's "a (view of a) leaf Variable that requires grad is being used in an in-place operation" from a
-    block call (its forward, or its recompute in backward) with what it means here: the strategy passes each block's
-    tensor inputs as views of autograd leaves (plain PyTorch passes the caller's activation), so an in-place
-    operation on an input inside the block (``x += 1``) is refused by torch. Returns for any other error.
+    """Re-raise torch's in-place-on-a-leaf error from a block call with what it means here (a block's tensor inputs
+    are views of autograd leaves, so ``x += 1`` on one is refused). Returns for any other error.
 
     Raises:
         RuntimeError: naming the block and the rewrite.
@@ -113,8 +99,8 @@ def _in_place_edit(block: str, e: RuntimeError) -> None:
 
 
 def refuse_func_transforms(name: str) -> None:
-    """Raise if streamed block ``name`` is called under a ``torch.func`` transform (grad, vmap, jacrev...):
-    its autograd boundary (a ``torch.autograd.Function`` with host-side state) does not compose with them.
+    """Refuse a call of block ``name`` under a ``torch.func`` transform: its autograd boundary (an
+    ``autograd.Function`` with host-side state) does not compose with them.
 
     Raises:
         RuntimeError: naming the alternatives."""
@@ -137,14 +123,11 @@ def check_container_backward() -> None:
 
 
 class ForeignLeafCheck:
-    """Refuses, at the first training call of each block, a forward whose outputs depend on a tensor that requires
-    grad and is neither an argument of the call nor one of the block's parameters: a parameter of a module outside
-    the block read by a forward hook inside it, or through an attribute or closure. The block's backward
-    differentiates its arguments and parameters only, so that tensor's gradient would be lost silently (a
-    steering vector read in a hook on an inner MLP would train 6.5e-2 off plain PyTorch). Checked at the first training
-    call of each block (a walk of the call's autograd graph), and again at the next call of every block after any hook
-    was registered anywhere (PyTorch numbers every hook handle it makes: ``torch.utils.hooks.RemovableHandle.next_id``),
-    so a hook added mid-fit (by a callback) is seen at its first use.
+    """Refuses a forward whose outputs depend on a tensor that requires grad and is neither an argument nor a block
+    parameter (an outside module's parameter read by a hook inside the block, an attribute, a closure): its gradient
+    would be lost silently (a steering vector read in a hook on an inner MLP trained 6.5e-2 off plain PyTorch).
+    Walks the call's graph at each block's first training call, and again for every block after any hook was
+    registered anywhere (``torch.utils.hooks.RemovableHandle.next_id`` moved), so a hook added mid-fit is seen.
 
     Args:
         store: the host store (``index``: ``id(param)`` -> (slab, entry); ``slabs[s].entries[e].ref.fqn``), to
@@ -157,8 +140,8 @@ class ForeignLeafCheck:
         self.hooks_seen = RemovableHandle.next_id  # hook handles made so far (any module, tensor or global hook)
 
     def __call__(self, block: Any, outs: Sequence[torch.Tensor], own: Sequence[torch.Tensor]) -> None:
-        """Check ``outs`` (the call's tensor outputs, still attached to the call's graph) of ``block`` (a
-        :class:`~megatrain_lightning.blocks.Block`) against ``own`` (the call's input and parameter leaves).
+        """Check ``block``'s ``outs`` (tensor outputs, still attached to the call's graph) against ``own`` (the call's
+        input and parameter leaves).
 
         Raises:
             RuntimeError: naming the block and the tensor (its parameter name when the store holds it)."""
@@ -207,8 +190,7 @@ class CallGuards:
 
     @contextlib.contextmanager
     def call(self, name: str, rest: Iterable[Any]) -> Iterator[None]:
-        """Around a grad-mode call of block ``name`` (``rest``: the non-tensor leaves of its flattened
-        ``(args, kwargs)``).
+        """Around a grad-mode call of block ``name`` (``rest``: non-tensor leaves of its flattened arguments).
 
         Raises:
             RuntimeError: under a ``torch.func`` transform; a tensor that requires grad hidden in an argument
@@ -223,8 +205,8 @@ class CallGuards:
 
     def forward(self, block: Any, flat: Sequence[Any], outs: Sequence[torch.Tensor],
                 own: Sequence[torch.Tensor]) -> None:
-        """After the training forward of ``block``: ``flat`` its flattened result, ``outs`` the tensors in it (still
-        attached to the call's graph), ``own`` the call's input and parameter leaves.
+        """After the training forward of ``block``: ``flat`` its flattened result, ``outs`` its tensors, ``own`` the
+        call's input and parameter leaves.
 
         Raises:
             RuntimeError: a leaf outside the call reached ``outs`` (:class:`ForeignLeafCheck`); a floating-point
@@ -259,9 +241,8 @@ class CallGuards:
 
     @contextlib.contextmanager
     def recompute(self, call: Any) -> Iterator[None]:
-        """Around the forward of ``call`` run again for a backward, from its saved inputs: an exception raised
-        in it (often in a user's hook that reads state set for another call) gets a note (Python >= 3.11) saying it
-        came from the recompute and what makes a recompute differ from its forward.
+        """Around a recompute of ``call``: an exception in it (often a user's hook reading state set for another call)
+        gets ``RECOMPUTE_NOTE`` (Python >= 3.11).
 
         Raises:
             RuntimeError: the call's inputs were freed by an earlier backward; an input kept by reference was
@@ -283,8 +264,8 @@ class CallGuards:
 
     @staticmethod
     def recomputed(call: Any, out: Any) -> list[torch.Tensor]:
-        """The tensor outputs of ``call``'s recompute (``out``: what the block returned), after checking that
-        each has the shape and dtype the forward's had, as ``torch.utils.checkpoint`` checks its recompute.
+        """The tensor outputs of ``call``'s recompute (``out``), checked against the forward's shapes and dtypes as
+        ``torch.utils.checkpoint`` checks.
 
         Raises:
             RuntimeError: a count, shape or dtype differs (the forward read state that changed since)."""

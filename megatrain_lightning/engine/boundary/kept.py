@@ -1,30 +1,16 @@
 """Graphs a block call keeps from its forward to its backward (:class:`KeptGraph`): the last block's, with the
-device buffers it computed with, and a ``recompute="none"`` call's, without the block's weights (below).
+device buffers it computed with, and a ``recompute="none"`` call's, without the block's weights.
 
-Plain PyTorch keeps, from a forward to its backward, every tensor autograd saves: activations and the
-weights themselves. A streamed block cannot keep its weights on the device (that is the whole model),
-but it need not recompute anything either: its forward runs with autograd under
-``torch.autograd.graph.saved_tensors_hooks`` whose pack hook replaces each saved tensor that lies in
-one of the block's device buffers (a weight, or a view of one such as ``weight.t()``) by its place in
-that buffer (:class:`InBuffer`: slab, element offset, size, stride); every other saved tensor is kept
-as autograd would keep it (or, with ``offload_activations``, copied to host memory). Autograd does not
-check the version of tensors saved through hooks, so the hooks do (:class:`Kept`): a saved tensor modified
-in place between the forward and the backward (the token ids of an embedding lookup, an attention mask
-reused as a buffer) raises autograd's own error instead of differentiating the modified values. In backward the
-engine fetches the block again and the unpack hook rebuilds each weight as the same view of the
-fetched buffer, so autograd differentiates the forward's own graph: nothing runs twice, and the
-bytes kept are what plain PyTorch keeps for that block, weights excluded (``saved_activation_bytes``).
-
-Under autocast, a weight that autocast casts at every use (a Linear's: ``autocast_castable``) would be
-saved as its bf16/fp16 copy, which is the weight again: the engine casts such weights once before the
-forward (what autograd and autocast would compute: the same ``to(dtype)``, differentiable to the fp32
-leaf) and binds the copies, and the pack hook replaces a saved tensor that lies in one of those copies
-by :class:`CastOf` (the weight's place and the dtype); the unpack hook casts the fetched weight again
-(once per weight and backward: a cast, the one cheap recompute this mode keeps).
-
-The graph's parameter leaves are the one other hold on the buffers (autograd's ``AccumulateGrad``
-nodes keep their leaf): after the forward each leaf's data becomes a zero-stride placeholder of the
-same shape (one element), so the device buffer is released as in every other mode.
+For ``"none"`` (docs/internals/recompute.md, ``"none"``) the forward runs under saved-tensor hooks
+(:class:`GraphHooks`): a saved tensor that lies in one of the block's device buffers (a weight or a view such as
+``weight.t()``) is kept as its place there (:class:`InBuffer`), one in an autocast copy of a weight as
+:class:`CastOf`, any other as autograd would keep it (or offloaded to host memory). In backward the unpack hook
+rebuilds each weight from the fetched buffer (and casts it again, once per weight and backward), so autograd
+differentiates the forward's own graph: nothing runs twice, and the bytes kept are plain PyTorch's for that block,
+weights excluded (``saved_activation_bytes``). Autograd does not check the version of tensors saved through hooks,
+so the hooks do (:class:`Kept`): one modified in place before the backward raises autograd's own error. The graph's
+parameter leaves are then pointed at placeholders (:func:`release_leaves`), so the device buffer is released as in
+every other mode.
 """
 
 from __future__ import annotations
@@ -41,8 +27,8 @@ from ..offload import ActivationOffload, Offloaded
 
 @dataclass(frozen=True)
 class InBuffer:
-    """Where a saved tensor lies in a block's device buffer: ``slab`` (its index), ``offset`` (elements
-    from the buffer's first element), the tensor's ``size`` and ``stride`` (elements)."""
+    """Where a saved tensor lies in a block's device buffer: ``slab`` index; ``offset``, ``size``, ``stride`` in
+    elements."""
 
     slab: int
     offset: int
@@ -52,8 +38,8 @@ class InBuffer:
 
 @dataclass(frozen=True)
 class CastOf:
-    """A saved tensor that lies in the ``dtype`` copy of the weight at ``source``: ``offset`` (elements
-    from the copy's first element), ``size`` and ``stride`` within that copy."""
+    """A saved tensor in the ``dtype`` copy of the weight at ``source``; ``offset``, ``size``, ``stride`` in
+    elements of that copy."""
 
     source: InBuffer
     dtype: torch.dtype
@@ -64,8 +50,7 @@ class CastOf:
 
 @dataclass(frozen=True)
 class Kept:
-    """A saved tensor kept by reference (``tensor``) and its version counter when autograd saved it
-    (``version``): compared when the backward reads it, as autograd compares the tensors it saves itself."""
+    """A saved tensor kept by reference and its version counter when saved, compared when the backward reads it."""
 
     tensor: torch.Tensor
     version: int
@@ -77,10 +62,8 @@ MODIFIED_INPLACE = ("one of the variables needed for gradient computation has be
 
 
 class ParamLocator:
-    """Finds the tensors that lie in a block's device buffers (``bufs``: slab index -> flat buffer).
-
-    A tensor lies in a buffer when its first element's address is inside the buffer and it has the
-    buffer's dtype and device (the buffers are disjoint allocations, so activations never match)."""
+    """Finds the tensors that lie in a block's device buffers (``bufs``: slab index -> flat buffer): first element
+    inside the buffer, same dtype and device (the buffers are disjoint allocations: activations never match)."""
 
     def __init__(self, bufs: dict[int, torch.Tensor]):
         self.spans = [(si, b.data_ptr(), b.data_ptr() + b.numel() * b.element_size(), b.dtype, b.device)
@@ -98,10 +81,9 @@ class ParamLocator:
 
 
 def own_outputs(out: Any, bufs: dict[int, torch.Tensor]) -> Any:
-    """``out`` (a block call's output pytree) with each tensor that shares storage with one of the block's weight
-    buffers ``bufs`` (a module returning its parameter or a view of it: a soft prompt's ``return self.p``) cloned,
-    under grad mode (the clone keeps the graph to the leaf and saves nothing), so releasing the gradient leaves
-    (:func:`release_leaves`) and the buffers leaves the values intact (uncloned, they would read zeros)."""
+    """``out`` (a block call's output pytree) with each tensor sharing storage with a weight buffer in ``bufs`` (a
+    soft prompt's ``return self.p``) cloned under grad mode, so releasing the leaves and buffers leaves its values
+    intact (uncloned, they would read zeros)."""
     ptrs = {b.untyped_storage().data_ptr() for b in bufs.values()}
 
     def own(t: torch.Tensor) -> torch.Tensor:
@@ -114,25 +96,23 @@ def own_outputs(out: Any, bufs: dict[int, torch.Tensor]) -> Any:
 
 def release_leaves(leaves: dict[int, torch.Tensor]) -> None:
     """Point each gradient leaf at a one-element, zero-stride placeholder of its shape, so the graph's
-    ``AccumulateGrad`` nodes no longer hold the device buffer the leaves were views of (autograd only
-    needs a leaf's shape, dtype and device to return its gradient)."""
+    ``AccumulateGrad`` nodes no longer hold the device buffer (autograd needs only the leaf's shape, dtype and
+    device)."""
     for leaf in leaves.values():
         leaf.data = torch.zeros((), dtype=leaf.dtype, device=leaf.device).expand(leaf.shape)
 
 
 class GraphHooks:
-    """The saved-tensor hooks of one ``recompute="none"`` block call (module docstring).
+    """The saved-tensor hooks of one ``recompute="none"`` block call (module docstring). Compute thread only.
 
     Args:
-        offload: with ``offload_activations``, moves saved activations to host memory (``None``: kept
-            on the device).
-        name: the block's name, for the error raised when a tensor its graph saved was modified in place
-            before the backward (``RuntimeError``, autograd's message plus the block).
+        offload: with ``offload_activations``, moves saved activations to host memory (``None``: kept on the
+            device).
+        name: the block's name, for the in-place modification error.
 
-    ``capture(bufs)`` wraps the forward; ``nbytes`` is then the device bytes kept (unique storages),
-    ``offloaded`` the host copies and ``needs_weights`` whether the backward reads any weight (an
-    embedding's does not: it saves only the indices, so its backward fetches nothing).
-    ``bind(bufs)`` / ``unbind()`` bracket the backward with the buffers fetched for it. Compute thread only.
+    After ``capture(bufs)``: ``nbytes`` the device bytes kept (unique storages), ``offloaded`` the host copies,
+    ``needs_weights`` whether the backward reads any weight (an embedding's saves only indices: it fetches nothing).
+    ``bind(bufs)`` / ``unbind()`` bracket the backward with the buffers fetched for it.
     """
 
     def __init__(self, offload: ActivationOffload | None = None, name: str = ""):
@@ -147,8 +127,8 @@ class GraphHooks:
     @contextlib.contextmanager
     def capture(self, bufs: dict[int, torch.Tensor],
                 casts: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Iterator[None]:
-        """Context of the call's forward (autograd on) with the block's buffers ``bufs`` and the autocast
-        copies of its weights bound for it (``casts``: ``(weight view in bufs, its contiguous copy)``)."""
+        """Context of the call's forward with the block's buffers ``bufs`` and the autocast copies of its weights
+        (``casts``: ``(weight view in bufs, its copy)``)."""
         locator = ParamLocator(bufs)
         device = next(iter(bufs.values())).device if bufs else None  # saved tensors elsewhere stay there
         copies = []
@@ -228,8 +208,7 @@ class GraphHooks:
         self._bufs = dict(bufs)
 
     def unbind(self) -> None:
-        """After the backward: drop the buffers, the weights' casts and the restored activations'
-        device copies."""
+        """After the backward: drop the buffers, the weights' casts and the restored activations' device copies."""
         self._bufs = None
         self._casts = {}
         for e in self.offloaded.values():
@@ -242,12 +221,10 @@ class GraphHooks:
 
 
 class KeptGraph:
-    """A block call's autograd graph, kept from its forward to its backward: the last block's (with the
-    device buffers ``bufs`` it computed with) or a ``recompute="none"`` call's (``hooks``: without its weights,
-    :class:`GraphHooks`); the gradient ``leaves`` (by parameter id), its detached ``inputs`` and its ``outs``.
-    ``close`` (idempotent) drops them and calls ``on_close(self)`` (its owner returns the buffers' bytes): after
-    a backward that does not retain the graph, when the call is garbage-collected (its graph dropped unused),
-    or at the end of the step."""
+    """A block call's autograd graph kept to its backward: the last block's (with its device buffers ``bufs``) or a
+    ``recompute="none"`` call's (``hooks``); the gradient ``leaves`` (by parameter id), detached ``inputs`` and
+    ``outs``. ``close`` (idempotent) drops them and calls ``on_close(self)`` (the owner returns the buffers' bytes):
+    after a backward that does not retain the graph, when the call is garbage-collected, or at the step's end."""
 
     def __init__(self, bufs: dict[int, torch.Tensor], leaves: dict[int, torch.Tensor], inputs: list,
                  outs: list[torch.Tensor], hooks: GraphHooks | None = None,

@@ -33,11 +33,9 @@ def trainable_refs(blk: Block) -> list:
 
 @dataclass
 class BlockCall:
-    """Everything one block call needs to be recomputed in backward.
-
-    ``keep``: the last block of a training forward, run with autograd and its graph kept in
-    ``graph`` (no recompute). ``freed``: its saved inputs were released by a backward that did not
-    retain the graph; a further backward through it is an error, as in PyTorch."""
+    """Everything one block call needs for its backward. ``keep``: the last block of a training forward (its graph
+    kept in ``graph``, no recompute). ``freed``: released by a backward that did not retain the graph (a further
+    backward raises, as in PyTorch)."""
 
     owner: "Boundary"
     block: Block
@@ -69,8 +67,8 @@ class BlockCall:
     out_meta: list[tuple] = field(default_factory=list)  # (shape, dtype) of each tensor output of the forward
 
     def record(self, tensors: Sequence[torch.Tensor], dev: torch.device) -> None:
-        """Record what the forward starts from: which of ``tensors`` (the call's tensor inputs) require grad, the
-        CPU RNG state (and ``dev``'s when it is a GPU) and ``dev``'s autocast state."""
+        """Record what the forward starts from: which ``tensors`` (inputs) require grad, the CPU RNG state (and
+        ``dev``'s on a GPU) and ``dev``'s autocast state."""
         self.input_grad = [t.requires_grad for t in tensors]
         self.rng_cpu = torch.get_rng_state()
         if dev.type == "cuda":
@@ -79,8 +77,7 @@ class BlockCall:
                          torch.is_autocast_cache_enabled())
 
     def recomputed_with(self, saved_ops: Any, state: Any) -> None:
-        """The call is recomputed in backward, keeping ``saved_ops`` (a ``SavedOps`` or ``None``) and replaying the
-        module ``state`` (a ``block_state.BlockState``)."""
+        """The call is recomputed in backward, keeping ``saved_ops`` and replaying the module ``state``."""
         self.saved_ops, self.state = saved_ops, state
 
     def ran(self, outs: Sequence[torch.Tensor]) -> None:
@@ -104,22 +101,18 @@ class BlockCall:
         return tree_unflatten(out_flat, self.out_spec)
 
     def differentiable(self, outs: Sequence[torch.Tensor]) -> list[bool]:
-        """Which of the call's tensor outputs ``outs`` require grad, as in plain PyTorch: those its grad-mode run
-        (``out_grad``) produced requiring grad; autograd marks the others non-differentiable. T5's decoder
-        layer returns the cross-attention position bias it makes with ``torch.zeros``: made differentiable, the
-        next layer's SDPA took its math kernel (a mask that requires grad) and the bf16-mixed loss moved
-        (5.1301 vs 5.1295 plain). Integer outputs never require grad."""
+        """Which tensor outputs ``outs`` are differentiable: floating-point ones the grad-mode run produced requiring
+        grad (``out_grad``), as in plain PyTorch. T5's decoder layer returns a position bias made with
+        ``torch.zeros``: made differentiable, the next SDPA took its math kernel and the bf16-mixed loss moved (5.1301
+        vs 5.1295 plain)."""
         known = self.out_grad if self.out_grad is not None and len(self.out_grad) == len(outs) else [True] * len(outs)
         return [k and o.is_floating_point() for k, o in zip(known, outs)]
 
     def arguments(self, tensors: "list[torch.Tensor]") -> tuple[tuple, dict]:
-        """The call's ``(args, kwargs)`` with ``tensors`` (the engine's detached inputs, in ``tensor_pos``
-        order) in place of the caller's. An input that requires grad (an autograd leaf the engine takes its
-        gradient from) is passed as a view of itself, so that inside the block it is not a leaf, as the
-        caller's activation is not one in plain PyTorch: autocast caches its cast of a float32 leaf that
-        requires grad (meant for weights) and reuses it at every use, so the input gradients of the uses
-        (q/k/v projections of one hidden state) would be summed in bf16/fp16 where plain PyTorch sums
-        them in float32 (measured: T5 encoder gradients 6e-3 relative off under bf16-mixed)."""
+        """The call's ``(args, kwargs)`` with ``tensors`` (detached inputs, in ``tensor_pos`` order) in place of the
+        caller's. A leaf that requires grad is passed as a view of itself, so it is no leaf inside the block: autocast
+        caches its cast of such a leaf, and the input gradients of its uses (q/k/v) would be summed in bf16/fp16
+        instead of fp32 (measured: T5 encoder gradients 6e-3 relative off under bf16-mixed)."""
         flat = list(self.flat)
         with torch.enable_grad():  # the view is part of the graph the call's gradients are taken through
             for i, t in zip(self.tensor_pos, tensors):
@@ -130,11 +123,9 @@ class BlockCall:
                     offload: "ActivationOffload | None") -> int:
         """Keep what backward needs to rebuild the call's inputs ``tensors``; the call becomes one of its forward's.
 
-        A call that starts a segment (``start``) keeps all its tensor inputs (those that need gradients in host
-        memory when ``offload`` is given). Other calls keep only a link to the output of the previous call they
-        consumed (by identity, among ``prev``: weak references to that call's outputs) and recompute it in
-        backward; inputs that are not such outputs (attention masks, rotary cos/sin shared by all blocks) are
-        kept by reference, which costs no memory beyond what the model already holds.
+        A segment start (``start``) keeps all its inputs (with ``offload``, those needing gradients in host memory);
+        other calls keep a link to the previous call's output they consumed (by identity among ``prev``, weak
+        references), recomputed in backward. Other inputs (masks, rotary cos/sin) are kept by reference.
 
         Returns:
             the device bytes kept (inputs that require grad)."""
@@ -161,8 +152,8 @@ class BlockCall:
         self.kept_bytes = release
 
     def keep_graph(self, graph: "KeptGraph") -> None:
-        """Keep ``graph`` for the backward instead of saved inputs: a ``recompute="none"`` call's (``graph.hooks``)
-        is one of its forward's calls; the last block's is closed when the call is garbage-collected."""
+        """Keep ``graph`` for the backward instead of saved inputs: a ``recompute="none"`` call's is one of its
+        forward's calls; the last block's is closed when the call is garbage-collected."""
         self.graph = graph
         if graph.hooks is not None:
             self.pos, self.offloaded = self.fwd.add(self), graph.hooks.offloaded
@@ -171,10 +162,9 @@ class BlockCall:
             self.fwd.add_kept(self)
 
     def load_inputs(self, offload: "ActivationOffload", final: bool) -> list[torch.Tensor]:
-        """The call's tensor inputs: linked ones from the previous call's recomputed outputs (``fwd.recomputed``),
-        offloaded ones from the restore prefetched one call ahead (``final``: the call's own backward, after which
-        the device copy is dropped; else a recompute chain, which keeps it for that backward); then the next
-        call's restore starts."""
+        """The call's tensor inputs: linked ones from the previous call's recomputed outputs, offloaded ones restored
+        (``final``: the call's own backward, which drops the device copy; else a recompute chain, which keeps it);
+        then the next call's restore starts."""
         out: list[torch.Tensor] = []
         for i, t in enumerate(self.saved):
             if i in self.links:
@@ -188,9 +178,8 @@ class BlockCall:
 
     @contextlib.contextmanager
     def replayed(self, dev: torch.device) -> Iterator[None]:
-        """Run under the RNG, autocast state, module ``training`` flags, buffer values and hooks the call's forward
-        saw (dropout, mixed precision, a mode switched before backward; its buffer updates, e.g. BatchNorm's
-        statistics, are not made twice). ``dev``: the compute device (its RNG is replayed when it is a GPU)."""
+        """Run under the RNG, autocast state and module state (``training`` flags, buffers, hooks) the call's forward
+        saw; buffer updates (BatchNorm's) are not made twice. ``dev``: the compute device."""
         enabled, dtype, cache = self.autocast  # type: ignore[misc]
         state = self.state.replayed() if self.state is not None else contextlib.nullcontext()
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else [], device_type="cuda"), state:
@@ -201,8 +190,7 @@ class BlockCall:
                 yield
 
     def free(self) -> None:
-        """Drop what the call saved for its backward, as autograd frees saved tensors after a backward that does
-        not retain the graph; a further backward through it raises."""
+        """Drop what the call saved for its backward (a backward that does not retain the graph)."""
         self.freed = True
         self.saved, self.offloaded, self.versions = [], {}, {}
         if self.saved_ops is not None:
@@ -216,11 +204,9 @@ class BlockCall:
 
 @dataclass(eq=False)
 class ForwardRecord:
-    """The grad-mode block calls of one training forward, shared by their backward.
-
-    Calls are held weakly (each call is kept alive by its autograd node), so a forward whose graph
-    was dropped without a backward frees its saved inputs at once. Several forwards may be alive
-    together (two forwards, then one backward of both losses)."""
+    """The grad-mode block calls of one training forward, shared by their backward. Calls are held weakly (their
+    autograd nodes keep them alive), so a graph dropped without a backward frees its saved inputs at once. Several
+    forwards may be alive together."""
 
     calls: list["weakref.ref[BlockCall]"] = field(default_factory=list)
     kept: list["weakref.ref[BlockCall]"] = field(default_factory=list)
@@ -256,9 +242,9 @@ class ForwardRecord:
         self.direct.append(refs)
 
     def segment(self, pos: int, every: int) -> tuple[list | None, bool]:
-        """For call ``pos``: (weak references to the outputs of call ``pos - 1`` when it was the latest call and
-        did not keep its graph, else ``None``; whether call ``pos`` starts a recompute segment: the first call
-        after one without such outputs, then every ``every``-th call)."""
+        """For call ``pos``: (weak references to call ``pos - 1``'s outputs when it was the latest call and kept no
+        graph, else ``None``; whether ``pos`` starts a recompute segment: after no such outputs, or every
+        ``every``-th call)."""
         prev = self.last_outs[1] if (self.last_outs and self.last_outs[0] == pos - 1) else None
         start = prev is None or pos - self.segment_start >= every
         if start:
@@ -266,8 +252,7 @@ class ForwardRecord:
         return prev, start
 
     def returned(self, call: BlockCall, outs: Sequence[torch.Tensor]) -> None:
-        """``call`` returned ``outs``: the next call may rebuild its inputs from them, unless ``call`` keeps its
-        graph."""
+        """``call`` returned ``outs``: the next call may link to them, unless ``call`` keeps its graph."""
         self.last_outs = None if call.graph is not None else (call.pos, [weakref.ref(o) for o in outs])
 
     def end(self) -> None:
@@ -296,9 +281,9 @@ class ForwardRecord:
         return c
 
     def backward_sequence(self) -> list[int]:
-        """Block fetch order of the coming backward of this forward (recompute chains included), for prefetching:
-        from the last call back, each call's block after the chain that rebuilds its linked inputs; a kept graph whose
-        backward needs no weights fetches nothing."""
+        """Block fetch order of this forward's coming backward, for prefetching: from the last call back, each call's
+        block after the recompute chain that rebuilds its linked inputs; a kept graph needing no weights fetches
+        nothing."""
         seq: list[int] = []
         cached: set[int] = set()
         calls = self.live_calls()
@@ -321,8 +306,7 @@ class ForwardRecord:
         return [c for c in (r() for r in self.calls + self.kept) if c is not None]
 
     def next_offloaded(self, below: int) -> "list[Offloaded]":
-        """The offloaded inputs of the last call before position ``below`` that has any (the next one
-        backward will take), or ``[]``."""
+        """The offloaded inputs of the last call before ``below`` that has any (backward's next), or ``[]``."""
         for p in range(min(below, len(self.calls)) - 1, -1, -1):
             c = self.calls[p]()
             if c is not None and c.offloaded and not c.freed:
@@ -330,8 +314,7 @@ class ForwardRecord:
         return []
 
     def next_saved_ops(self, below: int) -> Any:
-        """The ``SavedOps`` with offloaded outputs of the last call before position ``below`` that has them (the
-        next one backward restores), or ``None``."""
+        """The ``SavedOps`` with offloaded outputs of the last call before ``below`` that has them, or ``None``."""
         for p in range(min(below, len(self.calls)) - 1, -1, -1):
             c = self.calls[p]()
             if c is not None and not c.freed and c.saved_ops is not None and c.saved_ops.offloaded:

@@ -1,8 +1,7 @@
 """One run of a block on the compute device: acquire its weights, bind its parameters to them, run, release.
 
-Every block run goes through :class:`BlockRunner`: an evaluation call and a container's forward (the
-streaming proxies), a training call's forward, its recompute (a chain or its own backward) and its
-backward (docs/internals/block-calls.md).
+Every block run (evaluation, a container's forward, a training call's forward, recompute and backward) goes through
+:class:`BlockRunner` (docs/internals/block-calls.md, "Forward").
 """
 
 from __future__ import annotations
@@ -19,10 +18,9 @@ from ..accounting import ByteAccounting
 @contextlib.contextmanager
 def bind_params(slabs: Any, blk: Any, bufs: dict[int, torch.Tensor], leaves: dict[int, torch.Tensor] | None
                 ) -> Iterator[None]:
-    """For the ``with`` body, point the block's parameters (``owner._parameters[attr]``) at views of the device
-    buffers ``bufs`` (per slab index, laid out as ``slabs[i]``) or at gradient ``leaves`` (by parameter id); in
-    no-grad mode a trainable one's view requires grad as in plain PyTorch (``F.linear`` on a non-contiguous input
-    picks its kernel by it). The registered parameters are put back afterwards.
+    """For the ``with`` body, point the block's parameters at views of ``bufs`` (slab index -> buffer) or at
+    gradient ``leaves`` (by parameter id); in no-grad mode a trainable one's view still requires grad, as in plain
+    PyTorch (``F.linear`` picks its kernel by it).
 
     Raises:
         RuntimeError: a parameter is no longer registered as it was at setup (``ParamRef.registered``: pruning,
@@ -48,10 +46,9 @@ class BlockRunner:
     """Acquire -> bind -> run -> release of a block's weights on the compute device.
 
     Args:
-        slabs: the host store's slabs (``slabs[i].view(buf, index)``: a parameter's view of slab ``i``'s buffer).
-        acct: live-byte accounting (``release`` of the buffers, ``compute_s`` of a timed run).
-        acquire: ``acquire(block, backward, training)`` -> slab index -> device buffer (the engine's prefetch
-            schedule).
+        slabs: the host store's slabs.
+        acct: live-byte accounting.
+        acquire: ``acquire(block, backward, training)`` -> slab index -> device buffer (``StreamingEngine.acquire``).
     """
 
     def __init__(self, slabs: Any, acct: ByteAccounting, acquire: Callable[..., dict[int, torch.Tensor]]):
@@ -60,10 +57,9 @@ class BlockRunner:
     @contextlib.contextmanager
     def weights(self, blk: Any, backward: bool = False, training: bool = False, timed: bool = True,
                 fetch: bool = True, hold: bool = False) -> Iterator[dict[int, torch.Tensor] | None]:
-        """The block's device buffers (slab index -> flat buffer; ``None`` when not ``fetch``) for the ``with``
-        body, released after it (``hold``: not when the body returns normally; their owner releases them, the
-        last block's kept graph). ``timed``: the body's seconds count as ``compute_s`` (not for a container,
-        whose forward runs its child blocks)."""
+        """The block's device buffers (slab index -> flat buffer; ``None`` when not ``fetch``) for the ``with`` body,
+        released after it (``hold``: unless it returns normally; the kept graph releases them). ``timed``: the
+        body's seconds count as ``compute_s`` (not for a container, whose forward runs its child blocks)."""
         bufs = self._acquire(blk, backward=backward, training=training) if fetch else None
         t0 = time.perf_counter()
         done = False
@@ -85,7 +81,6 @@ class BlockRunner:
         return self.slabs[ref.slab].view(bufs[ref.slab], ref.index)
 
     def leaves(self, refs: Sequence, bufs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """One autograd leaf per parameter of ``refs`` (a view of its device buffer, with its own version counter as
-        a separate parameter has: an in-place write to one does not invalidate what autograd saved of another),
-        keyed by ``id(param)``."""
+        """One autograd leaf per parameter of ``refs``, keyed by ``id(param)``: a view of its buffer with its own
+        version counter (an in-place write to one does not invalidate what autograd saved of another)."""
         return {id(r.param): self.view(r, bufs).data.requires_grad_(True) for r in refs}
