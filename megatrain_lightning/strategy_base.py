@@ -291,7 +291,7 @@ class MegaTrainBase:
                  "offload_activations=%s, cpu_zero_copy=%s, optimizer_in_backward=%s, processes=%d",
                  type(self).__name__, "NVMe" if disk else "RAM", where(Region.master), where(Region.exp_avg, Region.exp_avg_sq),
                  where(Region.grad_accum),
-                 f" (host_memory_limit {cfg.nvme.host_memory_limit / 2**30:.1f} GiB, {cfg.nvme.path})"
+                 f" (host_memory_limit {format_gib(cfg.nvme.host_memory_limit / 2**30)}, {cfg.nvme.path})"
                  if disk and cfg.nvme is not None else "", self.root_device,
                  getattr(self.precision_plugin, "precision", "?"), cfg.lookahead, cfg.block_group,
                  cfg.recompute, cfg.recompute_every, cfg.loss_chunk_size, cfg.mlp_chunk_size,

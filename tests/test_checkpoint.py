@@ -323,7 +323,7 @@ def _saved(tmp_path, name="c", steps=1):
     return tmp_path / name
 
 
-@pytest.mark.parametrize("damage", ["not_json", "missing_field", "wrong_type"])
+@pytest.mark.parametrize("damage", ["not_json", "missing_field", "wrong_type", "edited"])
 def test_damaged_megatrain_json_names_the_file_and_the_field(tmp_path, damage):
     ckpt = _saved(tmp_path)
     f = ckpt / "megatrain.json"
@@ -335,10 +335,15 @@ def test_damaged_megatrain_json_names_the_file_and_the_field(tmp_path, damage):
         del info["tensors"]
         f.write_text(json.dumps(info))
         match = "megatrain.json is damaged: the field 'tensors' is missing"
-    else:
+    elif damage == "wrong_type":
         info["params"] = ["model.lm_head.weight"]
         f.write_text(json.dumps(info))
         match = "megatrain.json is damaged: the field 'params' is a list"
+    else:  # still valid JSON with every field: only the digest it records tells
+        name = next(iter(info["params"]))
+        info["params"][name]["requires_grad"] = not info["params"][name]["requires_grad"]
+        f.write_text(json.dumps(info))
+        match = "megatrain.json is damaged: its content does not match the sha256 recorded in it"
     with pytest.raises(CheckpointError, match=match):
         trainer(2).fit(lm_for(make_model("llama")), loader(), ckpt_path=ckpt)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import re
 
 import lightning.pytorch as pl
 import pytest
@@ -422,8 +423,12 @@ def test_directory_checkpoint_resume_on_nvme_is_exact(tmp_path, kind):
 ])
 def test_state_larger_than_two_floats_per_element_is_refused_on_nvme(tmp_path, make, why):
     lm = OptLM(make_model("llama"), make)
-    with pytest.raises(UnsupportedOptimizerError, match=why + r".*offload_optimizer='cpu'"):
+    with pytest.raises(UnsupportedOptimizerError, match=why + r".*offload_optimizer='cpu'") as err:
         _setup_only(lm, _nvme(tmp_path))
+    # the message names a shape the model has (not the small stand-in the check steps) and the bytes per element
+    shape = re.search(r"of shape (\([0-9, ]*\))", str(err.value)).group(1)
+    assert shape in {str(tuple(q.shape)) for q in lm.parameters()}, shape
+    assert "keeps 12 bytes of tensors per element" in str(err.value)
 
 
 def test_pack_fits_two_ranges_or_says_no():

@@ -120,4 +120,4 @@ def test_setup_logs_the_strategy_tier_and_options_once(tmp_path, caplog, tier):
                                f"fp32 masters in {where}, optimizer state in {where}"), lines[0]
     assert "lookahead=2" in lines[0] and "device cpu" in lines[0]
     if tier == "nvme":
-        assert f"host_memory_limit 1.0 GiB, {tmp_path}" in lines[0]
+        assert f"host_memory_limit 1.00 GiB, {tmp_path}" in lines[0]

@@ -6,15 +6,19 @@ Format 2 (the one written)::
      "has_optimizer": true,
      "params":  {"<LightningModule parameter name>": {"shape": [..], "requires_grad": true}, ...},
      "tensors": {"<LightningModule state_dict key>": ["<part>", "<key in that part>"], ...},
-     "parts":   {"model": "<sha256 of model/checksums.json>", "optimizer": "...", "trainer.pt": "<sha256>"}}
+     "parts":   {"model": "<sha256 of model/checksums.json>", "optimizer": "...", "trainer.pt": "<sha256>"},
+     "digest":  "<sha256 of the other fields (:func:`info_digest`)>"}
 
 A part is a folder with its own ``checksums.json`` (sha256 of each of its files) or the file ``trainer.pt``;
 recording the sha256 of each ``checksums.json`` refuses, by name, a folder copied in from another checkpoint
-(complete and self-consistent, but not the one recorded). Format 1 (no ``tensors``/``parts``) is still read.
+(complete and self-consistent, but not the one recorded); ``digest`` refuses an edited or damaged
+``megatrain.json`` that is still valid JSON (a file without it is read unchecked). Format 1 (no
+``tensors``/``parts``) is still read.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -36,6 +40,12 @@ def part_digest(root: Path, part: str) -> str:
     return file_sha256(p / CHECKSUMS_FILE if p.is_dir() else p)
 
 
+def info_digest(info: dict[str, Any]) -> str:
+    """sha256 (hex) of ``info`` without its ``digest`` field, as JSON with sorted keys."""
+    body = json.dumps({k: v for k, v in info.items() if k != "digest"}, sort_keys=True)
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
 def write_info(root: Path, *, has_optimizer: bool, params: dict[str, Any], tensors: dict[str, tuple[str, str]],
                parts: list[str]) -> dict[str, Any]:
     """Write ``root/megatrain.json`` (format 2, fsynced) after every part is complete. Returns it."""
@@ -46,6 +56,7 @@ def write_info(root: Path, *, has_optimizer: bool, params: dict[str, Any], tenso
         "tensors": {k: list(v) for k, v in tensors.items()},
         "parts": {part: part_digest(root, part) for part in parts},
     }
+    info["digest"] = info_digest(info)
     path = root / INFO_FILE
     with open(path, "w") as f:
         json.dump(info, f)
@@ -118,6 +129,9 @@ def read_info(path: Path) -> dict[str, Any]:
     problem = _schema_problem(info)
     if problem:
         raise CheckpointError(f"{f} is damaged: {problem}. {advice}")
+    if "digest" in info and info["digest"] != info_digest(info):
+        raise CheckpointError(f"{f} is damaged: its content does not match the sha256 recorded in it (an edit or a "
+                              f"damaged byte). {advice}")
     return info
 
 

@@ -139,6 +139,10 @@ class HostTorchOptimizer(HostAdamW):
         Raises:
             UnsupportedOptimizerError: see the class docstring.
         """
+        real: dict[tuple[int, ...], tuple[int, ...]] = {}  # stand-in shape -> the shape of a parameter it stands for
+        for g in self.optimizer.param_groups:
+            for p in g["params"]:
+                real.setdefault(tuple(min(d, 8) for d in p.shape), tuple(p.shape))
         shapes = [sorted({tuple(min(d, 8) for d in p.shape) for p in g["params"]}) for g in self.optimizer.param_groups]
         stand_ins = [(h, [torch.full(s, 0.5) for s in ss]) for h, ss in zip(self._snapshot(), shapes) if ss]
         try:
@@ -162,7 +166,7 @@ class HostTorchOptimizer(HostAdamW):
                 if why:
                     raise UnsupportedOptimizerError(
                         f"megatrain keeps the state of {_name(self.optimizer)} on NVMe (offload_optimizer='nvme') in "
-                        f"two fp32 values per parameter element; for a parameter of shape {tuple(p.shape)} it {why}. "
+                        f"two fp32 values per parameter element; for a parameter of shape {real[tuple(p.shape)]} it {why}. "
                         "Keep the optimizer state in RAM (offload_optimizer='cpu'), or choose settings with less "
                         "state (RMSprop without centered+momentum, AdamW without amsgrad).")
 

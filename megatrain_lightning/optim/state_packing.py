@@ -142,7 +142,7 @@ def unpackable(state: dict[str, Any], numel: int) -> str | None:
         return f"keeps tensors wider than 4 bytes per element: {', '.join(wide)}"
     if pack(state, numel) is None:
         total = sum(v.numel() * v.dtype.itemsize for v in tensors.values())
-        return (f"keeps {total} bytes of tensors ({', '.join(tensors)}) for {numel} elements, more than the two "
+        return (f"keeps {total / numel:g} bytes of tensors per element ({', '.join(tensors)}), more than the two "
                 "fp32 values (8 bytes) per element that fit")
     return None
 
