@@ -118,8 +118,8 @@ def test_a_plain_lightning_checkpoint_resumes_exactly(tmp_path, monkeypatch, str
 
 def test_a_plain_lightning_checkpoint_restores_the_fp16_loss_scale(tmp_path):
     """Plain Lightning's 16-mixed ``.ckpt`` keeps the loss scale under ``MixedPrecision`` in GradScaler's format;
-    the resumed run continues from it and ends with plain Lightning's scale (it restarted from the plugin's initial
-    scale, 8 here; found by trying the product: weights 2e-2 off after 4 more steps)."""
+    the resumed run continues from it and ends with plain Lightning's scale, not the plugin's initial scale (8 here:
+    weights 2e-2 off after 4 more steps)."""
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     def plugin(init):

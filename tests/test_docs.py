@@ -27,7 +27,8 @@ GUIDE = DOCS / "guide"
 
 SKIP_MARK = re.compile(r"^\s*<!--\s*skip:\s*(.+?)\s*-->\s*$")
 FENCE_OPEN = re.compile(r"^(\s*)```python\s*$")
-HISTORY = re.compile(r"session [0-9]|probe [a-z]\b|issue [0-9]|fault-finding round|fresh-user probe", re.IGNORECASE)
+HISTORY = re.compile(r"session [0-9]|probe [a-z]\b|issue [0-9]|fault-finding round|fresh-user probe|found by a probe|"
+                     r"user probe|found by trying", re.IGNORECASE)
 
 
 def python_blocks(path: Path) -> list[tuple[str, int, str, str | None]]:
@@ -157,7 +158,10 @@ def test_compatibility_names_real_tests():
 # --------------------------------------------------------------------------------------------- history
 
 
-@pytest.mark.parametrize("path", [README, *sorted(DOCS.rglob("*.md"))], ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("path", [README, *sorted(DOCS.rglob("*.md")), *sorted((ROOT / "megatrain_lightning").rglob("*.py")),
+                                  *sorted(t for t in (ROOT / "tests").glob("*.py") if t.name != "test_docs.py"),
+                                  *sorted((ROOT / "bench").glob("*.py"))],
+                         ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_history(path):
     hits = [f"{i}: {line}" for i, line in enumerate(path.read_text().splitlines(), 1) if HISTORY.search(line)]
     assert not hits, "history belongs in CHANGELOG.md:\n" + "\n".join(hits[:10])

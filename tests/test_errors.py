@@ -183,8 +183,8 @@ class _Shared(pl.LightningModule):
 
 
 def test_a_model_without_repeated_paths_gets_no_made_up_pattern():
-    """The error suggested ``block_names=['model.layers.*']``, a path ALBERT does not have (found by a probe):
-    with no repeated path it suggests the layer class only."""
+    """With no repeated path (ALBERT shares one layer) the error suggests the layer class only, not a
+    ``block_names=['model.layers.*']`` path the model does not have."""
     with pytest.raises(BlockDiscoveryError) as err:
         discover_blocks(_Shared())
     msg = str(err.value)

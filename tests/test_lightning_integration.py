@@ -188,8 +188,7 @@ def test_kv_cache_in_config_does_not_corrupt_gradients():
 
 def test_hf_gradient_checkpointing_is_off_during_the_run_and_back_on_after(caplog):
     """HF checkpointing is off while the strategy runs (its ``recompute`` decides), with a warning, and back on as
-    the user set it after fit (it stayed off: a later plain training of the model lost its memory saving; found by a
-    probe)."""
+    the user set it after fit (else a later plain training of the model would lose its memory saving)."""
     model = make_model("llama")
     ref = copy.deepcopy(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -772,8 +771,8 @@ class _SwapLayerInGroup(Callback):
 
 def test_a_param_group_whose_members_are_replaced_is_mapped_again():
     """The host optimizer maps parameters to groups again when a group's members change, not only its size:
-    before, layer 1 swapped into a group in place of layer 0 (9 tensors each) never trained (silently; found by a
-    probe). Bitwise plain Lightning; layer 1 moved."""
+    layer 1 swapped into a group in place of layer 0 (9 tensors each) trains. Bitwise plain Lightning; layer 1
+    moved."""
     def run(strategy):
         lm = _llama_frozen("layers.0.", "layers.1.")
         _trainer(strategy=strategy, max_epochs=3, max_steps=-1, callbacks=[_SwapLayerInGroup()]).fit(lm, make_data(n=4))

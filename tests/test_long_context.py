@@ -253,8 +253,8 @@ def test_chunked_mlp_backward_recomputes_with_the_weights_bound_at_its_forward()
                                                    ("llama", {}, False)])
 def test_mlp_chunks_warn_when_the_mlp_draws_random_numbers(caplog, arch, overrides, random):
     """Over chunks, an MLP's dropout (GPT-2's ``resid_pdrop``) or router jitter (PhiMoE) draws its random numbers
-    per chunk, in another order than plain PyTorch: training is not the same numbers then (found by
-    trying the product: GPT-2 with dropout 0.1, weights 47% apart after 4 steps). A warning names the module and the option;
+    per chunk, in another order than plain PyTorch: training is not the same numbers then (GPT-2 with dropout 0.1:
+    weights 47% apart after 4 steps). A warning names the module and the option;
     MLPs without random ops (exact parity, tested above) get none."""
     import logging
 

@@ -81,10 +81,9 @@ ADAPTERS_OUTSIDE_THE_LAYERS = {
 @pytest.mark.parametrize("variant", ADAPTERS_OUTSIDE_THE_LAYERS)
 def test_adapters_on_the_embedding_or_head_train_like_plain_lightning(tmp_path, variant):
     """Adapters whose weights peft keeps in an ``nn.ParameterDict`` of the adapted module (LoRA on an embedding:
-    ``lora_embedding_A/B``; IA3's ``ia3_l``; LoHa's ``hada_w*``) outside the decoder layers: block discovery made the
-    ``ParameterDict`` a block of its own, whose forward never runs, and the first step failed with "got a gradient
-    outside the streamed blocks" (found by a probe). Its holder is now the block. Bitwise plain Lightning; the
-    checkpoint's adapter loads back with peft."""
+    ``lora_embedding_A/B``; IA3's ``ia3_l``; LoHa's ``hada_w*``) outside the decoder layers: the ``ParameterDict``'s
+    forward never runs, so its holder, not the dict, is the block. Bitwise plain Lightning; the checkpoint's adapter
+    loads back with peft."""
     def build():
         torch.manual_seed(3)
         model = peft.get_peft_model(make_model("llama"), ADAPTERS_OUTSIDE_THE_LAYERS[variant]())

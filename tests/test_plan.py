@@ -348,8 +348,8 @@ def test_cli_bad_settings_are_one_error_line_with_exit_2(capsys):
 
 
 def test_cli_unknown_keys_and_hydra_flags_are_refused(capsys):
-    """A misspelt setting added with ``+`` was planned with the default silently (``+batchsize=4``: batch 1), and
-    ``--cfg job`` gave Hydra's lexer error: both are one ``error:`` line naming the fix (found by a probe)."""
+    """A misspelt setting added with ``+`` (``+batchsize=4``) and Hydra's ``--cfg job`` are each one ``error:`` line
+    naming the fix, not a plan with the default or Hydra's lexer error."""
     from megatrain_lightning.plan import main
 
     for args, want in ((["+batchsize=4"], "batchsize (did you mean batch_size?)"),

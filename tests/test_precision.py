@@ -354,8 +354,8 @@ class _Features(pl.LightningModule):
 
 def test_bf16_true_casts_the_batch_and_sets_the_default_dtype_as_lightning():
     """``precision="bf16-true"`` with a float batch: Lightning casts it to bf16 and makes bf16 the default dtype in
-    the step; the strategy did neither, and the first block failed with "mat1 and mat2 must have the same dtype"
-    (found by a probe). Masters stay fp32 here (unlike Lightning's), so the numbers are not compared."""
+    the step, and so does the strategy. Masters stay fp32 here (unlike Lightning's), so the numbers are not
+    compared."""
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 8, generator=g),
                                                                       torch.randn(16, 8, generator=g)), batch_size=4)
@@ -372,8 +372,7 @@ def test_bf16_true_casts_the_batch_and_sets_the_default_dtype_as_lightning():
 
 def test_a_disabled_grad_scaler_is_fp16_autocast_without_loss_scaling():
     """``MixedPrecision("16-mixed", scaler=GradScaler(enabled=False))``: Lightning runs fp16 autocast without loss
-    scaling; the strategy failed while the Trainer was built (``'GradScaler' object has no attribute
-    '_growth_factor'``; found by a probe)."""
+    scaling, and so does the strategy (its plugin takes over the disabled scaler's settings)."""
     def plugin():
         return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", enabled=False))
 
@@ -388,8 +387,8 @@ def test_a_disabled_grad_scaler_is_fp16_autocast_without_loss_scaling():
 
 def test_the_exported_lightning_file_keeps_the_fp16_loss_scale(tmp_path):
     """``python -m megatrain_lightning.export DIR --lightning-ckpt F`` wrote the loss scale only in our plugin's format;
-    ``strategy="auto"`` resuming from F restarted from its own initial scale (found by a probe). F now also holds it
-    in ``torch.amp.GradScaler.state_dict()`` format under ``MixedPrecision``, which Lightning's plugin loads."""
+    F holds the loss scale also in ``torch.amp.GradScaler.state_dict()`` format under ``MixedPrecision``, which
+    Lightning's plugin loads, so ``strategy="auto"`` resuming from F continues from it."""
     from megatrain_lightning.checkpoint.lightning_file import convert_to_lightning_checkpoint
 
     plugin = MegaTrainPrecision("16-mixed", init_scale=2.0**10, growth_interval=3)

@@ -1,4 +1,4 @@
-"""The recipe at its edges (user probe 3): runs with no validation or no sample keep their checkpoint and summary,
+"""The recipe at its edges: runs with no validation or no sample keep their checkpoint and summary,
 the save comes right after fit, a local model directory is planned and checked from its own config.json, bad
 ``optim.*`` / ``model.*`` values and a missing ``model.weights`` directory are refused in preflight naming the key,
 ``exp(val_loss) == val_ppl``, and the data errors name the key and the fix. Reuses the helpers of

@@ -471,7 +471,7 @@ def test_recompute_boundary_gives_plain_autograd_gradients(recompute_every):
 
 def test_a_per_rank_nvme_path_is_told_to_use_one_shared_path():
     """DeepSpeed-style per-rank folders (``nvme_path=DIR/r{LOCAL_RANK}``) differ across ranks: the refusal says that
-    one shared path gets a folder per rank by itself (found by a probe); other differences do not get the hint."""
+    one shared path gets a folder per rank by itself; other differences do not get the hint."""
     from megatrain_lightning.parallel.preflight import differences, mismatch_message
 
     diff = differences([{"strategy.nvme": "/d/r0", "torch": "2"}, {"strategy.nvme": "/d/r1", "torch": "2"}])
@@ -482,7 +482,7 @@ def test_a_per_rank_nvme_path_is_told_to_use_one_shared_path():
 
 
 def test_a_timeout_that_is_not_positive_is_refused_at_construction():
-    """``timeout=-5`` was accepted and every collective would have failed at once (found by a probe)."""
+    """A ``timeout`` that is not positive (every collective would fail at once) is refused."""
     from datetime import timedelta
 
     from megatrain_lightning import MegaTrainStrategy
