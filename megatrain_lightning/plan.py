@@ -74,14 +74,7 @@ def plan_from_config(cfg: Any) -> Plan:
         ValueError: see :func:`~megatrain_lightning.planning.estimate.plan` (a bad ``trainer.devices`` or
             ``trainer.num_nodes`` is named); a key that is no setting (``+batchsize=4``), with the closest one.
     """
-    unknown = sorted(set(cfg.keys()) - {*_SETTINGS, "model", "hardware", "trainer"})
-    if unknown:
-        import difflib
-
-        hints = [f"{k} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(k, _SETTINGS, 1)) else k
-                 for k in unknown]
-        raise ValueError(f"unknown setting(s) {', '.join(hints)}; the planner's settings: {', '.join(_SETTINGS)}, "
-                         "model, hardware, trainer.devices, trainer.num_nodes (python -m megatrain_lightning.plan --help).")
+    _refuse_unknown(set(cfg.keys()))
     trainer = cfg.get("trainer") or {}
     unknown = sorted(set(trainer.keys()) - {"devices", "num_nodes"})
     if unknown:
@@ -89,6 +82,18 @@ def plan_from_config(cfg: Any) -> Plan:
                          "trainer.devices and trainer.num_nodes.")
     dp = {k: trainer[k] for k in ("devices", "num_nodes") if k in trainer}
     return plan(cfg.model, cfg.hardware, **{k: cfg[k] for k in _SETTINGS if k in cfg}, **dp)
+
+
+def _refuse_unknown(keys: set[str]) -> None:
+    """Raises ValueError naming each top-level key of ``keys`` that is no setting, with the closest one."""
+    unknown = sorted(keys - {*_SETTINGS, "model", "hardware", "trainer"})
+    if unknown:
+        import difflib
+
+        hints = [f"{k} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(k, _SETTINGS, 1)) else k
+                 for k in unknown]
+        raise ValueError(f"unknown setting(s) {', '.join(hints)}; the planner's settings: {', '.join(_SETTINGS)}, "
+                         "model, hardware, trainer.devices, trainer.num_nodes (python -m megatrain_lightning.plan --help).")
 
 
 def _compose(rest: list[str], model: str | None) -> Any:
@@ -136,8 +141,11 @@ def _check_override(arg: str, key: str) -> None:
     model field outside ``model.config``, which the planner would otherwise ignore.
 
     Raises:
-        ValueError: naming the key and the spelling the planner reads.
+        ValueError: naming the key and the spelling the planner reads; a top-level key that is no setting, with the
+            closest one (not Hydra's advice to add ``+``).
     """
+    if "." not in key:
+        _refuse_unknown({key})
     if key.startswith("strategy."):
         raise ValueError(f"{key}: the planner's settings are top-level: {key.split('.', 1)[1]}={arg.partition('=')[2]} "
                          "(strategy.* is the recipe's spelling).")

@@ -61,58 +61,12 @@ def main(cfg: DictConfig) -> None:
         finetune(cfg)
 
 
-def refuse_misspelt_override(args: list[str]) -> None:
-    """A key override without ``+`` that Hydra cannot apply (``trainer.max_stpes=3``: "not in struct") and that no
-    group takes either: one ``error:`` line naming the key meant (``did you mean trainer.max_steps?``), exit 2,
-    instead of Hydra's advice to add ``+``. A key some group does take (``trainer.max_epochs=3``, not in
-    ``conf/trainer/default.yaml``) and every other case are left to Hydra (its own message). Command lines with
-    flags (``--help``, ``-m``, ``--cfg``) are not checked.
-
-    Raises:
-        SystemExit: status 2, after the ``error:`` line on stderr.
-    """
+if __name__ == "__main__":
     import sys
     from pathlib import Path
 
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import ConfigCompositionException
-    from omegaconf import OmegaConf
+    from megatrain_lightning.recipes_lib.checks import refuse_misspelt_override
 
-    if any(a.startswith("-") for a in args):
-        return
-    conf, overrides = str(Path(__file__).resolve().parents[1] / "conf"), list(args)
-    for _ in range(len(overrides)):
-        try:
-            with initialize_config_dir(config_dir=conf, version_base="1.3"):
-                cfg = compose(config_name="finetune", overrides=overrides)
-            break
-        except Exception as e:  # noqa: BLE001 - every other composition error: Hydra's main reports it
-            if not isinstance(e, ConfigCompositionException) or "is not in struct" not in str(e.__cause__) \
-                    or not str(e).startswith("Could not override '"):
-                return
-            key = str(e).split("'")[1]
-            at = next((i for i, o in enumerate(overrides) if o.split("=", 1)[0] == key), None)
-            if at is None:
-                return
-            overrides[at] = "+" + overrides[at]  # as Hydra suggests; then the project's own check of the keys
-        finally:
-            GlobalHydra.instance().clear()
-    else:
-        return
-    if overrides == list(args):
-        return
-    from megatrain_lightning.recipes_lib.checks import ConfigError, check_keys
-
-    try:
-        check_keys(OmegaConf.to_container(cfg, resolve=False))
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-
-
-if __name__ == "__main__":
-    import sys
-
-    refuse_misspelt_override(sys.argv[1:])
+    # `trainer.max_stpes=3`: one "did you mean" line, not Hydra's advice to add `+`
+    refuse_misspelt_override(sys.argv[1:], "finetune", Path(__file__).resolve().parents[1] / "conf")
     main()

@@ -348,11 +348,14 @@ def test_cli_bad_settings_are_one_error_line_with_exit_2(capsys):
 
 
 def test_cli_unknown_keys_and_hydra_flags_are_refused(capsys):
-    """A misspelt setting added with ``+`` (``+batchsize=4``) and Hydra's ``--cfg job`` are each one ``error:`` line
-    naming the fix, not a plan with the default or Hydra's lexer error."""
+    """A misspelt setting, with or without ``+`` (``+batchsize=4``, ``batch_sise=2``), and Hydra's ``--cfg job`` are
+    each one ``error:`` line naming the fix, not a plan with the default, Hydra's advice to add ``+`` or its lexer
+    error."""
     from megatrain_lightning.plan import main
 
     for args, want in ((["+batchsize=4"], "batchsize (did you mean batch_size?)"),
+                       (["batch_sise=2"], "batch_sise (did you mean batch_size?)"),  # not Hydra's "use +batch_sise"
+                       (["recompute=selctive"], "(the planner's setting recompute)"),
                        (["+trainer.device=2"], "trainer.device"),
                        (["--cfg", "job"], "--cfg: the planner takes key=value overrides only"),
                        (["+model.hidden_size=64"], "model.hidden_size: the planner reads the model's shape from "

@@ -103,6 +103,12 @@ def test_summary_names_the_bytes_by_device():
     assert gpu["H2D per step"] == "2.0 MiB"
 
 
+def test_summary_keeps_three_digits_of_a_slow_runs_tokens_per_second():
+    for tps, shown in ((0.5149, "0.515"), (12.345, "12.3"), (1234.5, "1,234")):
+        rows = dict((k, v) for k, _, v in summary_rows({}, {}, {"tokens_per_s": tps}))
+        assert rows["train tokens/s"] == shown, tps
+
+
 @pytest.mark.parametrize("tier", ["ram", "nvme"])
 def test_setup_logs_the_strategy_tier_and_options_once(tmp_path, caplog, tier):
     kw = dict(offload_params="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path),

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -88,6 +91,8 @@ def test_user_jsonl_with_a_missing_field_is_refused_before_the_model(tmp_path, g
     ("dpo.loss_type=simpo", "uses no reference model"),
     ("dpo.reference=adapter", "this recipe trains the full model: use dpo.reference=precompute or copy"),
     ("dpo.sft_weight=-1", "sft_weight must be a number >= 0"),
+    ("+preference.max_lenght=64", r"preference.max_lenght: unknown option.*did you mean preference.max_length\?"),
+    ("+dpo.bta=1", r"dpo.bta: unknown option.*did you mean dpo.beta\?"),
 ])
 def test_bad_options_are_refused_before_the_model(tmp_path, gpt2_dir, monkeypatch, override, message):
     built = []
@@ -95,6 +100,17 @@ def test_bad_options_are_refused_before_the_model(tmp_path, gpt2_dir, monkeypatc
     with pytest.raises(ConfigError, match=message):
         load_recipe().dpo(cfg_for(tmp_path, gpt2_dir, override))
     assert not built
+
+
+def test_a_misspelt_key_without_plus_is_one_error_line(tmp_path):
+    """Without ``+`` Hydra itself refuses the key; the recipe answers with the key meant, not Hydra's advice."""
+    r = subprocess.run([sys.executable, str(ROOT / "recipes" / "dpo.py"), "preference.max_lenght=64",
+                        f"hydra.run.dir={tmp_path / 'out'}"], capture_output=True, text=True, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=180)
+    assert r.returncode == 2, r.stderr
+    err = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert err == [err[0]] and "did you mean preference.max_length?" in err[0] and "+preference" not in err[0]
+    assert not (tmp_path / "out").exists()
 
 
 def test_user_jsonl_trains_on_the_nvme_tier(tmp_path, gpt2_dir):

@@ -56,16 +56,17 @@ def _unknown(prefix: str, given: Iterable[str], allowed: Iterable[str], what: st
         raise ConfigError(f"{prefix}{k}", f"unknown option ({what} takes no {k!r}); {hint}known: {', '.join(allowed)}.")
 
 
-def check_keys(cfg: Mapping[str, Any]) -> None:
+def check_keys(cfg: Mapping[str, Any], recipe_keys: Mapping[str, tuple[str, ...] | None] = RECIPE_KEYS) -> None:
     """Every key of the composed config is one that something takes: ``strategy.*``/``model.*`` against their
     ``_target_`` (``MegaTrainStrategy``: its config's fields), ``trainer.*`` against ``lightning.pytorch.Trainer``,
-    ``optim.*``, ``data.*`` (with ``data.probe.*`` and ``data.source_options.*``), and the recipe's own groups.
+    ``optim.*``, ``data.*`` (with ``data.probe.*`` and ``data.source_options.*``; when the recipe has ``data``), and
+    the recipe's own keys and groups, ``recipe_keys`` (default: ``recipes/finetune.py``'s).
 
     Raises:
         ConfigError: the first unknown key, with the closest known one and the list of known ones.
     """
-    _unknown("", cfg.keys(), RECIPE_KEYS, "the recipe")
-    for group, keys in RECIPE_KEYS.items():
+    _unknown("", cfg.keys(), recipe_keys, "the recipe")
+    for group, keys in recipe_keys.items():
         if keys and isinstance(cfg.get(group), Mapping):
             _unknown(f"{group}.", cfg[group].keys(), keys, f"the recipe's {group!r} group")
     _check_target("strategy", cfg.get("strategy") or {})
@@ -79,7 +80,61 @@ def check_keys(cfg: Mapping[str, Any]) -> None:
         if k in trainer:
             raise ConfigError(f"trainer.{k}", f"is set by the recipe; use the recipe's own key instead ({instead}).")
     _check_optim_keys(cfg.get("optim") or {})
-    _check_data_keys(cfg.get("data") or {})
+    if "data" in recipe_keys:
+        _check_data_keys(cfg.get("data") or {})
+
+
+def refuse_misspelt_override(args: list[str], config_name: str, conf_dir: str | os.PathLike,
+                              recipe_keys: Mapping[str, tuple[str, ...] | None] = RECIPE_KEYS) -> None:
+    """A key override without ``+`` that Hydra cannot apply (``trainer.max_stpes=3``: "not in struct") and that no
+    group takes either: one ``error:`` line naming the key meant (``did you mean trainer.max_steps?``), exit 2,
+    instead of Hydra's advice to add ``+``. A key some group does take (``trainer.max_epochs=3``, not in
+    ``conf/trainer/default.yaml``) and every other case are left to Hydra (its own message). Command lines with
+    flags (``--help``, ``-m``, ``--cfg``) are not checked.
+
+    Args:
+        args: the command line's overrides (``sys.argv[1:]``).
+        config_name, conf_dir: the recipe's Hydra config (``conf_dir/config_name.yaml``).
+        recipe_keys: the recipe's own keys, for :func:`check_keys`.
+
+    Raises:
+        SystemExit: status 2, after the ``error:`` line on stderr.
+    """
+    import sys
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import ConfigCompositionException
+    from omegaconf import OmegaConf
+
+    if any(a.startswith("-") for a in args):
+        return
+    conf, overrides = str(Path(conf_dir).resolve()), list(args)
+    for _ in range(len(overrides)):
+        try:
+            with initialize_config_dir(config_dir=conf, version_base="1.3"):
+                cfg = compose(config_name=config_name, overrides=overrides)
+            break
+        except Exception as e:  # noqa: BLE001 - every other composition error: Hydra's main reports it
+            if not isinstance(e, ConfigCompositionException) or "is not in struct" not in str(e.__cause__) \
+                    or not str(e).startswith("Could not override '"):
+                return
+            key = str(e).split("'")[1]
+            at = next((i for i, o in enumerate(overrides) if o.split("=", 1)[0] == key), None)
+            if at is None:
+                return
+            overrides[at] = "+" + overrides[at]  # as Hydra suggests; then the project's own check of the keys
+        finally:
+            GlobalHydra.instance().clear()
+    else:
+        return
+    if overrides == list(args):
+        return
+    try:
+        check_keys(OmegaConf.to_container(cfg, resolve=False), recipe_keys)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _check_optim_keys(optim: Mapping[str, Any]) -> None:

@@ -25,7 +25,7 @@ from ..data import ResumableDataLoader
 from ..data.formatting import generation_prompt
 from ..data.probes import biomedical_probe
 from ..preference import DPOModule, PreferenceDataError, PreferenceDataset, collate_pairs
-from .checks import ConfigError
+from .checks import ConfigError, check_keys
 from .models import tokenizer_for
 from .report import format_table, peak_rss_bytes
 from .run import inference_weights, optimizer_kwargs
@@ -113,12 +113,26 @@ class PreferenceData(pl.LightningDataModule):
         return ResumableDataLoader(self.val, batch_size=self.batch_size, collate_fn=self._collate)
 
 
+#: ``recipes/dpo.py``'s own keys and sub-keys (``conf/dpo.yaml``); the groups are checked against signatures
+DPO_KEYS: dict[str, tuple[str, ...] | None] = {
+    "model": None, "strategy": None, "trainer": None, "hardware": None, "optim": None,
+    "seed": (), "plot": (), "output_dir": (),
+    "preference": ("source", "max_length", "batch_size", "val_fraction", "max_train", "max_val"),
+    "dpo": ("loss_type", "beta", "gamma", "sft_weight", "reference", "logps_chunk_size", "cache_dir"),
+    "probe": ("enabled", "max_items", "max_new_tokens", "batch_size"),
+    "sample": ("prompt", "max_new_tokens"),
+    "checkpoint": ("save_final",),
+}
+
+
 def preflight(cfg: DictConfig) -> Any:
-    """What can be checked before the model is built: required keys, the ``dpo`` options, and the tokenizer (the
-    pairs are checked by :func:`build_pairs`, still before the weights load). Returns the tokenizer.
+    """What can be checked before the model is built: every key is one something takes (:data:`DPO_KEYS`,
+    :func:`~.checks.check_keys`), required keys, the ``dpo`` options, and the tokenizer (the pairs are checked by
+    :func:`build_pairs`, still before the weights load). Returns the tokenizer.
 
     Raises:
         ConfigError: naming the Hydra key to change."""
+    check_keys(OmegaConf.to_container(cfg, resolve=False), DPO_KEYS)
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(missing[0], f"is required and has no value: add {missing[0]}=... to the command line.")

@@ -34,7 +34,7 @@ def summary_rows(before: dict[str, float], after: dict[str, float], run: dict[st
     extra = [
         ("optimizer steps", f"{run.get('steps', 0)}"),
         ("train seconds", f"{run.get('seconds', float('nan')):.1f}"),
-        ("train tokens/s", f"{run.get('tokens_per_s', float('nan')):.0f}"),
+        ("train tokens/s", f"{tps:,.0f}" if (tps := run.get("tokens_per_s", float("nan"))) >= 100 else f"{tps:.3g}"),
         ("peak RSS", f"{run.get('peak_rss_bytes', 0) / gib:.2f} GiB"),
         (h2d, f"{run.get('h2d_bytes', 0) / 2**20:.1f} MiB"),
         (d2h, f"{run.get('d2h_bytes', 0) / 2**20:.1f} MiB"),
