@@ -257,6 +257,7 @@ def test_refuses_missing_logger_package_and_resume(tmp_path, no_build, monkeypat
     refused(tmp_path, "logger=[csv,csv]", key="logger", match="more than once")
     refused(tmp_path, "resume=last", f"checkpoint.search_dir={tmp_path}", key="resume", match="found no last.ckpt")
     refused(tmp_path, f"resume={tmp_path}", key="resume", match="not a checkpoint directory")
+    refused(tmp_path, f"resume={tmp_path / 'gone' / 'last.ckpt'}", key="resume", match="gone/last.ckpt does not exist")
 
 
 def test_preflight_refuses_llama100b_here_before_allocating(tmp_path, no_build):

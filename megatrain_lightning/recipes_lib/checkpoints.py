@@ -153,6 +153,9 @@ def resolve_resume(cfg: Any) -> Path | None:
                                     "resume=/path/to/checkpoint to continue from one of them anyway (e.g. to go on "
                                     "training on new data), or start a fresh run (no resume).")
     p = Path(str(r)).expanduser()
+    if not p.exists():
+        raise ConfigError("resume", f"{p} does not exist; give a checkpoint directory written by "
+                                    "checkpoint.every_n_steps (…/checkpoints/last.ckpt) or resume=last.")
     if not _is_checkpoint(p):
         raise ConfigError("resume", f"{p} is not a checkpoint directory (no {CHECKPOINT_MARK}); give one written by "
                                     "checkpoint.every_n_steps (…/checkpoints/last.ckpt) or resume=last.")

@@ -53,7 +53,7 @@ def _unknown(prefix: str, given: Iterable[str], allowed: Iterable[str], what: st
     for k in sorted(set(given) - set(allowed) - HYDRA_SPECIAL):
         near = difflib.get_close_matches(k, allowed, n=1)
         hint = f"did you mean {prefix}{near[0]}? " if near else ""
-        raise ConfigError(f"{prefix}{k}", f"unknown option ({what} takes no {k!r}); {hint}known: {', '.join(allowed)}.")
+        raise ConfigError(f"{prefix}{k}", f"unknown option ({what}: no {k!r}); {hint}known: {', '.join(allowed)}.")
 
 
 def check_keys(cfg: Mapping[str, Any], recipe_keys: Mapping[str, tuple[str, ...] | None] = RECIPE_KEYS) -> None:

@@ -136,6 +136,9 @@ def preflight(cfg: DictConfig) -> Any:
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(missing[0], f"is required and has no value: add {missing[0]}=... to the command line.")
+    if cfg.dpo.loss_type == "simpo" and cfg.dpo.reference is not None:  # the library says "leave it unset"
+        raise ConfigError("dpo.reference", f"dpo.loss_type=simpo uses no reference model, and dpo.reference is "
+                          f"{cfg.dpo.reference!r} (conf/dpo.yaml's default): add dpo.reference=null.")
     try:
         DPOModule.check_options(cfg.dpo.loss_type, cfg.dpo.beta, cfg.dpo.reference, cfg.dpo.logps_chunk_size,
                                 cfg.dpo.get("sft_weight", 0.0))
