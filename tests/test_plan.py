@@ -506,6 +506,18 @@ def test_host_short_plan_suggests_the_nvme_tier_with_numbers():
     assert at.host[NVME_CACHE] > 0 and at.moved["nvme_read"] < nv.moved["nvme_read"]
     assert "set offload_optimizer=nvme offload_grads=nvme host_memory_limit=" in text
     assert "use the NVMe tier" in format_comparison([p])
+    assert "leaves the device short" not in text  # the A100's 80 GB hold the device's share
+
+
+def test_the_nvme_suggestion_says_when_the_device_stays_short():
+    """On a 24 GB RTX 4090, Llama-70B is short of both host RAM and device memory: the NVMe tier fixes the host
+    only, and its change line says so with the device's numbers."""
+    p = plan(load_model("llama70b"), load_hardware("rtx4090"))
+    nv = replan(p, offload_params="nvme", offload_optimizer="nvme", offload_grads="nvme")
+    assert nv.device_bytes > nv.capacity["device"]
+    line = next(l for l in format_plan(p).splitlines() if "use the NVMe tier" in l)
+    assert (f"leaves the device short (need {gib(nv.device_bytes)} GiB, have {gib(nv.capacity['device'])} GiB"
+            in line), line
 
 
 # ---------------------------------------------------------------- activations and the longest sequence

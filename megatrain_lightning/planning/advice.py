@@ -82,6 +82,13 @@ def host_advice(p: Plan, have: int, keys: Mapping[str, str] | None = None) -> li
         return (f"the host then uses about {gib(rss)} GiB (the NVMe window up to host_memory_limit={limit // GIB}GiB, "
                 f"at least {gib(mw)} GiB for this model, + {gib(other)} GiB besides)")
 
+    def device_words(q: Plan) -> str:
+        dev = q.capacity.get("device")
+        if dev is None or q.device_bytes <= dev:
+            return ""
+        return (f"; this leaves the device short (need {gib(q.device_bytes)} GiB, have {gib(dev)} GiB: the device "
+                "lines' changes, or a larger device)")
+
     if s["offload_optimizer"] == "cpu":
         q = replan(p, offload_optimizer="nvme", offload_grads="nvme")
         limit, rss, _ = nvme_limit(q, have)
@@ -89,7 +96,8 @@ def host_advice(p: Plan, have: int, keys: Mapping[str, str] | None = None) -> li
         if rss <= have:
             out.append(f"set {nvme_override(keys, limit, params=False)}{where}: {_state_words(p)} go to NVMe; "
                        f"{host_words(q)}, disk "
-                       f"{gib(q.disk_bytes)} GiB; step {q.step_time_s:,.1f} s ({term_label(q.dominating, q.settings)})")
+                       f"{gib(q.disk_bytes)} GiB; step {q.step_time_s:,.1f} s ({term_label(q.dominating, q.settings)})"
+                       f"{device_words(q)}")
     if "nvme" not in (s["offload_params"], s["offload_optimizer"], s["offload_grads"]) or not out:
         q = replan(p, offload_params="nvme", offload_optimizer="nvme", offload_grads="nvme")
         limit, rss, _ = nvme_limit(q, have)
@@ -100,7 +108,7 @@ def host_advice(p: Plan, have: int, keys: Mapping[str, str] | None = None) -> li
                        f"and moments ({gib(q.nvme_bytes)} GiB) go to NVMe; {host_words(q)}, disk "
                        f"{gib(q.disk_bytes)} GiB ({disk_words(q, disk)}), and "
                        f"the step is bound by {term_label(q.dominating, q.settings)} at {q.step_time_s:,.1f} s "
-                       f"(was {p.step_time_s:,.1f} s)")
+                       f"(was {p.step_time_s:,.1f} s){device_words(q)}")
         else:
             out.append(f"even with every state on NVMe ({nvme_override(keys, limit, params=True)}) the host needs "
                        f"{gib(rss)} GiB (the engine's minimum NVMe window, the activations and the process): use a "
