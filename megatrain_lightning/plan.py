@@ -124,6 +124,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    from .recipes_lib.console import tidy_console
+
+    tidy_console()  # the notices importing a model class's module logs (torchao's kernels), as in the recipes
     flags = [a for a in args if a.startswith("-")]
     if flags:
         print(f"error: {flags[0]}: the planner takes key=value overrides only (Hydra's own flags such as --cfg are "

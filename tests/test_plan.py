@@ -1045,3 +1045,14 @@ def test_json_output_carries_the_reports_suggestions(capsys):
     printed = [line.strip() for line in text.splitlines() if line.strip().startswith(("tip:", "change:"))]
     assert printed and any(a.startswith("change: use the NVMe tier") for a in got)
     assert [a for a in got if a.startswith(("tip:", "change:"))] == printed
+
+
+def test_the_cli_prints_no_third_party_import_notices():
+    """Planning a Hugging Face model imports its modeling module, which imports torchao where it is installed: its
+    "Failed to load ...so" lines and torch's Enum ``register_constant`` warnings are filtered as in the recipes."""
+    r = subprocess.run([sys.executable, "-m", "megatrain_lightning.plan", "model=llama8b"], capture_output=True,
+                       text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr
+    noise = [line for line in r.stderr.splitlines() if "Failed to load" in line or "is an Enum subclass" in line]
+    assert not noise, noise
+    assert "step time:" in r.stdout

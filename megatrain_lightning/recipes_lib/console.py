@@ -1,8 +1,9 @@
 """What the recipe prints while it runs: one line per log message, third-party notices that do not concern the
 user filtered out, a progress bar with a right total, and a line per optimizer step where no bar is visible.
 
-* :func:`tidy_console` (called by ``recipes/finetune.py`` once Hydra has set up logging): ``lightning`` adds its
-  own console handler to the ``lightning`` logger, so under Hydra's root handler each message would print twice;
+* :func:`tidy_console` (called by the recipes once Hydra has set up logging, and by the planner's CLI):
+  ``lightning`` adds its own console handler to the ``lightning`` logger, so under Hydra's root handler each
+  message would print twice;
   it is removed when the root logger has handlers. Filtered, and only these: torch's ``FutureWarning`` that
   ``isinstance(treespec, LeafSpec)`` is deprecated (raised from Lightning's own ``_pytree.py``), Lightning's "Tip"
   advertising litlogger (every ``Trainer`` construction), and what importing torchao logs (transformers imports it
