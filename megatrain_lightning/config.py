@@ -335,9 +335,9 @@ def check_recompute(mode: Any, activation_memory_limit: int | str | None = None,
             op outputs cannot be dropped from its cache.
     """
     if mode not in RECOMPUTE_MODES:
-        where = "strategy option / Hydra key strategy.recompute" if this_torch else "the planner's setting recompute"
         raise ValueError(f"megatrain: recompute={mode!r} is not a recompute policy; use one of "
-                         f"{', '.join(repr(m) for m in RECOMPUTE_MODES)} ({where}).")
+                         f"{', '.join(repr(m) for m in RECOMPUTE_MODES)} (strategy option / Hydra key "
+                         "strategy.recompute; the planner's setting recompute).")
     if this_torch and mode in ("selective", "auto") and not hasattr(torch.utils.checkpoint, "_RECOMPUTE"):
         raise RuntimeError(f"megatrain: recompute={mode!r} needs torch.utils.checkpoint._RECOMPUTE, which torch "
                            f"{torch.__version__} lacks (torch 2.13 has it): upgrade torch, or use recompute='block' "

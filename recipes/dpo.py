@@ -61,11 +61,13 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     import sys
-    from pathlib import Path
 
-    from megatrain_lightning.recipes_lib.checks import refuse_misspelt_override
-    from megatrain_lightning.recipes_lib.preference import DPO_KEYS
+    if not any(a.startswith("-") for a in sys.argv[1:]):  # flags (--help, -m, --cfg) go to Hydra as they are
+        from pathlib import Path
 
-    # `preference.max_lenght=64`: one "did you mean" line, not Hydra's advice to add `+`
-    refuse_misspelt_override(sys.argv[1:], "dpo", Path(__file__).resolve().parents[1] / "conf", DPO_KEYS)
+        from megatrain_lightning.recipes_lib.checks import refuse_misspelt_override
+        from megatrain_lightning.recipes_lib.preference import DPO_KEYS
+
+        # `preference.max_lenght=64`: one "did you mean" line, not Hydra's advice to add `+`
+        refuse_misspelt_override(sys.argv[1:], "dpo", Path(__file__).resolve().parents[1] / "conf", DPO_KEYS)
     main()

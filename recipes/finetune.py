@@ -63,10 +63,12 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     import sys
-    from pathlib import Path
 
-    from megatrain_lightning.recipes_lib.checks import refuse_misspelt_override
+    if not any(a.startswith("-") for a in sys.argv[1:]):  # flags (--help, -m, --cfg) go to Hydra as they are
+        from pathlib import Path
 
-    # `trainer.max_stpes=3`: one "did you mean" line, not Hydra's advice to add `+`
-    refuse_misspelt_override(sys.argv[1:], "finetune", Path(__file__).resolve().parents[1] / "conf")
+        from megatrain_lightning.recipes_lib.checks import refuse_misspelt_override
+
+        # `trainer.max_stpes=3`: one "did you mean" line, not Hydra's advice to add `+`
+        refuse_misspelt_override(sys.argv[1:], "finetune", Path(__file__).resolve().parents[1] / "conf")
     main()

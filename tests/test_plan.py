@@ -355,7 +355,7 @@ def test_cli_unknown_keys_and_hydra_flags_are_refused(capsys):
 
     for args, want in ((["+batchsize=4"], "batchsize (did you mean batch_size?)"),
                        (["batch_sise=2"], "batch_sise (did you mean batch_size?)"),  # not Hydra's "use +batch_sise"
-                       (["recompute=selctive"], "(the planner's setting recompute)"),
+                       (["recompute=selctive"], "the planner's setting recompute"),
                        (["+trainer.device=2"], "trainer.device"),
                        (["--cfg", "job"], "--cfg: the planner takes key=value overrides only"),
                        (["+model.hidden_size=64"], "model.hidden_size: the planner reads the model's shape from "

@@ -2,9 +2,10 @@
 user filtered out, a progress bar with a right total, and a line per optimizer step where no bar is visible.
 
 * :func:`tidy_console` (called by the recipes once Hydra has set up logging, and by the planner's CLI):
-  ``lightning`` adds its own console handler to the ``lightning`` logger, so under Hydra's root handler each
-  message would print twice;
-  it is removed when the root logger has handlers. Filtered, and only these: torch's ``FutureWarning`` that
+  ``lightning`` adds its own console handler to the ``lightning`` logger (and ``lightning.pytorch``,
+  ``lightning.fabric`` and ``megatrain_lightning`` to theirs, not propagating, when imported before Hydra sets up
+  logging), so under Hydra's root handler each message would print twice or bypass Hydra's format and log file;
+  they are removed, and the loggers propagate, when the root logger has handlers. Filtered, and only these: torch's ``FutureWarning`` that
   ``isinstance(treespec, LeafSpec)`` is deprecated (raised from Lightning's own ``_pytree.py``), Lightning's "Tip"
   advertising litlogger (every ``Trainer`` construction), and what importing torchao logs (transformers imports it
   at every model build; ``optim=adamw8bit`` uses it): "Failed to load ...so" for each CUDA kernel library that does
@@ -60,10 +61,13 @@ def tidy_console() -> None:
         if not any(isinstance(f, _DropMatching) and f.pattern.pattern == pattern for f in logger.filters):
             logger.addFilter(_DropMatching(pattern))
     if logging.getLogger().hasHandlers():
-        own = logging.getLogger("lightning")
-        for h in list(own.handlers):
-            if type(h) is logging.StreamHandler:  # lightning/__init__.py's console handler, not a file handler
-                own.removeHandler(h)
+        # imported before Hydra set up logging, these packages gave their loggers console handlers of their own
+        for name in ("lightning", "lightning.pytorch", "lightning.fabric", "megatrain_lightning"):
+            own = logging.getLogger(name)
+            for h in list(own.handlers):
+                if type(h) is logging.StreamHandler:  # the package's console handler, not a file handler
+                    own.removeHandler(h)
+                    own.propagate = True  # to the root's handlers, as a logger without its own
 
 
 def bar_visible(trainer: pl.Trainer) -> bool:
