@@ -143,6 +143,17 @@ class MegaTrainPrecision(Precision):
         """dtype of the streamed weight copies (under the mixed modes: of the castable weights only)."""
         return self.wire_dtype
 
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """``"bf16-true"``: the module's floating-point buffers (e.g. a rotary ``inv_freq``) cast to bf16 in place,
+        as Lightning's ``HalfPrecision`` casts the whole module; the parameters stay the fp32 masters (each block's
+        bf16 copy is made when it is streamed). Other modes: unchanged. Returns ``module``."""
+        if self.precision == "bf16-true":
+            for m in module.modules():
+                for name, b in list(m.named_buffers(recurse=False)):
+                    if b.is_floating_point() and b.dtype != torch.bfloat16:
+                        setattr(m, name, b.to(torch.bfloat16))
+        return module
+
     # ------------------------------------------------------------------ contexts
     def autocast_context(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:

@@ -117,6 +117,7 @@ class MegaTrainStrategy(MegaTrainBase, ParallelStrategy):
         cfg = self.config
         reserve_frozen = cfg.unfreeze_during_fit if cfg.unfreeze_during_fit is not None \
             else any(isinstance(cb, BaseFinetuning) for cb in trainer.callbacks)  # BaseFinetuning unfreezes in fit
+        self.precision_plugin.convert_module(module)  # bf16-true: the buffers in bf16, as Lightning's
         self._build_engine(module, reserve_frozen, trainer)
         module._device = self.root_device  # the module is never moved as a whole
         if trainer.state.fn == TrainerFn.FITTING:

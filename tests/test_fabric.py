@@ -5,6 +5,8 @@ allows and the engine cannot do is refused at setup."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from lightning.fabric import Fabric
@@ -356,3 +358,18 @@ def test_fp16_mixed_with_loss_scaling_matches_fabric():
     ref, got = run("auto"), run("megatrain")
     assert got[4] == ref[4]
     _assert_same(got[:4], ref[:4])
+
+
+def test_bf16_true_first_step_is_fabrics():
+    """``precision="bf16-true"``: Fabric's plugin casts the module, buffers included; the strategy's casts the
+    buffers (the rotary ``inv_freq``) and streams bf16 copies of the fp32 masters: the first loss is the same."""
+    model, ids = make_model("llama"), next(iter(make_data()))[0]
+    firsts = []
+    for strategy in ("auto", "megatrain"):
+        fabric = _fabric(strategy, "bf16-true")
+        m = fabric.setup(copy.deepcopy(model))
+        firsts.append(m(input_ids=ids, labels=ids).loss.float().item())
+        assert m.model.rotary_emb.inv_freq.dtype == torch.bfloat16
+        if strategy == "megatrain":
+            fabric.strategy.close()
+    assert firsts[0] == firsts[1], firsts

@@ -224,6 +224,19 @@ def test_bf16_true_trains_with_fp32_masters():
     assert all(p.dtype == torch.float32 for p in lm.parameters())
 
 
+def test_bf16_true_computes_the_first_step_as_lightning():
+    """Before any update the two paths compute the same bf16 forward: Lightning's ``bf16-true`` casts the module,
+    buffers included (the rotary ``inv_freq``), and the strategy casts the buffers while keeping fp32 masters.
+    After the first update they differ by design (Lightning steps bf16 weights)."""
+    model = make_model("llama")
+    firsts = []
+    for strategy in ("auto", "megatrain"):
+        lm, _ = fit(copy.deepcopy(model), 1, data=make_data(), precision="bf16-true", strategy=strategy)
+        assert lm.model.model.rotary_emb.inv_freq.dtype == torch.bfloat16
+        firsts.append(lm.losses[0])
+    assert firsts[0] == firsts[1], firsts
+
+
 class Snapshots(Callback):
     """Weights and AdamW state after every step (flushed, so pending updates are applied)."""
 
