@@ -93,7 +93,8 @@ def _refuse_unknown(keys: set[str]) -> None:
         hints = [f"{k} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(k, _SETTINGS, 1)) else k
                  for k in unknown]
         raise ValueError(f"unknown setting(s) {', '.join(hints)}; the planner's settings: {', '.join(_SETTINGS)}, "
-                         "model, hardware, trainer.devices, trainer.num_nodes (python -m megatrain_lightning.plan --help).")
+                         "model, hardware, trainer.devices, trainer.num_nodes "
+                         "(python -m megatrain_lightning.plan --help).")
 
 
 def _compose(rest: list[str], model: str | None) -> Any:

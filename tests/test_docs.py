@@ -158,7 +158,8 @@ def test_compatibility_names_real_tests():
 # --------------------------------------------------------------------------------------------- history
 
 
-@pytest.mark.parametrize("path", [README, *sorted(DOCS.rglob("*.md")), *sorted((ROOT / "megatrain_lightning").rglob("*.py")),
+@pytest.mark.parametrize("path", [README, *sorted(DOCS.rglob("*.md")),
+                                  *sorted((ROOT / "megatrain_lightning").rglob("*.py")),
                                   *sorted(t for t in (ROOT / "tests").glob("*.py") if t.name != "test_docs.py"),
                                   *sorted((ROOT / "bench").glob("*.py"))],
                          ids=lambda p: str(p.relative_to(ROOT)))

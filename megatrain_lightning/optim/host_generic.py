@@ -166,7 +166,8 @@ class HostTorchOptimizer(HostAdamW):
                 if why:
                     raise UnsupportedOptimizerError(
                         f"megatrain keeps the state of {_name(self.optimizer)} on NVMe (offload_optimizer='nvme') in "
-                        f"two fp32 values per parameter element; for a parameter of shape {real[tuple(p.shape)]} it {why}. "
+                        f"two fp32 values per parameter element; for a parameter of shape {real[tuple(p.shape)]} it "
+                        f"{why}. "
                         "Keep the optimizer state in RAM (offload_optimizer='cpu'), or choose settings with less "
                         "state (RMSprop without centered+momentum, AdamW without amsgrad).")
 

@@ -5,8 +5,8 @@ user filtered out, a progress bar with a right total, and a line per optimizer s
   ``lightning`` adds its own console handler to the ``lightning`` logger (and ``lightning.pytorch``,
   ``lightning.fabric`` and ``megatrain_lightning`` to theirs, not propagating, when imported before Hydra sets up
   logging), so under Hydra's root handler each message would print twice or bypass Hydra's format and log file;
-  they are removed, and the loggers propagate, when the root logger has handlers. Filtered, and only these: torch's ``FutureWarning`` that
-  ``isinstance(treespec, LeafSpec)`` is deprecated (raised from Lightning's own ``_pytree.py``), Lightning's "Tip"
+  they are removed, and the loggers propagate, when the root logger has handlers. Filtered, and only these:
+  torch's ``FutureWarning`` that ``isinstance(treespec, LeafSpec)`` is deprecated (raised from Lightning's own ``_pytree.py``), Lightning's "Tip"
   advertising litlogger (every ``Trainer`` construction), and what importing torchao logs (transformers imports it
   at every model build; ``optim=adamw8bit`` uses it): "Failed to load ...so" for each CUDA kernel library that does
   not load under this torch (the 8-bit optimizers' CPU code does not need them) and torch's warning that torchao
