@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -17,6 +18,7 @@ import pytest
 
 import megatrain_lightning  # noqa: F401
 from megatrain_lightning import MegaTrainStrategy
+from megatrain_lightning.recipes_lib.console import StepLog
 from megatrain_lightning.recipes_lib.report import summary_rows
 from megatrain_lightning.testing import LM, make_data, make_model
 
@@ -127,3 +129,24 @@ def test_setup_logs_the_strategy_tier_and_options_once(tmp_path, caplog, tier):
     assert "lookahead=2" in lines[0] and "device cpu" in lines[0]
     if tier == "nvme":
         assert f"host_memory_limit 1.00 GiB, {tmp_path}" in lines[0]
+
+
+class _SlowSave(pl.Callback):
+    """Sleeps 1 s after each optimizer step, after :class:`StepLog` has run, as a checkpoint save does."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        time.sleep(1.0)
+
+
+def test_step_log_time_leaves_out_work_between_steps(tmp_path, caplog):
+    """The per-step time spans the step's micro-batches only: a second spent after the batch that completes a step
+    (a checkpoint save, validation) is not added to the next step's time."""
+    trainer = pl.Trainer(max_steps=3, accumulate_grad_batches=2, callbacks=[StepLog(), _SlowSave()],
+                         enable_progress_bar=False, enable_checkpointing=False, logger=False,
+                         enable_model_summary=False, default_root_dir=tmp_path)
+    with caplog.at_level(logging.INFO, logger="megatrain_lightning.recipes_lib.console"):
+        trainer.fit(LM(make_model("llama")), make_data(n=16))
+    times = [float(m.group(1)) for r in caplog.records if (m := re.search(r"([\d.]+) s/step$", r.getMessage()))]
+    assert len(times) == 3, caplog.text
+    # each step holds one sleep between its two micro-batches (1.0 s) but not the one after it
+    assert all(1.0 <= t < 1.9 for t in times), times

@@ -134,22 +134,31 @@ else:  # pragma: no cover - rich comes with lightning's extras
 class StepLog(pl.Callback):
     """Where no progress bar is visible (:func:`bar_visible`): one INFO line per optimizer step, ``step 3/20: loss
     2.3456, 61.2 s/step`` (the logged ``metric``, as :class:`~.results.LossHistory` reads it), and per validation
-    batch, ``validation batch 2/8 (14.0 s)``."""
+    batch, ``validation batch 2/8 (14.0 s)``.
+
+    The step time runs from the start of the step's first micro-batch to the end of the batch that completes it, so
+    checkpoint saves and validation between steps are not counted in it."""
 
     def __init__(self, metric: str = "train_loss") -> None:
         self.metric = metric
         self._last_step = 0
-        self._t = self._val_t = 0.0
+        self._t: float | None = None
+        self._val_t = 0.0
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
-        self._last_step, self._t = int(trainer.global_step), time.perf_counter()
+        self._last_step, self._t = int(trainer.global_step), None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self._t is None:
+            self._t = time.perf_counter()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if trainer.global_step <= self._last_step or bar_visible(trainer) or not trainer.is_global_zero:
+        if trainer.global_step <= self._last_step or self._t is None:
             return
-        now = time.perf_counter()
-        per = (now - self._t) / (trainer.global_step - self._last_step)
-        self._last_step, self._t = int(trainer.global_step), now
+        per = (time.perf_counter() - self._t) / (trainer.global_step - self._last_step)
+        self._last_step, self._t = int(trainer.global_step), None
+        if bar_visible(trainer) or not trainer.is_global_zero:
+            return
         loss = trainer.callback_metrics.get(self.metric)
         total = f"/{trainer.max_steps}" if trainer.max_steps and trainer.max_steps > 0 else ""
         log.info("step %d%s: loss %s, %.1f s/step", trainer.global_step, total,
