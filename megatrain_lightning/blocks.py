@@ -15,7 +15,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -92,18 +92,7 @@ class Block:
     @property
     def slabs(self) -> list[int]:
         """Slab ids this block needs on the device, own slab first."""
-        out: list[int] = []
-        for ref in self.params:
-            if ref.slab not in out:
-                out.append(ref.slab)
-        return out
-
-
-def _matches(name: str, cls_name: str, block_classes: Sequence[str | type], block_names: Sequence[str]) -> bool:
-    for c in block_classes:
-        if (isinstance(c, str) and c == cls_name) or (isinstance(c, type) and cls_name == c.__name__):
-            return True
-    return any(fnmatch.fnmatchcase(name, pat) for pat in block_names)
+        return list(dict.fromkeys(ref.slab for ref in self.params))
 
 
 KNOWN_BLOCKS = (("litgpt.model", "Block"),)
@@ -114,12 +103,8 @@ KNOWN_BLOCKS = (("litgpt.model", "Block"),)
 def known_block_classes(root: nn.Module) -> list[type]:
     """The classes of :data:`KNOWN_BLOCKS` (matched exactly, by module and name) found in ``root``, in module
     order."""
-    found: list[type] = []
-    for _, mod in root.named_modules():
-        cls = type(mod)
-        if (cls.__module__, cls.__name__) in KNOWN_BLOCKS and cls not in found:
-            found.append(cls)
-    return found
+    classes = (type(m) for m in root.modules())
+    return list(dict.fromkeys(c for c in classes if (c.__module__, c.__name__) in KNOWN_BLOCKS))
 
 
 def find_hf_models(root: nn.Module) -> list[nn.Module]:
@@ -224,12 +209,6 @@ def _own_params(mod: nn.Module) -> list[tuple[str, nn.Module]]:
                   if isinstance(c, (nn.ParameterDict, nn.ParameterList)) and any(True for _ in c.parameters())]
 
 
-def _own_param_names(mod: nn.Module) -> list[str]:
-    """Names (relative to ``mod``) of the parameters of :func:`_own_params`."""
-    return [".".join(x for x in (sub_name, n) if x)
-            for sub_name, sub in _own_params(mod) for n, _ in sub.named_parameters(recurse=False)]
-
-
 def _example_pattern(root: nn.Module, wanted: Sequence[str] = ()) -> str | None:
     """A ``block_names`` example from ``root``'s paths: ``<path>.*`` of an ``nn.ModuleList`` of >= 2 children,
     preferring one ending with a pattern in ``wanted`` (the user's ``"model.layers.*"`` gives
@@ -294,8 +273,10 @@ def discover_blocks(
             f"Module paths of {type(root).__name__}: {_module_listing(root)}."
         )
     if _own_params(root):
+        own = [".".join(x for x in (sub_name, n) if x)
+               for sub_name, sub in _own_params(root) for n, _ in sub.named_parameters(recurse=False)]
         raise BlockDiscoveryError(
-            f"{type(root).__name__} owns parameters directly ({_own_param_names(root)}): they belong to no "
+            f"{type(root).__name__} owns parameters directly ({own}): they belong to no "
             "submodule, so there is no block to stream them with. Move each into a small nn.Module whose forward "
             "returns it (class Prompt(nn.Module): __init__ sets self.weight = nn.Parameter(...); "
             "forward(self) returns self.weight), assign that module as an attribute and read the parameter by "
@@ -311,7 +292,9 @@ def discover_blocks(
             "these paths, relative to the module given to the strategy (the LightningModule)"
             + (f", e.g. {example!r}." if example else ".")
         )
-    matched = [name for name, mod in modules if _matches(name, type(mod).__name__, classes, names)]
+    class_names = {c if isinstance(c, str) else c.__name__ for c in classes if isinstance(c, (str, type))}
+    matched = [name for name, mod in modules
+               if type(mod).__name__ in class_names or any(fnmatch.fnmatchcase(name, pat) for pat in names)]
     matched_set = set(matched)
 
     blocks: list[Block] = []
@@ -336,39 +319,26 @@ def discover_blocks(
             f"shown as *, class in parentheses): {_module_listing(root)}."
         )
 
+    # slabs: the first block (in module order) that reads a parameter stores it
     owner_of: dict[int, tuple[int, int]] = {}
     for blk in blocks:
         subs = _own_params(blk.module) if blk.direct else blk.module.named_modules()
+        stored = 0
         for sub_name, sub in subs:
             for attr, p in sub._parameters.items():
                 if p is None:
                     continue
+                if id(p) not in owner_of:
+                    owner_of[id(p)] = (blk.index, stored)
+                    stored += 1
+                slab, index = owner_of[id(p)]
                 fqn = ".".join(x for x in (blk.name, sub_name, attr) if x)
-                ref = ParamRef(owner=sub, attr=attr, fqn=fqn, param=p)
-                blk.params.append(ref)
-    # assign slabs: first block (in module order) that reads a parameter stores it
-    counts: dict[int, int] = {}
-    for blk in blocks:
-        for ref in blk.params:
-            key = id(ref.param)
-            if key not in owner_of:
-                idx = counts.get(blk.index, 0)
-                owner_of[key] = (blk.index, idx)
-                counts[blk.index] = idx + 1
-            ref.slab, ref.index = owner_of[key]
+                blk.params.append(ParamRef(owner=sub, attr=attr, fqn=fqn, param=p, slab=slab, index=index))
     return blocks
-
-
-def iter_unique(blocks: Iterable[Block]) -> Iterable[ParamRef]:
-    """Yield each stored parameter once (the reference in its owning slab)."""
-    for blk in blocks:
-        for ref in blk.params:
-            if ref.slab == blk.index:
-                yield ref
 
 
 def check_floating(blocks: Sequence[Block]) -> None:
     """Raise ``TypeError`` if a parameter is not floating point (nothing to train in fp32)."""
-    for ref in iter_unique(blocks):
+    for ref in (ref for blk in blocks for ref in blk.params if ref.slab == blk.index):  # each stored one once
         if not torch.is_floating_point(ref.param):
             raise TypeError(f"Parameter {ref.fqn} has dtype {ref.param.dtype}; only floating parameters are supported.")

@@ -49,7 +49,7 @@ class _FlushForCallbacks(Callback):
             trainer.strategy.flush()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        trainer.strategy.save_deferred(trainer)  # a save asked for mid-backward (optimizer_in_backward)
+        trainer.strategy.checkpoints.save_deferred(trainer)  # a save asked for mid-backward (optimizer_in_backward)
         if trainer.global_step == self._flushed_step:  # no optimizer step since (a micro-batch of accumulation)
             return
         if any((_WeightAveraging is not None and isinstance(cb, _WeightAveraging))
@@ -60,11 +60,8 @@ class _FlushForCallbacks(Callback):
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         trainer.strategy.flush()
 
-    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        trainer.strategy.flush()  # before the other callbacks' and the module's hooks, which may read or write weights
-
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        trainer.strategy.flush()
+    # at validation start: before the other callbacks' and the module's hooks, which may read or write weights
+    on_validation_start = on_train_end = on_train_epoch_end
 
 
 def _finetuning_overrides(cb: Callback, hook: str) -> bool:
@@ -78,16 +75,8 @@ class _AfterWeightAveraging(Callback):
     version counter, so the engine is told (:meth:`MegaTrainStrategy.weights_written`); otherwise the cached
     bf16/fp16 wire images keep the old weights (validation losses and final weights 0.4% off plain Lightning's)."""
 
-    @staticmethod
-    def _written(trainer: Any) -> None:
+    def on_validation_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         if _WeightAveraging is not None and any(isinstance(cb, _WeightAveraging) for cb in trainer.callbacks):
             trainer.strategy.weights_written()
 
-    def on_validation_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        self._written(trainer)
-
-    def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        self._written(trainer)
-
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        self._written(trainer)
+    on_validation_epoch_end = on_train_end = on_validation_epoch_start

@@ -48,7 +48,7 @@ class MegaTrainConfig:
     in backward (saved activations / K, at most one extra forward of K-1 blocks per segment). 1: every block input
     is kept (measured: docs/benchmarks.md, "Recompute segments")."""
     checkpoint_every: int | None = None
-    """Deprecated name of ``recompute_every`` (:func:`deprecated_recompute_every`); folded into it, then ``None``."""
+    """Deprecated name of ``recompute_every`` (with a ``DeprecationWarning``); folded into it, then ``None``."""
     offload_activations: bool = False
     """Keep saved block inputs in host memory (device footprint flat in depth), prefetched back one call ahead in
     backward."""
@@ -149,20 +149,36 @@ class MegaTrainConfig:
         check_count("host_threads", self.host_threads, 1, "CPU threads of each host worker",
                     none_means="on CUDA one less than torch.get_num_threads(), on CPU 1")
         check_count("update_threads", self.update_threads, 1, "slabs the host optimizer updates at once")
-        check_switches(("pin_memory", "optimizer_in_backward", "unfreeze_during_fit"),
-                       offload_activations=self.offload_activations, overlap_optimizer=self.overlap_optimizer,
-                       pin_memory=self.pin_memory, cpu_zero_copy=self.cpu_zero_copy, log_stats=self.log_stats,
-                       keep_nvme_files=self.keep_nvme_files, optimizer_in_backward=self.optimizer_in_backward,
-                       unfreeze_during_fit=self.unfreeze_during_fit)
+        automatic = ("pin_memory", "optimizer_in_backward", "unfreeze_during_fit")  # None allowed: automatic
+        for name in ("offload_activations", "overlap_optimizer", "pin_memory", "cpu_zero_copy", "log_stats",
+                     "keep_nvme_files", "optimizer_in_backward", "unfreeze_during_fit"):
+            value = getattr(self, name)  # a bool: a truthy string such as "false" is refused
+            if not (isinstance(value, bool) or (value is None and name in automatic)):
+                allowed = "True, False or None (automatic)" if name in automatic else "True or False"
+                raise ValueError(f"megatrain: {name} must be {allowed}, got {value!r}. Set strategy option / Hydra "
+                                 f"key strategy.{name} (true/false{'/null' if name in automatic else ''}).")
         self.timeout = check_timeout(self.timeout)
         check_count("lookahead", self.lookahead, 0, "fetches prefetched ahead of the one computing; 1 = double "
                     "buffering")
         check_block_group(self.block_group)
-        self.recompute_every = deprecated_recompute_every(self.recompute_every, self.checkpoint_every, stacklevel=5)
+        if self.checkpoint_every is not None:  # the deprecated name (it collided with Lightning's model checkpoints)
+            warnings.warn("megatrain: checkpoint_every was renamed recompute_every (it sets recompute segments, not "
+                          "model checkpoints); the old name will be removed in the next release.", DeprecationWarning,
+                          stacklevel=4)
+            if self.recompute_every not in (1, self.checkpoint_every):
+                raise TypeError(f"recompute_every={self.recompute_every} and checkpoint_every={self.checkpoint_every} "
+                                "both given; pass only recompute_every.")
+            self.recompute_every = self.checkpoint_every
+        k = self.recompute_every
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"megatrain: recompute_every must be an int >= 1 (block calls per recompute segment), "
+                             f"got {k!r}. Set strategy option / Hydra key strategy.recompute_every.")
         self.checkpoint_every = None
         given_limit = self.activation_memory_limit
         self.recompute, self.activation_memory_limit = check_recompute(self.recompute, given_limit)
-        warn_unused_activation_limit(self.recompute, given_limit, stacklevel=5)
+        if given_limit is not None and self.recompute != "auto":  # only "auto" reads it
+            warnings.warn(f"megatrain: activation_memory_limit has no effect with recompute={self.recompute!r}; only "
+                          "recompute='auto' chooses per block from that budget.", UserWarning, stacklevel=4)
         self.nvme = self._nvme_settings()
         if self.nvme is not None and self.update_threads != 1:
             warnings.warn(f"megatrain: update_threads={self.update_threads} has no effect on the NVMe tier: its "
@@ -247,29 +263,6 @@ def _size(option: str, value: Any) -> int:
         raise ValueError(f"megatrain: {option}: {err}") from None
 
 
-def check_switches(optional: tuple[str, ...] = (), **switches: Any) -> None:
-    """Each switch is ``True`` or ``False`` (those named in ``optional`` may also be ``None``: automatic); a
-    truthy string such as ``"false"`` is refused.
-
-    Raises:
-        ValueError: the first switch that is not a bool, naming its option and Hydra key.
-    """
-    for name, value in switches.items():
-        if isinstance(value, bool) or (value is None and name in optional):
-            continue
-        allowed = "True, False or None (automatic)" if name in optional else "True or False"
-        raise ValueError(f"megatrain: {name} must be {allowed}, got {value!r}. Set strategy option / Hydra key "
-                         f"strategy.{name} (true/false{'/null' if name in optional else ''}).")
-
-
-def warn_unused_activation_limit(recompute: str, activation_memory_limit: Any, stacklevel: int = 3) -> None:
-    """Warn when ``activation_memory_limit`` is given with a ``recompute`` mode other than ``"auto"`` (only
-    ``"auto"`` reads it)."""
-    if activation_memory_limit is not None and recompute != "auto":
-        warnings.warn(f"megatrain: activation_memory_limit has no effect with recompute={recompute!r}; only "
-                      "recompute='auto' chooses per block from that budget.", UserWarning, stacklevel=stacklevel)
-
-
 def check_timeout(timeout: Any) -> timedelta | None:
     """The strategy's ``timeout`` as a ``timedelta``: seconds (int/float > 0), a positive ``timedelta`` or ``None``.
 
@@ -342,35 +335,5 @@ def check_recompute(mode: Any, activation_memory_limit: int | str | None = None,
         raise RuntimeError(f"megatrain: recompute={mode!r} needs torch.utils.checkpoint._RECOMPUTE, which torch "
                            f"{torch.__version__} lacks (torch 2.13 has it): upgrade torch, or use recompute='block' "
                            "or 'none'.")
-    limit = None
-    if activation_memory_limit is not None:
-        try:
-            limit = parse_bytes(activation_memory_limit)
-        except ValueError as e:
-            raise ValueError(f"megatrain: activation_memory_limit: {e}") from None
+    limit = None if activation_memory_limit is None else _size("activation_memory_limit", activation_memory_limit)
     return mode, limit
-
-
-def deprecated_recompute_every(recompute_every: int, checkpoint_every: int | None, stacklevel: int = 3) -> int:
-    """``recompute_every`` (checked: an int >= 1), or the value given under its deprecated name
-    ``checkpoint_every`` (it collided with Lightning's model checkpoints) with a ``DeprecationWarning``.
-
-    Raises:
-        TypeError: both names given with different values.
-        ValueError: the value is not an int >= 1."""
-    if checkpoint_every is None:
-        return _check_recompute_every(recompute_every)
-    warnings.warn("megatrain: checkpoint_every was renamed recompute_every (it sets recompute segments, not model "
-                  "checkpoints); the old name will be removed in the next release.", DeprecationWarning,
-                  stacklevel=stacklevel)
-    if recompute_every not in (1, checkpoint_every):
-        raise TypeError(f"recompute_every={recompute_every} and checkpoint_every={checkpoint_every} both given; "
-                        "pass only recompute_every.")
-    return _check_recompute_every(checkpoint_every)
-
-
-def _check_recompute_every(k: object) -> int:
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"megatrain: recompute_every must be an int >= 1 (block calls per recompute segment), "
-                         f"got {k!r}. Set strategy option / Hydra key strategy.recompute_every.")
-    return k

@@ -165,6 +165,7 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str =
     if ckpt.is_dir() and _peft_checkpoint(ckpt, merge_adapter):
         _check_out_dir(dst, ckpt / BASE_DIR)
         index, src_dir = _export_merged(ckpt, dst, dt, max_shard_bytes)
+        src_desc = f"{src_dir} with the adapter {ckpt / ADAPTER_DIR} merged"
     else:
         src_dir, need_sums = _model_dir(ckpt)
         _check_out_dir(dst, src_dir)
@@ -178,6 +179,7 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str =
         index = write_safetensors_shards(dst, source.items(), max_shard_bytes=max_shard_bytes, dtype=dt)
         copied = _copy_side_files(src_dir, dst, str(dt).split(".")[1], dtypes)
         add_checksums(dst, copied)
+        src_desc = str(src_dir)
     summary = {
         "tensors": len(index["weight_map"]),
         "bytes": index["metadata"]["total_size"],
@@ -187,7 +189,7 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str =
     }
     if not quiet:
         print(f"exported {summary['tensors']} tensors, {summary['bytes']} bytes ({str(dt).split('.')[1]}) from "
-              f"{src_dir} to {dst} in {summary['seconds']:.2f} s")
+              f"{src_desc} to {dst} in {summary['seconds']:.2f} s")
     return summary
 
 

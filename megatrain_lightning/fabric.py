@@ -80,9 +80,7 @@ class MegaTrainFabricStrategy(MegaTrainBase, ParallelStrategy):
         """:attr:`precision` under the Trainer strategy's name (read by the code both strategies share)."""
         return self.precision
 
-    def _set_world_ranks(self) -> None:
-        """Fabric's connector calls this name (the Trainer's calls ``set_world_ranks``)."""
-        self.set_world_ranks()
+    _set_world_ranks = MegaTrainBase.set_world_ranks  # Fabric's connector calls this name
 
     def module_init_context(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
         """``fabric.init_module()``: the module is created on the CPU in fp32; with ``empty_init=True`` its parameters
@@ -114,8 +112,7 @@ class MegaTrainFabricStrategy(MegaTrainBase, ParallelStrategy):
                 "fabric.init_module(empty_init=True)); setup replaces them by parameters in the host store. Set up "
                 "the model first (model = fabric.setup_module(model)), then create the optimizer from "
                 "model.parameters() and call optimizer = fabric.setup_optimizers(optimizer).")
-        module = self.setup_module(module)
-        return module, [self.setup_optimizer(optimizers[0])], scheduler
+        return self.setup_module(module), [self.setup_optimizer(optimizers[0])], scheduler
 
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """Build the host store and block proxies over ``module``; the module object is returned.
@@ -134,8 +131,7 @@ class MegaTrainFabricStrategy(MegaTrainBase, ParallelStrategy):
         self.lightning_module = module
         if self._state_dict_hook is None:  # model.state_dict() in the loop sees the last step's weights
             self._state_dict_hook = module.register_state_dict_pre_hook(lambda *_: self.flush())
-        cfg = self.config
-        self._build_engine(module, bool(cfg.unfreeze_during_fit), zeros_for_meta=True)
+        self._build_engine(module, bool(self.config.unfreeze_during_fit), zeros_for_meta=True)
         self.engine.buffers_to(self.root_device)
         plugin = self.precision
         plugin.attach_engine(self.engine, self.root_device.type)
@@ -159,9 +155,8 @@ class MegaTrainFabricStrategy(MegaTrainBase, ParallelStrategy):
             raise UnsupportedOptimizerError(
                 "megatrain steps exactly one optimizer on the host, and one is already set up; pass a single "
                 "optimizer, e.g. torch.optim.AdamW (param groups for different learning rates or weight decay).")
-        if self.takeover.active:
-            return optimizer
-        self._attach_host_optimizer(optimizer, self.precision)
+        if not self.takeover.active:
+            self._attach_host_optimizer(optimizer, self.precision)
         return optimizer
 
     # ------------------------------------------------------------------ step

@@ -13,18 +13,6 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def check_module(module: torch.nn.Module) -> None:
-    """Run every check of this module on ``module`` (the LightningModule).
-
-    Raises:
-        RuntimeError: a compiled submodule, float64 parameters or two parameters sharing memory.
-    """
-    refuse_compiled(module)
-    refuse_float64(module)
-    refuse_aliased(module)
-    warn_low_precision(module)
-
-
 def refuse_compiled(module: torch.nn.Module) -> None:
     """Raise if a submodule was compiled: ``torch.compile(m)`` (an ``OptimizedModule``), ``m.compile()``, or
     ``m.forward = torch.compile(m.forward)``.

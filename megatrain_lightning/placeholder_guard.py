@@ -27,10 +27,6 @@ _HOOKS: "weakref.WeakKeyDictionary[nn.Module, list[Any]]" = weakref.WeakKeyDicti
 _HOLDER = "_megatrain_weights_holder"  # attribute of the root module: a _Holder
 
 
-def _nothing() -> None:
-    return None
-
-
 class _Holder:
     """The strategy holding a module's weights; ``copy.deepcopy`` and pickling turn it into ``None``."""
 
@@ -41,7 +37,7 @@ class _Holder:
         return None
 
     def __reduce__(self) -> tuple:
-        return (_nothing, ())
+        return (type(None), ())
 
 
 def holder_of(root: nn.Module) -> Any:

@@ -60,10 +60,9 @@ __all__ = [
 ]
 
 _SETTINGS = ("batch_size", "seq_len", "precision", "offload_params", "offload_optimizer", "offload_grads",
-             "offload_activations", "lookahead", "block_group", "recompute_every", "grad_dtype", "keep_checkpoints", "pinned_round",
-             "optimizer_in_backward",
-             "cpu_zero_copy", "loss_chunk_size", "mlp_chunk_size", "recompute", "activation_memory_limit",
-             "host_memory_limit", "reference", "optim")
+             "offload_activations", "lookahead", "block_group", "recompute_every", "grad_dtype", "keep_checkpoints",
+             "pinned_round", "optimizer_in_backward", "cpu_zero_copy", "loss_chunk_size", "mlp_chunk_size", "recompute",
+             "activation_memory_limit", "host_memory_limit", "reference", "optim")
 
 
 def plan_from_config(cfg: Any) -> Plan:
@@ -95,18 +94,6 @@ def _refuse_unknown(keys: set[str]) -> None:
         raise ValueError(f"unknown setting(s) {', '.join(hints)}; the planner's settings: {', '.join(_SETTINGS)}, "
                          "model, hardware, trainer.devices, trainer.num_nodes "
                          "(python -m megatrain_lightning.plan --help).")
-
-
-def _compose(rest: list[str], model: str | None) -> Any:
-    """Compose conf/plan.yaml; a ``model=`` that is a path replaces the preset with that HF config."""
-    cfg = compose(rest)
-    if model is not None:
-        from omegaconf import OmegaConf, open_dict
-
-        load_hf_config(model)  # a clear error now for a wrong path
-        with open_dict(cfg):
-            cfg.model = OmegaConf.create({"name": model, "config": model})
-    return cfg
 
 
 def _json(p: Plan) -> dict[str, Any]:
@@ -178,10 +165,16 @@ def _run(args: list[str]) -> int:
 
     def one(model: str | None, hw: str | None) -> Plan:
         over = list(rest) + ([f"hardware={hw}"] if hw else [])
-        path = model if model is not None and is_model_path(model) else None
-        if model is not None and path is None:
+        path = model is not None and is_model_path(model)
+        if model is not None and not path:
             over.append(f"model={model}")
-        cfg = _compose(over, path)
+        cfg = compose(over)
+        if path:  # a model directory or config.json replaces the preset with that HF config
+            from omegaconf import OmegaConf, open_dict
+
+            load_hf_config(model)  # a clear error now for a wrong path
+            with open_dict(cfg):
+                cfg.model = OmegaConf.create({"name": model, "config": model})
         mark_overridden_sources(cfg, over)  # the plan's assumptions name a figure set on the command line as such
         return plan_from_config(cfg)
 

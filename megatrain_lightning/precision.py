@@ -1,23 +1,10 @@
 """``MegaTrainPrecision``: the precision plugin of the ``megatrain`` strategy.
 
-Master weights, gradient accumulators and AdamW states are fp32 on the host in every mode: that is what
-"full-precision training" means here. The precision only decides what crosses the link and how the device computes:
-
-================  =====================  ==============  =================  ==============================
-precision         H2D weights            device params   autocast           gradients D2H (default)
-================  =====================  ==============  =================  ==============================
-``"32-true"``     fp32                   fp32            none               fp32
-``"bf16-mixed"``  bf16 castable, fp32    fp32 (upcast)   bf16               fp32 (``grad_dtype="bf16"``)
-``"16-mixed"``    fp16 castable, fp32    fp32 (upcast)   fp16 + loss scale  fp32 (``grad_dtype="fp16"``)
-``"bf16-true"``   bf16                   bf16            none               bf16
-================  =====================  ==============  =================  ==============================
-
-The mixed modes give exactly Lightning's own ``bf16-mixed`` / ``16-mixed`` numbers: only *castable* weights (those
-autocast rounds at every use: ``weight``/``bias`` of ``nn.Linear``, ``nn.Conv*d``, transformers' ``Conv1D``;
-:func:`~megatrain_lightning.engine.wire.autocast_casts`) travel in bf16/fp16, and the device rebuilds the slab in
-fp32 (docs/guide/precision.md, "What is rounded under ``bf16-mixed`` / ``16-mixed``", with the limitation).
-``grad_dtype="bf16"``/``"fp16"`` halves the D2H bytes, exact for castable weights, rounding the others' gradients.
-``"bf16-true"`` keeps fp32 masters, unlike Lightning's.
+Master weights, gradient accumulators and AdamW states are fp32 on the host in every mode; the precision only
+decides what crosses the link and how the device computes (each mode's dtypes, and what is rounded under
+``bf16-mixed`` / ``16-mixed`` with the limitation: docs/guide/precision.md). The mixed modes give exactly Lightning's
+own numbers: only *castable* weights (:func:`~megatrain_lightning.engine.wire.autocast_casts`) travel in bf16/fp16,
+and the device rebuilds the slab in fp32. ``"bf16-true"`` keeps fp32 masters, unlike Lightning's.
 
 ``"16-mixed"`` uses dynamic loss scaling with ``torch.amp.GradScaler``'s semantics (init 2**16, x0.5 on inf/NaN,
 x2 after 2000 clean steps): gradients are unscaled on the host before ``on_before_optimizer_step`` and clipping; a
@@ -25,20 +12,19 @@ step with inf/NaN gradients is skipped without touching weights or AdamW state. 
 :meth:`state_dict` (saved in Lightning checkpoints).
 
 Lightning's connector builds its generic plugin from ``precision=`` and the strategy converts it with
-:func:`to_megatrain_precision`. With ``accelerator="cpu"`` Lightning rewrites ``"16-mixed"`` to ``"bf16-mixed"``
-before any strategy sees it; pass ``plugins=[MegaTrainPrecision("16-mixed")]`` to get fp16 on the CPU.
+:func:`to_megatrain_precision`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Generator
+from typing import Any, Callable
 
 import torch
 from lightning.fabric.plugins.precision import HalfPrecision as FabricHalfPrecision
 from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
-from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
@@ -130,6 +116,7 @@ class MegaTrainPrecision(Precision):
         self.engine = None  # the strategy's engine, from attach_engine()
         self.clip_in_place = False  # apply clipping at once (user code may read or edit param.grad after it)
         self._attached: list[tuple[str, torch.nn.Parameter, torch.Tensor | None]] = []  # param.grad as attached
+        self._found_inf: bool | None = None  # Fabric, 16-mixed: inf seen once unscaled (clip_gradients or the step)
 
     def attach_engine(self, engine: Any, device_type: str) -> None:
         """Use ``engine`` (a ``StreamingEngine``) for the optimizer step, clipping and unscaling, and set its
@@ -160,20 +147,12 @@ class MegaTrainPrecision(Precision):
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.autocast_dtype)
 
-    @contextlib.contextmanager
-    def forward_context(self) -> Generator[None, None, None]:
+    def forward_context(self) -> contextlib.AbstractContextManager:
         """Autocast around training/validation/test/predict steps for the mixed modes; under ``"bf16-true"``
         bf16 as torch's default dtype (tensors the step creates are bf16), as Lightning's ``HalfPrecision``."""
         if self.precision == "bf16-true":
-            default = torch.get_default_dtype()
-            torch.set_default_dtype(torch.bfloat16)
-            try:
-                yield
-            finally:
-                torch.set_default_dtype(default)
-            return
-        with self.autocast_context():
-            yield
+            return _DtypeContextManager(torch.bfloat16)
+        return self.autocast_context()
 
     def convert_input(self, data: Any) -> Any:
         """``"bf16-true"``: the batch's floating-point tensors cast to bf16, as ``HalfPrecision``; else unchanged."""
@@ -214,24 +193,18 @@ class MegaTrainPrecision(Precision):
         them all, as ``optimizer.zero_grad()`` does."""
         if self._attached:
             if all(p.grad is None for _, p, _ in self._attached) and any(v is not None for _, _, v in self._attached):
-                self.engine.zero_grad()
+                self.engine.grads.zero()
                 self._detach_grads()
                 return
             self._keep_replaced_grads()
-            self.engine.commit_grads()
-
-    def grads_zeroed(self) -> None:
-        """``optimizer.zero_grad()`` ran: nothing is shown any more."""
-        self._detach_grads()
+            self.engine.grads.commit()
 
     def _detach_grads(self) -> None:
         if self._attached:
-            self.engine.detach_grads()
+            self.engine.grads.detach()
             self._attached = []
 
-    def _unscale_and_check(self, optimizer: Any) -> bool:
-        """Divide the host gradients by the scale in place; return True if any is inf/NaN."""
-        return self.engine.optimizer.unscale_(1.0 / self.scale)
+    grads_zeroed = _detach_grads  # ``optimizer.zero_grad()`` ran: nothing is shown any more
 
     # ------------------------------------------------------------------ clipping
     def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
@@ -242,7 +215,7 @@ class MegaTrainPrecision(Precision):
         if self.engine is None or self.engine.optimizer is None:
             return super().clip_grad_by_norm(optimizer, clip_val)
         self._settle_grads()  # edits a configure_gradient_clipping override made before calling it
-        self.engine.wait_grads()
+        self.engine.grads.wait()
         self.engine.optimizer.clip_grad_norm(float(clip_val))
         if self.clip_in_place:
             self.engine.optimizer.apply_grad_ops()
@@ -287,17 +260,6 @@ class MegaTrainPrecision(Precision):
             view.copy_(g)
             p.grad = view
 
-    def _update_scale(self, found_inf: bool) -> None:
-        if found_inf:
-            self.scale *= self.backoff_factor
-            self.growth_tracker = 0
-            self.skipped_steps += 1
-        else:
-            self.growth_tracker += 1
-            if self.growth_tracker == self.growth_interval:
-                self.scale *= self.growth_factor
-                self.growth_tracker = 0
-
     # ------------------------------------------------------------------ step
     def optimizer_step(  # type: ignore[override]
         self,
@@ -315,8 +277,8 @@ class MegaTrainPrecision(Precision):
             raise RuntimeError("MegaTrainPrecision is only usable with strategy='megatrain'.")
         closure_result = closure()
         self._settle_grads()  # manual optimization: edits between manual_backward and opt.step()
-        engine.wait_grads()
-        found_inf = self._unscale_and_check(optimizer) if self.scaling else False
+        engine.grads.wait()
+        found_inf = engine.optimizer.unscale_(1.0 / self.scale) if self.scaling else False  # True: inf/NaN
         engine.attach_grads()
         self._attached = [(n, p, p.grad) for n, p in model.named_parameters()]
         self._after_closure(model, optimizer)
@@ -331,8 +293,15 @@ class MegaTrainPrecision(Precision):
             self.engine.skip_step()
         else:
             self.engine.step()
-        if self.scaling:
-            self._update_scale(found_inf)
+        if self.scaling and found_inf:
+            self.scale *= self.backoff_factor
+            self.growth_tracker = 0
+            self.skipped_steps += 1
+        elif self.scaling:
+            self.growth_tracker += 1
+            if self.growth_tracker == self.growth_interval:
+                self.scale *= self.growth_factor
+                self.growth_tracker = 0
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -378,10 +347,6 @@ class MegaTrainFabricPrecision(MegaTrainPrecision):
     Args: as :class:`MegaTrainPrecision`.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._found_inf: bool | None = None  # 16-mixed: unscaled in this step (clip_gradients or the step), inf seen
-
     def convert_input(self, data: Any) -> Any:
         if self.autocast_dtype is None:
             return super().convert_input(data)
@@ -420,8 +385,8 @@ class MegaTrainFabricPrecision(MegaTrainPrecision):
         if not self.scaling or self._found_inf is not None or self.engine is None:
             return
         self._settle_grads()
-        self.engine.wait_grads()
-        self._found_inf = self._unscale_and_check(optimizer)
+        self.engine.grads.wait()
+        self._found_inf = self.engine.optimizer.unscale_(1.0 / self.scale)
 
     def clip_norm(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
         """``fabric.clip_gradients(max_norm=...)``: the total norm of the host gradients (0-dim fp32, before
@@ -432,7 +397,7 @@ class MegaTrainFabricPrecision(MegaTrainPrecision):
             RuntimeError: ``error_if_nonfinite`` and the norm is inf/NaN.
         """
         self._settle_grads()
-        self.engine.wait_grads()
+        self.engine.grads.wait()
         total = self.engine.optimizer.clip_grad_norm(float(max_norm), float(norm_type), error_if_nonfinite)
         if self.clip_in_place:
             self.engine.optimizer.apply_grad_ops()
@@ -447,7 +412,7 @@ class MegaTrainFabricPrecision(MegaTrainPrecision):
         closure = kwargs.pop("closure", None)
         result = closure() if closure is not None else None
         self._settle_grads()
-        engine.wait_grads()
+        engine.grads.wait()
         self.unscale_gradients(optimizer)
         found_inf, self._found_inf = bool(self._found_inf), None
         self._finish_step(found_inf)
@@ -460,17 +425,6 @@ def _looks_at_grads(module: Any) -> bool:
     if not module.automatic_optimization or is_overridden("on_after_backward", module):
         return True
     return any(is_overridden("on_after_backward", cb, Callback) for cb in module.trainer.callbacks)
-
-
-def _from_mixed(plugin: Any, cls: type[MegaTrainPrecision]) -> MegaTrainPrecision:
-    """``cls`` for a Lightning or Fabric ``MixedPrecision``, keeping a user's ``GradScaler`` settings
-    (``enabled=False``: fp16 autocast without loss scaling, as Lightning)."""
-    scaler = getattr(plugin, "scaler", None)
-    enabled = scaler is not None and scaler.is_enabled()
-    kw = {} if not enabled else dict(init_scale=scaler.get_scale(), growth_factor=scaler.get_growth_factor(),
-                                     backoff_factor=scaler.get_backoff_factor(),
-                                     growth_interval=scaler.get_growth_interval())
-    return cls(plugin.precision, device_type=str(plugin.device), loss_scaling=scaler is None or enabled, **kw)
 
 
 def to_megatrain_fabric_precision(plugin: Any) -> MegaTrainFabricPrecision | None:
@@ -502,8 +456,9 @@ def to_megatrain_precision(plugin: Precision | None) -> MegaTrainPrecision | Non
 
 
 def _convert(plugin: Any, cls: type[MegaTrainPrecision], generic: type, mixed: type, half: type) -> MegaTrainPrecision:
-    """``cls`` for one of Lightning's (or Fabric's) generic plugins: ``generic`` (32-true), ``mixed``
-    (:func:`_from_mixed`), ``half`` with bf16-true.
+    """``cls`` for one of Lightning's (or Fabric's) generic plugins: ``generic`` (32-true), ``mixed`` (keeping a
+    user's ``GradScaler`` settings; ``enabled=False``: fp16 autocast without loss scaling, as Lightning), ``half``
+    with bf16-true.
 
     Raises:
         UnsupportedPrecisionError: any other plugin or precision.
@@ -511,7 +466,12 @@ def _convert(plugin: Any, cls: type[MegaTrainPrecision], generic: type, mixed: t
     if type(plugin) is generic:
         return cls("32-true")
     if type(plugin) is mixed:
-        return _from_mixed(plugin, cls)
+        scaler = getattr(plugin, "scaler", None)
+        enabled = scaler is not None and scaler.is_enabled()
+        kw = {} if not enabled else dict(init_scale=scaler.get_scale(), growth_factor=scaler.get_growth_factor(),
+                                         backoff_factor=scaler.get_backoff_factor(),
+                                         growth_interval=scaler.get_growth_interval())
+        return cls(plugin.precision, device_type=str(plugin.device), loss_scaling=scaler is None or enabled, **kw)
     if type(plugin) is half and plugin.precision == "bf16-true":
         return cls("bf16-true")
     raise _unsupported(getattr(plugin, "precision", type(plugin).__name__))

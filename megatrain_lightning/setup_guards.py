@@ -12,7 +12,7 @@ import logging
 from typing import Any, Sequence
 
 import torch
-from lightning.pytorch.callbacks import BaseFinetuning, Callback
+from lightning.pytorch.callbacks import BaseFinetuning, Callback, ModelPruning
 from lightning.pytorch.callbacks import StochasticWeightAveraging as _StochasticWeightAveraging
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn
@@ -25,7 +25,7 @@ from .checkpoint.location import local_path
 from .checkpoint.peft_io import unsavable_adapters
 from .engine import recorded_outputs
 from .engine.kv_cache import prefix_tuning_adapters
-from .module_checks import check_module
+from .module_checks import refuse_aliased, refuse_compiled, refuse_float64, warn_low_precision
 from .store.host import is_nvme_placeholder
 from .store.regions import Region
 
@@ -46,10 +46,18 @@ def check_setup(strategy: Any, trainer: Any) -> None:
     fitting = trainer.state.fn == TrainerFn.FITTING
     refuse_checkpoint_plugin(strategy.checkpoint_io)  # before any work: it would never be called
     if fitting:
-        masters_on_disk = nvme is not None and Region.master in nvme.kinds
-        refuse_callbacks_reading_masters_on_disk(trainer.callbacks, masters_on_disk)
-        warn_save_hooks_see_no_weights(module, trainer.callbacks, masters_on_disk)
-        refuse_pruning(trainer.callbacks)
+        if nvme is not None and Region.master in nvme.kinds:
+            refuse_callbacks_reading_masters_on_disk(trainer.callbacks)
+            warn_save_hooks_see_no_weights(module, trainer.callbacks)
+        if any(isinstance(cb, ModelPruning) for cb in trainer.callbacks):
+            # torch.nn.utils.prune re-registers each pruned ``weight`` as ``weight_orig`` during fit, which the store
+            # (laid out at setup) cannot follow; unrefused, the first block call after the first pruning would fail
+            # (``ParamRef.registered``), an epoch later
+            raise RuntimeError(
+                "megatrain: the ModelPruning callback prunes during fit (torch.nn.utils.prune re-registers each pruned "
+                "'weight' as 'weight_orig' with a mask), which strategy='megatrain' cannot follow: its host store is "
+                "laid out from the module at setup. Prune before trainer.fit instead (torch.nn.utils.prune on the "
+                "model, then prune.remove to make it permanent), or between two fit calls, and remove ModelPruning.")
         prefix = prefix_tuning_adapters(module)
         if prefix:  # its first training forward would be refused (engine/kv_cache.py)
             raise RuntimeError(f"megatrain: peft prefix tuning ({', '.join(prefix)}) cannot be trained with "
@@ -115,10 +123,13 @@ def refuse_checkpoint_plugin(checkpoint_io: Any) -> None:
 
 
 def check_new_store(module: torch.nn.Module) -> None:
-    """Before a host store is built from ``module``: :func:`refuse_placeholders` and
-    :func:`~.module_checks.check_module`."""
+    """Before a host store is built from ``module``: :func:`refuse_placeholders` and the checks of
+    :mod:`.module_checks` (each raises ``RuntimeError``)."""
     refuse_placeholders(module)
-    check_module(module)
+    refuse_compiled(module)
+    refuse_float64(module)
+    refuse_aliased(module)
+    warn_low_precision(module)
 
 
 def user_code_after_clip(module: Any) -> bool:
@@ -163,31 +174,10 @@ def refuse_placeholder_writes(engine: Any) -> None:
             "or assign param.data = new_tensor.")
 
 
-def refuse_pruning(callbacks: Sequence[Callback]) -> None:
-    """Raise if Lightning's ``ModelPruning`` callback is in the Trainer: ``torch.nn.utils.prune`` re-registers each
-    pruned ``weight`` as ``weight_orig`` during fit, which the store (laid out at setup) cannot follow; unrefused,
-    the first block call after the first pruning would fail (``ParamRef.registered``), an epoch later.
-
-    Raises:
-        RuntimeError: naming the callback.
-    """
-    from lightning.pytorch.callbacks import ModelPruning
-
-    for cb in callbacks:
-        if isinstance(cb, ModelPruning):
-            raise RuntimeError(
-                "megatrain: the ModelPruning callback prunes during fit (torch.nn.utils.prune re-registers each pruned "
-                "'weight' as 'weight_orig' with a mask), which strategy='megatrain' cannot follow: its host store is "
-                "laid out from the module at setup. Prune before trainer.fit instead (torch.nn.utils.prune on the "
-                "model, then prune.remove to make it permanent), or between two fit calls, and remove ModelPruning.")
-
-
-def warn_save_hooks_see_no_weights(module: Any, callbacks: Sequence[Callback], masters_on_disk: bool) -> None:
+def warn_save_hooks_see_no_weights(module: Any, callbacks: Sequence[Callback]) -> None:
     """Warn (once, at setup) when the LightningModule or a callback overrides ``on_save_checkpoint`` while the weights
     are on NVMe: the hook's ``checkpoint["state_dict"]`` is then empty (the weights are written into ``model/`` one
     slab at a time; a dict of them would need the whole model in host RAM)."""
-    if not masters_on_disk:
-        return
     who = [type(module).__name__] if is_overridden("on_save_checkpoint", module) else []
     who += [type(cb).__name__ for cb in callbacks if is_overridden("on_save_checkpoint", cb, Callback)
             and not type(cb).__module__.startswith("megatrain_lightning.")]  # the recipes' run record adds metadata only
@@ -199,7 +189,7 @@ def warn_save_hooks_see_no_weights(module: Any, callbacks: Sequence[Callback], m
             "`with trainer.strategy.summon_full_params(submodule, writeback=False):`.")
 
 
-def refuse_callbacks_reading_masters_on_disk(callbacks: Sequence[Callback], masters_on_disk: bool) -> None:
+def refuse_callbacks_reading_masters_on_disk(callbacks: Sequence[Callback]) -> None:
     """Raise if a callback would read (or write) parameter values through ``param.data`` while the masters are on
     NVMe, where those tensors are placeholders: ``StochasticWeightAveraging`` and ``WeightAveraging`` would average
     placeholders; ``BaseFinetuning`` tells parameters already in the optimizer by value (``torch.equal``), and
@@ -208,8 +198,6 @@ def refuse_callbacks_reading_masters_on_disk(callbacks: Sequence[Callback], mast
     Raises:
         RuntimeError: naming the callback.
     """
-    if not masters_on_disk:
-        return
     kinds = tuple(k for k in (_WeightAveraging, _StochasticWeightAveraging) if k is not None)
     for cb in callbacks:
         if kinds and isinstance(cb, kinds):

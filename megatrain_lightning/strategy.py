@@ -1,11 +1,7 @@
-"""``MegaTrainStrategy``: Lightning glue around the streaming engine.
-
-``Trainer(strategy="megatrain")`` (after ``import megatrain_lightning``) or
-``Trainer(strategy=MegaTrainStrategy(...))``. The model stays an ordinary ``LightningModule`` built on the CPU; at
-``setup`` the strategy packs its parameters into fp32 host slabs (the ``nn.Parameter`` objects stay, their ``.data``
-become views of the slabs), replaces each block's ``forward`` by a streaming proxy, and takes over the optimizer of
-``configure_optimizers`` (AdamW/Adam on the host AdamW kernel, another per-parameter ``torch.optim`` optimizer with
-its own ``step``). After ``fit`` the module's parameters are the trained fp32 weights.
+"""``MegaTrainStrategy``: Lightning glue around the streaming engine, ``Trainer(strategy="megatrain")`` (after
+``import megatrain_lightning``) or ``Trainer(strategy=MegaTrainStrategy(...))``. The model stays an ordinary
+``LightningModule`` built on the CPU; what ``setup`` does to it and to the optimizer of ``configure_optimizers``:
+docs/architecture.md, "1. Setup". After ``fit`` the module's parameters are the trained fp32 weights.
 
 What hooks and callbacks see (``param.grad``, pending updates, when to call ``trainer.strategy.flush()``):
 docs/guide/models-and-hooks.md, "Reading and writing weights in hooks" and "Gradients in hooks".
@@ -14,6 +10,7 @@ docs/guide/models-and-hooks.md, "Reading and writing weights in hooks" and "Grad
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import signal
 import threading
@@ -125,7 +122,6 @@ class MegaTrainStrategy(MegaTrainBase, ParallelStrategy):
             self._take_over_optimizer()
             add_flush_callbacks(trainer)
         plugin = self.precision_plugin
-        assert isinstance(plugin, MegaTrainPrecision)
         plugin.attach_engine(self.engine, self.root_device.type)
         # user code may run between the clip and the step (and read or edit param.grad): clip at once there
         plugin.clip_in_place = user_code_after_clip(module) and self.engine.ownership is None
@@ -221,7 +217,6 @@ class MegaTrainStrategy(MegaTrainBase, ParallelStrategy):
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def _raise_pending_interrupt(self) -> None:
-        """Raise the ``KeyboardInterrupt`` :meth:`_ctrl_c_after_step` held, now that the step is complete."""
         if self._interrupt_pending:
             self._interrupt_pending = False
             raise KeyboardInterrupt
@@ -233,9 +228,7 @@ class MegaTrainStrategy(MegaTrainBase, ParallelStrategy):
         manual-optimization ``training_step`` that steps twice logs the second step's values; ``engine.history`` has
         both.
 
-        Values are float64 CPU tensors: byte counts stay exact and logging adds no device synchronisation. Nothing is
-        logged with ``Trainer(barebones=True)`` or outside a Trainer's loop; where Lightning refuses step-level
-        logging, a warning once (the values stay in ``engine.history``).
+        Values are float64 CPU tensors: byte counts stay exact and logging adds no device synchronisation.
         """
         module = self.lightning_module
         try:
@@ -308,24 +301,20 @@ class MegaTrainStrategy(MegaTrainBase, ParallelStrategy):
                 "compute (their weights are on NVMe), so they cannot be written in place. Make the edit inside "
                 "`with trainer.strategy.summon_full_params(module):`, or assign param.data = new_tensor.")
 
-    def on_validation_start(self) -> None:
-        self._raise_pending_interrupt()
-        self._before_evaluation("validation")
-
-    def on_test_start(self) -> None:
-        self._before_evaluation("testing")
-
-    def on_predict_start(self) -> None:
-        self._before_evaluation("prediction")
-
     def _before_evaluation(self, what: str) -> None:
         """Before a validation, test or prediction loop: check the weights are consistent, apply the pending updates
         and :meth:`_adopt_replaced_weights`."""
         if self.engine is not None:
             self.engine.stopped.check(what)
-        self.flush()
-        if self.engine is not None:
+            self.flush()
             self._adopt_replaced_weights()
+
+    on_test_start = functools.partialmethod(_before_evaluation, "testing")
+    on_predict_start = functools.partialmethod(_before_evaluation, "prediction")
+
+    def on_validation_start(self) -> None:
+        self._raise_pending_interrupt()
+        self._before_evaluation("validation")
 
     def on_train_start(self) -> None:
         """Data parallel: :func:`~.parallel.preflight.check_same_batches`, once, before the first step."""
@@ -334,7 +323,7 @@ class MegaTrainStrategy(MegaTrainBase, ParallelStrategy):
             batches = trainer.num_training_batches
             if trainer.max_steps > 0:  # a run that ends within every rank's first epoch needs no equal epochs
                 batches = min(batches, trainer.max_steps * trainer.accumulate_grad_batches)
-            check_same_batches(self.groups.host, batches, guard=self.groups.guard)
+            check_same_batches(self.groups, batches)
 
     def on_train_end(self) -> None:
         """Runs after the callbacks' and the module's ``on_train_end``, so a placeholder write in them is refused here
@@ -346,11 +335,7 @@ class MegaTrainStrategy(MegaTrainBase, ParallelStrategy):
     def on_validation_end(self) -> None:
         refuse_placeholder_writes(self.engine)
 
-    def on_test_end(self) -> None:
-        refuse_placeholder_writes(self.engine)
-
-    def on_predict_end(self) -> None:
-        refuse_placeholder_writes(self.engine)
+    on_test_end = on_predict_end = on_validation_end
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Refuse a parameter unfrozen since setup (this runs after the callbacks' and the module's
@@ -384,18 +369,12 @@ class MegaTrainStrategy(MegaTrainBase, ParallelStrategy):
         return self.engine.optimizer.state_dict(copy=False)
 
     # ------------------------------------------------------------------ checkpoints
+    # directory checkpoints, deferred to the end of the step when asked for mid-backward, and plain ``.ckpt`` files
+    # (:class:`~.checkpoint.strategy_io.StrategyCheckpoints`)
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Write a directory checkpoint, or defer it to the end of the step when asked for mid-backward
-        (:meth:`~.checkpoint.strategy_io.StrategyCheckpoints.save`)."""
         self.checkpoints.save(checkpoint, filepath, storage_options)
 
-    def save_deferred(self, trainer: Any) -> None:
-        """Write the checkpoints asked for in the middle of an in-backward update, now that the step is complete."""
-        self.checkpoints.save_deferred(trainer)
-
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a directory checkpoint into the host store, or read a plain Lightning ``.ckpt``
-        (:meth:`~.checkpoint.strategy_io.StrategyCheckpoints.load`)."""
         return self.checkpoints.load(checkpoint_path, weights_only)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

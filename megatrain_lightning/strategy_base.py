@@ -30,7 +30,6 @@ from .engine.streaming import StreamingEngine
 from .optim.host_generic import validate_optimizer
 from .optim.takeover import OptimizerTakeover
 from .parallel.checkpoint_writers import CheckpointWriters
-from .parallel.faults import guarded
 from .parallel.groups import ProcessGroups
 from .parallel.launcher import MegaTrainLauncher
 from .parallel.node_share import NodeStore, nvme_for_rank, weights_written
@@ -38,9 +37,9 @@ from .parallel.preflight import check_rendezvous, check_same_config, optimizer_f
 from .parallel.summon import summon_full_params
 from .placeholder_guard import format_gib, guard as guard_placeholders, guard_state_dict, holder_of
 from .placeholder_guard import unguard as unguard_placeholders
-from .precision import MegaTrainPrecision
 from .setup_guards import check_new_store
 from .store.allocator import bound_retention
+from .store.budget import mem_available_bytes
 from .store.nvme import NVME_PATH_FROM_ENV
 from .store.regions import Region
 
@@ -98,9 +97,7 @@ class MegaTrainBase:
     @property
     def root_device(self) -> torch.device:
         """This process's device: ``parallel_devices[local_rank]`` (CPU before the Trainer sets them)."""
-        if self.parallel_devices:
-            return torch.device(self.parallel_devices[self.local_rank])
-        return torch.device("cpu")
+        return torch.device(self.parallel_devices[self.local_rank] if self.parallel_devices else "cpu")
 
     @property
     def num_nodes(self) -> int:
@@ -120,12 +117,10 @@ class MegaTrainBase:
         """More than one process in the run (Lightning's connector decides ``DistributedSampler`` injection by it)."""
         return self.num_processes * self.num_nodes > 1
 
-    distributed = is_distributed
-
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any] | None:
         """What Lightning's ``DistributedSampler`` injection needs (``None`` in a single process)."""
-        if not self.distributed:
+        if not self.is_distributed:
             return None
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
@@ -135,14 +130,14 @@ class MegaTrainBase:
         assert self.cluster_environment is not None
         check_rendezvous(os.environ, self.cluster_environment, self.num_processes, self.num_nodes)
         self._launcher = (MegaTrainLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-                          if self.distributed else None)
+                          if self.is_distributed else None)
 
     def setup_environment(self) -> None:
         """Lightning's, after bounding what glibc's ``malloc`` keeps of the host memory a step frees
         (``store/allocator.py``), then the process group when distributed."""
         bound_retention()
         super().setup_environment()
-        if self.distributed:
+        if self.is_distributed:
             self.setup_distributed()
 
     def setup_distributed(self) -> None:
@@ -166,7 +161,7 @@ class MegaTrainBase:
 
     def _guard(self, what: str) -> Any:
         """Main-thread collectives: a rank that died is named (``parallel/faults.py``)."""
-        return guarded(self.groups.peers if self.groups else None, what, self.config.timeout.total_seconds() if self.config.timeout else None)
+        return self.groups.guard(what) if self.groups is not None else contextlib.nullcontext()
 
     def barrier(self, name: str | None = None) -> None:
         if not _distributed_is_initialized():
@@ -221,12 +216,15 @@ class MegaTrainBase:
             if prev is not None and prev is not self:
                 prev.hand_over_weights()  # another strategy's store holds them (a new Trainer for the same module)
             check_new_store(module)
-            nvme = nvme_for_rank(cfg.nvme, self.groups) if self.groups is not None and cfg.nvme is not None \
-                else cfg.nvme  # data parallel: the optimizer's regions on each owner's disk
-            if self.groups is not None:  # every rank the same model and options, before the store is built
-                check_same_config(self.groups.host, run_fingerprint(module, self, trainer), guard=self.groups.guard)
-            node = NodeStore(self.groups, cfg.timeout.total_seconds() if cfg.timeout else 1800.0,
-                             pin=cfg.pin_memory if self.root_device.type == "cuda" else False) if self.groups else None
+            g = self.groups
+            nvme, node, reducer = cfg.nvme, None, None  # one process: no node-shared store, no gradient reducer
+            if g is not None:
+                if nvme is not None:  # the optimizer's regions on each owner's disk
+                    nvme = nvme_for_rank(nvme, g)
+                check_same_config(g, run_fingerprint(module, self, trainer))  # every rank the same model and options
+                node = NodeStore(g, pin=cfg.pin_memory if self.root_device.type == "cuda" else False)
+                reducer = GradReducer(g.grads, g.node_grads, g.cross_grads, g.node_rank, g.local_world_size,
+                                      g.backend == "nccl", guard=g.guard)  # NCCL: reduced on the device before D2H
             sources = weight_sources(module)
             if zeros_for_meta:
                 missing = [p for p in module.parameters() if p.is_meta and id(p) not in sources]
@@ -236,7 +234,7 @@ class MegaTrainBase:
                                 "True)) and start as zeros in the host store; load a checkpoint before training "
                                 "(fabric.load(path, state)).", len(missing))
             self.engine = StreamingEngine(module, self.root_device, cfg, nvme=nvme, sources=sources,
-                                          reducer=self._grad_reducer(), node=node, reserve_frozen=reserve_frozen)
+                                          reducer=reducer, node=node, reserve_frozen=reserve_frozen)
             if self.is_global_zero:  # once per engine: what is in force, to confirm from the log
                 self._log_tier()
         unguard_placeholders(module)  # a forward with the store's weights bound is fine again
@@ -268,18 +266,35 @@ class MegaTrainBase:
         """
         validate_optimizer(opt)
         if self.groups is not None:  # every rank's owners must apply the same update
-            check_same_config(self.groups.host, optimizer_fingerprint(opt, schedulers), guard=self.groups.guard)
+            check_same_config(self.groups, optimizer_fingerprint(opt, schedulers))
         assert self.engine is not None
         self.engine.attach_optimizer(opt, overlap=self.config.overlap_optimizer)
-        self.takeover.take_over(opt, self.engine, plugin.grads_zeroed if isinstance(plugin, MegaTrainPrecision) else None)
+        self.takeover.take_over(opt, self.engine, plugin.grads_zeroed)
 
     def _release_engine(self) -> None:
-        """End of a run: the module's own ``forward`` methods again, the NVMe store released (kept open), the
-        optimizer's own ``zero_grad`` again (``state_dict`` stays routed until :meth:`close`)."""
-        if self.engine is not None:
-            self.engine.uninstall()
-            if self._masters_on_disk():
-                self._release_nvme()
+        """End of a run: the module's own ``forward`` methods again. With masters on disk the store stays open
+        (``trainer.save_checkpoint`` after ``fit`` reads it); if the fp32 weights fit in ``host_memory_limit`` the
+        module's parameters get real copies again (written back at the next setup), otherwise they stay guarded
+        placeholders."""
+        if self.engine is None:
+            return
+        self.engine.uninstall()
+        if not self._masters_on_disk():
+            return
+        assert self.engine.host_memory_limit is not None
+        nbytes = 4 * self.engine.store.numel
+        if nbytes <= self.engine.host_memory_limit:
+            self.engine.params.materialize()
+        else:
+            assert self.lightning_module is not None
+            guard_placeholders(self.lightning_module, self.engine.store.is_placeholder, nbytes / 2**30,
+                               str(self.engine.store.nvme.dir), holder=self)
+            log.warning(
+                "megatrain: the fp32 weights (%s) exceed host_memory_limit, so after the run they stay in the "
+                "NVMe store %s and the module's parameters are placeholders; save them with "
+                "trainer.save_checkpoint(dir) or read one with trainer.strategy.engine.read_param(p). "
+                "trainer.strategy.close() (or the end of the process) removes the files.",
+                format_gib(nbytes / 2**30), self.engine.store.nvme.dir)
 
     def _log_tier(self) -> None:
         """Log what is in force: the tier, where each state lives, the options."""
@@ -308,13 +323,6 @@ class MegaTrainBase:
             return None
         assert self.engine is not None and self.engine.ownership is not None
         return CheckpointWriters(self.groups, self.engine.store, self.engine.ownership)
-
-    def _grad_reducer(self) -> GradReducer | None:
-        g = self.groups
-        if g is None:
-            return None
-        return GradReducer(g.grads, g.node_grads, g.cross_grads, g.node_rank, g.local_world_size, g.device_side_reduce,
-                           guard=g.guard)
 
     def flush(self) -> None:
         """Apply pending optimizer updates so parameters read directly are current."""
@@ -345,28 +353,9 @@ class MegaTrainBase:
         (:func:`~megatrain_lightning.parallel.summon.summon_full_params`: ``writeback``, errors, an example)."""
         return summon_full_params(self.engine, module if module is not None else self.lightning_module, writeback,
                                   self.groups, self.barrier)
+
     def _masters_on_disk(self) -> bool:
         return self.engine is not None and not self.engine.closed and self.engine.store.masters_on_disk
-
-
-    def _release_nvme(self) -> None:
-        """End of a run with masters on disk. The store stays open (``trainer.save_checkpoint`` after ``fit`` reads
-        it); if the fp32 weights fit in ``host_memory_limit`` the module's parameters get real copies again (written
-        back at the next setup), otherwise they stay guarded placeholders."""
-        assert self.engine is not None and self.engine.host_memory_limit is not None
-        nbytes = 4 * self.engine.store.numel
-        if nbytes <= self.engine.host_memory_limit:
-            self.engine.params.materialize()
-        else:
-            assert self.lightning_module is not None
-            guard_placeholders(self.lightning_module, self.engine.store.is_placeholder, nbytes / 2**30,
-                               str(self.engine.store.nvme.dir), holder=self)
-            log.warning(
-                "megatrain: the fp32 weights (%s) exceed host_memory_limit, so after the run they stay in the "
-                "NVMe store %s and the module's parameters are placeholders; save them with "
-                "trainer.save_checkpoint(dir) or read one with trainer.strategy.engine.read_param(p). "
-                "trainer.strategy.close() (or the end of the process) removes the files.",
-                format_gib(nbytes / 2**30), self.engine.store.nvme.dir)
 
     def hand_over_weights(self) -> None:
         """Bring the trained fp32 weights, which only this strategy's NVMe store holds, into the module's parameters,
@@ -377,8 +366,6 @@ class MegaTrainBase:
             MemoryError: the weights do not fit in the host RAM available now (``MemAvailable``); nothing is
                 changed.
         """
-        from .store.budget import mem_available_bytes
-
         if self.engine is None or self.engine.closed:
             return
         nbytes = 4 * self.engine.store.numel
@@ -402,10 +389,11 @@ class MegaTrainBase:
         set up again (its parameters are placeholders)."""
         if self.engine is not None:
             eng = self.engine
-            if eng.store.masters_on_disk and not eng.params.materialized and not (self.config.nvme and self.config.nvme.keep_files):
+            if eng.store.masters_on_disk and not eng.params.materialized \
+                    and not (self.config.nvme and self.config.nvme.keep_files):
                 log.warning("megatrain: closing the NVMe store deletes the trained weights, which were only in it; "
                             "the module's parameters stay placeholders.")
-            self.engine.close()
+            eng.close()
             self.engine = None
         self.takeover.close()  # the torch optimizer's own state_dict methods again
 
@@ -429,8 +417,5 @@ class MegaTrainBase:
 def _same_parameters(store: Any, module: torch.nn.Module) -> bool:
     """Whether every parameter of ``module`` is one the store was built from, with the shape it had (else, e.g.
     after ``resize_token_embeddings`` between two ``fit`` calls, the store is rebuilt)."""
-    for p in module.parameters():
-        where = store.index.get(id(p))
-        if where is None or tuple(store.slabs[where[0]].entries[where[1]].shape) != tuple(p.shape):
-            return False
-    return True
+    return all((where := store.index.get(id(p))) is not None
+               and tuple(store.slabs[where[0]].entries[where[1]].shape) == tuple(p.shape) for p in module.parameters())

@@ -43,7 +43,7 @@ def dpo(cfg: DictConfig) -> dict:
     trainer = step.build_trainer(cfg, history)
     before = timed("evaluate_before", step.evaluate, cfg, trainer, module, data, tokenizer)
     result = timed("fit", step.fit, trainer, module, data)  # the reference pass runs at its start
-    ckpt = timed("save", step.save, cfg, trainer)
+    ckpt = timed("save", run.save, cfg, trainer)
     after = timed("evaluate_after", step.evaluate, cfg, trainer, module, data, tokenizer)
     text = timed("sample", step.sample, cfg, trainer, module, tokenizer, data)
     return step.report(cfg, trainer, before, after, result, timings, history, text, ckpt)

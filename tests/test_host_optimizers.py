@@ -471,3 +471,44 @@ def test_masters_on_nvme_with_the_optimizer_in_ram_match_plain_lightning(tmp_pat
                                                       nvme_path=str(tmp_path), host_memory_limit=600_000))
     assert trainer.strategy.engine.store.masters_on_disk
     _assert_bitwise(lm, ref)
+
+
+def _sgd_fit_from(ckpt, strategy):
+    pl.seed_everything(0, verbose=False)
+    lm = LM(make_model("llama"), lr=1e-2, optimizer=torch.optim.SGD, opt_kwargs={"momentum": 0.9})
+    _trainer(strategy, steps=4).fit(lm, make_data(32), ckpt_path=ckpt)
+
+
+def test_resuming_adamw_state_with_sgd_is_refused(tmp_path):
+    """AdamW's checkpoint resumed by a module whose configure_optimizers returns SGD: plain Lightning stops (torch's
+    SGD step finds no ``momentum`` in the loaded group); so does megatrain, before any step, from its directory
+    checkpoint and from a plain ``.ckpt`` file, naming the hyper-parameters the saved groups lack."""
+    pl.seed_everything(0, verbose=False)
+    t = _trainer(MegaTrainStrategy(), steps=2)
+    t.fit(LM(make_model("llama"), lr=1e-2), make_data(32))
+    t.save_checkpoint(tmp_path / "dir")
+    t.strategy.close()
+    pl.seed_everything(0, verbose=False)
+    plain = _trainer("auto", steps=2)
+    plain.fit(LM(make_model("llama"), lr=1e-2), make_data(32))
+    plain.save_checkpoint(tmp_path / "plain.ckpt")
+    with pytest.raises(KeyError, match="momentum"):
+        _sgd_fit_from(tmp_path / "plain.ckpt", "auto")
+    for ckpt in (tmp_path / "dir", tmp_path / "plain.ckpt"):
+        match = "the saved param groups lack dampening, momentum, hyper-parameters of SGD"
+        with pytest.raises(ValueError, match=match):
+            _sgd_fit_from(ckpt, MegaTrainStrategy())
+
+
+def test_other_parameters_under_strict_loading_false_say_what_to_do(tmp_path):
+    """A checkpoint of a 3-layer model resumed by a 4-layer one with ``strict_loading = False``: fit cannot resume the
+    optimizer state (plain Lightning stops too); the error says how to start from the weights instead."""
+    pl.seed_everything(0, verbose=False)
+    t = _trainer(MegaTrainStrategy(), steps=2)
+    t.fit(LM(make_model("llama")), make_data(32))
+    t.save_checkpoint(tmp_path / "dir")
+    t.strategy.close()
+    lm = LM(make_model("llama", num_hidden_layers=4))
+    lm.strict_loading = False
+    with pytest.raises(ValueError, match="fit cannot resume its optimizer state .* call fit without ckpt_path"):
+        _trainer(MegaTrainStrategy(), steps=4).fit(lm, make_data(32), ckpt_path=tmp_path / "dir")

@@ -582,8 +582,8 @@ def test_nvme_tier_mixed_precision_is_bitwise_equal_to_ram_tier(tmp_path, precis
 
 
 def test_a_read_only_nvme_path_is_named_as_such(tmp_path, monkeypatch):
-    """Regression (probe): a directory on a read-only mount was reported as "not writable by this user. Fix its
-    permissions" (to root, whose permissions were not the cause)."""
+    """A directory on a read-only mount is named as such, not as "not writable by this user. Fix its permissions"
+    (which misleads root, whose permissions are not the cause)."""
     from megatrain_lightning.store.nvme import preflight_nvme
 
     real = os.statvfs

@@ -137,14 +137,18 @@ def test_lora_resume_is_exact(tmp_path):
     assert_parity(second.model, full.model, first.losses + second.losses, full.losses, tol=1e-6)
 
 
-def test_merged_export_equals_peft_merge_and_unload(tmp_path):
+def test_merged_export_equals_peft_merge_and_unload(tmp_path, capsys):
     arch, kw = VARIANTS["lora_modules_to_save"]
     lm = LM(lora(arch, **kw))
     fit(lm).save_checkpoint(tmp_path / "c")
     with pytest.raises(ValueError, match="--merge-adapter"):
         export(tmp_path / "c", tmp_path / "base_only", quiet=True)
     assert not (tmp_path / "base_only").exists()
-    export(tmp_path / "c", tmp_path / "merged", merge_adapter=True, quiet=True)
+    capsys.readouterr()
+    export(tmp_path / "c", tmp_path / "merged", merge_adapter=True)
+    said = capsys.readouterr().out
+    merged = f"from {tmp_path / 'c' / 'base_model'} with the adapter {tmp_path / 'c' / 'adapter'} merged to "
+    assert merged in said, said
     reference = copy.deepcopy(lm.model).merge_and_unload()  # peft's own merge of the trained module
     assert_same_state(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged"), reference)
 

@@ -291,6 +291,17 @@ def test_preflight_refuses_llama100b_here():
     assert "change:" in msg and "megatrain_nvme" in msg
 
 
+def test_preflight_disk_advice_names_the_volume(tmp_path):
+    """A disk shortfall names the volume to free space on (its mount point, as ``df`` reports it), which stays when
+    the refused run's directory is removed."""
+    p = plan(load_model("llama8b"), load_hardware("h200"))
+    run_dir = tmp_path / "outputs" / "run"  # not created: the recipe measures the disk it will be on
+    with pytest.raises(PreflightError) as ei:
+        preflight(p, host_ram_bytes=2048 * GIB, disk_free_bytes=GIB, device_bytes=140 * GIB, path=run_dir)
+    mount = subprocess.check_output(["df", "--output=target", str(tmp_path)], text=True).splitlines()[-1].strip()
+    assert f"change: free space on the volume mounted at {mount} (where {run_dir} is), point the store" in str(ei.value)
+
+
 def test_preflight_message_with_given_numbers():
     p = plan(load_model("llama100b"), load_hardware("h200"))
     with pytest.raises(PreflightError) as ei:
@@ -1056,3 +1067,16 @@ def test_the_cli_prints_no_third_party_import_notices():
     noise = [line for line in r.stderr.splitlines() if "Failed to load" in line or "is an Enum subclass" in line]
     assert not noise, noise
     assert "step time:" in r.stdout
+
+
+def test_long_sequences_guide_table_is_the_planners():
+    """docs/guide/long-sequences.md's longest-sequence table is what ``max_seq_len=true`` prints for its rows."""
+    doc = (ROOT / "docs" / "guide" / "long-sequences.md").read_text()
+    rows = [ln for ln in doc.splitlines() if re.match(r"\| llama\d+b \| \w+ \| [\d,]+ \|", ln)]
+    models = sorted({r.split("|")[1].strip() for r in rows}, key=lambda m: int(m[5:-1]))
+    hardware = list(dict.fromkeys(r.split("|")[2].strip() for r in rows))
+    r = _cli("max_seq_len=true", f"model={','.join(models)}", f"hardware={','.join(hardware)}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert len(rows) == len(models) * len(hardware) == 9
+    printed = [ln for ln in r.stdout.splitlines() if re.match(r"\| llama\d+b \|", ln)]
+    assert rows == printed

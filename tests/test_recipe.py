@@ -245,6 +245,29 @@ def test_refuses_missing_nvme_path_naming_key_and_variable(tmp_path, no_build, m
     refused(tmp_path, "strategy=megatrain_nvme", key="strategy.nvme_path", match="absent.*MEGATRAIN_NVME_PATH")
 
 
+def test_refuses_an_unwritable_nvme_path_before_the_build(tmp_path, no_build, monkeypatch):
+    """A directory the store cannot write to is refused by the recipe's checks (exit 2, the key named), not by the
+    strategy after the model has loaded; a read-only mount is named as such."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, *a, **k: Path(p) != nvme and real_access(p, mode, *a, **k))
+    refused(tmp_path, "strategy=megatrain_nvme", f"strategy.nvme_path={nvme}", key="strategy.nvme_path",
+            match="is not writable by this user")
+    real_statvfs = os.statvfs
+
+    class ReadOnly:
+        def __init__(self, st):
+            self._st = st
+
+        def __getattr__(self, k):
+            return os.ST_RDONLY | self._st.f_flag if k == "f_flag" else getattr(self._st, k)
+
+    monkeypatch.setattr(os, "statvfs", lambda p: ReadOnly(real_statvfs(p)) if Path(p) == nvme else real_statvfs(p))
+    refused(tmp_path, "strategy=megatrain_nvme", f"strategy.nvme_path={nvme}", key="strategy.nvme_path",
+            match=r"read-only filesystem \(mounted ro\): remount it")
+
+
 def test_refuses_missing_logger_package_and_resume(tmp_path, no_build, monkeypatch):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("wandb", "tensorboard",
@@ -669,7 +692,7 @@ def test_schedule_spans_an_epoch_based_run():
 
 def test_summary_rows_keep_metrics_measured_only_after():
     """eval.before=false: the validation rows stay, with an empty "before" cell (not nan, not dropped)."""
-    from megatrain_lightning.recipes_lib.report import summary_rows
+    from megatrain_lightning.recipes_lib.results import summary_rows
 
     rows = summary_rows({}, {"val_loss": 2.5, "val_ppl": 12.18}, {"steps": 2})
     assert rows[:2] == [("val_loss", "", "2.5000"), ("val_ppl", "", "12.1800")]

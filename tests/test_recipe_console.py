@@ -10,7 +10,7 @@ import os
 import re
 import subprocess
 import sys
-import time
+import types
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -18,8 +18,9 @@ import pytest
 
 import megatrain_lightning  # noqa: F401
 from megatrain_lightning import MegaTrainStrategy
+from megatrain_lightning.recipes_lib import console
 from megatrain_lightning.recipes_lib.console import StepLog
-from megatrain_lightning.recipes_lib.report import summary_rows
+from megatrain_lightning.recipes_lib.results import summary_rows
 from megatrain_lightning.testing import LM, make_data, make_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,21 +133,26 @@ def test_setup_logs_the_strategy_tier_and_options_once(tmp_path, caplog, tier):
 
 
 class _SlowSave(pl.Callback):
-    """Sleeps 1 s after each optimizer step, after :class:`StepLog` has run, as a checkpoint save does."""
+    """Moves the console's clock 100 s on at the end of each batch, after :class:`StepLog` has run, as a checkpoint
+    save or validation after a step does (and, with gradient accumulation, as slow work between micro-batches)."""
+
+    def __init__(self, clock: list[float]) -> None:
+        self.clock = clock
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        time.sleep(1.0)
+        self.clock[0] += 100.0
 
 
-def test_step_log_time_leaves_out_work_between_steps(tmp_path, caplog):
-    """The per-step time spans the step's micro-batches only: a second spent after the batch that completes a step
-    (a checkpoint save, validation) is not added to the next step's time."""
-    trainer = pl.Trainer(max_steps=3, accumulate_grad_batches=2, callbacks=[StepLog(), _SlowSave()],
+def test_step_log_time_leaves_out_work_between_steps(tmp_path, caplog, monkeypatch):
+    """The per-step time spans the step's micro-batches only: time spent after the batch that completes a step is not
+    added to the next step's time. The console's clock moves only in ``_SlowSave``, so the times are exact: 100 s per
+    step (the work between its two micro-batches), where counting from the previous step's end gives 200 s."""
+    clock = [0.0]
+    monkeypatch.setattr(console, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    trainer = pl.Trainer(max_steps=3, accumulate_grad_batches=2, callbacks=[StepLog(), _SlowSave(clock)],
                          enable_progress_bar=False, enable_checkpointing=False, logger=False,
                          enable_model_summary=False, default_root_dir=tmp_path)
-    with caplog.at_level(logging.INFO, logger="megatrain_lightning.recipes_lib.console"):
+    with caplog.at_level(logging.INFO, logger=console.__name__):
         trainer.fit(LM(make_model("llama")), make_data(n=16))
     times = [float(m.group(1)) for r in caplog.records if (m := re.search(r"([\d.]+) s/step$", r.getMessage()))]
-    assert len(times) == 3, caplog.text
-    # each step holds one sleep between its two micro-batches (1.0 s) but not the one after it
-    assert all(1.0 <= t < 1.9 for t in times), times
+    assert times == [100.0, 100.0, 100.0], caplog.text

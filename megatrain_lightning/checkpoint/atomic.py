@@ -56,8 +56,7 @@ def check_name_length(path: Path, what: str = "checkpoint", shorter: str | None 
     """
     path = Path(path)
     limit = name_max(path.parent)
-    todo = [path] + [p for p in path.parents if not os.path.exists(p)]
-    for entry in todo:
+    for entry in [path] + [p for p in path.parents if not os.path.exists(p)]:
         size = len(os.fsencode(entry.name))
         if size <= limit:
             continue
@@ -156,7 +155,12 @@ def put_in_place(tmp: Path, final: Path) -> None:
         os.rename(final, old)
         os.rename(tmp, final)
         remove(old)
-    fd = os.open(final.parent, os.O_RDONLY)
+    fsync_path(final.parent)
+
+
+def fsync_path(path: Path) -> None:
+    """``fsync`` the file or directory ``path``."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:

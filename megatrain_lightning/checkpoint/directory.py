@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..optim.state_packing import unflatten_named
-from .atomic import check_name_length, clean_stale, put_in_place, temporary_path
+from .atomic import check_name_length, clean_stale, fsync_path, put_in_place, temporary_path
 from .errors import CheckpointError
 from .hf_io import SafetensorsSource, save_hf_model_dir, source_key, verify_checksums, write_safetensors_shards
 from .hf_write import finish_safetensors_parts, write_hf_config_files, write_safetensors_part
@@ -32,19 +32,6 @@ from .plain import to_plain
 
 __all__ = ["CheckpointError", "check_compatible", "load_checkpoint_dir", "load_optimizer_dir", "save_checkpoint_dir",
            "saved_state_keys", "verified_info"]
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
 
 
 def _write_parts(tmp: Path, layout: Layout, read: Callable, tokenizer: Any, max_shard_bytes: int) -> list[str]:
@@ -101,8 +88,10 @@ def save_checkpoint_dir(path: str | os.PathLike, checkpoint: dict[str, Any], mod
         coop: data parallel: every rank calls this and writes the slabs it owns (:func:`_save_together`).
 
     Raises:
-        CheckpointError: a tensor of the module would not be written (before anything is written),
-            the written files lack a planned tensor, or the metadata cannot be made loadable without pickle.
+        CheckpointError: a tensor of the module would not be written, or ``path`` is a non-empty directory that
+            is not a checkpoint (e.g. ``trainer.default_root_dir``, which saving would delete), both before anything
+            is written; the written files lack a planned tensor, or the metadata cannot be made loadable without
+            pickle.
         ValueError: the Hugging Face model holds packed quantized tensors (nothing written).
         OSError: ``ENOSPC`` (:func:`disk_full_error`) or not writable, the previous checkpoint untouched;
             ``ENAMETOOLONG`` (:func:`~megatrain_lightning.checkpoint.atomic.check_name_length`), before anything
@@ -111,7 +100,11 @@ def save_checkpoint_dir(path: str | os.PathLike, checkpoint: dict[str, Any], mod
     final = Path(path)
     check_name_length(final)
     layout = plan_layout(module)
-    _refuse_other_directory(final)
+    if final.is_dir() and not final.is_symlink() and any(final.iterdir()) and not (final / INFO_FILE).is_file():
+        raise CheckpointError(
+            f"megatrain: {final} is a directory with files in it that is not a checkpoint (no {INFO_FILE}); a "
+            "checkpoint of strategy='megatrain' is itself a directory that replaces whatever is at its path, so "
+            f"saving there would delete those files. Save to a new path instead, e.g. {final / 'last.ckpt'}.")
     if coop is not None:
         _save_together(final, checkpoint, module, engine, layout, tokenizer, max_shard_bytes, coop)
         return
@@ -137,20 +130,6 @@ def save_checkpoint_dir(path: str | os.PathLike, checkpoint: dict[str, Any], mod
         if full is not None:
             raise full from err
         raise
-
-
-def _refuse_other_directory(final: Path) -> None:
-    """Raise before anything is written when ``final`` is a non-empty directory without ``megatrain.json``: a
-    checkpoint replaces its path whole, so those files (e.g. ``trainer.default_root_dir``) would be deleted.
-
-    Raises:
-        CheckpointError: naming the directory and a path to save to instead.
-    """
-    if final.is_dir() and not final.is_symlink() and any(final.iterdir()) and not (final / INFO_FILE).is_file():
-        raise CheckpointError(
-            f"megatrain: {final} is a directory with files in it that is not a checkpoint (no {INFO_FILE}); a "
-            "checkpoint of strategy='megatrain' is itself a directory that replaces whatever is at its path, so "
-            f"saving there would delete those files. Save to a new path instead, e.g. {final / 'last.ckpt'}.")
 
 
 def disk_full_error(err: BaseException, final: Path, tmp: Path) -> OSError | None:
@@ -191,11 +170,11 @@ def _finish(final: Path, tmp: Path, checkpoint: dict[str, Any], module: nn.Modul
         meta["optimizer_states"] = []  # an empty list, so fit from it starts a fresh optimizer (not "weights only")
     meta = to_plain(meta, where="checkpoint")
     torch.save(meta, tmp / TRAINER_FILE)
-    _fsync_file(tmp / TRAINER_FILE)
+    fsync_path(tmp / TRAINER_FILE)
     torch.load(tmp / TRAINER_FILE, weights_only=True)  # refuse to write what cannot be loaded safely
     params = {n: {"shape": list(p.shape), "requires_grad": p.requires_grad} for n, p in module.named_parameters()}
     write_info(tmp, has_optimizer=has_opt, params=params, tensors=layout.tensors, parts=parts + [TRAINER_FILE])
-    _fsync_dir(tmp)
+    fsync_path(tmp)
     put_in_place(tmp, final)
 
 
@@ -222,8 +201,7 @@ def _save_together(final: Path, checkpoint: dict[str, Any], module: nn.Module, e
             for part in layout.parts:
                 if part.kind not in ("hf", "plain"):
                     continue
-                ignore = set(getattr(part.hf_model, "_keys_to_ignore_on_save", None) or ()) if part.kind == "hf" else set()
-                items = ((k, read(t)) for k, t in part.entries if k not in ignore and coop.writes(t))
+                items = ((k, read(t)) for k, t in part.entries if coop.writes(t))
                 mine[part.name] = write_safetensors_part(tmp / part.name, items, prefix=prefix,
                                                          max_shard_bytes=max_shard_bytes)
             if has_opt:
@@ -422,20 +400,13 @@ def load_optimizer_dir(path: str | os.PathLike, module: nn.Module, engine: Any, 
         keys = saved.get(rename(name))
         if keys:
             try:
-                opt.set_param_state(param, read_param_state(source, keys))
+                # tensor subclasses (torchao's 8-bit moments) rebuilt from their inner tensors; ValueError where
+                # their package is not installed
+                opt.set_param_state(param, unflatten_named({k: source.get(key) for k, key in keys.items()}))
             except ValueError as err:
                 raise CheckpointError(f"Checkpoint {p}: optimizer state of {name}: {err}") from None
         else:  # no state saved (no step before the save): none now, as torch.optim.AdamW.load_state_dict leaves it
             opt.forget_param_state(param)
-
-
-def read_param_state(source: SafetensorsSource, keys: dict[str, str]) -> dict[str, torch.Tensor]:
-    """One parameter's saved optimizer state (``keys``: an entry of :func:`saved_state_keys`), tensor subclasses
-    (torchao's 8-bit moments) rebuilt from their inner tensors (:func:`~..optim.state_packing.unflatten_named`).
-
-    Raises:
-        ValueError: a saved subclass cannot be rebuilt (its package is not installed)."""
-    return unflatten_named({k: source.get(key) for k, key in keys.items()})
 
 
 def saved_state_keys(source: SafetensorsSource) -> dict[str, dict[str, str]]:

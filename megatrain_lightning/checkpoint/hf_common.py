@@ -35,7 +35,6 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
 }
 
 
-
 class CheckpointFormatError(ValueError):
     """A safetensors file or index is truncated, corrupted or inconsistent."""
 
@@ -62,7 +61,6 @@ def _close(word: str, candidates: Iterable[str], n: int = 5) -> list[str]:
     cands = list(candidates)
     near = difflib.get_close_matches(word, cands, n=n, cutoff=0.5)
     return near or cands[:n]
-
 
 
 def _tied_targets(model: torch.nn.Module) -> dict[str, str]:

@@ -24,10 +24,6 @@ def quant_method(q: Any) -> str | None:
     return None if m is None else str(getattr(m, "value", m))
 
 
-def _is_dense(t: torch.Tensor) -> bool:
-    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.dtype in DENSE_DTYPES
-
-
 def saved_config(model: torch.nn.Module, dtype: torch.dtype | None) -> Any:
     """A copy of ``model.config`` describing the dense weights written: ``architectures`` = the model class,
     ``dtype`` = the written dtype, no ``quantization_config``.
@@ -45,7 +41,8 @@ def saved_config(model: torch.nn.Module, dtype: torch.dtype | None) -> Any:
     config = copy.deepcopy(model.config)
     method = quant_method(getattr(config, "quantization_config", None))
     if method is not None:
-        packed = [n for n, t in state_dict_entries(model) if not _is_dense(t)]
+        packed = [n for n, t in state_dict_entries(model)
+                  if not (type(t) in (torch.Tensor, torch.nn.Parameter) and t.dtype in DENSE_DTYPES)]
         if packed:
             raise ValueError(
                 f"{type(model).__name__} is quantized ({method}) and holds packed tensors ({packed[:3]}): this writer "
@@ -64,8 +61,6 @@ def dense_config_dict(cfg: dict[str, Any], dtypes: Iterable[torch.dtype]) -> dic
     is dropped when it is GGUF's (safetensors never hold GGUF blocks: transformers dequantised them)
     or when every tensor is a dense float, and kept otherwise (e.g. GPTQ's int32 ``qweight``)."""
     method = quant_method(cfg.get("quantization_config"))
-    if method is None:
-        return cfg
-    if method == "gguf" or all(d in DENSE_DTYPES for d in dtypes):
+    if method is not None and (method == "gguf" or all(d in DENSE_DTYPES for d in dtypes)):
         cfg = {k: v for k, v in cfg.items() if k != "quantization_config"}
     return cfg

@@ -204,8 +204,6 @@ def source_key(model: torch.nn.Module, param_name: str) -> str:
     return saved[param_name]
 
 
-
-
 class RandomInitSource:
     """A weights source that makes each tensor when asked, deterministically from ``seed`` and the key:
     ``N(0, std)`` for matrices and embeddings (not a model-specific initialisation), ones for 1-D tensors named

@@ -103,7 +103,9 @@ class SafetensorsSource:
         if wrong:
             raise CheckpointFormatError(f"The index says {wrong[:5]} are in {f}, but that file does not hold them.")
 
-    def _file(self, key: str) -> Path:
+    # -- public API
+    def file_of(self, key: str) -> Path:
+        """The file holding ``key``. Raises KeyError (with nearby keys) if absent."""
         try:
             return self._key_file[key]
         except KeyError:
@@ -112,10 +114,8 @@ class SafetensorsSource:
                 f"nearby keys: {_close(key, self._key_file)}"
             ) from None
 
-    # -- public API
     @property
     def files(self) -> list[Path]:
-        """The safetensors files of this checkpoint."""
         return list(self._files)
 
     def keys(self) -> list[str]:
@@ -123,7 +123,6 @@ class SafetensorsSource:
         return list(self._key_file)
 
     def has(self, key: str) -> bool:
-        """Whether ``key`` names a tensor of this checkpoint."""
         return key in self._key_file
 
     __contains__ = has
@@ -131,18 +130,14 @@ class SafetensorsSource:
     def __len__(self) -> int:
         return len(self._key_file)
 
-    def file_of(self, key: str) -> Path:
-        """The file holding ``key``. Raises KeyError (with nearby keys) if absent."""
-        return self._file(key)
-
     def shape(self, key: str) -> torch.Size:
         """Shape of ``key`` from the header (no data read). Raises KeyError if absent."""
-        self._file(key)
+        self.file_of(key)
         return torch.Size(self._meta[key][0])
 
     def dtype(self, key: str) -> torch.dtype:
         """Stored dtype of ``key`` from the header (no data read). Raises KeyError if absent."""
-        self._file(key)
+        self.file_of(key)
         name = self._meta[key][1]
         if name not in _ST_DTYPES:
             raise CheckpointFormatError(f"{key!r} has dtype {name}, which this torch build cannot represent.")
@@ -159,7 +154,7 @@ class SafetensorsSource:
             KeyError: ``key`` is not in the checkpoint (the message lists nearby keys).
             CheckpointFormatError: the file holding it cannot be read (names the file).
         """
-        f = self._file(key)
+        f = self.file_of(key)
         try:
             with safe_open(str(f), framework="pt", device="cpu") as h:
                 return h.get_tensor(key)

@@ -73,20 +73,10 @@ def _existing_weights(d: Path) -> list[str]:
     return sorted(x.name for x in d.iterdir() if x.name in (SINGLE_FILE, INDEX_FILE) or _SHARD_RE.match(x.name))
 
 
-def _prepare(t: torch.Tensor, name: str, dtype: torch.dtype | None) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name!r} is a {type(t).__name__}, not a torch.Tensor.")
-    if t.device.type == "meta":
-        raise ValueError(f"{name!r} is on the meta device (never materialised): there is no data to write.")
-    t = t.detach()
-    if dtype is not None and t.is_floating_point() and t.dtype != dtype:
-        return t.to(device="cpu", dtype=dtype).contiguous()
-    return t.to("cpu").contiguous()
-
-
-def _out_bytes(t: torch.Tensor, dtype: torch.dtype | None) -> int:
-    item = dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size()
-    return t.numel() * item
+def _prepare(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` on the CPU, contiguous, floating tensors cast to ``dtype`` (items were checked when grouped)."""
+    cast = dtype is not None and t.is_floating_point()
+    return t.detach().to(device="cpu", dtype=dtype if cast else t.dtype).contiguous()
 
 
 def _unaliased(shard: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -174,7 +164,7 @@ def write_safetensors_part(out_dir: str | os.PathLike, items: Iterable[tuple[str
     def flush(pending: list[tuple[str, torch.Tensor]]) -> None:
         tmp = d / f"{prefix}-{len(written) + 1:05d}.safetensors"
         written.append(tmp)
-        shard = _unaliased({n: _prepare(t, n, dt) for n, t in pending})
+        shard = _unaliased({n: _prepare(t, dt) for n, t in pending})
         save_file(shard, str(tmp), metadata=meta)
         del shard
         _fsync_path(tmp)
@@ -192,7 +182,7 @@ def write_safetensors_part(out_dir: str | os.PathLike, items: Iterable[tuple[str
                 raise TypeError(f"{name!r} is a {type(t).__name__}, not a torch.Tensor.")
             if t.device.type == "meta":
                 raise ValueError(f"{name!r} is on the meta device (never materialised): there is no data to write.")
-            size = _out_bytes(t, dt)
+            size = t.numel() * (dt.itemsize if dt is not None and t.is_floating_point() else t.element_size())
             if pending and pending_bytes + size > max_shard_bytes:
                 flush(pending)
                 pending, pending_bytes = [], 0
@@ -228,8 +218,12 @@ def finish_safetensors_parts(out_dir: str | os.PathLike, parts: list[dict[str, A
     names = [n for p in parts for n in p["names"]]
     sums = {k: v for p in parts for k, v in p["sums"].items()}
     try:
-        if not files:  # nothing to write: one empty shard, as a model without tensors is saved
-            files.append(_empty_shard(d, sums))
+        if not files:  # nothing to write: one empty shard (``format: pt``), as a model without tensors is saved
+            tmp = d / f".tmp-{uuid.uuid4().hex[:8]}-00001.safetensors"
+            save_file({}, str(tmp), metadata={"format": "pt"})
+            _fsync_path(tmp)
+            sums[tmp.name] = file_sha256(tmp)
+            files.append(tmp.name)
             names.append([])
         n = len(files)
         finals = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
@@ -253,15 +247,6 @@ def finish_safetensors_parts(out_dir: str | os.PathLike, parts: list[dict[str, A
     _write_json(path, dict(sorted({**old, **final_sums}.items())))
     _fsync_path(d)
     return index
-
-
-def _empty_shard(d: Path, sums: dict[str, str]) -> str:
-    """A safetensors file without tensors (``format: pt``), fsynced; its sha256 goes into ``sums``."""
-    tmp = d / f".tmp-{uuid.uuid4().hex[:8]}-00001.safetensors"
-    save_file({}, str(tmp), metadata={"format": "pt"})
-    _fsync_path(tmp)
-    sums[tmp.name] = file_sha256(tmp)
-    return tmp.name
 
 
 def _safetensors_expected_size(path: Path) -> tuple[int | None, str | None]:
@@ -357,7 +342,6 @@ def save_hf_model_dir(out_dir: str | os.PathLike, model: torch.nn.Module, *, dty
         raise FileExistsError(f"{d} already holds weight files {clash[:5]}: write into a new or empty directory.")
     config = saved_config(model, dt)
     d.mkdir(parents=True, exist_ok=True)
-    before = {x.name for x in d.iterdir()}
     if named_tensors is None:
         entries = list(state_dict_entries(model))
         warn_undeclared_sharing(undeclared_sharing(model, entries), type(model).__name__)
@@ -367,19 +351,18 @@ def save_hf_model_dir(out_dir: str | os.PathLike, model: torch.nn.Module, *, dty
     if ignore:  # exact names, as save_pretrained treats them
         named_tensors = ((n, t) for n, t in named_tensors if n not in ignore)
     index = write_safetensors_shards(d, named_tensors, max_shard_bytes=max_shard_bytes, dtype=dt)
-    write_hf_config_files(d, model, dtype=dt, tokenizer=tokenizer, config=config,
-                          exclude=before | set(index["weight_map"].values()))
+    write_hf_config_files(d, model, dtype=dt, tokenizer=tokenizer, config=config)
     return index
 
 
 def write_hf_config_files(out_dir: str | os.PathLike, model: torch.nn.Module, *, dtype: torch.dtype | str | None = None,
-                          tokenizer: Any = None, config: Any = None, exclude: Iterable[str] = ()) -> None:
+                          tokenizer: Any = None, config: Any = None) -> None:
     """The non-weight files of a Hugging Face model directory: ``config.json`` (``config``, default
     :func:`~.hf_config.saved_config` of ``model`` for ``dtype``, which describes the dense weights written; the
     model's own config is not modified), ``generation_config.json`` when the model can generate, remote code, the
-    tokenizer; each new file (not in ``exclude``, not weights) is added to ``checksums.json``."""
+    tokenizer; each new file (not weights) is added to ``checksums.json``."""
     d = Path(out_dir)
-    before = {x.name for x in d.iterdir()} | set(exclude)
+    before = {x.name for x in d.iterdir()}
     config = config if config is not None else saved_config(model, resolve_dtype(dtype))
     config.save_pretrained(str(d))
     gen = getattr(model, "generation_config", None)

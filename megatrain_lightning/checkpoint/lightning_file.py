@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from .atomic import check_name_length, temporary_path
-from .directory import read_param_state, saved_state_keys, verified_info
+from ..optim.state_packing import unflatten_named
+from .atomic import check_name_length, fsync_path, temporary_path
+from .directory import saved_state_keys, verified_info
 from .errors import CheckpointError
 from .hf_source import SafetensorsSource
 from .layout import open_part
@@ -50,7 +51,7 @@ def _optimizer_state(root: Path, groups: list[dict[str, Any]]) -> dict[str, Any]
         for name in g["param_names"]:
             keys = saved.get(name)
             if keys:
-                state[index] = read_param_state(src, keys)
+                state[index] = unflatten_named({k: src.get(key) for k, key in keys.items()})
             ids.append(index)
             index += 1
         param_groups.append({**{k: v for k, v in g.items() if k != "param_names"}, "params": ids})
@@ -104,8 +105,7 @@ def convert_to_lightning_checkpoint(ckpt_dir: str | os.PathLike, out_path: str |
     tmp = temporary_path(out)
     try:
         torch.save(meta, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
+        fsync_path(tmp)
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)

@@ -57,16 +57,11 @@ def write_info(root: Path, *, has_optimizer: bool, params: dict[str, Any], tenso
         "parts": {part: part_digest(root, part) for part in parts},
     }
     info["digest"] = info_digest(info)
-    path = root / INFO_FILE
-    with open(path, "w") as f:
+    with open(root / INFO_FILE, "w") as f:
         json.dump(info, f)
         f.flush()
         os.fsync(f.fileno())
     return info
-
-
-def _is_pair(v: Any) -> bool:
-    return isinstance(v, list) and len(v) == 2 and all(isinstance(x, str) for x in v)
 
 
 def _schema_problem(info: Any) -> str | None:
@@ -90,7 +85,8 @@ def _schema_problem(info: Any) -> str | None:
         if not (isinstance(p, dict) and isinstance(p.get("shape"), list) and isinstance(p.get("requires_grad"), bool)):
             return f"params[{name!r}] is not {{'shape': [...], 'requires_grad': bool}}"
     if info["format"] >= 2:
-        bad = [k for k, v in info["tensors"].items() if not _is_pair(v)]
+        bad = [k for k, v in info["tensors"].items()
+               if not (isinstance(v, list) and len(v) == 2 and all(isinstance(x, str) for x in v))]
         if bad:
             return f"tensors[{bad[0]!r}] is not a [part, key] pair"
         unmapped = [n for n in info["params"] if n not in info["tensors"]]

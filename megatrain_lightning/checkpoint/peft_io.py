@@ -70,18 +70,14 @@ def base_model_entries(peft_model: Any) -> tuple[torch.nn.Module, list[tuple[str
     return base, list(state_dict_entries(base, unwrap=_unwrap))
 
 
-def adapter_part(adapter_name: str) -> str:
-    """The part (folder) peft's ``save_pretrained`` writes adapter ``adapter_name`` to."""
-    return ADAPTER_DIR if adapter_name == "default" else f"{ADAPTER_DIR}/{adapter_name}"
-
-
 def adapter_entries(peft_model: Any, state_dict: dict[str, torch.Tensor]) -> dict[str, list[tuple[str, torch.Tensor]]]:
     """``{part: [(key in adapter_model.safetensors, tensor)]}`` for every adapter, selected by peft's
     own ``get_peft_model_state_dict`` from ``state_dict`` (the module's own tensor objects)."""
     from peft import get_peft_model_state_dict
 
-    return {adapter_part(name): list(get_peft_model_state_dict(peft_model, state_dict=state_dict,
-                                                                adapter_name=name).items())
+    # each under the part (folder) peft's save_pretrained writes it to
+    return {(ADAPTER_DIR if name == "default" else f"{ADAPTER_DIR}/{name}"):
+            list(get_peft_model_state_dict(peft_model, state_dict=state_dict, adapter_name=name).items())
             for name in peft_model.peft_config}
 
 

@@ -1,10 +1,9 @@
 from .datamodule import DomainDataModule
-from .factory import make_datamodule
+from .factory import biomedical_pairs, code_texts, legal_texts, load_user_source, make_datamodule, offline_source
 from .probes import PROBES, biomedical_probe, code_probe, continuation_loss, legal_probe
 from .probe_items import code_items, instruction_items, legal_items
 from .resumable import ResumableDataLoader
 from .resume_alignment import ResumedEpochAlignment
-from .sources import biomedical_pairs, code_texts, legal_texts, load_user_source, offline_source
 
 __all__ = [
     "DomainDataModule",

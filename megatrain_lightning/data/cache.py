@@ -31,15 +31,12 @@ def tokenizer_fingerprint(tokenizer) -> dict:
     tokenizers with the same name but different files get different keys.
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        definition = _sha(backend.to_str())
-    else:
-        definition = _sha(json.dumps(sorted(tokenizer.get_vocab().items())))
+    definition = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
     return {
         "class": type(tokenizer).__name__,
         "name": str(getattr(tokenizer, "name_or_path", "")),
         "vocab_size": len(tokenizer),
-        "definition": definition,
+        "definition": _sha(definition),
         "chat_template": _sha(str(getattr(tokenizer, "chat_template", None))),
         "eos": getattr(tokenizer, "eos_token_id", None),
         "bos": getattr(tokenizer, "bos_token_id", None),

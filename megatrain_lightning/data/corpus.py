@@ -77,13 +77,9 @@ def unit_hash(key: str, seed: int) -> float:
     return int.from_bytes(h[:8], "big") / 2**64
 
 
-def split_key(doc: dict) -> str:
-    """What the split hashes: ``doc["group"]`` when present, else ``doc["id"]``."""
-    return str(doc.get("group", doc["id"]))
-
-
 def split_documents(docs: list[dict], val_fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
-    """``(train, val)`` by document: a document is validation iff ``unit_hash(split_key(doc), seed) < val_fraction``.
+    """``(train, val)`` by document: a document is validation iff ``unit_hash(key, seed) < val_fraction``, ``key``
+    its ``"group"`` when present, else its ``"id"``.
 
     The assignment of a document depends only on its id/group and ``seed``, never on the order or
     the other documents, so adding documents never moves existing ones across the split.
@@ -95,7 +91,7 @@ def split_documents(docs: list[dict], val_fraction: float, seed: int) -> tuple[l
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}.")
     train, val = [], []
     for d in docs:
-        (val if unit_hash(split_key(d), seed) < val_fraction else train).append(d)
+        (val if unit_hash(str(d.get("group", d["id"])), seed) < val_fraction else train).append(d)
     return train, val
 
 
@@ -113,8 +109,7 @@ def subsample(docs: list[dict], max_documents: int | None, seed: int) -> list[di
     if max_documents < 1:
         raise ValueError(f"max_documents must be >= 1 or None, got {max_documents}.")
     ranked = sorted(range(len(docs)), key=lambda i: unit_hash("sample:" + docs[i]["id"], seed))
-    keep = sorted(ranked[:max_documents])
-    return [docs[i] for i in keep]
+    return [docs[i] for i in sorted(ranked[:max_documents])]
 
 
 def dedupe_ids(docs: Iterable[dict]) -> list[dict]:

@@ -19,7 +19,6 @@ from .probes import PROBES
 from .resumable import ResumableDataLoader
 
 log = logging.getLogger(__name__)
-SPLITS = ("train", "val")
 # probe_options keys: for the item builder, for the probe function (plus "max_items" for both)
 _BUILDER_OPTIONS = {"legal": {"min_words"}, "code": {"max_body_lines"}, "biomedical": {"kinds"}}
 _PROBE_OPTIONS = {"legal": {"batch_size", "max_tokens"}, "code": {"batch_size", "max_tokens"},
@@ -35,16 +34,6 @@ def probe_option_names(probe: str) -> set[str]:
     if probe not in PROBES:
         raise ValueError(f"Unknown probe {probe!r}; choose from {sorted(PROBES)} or None.")
     return _PROBE_OPTIONS[probe] | _BUILDER_OPTIONS[probe] | {"max_items"}
-
-
-def _check_probe(probe: str | None, options: dict) -> None:
-    """Raises ValueError for an unknown probe name or an option the probe does not take."""
-    if probe is None:
-        return
-    allowed = probe_option_names(probe)
-    unknown = set(options) - allowed
-    if unknown:
-        raise ValueError(f"Unknown probe option(s) {sorted(unknown)} for probe {probe!r}; allowed: {sorted(allowed)}.")
 
 
 def split_corpus(raw: Iterable[dict], shape: str, val_fraction: float, seed: int,
@@ -140,7 +129,10 @@ class DomainDataModule(pl.LightningDataModule):
                              "(max_position_embeddings); lower data.seq_len to at most that.")
         if batch_size < 1 or num_workers < 0:
             raise ValueError(f"batch_size must be >= 1 and num_workers >= 0, got {batch_size} and {num_workers}.")
-        _check_probe(probe, probe_options or {})
+        allowed = probe_option_names(probe) if probe is not None else set(probe_options or {})
+        if set(probe_options or {}) - allowed:
+            raise ValueError(f"Unknown probe option(s) {sorted(set(probe_options) - allowed)} for probe {probe!r}; "
+                             f"allowed: {sorted(allowed)}.")
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}.")
         eos_id(tokenizer)
@@ -157,8 +149,6 @@ class DomainDataModule(pl.LightningDataModule):
         self.cache_file: Path | None = None
         self.cache_hit = False
         self._stats: dict[str, dict] = {}
-
-    # ---- building -------------------------------------------------------------------------------------
 
     def _encode_split(self, docs: list[dict], split: str) -> tuple[dict[str, torch.Tensor], dict]:
         if self.shape == "text":
@@ -208,17 +198,7 @@ class DomainDataModule(pl.LightningDataModule):
             if self.cache_file is not None:
                 cache.save(self.cache_file, tensors, self._stats)
                 log.info("Wrote tokenized data cache %s", self.cache_file)
-        self._warn_lost()
-        for split in SPLITS:
-            if self.shape == "text" and f"{split}.rows" in tensors:
-                self.datasets[split] = PackedDataset(tensors[f"{split}.rows"])
-            elif f"{split}.ids" in tensors:
-                self.datasets[split] = InstructionDataset(tensors[f"{split}.ids"], tensors[f"{split}.trained"],
-                                                          tensors[f"{split}.offsets"])
-
-    def _warn_lost(self) -> None:
-        """Warn for every split whose instruction examples were dropped or truncated (counts in :meth:`stats`)."""
-        for split, st in self._stats.items():
+        for split, st in self._stats.items():  # instruction examples dropped or truncated (counts in stats())
             dropped, truncated, n = st.get("dropped", 0), st.get("truncated", 0), st.get("documents", 0)
             if dropped:
                 log.warning("data: %d of %d %s examples are left out: the prompt alone fills seq_len=%d tokens (or "
@@ -228,6 +208,12 @@ class DomainDataModule(pl.LightningDataModule):
             if truncated:
                 log.warning("data: %d of %d %s examples are cut at seq_len=%d tokens (the end of their answer is not "
                             "trained); raise data.seq_len to keep them whole.", truncated, n, split, self.seq_len)
+        for split in ("train", "val"):
+            if self.shape == "text" and f"{split}.rows" in tensors:
+                self.datasets[split] = PackedDataset(tensors[f"{split}.rows"])
+            elif f"{split}.ids" in tensors:
+                self.datasets[split] = InstructionDataset(tensors[f"{split}.ids"], tensors[f"{split}.trained"],
+                                                          tensors[f"{split}.offsets"])
 
     def prepare_data(self) -> None:
         """Build (and write the cache, if ``cache_dir`` is set)."""
@@ -244,7 +230,6 @@ class DomainDataModule(pl.LightningDataModule):
         self._build()
         return {k: dict(v) for k, v in self._stats.items()}
 
-    # ---- loaders --------------------------------------------------------------------------------------
     def _loader_kwargs(self) -> dict:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos_id(self.tokenizer)
         return {"batch_size": self.batch_size, "collate_fn": PadCollate(pad), "num_workers": self.num_workers,
@@ -262,7 +247,6 @@ class DomainDataModule(pl.LightningDataModule):
             return []
         return DataLoader(self.datasets["val"], shuffle=False, **self._loader_kwargs())
 
-    # ---- probes ---------------------------------------------------------------------------------------
     def probe_items(self) -> list[dict]:
         """Items of this module's probe from the validation documents (``probe_options`` for the builder)."""
         if self.probe is None:

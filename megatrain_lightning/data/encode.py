@@ -13,6 +13,11 @@ from .formatting import conversation_segments, eos_id, wants_bos
 CHUNK = 512
 
 
+def _chunks(items: list):
+    for i in range(0, len(items), CHUNK):
+        yield items[i : i + CHUNK]
+
+
 def _batch_ids(tokenizer, texts: list[str]) -> list[list[int]]:
     """Token ids of each string, no special tokens added (empty string -> ``[]``).
 
@@ -20,9 +25,8 @@ def _batch_ids(tokenizer, texts: list[str]) -> list[list[int]]:
         ValueError: a non-blank string gave no token (a tokenizer without its vocabulary loaded does that).
     """
     out: list[list[int]] = []
-    for i in range(0, len(texts), CHUNK):
-        part = texts[i : i + CHUNK]
-        out += tokenizer(part, add_special_tokens=False, verbose=False)["input_ids"] if part else []
+    for part in _chunks(texts):
+        out += tokenizer(part, add_special_tokens=False, verbose=False)["input_ids"]
     for text, ids in zip(texts, out):
         if not ids and text.strip():
             raise ValueError(f"The tokenizer turned {text[:40]!r}... into no tokens (vocabulary size {len(tokenizer)}); "
@@ -39,11 +43,6 @@ def encode_texts(tokenizer, docs: list[dict]) -> list[list[int]]:
     eos = eos_id(tokenizer)
     head = [tokenizer.bos_token_id] if wants_bos(tokenizer) else []
     return [head + ids + [eos] for ids in _batch_ids(tokenizer, [d["text"] for d in docs])]
-
-
-def _chunks(docs: list[dict]):
-    for i in range(0, len(docs), CHUNK):
-        yield docs[i : i + CHUNK]
 
 
 def pack_texts(tokenizer, docs: list[dict], seq_len: int) -> tuple[torch.Tensor, int, int]:
@@ -64,20 +63,6 @@ def pack_texts(tokenizer, docs: list[dict], seq_len: int) -> tuple[torch.Tensor,
     return flat[: n * seq_len].view(n, seq_len).clone(), int(flat.numel()), int(flat.numel() - n * seq_len)
 
 
-def _encode_conversations(tokenizer, docs: list[dict], use_chat_template: bool):
-    bos = wants_bos(tokenizer)
-    all_segs = [conversation_segments(tokenizer, as_messages(d), use_chat_template, bos) for d in docs]
-    tokenized = iter(_batch_ids(tokenizer, [s for segs in all_segs for s, _ in segs if isinstance(s, str)]))
-    for segs in all_segs:
-        ids: list[int] = []
-        trained: list[bool] = []
-        for s, t in segs:
-            piece = next(tokenized) if isinstance(s, str) else s
-            ids += piece
-            trained += [t] * len(piece)
-        yield ids, trained
-
-
 def encode_instructions(tokenizer, docs: list[dict], seq_len: int, use_chat_template: bool) -> tuple[dict[str, torch.Tensor], dict]:
     """Token ids and trained-token flags of the instruction documents, each truncated to ``seq_len`` tokens.
 
@@ -94,10 +79,19 @@ def encode_instructions(tokenizer, docs: list[dict], seq_len: int, use_chat_temp
     """
     ids_parts, trained_parts, lengths = [], [], []
     truncated = dropped = 0
+    bos = wants_bos(tokenizer)
     for chunk in _chunks(docs):
         flat_ids: list[int] = []
         flat_trained: list[bool] = []
-        for ids, trained in _encode_conversations(tokenizer, chunk, use_chat_template):
+        all_segs = [conversation_segments(tokenizer, as_messages(d), use_chat_template, bos) for d in chunk]
+        tokenized = iter(_batch_ids(tokenizer, [s for segs in all_segs for s, _ in segs if isinstance(s, str)]))
+        for segs in all_segs:
+            ids: list[int] = []
+            trained: list[bool] = []
+            for s, t in segs:
+                piece = next(tokenized) if isinstance(s, str) else s
+                ids += piece
+                trained += [t] * len(piece)
             cut = len(ids) > seq_len
             if cut:
                 ids, trained = ids[:seq_len], trained[:seq_len]

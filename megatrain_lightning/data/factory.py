@@ -1,13 +1,43 @@
-"""``make_datamodule``: the Hydra entry (``conf/data/*.yaml``) from a domain name and a source setting."""
+"""``make_datamodule``: the Hydra entry (``conf/data/*.yaml``) from a domain name and a source setting, and the
+offline sources of the three domains, each a list of documents (see :mod:`megatrain_lightning.data.corpus`):
+
+======================  ==============  =============================================================
+function                shape           content
+======================  ==============  =============================================================
+``legal_texts()``       text            338 SPDX license texts (PyPI ``spdx``), Debian's as fallback
+``code_texts()``        text            ~730 non-test stdlib modules of the running interpreter
+``biomedical_pairs()``  instruction     76,557 drug (MeSH) and ICD-10-CM question/answer pairs
+======================  ==============  =============================================================
+"""
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 from .datamodule import DomainDataModule
-from .sources import OFFLINE, offline_source
+from .source_biomedical import biomedical_pairs
+from .source_code import code_texts
+from .source_legal import legal_texts
 from .source_user import USER_OPTIONS, load_user_source
+
+OFFLINE: dict[str, tuple[Callable[..., list[dict]], str]] = {
+    "legal": (legal_texts, "text"),
+    "code": (code_texts, "text"),
+    "biomedical": (biomedical_pairs, "instruction"),
+}
+
+
+def offline_source(domain: str, **options: Any) -> list[dict]:
+    """Documents of the offline default source of ``domain`` (``options`` go to its function,
+    e.g. ``max_files`` for code, ``kinds`` for biomedical, ``include_debian`` for legal).
+
+    Raises:
+        ValueError: unknown domain.
+    """
+    if domain not in OFFLINE:
+        raise ValueError(f"Unknown domain {domain!r}; offline sources exist for {sorted(OFFLINE)}.")
+    return OFFLINE[domain][0](**options)
 
 
 def make_datamodule(
@@ -31,7 +61,7 @@ def make_datamodule(
             :func:`~megatrain_lightning.data.load_user_source` reads.
         shape: ``"text"`` or ``"instruction"``; ``None``: the domain's (legal/code: text, biomedical: instruction).
         max_seq_len: the model's ``max_position_embeddings`` (``seq_len`` above it is an error).
-        source_options: keyword arguments of the offline source function (:func:`~.sources.offline_source`) or of
+        source_options: keyword arguments of the offline source function (:func:`offline_source`) or of
             ``load_user_source``.
         probe: ``{"enabled": bool, "max_items": int, ...}`` (``DomainDataModule``'s ``probe_options``);
             ``enabled: false`` or ``None`` turns the domain probe off.

@@ -31,14 +31,8 @@ def _check(n: int, start: int, batch_size: int, world_size: int, rank: int = 0) 
 
 
 def steps_left(n: int, start: int, batch_size: int, world_size: int, drop_last: bool) -> int:
-    """Global steps of an epoch of ``n`` samples from position ``start`` (= batches each rank yields).
-
-    Args:
-        n: samples in the epoch.
-        start: samples of the epoch's order already consumed, ``0 <= start <= n``.
-        batch_size: samples per rank per step.
-        world_size: data-parallel ranks.
-        drop_last: drop an incomplete last global batch.
+    """Global steps of an epoch of ``n`` samples from position ``start`` (= batches each rank yields); the other
+    arguments as in :func:`rank_share`.
 
     Raises:
         ValueError: a size below 1 or ``start`` outside ``[0, n]``.

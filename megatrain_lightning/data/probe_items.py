@@ -32,12 +32,6 @@ def legal_items(docs: list[dict], max_items: int | None = None, seed: int = 0, m
     return _ordered(items, max_items, seed)
 
 
-def _functions(tree: ast.AST):
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            yield node
-
-
 def code_items(docs: list[dict], max_items: int | None = None, seed: int = 0, max_body_lines: int = 60) -> list[dict]:
     """Function-body completion: for every function or method with a docstring and at least one statement after it
     in the (Python) text documents, ``prompt`` = the ``def`` line(s) through the end of the docstring (decorators left
@@ -50,7 +44,7 @@ def code_items(docs: list[dict], max_items: int | None = None, seed: int = 0, ma
         except (SyntaxError, ValueError):
             continue
         lines = d["text"].splitlines()
-        for fn in _functions(tree):
+        for fn in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
             first = fn.body[0]
             has_doc = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str)
             if not has_doc or len(fn.body) < 2 or fn.end_lineno is None or first.end_lineno is None:

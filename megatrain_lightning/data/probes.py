@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from .datasets import PadCollate
 from .formatting import end_of_turn, eos_id, generation_prompt, resolve_chat_template
 from .probe_items import code_items, instruction_items, legal_items
 
@@ -98,7 +99,7 @@ def continuation_loss(model, tokenizer, items: list[dict], device=None, max_item
     """
     items = _take(items, max_items)
     dev = _device(model, device)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id(tokenizer)
+    collate = PadCollate(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id(tokenizer))
     pairs = [_pair_ids(tokenizer, it["prompt"], it["response"], max_tokens) for it in items]
     pairs = [(ids, s) for ids, s in pairs if any(s[1:])]
     if not pairs:
@@ -106,17 +107,11 @@ def continuation_loss(model, tokenizer, items: list[dict], device=None, max_item
     total, count = 0.0, 0
     with _eval_mode(model):
         for i in _batches(len(pairs), batch_size, "probe"):
-            chunk = pairs[i : i + batch_size]
-            t = max(len(ids) for ids, _ in chunk)
-            ids = torch.full((len(chunk), t), pad, dtype=torch.long)
-            mask = torch.zeros((len(chunk), t), dtype=torch.long)
-            labels = torch.full((len(chunk), t), -100, dtype=torch.long)
-            for r, (x, s) in enumerate(chunk):
-                ids[r, : len(x)] = torch.tensor(x)
-                mask[r, : len(x)] = 1
-                labels[r, : len(x)] = torch.where(torch.tensor(s), torch.tensor(x), torch.tensor(-100))
-            logits = model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits
-            target = labels[:, 1:].to(logits.device)
+            b = collate([{"input_ids": torch.tensor(x), "attention_mask": torch.ones(len(x), dtype=torch.long),
+                          "labels": torch.tensor([t if k else -100 for t, k in zip(x, s)])}
+                         for x, s in pairs[i : i + batch_size]])
+            logits = model(input_ids=b["input_ids"].to(dev), attention_mask=b["attention_mask"].to(dev)).logits
+            target = b["labels"][:, 1:].to(logits.device)
             loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), target.reshape(-1),
                                    ignore_index=-100, reduction="sum")
             total += float(loss)

@@ -142,17 +142,16 @@ class RecordMapper:
 
     def _pair(self, rec: dict, where: str) -> tuple[str, str]:
         p = self.prompt or next((n for n in PROMPT_AUTO if isinstance(rec.get(n), str)), None)
+        r = self.response or next((n for n in RESPONSE_AUTO if isinstance(rec.get(n), str)), None)
         if p is None or not isinstance(rec.get(p), str):
             _refuse_non_text(rec, where, [self.prompt] if self.prompt else PROMPT_AUTO)
             wanted = f"{p!r} field" if p else "prompt field (looked for 'prompt', 'instruction', 'messages', 'conversations')"
             err = _missing(rec, where, "prompt_field", wanted, PROMPT_GUESSES)
-            r = self.response or next((n for n in RESPONSE_AUTO if isinstance(rec.get(n), str)), None)
             r_guess = _guess(rec, RESPONSE_GUESSES, taken=(err.suggestion,)) if r is None else None
             if err.suggestion and r_guess:  # the response field is missing too: say both at once
                 raise FieldError(f"{err} The response field is missing too: set response_field={r_guess!r}.",
                                  "prompt_field", err.suggestion, also={"response_field": r_guess})
             raise err
-        r = self.response or next((n for n in RESPONSE_AUTO if isinstance(rec.get(n), str)), None)
         if r is None or not isinstance(rec.get(r), str):
             _refuse_non_text(rec, where, [self.response] if self.response else RESPONSE_AUTO)
             wanted = f"{r!r} field" if r else "response field (looked for 'response', 'output', 'completion')"

@@ -111,9 +111,8 @@ class ResumableDataLoader(DataLoader):
             shuffle, replicas, rank = bool(sampler.shuffle), int(sampler.num_replicas), int(sampler.rank)
             if not 0 <= rank < replicas:
                 raise ValueError(f"The DistributedSampler's rank {rank} is outside [0, num_replicas={replicas}).")
-        drop_last = bool(kwargs.get("drop_last", False))
-        self._position = _PositionSampler(len(dataset), shuffle, seed, batch_size or 1, drop_last,  # type: ignore[arg-type]
-                                          replicas, rank)
+        self._position = _PositionSampler(len(dataset), shuffle, seed, batch_size or 1,  # type: ignore[arg-type]
+                                          bool(kwargs.get("drop_last", False)), replicas, rank)
         super().__init__(dataset, batch_size=batch_size, sampler=self._position, **kwargs)
         self.shuffle, self.seed = shuffle, seed  # public: Lightning's re-instantiation copies them
         self._epoch = 0  # epoch being iterated

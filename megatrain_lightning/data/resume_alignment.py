@@ -82,8 +82,7 @@ class ResumedEpochAlignment(Callback):
             target, next_epoch = full, True  # the epoch is complete: as an end-of-epoch checkpoint of this size
         else:
             target, next_epoch = full - left, False
-            accumulate = int(trainer.accumulate_grad_batches)
-            aligned = target - target % accumulate
+            aligned = target - target % int(trainer.accumulate_grad_batches)
             if aligned != target:  # start at a window boundary; the epoch ends after the `left` batches
                 target = aligned
                 self._full_epoch = fit_loop.max_batches

@@ -15,13 +15,8 @@ def stdlib_files(root: Path | None = None) -> list[Path]:
     and any ``test_*.py``. About 730 files, 12 MB on CPython 3.11.
     """
     root = Path(root or sysconfig.get_paths()["stdlib"])
-    out = []
-    for p in root.rglob("*.py"):
-        parts = p.relative_to(root).parts
-        if _SKIP_DIRS.intersection(parts[:-1]) or parts[-1].startswith("test_"):
-            continue
-        out.append(p)
-    return sorted(out)
+    return sorted(p for p in root.rglob("*.py")
+                  if not _SKIP_DIRS.intersection(p.relative_to(root).parts[:-1]) and not p.name.startswith("test_"))
 
 
 def code_texts(max_files: int | None = None, root: str | Path | None = None) -> list[dict]:

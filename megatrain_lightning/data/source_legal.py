@@ -20,15 +20,6 @@ def _license_family(name: str) -> str:
     return name.split("-")[0].rstrip("+").upper()
 
 
-def _read_package_text(path: Path) -> str:
-    """A license file of a package: UTF-8, or Latin-1 for the few older files (``OSL-2.1.txt``) that are not UTF-8."""
-    raw = path.read_bytes()
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return raw.decode("latin-1")
-
-
 def spdx_texts() -> list[dict]:
     """The license texts of the installed ``spdx`` package: ``[{"id": "spdx/<ID>", "text", "group"}]``.
 
@@ -56,7 +47,11 @@ def _license_docs(files, prefix: str, name) -> list[dict]:
     """``{"id": "<prefix>/<name>", "text", "group": "license/<family>"}`` for each non-empty file."""
     docs = []
     for f in files:
-        text = _read_package_text(f).strip()
+        raw = f.read_bytes()
+        try:
+            text = raw.decode("utf-8").strip()
+        except UnicodeDecodeError:  # the few older files (``OSL-2.1.txt``) that are not UTF-8
+            text = raw.decode("latin-1").strip()
         if text:
             docs.append({"id": f"{prefix}/{name(f)}", "text": text, "group": "license/" + _license_family(name(f))})
     return docs

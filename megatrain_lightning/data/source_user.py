@@ -70,7 +70,7 @@ class _Decoder:
             return raw.decode("utf-8-sig", errors="replace")
 
 
-def _jsonl(path: Path, name: str, fields: RecordMapper, dec: _Decoder, head: int | None) -> Iterator[dict]:
+def _jsonl(path: Path, name: str, fields: RecordMapper, dec: _Decoder, head: int | None) -> Iterator[dict | None]:
     for i, line in enumerate(dec.read(path, head).splitlines(), start=1):
         if not line.strip():
             continue
@@ -83,12 +83,10 @@ def _jsonl(path: Path, name: str, fields: RecordMapper, dec: _Decoder, head: int
         if isinstance(rec, list):  # json.dump(records, f) on one line: valid JSON, but a list, not a record
             raise ValueError(f"{path}:{i}: a JSON list, not one JSON object per line (is it a .json file: one list "
                              "of records? rename it to .json).")
-        doc = fields.document(rec, f"{name}:{i}")
-        if doc is not None:
-            yield doc
+        yield fields.document(rec, f"{name}:{i}")
 
 
-def _json_records(path: Path, dec: _Decoder) -> list:
+def _json(path: Path, name: str, fields: RecordMapper, dec: _Decoder) -> Iterator[dict | None]:
     try:
         data = json.loads(dec.read(path))
     except json.JSONDecodeError as e:
@@ -97,19 +95,13 @@ def _json_records(path: Path, dec: _Decoder) -> list:
     if isinstance(data, dict):
         lists = [v for v in data.values() if isinstance(v, list)]
         if len(lists) == 1:
-            return lists[0]
+            data = lists[0]
     if not isinstance(data, list):
         raise ValueError(f"{path}: a .json source must hold a list of records (or an object with one list of "
                          f"records, e.g. {{\"data\": [...]}}), got {type(data).__name__} with keys "
                          f"{sorted(data) if isinstance(data, dict) else '-'}.")
-    return data
-
-
-def _json(path: Path, name: str, fields: RecordMapper, dec: _Decoder) -> Iterator[dict]:
-    for i, rec in enumerate(_json_records(path, dec), start=1):
-        doc = fields.document(rec, f"{name}:{i}")
-        if doc is not None:
-            yield doc
+    for i, rec in enumerate(data, start=1):
+        yield fields.document(rec, f"{name}:{i}")
 
 
 def _txt(path: Path, name: str, dec: _Decoder, txt_mode: str, head: int | None) -> Iterator[dict]:
@@ -123,7 +115,7 @@ def _txt(path: Path, name: str, dec: _Decoder, txt_mode: str, head: int | None) 
             yield {"id": f"{name}:{i}", "text": line}
 
 
-def _parquet(path: Path, name: str, fields: RecordMapper, head: int | None) -> Iterator[dict]:
+def _parquet(path: Path, name: str, fields: RecordMapper, head: int | None) -> Iterator[dict | None]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -133,16 +125,15 @@ def _parquet(path: Path, name: str, fields: RecordMapper, head: int | None) -> I
     i = 0
     for batch in f.iter_batches(batch_size=head or 4096):
         for rec in batch.to_pylist():
-            doc = fields.document(rec, f"{name}:{i}")
+            yield fields.document(rec, f"{name}:{i}")
             i += 1
-            if doc is not None:
-                yield doc
         if head:
             return
 
 
 def _read_file(path: Path, name: str, fields: RecordMapper, dec: _Decoder, txt_mode: str,
-               head: int | None = None) -> Iterator[dict]:
+               head: int | None = None) -> Iterator[dict | None]:
+    """The file's documents, ``None`` for a record with empty content."""
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         return _jsonl(path, name, fields, dec, head)
@@ -199,15 +190,6 @@ def _hf_module(dataset_id: str) -> Any:
     return datasets
 
 
-def _hf_records(dataset_id: str, split: str) -> Iterable[dict]:
-    datasets = _hf_module(dataset_id)
-    try:
-        return datasets.load_dataset(dataset_id, split=split)
-    except Exception as e:  # network, missing dataset, bad split: all need the same advice
-        raise RuntimeError(f"Could not load Hugging Face dataset {dataset_id!r} (split {split!r}): {e}. Check the id "
-                           "and your connection, or point the source at local files.") from e
-
-
 def looks_like_hf_id(s: str) -> bool:
     """``True`` for ``name`` or ``owner/name`` without a known file extension, not starting with ``.``/``/``/``~``."""
     return bool(_HF_ID.match(s)) and Path(s).suffix.lower() not in READABLE + (".csv",)
@@ -224,11 +206,16 @@ def _streams(raw: str, shape: str, fields: RecordMapper, dec: _Decoder, txt_mode
     if path.is_dir():
         for f in _directory_files(path, shape):
             name = f.relative_to(path).as_posix()
-            yield name, _read_file(f, name, fields, dec, txt_mode, head)
+            yield name, filter(None, _read_file(f, name, fields, dec, txt_mode, head))
     elif path.is_file():
-        yield path.name, _read_file(path, path.name, fields, dec, txt_mode, head)
+        yield path.name, filter(None, _read_file(path, path.name, fields, dec, txt_mode, head))
     elif looks_like_hf_id(raw):
-        records = _hf_records(raw, hf_split)
+        datasets = _hf_module(raw)
+        try:
+            records = datasets.load_dataset(raw, split=hf_split)
+        except Exception as e:  # network, missing dataset, bad split: all need the same advice
+            raise RuntimeError(f"Could not load Hugging Face dataset {raw!r} (split {hf_split!r}): {e}. Check the id "
+                               "and your connection, or point the source at local files.") from e
         yield raw, filter(None, (fields.document(r, f"{raw}:{hf_split}:{i}") for i, r in enumerate(records)))
     else:
         raise FileNotFoundError(f"Data source {raw!r} does not exist (resolved to {path.resolve()}); give an existing "
@@ -287,17 +274,15 @@ def load_user_source(
     raw = str(path_or_id)
     docs: list[dict] = []
     seen: dict[str, str] = {}  # id -> the file that gave it first
-    for name, stream in _streams(raw, shape, fields, dec, txt_mode, hf_split, None):
-        for doc in stream:
-            if doc["id"] in seen:
-                where = name if seen[doc["id"]] == name else f"{seen[doc['id']]} and {name}"
-                raise FieldError(f"{raw}: two records have the id {doc['id']!r} (field {id_field!r}, in {where}); ids "
-                                 f"must be unique. Set id_field=null to number the records by file and line instead, "
-                                 "or make the ids unique.", "id_field", "null")
-            seen[doc["id"]] = name
-            docs.append(doc)
-            if limit is not None and len(docs) >= limit:
-                break
+    streams = _streams(raw, shape, fields, dec, txt_mode, hf_split, None)
+    for name, doc in ((name, doc) for name, stream in streams for doc in stream):
+        if doc["id"] in seen:
+            where = name if seen[doc["id"]] == name else f"{seen[doc['id']]} and {name}"
+            raise FieldError(f"{raw}: two records have the id {doc['id']!r} (field {id_field!r}, in {where}); ids "
+                             f"must be unique. Set id_field=null to number the records by file and line instead, "
+                             "or make the ids unique.", "id_field", "null")
+        seen[doc["id"]] = name
+        docs.append(doc)
         if limit is not None and len(docs) >= limit:
             break
     if dec.replaced:

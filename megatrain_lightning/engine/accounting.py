@@ -5,6 +5,7 @@ before they reach the host). On CPU with the NVMe tier these are host memory, re
 
 from __future__ import annotations
 
+import operator
 import threading
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -15,62 +16,40 @@ from ..blocks import Block
 from ..store.nvme import align_up
 
 
-
 @dataclass
 class StepStats:
-    """Per-optimizer-step accounting (reset after each step).
+    """Per-optimizer-step accounting (reset after each step); names ending in ``_s`` are seconds, ``_bytes`` bytes
+    (the logged metrics: docs/guide/library.md)."""
 
-    Attributes:
-        h2d_bytes: bytes copied host -> device (weights, restored activations); a CPU device's in-place use
-            is not counted (``cpu_zero_copy``: 0 for ``32-true``).
-        d2h_bytes: bytes copied device -> host (gradients and offloaded activations).
-        wait_s: seconds the compute thread waited for weights or gradients (stall time).
-        optimizer_s: seconds spent in AdamW updates (mostly on the H2D worker, overlapped).
-        compute_s: seconds the compute thread spent inside block forward/backward calls, waits excluded.
-        peak_device_bytes: CUDA: ``torch.cuda.max_memory_allocated`` since the previous step (reset every
-            step: read it in ``on_before_optimizer_step`` to measure over several); CPU: peak bytes of
-            block weight/gradient buffers alive at once.
-        blocks_fetched: number of block fetches (forward + backward + evaluation).
-        weight_transfers: fetches handed to the H2D worker (one per block, or per ``block_group``).
-        prefetch_misses: fetches not prefetched (the compute thread started the copy).
-        activation_restore_misses: offloaded block inputs whose H2D copy was not started one call ahead.
-        activation_restored_peak_bytes: most bytes of restored (offloaded) block inputs alive at once.
-        cast_s: seconds the H2D worker spent casting fp32 masters to the bf16/fp16 wire copies.
-        d2h_queue_peak: most gradient batches queued for the D2H worker at once (at most the gradient
-            sink's ``max_inflight``; each keeps its gradients on the device until copied).
-        d2h_busy_s: seconds gradient copies device -> host ran (CUDA: between events on the D2H stream;
-            CPU: the conversion to the wire dtype, if any).
-        d2h_copy_wait_s: seconds the D2H worker waited for a gradient copy before adding it (CUDA: includes
-            waiting for the backward that produces the gradients).
-        grad_add_s: seconds the D2H worker spent adding gradients into the fp32 host accumulators.
-        grad_reduce_s: data parallel with gloo: seconds the D2H worker spent averaging gradient batches over
-            the ranks, slowest rank's wait included (``engine/reduce.py``). NCCL: 0 (the
-            time shows in ``d2h_copy_wait_s``).
-        recompute_s: seconds spent recomputing block forwards in backward (part of ``compute_s``).
-        saved_activation_bytes: most bytes of activations kept on the device at once between forward and
-            backward (saved block inputs needing gradients, op outputs the recompute policy keeps; offloaded
-            ones excluded). Not counted: the last block's graph, kept until its backward right after (the LM
-            head's ``[B, T, V]`` logits when the loss is not chunked).
-    """
-
-    h2d_bytes: int = 0
-    d2h_bytes: int = 0
-    wait_s: float = 0.0
-    optimizer_s: float = 0.0
-    compute_s: float = 0.0
+    h2d_bytes: int = 0  # copied host -> device (weights, restored activations); not a CPU's in-place use (zero copy)
+    d2h_bytes: int = 0  # copied device -> host (gradients and offloaded activations)
+    wait_s: float = 0.0  # the compute thread waited for weights or gradients (stall time)
+    optimizer_s: float = 0.0  # in AdamW updates (mostly on the H2D worker, overlapped)
+    compute_s: float = 0.0  # the compute thread inside block forward/backward calls, waits excluded
+    # CUDA: torch.cuda.max_memory_allocated since the previous step (reset every step: read it in
+    # on_before_optimizer_step to measure over several); CPU: peak bytes of block weight/gradient buffers alive at once
     peak_device_bytes: int = 0
-    blocks_fetched: int = 0
-    weight_transfers: int = 0
-    prefetch_misses: int = 0
-    activation_restore_misses: int = 0
-    activation_restored_peak_bytes: int = 0
-    cast_s: float = 0.0
+    blocks_fetched: int = 0  # block fetches (forward + backward + evaluation)
+    weight_transfers: int = 0  # fetches handed to the H2D worker (one per block, or per block_group)
+    prefetch_misses: int = 0  # fetches not prefetched (the compute thread started the copy)
+    activation_restore_misses: int = 0  # offloaded block inputs whose H2D copy was not started one call ahead
+    activation_restored_peak_bytes: int = 0  # most bytes of restored (offloaded) block inputs alive at once
+    cast_s: float = 0.0  # the H2D worker casting fp32 masters to the bf16/fp16 wire copies
+    # data parallel with gloo: the D2H worker averaging gradient batches over the ranks, slowest rank's wait included
+    # (engine/reduce.py); NCCL: 0 (the time shows in d2h_copy_wait_s)
     grad_reduce_s: float = 0.0
+    # most gradient batches queued for the D2H worker at once (at most the gradient sink's max_inflight; each keeps
+    # its gradients on the device until copied)
     d2h_queue_peak: int = 0
-    d2h_busy_s: float = 0.0
+    d2h_busy_s: float = 0.0  # gradient copies ran (CUDA: between events on the D2H stream; CPU: the wire dtype cast)
+    # the D2H worker waited for a gradient copy before adding it (CUDA: includes waiting for the backward that
+    # produces the gradients)
     d2h_copy_wait_s: float = 0.0
-    grad_add_s: float = 0.0
-    recompute_s: float = 0.0
+    grad_add_s: float = 0.0  # the D2H worker adding gradients into the fp32 host accumulators
+    recompute_s: float = 0.0  # recomputing block forwards in backward (part of compute_s)
+    # most activations kept on the device at once between forward and backward (saved block inputs needing
+    # gradients, op outputs the recompute policy keeps; offloaded ones excluded). Not counted: the last block's
+    # graph, kept until its backward right after (the LM head's [B, T, V] logits when the loss is not chunked)
     saved_activation_bytes: int = 0
 
     def as_dict(self, prefix: str = "megatrain/") -> dict[str, float]:
@@ -110,27 +89,26 @@ class ByteAccounting:
             self.live += nbytes
             self.stats.peak_device_bytes = max(self.stats.peak_device_bytes, self.live)
 
-    def add(self, **deltas: float) -> None:
-        """Add to the current step's statistics, e.g. ``add(h2d_bytes=n, cast_s=dt)`` (any thread).
+    def _update(self, values: dict[str, float], fn: Callable[[float, float], float]) -> None:
+        """``stats.k = fn(stats.k, v)`` for each ``k=v`` (any thread).
 
         Raises:
             AttributeError: a name that is not a :class:`StepStats` field."""
         with self._lock:
-            for k, v in deltas.items():
-                setattr(self.stats, k, getattr(self.stats, k) + v)
+            for k, v in values.items():
+                setattr(self.stats, k, fn(getattr(self.stats, k), v))
+
+    def add(self, **deltas: float) -> None:
+        """Add to the current step's statistics, e.g. ``add(h2d_bytes=n, cast_s=dt)``."""
+        self._update(deltas, operator.add)
 
     def peak(self, **values: float) -> None:
         """Raise the current step's statistics to at least ``values``, e.g. ``peak(d2h_queue_peak=2)``."""
-        with self._lock:
-            for k, v in values.items():
-                setattr(self.stats, k, max(getattr(self.stats, k), v))
+        self._update(values, max)
 
     def set(self, **values: float) -> None:
         """Set statistics of the current step (end-of-step figures: ``optimizer_s``, the CUDA peak)."""
-        with self._lock:
-            for k, v in values.items():
-                getattr(self.stats, k)  # AttributeError for an unknown name, as add() and peak()
-                setattr(self.stats, k, v)
+        self._update(values, lambda old, new: new)
 
     def release(self, bufs: dict[int, torch.Tensor]) -> None:
         """A block's buffers (slab index -> tensor) are no longer used by the compute thread."""
@@ -138,10 +116,6 @@ class ByteAccounting:
         bufs.clear()
         if self._on_release is not None:
             self._on_release()
-
-    def saw_activations(self, nbytes: int) -> None:
-        """``nbytes`` of activations are kept now (the step's ``saved_activation_bytes`` is the most seen)."""
-        self.peak(saved_activation_bytes=nbytes)
 
     def new_step(self) -> None:
         """Start the statistics of the next optimizer step (peak starts at what is alive now)."""

@@ -1,11 +1,7 @@
-"""Block groups: several consecutive blocks fetched as one transfer unit.
-
-A fetch has a fixed cost besides its bytes (docs/internals/streaming.md, "Per-block cost"), not hidden
-where blocks are small (SmolLM2-135M: 14 MB per decoder layer). With ``block_group=G`` the H2D worker
-fetches ``G`` consecutive decoder layers in one task; each member completes its own future and keeps its
-own buffers (exact live-byte accounting and release; members not used are released unused). Which blocks
-group: :func:`form_groups`. A fetch copies only the members the fetch sequence uses from it
-(:meth:`GroupSchedule.run_at`; ``recompute_every`` chains and ``recompute="none"`` may use fewer).
+"""Block groups: several consecutive blocks fetched as one transfer unit (``block_group``), paying a fetch's fixed
+cost once per group where blocks are small (SmolLM2-135M: 14 MB per decoder layer). The rules:
+docs/internals/streaming.md, "Block groups"; which blocks group: :func:`form_groups`; what a fetch copies:
+:meth:`GroupSchedule.run_at`.
 """
 
 from __future__ import annotations
@@ -17,11 +13,7 @@ from ..config import check_block_group
 
 
 def form_groups(blocks: Sequence[Block], size: int) -> list[tuple[int, ...]]:
-    """Partition the block indices into transfer units of at most ``size`` consecutive blocks.
-
-    Args:
-        blocks: the model's blocks, indexed by ``Block.index``.
-        size: blocks per group (``block_group``); 1 gives one group per block.
+    """Partition the block indices into transfer units of at most ``size`` (``block_group``) consecutive blocks.
 
     Returns:
         Groups in index order, each a tuple of block indices; every block is in exactly one group. A block
@@ -55,11 +47,8 @@ def form_groups(blocks: Sequence[Block], size: int) -> list[tuple[int, ...]]:
 
 
 class GroupSchedule:
-    """Which group each block is in, and the group fetches a fetch sequence will make.
-
-    Args:
-        groups: output of :func:`form_groups` (group key: its first block index).
-    """
+    """Which group each block is in (``groups`` from :func:`form_groups`; a group's key: its first block index),
+    and the group fetches a fetch sequence will make."""
 
     def __init__(self, groups: Sequence[tuple[int, ...]]):
         self.group_of: dict[int, int] = {bi: g[0] for g in groups for bi in g}
@@ -77,14 +66,9 @@ class GroupSchedule:
         return tuple(out)
 
     def iter_upcoming(self, seq: Sequence[int], pos: int, left: set[int]) -> Iterator[tuple[int, ...]]:
-        """The fetches of ``seq`` after position ``pos``, lazily, each as :meth:`run_at` (a run fetched
-        twice, in a recompute chain, comes at each position).
-
-        Args:
-            seq: the fetch sequence (block indices).
-            pos: position of the fetch being served now.
-            left: the members of the current fetch not used yet (next in ``seq``, no new fetch).
-        """
+        """The fetches of the fetch sequence ``seq`` after position ``pos`` (the one served now), lazily, each as
+        :meth:`run_at` (a run fetched twice, in a recompute chain, comes at each position). ``left``: the members
+        of the current fetch not used yet (next in ``seq``, no new fetch)."""
         left, p = set(left), pos + 1
         while p < len(seq) and seq[p] in left:
             left.discard(seq[p])

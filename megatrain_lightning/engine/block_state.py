@@ -108,19 +108,6 @@ class BlockState:
                 m.training = now
 
 
-def snapshot(module: nn.Module, name: str = "", warned: set[str] | None = None) -> BlockState:
-    """The :class:`BlockState` of ``module`` before a block call's forward. Buffers are copied even when the
-    forward changes none: a later forward before this backward may update them in place.
-
-    ``name``: the block's path, for the one warning of :func:`warn_inner_forward_hooks`; ``warned``: the block
-    paths already warned about (one set per engine)."""
-    modules = list(module.modules())
-    state = BlockState(modules)
-    if warned is not None and name not in warned:
-        warn_inner_forward_hooks(name, module, modules[1:], warned)
-    return state
-
-
 # library code whose hooks inside a block are known to be handled (transformers' output recorder: recorded_outputs)
 _KNOWN = ("transformers.", "torch.", "megatrain_lightning.", "peft.", "accelerate.")
 
@@ -135,13 +122,19 @@ def has_user_hooks(m: nn.Module, backward: bool = False) -> bool:
                for d in dicts for h in d.values())
 
 
-def warn_inner_forward_hooks(name: str, block: nn.Module, inner: list[nn.Module], warned: set[str]) -> None:
-    """Warn (and add ``name`` to ``warned``) if a submodule inside the block (not the block itself) has a user
-    forward hook or pre-hook: a tensor it keeps has no autograd history (a backward through it raises in
-    engine/boundary/forward.py), and it runs again in the recompute. A hook on the block sees outputs with history."""
-    hooked = [m for m in inner if has_user_hooks(m)]
+def snapshot(module: nn.Module, name: str, warned: set[str]) -> BlockState:
+    """The :class:`BlockState` of ``module`` before a block call's forward. Buffers are copied even when the
+    forward changes none: a later forward before this backward may update them in place.
+
+    Warns once per block path ``name`` (``warned``: the paths already warned about, one set per engine) if a
+    submodule inside the block (not the block itself) has a user forward hook or pre-hook: a tensor it keeps has
+    no autograd history (a backward through it raises in engine/boundary/forward.py), and it runs again in the
+    recompute. A hook on the block sees outputs with history."""
+    modules = list(module.modules())
+    state = BlockState(modules)
+    hooked = [m for m in modules[1:] if has_user_hooks(m)] if name not in warned else []
     if hooked:
-        paths = {id(m): n for n, m in block.named_modules()}
+        paths = {id(m): n for n, m in module.named_modules()}
         users = [paths.get(id(m), "?") for m in hooked]
         warned.add(name)
         log.warning(
@@ -150,4 +143,5 @@ def warn_inner_forward_hooks(name: str, block: nn.Module, inner: list[nn.Module]
             "differentiated, so a backward through a loss term computed from it raises (plain PyTorch would train "
             "it). Register the hook on the block itself (its outputs keep their history), or keep such hooks for "
             "logging only (detach what they keep).",
-            ", ".join(users[:3]) + (" ..." if len(users) > 3 else ""), name or type(block).__name__)
+            ", ".join(users[:3]) + (" ..." if len(users) > 3 else ""), name or type(module).__name__)
+    return state

@@ -28,15 +28,11 @@ def auto_loss_chunk(vocab_size: int, chunk_bytes: int = DEFAULT_LOSS_CHUNK_BYTES
     return max(1, chunk_bytes // (4 * max(1, vocab_size)))
 
 
-def _apply(x: torch.Tensor, transform: Transform) -> torch.Tensor:
-    for op in transform:
-        x = op(x)
-    return x
-
-
 def _chunk_loss(logits: torch.Tensor, target: torch.Tensor, transform: Transform, ignore_index: int) -> torch.Tensor:
+    for op in transform:
+        logits = op(logits)
     # what transformers' ForCausalLMLoss does with the logits: .float(), cross_entropy (sum)
-    return F.cross_entropy(_apply(logits, transform).float(), target, ignore_index=ignore_index, reduction="sum")
+    return F.cross_entropy(logits.float(), target, ignore_index=ignore_index, reduction="sum")
 
 
 class _ChunkedLinearCE(torch.autograd.Function):

@@ -42,15 +42,6 @@ def _random_parts(mlp: nn.Module) -> list[str]:
     return found
 
 
-def find_mlp(module: nn.Module) -> nn.Module | None:
-    """The MLP child of a decoder layer (:data:`MLP_NAMES`), or ``None``."""
-    for name in MLP_NAMES:
-        m = getattr(module, name, None)
-        if isinstance(m, nn.Module):
-            return m
-    return None
-
-
 @contextlib.contextmanager
 def _bound(slots: list[tuple[nn.Module, str]], tensors: tuple) -> Iterator[None]:
     """Point each ``module._parameters[name]`` of ``slots`` at the matching tensor for the block."""
@@ -138,7 +129,8 @@ class ChunkedMLP:
         streamed = {id(b.module) for b in blocks}
         warned = False
         for blk in blocks:
-            mlp = None if blk.direct else find_mlp(blk.module)
+            children = () if blk.direct else (getattr(blk.module, name, None) for name in MLP_NAMES)
+            mlp = next((m for m in children if isinstance(m, nn.Module)), None)
             if mlp is None or id(mlp) in streamed:  # an MLP streamed as its own block keeps its proxy
                 continue
             self.installed.patch(mlp, self._wrap(mlp, mlp.forward, self.chunk, self.hooks_warned))
@@ -157,7 +149,6 @@ class ChunkedMLP:
                         "name their MLP so.", self.chunk, ", ".join(types[:4]) or "none", " / ".join(MLP_NAMES))
 
     def uninstall(self) -> None:
-        """Restore every wrapped MLP's own ``forward``."""
         self.installed.restore()
 
     @staticmethod

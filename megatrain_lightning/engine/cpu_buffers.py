@@ -35,9 +35,8 @@ class BufferPool:
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A ``[numel]`` buffer of ``dtype``, contents undefined: a free pooled one, or a new one."""
-        key = (numel, dtype)
         with self._lock:
-            bufs = self._bufs.setdefault(key, [])
+            bufs = self._bufs.setdefault((numel, dtype), [])
             for base, idle in bufs:
                 if _storage_uses(base) == idle:
                     return base.view(numel)

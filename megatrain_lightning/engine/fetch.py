@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -21,7 +21,7 @@ from ..store.regions import Region
 from ..store.shared import SharedWireImages, SlabOwnership
 from .accounting import ByteAccounting
 from .staging import StagingRing
-from .wire import WireLayout, castable_flags, weights_read_outside_linear
+from .wire import WireLayout, autocast_casts, weights_read_outside_linear
 
 
 class WeightFetcher:
@@ -29,10 +29,7 @@ class WeightFetcher:
 
     Args:
         blocks: the model's blocks (each parameter's owners tell which weights autocast casts).
-        store: the host store of the masters.
-        transport: the device transport.
         acct: live-byte accounting (a fetched buffer counts until the compute thread releases it).
-        device: the compute device.
         pin_memory: page-lock the RAM tier's wire images (``None``: on CUDA, pageable with a warning if
             pinning fails).
         ring: the H2D staging ring for on-disk masters (``None`` without masters on disk).
@@ -50,7 +47,6 @@ class WeightFetcher:
         self._shared_images, self.ownership = shared_images, ownership
         self.images: SharedWireImages | None = None
         self.optimizer: HostAdamW | None = None  # its pending update of a slab is applied first
-        self.device = device
         self.pin_memory = pin_memory if device.type == "cuda" else False
         self.ring = ring
         self.wire_dtype = torch.float32  # dtype of (castable, under mixed precision) weights on the H2D link
@@ -69,37 +65,28 @@ class WeightFetcher:
         Returns:
             slab index -> ``(device buffer, event)``."""
         out = {}
-        for si in self._locked(blk):  # each slab's lock held from its update until its event is published
-            slab = self.store.slabs[si]
-            layout = self.wire_layouts[si]
-            opt = self.optimizer
-            if opt is not None:
-                opt.apply_pending(si)
-            if not self.store.masters_on_disk:
-                if layout.dtype == torch.float32:
-                    src = slab.master
-                    buf, ev = self.transport.to_device(src, self.param_dtype)
-                else:
-                    src = self._shadow(slab)
-                    buf, ev = self.transport.to_device(src, self.param_dtype, layout)
-            else:
-                src, buf, ev = self._from_window(si, layout)
-            slab.read_by(ev)
-            if buf is not src:  # a copy was made (zero-copy binding hands back the source itself)
-                self.acct.add(h2d_bytes=src.numel() * src.element_size())
-            out[si] = (buf, ev)
-        self.acct.add(blocks_fetched=1)
-        return out
-
-    def _locked(self, blk: Block) -> Iterator[int]:
-        """The block's slab indices for :meth:`fetch`'s loop, each with its compute buffer reserved (may wait for
-        budget, so outside the lock) and then the slab's ``lock`` held during the loop body, so a writer on another
-        thread (in-backward update, ``write_param``) sees the copy's event in ``slab.last_read`` and waits for it."""
         for si in blk.slabs:
             slab = self.store.slabs[si]
             self.acct.track(slab.numel * self.param_dtype.itemsize)  # before the buffer exists (CPU + NVMe: budget)
+            # the lock is taken after the reservation (it may wait for budget) and held from the update until the
+            # copy's event is published: a writer on another thread (in-backward update, write_param) sees the event
+            # in slab.last_read and waits for it
             with slab.lock:
-                yield si
+                layout = self.wire_layouts[si]
+                opt = self.optimizer
+                if opt is not None:
+                    opt.apply_pending(si)
+                if not self.store.masters_on_disk:  # the transports decode only a mixed layout (dtype None)
+                    src = slab.master if layout.dtype == torch.float32 else self._shadow(slab)
+                    buf, ev = self.transport.to_device(src, self.param_dtype, layout)
+                else:
+                    src, buf, ev = self._from_window(si, layout)
+                slab.read_by(ev)
+                if buf is not src:  # a copy was made (zero-copy binding hands back the source itself)
+                    self.acct.add(h2d_bytes=src.numel() * src.element_size())
+                out[si] = (buf, ev)
+        self.acct.add(blocks_fetched=1)
+        return out
 
     def _from_window(self, si: int, layout: WireLayout) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """Copy slab ``si``'s master from the NVMe window without waiting for the copy (docs/internals/nvme.md,
@@ -113,9 +100,7 @@ class WeightFetcher:
             assert self.ring is not None, "masters on disk with a 16-bit wire need the H2D staging ring"
             slot = self.ring.acquire(layout.nbytes)
             try:
-                t0 = time.perf_counter()
-                image = layout.encode(src, slot.image(layout))
-                self.acct.add(cast_s=time.perf_counter() - t0)
+                image = self._encode(layout, src, layout.image_in(slot.raw))
                 stack.close()  # the cast was synchronous: the window's master is free again
                 buf, ev = self.transport.to_device(image, self.param_dtype, layout)
             except BaseException:
@@ -125,22 +110,16 @@ class WeightFetcher:
             return image, buf, ev
 
     def _castable(self) -> list[list[bool]]:
-        """Per slab, per entry: autocast casts the parameter at every use
-        (:func:`~megatrain_lightning.engine.wire.castable_flags`), DoRA base weights excluded."""
+        """Per slab, per entry: autocast casts the parameter at every use: every (owner module, attribute) holding
+        it is castable (:func:`~megatrain_lightning.engine.wire.autocast_casts`; a tied LM head's weight is not: the
+        embedding lookup must see fp32), DoRA base weights excluded."""
         owners: dict[int, list[tuple[nn.Module, str]]] = {}
         for blk in self.blocks:
             for ref in blk.params:
                 owners.setdefault(id(ref.param), []).append((ref.owner, ref.attr))
         fp32 = weights_read_outside_linear(m for blk in self.blocks for m in blk.module.modules())
-        return [[c and id(e.ref.param) not in fp32 for e, c in
-                 zip(s.entries, castable_flags([owners[id(e.ref.param)] for e in s.entries]))] for s in self.store.slabs]
-
-    def _wire_layout(self, si: int) -> WireLayout:
-        slab = self.store.slabs[si]
-        if self.wire_dtype == self.param_dtype:  # 32-true, bf16-true: every weight in one dtype
-            return WireLayout.uniform(slab.numel, self.wire_dtype)
-        dtypes = [self.wire_dtype if c else torch.float32 for c in self.autocast_castable[si]]
-        return WireLayout.build([e.numel for e in slab.entries], dtypes)
+        return [[id(e.ref.param) not in fp32 and all(autocast_casts(m, a) for m, a in owners[id(e.ref.param)])
+                 for e in s.entries] for s in self.store.slabs]
 
     def configure(self, wire: torch.dtype, param: torch.dtype) -> None:
         """Set the dtypes of the H2D weight copies and of the bound parameters (the caller drops prefetched copies
@@ -152,7 +131,9 @@ class WeightFetcher:
             param: dtype of the device buffer the block's parameters are bound to (fp32 in mixed modes).
         """
         self.wire_dtype, self.param_dtype = wire, param
-        layouts = [self._wire_layout(si) for si in range(len(self.store.slabs))]
+        layouts = [WireLayout.uniform(s.numel, wire) if wire == param else
+                   WireLayout.build([e.numel for e in s.entries], [wire if c else torch.float32 for c in castable])
+                   for s, castable in zip(self.store.slabs, self.autocast_castable)]
         for slab, old, new in zip(self.store.slabs, self.wire_layouts, layouts):
             if old != new:
                 with slab.lock:
@@ -173,48 +154,39 @@ class WeightFetcher:
 
     def _shadow(self, slab) -> torch.Tensor:
         """Host wire image of the master slab, re-encoded when :func:`_written` moved: one cast per slab per
-        optimizer step, right after its update, instead of one per fetch (each block is fetched twice per step)."""
-        layout = self.wire_layouts[slab.index]
-        if self.images is not None:
-            return self._shared_shadow(slab, layout)
+        optimizer step, right after its update, instead of one per fetch (each block is fetched twice per step).
+        With the node's shared images the owner rewrites a stale image (a new generation); another rank waits for
+        a generation newer than the one it last used."""
+        layout, images, own = self.wire_layouts[slab.index], self.images, self.ownership
         with slab.lock:
             v = _written(slab)
             shadow, version = self.shadows.get(slab.index, (None, None))
-            if shadow is None:  # pinned exactly (store/pinned.py), not rounded up to a power of two
+            if images is not None:
+                assert own is not None
+                shadow = layout.image_in(images.images[slab.index])
+            elif shadow is None:  # pinned exactly (store/pinned.py), not rounded up to a power of two
                 raw, pinned = try_host_buffer(layout.nbytes, self.pin_memory, "wire images")
                 if not pinned and self.pin_memory is None:
                     self.pin_memory = False  # warned once: the next ones are pageable too
-                raw = raw[: layout.nbytes]
-                shadow = raw.view(layout.dtype) if layout.dtype is not None else raw
+                shadow = layout.image_in(raw)
             if version != v:
-                self.transport.last_read_done(slab.last_read)  # an async H2D may still read the shadow
-                t0 = time.perf_counter()
-                layout.encode(slab.master, shadow)
-                self.acct.add(cast_s=time.perf_counter() - t0)
+                if images is None or own.owns(slab.index):  # type: ignore[union-attr]
+                    self.transport.last_read_done(slab.last_read)  # an async H2D may still read the image
+                    self._encode(layout, slab.master, shadow)
+                    if images is not None:
+                        images.written(slab.index)
+                else:
+                    rank = own.global_rank_of(own.owner[slab.index])  # type: ignore[union-attr]
+                    images.wait_newer(slab.index, rank, lambda: own.exited(rank))  # type: ignore[union-attr]
             self.shadows[slab.index] = (shadow, v)
             return shadow
 
-    def _shared_shadow(self, slab, layout: WireLayout) -> torch.Tensor:
-        """:meth:`_shadow` with the node's shared images: the owner rewrites a stale image (a new generation);
-        another rank waits for a generation newer than the one it last used."""
-        images, own = self.images, self.ownership
-        assert images is not None and own is not None
-        raw = images.images[slab.index]
-        shadow = raw.view(layout.dtype) if layout.dtype is not None else raw
-        with slab.lock:
-            v = _written(slab)
-            if self.shadows.get(slab.index, (None, None))[1] != v:
-                if own.owns(slab.index):
-                    self.transport.last_read_done(slab.last_read)  # an async H2D may still read the image
-                    t0 = time.perf_counter()
-                    layout.encode(slab.master, shadow)
-                    self.acct.add(cast_s=time.perf_counter() - t0)
-                    images.written(slab.index)
-                else:
-                    rank = own.global_rank_of(own.owner[slab.index])
-                    images.wait_newer(slab.index, rank, lambda: own.exited(rank))
-                self.shadows[slab.index] = (shadow, v)
-            return shadow
+    def _encode(self, layout: WireLayout, master: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """:meth:`WireLayout.encode`, its time counted in ``cast_s``."""
+        t0 = time.perf_counter()
+        layout.encode(master, out)
+        self.acct.add(cast_s=time.perf_counter() - t0)
+        return out
 
 
 def _written(slab) -> tuple[int, int, int]:

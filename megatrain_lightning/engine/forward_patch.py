@@ -19,7 +19,6 @@ class ForwardPatches:
         return bool(self._saved)
 
     def patch(self, module: nn.Module, forward: Callable[..., Any]) -> None:
-        """Set ``module.forward = forward``, remembering what was there."""
         self._saved.append((module, "forward" in module.__dict__, module.__dict__.get("forward")))
         module.forward = forward
 

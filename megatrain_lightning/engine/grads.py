@@ -1,9 +1,8 @@
 """The gradient sink: parameter gradients from the device to the fp32 host accumulators.
 
 :meth:`GradientSink.send` queues a block's gradients per slab (``transport.stage_grads``); the D2H worker thread adds
-each batch into the slab's fp32 ``grad_accum`` (docs/internals/streaming.md, "Gradients to the host").
-``param.grad`` is a view of that accumulator while Lightning's hooks and clipping run (:meth:`GradientSink.attach`).
-With the optimizer step in backward the D2H worker hands a slab's update to the host optimizer right after its last
+each batch into the slab's fp32 ``grad_accum`` (docs/internals/streaming.md, "Gradients to the host"). With the
+optimizer step in backward the D2H worker hands a slab's update to the host optimizer right after its last
 gradient of the step (``HostAdamW.apply_now``; docs/internals/nvme.md, "Optimizer step in backward").
 """
 
@@ -34,17 +33,13 @@ class GradientSink:
     """D2H gradient transfers, host accumulation, and the per-slab update plan of a backward.
 
     Args:
-        store: the host store (accumulators in RAM or on NVMe).
         acct: live-byte accounting (gradients in flight count until they are in the accumulator).
-        transport: the device transport (``stage_grads``; CUDA: ``n_staging`` pinned staging buffers,
-            at least ``max_inflight``).
-        shared: per-backward sums of parameters read by several blocks (tied embeddings), added into
-            the accumulator once per backward as autograd does (docs/architecture.md, "Fidelity").
+        transport: ``stage_grads``; CUDA: ``n_staging`` pinned staging buffers, at least ``max_inflight``.
+        shared: per-backward sums of parameters read by several blocks (:mod:`.shared_grads`).
         max_inflight: gradient batches (one block's gradients of one slab) sent but not yet in the host
             accumulators, at most (one staging buffer each); :meth:`send` waits beyond it. This bounds the
             device memory of queued gradients whatever the depth, and on budgeted CPU runs prevents a deadlock
             (queued gradients taking the whole budget the worker waits for).
-        host_threads: intra-op CPU threads of the D2H worker (:mod:`.threads`).
         reducer: data parallel: averages every batch over the ranks before it is added (:mod:`.reduce`); all
             ranks then send the same batches (``None`` gradients included).
         ownership: node-shared store: only a slab's owner adds its gradients; the others record the same flags.
@@ -86,7 +81,6 @@ class GradientSink:
 
     # ------------------------------------------------------------------ plan
     def configure(self, wire: torch.dtype, param: torch.dtype) -> None:
-        """Dtypes of gradients on the D2H link (``wire``) and of the bound parameters (``param``)."""
         self.wire_dtype, self.param_dtype = wire, param
 
     def plan(self, calls_refs: Sequence[Sequence[Any]]) -> None:
@@ -103,14 +97,11 @@ class GradientSink:
                 self.sends_left[si] = self.sends_left.get(si, 0) + 1
 
     def step_partly_applied(self) -> bool:
-        """An in-backward step (:meth:`plan`) has updated some slabs and not yet others (a checkpoint now would mix
-        two steps)."""
-        left = self.sends_left.values()
-        return any(n == 0 for n in left) and any(n > 0 for n in left)
+        """An in-backward step (:meth:`plan`) has updated some slabs and not yet others (a checkpoint would mix)."""
+        return self.updates_started() and any(n > 0 for n in self.sends_left.values())
 
     def updates_started(self) -> bool:
-        """This step's backward has queued or applied at least one slab's update (:meth:`plan`): stopping it now
-        leaves state that mixes two steps."""
+        """This step's backward has queued or applied a slab's update (:meth:`plan`): stopping now mixes two steps."""
         return any(n == 0 for n in self.sends_left.values())
 
     def close_plan(self) -> None:
@@ -154,12 +145,11 @@ class GradientSink:
         if total < reserved:
             self.acct.track(total - reserved)
         final: set[int] = set()
-        if self.sends_left:
-            for si in {r.slab for r in refs}:
-                if si in self.sends_left:
-                    self.sends_left[si] -= 1
-                    if self.sends_left[si] == 0:
-                        final.add(si)
+        for si in {r.slab for r in refs}:
+            if si in self.sends_left:
+                self.sends_left[si] -= 1
+                if self.sends_left[si] == 0:
+                    final.add(si)
         for si, items in by_slab.items():
             tensors = [t for _, ts in items for t in ts]
             nbytes = sum(t.numel() * wire.itemsize for t in tensors)
@@ -183,9 +173,8 @@ class GradientSink:
             idx = [i for i, _ in items]
             parts = [len(ts) for _, ts in items]
             moved = nbytes
-            if red is not None and red.device_side:  # reduced in fp32 (reduce.py)
-                own_it = self.ownership.owns(si)  # type: ignore[union-attr]
-                moved = (sum(t.numel() for t in tensors) if own_it else tensors[-1].numel()) * 4  # non-owner: flags
+            if red is not None and red.device_side:  # reduced in fp32 (reduce.py); a non-owner copies the flags
+                moved = (sum(t.numel() for t in tensors) if mine else n_flags) * 4
             self.acct.add(d2h_bytes=moved)
             self._futures.append(self._pool.submit(self._accumulate, si, idx, copy, nbytes, si in final, parts))
         for si in final - set(by_slab):  # its last batch had no gradient: the update still runs, in order
@@ -215,11 +204,11 @@ class GradientSink:
             if slot:
                 self._give_slot()
 
-    def _accumulate(self, si: int, idx: list[int], copy: GradCopy, nbytes: int, final: bool = False,
-                    parts: list[int] | None = None) -> None:
+    def _accumulate(self, si: int, idx: list[int], copy: GradCopy, nbytes: int, final: bool,
+                    parts: list[int]) -> None:
         """D2H worker: wait for one batch of slab ``si``'s gradients, add it into the fp32 accumulator, free the
         staging buffer and the slot, then (``final``: the slab's last batch of an in-backward step) apply its
-        update. ``parts``: host tensors per gradient (2: a :class:`~.row_grads.RowGrad`'s; default 1 each).
+        update. ``parts``: host tensors per gradient (1, or 2: a :class:`~.row_grads.RowGrad`'s).
 
         The update consumes the final batch while the accumulator is held, so it is never marked for write-back:
         with ``offload_optimizer="nvme"`` it never goes to disk (4 bytes/param/step less written)."""
@@ -236,8 +225,10 @@ class GradientSink:
         try:
             t0 = time.perf_counter()
             host_grads = copy.wait()  # outside the slab's lock: the copy needs nothing of the slab
-            if parts is not None and any(n != 1 for n in parts):
-                host_grads = self._regroup(slab, idx, host_grads, parts)
+            if any(n != 1 for n in parts):  # one gradient per entry of idx: a host tensor, or a RowGrad from two
+                it = iter(host_grads)
+                host_grads = [next(it) if n == 1 else RowGrad([next(it) for _ in range(n)], slab.entries[i].shape)
+                              for i, n in zip(idx, parts)]
             self.acct.add(d2h_copy_wait_s=time.perf_counter() - t0, d2h_busy_s=copy.busy_s)
             red, own = self.reducer, self.ownership
             if red is not None:  # averaged over the ranks onto the owner (gloo: here, on the worker; NCCL: already)
@@ -278,14 +269,6 @@ class GradientSink:
         finally:
             release()
 
-    @staticmethod
-    def _regroup(slab, idx: list[int], host: list[torch.Tensor], parts: list[int]) -> list:
-        """One gradient per entry of ``idx``: a host tensor, or a :class:`~.row_grads.RowGrad` from two."""
-        out, it = [], iter(host)
-        for i, n in zip(idx, parts):
-            out.append(next(it) if n == 1 else RowGrad([next(it) for _ in range(n)], slab.entries[i].shape))
-        return out
-
     # ------------------------------------------------------------------ the step's view
     def wait(self) -> None:
         """Block until every gradient sent so far is in the host accumulators."""
@@ -304,10 +287,27 @@ class GradientSink:
         ``StreamingEngine.attach_grads`` waits); :meth:`commit` brings the hooks' edits into them.
 
         Raises:
-            RuntimeError: a gradient from ordinary autograd (:meth:`check_outside_grads`).
+            RuntimeError: a ``param.grad`` that is not ``None`` or a view of an accumulator: ordinary autograd set
+                it, for a parameter used outside its block's forward, and the gradient would be lost.
         """
         self.wait()
-        self.check_outside_grads()
+        bad = []
+        for slab in self.store.slabs:
+            acc = slab.grad_accum.untyped_storage().data_ptr() if slab.grad_accum is not None else None
+            ours = {acc, self.hook_views.storage_ptr(slab.index) if self.hook_views is not None else None} - {None}
+            for e in slab.entries:
+                g = e.ref.param.grad
+                if g is not None and g.untyped_storage().data_ptr() not in ours:
+                    bad.append(e.ref.fqn)
+        if bad:
+            raise RuntimeError(
+                f"megatrain: parameters {bad} got a gradient outside the streamed blocks: they were used "
+                "outside the forward of the streamed block (or module) that owns them, where the engine does not "
+                "bind them, so their gradient would be lost: their weight was read directly (self.net.pos instead "
+                "of calling self.net), or a submodule of a block was called from outside that block's forward "
+                "(e.g. self.pre = self.blocks[2].fc, then self.pre(h)). Use each parameter only inside the forward "
+                "of the block that owns it, or move the computation that uses it into that forward."
+            )
         if Region.grad_accum in self.store.nvme_kinds:
             return
         flats = self.hook_views.open() if self.hook_views is not None else None
@@ -328,31 +328,6 @@ class GradientSink:
         if self.hook_views is not None:
             self.hook_views.commit()
 
-    def check_outside_grads(self) -> None:
-        """Refuse a ``param.grad`` that is not ``None`` or a view of an accumulator: ordinary autograd set it, for
-        a parameter used outside its block's forward, and the gradient would be lost.
-
-        Raises:
-            RuntimeError: naming the parameters and what to do.
-        """
-        bad = []
-        for slab in self.store.slabs:
-            acc = slab.grad_accum.untyped_storage().data_ptr() if slab.grad_accum is not None else None
-            ours = {acc, self.hook_views.storage_ptr(slab.index) if self.hook_views is not None else None} - {None}
-            for e in slab.entries:
-                g = e.ref.param.grad
-                if g is not None and g.untyped_storage().data_ptr() not in ours:
-                    bad.append(e.ref.fqn)
-        if bad:
-            raise RuntimeError(
-                f"megatrain: parameters {bad} got a gradient outside the streamed blocks: they were used "
-                "outside the forward of the streamed block (or module) that owns them, where the engine does not "
-                "bind them, so their gradient would be lost: their weight was read directly (self.net.pos instead "
-                "of calling self.net), or a submodule of a block was called from outside that block's forward "
-                "(e.g. self.pre = self.blocks[2].fc, then self.pre(h)). Use each parameter only inside the forward "
-                "of the block that owns it, or move the computation that uses it into that forward."
-            )
-
     def detach(self) -> None:
         """``param.grad = None`` for every parameter (after the step)."""
         if self.hook_views is not None:
@@ -372,5 +347,4 @@ class GradientSink:
                 slab.clear_grads()
 
     def close(self) -> None:
-        """Stop the D2H worker (after the queued transfers)."""
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True)  # after the queued transfers

@@ -133,7 +133,6 @@ class HeadLoss:
             self.installed.patch(m, self._wrap(m, m.forward, head, by_module[id(head)], chunk))
 
     def uninstall(self) -> None:
-        """Restore every wrapped model's own ``forward``."""
         self.installed.restore()
 
     @staticmethod
@@ -169,17 +168,14 @@ class HeadLoss:
                     f"chunks of {chunk} tokens (strategy option loss_chunk_size, Hydra key strategy.loss_chunk_size): "
                     "set loss_chunk_size=None to compute full logits and keep the hooks.")
             pending = _Pending(chunk)
-            had_head, head_fwd = "forward" in head.__dict__, head.__dict__.get("forward")
+            lazy_head = ForwardPatches()
+            lazy_head.patch(head, self._lazy_head(head, pending))
             had_loss, loss_fn = "_loss_function" in m.__dict__, m.__dict__.get("_loss_function")
-            head.forward = self._lazy_head(head, pending)
             m.loss_function = self._loss_hook(head, blk, pending)
             try:
                 out = orig(*args, **kwargs)
             finally:
-                if had_head:
-                    head.forward = head_fwd
-                else:
-                    del head.forward
+                lazy_head.restore()
                 if had_loss:
                     m.loss_function = loss_fn
                 else:

@@ -1,10 +1,9 @@
 """``param.grad`` for Lightning's hooks when a node's processes share one gradient accumulator (data parallel).
 
-Plain views of the node's one shared accumulator per slab would take every process's edit (``mul_(0.5)`` once
-per local rank). Each process shows its hooks a copy-on-write mapping of the node's file
-(:meth:`~..store.shared.SharedRegions.private_mapping`: reads share the pages, writes go to private ones), and
-:meth:`HookGradViews.commit` brings the edits into the shared accumulators once. As under DDP, the hooks must make
-the same edit on every rank (the owner's is kept). docs/internals/data-parallel.md, "Hooks that edit ``param.grad``".
+Each process shows its hooks a copy-on-write mapping of the node's file
+(:meth:`~..store.shared.SharedRegions.private_mapping`), and :meth:`HookGradViews.commit` brings the edits into the
+shared accumulators once; as under DDP, every rank must make the same edit (docs/internals/data-parallel.md, "Hooks
+that edit ``param.grad``").
 """
 
 from __future__ import annotations
@@ -20,11 +19,7 @@ from ..store.shared import SlabOwnership
 
 class HookGradViews:
     """Per optimizer step (or per backward, for ``on_after_backward``): the private views of the node's shared
-    gradient accumulators that ``param.grad`` shows, and the commit of the hooks' edits.
-
-    Args:
-        store: a store whose regions are in the node's shared file (``store.shared`` set).
-        ownership: the slab owners of the node.
+    gradient accumulators (``store.shared``) that ``param.grad`` shows, and the commit of the hooks' edits.
 
     Raises:
         ValueError: ``store.shared`` is ``None`` (not a node-shared store).
@@ -48,21 +43,19 @@ class HookGradViews:
                       for s in self.store.slabs if s.trainable_numel}
         return self._flat
 
-    def commit(self) -> bool:
+    def commit(self) -> None:
         """Bring the hooks' edits of the views into the shared accumulators, once: owners find their written
         slabs (``/proc/self/pagemap``); one all-reduce (max) of that flag, also the barrier after every rank's hooks;
         if any, owners copy, a barrier, every rank drops its private pages (``madvise(MADV_DONTNEED)``).
-
-        A collective: every rank of the node calls it at the same points. Returns whether any rank had edited;
-        ``False`` while no views are open."""
+        A collective: every rank of the node calls it at the same points (nothing while no views are open)."""
         if self._mapping is None:
-            return False
+            return
         own = self.ownership
         written = [si for si, flat in self._flat.items() if own.owns(si) and self.shared.written_privately(flat)]
         flag = torch.tensor([1.0 if written else 0.0])
         own.all_reduce(flag, "max")
         if flag.item() == 0.0:
-            return False
+            return
         for si in written:
             slab = self.store.slabs[si]
             with slab.lock:
@@ -70,7 +63,6 @@ class HookGradViews:
                 slab.grad_accum.copy_(self._flat[si])
         own.sync()
         self._mapping.madvise(mmap.MADV_DONTNEED)
-        return True
 
     def storage_ptr(self, i: int) -> int | None:
         """Address of slab ``i``'s view storage while views are open (``None`` otherwise)."""

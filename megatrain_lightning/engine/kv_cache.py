@@ -38,34 +38,6 @@ def layer_index(module: torch.nn.Module) -> int | None:
     return next((m.layer_idx for m in module.modules() if isinstance(getattr(m, "layer_idx", None), int)), None)
 
 
-def past_length(cache: Any, layer: int | None) -> int:
-    """Positions a transformers ``Cache`` already holds in slot ``layer`` (0 when empty, unknown or ``layer`` is
-    ``None``). Only this slot counts: earlier blocks that run like evaluation (frozen) write theirs as in plain
-    PyTorch."""
-    if layer is None:
-        return 0
-    try:
-        return int(cache.get_seq_length(layer))
-    except Exception:  # noqa: BLE001 - a cache type without it (or not yet initialised) holds nothing we know of
-        return 0
-
-
-def refuse_past(n: int) -> None:
-    """Raise for a training forward given a KV cache holding ``n`` > 0 positions.
-
-    Raises:
-        RuntimeError: saying why and what to do instead.
-    """
-    raise RuntimeError(
-        f"megatrain: a training forward (grad enabled) was given a KV cache that already holds {n} positions "
-        "(past_key_values: e.g. peft prefix tuning's virtual tokens, or a forward continuing an earlier one). "
-        "strategy='megatrain' runs each block behind an autograd boundary (and again in backward) that carries "
-        "tensors, not a cache's keys and values: their gradients would be lost. Feed the whole sequence in one "
-        "forward; for prompt-based tuning use peft's prompt tuning or P-tuning (PromptTuningConfig, "
-        "PromptEncoderConfig), which train as in plain Lightning. Caches work in evaluation and generation "
-        "(no grad).")
-
-
 def _fresh_copyable(cache: Any) -> bool:
     """An empty ``DynamicCache`` of plain dynamic layers, or an ``EncoderDecoderCache`` of two: a shallow copy
     of its layers is an independent empty cache (their ``update`` rebinds attributes, never writes a shared tensor)."""
@@ -104,7 +76,7 @@ def training_call(args: tuple, kwargs: dict, forward: Callable[..., Any], block:
     first). ``layer``: the block's cache slot (:func:`layer_index`).
 
     Raises:
-        RuntimeError: a cache already holds positions (:func:`refuse_past`), or is passed again.
+        RuntimeError: a cache already holds positions, or is passed again.
     """
     kept: list[Any] = []
     stripped = False
@@ -113,9 +85,21 @@ def training_call(args: tuple, kwargs: dict, forward: Callable[..., Any], block:
         nonlocal stripped
         if not is_cache(x):
             return x
-        n = past_length(x, layer)
+        # positions slot ``layer`` already holds (only this slot counts: earlier blocks that run like evaluation,
+        # frozen, write theirs as in plain PyTorch)
+        try:
+            n = int(x.get_seq_length(layer)) if layer is not None else 0
+        except Exception:  # noqa: BLE001 - a cache type without it (or not yet initialised) holds nothing we know of
+            n = 0
         if n > 0:
-            refuse_past(n)
+            raise RuntimeError(
+                f"megatrain: a training forward (grad enabled) was given a KV cache that already holds {n} positions "
+                "(past_key_values: e.g. peft prefix tuning's virtual tokens, or a forward continuing an earlier one). "
+                "strategy='megatrain' runs each block behind an autograd boundary (and again in backward) that carries "
+                "tensors, not a cache's keys and values: their gradients would be lost. Feed the whole sequence in one "
+                "forward; for prompt-based tuning use peft's prompt tuning or P-tuning (PromptTuningConfig, "
+                "PromptEncoderConfig), which train as in plain Lightning. Caches work in evaluation and generation "
+                "(no grad).")
         seen = x.__dict__.setdefault("_megatrain_blocks", set())
         if block is not None and block in seen:  # a later forward given the cache an earlier one returned
             raise RuntimeError(
@@ -159,7 +143,7 @@ def any_requires_grad(args: tuple, kwargs: dict) -> bool:
 
 def prefix_tuning_adapters(root: torch.nn.Module) -> list[str]:
     """Names of the peft prefix-tuning adapters in ``root`` (their virtual tokens reach every attention layer as a
-    KV cache holding positions, which training forwards refuse: :func:`refuse_past`)."""
+    KV cache holding positions, which training forwards refuse: :func:`training_call`)."""
     out: list[str] = []
     for m in root.modules():
         cfgs = getattr(m, "peft_config", None)

@@ -48,10 +48,8 @@ class ActivationOffload:
         self.transport, self.acct = transport, acct
         self._lock = threading.Lock()
         self._alive = 0  # bytes of restored inputs not yet released
-        self._tracked: "weakref.WeakKeyDictionary[torch.Tensor, int]" = weakref.WeakKeyDictionary()
 
     def offload(self, t: torch.Tensor) -> Offloaded:
-        """Start the D2H copy of ``t`` (a saved input); returns its record."""
         self.acct.add(d2h_bytes=t.numel() * t.element_size())
         host, ev = self.transport.offload(t)
         return Offloaded(host, ev)
@@ -78,15 +76,11 @@ class ActivationOffload:
         e.device, e.h2d = self.transport.restore_async(e.host, e.d2h)
         if e.device is not e.host:  # a CPU device uses the host copy in place: nothing copied
             self.acct.add(h2d_bytes=e.nbytes)
-        self._count(e.device, e.nbytes)
-
-    def _count(self, t: torch.Tensor, nbytes: int) -> None:
-        """Track ``nbytes`` of restored input alive until ``t`` is garbage (peak statistic)."""
-        with self._lock:
-            self._alive += nbytes
+        with self._lock:  # the restored bytes stay alive until the device copy is garbage (peak statistic)
+            self._alive += e.nbytes
             alive = self._alive
         self.acct.peak(activation_restored_peak_bytes=alive)
-        weakref.finalize(t, self._uncount, nbytes)
+        weakref.finalize(e.device, self._uncount, e.nbytes)
 
     def _uncount(self, nbytes: int) -> None:
         with self._lock:

@@ -17,11 +17,7 @@ from ..store.regions import Region
 
 
 class ParamAccess:
-    """Read and write parameters' fp32 masters in either tier; materialize them after a run.
-
-    Args:
-        store: the host store holding the masters.
-    """
+    """Read and write parameters' fp32 masters (in ``store``, either tier); materialize them after a run."""
 
     def __init__(self, store: HostStore):
         self.store = store

@@ -1,9 +1,6 @@
-"""The read-ahead schedule: block copies started ``lookahead`` fetches ahead, NVMe reads further ahead.
-
-At every fetch of the step's sequence (docs/architecture.md, "Prefetch schedule") the engine asks
-:class:`Prefetcher` for the block: it hands over the copy started earlier (or starts it), submits the next fetches
-to the single H2D worker thread and, with the NVMe tier, tells the store what the schedule reads next.
-"""
+"""The read-ahead schedule: block copies started ``lookahead`` fetches ahead, NVMe reads further ahead
+(docs/architecture.md, "Prefetch schedule"; the engine asks :meth:`Prefetcher.get` at every fetch of the step's
+sequence)."""
 
 from __future__ import annotations
 
@@ -28,8 +25,6 @@ class Prefetcher:
 
     Args:
         blocks: the model's blocks (indexed by block index).
-        store: the host store (NVMe read-ahead).
-        transport: the device transport.
         acct: live-byte accounting (a dropped prefetch gives its bytes back).
         fetch: ``WeightFetcher.fetch`` (run on the H2D worker).
         lookahead: fetches started ahead of the one computing (1 = double buffering); further fetches
@@ -37,16 +32,14 @@ class Prefetcher:
         read_ahead_bytes: NVMe tier: bytes the read-ahead may use beside the blocks in flight
             (``host_memory_limit`` - the minimum window), or ``None`` without the NVMe tier.
         read_ahead_depth: NVMe tier: fetches beyond the lookahead whose regions are read ahead.
-        host_threads: intra-op CPU threads of the H2D worker (:mod:`.threads`).
-        groups: transfer units (:func:`~.block_groups.form_groups`); ``lookahead`` then counts group
-            fetches. ``None``: one per block.
+        groups: transfer units (:func:`~.block_groups.form_groups`); ``lookahead`` counts group fetches.
     """
 
     def __init__(self, blocks: Sequence[Block], store: HostStore, transport: Any, acct: ByteAccounting,
                  fetch: Callable[[Block], dict[int, tuple[torch.Tensor, Any]]], lookahead: int,
                  read_ahead_bytes: int | None = None,
-                 read_ahead_depth: int = 0, host_threads: int | None = None,
-                 groups: Sequence[tuple[int, ...]] | None = None):
+                 read_ahead_depth: int = 0, host_threads: int | None = None, *,
+                 groups: Sequence[tuple[int, ...]]):
         self.blocks, self.store, self.transport, self.acct = blocks, store, transport, acct
         self._fetch = fetch
         self.lookahead = lookahead
@@ -54,7 +47,6 @@ class Prefetcher:
         self._spare = read_ahead_bytes
         self._depth = read_ahead_depth
         self._pool = start_worker("megatrain-h2d", host_threads, getattr(transport, "device", None))
-        groups = groups if groups is not None else [(b.index,) for b in blocks]
         self.schedule = GroupSchedule(groups)
         # elements a block's fetch brings to the device (tied slabs included)
         self._numel = {b.index: sum(store.slabs[si].numel for si in b.slabs) for b in blocks}
@@ -72,8 +64,8 @@ class Prefetcher:
         (:mod:`.block_groups`) are served when they come, or released unused once the schedule moves on.
 
         Args:
-            backward / updates_in_backward: the fetch is in a backward (applying AdamW updates as it goes):
-                what the NVMe read-ahead wants besides the masters.
+            backward / updates_in_backward: the fetch is in a backward (applying AdamW updates as it goes): what
+                the NVMe read-ahead wants besides the masters.
             held: elements of other blocks' buffers still on the device (a kept last block's graph).
         Returns:
             slab index -> device buffer (compute dtype, shape ``[slab numel]``).
@@ -129,15 +121,14 @@ class Prefetcher:
         return want
 
     def _submit(self, run: tuple[int, ...]) -> dict[int, Future]:
-        """Hand one fetch of the blocks ``run`` to the H2D worker; per block, the future of its part (completed
-        when that block's slabs are copied: the first computes while the worker fetches the next)."""
+        """Hand one fetch of the blocks ``run`` to the H2D worker; per block, the future of its part (the first
+        computes while the worker fetches the next)."""
         parts = {bi: Future() for bi in run}
         self._pool.submit(self._fetch_run, run, dict(parts))
         return parts
 
     def _fetch_run(self, run: tuple[int, ...], parts: dict[int, Future]) -> None:
-        """H2D worker: fetch the blocks of ``run`` in order, completing each block's future; an error fails this
-        block's future and the rest."""
+        """H2D worker: fetch the blocks of ``run`` in order; an error fails this block's future and the rest."""
         self.acct.add(weight_transfers=1)
         for i, bi in enumerate(run):
             try:
@@ -161,13 +152,12 @@ class Prefetcher:
         pending = opt.pending if opt is not None else {}
         for bi in upcoming:
             for si in self.blocks[bi].slabs:
-                slab = self.store.slabs[si]
                 want = [Region.master]
                 if si in pending:
                     want = [Region.exp_avg, Region.exp_avg_sq, Region.grad_accum, Region.master]
                 elif backward and updates_in_backward:
                     want = [Region.master, Region.exp_avg, Region.exp_avg_sq]  # the update runs right after this backward
-                elif backward and not slab.grad_accum_empty:
+                elif backward and not self.store.slabs[si].grad_accum_empty:
                     want = [Region.master, Region.grad_accum]  # gradient accumulation adds into the stored accumulator
                 for k in want:
                     if k in kinds and (si, k) not in wanted:
@@ -177,22 +167,13 @@ class Prefetcher:
                         wanted.append((si, k))
         nvme.read_ahead(wanted)
 
-    def _release(self, got: dict[int, tuple[torch.Tensor, Any]]) -> None:
-        """A fetched block nobody will use: wait until its copies are done, then give its bytes back."""
-        for _, ev in got.values():
-            self.transport.last_read_done(ev)
-        self.acct.track(-sum(b.numel() * b.element_size() for b, _ in got.values()))
-
     def _discard_all(self, parts: dict[int, Future]) -> None:
-        """Drop fetched (or still fetching) blocks the schedule no longer wants (block index -> future)."""
+        """Drop fetched (or still fetching) blocks the schedule no longer wants (block index -> future) without
+        waiting: :meth:`_release_discarded` releases each (:meth:`drop` waits)."""
         for fut in parts.values():
-            self._discard(fut)
-
-    def _discard(self, fut: Future) -> None:
-        """Drop a prefetch without waiting: :meth:`_release_discarded` releases it (:meth:`drop` waits)."""
-        with self._discard_lock:
-            self._discarded[id(fut)] = fut
-        fut.add_done_callback(self._release_discarded)
+            with self._discard_lock:
+                self._discarded[id(fut)] = fut
+            fut.add_done_callback(self._release_discarded)
 
     def _release_discarded(self, f: Future) -> None:
         """A dropped prefetch's fetch ended: its bytes are given back on the transport's completion thread once its
@@ -220,7 +201,9 @@ class Prefetcher:
                 got = fut.result()
             except Exception:  # the error resurfaces on the next synchronous fetch
                 continue
-            self._release(got)
+            for _, ev in got.values():  # nobody will use it: its bytes go back once its copies are done
+                self.transport.last_read_done(ev)
+            self.acct.track(-sum(b.numel() * b.element_size() for b, _ in got.values()))
         self.transport.settle()  # window holds and staging slots of finished copies are given back
 
     def close(self) -> None:

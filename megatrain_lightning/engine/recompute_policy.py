@@ -115,10 +115,6 @@ def hidden_shapes(tensors: Any) -> tuple[tuple[int, ...], ...]:
     return shapes or ((tuple(tensors[0].shape),) if len(tensors) else ())
 
 
-def _seqs(shapes: tuple[tuple[int, ...], ...]) -> frozenset[int]:
-    return frozenset(s[1] for s in shapes if len(s) >= 3 and s[1] > 0)
-
-
 def growth(shapes: tuple[tuple[int, ...], ...], measured: tuple[tuple[int, ...], ...]) -> tuple[float, float]:
     """How a block call's kept activations grow from its measured input shapes ``measured`` to ``shapes``
     (:func:`hidden_shapes`): ``(linear, square)``, the factors of tensors proportional to B x T (hidden states, MLP
@@ -237,29 +233,9 @@ class RecomputePolicy:
         self._budget = self._inputs = 0
         self._warned_guard = False
 
-
     def report_to(self, on_change: Callable[[int], None]) -> None:
         """Call ``on_change(live_bytes)`` after every activation the meter counts (:class:`ActivationMeter`)."""
         self.meter.on_change = on_change
-
-    def mode_for(self, block: int, fwd: Any, lookup: bool = False, size: tuple[tuple[int, ...], ...] = ()) -> str:
-        """The policy of a call of ``block`` in training forward ``fwd`` (any object identifying it); under
-        ``"auto"`` the first forward returns ``"measure"``. ``lookup``: :func:`is_lookup`, ``"none"`` always.
-        ``size``: :func:`hidden_shapes` of the call."""
-        if lookup:
-            return "none"
-        if self.choice is not None:
-            if self.mode != "auto":
-                return self.choice.get(block, self.mode)
-            return self._guarded(block, size)
-        if self._measured_fwd is None:
-            self._measured_fwd, self._measure = fwd, _Measure()
-        elif fwd is not self._measured_fwd:
-            self._decide()
-            return self._guarded(block, size)
-        self._size.setdefault(block, size)
-        self._live_at.setdefault(block, self.meter.live)
-        return "measure"
 
     def _guarded(self, block: int, size: tuple[tuple[int, ...], ...]) -> str:
         """``"auto"``'s choice for a call, or ``"block"`` where the kept bytes would exceed
@@ -284,14 +260,25 @@ class RecomputePolicy:
 
     def start(self, block: int, fwd: Any, lookup: bool = False, size: tuple[tuple[int, ...], ...] = ()
               ) -> tuple[SavedOps | None, Callable[[dict], Any] | None, bool]:
-        """``(saved_ops, measure, keep_graph)`` for a call's forward: its :class:`SavedOps` (``"selective"``) or
-        ``None``; when it only measures, ``measure(bufs)`` -> the context its forward runs under (``bufs``: the
-        block's device buffers), else ``None``; ``True`` under ``"none"``. ``lookup``, ``size``: as :meth:`mode_for`."""
-        mode = self.mode_for(block, fwd, lookup, size)
-        if mode == "measure":
-            measure = self._measure
-            assert measure is not None
-            return None, functools.partial(measure.context, block, _seqs(size)), False
+        """``(saved_ops, measure, keep_graph)`` for a call of ``block`` in training forward ``fwd`` (any object
+        identifying it): its :class:`SavedOps` (``"selective"``) or ``None``; when it only measures (``"auto"``'s
+        first forward), ``measure(bufs)`` -> the context its forward runs under (``bufs``: the block's device
+        buffers), else ``None``; ``True`` under ``"none"``. ``lookup``: :func:`is_lookup`, ``"none"`` always.
+        ``size``: :func:`hidden_shapes` of the call."""
+        if lookup:
+            mode = "none"
+        elif self.choice is not None:
+            mode = self.choice.get(block, self.mode) if self.mode != "auto" else self._guarded(block, size)
+        elif self._measured_fwd is not None and fwd is not self._measured_fwd:
+            self._decide()
+            mode = self._guarded(block, size)
+        else:
+            if self._measured_fwd is None:
+                self._measured_fwd, self._measure = fwd, _Measure()
+            self._size.setdefault(block, size)
+            self._live_at.setdefault(block, self.meter.live)
+            seqs = frozenset(s[1] for s in size if len(s) >= 3 and s[1] > 0)
+            return None, functools.partial(self._measure.context, block, seqs), False  # type: ignore[union-attr]
         return (SavedOps(mode) if mode == "selective" else None), None, mode == "none"
 
     def _decide(self) -> None:

@@ -14,15 +14,10 @@ Per batch, with N local ranks per node (the slab's owner is local rank r on ever
 3. with several nodes the owners all-reduce the node sums, so every node's owner holds the same sum, bitwise;
 4. the owner divides by W.
 
-Sums are fp32 on both backends whatever the wire dtype (gloo: host copies cast to fp32; NCCL: a fp32 copy of the
-packed device tensor, copied to the host in fp32): W ranks' bf16 gradients summed in bf16 lose up to ``log2(W)``
-more bits than the one rounding of the mean. Every rank sends the same batches in the same order (same backward
-order; a batch lists every trainable parameter of the call), so the collectives match without negotiation.
-
-Where it runs, overlapping the next block's backward: ``device_side`` (NCCL) on the D2H stream before the copy
-(:meth:`CUDATransport.stage_grads` calls :meth:`GradReducer.reduce_device`); otherwise (gloo) by the D2H worker
-before its add (:meth:`GradReducer.reduce_host`). The groups (``parallel/groups.py``) serve gradients only, so
-these collectives never interleave with the main thread's on Lightning's default group.
+Sums are fp32 whatever the wire dtype (where and how: the overview): W ranks' bf16 gradients summed in bf16 lose up
+to ``log2(W)`` more bits than the one rounding of the mean. Every rank sends the same batches in the same order (a
+batch lists every trainable parameter of the call), so the collectives match without negotiation. The groups
+(``parallel/groups.py``) serve gradients only: these never interleave with the main thread's collectives.
 """
 
 from __future__ import annotations
@@ -72,8 +67,7 @@ class GradReducer:
         for i, g in enumerate(grads):
             if g is None:
                 flags[i] = 0.0
-        out.append(flags)
-        return out
+        return [*out, flags]
 
     def _reduce(self, grads: torch.Tensor, flags: torch.Tensor, owner: int, mine: bool) -> None:
         """Steps 1-4 of the module docstring on flat ``grads`` and ``flags`` (same device), in place."""
@@ -106,11 +100,7 @@ class GradReducer:
         flat = torch.cat([t.reshape(-1).float() for t in tensors])
         n_flags = tensors[-1].numel()
         self._reduce(flat[: flat.numel() - n_flags], flat[flat.numel() - n_flags :], owner, mine)
-        out, off = [], 0
-        for t in tensors:
-            out.append(flat[off : off + t.numel()].view(t.shape))
-            off += t.numel()
-        return out
+        return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
 
     @staticmethod
     def present(tensors: Sequence[torch.Tensor]) -> list[bool]:

@@ -1,15 +1,9 @@
-"""Row gradients of an embedding lookup: the rows its tokens read, not the whole ``[V, H]`` table.
-
-Dense, the gradient is ``[V, H]`` on the device (4.2 GB fp32 for a 128k x 8192 table, per micro-batch). With
-torch's sparse embedding backward (``sparse=True``) only the row ids ``[N]`` (int64, one per token that is not
-``padding_idx``, in token order) and one row per token ``[N, H]`` cross the D2H link
-(``N * (H * wire bytes + 8)`` bytes); the host adds them into their rows (:class:`RowGrad`).
+"""Row gradients of an embedding lookup: the rows its tokens read, not the whole ``[V, H]`` table, with torch's
+sparse embedding backward (docs/internals/streaming.md, "Gradients to the host": why, when, the bytes moved).
 
 Bitwise the dense path's numbers (tests/test_row_grads.py): like torch's dense CPU backward, :class:`RowGrad` sums
-each row id's contributions of one micro-batch in token order from zero, then adds each sum once.
-
-Used only where smaller than the dense gradient (:func:`use_row_grads`) and not under data parallel (its
-collectives take dense gradients).
+each row id's contributions of one micro-batch in token order from zero, then adds each sum once. Not under data
+parallel (its collectives take dense gradients).
 """
 
 from __future__ import annotations
@@ -20,24 +14,15 @@ from typing import Iterator
 import torch
 
 
-def _index_elements(wire: torch.dtype) -> int:
-    """Elements of ``wire`` that carry one int64 row id on the link (its 8 bytes, reinterpreted)."""
-    return 8 // wire.itemsize
-
-
 def use_row_grads(module: torch.nn.Embedding, tokens: int, wire: torch.dtype) -> bool:
-    """Whether ``module``'s weight trains and ``tokens`` rows plus their ids (``tokens * (H + 8 / wire bytes)``
-    elements of ``wire``) are fewer than the dense ``V * H``.
-
-    Args:
-        module: the embedding (a lookup: ``engine.recompute_policy.is_lookup``).
-        tokens: number of token ids of the call's input (``input.numel()``).
-        wire: dtype of gradients on the D2H link."""
+    """Whether the weight of ``module`` (an embedding lookup: ``engine.recompute_policy.is_lookup``) trains and
+    ``tokens`` (``input.numel()``) rows plus their ids (``tokens * (H + 8 / wire bytes)`` elements of ``wire``, the
+    gradients' dtype on the D2H link) are fewer than the dense ``V * H``."""
     w = module.weight
     if not w.requires_grad or w.dim() != 2:
         return False
     rows, width = w.shape
-    return tokens * (width + _index_elements(wire)) < rows * width
+    return tokens * (width + 8 // wire.itemsize) < rows * width  # a row id: 8 bytes reinterpreted as wire elements
 
 
 @contextlib.contextmanager
@@ -53,13 +38,10 @@ def sparse_lookup(module: torch.nn.Embedding) -> Iterator[None]:
 
 def lookup_context(module: torch.nn.Module, tensors: list[torch.Tensor], wire: torch.dtype,
                    dense_only: bool) -> contextlib.AbstractContextManager:
-    """The context a call of ``module`` runs in: :func:`sparse_lookup` for an embedding whose gradient goes to
-    the host as rows (:func:`use_row_grads`), else none.
-
-    Args:
-        tensors: the call's tensor arguments (the first one: the token ids).
-        dense_only: the gradient must stay dense (it is averaged over ranks; or the call is not a lookup whose
-            graph the engine keeps)."""
+    """The context a call of ``module`` with tensor arguments ``tensors`` (the first: the token ids) runs in:
+    :func:`sparse_lookup` for an embedding whose gradient goes to the host as rows (:func:`use_row_grads`), else
+    none; none with ``dense_only`` too (the gradient is averaged over ranks, or the call is not a lookup whose graph
+    the engine keeps)."""
     if (dense_only or not isinstance(module, torch.nn.Embedding) or module.max_norm is not None or not tensors
             or not use_row_grads(module, tensors[0].numel(), wire)):
         return contextlib.nullcontext()
@@ -80,13 +62,9 @@ def to_wire(g: torch.Tensor, wire: torch.dtype) -> list[torch.Tensor]:
 
 
 class RowGrad:
-    """On the host, a ``[V, H]`` gradient that is zero outside the rows ``ids`` (``[N]`` int64, token order,
-    repeats allowed) whose contributions are ``values`` (``[N, H]``, any float dtype).
-
-    Args:
-        host: the two host tensors :func:`to_wire` sent, as they arrived (``values`` then the ids' bytes).
-        shape: the dense gradient's shape (the parameter's).
-    """
+    """On the host, a ``[V, H]`` (``shape``, the parameter's) gradient that is zero outside the rows ``ids``
+    (``[N]`` int64, token order, repeats allowed) whose contributions are ``values`` (``[N, H]``, any float dtype);
+    ``host``: the two host tensors :func:`to_wire` sent, as they arrived (``values`` then the ids' bytes)."""
 
     def __init__(self, host: list[torch.Tensor], shape: torch.Size | tuple[int, ...]):
         values, ids = host

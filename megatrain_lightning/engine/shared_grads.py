@@ -33,27 +33,23 @@ class SharedGradSums:
     """Sums the gradients of shared parameters per backward before adding them into the accumulators.
 
     Args:
-        shared: ``(slab, entry)`` of every parameter read by more than one block.
+        blocks: the model's blocks; a parameter their references list in two or more blocks is shared.
         enabled: ``False`` when the accumulators live on disk (``offload_optimizer="nvme"``): every
             gradient is added as it arrives.
     """
 
-    def __init__(self, shared: Iterable[tuple[int, int]], enabled: bool = True):
-        self.shared = frozenset(shared) if enabled else frozenset()
-        # (slab, entry) -> the running sum of this backward: None while the accumulator itself holds it
-        # (the window's first gradient of the parameter), else a separate fp32 tensor
-        self.open: dict[tuple[int, int], torch.Tensor | None] = {}
-
-    @classmethod
-    def for_blocks(cls, blocks: Iterable, enabled: bool = True) -> "SharedGradSums":
-        """From the blocks' parameter references: a parameter listed by two or more blocks is shared."""
+    def __init__(self, blocks: Iterable, enabled: bool = True):
         users: dict[int, set[int]] = {}
         where: dict[int, tuple[int, int]] = {}
         for blk in blocks:
             for ref in blk.params:
                 users.setdefault(id(ref.param), set()).add(blk.index)
                 where[id(ref.param)] = (ref.slab, ref.index)
-        return cls([where[p] for p, b in users.items() if len(b) > 1], enabled)
+        # (slab, entry) of every shared parameter
+        self.shared = frozenset([where[p] for p, b in users.items() if len(b) > 1]) if enabled else frozenset()
+        # (slab, entry) -> the running sum of this backward: None while the accumulator itself holds it
+        # (the window's first gradient of the parameter), else a separate fp32 tensor
+        self.open: dict[tuple[int, int], torch.Tensor | None] = {}
 
     def add(self, slab: Slab, i: int, acc: torch.Tensor, g: "torch.Tensor | RowGrad") -> None:
         """Add gradient ``g`` of entry ``i`` into its accumulator view ``acc`` (or into this backward's sum).

@@ -19,12 +19,6 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..blocks import BlockDiscoveryError
 
 
-def _mutable_arguments(args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
-    """``(name, container)`` for every argument of a call that is a mutable mapping or a list."""
-    named = [(f"positional argument {i}", a) for i, a in enumerate(args)] + list(kwargs.items())
-    return [(n, v) for n, v in named if isinstance(v, (MutableMapping, list))]
-
-
 def _tensor_ids(container: Any) -> set[int]:
     """Ids of the tensors a mapping's values or a list's items hold, nested ones included."""
     items = list(container.values()) if isinstance(container, MutableMapping) else list(container)
@@ -57,7 +51,8 @@ def guard(forward: Callable[..., Any], args: tuple, kwargs: dict) -> Callable[..
     Raises (from the reading block, not here):
         BlockDiscoveryError: naming the writing block's class, the argument and the key, and what to do.
     """
-    watched = _mutable_arguments(args, kwargs)
+    named = [(f"positional argument {i}", a) for i, a in enumerate(args)] + list(kwargs.items())
+    watched = [(n, v) for n, v in named if isinstance(v, (MutableMapping, list))]
     if not watched:
         return forward
 

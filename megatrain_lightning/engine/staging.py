@@ -1,8 +1,5 @@
-"""The H2D staging ring: wire images of on-disk masters, cast on the H2D worker, copied from pinned memory.
-
-Each fetch casts the window's fp32 master into a slot (a buffer of the window's pinned arena, counted in
-``host_memory_limit``); the slot goes back when the copy's event completes, so the next cast overlaps this copy and
-the cast of block k+2 waits for the copy of block k (docs/internals/nvme.md, "Masters to the device").
+"""The H2D staging ring: wire images of on-disk masters, cast on the H2D worker into slots of the window's pinned
+arena, each given back when its copy's event completes (docs/internals/nvme.md, "Masters to the device").
 """
 
 from __future__ import annotations
@@ -13,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from .wire import WireLayout
+from ..store.pinned import page_up
 
 RING_SLOTS = 2  # casts in flight: one being copied while the next is cast (double buffering)
 _RUN_PAD = 16  # bytes: a wire image pads each run to this (wire.py's _ALIGN)
@@ -22,9 +19,7 @@ _RUN_PAD = 16  # bytes: a wire image pads each run to this (wire.py's _ALIGN)
 def ring_bytes_bound(slabs: list[tuple[int, int]], slots: int = RING_SLOTS) -> int:
     """Most bytes the ring holds at once: ``slots`` page-rounded images of the largest slab at 4 bytes per element
     plus a run's padding per entry (a mixed image is never larger). ``slabs``: per slab, ``(numel, entries)``."""
-    page = 4096
-    one = max(((4 * n + _RUN_PAD * k + page - 1) // page * page for n, k in slabs), default=0)
-    return slots * one
+    return slots * max((page_up(4 * n + _RUN_PAD * k) for n, k in slabs), default=0)
 
 
 @dataclass
@@ -36,11 +31,6 @@ class Slot:
     nbytes: int
     seq: int
 
-    def image(self, layout: WireLayout) -> torch.Tensor:
-        """The slot as ``layout``'s host image: ``[numel]`` of the wire dtype (uniform), else ``[nbytes]`` uint8."""
-        raw = self.raw[: layout.nbytes]
-        return raw.view(layout.dtype) if layout.dtype is not None else raw
-
 
 class StagingRing:
     """At most ``slots`` staging buffers in flight, each given back once its copy's event completed.
@@ -49,7 +39,6 @@ class StagingRing:
         alloc: ``nbytes -> (key, uint8 tensor [nbytes])``, counted in the host budget; may wait for room.
         free: ``(key, nbytes) -> None``: gives it back.
         when_done: ``(event, fn) -> None``: runs ``fn`` once ``event`` completed (the transport's).
-        slots: buffers in flight at most.
 
     Attributes:
         acquired / released: slots handed out / given back, in order (their ``seq``), for tests and stats.
@@ -69,19 +58,10 @@ class StagingRing:
         self.released: list[int] = []
         self.peak_inflight = 0
 
-    @classmethod
-    def for_store(cls, store, transport) -> "StagingRing | None":
-        """The ring of a store whose masters live on NVMe; ``None`` when they are in RAM."""
-        if not store.masters_on_disk:
-            return None
-        nv = store.nvme
-        return cls(lambda n: nv.alloc_staging(n, "the H2D staging ring"), nv.free_staging, transport.when_done)
-
     def acquire(self, nbytes: int) -> Slot:
         """A staging buffer of ``nbytes``; waits while ``slots`` are in flight (their copies still run)."""
         with self._cond:
-            while self._inflight >= self.slots:
-                self._cond.wait()
+            self._cond.wait_for(lambda: self._inflight < self.slots)
             self._inflight += 1
             self.peak_inflight = max(self.peak_inflight, self._inflight)
             seq = self._seq

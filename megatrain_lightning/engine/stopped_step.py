@@ -20,10 +20,7 @@ MIXED_STEP = (
 
 
 class StoppedStep:
-    """Tracks the optimizer step a stop left half applied.
-
-    Args:
-        grads: the gradient sink, which knows whether the step's backward queued an update (``updates_started``).
+    """Tracks the optimizer step a stop left half applied (``grads.updates_started``: the backward queued one).
 
     Attributes:
         step: the description of that step (e.g. ``"3 (global_step 2 -> 3, stopped by RuntimeError)"``), or ``None``

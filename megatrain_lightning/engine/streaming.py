@@ -1,8 +1,7 @@
 """``StreamingEngine``: streams a model's blocks through one device and owns their host state.
 
-This file is the engine's frame: building the parts, installing the per-block proxies, the phase machine of a step
-(forward, backward, evaluation) that gives the prefetch schedule, and the optimizer step. The parts, each owning its
-state: docs/architecture.md, "Engine layout"; a step through them: "A training step".
+The engine's frame: the parts (each owning its state: docs/architecture.md, "Engine layout"; a step through them:
+"A training step"), the per-block proxies, the phase machine of a step that gives the prefetch schedule.
 """
 
 from __future__ import annotations
@@ -25,10 +24,11 @@ from ..store.nvme import NVMeConfig
 from ..blocks import Block, HFRunSettings, check_floating, discover_blocks, output_embedding_blocks
 from .accounting import ByteAccounting, StepStats
 from .block_groups import form_groups
+from .chunked_mlp import ChunkedMLP
 from .fetch import WeightFetcher
 from .forward_patch import ForwardPatches
 from .grads import GradientSink
-from .long_sequences import LongSequences
+from .head_loss import HeadLoss
 from .kv_cache import any_requires_grad, layer_index, training_call
 from .prefetch import Prefetcher
 from .boundary.boundary import Boundary
@@ -88,8 +88,8 @@ class StreamingEngine:
         config = config if config is not None else MegaTrainConfig(**options)
         nvme = nvme if nvme is not None else config.nvme
         cpu_zero_copy, pin_memory = config.cpu_zero_copy, config.pin_memory
-        loss_chunk_size, mlp_chunk_size = config.loss_chunk_size, config.mlp_chunk_size
-        self.long = LongSequences(root, loss_chunk_size, mlp_chunk_size, self.call_block, lambda: self.fetcher.param_dtype)
+        self.head_loss = HeadLoss(root, config.loss_chunk_size, self.call_block, lambda: self.fetcher.param_dtype)
+        self.mlp = ChunkedMLP(config.mlp_chunk_size)
         self.root, self.device = root, torch.device(device)
         host_threads = resolve_host_threads(config.host_threads, self.device)
         self.blocks: list[Block] = discover_blocks(root, config.block_classes, config.block_names)
@@ -111,7 +111,7 @@ class StreamingEngine:
         self.trainable = [reserve_frozen or p.requires_grad for p in root.parameters()]  # state in the store
         staging = self.store.max_slab_numel(trainable=True) + (max(len(s.entries) for s in self.store.slabs) if reducer
                                                               else 0)  # data parallel: + presence flags (reduce.py)
-        self.transport = make_transport(self.device, staging, cpu_zero_copy, n_staging=2, pin=pin,
+        self.transport = make_transport(self.device, staging, cpu_zero_copy, pin=pin,
                                         reuse_cpu_buffers=self.budget is None)
         # on CPU the compute buffers are host memory: they count in host_memory_limit
         budget_device = self.budget is not None and self.device.type == "cpu"
@@ -120,13 +120,15 @@ class StreamingEngine:
                                    on_release=self.transport.released)
         self.params = ParamAccess(self.store)
         # gradients of a parameter read by several blocks are summed per backward, as autograd does
-        shared = SharedGradSums.for_blocks(self.blocks, enabled=Region.grad_accum not in self.store.nvme_kinds)
-        self.grads = GradientSink(self.store, self.acct, self.transport, shared,
-                                  max_inflight=2, host_threads=host_threads, reducer=reducer,
-                                  ownership=self.ownership)
+        shared = SharedGradSums(self.blocks, enabled=Region.grad_accum not in self.store.nvme_kinds)
+        self.grads = GradientSink(self.store, self.acct, self.transport, shared, host_threads=host_threads,
+                                  reducer=reducer, ownership=self.ownership)
         self.stopped = StoppedStep(self.grads)  # a step stopped after part of its in-backward updates
+        nv = self.store.nvme  # masters on disk: the H2D staging ring of their wire images
+        ring = StagingRing(lambda n: nv.alloc_staging(n, "the H2D staging ring"), nv.free_staging,
+                           self.transport.when_done) if self.store.masters_on_disk else None
         self.fetcher = WeightFetcher(self.blocks, self.store, self.transport, self.acct, self.device, pin_memory=pin,
-                                     ring=StagingRing.for_store(self.store, self.transport), shared_images=node and node.wire_images, ownership=self.ownership)
+                                     ring=ring, shared_images=node and node.wire_images, ownership=self.ownership)
         nvme_on = self.store.nvme is not None
         self.prefetcher = Prefetcher(self.blocks, self.store, self.transport, self.acct, lambda blk: self.fetcher.fetch(blk),
                                      config.lookahead, read_ahead_bytes=self.budget.limit - min_window if nvme_on else None,
@@ -170,8 +172,11 @@ class StreamingEngine:
                         "block as HF checkpointing does) and back on after it.", name)
         for blk in self.blocks:
             orig = blk.module.forward
-            self._proxies.patch(blk.module, self._make_direct_proxy(blk, orig) if blk.direct else self._make_proxy(blk, orig))
-        self.long.install(self.blocks)
+            proxy = self._make_direct_proxy(blk, orig) if blk.direct else self._make_proxy(blk, orig)
+            proxy.__wrapped__ = orig  # type: ignore[attr-defined]
+            self._proxies.patch(blk.module, proxy)
+        self.head_loss.install(self.blocks)
+        self.mlp.install(self.blocks)
         self.buffers_to(self.device)
         self.installed = True
 
@@ -180,7 +185,8 @@ class StreamingEngine:
         if not self.installed:
             return
         self.flush()
-        self.long.uninstall()
+        self.mlp.uninstall()
+        self.head_loss.uninstall()
         self._proxies.restore()
         self.hf_settings.restore()
         self._drop_prefetched()
@@ -263,7 +269,6 @@ class StreamingEngine:
                 with self.runner.bind(blk, bufs, None):
                     return orig(*args, **kwargs)
 
-        proxy.__wrapped__ = orig  # type: ignore[attr-defined]
         return proxy
 
     def call_block(self, blk: Block, forward: Callable[..., Any], args: tuple, kwargs: dict,
@@ -287,18 +292,7 @@ class StreamingEngine:
                 with self.runner.bind(blk, bufs, leaves):
                     return orig(*args, **kwargs)
 
-        proxy.__wrapped__ = orig  # type: ignore[attr-defined]
         return proxy
-
-    def _plan_updates_in_backward(self) -> None:
-        """At the start of a backward with ``update_in_backward``: :meth:`GradientSink.plan`. Not when this forward
-        shares its step with an earlier one whose backward has not run (its gradients would arrive after the
-        update); the deferred schedule runs instead."""
-        if not self._plan_due:
-            return
-        self._plan_due = False
-        eager = self.update_in_backward and self.optimizer is not None and not self.boundary.fwd.shares_step
-        self.grads.plan(self.boundary.plan_refs() if eager else [])
 
     # ------------------------------------------------------------------ weights
     def _locate(self, blk: Block, backward: bool, training: bool) -> int | None:
@@ -328,25 +322,24 @@ class StreamingEngine:
             return
         self._phase = "backward"
         self.grads.new_backward()
-        self._plan_updates_in_backward()
+        if self._plan_due:
+            # with update_in_backward: GradientSink.plan; not when this forward shares its step with an earlier one
+            # whose backward has not run (its gradients would arrive after the update): the deferred schedule runs
+            self._plan_due = False
+            eager = self.update_in_backward and self.optimizer is not None and not self.boundary.fwd.shares_step
+            self.grads.plan(self.boundary.plan_refs() if eager else [])
         self._seq, self._cursor = self.boundary.end_forward(), 0
         seq = self._seq  # the next forward's guess: from the 2nd forward on the last block keeps its graph
         self._bwd_seq = seq[1:] if seq[:1] == self.order[-1:] else seq
 
     def acquire(self, blk: Block, backward: bool, training: bool = False) -> dict[int, torch.Tensor]:
-        """The block's slabs on the device (:meth:`Prefetcher.get`).
-
-        Args:
-            blk: the block about to run.
-            backward: a fetch while autograd runs backward (recompute included).
-            training: a forward that a backward will follow (the schedule continues into it).
-        Returns:
-            slab index -> device buffer (compute dtype, shape ``[slab numel]``).
-        """
+        """The block's slabs on the device (:meth:`Prefetcher.get`: slab index -> compute-dtype ``[slab numel]``).
+        ``backward``: a fetch while autograd runs backward (recompute included); ``training``: a forward that a
+        backward will follow (the schedule continues into it)."""
         pos = self._locate(blk, backward, training)
-        held = self.boundary.held_numel()  # kept last block
         return self.prefetcher.get(blk, self._seq, pos, backward=self._phase == "backward",
-                                   updates_in_backward=bool(self.grads.sends_left), held=held)
+                                   updates_in_backward=bool(self.grads.sends_left),
+                                   held=self.boundary.held_numel())  # kept last block
 
     def configure_precision(self, wire: torch.dtype, param: torch.dtype, grad_wire: torch.dtype) -> None:
         """Set the dtypes of the H2D weight copies and bound parameters (:meth:`WeightFetcher.configure`) and of
@@ -373,28 +366,12 @@ class StreamingEngine:
         self._phase = "idle"
 
     # ------------------------------------------------------------------ gradients
-    def wait_grads(self) -> None:
-        """Block until every gradient sent so far is in the host accumulators."""
-        self.grads.wait()
-
     def attach_grads(self) -> None:
         """:meth:`GradientSink.attach`; with a node-shared store, once every local rank's adds are in."""
         if self.ownership is not None:
-            self.wait_grads()
+            self.grads.wait()
             self.ownership.sync()
         self.grads.attach()
-
-    def commit_grads(self) -> None:
-        """The hooks' edits of ``param.grad`` into the accumulators (:meth:`GradientSink.commit`; DP: collective)."""
-        self.grads.commit()
-
-    def detach_grads(self) -> None:
-        """``param.grad = None`` for every parameter."""
-        self.grads.detach()
-
-    def zero_grad(self) -> None:
-        """``optimizer.zero_grad()``: forget gradients no step consumed."""
-        self.grads.zero()
 
     # ------------------------------------------------------------------ optimizer
     def step(self) -> None:
@@ -405,29 +382,28 @@ class StreamingEngine:
         """
         if self.optimizer is None:
             raise RuntimeError("megatrain: optimizer step requested but no optimizer is attached.")
-        self.wait_grads()
+        self.grads.wait()
         self._drop_prefetched()  # prefetched copies predate this update
         self.optimizer.step()
-        self.detach_grads()
+        self.grads.detach()
 
     def skip_step(self) -> None:
         """Drop the accumulated gradients without any update (a skipped fp16 step)."""
-        self.wait_grads()
-        self.detach_grads()
+        self.grads.wait()
+        self.grads.detach()
         if self.optimizer is not None:
             self.optimizer.discard_grads()
 
     def flush(self) -> None:
         """Apply all pending optimizer updates (call before reading parameters directly)."""
-        self.wait_grads()
+        self.grads.wait()
         if self.optimizer is not None and self.optimizer.has_pending():
             self._drop_prefetched()
             self.optimizer.flush()
 
     def weights_written(self) -> None:
-        """Parameters were written through ``param.data`` (no version counter shows it): drop the prefetched copies,
-        re-encode the wire images and take ``param.data = tensor`` assignments into the store (after the pending
-        updates)."""
+        """Parameters were written through ``param.data`` (no version counter shows it, so the wire images are
+        re-encoded), or replaced by ``param.data = tensor`` (taken into the store after the pending updates)."""
         self.flush()
         self._drop_prefetched()
         self.fetcher.forget_images()

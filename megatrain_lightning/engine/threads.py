@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 import torch
 
@@ -25,17 +24,18 @@ def resolve_host_threads(host_threads: int | None, device: torch.device) -> int 
     :class:`~megatrain_lightning.config.MegaTrainConfig`) or the device's default (module docstring)."""
     if host_threads is not None:
         return host_threads
-    if torch.device(device).type == "cuda":
-        return max(1, torch.get_num_threads() - 1)
-    return 1
+    return max(1, torch.get_num_threads() - 1) if torch.device(device).type == "cuda" else 1
 
 
-def worker_initializer(threads: int | None, device: torch.device | None = None) -> Callable[[], None] | None:
-    """``ThreadPoolExecutor(initializer=...)`` for a host worker: makes a CUDA ``device`` current, then sets the
-    worker's intra-op threads to ``threads``; ``None`` when there is nothing to do."""
+_START_LOCK = threading.Lock()
+
+
+def start_worker(name: str, threads: int | None, device: torch.device | None = None,
+                 workers: int = 1) -> ThreadPoolExecutor:
+    """A ``ThreadPoolExecutor`` of ``workers`` threads (names ``name``) started now; each makes a CUDA ``device``
+    current, then sets its intra-op threads to ``threads``. Afterwards the process-wide intra-op thread count is
+    the calling thread's again (module docstring)."""
     cuda = device is not None and torch.device(device).type == "cuda"
-    if threads is None and not cuda:
-        return None
     # "cuda" without an index is the caller's current device, resolved here on the calling thread (the worker's
     # own current device would be cuda:0, and torch.cuda.set_device refuses a device without an index)
     index = (torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()) \
@@ -47,20 +47,11 @@ def worker_initializer(threads: int | None, device: torch.device | None = None) 
         if threads is not None:
             torch.set_num_threads(threads)
             # torch reads its process-wide count once per thread, at the thread's first parallel op or query:
-            # done now, while it is ``threads``, so that start_worker's restore cannot reach this thread
+            # done now, while it is ``threads``, so that the restore below cannot reach this thread
             torch.get_num_threads()
 
-    return init
-
-
-_START_LOCK = threading.Lock()
-
-
-def start_worker(name: str, threads: int | None, device: torch.device | None = None,
-                 workers: int = 1) -> ThreadPoolExecutor:
-    """A ``ThreadPoolExecutor`` of ``workers`` threads (names ``name``) started now with :func:`worker_initializer`;
-    afterwards the process-wide intra-op thread count is the calling thread's again (module docstring)."""
-    pool = ThreadPoolExecutor(workers, thread_name_prefix=name, initializer=worker_initializer(threads, device))
+    pool = ThreadPoolExecutor(workers, thread_name_prefix=name,
+                              initializer=init if threads is not None or cuda else None)
     if threads is None:
         return pool
     with _START_LOCK:

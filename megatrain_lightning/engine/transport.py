@@ -1,13 +1,8 @@
 """Host <-> device transfers: CUDA streams, pinned memory and events, or CPU threads.
 
-Both transports offer the same operations: :meth:`to_device` (H2D worker) + :meth:`ready` (compute thread) for
-weights, :meth:`stage_grads` for gradient batches (the D2H worker ``wait``-s on the returned :class:`GradCopy`, adds
-it and ``release``-s its staging buffer, so batch k+1 copies while batch k is added), :meth:`offload` /
-:meth:`restore_async` for saved activations (:mod:`.offload`), :meth:`released` / :meth:`last_read_done` to bound how
-far the H2D worker runs ahead and to order a master's write after its last read, and :meth:`when_done` /
-:meth:`settle` for callbacks on a copy's completion. On CPU the "device" buffer is a separate host tensor, so CI runs
-the same schedule (docs/internals/streaming.md, "Threads and streams"). Every CUDA event the host waits on is made
-with ``blocking=True``: the waiting thread sleeps instead of spinning on a core the host AdamW and adds need.
+Both transports offer the same operations. On CPU the "device" buffer is a separate host tensor, so CI runs the same
+schedule (docs/internals/streaming.md, "Threads and streams"). Every CUDA event the host waits on is made with
+``blocking=True``: the waiting thread sleeps instead of spinning on a core the host AdamW and adds need.
 """
 
 from __future__ import annotations
@@ -34,8 +29,7 @@ class GradCopy:
 
     Args:
         host: the host tensors the copy fills (wire dtype, the gradients' shapes).
-        done / start: CUDA events recorded on the D2H stream after / before the copy, or ``None``
-            (CPU: the copy is already done).
+        done / start: CUDA events recorded on the D2H stream after / before the copy (CPU: ``None``, done).
         release: gives the pinned staging buffer back, or ``None``.
         busy_s: seconds the copy ran (CPU: known now; CUDA: set by :meth:`wait`).
     """
@@ -92,7 +86,6 @@ class CPUTransport:
         return buf, None
 
     def ready(self, buf: torch.Tensor, event: object) -> None:
-        """Wait for the copy (``event``: ``None`` or an object with ``synchronize()``)."""
         self.last_read_done(event)
 
     def offload(self, t: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -100,11 +93,9 @@ class CPUTransport:
         return t.detach().clone(), None
 
     def restore(self, host: torch.Tensor, event: object) -> torch.Tensor:
-        """The host copy itself."""
         return host
 
     def restore_async(self, host: torch.Tensor, event: object) -> tuple[torch.Tensor, None]:
-        """The host copy itself, nothing to wait for."""
         return host, None
 
     def last_read_done(self, event: object) -> None:
@@ -113,14 +104,13 @@ class CPUTransport:
             event.synchronize()  # type: ignore[attr-defined]
 
     def when_done(self, event: object, fn: Callable[[], None]) -> None:
-        """Run ``fn`` now: a CPU copy is complete when :meth:`to_device` returns."""
-        fn()
+        fn()  # a CPU copy is complete when to_device returns
 
     def settle(self) -> None:
         """Nothing pending on CPU."""
 
     def released(self) -> None:
-        """A block's buffers were released by the compute thread (nothing to track on CPU)."""
+        """Nothing to track on CPU."""
 
     def stage_grads(self, grads: Sequence[torch.Tensor], wire: torch.dtype = torch.float32,
                     reduce: Callable[[torch.Tensor], int | None] | None = None) -> GradCopy:
@@ -140,7 +130,6 @@ class CPUTransport:
         """One gradient on a CPU device's "D2H link": itself, or converted to ``wire``."""
         return g if g.dtype == wire else g.to(wire)
 
-
     def reset_peak(self) -> None:
         pass
 
@@ -152,7 +141,6 @@ class CUDATransport:
     """Transfers for CUDA: dedicated H2D and D2H streams, pinned staging buffers, events.
 
     Args:
-        device: the CUDA device.
         staging_numel: elements of each pinned D2H staging buffer (the largest trainable slab).
         n_staging: number of staging buffers (2: one batch copies while the previous one is added).
     """
@@ -276,10 +264,9 @@ class CUDATransport:
         free when the copy ends); returns the copy (host views of the gradients' shapes, valid until ``release``).
         On an error the staging buffer is given back first.
 
-        ``reduce`` (data parallel, NCCL, ``engine/reduce.py``): called on the packed tensor with the D2H stream
-        current, before the copy, so the collective is ordered between them while the compute stream goes on.
-        It returns ``(out, keep)``: the tensor to copy (the reduced batch, fp32 ``[n]``: the host views get its
-        dtype) and how many trailing elements to copy (``None``: all; a non-owner copies only the presence flags).
+        ``reduce`` (data parallel, NCCL: :meth:`~.reduce.GradReducer.reduce_device`, whose ``(out, keep)`` says what
+        to copy; the host views get ``out``'s dtype): called on the packed tensor with the D2H stream current, before
+        the copy, so the collective is ordered between them while the compute stream goes on.
 
         Raises:
             RuntimeError: every staging buffer is taken (a caller queued more than ``n_staging`` batches).
@@ -311,10 +298,7 @@ class CUDATransport:
             # a copy into it queued before the error is ordered before the next batch's on the D2H stream
             self._staging.put(staging)
             raise
-        out, off = [], 0
-        for g in grads:
-            out.append(host[off : off + g.numel()].view(g.shape))
-            off += g.numel()
+        out = [part.view(g.shape) for part, g in zip(host.split([g.numel() for g in grads]), grads)]
         return GradCopy(out, done, start, lambda: self._staging.put(staging))
 
     def reset_peak(self) -> None:
@@ -324,10 +308,9 @@ class CUDATransport:
         return torch.cuda.max_memory_allocated(self.device)
 
 
-def make_transport(device: torch.device, staging_numel: int, zero_copy_cpu: bool = False, n_staging: int = 2,
+def make_transport(device: torch.device, staging_numel: int, zero_copy_cpu: bool = False,
                    pin: bool | None = None, reuse_cpu_buffers: bool = False):
-    """The transport for ``device`` (``n_staging``: pinned D2H staging buffers, at least the gradient sink's
-    ``max_inflight``; ``pin``: the ``pin_memory`` option for them).
+    """The transport for ``device`` (``pin``: the ``pin_memory`` option for CUDA's pinned D2H staging buffers).
 
     Raises:
         ValueError: a device type other than ``cpu`` and ``cuda``.
@@ -335,5 +318,5 @@ def make_transport(device: torch.device, staging_numel: int, zero_copy_cpu: bool
     if device.type == "cpu":
         return CPUTransport(device, zero_copy=zero_copy_cpu, reuse_buffers=reuse_cpu_buffers)
     if device.type == "cuda":
-        return CUDATransport(device, staging_numel, n_staging=n_staging, pin=pin)
+        return CUDATransport(device, staging_numel, pin=pin)
     raise ValueError(f"megatrain supports accelerator 'cpu' and 'gpu' (CUDA); got device {device}.")

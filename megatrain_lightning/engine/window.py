@@ -43,11 +43,10 @@ def window_sizes(blocks: Sequence[Block], nvme: NVMeConfig, device: torch.device
     device = torch.device(device)
     slabs = slab_layout(blocks, reserve_frozen)
     layout = [(n, t) for _, n, t in slabs]
-    mine = nvme.own(layout)
     cpu = device.type == "cpu"
     image = max((page_up(4 * n) for n, _ in layout), default=0)
     outside = compute_window_bytes(layout, blocks, lookahead) - image if cpu else d2h_staging_bytes(layout, device)
-    min_window = nvme.min_window(mine) + outside
+    min_window = nvme.min_window(nvme.own(layout)) + outside
     ring = ring_bytes_bound([(n, len(e)) for e, n, _ in slabs]) if Region.master in nvme.kinds else 0
     if ring:
         min_window += ring // RING_SLOTS if cpu else ring
@@ -71,16 +70,14 @@ def nvme_window(blocks: Sequence[Block], nvme: NVMeConfig, device: torch.device,
             below the minimum window, which includes the D2H staging and the H2D ring on CUDA).
         HostPinningError: ``pin is True`` and the arena could not be page-locked.
     """
-    slabs = slab_layout(blocks, reserve_frozen)
-    layout = [(n, t) for _, n, t in slabs]
-    mine = nvme.own(layout)  # data parallel: only the slabs this process updates have regions on its disk
-    staging = d2h_staging_bytes(layout, device)
+    # data parallel: only the slabs this process updates have regions on its disk
+    mine = nvme.own([(n, t) for _, n, t in slab_layout(blocks, reserve_frozen)])
     min_window, outside, ring = window_sizes(blocks, nvme, device, lookahead, reserve_frozen)
     if Path(nvme.path).is_dir():  # stores a killed run left (another number of processes): their disk back first
         sweep_stale_stores(nvme.path, {nvme.store_dir, *nvme.run_dirs})
     preflight_nvme(nvme.path, mine, nvme.host_memory_limit, min_window, nvme.store_dir, nvme.ranks_sharing)
     budget = HostBudget(nvme.host_memory_limit)
-    budget.reserve(staging, what="D2H staging buffers")
+    budget.reserve(0 if device.type == "cpu" else outside, what="D2H staging buffers")  # d2h_staging_bytes
     heap.bound_heap()  # freed buffers leave the process (the budget counts only live ones)
     # what the process holds for the tier, arena + what is outside it, is then at most host_memory_limit
     arena = PinnedArena(nvme.window_bytes(mine, reserved=outside, staging=ring), pin=pin)

@@ -2,10 +2,7 @@
 
 Under ``bf16-mixed`` / ``16-mixed`` a weight travels in bf16/fp16 only when autocast would cast it at every use
 anyway (:func:`autocast_casts`), else in fp32; the device rebuilds one fp32 buffer per slab (the upcast is exact,
-and autocast's cast back gives the same bits), so the block computes on Lightning's own mixed-precision values
-(docs/internals/precision.md, "Wire rule (mixed modes)"). A slab of one wire dtype travels as one typed tensor; a
-mixed one as a byte image (:class:`WireLayout`) of *runs* (consecutive entries of one wire dtype), each starting at
-a 16-byte boundary.
+and autocast's cast back gives the same bits): docs/internals/precision.md, "Wire rule (mixed modes)".
 """
 
 from __future__ import annotations
@@ -19,19 +16,14 @@ from torch import nn
 _ALIGN = 16  # bytes: every run of a wire image starts at a multiple of this
 
 
-def _castable_forwards() -> tuple:
-    forwards = [nn.Linear.forward, nn.Conv1d.forward, nn.Conv2d.forward, nn.Conv3d.forward,
-                nn.ConvTranspose1d.forward, nn.ConvTranspose2d.forward, nn.ConvTranspose3d.forward]
-    try:
-        from transformers.pytorch_utils import Conv1D  # GPT-2's projections: torch.addmm
-    except Exception:  # pragma: no cover - transformers always installed with this package
-        pass
-    else:
-        forwards.append(Conv1D.forward)
-    return tuple(forwards)
-
-
-_CASTABLE_FORWARDS = _castable_forwards()
+_CASTABLE_FORWARDS: tuple = (nn.Linear.forward, nn.Conv1d.forward, nn.Conv2d.forward, nn.Conv3d.forward,
+                              nn.ConvTranspose1d.forward, nn.ConvTranspose2d.forward, nn.ConvTranspose3d.forward)
+try:
+    from transformers.pytorch_utils import Conv1D  # GPT-2's projections: torch.addmm
+except Exception:  # pragma: no cover - transformers always installed with this package
+    pass
+else:
+    _CASTABLE_FORWARDS += (Conv1D.forward,)
 
 
 def autocast_casts(module: nn.Module, attr: str) -> bool:
@@ -57,12 +49,6 @@ def weights_read_outside_linear(modules: Iterable[nn.Module]) -> set[int]:
         if isinstance(dora, dict) and any(dora.values()) and isinstance(getattr(base, "weight", None), torch.Tensor):
             out.add(id(base.weight))
     return out
-
-
-def castable_flags(refs_per_entry: Sequence[Iterable[tuple[nn.Module, str]]]) -> list[bool]:
-    """Per slab entry: every (owner module, attribute) holding the parameter is castable (:func:`autocast_casts`);
-    a tied LM head's weight is not (the embedding lookup must see fp32)."""
-    return [all(autocast_casts(m, a) for m, a in owners) for owners in refs_per_entry]
 
 
 @dataclass(frozen=True)
@@ -96,8 +82,7 @@ class WireLayout:
                 runs.append([start, start + n, dt, 0])
             start += n
         if len({r[2] for r in runs}) <= 1:
-            dt = runs[0][2] if runs else torch.float32
-            return WireLayout(start, ((0, start, dt, 0),), start * dt.itemsize)
+            return WireLayout.uniform(start, runs[0][2] if runs else torch.float32)
         off = 0
         for r in runs:
             r[3] = off
@@ -119,6 +104,11 @@ class WireLayout:
         if self.dtype is not None:
             return torch.empty(self.numel, dtype=self.dtype, pin_memory=pin_memory)
         return torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pin_memory)
+
+    def image_in(self, raw: torch.Tensor) -> torch.Tensor:
+        """The first ``nbytes`` of uint8 ``raw`` as an image: ``[numel]`` of the wire dtype (uniform), else uint8."""
+        raw = raw[: self.nbytes]
+        return raw.view(self.dtype) if self.dtype is not None else raw
 
     def _views(self, image: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
         if self.dtype is not None:

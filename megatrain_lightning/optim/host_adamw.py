@@ -140,15 +140,12 @@ class HostAdamW:
         self._seconds_lock = threading.Lock()
         self.transport = transport
         self._worker = worker
-        self._jobs: list[Future] = []  # updates submitted to the worker, not yet waited for (drain)
+        self._jobs: list[Future] = []  # updates submitted to the worker, not yet waited for (flush)
         self._errors: dict[int, BaseException] = {}  # slab -> the error its update raised on the worker
         self._jobs_lock = threading.Lock()
         self._claimed: set[int] = set()  # slabs whose update of the coming step() was scheduled in backward
 
-    @staticmethod
-    def _validate(optimizer: torch.optim.Optimizer) -> bool:
-        """:func:`validate_optimizer`, at construction and whenever the groups change."""
-        return validate_optimizer(optimizer)
+    _validate = staticmethod(validate_optimizer)  # at construction and whenever the groups change
 
     # ------------------------------------------------------------------ schedule
     def set_overlap(self, overlap: bool) -> None:
@@ -183,9 +180,7 @@ class HostAdamW:
     def _snapshot(self) -> list[_GroupHyper]:
         out = []
         for g in self.optimizer.param_groups:
-            lr = g["lr"]
-            if isinstance(lr, torch.Tensor):
-                lr = lr.detach().clone()
+            lr = g["lr"].detach().clone() if isinstance(g["lr"], torch.Tensor) else g["lr"]
             beta1, beta2 = g["betas"]
             decoupled = bool(g.get("decoupled_weight_decay", self.decoupled))  # torch reads each group's own flag
             out.append(_GroupHyper(lr, float(beta1), float(beta2), float(g["eps"]), float(g["weight_decay"]), decoupled,
@@ -195,8 +190,7 @@ class HostAdamW:
     def step(self) -> int:
         """Record (or, without overlap, apply) one update for every slab that received gradients, once all of
         the window's gradients are in the accumulators. Returns the number of slabs scheduled."""
-        self._map_groups()
-        hyper = _Pending(self._snapshot(), self.grad_ops)
+        hyper = self.snapshot()
         self.grad_ops = []
         # torch.optim.lr_scheduler.LRScheduler.step checks this flag; the user's optimizer's own step never runs
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
@@ -257,7 +251,7 @@ class HostAdamW:
 
     def _job(self, slab_index: int) -> None:
         """Update worker: apply the slab's update if still pending; an error is recorded under the slab's lock
-        (so a fetch waiting for it sees it) for :meth:`apply_pending` and :meth:`drain`."""
+        (so a fetch waiting for it sees it) for :meth:`apply_pending` and :meth:`flush`."""
         with self.store.slabs[slab_index].lock:
             try:
                 self._apply(slab_index)
@@ -265,10 +259,6 @@ class HostAdamW:
                 with self._jobs_lock:
                     self._errors.setdefault(slab_index, e)
 
-    def drain(self) -> None:
-        """Wait for every update submitted to the worker; raise the first error one of them raised."""
-        self._wait_jobs()
-        self._raise_error()
 
     def _wait_jobs(self) -> None:
         """Wait for every update submitted to the worker (their errors stay recorded)."""
@@ -289,10 +279,12 @@ class HostAdamW:
             raise err
 
     def flush(self) -> None:
-        """Apply every pending update now, and wait for those the update worker is running."""
+        """Apply every pending update now, wait for those the update worker is running, and raise the first error
+        one of them raised."""
         for si in list(self.pending):
             self.apply_pending(si)
-        self.drain()
+        self._wait_jobs()
+        self._raise_error()
 
     def has_pending(self) -> bool:
         """Whether an update is pending or still running on the update worker."""
@@ -321,14 +313,14 @@ class HostAdamW:
         if self._worker is not None:
             self._raise_error(slab_index)
 
-    def _apply(self, slab_index: int) -> bool:
-        """Apply the slab's pending update; ``False`` if none was pending."""
+    def _apply(self, slab_index: int) -> None:
+        """Apply the slab's pending update, if any."""
         slab = self.store.slabs[slab_index]
         own = self.ownership
         with slab.lock:
             pend = self.pending.pop(slab_index, None)
             if pend is None:
-                return False
+                return
             deferred = self._versions.pop(slab_index, None)
             if deferred is not None and deferred[0] is pend and deferred[1] != slab.param_versions():
                 raise RuntimeError(WRITTEN_WHILE_PENDING.format(name=slab.entries[0].ref.fqn))
@@ -339,7 +331,7 @@ class HostAdamW:
                 self._count_steps(slab)
                 slab.updated()
                 slab.clear_grads()
-                return True
+                return
             slab.wait_reads()  # an H2D copy may still read the master
             self._update(slab, pend)
             if own is not None:
@@ -350,7 +342,6 @@ class HostAdamW:
             self.store.discard_grad_accum(slab_index)
             with self._seconds_lock:  # the update worker and a fetch may update different slabs at once
                 self.optimizer_seconds += time.perf_counter() - t0
-        return True
 
     def take_seconds(self) -> float:
         """Seconds spent in AdamW updates since the last call (any thread), and reset the count to 0."""
@@ -373,18 +364,12 @@ class HostAdamW:
         ``torch.amp.GradScaler.unscale_`` does. Returns ``True`` if any gradient is inf/NaN."""
         found_inf = torch.zeros(1)
         inv = torch.full((1,), inv_scale)
-        by_slab: dict[int, list[int]] = {}
-        for si, ei in self._grad_entries():
-            by_slab.setdefault(si, []).append(ei)
-        own = self.ownership
-        for si, eis in by_slab.items():
-            if own is not None and not own.owns(si):
-                continue  # its owner unscales it in the shared accumulator
+        for si, eis in self._owned_by_slab(self._grad_entries()).items():
             slab = self.store.slabs[si]
             with slab.lock, self.store.hold(si, [Region.grad_accum], write=True) as t:
                 torch._amp_foreach_non_finite_check_and_unscale_([slab.view(t[Region.grad_accum], ei) for ei in eis], found_inf, inv)
-        if own is not None:
-            own.all_reduce(found_inf, "max")  # the same skip decision on every rank
+        if self.ownership is not None:
+            self.ownership.all_reduce(found_inf, "max")  # the same skip decision on every rank
         return bool(found_inf.item())
 
     # ------------------------------------------------------------------ clipping
@@ -403,18 +388,21 @@ class HostAdamW:
                     out.append((si, ei))
         return out
 
+    def _owned_by_slab(self, items: list[tuple[int, int]]) -> dict[int, list[int]]:
+        """The entries of ``items`` by slab, without the slabs another process owns (the owner unscales, norms and
+        clips those in the shared accumulator)."""
+        by_slab: dict[int, list[int]] = {}
+        for si, ei in items:
+            if self.ownership is None or self.ownership.owns(si):
+                by_slab.setdefault(si, []).append(ei)
+        return by_slab
+
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """Total norm of the optimizer's accumulated gradients, as ``torch.nn.utils.clip_grad_norm_`` computes it,
         reading each slab's accumulator once. Returns a 0-dim fp32 tensor."""
         items = self._grad_entries()
-        by_slab: dict[int, list[int]] = {}
-        for si, ei in items:
-            by_slab.setdefault(si, []).append(ei)
         norms: dict[tuple[int, int], torch.Tensor] = {}
-        own = self.ownership
-        for si, eis in by_slab.items():
-            if own is not None and not own.owns(si):
-                continue
+        for si, eis in self._owned_by_slab(items).items():
             slab = self.store.slabs[si]
             with slab.lock, self.store.hold(si, [Region.grad_accum]) as t:
                 for ei, n in zip(eis, torch._foreach_norm([slab.view(t[Region.grad_accum], ei) for ei in eis], norm_type)):
@@ -423,6 +411,7 @@ class HostAdamW:
             return torch.tensor(0.0)
         zero = torch.zeros((), dtype=torch.float32)
         stacked = torch.stack([norms.get(k, zero) for k in items])
+        own = self.ownership
         if own is not None:  # each norm comes from its owner alone (the others add 0): exact, the same everywhere
             own.all_reduce(stacked, "sum")
         return torch.linalg.vector_norm(stacked, norm_type)
@@ -455,11 +444,7 @@ class HostAdamW:
         ops, self.grad_ops = self.grad_ops, []
         if not ops:
             return
-        slabs = sorted({si for si, _ in self._grad_entries()})
-        own = self.ownership
-        for si in slabs:
-            if own is not None and not own.owns(si):
-                continue
+        for si in sorted(self._owned_by_slab(self._grad_entries())):
             slab = self.store.slabs[si]
             with slab.lock, self.store.hold(si, [Region.grad_accum], write=True) as t:
                 self._apply_ops(slab, t[Region.grad_accum], ops)
@@ -509,45 +494,39 @@ class HostAdamW:
                     self.steps[slab.index][i] = torch.tensor(0.0, dtype=torch.float32)
                 self.steps[slab.index][i] += 1
 
-    def _update(self, slab: Slab, pend: _Pending) -> None:
-        with self.store.hold(slab.index, [Region.master, Region.exp_avg, Region.exp_avg_sq], write=True) as w, \
-                self.store.hold(slab.index, [Region.grad_accum]) as r:
-            self._update_views(slab, pend, w[Region.master], r[Region.grad_accum], w[Region.exp_avg], w[Region.exp_avg_sq])
-
-    def _update_views(self, slab: Slab, pend: _Pending, master: torch.Tensor, acc: torch.Tensor, m: torch.Tensor,
-                      v: torch.Tensor) -> None:
-        hyper = pend.hyper
+    def _entries_by_group(self, slab: Slab, pend: _Pending) -> dict[int, list[int]]:
+        """The slab's entries ``pend`` updates (trainable, with a gradient) by param group (a group added after the
+        step is not in it)."""
         by_group: dict[int, list[int]] = {}
         for i, e in enumerate(slab.entries):
             gi = self.group_of[slab.index][i]
-            if 0 <= gi < len(hyper) and e.trainable and slab.has_grad[i]:  # a group added after the step: not in it
+            if 0 <= gi < len(pend.hyper) and e.trainable and slab.has_grad[i]:
                 by_group.setdefault(gi, []).append(i)
-        if pend.grad_ops:
-            self._apply_ops(slab, acc, pend.grad_ops)
-        for gi, idx in by_group.items():
-            h = hyper[gi]
-            params, grads, ms, vs, steps = [], [], [], [], []
-            for i in idx:
-                params.append(slab.view(master, i))
-                grads.append(slab.view(acc, i))
-                ms.append(slab.view(m, i))
-                vs.append(slab.view(v, i))
-                st = self.steps[slab.index][i]
-                if st is None:
-                    # first update: state starts at zero, as torch.optim.AdamW creates it lazily; the store's
-                    # moments may hold an earlier optimizer's state (a previous fit, lr_find)
-                    st = self.steps[slab.index][i] = torch.tensor(0.0, dtype=torch.float32)
-                    ms[-1].zero_()
-                    vs[-1].zero_()
-                steps.append(st)
-            kw: dict[str, Any] = dict(
-                amsgrad=False, beta1=h.beta1, beta2=h.beta2, lr=h.lr, weight_decay=h.weight_decay, eps=h.eps, maximize=False
-            )
-            foreach, fused = self._flags(h)
-            with torch.no_grad():
-                _functional_adam(
-                    params, grads, ms, vs, [], steps, foreach=foreach, fused=fused, decoupled_weight_decay=h.decoupled, **kw
-                )
+        return by_group
+
+    def _update(self, slab: Slab, pend: _Pending) -> None:
+        with self.store.hold(slab.index, [Region.master, Region.exp_avg, Region.exp_avg_sq], write=True) as w, \
+                self.store.hold(slab.index, [Region.grad_accum]) as r:
+            master, acc, m, v = w[Region.master], r[Region.grad_accum], w[Region.exp_avg], w[Region.exp_avg_sq]
+            by_group = self._entries_by_group(slab, pend)
+            if pend.grad_ops:
+                self._apply_ops(slab, acc, pend.grad_ops)
+            for gi, idx in by_group.items():
+                h = pend.hyper[gi]
+                params, grads, ms, vs = ([slab.view(t, i) for i in idx] for t in (master, acc, m, v))
+                steps = self.steps[slab.index]
+                for i, mi, vi in zip(idx, ms, vs):
+                    if steps[i] is None:
+                        # first update: state starts at zero, as torch.optim.AdamW creates it lazily; the store's
+                        # moments may hold an earlier optimizer's state (a previous fit, lr_find)
+                        steps[i] = torch.tensor(0.0, dtype=torch.float32)
+                        mi.zero_()
+                        vi.zero_()
+                foreach, fused = self._flags(h)
+                with torch.no_grad():
+                    _functional_adam(params, grads, ms, vs, [], [steps[i] for i in idx], foreach=foreach, fused=fused,
+                                     amsgrad=False, beta1=h.beta1, beta2=h.beta2, lr=h.lr, weight_decay=h.weight_decay,
+                                     eps=h.eps, maximize=False, decoupled_weight_decay=h.decoupled)
 
     # ------------------------------------------------------------------ introspection
     def state_for(self, slab_index: int, entry: int) -> dict[str, torch.Tensor] | None:
@@ -625,11 +604,11 @@ class HostAdamW:
                                  f"optimizer's {len(g['params'])}.")
         state = state_dict["state"]
         self._check_saved_keys({k for st in state.values() for k in st})
+        for s in saved:
+            self._check_saved_group(s)
         self.flush()
         for g, s in zip(groups, saved):
-            for k, v in s.items():
-                if k != "params":
-                    g[k] = v
+            g.update({k: v for k, v in s.items() if k != "params"})
             for p, idx in zip(g["params"], s["params"]):
                 st = state.get(idx)
                 if not st or not self._holds_state(st):
@@ -652,6 +631,19 @@ class HostAdamW:
             raise ValueError(f"the saved optimizer state has {', '.join(other)}: not Adam/AdamW state (another "
                              "optimizer's, e.g. SGD's momentum_buffer, or amsgrad's max_exp_avg_sq); resume with the "
                              "optimizer that wrote it, or load only the weights.")
+
+    def _check_saved_group(self, saved: dict[str, Any]) -> None:
+        """Raise ``ValueError`` if a saved param group lacks a numeric hyper-parameter of this optimizer's
+        ``defaults`` (SGD's ``momentum`` in AdamW's group): another optimizer wrote it, and torch's ``step`` would
+        stop with a ``KeyError`` on it. Flags (``bool``/``None`` defaults) are left out: the class's
+        ``__setstate__`` fills those, as for a checkpoint of an older torch."""
+        numeric = (int, float, tuple, torch.Tensor)
+        missing = sorted(k for k, v in self.optimizer.defaults.items()
+                         if k not in saved and not isinstance(v, bool) and isinstance(v, numeric))
+        if missing:
+            raise ValueError(f"the saved param groups lack {', '.join(missing)}, hyper-parameters of "
+                             f"{type(self.optimizer).__name__}: the checkpoint was written by another optimizer; "
+                             "resume with the optimizer that wrote it, or load only the weights.")
 
     # ------------------------------------------------------------------ per-parameter access
     def set_param_state(self, param: torch.Tensor, state: dict[str, Any]) -> None:
@@ -705,12 +697,8 @@ class HostAdamW:
     def param_groups_meta(self, module: torch.nn.Module) -> list[dict[str, Any]]:
         """Param groups as plain data: hyper-parameters plus the parameter *names* of each group."""
         names = {id(p): n for n, p in module.named_parameters()}
-        out = []
-        for g in self.optimizer.param_groups:
-            d = {k: v for k, v in g.items() if k != "params"}
-            d["param_names"] = [names[id(p)] for p in g["params"]]
-            out.append(d)
-        return out
+        return [{**{k: v for k, v in g.items() if k != "params"}, "param_names": [names[id(p)] for p in g["params"]]}
+                for g in self.optimizer.param_groups]
 
     def load_param_groups_meta(self, meta: list[dict[str, Any]] | None, module: torch.nn.Module,
                                rename: Callable[[str], str] | None = None) -> None:
@@ -727,7 +715,10 @@ class HostAdamW:
             raise ValueError(f"Checkpoint has {len(meta)} param groups, the optimizer {len(self.optimizer.param_groups)}.")
         for g, m in zip(self.optimizer.param_groups, meta):
             if [names[id(p)] for p in g["params"]] != list(m["param_names"]):
-                raise ValueError("Checkpoint param groups hold other parameters than configure_optimizers returned.")
-            for k, v in m.items():
-                if k != "param_names":
-                    g[k] = v
+                raise ValueError(
+                    "Checkpoint param groups hold other parameters than configure_optimizers returned: the checkpoint "
+                    "is of another model or grouping, so fit cannot resume its optimizer state (strict_loading=False "
+                    "loads only weights). To start from its weights with a fresh optimizer, load them into the model "
+                    "first (from_pretrained on the checkpoint's model/ folder) and call fit without ckpt_path.")
+            self._check_saved_group(m)
+            g.update({k: v for k, v in m.items() if k != "param_names"})

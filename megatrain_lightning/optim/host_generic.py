@@ -1,16 +1,8 @@
-"""Any per-parameter ``torch.optim`` optimizer on the host, one slab at a time, with the class's own ``step``.
-
-Every optimizer whose update of a parameter reads only that parameter, its gradient, its own state and its group's
-hyper-parameters runs here (``torch.optim.AdamW``/``Adam`` without ``amsgrad``/``maximize`` run on
-:class:`~.host_adamw.HostAdamW`'s kernel): per slab with gradients, an instance of the user's class is built over
-views of the slab's fp32 masters, each ``.grad`` a view of the accumulator, the kept state is put into its
-``state``, and its own ``step()`` runs, so the numbers are the class's. Schedule, clipping, fp16 unscaling and
-``optimizer_in_backward`` are :class:`~.host_adamw.HostAdamW`'s.
-
-Refused, where the state lives on each tier (RAM: the class's own tensors; NVMe: packed into the parameter's
-``exp_avg``/``exp_avg_sq`` ranges by :mod:`.state_packing`, 0-d values in RAM; data parallel: in the slab's owner
-only): docs/internals/optimizer.md, "Other optimizers". An update that couples parameters (a group-wide norm) is
-not detected: it would see one slab at a time.
+"""Any per-parameter ``torch.optim`` optimizer on the host, one slab at a time, with the class's own ``step``: per
+slab with gradients, an instance of the user's class over views of the slab's fp32 masters (each ``.grad`` a view of
+the accumulator, its ``state`` the kept state), so the numbers are the class's. Schedule, clipping, fp16 unscaling
+and ``optimizer_in_backward`` are :class:`~.host_adamw.HostAdamW`'s. What runs here, what is refused, where the
+state lives on each tier (NVMe: :mod:`.state_packing`): docs/internals/optimizer.md, "Other optimizers".
 """
 
 from __future__ import annotations
@@ -19,13 +11,14 @@ from concurrent.futures import Executor
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..store.host import HostStore, Slab
 from ..store.regions import Region
 from ..store.shared import SlabOwnership
 from .build import accepted
 from .host_adamw import HostAdamW, UnsupportedOptimizerError, _Pending
-from .state_packing import Layout, copy_tensor, is_subclass, leaves, pack, packed_kind, rebuild, unpackable
+from .state_packing import Layout, copy_tensor, leaves, pack, packed_kind, rebuild, unpackable
 
 SUPPORTED = ("any torch.optim optimizer whose update is per parameter (torch.optim.AdamW/Adam on the host AdamW "
              "kernel; SGD, Adamax, NAdam, RAdam, RMSprop, Adagrad, Adadelta, ASGD, Rprop, Adafactor, Muon and "
@@ -96,12 +89,6 @@ def make_host_optimizer(store: HostStore, optimizer: torch.optim.Optimizer, over
     return cls(store, optimizer, overlap=overlap, transport=transport, ownership=ownership, worker=worker)
 
 
-def _constructor_kwargs(cls: type, defaults: dict[str, Any]) -> dict[str, Any]:
-    """The entries of ``defaults`` that ``cls.__init__`` takes as keyword arguments (all with ``**kwargs``)."""
-    names, var_kw = accepted(cls.__init__)
-    return {k: v for k, v in defaults.items() if k != "params" and (var_kw or k in names)}
-
-
 class HostTorchOptimizer(HostAdamW):
     """The user's optimizer class stepped on the host over the slabs of a :class:`HostStore` (module docstring).
 
@@ -121,7 +108,8 @@ class HostTorchOptimizer(HostAdamW):
         self.state: dict[tuple[int, int], dict[str, Any]] = {}
         self.packed: dict[tuple[int, int], Layout] = {}  # NVMe tier: where each state tensor lives
         self.on_disk = Region.exp_avg in store.nvme_kinds
-        self._ctor = _constructor_kwargs(type(optimizer), optimizer.defaults)
+        names, var_kw = accepted(type(optimizer).__init__)  # the defaults the constructor takes (all with **kwargs)
+        self._ctor = {k: v for k, v in optimizer.defaults.items() if k != "params" and (var_kw or k in names)}
         self._instances: dict[int, tuple[tuple, torch.optim.Optimizer]] = {}  # slab -> (groups' layout, instance)
         super().__init__(store, optimizer, overlap=overlap, transport=transport, ownership=ownership, worker=worker)
         self._probe()
@@ -222,23 +210,13 @@ class HostTorchOptimizer(HostAdamW):
             master, acc = w[Region.master], r[Region.grad_accum]
             if pend.grad_ops:
                 self._apply_ops(slab, acc, pend.grad_ops)
-            by_group: dict[int, list[int]] = {}
-            for i, e in enumerate(slab.entries):
-                gi = self.group_of[slab.index][i]
-                if 0 <= gi < len(pend.hyper) and e.trainable and slab.has_grad[i]:
-                    by_group.setdefault(gi, []).append(i)
+            by_group = self._entries_by_group(slab, pend)
             if not by_group:
                 return
-            views: dict[int, torch.Tensor] = {}
-            groups = []
-            for gi, idx in by_group.items():
-                ps = []
-                for i in idx:
-                    p = slab.view(master, i)
-                    p.grad = slab.view(acc, i)
-                    views[i] = p
-                    ps.append(p)
-                groups.append((pend.hyper[gi], ps))
+            views = {i: slab.view(master, i) for idx in by_group.values() for i in idx}
+            for i, p in views.items():
+                p.grad = slab.view(acc, i)
+            groups = [(pend.hyper[gi], [views[i] for i in idx]) for gi, idx in by_group.items()]
             regions = (w.get(Region.exp_avg), w.get(Region.exp_avg_sq)) if self.on_disk else None
             live = {i: self._live_state(slab, i, regions) for i in views}
             inst = self._slab_instance(slab.index, tuple((gi, tuple(idx)) for gi, idx in by_group.items()), groups,
@@ -288,7 +266,8 @@ class HostTorchOptimizer(HostAdamW):
         e = slab.entries[entry]
         layout = self.packed.get(key)
         tensors, _ = leaves(st)
-        if layout is None or layout.signature() != [(k, tuple(v.shape), v.dtype) for k, v in tensors.items()]:
+        if layout is None or ([(pl.key, pl.shape, pl.dtype) for pl in layout.placements]
+                               != [(k, tuple(v.shape), v.dtype) for k, v in tensors.items()]):
             why = unpackable(st, e.numel)
             if why:
                 raise UnsupportedOptimizerError(
@@ -360,7 +339,7 @@ class HostTorchOptimizer(HostAdamW):
             return  # data parallel: the state lives in the process that owns (updates) this slab
         out: dict[str, Any] = {}
         for k, v in state.items():
-            if is_subclass(v):  # torchao's 8-bit moments: copies of its inner tensors, its own dtypes
+            if is_traceable_wrapper_subclass(v):  # torchao's 8-bit moments: copies of its inner tensors, its own dtypes
                 v = copy_tensor(v.to("cpu"))
             elif torch.is_tensor(v):
                 v = v.detach().to("cpu", dtype=torch.float32 if v.is_floating_point() and k != "step" else v.dtype,
@@ -391,8 +370,3 @@ class HostTorchOptimizer(HostAdamW):
         if where is not None:
             self.state.pop(where, None)
             self.packed.pop(where, None)
-
-    @property
-    def exp_avg(self) -> list[torch.Tensor | None]:
-        """Per slab, the store's flat ``exp_avg`` (``None``: this optimizer keeps its own state)."""
-        return [s.exp_avg for s in self.store.slabs]

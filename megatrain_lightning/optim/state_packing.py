@@ -36,14 +36,10 @@ class Placement:
     shape: tuple[int, ...]
     dtype: torch.dtype
 
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
     def view(self, regions: tuple[torch.Tensor, torch.Tensor], base: int) -> torch.Tensor:
         """The tensor's view in the slab's held flat fp32 regions, the parameter starting at element ``base``."""
         start = base * RANGE_ITEMSIZE + self.offset
-        flat = regions[self.region].view(torch.uint8)[start:start + self.nbytes]
+        flat = regions[self.region].view(torch.uint8)[start:start + math.prod(self.shape) * self.dtype.itemsize]
         return flat.view(self.dtype).view(self.shape)
 
 
@@ -73,9 +69,6 @@ class Layout:
         """The regions the layout uses (an empty set for a state without packed tensors)."""
         return {pl.region for pl in self.placements}
 
-    def signature(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-        return [(pl.key, pl.shape, pl.dtype) for pl in self.placements]
-
 
 def packed_kind(v: Any) -> bool:
     """Whether a state value is packed (a tensor with at least one dimension)."""
@@ -89,7 +82,7 @@ def leaves(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Wr
     wrappers: dict[str, Wrapper] = {}
 
     def walk(key: str, v: torch.Tensor) -> None:
-        if is_subclass(v):
+        if is_traceable_wrapper_subclass(v):
             names, ctx = v.__tensor_flatten__()
             wrappers[key] = Wrapper(type(v), tuple(names), ctx, tuple(v.shape), tuple(v.stride()))
             for n in names:
@@ -101,10 +94,6 @@ def leaves(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Wr
         if packed_kind(v):
             walk(k, v)
     return out, wrappers
-
-
-def _align(n: int, a: int) -> int:
-    return -(-n // a) * a
 
 
 def pack(state: dict[str, Any], numel: int) -> Layout | None:
@@ -123,7 +112,7 @@ def pack(state: dict[str, Any], numel: int) -> Layout | None:
     for k in sorted(tensors, key=lambda k: -tensors[k].numel() * tensors[k].dtype.itemsize):
         v = tensors[k]
         for r in (0, 1):
-            at = _align(free[r], v.dtype.itemsize)
+            at = -(-free[r] // v.dtype.itemsize) * v.dtype.itemsize  # aligned to the dtype's size
             if at + v.numel() * v.dtype.itemsize <= numel * RANGE_ITEMSIZE:
                 where[k], free[r] = (r, at), at + v.numel() * v.dtype.itemsize
                 break
@@ -150,17 +139,12 @@ def unpackable(state: dict[str, Any], numel: int) -> str | None:
 def copy_tensor(v: torch.Tensor) -> torch.Tensor:
     """A detached copy of a state tensor; a subclass (``__tensor_flatten__``) rebuilt around copies of its inner
     tensors (torchao's 8-bit state implements no ``clone``)."""
-    if is_subclass(v):
+    if is_traceable_wrapper_subclass(v):
         names, ctx = v.__tensor_flatten__()
         return type(v).__tensor_unflatten__({n: copy_tensor(getattr(v, n)) for n in names}, ctx, tuple(v.shape),
                                             tuple(v.stride()))
     return v.detach().clone()
 
-
-def is_subclass(v: Any) -> bool:
-    """Whether ``v`` is a tensor subclass rebuilt from inner tensors (``__tensor_flatten__`` and
-    ``__tensor_unflatten__``)."""
-    return is_traceable_wrapper_subclass(v)
 
 
 #: suffix of the entry that describes a tensor subclass in a flat name -> tensor mapping (:func:`flatten_named`)
@@ -193,7 +177,7 @@ def flatten_named(key: str, v: torch.Tensor) -> Iterator[tuple[str, torch.Tensor
     Raises:
         TypeError: the context holds something other than None, bool, int, float, str, a torch dtype or lists.
     """
-    if not is_subclass(v):
+    if not is_traceable_wrapper_subclass(v):
         yield key, v
         return
     names, ctx = v.__tensor_flatten__()

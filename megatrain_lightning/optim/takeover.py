@@ -45,7 +45,7 @@ class OptimizerTakeover:
             if not set_to_none:
                 warn_zero_grad_kept()
             orig(set_to_none=set_to_none)
-            engine.zero_grad()
+            engine.grads.zero()
             if on_zeroed is not None:
                 on_zeroed()
 

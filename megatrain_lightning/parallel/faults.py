@@ -1,9 +1,5 @@
-"""A rank that died or hangs: the other ranks stop with an error that names it, instead of a transport message.
-
-When a rank dies, the others notice in their next collective with it: gloo reports "Connection closed by peer"
-at once, NCCL and gloo a timeout after the strategy's ``timeout``; neither says which rank. :class:`Peers` records
-every rank's host and process at setup, so :meth:`Peers.explain` can name the ranks of this host whose process has
-ended (``/proc/<pid>`` gone, or a zombie), else list the other hosts' ranks as candidates.
+"""A rank that died or hangs: the other ranks stop with an error that names it, instead of a transport message
+that names no rank (docs/internals/data-parallel.md, "Faults and bad input": a rank dies).
 """
 
 from __future__ import annotations
@@ -114,13 +110,6 @@ class Peers:
                 out.append(r)
         return out
 
-    def describe(self, ranks: Sequence[int]) -> str:
-        """``"rank 1 stopped responding: its process (pid 123 on host a) has exited"``, or the plural."""
-        procs = ", ".join(f"pid {self.pids[r]} on {self.hosts[r]}" for r in ranks)
-        if len(ranks) == 1:
-            return f"rank {ranks[0]} stopped responding: its process ({procs}) has exited"
-        return f"ranks {', '.join(map(str, ranks))} stopped responding: their processes ({procs}) have exited"
-
     def explain(self, err: BaseException, what: str, timeout_s: float | None = None) -> PeerFailure:
         """The error to raise instead of ``err``, a transport error of the collective ``what`` ("the gradient
         all-reduce"). ``timeout_s``: the strategy's timeout, quoted."""
@@ -132,8 +121,11 @@ class Peers:
             time.sleep(0.05)
             dead = self.dead()
         if dead:
+            procs = ", ".join(f"pid {self.pids[r]} on {self.hosts[r]}" for r in dead)
+            who = (f"rank {dead[0]} stopped responding: its process ({procs}) has exited" if len(dead) == 1 else
+                   f"ranks {', '.join(map(str, dead))} stopped responding: their processes ({procs}) have exited")
             return PeerFailure(
-                f"megatrain: {self.describe(dead)}. "
+                f"megatrain: {who}. "
                 f"Rank {self.rank} stops in {what}. Resume from the last checkpoint (Trainer.fit(..., ckpt_path=...)); "
                 f"the first error of that rank is in its own output. [{cause}]")
         places, here = self._here()
@@ -161,13 +153,3 @@ class Peers:
                 raise  # not about the peers (a wrong argument...): unchanged
             self.failure = self.explain(err, what, timeout_s)
             raise self.failure from err
-
-
-@contextlib.contextmanager
-def guarded(peers: Peers | None, what: str, timeout_s: float | None = None) -> Iterator[None]:
-    """:meth:`Peers.guard` where there are peers (a data-parallel run), nothing otherwise."""
-    if peers is None:
-        yield
-    else:
-        with peers.guard(what, timeout_s):
-            yield

@@ -1,20 +1,6 @@
-"""The process groups of a data-parallel megatrain run, created once ``torch.distributed`` is initialised.
-
-Lightning's launcher (``_SubprocessScriptLauncher``, or torchrun / SLURM through their cluster environments)
-starts the processes and ``MegaTrainStrategy.setup_distributed`` initialises the default group, as
-``DDPStrategy`` does. On top of it the strategy creates, in the same order on every rank:
-
-* ``grads``, ``node_grads``, ``cross_grads``: all ranks / this node's ranks / every node's rank with this
-  local rank, the device's backend: gradient batches only, reduced off the main thread (``engine/reduce.py``),
-  never interleaved with its collectives on the default group;
-* ``host``: all ranks, gloo: collectives on host tensors whatever the device (configuration check);
-* ``node``: the ranks of this node, gloo: the node-shared store's barriers and the owners' partial clipping
-  norms and inf checks (``store/shared.py``);
-* ``leaders``: local rank 0 of every node, gloo: the first node's initial weights to the other nodes' copies.
-
-Every subgroup is created as one group of a partition of the world, every rank creating every group in the same
-order (``leaders`` with the other local ranks' cross-node gloo groups), so that each rank splits the default NCCL
-communicator equally often: docs/internals/data-parallel.md, "Groups on CUDA".
+"""The process groups of a data-parallel megatrain run, created once ``torch.distributed`` is initialised, in the
+same order on every rank (what each group carries: docs/internals/data-parallel.md, the table of files; why each
+subgroup is one group of a partition of the world, every rank creating every group: "Groups on CUDA" there).
 """
 
 from __future__ import annotations
@@ -38,7 +24,7 @@ class ProcessGroups:
         local_rank / local_world_size: this process among its node's.
         node_rank / num_nodes: its node.
         backend: the default group's backend (``"nccl"`` or ``"gloo"``).
-        grads, host, node, leaders, node_grads, cross_grads: the groups of the module docstring (``leaders``:
+        grads, host, node, leaders, node_grads, cross_grads: the groups (module docstring; ``leaders``:
             ``None`` off local rank 0; ``cross_grads``: ``None`` with one node).
         peers: every rank's host and process (``parallel/faults.py``).
         timeout_s: seconds a collective of these groups waits for the other ranks (the strategy's ``timeout``).
@@ -108,8 +94,3 @@ class ProcessGroups:
     def guard(self, what: str) -> ContextManager[None]:
         """``with groups.guard("the gradient reduce"):`` around collectives (:meth:`~.faults.Peers.guard`)."""
         return self.peers.guard(what, self.timeout_s) if self.peers is not None else contextlib.nullcontext()
-
-    @property
-    def device_side_reduce(self) -> bool:
-        """Gradients are reduced on the device before their D2H copy (NCCL), else on the host (gloo)."""
-        return self.backend == "nccl"

@@ -1,14 +1,7 @@
-"""Lightning's subprocess script launcher, with a watch on the child ranks that names the one that died.
-
-``python train.py`` with ``Trainer(devices=N)``: local rank 0 re-runs the script for local ranks 1..N-1
-(``_SubprocessScriptLauncher``, as for ``DDPStrategy``). Lightning's own observer SIGKILLs the others *and local
-rank 0* when a child fails, with only an info log line, so local rank 0 often dies before it can say why. Here
-the watch prints which rank died and how, SIGKILLs the other children (they may wait in a collective for the
-dead one), gives local rank 0 ``grace_s`` seconds to stop with its own :class:`~.faults.PeerFailure`, then
-SIGKILLs it. When local rank 0 fails with an exception, the children still running ``grace_s`` seconds later
-are SIGKILLed; when it ends without a word (SIGKILL, OOM killer), each child follows it (:mod:`.lifetime`).
-Local rank 0 therefore waits at its exit for its children (they may still be writing after ``fit``). The
-rendezvous settings are checked before this launcher is made (:func:`~.preflight.check_rendezvous`).
+"""Lightning's subprocess script launcher, with a watch on the child ranks that names the one that died and stops
+the rest (docs/internals/data-parallel.md, "Faults and bad input": the launcher). Lightning's own observer SIGKILLs
+local rank 0 with the others when a child fails, often before it can say why. The rendezvous settings are checked
+before this launcher is made (:func:`~.preflight.check_rendezvous`).
 """
 
 from __future__ import annotations
@@ -133,13 +126,12 @@ class MegaTrainLauncher(_SubprocessScriptLauncher):
             watch.start()
         _set_num_threads_if_needed(num_processes=self.num_processes)
         try:
-            out = function(*args, **kwargs)
+            return function(*args, **kwargs)
         except Exception:
             if watch is not None:
                 watch.stopped.set()
             stop_children(self.procs, self.grace_s)
             raise
-        return out
 
     def _call_children_scripts(self) -> None:
         """Lightning's start of local ranks 1..N-1, with :func:`~.lifetime.parent_env` in their environment."""

@@ -1,16 +1,8 @@
-"""Child processes that end with the process that started them.
-
-A process started by this package or its tests must not outlive its parent (a hanging rank keeps its CPU, memory
-and port). Two ways, for the two kinds of start:
-
-* :func:`dies_with_this_process`: a ``preexec_fn`` for ``subprocess.Popen``/``run`` (``prctl(PR_SET_PDEATHSIG,
-  SIGKILL)``).
-* :func:`parent_env` / :func:`follow_parent_from_env`: for the ranks Lightning's subprocess script launcher starts
-  (its ``Popen`` call is Lightning's). The launcher puts ``MEGATRAIN_PARENT=pid:grace_s`` into the children's
-  environment; each child watches its parent from a thread (:class:`ParentWatch`) and, once it is gone, gets
-  ``grace_s`` seconds to stop with its own :class:`~.faults.PeerFailure` before it is SIGKILLed, as
-  :class:`~.launcher.ChildWatch` treats the other side.
-
+"""Child processes that end with the process that started them (a hanging rank keeps its CPU, memory and port):
+:func:`dies_with_this_process` for a ``subprocess.Popen``/``run`` of this package or its tests, and
+:func:`parent_env` / :func:`follow_parent_from_env` for the ranks Lightning's subprocess script launcher starts (its
+``Popen`` call is Lightning's): each watches its parent (:class:`ParentWatch`) and, once it is gone, gets ``grace_s``
+seconds to stop with its own :class:`~.faults.PeerFailure`, as :class:`~.launcher.ChildWatch` treats the other side.
 Linux only: elsewhere both do nothing.
 """
 

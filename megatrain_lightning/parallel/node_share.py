@@ -1,9 +1,6 @@
-"""The node-shared host store of a data-parallel run (the engine's ``NodeShare``, ``store/shared.py``).
-
-Every local rank maps one file under ``/dev/shm`` that holds the node's fp32 masters, gradient accumulators and
-AdamW moments (with the NVMe tier, what stays in RAM: :func:`nvme_for_rank`); local rank 0 creates it and writes
-the initial weights, and the first node's weights are broadcast to the other nodes' copies (as
-``DistributedDataParallel`` broadcasts rank 0's module state).
+"""The node-shared host store of a data-parallel run (the engine's ``NodeShare``, ``store/shared.py``): one file
+under ``/dev/shm`` per node with the node's fp32 masters, gradient accumulators and AdamW moments (with the NVMe
+tier, what stays in RAM: :func:`nvme_for_rank`); docs/internals/data-parallel.md, "One copy of the state per node".
 """
 
 from __future__ import annotations
@@ -33,20 +30,19 @@ class NodeStore:
 
     Args:
         groups: the run's process groups.
-        timeout_s: seconds a rank waits for a slab's owner before it gives up (the strategy's ``timeout``).
         pin: page-lock the shared mapping: the strategy's ``pin_memory`` on CUDA, ``False`` on CPU.
-        directory: the tmpfs holding the file (default ``/dev/shm``).
+
+    A rank waits for a slab's owner up to the strategy's ``timeout`` (30 minutes without one) before it gives up.
     """
 
-    def __init__(self, groups: ProcessGroups, timeout_s: float, pin: bool | None = False, directory: str = SHM_DIR):
+    def __init__(self, groups: ProcessGroups, pin: bool | None = False):
         self.groups = groups
-        self.timeout_s = timeout_s
+        self.timeout_s = groups.timeout_s if groups.timeout_s is not None else 1800.0
         self.pin = pin
         box = [uuid.uuid4().hex[:12] if groups.global_rank == 0 else None]
         with groups.guard("the setup of the node-shared store"):
             dist.broadcast_object_list(box, src=0, group=groups.host)  # one name per run, on every node
-        self.path = os.path.join(directory, f"megatrain-{box[0]}-node{groups.node_rank}")
-        self.directory = directory
+        self.path = os.path.join(SHM_DIR, f"megatrain-{box[0]}-node{groups.node_rank}")
         self._images = 0  # wire-image files made (one per precision configuration)
 
     def _barrier(self) -> None:
@@ -60,7 +56,7 @@ class NodeStore:
         Raises:
             SharedMemoryTooSmall: naming the nodes and ranks."""
         try:
-            check_shm(nbytes, self.directory)
+            check_shm(nbytes, SHM_DIR)
             mine = None
         except SharedMemoryTooSmall as err:
             mine = str(err)

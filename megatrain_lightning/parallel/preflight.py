@@ -1,22 +1,16 @@
-"""Checks of a data-parallel launch before anything large is allocated: the rendezvous settings, and that every
-rank runs the same configuration.
-
-* :func:`check_rendezvous` (at ``Trainer(...)``, before any child process is started): the launch's environment
-  variables agree with ``Trainer(devices=, num_nodes=)``; otherwise the ranks would wait for each other until the
-  timeout, or train as separate runs.
-* :func:`check_same_config` (at ``setup``, before the host store is built): the model, its parameters, the
-  strategy's options and the Trainer's step settings are the same on every rank; otherwise the collectives
-  mismatch (a hang or a crash) or the ranks' updates differ silently. After ``configure_optimizers``, the same
-  for the optimizer and the LR schedulers (:func:`optimizer_fingerprint`).
+"""Checks of a data-parallel launch before anything large is allocated, so that the ranks neither wait for each other
+until the timeout nor mismatch in their collectives nor silently train apart: the rendezvous settings
+(:func:`check_rendezvous`, at ``Trainer(...)``), and the same model, options, step settings, optimizer and LR
+schedulers on every rank (:func:`check_same_config`, at ``setup``); docs/internals/data-parallel.md, "Faults and bad
+input".
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
-from typing import Any, Callable, ContextManager, Mapping
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -36,12 +30,8 @@ _LAUNCH_HINT = ("Launch one `python train.py` per node with MASTER_ADDR=<address
 
 
 def check_rendezvous(env: Mapping[str, str], cluster_environment: Any, devices: int, num_nodes: int) -> None:
-    """Check the launch's environment variables against ``Trainer(devices=devices, num_nodes=num_nodes)``.
-
-    Args:
-        env: the process environment (``os.environ``).
-        cluster_environment: Lightning's cluster environment of the run.
-        devices: processes per node; num_nodes: nodes.
+    """Check the launch's environment variables (``env``: ``os.environ``) against ``Trainer(devices=devices,
+    num_nodes=num_nodes)`` (``devices``: processes per node) and Lightning's ``cluster_environment``.
 
     Raises:
         RendezvousError: ``WORLD_SIZE`` is set and is not ``devices * num_nodes``; ``NODE_RANK`` (or torchrun's
@@ -194,25 +184,24 @@ def mismatch_message(diff: Mapping[str, Mapping[str, list[int]]]) -> str:
                "<nvme_path>/megatrain_store_rank<r> (docs/guide/distributed.md, \"With the NVMe tier\")." if "strategy.nvme" in diff else ""))
 
 
-def check_same_config(group: Any, fingerprint: Mapping[str, str],
-                      guard: Callable[[str], ContextManager[None]] | None = None) -> None:
-    """Compare this rank's :func:`run_fingerprint` with every other rank's (a collective over ``group``).
-    ``guard``: ``ProcessGroups.guard`` (a rank that died meanwhile is named).
+def check_same_config(groups: Any, fingerprint: Mapping[str, str]) -> None:
+    """Compare this rank's :func:`run_fingerprint` with every other rank's (a collective over ``groups.host``,
+    the ``ProcessGroups``; a rank that died meanwhile is named).
 
     Raises:
         ConfigMismatchError: on every rank (:func:`mismatch_message`).
     """
-    box: list[Any] = [None] * dist.get_world_size(group)
-    with (guard or (lambda what: contextlib.nullcontext()))("the configuration check"):
-        dist.all_gather_object(box, dict(fingerprint), group=group)
+    box: list[Any] = [None] * dist.get_world_size(groups.host)
+    with groups.guard("the configuration check"):
+        dist.all_gather_object(box, dict(fingerprint), group=groups.host)
     diff = differences(box)
     if diff:
         raise ConfigMismatchError(mismatch_message(diff))
 
 
-def check_same_batches(group: Any, batches: float, guard: Callable[[str], ContextManager[None]] | None = None) -> None:
+def check_same_batches(groups: Any, batches: float) -> None:
     """Compare this rank's number of training batches per epoch (``trainer.num_training_batches``, ``inf`` without
-    length, capped at ``max_steps x accumulate_grad_batches``) with every other rank's (a collective over ``group``).
+    length, capped at ``max_steps x accumulate_grad_batches``) with every other rank's (as :func:`check_same_config`).
 
     A rank whose epoch ends first would wait at the end of ``fit`` for updates the owners, still in their epoch,
     publish only after their next step: a hang until ``timeout``, blamed on a live rank (DDP needs equal counts too).
@@ -220,9 +209,9 @@ def check_same_batches(group: Any, batches: float, guard: Callable[[str], Contex
     Raises:
         ConfigMismatchError: on every rank, with each rank's count.
     """
-    box: list[Any] = [None] * dist.get_world_size(group)
-    with (guard or (lambda what: contextlib.nullcontext()))("the check of the training batches per rank"):
-        dist.all_gather_object(box, float(batches), group=group)
+    box: list[Any] = [None] * dist.get_world_size(groups.host)
+    with groups.guard("the check of the training batches per rank"):
+        dist.all_gather_object(box, float(batches), group=groups.host)
     if len(set(box)) > 1:
         counts = "; ".join(f"{n:g} on rank {r}" for r, n in enumerate(box))
         raise ConfigMismatchError(

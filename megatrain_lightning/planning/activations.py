@@ -82,10 +82,6 @@ WORKING_SET_FACTOR = 1.5   # activation gradients alive during one layer's backw
 RESTORE_IN_FLIGHT = 2      # offloaded block inputs on the device: the one in use + one prefetched
 
 
-def _capped(per_token: float, tokens: int, chunk: int | None) -> int:
-    return int(per_token * (tokens if chunk is None else min(tokens, chunk)))
-
-
 def _dtypes(s: dict[str, Any]) -> tuple[int, int, bool]:
     from .terms import PRECISIONS
 
@@ -222,7 +218,7 @@ def activation_bytes(c: ParamCounts, s: dict[str, Any], gpu: bool = True) -> tup
     phase = {"layer": 0, "head": 0}
     for label, (pt, cap, where) in per_token_terms(c, s, gpu).items():
         cap = None if cap is None else (cap * s["batch_size"] if label.startswith("layer") else cap)
-        n = _capped(pt, tokens, cap)
+        n = int(pt * (tokens if cap is None else min(tokens, cap)))  # a chunk option caps the term
         if where in phase:
             phase[where] += n
         elif where == "host":

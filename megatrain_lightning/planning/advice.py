@@ -13,7 +13,8 @@ from typing import Any, Mapping
 
 from .config import GIB, SUGGESTED_CHUNK
 from .estimate import Plan, fits_memory, gib, max_batch_size, max_seq_len, replan
-from .terms import NVME_CACHE, group_size, layer_wire_bytes, term_label, window_bytes, window_fill
+from .terms import (NVME_CACHE, group_size, layer_wire_bytes, optim_state_bytes, optim_title, term_label, window_bytes,
+                    window_fill)
 
 #: The planner's bytes-per-transfer threshold for suggesting a ``block_group``. An engineering choice, NOT a
 #: measurement (GPU profiling must confirm or replace it): at the presets' ~55 GB/s H2D, 64 MiB takes ~1.2 ms, so a
@@ -125,11 +126,8 @@ def host_advice(p: Plan, have: int, keys: Mapping[str, str] | None = None) -> li
 
 def _state_words(p: Plan) -> str:
     """What moving the optimizer tier to NVMe frees in host RAM, in words with GiB."""
-    from .optimizers import label
-    from .terms import optim_state_bytes
-
     freed = optim_state_bytes(p.counts, p.settings) + 4 * p.counts.total
-    name = label(p.settings.get("optim")).split()[0]
+    name = optim_title(p.settings)
     what = "AdamW moments" if name in ("AdamW", "Adam") else f"the {name} state"
     return f"{what} and gradient accumulators ({gib(freed)} GiB)"
 
@@ -138,10 +136,8 @@ def disk_words(q: Plan, disk: int) -> str:
     """``fits``, or that the preset's NVMe is short, with the ``hardware.nvme_drives=<n>`` that suffices."""
     if q.disk_bytes <= disk:
         return "fits"
-    per_drive = q.hardware.nvme_capacity_gib * GIB
-    drives = math.ceil(q.disk_bytes / per_drive) if per_drive > 0 else 0
-    more = f"; plan {drives} drives with hardware.nvme_drives={drives}" if drives else ""
-    return f"the preset has {gib(disk)} GiB: SHORT{more}"
+    drives = math.ceil(q.disk_bytes / (q.hardware.nvme_capacity_gib * GIB))  # >= 1: Hardware refuses a size <= 0
+    return f"the preset has {gib(disk)} GiB: SHORT; plan {drives} drives with hardware.nvme_drives={drives}"
 
 
 def ram_override(need: int) -> str:
@@ -153,10 +149,9 @@ def ram_override(need: int) -> str:
 def _activation_options(p: Plan) -> list[dict[str, Any]]:
     """Option sets that bound activations, cheapest first: each option alone, then accumulated."""
     s = p.settings
-    single: list[dict[str, Any]] = []
     # layers that keep op outputs or their graph: recompute more
-    single += [{"recompute": m} for m in {"none": ("selective", "block"), "auto": ("block",),
-                                           "selective": ("block",)}.get(s.get("recompute", "block"), ())]
+    more = {"none": ("selective", "block"), "auto": ("block",), "selective": ("block",)}
+    single: list[dict[str, Any]] = [{"recompute": m} for m in more.get(s.get("recompute", "block"), ())]
     if s["loss_chunk_size"] is None:
         single.append({"loss_chunk_size": SUGGESTED_CHUNK["loss_chunk_size"]})
     if s["mlp_chunk_size"] is None and p.hardware.is_gpu:  # no saving on a CPU device (planning/activations.py)

@@ -250,13 +250,10 @@ def mark_overridden_sources(cfg: Any, overrides: Sequence[str]) -> None:
 
 def as_plain_dict(d: Any) -> dict[str, Any]:
     """A config section as a plain dict: a Hydra ``DictConfig`` (resolved), a :class:`Hardware`, or a mapping."""
-    try:
-        from omegaconf import DictConfig, OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
-        if isinstance(d, DictConfig):
-            return OmegaConf.to_container(d, resolve=True)  # type: ignore[return-value]
-    except ImportError:  # pragma: no cover - hydra-core is a dependency
-        pass
+    if isinstance(d, DictConfig):
+        return OmegaConf.to_container(d, resolve=True)  # type: ignore[return-value]
     if isinstance(d, Hardware):
         return d.to_dict()
     return dict(d)

@@ -11,8 +11,6 @@ belongs to the *embedding* group, every one after the last layer to the *head* g
 
 from __future__ import annotations
 
-import functools
-import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -148,16 +146,6 @@ def _hf_config(config: Mapping[str, Any] | Any) -> Any:
     return transformers.AutoConfig.for_model(**cfg)
 
 
-@functools.lru_cache(maxsize=32)
-def _count_from_json(cfg_json: str) -> ParamCounts:
-    import transformers
-
-    hf = _hf_config(json.loads(cfg_json))
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(hf)
-    return count_module(model)
-
-
 def count_params(config: Mapping[str, Any] | Any) -> ParamCounts:
     """Count the parameters of a causal LM per block, from its config alone (built on the meta device).
 
@@ -167,8 +155,6 @@ def count_params(config: Mapping[str, Any] | Any) -> ParamCounts:
     """
     if isinstance(config, nn.Module):
         return count_module(config)
-    if isinstance(config, Mapping):
-        return _count_from_json(json.dumps(dict(config), sort_keys=True))
     hf = _hf_config(config)
     return _count_pretrained(type(hf), hf.to_json_string(use_diff=False), hf)
 
@@ -204,8 +190,7 @@ def count_module(model: nn.Module) -> ParamCounts:
     if not layer_names:
         raise ValueError(f"{type(model).__name__}: no decoder layer found (no module of classes {sorted(classes)}).")
     index = {n: i for i, n in enumerate(layer_names)}
-    layers = [0] * len(layer_names)
-    embedding = head = tied = head_refetched = 0
+    tied = head_refetched = 0
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     out_name = next((n for n, m in model.named_modules() if m is out), None) if out is not None else None
     seen: dict[int, str] = {}  # id(param) -> group that stores it
@@ -215,8 +200,8 @@ def count_module(model: nn.Module) -> ParamCounts:
     for mod in model.modules():
         for attr, p in mod.named_parameters(recurse=False):
             owner_ok[id(p)] = owner_ok.get(id(p), True) and autocast_casts(mod, attr)
-    cast = {"embedding": 0, "head": 0}
-    cast_layers = [0] * len(layer_names)
+    stored = [0] * (len(layer_names) + 2)  # per block: embedding, each layer, head
+    cast = [0] * len(stored)
     after_layers = False  # named_parameters follows module (= forward) order
     experts = 0
     shapes: list[tuple[str, tuple[int, ...]]] = []
@@ -238,19 +223,12 @@ def count_module(model: nn.Module) -> ParamCounts:
             continue
         seen[id(p)] = "layer" if isinstance(group, int) else group
         shapes.append((seen[id(p)], tuple(p.shape)))
-        ok = owner_ok.get(id(p), False)
-        if isinstance(group, int):
-            layers[group] += n
-            experts += n if "experts" in parts[:-1] else 0
-            cast_layers[group] += n if ok else 0
-        elif group == "embedding":
-            embedding += n
-            cast["embedding"] += n if ok else 0
-        else:
-            head += n
-            cast["head"] += n if ok else 0
-            if out_name is not None and not fqn.startswith(out_name + "."):
-                head_refetched += n
+        slot = group + 1 if isinstance(group, int) else 0 if group == "embedding" else -1
+        stored[slot] += n
+        cast[slot] += n if owner_ok.get(id(p), False) else 0
+        experts += n if isinstance(group, int) and "experts" in parts[:-1] else 0
+        if group == "head" and out_name is not None and not fqn.startswith(out_name + "."):
+            head_refetched += n
     cfg = getattr(model, "config", None)
 
     def get(*keys: str, default: int = 0) -> int:
@@ -264,12 +242,12 @@ def count_module(model: nn.Module) -> ParamCounts:
     heads = get("num_attention_heads", "n_head", default=1)
     return ParamCounts(
         model_type=str(getattr(cfg, "model_type", type(model).__name__)),
-        embedding=embedding, layers=tuple(layers), head=head, tied=tied,
-        hidden_size=hidden, num_layers=len(layers), vocab_size=get("vocab_size"),
+        embedding=stored[0], layers=tuple(stored[1:-1]), head=stored[-1], tied=tied,
+        hidden_size=hidden, num_layers=len(layer_names), vocab_size=get("vocab_size"),
         intermediate_size=get("intermediate_size", "n_inner", default=4 * hidden),
         num_heads=heads, num_kv_heads=get("num_key_value_heads", default=heads),
         head_dim=get("head_dim", default=hidden // max(heads, 1)),
-        castable=(cast["embedding"], *cast_layers, cast["head"]),
+        castable=tuple(cast),
         experts_per_token=get("num_experts_per_tok", "moe_topk", default=1),
         max_position_embeddings=get("max_position_embeddings", "n_positions", default=0),
         head_refetched=head_refetched,

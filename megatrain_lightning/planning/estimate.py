@@ -9,10 +9,16 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .config import GIB, Hardware
+from ..config import check_block_group, check_recompute
+from .config import (GIB, SUGGESTED_CHUNK, Hardware, as_plain_dict, is_model_path, load_hf_config, loss_chunk_tokens,
+                     resolve_chunk)
 from .counts import ParamCounts, count_params
+from .optimizers import resolve
+from .parallel import positive_count
+from .phases import chains, phase_model
 from .terms import (CKPT_METADATA, GRAD_BYTES, PRECISION_ALIASES, PRECISIONS, REFERENCES, TERM_LABELS,  # noqa: F401
-                    TIERS, _estimate, transfer_bytes)
+                    TIERS, _estimate, transfer_bytes, update_in_backward)
+from .window import limit_check, parse_limit
 
 TIGHT_HEADROOM = 0.05  # a tier that fits with less free than this is flagged "tight"
 
@@ -150,14 +156,11 @@ class Plan:
 
 def _model_name_and_config(model_cfg: Any) -> tuple[str, Any]:
     """``(name, config)`` of a ``model_cfg`` as :func:`plan` takes it; Hydra's ``_target_`` keys are ignored."""
-    from .config import as_plain_dict, is_model_path, load_hf_config
-
     if isinstance(model_cfg, (str, bytes)) or hasattr(model_cfg, "__fspath__"):
         if not is_model_path(model_cfg):
             raise ValueError(f"model {model_cfg!r} is neither a conf/model preset mapping nor a path to a Hugging Face "
                              "model directory or config.json")
-        hf = load_hf_config(model_cfg)
-        return str(model_cfg), hf
+        return str(model_cfg), load_hf_config(model_cfg)
     if isinstance(model_cfg, Mapping) or type(model_cfg).__name__ == "DictConfig":
         d = {k: v for k, v in as_plain_dict(model_cfg).items() if k != "_target_"}
         if isinstance(d.get("config"), Mapping):
@@ -175,8 +178,6 @@ def _crossover(c: ParamCounts, hw: Hardware, s: dict[str, Any], e1: dict[str, An
     Every chain's time is affine in the batch size at fixed ``seq_len``: two evaluations give it. Device bytes
     are piecewise (chunk caps, the larger phase): binary search.
     """
-    from .phases import chains
-
     e2 = _estimate(c, hw, {**s, "batch_size": s["batch_size"] + 1})
     b0 = s["batch_size"]
     r1, r2 = chains(e1), chains(e2)
@@ -193,23 +194,24 @@ def _crossover(c: ParamCounts, hw: Hardware, s: dict[str, Any], e1: dict[str, An
                 break
             need = max(need, fixed / (comp - slope))
     bound = None if math.isinf(need) else max(1, math.ceil(need - 1e-9))
-    max_dev = None
-    if hw.is_gpu:
-        cap = hw.hbm_gib * GIB
+    if not hw.is_gpu:
+        return bound, None
+    cap = hw.hbm_gib * GIB
+    return bound, _largest(lambda b: sum(_estimate(c, hw, {**s, "batch_size": b})["device"].values()) <= cap, 1 << 20)
 
-        def fits(b: int) -> bool:
-            return sum(_estimate(c, hw, {**s, "batch_size": b})["device"].values()) <= cap
 
-        lo, hi = 0, 1
-        while fits(hi) and hi < 1 << 20:
-            lo, hi = hi, hi * 2
-        if fits(hi):
-            return bound, hi
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        max_dev = lo
-    return bound, max_dev
+def _largest(ok: Any, limit: int) -> int:
+    """The largest ``n`` >= 1 with ``ok(n)`` (``ok`` true up to some ``n``, then false), 0 when none: doubling up to
+    ``limit`` (returned when it passes), then a binary search."""
+    lo, hi = 0, 1
+    while ok(hi) and hi < limit:
+        lo, hi = hi, hi * 2
+    if ok(hi):
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
 
 
 def plan(model_cfg: Any, hw: Hardware | Mapping[str, Any], **options: Any) -> Plan:
@@ -275,12 +277,6 @@ def settings(*, batch_size: int = 1, seq_len: int = 2048, precision: str = "bf16
     Raises:
         ValueError: see :func:`plan`.
     """
-    from ..config import check_recompute
-    from .config import resolve_chunk
-    from .parallel import positive_count
-
-    from .window import parse_limit
-
     recompute, limit = check_recompute(recompute, activation_memory_limit, this_torch=False)
     optim = optim_setting(optim)
     if reference not in REFERENCES:
@@ -328,9 +324,6 @@ def optim_setting(optim: Any) -> str | dict[str, Any]:
     Raises:
         ValueError: see :func:`.optimizers.resolve`.
     """
-    from .config import as_plain_dict
-    from .optimizers import resolve
-
     if optim is None or isinstance(optim, str):
         return resolve(optim)[0].name
     d = {k: v for k, v in as_plain_dict(optim).items() if k not in RECIPE_ONLY_OPTIM_KEYS}
@@ -348,8 +341,6 @@ def check_group(value: Any) -> int:
     Raises:
         ValueError: anything else; names ``block_group`` and ``strategy.block_group``.
     """
-    from ..config import check_block_group
-
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value.strip())
     try:
@@ -360,18 +351,13 @@ def check_group(value: Any) -> int:
 
 
 def _plan_from_counts(name: str, counts: ParamCounts, hw: Hardware, s: dict[str, Any], source: Any) -> Plan:
-    from .config import loss_chunk_tokens
-
+    cap = capacity(hw)
     s = {**s, "loss_chunk_size": loss_chunk_tokens(s["loss_chunk_size"], counts.vocab_size)}
-    from .phases import phase_model
-    from .terms import update_in_backward
-    from .window import limit_check
-
-    used, mw, refusal, warning = limit_check(source, s, hw.is_gpu, s.get("host_memory_limit"), capacity(hw)["host"],
+    used, mw, refusal, warning = limit_check(source, s, hw.is_gpu, s.get("host_memory_limit"), cap["host"],
                                              f"the preset {hw.name}")
-    spare = window_spare(used, mw, capacity(hw)["host"], s)
+    spare = window_spare(used, mw, cap["host"], s)
     # the window's cache counts in host RAM for any number of processes, its saved reads for one only
-    s = {**s, "nvme_window_spare": spare, "nvme_window_limit": min(used, capacity(hw)["host"]) if mw is not None else 0}
+    s = {**s, "nvme_window_spare": spare, "nvme_window_limit": min(used, cap["host"]) if mw is not None else 0}
     e = _estimate(counts, hw, s)
     s = e["settings"]  # with "auto"'s budget and mix
     dom = max(e["times"], key=e["times"].get)
@@ -379,7 +365,6 @@ def _plan_from_counts(name: str, counts: ParamCounts, hw: Hardware, s: dict[str,
     flip = not update_in_backward(s)
     alt = phase_model(_estimate(counts, hw, {**s, "optimizer_in_backward": flip}))
     bound, max_dev = _crossover(counts, hw, s, e)
-    cap = capacity(hw)
     p = Plan(model=name, hardware=hw, counts=counts, settings=s, host=e["host"], device=e["device"],
              nvme=e["nvme"], disk=e["disk"], capacity=cap, moved=e["moved"], flops=e["flops"],
              flops_parts=e["flops_parts"], times=e["times"], step_time_s=ph["step_time_s"],
@@ -401,7 +386,9 @@ def _plan_from_counts(name: str, counts: ParamCounts, hw: Hardware, s: dict[str,
     if refusal:
         p.reasons.append(refusal)
     p.fits = not p.reasons
-    p.headroom = {k: (have - need) / have for k, need, have in _needs(p, cap["host"], cap["device"], cap["disk"])}
+    needs = (("host", p.host_bytes, cap["host"]), ("device", p.device_bytes, cap["device"]),
+             ("disk", p.disk_bytes, cap["disk"]))
+    p.headroom = {k: (have - need) / have for k, need, have in needs if have}
     p.tight = [k for k, h in p.headroom.items() if 0 <= h < TIGHT_HEADROOM]
     p.warnings = position_warnings(counts, s) + ([warning] if warning else [])
     return p
@@ -432,12 +419,6 @@ def capacity(hw: Hardware) -> dict[str, int | None]:
             "disk": int(hw.nvme_drives * hw.nvme_capacity_gib * GIB)}
 
 
-def _needs(p: Plan, host: int | None, device: int | None, disk: int | None) -> list[tuple[str, int, int]]:
-    out = [("host", p.host_bytes, host), ("device", p.device_bytes, device if p.hardware.is_gpu else None),
-           ("disk", p.disk_bytes, disk)]
-    return [(k, n, h) for k, n, h in out if h]
-
-
 def fits_memory(p: Plan, host: int | None = None, device: int | None = None) -> bool:
     """Whether host RAM and device memory fit (the preset's capacities unless given; disk not checked)."""
     host = p.capacity["host"] if host is None else host
@@ -464,8 +445,7 @@ def max_seq_len(p: Plan, host: int | None = None, device: int | None = None, lim
     s.update(changes, batch_size=int(batch_size))
 
     def ok(t: int) -> bool:
-        q = _plan_memory(p, {**s, "seq_len": t})
-        return fits_memory(q, host, device)
+        return fits_memory(_plan_memory(p, {**s, "seq_len": t}), host, device)
 
     if not ok(1):
         return 0
@@ -482,21 +462,7 @@ def max_batch_size(p: Plan, host: int | None = None, device: int | None = None, 
                    **changes: Any) -> int:
     """Largest ``batch_size`` whose host RAM and device memory fit; 0 when none; arguments as :func:`max_seq_len`."""
     s = {**p.settings, **changes}
-
-    def ok(b: int) -> bool:
-        return fits_memory(_plan_memory(p, {**s, "batch_size": b}), host, device)
-
-    if not ok(1):
-        return 0
-    lo, hi = 1, 2
-    while ok(hi):
-        if hi >= limit:
-            return hi
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo
+    return _largest(lambda b: fits_memory(_plan_memory(p, {**s, "batch_size": b}), host, device), limit)
 
 
 def _plan_memory(p: Plan, s: dict[str, Any]) -> Plan:
@@ -516,8 +482,6 @@ LONG_SEQUENCE_STEPS = ("loss_chunk_size", "mlp_chunk_size", "offload_activations
 def long_sequence_variants(p: Plan) -> list[tuple[str, dict[str, Any]]]:
     """Settings for the longest-sequence table: none of :data:`LONG_SEQUENCE_STEPS`, then each added in turn (a
     chunk option at the plan's value, else its suggested size)."""
-    from .config import SUGGESTED_CHUNK
-
     s = p.settings
     on = {"loss_chunk_size": s["loss_chunk_size"] or SUGGESTED_CHUNK["loss_chunk_size"],
           "mlp_chunk_size": s["mlp_chunk_size"] or SUGGESTED_CHUNK["mlp_chunk_size"], "offload_activations": True}

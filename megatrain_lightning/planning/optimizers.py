@@ -52,6 +52,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
+from .config import CONF_DIR, as_plain_dict
+
 #: the store's two fp32 optimizer regions (``exp_avg``, ``exp_avg_sq``): bytes per parameter on the NVMe tier
 NVME_STATE_BYTES = 8
 #: torchao AdamW8bit: tensors quantised from this many elements (bitsandbytes' rule) and block size (its default)
@@ -195,8 +197,6 @@ def resolve(optim: Any) -> tuple[OptimSpec, dict[str, Any]]:
             raise ValueError(f"optim must be one of {', '.join(OPTIMIZERS)} (conf/optim/<name>.yaml), or a mapping "
                              f"with _target_ (optim._target_=torch.optim.RMSprop); got {optim!r}")
         return OPTIMIZERS[optim], dict(_conf_options(optim))
-    from .config import as_plain_dict
-
     d = as_plain_dict(optim)
     target = d.pop("_target_", None)
     if not target:
@@ -220,8 +220,6 @@ def _conf_options(name: str) -> dict[str, Any]:
     """The hyper-parameters of ``conf/optim/<name>.yaml`` (``{}`` without one): a name means the recipes' optimizer
     of that name, e.g. SGD with its ``momentum``."""
     import yaml
-
-    from .config import CONF_DIR
 
     path = CONF_DIR / "optim" / f"{name}.yaml"
     d = yaml.safe_load(path.read_text()) if path.is_file() else {}
@@ -340,13 +338,3 @@ def update_work(optim: Any, shapes: Sequence[tuple[str, tuple[int, ...]]]) -> tu
         t, f = spec.cost(tuple(shape), kind, options)
         time, flops = time + t, flops + f
     return time / n, flops, True
-
-
-def name_of(optim: Any) -> str:
-    """The ``optim`` name of a setting (``"adamw"`` for ``None``; a measured class: its class name, lower case)."""
-    return resolve(optim)[0].name
-
-
-def label(optim: Any) -> str:
-    """The host RAM / NVMe line of the optimizer's state (``"AdamW exp_avg + exp_avg_sq"``...)."""
-    return resolve(optim)[0].label

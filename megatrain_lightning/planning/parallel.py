@@ -35,6 +35,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .optimizers import resolve
+
 #: host tier entries held once per node in shared memory (labels of :func:`.terms._estimate`)
 SHARED_STATE = ("fp32 master weights", "fp32 grad accumulators", "AdamW exp_avg + exp_avg_sq",
                 "wire shadow (castable 2 B, rest 4 B)")
@@ -119,9 +121,7 @@ def scale_out(hw: Any, s: dict[str, Any], e: dict[str, Any], *, n_params: int, g
     if M > 1 and not hw.network_gbps:
         raise ValueError(f"hardware {hw.name!r} has no network_gbps: set the inter-node bandwidth per node "
                          "(GB/s, all NICs together), e.g. hardware.network_gbps=50 for one 400 Gb/s NIC")
-    from .optimizers import label
-
-    state = SHARED_STATE + (label(s.get("optim")),)  # the chosen optimizer's state, held with the rest
+    state = SHARED_STATE + (resolve(s.get("optim"))[0].label,)  # the chosen optimizer's state, held with the rest
     shared = {k: v for k, v in e["host"].items() if k in state}
     own = {k: v for k, v in e["host"].items() if k not in state}
     host = {k + SHARED_SUFFIX: v for k, v in shared.items()}

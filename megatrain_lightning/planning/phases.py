@@ -1,27 +1,14 @@
-"""The step time by phase: what each schedule leaves exposed beyond compute, and which resource bounds the step.
+"""The step time by phase: what each schedule leaves exposed beyond compute, and which resource bounds the step
+(docs/internals/planner.md, "Step time"; the threads: docs/architecture.md, "Threads, streams and locks").
 
-A step is a forward, then a backward. Inside a phase the compute thread, the H2D worker, the D2H worker,
-the NVMe I/O pool and the collectives run at once, each worker's own work one item after another
-(docs/architecture.md, "Threads, streams and locks"); work of one phase does not overlap the other. So a
-phase takes the longest of its *chains* (the terms one worker runs in series: :data:`CHAINS`,
-:data:`CHAINS_RAM`, :data:`CHAINS_CPU`; in words, docs/internals/planner.md, "Step time"), and the step the sum
-of the two phases.
-
-On a CPU device (a preset without an accelerator) the workers run on the cores that compute, each with one
-intra-op thread (``engine/threads.py``): their work does not overlap the compute but takes turns with it, so
-the compute, the engine's fixed Python time per block call and per step (``engine``, when the preset has
-``block_call_ms`` / ``step_overhead_ms``), the copies, the gradient adds and the host update form one chain
-(:data:`CHAINS_CPU`); only the NVMe transfers (the kernel's and the drive's work) overlap it.
-
-On the RAM tier the updates run on the update worker (``optim/host_adamw.py``): deferred, from the start of the
-forward; with ``optimizer_in_backward`` from the backward, as each slab's gradients complete, through the next
-forward, split between the phases in proportion to their lengths (:func:`update_share`): hidden while shorter
-than forward + backward, the excess exposed in both in that proportion.
-
-The copies run on their own streams while the worker waits, and the NVMe reads run ahead of the fetch that needs
-them; putting each worker's terms, and both NVMe directions, in series is conservative. Each term of
-:func:`.terms._estimate`'s ``times`` is split between the phases (:func:`forward_share`), so the step lies
-between the largest term (``step_time_fastest_s``) and the sum of all terms, at the preset's rates.
+A phase takes the longest of its *chains*, the terms one worker runs in series (:data:`CHAINS`,
+:data:`CHAINS_RAM`, :data:`CHAINS_CPU`), and the step the sum of the two phases. On a CPU device the workers run
+on the cores that compute, each with one intra-op thread (``engine/threads.py``): the compute, the engine's fixed
+time per block call and per step (``engine``), the copies, the gradient adds and the host update form one chain;
+only the NVMe transfers overlap it. On the RAM tier the updates run on the update worker (``optim/host_adamw.py``):
+deferred, from the start of the forward; with ``optimizer_in_backward`` from the backward through the next
+forward, split between the phases in proportion to their lengths (:func:`update_share`). Each term of
+:func:`.terms._estimate`'s ``times`` is split between the phases (:func:`forward_share`).
 
 ``exposed``: the seconds a phase takes beyond its compute, given to the chain that bounds it. ``pessimistic``:
 the backward's H2D copies at half bandwidth while D2H copies run (measured on PCIe).
@@ -59,14 +46,6 @@ CHAINS_CPU: dict[str, tuple[tuple[str, ...], ...]] = {
 def update_worker(s: dict[str, Any]) -> bool:
     """Whether the plan's updates run on the update worker (the engine starts it on the RAM tier only)."""
     return not any_on_nvme(s)
-
-
-def chain_table(e: dict[str, Any]) -> dict[str, tuple[tuple[str, ...], ...]]:
-    """The chains of estimate ``e``'s device and tier: :data:`CHAINS_CPU` on a CPU device, else :data:`CHAINS_RAM`
-    or :data:`CHAINS`."""
-    if not e.get("gpu", True):
-        return CHAINS_CPU
-    return CHAINS_RAM if update_worker(e["settings"]) else CHAINS
 
 
 def update_share(e: dict[str, Any], share: dict[str, float]) -> float:
@@ -119,10 +98,11 @@ def phase_parts(e: dict[str, Any], pessimistic: bool = False) -> dict[str, dict[
 
 
 def chains(e: dict[str, Any], pessimistic: bool = False) -> dict[str, list[tuple[str, float]]]:
-    """Per phase, each chain of :func:`chain_table` (compute first) as (key, seconds); the key joins the chain's
-    terms that take time with ``+`` (``"h2d+host_adamw"``)."""
+    """Per phase, each chain of estimate ``e``'s device and tier (compute first: :data:`CHAINS_CPU` on a CPU
+    device, else :data:`CHAINS_RAM` or :data:`CHAINS`) as (key, seconds); the key joins the chain's terms that take
+    time with ``+`` (``"h2d+host_adamw"``)."""
     parts = phase_parts(e, pessimistic)
-    table = chain_table(e)
+    table = CHAINS_CPU if not e.get("gpu", True) else CHAINS_RAM if update_worker(e["settings"]) else CHAINS
     out = {}
     for ph in PHASES:
         row = []

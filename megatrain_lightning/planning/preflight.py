@@ -7,6 +7,7 @@ messages.
 
 from __future__ import annotations
 
+import os
 import shutil
 import warnings
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Any, Mapping
 
 from ..store.budget import mem_available_bytes
 from .advice import RECIPE_KEYS, device_advice, host_short_advice, key
-from .config import GIB
+from .config import GIB, as_plain_dict, strategy_default
 from .estimate import Plan, gib, plan, shortfalls
 from .window import limit_check, physical_ram_bytes
 
@@ -37,12 +38,6 @@ def device_free_bytes() -> int | None:
     except Exception:  # pragma: no cover - a broken driver means "cannot measure"
         return None
     return None
-
-
-def _disk_advice(p: Plan, path: Any) -> list[str]:
-    k = p.settings["keep_checkpoints"]
-    return [f"needed for: NVMe store {gib(p.disk.get('NVMe store', 0))} GiB + {k} checkpoint(s) of {gib(p.checkpoint_bytes)} GiB",
-            f"change: free space at {path}, point the store/checkpoint directory at a larger volume, or keep fewer checkpoints"]
 
 
 def preflight(p: Plan, *, host_ram_bytes: int | None = None, disk_free_bytes: int | None = None,
@@ -101,10 +96,22 @@ def preflight(p: Plan, *, host_ram_bytes: int | None = None, disk_free_bytes: in
             elif line.startswith("device"):
                 advice = device_advice(p, dev, host, keys)
             else:
-                advice = _disk_advice(p, path)
+                advice = [f"needed for: NVMe store {gib(p.disk.get('NVMe store', 0))} GiB + {s['keep_checkpoints']} "
+                          f"checkpoint(s) of {gib(p.checkpoint_bytes)} GiB",
+                          f"change: free space on the volume mounted at {_mount_point(path)} (where {path} is), point "
+                          "the store/checkpoint directory at a larger volume, or keep fewer checkpoints"]
             msg.extend(f"      {a}" for a in advice)
         raise PreflightError("\n".join(msg), lines)
     return {"host": (p.host_bytes, host), "device": (p.device_bytes, dev), "disk": (p.disk_bytes, disk)}
+
+
+def _mount_point(path: str | Path) -> Path:
+    """The mount point of the volume that holds ``path`` (an existing path; the run directory may be removed when
+    the run is refused, its volume stays)."""
+    p = Path(path).absolute()
+    while not os.path.ismount(p):
+        p = p.parent
+    return p
 
 
 def plan_for_run(model: Any, hardware: Any, strategy: Mapping[str, Any], *, batch_size: int, seq_len: int,
@@ -118,8 +125,6 @@ def plan_for_run(model: Any, hardware: Any, strategy: Mapping[str, Any], *, batc
     any update, so the strategy runs the deferred AdamW schedule whatever ``optimizer_in_backward`` says
     (``MegaTrainStrategy._update_in_backward_now``), and so does the plan. ``optim``: the recipe's ``cfg.optim``
     (``None``: AdamW). Pass the plan to :func:`preflight`."""
-    from .config import as_plain_dict, strategy_default
-
     st = as_plain_dict(strategy) if strategy is not None else {}
 
     def opt(name: str) -> Any:

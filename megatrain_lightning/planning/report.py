@@ -9,7 +9,8 @@ from .config import Hardware
 from .estimate import TERM_LABELS, Plan, gib, long_sequence_variants, max_seq_len
 from .parallel import host_mem_rate, intra_rate
 from .phases import update_worker
-from .terms import NVME_CACHE, block_calls, group_size, host_update_work, optim_title, layer_wire_bytes, layers_in_flight, term_label, update_in_backward, zero_copy
+from .terms import (NVME_CACHE, block_calls, checkpoint_state_bytes, group_size, host_update_work, layer_wire_bytes,
+                    layers_in_flight, optim_title, term_label, update_in_backward, zero_copy)
 
 #: data parallel: the terms that are per node (the rest are per GPU)
 NODE_TERMS = ("nvme_read", "nvme_write", "host_adamw", "grad_add", "host_memory", "inter_node")
@@ -111,8 +112,7 @@ def format_longest(p: Plan) -> list[str]:
             else f"host {gib(p.capacity['host'])} GiB")
     out = [f"longest seq_len at batch_size=1 on {hw.name} ({what}):",
            f"    {'these options':<64} {max_seq_len(p):>12,}"]
-    for label, ch in long_sequence_variants(p):
-        out.append(f"    {label:<64} {max_seq_len(p, **ch):>12,}")
+    out += [f"    {label:<64} {n:>12,}" for label, n in longest_rows([p])[0][2]]
     mp = p.counts.max_position_embeddings
     if mp:
         out.append(f"    (the model's max_position_embeddings is {mp:,}; memory alone is counted above)")
@@ -217,14 +217,10 @@ def format_plan(p: Plan) -> str:
     ns = host_update_work(c, p.settings)[1]
     amounts = {
         "compute": f"{p.flops / 1e12:,.1f} TFLOP",
-        "h2d": f"{gib(p.moved['h2d'])} GiB",
-        "d2h": f"{gib(p.moved['d2h'])} GiB",
-        "nvme_read": f"{gib(p.moved['nvme_read'])} GiB",
-        "nvme_write": f"{gib(p.moved['nvme_write'])} GiB",
         "host_adamw": f"{c.total / 1e9:,.2f} G params" + (f" + {ns / 1e12:,.0f} TFLOP" if ns else ""),
-        "grad_add": f"{gib(p.moved['grad_add'])} GiB",
-        **{k: f"{gib(p.moved[k])} GiB" for k in ("host_memory", "intra_node", "inter_node") if k in p.moved},
         "engine": "{} + {} calls".format(*block_calls(c, s)),
+        **{k: f"{gib(p.moved[k])} GiB" for k in ("h2d", "d2h", "nvme_read", "nvme_write", "grad_add", "host_memory",
+                                                  "intra_node", "inter_node") if k in p.moved},
     }
     unit = "GPU" if hw.is_gpu else "rank"
     if p.parallel:
@@ -267,7 +263,7 @@ def format_plan(p: Plan) -> str:
     elif m is not None:
         lines.append(f"device memory holds batch_size <= {m} at seq_len={s['seq_len']}")
     lines += [""] + format_activations(p) + [""] + format_longest(p) + [""]
-    lines += warning_lines(p)
+    lines += [f"warning: {w}" for w in p.warnings]
     lines.append(_fits_line(p))
     lines += ["  " + a for a in advice(p)]
     return "\n".join(lines)
@@ -336,8 +332,6 @@ def update_flops_lines(p: Plan) -> list[str]:
 
 def _checkpoint_words(p: Plan) -> str:
     """What a checkpoint holds besides the fp32 weights: the optimizer's state in B/param (:func:`.terms._estimate`)."""
-    from .terms import checkpoint_state_bytes
-
     per = checkpoint_state_bytes(p.counts, p.settings) / max(p.counts.total, 1)
     if p.settings["offload_optimizer"] != "cpu":
         return f"fp32 weights + the optimizer's 2 fp32 regions, {4 + per:.0f} B/param"
@@ -440,11 +434,6 @@ def format_parallel(p: Plan) -> list[str]:
     return out
 
 
-def warning_lines(p: Plan) -> list[str]:
-    """``warning: ...`` lines for settings the plan accepts but the model may not (:attr:`Plan.warnings`)."""
-    return [f"warning: {w}" for w in p.warnings]
-
-
 def _fits_line(p: Plan) -> str:
     if not p.fits:
         return "fits: NO: " + "; ".join(p.reasons)
@@ -489,7 +478,7 @@ def format_comparison(plans: list[Plan]) -> str:
             out.append(f"  {p.hardware.name}: " + "; ".join(p.reasons))
             if any(r.startswith("host RAM short") for r in p.reasons):
                 out += [f"    change: {a}" for a in host_short_advice(p, p.capacity["host"], None)[:-1]]  # type: ignore[arg-type]
-    out += [f"  {w}" for w in warning_lines(p0)]  # the model's limits: the same on every preset
+    out += [f"  warning: {w}" for w in p0.warnings]  # the model's limits: the same on every preset
     out.append("  step s: forward + backward, each as long as its longest chain; bound by: the longer phase's; fastest s: "
                "the largest term, the fastest estimate (every term overlapping; an estimate at the preset's rates, not "
                "a lower bound)")

@@ -71,12 +71,9 @@ Per optimizer step (one micro-batch of ``batch_size`` x ``seq_len`` tokens):
   presets' memory-bandwidth assumption, measured separately at 4.5 G params/s on the 2-core dev box); other
   optimizers: :func:`host_update_seconds`.
 
-Fastest estimate of the step time = max(compute at peak dense TFLOP/s (bf16 for 2-byte wire modes, fp32
-non-tensor for ``32-true``), H2D / h2d bandwidth, D2H / d2h bandwidth, NVMe reads / (drives x read bandwidth),
-NVMe writes / (drives x write bandwidth), host AdamW): every stream overlapping perfectly. An estimate at the
-preset's rates, not a lower bound. PCIe is full duplex, but H2D was measured to drop to about half its bandwidth
-while D2H runs; D2H only runs during backward, so the *pessimistic* variant charges the backward H2D at half
-bandwidth: link = H2D_fwd / bw + max(2 x H2D_bwd / bw, D2H / d2h_bw).
+Compute runs at peak dense TFLOP/s (bf16 for 2-byte wire modes, fp32 non-tensor for ``32-true``). The step time by
+phase, its fastest estimate (the largest term) and the pessimistic variant (PCIe is full duplex, but H2D was
+measured to drop to about half its bandwidth while D2H runs): :mod:`.phases`.
 
 With ``devices`` > 1 or ``num_nodes`` > 1 (data parallel) :func:`.parallel.scale_out` turns the one-process
 numbers into per-node tiers and shared-host terms, and adds the gradient collectives.
@@ -87,10 +84,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..config import optimizer_in_backward_on
 from .config import GIB, Hardware
-from .activations import activation_bytes
+from .activations import (activation_bytes, kept_per_token, layer_mix, layer_saved_per_token,
+                          selective_per_token)
 from .counts import ParamCounts
-from .optimizers import NVME_STATE_BYTES, label as optim_label, name_of as optim_name, nvme_region_bytes, state_bytes
+from .optimizers import NVME_STATE_BYTES, nvme_region_bytes, resolve as resolve_optim, state_bytes
 from .optimizers import update_work
 from .parallel import host_mem_rate, scale_out
 from ..engine.staging import RING_SLOTS
@@ -129,17 +128,13 @@ def term_label(key: str, settings: dict[str, Any] | None = None) -> str:
     """The label of a term or chain of terms (``"h2d+host_adamw"`` -> ``"H2D copies + host AdamW"``,
     :mod:`.phases`); with ``settings`` the host update names a non-AdamW optimizer (``"host Adafactor"``)."""
     title = optim_title(settings) if settings else "AdamW"
-
-    def one(k: str) -> str:
-        if k == "host_adamw" and title not in ("AdamW", "Adam"):
-            return f"host {title}"
-        return TERM_LABELS[k]
-    return " + ".join(one(k) for k in key.split("+"))
+    own = {} if title in ("AdamW", "Adam") else {"host_adamw": f"host {title}"}
+    return " + ".join(own.get(k, TERM_LABELS[k]) for k in key.split("+"))
 
 
 def optim_title(s: dict[str, Any]) -> str:
     """The optimizer's short name (``"AdamW"``, ``"Adafactor"``...) of settings ``s``."""
-    return optim_label(s.get("optim")).split()[0]
+    return resolve_optim(s.get("optim"))[0].label.split()[0]
 
 
 def _param_shapes(c: ParamCounts) -> tuple[tuple[str, tuple[int, ...]], ...]:
@@ -175,8 +170,6 @@ def host_update_seconds(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> floa
 def block_calls(c: ParamCounts, s: dict[str, Any]) -> tuple[int, int]:
     """Block calls per step ``(forward, backward)``: every block once each way, plus the backward's recompute of
     the ``"block"``/``"selective"`` layers (:func:`.activations.layer_mix`)."""
-    from .activations import layer_mix
-
     mix = layer_mix(c, s)
     blocks = c.num_layers + 2
     return blocks, blocks + mix["block"] + mix["selective"]
@@ -208,8 +201,6 @@ def update_in_backward(s: dict[str, Any]) -> bool:
     """Whether each slab's update runs in the backward after its last gradient add (``optimizer_in_backward``: on
     the update worker on the RAM tier, the D2H worker on the NVMe tier), else deferred to the next forward before
     its copy; ``None``: :func:`~megatrain_lightning.config.optimizer_in_backward_on` (on when any state is on NVMe)."""
-    from ..config import optimizer_in_backward_on
-
     v = s.get("optimizer_in_backward")
     return bool(optimizer_in_backward_on(v, any_on_nvme(s)))
 
@@ -218,10 +209,14 @@ def _pow2_waste(nbytes: int) -> int:
     return 0 if nbytes <= 0 else (1 << (nbytes - 1).bit_length()) - nbytes
 
 
-def wire_bytes(params: int, castable: int, wire: int) -> int:
-    """Bytes of ``params`` parameters on the H2D link: under a 2-byte wire only the ``castable`` ones
-    (:func:`megatrain_lightning.engine.wire.autocast_casts`) travel in 2 B, the rest (embeddings, norms, tied
-    weights) in fp32 (``engine/wire.py``; the up-to-15-byte alignment of each run of a mixed image not counted)."""
+def wire_bytes(params: int, castable: int, precision: str) -> int:
+    """Bytes of ``params`` parameters on the H2D link: all 2-byte under ``bf16-true``; under a mixed precision's
+    2-byte wire only the ``castable`` ones (:func:`megatrain_lightning.engine.wire.autocast_casts`) travel in 2 B,
+    the rest (embeddings, norms, tied weights) in fp32 (``engine/wire.py``; the up-to-15-byte alignment of each run
+    of a mixed image not counted)."""
+    wire = PRECISIONS[precision][0]
+    if precision == "bf16-true":
+        return 2 * params
     return params * 4 if wire == 4 else castable * wire + (params - castable) * 4
 
 
@@ -252,11 +247,8 @@ def block_weights(c: ParamCounts, s: dict[str, Any]) -> int:
 def layer_wire_bytes(c: ParamCounts, s: dict[str, Any]) -> int:
     """Bytes of the largest decoder layer on the H2D link (:func:`wire_bytes`; all 2-byte under ``bf16-true``);
     0 without decoder layers."""
-    wire = PRECISIONS[s["precision"]][0]
     reads = list(zip(c.block_reads, c.castable_reads))[1:-1]
-    if s["precision"] == "bf16-true":
-        return max((2 * n for n, _ in reads), default=0)
-    return max((wire_bytes(n, k, wire) for n, k in reads), default=0)
+    return max((wire_bytes(n, k, s["precision"]) for n, k in reads), default=0)
 
 
 def transfer_bytes(c: ParamCounts, s: dict[str, Any]) -> int:
@@ -304,9 +296,7 @@ def shadow_bytes(params: int, castable: int, wire: int, precision: str) -> int:
     an all-fp32 slab (it streams the master); all 2-byte under ``bf16-true``; else :func:`wire_bytes`."""
     if wire == 4:
         return 0
-    if precision == "bf16-true":
-        return 2 * params
-    return wire_bytes(params, castable, wire) if castable else 0
+    return wire_bytes(params, castable, precision) if castable or precision == "bf16-true" else 0
 
 
 def resolve_auto(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]:
@@ -322,7 +312,6 @@ def resolve_auto(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, A
     if s.get("recompute") != "auto":
         return s
     from ..engine.recompute_policy import decide
-    from .activations import kept_per_token, layer_saved_per_token, selective_per_token
 
     L, tokens = c.num_layers, s["batch_size"] * s["seq_len"]
     base = {**s, "recompute": "block", "recompute_mix": None}
@@ -354,8 +343,6 @@ def recompute_flops(c: ParamCounts, s: dict[str, Any]) -> dict[str, float]:
     ``recompute_every=K`` > 1 (K-1)/K of them once more (chains, also under ``"selective"``: a linked call's chain
     runs without its cache); ``"selective"`` re-runs only norms, activations and elementwise ops (counted as 0: no
     matmul); ``"none"`` nothing."""
-    from .activations import layer_mix
-
     L, T, K = c.num_layers, s["seq_len"], s["recompute_every"]
     mix = layer_mix(c, s)
     f_layers = 2 * c.layer_active + 2 * L * T * c.num_heads * c.head_dim
@@ -438,7 +425,7 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     G = group_size(c, s)                    # decoder layers per fetch (block_group)
     gpu = hw.is_gpu
     no_copy = zero_copy(hw, s)              # strategy default on a CPU device
-    wire_of = [wire_bytes(n, k, wire) if not bf16_true else 2 * n for n, k in zip(c.block_reads, c.castable_reads)]
+    wire_of = [wire_bytes(n, k, s["precision"]) for n, k in zip(c.block_reads, c.castable_reads)]
     shadow_of = [shadow_bytes(n, k, wire, s["precision"]) for n, k in zip(c.stored, c.castable_reads)]
     big = c.largest_block                   # tied included
     big_wire = max(wire_of)
@@ -482,9 +469,9 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
         host["grad accumulator window (the update's + one being filled)"] = 2 * 4 * slab
     state = optim_state_bytes(c, s)         # the chosen optimizer's state on the RAM tier (planning/optimizers.py)
     if s["offload_optimizer"] == "cpu":
-        host[optim_label(s.get("optim"))] = state
+        host[resolve_optim(s.get("optim"))[0].label] = state
     else:  # the store's two fp32 optimizer regions, whatever the optimizer
-        adam = optim_name(s.get("optim")) in ("adamw", "adam")
+        adam = resolve_optim(s.get("optim"))[0].name in ("adamw", "adam")
         nvme["AdamW exp_avg + exp_avg_sq" if adam else "optimizer state (the store's 2 fp32 regions)"] = \
             NVME_STATE_BYTES * N
         host["AdamW moments window" if adam else "optimizer state window"] = NVME_STATE_BYTES * slab
@@ -505,7 +492,6 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     disk = {"NVMe store": sum(nvme.values()), f"checkpoints x{s['keep_checkpoints']}": s["keep_checkpoints"] * ckpt}
 
     # ---- bytes moved per step
-    from .activations import layer_mix
     mix = layer_mix(c, s)
     reads = c.reads_per_pass
     # backward fetch: not the embedding (engine/recompute_policy.py ``is_lookup``, engine/boundary/kept.py
@@ -513,17 +499,15 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     reads_b = reads - c.head_reads + c.head_refetched - c.embedding
     chained = (mix["block"] + mix["selective"]) / L  # "none" layers rebuild nothing: no chain fetch
     chain = int(c.layer_total * (K - 1) // K * chained)
-    layer_wire = sum(wire_of[1:-1])
-    norm_wire = wire_bytes(c.head_refetched, 0, wire) if not bf16_true else 2 * c.head_refetched  # norms: not castable
-    chain_wire = int(layer_wire * (K - 1) // K * chained)
+    norm_wire = wire_bytes(c.head_refetched, 0, s["precision"])  # norms: not castable
     act_io = act_host.get("offloaded block inputs", 0) + act_host.get("offloaded op outputs / graphs", 0)
     if binds_in_place(hw, s):  # CPU zero-copy: what already has the compute dtype is bound, not copied
         copied = [0 if (wire == 4 or bf16_true or k == 0) else w for w, k in zip(wire_of, c.castable_reads)]
         if copied[-1]:  # the head entry includes the final norm, its own all-fp32 block: bound, not copied
-            copied[-1] = wire_bytes(c.block_reads[-1] - c.head_refetched, c.castable_reads[-1], wire)
-        layer_wire = sum(copied[1:-1])
-        chain_wire = int(layer_wire * (K - 1) // K * chained)
+            copied[-1] = wire_bytes(c.block_reads[-1] - c.head_refetched, c.castable_reads[-1], s["precision"])
         norm_wire, wire_of = 0, copied
+    layer_wire = sum(wire_of[1:-1])
+    chain_wire = int(layer_wire * (K - 1) // K * chained)
     h2d_f = sum(wire_of)
     h2d_b = layer_wire + norm_wire + chain_wire + (act_io if gpu else 0)  # CPU: an offloaded input is used in place
     if copy_ref:                               # the reference's no-grad forward fetches every block once more
@@ -559,9 +543,8 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     grad_elems = reads - table + (table if rows else B * T * c.hidden_size)
     moved = {"h2d": h2d_f + h2d_b, "h2d_forward": h2d_f, "h2d_backward": h2d_b, "d2h": d2h, "d2h_forward": act_io,
              "nvme_read": sum(nv_r), "nvme_read_uncached": uncached, "nvme_read_back_regions": read_back,
-             "nvme_write": sum(nv_w),
-             "nvme_read_forward": nv_r[0],
-             "nvme_write_forward": nv_w[0], "grad_add": grad_elems * GRAD_ADD_BYTES[grad_b]}
+             "nvme_write": sum(nv_w), "nvme_read_forward": nv_r[0], "nvme_write_forward": nv_w[0],
+             "grad_add": grad_elems * GRAD_ADD_BYTES[grad_b]}
 
     # ---- compute (Kaplan et al. 2020 + the recompute forward, by recompute mode)
     tokens = B * T

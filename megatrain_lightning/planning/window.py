@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .config import GIB
+from .counts import _hf_config
 
 
 def physical_ram_bytes() -> int:
@@ -42,25 +43,23 @@ def nvme_kinds(s: dict[str, Any]) -> frozenset:
     """The regions the strategy puts on NVMe for these settings (``MegaTrainConfig._nvme_settings``)."""
     from ..store.regions import Region
 
-    kinds = set()
-    if s.get("offload_params") == "nvme":
-        kinds.add(Region.master)
+    kinds = {Region.master} if s.get("offload_params") == "nvme" else set()
     if s.get("offload_optimizer") == "nvme":
         kinds |= {Region.exp_avg, Region.exp_avg_sq, Region.grad_accum}
     return frozenset(kinds)
 
 
-def _meta_model(source: Any) -> Any:
-    """The model of a plan's ``source`` on the meta device (a built ``nn.Module`` as is)."""
-    from torch import nn
-
-    from .counts import _hf_config
+def _config(source: Any) -> Any:
+    """The model config of a plan's ``source``, or the built ``nn.Module`` it is or holds."""
     from .estimate import _model_name_and_config
 
-    if isinstance(source, nn.Module):
-        return source
-    _, cfg = _model_name_and_config(source)
-    if isinstance(cfg, nn.Module):
+    return source if isinstance(source, torch.nn.Module) else _model_name_and_config(source)[1]
+
+
+def _meta_model(source: Any) -> Any:
+    """The model of a plan's ``source`` on the meta device (a built ``nn.Module`` as is)."""
+    cfg = _config(source)
+    if isinstance(cfg, torch.nn.Module):
         return cfg
     import transformers
 
@@ -69,14 +68,8 @@ def _meta_model(source: Any) -> Any:
 
 
 def _key(source: Any) -> str | None:
-    from torch import nn
-
-    from .estimate import _model_name_and_config
-
-    if isinstance(source, nn.Module):
-        return None
-    _, cfg = _model_name_and_config(source)
-    if isinstance(cfg, nn.Module):
+    cfg = _config(source)
+    if isinstance(cfg, torch.nn.Module):
         return None
     return cfg.to_json_string(use_diff=False) if hasattr(cfg, "to_json_string") else json.dumps(cfg, sort_keys=True,
                                                                                                 default=str)
@@ -84,8 +77,7 @@ def _key(source: Any) -> str | None:
 
 @functools.lru_cache(maxsize=64)
 def _min_window_cached(key: str, kinds: frozenset, device: str, lookahead: int, group: int, ranks: int) -> int:
-    return _min_window(_meta_model(json.loads(key)) if key.startswith("{") else None, kinds, device, lookahead, group,
-                       ranks)
+    return _min_window(_meta_model(json.loads(key)), kinds, device, lookahead, group, ranks)
 
 
 def _min_window(model: Any, kinds: frozenset, device: str, lookahead: int, group: int, ranks: int) -> int:

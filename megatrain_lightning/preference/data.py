@@ -46,8 +46,7 @@ def encode_pair(record: Any, tokenizer: Any, max_length: int, where: str = "reco
         raise PreferenceDataError(f"megatrain: {where} needs the fields {list(FIELDS)} (TRL's preference format), "
                                   f"got {have}.")
     prompt = record["prompt"]
-    chat = isinstance(prompt, list)
-    if chat:  # as the recipes ask a question (data/formatting.py): the chat template, or the plain format
+    if isinstance(prompt, list):  # as the recipes ask a question (data/formatting.py): the chat template, or plain
         template = bool(getattr(tokenizer, "chat_template", None))
         if template:
             text, special = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True), False

@@ -207,10 +207,12 @@ class DPOModule(pl.LightningModule):
                 raise RuntimeError("megatrain: the reference log-probs are computed at the start of fit, for its "
                                    "training and validation data; DPOModule's steps run only inside Trainer.fit, "
                                    "or in Trainer.validate after it on the fit's validation data.")
-            if prefix != "train" and self._current_val_dataset() is not self._val_dataset:
-                raise RuntimeError("megatrain: reference='precompute' scored the fit's validation pairs; validation "
-                                   "data other than the fit's has no reference log-probs: validate on the fit's "
-                                   "validation data, or use reference='copy'.")
+            if prefix != "train":
+                val = self.trainer.val_dataloaders  # the running validation's
+                if (val.dataset if isinstance(val, DataLoader) else None) is not self._val_dataset:
+                    raise RuntimeError("megatrain: reference='precompute' scored the fit's validation pairs; "
+                                       "validation data other than the fit's has no reference log-probs: validate on "
+                                       "the fit's validation data, or use reference='copy'.")
             rows = table[batch["index"].cpu()]  # float64: fp32 sums and token counts, exact
             return rows[:, 0].float().to(ids.device), rows[:, 2].float().to(ids.device)
         with torch.no_grad():
@@ -321,11 +323,6 @@ class DPOModule(pl.LightningModule):
                             f"indexable dataset of preference pairs with an 'index' (PreferenceDataset); got "
                             f"{type(loader).__name__}. Use reference='copy' for other data.")
         return loader
-
-    def _current_val_dataset(self) -> Any:
-        """The dataset of the running validation's DataLoader, ``None`` when it is not one DataLoader."""
-        loader = self.trainer.val_dataloaders
-        return loader.dataset if isinstance(loader, DataLoader) else None
 
     def _cache_key(self, dataset: Any) -> str:
         """SHA-256 of what the reference log-probs depend on: the model's config and source, a digest of its input

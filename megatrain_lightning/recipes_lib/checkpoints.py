@@ -47,13 +47,8 @@ def run_identity(cfg: Any) -> dict[str, Any]:
     ``model.tokenizer``) made absolute."""
     plain = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
     data = plain.get("data") or {}
-    model = dict(plain.get("model") or {})
-    for k in ("weights", "tokenizer"):
-        if k in model:
-            model[k] = _absolute(model[k])
-    ident = {k: data[k] for k in IDENTITY_DATA_KEYS if k in data}
-    if "source" in ident:
-        ident["source"] = _absolute(ident["source"])
+    model = {k: _absolute(v) if k in ("weights", "tokenizer") else v for k, v in (plain.get("model") or {}).items()}
+    ident = {k: _absolute(data[k]) if k == "source" else data[k] for k in IDENTITY_DATA_KEYS if k in data}
     return {"model": model, "data": ident}
 
 
@@ -103,24 +98,6 @@ def _is_checkpoint(p: Path) -> bool:
     return p.is_dir() and (p / CHECKPOINT_MARK).is_file()
 
 
-def _has_training_state(p: Path) -> bool:
-    """Whether the checkpoint directory ``p`` can be resumed: its ``megatrain.json`` has ``has_optimizer`` (false
-    for ``trainer.save_checkpoint(weights_only=True)``). An unreadable ``megatrain.json`` counts as resumable here:
-    the checkpoint's own load reports it, naming the file."""
-    try:
-        return json.loads((p / CHECKPOINT_MARK).read_text()).get("has_optimizer", True) is not False
-    except (OSError, ValueError, AttributeError):
-        return True
-
-
-def _last_checkpoints(root: Path) -> list[Path]:
-    """Every ``last.ckpt`` below ``root``, and the ``last-vN.ckpt`` that ``ModelCheckpoint`` writes instead when
-    the directory already holds a ``last.ckpt`` of another run."""
-    if not root.is_dir():
-        return []
-    return [p for p in root.glob("**/last*.ckpt") if LAST_NAME.fullmatch(p.name) and _is_checkpoint(p)]
-
-
 def resolve_resume(cfg: Any) -> Path | None:
     """The checkpoint directory ``resume`` names: ``None`` (a fresh run), ``"last"`` (the newest ``last.ckpt`` or
     ``last-vN.ckpt`` below ``checkpoint.search_dir``, by modification time, among those of the same model and data
@@ -138,7 +115,9 @@ def resolve_resume(cfg: Any) -> Path | None:
     mine = run_identity(cfg)
     if str(r) == "last":
         root = Path(str(cfg.checkpoint.get("search_dir") or Path(cfg.output_dir).parent))
-        found = _last_checkpoints(root)
+        # ModelCheckpoint writes last-vN.ckpt when the directory already holds a last.ckpt of another run
+        found = [p for p in root.glob("**/last*.ckpt") if LAST_NAME.fullmatch(p.name) and _is_checkpoint(p)] \
+            if root.is_dir() else []
         if not found:
             raise ConfigError("resume", f"resume=last found no last.ckpt checkpoint below {root} (checkpoint.search_dir); "
                                         "train with checkpoint.every_n_steps=N first, or give resume=/path/to/checkpoint.")
@@ -159,7 +138,11 @@ def resolve_resume(cfg: Any) -> Path | None:
     if not _is_checkpoint(p):
         raise ConfigError("resume", f"{p} is not a checkpoint directory (no {CHECKPOINT_MARK}); give one written by "
                                     "checkpoint.every_n_steps (…/checkpoints/last.ckpt) or resume=last.")
-    if not _has_training_state(p):
+    try:  # has_optimizer is false for trainer.save_checkpoint(weights_only=True)
+        resumable = json.loads((p / CHECKPOINT_MARK).read_text()).get("has_optimizer", True) is not False
+    except (OSError, ValueError, AttributeError):  # the checkpoint's own load reports it, naming the file
+        resumable = True
+    if not resumable:
         raise ConfigError("resume", f"{p} holds the model weights only, no AdamW state or training state (step "
                                     "count, schedule, data position): it cannot be resumed (the recipe's final "
                                     "checkpoint/ is written so with checkpoint.save_optimizer=false, the default). "

@@ -19,6 +19,7 @@ from typing import Any, Iterable, Mapping
 
 from ..optim.build import accepted, locate
 from ..precision import UnsupportedPrecisionError, check_precision
+from ..store.nvme import path_refusal
 
 # the recipe's own top-level keys and sub-keys (conf/finetune.yaml); the groups are checked against signatures
 RECIPE_KEYS: dict[str, tuple[str, ...] | None] = {
@@ -184,7 +185,7 @@ def _check_target(group: str, node: Mapping[str, Any]) -> None:
 def _check_data_keys(data: Mapping[str, Any]) -> None:
     from ..data import DomainDataModule, make_datamodule
     from ..data.datamodule import probe_option_names
-    from ..data.sources import OFFLINE
+    from ..data.factory import OFFLINE
     from ..data.source_user import USER_OPTIONS
 
     if data.get("_target_") != "megatrain_lightning.data.make_datamodule":
@@ -219,8 +220,8 @@ def check_data(data: Mapping[str, Any]) -> list[dict]:
             e.g. ``data.source_options.prompt_field=question``), a shape the source cannot give (``data.shape``),
             a malformed or empty source (``data.source``), a split with no record (``data.val_fraction``).
     """
+    from ..data.factory import OFFLINE
     from ..data.records import FieldError
-    from ..data.sources import OFFLINE
     from ..data.source_user import peek_user_source
 
     if data.get("_target_") != "megatrain_lightning.data.make_datamodule":
@@ -247,9 +248,8 @@ def check_data(data: Mapping[str, Any]) -> list[dict]:
         raise ConfigError("data.source", str(e)) from None
     except FieldError as e:
         key = "data.shape" if e.option == "shape" else f"data.source_options.{e.option}"
-        declared = dict(data.get("source_options") or {})
         wanted = ({e.option: e.suggestion} if e.suggestion else {}) | e.also  # the error's option first
-        fixes = [("data.shape" if o == "shape" else f"{'' if o in declared else '+'}data.source_options.{o}") + f"={v}"
+        fixes = [("data.shape" if o == "shape" else f"{'' if o in options else '+'}data.source_options.{o}") + f"={v}"
                  for o, v in wanted.items()]
         fix = f" Run with {' '.join(fixes)}." if fixes else ""
         raise ConfigError(key, f"{e}{fix}") from None
@@ -310,6 +310,9 @@ def check_environment(cfg: Mapping[str, Any]) -> None:
             src = "strategy.nvme_path" if s.get("nvme_path") else "MEGATRAIN_NVME_PATH"
             raise ConfigError("strategy.nvme_path", f"{path} (from {src}) is not an existing directory; create it or "
                                                     "set strategy.nvme_path= / MEGATRAIN_NVME_PATH to one.")
+        refusal = path_refusal(Path(path))  # a read-only or another user's directory
+        if refusal:
+            raise ConfigError("strategy.nvme_path", refusal)
     loggers = cfg.get("logger")
     names = [loggers] if isinstance(loggers, str) else list(loggers or [])
     twice = sorted({n for n in names if names.count(n) > 1})
@@ -350,12 +353,6 @@ def _devices_ok(value: Any) -> bool:
     return False
 
 
-def _looks_local(weights: str) -> bool:
-    """Whether ``model.weights`` is written as a local path rather than a hub id (``org/name``)."""
-    p = Path(weights).expanduser()
-    return p.is_absolute() or weights.startswith((".", "~")) or p.exists() or Path(p.parts[0]).exists()
-
-
 def local_model_config(model: Mapping[str, Any]) -> tuple[Path, Any] | None:
     """``(directory, transformers config)`` of the local model the run loads (``model.weights`` a directory and
     no ``model.gguf``, which would win), read from its ``config.json`` (no weights loaded, nothing downloaded);
@@ -366,9 +363,11 @@ def local_model_config(model: Mapping[str, Any]) -> tuple[Path, Any] | None:
             ``config.json`` transformers cannot read.
     """
     weights = model.get("weights")
-    if not weights or model.get("gguf") or not isinstance(weights, str) or not _looks_local(weights):
+    if not weights or model.get("gguf") or not isinstance(weights, str):
         return None
     d = Path(weights).expanduser()
+    if not (d.is_absolute() or weights.startswith((".", "~")) or d.exists() or Path(d.parts[0]).exists()):
+        return None  # written as a hub id (``org/name``), not as a local path
     if not d.is_dir():
         raise ConfigError("model.weights", f"{weights} is not an existing directory (a local Hugging Face model "
                                            "directory: config.json + safetensors); fix the path, or give a hub id.")
@@ -381,15 +380,6 @@ def local_model_config(model: Mapping[str, Any]) -> tuple[Path, Any] | None:
         return d, load_hf_config(d)
     except (OSError, ValueError) as e:
         raise ConfigError("model.weights", str(e)) from None
-
-
-def position_limit(hf_config: Any) -> int | None:
-    """The positions a transformers config allows (``max_position_embeddings``, GPT-2's ``n_positions``)."""
-    for name in ("max_position_embeddings", "n_positions", "n_ctx"):
-        v = getattr(hf_config, name, None)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            return v
-    return None
 
 
 def check_model(model: Mapping[str, Any], data: Mapping[str, Any]) -> None:
@@ -405,7 +395,9 @@ def check_model(model: Mapping[str, Any], data: Mapping[str, Any]) -> None:
         raise ConfigError("data.seq_len", f"={seq} is longer than the model's maximum of {limit} positions "
                                           f"(model.max_seq_len); use data.seq_len={limit} or less.")
     local = local_model_config(model)
-    positions = position_limit(local[1]) if local else None
+    # the positions the config allows (max_position_embeddings, GPT-2's n_positions)
+    limits = (getattr(local[1], n, None) for n in ("max_position_embeddings", "n_positions", "n_ctx")) if local else ()
+    positions = next((v for v in limits if isinstance(v, int) and not isinstance(v, bool) and v > 0), None)
     if isinstance(seq, int) and positions is not None and seq > positions:
         raise ConfigError("data.seq_len", f"={seq} is longer than the model's maximum of {positions} positions "
                           f"({local[0] / 'config.json'}, model.weights); use data.seq_len={positions} or less.")
@@ -457,9 +449,8 @@ def check_values(cfg: Mapping[str, Any]) -> None:
                           f"(every GPU) or a list of GPU indices; got {devices!r}.")
     _int("trainer.num_nodes", trainer.get("num_nodes", 1), 1, "a positive int (machines, each running this command)")
     strategy = cfg.get("strategy") or {}
-    world = (len(devices) if isinstance(devices, (list, tuple)) else devices if isinstance(devices, int) else 1) \
-        * trainer.get("num_nodes", 1)
     nodes = trainer.get("num_nodes", 1)
+    world = (len(devices) if isinstance(devices, (list, tuple)) else devices if isinstance(devices, int) else 1) * nodes
     if world > 1 and strategy.get("offload_params") == "nvme" and (nodes != 1 or strategy.get("offload_optimizer") != "nvme"):
         raise ConfigError("strategy", f"masters on NVMe (offload_params=nvme) with several processes run on one node "
                           f"with strategy.offload_optimizer=nvme for now, and trainer.devices={devices} x "

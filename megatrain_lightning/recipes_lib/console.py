@@ -11,10 +11,8 @@ user filtered out, a progress bar with a right total, and a line per optimizer s
   at every model build; ``optim=adamw8bit`` uses it): "Failed to load ...so" for each CUDA kernel library that does
   not load under this torch (the 8-bit optimizers' CPU code does not need them) and torch's warning that torchao
   registers Enum classes with ``register_constant``.
-* :class:`RecipeProgressBar`: Lightning's Rich bar with the batches left to ``max_steps`` as the training total,
-  the epoch total only when ``max_epochs`` bounds the run (no ``Epoch 0/-2``), and no ``v_num``.
-* :class:`StepLog`: where no progress bar is visible (disabled, or stdout not a terminal: a log file, ``| tee``),
-  one INFO line per optimizer step and per validation batch, so that a long phase is never silent.
+* :class:`RecipeProgressBar` and :class:`StepLog` (a line per step where no bar is visible, so that a long phase is
+  never silent).
 """
 
 from __future__ import annotations
@@ -75,64 +73,37 @@ def bar_visible(trainer: pl.Trainer) -> bool:
     return trainer.progress_bar_callback is not None and sys.stdout.isatty()
 
 
-def _left_in_epoch(trainer: pl.Trainer) -> int | None:
-    """Training batches left before ``max_steps`` (``None``: the run is not bounded by steps)."""
-    if trainer.max_steps is None or trainer.max_steps < 0:
-        return None
-    return max(0, (trainer.max_steps - trainer.global_step) * trainer.accumulate_grad_batches)
+class RecipeProgressBar(RichProgressBar if _RICH_AVAILABLE else TQDMProgressBar):  # rich comes with lightning's extras
+    """Lightning's Rich (without ``rich``: TQDM) progress bar with the batches left to ``max_steps`` as the training
+    total, the epoch total only when ``max_epochs`` bounds the run (no ``Epoch 0/-2``), and no ``v_num``."""
 
+    _left: int | None = None  # training batches left before ``max_steps`` (``None``: not bounded by steps)
 
-def _description(trainer: pl.Trainer, epoch: int) -> str:
-    max_epochs = trainer.max_epochs
-    return f"Epoch {epoch}/{max_epochs - 1}" if max_epochs is not None and max_epochs > 0 else f"Epoch {epoch}"
+    def on_train_epoch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        bounded = trainer.max_steps is not None and trainer.max_steps >= 0
+        self._left = max(0, (trainer.max_steps - trainer.global_step) * trainer.accumulate_grad_batches) \
+            if bounded else None
+        super().on_train_epoch_start(trainer, *args)
 
+    @property
+    def total_train_batches(self) -> int | float:
+        total = super().total_train_batches
+        return total if self._left is None else min(total, self._left)
 
-if _RICH_AVAILABLE:
-    class RecipeProgressBar(RichProgressBar):
-        """Lightning's Rich progress bar with the totals of :mod:`this module <.console>`."""
+    def _get_train_description(self, current_epoch: int) -> str:  # RichProgressBar's; TQDM's bar has none
+        epochs = self.trainer.max_epochs
+        d = f"Epoch {current_epoch}" + (f"/{epochs - 1}" if epochs is not None and epochs > 0 else "")
+        return f"{d:{len(self.validation_description)}}" if len(self.validation_description) > len(d) else d
 
-        _left: int | None = None
-
-        def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
-            self._left = _left_in_epoch(trainer)
-            super().on_train_epoch_start(trainer, pl_module)
-
-        @property
-        def total_train_batches(self) -> int | float:
-            total = super().total_train_batches
-            return total if self._left is None else min(total, self._left)
-
-        def _get_train_description(self, current_epoch: int) -> str:
-            d = _description(self.trainer, current_epoch)
-            return f"{d:{len(self.validation_description)}}" if len(self.validation_description) > len(d) else d
-
-        def get_metrics(self, trainer: pl.Trainer, pl_module: Any) -> dict[str, Any]:
-            items = super().get_metrics(trainer, pl_module)
-            items.pop("v_num", None)
-            return items
-else:  # pragma: no cover - rich comes with lightning's extras
-    class RecipeProgressBar(TQDMProgressBar):  # type: ignore[no-redef]
-        """Lightning's TQDM progress bar with the totals of :mod:`this module <.console>`."""
-
-        _left: int | None = None
-
-        def on_train_epoch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-            self._left = _left_in_epoch(trainer)
-            super().on_train_epoch_start(trainer, *args)
-
-        @property
-        def total_train_batches(self) -> int | float:
-            total = super().total_train_batches
-            return total if self._left is None else min(total, self._left)
-
-        def get_metrics(self, trainer: pl.Trainer, pl_module: Any) -> dict[str, Any]:
-            items = super().get_metrics(trainer, pl_module)
-            items.pop("v_num", None)
-            return items
+    def get_metrics(self, trainer: pl.Trainer, pl_module: Any) -> dict[str, Any]:
+        items = super().get_metrics(trainer, pl_module)
+        items.pop("v_num", None)
+        return items
 
 
 class StepLog(pl.Callback):
-    """Where no progress bar is visible (:func:`bar_visible`): one INFO line per optimizer step, ``step 3/20: loss
+    """Where no progress bar is visible (:func:`bar_visible`: disabled, or stdout not a terminal: a log file,
+    ``| tee``): one INFO line per optimizer step, ``step 3/20: loss
     2.3456, 61.2 s/step`` (the logged ``metric``, as :class:`~.results.LossHistory` reads it), and per validation
     batch, ``validation batch 2/8 (14.0 s)``.
 

@@ -49,15 +49,13 @@ def causal_lm(name: str, config: dict | None = None, weights: str | None = None,
         from ..checkpoint.hf_io import meta_model_from_pretrained
 
         model = meta_model_from_pretrained(weights, **kw)
-        tok = transformers.AutoTokenizer.from_pretrained(tokenizer or weights)
+    elif not tokenizer:
+        raise ValueError(f"model {name}: random initialisation needs model.tokenizer= (a hub id or directory).")
     else:
-        if not tokenizer:
-            raise ValueError(f"model {name}: random initialisation needs model.tokenizer= (a hub id or directory).")
         hf_config = transformers.AutoConfig.for_model(**dict(config or {}))
         model = transformers.AutoModelForCausalLM.from_config(hf_config, **kw)
-        tok = transformers.AutoTokenizer.from_pretrained(tokenizer)
-    if tokenizer and gguf:
-        tok = transformers.AutoTokenizer.from_pretrained(tokenizer)
+    if tokenizer or not gguf:  # a GGUF's own tokenizer unless model.tokenizer names another
+        tok = transformers.AutoTokenizer.from_pretrained(tokenizer or weights)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     model.config.use_cache = False  # training; generation turns it back on explicitly

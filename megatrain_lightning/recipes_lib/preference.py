@@ -10,6 +10,7 @@ the probe's exact match is reachable; pairs are split into training and held-out
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -22,20 +23,16 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ..data import ResumableDataLoader
+from ..data.corpus import unit_hash
 from ..data.formatting import generation_prompt
 from ..data.probes import biomedical_probe
 from ..preference import DPOModule, PreferenceDataError, PreferenceDataset, collate_pairs
 from .checks import ConfigError, check_keys
 from .models import tokenizer_for
-from .report import format_table, peak_rss_bytes
+from .results import format_table, peak_rss_bytes
 from .run import inference_weights, optimizer_kwargs
 
 log = logging.getLogger(__name__)
-
-
-def _held_out(group: str, seed: int, fraction: float) -> bool:
-    digest = hashlib.sha256(f"{seed}:{group}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
 
 
 def biomedical_preference_records(seed: int = 0, val_fraction: float = 0.1) -> tuple[list[dict], list[dict]]:
@@ -56,7 +53,7 @@ def biomedical_preference_records(seed: int = 0, val_fraction: float = 0.1) -> t
         rec = {"prompt": [{"role": "user", "content": d["prompt"]}],
                "chosen": [{"role": "assistant", "content": d["response"]}],
                "rejected": [{"role": "assistant", "content": rejected}], "answer": d["response"]}
-        (held if _held_out(d["group"], seed, val_fraction) else train).append(rec)
+        (held if unit_hash(d["group"], seed) < val_fraction else train).append(rec)
     return train, held
 
 
@@ -101,16 +98,15 @@ class PreferenceData(pl.LightningDataModule):
         self.train, self.val, self.batch_size, self.pad_id = train, val, batch_size, pad_id
         self.probe_items = probe_items
 
-    def _collate(self, items: list[dict]) -> dict[str, torch.Tensor]:
-        return collate_pairs(items, self.pad_id)
+    def _loader(self, pairs: PreferenceDataset) -> ResumableDataLoader:
+        return ResumableDataLoader(pairs, batch_size=self.batch_size,
+                                   collate_fn=functools.partial(collate_pairs, pad_id=self.pad_id))
 
     def train_dataloader(self) -> ResumableDataLoader:
-        return ResumableDataLoader(self.train, batch_size=self.batch_size, collate_fn=self._collate)
+        return self._loader(self.train)
 
     def val_dataloader(self) -> Any:
-        if self.val is None:
-            return []
-        return ResumableDataLoader(self.val, batch_size=self.batch_size, collate_fn=self._collate)
+        return [] if self.val is None else self._loader(self.val)
 
 
 #: ``recipes/dpo.py``'s own keys and sub-keys (``conf/dpo.yaml``); the groups are checked against signatures
@@ -161,8 +157,8 @@ def build_pairs(cfg: DictConfig, tokenizer: Any) -> PreferenceData:
         train, held = biomedical_preference_records(int(cfg.seed), float(p.val_fraction))
     else:
         rows = load_preference_records(str(p.source))
-        held = [r for i, r in enumerate(rows) if _held_out(str(i), int(cfg.seed), float(p.val_fraction))]
-        train = [r for i, r in enumerate(rows) if not _held_out(str(i), int(cfg.seed), float(p.val_fraction))]
+        held = [r for i, r in enumerate(rows) if unit_hash(str(i), int(cfg.seed)) < float(p.val_fraction)]
+        train = [r for i, r in enumerate(rows) if not unit_hash(str(i), int(cfg.seed)) < float(p.val_fraction)]
     train = train[: int(p.max_train)] if p.max_train else train
     val = held[: int(p.max_val)] if p.max_val else held
     try:
@@ -293,15 +289,6 @@ def build_trainer(cfg: DictConfig, history: StepHistory) -> pl.Trainer:
     kw = OmegaConf.to_container(cfg.trainer, resolve=True)
     return pl.Trainer(strategy=instantiate(cfg.strategy), logger=CSVLogger(str(Path(cfg.output_dir) / "logs")),
                       callbacks=[history], default_root_dir=cfg.output_dir, **kw)
-
-
-def save(cfg: DictConfig, trainer: pl.Trainer) -> Path | None:
-    """The final checkpoint ``<output_dir>/checkpoint`` (weights only); ``None`` with ``checkpoint.save_final=false``."""
-    if not cfg.checkpoint.save_final:
-        return None
-    path = Path(cfg.output_dir) / "checkpoint"
-    trainer.save_checkpoint(path, weights_only=True)
-    return path
 
 
 def fit(trainer: pl.Trainer, module: DPOModule, data: PreferenceData) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""What a recipe run leaves in its directory to keep and look at: ``summary.json``, ``summary.md``, ``loss.png``.
+"""What a recipe run leaves in its directory to keep and look at: ``summary.json``, ``summary.md``, ``loss.png``,
+and the summary table it prints (before/after metrics, throughput, memory, bytes moved).
 
 ``summary.json`` keys (:data:`SUMMARY_KEYS`): ``metrics`` (``{name: {"before", "after"}}``, every metric of the
 printed table; ``before`` is ``null`` with ``eval.before=false``), ``run`` (the statistics
@@ -12,15 +13,53 @@ from __future__ import annotations
 import json
 import logging
 import math
+import resource
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import lightning.pytorch as pl
 
-from .report import format_table, summary_rows
-
 log = logging.getLogger(__name__)
 SUMMARY_KEYS = ("metrics", "run", "timings", "loss", "sample", "checkpoint", "config")
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (bytes; Linux ``ru_maxrss`` is in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def format_table(rows: Sequence[tuple[str, str, str]],
+                 header: tuple[str, str, str] = ("metric", "before", "after")) -> str:
+    """A plain-text table with a header row; every cell is already a string."""
+    all_rows = [header, *rows]
+    widths = [max(len(r[i]) for r in all_rows) for i in range(3)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in all_rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def summary_rows(before: dict[str, float], after: dict[str, float], run: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """Rows: every metric measured before or after (an empty cell where it was not), then the run statistics of
+    :func:`~.run.fit` (with ``device`` ``"cpu"`` the H2D/D2H rows are named as host-memory copies)."""
+    cell = lambda d, k: f"{d[k]:.4f}" if k in d else ""  # noqa: E731
+    rows = [(k, cell(before, k), cell(after, k)) for k in sorted(set(before) | set(after))]
+    h2d, d2h = "H2D per step", "D2H per step"
+    if run.get("device") == "cpu":  # no accelerator: the "transfers" are copies within host memory
+        h2d, d2h = "weight copies per step (host, no GPU)", "gradient copies per step (host, no GPU)"
+    extra = [
+        ("optimizer steps", f"{run.get('steps', 0)}"),
+        ("train seconds", f"{run.get('seconds', float('nan')):.1f}"),
+        ("train tokens/s", f"{tps:,.0f}" if (tps := run.get("tokens_per_s", float("nan"))) >= 100 else f"{tps:.3g}"),
+        ("peak RSS", f"{run.get('peak_rss_bytes', 0) / 2**30:.2f} GiB"),
+        (h2d, f"{run.get('h2d_bytes', 0) / 2**20:.1f} MiB"),
+        (d2h, f"{run.get('d2h_bytes', 0) / 2**20:.1f} MiB"),
+    ]
+    for key, what in (("examples_left_out", "train examples left out (no answer within seq_len)"),
+                      ("examples_cut", "train examples cut at seq_len")):
+        if run.get(key):
+            extra.append((what, f"{run[key]}"))
+    rows.extend((k, "", v) for k, v in extra)
+    return rows
 
 
 class LossHistory(pl.Callback):
@@ -64,12 +103,14 @@ def build_summary(before: dict[str, float], after: dict[str, float], run: dict[s
             "sample": sample, "checkpoint": checkpoint, "config": config}
 
 
+def _measured(summary: dict[str, Any], when: str) -> dict[str, float]:
+    """The metrics of ``summary`` measured ``when`` (``"before"`` or ``"after"``)."""
+    return {k: v[when] for k, v in summary["metrics"].items() if v[when] is not None}
+
+
 def summary_markdown(summary: dict[str, Any]) -> str:
     """``summary.md``: the printed table, the timings, the sample and where the checkpoint is."""
-    m = summary["metrics"]
-    before = {k: v["before"] for k, v in m.items() if v["before"] is not None}
-    after = {k: v["after"] for k, v in m.items() if v["after"] is not None}
-    rows = summary_rows(before, after, summary["run"])
+    rows = summary_rows(_measured(summary, "before"), _measured(summary, "after"), summary["run"])
     lines = ["# Fine-tuning run", "", "| metric | before | after |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
     lines += ["", "| step | seconds |", "|---|---|"] + [f"| {k} | {v:.1f} |" for k, v in summary["timings"].items()]
@@ -120,15 +161,9 @@ def write_results(out_dir: Path, summary: dict[str, Any], plot: bool) -> dict[st
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / "summary.json", "md": out_dir / "summary.md"}
     if plot:
-        before = {k: v["before"] for k, v in summary["metrics"].items() if v["before"] is not None}
-        after = {k: v["after"] for k, v in summary["metrics"].items() if v["after"] is not None}
-        if plot_loss(out_dir / "loss.png", summary["loss"], before, after):
+        if plot_loss(out_dir / "loss.png", summary["loss"], _measured(summary, "before"), _measured(summary, "after")):
             paths["png"] = out_dir / "loss.png"
             summary = {**summary, "plot": "loss.png"}
     paths["json"].write_text(json.dumps(summary, indent=2, default=str) + "\n")
     paths["md"].write_text(summary_markdown(summary))
     return paths
-
-
-__all__ = ["LossHistory", "SUMMARY_KEYS", "build_summary", "format_table", "plot_loss", "summary_markdown",
-           "write_results"]

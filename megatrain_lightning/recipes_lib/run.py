@@ -24,8 +24,7 @@ from .checks import ConfigError, check_all, local_model_config
 from .console import RecipeProgressBar, StepLog
 from .checkpoints import RecordRunIdentity, checkpoint_callback, resolve_resume, run_identity
 from .module import CausalLMModule
-from .report import format_table, peak_rss_bytes, summary_rows
-from .results import LossHistory, build_summary, write_results
+from .results import LossHistory, build_summary, format_table, peak_rss_bytes, summary_rows, write_results
 
 log = logging.getLogger(__name__)
 
@@ -36,19 +35,28 @@ DEFAULT_PROMPTS = {
 }
 
 
-# ---------------------------------------------------------------------------------------------- preflight
-def run_preflight(cfg: DictConfig) -> None:
-    """Plan this run on ``cfg.hardware`` and refuse to start when RAM, disk or device memory is short. A local
-    model (``model.weights=<dir>``, no ``model.gguf``) is planned from its own ``config.json``.
+def preflight(cfg: DictConfig) -> Path | None:
+    """Everything that can be checked before the model is built (:func:`~.checks.check_all`, ``resume``, then with
+    ``cfg.preflight`` the memory plan). Returns the checkpoint directory ``resume`` names
+    (:func:`~.checkpoints.resolve_resume`; ``None`` for a fresh run), resolved once here so that its warning comes
+    before the model loads and the later steps use that same checkpoint.
 
     Raises:
-        PreflightError: with the numbers and what to change (before anything is allocated).
+        ConfigError: naming the Hydra key to change (see :mod:`~megatrain_lightning.recipes_lib.checks`).
+        PreflightError: RAM, disk or device memory is short (numbers and what to change).
     """
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(missing[0], f"is required and has no value: add {missing[0]}=... to the command line.")
+    check_all(OmegaConf.to_container(cfg, resolve=True))
+    resumed = resolve_resume(cfg)
+    if not cfg.preflight:
+        return resumed
     devices = cfg.trainer.get("devices", 1)
     devices = len(devices) if OmegaConf.is_list(devices) else devices if isinstance(devices, int) else 1  # "auto": 1
     model: Any = cfg.model
     local = local_model_config(OmegaConf.to_container(cfg.model, resolve=True))
-    if local is not None:  # the planner reads a directory given as `config`
+    if local is not None:  # a local model is planned from its own config.json: the planner reads a directory `config`
         model = {**OmegaConf.to_container(cfg.model, resolve=True), "name": str(local[0]), "config": str(local[0])}
     try:
         p = plan_for_run(model, cfg.hardware, cfg.strategy, batch_size=int(cfg.data.batch_size),
@@ -65,26 +73,6 @@ def run_preflight(cfg: DictConfig) -> None:
     while not disk.exists():  # the run directory is made later: measure the disk it will be on
         disk = disk.parent
     plan_preflight(p, path=str(disk))
-
-
-def preflight(cfg: DictConfig) -> Path | None:
-    """Everything that can be checked before the model is built (:func:`~.checks.check_all`, ``resume``, then with
-    ``cfg.preflight`` the memory plan). Returns the checkpoint directory ``resume`` names
-    (:func:`~.checkpoints.resolve_resume`; ``None`` for a fresh run), resolved once here so that its warning comes
-    before the model loads and the later steps use that same checkpoint.
-
-    Raises:
-        ConfigError: naming the Hydra key to change (see :mod:`~megatrain_lightning.recipes_lib.checks`).
-        PreflightError: RAM, disk or device memory is short (numbers and what to change).
-    """
-    missing = sorted(OmegaConf.missing_keys(cfg))
-    if missing:
-        raise ConfigError(missing[0], f"is required and has no value: add {missing[0]}=... to the command line.")
-    plain = OmegaConf.to_container(cfg, resolve=True)
-    check_all(plain)
-    resumed = resolve_resume(cfg)
-    if cfg.preflight:
-        run_preflight(cfg)
     return resumed
 
 
@@ -104,7 +92,6 @@ def refusals_exit(output_dir: str | Path) -> Iterator[None]:
         raise SystemExit(2) from None
 
 
-# ---------------------------------------------------------------------------------------------- build
 def build_model(cfg: DictConfig) -> tuple[torch.nn.Module, Any]:
     """``(model, tokenizer)`` from ``cfg.model`` (its ``_target_``, e.g. :func:`~.models.causal_lm`)."""
     return instantiate(cfg.model)
@@ -144,22 +131,18 @@ def optimizer_kwargs(optim: Any) -> dict[str, Any]:
 def make_loggers(cfg: DictConfig) -> list[Any]:
     """The Lightning loggers named by ``cfg.logger``, writing under ``<output_dir>/logs`` (files:
     docs/guide/recipes.md, "Loggers"). A wandb run stays open until :func:`closing_loggers` ends it."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
+
     names = [cfg.logger] if isinstance(cfg.logger, str) else list(cfg.logger)
     out = []
     for name in names:
         if name == "tensorboard":
-            from lightning.pytorch.loggers import TensorBoardLogger
-
             out.append(TensorBoardLogger(cfg.output_dir, name="logs"))
         elif name == "wandb":
-            from lightning.pytorch.loggers import WandbLogger
-
             save_dir = Path(cfg.output_dir) / "logs"
             save_dir.mkdir(parents=True, exist_ok=True)  # wandb.init(dir=...) does not create it
             out.append(WandbLogger(save_dir=str(save_dir), offline=True, project="megatrain-lightning"))
         else:
-            from lightning.pytorch.loggers import CSVLogger
-
             out.append(CSVLogger(cfg.output_dir, name="logs"))
     return out
 
@@ -207,7 +190,6 @@ def build_trainer(cfg: DictConfig) -> tuple[pl.Trainer, LossHistory]:
     return trainer, history
 
 
-# ---------------------------------------------------------------------------------------------- evaluate, fit
 @contextlib.contextmanager
 def inference_weights(trainer: pl.Trainer) -> Iterator[Any]:
     """Where inference after ``fit`` finds the trained weights; yields the device for the inputs.
@@ -266,14 +248,14 @@ def fit(cfg: DictConfig, trainer: pl.Trainer, lm: CausalLMModule, dm: Any, ckpt:
             "examples_left_out": data.get("dropped"), "examples_cut": data.get("truncated")}
 
 
-# ---------------------------------------------------------------------------------------------- save, sample
 def save(cfg: DictConfig, trainer: pl.Trainer) -> Path | None:
     """The final checkpoint ``<output_dir>/checkpoint``: ``model/`` (Hugging Face) always, the AdamW state only with
-    ``checkpoint.save_optimizer=true``; ``None`` with ``checkpoint.save_final=false``."""
+    ``checkpoint.save_optimizer=true`` (``recipes/dpo.py`` has no such key: weights only); ``None`` with
+    ``checkpoint.save_final=false``."""
     if not cfg.checkpoint.save_final:
         return None
     path = Path(cfg.output_dir) / "checkpoint"
-    trainer.save_checkpoint(path, weights_only=not cfg.checkpoint.save_optimizer)
+    trainer.save_checkpoint(path, weights_only=not cfg.checkpoint.get("save_optimizer", False))
     return path
 
 
@@ -311,7 +293,6 @@ def sample(cfg: DictConfig, trainer: pl.Trainer, lm: CausalLMModule, tok: Any, d
     return {"prompt": prompt, "completion": tok.decode(out[0, ids.shape[1]:].cpu(), skip_special_tokens=True)}
 
 
-# ---------------------------------------------------------------------------------------------- report
 def report(cfg: DictConfig, trainer: pl.Trainer, before: dict[str, float], after: dict[str, float], run: dict[str, Any],
            timings: dict[str, float], history: LossHistory, text: dict[str, str], ckpt: Path | None) -> dict[str, Any]:
     """Print the summary table, the checkpoint path and the sample; write ``summary.json``, ``summary.md`` and

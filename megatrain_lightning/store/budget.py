@@ -43,7 +43,6 @@ def parse_bytes(value: int | float | str) -> int:
 
 
 def fmt_bytes(n: float) -> str:
-    """Bytes as a short human string (GiB/MiB/KiB)."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"

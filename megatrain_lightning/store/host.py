@@ -67,6 +67,7 @@ class Slab:
             refreshed when it changes.
         exp_avg / exp_avg_sq: fp32 AdamW states, shape ``[trainable_numel]`` (RAM tier; ``None`` until the
             first update or while they live on disk).
+        numel: elements of the slab (of ``master``).
     """
 
     index: int
@@ -81,11 +82,7 @@ class Slab:
     updates: int = 0
     exp_avg: torch.Tensor | None = None
     exp_avg_sq: torch.Tensor | None = None
-    total_numel: int = 0
-
-    @property
-    def numel(self) -> int:
-        return self.total_numel
+    numel: int = 0
 
     def param_versions(self) -> int:
         """Sum of the slab's parameters' version counters: an in-place write through a parameter moves it, an
@@ -137,12 +134,6 @@ class Slab:
         ev = self.last_read
         if ev is not None:
             ev.synchronize()  # type: ignore[attr-defined]
-
-    def ensure_grad_accum(self) -> torch.Tensor:
-        if self.grad_accum is None:
-            self.grad_accum = torch.zeros(self.trainable_numel, dtype=torch.float32)
-            self.has_grad = [False] * len(self.entries)
-        return self.grad_accum
 
 
 _SLOT_STORAGES: set[int] = set()  # storages of every store's placeholder values (grow-only: a few per run)
@@ -226,7 +217,10 @@ class HostStore:
         if kind == Region.master:
             return slab.master
         if kind == Region.grad_accum:
-            return slab.ensure_grad_accum()
+            if slab.grad_accum is None:
+                slab.grad_accum = torch.zeros(slab.trainable_numel, dtype=torch.float32)
+                slab.has_grad = [False] * len(slab.entries)
+            return slab.grad_accum
         if slab.exp_avg is None:
             slab.exp_avg = torch.zeros(slab.trainable_numel, dtype=torch.float32)
             slab.exp_avg_sq = torch.zeros(slab.trainable_numel, dtype=torch.float32)
@@ -279,7 +273,6 @@ class HostStore:
     def close(self) -> None:
         if self.nvme is not None:
             self.nvme.close()
-
 
     def max_slab_numel(self, trainable: bool = False) -> int:
         return max((s.trainable_numel if trainable else s.numel) for s in self.slabs) if self.slabs else 0
@@ -366,7 +359,7 @@ def build_store(blocks: Sequence[Block], pin_memory: bool | None = False,
     try:
         for blk, (entries, numel, trainable_numel) in zip(blocks, layout):
             slab = Slab(index=blk.index, entries=entries, master=None, trainable_numel=trainable_numel,  # type: ignore[arg-type]
-                        total_numel=numel)
+                        numel=numel)
             if regions is not None:
                 if not masters_on_disk:
                     slab.master = regions.region(slab.index, Region.master)

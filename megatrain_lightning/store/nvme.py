@@ -113,10 +113,7 @@ class IOMeter:
                     if a[0] == 0:
                         attr = {"read": "read_busy_s", "write": "write_busy_s", "any": "io_busy_s"}[k]
                         setattr(self, attr, getattr(self, attr) + now - a[1])
-                if op == "read":
-                    self.read_bytes += nbytes
-                else:
-                    self.write_bytes += nbytes
+                setattr(self, f"{op}_bytes", getattr(self, f"{op}_bytes") + nbytes)  # op: "read" or "write"
 
     def snapshot(self) -> dict[str, float]:
         with self._lock:
@@ -236,7 +233,6 @@ class _Entry:
 
 
 def block_file(directory: Path, i: int) -> Path:
-    """The file of block ``i`` in a store directory."""
     return directory / f"block_{i:05d}.bin"
 
 
@@ -346,14 +342,11 @@ class NVMeStore:
         self._nbytes: list[dict[str, int]] = []
         self._numel: list[dict[str, int]] = []
         for n, t in self.layout:
-            sizes = {"master": align_up(4 * n), Region.exp_avg: align_up(4 * t), Region.exp_avg_sq: align_up(4 * t), Region.grad_accum: align_up(4 * t)}
-            off, o = {}, 0
-            for k in KINDS:
-                off[k] = o
-                o += sizes[k]
-            self._off.append(off)
+            numel = {k: n if k == Region.master else t for k in KINDS}
+            sizes = {k: align_up(4 * numel[k]) for k in KINDS}
+            self._off.append(dict(zip(KINDS, itertools.accumulate((sizes[k] for k in KINDS[:-1]), initial=0))))
             self._nbytes.append(sizes)
-            self._numel.append({"master": n, Region.exp_avg: t, Region.exp_avg_sq: t, Region.grad_accum: t})
+            self._numel.append(numel)
         self.valid: list[dict[str, bool]] = [{k: False for k in KINDS} for _ in self.layout]
         if arena is None:
             every = sum(sum(d.values()) for d in self._nbytes)
@@ -414,15 +407,11 @@ class NVMeStore:
         elif stale:
             log.warning("megatrain: the NVMe store %s was left by a run that did not finish (pid %s); resetting it "
                         "(%d files removed).", self.dir, old or "?", len(stale))
-        if stale:
-            for p in stale:
-                p.unlink()
+        for p in stale:
+            p.unlink()
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         return fd
-
-    def path(self, i: int) -> Path:
-        return block_file(self.dir, i)
 
     def is_remote(self, i: int) -> bool:
         """Slab ``i``'s master is another process's (data parallel): read from its file, never written here."""
@@ -437,15 +426,13 @@ class NVMeStore:
             self.valid[i][Region.master] = True
 
     def _create(self, i: int) -> int:
-        if i in self.remote or not sum(self._nbytes[i].values()):
-            return -1  # open_remote; or nothing to store (no file)
-        flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if self.direct else 0)
-        p = self.path(i)
-        fd = os.open(p, flags, 0o600)
         size = sum(self._nbytes[i].values())
+        if i in self.remote or not size:
+            return -1  # open_remote; or nothing to store (no file)
+        p = block_file(self.dir, i)
+        fd = os.open(p, os.O_RDWR | os.O_CREAT | (os.O_DIRECT if self.direct else 0), 0o600)
         try:
-            if size:
-                os.posix_fallocate(fd, 0, size)
+            os.posix_fallocate(fd, 0, size)
         except OSError as err:
             os.close(fd)
             raise NVMeIOError(err.errno, f"megatrain NVMe store: allocating {fmt_bytes(size)} for {p} failed: "
@@ -484,11 +471,11 @@ class NVMeStore:
                 got = (_pread if op == "read" else _pwrite)(fd, mv[done:], off + done)
             except OSError as err:
                 raise NVMeIOError(err.errno, f"megatrain NVMe store: {op} of {kind} of block {i} "
-                                  f"({self.path(i)}, offset {off + done}, {n - done} bytes) failed: "
+                                  f"({block_file(self.dir, i)}, offset {off + done}, {n - done} bytes) failed: "
                                   f"{os.strerror(err.errno or 0)}") from err
             if got <= 0:
                 raise NVMeIOError(errno.EIO, f"megatrain NVMe store: {op} of {kind} of block {i} "
-                                  f"({self.path(i)}, offset {off + done}) returned {got} bytes")
+                                  f"({block_file(self.dir, i)}, offset {off + done}) returned {got} bytes")
             done += got
 
     # ------------------------------------------------------------------ window
@@ -542,33 +529,40 @@ class NVMeStore:
         return e.nbytes * (1000.0 if key in self._protected else 1.0)
 
     def _place(self, n: int, what: str, back_off: bool = False) -> int:
-        """Arena offset for a buffer of ``n`` bytes already reserved in the budget (under ``cond``).
+        """Reserve ``n`` bytes of the budget and return an arena offset for them (under ``cond``); on failure
+        the bytes are released.
 
         When no free range fits, evicts the cheapest neighbours (:meth:`PinnedArena.eviction_plan`), else waits
         (with ``back_off``, raises :class:`_BackOff` instead).
 
         Raises:
-            HostMemoryBudgetError: no contiguous range opened for ``place_timeout_s`` seconds."""
+            HostMemoryBudgetError: see :meth:`~megatrain_lightning.store.budget.HostBudget.reserve`; or no
+                contiguous range opened for ``place_timeout_s`` seconds."""
+        self.budget.reserve(n, self._make_room, what=what)
         deadline = time.monotonic() + self._place_timeout_s
-        while True:
-            self.raise_error()
-            off = self.arena.alloc(n)
-            if off is not None:
-                return off
-            plan = self.arena.eviction_plan(n, self._evict_cost)
-            if plan:
-                for o in plan:
-                    self._free(self.entries.pop(self._at[o]))
-                continue
-            if back_off:
-                raise _BackOff
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise HostMemoryBudgetError(
-                    f"megatrain: waited {self._place_timeout_s:.0f} s for a contiguous {fmt_bytes(n)} of the host window "
-                    f"({fmt_bytes(self.arena.capacity)}, {fmt_bytes(self.arena.used)} in use, fragmented by buffers in "
-                    f"use) for {what}. Raise host_memory_limit or lower lookahead.")
-            self.cond.wait(min(left, 0.5))
+        try:
+            while True:
+                self.raise_error()
+                off = self.arena.alloc(n)
+                if off is not None:
+                    return off
+                plan = self.arena.eviction_plan(n, self._evict_cost)
+                if plan:
+                    for o in plan:
+                        self._free(self.entries.pop(self._at[o]))
+                    continue
+                if back_off:
+                    raise _BackOff
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise HostMemoryBudgetError(
+                        f"megatrain: waited {self._place_timeout_s:.0f} s for a contiguous {fmt_bytes(n)} of the host "
+                        f"window ({fmt_bytes(self.arena.capacity)}, {fmt_bytes(self.arena.used)} in use, fragmented by "
+                        f"buffers in use) for {what}. Raise host_memory_limit or lower lookahead.")
+                self.cond.wait(min(left, 0.5))
+        except BaseException:
+            self.budget.release(n)
+            raise
 
     def alloc_staging(self, nbytes: int, what: str) -> tuple[int, torch.Tensor]:
         """A buffer of ``nbytes`` in the arena outside the cache (the H2D staging ring), reserved in the budget
@@ -576,14 +570,8 @@ class NVMeStore:
 
         Raises:
             HostMemoryBudgetError: it does not fit."""
-        n = align_up(nbytes)
         with self.cond:
-            self.budget.reserve(n, self._make_room, what=what)
-            try:
-                off = self._place(n, what)
-            except BaseException:
-                self.budget.release(n)
-                raise
+            off = self._place(align_up(nbytes), what)
         return off, self.arena.view(off, nbytes)
 
     def free_staging(self, off: int, nbytes: int) -> None:
@@ -621,12 +609,7 @@ class NVMeStore:
                 e = self.entries.get(key)
                 if e is None:
                     n = self._nbytes[i][kind]
-                    self.budget.reserve(n, self._make_room, what=f"{kind} of block {i}")
-                    try:
-                        off = self._place(n, f"{kind} of block {i}", back_off)
-                    except BaseException:
-                        self.budget.release(n)
-                        raise
+                    off = self._place(n, f"{kind} of block {i}", back_off)
                     if key in self.entries:  # loaded by another thread while we waited
                         self.arena.free(off)
                         self.budget.release(n)
@@ -643,13 +626,11 @@ class NVMeStore:
                     continue
                 else:
                     fut = e.io
-                    if fut is not None and (e.io_kind == "read" or write):
-                        pass  # wait outside the lock, then look again
-                    else:
+                    if fut is None or not (e.io_kind == "read" or write):
                         e.pins += 1
                         e.last = next(self._clock)
                         return e.t  # type: ignore[return-value]
-                    load = False
+                    load = False  # wait outside the lock, then look again
             if load:
                 fut = e.io
                 self._start_read(i, kind, e, fresh)
@@ -754,27 +735,24 @@ class NVMeStore:
                 for k in kinds:
                     got[k] = self._pin(i, k, write, k in fresh, back_off=bool(got) and time.monotonic() < deadline)
                 return got
-            except _BackOff:
+            except BaseException as err:
                 for k in got:
                     self._unpin(i, k, False)
+                if not isinstance(err, _BackOff):
+                    raise
                 with self.cond:  # out of the window, so the retry places them anew
                     for k in got:
                         e = self.entries.get((i, k))
                         if e is not None and e.pins == 0 and not e.dirty and e.io is None:
                             self._free(self.entries.pop((i, k)))
                     self.cond.wait(0.05)
-            except BaseException:
-                for k in got:
-                    self._unpin(i, k, False)
-                raise
 
     def discard(self, i: int, kind: str) -> None:
         """Forget block ``i``'s ``kind`` buffer without writing it (a consumed gradient accumulator)."""
         with self.cond:
             e = self.entries.get((i, kind))
             if e is not None and e.pins == 0 and e.io is None:
-                del self.entries[(i, kind)]
-                self._free(e)
+                self._free(self.entries.pop((i, kind)))
                 self.cond.notify_all()
             elif e is not None and e.io is None:
                 e.dirty = False
@@ -852,7 +830,7 @@ class NVMeStore:
         if not self.keep_files:
             for i in range(len(self.layout)):
                 with contextlib.suppress(OSError):
-                    self.path(i).unlink()
+                    block_file(self.dir, i).unlink()
         with contextlib.suppress(OSError):
             os.ftruncate(self._lock_fd, 0)
             if self.keep_files:
@@ -890,15 +868,9 @@ def preflight_nvme(nvme_path: str | os.PathLike, layout: Sequence[tuple[int, int
             directory, the disk is too small, or the budget is below ``min_window``.
     """
     p = Path(nvme_path)
-    if not p.exists():
-        raise ValueError(f"nvme_path {p} does not exist. Create it (on a fast local disk) or point nvme_path elsewhere.")
-    if not p.is_dir():
-        raise ValueError(f"nvme_path {p} is not a directory.")
-    if not os.access(p, os.W_OK | os.X_OK):
-        if os.statvfs(p).f_flag & os.ST_RDONLY:
-            raise ValueError(f"nvme_path {p} is on a read-only filesystem (mounted ro): remount it read-write or "
-                             "choose another path.")
-        raise ValueError(f"nvme_path {p} is not writable by this user. Fix its permissions or choose another path.")
+    refusal = path_refusal(p)
+    if refusal:
+        raise ValueError(refusal)
     need = store_bytes(layout)
     existing = sum(f.stat().st_size for f in (p / store_dir).glob("block_*.bin")) if (p / store_dir).is_dir() else 0
     free = shutil.disk_usage(p).free + existing
@@ -913,6 +885,21 @@ def preflight_nvme(nvme_path: str | os.PathLike, layout: Sequence[tuple[int, int
     if refusal:
         raise ValueError(refusal)
     return {"disk_needed": need, "disk_free": free, "min_window": min_window}
+
+
+def path_refusal(p: Path) -> str | None:
+    """Why ``p`` cannot hold the NVMe store (missing, not a directory, read-only or not writable by this user), with
+    what to do; ``None`` when it can (raised by :func:`preflight_nvme`, and by the recipes' checks before a run)."""
+    if not p.exists():
+        return f"nvme_path {p} does not exist. Create it (on a fast local disk) or point nvme_path elsewhere."
+    if not p.is_dir():
+        return f"nvme_path {p} is not a directory."
+    if not os.access(p, os.W_OK | os.X_OK):
+        if os.statvfs(p).f_flag & os.ST_RDONLY:
+            return (f"nvme_path {p} is on a read-only filesystem (mounted ro): remount it read-write or choose another "
+                    "path.")
+        return f"nvme_path {p} is not writable by this user. Fix its permissions or choose another path."
+    return None
 
 
 def window_refusal(host_memory_limit: int, min_window: int, ranks_sharing: int = 1) -> str | None:

@@ -34,7 +34,6 @@ class HostPinningError(RuntimeError):
 
 
 def page_up(n: int) -> int:
-    """``n`` bytes rounded up to a multiple of :data:`PAGE`."""
     return (int(n) + PAGE - 1) // PAGE * PAGE
 
 
@@ -105,14 +104,18 @@ def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
     return t
 
 
-def shared_file_mapping(path: str, nbytes: int, pin: bool | None) -> mmap.mmap:
+def shared_file_mapping(path: str, nbytes: int, pin: bool | None, create: bool = False) -> mmap.mmap:
     """A ``MAP_SHARED`` mapping of ``nbytes`` of the file ``path``, page-locked when ``pin`` (``None``: try, else
     warn and stay pageable). Each ``torch.frombuffer`` tensor over it has its own storage and version counter.
+    ``create``: create the file (``O_EXCL``) and ``ftruncate`` it to ``nbytes`` (pages take memory only when written).
 
     Raises:
+        FileExistsError: ``create`` and the file exists.
         HostPinningError: ``pin`` is ``True`` and the driver refused to lock the memory."""
-    fd = os.open(path, os.O_RDWR)
+    fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
     try:
+        if create:
+            os.ftruncate(fd, nbytes)
         m = _Mapping(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
@@ -169,8 +172,7 @@ class PinnedArena:
     """
 
     def __init__(self, capacity: int, pin: bool | None = False):
-        self.capacity = page_up(capacity)
-        self.buf, self.pinned = try_host_buffer(self.capacity, pin, "the NVMe window")
+        self.buf, self.pinned = try_host_buffer(page_up(capacity), pin, "the NVMe window")
         self.capacity = self.buf.numel()
         self._starts: list[int] = []  # sorted offsets of live sub-buffers
         self._size: dict[int, int] = {}  # offset -> bytes

@@ -86,14 +86,7 @@ class SharedRegions:
         Raises:
             FileExistsError: ``create`` and the file exists (another run's name).
             HostPinningError: ``pin`` is ``True`` and the driver refused."""
-        nbytes = shared_state_bytes(layout)
-        if create:
-            fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o600)
-            try:
-                os.ftruncate(fd, nbytes)
-            finally:
-                os.close(fd)
-        m = shared_file_mapping(path, nbytes, pin)
+        m = shared_file_mapping(path, shared_state_bytes(layout), pin, create)
         fd = os.open(path, os.O_RDONLY)
         offsets, off = [], 0
         for n, t in layout:
@@ -274,14 +267,7 @@ class SharedWireImages:
         for n in nbytes:
             offs.append(off)
             off += (n + 63) // 64 * 64
-        total = off + 8 * len(nbytes)
-        if create:
-            fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o600)
-            try:
-                os.ftruncate(fd, max(total, 8))
-            finally:
-                os.close(fd)
-        self._mapping = shared_file_mapping(path, max(total, 8), pin)
+        self._mapping = shared_file_mapping(path, max(off + 8 * len(nbytes), 8), pin, create)
         self.images = [torch.frombuffer(self._mapping, dtype=torch.uint8, count=n, offset=o) if n else
                        torch.zeros(0, dtype=torch.uint8) for n, o in zip(nbytes, offs)]
         self.generations = torch.frombuffer(self._mapping, dtype=torch.int64, count=len(nbytes), offset=off) \

@@ -10,7 +10,6 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from ..param_hooks import skip_none_calls
-from .guards import check_container_backward
 
 
 def leaf_grad_use(leaf: torch.Tensor) -> str | None:
@@ -53,8 +52,8 @@ class BoundParams(torch.autograd.Function):
     ordinary autograd (nothing to recompute).
 
     Inputs: the gradient sink, the parameters' references, their device views, the marker leaf, then the host
-    parameters. Outputs: the views, tracked. Backward: gradients to the host accumulators, or returned for the
-    parameters ``torch.autograd.grad`` captures."""
+    parameters. Outputs: the views, tracked. Backward (``RuntimeError`` under ``create_graph=True``): gradients to
+    the host accumulators, or returned for the parameters ``torch.autograd.grad`` captures."""
 
     @staticmethod
     def forward(ctx, grads: Any, refs: list, views: list, dummy: torch.Tensor,
@@ -65,7 +64,11 @@ class BoundParams(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
         sink, refs = ctx.grads, ctx.refs
-        check_container_backward()
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "megatrain: backward(create_graph=True) (double backward) reached a container's own parameters; "
+                "streamed models are differentiated once."
+            )
         none = (None, None, None, None)
         skip_none_calls([r.param for r in refs])  # torch calls their hooks after this backward, with None or not
         if leaf_grad_use(ctx.dummy) == "accumulate":

@@ -86,7 +86,7 @@ class Boundary:
         self.offload_activations = offload_activations
         self.offload = ActivationOffload(transport, acct)
         self.policy = policy or RecomputePolicy()
-        self.policy.report_to(acct.saw_activations)
+        self.policy.report_to(lambda nbytes: acct.peak(saved_activation_bytes=nbytes))  # the most seen
         self.fwd = ForwardRecord()  # grad-mode block calls of the current forward, in order
         self.kept_open: set[KeptGraph] = set()  # last-block graphs whose backward has not run
         self.dummy = torch.empty(0, device=device, requires_grad=True)  # marker leaf of every call

@@ -9,17 +9,9 @@ runs, since the block is recomputed in backward (MegaTrain, arXiv 2604.05091, pe
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
-
-
-def _never_unpacked(_saved: Any) -> torch.Tensor:
-    raise RuntimeError(
-        "megatrain: a backward reached a tensor computed inside a streamed block's forward that is not one of the "
-        "block's outputs (kept by a forward hook on a module inside the block, or stored on an attribute): a streamed "
-        "block's forward keeps nothing for a backward once it returns (the block is recomputed in backward). Compute the loss term from "
-        "the block's outputs (hook the block itself), or detach the kept tensor if it is only logged.")
 
 
 @contextlib.contextmanager
@@ -52,7 +44,12 @@ class SavedBoxes:
     @staticmethod
     def unpack(box: list) -> torch.Tensor:
         if box[0] is None:
-            _never_unpacked(None)
+            raise RuntimeError(
+                "megatrain: a backward reached a tensor computed inside a streamed block's forward that is not one of "
+                "the block's outputs (kept by a forward hook on a module inside the block, or stored on an attribute): "
+                "a streamed block's forward keeps nothing for a backward once it returns (the block is recomputed in "
+                "backward). Compute the loss term from the block's outputs (hook the block itself), or detach the kept "
+                "tensor if it is only logged.")
         return box[0]
 
     def clear(self) -> None:

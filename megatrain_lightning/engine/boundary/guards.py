@@ -62,28 +62,6 @@ def _advice(block: str, where: str, found: list[str]) -> str:
             "them), or register the class with torch.utils._pytree.register_dataclass / register_pytree_node.")
 
 
-def check_inputs(block: str, values: Iterable[Any]) -> None:
-    """Refuse a block call whose non-tensor arguments (``values``) hold a tensor that requires grad.
-
-    Raises:
-        RuntimeError: naming the block and the attributes.
-    """
-    found = _hidden(values, lambda t: t.requires_grad)
-    if found:
-        raise RuntimeError(_advice(block, "was called with", found))
-
-
-def check_outputs(block: str, values: Iterable[Any]) -> None:
-    """Refuse a block call whose result's non-tensor leaves (``values``) hold a floating-point tensor.
-
-    Raises:
-        RuntimeError: naming the block and the attributes.
-    """
-    found = _hidden(values, lambda t: t.is_floating_point())
-    if found:
-        raise RuntimeError(_advice(block, "returned", found))
-
-
 def _in_place_edit(block: str, e: RuntimeError) -> None:
     """Re-raise torch's in-place-on-a-leaf error from a block call with what it means here (a block's tensor inputs
     are views of autograd leaves, so ``x += 1`` on one is refused). Returns for any other error.
@@ -98,60 +76,66 @@ def _in_place_edit(block: str, e: RuntimeError) -> None:
             "torch does not let be modified in place. Write it out of place inside the block (`x = x + 1`).") from e
 
 
-def refuse_func_transforms(name: str) -> None:
-    """Refuse a call of block ``name`` under a ``torch.func`` transform: its autograd boundary (an
-    ``autograd.Function`` with host-side state) does not compose with them.
-
-    Raises:
-        RuntimeError: naming the alternatives."""
-    if torch._C._are_functorch_transforms_active():
-        raise RuntimeError(f"megatrain: streamed block {name} was called under a torch.func transform (grad, "
-                           "vmap, jacrev...), which the strategy's block calls do not support; use "
-                           "torch.autograd.grad, or strategy='auto'.")
-
-
-def check_container_backward() -> None:
-    """Backward of a container's own parameters (``BoundParams``).
-
-    Raises:
-        RuntimeError: under ``create_graph=True`` (double backward)."""
-    if torch.is_grad_enabled():
-        raise RuntimeError(
-            "megatrain: backward(create_graph=True) (double backward) reached a container's own parameters; "
-            "streamed models are differentiated once."
-        )
-
-
-class ForeignLeafCheck:
-    """Refuses a forward whose outputs depend on a tensor that requires grad and is neither an argument nor a block
-    parameter (an outside module's parameter read by a hook inside the block, an attribute, a closure): its gradient
-    would be lost silently (a steering vector read in a hook on an inner MLP trained 6.5e-2 off plain PyTorch).
-    Walks the call's graph at each block's first training call, and again for every block after any hook was
-    registered anywhere (``torch.utils.hooks.RemovableHandle.next_id`` moved), so a hook added mid-fit is seen.
+class CallGuards:
+    """The per-call checks of one engine's block calls, one entry per phase (module docstring).
 
     Args:
         store: the host store (``index``: ``id(param)`` -> (slab, entry); ``slabs[s].entries[e].ref.fqn``), to
-            name the parameter.
+            name a parameter in the foreign-leaf refusal (:meth:`forward`).
     """
 
     def __init__(self, store: Any):
         self.store = store
-        self.checked: set[int] = set()
+        self.checked: set[int] = set()  # blocks whose graph the foreign-leaf check walked
         self.hooks_seen = RemovableHandle.next_id  # hook handles made so far (any module, tensor or global hook)
+        self.hook_warnings: set[str] = set()  # blocks warned about forward hooks inside them (block_state.snapshot)
 
-    def __call__(self, block: Any, outs: Sequence[torch.Tensor], own: Sequence[torch.Tensor]) -> None:
-        """Check ``block``'s ``outs`` (tensor outputs, still attached to the call's graph) against ``own`` (the call's
-        input and parameter leaves).
+    @contextlib.contextmanager
+    def call(self, name: str, rest: Iterable[Any]) -> Iterator[None]:
+        """Around a grad-mode call of block ``name`` (``rest``: non-tensor leaves of its flattened arguments).
 
         Raises:
-            RuntimeError: naming the block and the tensor (its parameter name when the store holds it)."""
+            RuntimeError: under a ``torch.func`` transform; a tensor that requires grad hidden in an argument
+                object; the block modifies a tensor input in place."""
+        if torch._C._are_functorch_transforms_active():  # an autograd.Function with host-side state
+            raise RuntimeError(f"megatrain: streamed block {name} was called under a torch.func transform (grad, "
+                               "vmap, jacrev...), which the strategy's block calls do not support; use "
+                               "torch.autograd.grad, or strategy='auto'.")
+        found = _hidden(rest, lambda t: t.requires_grad)  # a tensor hidden in an object would get no gradient
+        if found:
+            raise RuntimeError(_advice(name, "was called with", found))
+        try:
+            yield
+        except RuntimeError as e:
+            _in_place_edit(name, e)
+            raise
+
+    def forward(self, block: Any, flat: Sequence[Any], outs: Sequence[torch.Tensor],
+                own: Sequence[torch.Tensor]) -> None:
+        """After the training forward of ``block``: ``flat`` its flattened result, ``outs`` its tensors (still
+        attached to the call's graph), ``own`` the call's input and parameter leaves.
+
+        The foreign-leaf check refuses outputs that depend on a tensor that requires grad and is neither an argument
+        nor a block parameter (an outside module's parameter read by a hook inside the block, an attribute, a
+        closure): its gradient would be lost silently (a steering vector read in a hook on an inner MLP trained
+        6.5e-2 off plain PyTorch). It walks the call's graph at each block's first training call, and again for
+        every block after any hook was registered anywhere (``RemovableHandle.next_id`` moved), so a hook added
+        mid-fit is seen.
+
+        Raises:
+            RuntimeError: a leaf outside the call reached ``outs`` (naming the block and the tensor, its parameter
+                name when the store holds it); a floating-point tensor hidden in a result object."""
         if RemovableHandle.next_id != self.hooks_seen:  # a hook was registered since: check every block again
             self.hooks_seen = RemovableHandle.next_id
             self.checked.clear()
-        if block.index in self.checked:
-            return
-        self.checked.add(block.index)
-        own_ids = {id(t) for t in own}
+        if block.index not in self.checked:
+            self.checked.add(block.index)
+            self._foreign_leaves(block, outs, {id(t) for t in own})
+        found = _hidden([x for x in flat if not isinstance(x, torch.Tensor)], lambda t: t.is_floating_point())
+        if found:
+            raise RuntimeError(_advice(block.name, "returned", found))
+
+    def _foreign_leaves(self, block: Any, outs: Sequence[torch.Tensor], own_ids: set[int]) -> None:
         seen: set = set()
         stack = [o.grad_fn for o in outs if o.grad_fn is not None]
         while stack:
@@ -175,44 +159,6 @@ class ForeignLeafCheck:
         if where is not None:
             return f"parameter {self.store.slabs[where[0]].entries[where[1]].ref.fqn}"
         return f"a tensor of shape {list(t.shape)} ({t.dtype})"
-
-
-class CallGuards:
-    """The per-call checks of one engine's block calls, one entry per phase (module docstring).
-
-    Args:
-        store: the host store, to name a parameter in the foreign-leaf refusal (:class:`ForeignLeafCheck`).
-    """
-
-    def __init__(self, store: Any):
-        self.leaf_check = ForeignLeafCheck(store)
-        self.hook_warnings: set[str] = set()  # blocks warned about forward hooks inside them (block_state.snapshot)
-
-    @contextlib.contextmanager
-    def call(self, name: str, rest: Iterable[Any]) -> Iterator[None]:
-        """Around a grad-mode call of block ``name`` (``rest``: non-tensor leaves of its flattened arguments).
-
-        Raises:
-            RuntimeError: under a ``torch.func`` transform; a tensor that requires grad hidden in an argument
-                object; the block modifies a tensor input in place."""
-        refuse_func_transforms(name)
-        check_inputs(name, rest)  # a tensor hidden in an object would get no gradient
-        try:
-            yield
-        except RuntimeError as e:
-            _in_place_edit(name, e)
-            raise
-
-    def forward(self, block: Any, flat: Sequence[Any], outs: Sequence[torch.Tensor],
-                own: Sequence[torch.Tensor]) -> None:
-        """After the training forward of ``block``: ``flat`` its flattened result, ``outs`` its tensors, ``own`` the
-        call's input and parameter leaves.
-
-        Raises:
-            RuntimeError: a leaf outside the call reached ``outs`` (:class:`ForeignLeafCheck`); a floating-point
-                tensor hidden in a result object."""
-        self.leaf_check(block, outs, own)
-        check_outputs(block.name, [x for x in flat if not isinstance(x, torch.Tensor)])
 
     @contextlib.contextmanager
     def backward(self, call: Any, leaf_refs: Sequence) -> Iterator[None]:

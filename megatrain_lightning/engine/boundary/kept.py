@@ -56,11 +56,6 @@ class Kept:
     version: int
 
 
-# autograd's own message for this error, so users find the usual advice
-MODIFIED_INPLACE = ("one of the variables needed for gradient computation has been modified by an inplace operation: "
-                    "[{kind} {shape}] is at version {now}; expected version {then} instead.")
-
-
 class ParamLocator:
     """Finds the tensors that lie in a block's device buffers (``bufs``: slab index -> flat buffer): first element
     inside the buffer, same dtype and device (the buffers are disjoint allocations: activations never match)."""
@@ -194,9 +189,10 @@ class GraphHooks:
         if isinstance(x, Kept):
             t = x.tensor
             if t._version != x.version:
-                raise RuntimeError(
-                    MODIFIED_INPLACE.format(kind=t.type(), shape=list(t.shape), now=t._version, then=x.version)
-                    + f" (megatrain: a tensor saved by block {self.name} for its backward, which keeps its graph: an "
+                raise RuntimeError(  # autograd's own message for this error, so users find the usual advice
+                    "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                    f"[{t.type()} {list(t.shape)}] is at version {t._version}; expected version {x.version} instead."
+                    f" (megatrain: a tensor saved by block {self.name} for its backward, which keeps its graph: an "
                     "input of the block such as token ids or an attention mask, or a tensor computed in it, was "
                     "modified in place after the block's forward. Make that operation out of place, or clone the "
                     "tensor before modifying it.)")

@@ -220,7 +220,6 @@ class ForwardRecord:
 
     @property
     def started(self) -> bool:
-        """A call (or container) of this forward ran."""
         return bool(self.calls or self.direct)
 
     def enter(self, block: int) -> None:
@@ -229,7 +228,6 @@ class ForwardRecord:
             self.first_block = block
 
     def add(self, call: BlockCall) -> int:
-        """Append ``call`` to the forward's calls; returns its position."""
         self.calls.append(weakref.ref(call))
         return len(self.calls) - 1
 

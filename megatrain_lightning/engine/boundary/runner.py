@@ -15,33 +15,6 @@ import torch
 from ..accounting import ByteAccounting
 
 
-@contextlib.contextmanager
-def bind_params(slabs: Any, blk: Any, bufs: dict[int, torch.Tensor], leaves: dict[int, torch.Tensor] | None
-                ) -> Iterator[None]:
-    """For the ``with`` body, point the block's parameters at views of ``bufs`` (slab index -> buffer) or at
-    gradient ``leaves`` (by parameter id); in no-grad mode a trainable one's view still requires grad, as in plain
-    PyTorch (``F.linear`` picks its kernel by it).
-
-    Raises:
-        RuntimeError: a parameter is no longer registered as it was at setup (``ParamRef.registered``: pruning,
-            a replaced ``nn.Parameter``).
-    """
-    saved = []
-    try:
-        for ref in blk.params:
-            if leaves is not None and id(ref.param) in leaves:
-                t = leaves[id(ref.param)]
-            else:
-                t = slabs[ref.slab].view(bufs[ref.slab], ref.index)
-                t = t if torch.is_grad_enabled() or not ref.param.requires_grad else t.detach().requires_grad_()
-            saved.append((ref.owner, ref.attr, ref.registered()))
-            ref.owner._parameters[ref.attr] = t
-        yield
-    finally:
-        for owner, attr, p in reversed(saved):
-            owner._parameters[attr] = p
-
-
 class BlockRunner:
     """Acquire -> bind -> run -> release of a block's weights on the compute device.
 
@@ -72,12 +45,33 @@ class BlockRunner:
             if bufs is not None and not (hold and done):
                 self.acct.release(bufs)
 
-    def bind(self, blk: Any, bufs: dict[int, torch.Tensor], leaves: dict[int, torch.Tensor] | None):
-        """:func:`bind_params` over the store's slabs (a context manager)."""
-        return bind_params(self.slabs, blk, bufs, leaves)
+    @contextlib.contextmanager
+    def bind(self, blk: Any, bufs: dict[int, torch.Tensor], leaves: dict[int, torch.Tensor] | None
+             ) -> Iterator[None]:
+        """For the ``with`` body, point the block's parameters at views of ``bufs`` (slab index -> buffer) or at
+        gradient ``leaves`` (by parameter id); in no-grad mode a trainable one's view still requires grad, as in plain
+        PyTorch (``F.linear`` picks its kernel by it).
+
+        Raises:
+            RuntimeError: a parameter is no longer registered as it was at setup (``ParamRef.registered``: pruning,
+                a replaced ``nn.Parameter``).
+        """
+        saved = []
+        try:
+            for ref in blk.params:
+                if leaves is not None and id(ref.param) in leaves:
+                    t = leaves[id(ref.param)]
+                else:
+                    t = self.view(ref, bufs)
+                    t = t if torch.is_grad_enabled() or not ref.param.requires_grad else t.detach().requires_grad_()
+                saved.append((ref.owner, ref.attr, ref.registered()))
+                ref.owner._parameters[ref.attr] = t
+            yield
+        finally:
+            for owner, attr, p in reversed(saved):
+                owner._parameters[attr] = p
 
     def view(self, ref: Any, bufs: dict[int, torch.Tensor]) -> torch.Tensor:
-        """Parameter ``ref``'s view of its slab's device buffer in ``bufs``."""
         return self.slabs[ref.slab].view(bufs[ref.slab], ref.index)
 
     def leaves(self, refs: Sequence, bufs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
