@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import torch
 import torch.utils.checkpoint
 
-from .store.budget import parse_bytes
+from .store.budget import above_ram, parse_bytes, physical_ram_bytes
 from .store.nvme import ALIGN, IO_BLOCK_SIZE, NVME_PATH_FROM_ENV, NVMeConfig
 from .store.regions import Region
 
@@ -197,7 +197,8 @@ class MegaTrainConfig:
                 settings; each message names the option.
 
         Warns:
-            UserWarning: ``nvme_path`` or ``host_memory_limit`` given while nothing is offloaded to NVMe.
+            UserWarning: ``nvme_path`` or ``host_memory_limit`` given while nothing is offloaded to NVMe;
+                ``host_memory_limit`` above this machine's physical RAM.
         """
         for name, v in (("offload_params", self.offload_params), ("offload_optimizer", self.offload_optimizer)):
             if v not in ("cpu", "nvme"):
@@ -234,8 +235,11 @@ class MegaTrainConfig:
             raise ValueError("offload_params/offload_optimizer='nvme' needs nvme_path= (a directory on a fast local disk).")
         limit = self.host_memory_limit
         if limit is None:
-            limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+            limit = physical_ram_bytes() // 2
         limit, block = _size("host_memory_limit", limit), _size("nvme_io_block_size", self.nvme_io_block_size)
+        warning = above_ram(limit, physical_ram_bytes(), "this machine")
+        if warning:
+            warnings.warn(f"megatrain: {warning}.", UserWarning, stacklevel=5)
         if block % ALIGN:
             raise ValueError(f"nvme_io_block_size must be a multiple of {ALIGN} bytes (O_DIRECT alignment), got {block}; "
                              "for example '16MiB'.")

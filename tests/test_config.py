@@ -5,6 +5,7 @@ planner's settings (``conf/plan.yaml``) and the strategy's keywords may not drif
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,18 @@ def test_selective_recompute_is_refused_at_construction_on_a_torch_without_the_s
         MegaTrainStrategy(recompute=mode)
     for ok in ("block", "none"):
         assert MegaTrainStrategy(recompute=ok).config.recompute == ok
+
+
+def test_host_memory_limit_above_physical_ram_warns(tmp_path):
+    """A ``host_memory_limit`` above this machine's physical RAM bounds nothing (the machine swaps or kills the run
+    first): the options warn when the strategy is built, as the planner does; a limit below the RAM does not."""
+    import warnings
+
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    nvme = dict(offload_params="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path))
+    with pytest.warns(UserWarning, match=rf"host_memory_limit={2 * ram} bytes .* is more than the .* GiB of physical "
+                                         "RAM of this machine"):
+        MegaTrainStrategy(host_memory_limit=2 * ram, **nvme)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MegaTrainStrategy(host_memory_limit=ram // 4, **nvme)

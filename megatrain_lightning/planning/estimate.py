@@ -206,8 +206,12 @@ def _largest(ok: Any, limit: int) -> int:
     lo, hi = 0, 1
     while ok(hi) and hi < limit:
         lo, hi = hi, hi * 2
-    if ok(hi):
-        return hi
+    return hi if ok(hi) else _bisect(ok, lo, hi)
+
+
+def _bisect(ok: Any, lo: int, hi: int) -> int:
+    """The largest ``n`` in ``[lo, hi)`` with ``ok(n)`` (``lo`` if none above it), given not ``ok(hi)`` (``ok`` true
+    up to some ``n``, then false)."""
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)
@@ -449,13 +453,7 @@ def max_seq_len(p: Plan, host: int | None = None, device: int | None = None, lim
 
     if not ok(1):
         return 0
-    lo, hi = 1, limit
-    if ok(hi):
-        return hi
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo
+    return limit if ok(limit) else _bisect(ok, 1, limit)
 
 
 def max_batch_size(p: Plan, host: int | None = None, device: int | None = None, limit: int = 1 << 20,

@@ -12,18 +12,13 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from typing import Any
 
 import torch
 
+from ..store.budget import above_ram, physical_ram_bytes
 from .config import GIB
 from .counts import _hf_config
-
-
-def physical_ram_bytes() -> int:
-    """This machine's physical RAM (``SC_PHYS_PAGES`` x ``SC_PAGE_SIZE``), the base of the strategy's default limit."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def parse_limit(value: Any) -> int | None:
@@ -137,9 +132,4 @@ def limit_check(source: Any, s: dict[str, Any], is_gpu: bool, limit: int | None,
     refusal = window_refusal(used // ranks, mw, ranks)
     if refusal and limit is None:
         refusal = f"the default host_memory_limit (half of the {ram / GIB:,.1f} GiB of RAM of {where}): " + refusal
-    warning = None
-    if limit is not None and limit > ram:
-        warning = (f"host_memory_limit={limit} bytes ({limit / GIB:,.2f} GiB) is more than the {ram / GIB:,.1f} GiB of "
-                   f"physical RAM of {where}: the NVMe tier's window would never be bounded by it and the machine would "
-                   f"swap or kill the run first; set host_memory_limit below the RAM (the default is half of it)")
-    return used, mw, refusal, warning
+    return used, mw, refusal, above_ram(limit, ram, where) if limit is not None else None

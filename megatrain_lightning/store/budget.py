@@ -8,6 +8,7 @@ is allocated and released after it is freed; a reservation that does not fit wai
 from __future__ import annotations
 
 import math
+import os
 import re
 import threading
 import time
@@ -126,3 +127,19 @@ def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
     except OSError:
         return None
     return None
+
+
+def physical_ram_bytes() -> int:
+    """This machine's physical RAM (``SC_PHYS_PAGES`` x ``SC_PAGE_SIZE``), the base of the default limit (half)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def above_ram(limit: int, ram: int, where: str) -> str | None:
+    """Why a ``host_memory_limit`` of ``limit`` bytes (the node's) above the ``ram`` bytes of physical RAM of
+    ``where`` (``"this machine"``, ``"the preset h200"``) bounds nothing, with what to set; ``None`` when it is not
+    above (warned by the strategy's options and by the planner)."""
+    if limit <= ram:
+        return None
+    return (f"host_memory_limit={limit} bytes ({limit / 2**30:,.2f} GiB) is more than the {ram / 2**30:,.1f} GiB of "
+            f"physical RAM of {where}: the NVMe tier's window would never be bounded by it and the machine would "
+            f"swap or kill the run first; set host_memory_limit below the RAM (the default is half of it)")
