@@ -125,8 +125,7 @@ class MegaTrainStrategy(MegaTrainBase, ParallelStrategy):
         plugin.attach_engine(self.engine, self.root_device.type)
         # user code may run between the clip and the step (and read or edit param.grad): clip at once there
         plugin.clip_in_place = user_code_after_clip(module) and self.engine.ownership is None
-        if (trainer.state.fn == TrainerFn.FITTING and self.is_global_zero
-                and optimizer_in_backward_on(cfg.optimizer_in_backward, self.engine.store.nvme is not None)):
+        if trainer.state.fn == TrainerFn.FITTING and self.is_global_zero and self._updates_in_backward():
             log.info("megatrain: optimizer_in_backward: each block's update starts as soon as its gradients of the "
                      "step are complete (RAM tier: on a host thread of its own, until the next forward needs the "
                      "block; call trainer.strategy.flush() before reading weights directly between steps). Ctrl-C then "
@@ -274,18 +273,22 @@ class MegaTrainStrategy(MegaTrainBase, ParallelStrategy):
             return
         self.engine.adopt_replaced()
 
-    def _update_in_backward_now(self) -> bool:
+    def _updates_in_backward(self) -> bool:
+        """Whether this fit updates slabs in backward at all: ``optimizer_in_backward`` on, automatic optimization,
+        no clipping, no loss scaling and no user code that reads the step's gradients (else the deferred schedule)."""
         engine, module = self.engine, self.lightning_module
         if engine is None or engine.optimizer is None or module is None \
                 or not optimizer_in_backward_on(self.config.optimizer_in_backward, engine.store.nvme is not None):
             return False
         trainer = module.trainer
-        plugin = self.precision_plugin
-        if (not module.automatic_optimization or trainer.gradient_clip_val or getattr(plugin, "scaling", False)
-                or user_code_sees_step_gradients(module, trainer)):
+        return not (not module.automatic_optimization or trainer.gradient_clip_val
+                    or getattr(self.precision_plugin, "scaling", False) or user_code_sees_step_gradients(module, trainer))
+
+    def _update_in_backward_now(self) -> bool:
+        if not self._updates_in_backward():
             return False
         try:
-            return not trainer.fit_loop.epoch_loop._should_accumulate()
+            return not self.lightning_module.trainer.fit_loop.epoch_loop._should_accumulate()
         except AttributeError:  # another Lightning version: stay with the deferred schedule
             return False
 

@@ -365,3 +365,25 @@ def test_sixteen_bit_warning_tells_frozen_from_trained_parameters(caplog):
     trained = [r.getMessage() for r in caplog.records if " trainable " in r.getMessage()]
     assert len(frozen) == 1 and "computed with in fp32 instead of bfloat16" in frozen[0] and "updat" not in frozen[0]
     assert len(trained) == 1 and "they are trained in fp32" in trained[0]
+
+
+def test_fit_without_an_optimizer_is_refused_clearly():
+    """``configure_optimizers`` returning ``None``: plain Lightning fits with its stand-in optimizer (nothing is
+    updated); megatrain, which updates the weights on the host with the returned optimizer, refuses it by name."""
+    import lightning.pytorch as pl
+
+    from megatrain_lightning import MegaTrainStrategy, UnsupportedOptimizerError
+    from megatrain_lightning.testing import LM, make_data, make_model
+
+    class NoOptimizer(LM):
+        def configure_optimizers(self):
+            return None
+
+    def trainer(strategy):
+        return pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=1, logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+
+    with pytest.warns(UserWarning, match="configure_optimizers` returned `None`, this fit will run with no optimizer"):
+        trainer("auto").fit(NoOptimizer(make_model("llama")), make_data(8))
+    with pytest.raises(UnsupportedOptimizerError, match="configure_optimizers returned no optimizer .* return one"):
+        trainer(MegaTrainStrategy()).fit(NoOptimizer(make_model("llama")), make_data(8))

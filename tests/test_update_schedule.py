@@ -195,3 +195,37 @@ def test_update_threads_on_the_nvme_tier_warns_that_it_has_no_effect(tmp_path):
         warnings.simplefilter("error")
         MegaTrainStrategy(update_threads=2)
         MegaTrainStrategy(offload_optimizer="nvme", nvme_path=str(tmp_path))
+
+
+class _Manual(LM):
+    """The same step under manual optimization (``manual_backward``, then the optimizer's ``step``)."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        opt.step()
+
+
+@pytest.mark.parametrize("manual", [False, True])
+def test_setup_announces_updates_in_backward_only_when_they_run(tmp_path, caplog, manual):
+    """The NVMe tier's default updates in backward under automatic optimization, and the setup line says so; manual
+    optimization runs the deferred schedule (``MegaTrainStrategy._update_in_backward_now``), so no line announces
+    updates in backward there."""
+    import logging
+
+    strategy = MegaTrainStrategy(offload_params="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path))
+    model = make_model("llama")
+    lm = _Manual(model) if manual else LM(model)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with caplog.at_level(logging.INFO, logger="megatrain_lightning"):
+        trainer.fit(lm, make_data(8))
+    strategy.close()
+    announced = [r for r in caplog.records if "optimizer_in_backward: each block's update starts" in r.getMessage()]
+    assert len(announced) == (0 if manual else 1), caplog.text

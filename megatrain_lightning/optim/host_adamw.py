@@ -716,9 +716,10 @@ class HostAdamW:
         for g, m in zip(self.optimizer.param_groups, meta):
             if [names[id(p)] for p in g["params"]] != list(m["param_names"]):
                 raise ValueError(
-                    "Checkpoint param groups hold other parameters than configure_optimizers returned: the checkpoint "
-                    "is of another model or grouping, so fit cannot resume its optimizer state (strict_loading=False "
-                    "loads only weights). To start from its weights with a fresh optimizer, load them into the model "
-                    "first (from_pretrained on the checkpoint's model/ folder) and call fit without ckpt_path.")
+                    "Checkpoint param groups hold other parameters than the optimizer's: the checkpoint is of another "
+                    "model or another grouping of its parameters, so its optimizer state cannot be resumed (a "
+                    "non-strict load takes only weights). To start from its weights with a fresh optimizer, load them "
+                    "alone and train without resuming: Trainer: from_pretrained on the checkpoint's model/ folder, "
+                    "then fit without ckpt_path; Fabric: fabric.load(path, {'model': model}).")
             self._check_saved_group(m)
             g.update({k: v for k, v in m.items() if k != "param_names"})

@@ -11,6 +11,7 @@ from concurrent.futures import Executor
 from typing import Any
 
 import torch
+from lightning.pytorch.core.optimizer import _MockOptimizer
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..store.host import HostStore, Slab
@@ -55,10 +56,17 @@ def validate_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Check that ``optimizer`` can be stepped on the host (either kernel).
 
     Raises:
-        UnsupportedOptimizerError: not a ``torch.optim.Optimizer``, ``LBFGS``, ``SparseAdam``, or a param group with
+        UnsupportedOptimizerError: no optimizer (Lightning's ``_MockOptimizer``), not a ``torch.optim.Optimizer``,
+            ``LBFGS``, ``SparseAdam``, or a param group with
             ``capturable=True`` / ``differentiable=True``.
     """
     name = _name(optimizer)
+    if isinstance(optimizer, _MockOptimizer):
+        raise UnsupportedOptimizerError(
+            "configure_optimizers returned no optimizer (Lightning then trains with its stand-in _MockOptimizer, "
+            "which updates nothing); megatrain updates the weights on the host with the optimizer it returns: return "
+            "one, e.g. torch.optim.AdamW(self.parameters(), lr=1e-5). To only evaluate, call trainer.validate/test/"
+            "predict instead of fit.")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise UnsupportedOptimizerError(
             f"megatrain steps a torch.optim.Optimizer on the host; configure_optimizers returned {name}. "

@@ -212,7 +212,8 @@ class DPOModule(pl.LightningModule):
                 if (val.dataset if isinstance(val, DataLoader) else None) is not self._val_dataset:
                     raise RuntimeError("megatrain: reference='precompute' scored the fit's validation pairs; "
                                        "validation data other than the fit's has no reference log-probs: validate on "
-                                       "the fit's validation data, or use reference='copy'.")
+                                       "the fit's validation data (the same DataLoader or dataset object that fit "
+                                       "ran, not a new one over the same records), or use reference='copy'.")
             rows = table[batch["index"].cpu()]  # float64: fp32 sums and token counts, exact
             return rows[:, 0].float().to(ids.device), rows[:, 2].float().to(ids.device)
         with torch.no_grad():
