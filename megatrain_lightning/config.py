@@ -11,6 +11,7 @@ This module imports only ``store/``: the engine imports it.
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
@@ -25,6 +26,21 @@ from .store.regions import Region
 
 RECOMPUTE_MODES = ("block", "selective", "none", "auto")
 """Allowed values of the ``recompute`` option."""
+
+
+def _warn(message: str, category: type[Warning]) -> None:
+    """``warnings.warn`` attributed to the user's line: the first caller outside this package, Lightning and the
+    ``__init__`` that ``dataclass`` generates, whether the options come through ``MegaTrainStrategy(...)``,
+    ``Trainer(strategy="megatrain_nvme")`` or ``MegaTrainConfig(...)``."""
+    inside = [os.path.dirname(os.path.abspath(__file__))]
+    inside += [os.path.dirname(os.path.abspath(m.__file__)) for m in map(sys.modules.get, ("lightning",))
+               if m is not None and getattr(m, "__file__", None)]
+    prefixes = tuple(d + os.sep for d in inside)
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (frame.f_code.co_filename.startswith(prefixes)
+                                 or frame.f_code.co_filename == "<string>"):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level + 1)
 
 
 @dataclass
@@ -162,9 +178,8 @@ class MegaTrainConfig:
                     "buffering")
         check_block_group(self.block_group)
         if self.checkpoint_every is not None:  # the deprecated name (it collided with Lightning's model checkpoints)
-            warnings.warn("megatrain: checkpoint_every was renamed recompute_every (it sets recompute segments, not "
-                          "model checkpoints); the old name will be removed in the next release.", DeprecationWarning,
-                          stacklevel=4)
+            _warn("megatrain: checkpoint_every was renamed recompute_every (it sets recompute segments, not "
+                  "model checkpoints); the old name will be removed in the next release.", DeprecationWarning)
             if self.recompute_every not in (1, self.checkpoint_every):
                 raise TypeError(f"recompute_every={self.recompute_every} and checkpoint_every={self.checkpoint_every} "
                                 "both given; pass only recompute_every.")
@@ -177,13 +192,13 @@ class MegaTrainConfig:
         given_limit = self.activation_memory_limit
         self.recompute, self.activation_memory_limit = check_recompute(self.recompute, given_limit)
         if given_limit is not None and self.recompute != "auto":  # only "auto" reads it
-            warnings.warn(f"megatrain: activation_memory_limit has no effect with recompute={self.recompute!r}; only "
-                          "recompute='auto' chooses per block from that budget.", UserWarning, stacklevel=4)
+            _warn(f"megatrain: activation_memory_limit has no effect with recompute={self.recompute!r}; only "
+                  "recompute='auto' chooses per block from that budget.", UserWarning)
         self.nvme = self._nvme_settings()
         if self.nvme is not None and self.update_threads != 1:
-            warnings.warn(f"megatrain: update_threads={self.update_threads} has no effect on the NVMe tier: its "
-                          "updates run one at a time on the H2D or D2H worker, inside the host window. It applies "
-                          "when everything stays in host RAM.", UserWarning, stacklevel=5)
+            _warn(f"megatrain: update_threads={self.update_threads} has no effect on the NVMe tier: its "
+                  "updates run one at a time on the H2D or D2H worker, inside the host window. It applies "
+                  "when everything stays in host RAM.", UserWarning)
         check_chunk_size("loss_chunk_size", self.loss_chunk_size, allow_auto=True)
         check_chunk_size("mlp_chunk_size", self.mlp_chunk_size, allow_auto=False)
 
@@ -216,10 +231,10 @@ class MegaTrainConfig:
         if not kinds:
             given = [k for k in ("nvme_path", "host_memory_limit") if getattr(self, k) is not None]
             if given:
-                warnings.warn(f"megatrain: {' and '.join(given)} given but nothing is offloaded to NVMe, so "
-                              f"{'it has' if len(given) == 1 else 'they have'} no effect: everything stays in host RAM. "
-                              "Set offload_params='nvme' and/or offload_optimizer='nvme' (or use "
-                              "strategy='megatrain_nvme') to use the NVMe tier.", UserWarning, stacklevel=5)
+                _warn(f"megatrain: {' and '.join(given)} given but nothing is offloaded to NVMe, so "
+                      f"{'it has' if len(given) == 1 else 'they have'} no effect: everything stays in host RAM. "
+                      "Set offload_params='nvme' and/or offload_optimizer='nvme' (or use "
+                      "strategy='megatrain_nvme') to use the NVMe tier.", UserWarning)
             return None
         path = self.nvme_path
         if path == NVME_PATH_FROM_ENV:
@@ -239,7 +254,7 @@ class MegaTrainConfig:
         limit, block = _size("host_memory_limit", limit), _size("nvme_io_block_size", self.nvme_io_block_size)
         warning = above_ram(limit, physical_ram_bytes(), "this machine")
         if warning:
-            warnings.warn(f"megatrain: {warning}.", UserWarning, stacklevel=5)
+            _warn(f"megatrain: {warning}.", UserWarning)
         if block % ALIGN:
             raise ValueError(f"nvme_io_block_size must be a multiple of {ALIGN} bytes (O_DIRECT alignment), got {block}; "
                              "for example '16MiB'.")

@@ -105,3 +105,24 @@ def test_host_memory_limit_above_physical_ram_warns(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         MegaTrainStrategy(host_memory_limit=ram // 4, **nvme)
+
+
+@pytest.mark.parametrize("options, category", [
+    (dict(checkpoint_every=2), DeprecationWarning),
+    (dict(recompute="block", activation_memory_limit="1GiB"), UserWarning),
+    (dict(nvme_path="/tmp"), UserWarning),
+    (dict(offload_params="nvme", nvme_path="/tmp", update_threads=2), UserWarning),
+])
+def test_option_warnings_point_at_the_users_line(options, category):
+    """Each warning about the options names the user's own line, whether the options go to ``MegaTrainConfig``,
+    ``MegaTrainStrategy`` or a ``Trainer`` through the registered name (Python prints that line with it)."""
+    import lightning.pytorch as pl
+
+    from megatrain_lightning.config import MegaTrainConfig
+
+    for build in (lambda: MegaTrainConfig(**options), lambda: MegaTrainStrategy(**options),
+                  lambda: pl.Trainer(strategy=MegaTrainStrategy(**options), accelerator="cpu", logger=False)):
+        with pytest.warns(category, match="megatrain: ") as record:
+            build()
+        ours = [w for w in record if str(w.message).startswith("megatrain: ")]
+        assert ours and all(w.filename == __file__ for w in ours), [(w.filename, w.lineno) for w in ours]

@@ -468,6 +468,10 @@ def test_user_directory_of_mixed_types(tmp_path, caplog):
         pairs = load_user_source(tmp_path, "instruction")
     assert pairs == [{"id": "b.jsonl:1", "prompt": "P", "response": "R"}]
     assert "skipped 5 other file(s)" in caplog.text and "a.txt" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="megatrain_lightning.data.source_user"):
+        assert load_user_source(tmp_path, "instruction") == pairs  # read again (the recipe's preflight, then its build)
+    assert "skipped" not in caplog.text  # said once
 
 
 def test_hf_id_and_parquet_need_their_packages(tmp_path):

@@ -184,3 +184,44 @@ def test_weight_averaging_with_checkpointing_is_refused_at_setup():
     with pytest.raises(CheckpointError, match="enable_checkpointing=False"):
         trainer.fit(lm, make_data(n=8))
     assert lm.losses == []  # refused before the first step
+
+
+class AccumulateMoreMidEpoch(Callback):
+    """From optimizer step 2 on, 3 micro-batches per step, set at batch 2: mid-epoch, at a batch index that is not
+    a multiple of 3."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 2 and trainer.accumulate_grad_batches == 1:
+            trainer.accumulate_grad_batches = 3
+
+
+class ZeroGradientsAfterEachStep(Callback):
+    def __init__(self):
+        self.steps = 0
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        if trainer.global_step > self.steps:
+            self.steps = trainer.global_step
+            for p in pl_module.parameters():
+                p.grad = None
+
+
+def test_accumulation_changed_mid_epoch_starts_from_zero_gradients():
+    """A callback raising ``accumulate_grad_batches`` mid-epoch: megatrain's first longer step holds only its own
+    micro-batches' gradients, as plain Lightning does with the gradients zeroed after each step. Plain Lightning as
+    it is skips ``zero_grad`` at that batch (its index is not a multiple of the new count) and adds the gradient it
+    already applied once more (the documented difference, docs/compatibility.md)."""
+    ours = _fit(LM(make_model("llama"), lr=1e-2), "megatrain", [AccumulateMoreMidEpoch()], steps=5)
+    ref = _fit(LM(make_model("llama"), lr=1e-2), "auto", [AccumulateMoreMidEpoch(), ZeroGradientsAfterEachStep()],
+               steps=5)
+    assert_parity(ours, ref, ours.losses, ref.losses)
+    plain = _fit(LM(make_model("llama"), lr=1e-2), "auto", [AccumulateMoreMidEpoch()], steps=5)
+    assert plain.losses[:3] == ref.losses[:3] and plain.losses[3:] != ref.losses[3:]
+
+
+def test_accumulation_scheduled_by_epoch_trains_like_plain_lightning():
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    ours = _fit(LM(make_model("llama"), lr=1e-2), "megatrain", [GradientAccumulationScheduler({1: 2})], epochs=2)
+    ref = _fit(LM(make_model("llama"), lr=1e-2), "auto", [GradientAccumulationScheduler({1: 2})], epochs=2)
+    assert_parity(ours, ref, ours.losses, ref.losses)

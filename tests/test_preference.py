@@ -297,6 +297,33 @@ def test_resume_equals_uninterrupted(tmp_path):
     assert_weights(resumed, whole, tol=0.0, per_tensor=None)
 
 
+def test_copy_reference_checkpoint_holds_the_policy_as_a_hugging_face_directory(tmp_path):
+    """With ``reference="copy"`` the module holds two Hugging Face models: the checkpoint's ``model/`` is the
+    trained policy (``from_pretrained`` loads it bit for bit), the frozen copy goes to ``extra/``, and resuming
+    from it equals the uninterrupted run (the reference stays the starting weights)."""
+    from transformers import AutoModelForCausalLM
+
+    model = make_model("llama")
+    whole = copy.deepcopy(model)
+    _, full = megatrain_dpo(whole, loader(), "sigmoid", "copy", tmp_path, steps=6)
+    first = DPOModule(copy.deepcopy(model), loss_type="sigmoid", beta=BETA, reference="copy", lr=LR)
+    rec1, rec2 = Record(), Record()
+    kw = dict(strategy="megatrain", accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=ACC, gradient_clip_val=CLIP)
+    t1 = pl.Trainer(max_steps=3, callbacks=[rec1], **kw)
+    t1.fit(first, loader())
+    t1.save_checkpoint(tmp_path / "ckpt")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "model")
+    assert_weights(loaded, first.model, tol=0.0, per_tensor=None)
+    assert (tmp_path / "ckpt" / "extra").is_dir()
+    resumed = copy.deepcopy(model)
+    second = DPOModule(resumed, loss_type="sigmoid", beta=BETA, reference="copy", lr=LR)
+    pl.Trainer(max_steps=6, callbacks=[rec2], **kw).fit(second, loader(), ckpt_path=tmp_path / "ckpt")
+    assert rec1.losses + rec2.losses == full.losses
+    assert_weights(resumed, whole, tol=0.0, per_tensor=None)
+    assert_weights(second.reference_model, model, tol=0.0, per_tensor=None)
+
+
 def test_nvme_tier_matches_plain(tmp_path):
     model = make_model("llama")
     plain = copy.deepcopy(model)

@@ -153,3 +153,18 @@ def test_a_previous_runs_checkpoint_is_the_starting_model(tmp_path, gpt2_dir, mo
         assert torch.equal(seen[0][k].to(v.dtype), v), k
     assert summary["metrics"]["val_rewards/accuracies"]["before"] == 0.0  # policy == reference at the start
     assert summary["metrics"]["val_rewards/margins"]["before"] == 0.0
+
+
+def test_progress_bar_is_the_recipes_own(tmp_path, gpt2_dir):
+    """As in ``recipes/finetune.py``: the epoch total only where ``max_epochs`` bounds the run (Lightning's own bar
+    shows ``Epoch 0/-2`` under ``max_steps``), the training total the batches left to ``max_steps``."""
+    from megatrain_lightning.recipes_lib import preference as step
+    from megatrain_lightning.recipes_lib.console import RecipeProgressBar
+
+    trainer = step.build_trainer(cfg_for(tmp_path, gpt2_dir, "trainer.enable_progress_bar=true"), step.StepHistory())
+    bar = trainer.progress_bar_callback
+    assert isinstance(bar, RecipeProgressBar)
+    trainer.fit_loop.max_epochs = -1  # what fit sets under max_steps
+    bar.setup(trainer, None, "fit")
+    assert bar._get_train_description(0).strip() == "Epoch 0"
+    assert step.build_trainer(cfg_for(tmp_path, gpt2_dir), step.StepHistory()).progress_bar_callback is None

@@ -72,6 +72,31 @@ def test_local_model_dir_is_planned_and_checked_from_its_config_json(tmp_path, n
     assert planned[0].counts.total == sum(p.numel() for p in model.parameters())
 
 
+def test_local_weights_win_over_the_presets_gguf(tmp_path, gpt2_dir, no_build, monkeypatch):
+    """``model.weights=<dir>`` on a preset that reads a GGUF (the default SmolLM2) trains the directory's weights
+    with its tokenizer, as if ``model.gguf=null`` were given: the model, the tokenizer and the plan are the
+    directory's, the same in preflight and in the build."""
+    from megatrain_lightning.recipes_lib.models import causal_lm, tokenizer_for
+
+    local = tmp_path / "gpt2"
+    config = transformers.GPT2Config(n_positions=64, n_embd=32, n_layer=2, n_head=2)
+    transformers.GPT2LMHeadModel(config).save_pretrained(local)
+    transformers.AutoTokenizer.from_pretrained(gpt2_dir).save_pretrained(local)
+    cfg = cfg_for(tmp_path, f"model.weights={local}", "data.seq_len=64")
+    assert cfg.model.gguf  # the preset's GGUF is still set
+    planned = []
+    real = step.plan_for_run
+    monkeypatch.setattr(step, "plan_for_run", lambda *a, **k: planned.append(real(*a, **k)) or planned[-1])
+    step.preflight(cfg)
+    want = sum(p.numel() for p in transformers.GPT2LMHeadModel.from_pretrained(local).parameters())
+    assert planned[0].counts.total == want
+    keys = {k: v for k, v in cfg.model.items() if k != "_target_" and k != "_convert_"}
+    model, tok = causal_lm(**keys)
+    assert type(model).__name__ == "GPT2LMHeadModel" and model.config.n_layer == 2
+    vocab = transformers.AutoTokenizer.from_pretrained(local).get_vocab()
+    assert tok.get_vocab() == tokenizer_for(**keys).get_vocab() == vocab
+
+
 def test_refuses_a_missing_local_weights_directory(tmp_path, no_build):
     """Regression: a missing model.weights path was a Hydra traceback after preflight (exit 1, run dir left)."""
     refused(tmp_path, f"model.weights={tmp_path}/nonexistent", "model.gguf=null", key="model.weights",

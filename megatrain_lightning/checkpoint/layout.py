@@ -48,11 +48,15 @@ EXTRA_DIR = "extra"  # the LightningModule's state_dict tensors outside its Hugg
 
 
 def hf_model_of(module: nn.Module, whole: bool = True) -> tuple[str, nn.Module] | None:
-    """``(prefix, model)`` of the single Hugging Face (or peft) model of ``module``; ``None`` if there is none, or
-    (``whole``: the format-1 layout) if a state_dict tensor lies outside it."""
+    """``(prefix, model)`` of the Hugging Face (or peft) model of ``module``: the single one, or of several the single
+    one with trainable parameters (a policy beside a frozen reference copy, as ``DPOModule(reference="copy")``);
+    ``None`` if there is none or no such one, or (``whole``: the format-1 layout) if a state_dict tensor lies outside
+    it."""
     from ..blocks import find_hf_models
 
     models = find_hf_models(module)
+    if len(models) > 1:
+        models = [m for m in models if any(p.requires_grad for p in m.parameters())]
     if len(models) != 1:
         return None
     hf = models[0]

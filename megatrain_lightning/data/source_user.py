@@ -27,6 +27,7 @@ Rules (all tested in ``tests/test_data.py``):
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -173,9 +174,15 @@ def _directory_files(root: Path, shape: str, quiet: bool = False) -> list[Path]:
         else:
             keep.append(p)
     if skipped and not quiet:
-        log.info("%s: read %d file(s) of types %s; skipped %d other file(s): %s", root, len(keep), sorted(readable),
-                 len(skipped), ", ".join(skipped[:20]) + (" ..." if len(skipped) > 20 else ""))
+        _log_skipped(root, len(keep), tuple(sorted(readable)), tuple(skipped))
     return keep
+
+
+@functools.lru_cache(maxsize=None)
+def _log_skipped(root: Path, kept: int, readable: tuple[str, ...], skipped: tuple[str, ...]) -> None:
+    """Log the files a directory source leaves out, once per process (preflight and the data module both list it)."""
+    log.info("%s: read %d file(s) of types %s; skipped %d other file(s): %s", root, kept, list(readable),
+             len(skipped), ", ".join(skipped[:20]) + (" ..." if len(skipped) > 20 else ""))
 
 
 def _hf_module(dataset_id: str) -> Any:

@@ -354,8 +354,8 @@ def _devices_ok(value: Any) -> bool:
 
 
 def local_model_config(model: Mapping[str, Any]) -> tuple[Path, Any] | None:
-    """``(directory, transformers config)`` of the local model the run loads (``model.weights`` a directory and
-    no ``model.gguf``, which would win), read from its ``config.json`` (no weights loaded, nothing downloaded);
+    """``(directory, transformers config)`` of the local model the run loads (``model.weights`` a directory; it
+    wins over ``model.gguf``), read from its ``config.json`` (no weights loaded, nothing downloaded);
     ``None`` for a hub id, a GGUF or a random initialisation (``model.config``).
 
     Raises:
@@ -363,7 +363,7 @@ def local_model_config(model: Mapping[str, Any]) -> tuple[Path, Any] | None:
             ``config.json`` transformers cannot read.
     """
     weights = model.get("weights")
-    if not weights or model.get("gguf") or not isinstance(weights, str):
+    if not weights or not isinstance(weights, str):
         return None
     d = Path(weights).expanduser()
     if not (d.is_absolute() or weights.startswith((".", "~")) or d.exists() or Path(d.parts[0]).exists()):

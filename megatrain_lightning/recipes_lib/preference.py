@@ -28,6 +28,7 @@ from ..data.formatting import generation_prompt
 from ..data.probes import biomedical_probe
 from ..preference import DPOModule, PreferenceDataError, PreferenceDataset, collate_pairs
 from .checks import ConfigError, check_keys
+from .console import RecipeProgressBar
 from .models import tokenizer_for
 from .results import format_table, peak_rss_bytes
 from .run import inference_weights, optimizer_kwargs
@@ -282,13 +283,15 @@ def report(cfg: DictConfig, trainer: pl.Trainer, before: dict[str, float], after
 
 
 def build_trainer(cfg: DictConfig, history: StepHistory) -> pl.Trainer:
-    """The Trainer: ``cfg.trainer`` keyword arguments, ``cfg.strategy``, a CSV logger under ``<output_dir>/logs``."""
+    """The Trainer: ``cfg.trainer`` keyword arguments, ``cfg.strategy``, a CSV logger under ``<output_dir>/logs``, the
+    recipes' progress bar (as ``recipes/finetune.py``'s)."""
     from hydra.utils import instantiate
     from lightning.pytorch.loggers import CSVLogger
 
     kw = OmegaConf.to_container(cfg.trainer, resolve=True)
+    bar = [RecipeProgressBar()] if kw.get("enable_progress_bar", True) else []
     return pl.Trainer(strategy=instantiate(cfg.strategy), logger=CSVLogger(str(Path(cfg.output_dir) / "logs")),
-                      callbacks=[history], default_root_dir=cfg.output_dir, **kw)
+                      callbacks=[history, *bar], default_root_dir=cfg.output_dir, **kw)
 
 
 def fit(trainer: pl.Trainer, module: DPOModule, data: PreferenceData) -> dict[str, Any]:
