@@ -1,18 +1,14 @@
 """``MegaTrainPrecision``: the precision plugin of the ``megatrain`` strategy.
 
 Master weights, gradient accumulators and AdamW states are fp32 on the host in every mode; the precision only
-decides what crosses the link and how the device computes (each mode's dtypes, and what is rounded under
-``bf16-mixed`` / ``16-mixed`` with the limitation: docs/guide/precision.md). The mixed modes give exactly Lightning's
-own numbers: only *castable* weights (:func:`~megatrain_lightning.engine.wire.autocast_casts`) travel in bf16/fp16,
-and the device rebuilds the slab in fp32. ``"bf16-true"`` keeps fp32 masters, unlike Lightning's.
+decides what crosses the link and how the device computes (docs/guide/precision.md). The mixed modes give exactly
+Lightning's own numbers: only *castable* weights (:func:`~megatrain_lightning.engine.wire.autocast_casts`) travel in
+bf16/fp16, and the device rebuilds the slab in fp32. ``"bf16-true"`` keeps fp32 masters, unlike Lightning's.
 
 ``"16-mixed"`` uses dynamic loss scaling with ``torch.amp.GradScaler``'s semantics (init 2**16, x0.5 on inf/NaN,
 x2 after 2000 clean steps): gradients are unscaled on the host before ``on_before_optimizer_step`` and clipping; a
 step with inf/NaN gradients is skipped without touching weights or AdamW state. The scaler state is in
 :meth:`state_dict` (saved in Lightning checkpoints).
-
-Lightning's connector builds its generic plugin from ``precision=`` and the strategy converts it with
-:func:`to_megatrain_precision`.
 """
 
 from __future__ import annotations
@@ -125,11 +121,6 @@ class MegaTrainPrecision(Precision):
         self.device_type = device_type
         engine.configure_precision(self.wire_dtype, self.param_dtype, self.grad_dtype)
 
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        """dtype of the streamed weight copies (under the mixed modes: of the castable weights only)."""
-        return self.wire_dtype
-
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """``"bf16-true"``: the module's floating-point buffers (e.g. a rotary ``inv_freq``) cast to bf16 in place,
         as Lightning's ``HalfPrecision`` casts the whole module; the parameters stay the fp32 masters (each block's
@@ -142,17 +133,14 @@ class MegaTrainPrecision(Precision):
         return module
 
     # ------------------------------------------------------------------ contexts
-    def autocast_context(self) -> contextlib.AbstractContextManager:
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device_type, dtype=self.autocast_dtype)
-
     def forward_context(self) -> contextlib.AbstractContextManager:
         """Autocast around training/validation/test/predict steps for the mixed modes; under ``"bf16-true"``
         bf16 as torch's default dtype (tensors the step creates are bf16), as Lightning's ``HalfPrecision``."""
         if self.precision == "bf16-true":
             return _DtypeContextManager(torch.bfloat16)
-        return self.autocast_context()
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.autocast_dtype)
 
     def convert_input(self, data: Any) -> Any:
         """``"bf16-true"``: the batch's floating-point tensors cast to bf16, as ``HalfPrecision``; else unchanged."""

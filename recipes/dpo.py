@@ -36,11 +36,11 @@ def dpo(cfg: DictConfig) -> dict:
 
     pl.seed_everything(cfg.seed, workers=True)
     tokenizer = timed("preflight", step.preflight, cfg)    # tokenizer, every pair encoded and checked, the planner
+    history = step.StepHistory()
+    trainer = step.build_trainer(cfg, history)             # Lightning's own checks of trainer.*, before the model loads
     data = timed("build_data", step.build_pairs, cfg, tokenizer)
     model, tokenizer = timed("build_model", run.build_model, cfg)
-    module = step.build_module(cfg, model)
-    history = step.StepHistory()
-    trainer = step.build_trainer(cfg, history)
+    module = step.build_module(cfg, model, tokenizer)
     before = timed("evaluate_before", step.evaluate, cfg, trainer, module, data, tokenizer)
     result = timed("fit", step.fit, trainer, module, data)  # the reference pass runs at its start
     ckpt = timed("save", run.save, cfg, trainer)

@@ -36,11 +36,11 @@ def finetune(cfg: DictConfig) -> dict:
         return out
 
     resumed = timed("preflight", step.preflight, cfg)     # config keys, data, paths, memory, the checkpoint `resume` names
+    trainer, history = step.build_trainer(cfg)              # Lightning's own checks of trainer.*, before the model loads
     pl.seed_everything(cfg.seed, workers=True)
     model, tok = timed("build_model", step.build_model, cfg)
     dm = timed("build_data", step.build_data, cfg, tok)
     lm = step.build_module(cfg, model, tok)
-    trainer, history = step.build_trainer(cfg)
     with step.closing_loggers(trainer):                     # a wandb run ends here, also on an error
         # resumed: "before" is of the weights the run continues from
         before = timed("evaluate_before", step.evaluate, trainer, lm, dm, resumed) if cfg.eval.before else {}

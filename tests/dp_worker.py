@@ -27,12 +27,22 @@ class KillInBackward(pl.Callback):
     """``--kill-rank R --kill-at-step S``: global rank R SIGKILLs itself in the middle of optimizer step S (in
     ``on_after_backward`` of the step's first micro-batch: the others wait for it in the node's collectives, the
     commit of the hooks' gradient edits or the next micro-batch's gradient reduce); it writes ``OUT/killed_<R>``
-    (its pid) first. ``hang``: it sleeps 10 minutes instead (a rank that hangs)."""
+    (its pid) first. ``hang``: it sleeps 10 minutes instead (a rank that hangs). ``before_forward``: in
+    ``on_train_batch_start`` of the step's first micro-batch instead (the others wait for its slab updates in shared
+    memory)."""
 
-    def __init__(self, rank: int, step: int, out: Path, hang: bool = False):
-        self.rank, self.step, self.out, self.hang = rank, step, out, hang
+    def __init__(self, rank: int, step: int, out: Path, hang: bool = False, before_forward: bool = False):
+        self.rank, self.step, self.out, self.hang, self.before_forward = rank, step, out, hang, before_forward
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args) -> None:
+        if self.before_forward:
+            self._kill(trainer)
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.before_forward:
+            self._kill(trainer)
+
+    def _kill(self, trainer: pl.Trainer) -> None:
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
             (self.out / f"killed_{self.rank}").write_text(str(os.getpid()))
             if self.hang:
@@ -144,6 +154,7 @@ def main() -> None:
     ap.add_argument("--kill-rank", type=int, default=None, help="this global rank SIGKILLs itself ...")
     ap.add_argument("--kill-at-step", type=int, default=3, help="... in the backward of this optimizer step")
     ap.add_argument("--hang", action="store_true", help="--kill-rank sleeps (10 min) instead of dying")
+    ap.add_argument("--kill-before-forward", action="store_true", help="--kill-rank dies before the step's forward")
     ap.add_argument("--timeout", type=float, default=60.0, help="the strategy's timeout= (seconds)")
     ap.add_argument("--mismatch", default="", help="comma-separated, on local rank 1 only: model (one more layer), "
                     "accumulate (one more micro-batch), lookahead (2), lr (twice)")
@@ -187,7 +198,7 @@ def main() -> None:
                          callbacks=([ModelCheckpoint(dirpath=args.model_checkpoint, every_n_train_steps=1, save_last=True,
                                                      save_top_k=2, monitor="step", mode="max")]
                                     if args.model_checkpoint else [])
-                         + ([KillInBackward(args.kill_rank, args.kill_at_step, out, args.hang)]
+                         + ([KillInBackward(args.kill_rank, args.kill_at_step, out, args.hang, args.kill_before_forward)]
                             if args.kill_rank is not None else [])
                          + ([EditGrads(args.grad_edit)] if args.grad_edit else [])
                          + ([SummonEdit()] if args.summon_edit else [])

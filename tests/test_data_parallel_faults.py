@@ -85,6 +85,19 @@ def test_a_sigkilled_rank_stops_the_other_with_its_name(tmp_path, victim):
     assert not (tmp_path / "weights.pt").exists()
 
 
+def test_a_rank_killed_before_its_forward_stops_the_other_with_a_peer_failure(tmp_path):
+    """Rank 1 SIGKILLs itself before the forward of optimizer step 2; rank 0, waiting in shared memory for the
+    updates of the slabs rank 1 owns, stops with ``PeerFailure`` naming it (the exception the docs promise for a
+    dead rank, whichever wait sees it first)."""
+    proc = launch(tmp_path, "--steps", "6", "--kill-rank", "1", "--kill-at-step", "2", "--kill-before-forward",
+                  "--timeout", str(TIMEOUT), timeout=120 + TIMEOUT)
+    out = proc.stdout + proc.stderr
+    assert (tmp_path / "killed_1").exists() and proc.returncode != 0, out[-4000:]
+    assert "PeerFailure: megatrain: rank 1" in out and "OwnerTimeout" not in out, out[-6000:]
+    assert "resume from the last checkpoint" in out.lower()
+    assert running_with(str(tmp_path)) == []
+
+
 def test_the_run_resumes_exactly_from_the_last_checkpoint_before_the_kill(tmp_path):
     """2 ranks checkpoint every optimizer step (ModelCheckpoint, save_last, the last two kept); rank 1 is SIGKILLed in step 6 (after
     the step-5 checkpoint); rank 0 stops with the named error. ``fit(ckpt_path="last")`` in one process (global batch

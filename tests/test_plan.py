@@ -1080,3 +1080,29 @@ def test_long_sequences_guide_table_is_the_planners():
     assert len(rows) == len(models) * len(hardware) == 9
     printed = [ln for ln in r.stdout.splitlines() if re.match(r"\| llama\d+b \|", ln)]
     assert rows == printed
+
+
+def test_pinned_rounding_of_offloaded_inputs_is_per_input():
+    """torch's pinned allocator rounds each offloaded block input (``seq_len x hidden x 4`` bytes: under bf16-mixed
+    the hidden states between layers stay fp32; one tensor per layer and the head's) up to a power of two: nothing at a power-of-two ``seq_len``, a doubling one
+    token later. The token ids are a tensor of their own and do not push the inputs past the power of two."""
+    key = "pinned pow2 rounding (offloaded inputs)"
+    p = plan(load_model("llama8b"), load_hardware("h100"), offload_activations=True, batch_size=1, seq_len=65536)
+    assert p.settings["precision"] == "bf16-mixed" and p.host.get(key, 0) == 0
+    q = replan(p, seq_len=65537)
+    per_input = 65537 * 4096 * 4
+    assert q.host[key] == 33 * (2 * 65536 * 4096 * 4 - per_input) + (2 ** 20 - 8 * 65537)
+
+
+def test_offload_optimizer_moves_the_gradient_accumulators_as_in_the_strategy():
+    """``MegaTrainStrategy(offload_optimizer="nvme")`` puts the moments and the gradient accumulators on NVMe:
+    ``offload_optimizer=nvme`` alone plans that; another ``offload_grads`` is planned with a warning."""
+    model, hw = load_model("llama8b"), load_hardware("h200")
+    alone = plan(model, hw, offload_optimizer="nvme")
+    both = plan(model, hw, offload_optimizer="nvme", offload_grads="nvme")
+    assert alone.settings["offload_grads"] == "nvme" and (alone.host, alone.nvme) == (both.host, both.nvme)
+    assert not alone.warnings
+    split = plan(model, hw, offload_optimizer="nvme", offload_grads="cpu")
+    assert split.host != both.host and any("does not offer" in w for w in split.warnings)
+    r = _cli("model=llama8b", "hardware=h200", "offload_optimizer=nvme")
+    assert r.returncode == 0 and "offload params/optimizer/grads=cpu/nvme/nvme" in r.stdout, r.stdout[-2000:]

@@ -131,6 +131,46 @@ def refused(tmp_path, *overrides, key, match=None):
     return str(err.value)
 
 
+@pytest.mark.parametrize("override, key, match", [
+    ("eval.before=off", "eval.before", "must be true or false; got 'off'"),
+    ("checkpoint.save_optimizer=no", "checkpoint.save_optimizer", "must be true or false; got 'no'"),
+    ("trainer.log_every_n_steps=x", "trainer.log_every_n_steps", "must be a positive int"),
+])
+def test_refuses_words_for_yes_no_and_numbers(tmp_path, no_build, override, key, match):
+    """Hydra reads only true/false as booleans: ``eval.before=off`` stayed the string "off", which counted as true."""
+    refused(tmp_path, override, key=key, match=match)
+
+
+def test_refuses_a_trainer_value_lightning_refuses_before_the_build(tmp_path, no_build):
+    """``trainer.*`` values are Lightning's to check; the Trainer is built before the model, so its refusal costs
+    no model load and is one line naming ``trainer``."""
+    refused(tmp_path, "trainer.gradient_clip_val=abc", key="trainer", match="`gradient_clip_val` should be an int")
+
+
+@pytest.mark.parametrize("recipe, conf, names", [
+    ("finetune", ["finetune.yaml", "data/*.yaml", "trainer/*.yaml"], "FINETUNE_BOOLEANS"),
+    ("dpo", ["dpo.yaml", "trainer/*.yaml"], "DPO_BOOLEANS"),
+])
+def test_the_checked_yes_no_keys_are_the_configs(recipe, conf, names):
+    """Every key whose value in ``conf/`` is true or false is checked as one (and no other)."""
+    from megatrain_lightning.recipes_lib import checks, preference
+
+    found = set()
+
+    def walk(node, prefix):
+        for k, v in node.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            elif isinstance(v, bool):
+                found.add(f"{prefix}{k}")
+
+    for pattern in conf:
+        for path in Path(CONF).glob(pattern):
+            prefix = "" if "/" not in pattern else pattern.split("/")[0] + "."
+            walk(OmegaConf.to_container(OmegaConf.load(path)), prefix)
+    assert found == set(getattr(checks if recipe == "finetune" else preference, names))
+
+
 def test_refuses_unknown_strategy_option(tmp_path, no_build):
     msg = refused(tmp_path, "+strategy.lookahaed=2", key="strategy.lookahaed")
     assert "did you mean strategy.lookahead" in msg
@@ -769,7 +809,7 @@ def test_dpo_default_optim_is_its_adamw(tmp_path):
     with open_dict(cfg):
         cfg.dpo.cache_dir = str(tmp_path)
     model = _tiny_llama()
-    opt = build_module(cfg, model).configure_optimizers()
+    opt = build_module(cfg, model, None).configure_optimizers()
     assert type(opt) is torch.optim.AdamW and len(opt.param_groups) == 1
     assert {k: opt.param_groups[0][k] for k in ("lr", "betas", "weight_decay")} == \
         {"lr": 5e-5, "betas": (0.9, 0.999), "weight_decay": 0.0}

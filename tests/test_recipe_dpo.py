@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import transformers
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
@@ -56,6 +57,8 @@ def test_offline_default_runs_every_step_and_writes_results(tmp_path, gpt2_dir):
     assert {"val_loss", "val_rewards/accuracies", "probe/exact_match"} <= set(after)
     assert 0.0 <= after["probe/exact_match"] <= 1.0
     assert (run / "checkpoint" / "model" / "config.json").is_file()  # a Hugging Face directory
+    assert transformers.AutoTokenizer.from_pretrained(run / "checkpoint" / "model").get_vocab() == \
+        transformers.AutoTokenizer.from_pretrained(gpt2_dir).get_vocab()  # with its tokenizer
     assert len(list((tmp_path / "cache").glob("*.pt"))) == 2  # the training and the validation pairs
     assert saved["sample"]["prompt"].startswith("What is the MeSH category of")
 
@@ -93,6 +96,13 @@ def test_user_jsonl_with_a_missing_field_is_refused_before_the_model(tmp_path, g
     ("dpo.sft_weight=-1", "sft_weight must be a number >= 0"),
     ("+preference.max_lenght=64", r"preference.max_lenght: unknown option.*did you mean preference.max_length\?"),
     ("+dpo.bta=1", r"dpo.bta: unknown option.*did you mean dpo.beta\?"),
+    ("dpo.beta=abc", r"beta must be > 0 \(a number\), got 'abc'"),
+    ("preference.batch_size=abc", r"preference.batch_size: must be a positive int"),
+    ("preference.max_length=abc", r"preference.max_length: must be an int >= 2"),
+    ("probe.max_items=abc", r"probe.max_items: must be an int >= 0"),
+    ("preference.val_fraction=2", r"preference.val_fraction: must be a number in \[0, 1\)"),
+    ("checkpoint.save_final=no", r"checkpoint.save_final: must be true or false; got 'no'"),
+    ("trainer.val_check_interval=abc", r"trainer: Invalid time format for `val_check_interval`"),
 ])
 def test_bad_options_are_refused_before_the_model(tmp_path, gpt2_dir, monkeypatch, override, message):
     built = []

@@ -97,6 +97,29 @@ def test_local_weights_win_over_the_presets_gguf(tmp_path, gpt2_dir, no_build, m
     assert tok.get_vocab() == tokenizer_for(**keys).get_vocab() == vocab
 
 
+def test_model_config_overrides_with_local_weights_are_refused(tmp_path):
+    """``model.config.*`` overrides beside ``model.weights`` were ignored (the weights' config.json builds the
+    model), so the run trained another model than asked; the command line is refused, exit 2, naming the key."""
+    import os
+    import subprocess
+    import sys
+
+    from megatrain_lightning.recipes_lib.checks import ConfigError, refuse_config_with_weights
+
+    local = _local_gpt2(tmp_path / "gpt2")
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "recipes" / "finetune.py"), f"model.weights={local}",
+                        "model.config.hidden_size=64", f"hydra.run.dir={tmp_path / 'out'}"], capture_output=True,
+                       text=True, env={**os.environ, "PYTHONPATH": str(root)}, cwd=tmp_path, timeout=300)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert f"error: model.config.hidden_size: does not apply with model.weights={local}" in r.stderr
+    assert not (tmp_path / "out").exists()
+    refuse_config_with_weights({"weights": None}, ["model.config.hidden_size=64"])  # a random init takes them
+    refuse_config_with_weights({"weights": str(local)}, ["trainer.max_steps=3"])
+    with pytest.raises(ConfigError, match="model.config.num_hidden_layers: does not apply"):
+        refuse_config_with_weights({"weights": "org/name"}, ["+model.config.num_hidden_layers=3"])
+
+
 def test_refuses_a_missing_local_weights_directory(tmp_path, no_build):
     """Regression: a missing model.weights path was a Hydra traceback after preflight (exit 1, run dir left)."""
     refused(tmp_path, f"model.weights={tmp_path}/nonexistent", "model.gguf=null", key="model.weights",

@@ -1,13 +1,6 @@
 """Moving a finished checkpoint directory into place atomically, and cleaning up after killed saves
-(docs/internals/checkpoints.md, "Atomic save").
-
-A checkpoint is written into a hidden sibling (:func:`temporary_path`) whose name stays under 110 bytes whatever
-the final name's length, so every name the filesystem allows (:func:`check_name_length`) can be saved.
-:func:`put_in_place` uses ``rename(2)`` when the name is free; otherwise (``rename(2)`` cannot replace a non-empty
-directory) it swaps the two entries with ``renameat2(RENAME_EXCHANGE)`` (ext4, xfs, btrfs, tmpfs; Linux >= 3.15,
-glibc >= 2.28) and removes the old one: the final name always holds the old or the new checkpoint, complete.
-Without the exchange (e.g. NFS, another OS) the old entry is renamed aside first (:func:`aside_path`), leaving a
-window of two renames with no checkpoint under the final name; :func:`clean_stale` puts it back on the next save.
+(docs/internals/checkpoints.md, "Atomic save"). ``renameat2(RENAME_EXCHANGE)`` needs Linux >= 3.15, glibc >= 2.28
+and a filesystem that has it (ext4, xfs, btrfs, tmpfs); elsewhere (NFS, another OS) the old entry is renamed aside.
 """
 
 from __future__ import annotations
@@ -138,8 +131,9 @@ def remove(path: Path) -> None:
 
 
 def put_in_place(tmp: Path, final: Path) -> None:
-    """Make the finished directory ``tmp`` the entry ``final``, replacing whatever is there, as the module
-    docstring describes; then fsync the parent.
+    """Make the finished directory ``tmp`` the entry ``final``, replacing whatever is there: ``rename(2)`` when the
+    name is free, else the exchange (the old entry then removed), else the old entry renamed aside first (a window
+    of two renames with nothing under ``final``, which :func:`clean_stale` repairs); then fsync the parent.
 
     Raises:
         OSError: a rename failed (``final`` still holds the old entry).
@@ -150,8 +144,7 @@ def put_in_place(tmp: Path, final: Path) -> None:
         remove(tmp)
     else:
         old = aside_path(final)
-        if os.path.lexists(old):
-            remove(old)
+        remove(old)  # an earlier save with this process id may have left one
         os.rename(final, old)
         os.rename(tmp, final)
         remove(old)

@@ -82,7 +82,7 @@ def save_checkpoint_dir(path: str | os.PathLike, checkpoint: dict[str, Any], mod
         checkpoint: Lightning's checkpoint dict; its ``state_dict`` and ``optimizer_states`` entries
             are ignored (tensors are read from the host store instead).
         module: the LightningModule (its parameters are views of the store, flushed).
-        engine: the streaming engine (for the AdamW state).
+        engine: the streaming engine, whose store the weights and AdamW state are read from.
         tokenizer: written into the Hugging Face model folder when given.
         max_shard_bytes: shard size of the safetensors files (bytes).
         coop: data parallel: every rank calls this and writes the slabs it owns (:func:`_save_together`).
@@ -115,10 +115,9 @@ def save_checkpoint_dir(path: str | os.PathLike, checkpoint: dict[str, Any], mod
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        if engine is not None and engine.host_memory_limit is not None:  # tensors are copies read through the window
+        if engine.host_memory_limit is not None:  # tensors are copies read through the window
             max_shard_bytes = max(2**26, min(max_shard_bytes, engine.host_memory_limit // 8))
-        read = engine.params.reader() if engine is not None else (lambda t: t.detach())
-        parts = _write_parts(tmp, layout, read, tokenizer, max_shard_bytes)
+        parts = _write_parts(tmp, layout, engine.params.reader(), tokenizer, max_shard_bytes)
         has_opt = "optimizer_states" in checkpoint and engine.optimizer is not None
         if has_opt:
             write_safetensors_shards(tmp / "optimizer", engine.params.named_optimizer_state(module),
@@ -161,10 +160,9 @@ def _finish(final: Path, tmp: Path, checkpoint: dict[str, Any], module: nn.Modul
             parts: list[str], has_opt: bool) -> None:
     """Check what was written, add ``trainer.pt`` and ``megatrain.json``, move ``tmp`` to ``final`` atomically."""
     verify_written(tmp, layout.tensors)
-    if has_opt:
-        parts.append("optimizer")
     meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     if has_opt:
+        parts.append("optimizer")
         meta["megatrain_param_groups"] = engine.optimizer.param_groups_meta(module)
     elif "optimizer_states" in checkpoint:  # saved with no optimizer (after trainer.validate): as plain Lightning,
         meta["optimizer_states"] = []  # an empty list, so fit from it starts a fresh optimizer (not "weights only")
@@ -325,14 +323,10 @@ def _format1_keys(module: nn.Module) -> dict[str, tuple[str, str]]:
     return {n: ("model", source_key(hf, n[cut:])) for n in names}
 
 
-def load_checkpoint_dir(path: str | os.PathLike, module: nn.Module, engine: Any = None,
-                        strict: bool = True) -> dict[str, Any]:
+def load_checkpoint_dir(path: str | os.PathLike, module: nn.Module, engine: Any, strict: bool = True) -> dict[str, Any]:
     """Verify a checkpoint directory, copy its tensors into the module one at a time (parameters into the
-    engine's store, persistent buffers in place), and return Lightning's metadata dict.
-
-    The returned ``state_dict`` is ``{}`` (also in ``LightningModule.on_load_checkpoint``): the weights are already
-    in the module, and one dict of them would need the whole model in memory. To rename or edit weights, convert
-    the checkpoint's safetensors or edit the parameters in ``on_fit_start``.
+    engine's store, persistent buffers in place), and return Lightning's metadata dict, whose ``state_dict`` is
+    ``{}`` (docs/guide/checkpoints.md, "``on_load_checkpoint`` and ``on_save_checkpoint``").
 
     Args:
         strict: ``LightningModule.strict_loading``; ``False``: tensors the checkpoint lacks keep their values and
@@ -370,10 +364,8 @@ def load_checkpoint_dir(path: str | os.PathLike, module: nn.Module, engine: Any 
                     raise CheckpointError(f"Checkpoint {p}: buffer {name} has shape {tuple(value.shape)}, the "
                                           f"module's {tuple(t.shape)}.")
                 t.copy_(value)
-            elif engine is not None:
-                engine.write_param(t, value)  # either tier, one tensor at a time
             else:
-                t.copy_(value)
+                engine.write_param(t, value)  # either tier, one tensor at a time
     meta["state_dict"] = {}
     if info["has_optimizer"]:  # absent otherwise, so Lightning's resume refuses a weights-only checkpoint by name
         meta["optimizer_states"] = [{}]

@@ -84,12 +84,10 @@ def _build_key_map(model: torch.nn.Module, source: SafetensorsSource) -> dict[st
             converted.setdefault(name, []).append(k)
         elif name in meta_sd:
             key_map.setdefault(name, k)
-    ties = _tied_targets(model)
-    for target, src in ties.items():
+    for target, src in _tied_targets(model).items():
         if target not in key_map and src in key_map:
             key_map[target] = key_map[src]
-    params = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-    missing = [n for n in params if n not in key_map]
+    missing = [n for n, _ in model.named_parameters(remove_duplicate=False) if n not in key_map]
     if missing:
         fused = [n for n in missing if n in converted]
         msg = (f"The checkpoint at {source.root} does not hold {len(missing)} parameter(s) of "
@@ -191,17 +189,13 @@ def source_key(model: torch.nn.Module, param_name: str) -> str:
     Raises:
         KeyError: ``param_name`` is not a parameter/persistent buffer of ``model`` (nearby names listed).
     """
-    key_map = getattr(model, "_megatrain_key_map", None)
-    if key_map is not None:
-        if param_name in key_map:
-            return key_map[param_name]
-        raise KeyError(f"{param_name!r} is not a parameter of {type(model).__name__} found in its checkpoint; "
-                       f"nearby names: {_close(param_name, key_map)}")
-    saved = saved_names(model)
-    if param_name not in saved:
-        raise KeyError(f"{param_name!r} is not a parameter or persistent buffer of {type(model).__name__}; "
-                       f"nearby names: {_close(param_name, saved)}")
-    return saved[param_name]
+    keys = getattr(model, "_megatrain_key_map", None)
+    what = "a parameter of {} found in its checkpoint" if keys is not None else "a parameter or persistent buffer of {}"
+    keys = keys if keys is not None else saved_names(model)
+    if param_name not in keys:
+        raise KeyError(f"{param_name!r} is not {what.format(type(model).__name__)}; "
+                       f"nearby names: {_close(param_name, keys)}")
+    return keys[param_name]
 
 
 class RandomInitSource:

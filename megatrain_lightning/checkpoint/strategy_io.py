@@ -73,8 +73,8 @@ class StrategyCheckpoints:
         filepath = local_path(filepath)
         st.engine.stopped.check("saving a checkpoint", CheckpointError)
         check_name_length(Path(filepath))
-        if st.engine.grads.step_partly_applied() and self.defer(checkpoint, filepath):
-            return
+        if st.engine.grads.step_partly_applied():
+            return self.defer(checkpoint, filepath)
         if "current_model_state" in checkpoint:  # Lightning's WeightAveraging put its average in state_dict
             raise CheckpointError(
                 "megatrain: the checkpoint's state_dict holds averaged weights (Lightning's WeightAveraging / "
@@ -95,12 +95,12 @@ class StrategyCheckpoints:
         with keys_only():  # the writer reads values from the store; peft lists some keys through state_dict()
             save_checkpoint_dir(filepath, checkpoint, st.lightning_module, st.engine, tokenizer=tokenizer, coop=coop)
 
-    def defer(self, checkpoint: dict[str, Any], filepath: Any) -> bool:
+    def defer(self, checkpoint: dict[str, Any], filepath: Any) -> None:
         """Defer a save asked for while an ``optimizer_in_backward`` backward has updated only part of the model
         (from a backward hook or a signal handler such as SLURM auto-requeue): resumed, that step would be applied
         twice to part of the model (weights 40% off). During fit it is written by :meth:`save_deferred` at the end
         of this optimizer step (the first callback's ``on_train_batch_end``, where ``ModelCheckpoint`` saves too),
-        in the order asked (a second save to one path replaces the first), and ``True`` returned.
+        in the order asked (a second save to one path replaces the first).
 
         Raises:
             CheckpointError: not during fit (e.g. an emergency save after an error mid-backward): no consistent
@@ -119,7 +119,6 @@ class StrategyCheckpoints:
                        "applies the optimizer updates as it goes (optimizer_in_backward): part of the model is already "
                        "at the next step. It is written at the end of this optimizer step instead (one step later); "
                        "if the step does not finish, nothing is written.")
-        return True
 
     def drop_deferred(self) -> None:
         """Forget the saves :meth:`defer` put off (asked for in a step that was stopped: never written)."""
@@ -261,7 +260,7 @@ class StrategyCheckpoints:
                 st.flush()
                 load_lightning_optimizer({"optimizer_states": [raw]}, st.engine.optimizer, source=str(path))
             return {}
-        if isinstance(state, Mapping) is False or not state:
+        if not isinstance(state, Mapping) or not state:
             raise ValueError("megatrain: fabric.load(path, state) needs the state to restore, e.g. "
                              "{'model': model, 'optimizer': optimizer}: a directory checkpoint's tensors go straight "
                              "into the strategy's host store, not into a returned dict. To read the weights, "

@@ -67,34 +67,6 @@ WRITTEN_WHILE_PENDING = (
     "on_train_batch_start, an optimizer_step override after optimizer.step()), or set overlap_optimizer=False.")
 
 
-def validate_optimizer(optimizer: torch.optim.Optimizer) -> bool:
-    """Check that the host AdamW kernel can step ``optimizer``; return ``True`` for decoupled weight decay (AdamW).
-    Other optimizers run their own step (``optim/host_generic.py``).
-
-    Raises:
-        UnsupportedOptimizerError: another optimizer class, or ``amsgrad``/``maximize``/``differentiable`` set.
-    """
-    if type(optimizer) is torch.optim.AdamW:
-        decoupled = True
-    elif type(optimizer) is torch.optim.Adam:
-        decoupled = bool(optimizer.defaults.get("decoupled_weight_decay", False))
-    else:
-        raise UnsupportedOptimizerError(
-            f"the host AdamW kernel steps {SUPPORTED}; got "
-            f"{type(optimizer).__module__}.{type(optimizer).__qualname__} (other optimizers run their own step on "
-            "the host: megatrain_lightning.optim.host_generic.make_host_optimizer)."
-        )
-    for i, g in enumerate(optimizer.param_groups):
-        for key in ("amsgrad", "maximize", "differentiable"):
-            if g.get(key, False):
-                raise UnsupportedOptimizerError(
-                    f"param_groups[{i}] sets {key}=True, which the host AdamW kernel ({SUPPORTED}) does not implement. "
-                    f"Set {key} in configure_optimizers' param groups (the optimizer then runs its own step on the "
-                    "host) rather than in a group added during fit."
-                )
-    return decoupled
-
-
 class HostAdamW:
     """Host-side AdamW over the slabs of a :class:`HostStore`.
 
@@ -116,7 +88,7 @@ class HostAdamW:
     flat tensor per slab) and ``step`` (fp32 scalar tensor), as ``torch.optim.AdamW`` keeps them.
 
     Raises:
-        UnsupportedOptimizerError: see :func:`validate_optimizer`.
+        UnsupportedOptimizerError: see :meth:`_validate`.
     """
 
     def __init__(self, store: HostStore, optimizer: torch.optim.Optimizer, overlap: bool = True, transport: Any = None,
@@ -126,6 +98,7 @@ class HostAdamW:
         self.store = store
         self.optimizer = optimizer
         self.overlap = overlap
+        self.on_disk = Region.exp_avg in store.nvme_kinds  # optimizer state on NVMe
         self._where = store.index
         self.group_of: list[list[int]] = []  # group of each (slab, entry); -1 = not optimized
         self._group_members: list[list[int]] | None = None  # ids of each group's parameters when last mapped
@@ -145,7 +118,33 @@ class HostAdamW:
         self._jobs_lock = threading.Lock()
         self._claimed: set[int] = set()  # slabs whose update of the coming step() was scheduled in backward
 
-    _validate = staticmethod(validate_optimizer)  # at construction and whenever the groups change
+    @staticmethod
+    def _validate(optimizer: torch.optim.Optimizer) -> bool:
+        """Check that the host AdamW kernel can step ``optimizer``; return ``True`` for decoupled weight decay (AdamW).
+        Other optimizers run their own step (``optim/host_generic.py``).
+
+        Raises:
+            UnsupportedOptimizerError: another optimizer class, or ``amsgrad``/``maximize``/``differentiable`` set.
+        """
+        if type(optimizer) is torch.optim.AdamW:
+            decoupled = True
+        elif type(optimizer) is torch.optim.Adam:
+            decoupled = bool(optimizer.defaults.get("decoupled_weight_decay", False))
+        else:
+            raise UnsupportedOptimizerError(
+                f"the host AdamW kernel steps {SUPPORTED}; got "
+                f"{type(optimizer).__module__}.{type(optimizer).__qualname__} (other optimizers run their own step on "
+                "the host: megatrain_lightning.optim.host_generic.make_host_optimizer)."
+            )
+        for i, g in enumerate(optimizer.param_groups):
+            for key in ("amsgrad", "maximize", "differentiable"):
+                if g.get(key, False):
+                    raise UnsupportedOptimizerError(
+                        f"param_groups[{i}] sets {key}=True, which the host AdamW kernel ({SUPPORTED}) does not "
+                        f"implement. Set {key} in configure_optimizers' param groups (the optimizer then runs its own "
+                        "step on the host) rather than in a group added during fit."
+                    )
+        return decoupled
 
     # ------------------------------------------------------------------ schedule
     def set_overlap(self, overlap: bool) -> None:
@@ -258,7 +257,6 @@ class HostAdamW:
             except BaseException as e:
                 with self._jobs_lock:
                     self._errors.setdefault(slab_index, e)
-
 
     def _wait_jobs(self) -> None:
         """Wait for every update submitted to the worker (their errors stay recorded)."""
@@ -537,9 +535,8 @@ class HostAdamW:
         if st is None:
             return None
         slab = self.store.slabs[slab_index]
-        copy = Region.exp_avg in self.store.nvme_kinds
         own = self.ownership
-        if copy and own is not None and not own.owns(slab_index):
+        if self.on_disk and own is not None and not own.owns(slab_index):
             raise RuntimeError(
                 f"megatrain: the AdamW state of {slab.entries[entry].ref.fqn} is on the disk of rank "
                 f"{own.global_rank_of(own.owner[slab_index])} (local rank {own.owner[slab_index]}; "
@@ -547,12 +544,13 @@ class HostAdamW:
                 "the blocks it updates). Read it on that rank, or from a directory checkpoint's optimizer/ folder.")
         with self.store.hold(slab_index, [Region.exp_avg, Region.exp_avg_sq]) as t:
             m, v = slab.view(t[Region.exp_avg], entry), slab.view(t[Region.exp_avg_sq], entry)
-            return {"step": st, "exp_avg": m.clone() if copy else m, "exp_avg_sq": v.clone() if copy else v}
+            return {"step": st, "exp_avg": m.clone() if self.on_disk else m,
+                    "exp_avg_sq": v.clone() if self.on_disk else v}
 
     # ------------------------------------------------------------------ checkpoint
     def streams_state(self) -> bool:
         """Whether the state is on NVMe: a checkpoint then writes it slab by slab, never as one dict."""
-        return Region.exp_avg in self.store.nvme_kinds
+        return self.on_disk
 
     def state_dict(self, copy: bool = True) -> dict[str, Any]:
         """State in ``torch.optim.AdamW.state_dict()`` format (parameters numbered in param-group order).
@@ -564,7 +562,7 @@ class HostAdamW:
             RuntimeError: several processes with ``offload_optimizer="nvme"`` (each rank holds only its slabs' state).
         """
         own = self.ownership
-        if own is not None and Region.exp_avg in self.store.nvme_kinds and not all(map(own.owns, range(len(self.store.slabs)))):
+        if own is not None and self.on_disk and not all(map(own.owns, range(len(self.store.slabs)))):
             raise RuntimeError(
                 "megatrain: optimizer.state_dict() is not available with several processes and "
                 "offload_optimizer='nvme': each rank keeps only the AdamW state of the blocks it updates, on its own "
@@ -648,7 +646,8 @@ class HostAdamW:
     # ------------------------------------------------------------------ per-parameter access
     def set_param_state(self, param: torch.Tensor, state: dict[str, Any]) -> None:
         """Set one parameter's state from a ``torch.optim.AdamW``-format entry (``exp_avg``, ``exp_avg_sq``: any float
-        dtype, the parameter's shape; ``step``: a number or a 1-element tensor).
+        dtype, the parameter's shape; ``step``: a number or a 1-element tensor). With several processes and the state
+        on NVMe only the slab's owner writes the moments (they are on its disk).
 
         Raises:
             ValueError: other keys (another optimizer's state), ``param`` not in the store, or a shape differs.
@@ -657,23 +656,9 @@ class HostAdamW:
         if "exp_avg" not in state or "exp_avg_sq" not in state or "step" not in state:
             raise ValueError(f"AdamW state needs exp_avg, exp_avg_sq and step; got {', '.join(sorted(state))}.")
         step = state["step"] if torch.is_tensor(state["step"]) else torch.tensor(float(state["step"]))
-        self.load_param_state(param, state["exp_avg"].float(), state["exp_avg_sq"].float(), step)
-
-    def param_state(self, param: torch.Tensor) -> dict[str, torch.Tensor] | None:
-        """AdamW state of ``param`` (views: ``exp_avg``, ``exp_avg_sq`` fp32 like the parameter,
-        ``step`` fp32 scalar), or ``None`` if it never took a step."""
-        where = self._where.get(id(param))
-        return None if where is None else self.state_for(*where)
-
-    def load_param_state(self, param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                         step: torch.Tensor) -> None:
-        """Set the AdamW state of one parameter (shapes must match the parameter).
-
-        Raises:
-            ValueError: ``param`` is not in the store or a shape differs.
-        """
+        exp_avg, exp_avg_sq = state["exp_avg"].float(), state["exp_avg_sq"].float()
         if id(param) not in self._where:
-            raise ValueError("load_param_state: parameter is not part of the host store.")
+            raise ValueError("set_param_state: parameter is not part of the host store.")
         si, ei = self._where[id(param)]
         slab = self.store.slabs[si]
         e = slab.entries[ei]
@@ -681,11 +666,17 @@ class HostAdamW:
             raise ValueError(f"AdamW state of {e.ref.fqn} has shape {tuple(exp_avg.shape)}, parameter {tuple(e.shape)}.")
         self.pending.pop(si, None)
         own = self.ownership
-        if own is None or own.owns(si) or Region.exp_avg not in self.store.nvme_kinds:  # else: on its owner's disk
+        if own is None or own.owns(si) or not self.on_disk:
             with slab.lock, self.store.hold(si, [Region.exp_avg, Region.exp_avg_sq], write=True) as t:
                 t[Region.exp_avg][e.offset : e.offset + e.numel].copy_(exp_avg.reshape(-1))
                 t[Region.exp_avg_sq][e.offset : e.offset + e.numel].copy_(exp_avg_sq.reshape(-1))
         self.steps[si][ei] = step.detach().reshape(()).float().cpu().clone()
+
+    def param_state(self, param: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """AdamW state of ``param`` (views: ``exp_avg``, ``exp_avg_sq`` fp32 like the parameter,
+        ``step`` fp32 scalar), or ``None`` if it never took a step."""
+        where = self._where.get(id(param))
+        return None if where is None else self.state_for(*where)
 
     def forget_param_state(self, param: torch.Tensor) -> None:
         """Drop the AdamW state of one parameter: its next update starts at step 0 with zero moments, as torch's

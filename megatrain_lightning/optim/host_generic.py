@@ -115,7 +115,6 @@ class HostTorchOptimizer(HostAdamW):
         # (slab, entry) -> the class's state of the parameter (NVMe tier: its 0-d values; the tensors are packed)
         self.state: dict[tuple[int, int], dict[str, Any]] = {}
         self.packed: dict[tuple[int, int], Layout] = {}  # NVMe tier: where each state tensor lives
-        self.on_disk = Region.exp_avg in store.nvme_kinds
         names, var_kw = accepted(type(optimizer).__init__)  # the defaults the constructor takes (all with **kwargs)
         self._ctor = {k: v for k, v in optimizer.defaults.items() if k != "params" and (var_kw or k in names)}
         self._instances: dict[int, tuple[tuple, torch.optim.Optimizer]] = {}  # slab -> (groups' layout, instance)
@@ -296,8 +295,7 @@ class HostTorchOptimizer(HostAdamW):
     def state_for(self, slab_index: int, entry: int) -> dict[str, Any] | None:
         """The class's state of one parameter (``None``: no update yet, or another process owns its slab): live
         tensors (RAM tier) or copies read through the window (NVMe tier)."""
-        key = (slab_index, entry)
-        st = self.state.get(key)
+        st = self.state.get((slab_index, entry))
         if st is None or not self.on_disk:
             return st
         slab = self.store.slabs[slab_index]
@@ -362,15 +360,6 @@ class HostTorchOptimizer(HostAdamW):
             self.packed.pop((si, ei), None)
             with self.store.hold(si, [Region.exp_avg, Region.exp_avg_sq], write=True) as t:
                 self._keep_state(slab, ei, out, (t[Region.exp_avg], t[Region.exp_avg_sq]))
-
-    def load_param_state(self, param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                         step: torch.Tensor) -> None:
-        """AdamW-shaped state (the store's AdamW interface): kept as the class's state with those keys.
-
-        Raises:
-            ValueError: ``param`` is not in the store.
-        """
-        self.set_param_state(param, {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})
 
     def forget_param_state(self, param: torch.Tensor) -> None:
         """Drop one parameter's state: its next update is the class's first (state created afresh)."""

@@ -146,7 +146,6 @@ def copy_tensor(v: torch.Tensor) -> torch.Tensor:
     return v.detach().clone()
 
 
-
 #: suffix of the entry that describes a tensor subclass in a flat name -> tensor mapping (:func:`flatten_named`)
 SUBCLASS_SUFFIX = ".__subclass__"
 

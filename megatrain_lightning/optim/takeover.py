@@ -42,8 +42,15 @@ class OptimizerTakeover:
         orig = opt.zero_grad
 
         def zero_grad(set_to_none: bool = True) -> None:
-            if not set_to_none:
-                warn_zero_grad_kept()
+            global _ZERO_GRAD_WARNED
+            if not set_to_none and not _ZERO_GRAD_WARNED:  # once per process
+                _ZERO_GRAD_WARNED = True
+                rank_zero_warn(
+                    "megatrain: optimizer.zero_grad(set_to_none=False) acts as set_to_none=True here (gradients "
+                    "live in host accumulators): a parameter that gets no gradient in a step is not updated, where "
+                    "torch's AdamW would still apply weight decay and momentum with a zero gradient. Parameters "
+                    "that get a gradient every step are unaffected; for the others use strategy='auto' or give "
+                    "them a gradient every step (e.g. add 0 * their output to the loss).", category=UserWarning)
             orig(set_to_none=set_to_none)
             engine.grads.zero()
             if on_zeroed is not None:
@@ -116,20 +123,6 @@ class OptimizerTakeover:
             opt.__dict__.pop("state_dict", None)
             opt.__dict__.pop("load_state_dict", None)
             self.state_dict_of = None
-
-
-def warn_zero_grad_kept() -> None:
-    """Warn (once per process) that ``optimizer.zero_grad(set_to_none=False)`` acts as ``set_to_none=True`` (the
-    warning says what differs: no update for a parameter without a gradient)."""
-    global _ZERO_GRAD_WARNED
-    if _ZERO_GRAD_WARNED:
-        return
-    _ZERO_GRAD_WARNED = True
-    rank_zero_warn("megatrain: optimizer.zero_grad(set_to_none=False) acts as set_to_none=True here (gradients live "
-                   "in host accumulators): a parameter that gets no gradient in a step is not updated, where "
-                   "torch's AdamW would still apply weight decay and momentum with a zero gradient. Parameters "
-                   "that get a gradient every step are unaffected; for the others use strategy='auto' or give them "
-                   "a gradient every step (e.g. add 0 * their output to the loss).", category=UserWarning)
 
 
 _ZERO_GRAD_WARNED = False

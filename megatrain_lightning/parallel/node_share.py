@@ -18,6 +18,7 @@ from ..store.nvme import NVMeConfig
 from ..store.regions import Region
 from ..store.shared import (SharedMemoryTooSmall, SharedRegions, SharedWireImages, SlabOwnership, check_shm, owners,
                             shared_state_bytes)
+from .faults import PeerFailure
 from .groups import ProcessGroups
 
 SHM_DIR = "/dev/shm"
@@ -87,7 +88,7 @@ class NodeStore:
         self._images += 1
         path = f"{self.path}-wire{self._images}"
         return self._create_and_map(path, lambda create: SharedWireImages(path, nbytes, create, self.pin,
-                                                                          self.timeout_s))
+                                                                          self.timeout_s, PeerFailure))
 
     def _create_and_map(self, path: str, make: Callable[[bool], T]) -> T:
         """``make(create=True)`` on local rank 0, then ``make(create=False)`` on the others; the file is unlinked
@@ -126,7 +127,8 @@ class NodeStore:
 
         return SlabOwnership(owner, g.local_rank, store.shared.counts, self.timeout_s,
                              global_rank_of=lambda r: g.node_rank * g.local_world_size + r,
-                             all_reduce=all_reduce, sync=self._barrier, exited=lambda r: r in g.peers.dead())
+                             all_reduce=all_reduce, sync=self._barrier, exited=lambda r: r in g.peers.dead(),
+                             failure=PeerFailure)
 
 
 def nvme_for_rank(nvme: NVMeConfig, groups: ProcessGroups) -> NVMeConfig:

@@ -58,7 +58,7 @@ decoder layer keeps between its forward and its backward, per token:
 * ``"none"``: its whole autograd graph, weights excluded (``engine/boundary/kept.py``): the
   :func:`layer_saved_per_token` sum (its first norm's fp32 input is the block input, so no separate input is
   kept; under ``bf16-true`` it is the input's fp32 cast) for every layer, plus the final norm's graph
-  (:func:`none_extra_per_token`) and the embedding's int64 indices (8 B); under autocast not the weights' casts
+  ((4 + r)H + 4) and the embedding's int64 indices (8 B); under autocast not the weights' casts
   (the engine casts the fetched weight again in backward). The layer phase is then the activation gradients
   only, x (``WORKING_SET_FACTOR`` - 1).
 * ``"auto"``: per layer one of the three, chosen by :func:`.terms.resolve_auto`.
@@ -114,21 +114,12 @@ def selective_per_token(c: ParamCounts, s: dict[str, Any]) -> float:
     return (q + 2 * kv + H) * a + experts * (2 * c.intermediate_size + H) * a + q * a + 4 * c.num_heads
 
 
-def none_extra_per_token(c: ParamCounts, s: dict[str, Any]) -> float:
-    """Bytes per token ``recompute="none"`` keeps outside the layers and the embedding: the final norm's graph."""
-    r, _, _ = _dtypes(s)
-    return (4 + r) * c.hidden_size + 4
-
-
 def layer_mix(c: ParamCounts, s: dict[str, Any]) -> dict[str, int]:
     """Decoder layers per policy, ``{"block": n, "selective": n, "none": n}``; for ``"auto"``
     ``s["recompute_mix"]`` (:func:`.terms.resolve_auto`; ``"block"`` everywhere until set)."""
-    L = c.num_layers
     mode = s.get("recompute", "block")
-    if mode == "auto":
-        mix = s.get("recompute_mix") or {"block": L}
-        return {k: int(mix.get(k, 0)) for k in ("block", "selective", "none")}
-    return {k: (L if k == mode else 0) for k in ("block", "selective", "none")}
+    mix = (s.get("recompute_mix") or {"block": c.num_layers}) if mode == "auto" else {mode: c.num_layers}
+    return {k: int(mix.get(k, 0)) for k in ("block", "selective", "none")}
 
 
 def kept_per_token(c: ParamCounts, s: dict[str, Any]) -> dict[str, float]:
@@ -141,7 +132,7 @@ def kept_per_token(c: ParamCounts, s: dict[str, Any]) -> dict[str, float]:
     mix = layer_mix(c, s)
     recomputed = mix["block"] + mix["selective"]
     lay = sum(layer_saved_per_token(c, s).values())
-    none = mix["none"] * lay + (none_extra_per_token(c, s) if mix["none"] == c.num_layers else 0)
+    none = mix["none"] * lay + ((4 + r) * H + 4 if mix["none"] == c.num_layers else 0)  # + the final norm's graph
     return {"block inputs": (math.ceil(recomputed / K) + 1) * H * r, "embedding indices": 8,
             "selective op outputs": mix["selective"] * selective_per_token(c, s),
             "none: layer graphs": none}

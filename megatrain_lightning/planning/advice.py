@@ -245,10 +245,10 @@ def device_advice(p: Plan, device: int | None, host: int | None = None,
     out += ["change: " + a for a in seq_len_advice(p, host, device, keys)]
     if s["lookahead"] > 1:
         out.append(f"change: {key('lookahead', keys)}=1 (one fetch prefetched instead of {s['lookahead']})")
-    if group_size(p.counts, s) > 1:
-        la = s["lookahead"]
-        out.append(f"change: {key('block_group', keys)}=1 (the weights of {la + 1} blocks in flight instead of "
-                   f"{la + 1} fetches of {group_size(p.counts, s)} decoder layers)")
+    if (G := group_size(p.counts, s)) > 1:
+        n = s["lookahead"] + 1
+        out.append(f"change: {key('block_group', keys)}=1 (the weights of {n} blocks in flight instead of "
+                   f"{n} fetches of {G} decoder layers)")
     if s["precision"] == "32-true":
         out.append(f"change: {key('precision', keys)}=bf16-mixed (halves the matmul activations and the weights on the link)")
     return out

@@ -36,10 +36,9 @@ def find_conf_dir() -> Path:
 
 CONF_DIR = find_conf_dir()
 
-#: chunk sizes (tokens) the planner suggests, and assumes for ``"default"`` when MegaTrainStrategy
-#: has the option with no integer default: loss 1024 tokens keeps one chunk's fp32 logits at
-#: 1024 x 128,256 x 4 B = 501 MiB for Llama 3's vocabulary (2 x with their gradient); MLP 4096
-#: tokens keeps Llama-3.1-70B's intermediate (4 x 28,672 x 2 B per token) at 0.9 GiB.
+#: chunk sizes (tokens) the planner suggests, and assumes for ``mlp_chunk_size="auto"``: loss 1024 tokens
+#: keeps one chunk's fp32 logits at 1024 x 128,256 x 4 B = 501 MiB for Llama 3's vocabulary (2 x with their
+#: gradient); MLP 4096 tokens keeps Llama-3.1-70B's intermediate (4 x 28,672 x 2 B per token) at 0.9 GiB.
 SUGGESTED_CHUNK = {"loss_chunk_size": 1024, "mlp_chunk_size": 4096}
 
 
@@ -78,11 +77,8 @@ def resolve_chunk(value: Any, name: str) -> int | None:
         low = value.strip().lower()
         if low in ("none", "null", "off", ""):
             return None
-        if low == "default":
-            d = strategy_default(name)
-            if d is None or isinstance(d, int) and not isinstance(d, bool):
-                return resolve_chunk(d, name)
-            return resolve_chunk(d, name) if str(d).lower() == "auto" else SUGGESTED_CHUNK[name]
+        if low == "default":  # MegaTrainConfig checks its defaults: a positive int, "auto" (loss only) or None
+            return resolve_chunk(strategy_default(name), name)
         if low == "auto":
             return "auto" if name == "loss_chunk_size" else SUGGESTED_CHUNK[name]  # type: ignore[return-value]
         if low.isdigit():
@@ -182,8 +178,7 @@ class Hardware:
         Raises:
             ValueError: names the field as a Hydra key (``hardware.host_ram_gib``), the value and what to set.
         """
-        nullable = {"hbm_gib", "hbm_tbps", "host_bf16_tflops", "host_mem_gbps", "nvlink_gbps", "network_gbps",
-                    "block_call_ms", "step_overhead_ms", "page_fill_gbps"}
+        nullable = {"hbm_gib", "hbm_tbps"} | {f.name for f in fields(self) if f.default is None}
         for f in fields(self):
             if f.name in ("name", "pcie_gen", "sources"):
                 continue

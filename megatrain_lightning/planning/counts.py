@@ -32,7 +32,8 @@ class ParamCounts:
         head_dim: shapes used by the activation and FLOP estimates.
         castable: per stored block (embedding, each layer, head), its own parameters that autocast casts at
             every use (:func:`megatrain_lightning.engine.wire.autocast_casts`, for every module holding it): the
-            ones that travel in bf16/fp16 under the mixed precisions; the rest travel in fp32.
+            ones that travel in bf16/fp16 under the mixed precisions; the rest travel in fp32. Aligned with
+            :attr:`block_reads` (a tied weight is read by the embedding lookup too, so never castable).
         experts_per_token: MoE experts each token passes through (``num_experts_per_tok``; 1 for a dense MLP).
         max_position_embeddings: the longest sequence the model's positions allow (0: unknown).
         head_refetched: parameters of the head group outside the LM head module (the final norm): their own
@@ -69,12 +70,6 @@ class ParamCounts:
     def stored(self) -> tuple[int, ...]:
         """Parameters each block stores in its slab (embedding, layers..., head; tied counted once)."""
         return (self.embedding, *self.layers, self.head)
-
-    @property
-    def castable_reads(self) -> tuple[int, ...]:
-        """Castable parameters each block reads, aligned with :attr:`block_reads` (a tied weight is read by the
-        embedding lookup too, so never castable)."""
-        return self.castable or (0,) * len(self.stored)
 
     @property
     def largest_slab(self) -> int:
@@ -146,6 +141,9 @@ def _hf_config(config: Mapping[str, Any] | Any) -> Any:
     return transformers.AutoConfig.for_model(**cfg)
 
 
+_PRETRAINED_CACHE: dict[tuple[type, str], ParamCounts] = {}
+
+
 def count_params(config: Mapping[str, Any] | Any) -> ParamCounts:
     """Count the parameters of a causal LM per block, from its config alone (built on the meta device).
 
@@ -155,22 +153,16 @@ def count_params(config: Mapping[str, Any] | Any) -> ParamCounts:
     """
     if isinstance(config, nn.Module):
         return count_module(config)
-    hf = _hf_config(config)
-    return _count_pretrained(type(hf), hf.to_json_string(use_diff=False), hf)
-
-
-_PRETRAINED_CACHE: dict[tuple[type, str], ParamCounts] = {}
-
-
-def _count_pretrained(kind: type, key: str, hf: Any) -> ParamCounts:
     import transformers
 
-    if (kind, key) not in _PRETRAINED_CACHE:
+    hf = _hf_config(config)
+    key = (type(hf), hf.to_json_string(use_diff=False))
+    if key not in _PRETRAINED_CACHE:
         if len(_PRETRAINED_CACHE) > 32:
             _PRETRAINED_CACHE.clear()
         with torch.device("meta"):
-            _PRETRAINED_CACHE[(kind, key)] = count_module(transformers.AutoModelForCausalLM.from_config(hf))
-    return _PRETRAINED_CACHE[(kind, key)]
+            _PRETRAINED_CACHE[key] = count_module(transformers.AutoModelForCausalLM.from_config(hf))
+    return _PRETRAINED_CACHE[key]
 
 
 def _outermost_layers(model: nn.Module, classes: set[str]) -> list[str]:

@@ -16,8 +16,8 @@ from .counts import ParamCounts, count_params
 from .optimizers import resolve
 from .parallel import positive_count
 from .phases import chains, phase_model
-from .terms import (CKPT_METADATA, GRAD_BYTES, PRECISION_ALIASES, PRECISIONS, REFERENCES, TERM_LABELS,  # noqa: F401
-                    TIERS, _estimate, transfer_bytes, update_in_backward)
+from .terms import (CKPT_METADATA, GRAD_BYTES, PRECISION_ALIASES, PRECISIONS, REFERENCES, TIERS,  # noqa: F401
+                    _estimate, transfer_bytes, update_in_backward)
 from .window import limit_check, parse_limit
 
 TIGHT_HEADROOM = 0.05  # a tier that fits with less free than this is flagged "tight"
@@ -230,7 +230,9 @@ def plan(model_cfg: Any, hw: Hardware | Mapping[str, Any], **options: Any) -> Pl
         batch_size, seq_len: sequences per optimizer step and tokens per sequence.
         precision: ``32-true``, ``bf16-mixed``, ``16-mixed`` or ``bf16-true`` (Lightning's aliases
             ``32``, ``16``, ``bf16`` are accepted).
-        offload_params, offload_optimizer, offload_grads: ``"cpu"`` (host RAM) or ``"nvme"``.
+        offload_params, offload_optimizer, offload_grads: ``"cpu"`` (host RAM) or ``"nvme"``; ``offload_grads``
+            ``None`` (default): as ``offload_optimizer``, which moves the gradient accumulators in the strategy too
+            (another value plans a setup the strategy does not offer, with a warning).
         offload_activations, lookahead, recompute_every, cpu_zero_copy, block_group, loss_chunk_size,
             mlp_chunk_size, recompute, activation_memory_limit, optimizer_in_backward: the strategy options
             (:class:`~megatrain_lightning.config.MegaTrainConfig`; a chunk size ``"default"``: the strategy's
@@ -268,7 +270,7 @@ def plan(model_cfg: Any, hw: Hardware | Mapping[str, Any], **options: Any) -> Pl
 
 
 def settings(*, batch_size: int = 1, seq_len: int = 2048, precision: str = "bf16-mixed", offload_params: str = "cpu",
-             offload_optimizer: str = "cpu", offload_grads: str = "cpu", offload_activations: bool = False,
+             offload_optimizer: str = "cpu", offload_grads: str | None = None, offload_activations: bool = False,
              lookahead: int = 1, recompute_every: int = 1, grad_dtype: str | None = None, keep_checkpoints: int = 2,
              pinned_round: bool = True, cpu_zero_copy: bool = True, loss_chunk_size: int | str | None = "default",
              mlp_chunk_size: int | str | None = "default", devices: int = 1, num_nodes: int = 1,
@@ -295,6 +297,7 @@ def settings(*, batch_size: int = 1, seq_len: int = 2048, precision: str = "bf16
 
     devices = positive_count(devices, "trainer.devices")
     num_nodes = positive_count(num_nodes, "trainer.num_nodes")
+    offload_grads = offload_optimizer if offload_grads is None else offload_grads
     precision = PRECISION_ALIASES.get(precision, precision)  # type: ignore[call-overload]
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
@@ -383,8 +386,9 @@ def _plan_from_counts(name: str, counts: ParamCounts, hw: Hardware, s: dict[str,
     if s["offload_params"] == "nvme" and s.get("devices", 1) * s.get("num_nodes", 1) > 1 and \
             (s.get("num_nodes", 1) > 1 or "cpu" in (s["offload_optimizer"], s["offload_grads"])):
         p.reasons.append("the strategy keeps the fp32 masters on NVMe with several processes only on one node with "
-                         "the optimizer on NVMe (offload_optimizer=nvme offload_grads=nvme): set those, or "
-                         "offload_params=cpu (masters once per node in /dev/shm), or num_nodes=1")
+                         "the optimizer on NVMe (offload_optimizer=nvme offload_grads=nvme): "
+                         + ("set those, or " if "cpu" in (s["offload_optimizer"], s["offload_grads"]) else "")
+                         + "offload_params=cpu (masters once per node in /dev/shm), or num_nodes=1")
     if mw is not None:
         p.nvme_window = {"limit": used, "min_window": mw}
     if refusal:
@@ -395,6 +399,10 @@ def _plan_from_counts(name: str, counts: ParamCounts, hw: Hardware, s: dict[str,
     p.headroom = {k: (have - need) / have for k, need, have in needs if have}
     p.tight = [k for k, h in p.headroom.items() if 0 <= h < TIGHT_HEADROOM]
     p.warnings = position_warnings(counts, s) + ([warning] if warning else [])
+    if s["offload_grads"] != s["offload_optimizer"]:
+        p.warnings.append(f"offload_grads={s['offload_grads']} with offload_optimizer={s['offload_optimizer']}: the "
+                          "strategy keeps the gradient accumulators with the optimizer state (its offload_optimizer "
+                          "moves both); this plans a setup MegaTrainStrategy does not offer")
     return p
 
 
@@ -445,8 +453,7 @@ def max_seq_len(p: Plan, host: int | None = None, device: int | None = None, lim
     Returns:
         Tokens; 0 when not even one token fits.
     """
-    s = dict(p.settings)
-    s.update(changes, batch_size=int(batch_size))
+    s = {**p.settings, **changes, "batch_size": int(batch_size)}
 
     def ok(t: int) -> bool:
         return fits_memory(_plan_memory(p, {**s, "seq_len": t}), host, device)

@@ -83,28 +83,24 @@ class OptimSpec:
     cost: Callable[[tuple[int, ...], str, Mapping[str, Any]], tuple[float, float]] | None = None
 
 
-def _numel(shape: Sequence[int]) -> int:
-    return math.prod(shape)
-
-
 def _adamw(shape: tuple[int, ...], kind: str, o: Mapping[str, Any]) -> int:
-    return 8 * _numel(shape)
+    return 8 * math.prod(shape)
 
 
 def _sgd(shape: tuple[int, ...], kind: str, o: Mapping[str, Any]) -> int:
-    return 4 * _numel(shape) if float(o.get("momentum", 0.0) or 0.0) != 0.0 else 0
+    return 4 * math.prod(shape) if float(o.get("momentum", 0.0) or 0.0) != 0.0 else 0
 
 
 def _adafactor(shape: tuple[int, ...], kind: str, o: Mapping[str, Any]) -> int:
     if len(shape) >= 2:
-        rows = _numel(shape[:-1])
-        cols = _numel(shape[:-2]) * shape[-1]
+        rows = math.prod(shape[:-1])
+        cols = math.prod(shape[:-2]) * shape[-1]
         return STEP_BYTES + 4 * (rows + cols)
-    return STEP_BYTES + 4 * _numel(shape)
+    return STEP_BYTES + 4 * math.prod(shape)
 
 
 def _lion(shape: tuple[int, ...], kind: str, o: Mapping[str, Any]) -> int:
-    return 4 * _numel(shape)
+    return 4 * math.prod(shape)
 
 
 def muon_param(shape: Sequence[int], kind: str) -> bool:
@@ -114,11 +110,11 @@ def muon_param(shape: Sequence[int], kind: str) -> bool:
 
 
 def _muon(shape: tuple[int, ...], kind: str, o: Mapping[str, Any]) -> int:
-    return 4 * _numel(shape) if muon_param(shape, kind) else 8 * _numel(shape) + STEP_BYTES
+    return 4 * math.prod(shape) if muon_param(shape, kind) else 8 * math.prod(shape) + STEP_BYTES
 
 
 def _adamw8bit(shape: tuple[int, ...], kind: str, o: Mapping[str, Any]) -> int:
-    n, block = _numel(shape), int(o.get("block_size", AO_BLOCK))
+    n, block = math.prod(shape), int(o.get("block_size", AO_BLOCK))
     if n >= AO_MIN_NUMEL and n % block == 0:
         return STEP_BYTES + 2 * (n + n // block * 4 + 256 * 4)
     return STEP_BYTES + 8 * n
@@ -137,7 +133,7 @@ UPDATE_COST = {"adamw": 1.0, "sgd": 0.45, "adafactor": 1.9, "lion": 0.6, "adamw8
 
 def _relative(name: str) -> Callable[[tuple[int, ...], str, Mapping[str, Any]], tuple[float, float]]:
     def cost(shape: tuple[int, ...], kind: str, o: Mapping[str, Any]) -> tuple[float, float]:
-        return UPDATE_COST[name] * _numel(shape), 0.0
+        return UPDATE_COST[name] * math.prod(shape), 0.0
     return cost
 
 
@@ -150,14 +146,14 @@ def newton_schulz_flops(shape: Sequence[int], steps: int) -> float:
 
 
 def _adamw8bit_cost(shape: tuple[int, ...], kind: str, o: Mapping[str, Any]) -> tuple[float, float]:
-    n, block = _numel(shape), int(o.get("block_size", AO_BLOCK))
+    n, block = math.prod(shape), int(o.get("block_size", AO_BLOCK))
     return UPDATE_COST["adamw8bit" if n >= AO_MIN_NUMEL and n % block == 0 else "adamw"] * n, 0.0
 
 
 def _muon_cost(shape: tuple[int, ...], kind: str, o: Mapping[str, Any]) -> tuple[float, float]:
     if muon_param(shape, kind):  # the momentum update (SGD's passes) + the Newton-Schulz matmuls
-        return UPDATE_COST["sgd"] * _numel(shape), newton_schulz_flops(shape, int(o.get("ns_steps", 5) or 5))
-    return UPDATE_COST["adamw"] * _numel(shape), 0.0
+        return UPDATE_COST["sgd"] * math.prod(shape), newton_schulz_flops(shape, int(o.get("ns_steps", 5) or 5))
+    return UPDATE_COST["adamw"] * math.prod(shape), 0.0
 
 
 OPTIMIZERS: dict[str, OptimSpec] = {s.name: s for s in (
@@ -260,12 +256,12 @@ def measured_rule(target: str, options: tuple[tuple[str, str], ...] = ()) -> Cal
     fits = {}
     for rank, (small, big) in {1: ((48,), (96,)), 2: ((64, 48), (128, 48))}.items():
         b1, b2 = bytes_of(small), bytes_of(big)
-        a = (b2 - b1) / (_numel(big) - _numel(small))
-        fits[rank] = (a, b1 - a * _numel(small))
+        a = (b2 - b1) / (math.prod(big) - math.prod(small))
+        fits[rank] = (a, b1 - a * math.prod(small))
 
     def rule(shape: tuple[int, ...], kind: str, o: Mapping[str, Any]) -> int:
         a, b = fits[2 if len(shape) >= 2 else 1]
-        return max(0, round(a * _numel(shape) + b))
+        return max(0, round(a * math.prod(shape) + b))
 
     return rule
 
@@ -312,7 +308,7 @@ def nvme_region_bytes(optim: Any, shapes: Sequence[tuple[str, tuple[int, ...]]])
     numel: dict[str, int] = {}
     regions: dict[str, int] = {}
     for kind, shape in shapes:
-        n = _numel(shape)
+        n = math.prod(shape)
         if not n:
             continue
         packed = max(0, spec.rule(tuple(shape), kind, options) - STEP_BYTES)
@@ -330,7 +326,7 @@ def update_work(optim: Any, shapes: Sequence[tuple[str, tuple[int, ...]]]) -> tu
         ``measured``: ``False`` when the class has no measured cost (planned as AdamW: ``factor`` 1.0).
     """
     spec, options = resolve(optim)
-    n = sum(_numel(shape) for _, shape in shapes)
+    n = sum(math.prod(shape) for _, shape in shapes)
     if spec.cost is None or not n:
         return 1.0, 0.0, spec.cost is not None
     time = flops = 0.0

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from .activations import per_token_terms
-from .activations import kept_bytes
+from .activations import kept_bytes, per_token_terms
 from .advice import block_group_advice, device_advice, host_short_advice, recompute_advice, window_advice
 from .config import Hardware
-from .estimate import TERM_LABELS, Plan, gib, long_sequence_variants, max_seq_len
+from .estimate import Plan, gib, long_sequence_variants, max_seq_len
 from .parallel import host_mem_rate, intra_rate
 from .phases import update_worker
-from .terms import (NVME_CACHE, block_calls, checkpoint_state_bytes, group_size, host_update_work, layer_wire_bytes,
-                    layers_in_flight, optim_title, term_label, update_in_backward, zero_copy)
+from .terms import (NVME_CACHE, TERM_LABELS, block_calls, checkpoint_state_bytes, group_size, host_update_work,
+                    layer_wire_bytes, layers_in_flight, optim_title, term_label, update_in_backward, zero_copy)
 
 #: data parallel: the terms that are per node (the rest are per GPU)
 NODE_TERMS = ("nvme_read", "nvme_write", "host_adamw", "grad_add", "host_memory", "inter_node")
@@ -214,7 +213,7 @@ def format_plan(p: Plan) -> str:
     lines += _tier("disk (NVMe store + checkpoints)", p.disk, p.disk_bytes, p.capacity["disk"])
     lines += glossary_lines(p)
     lines += ["", f"per optimizer step                {'amount':>16} {'rate':>24} {'seconds':>10}"]
-    ns = host_update_work(c, p.settings)[1]
+    _, ns, measured = host_update_work(c, s)
     amounts = {
         "compute": f"{p.flops / 1e12:,.1f} TFLOP",
         "host_adamw": f"{c.total / 1e9:,.2f} G params" + (f" + {ns / 1e12:,.0f} TFLOP" if ns else ""),
@@ -228,7 +227,10 @@ def format_plan(p: Plan) -> str:
     for k, t in p.times.items():
         mark = "  <- bounds the step" if k in p.dominating.split("+") else ""
         node = k in NODE_TERMS or k == "compute" and not hw.is_gpu  # a CPU device's ranks share its cores
-        label = _term_row_label(p, k) + ((" [node]" if node else f" [{unit}]") if p.parallel else "")
+        label = _label(p, k)
+        if k == "host_adamw" and label != TERM_LABELS[k] and not measured:  # not AdamW/Adam, time not measured
+            label += " (AdamW rate)"
+        label += (" [node]" if node else f" [{unit}]") if p.parallel else ""
         lines.append(f"  {label:<31} {amounts[k]:>16} {_rate(p, k):>24} {t:>10.3f}{mark}")
     full = p.moved.get("nvme_read_uncached", 0)
     saved = int(100 * (1 - p.moved["nvme_read"] / full)) if full else 0  # whole percent, rounded down
@@ -239,7 +241,10 @@ def format_plan(p: Plan) -> str:
                      "docs/guide/nvme.md, \"What reaches the disk per step\")")
     parts = [f"{k} {v / 1e12:+,.1f}" for k, v in p.flops_parts.items() if v]
     lines.append("  (compute TFLOP = " + ", ".join(parts) + f"; N_matmul = {c.matmul_params:,})")
-    lines += update_flops_lines(p)
+    if ns and not hw.host_bf16_tflops:
+        lines.append(f"  Muon's Newton-Schulz iterations: {ns / 1e12:,.0f} TFLOP of bf16 matmuls per step on the host, "
+                     "not in the step time (the preset has no host matmul rate): set "
+                     "hardware.host_bf16_tflops=<TFLOP/s>")
     if p.parallel:
         lines += [""] + format_parallel(p)
     lines += [""] + step_time_lines(p) + [
@@ -300,15 +305,6 @@ def _label(p: Plan, key: str) -> str:
     return term_label(key, p.settings)
 
 
-def _term_row_label(p: Plan, k: str) -> str:
-    """A term's row label (:func:`_label`); the host update's says "(AdamW rate)" when the optimizer is not AdamW/Adam
-    and its time is not measured (:func:`.terms.host_update_work`)."""
-    label = _label(p, k)
-    if k == "host_adamw" and label != TERM_LABELS[k] and not host_update_work(p.counts, p.settings)[2]:
-        label += " (AdamW rate)"
-    return label
-
-
 def _update_rate(p: Plan) -> str:
     """The host update's rate column: the preset's AdamW rate over the optimizer's relative time per parameter,
     and Muon's matmul rate (:func:`.terms.host_update_seconds`)."""
@@ -318,16 +314,6 @@ def _update_rate(p: Plan) -> str:
     if flops:
         words += f" + {hw.host_bf16_tflops:g} TFLOP/s" if hw.host_bf16_tflops else " + ? TFLOP/s"
     return words
-
-
-def update_flops_lines(p: Plan) -> list[str]:
-    """A line for a Muon plan on a preset without ``host_bf16_tflops``: the Newton-Schulz matmuls are not in the
-    step time."""
-    flops = host_update_work(p.counts, p.settings)[1]
-    if not flops or p.hardware.host_bf16_tflops:
-        return []
-    return [f"  Muon's Newton-Schulz iterations: {flops / 1e12:,.0f} TFLOP of bf16 matmuls per step on the host, not in "
-            f"the step time (the preset has no host matmul rate): set hardware.host_bf16_tflops=<TFLOP/s>"]
 
 
 def _checkpoint_words(p: Plan) -> str:

@@ -22,7 +22,7 @@ Memory tiers (docs/architecture.md, "Memory tiers"), N = unique parameters (tied
   Above the minimum the window caches regions up to ``host_memory_limit`` (:func:`window_fill`).
 * device: ``lookahead + 1`` fetches in the compute dtype (fp32 under the mixed modes: the wire image is upcast on
   the device, ``transport.to_device``), each one block or, with ``block_group=G`` > 1, up to G consecutive decoder
-  layers (``engine/block_groups.py``): :func:`block_weights`; plus the wire image being decoded, under autocast
+  layers (``engine/block_groups.py``); plus the wire image being decoded, under autocast
   its cache of the castable weights' casts (alive while the block computes), the computing block's parameter
   gradients (compute dtype), at most ``D2H_INFLIGHT`` = 2 packed gradient batches queued for the D2H worker
   (``transport.stage_grads``, ``GradientSink``'s ``max_inflight``), the activations (:mod:`.activations`) and a
@@ -89,8 +89,7 @@ from .config import GIB, Hardware
 from .activations import (activation_bytes, kept_per_token, layer_mix, layer_saved_per_token,
                           selective_per_token)
 from .counts import ParamCounts
-from .optimizers import NVME_STATE_BYTES, nvme_region_bytes, resolve as resolve_optim, state_bytes
-from .optimizers import update_work
+from .optimizers import NVME_STATE_BYTES, nvme_region_bytes, resolve as resolve_optim, state_bytes, update_work
 from .parallel import host_mem_rate, scale_out
 from ..engine.staging import RING_SLOTS
 from ..preference.module import REFERENCES as DPO_REFERENCES
@@ -137,26 +136,20 @@ def optim_title(s: dict[str, Any]) -> str:
     return resolve_optim(s.get("optim"))[0].label.split()[0]
 
 
-def _param_shapes(c: ParamCounts) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """``(kind, shape)`` of the model's parameters (:attr:`.counts.ParamCounts.shapes`); a hand-made ``ParamCounts``
-    without shapes counts as one 1-D tensor of N elements per block."""
-    return c.shapes or tuple(("layer", (n,)) for n in c.stored if n)
-
-
 def optim_state_bytes(c: ParamCounts, s: dict[str, Any]) -> int:
     """Host bytes of the optimizer's state on the RAM tier: :func:`.optimizers.state_bytes` over
-    :func:`_param_shapes`.
+    :attr:`.counts.ParamCounts.shapes`.
 
     Raises:
         ValueError: see :func:`.optimizers.resolve`.
     """
-    return state_bytes(s.get("optim"), _param_shapes(c))
+    return state_bytes(s.get("optim"), c.shapes)
 
 
 def host_update_work(c: ParamCounts, s: dict[str, Any]) -> tuple[float, float, bool]:
-    """:func:`.optimizers.update_work` over :func:`_param_shapes`: ``(time per parameter relative to AdamW,
+    """:func:`.optimizers.update_work` over :attr:`.counts.ParamCounts.shapes`: ``(time per parameter relative to AdamW,
     Newton-Schulz FLOPs, measured)``."""
-    return update_work(s.get("optim"), _param_shapes(c))
+    return update_work(s.get("optim"), c.shapes)
 
 
 def host_update_seconds(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> float:
@@ -201,8 +194,7 @@ def update_in_backward(s: dict[str, Any]) -> bool:
     """Whether each slab's update runs in the backward after its last gradient add (``optimizer_in_backward``: on
     the update worker on the RAM tier, the D2H worker on the NVMe tier), else deferred to the next forward before
     its copy; ``None``: :func:`~megatrain_lightning.config.optimizer_in_backward_on` (on when any state is on NVMe)."""
-    v = s.get("optimizer_in_backward")
-    return bool(optimizer_in_backward_on(v, any_on_nvme(s)))
+    return bool(optimizer_in_backward_on(s.get("optimizer_in_backward"), any_on_nvme(s)))
 
 
 def _pow2_waste(nbytes: int) -> int:
@@ -233,21 +225,10 @@ def layers_in_flight(c: ParamCounts, s: dict[str, Any]) -> int:
     return min((s["lookahead"] + 1) * group_size(c, s), c.num_layers)
 
 
-def block_weights(c: ParamCounts, s: dict[str, Any]) -> int:
-    """Parameters of the weights in flight on the device: ``(lookahead + 1) x max(largest block, G x largest
-    layer)``, capped at all L layers plus ``lookahead`` largest blocks when ``(lookahead + 1) x G`` exceeds L
-    (:func:`layers_in_flight`)."""
-    la, G, layer = s["lookahead"], group_size(c, s), max(c.layers, default=0)
-    full = (la + 1) * max(c.largest_block, G * layer)
-    if (la + 1) * G > c.num_layers:
-        return min(full, c.num_layers * layer + la * c.largest_block)
-    return full
-
-
 def layer_wire_bytes(c: ParamCounts, s: dict[str, Any]) -> int:
     """Bytes of the largest decoder layer on the H2D link (:func:`wire_bytes`; all 2-byte under ``bf16-true``);
     0 without decoder layers."""
-    reads = list(zip(c.block_reads, c.castable_reads))[1:-1]
+    reads = list(zip(c.block_reads, c.castable))[1:-1]
     return max((wire_bytes(n, k, s["precision"]) for n, k in reads), default=0)
 
 
@@ -261,8 +242,7 @@ def zero_copy(hw: Hardware, s: dict[str, Any]) -> bool:
     """Whether blocks bind the fp32 masters without a copy: no accelerator, a 4-byte wire, ``cpu_zero_copy`` and
     the masters in host RAM (with ``offload_params="nvme"`` the engine turns ``cpu_zero_copy`` off: its compute
     buffers are copies counted in the window, ``engine/streaming.py``)."""
-    return (not hw.is_gpu and PRECISIONS[s["precision"]][0] == 4 and bool(s["cpu_zero_copy"])
-            and s.get("offload_params", "cpu") == "cpu")
+    return binds_in_place(hw, s) and PRECISIONS[s["precision"]][0] == 4
 
 
 def binds_in_place(hw: Hardware, s: dict[str, Any]) -> bool:
@@ -291,14 +271,6 @@ def process_overhead(hw: Hardware, precision: str = "32-true") -> int:
     return PROCESS_OVERHEAD_CPU + (AUTOCAST_OVERHEAD_CPU if precision == "bf16-mixed" else 0)
 
 
-def shadow_bytes(params: int, castable: int, wire: int, precision: str) -> int:
-    """Host bytes of one slab's cached wire image (``engine/fetch.py`` ``_shadow``): none under ``32-true`` or for
-    an all-fp32 slab (it streams the master); all 2-byte under ``bf16-true``; else :func:`wire_bytes`."""
-    if wire == 4:
-        return 0
-    return wire_bytes(params, castable, precision) if castable or precision == "bf16-true" else 0
-
-
 def resolve_auto(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]:
     """``recompute="auto"``: the settings with ``activation_budget`` (bytes) and ``recompute_mix`` (decoder layers
     per policy) as the engine would choose them; other modes unchanged.
@@ -317,12 +289,8 @@ def resolve_auto(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, A
     base = {**s, "recompute": "block", "recompute_mix": None}
     budget = s.get("activation_memory_limit")
     if budget is None:
-        e0 = _estimate(c, hw, base)
-        if hw.is_gpu:
-            free = int(hw.hbm_gib * GIB) - sum(e0["device"].values())
-        else:
-            free = int(hw.host_ram_gib * GIB) - sum(e0["host"].values())
-        budget = max(free, 0) // 2
+        tier, have = ("device", hw.hbm_gib) if hw.is_gpu else ("host", hw.host_ram_gib)
+        budget = max(int(have * GIB) - sum(_estimate(c, hw, base)[tier].values()), 0) // 2
     kept0 = kept_per_token(c, base)  # what the measured forward keeps: block inputs, the embedding's indices
     inputs = 0 if s["offload_activations"] else int((kept0["block inputs"] + kept0["embedding indices"]) * tokens)
     sel = selective_per_token(c, s) * tokens
@@ -353,15 +321,6 @@ def recompute_flops(c: ParamCounts, s: dict[str, Any]) -> dict[str, float]:
     return {"recompute (block layers)": mix["block"] / L * f_layers,
             "recompute chains (K > 1)": (K - 1) / K * (mix["block"] + mix["selective"]) / L * f_layers,
             "MLP chunks' second forward (mlp_chunk_size)": float(mlp)}
-
-
-def weights_label(lookahead: int, group: int, all_layers: int | None = None) -> str:
-    """The device term's label of the weights in flight; ``all_layers``: the capped case of :func:`block_weights`."""
-    if all_layers is not None:
-        return f"block weights: all {all_layers} layers + {lookahead} fetch(es) (compute dtype)"
-    if group == 1:
-        return f"block weights x{lookahead + 1} (compute dtype)"
-    return f"block weights x{lookahead + 1} fetches x{group} layers (compute dtype)"
 
 
 #: values of the planner's ``reference`` setting: ``None`` and those of ``DPOModule(reference=...)``
@@ -425,19 +384,26 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     G = group_size(c, s)                    # decoder layers per fetch (block_group)
     gpu = hw.is_gpu
     no_copy = zero_copy(hw, s)              # strategy default on a CPU device
-    wire_of = [wire_bytes(n, k, s["precision"]) for n, k in zip(c.block_reads, c.castable_reads)]
-    shadow_of = [shadow_bytes(n, k, wire, s["precision"]) for n, k in zip(c.stored, c.castable_reads)]
+    wire_of = [wire_bytes(n, k, s["precision"]) for n, k in zip(c.block_reads, c.castable)]
     big = c.largest_block                   # tied included
     big_wire = max(wire_of)
     slab = c.largest_slab                   # the D2H staging size; the NVMe minimum window holds one update of it
 
     # ---- device
     act_dev, act_host = activation_bytes(c, s, gpu)
+    # parameters of the weights in flight: (lookahead + 1) x max(largest block, G x largest layer), capped at all L
+    # layers plus ``lookahead`` largest blocks when (lookahead + 1) x G exceeds L (:func:`layers_in_flight`)
+    layer = max(c.layers, default=0)
+    full = (la + 1) * max(big, G * layer)
+    weights = min(full, L * layer + la * big) if (la + 1) * G > L else full
+    if weights < full:
+        weights_label = f"block weights: all {L} layers + {la} fetch(es) (compute dtype)"
+    else:
+        weights_label = f"block weights x{la + 1}" + (f" fetches x{G} layers" if G > 1 else "") + " (compute dtype)"
     device = {
-        weights_label(la, G, L if (la + 1) * G > L and block_weights(c, s) < (la + 1) * max(big, G * max(c.layers,
-                      default=0)) else None): 0 if no_copy else block_weights(c, s) * dev_param,
+        weights_label: 0 if no_copy else weights * dev_param,
         "wire image being decoded": big_wire if wire < dev_param else 0,
-        "autocast weight casts (computing block)": max(c.castable_reads) * wire if wire < dev_param else 0,
+        "autocast weight casts (computing block)": max(c.castable) * wire if wire < dev_param else 0,
         "block param grads": big * dev_param,
         f"queued D2H gradient packs x{D2H_INFLIGHT}": big * D2H_INFLIGHT * grad_b,
         **act_dev,
@@ -447,7 +413,10 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     # ---- host and NVMe
     host: dict[str, int] = {}
     nvme: dict[str, int] = {}
-    shadow_total = sum(shadow_of)
+    # each slab's cached wire image (``engine/fetch.py`` ``_shadow``): none under a 4-byte wire or for an all-fp32
+    # slab (it streams the master); all 2-byte under ``bf16-true``
+    shadow_total = sum(wire_bytes(n, k, s["precision"]) if wire < 4 and (k or bf16_true) else 0
+                       for n, k in zip(c.stored, c.castable))
     copy_ref = s.get("reference") == "copy"  # a frozen fp32 copy of the weights, streamed like the policy's
     if s["offload_params"] == "cpu":
         host["fp32 master weights"] = 4 * N
@@ -467,9 +436,8 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     else:
         nvme["fp32 grad accumulators"] = 4 * N
         host["grad accumulator window (the update's + one being filled)"] = 2 * 4 * slab
-    state = optim_state_bytes(c, s)         # the chosen optimizer's state on the RAM tier (planning/optimizers.py)
-    if s["offload_optimizer"] == "cpu":
-        host[resolve_optim(s.get("optim"))[0].label] = state
+    if s["offload_optimizer"] == "cpu":  # the chosen optimizer's state (planning/optimizers.py)
+        host[resolve_optim(s.get("optim"))[0].label] = optim_state_bytes(c, s)
     else:  # the store's two fp32 optimizer regions, whatever the optimizer
         adam = resolve_optim(s.get("optim"))[0].name in ("adamw", "adam")
         nvme["AdamW exp_avg + exp_avg_sq" if adam else "optimizer state (the store's 2 fp32 regions)"] = \
@@ -477,9 +445,13 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
         host["AdamW moments window" if adam else "optimizer state window"] = NVME_STATE_BYTES * slab
     if gpu:
         host[f"pinned D2H staging x{D2H_STAGING} (largest slab)"] = D2H_STAGING * slab * grad_b
-        if act_host.get("offloaded block inputs") and s["pinned_round"]:  # one pinned tensor per saved input
+        if act_host.get("offloaded block inputs") and s["pinned_round"]:
+            # one pinned tensor per saved block input, each rounded on its own, and one of the token ids
+            kept, tokens = kept_per_token(c, s), s["batch_size"] * s["seq_len"]
             n_saved = math.ceil(L / K) + 1
-            host["pinned pow2 rounding (offloaded inputs)"] = n_saved * _pow2_waste(act_host["offloaded block inputs"] // n_saved)
+            host["pinned pow2 rounding (offloaded inputs)"] = \
+                n_saved * _pow2_waste(int(kept["block inputs"] * tokens) // n_saved) \
+                + _pow2_waste(int(kept["embedding indices"] * tokens))
     host.update(act_host)
     if not gpu:  # the device is the CPU: its buffers and activations are host RAM
         acts = sum(act_dev.values())
@@ -502,9 +474,9 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     norm_wire = wire_bytes(c.head_refetched, 0, s["precision"])  # norms: not castable
     act_io = act_host.get("offloaded block inputs", 0) + act_host.get("offloaded op outputs / graphs", 0)
     if binds_in_place(hw, s):  # CPU zero-copy: what already has the compute dtype is bound, not copied
-        copied = [0 if (wire == 4 or bf16_true or k == 0) else w for w, k in zip(wire_of, c.castable_reads)]
+        copied = [0 if (wire == 4 or bf16_true or k == 0) else w for w, k in zip(wire_of, c.castable)]
         if copied[-1]:  # the head entry includes the final norm, its own all-fp32 block: bound, not copied
-            copied[-1] = wire_bytes(c.block_reads[-1] - c.head_refetched, c.castable_reads[-1], s["precision"])
+            copied[-1] = wire_bytes(c.block_reads[-1] - c.head_refetched, c.castable[-1], s["precision"])
         norm_wire, wire_of = 0, copied
     layer_wire = sum(wire_of[1:-1])
     chain_wire = int(layer_wire * (K - 1) // K * chained)
@@ -516,7 +488,8 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
         h2d_f = h2d_b = 0
     # the embedding's gradient as rows when smaller than the table (engine/row_grads.py ``use_row_grads``)
     table = c.vocab_size * c.hidden_size if c.embedding >= c.vocab_size * c.hidden_size else 0
-    d2h = (reads - table) * grad_b + min(table * grad_b, B * T * (c.hidden_size * grad_b + 8)) + act_io
+    dense = table * grad_b <= B * T * (c.hidden_size * grad_b + 8)
+    d2h = (reads - table) * grad_b + (table * grad_b if dense else B * T * (c.hidden_size * grad_b + 8)) + act_io
     # NVMe bytes by phase (forward, backward): the update's I/O lands in the phase that runs it
     in_bwd = update_in_backward(s)
     upd = 1 if in_bwd else 0                # index of the phase holding the update
@@ -526,7 +499,7 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
         nv_r[1] += 4 * (reads_b + chain)    # the backward fetch reads the fp32 master again and casts it
         nv_w[upd] += 4 * N
     if s["offload_optimizer"] == "nvme":     # the optimizer regions the state packs into (AdamW: both)
-        state_io = nvme_region_bytes(s.get("optim"), _param_shapes(c))
+        state_io = nvme_region_bytes(s.get("optim"), c.shapes)
         nv_r[upd] += state_io
         nv_w[upd] += state_io
     if s["offload_grads"] == "nvme" and not in_bwd:  # accumulators written and read back only deferred (module
@@ -539,8 +512,7 @@ def _estimate(c: ParamCounts, hw: Hardware, s: dict[str, Any]) -> dict[str, Any]
     kept = nvme_kept_share(s.get("nvme_window_spare", 0), read_back)
     nv_r = [round(r * (1 - kept)) for r in nv_r]
     # gradient elements the D2H worker adds into the accumulators (the embedding's rows, as on the link)
-    rows = table * grad_b <= B * T * (c.hidden_size * grad_b + 8)
-    grad_elems = reads - table + (table if rows else B * T * c.hidden_size)
+    grad_elems = reads - table + (table if dense else B * T * c.hidden_size)
     moved = {"h2d": h2d_f + h2d_b, "h2d_forward": h2d_f, "h2d_backward": h2d_b, "d2h": d2h, "d2h_forward": act_io,
              "nvme_read": sum(nv_r), "nvme_read_uncached": uncached, "nvme_read_back_regions": read_back,
              "nvme_write": sum(nv_w), "nvme_read_forward": nv_r[0], "nvme_write_forward": nv_w[0],

@@ -114,6 +114,8 @@ class DPOModule(pl.LightningModule):
         logps_chunk_size: positions per chunk of the LM head + log-softmax (:func:`chunked_sequence_logps`): the
             ``[2B, T, V]`` fp32 logits are never materialised, for long sequences or large vocabularies. ``None``
             (default): one full-logits forward.
+        tokenizer: saved with the model in a checkpoint's ``model/`` (as a ``LightningModule``'s ``self.tokenizer``,
+            docs/guide/checkpoints.md); ``None``: none saved.
 
     Logged metrics (``train_loss``, ``rewards/*``, ``logps/*``, ``nll_loss``): docs/guide/preference.md, "Options".
 
@@ -126,7 +128,7 @@ class DPOModule(pl.LightningModule):
                  reference: str | None = "default", lr: float = 1e-6, betas: tuple[float, float] = (0.9, 0.999),
                  weight_decay: float = 0.0, cache_dir: str | os.PathLike | None = None,
                  logps_chunk_size: int | None = None, sft_weight: float = 0.0,
-                 optimizer: str | type = "torch.optim.AdamW",
+                 optimizer: str | type = "torch.optim.AdamW", tokenizer: Any = None,
                  **optimizer_options: Any) -> None:
         super().__init__()
         reference = self.check_options(loss_type, beta, reference, logps_chunk_size, sft_weight)
@@ -135,6 +137,7 @@ class DPOModule(pl.LightningModule):
                              "reference, but this model has no peft adapter: wrap it with peft.get_peft_model, or "
                              "use reference='precompute' or 'copy'.")
         self.model = model
+        self.tokenizer = tokenizer
         self.loss_type, self.beta, self.gamma, self.reference = loss_type, float(beta), float(gamma), reference
         self.sft_weight = float(sft_weight)
         self.lr, self.betas, self.weight_decay = lr, tuple(betas), weight_decay
@@ -157,8 +160,8 @@ class DPOModule(pl.LightningModule):
             ValueError: as the constructor (every case but ``"adapter"`` without a peft model)."""
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"megatrain: loss_type must be one of {LOSS_TYPES}, got {loss_type!r}.")
-        if not beta > 0:
-            raise ValueError(f"megatrain: beta must be > 0, got {beta!r}.")
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not beta > 0:
+            raise ValueError(f"megatrain: beta must be > 0 (a number), got {beta!r}.")
         if isinstance(sft_weight, bool) or not isinstance(sft_weight, (int, float)) or not sft_weight >= 0:
             raise ValueError(f"megatrain: sft_weight must be a number >= 0, got {sft_weight!r}.")
         if logps_chunk_size is not None and (isinstance(logps_chunk_size, bool) or not isinstance(logps_chunk_size, int)

@@ -331,11 +331,28 @@ def check_environment(cfg: Mapping[str, Any]) -> None:
                     "'megatrain-lightning[plots]'; plot=false silences this).")
 
 
-def _int(key: str, value: Any, low: int, what: str, extra: tuple = ()) -> None:
+def check_int(key: str, value: Any, low: int, what: str, extra: tuple = ()) -> None:
     """Raise ``ConfigError(key, ...)`` unless ``value`` is an int >= ``low`` or one of ``extra`` (-1, None)."""
     is_int = isinstance(value, int) and not isinstance(value, bool)
     if not ((is_int and (value >= low or value in extra)) or (value is None and None in extra)):
         raise ConfigError(key, f"must be {what}; got {value!r}.")
+
+
+FINETUNE_BOOLEANS = ("preflight", "eval.before", "checkpoint.save_final", "checkpoint.save_optimizer", "plot",
+                     "data.probe.enabled", "trainer.enable_checkpointing", "trainer.enable_progress_bar")
+"""The keys of ``recipes/finetune.py`` whose value is ``true`` or ``false`` (a test compares them with ``conf/``)."""
+
+
+def check_booleans(cfg: Mapping[str, Any], keys: Iterable[str]) -> None:
+    """Raise ``ConfigError(key, ...)`` for the first of ``keys`` (dotted) set to anything but ``true``/``false``
+    (or null). Hydra reads only ``true``/``false`` as booleans: ``eval.before=no`` would stay the string ``"no"``,
+    which the recipe would take as true."""
+    for key in keys:
+        node: Any = cfg
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, Mapping) else None
+        if node is not None and not isinstance(node, bool):
+            raise ConfigError(key, f"must be true or false; got {node!r}.")
 
 
 def _devices_ok(value: Any) -> bool:
@@ -382,14 +399,42 @@ def local_model_config(model: Mapping[str, Any]) -> tuple[Path, Any] | None:
         raise ConfigError("model.weights", str(e)) from None
 
 
-def check_model(model: Mapping[str, Any], data: Mapping[str, Any]) -> None:
-    """``model.max_seq_len`` is a positive int, ``model.weights`` (a local path) is a model directory, and
-    ``data.seq_len`` is within ``model.max_seq_len`` and the positions of the local model's ``config.json``.
+def command_line_overrides() -> list[str]:
+    """The run's command-line overrides (Hydra's ``hydra.overrides.task``); ``[]`` outside a Hydra run (a config
+    composed in a script or test)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def refuse_config_with_weights(model: Mapping[str, Any], overrides: Iterable[str]) -> None:
+    """With ``model.weights`` the model's shapes are those of its ``config.json``: a ``model.config.*`` override
+    would be ignored, and the run would train another model than the one asked for.
 
     Raises:
-        ConfigError: naming ``model.max_seq_len``, ``model.weights`` or ``data.seq_len``, with the numbers.
+        ConfigError: naming the first ``model.config.*`` override."""
+    if not model.get("weights"):
+        return
+    for o in overrides:
+        key = o.split("=", 1)[0].lstrip("+~")
+        if key.startswith("model.config."):
+            raise ConfigError(key, f"does not apply with model.weights={model['weights']}: the model is built from "
+                                   "the weights' own config.json. Drop the model.config overrides, or drop "
+                                   "model.weights (and give model.gguf=null) to train a random initialisation of "
+                                   "model.config.")
+
+
+def check_model(model: Mapping[str, Any], data: Mapping[str, Any], overrides: Iterable[str] = ()) -> None:
+    """``model.max_seq_len`` is a positive int, ``model.weights`` (a local path) is a model directory, no
+    ``model.config.*`` override comes with it (:func:`refuse_config_with_weights`), and ``data.seq_len`` is within
+    ``model.max_seq_len`` and the positions of the local model's ``config.json``.
+
+    Raises:
+        ConfigError: naming ``model.max_seq_len``, ``model.weights``, ``model.config.<key>`` or ``data.seq_len``,
+            with the numbers.
     """
-    _int("model.max_seq_len", model.get("max_seq_len"), 1, "a positive int (the recipe's sequence cap, tokens)")
+    refuse_config_with_weights(model, overrides)
+    check_int("model.max_seq_len", model.get("max_seq_len"), 1, "a positive int (the recipe's sequence cap, tokens)")
     limit, seq = model["max_seq_len"], data.get("seq_len")
     if isinstance(seq, int) and seq > limit:
         raise ConfigError("data.seq_len", f"={seq} is longer than the model's maximum of {limit} positions "
@@ -428,7 +473,7 @@ def check_optim(optim: Mapping[str, Any]) -> None:
         raise ConfigError("optim.betas", f"must be two numbers in [0, 1), e.g. optim.betas=[0.9,0.95]; got {betas!r}.")
     for b in betas:
         _float("optim.betas", b, 0.0, 1.0, "two numbers in [0, 1), e.g. optim.betas=[0.9,0.95]")
-    _int("optim.warmup_steps", optim.get("warmup_steps", 0), 0, "an int >= 0 (optimizer steps)")
+    check_int("optim.warmup_steps", optim.get("warmup_steps", 0), 0, "an int >= 0 (optimizer steps)")
 
 
 def check_values(cfg: Mapping[str, Any]) -> None:
@@ -439,15 +484,15 @@ def check_values(cfg: Mapping[str, Any]) -> None:
         ConfigError: the first bad value, naming its key.
     """
     trainer, data = cfg.get("trainer") or {}, cfg.get("data") or {}
-    _int("trainer.max_steps", trainer.get("max_steps", -1), 1, "a positive int (optimizer steps), or -1 to train "
+    check_int("trainer.max_steps", trainer.get("max_steps", -1), 1, "a positive int (optimizer steps), or -1 to train "
          "trainer.max_epochs epochs", extra=(-1,))
     if "max_epochs" in trainer:
-        _int("trainer.max_epochs", trainer["max_epochs"], 1, "a positive int, -1 or null (unlimited)", extra=(-1, None))
+        check_int("trainer.max_epochs", trainer["max_epochs"], 1, "a positive int, -1 or null (unlimited)", extra=(-1, None))
     devices = trainer.get("devices", 1)
     if not _devices_ok(devices):
         raise ConfigError("trainer.devices", "must be a positive int (processes per node, one per GPU), 'auto', -1 "
                           f"(every GPU) or a list of GPU indices; got {devices!r}.")
-    _int("trainer.num_nodes", trainer.get("num_nodes", 1), 1, "a positive int (machines, each running this command)")
+    check_int("trainer.num_nodes", trainer.get("num_nodes", 1), 1, "a positive int (machines, each running this command)")
     strategy = cfg.get("strategy") or {}
     nodes = trainer.get("num_nodes", 1)
     world = (len(devices) if isinstance(devices, (list, tuple)) else devices if isinstance(devices, int) else 1) * nodes
@@ -462,22 +507,24 @@ def check_values(cfg: Mapping[str, Any]) -> None:
         check_precision(trainer.get("precision", "32-true"))
     except UnsupportedPrecisionError as e:
         raise ConfigError("trainer.precision", str(e)) from None
-    _int("trainer.accumulate_grad_batches", trainer.get("accumulate_grad_batches", 1), 1,
+    check_int("trainer.accumulate_grad_batches", trainer.get("accumulate_grad_batches", 1), 1,
          "a positive int (micro-batches per optimizer step)")
+    check_int("trainer.log_every_n_steps", trainer.get("log_every_n_steps", 50), 1, "a positive int (optimizer steps)")
+    check_booleans(cfg, FINETUNE_BOOLEANS)
     for k in ("batch_size", "seq_len"):
         if k in data:
-            _int(f"data.{k}", data[k], 1, "a positive int")
-    check_model(cfg.get("model") or {}, data)
+            check_int(f"data.{k}", data[k], 1, "a positive int")
+    check_model(cfg.get("model") or {}, data, command_line_overrides())
     vf = data.get("val_fraction", 0.0)
     if not isinstance(vf, (int, float)) or isinstance(vf, bool) or not 0.0 <= vf < 1.0:
         raise ConfigError("data.val_fraction", f"must be a number in [0, 1) (the share of records held out for "
                                                f"validation; 0: none), got {vf!r}.")
     check_optim(cfg.get("optim") or {})
-    _int("checkpoint.every_n_steps", (cfg.get("checkpoint") or {}).get("every_n_steps"), 1,
+    check_int("checkpoint.every_n_steps", (cfg.get("checkpoint") or {}).get("every_n_steps"), 1,
          "a positive int (optimizer steps) or null (no periodic checkpoint)", extra=(None,))
-    _int("eval.max_batches", (cfg.get("eval") or {}).get("max_batches"), 1, "a positive int (validation batches "
+    check_int("eval.max_batches", (cfg.get("eval") or {}).get("max_batches"), 1, "a positive int (validation batches "
          "per evaluation) or null (trainer.limit_val_batches); to skip an evaluation set eval.before=false", extra=(None,))
-    _int("sample.max_new_tokens", (cfg.get("sample") or {}).get("max_new_tokens", 0), 0,
+    check_int("sample.max_new_tokens", (cfg.get("sample") or {}).get("max_new_tokens", 0), 0,
          "an int >= 0 (tokens; 0: no sample)")
     if strategy.get("_target_"):
         kwargs = {k: v for k, v in strategy.items() if k not in HYDRA_SPECIAL}

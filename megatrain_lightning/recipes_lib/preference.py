@@ -27,11 +27,12 @@ from ..data.corpus import unit_hash
 from ..data.formatting import generation_prompt
 from ..data.probes import biomedical_probe
 from ..preference import DPOModule, PreferenceDataError, PreferenceDataset, collate_pairs
-from .checks import ConfigError, check_keys
+from .checks import (ConfigError, check_booleans, check_int, check_keys, command_line_overrides,
+                     refuse_config_with_weights)
 from .console import RecipeProgressBar
 from .models import tokenizer_for
 from .results import format_table, peak_rss_bytes
-from .run import inference_weights, optimizer_kwargs
+from .run import inference_weights, make_trainer, optimizer_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,33 @@ DPO_KEYS: dict[str, tuple[str, ...] | None] = {
 }
 
 
+DPO_BOOLEANS = ("checkpoint.save_final", "plot", "probe.enabled", "trainer.enable_checkpointing",
+                "trainer.enable_progress_bar")
+"""The keys of ``recipes/dpo.py`` whose value is ``true`` or ``false`` (a test compares them with ``conf/``)."""
+
+
+def check_values(cfg: DictConfig) -> None:
+    """The recipe's own numbers and yes/no keys have usable values (the Trainer checks ``trainer.*`` when built).
+
+    Raises:
+        ConfigError: the first bad value, naming its key."""
+    check_booleans(cfg, DPO_BOOLEANS)
+    refuse_config_with_weights(cfg.model, command_line_overrides())
+    p = cfg.preference
+    check_int("preference.batch_size", p.batch_size, 1, "a positive int (pairs per micro-batch)")
+    check_int("preference.max_length", p.max_length, 2, "an int >= 2 (tokens of prompt and answer)")
+    for key in ("max_train", "max_val"):
+        check_int(f"preference.{key}", p.get(key), 1, "a positive int (pairs) or null (all)", extra=(None,))
+    vf = p.val_fraction
+    if isinstance(vf, bool) or not isinstance(vf, (int, float)) or not 0.0 <= vf < 1.0:
+        raise ConfigError("preference.val_fraction", f"must be a number in [0, 1) (the share of pairs held out for "
+                                                     f"validation; 0: none), got {vf!r}.")
+    check_int("probe.max_items", cfg.probe.max_items, 0, "an int >= 0 (held-out questions asked; 0: none)")
+    check_int("probe.max_new_tokens", cfg.probe.max_new_tokens, 1, "a positive int (tokens per answer)")
+    check_int("probe.batch_size", cfg.probe.batch_size, 1, "a positive int (questions per generate call)")
+    check_int("sample.max_new_tokens", cfg.sample.max_new_tokens, 0, "an int >= 0 (tokens; 0: no sample)")
+
+
 def preflight(cfg: DictConfig) -> Any:
     """What can be checked before the model is built: every key is one something takes (:data:`DPO_KEYS`,
     :func:`~.checks.check_keys`), required keys, the ``dpo`` options, and the tokenizer (the pairs are checked by
@@ -133,6 +161,7 @@ def preflight(cfg: DictConfig) -> Any:
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(missing[0], f"is required and has no value: add {missing[0]}=... to the command line.")
+    check_values(cfg)
     if cfg.dpo.loss_type == "simpo" and cfg.dpo.reference is not None:  # the library says "leave it unset"
         raise ConfigError("dpo.reference", f"dpo.loss_type=simpo uses no reference model, and dpo.reference is "
                           f"{cfg.dpo.reference!r} (conf/dpo.yaml's default): add dpo.reference=null.")
@@ -173,10 +202,12 @@ def build_pairs(cfg: DictConfig, tokenizer: Any) -> PreferenceData:
     return PreferenceData(train_ds, val_ds, int(p.batch_size), int(pad or 0), probe)
 
 
-def build_module(cfg: DictConfig, model: torch.nn.Module) -> DPOModule:
+def build_module(cfg: DictConfig, model: torch.nn.Module, tokenizer: Any) -> DPOModule:
     """``DPOModule`` with ``cfg.dpo`` and ``cfg.optim`` (``conf/optim/<name>.yaml`` with
-    ``conf/optim_dpo/<name>.yaml``'s values for preference training)."""
-    return DPOModule(model, **OmegaConf.to_container(cfg.dpo, resolve=True), **optimizer_kwargs(cfg.optim))
+    ``conf/optim_dpo/<name>.yaml``'s values for preference training); ``tokenizer`` is saved in the checkpoint's
+    ``model/``."""
+    return DPOModule(model, **OmegaConf.to_container(cfg.dpo, resolve=True), **optimizer_kwargs(cfg.optim),
+                     tokenizer=tokenizer)
 
 
 class StepHistory(pl.Callback):
@@ -285,13 +316,11 @@ def report(cfg: DictConfig, trainer: pl.Trainer, before: dict[str, float], after
 def build_trainer(cfg: DictConfig, history: StepHistory) -> pl.Trainer:
     """The Trainer: ``cfg.trainer`` keyword arguments, ``cfg.strategy``, a CSV logger under ``<output_dir>/logs``, the
     recipes' progress bar (as ``recipes/finetune.py``'s)."""
-    from hydra.utils import instantiate
     from lightning.pytorch.loggers import CSVLogger
 
     kw = OmegaConf.to_container(cfg.trainer, resolve=True)
     bar = [RecipeProgressBar()] if kw.get("enable_progress_bar", True) else []
-    return pl.Trainer(strategy=instantiate(cfg.strategy), logger=CSVLogger(str(Path(cfg.output_dir) / "logs")),
-                      callbacks=[history, *bar], default_root_dir=cfg.output_dir, **kw)
+    return make_trainer(cfg, kw, logger=CSVLogger(str(Path(cfg.output_dir) / "logs")), callbacks=[history, *bar])
 
 
 def fit(trainer: pl.Trainer, module: DPOModule, data: PreferenceData) -> dict[str, Any]:

@@ -168,9 +168,27 @@ def log_every(configured: int, max_steps: int) -> int:
     return max(1, min(configured, max_steps // 4))
 
 
+def make_trainer(cfg: DictConfig, kw: dict[str, Any], **options: Any) -> pl.Trainer:
+    """``pl.Trainer(strategy=<cfg.strategy>, default_root_dir=cfg.output_dir, **kw, **options)``; a value Lightning
+    refuses (``trainer.accelerator=gpu`` without one, ``trainer.val_check_interval=abc``) as a :class:`ConfigError`.
+    The recipes build the Trainer before the model, so such a refusal costs no model load.
+
+    Raises:
+        ConfigError: (key ``trainer``) Lightning's message."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    try:
+        return pl.Trainer(strategy=instantiate(cfg.strategy), default_root_dir=cfg.output_dir, **kw, **options)
+    except (MisconfigurationException, TypeError, ValueError) as e:
+        raise ConfigError("trainer", str(e)) from None
+
+
 def build_trainer(cfg: DictConfig) -> tuple[pl.Trainer, LossHistory]:
     """The Trainer (``cfg.trainer`` kwargs, ``cfg.strategy``, loggers, periodic checkpoints) and the callback that
-    records the training loss of every step."""
+    records the training loss of every step.
+
+    Raises:
+        ConfigError: a ``trainer.*`` value Lightning refuses (:func:`make_trainer`)."""
     kw = OmegaConf.to_container(cfg.trainer, resolve=True)
     kw["log_every_n_steps"] = log_every(int(kw.get("log_every_n_steps", 50)), int(kw.get("max_steps", -1)))
     if cfg.eval.max_batches is not None:
@@ -185,9 +203,7 @@ def build_trainer(cfg: DictConfig) -> tuple[pl.Trainer, LossHistory]:
     if ckpt_cb is not None:
         callbacks.append(ckpt_cb)
         kw["enable_checkpointing"] = True
-    trainer = pl.Trainer(strategy=instantiate(cfg.strategy), logger=make_loggers(cfg), callbacks=callbacks,
-                         default_root_dir=cfg.output_dir, **kw)
-    return trainer, history
+    return make_trainer(cfg, kw, logger=make_loggers(cfg), callbacks=callbacks), history
 
 
 @contextlib.contextmanager

@@ -97,7 +97,7 @@ class HostBudget:
             )
         deadline = time.monotonic() + timeout_s
         with self.cond:
-            while self.used + n > self.limit:
+            while not self.try_reserve(n):
                 if make_room is not None and make_room(self.used + n - self.limit):
                     continue
                 left = deadline - time.monotonic()
@@ -108,8 +108,6 @@ class HostBudget:
                         "Raise host_memory_limit or lower lookahead."
                     )
                 self.cond.wait(min(left, 0.5))
-            self.used += n
-            self.peak = max(self.peak, self.used)
 
     def release(self, n: int) -> None:
         with self.cond:

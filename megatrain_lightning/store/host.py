@@ -5,9 +5,6 @@ moves a block to the device and the trainable part is one contiguous range for t
 states (docs/architecture.md, "Memory tiers"). After :func:`build_store` every ``param.data`` is a view of its slab,
 so the module keeps working as plain PyTorch and nothing is stored twice. With the NVMe tier some regions live in
 per-block files (:mod:`megatrain_lightning.store.nvme`); :meth:`HostStore.hold` serves both tiers.
-
-Bytes per parameter on the host (fp32): master 4, gradient accumulator 4 (trainable only, allocated at the first
-backward), exp_avg 4 and exp_avg_sq 4 (trainable parameters the optimizer owns, allocated at the first step).
 """
 
 from __future__ import annotations
@@ -34,8 +31,6 @@ class SlabEntry:
     Attributes:
         ref: the parameter reference (owner module, name, Parameter object).
         offset: first element of the parameter in the slab (elements, not bytes).
-        numel: number of elements.
-        shape: the parameter's shape.
         trainable: the store holds an accumulator and AdamW state for it (``requires_grad`` when the store
             was built, or ``reserve_frozen``: :func:`slab_layout`).
     """
@@ -243,21 +238,18 @@ class HostStore:
         slab = self.slabs[i]
         out = {k: self._ram(slab, k) for k in kinds if k not in self.nvme_kinds}
         disk = [k for k in kinds if k in self.nvme_kinds]
-        if not disk:
-            yield out
-            return
-        with self.nvme.hold(i, disk, write=write, fresh=fresh) as got:
+        with self.nvme.hold(i, disk, write=write, fresh=fresh) if disk else contextlib.nullcontext({}) as got:
             out.update(got)
             yield out
 
     def master_is_remote(self, i: int) -> bool:
         """Data parallel with the masters on disk: slab ``i``'s master is in another local rank's store."""
-        return self.nvme is not None and Region.master in self.nvme_kinds and self.nvme.is_remote(i)
+        return self.masters_on_disk and i in self.nvme.remote
 
     def master_published(self, i: int) -> None:
         """Owner, data parallel: make slab ``i``'s new master visible before the others are told (NVMe: wait for
         its write-behind)."""
-        if self.nvme is not None and Region.master in self.nvme_kinds:
+        if self.masters_on_disk:
             self.nvme.wait_written(i, Region.master)
 
     def master_changed_elsewhere(self, i: int) -> None:
@@ -355,7 +347,6 @@ def build_store(blocks: Sequence[Block], pin_memory: bool | None = False,
     nvme = nvme_factory([(n, t) for _, n, t in layout]) if nvme_factory is not None and nvme_kinds else None
     store = HostStore([], nvme=nvme, nvme_kinds=nvme_kinds if nvme is not None else ())
     store.shared = regions
-    on_disk = store.masters_on_disk
     try:
         for blk, (entries, numel, trainable_numel) in zip(blocks, layout):
             slab = Slab(index=blk.index, entries=entries, master=None, trainable_numel=trainable_numel,  # type: ignore[arg-type]
@@ -368,7 +359,7 @@ def build_store(blocks: Sequence[Block], pin_memory: bool | None = False,
                     slab.exp_avg = regions.region(slab.index, Region.exp_avg)
                     slab.exp_avg_sq = regions.region(slab.index, Region.exp_avg_sq)
                 slab.has_grad = [False] * len(entries)
-            elif not on_disk:
+            elif not masters_on_disk:
                 # pinned at its exact size (store/pinned.py), not rounded up to a power of two
                 buf, pinned = try_host_buffer(4 * numel, pin_memory, "the master weights")
                 if pin_memory is None and not pinned:
@@ -379,10 +370,8 @@ def build_store(blocks: Sequence[Block], pin_memory: bool | None = False,
             with contextlib.nullcontext({}) if store.master_is_remote(slab.index) else \
                     store.hold(slab.index, [Region.master], write=True, fresh=[Region.master]) as t:
                 master = t.get(Region.master)
-                for e in entries:
+                for e in entries if master is not None else ():  # None: another rank's slab, it writes it
                     p = e.ref.param
-                    if master is None:
-                        break  # another rank's slab: it writes it
                     if p.is_meta:
                         if not sources or id(p) not in sources:
                             raise ValueError(
@@ -404,12 +393,12 @@ def build_store(blocks: Sequence[Block], pin_memory: bool | None = False,
                             )
                     else:
                         value = p.detach()
-                    if regions is None or regions.writer or on_disk:
+                    if regions is None or regions.writer or masters_on_disk:
                         master[e.offset : e.offset + e.numel].copy_(value.reshape(-1))
                     del value
             for i, e in enumerate(entries):
                 old = e.ref.param
-                data = store.placeholder(slab.index, i) if on_disk else slab.master_view(i)
+                data = store.placeholder(slab.index, i) if masters_on_disk else slab.master_view(i)
                 if old.is_meta:
                     new = torch.nn.Parameter(data, requires_grad=old.requires_grad)
                     for b in blocks:
@@ -423,8 +412,7 @@ def build_store(blocks: Sequence[Block], pin_memory: bool | None = False,
         store.close()
         raise
     # every reference (tied parameters included) points at the final packed position
-    where = {id(e.ref.param): (s.index, i) for s in store.slabs for i, e in enumerate(s.entries)}
     for blk in blocks:
         for r in blk.params:
-            r.slab, r.index = where[id(r.param)]
+            r.slab, r.index = store.index[id(r.param)]
     return store

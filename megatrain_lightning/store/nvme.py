@@ -91,13 +91,13 @@ class IOMeter:
     read_busy_s: float = 0.0
     write_busy_s: float = 0.0
     io_busy_s: float = 0.0  # wall time with any transfer running (reads and writes share one disk)
-    _active: dict = field(default_factory=lambda: {"read": [0, 0.0], "write": [0, 0.0], "any": [0, 0.0]})
+    _active: dict = field(default_factory=lambda: {"read": [0, 0.0], "write": [0, 0.0], "io": [0, 0.0]})
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @contextlib.contextmanager
     def measure(self, op: str, nbytes: int) -> Iterator[None]:
         with self._lock:
-            for k in (op, "any"):
+            for k in (op, "io"):
                 a = self._active[k]
                 if a[0] == 0:
                     a[1] = time.perf_counter()
@@ -107,12 +107,11 @@ class IOMeter:
         finally:
             with self._lock:
                 now = time.perf_counter()
-                for k in (op, "any"):
+                for k in (op, "io"):
                     a = self._active[k]
                     a[0] -= 1
                     if a[0] == 0:
-                        attr = {"read": "read_busy_s", "write": "write_busy_s", "any": "io_busy_s"}[k]
-                        setattr(self, attr, getattr(self, attr) + now - a[1])
+                        setattr(self, f"{k}_busy_s", getattr(self, f"{k}_busy_s") + now - a[1])
                 setattr(self, f"{op}_bytes", getattr(self, f"{op}_bytes") + nbytes)  # op: "read" or "write"
 
     def snapshot(self) -> dict[str, float]:
@@ -172,8 +171,8 @@ class NVMeConfig:
         if self.share is None:
             return list(layout)
         rank, ranks = self.share
-        other = (lambda n: n) if Region.master in self.kinds else (lambda n: 0)
-        return [(n, t) if o == rank else (other(n), 0) for o, (n, t) in zip(owners(layout, ranks), layout)]
+        masters = Region.master in self.kinds
+        return [(n, t) if o == rank else (n if masters else 0, 0) for o, (n, t) in zip(owners(layout, ranks), layout)]
 
     def remote_files(self, layout: Sequence[tuple[int, int]]) -> dict[int, Path]:
         """With :attr:`share` and the masters on disk: slab index -> the block file of its owner (another local
@@ -185,11 +184,9 @@ class NVMeConfig:
                 for i, o in enumerate(owners(layout, ranks)) if o != rank and layout[i][0]}  # an empty slab: no file
 
     def min_window(self, layout: Sequence[tuple[int, int]]) -> int:
-        """Bytes the store's own regions need in the host window at least: the largest slab's on-disk regions
-        and one more accumulator being filled (the engine adds its own buffers, e.g. compute buffers on CPU).
-
-        Args:
-            layout: per slab, ``(numel, trainable numel)``."""
+        """Bytes the store's own regions of ``layout`` (per slab ``(numel, trainable numel)``) need in the host window
+        at least: the largest slab's on-disk regions and one more accumulator being filled (the engine adds its own
+        buffers, e.g. compute buffers on CPU)."""
         if not layout:
             return 0
         p = max(align_up(4 * n) for n, _ in layout)
@@ -216,20 +213,18 @@ class _BackOff(Exception):
     """No contiguous range can open while the caller keeps its own buffers pinned (see ``_pin_all``)."""
 
 
+@dataclass(slots=True, eq=False)
 class _Entry:
-    __slots__ = ("buf", "t", "nbytes", "pins", "dirty", "io", "io_kind", "last", "off", "stale")
-
-    def __init__(self, nbytes: int, off: int):
-        self.off = off  # byte offset of its buffer in the store's arena
-        self.buf: torch.Tensor | None = None
-        self.t: torch.Tensor | None = None
-        self.nbytes = nbytes
-        self.pins = 0
-        self.dirty = False
-        self.io: Future | None = None
-        self.io_kind = ""
-        self.last = 0
-        self.stale = False  # another process rewrote the file region: reload once no one uses the buffer
+    nbytes: int
+    off: int  # byte offset of its buffer in the store's arena
+    buf: torch.Tensor | None = None
+    t: torch.Tensor | None = None
+    pins: int = 0
+    dirty: bool = False
+    io: Future | None = None
+    io_kind: str = ""
+    last: int = 0
+    stale: bool = False  # another process rewrote the file region: reload once no one uses the buffer
 
 
 def block_file(directory: Path, i: int) -> Path:
@@ -302,10 +297,8 @@ class NVMeStore:
         budget: the run's host budget (shared with the engine's compute buffers on CPU).
         io_threads, io_block_size, read_ahead, keep_files, store_dir: as :class:`NVMeConfig`'s.
         direct_io: ``"auto"`` (``O_DIRECT`` if the filesystem takes it), ``True`` (required) or ``False``.
-        pin_memory: page-lock the window's arena (``None``: try, else pageable with a warning); ignored with
-            ``arena``.
-        arena: the memory window buffers are carved from (default: one of ``min(budget.limit, every region's
-            bytes)``).
+        arena: the memory window buffers are carved from (default: a pageable one of ``min(budget.limit, every
+            region's bytes)``).
         place_timeout_s: seconds a buffer may wait for a contiguous free range of the arena.
         remote: data parallel with the masters on disk: slab index -> its owner's block file, whose master is
             read (:meth:`open_remote`), never written; those slabs' other regions are empty here.
@@ -314,12 +307,11 @@ class NVMeStore:
         NVMeStoreLockedError: another live process holds the store directory.
         OSError: the directory cannot be created, or ``direct_io=True`` and ``O_DIRECT`` is refused.
         NVMeIOError: the files cannot be allocated (ENOSPC included).
-        HostPinningError: ``pin_memory=True`` and the arena could not be page-locked.
     """
 
     def __init__(self, nvme_path: str | os.PathLike, layout: Sequence[tuple[int, int]], budget: HostBudget, *,
                  io_threads: int = 4, io_block_size: int = IO_BLOCK_SIZE, read_ahead: int = 4, direct_io: bool | str = "auto",
-                 pin_memory: bool | None = False, keep_files: bool = False, arena: PinnedArena | None = None,
+                 keep_files: bool = False, arena: PinnedArena | None = None,
                  place_timeout_s: float = 300.0, store_dir: str = STORE_DIR, remote: dict[int, Path] | None = None):
         self.dir = Path(nvme_path) / store_dir
         self.remote = dict(remote or {})
@@ -331,13 +323,12 @@ class NVMeStore:
         self.keep_files = keep_files
         self.read_ahead_max = read_ahead
         self.meter = IOMeter()
-        odirect = probe_odirect(self.dir) if direct_io in ("auto", True) else False
-        if direct_io is True and not odirect:
+        self.direct = direct_io in ("auto", True) and probe_odirect(self.dir)
+        if direct_io is True and not self.direct:
             raise OSError(f"direct_io=True but the filesystem of {self.dir} refuses O_DIRECT; use direct_io='auto'.")
-        if not odirect and direct_io == "auto":
+        if not self.direct and direct_io == "auto":
             log.warning("megatrain: %s does not support O_DIRECT; the NVMe store uses buffered I/O "
                         "(the page cache then holds extra copies outside host_memory_limit).", self.dir)
-        self.direct = odirect
         self._off: list[dict[str, int]] = []
         self._nbytes: list[dict[str, int]] = []
         self._numel: list[dict[str, int]] = []
@@ -349,8 +340,7 @@ class NVMeStore:
             self._numel.append(numel)
         self.valid: list[dict[str, bool]] = [{k: False for k in KINDS} for _ in self.layout]
         if arena is None:
-            every = sum(sum(d.values()) for d in self._nbytes)
-            arena = PinnedArena(max(ALIGN, min(budget.limit, every)), pin=pin_memory)
+            arena = PinnedArena(max(ALIGN, min(budget.limit, store_bytes(self.layout))))
         self.arena = arena
         self._at: dict[int, tuple[int, str]] = {}  # arena offset -> the entry whose buffer starts there
         self._place_timeout_s = place_timeout_s
@@ -412,10 +402,6 @@ class NVMeStore:
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         return fd
-
-    def is_remote(self, i: int) -> bool:
-        """Slab ``i``'s master is another process's (data parallel): read from its file, never written here."""
-        return i in self.remote
 
     def open_remote(self) -> None:
         """Open the owners' files of :attr:`remote` read-only, once every owner wrote them (an open file stays
@@ -617,29 +603,25 @@ class NVMeStore:
                     e = self.entries[key] = _Entry(n, off)
                     self._at[off] = key
                     e.io, e.io_kind, e.pins, e.last = Future(), "read", 1, next(self._clock)
-                    load = True
-                elif e.stale:  # another process rewrote it: reload once the old buffer is free
+                    fut = e.io
+                    break  # load it, outside the lock
+                if e.stale:  # another process rewrote it: reload once the old buffer is free
                     if e.pins == 0 and e.io is None:
                         self._free(self.entries.pop(key))
                     else:
                         self.cond.wait(0.05)
                     continue
-                else:
-                    fut = e.io
-                    if fut is None or not (e.io_kind == "read" or write):
-                        e.pins += 1
-                        e.last = next(self._clock)
-                        return e.t  # type: ignore[return-value]
-                    load = False  # wait outside the lock, then look again
-            if load:
                 fut = e.io
-                self._start_read(i, kind, e, fresh)
+                if fut is None or not (e.io_kind == "read" or write):
+                    e.pins += 1
+                    e.last = next(self._clock)
+                    return e.t  # type: ignore[return-value]
+            # wait outside the lock, then look again (a failed read-ahead: load again; a persistent error resurfaces)
+            with contextlib.suppress(BaseException):
                 fut.result()  # type: ignore[union-attr]
-                return e.t  # type: ignore[return-value]
-            try:
-                fut.result()  # type: ignore[union-attr]
-            except BaseException:
-                pass  # a failed read-ahead: load again (its error resurfaces if persistent)
+        self._start_read(i, kind, e, fresh)
+        fut.result()  # type: ignore[union-attr]
+        return e.t  # type: ignore[return-value]
 
     def _unpin(self, i: int, kind: str, write: bool) -> None:
         with self.cond:
@@ -654,7 +636,7 @@ class NVMeStore:
             self.cond.notify_all()
 
     def invalidate(self, i: int, kind: str) -> None:
-        """Another process rewrote block ``i``'s ``kind`` (an :meth:`is_remote` master): drop its buffer now, or
+        """Another process rewrote block ``i``'s ``kind`` (a :attr:`remote` master): drop its buffer now, or
         once it is free; the next hold reads the file again."""
         with self.cond:
             e = self.entries.get((i, kind))
@@ -697,14 +679,8 @@ class NVMeStore:
 
     @contextlib.contextmanager
     def hold(self, i: int, kinds: Iterable[str], write: bool = False, fresh: Iterable[str] = ()) -> Iterator[dict[str, torch.Tensor]]:
-        """Pin block ``i``'s ``kinds`` in host memory for the ``with`` body.
-
-        Args:
-            i: block (slab) index.
-            kinds: regions wanted: ``master`` (fp32, slab numel), ``exp_avg``, ``exp_avg_sq``, ``grad_accum``
-                (fp32, trainable numel).
-            write: the body modifies them (they are written back when unpinned).
-            fresh: regions whose current content does not matter (not read from disk).
+        """Pin block ``i``'s ``kinds`` in host memory for the ``with`` body; arguments as
+        :meth:`~megatrain_lightning.store.host.HostStore.hold`'s (``write``: written back when unpinned).
 
         Yields:
             kind -> fp32 host tensor ``[numel]``, valid until the body ends.
@@ -868,8 +844,7 @@ def preflight_nvme(nvme_path: str | os.PathLike, layout: Sequence[tuple[int, int
             directory, the disk is too small, or the budget is below ``min_window``.
     """
     p = Path(nvme_path)
-    refusal = path_refusal(p)
-    if refusal:
+    if refusal := path_refusal(p):
         raise ValueError(refusal)
     need = store_bytes(layout)
     existing = sum(f.stat().st_size for f in (p / store_dir).glob("block_*.bin")) if (p / store_dir).is_dir() else 0
@@ -881,8 +856,7 @@ def preflight_nvme(nvme_path: str | os.PathLike, layout: Sequence[tuple[int, int
             f"parameter, 4 per frozen one) plus a margin of 5% + 1 GiB = {fmt_bytes(want)}. Free disk space or point "
             "nvme_path at a larger disk."
         )
-    refusal = window_refusal(host_memory_limit, min_window, ranks_sharing)
-    if refusal:
+    if refusal := window_refusal(host_memory_limit, min_window, ranks_sharing):
         raise ValueError(refusal)
     return {"disk_needed": need, "disk_free": free, "min_window": min_window}
 

@@ -37,15 +37,6 @@ def page_up(n: int) -> int:
     return (int(n) + PAGE - 1) // PAGE * PAGE
 
 
-def _clear_cuda_error() -> None:
-    """Reset the CUDA runtime's last error after a failed registration (else PyTorch's next launch check reports
-    it); best effort."""
-    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(name).cudaGetLastError()
-            return
-
-
 def cuda_register(ptr: int, nbytes: int) -> None:
     """Page-lock ``nbytes`` at ``ptr`` through the CUDA driver (``cudaHostRegister``, portable).
 
@@ -54,7 +45,11 @@ def cuda_register(ptr: int, nbytes: int) -> None:
     cudart = torch.cuda.cudart()
     err = cudart.cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE)
     if int(err) != 0:
-        _clear_cuda_error()
+        # reset the CUDA runtime's last error (else PyTorch's next launch check reports it); best effort
+        for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+            with contextlib.suppress(OSError, AttributeError):
+                ctypes.CDLL(name).cudaGetLastError()
+                break
         raise HostPinningError(str(cudart.cudaGetErrorString(err)))
 
 

@@ -13,14 +13,13 @@ slab.
 
 from __future__ import annotations
 
+import mmap
 import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 import torch
-
-import mmap
 
 from .budget import fmt_bytes
 from .pinned import shared_file_mapping
@@ -177,12 +176,15 @@ class SlabOwnership:
         sync: a barrier of the node's ranks (once per step, before ``param.grad`` is shown to hooks).
         exited: ``exited(global_rank)``: whether that rank's process has ended (see :func:`wait_for`); default:
             never.
+        failure: the exception :meth:`wait` raises (the data-parallel setup passes its ``PeerFailure``).
     """
 
     def __init__(self, owner: Sequence[int], local_rank: int, counts: torch.Tensor, timeout_s: float,
                  global_rank_of: Callable[[int], int], all_reduce: Callable[[torch.Tensor, str], None],
-                 sync: Callable[[], None], exited: Callable[[int], bool] | None = None):
+                 sync: Callable[[], None], exited: Callable[[int], bool] | None = None,
+                 failure: type[Exception] = OwnerTimeout):
         self.sync = sync
+        self.failure = failure
         self.exited = exited if exited is not None else (lambda rank: False)
         self.owner = list(owner)
         self.local_rank = local_rank
@@ -204,20 +206,22 @@ class SlabOwnership:
         """Non-owner: wait (:func:`wait_for`) until slab ``i``'s owner has published as many updates as expected.
 
         Raises:
-            OwnerTimeout: not within ``timeout_s`` seconds, or the owner's process has exited.
+            OwnerTimeout (``failure``): not within ``timeout_s`` seconds, or the owner's process has exited.
         """
         self.expected[i] += 1
         want = self.expected[i]
         owner = self.global_rank_of(self.owner[i])
         wait_for(lambda: int(self.counts[i]) >= want, self.timeout_s, lambda: self.exited(owner),
-                 f"rank {owner} (local rank {self.owner[i]}), which updates slab {i}, did not publish update {want}")
+                 f"rank {owner} (local rank {self.owner[i]}), which updates slab {i}, did not publish update {want}",
+                 self.failure)
 
 
-def wait_for(ready: Callable[[], bool], timeout_s: float, exited: Callable[[], bool], what: str) -> None:
+def wait_for(ready: Callable[[], bool], timeout_s: float, exited: Callable[[], bool], what: str,
+             failure: type[Exception] = OwnerTimeout) -> None:
     """Poll ``ready()`` (sleeping 50 us -> 5 ms between looks) until it is true.
 
     Raises:
-        OwnerTimeout: ``exited()`` (looked at about once a second) says the process that should make it true has
+        OwnerTimeout (``failure``): ``exited()`` (looked at about once a second) says the process that should make it true has
             ended, or ``timeout_s`` seconds passed; the message says ``what`` did not happen.
     """
     t0 = last_look = time.monotonic()
@@ -227,11 +231,11 @@ def wait_for(ready: Callable[[], bool], timeout_s: float, exited: Callable[[], b
         if now - last_look > 1.0:
             last_look = now
             if exited():
-                raise OwnerTimeout(f"megatrain: {what}: its process has exited. Stopping; resume from the last "
-                                   "checkpoint.")
+                raise failure(f"megatrain: {what}: its process has exited. Stopping; resume from the last "
+                              "checkpoint.")
         if now - t0 > timeout_s:
-            raise OwnerTimeout(f"megatrain: {what} within {timeout_s:.0f} s: it has died or hangs. Stopping; resume "
-                               "from the last checkpoint (the strategy's timeout= sets this limit).")
+            raise failure(f"megatrain: {what} within {timeout_s:.0f} s: it has died or hangs. Stopping; resume "
+                          "from the last checkpoint (the strategy's timeout= sets this limit).")
         time.sleep(pause)
         pause = min(pause * 2, 5e-3)
 
@@ -259,10 +263,11 @@ class SharedWireImages:
     Args:
         path / create / pin: as :meth:`SharedRegions.map`.
         nbytes: per slab, its image's bytes (0: none).
-        timeout_s: as :class:`SlabOwnership`'s.
+        timeout_s, failure: as :class:`SlabOwnership`'s.
     """
 
-    def __init__(self, path: str, nbytes: Sequence[int], create: bool, pin: bool | None, timeout_s: float):
+    def __init__(self, path: str, nbytes: Sequence[int], create: bool, pin: bool | None, timeout_s: float,
+                 failure: type[Exception] = OwnerTimeout):
         offs, off = [], 0
         for n in nbytes:
             offs.append(off)
@@ -274,6 +279,7 @@ class SharedWireImages:
             if nbytes else torch.zeros(0, dtype=torch.int64)
         self.seen = [0] * len(nbytes)
         self.timeout_s = timeout_s
+        self.failure = failure
 
     def written(self, i: int) -> None:
         """Owner: image ``i`` was rewritten from the current master."""
@@ -284,7 +290,7 @@ class SharedWireImages:
         """Non-owner: wait for a generation of image ``i`` newer than the last one this process used.
 
         Raises:
-            OwnerTimeout: none within ``timeout_s``, or ``exited()``."""
+            OwnerTimeout (``failure``): none within ``timeout_s``, or ``exited()``."""
         wait_for(lambda: int(self.generations[i]) > self.seen[i], self.timeout_s, exited,
-                 f"rank {owner_rank}, which writes the wire image of slab {i}, did not write it")
+                 f"rank {owner_rank}, which writes the wire image of slab {i}, did not write it", self.failure)
         self.seen[i] = int(self.generations[i])
