@@ -320,7 +320,9 @@ class MegaTrainStrategy(MegaTrainBase, ParallelStrategy):
         self._before_evaluation("validation")
 
     def on_train_start(self) -> None:
-        """Data parallel: :func:`~.parallel.preflight.check_same_batches`, once, before the first step."""
+        """The first step's accounting window opens here (:meth:`StreamingEngine.start_steps`); data parallel:
+        :func:`~.parallel.preflight.check_same_batches`, once, before the first step."""
+        self.engine.start_steps()
         if self.groups is not None:
             trainer = self.lightning_module.trainer
             batches = trainer.num_training_batches

@@ -606,6 +606,15 @@ def test_stats_reach_callback_metrics_without_a_logger():
         "megatrain/blocks_fetched"]
 
 
+def test_the_first_steps_stats_leave_out_the_sanity_check():
+    """Each step fetches the same blocks; the sanity check's validation batches before the first step are not
+    counted in it."""
+    trainer = _trainer(max_steps=3, num_sanity_val_steps=2, limit_val_batches=2, val_check_interval=3)
+    trainer.fit(LM(make_model("llama")), make_data(n=16), make_data(n=4, seed=5))
+    fetched = [row["megatrain/blocks_fetched"] for row in trainer.strategy.engine.history]
+    assert len(fetched) == 3 and fetched[0] == fetched[1] == fetched[2] > 0, fetched
+
+
 class _UnfreezeAtEpoch1(Callback):
     """BackboneFinetuning's pattern: layer 0 starts frozen and becomes trainable at epoch 1."""
 

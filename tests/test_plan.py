@@ -302,6 +302,41 @@ def test_preflight_disk_advice_names_the_volume(tmp_path):
     assert f"change: free space on the volume mounted at {mount} (where {run_dir} is), point the store" in str(ei.value)
 
 
+def test_preflight_checks_the_store_and_the_checkpoints_each_on_its_own_volume(tmp_path, monkeypatch):
+    """The NVMe store on one volume (``path``), the checkpoints on another (``/dev/shm`` here): each is checked
+    against its own volume's free space, not their sum against the store's volume (which refused runs that fit)."""
+    import collections
+    import shutil
+
+    p = plan(load_model("llama8b"), load_hardware("h200"), offload_params="nvme", offload_optimizer="nvme")
+    store, ckpts = p.disk["NVMe store"], p.disk_bytes - p.disk["NVMe store"]
+    usage = collections.namedtuple("usage", "total used free")
+    free = {}
+    volume = lambda d: "shm" if str(d).startswith("/dev/shm") else "store"  # noqa: E731
+    monkeypatch.setattr(shutil, "disk_usage", lambda d: usage(0, 0, free[volume(d)]))
+    kw = dict(host_ram_bytes=4096 * GIB, device_bytes=140 * GIB, path=tmp_path, checkpoint_path="/dev/shm")
+    free.update(store=store + GIB, shm=ckpts + GIB)  # each fits; their sum would not fit on either
+    assert preflight(p, **kw)["disk"][0] == p.disk_bytes
+    free.update(shm=ckpts - GIB)
+    with pytest.raises(PreflightError) as ei:
+        preflight(p, **kw)
+    assert f"disk short: need {gib(ckpts)} GiB, have {gib(ckpts - GIB)} GiB (measured here) on the volume mounted at " \
+           "/dev/shm" in str(ei.value)
+    assert "change: free space on the volume mounted at /dev/shm, point the store" in str(ei.value)
+    assert len(ei.value.shortfalls) == 1
+
+
+def test_recipe_plans_the_checkpoints_it_keeps():
+    """The recipe keeps two ``last.ckpt`` at once while one replaces the other (``checkpoint.every_n_steps``), else the
+    final ``checkpoint/`` only, else none."""
+    from megatrain_lightning.recipes_lib.run import recipe_checkpoints
+
+    conf = lambda **c: OmegaConf.create({"checkpoint": c})  # noqa: E731
+    assert recipe_checkpoints(conf(every_n_steps=10, save_final=True)) == 2
+    assert recipe_checkpoints(conf(every_n_steps=None, save_final=True)) == 1
+    assert recipe_checkpoints(conf(every_n_steps=None, save_final=False)) == 0
+
+
 def test_preflight_message_with_given_numbers():
     p = plan(load_model("llama100b"), load_hardware("h200"))
     with pytest.raises(PreflightError) as ei:

@@ -274,6 +274,11 @@ def test_precompute_cache_is_reused_and_keyed_by_the_data(tmp_path):
     assert len(list((tmp_path / "cache").glob("*.pt"))) == 2  # other data: another key
 
 
+RESUME_KW = dict(strategy="megatrain", accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                 enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=ACC,
+                 gradient_clip_val=CLIP)
+
+
 def test_resume_equals_uninterrupted(tmp_path):
     """Save after 3 steps (mid-epoch), resume to 6: the same losses and weights as 6 steps in one run (the
     precomputed reference is loaded again from the starting weights' cache)."""
@@ -284,15 +289,13 @@ def test_resume_equals_uninterrupted(tmp_path):
     first = DPOModule(first_model, loss_type="sigmoid", beta=BETA, reference="precompute", lr=LR,
                       cache_dir=tmp_path / "cache")
     rec1, rec2 = Record(), Record()
-    kw = dict(strategy="megatrain", accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-              enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=ACC, gradient_clip_val=CLIP)
-    t1 = pl.Trainer(max_steps=3, callbacks=[rec1], **kw)
+    t1 = pl.Trainer(max_steps=3, callbacks=[rec1], **RESUME_KW)
     t1.fit(first, loader())
     t1.save_checkpoint(tmp_path / "ckpt")
     resumed = copy.deepcopy(model)
     second = DPOModule(resumed, loss_type="sigmoid", beta=BETA, reference="precompute", lr=LR,
                        cache_dir=tmp_path / "cache")
-    pl.Trainer(max_steps=6, callbacks=[rec2], **kw).fit(second, loader(), ckpt_path=tmp_path / "ckpt")
+    pl.Trainer(max_steps=6, callbacks=[rec2], **RESUME_KW).fit(second, loader(), ckpt_path=tmp_path / "ckpt")
     assert rec1.losses + rec2.losses == full.losses
     assert_weights(resumed, whole, tol=0.0, per_tensor=None)
 
@@ -308,9 +311,7 @@ def test_copy_reference_checkpoint_holds_the_policy_as_a_hugging_face_directory(
     _, full = megatrain_dpo(whole, loader(), "sigmoid", "copy", tmp_path, steps=6)
     first = DPOModule(copy.deepcopy(model), loss_type="sigmoid", beta=BETA, reference="copy", lr=LR)
     rec1, rec2 = Record(), Record()
-    kw = dict(strategy="megatrain", accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-              enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=ACC, gradient_clip_val=CLIP)
-    t1 = pl.Trainer(max_steps=3, callbacks=[rec1], **kw)
+    t1 = pl.Trainer(max_steps=3, callbacks=[rec1], **RESUME_KW)
     t1.fit(first, loader())
     t1.save_checkpoint(tmp_path / "ckpt")
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "model")
@@ -318,7 +319,7 @@ def test_copy_reference_checkpoint_holds_the_policy_as_a_hugging_face_directory(
     assert (tmp_path / "ckpt" / "extra").is_dir()
     resumed = copy.deepcopy(model)
     second = DPOModule(resumed, loss_type="sigmoid", beta=BETA, reference="copy", lr=LR)
-    pl.Trainer(max_steps=6, callbacks=[rec2], **kw).fit(second, loader(), ckpt_path=tmp_path / "ckpt")
+    pl.Trainer(max_steps=6, callbacks=[rec2], **RESUME_KW).fit(second, loader(), ckpt_path=tmp_path / "ckpt")
     assert rec1.losses + rec2.losses == full.losses
     assert_weights(resumed, whole, tol=0.0, per_tensor=None)
     assert_weights(second.reference_model, model, tol=0.0, per_tensor=None)

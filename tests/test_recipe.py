@@ -529,6 +529,9 @@ def test_resume_last_continues_the_step_count(tmp_path, gpt2_dir, monkeypatch):
     second = finetune(cfg_for(tmp_path / "b", *common, "resume=last", "trainer.max_steps=4", "eval.before=true"))
     assert resolved == [last] and second["run"]["resumed_from"] == str(last)
     assert second["run"]["steps"] == 4 and [p["step"] for p in second["loss"]] == [3, 4]
+    assert second["run"]["steps_run"] == 2 and first["run"]["steps_run"] == 2
+    table = (tmp_path / "b" / "run" / "summary.md").read_text()
+    assert re.search(r"\| optimizer steps \|  \| 4 \(2 in this run\) \|", table), table
     # "before" is of the weights the run continues from (it was the fresh model's), i.e. the first run's "after"
     assert second["metrics"]["val_loss"]["before"] == first["metrics"]["val_loss"]["after"]
 

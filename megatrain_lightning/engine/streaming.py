@@ -417,6 +417,13 @@ class StreamingEngine:
             self.weights_written()
         return [self.store.slabs[si].entries[i].ref.fqn for si, i in found]
 
+    def start_steps(self) -> None:
+        """Open the first step's accounting window at the start of training: what setup, a sanity check or an
+        evaluation before ``fit`` did is not counted in the first step's ``megatrain/*`` metrics."""
+        self.acct.new_step()
+        if self.store.nvme is not None:
+            self._io_last = self.store.nvme.meter.snapshot()
+
     def end_step(self) -> dict[str, float]:
         """Close the accounting window of one optimizer step; returns the logged metrics."""
         self.boundary.close_kept()  # the step's backward is over (or was skipped)

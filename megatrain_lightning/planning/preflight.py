@@ -41,7 +41,7 @@ def device_free_bytes() -> int | None:
 
 
 def preflight(p: Plan, *, host_ram_bytes: int | None = None, disk_free_bytes: int | None = None,
-              device_bytes: int | None = None, path: str | Path = ".",
+              device_bytes: int | None = None, path: str | Path = ".", checkpoint_path: str | Path | None = None,
               keys: Mapping[str, str] | None = RECIPE_KEYS) -> dict[str, tuple[int, int | None]]:
     """Check a :class:`Plan` against this machine (or the given numbers).
 
@@ -52,6 +52,8 @@ def preflight(p: Plan, *, host_ram_bytes: int | None = None, disk_free_bytes: in
         disk_free_bytes: free disk; default ``shutil.disk_usage(path).free``.
         device_bytes: free accelerator memory; default ``torch.cuda.mem_get_info()[0]`` (CUDA only).
         path: where the NVMe store and checkpoints go (for the disk measurement).
+        checkpoint_path: where the checkpoints go when that is not ``path`` (an existing directory): on another
+            volume the NVMe store is checked against ``path``'s free space and the checkpoints against this one's.
         keys: how the message names settings (:func:`.advice.key`): the recipe's Hydra keys (the default) or
             ``None`` for the planner's command line.
 
@@ -65,7 +67,16 @@ def preflight(p: Plan, *, host_ram_bytes: int | None = None, disk_free_bytes: in
     host = host_ram_bytes if host_ram_bytes is not None else mem_available_bytes()
     disk = disk_free_bytes if disk_free_bytes is not None else shutil.disk_usage(path).free
     dev = device_bytes if device_bytes is not None else (device_free_bytes() if p.hardware.is_gpu else None)
-    lines = shortfalls(p, host, dev, disk, where="measured here" if host_ram_bytes is None else "given")
+    split = disk_free_bytes is None and checkpoint_path is not None and \
+        os.stat(checkpoint_path).st_dev != os.stat(path).st_dev
+    lines = shortfalls(p, host, dev, None if split else disk, where="measured here" if host_ram_bytes is None else "given")
+    if split:  # the store and the checkpoints on two volumes: each against its own
+        store = p.disk.get("NVMe store", 0)
+        for need, where in ((store, Path(path)), (p.disk_bytes - store, Path(checkpoint_path))):  # type: ignore[arg-type]
+            have = shutil.disk_usage(where).free
+            if need > have:
+                lines.append(f"disk short: need {gib(need)} GiB, have {gib(have)} GiB (measured here) on the "
+                             f"volume mounted at {_mount_point(where)}")
     # the NVMe tier's host_memory_limit, as the engine will check it on this machine
     ram = physical_ram_bytes() if host_ram_bytes is None else host_ram_bytes
     _, mw, refusal, warning = limit_check(p.source, p.settings, p.hardware.is_gpu, p.settings.get("host_memory_limit"),
@@ -95,10 +106,12 @@ def preflight(p: Plan, *, host_ram_bytes: int | None = None, disk_free_bytes: in
                 advice = ["change: " + a for a in host_short_advice(p, host, keys)]
             elif line.startswith("device"):
                 advice = device_advice(p, dev, host, keys)
-            else:
+            else:  # the disk: the volume the line names, else the one of ``path``
+                volume = line.split("on the volume mounted at ")[1] if "on the volume mounted at " in line \
+                    else f"{_mount_point(path)} (where {path} is)"
                 advice = [f"needed for: NVMe store {gib(p.disk.get('NVMe store', 0))} GiB + {s['keep_checkpoints']} "
                           f"checkpoint(s) of {gib(p.checkpoint_bytes)} GiB",
-                          f"change: free space on the volume mounted at {_mount_point(path)} (where {path} is), point "
+                          f"change: free space on the volume mounted at {volume}, point "
                           "the store/checkpoint directory at a larger volume, or keep fewer checkpoints"]
             msg.extend(f"      {a}" for a in advice)
         raise PreflightError("\n".join(msg), lines)
@@ -116,7 +129,7 @@ def _mount_point(path: str | Path) -> Path:
 
 def plan_for_run(model: Any, hardware: Any, strategy: Mapping[str, Any], *, batch_size: int, seq_len: int,
                  precision: str, devices: int = 1, num_nodes: int = 1,
-                 gradient_clip_val: float | None = None, optim: Any = None) -> Plan:
+                 gradient_clip_val: float | None = None, optim: Any = None, keep_checkpoints: int = 2) -> Plan:
     """The plan of a recipe run from its composed config sections (``cfg.model``, ``cfg.hardware``,
     ``cfg.strategy``; DictConfigs or mappings), reading every strategy option the planner models
     (``offload_optimizer`` moves the gradient accumulators too); unset options take ``MegaTrainConfig``'s
@@ -124,7 +137,8 @@ def plan_for_run(model: Any, hardware: Any, strategy: Mapping[str, Any], *, batc
     (``None`` or 0: no clipping) and ``precision="16-mixed"`` (loss scaling) need every gradient of the step before
     any update, so the strategy runs the deferred AdamW schedule whatever ``optimizer_in_backward`` says
     (``MegaTrainStrategy._update_in_backward_now``), and so does the plan. ``optim``: the recipe's ``cfg.optim``
-    (``None``: AdamW). Pass the plan to :func:`preflight`."""
+    (``None``: AdamW). ``keep_checkpoints``: full checkpoints on disk at once (:func:`.estimate.plan`'s). Pass the
+    plan to :func:`preflight`."""
     st = as_plain_dict(strategy) if strategy is not None else {}
 
     def opt(name: str) -> Any:
@@ -141,4 +155,4 @@ def plan_for_run(model: Any, hardware: Any, strategy: Mapping[str, Any], *, batc
                 mlp_chunk_size=opt("mlp_chunk_size"), devices=devices, num_nodes=num_nodes,
                 recompute=str(opt("recompute")), activation_memory_limit=opt("activation_memory_limit"),
                 optimizer_in_backward=in_bwd, host_memory_limit=opt("host_memory_limit"),
-                optim=as_plain_dict(optim) if optim is not None else None)
+                optim=as_plain_dict(optim) if optim is not None else None, keep_checkpoints=int(keep_checkpoints))

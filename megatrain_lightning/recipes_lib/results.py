@@ -47,7 +47,9 @@ def summary_rows(before: dict[str, float], after: dict[str, float], run: dict[st
     if run.get("device") == "cpu":  # no accelerator: the "transfers" are copies within host memory
         h2d, d2h = "weight copies per step (host, no GPU)", "gradient copies per step (host, no GPU)"
     extra = [
-        ("optimizer steps", f"{run.get('steps', 0)}"),
+        ("optimizer steps", f"{run.get('steps', 0)}" + (f" ({run['steps_run']} in this run)"
+                                                         if run.get("steps_run", run.get("steps")) != run.get("steps")
+                                                         else "")),
         ("train seconds", f"{run.get('seconds', float('nan')):.1f}"),
         ("train tokens/s", f"{tps:,.0f}" if (tps := run.get("tokens_per_s", float("nan"))) >= 100 else f"{tps:.3g}"),
         ("peak RSS", f"{run.get('peak_rss_bytes', 0) / 2**30:.2f} GiB"),

@@ -62,18 +62,28 @@ def preflight(cfg: DictConfig) -> Path | None:
         p = plan_for_run(model, cfg.hardware, cfg.strategy, batch_size=int(cfg.data.batch_size),
                          seq_len=int(cfg.data.seq_len), precision=str(cfg.trainer.precision), devices=devices,
                          num_nodes=int(cfg.trainer.get("num_nodes", 1) or 1),
-                         gradient_clip_val=cfg.trainer.get("gradient_clip_val"), optim=cfg.get("optim"))
+                         gradient_clip_val=cfg.trainer.get("gradient_clip_val"), optim=cfg.get("optim"),
+                         keep_checkpoints=recipe_checkpoints(cfg))
     except PreflightError:
         raise
     except (ValueError, TypeError) as e:  # a setting the planner cannot take (precision=fp16, ...)
         raise ConfigError("preflight", f"{e} (the planner checks the model, hardware, strategy and trainer "
                           "settings; preflight=false skips it)") from None
+    run_dir = Path(cfg.output_dir).absolute()
+    while not run_dir.exists():  # the run directory is made later: measure the disk it will be on
+        run_dir = run_dir.parent
     nvme = cfg.strategy.get("nvme_path")
-    disk = Path(nvme) if nvme and Path(nvme).is_dir() else Path(cfg.output_dir).absolute()
-    while not disk.exists():  # the run directory is made later: measure the disk it will be on
-        disk = disk.parent
-    plan_preflight(p, path=str(disk))
+    store = Path(nvme) if nvme and Path(nvme).is_dir() else run_dir
+    plan_preflight(p, path=str(store), checkpoint_path=str(run_dir))
     return resumed
+
+
+def recipe_checkpoints(cfg: DictConfig) -> int:
+    """Checkpoints on disk at once in a recipe run: 2 with ``checkpoint.every_n_steps`` (``last.ckpt``: the new one
+    is written beside the old before it replaces it), else 1 with ``checkpoint.save_final`` (counted with the
+    optimizer state, though by default it holds the weights only), else 0."""
+    ckpt = cfg.get("checkpoint") or {}
+    return 2 if ckpt.get("every_n_steps") else 1 if ckpt.get("save_final", True) else 0
 
 
 @contextlib.contextmanager
@@ -246,7 +256,8 @@ def evaluate(trainer: pl.Trainer, lm: CausalLMModule, dm: Any, weights: Path | N
 
 def fit(cfg: DictConfig, trainer: pl.Trainer, lm: CausalLMModule, dm: Any, ckpt: Path | None = None) -> dict[str, Any]:
     """``trainer.fit`` (from ``ckpt``, which :func:`preflight` resolved; ``None``: a fresh run); returns the run
-    statistics of the summary table: ``steps``, ``seconds``, ``tokens_per_s`` (loss-carrying tokens),
+    statistics of the summary table: ``steps`` (the global step at the end), ``steps_run`` (of this ``fit``: fewer
+    after a resume), ``seconds``, ``tokens_per_s`` (loss-carrying tokens),
     ``peak_rss_bytes``, ``h2d_bytes``/``d2h_bytes`` (of the last step), ``device``, ``resumed_from``, and for
     instruction data ``examples_left_out`` / ``examples_cut`` (the data module's ``dropped`` / ``truncated``)."""
     t0 = time.perf_counter()
@@ -257,7 +268,7 @@ def fit(cfg: DictConfig, trainer: pl.Trainer, lm: CausalLMModule, dm: Any, ckpt:
     last = hist[-1] if hist else {}
     # every rank's tokens (data parallel: each rank counted its own micro-batches)
     tokens = float(trainer.strategy.reduce(torch.tensor(float(lm.tokens_seen), dtype=torch.float64), reduce_op="sum"))
-    return {"steps": trainer.global_step, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9),
+    return {"steps": trainer.global_step, "steps_run": len(hist), "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9),
             "peak_rss_bytes": peak_rss_bytes(), "h2d_bytes": last.get("megatrain/h2d_bytes", 0),
             "d2h_bytes": last.get("megatrain/d2h_bytes", 0), "device": trainer.strategy.root_device.type,
             "resumed_from": str(ckpt) if ckpt else None,
