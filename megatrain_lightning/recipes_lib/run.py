@@ -82,8 +82,7 @@ def recipe_checkpoints(cfg: DictConfig) -> int:
     """Checkpoints on disk at once in a recipe run: 2 with ``checkpoint.every_n_steps`` (``last.ckpt``: the new one
     is written beside the old before it replaces it), else 1 with ``checkpoint.save_final`` (counted with the
     optimizer state, though by default it holds the weights only), else 0."""
-    ckpt = cfg.get("checkpoint") or {}
-    return 2 if ckpt.get("every_n_steps") else 1 if ckpt.get("save_final", True) else 0
+    return 2 if cfg.checkpoint.get("every_n_steps") else 1 if cfg.checkpoint.save_final else 0
 
 
 @contextlib.contextmanager
